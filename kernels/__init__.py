@@ -1,0 +1,1 @@
+"""Plain-torch kernels (Triton where it pays), one capability per module. Never imports ComfyUI."""

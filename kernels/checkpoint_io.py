@@ -1,0 +1,225 @@
+"""Checkpoint I/O: validated safetensors headers, tensor-at-a-time reads and streaming writes.
+
+Plain torch + safetensors; no ComfyUI. Every error names the file and what was expected, so a node
+can show it to the user as is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# safetensors dtype strings <-> torch dtypes (the subset diffusion checkpoints use).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
+_ALIGN = 8
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in a safetensors header."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A validated safetensors header: tensors by name, the ``__metadata__`` dict, the data offset."""
+
+    path: Path
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    data_offset: int
+    file_size: int
+
+
+def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
+    """Read and validate a safetensors header without touching tensor data.
+
+    Raises CheckpointError for a missing file, a pickle checkpoint, a corrupt header, an unknown
+    dtype, a shape that does not match its byte range, or a truncated file.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"{p}: file not found")
+    suffix = p.suffix.lower()
+    if suffix in {".ckpt", ".pt", ".pth", ".bin", ".pkl"}:
+        raise CheckpointError(
+            f"{p.name}: pickle checkpoints ({suffix}) can run code when loaded and are not read by this pack; "
+            "convert it to .safetensors"
+        )
+    size = p.stat().st_size
+    if size < 8:
+        raise CheckpointError(f"{p.name}: {size} bytes is too small to be a safetensors file (truncated?)")
+    with p.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len <= 0 or header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+            raise CheckpointError(
+                f"{p.name}: corrupt safetensors header (declared length {header_len} bytes, file {size} bytes); "
+                "the file is truncated or not a safetensors file"
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{p.name}: corrupt safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{p.name}: corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{p.name}: corrupt safetensors header (__metadata__ is not an object)")
+    data_offset = 8 + header_len
+    data_size = size - data_offset
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        try:
+            dtype_s, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            shape_t = tuple(int(s) for s in shape)
+            begin, end = int(begin), int(end)
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{p.name}: corrupt safetensors header entry for tensor {name!r}") from None
+        dtype = SAFETENSORS_DTYPES.get(dtype_s)
+        if dtype is None:
+            raise CheckpointError(f"{p.name}: tensor {name!r} has unsupported dtype {dtype_s!r}")
+        if any(s < 0 for s in shape_t) or begin < 0 or end < begin:
+            raise CheckpointError(f"{p.name}: corrupt safetensors header entry for tensor {name!r}")
+        expected = math.prod(shape_t) * dtype.itemsize
+        if end - begin != expected:
+            raise CheckpointError(
+                f"{p.name}: tensor {name!r} declares shape {list(shape_t)} {dtype_s} ({expected} bytes) "
+                f"but spans {end - begin} bytes; the header is corrupt"
+            )
+        if end > data_size:
+            raise CheckpointError(
+                f"{p.name}: truncated file: tensor {name!r} ends at byte {data_offset + end} "
+                f"but the file has {size} bytes; download it again"
+            )
+        tensors[name] = TensorInfo(name, dtype, shape_t, data_offset + begin, data_offset + end)
+    return SafetensorsHeader(p, tensors, {str(k): str(v) for k, v in metadata.items()}, data_offset, size)
+
+
+def iter_tensors(
+    header: SafetensorsHeader, names: list[str] | None = None, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` one at a time (file order), each read fresh so RSS stays ~one tensor."""
+    order = sorted((header.tensors[n] for n in (names if names is not None else header.tensors)), key=lambda t: t.begin)
+    with header.path.open("rb") as f:
+        for info in order:
+            f.seek(info.begin)
+            buf = bytearray(info.nbytes)
+            got = f.readinto(buf)
+            if got != info.nbytes:
+                raise CheckpointError(f"{header.path.name}: truncated file while reading tensor {info.name!r}")
+            t = torch.frombuffer(buf, dtype=torch.uint8) if info.nbytes else torch.empty(0, dtype=torch.uint8)
+            t = t.view(info.dtype).reshape(info.shape)
+            yield info.name, (t.to(device) if torch.device(device).type != "cpu" else t)
+
+
+class StreamingSafetensorsWriter:
+    """Write a safetensors file tensor by tensor when every name, shape and dtype is known up front.
+
+    The header is written first; ``write(name, tensor)`` must then be called in the declared order.
+    The file is written to ``<path>.partial`` and renamed on ``close()``, so a crash never leaves a
+    file that looks complete.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        layout: list[tuple[str, tuple[int, ...], torch.dtype]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self._tmp = self.path.with_name(self.path.name + ".partial")
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        offset = 0
+        self._order: list[tuple[str, tuple[int, ...], torch.dtype, int]] = []
+        for name, shape, dtype in layout:
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {
+                "dtype": TORCH_TO_SAFETENSORS[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            self._order.append((name, tuple(shape), dtype, nbytes))
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-(len(raw)) % _ALIGN)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self._tmp.open("wb")
+        self._f.write(struct.pack("<Q", len(raw)))
+        self._f.write(raw)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append the next tensor; it must match the declared name, shape and dtype."""
+        if self._next >= len(self._order):
+            raise ValueError(f"{self.path.name}: more tensors written than declared (got {name!r})")
+        exp_name, shape, dtype, nbytes = self._order[self._next]
+        if name != exp_name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(
+                f"{self.path.name}: expected {exp_name!r} {list(shape)} {dtype}, "
+                f"got {name!r} {list(tensor.shape)} {tensor.dtype}"
+            )
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._f.write(memoryview(data.numpy()))
+        self._next += 1
+
+    def close(self) -> Path:
+        """Finish the file (all declared tensors must have been written) and move it into place."""
+        self._f.close()
+        if self._next != len(self._order):
+            self._tmp.unlink(missing_ok=True)
+            raise ValueError(f"{self.path.name}: {len(self._order) - self._next} declared tensors were not written")
+        os.replace(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        """Drop the partial file."""
+        self._f.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> StreamingSafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -1,0 +1,52 @@
+"""ComfyUI adapters: one module per capability, each exporting ``NODES`` (V3 ``io.ComfyNode`` classes).
+
+Imported only by ``comfy_entrypoint`` inside a running ComfyUI. A module that fails to import (a
+ComfyUI seam that moved, a missing optional library) disables its own nodes and logs why; the
+rest of the pack and ComfyUI's startup keep working.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+# Order is the order in the node menu.
+NODE_MODULES: tuple[str, ...] = (
+    "wan_loader",
+    "block_swap",
+    "attention",
+    "compile",
+    "qwen_staged",
+    "doctor",
+)
+
+
+def load_node_classes() -> list[type]:
+    """Import every node module and collect its ``NODES``; a broken module is skipped with a log line."""
+    classes: list[type] = []
+    for name in NODE_MODULES:
+        try:
+            module = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name == f"{__name__}.{name}":
+                continue  # capability not built yet
+            log.warning("lowvram_dit: nodes in %s disabled: %s", name, exc)
+            continue
+        except Exception as exc:  # a changed ComfyUI seam must not break ComfyUI's startup
+            log.warning("lowvram_dit: nodes in %s disabled: %s: %s", name, type(exc).__name__, exc)
+            continue
+        classes.extend(getattr(module, "NODES", ()))
+    return classes
+
+
+def make_extension():  # noqa: ANN201 - comfy_api.latest.ComfyExtension
+    """Build the ``ComfyExtension`` that lists the pack's nodes."""
+    from comfy_api.latest import ComfyExtension
+
+    class LowVramDitExtension(ComfyExtension):
+        async def get_node_list(self) -> list[type]:
+            return load_node_classes()
+
+    return LowVramDitExtension()
