@@ -1,0 +1,399 @@
+"""FP8 (e4m3fn) weights: per-tensor and block-wise quantization, and an fp8 linear with one path per GPU.
+
+Weights are plain tensors: a float8_e4m3fn `weight` [N, K] and an fp32 `weight_scale` (0-dim for per-tensor,
+[ceil(N/bs), ceil(K/bs)] for block-wise), so block swap moves them like any other parameter.
+Dequantization is always `q.float() * scale`. Activations are quantized dynamically on every call, in one fused
+pass (Triton, see fp8_triton.py), because an eager amax + divide + cast erases the fp8 gain
+(H100, torch 2.11: 1.35x slower than bf16 eager vs 1.30x faster fused; shared/research/offload-fp8-compile.md §3.7).
+
+Paths (`Fp8Path`), picked by `select_path` and overridable:
+- "scaled_mm_rowwise": per-tensor weight, one activation scale per token, `torch._scaled_mm` (SM89/SM90).
+- "scaled_mm_tensorwise": per-tensor weight, one activation scale per call, `torch._scaled_mm` (SM89+).
+- "scaled_mm_blockwise": 128x128 weight blocks, 1x128 activation groups, `F.scaled_mm` (SM90, torch >= 2.10).
+- "triton_blockwise": block-wise weights through our Triton GEMM (fp8_triton.py), for GPUs without the above.
+- "dequantize": weight -> compute dtype, then `F.linear` (CPU, pre-Ada GPUs, odd shapes, fp32 activations).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+
+from . import fp8_triton
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Floor for scales: an all-zero tensor or block gets this instead of 0, so quantizing never divides by zero.
+SCALE_MIN = torch.finfo(torch.float32).tiny
+DEFAULT_BLOCK_SIZE = 128
+
+Fp8Path = Literal[
+    "scaled_mm_rowwise", "scaled_mm_tensorwise", "scaled_mm_blockwise", "triton_blockwise", "dequantize"
+]
+Fp8Compute = Literal["auto", "fp8", "dequantize"]
+FP8_PATHS: tuple[str, ...] = get_args(Fp8Path)
+FP8_COMPUTE: tuple[str, ...] = get_args(Fp8Compute)
+
+# How per-tensor fp8 weights scale their activations on GPUs that can do both (SM89/SM90): one scale per
+# token ("scaled_mm_rowwise", robust to outlier tokens) or one per call ("scaled_mm_tensorwise", needs a
+# global amax). The one-line switch; chosen by benchmarks/bench_fp8_gemm.py on an H100.
+PER_TENSOR_DEFAULT_PATH: Fp8Path = "scaled_mm_rowwise"
+
+# Paths whose GEMM adds the bias in its epilogue (torch requires bias dtype == output dtype there).
+_EPILOGUE_BIAS_PATHS = frozenset({"scaled_mm_tensorwise", "scaled_mm_rowwise", "scaled_mm_blockwise"})
+_FP8_ACT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Weight quantization
+
+
+def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 scale so that amax maps to FP8_MAX; zero amax gets SCALE_MIN."""
+    return (amax.float() / FP8_MAX).clamp_min(SCALE_MIN)
+
+
+def _cast_fp8(x32: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Divide by the (broadcast) scale, saturate to ±FP8_MAX and round to e4m3fn (round to nearest even)."""
+    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize any tensor to e4m3fn with one fp32 scale (0-dim): w ≈ q.float() * scale."""
+    w32 = w.float()
+    scale = _scale_from_amax(w32.abs().amax() if w32.numel() else w32.new_zeros(()))
+    return _cast_fp8(w32, scale), scale
+
+
+def dequantize_per_tensor(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """q.float() * scale, cast to dtype."""
+    return (q.float() * scale.float()).to(dtype)
+
+
+def _check_blockwise(w: torch.Tensor, block_size: int) -> None:
+    if w.dim() != 2:
+        raise ValueError(f"block-wise fp8 needs a 2-D weight [out, in], got shape {tuple(w.shape)}; "
+                         "use quantize_per_tensor for other tensors")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int (128 or 64), got {block_size!r}")
+
+
+def blockwise_scale_shape(out_features: int, in_features: int, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[int, int]:
+    """Shape of the block-wise scale of an [out, in] weight: (ceil(out/bs), ceil(in/bs))."""
+    return math.ceil(out_features / block_size), math.ceil(in_features / block_size)
+
+
+def quantize_blockwise(w: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D weight per (block_size x block_size) tile; edge tiles are partial (zero-padded for amax)."""
+    _check_blockwise(w, block_size)
+    n, k = w.shape
+    nb, kb = blockwise_scale_shape(n, k, block_size)
+    # Zero padding does not change a tile's amax, so partial edge tiles are handled exactly.
+    wp = F.pad(w.float(), (0, kb * block_size - k, 0, nb * block_size - n)).view(nb, block_size, kb, block_size)
+    scale = _scale_from_amax(wp.abs().amax(dim=(1, 3)))
+    q = _cast_fp8(wp, scale[:, None, :, None]).view(nb * block_size, kb * block_size)
+    return q[:n, :k].contiguous(), scale
+
+
+def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block_size: int) -> torch.Tensor:
+    """Per-element fp32 scale of an [N, K] weight from its block scale [ceil(N/bs), ceil(K/bs)]."""
+    n, k = shape
+    if tuple(scale.shape) != blockwise_scale_shape(n, k, block_size):
+        raise ValueError(f"block scale shape {tuple(scale.shape)} does not match weight {tuple(shape)} with "
+                         f"block_size {block_size} (expected {blockwise_scale_shape(n, k, block_size)})")
+    s = scale.float().repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
+    return s[:n, :k]
+
+
+def dequantize_blockwise(
+    q: torch.Tensor, scale: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """q.float() * (block scale broadcast over its tile), cast to dtype."""
+    _check_blockwise(q, block_size)
+    return (q.float() * expand_block_scale(scale, tuple(q.shape), block_size)).to(dtype)
+
+
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, block_size: int | None = None, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Dequantize a per-tensor (block_size None) or block-wise fp8 weight."""
+    if block_size is None:
+        return dequantize_per_tensor(q, scale, dtype)
+    return dequantize_blockwise(q, scale, block_size, dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Activation quantization (torch versions: the CPU fallback, the reference, and compile-fusable as written)
+
+
+def quantize_rowwise_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (q [M, K] e4m3fn, scale [M, 1] fp32): one scale per token."""
+    x32 = x.float()
+    scale = _scale_from_amax(x32.abs().amax(dim=1, keepdim=True))
+    return _cast_fp8(x32, scale), scale
+
+
+def quantize_groupwise_torch(
+    x: torch.Tensor, group_size: int = DEFAULT_BLOCK_SIZE, pad_rows_to: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (q [Mp, K], scale [Mp, ceil(K/g)] column-major): one scale per token per K-group of group_size.
+
+    Rows are zero-padded to Mp = a multiple of pad_rows_to (cuBLASLt wants M % 4 == 0 for 1x128 scales).
+    The scale has strides (1, Mp), the layout `F.scaled_mm` BlockWise1x128 requires.
+    """
+    m, k = x.shape
+    mp = -(-m // pad_rows_to) * pad_rows_to
+    kg = math.ceil(k / group_size)
+    xp = F.pad(x.float(), (0, kg * group_size - k, 0, mp - m)).view(mp, kg, group_size)
+    scale = _scale_from_amax(xp.abs().amax(dim=2))
+    q = _cast_fp8(xp, scale[:, :, None]).view(mp, kg * group_size)[:, :k].contiguous()
+    return q, scale.t().contiguous().t()
+
+
+def quantize_tensorwise_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (q, scale 0-dim fp32): one scale for the whole activation."""
+    return quantize_per_tensor(x)
+
+
+def quantize_activation(
+    x: torch.Tensor, mode: Literal["row", "group", "tensor"], group_size: int = DEFAULT_BLOCK_SIZE, pad_rows_to: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D activation in one fused pass on CUDA (Triton), or with the torch versions elsewhere."""
+    tq = fp8_triton if x.is_cuda and fp8_triton.TRITON_AVAILABLE else None
+    if mode == "row":
+        return tq.quantize_rowwise(x) if tq else quantize_rowwise_torch(x)
+    if mode == "group":
+        if tq:
+            return tq.quantize_groupwise(x, group_size, pad_rows_to)
+        return quantize_groupwise_torch(x, group_size, pad_rows_to)
+    if mode == "tensor":
+        return tq.quantize_tensorwise(x) if tq else quantize_tensorwise_torch(x)
+    raise ValueError(f"unknown activation quantization mode {mode!r}; expected 'row', 'group' or 'tensor'")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Path selection
+
+
+@torch.compiler.assume_constant_result
+def _cuda_capability(index: int) -> tuple[int, int]:
+    # assume_constant_result: dynamo evaluates this once while tracing instead of graph-breaking on it.
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """(major, minor) of an NVIDIA GPU, None for CPU/other devices and ROCm (whose fp8 is e4m3fnuz)."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
+        return None
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def has_blockwise_scaled_mm() -> bool:
+    """True when torch has the public F.scaled_mm with 1x128 / 128x128 block scaling (torch >= 2.10)."""
+    return hasattr(F, "scaled_mm") and hasattr(F, "ScalingType") and hasattr(F.ScalingType, "BlockWise128x128")
+
+
+def select_path(
+    device: torch.device | str,
+    block_size: int | None,
+    out_features: int,
+    in_features: int,
+    compute: Fp8Compute = "auto",
+    capability: tuple[int, int] | None = None,
+) -> Fp8Path:
+    """Pick the fp8 linear path for a device and weight layout (block_size None = per-tensor weights).
+
+    compute="auto" uses fp8 matmul wherever the GPU and shape allow it; "fp8" does the same but raises when the
+    GPU cannot do fp8 matmul at all; "dequantize" always dequantizes. `capability` overrides the detected
+    (major, minor), for tests and planning.
+    """
+    if compute not in FP8_COMPUTE:
+        raise ValueError(f"fp8 compute must be one of {FP8_COMPUTE}, got {compute!r}")
+    if compute == "dequantize":
+        return "dequantize"
+    cap = capability if capability is not None else device_capability(device)
+    if cap is None or cap < (8, 9):
+        if compute == "fp8":
+            raise RuntimeError(
+                f"fp8 compute='fp8' needs an NVIDIA GPU with compute capability >= 8.9 (RTX 40xx, H100, RTX 50xx); "
+                f"device {device} has {cap}. Set compute to 'auto' or 'dequantize'.")
+        return "dequantize"
+    if out_features % 16 or in_features % 16:  # cuBLASLt fp8 GEMMs need both dims multiples of 16
+        return "dequantize"
+    if block_size is None:
+        # Row-wise scaled_mm: CUTLASS on SM89 (torch >= 2.7), cuBLASLt/CUTLASS on SM90; not on SM100/SM120.
+        if PER_TENSOR_DEFAULT_PATH == "scaled_mm_rowwise" and cap in ((8, 9), (9, 0)):
+            return "scaled_mm_rowwise"
+        return "scaled_mm_tensorwise"
+    if (block_size == 128 and cap[0] == 9 and has_blockwise_scaled_mm()
+            and out_features % 128 == 0 and in_features % 128 == 0):
+        return "scaled_mm_blockwise"  # cuBLASLt 1x128 x 128x128 exists on SM90 only
+    if fp8_triton.TRITON_AVAILABLE and fp8_triton.blockwise_gemm_supported(block_size, out_features, in_features):
+        return "triton_blockwise"
+    return "dequantize"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The fp8 linear
+
+
+def _weight_scale_row(weight_scale: torch.Tensor, n: int) -> torch.Tensor:
+    # Row-wise scaled_mm wants scale_b as a contiguous (1, N) fp32 tensor, so expand the per-tensor scale.
+    return weight_scale.float().reshape(1, 1).expand(1, n).contiguous()
+
+
+def _blockwise_weight_scale(weight_scale: torch.Tensor) -> torch.Tensor:
+    """[N/128, K/128] -> [L4, N/128] with strides (1, L4), L4 = K/128 rounded up to 4 (torch's meta check)."""
+    kb = weight_scale.shape[1]
+    s = weight_scale.float()
+    if kb % 4:
+        s = F.pad(s, (0, -kb % 4))
+    return s.t()
+
+
+def _linear_scaled_mm(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                      path: Fp8Path, out_dtype: torch.dtype) -> torch.Tensor:
+    n = weight.shape[0]
+    if path == "scaled_mm_rowwise":
+        xq, xs = quantize_activation(x2, "row")
+        return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=_weight_scale_row(weight_scale, n),
+                                bias=bias, out_dtype=out_dtype)
+    if path == "scaled_mm_tensorwise":
+        xq, xs = quantize_activation(x2, "tensor")
+        return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.float(), bias=bias,
+                                out_dtype=out_dtype)
+    # scaled_mm_blockwise
+    m = x2.shape[0]
+    xq, xs = quantize_activation(x2, "group", 128, pad_rows_to=4)
+    out = F.scaled_mm(xq, weight.t(), xs, F.ScalingType.BlockWise1x128,
+                      _blockwise_weight_scale(weight_scale), F.ScalingType.BlockWise128x128,
+                      bias=bias, output_dtype=out_dtype)
+    return out[:m] if out.shape[0] != m else out
+
+
+def _linear_dequantize(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                       block_size: int | None, out_dtype: torch.dtype) -> torch.Tensor:
+    compute = x2.dtype if x2.dtype.is_floating_point and x2.dtype.itemsize >= 2 else torch.bfloat16
+    w = dequantize(weight, weight_scale, block_size, compute)
+    out = F.linear(x2.to(compute), w, bias.to(compute) if bias is not None else None)
+    return out.to(out_dtype)
+
+
+def _resolve(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_size: int | None,
+             path: Fp8Path | None, out_dtype: torch.dtype) -> Fp8Path:
+    """Validate the weight layout and settle the path (auto-selected fp8 paths fall back for fp32 activations)."""
+    if weight.dtype != FP8_DTYPE or weight.dim() != 2:
+        raise ValueError(f"fp8_linear needs a 2-D float8_e4m3fn weight, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"fp8_linear: input has {x.shape[-1]} features, weight expects {k}")
+    if block_size is None and weight_scale.numel() != 1:
+        raise ValueError(f"per-tensor fp8 weight needs one scale, got shape {tuple(weight_scale.shape)}; "
+                         "pass block_size for block-wise scales")
+    if block_size is not None and tuple(weight_scale.shape) != blockwise_scale_shape(n, k, block_size):
+        raise ValueError(f"block-wise scale shape {tuple(weight_scale.shape)} does not match weight {(n, k)} "
+                         f"with block_size {block_size}")
+    fp8_dtypes_ok = x.dtype in _FP8_ACT_DTYPES and out_dtype in _FP8_ACT_DTYPES
+    if path is None:
+        path = select_path(x.device, block_size, n, k)
+        return path if fp8_dtypes_ok or path == "dequantize" else "dequantize"
+    if path not in FP8_PATHS:
+        raise ValueError(f"unknown fp8 path {path!r}; expected one of {FP8_PATHS}")
+    if path != "dequantize" and not fp8_dtypes_ok:
+        raise ValueError(f"fp8 path {path!r} needs bf16/fp16 activations and output, got {x.dtype} -> {out_dtype}")
+    if path in ("scaled_mm_rowwise", "scaled_mm_tensorwise") and block_size is not None:
+        raise ValueError(f"fp8 path {path!r} needs per-tensor weights (block_size=None), got block_size {block_size}")
+    if path in ("scaled_mm_blockwise", "triton_blockwise") and block_size is None:
+        raise ValueError(f"fp8 path {path!r} needs block-wise weights (block_size=128 or 64)")
+    if path == "scaled_mm_blockwise" and block_size != 128:
+        raise ValueError(f"scaled_mm_blockwise needs block_size 128, got {block_size}; use 'triton_blockwise'")
+    return path
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight_fp8: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    block_size: int | None = None,
+    path: Fp8Path | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """y = x @ (weight_fp8 * scale).T + bias for x [..., K]; activations quantized dynamically (path None = auto)."""
+    out_dtype = out_dtype or x.dtype
+    path = _resolve(x, weight_fp8, weight_scale, block_size, path, out_dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    n = weight_fp8.shape[0]
+    if path == "dequantize":
+        out = _linear_dequantize(x2, weight_fp8, weight_scale, bias, block_size, out_dtype)
+    else:
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        b = bias.to(out_dtype) if bias is not None else None
+        if path == "triton_blockwise":
+            out = fp8_triton.blockwise_linear(x2, weight_fp8, weight_scale, b, block_size, out_dtype)
+        else:
+            out = _linear_scaled_mm(x2, weight_fp8, weight_scale, b if path in _EPILOGUE_BIAS_PATHS else None,
+                                    path, out_dtype)
+            if b is not None and path not in _EPILOGUE_BIAS_PATHS:
+                out = out + b
+    return out.reshape(*lead, n)
+
+
+def fp8_linear_reference(
+    x: torch.Tensor,
+    weight_fp8: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    block_size: int | None = None,
+    path: Fp8Path | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """fp32 emulation of exactly what fp8_linear computes on `path` (same quantization, exact fp32 GEMM)."""
+    out_dtype = out_dtype or x.dtype
+    path = _resolve(x, weight_fp8, weight_scale, block_size, path, out_dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    n, k = weight_fp8.shape
+    w32 = dequantize(weight_fp8, weight_scale, block_size, torch.float32)
+    if path == "dequantize":
+        compute = x2.dtype if x2.dtype.is_floating_point and x2.dtype.itemsize >= 2 else torch.bfloat16
+        a32 = x2.to(compute).float()
+        w32 = w32.to(compute).float()  # the fast path multiplies a weight rounded to the compute dtype
+        b32 = bias.to(compute).float() if bias is not None else None
+    else:
+        if path == "scaled_mm_rowwise":
+            xq, xs = quantize_rowwise_torch(x2)
+            a32 = xq.float() * xs
+        elif path == "scaled_mm_tensorwise":
+            xq, xs = quantize_tensorwise_torch(x2)
+            a32 = xq.float() * xs
+        else:  # block-wise paths: activation groups of 128 (cuBLASLt) or of block_size (Triton)
+            g = 128 if path == "scaled_mm_blockwise" else block_size
+            xq, xs = quantize_groupwise_torch(x2, g)
+            a32 = xq.float() * xs.repeat_interleave(g, 1)[:, :k]
+        b32 = bias.to(out_dtype).float() if bias is not None else None
+    out = a32 @ w32.t()
+    if b32 is not None:
+        out = out + b32
+    return out.to(out_dtype).reshape(*lead, n)
+
+
+@functools.lru_cache(maxsize=None)
+def describe_path(path: Fp8Path) -> str:
+    """One-line human description of a path, for logs and the doctor node."""
+    return {
+        "scaled_mm_rowwise": "fp8 matmul, per-token activation scales (torch._scaled_mm row-wise)",
+        "scaled_mm_tensorwise": "fp8 matmul, per-tensor activation scale (torch._scaled_mm)",
+        "scaled_mm_blockwise": "fp8 matmul, 1x128 activation / 128x128 weight blocks (F.scaled_mm)",
+        "triton_blockwise": "fp8 matmul, block-wise scales (Triton kernel)",
+        "dequantize": "weights dequantized to the compute dtype, bf16/fp16 matmul",
+    }[path]

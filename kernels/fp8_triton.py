@@ -1,0 +1,179 @@
+"""Fused Triton kernels for fp8 linears: one-pass activation quantization and a block-wise fp8 GEMM.
+
+Activation quantization must be one kernel: amax, scale and cast done eagerly cost about as much as the fp8 GEMM
+saves (H100, torch 2.11; shared/research/offload-fp8-compile.md §3.7). The kernels are registered as
+`torch.library.triton_op`s (namespace `lowvram_dit`), so torch.compile traces through them without a graph break
+and inductor sees the Triton kernel itself.
+
+The math is exactly kernels/fp8.py's torch versions: scale = max(amax / 448, SCALE_MIN) and
+q = e4m3fn(clamp(x / scale, ±448)), divisions IEEE-rounded (div_rn), so the GPU bits match the reference.
+Importing this module without Triton is fine: TRITON_AVAILABLE is False and nothing is registered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: CPU boxes, and Windows installs without triton-windows
+    import triton
+    import triton.language as tl
+
+    TRITON_AVAILABLE = True
+except Exception:  # noqa: BLE001 - a broken triton install must not break the pack
+    TRITON_AVAILABLE = False
+
+FP8_MAX = 448.0
+SCALE_MIN = torch.finfo(torch.float32).tiny  # == kernels.fp8.SCALE_MIN (not imported: fp8.py imports us)
+_ROW_BLOCK_K = 1024  # row kernel: K chunk per loop step (two passes over the row; the second hits L2)
+_GROUP_BLOCK_M = 32  # group kernel: rows per program
+_SCALAR_BLOCK = 4096  # tensor-wise cast kernel: elements per program
+
+
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, scale_min,
+                           BLOCK_K: tl.constexpr):
+        """One program per row: pass 1 finds the row amax, pass 2 scales, saturates and casts."""
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * stride_xm
+        q_row = q_ptr + row * stride_qm
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), scale_min)
+        for k0 in range(0, K, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0)
+            tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+        tl.store(s_ptr + row, scale)
+
+    @triton.jit
+    def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, M, Mp, K, stride_xm, stride_qm, stride_sm, stride_sg,
+                             scale_min, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+        """One program per (BLOCK_M rows, one K-group): amax per row, scale, cast; rows M..Mp are zero padding."""
+        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        g = tl.program_id(1)
+        cols = g * GROUP + tl.arange(0, GROUP)
+        col_ok = cols[None, :] < K
+        v = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=(rows[:, None] < M) & col_ok,
+                    other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), 448.0), scale_min)
+        q = tl.clamp(tl.math.div_rn(v, scale[:, None]), -448.0, 448.0)
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < Mp) & col_ok)
+        tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale, mask=rows < Mp)
+
+    @triton.jit
+    def _quant_scalar_kernel(x_ptr, q_ptr, s_ptr, N, BLOCK: tl.constexpr):
+        """Cast with a precomputed per-tensor scale (the amax is one torch reduction before this)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(v, tl.load(s_ptr)), -448.0, 448.0)
+        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=offs < N)
+
+
+def _launch_rows(x: torch.Tensor, q_dtype: torch.dtype, wrap) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=q_dtype, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        wrap(_quant_rows_kernel)[(m,)](x, q, s, k, x.stride(0), q.stride(0), SCALE_MIN, BLOCK_K=_ROW_BLOCK_K)
+    return q, s
+
+
+def _launch_groups(x: torch.Tensor, group_size: int, pad_rows_to: int, q_dtype: torch.dtype,
+                   wrap) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    mp = -(-m // pad_rows_to) * pad_rows_to
+    kg = -(-k // group_size)
+    q = torch.empty((mp, k), dtype=q_dtype, device=x.device)
+    s = torch.empty((kg, mp), dtype=torch.float32, device=x.device).t()  # column-major [Mp, kg] for F.scaled_mm
+    if mp:
+        grid = (triton.cdiv(mp, _GROUP_BLOCK_M), kg)
+        wrap(_quant_groups_kernel)[grid](x, q, s, m, mp, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                         SCALE_MIN, GROUP=group_size, BLOCK_M=_GROUP_BLOCK_M)
+    return q, s
+
+
+def _launch_scalar(x: torch.Tensor, q_dtype: torch.dtype, wrap) -> tuple[torch.Tensor, torch.Tensor]:
+    # inf-norm = max |x| in one reduction kernel (abs and max fused by torch).
+    amax = torch.linalg.vector_norm(x, ord=float("inf")).float()
+    s = (amax / FP8_MAX).clamp_min(SCALE_MIN)
+    q = torch.empty_like(x, dtype=q_dtype)
+    n = x.numel()
+    if n:
+        wrap(_quant_scalar_kernel)[(triton.cdiv(n, _SCALAR_BLOCK),)](x, q, s, n, BLOCK=_SCALAR_BLOCK)
+    return q, s
+
+
+def _direct(kernel):
+    return kernel
+
+
+# ---- torch.library registration: traceable by dynamo, kernels visible to inductor -------------------------------
+_OPS: dict[str, object] = {}
+_NS = "lowvram_dit"
+
+
+def _register_ops() -> None:
+    """Register the quantizers as triton_ops once per process (also when this file is imported twice)."""
+    from torch.library import triton_op, wrap_triton
+
+    def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch_rows(x, torch.float8_e4m3fn, wrap_triton)
+
+    def groups(x: torch.Tensor, group_size: int, pad_rows_to: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch_groups(x, group_size, pad_rows_to, torch.float8_e4m3fn, wrap_triton)
+
+    def scalar(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch_scalar(x, torch.float8_e4m3fn, wrap_triton)
+
+    for name, fn in (("fp8_quant_rows", rows), ("fp8_quant_groups", groups), ("fp8_quant_tensor", scalar)):
+        try:
+            _OPS[name] = triton_op(f"{_NS}::{name}", fn, mutates_args=())
+        except RuntimeError:  # already registered by another import of this file (e.g. ComfyUI + editable install)
+            _OPS[name] = getattr(getattr(torch.ops, _NS), name).default
+
+
+if TRITON_AVAILABLE and hasattr(torch.library, "triton_op"):
+    _register_ops()
+
+
+def _op(name: str):
+    return _OPS[name]
+
+
+def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] contiguous -> (q e4m3fn [M, K], scale fp32 [M, 1]) in one fused kernel."""
+    if _OPS:
+        return _op("fp8_quant_rows")(x)
+    return _launch_rows(x, torch.float8_e4m3fn, _direct)
+
+
+def quantize_groupwise(x: torch.Tensor, group_size: int = 128, pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (q [Mp, K], scale [Mp, ceil(K/g)] column-major), rows zero-padded to a multiple of pad_rows_to."""
+    if _OPS:
+        return _op("fp8_quant_groups")(x, group_size, pad_rows_to)
+    return _launch_groups(x, group_size, pad_rows_to, torch.float8_e4m3fn, _direct)
+
+
+def quantize_tensorwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (q, scale 0-dim fp32): a torch inf-norm, then one Triton cast kernel."""
+    if _OPS:
+        return _op("fp8_quant_tensor")(x)
+    return _launch_scalar(x, torch.float8_e4m3fn, _direct)
+
+
+def blockwise_gemm_supported(block_size: int, out_features: int, in_features: int) -> bool:
+    """Whether triton_blockwise can run this weight layout (set when the Triton block GEMM is present)."""
+    return False
+
+
+def blockwise_linear(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                     block_size: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """Block-wise fp8 linear through the Triton GEMM."""
+    raise NotImplementedError("triton_blockwise is not implemented yet; use path='dequantize'")
