@@ -1,0 +1,336 @@
+"""Regional torch.compile with an OOM-safe fallback chain, usable around any call that runs a model.
+
+Regional: every repeated transformer block is wrapped in its own ``torch.compile`` object. Dynamo inlines
+nn.Modules and treats parameters as graph inputs (always on since torch 2.6), so the first block is traced
+once and the other blocks reuse that graph; weights that block swap streams into new buffers do not
+recompile either, because guards check dtype/device/shape, not addresses. Offload and prefetch code runs
+between block calls, outside the compiled region.
+
+Compiled modules are swapped into the model only for the duration of ``CompiledRegions.run`` and always
+restored in ``finally``: the model is never left half-patched and ``state_dict()`` never shows ``_orig_mod.``.
+
+OOM-safe: a compile failure or out-of-memory during compile or the first compiled run frees what the attempt
+held and retries the same call one step down the chain (e.g. reduce-overhead -> default -> eager); the mode in
+use is logged. CUDA graphs (reduce-overhead, max-autotune, the cudagraphs backend) need fixed weight
+addresses, so they are swapped for their no-cudagraphs twin when weights stream.
+
+Never imports ComfyUI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, TypeVar
+
+import torch
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+T = TypeVar("T")
+
+MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "cudagraphs")
+# Attribute names of the repeated block lists in the DiTs we serve (Wan: blocks, Qwen-Image: transformer_blocks).
+BLOCK_LIST_NAMES: tuple[str, ...] = ("blocks", "transformer_blocks", "double_blocks", "single_blocks")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """What to compile and how; built by the node, consumed by ``CompiledRegions``."""
+
+    mode: str = "default"
+    backend: str = "inductor"
+    dynamic: Optional[bool] = None  # None = auto: static first, dynamic after a shape change
+    fullgraph: bool = False
+    cache_size_limit: int = 64  # dynamo's default 8 is too few for cond/uncond x resolutions x 2 experts
+    fallback: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"CompileConfig.mode '{self.mode}' is not one of {MODES}")
+        if self.backend not in COMPILE_BACKENDS:
+            raise ValueError(f"CompileConfig.backend '{self.backend}' is not one of {COMPILE_BACKENDS}")
+        if self.cache_size_limit < 1:
+            raise ValueError("CompileConfig.cache_size_limit must be >= 1")
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """True when this config records CUDA graphs (needs static weight addresses)."""
+        return self.backend == "cudagraphs" or self.mode in ("reduce-overhead", "max-autotune")
+
+    def describe(self) -> str:
+        """Short form for logs: 'inductor/max-autotune-no-cudagraphs'."""
+        return self.backend if self.backend == "cudagraphs" else f"{self.backend}/{self.mode}"
+
+
+def without_cuda_graphs(config: CompileConfig) -> CompileConfig:
+    """The closest config that records no CUDA graphs (what works while weights stream)."""
+    if config.backend == "cudagraphs":
+        return dataclasses.replace(config, backend="inductor", mode="default")
+    twin = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+    return dataclasses.replace(config, mode=twin.get(config.mode, config.mode))
+
+
+def fallback_chain(config: CompileConfig) -> list[Optional[CompileConfig]]:
+    """Configs to try in order, ending in None (eager): cheaper and less memory-hungry at each step."""
+    chain: list[Optional[CompileConfig]] = [config]
+    if config.fallback:
+        step = config
+        while True:
+            if step.uses_cuda_graphs:
+                step = without_cuda_graphs(step)
+            elif step.mode == "max-autotune-no-cudagraphs":
+                step = dataclasses.replace(step, mode="default")
+            else:
+                break
+            chain.append(step)
+        chain.append(None)
+    return chain
+
+
+def compile_kwargs(config: CompileConfig, guard_filter_fn: Optional[Callable] = None) -> dict[str, Any]:
+    """Keyword arguments for ``torch.compile``.
+
+    torch refuses ``mode`` together with ``options``; a guard filter needs ``options``, so the mode is spelled
+    out as the inductor options it stands for (``torch._inductor.list_mode_options``).
+    """
+    kwargs: dict[str, Any] = {"backend": config.backend, "fullgraph": config.fullgraph, "dynamic": config.dynamic}
+    if config.backend != "inductor":
+        if guard_filter_fn is not None:
+            kwargs["options"] = {"guard_filter_fn": guard_filter_fn}
+        return kwargs
+    if guard_filter_fn is None:
+        kwargs["mode"] = config.mode
+        return kwargs
+    import torch._inductor
+
+    options = dict(torch._inductor.list_mode_options(config.mode))
+    options["guard_filter_fn"] = guard_filter_fn
+    kwargs["options"] = options
+    return kwargs
+
+
+def transformer_options_guard_filter(guard_entries: list[Any]) -> list[bool]:
+    """Dynamo guard filter: drop guards on ``transformer_options`` (block_index, sigmas, patches change per block
+    and per step and would recompile every block), but keep those on the attention override so models with
+    different attention settings never share a graph. ComfyUI's own node drops all of them
+    (comfy_extras/nodes_torch_compile.py, skip_torch_compile_dict)."""
+    return [("transformer_options" not in e.name) or ("optimized_attention_override" in e.name)
+            for e in guard_entries]
+
+
+# ------------------------------------------------------------------------------------ failure classification
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    stack: list[Optional[BaseException]] = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        stack += [getattr(e, "inner_exception", None), e.__cause__, e.__context__]
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for out-of-memory anywhere in the exception chain (dynamo wraps backend errors)."""
+    for e in _chain(exc):
+        if isinstance(e, torch.OutOfMemoryError):
+            return True
+        if isinstance(e, RuntimeError) and "out of memory" in str(e).lower():
+            return True  # Triton / cuBLAS workspace failures surface as plain RuntimeError
+    return False
+
+
+def is_compile_failure(exc: BaseException) -> bool:
+    """True when the compiler (dynamo, AOT, inductor, Triton) failed, as opposed to the model itself."""
+    for e in _chain(exc):
+        module = type(e).__module__ or ""
+        if module.startswith(("torch._dynamo", "torch._inductor", "torch._functorch", "triton")):
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------- regions
+
+
+def find_block_lists(root: torch.nn.Module, prefix: str = "") -> list[str]:
+    """Dotted paths of every block of the repeated-block lists under ``root`` (e.g. 'blocks.0' ... 'blocks.39')."""
+    paths: list[str] = []
+    for name, module in root.named_modules(prefix=prefix.rstrip(".")):
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.ModuleList) and leaf in BLOCK_LIST_NAMES and len(module) > 0:
+            paths += [f"{name}.{i}" for i in range(len(module))]
+    return paths
+
+
+def get_submodule(root: torch.nn.Module, path: str) -> torch.nn.Module:
+    """``root.a.b.0`` for path 'a.b.0'."""
+    obj: Any = root
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def set_submodule(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
+    """Replace the submodule at ``path`` (ModuleList items included)."""
+    parent_path, _, leaf = path.rpartition(".")
+    parent = get_submodule(root, parent_path) if parent_path else root
+    setattr(parent, leaf, module)
+
+
+@contextlib.contextmanager
+def _recompile_limit(limit: int) -> Iterator[None]:
+    """Scope dynamo's recompile limit to one call: per model, never a permanent global flip."""
+    import torch._dynamo.config as dcfg
+
+    name = "recompile_limit" if hasattr(dcfg, "recompile_limit") else "cache_size_limit"
+    acc = "accumulated_recompile_limit" if hasattr(dcfg, "accumulated_recompile_limit") else \
+        "accumulated_cache_size_limit"
+    patch = {name: limit}
+    if hasattr(dcfg, acc):
+        patch[acc] = max(getattr(dcfg, acc), limit * 8)
+    with dcfg.patch(**patch):
+        yield
+
+
+def free_compiler_memory(used_cuda_graphs: bool) -> None:
+    """Release what a failed attempt held: graphs' pools (global dynamo reset, only then), caches, garbage."""
+    if used_cuda_graphs:
+        # cudagraph trees keep private memory pools that only a dynamo reset frees; it also drops other
+        # models' compiled code (they recompile on next use), acceptable after an OOM.
+        torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class CompiledRegions:
+    """Compiles the named submodules of a root module lazily and runs calls through them with fallback."""
+
+    def __init__(self, config: CompileConfig, paths: list[str], *,
+                 guard_filter_fn: Optional[Callable] = None,
+                 compile_fn: Callable[..., Any] = torch.compile) -> None:
+        if not paths:
+            raise ValueError("CompiledRegions needs at least one submodule path to compile")
+        self.requested = config
+        self.paths = list(paths)
+        self.guard_filter_fn = guard_filter_fn
+        self.compile_fn = compile_fn  # injectable: tests force failures at compile or first run
+        self.chain = fallback_chain(config)
+        self.level = 0
+        self.streaming_adjusted = False
+        self._compiled: dict[tuple[int, str], Any] = {}  # (id(root), path) -> compiled module
+        self._verified: set[int] = set()  # roots whose first compiled run at the current level succeeded
+        self.calls = 0
+        self._graphs_after_warmup: Optional[int] = None
+        self._recompile_warned = False
+
+    @property
+    def current(self) -> Optional[CompileConfig]:
+        """The config in use now; None means eager."""
+        return self.chain[self.level]
+
+    def status(self) -> str:
+        """Human summary: requested config, config in use, why it differs."""
+        now = "eager (not compiled)" if self.current is None else self.current.describe()
+        text = f"torch.compile {self.requested.describe()}: running {now} over {len(self.paths)} region(s)"
+        if self.streaming_adjusted:
+            text += "; CUDA graphs disabled because weights stream"
+        return text
+
+    def adapt_to_streaming(self) -> None:
+        """Weights move between calls (block swap, ComfyUI partial load): drop CUDA-graph configs, say so once."""
+        if self.streaming_adjusted or self.current is None or not self.current.uses_cuda_graphs:
+            return
+        fixed = without_cuda_graphs(self.current)
+        self.chain = [fixed] + [c for c in fallback_chain(fixed)[1:]]
+        self.level = 0
+        self.streaming_adjusted = True
+        self._drop_compiled()
+        log.warning("lowvram_dit compile: %s records CUDA graphs, which need fixed weight addresses; weights "
+                    "stream (block swap / partial load), so using %s instead", self.requested.describe(),
+                    fixed.describe())
+
+    def run(self, root: torch.nn.Module, call: Callable[[], T], *, streaming: bool = False) -> T:
+        """Run ``call()`` with the regions of ``root`` compiled; on compile failure or OOM step down and retry."""
+        if streaming:
+            self.adapt_to_streaming()
+        while True:
+            config = self.current
+            if config is None:
+                return call()
+            first = id(root) not in self._verified
+            before = _unique_graphs()
+            failure: Optional[str] = None
+            try:
+                with self._swapped_in(root, config), _recompile_limit(config.cache_size_limit):
+                    result = call()
+            except Exception as exc:
+                if not (is_oom(exc) or is_compile_failure(exc)) or not config.fallback:
+                    raise
+                failure = f"{'out of memory' if is_oom(exc) else 'compiler error'}: " \
+                          f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+                del exc  # drop the traceback's frames (and the activations they hold) before retrying
+            if failure is None:
+                self._verified.add(id(root))
+                self._watch_recompiles(before, first)
+                return result
+            self._step_down(config, failure)
+
+    def _step_down(self, failed: CompileConfig, failure: str) -> None:
+        self._drop_compiled()
+        free_compiler_memory(failed.uses_cuda_graphs)
+        self.level += 1
+        self._verified.clear()
+        now = "eager (no compile)" if self.current is None else self.current.describe()
+        log.warning("lowvram_dit compile: %s failed (%s); freed its memory, retrying this step with %s",
+                    failed.describe(), failure, now)
+
+    def _drop_compiled(self) -> None:
+        self._compiled.clear()
+
+    def _compiled_for(self, root: torch.nn.Module, path: str, config: CompileConfig) -> Any:
+        key = (id(root), path)
+        if key not in self._compiled:
+            module = get_submodule(root, path)
+            self._compiled[key] = self.compile_fn(module, **compile_kwargs(config, self.guard_filter_fn))
+        return self._compiled[key]
+
+    @contextlib.contextmanager
+    def _swapped_in(self, root: torch.nn.Module, config: CompileConfig) -> Iterator[None]:
+        originals: dict[str, torch.nn.Module] = {}
+        try:
+            for path in self.paths:
+                original = get_submodule(root, path)
+                compiled = self._compiled_for(root, path, config)
+                originals[path] = original
+                set_submodule(root, path, compiled)
+            yield
+        finally:
+            for path, original in originals.items():
+                set_submodule(root, path, original)
+
+    def _watch_recompiles(self, before: int, first: bool) -> None:
+        """Warn once when graphs keep appearing after warm-up: a recompile every step costs more than it saves."""
+        self.calls += 1
+        new = _unique_graphs() - before
+        if first or self.calls <= 3 or new <= 0:
+            return
+        if not self._recompile_warned:
+            self._recompile_warned = True
+            log.warning("lowvram_dit compile: %d new graph(s) compiled on call %d; something in the inputs "
+                        "changes every step (shape, dtype, or a streamed weight's device). Set dynamic=true, "
+                        "or compile once per resolution", new, self.calls)
