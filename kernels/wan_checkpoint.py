@@ -1,0 +1,531 @@
+"""Wan 2.1 / 2.2 diffusion checkpoints: format detection, streaming fp8 quantization, our fp8 file format.
+
+Plain torch; no ComfyUI. The in-memory form every input is converted to (and what nodes/fp8_ops.py
+loads) is: ``<layer>.weight`` float8_e4m3fn + ``<layer>.weight_scale`` fp32 for quantized Linear layers
+(a 0-d scalar for per-tensor, ``[ceil(N/bs), ceil(K/bs)]`` for block-wise), every other key as in the
+file. Only the 2-D Linear weights inside ``blocks.N.`` are quantized: embeddings, time projection,
+head, norms and modulation stay in high precision (they are ~1.6 % of the 14B weights and fp8 hurts
+them most; same exclusion list as musubi-tuner's Wan fp8 loader).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import queue
+import re
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from . import fp8 as fp8_math
+from .checkpoint_io import CheckpointError, SafetensorsHeader, StreamingSafetensorsWriter, iter_tensors, read_header
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+QuantMode = Literal["none", "per_tensor", "blockwise"]
+SourceFormat = Literal[
+    "high_precision",  # bf16 / fp16 / fp32 release files
+    "comfy_fp8_scaled",  # ComfyUI legacy: <layer>.scale_weight + top-level scaled_fp8 marker
+    "comfy_quant",  # ComfyUI v0.8: <layer>.weight_scale + <layer>.comfy_quant or _quantization_metadata
+    "fp8_plain",  # fp8 cast without any scale
+    "musubi_fp8",  # musubi-tuner: <layer>.scale_weight [1] / [N,1] / [N,K/bs,1] (+ .scale_weight_tensor)
+    "lowvram_fp8",  # this pack's own saved files
+]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FORMAT_TAG = "wan-fp8-v1"
+META_FORMAT = "lowvram_dit.format"
+META_MODE = "lowvram_dit.mode"
+META_BLOCK = "lowvram_dit.block_size"
+META_SOURCE = "lowvram_dit.source_sha256"
+META_SOURCE_NAME = "lowvram_dit.source_name"
+META_HASH_METHOD = "lowvram_dit.source_hash_method"
+# Hashing a 28 GB file takes ~1-2 min even from page cache, so the fingerprint covers the header (every
+# name, shape, dtype and offset), the file size and 16 evenly spaced 1 MiB samples of the data.
+HASH_SAMPLES, HASH_CHUNK = 16, 1 << 20
+HASH_METHOD = f"sha256(header + size + {HASH_SAMPLES} x 1 MiB samples)"
+
+_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.model.", "model.", "net.")
+_BLOCK_LINEAR = re.compile(r"blocks\.\d+\.(?:self_attn|cross_attn|ffn)\.[A-Za-z0-9_.]+\.weight")
+_BLOCK_INDEX = re.compile(r"blocks\.(\d+)\.")
+# Per-layer tensors ComfyUI / musubi store next to a weight: read before the weights, never emitted as is.
+_SCALE_SUFFIXES = (".scale_weight", ".weight_scale", ".scale_weight_tensor", ".scale_input", ".input_scale", ".comfy_quant")
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class WanCheckpointInfo:
+    """What a Wan file is: format, architecture numbers read from its shapes, and key prefix."""
+
+    path: Path
+    format: SourceFormat
+    variant: str
+    dim: int
+    ffn_dim: int
+    num_layers: int
+    in_dim: int
+    out_dim: int
+    prefix: str
+    weight_dtype: torch.dtype  # dtype of the block Linear weights in the file
+    mode: QuantMode = "none"  # for pre-quantized files: how they are quantized
+    block_size: int | None = None
+
+
+@dataclass
+class LoadedWan:
+    """A Wan state dict in the in-memory form (see module docstring) plus what was done to it."""
+
+    state_dict: dict[str, torch.Tensor]
+    info: WanCheckpointInfo
+    mode: QuantMode  # quantization of the block Linear weights now in ``state_dict``
+    block_size: int | None
+    quantized_here: bool  # True when this load quantized high-precision weights (worth saving)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fp8_layers(self) -> int:
+        """Number of fp8 Linear weights in the state dict."""
+        return sum(1 for k in self.state_dict if k.endswith(".weight_scale"))
+
+
+def is_fp8_target(key: str, shape: tuple[int, ...]) -> bool:
+    """True for the keys we quantize: 2-D Linear weights inside ``blocks.N.`` (not norms/modulation)."""
+    return len(shape) == 2 and _BLOCK_LINEAR.fullmatch(key) is not None and ".norm" not in key
+
+
+def _strip_prefix(names: list[str]) -> str:
+    for p in _PREFIXES:
+        if f"{p}head.modulation" in names:
+            return p
+    return ""
+
+
+def _variant(dim: int, in_dim: int, out_dim: int, has_img_emb: bool, num_layers: int) -> str:
+    known = {
+        (5120, 16, 16, False): "Wan 14B T2V (2.1, or a 2.2 A14B expert)",
+        (5120, 36, 16, False): "Wan 2.2 I2V A14B expert",
+        (5120, 36, 16, True): "Wan 2.1 I2V 14B",
+        (3072, 48, 48, False): "Wan 2.2 TI2V 5B",
+        (1536, 16, 16, False): "Wan 2.1 T2V 1.3B",
+    }
+    return known.get((dim, in_dim, out_dim, has_img_emb), f"Wan (dim {dim}, {num_layers} blocks, in {in_dim})")
+
+
+def _expected_shapes(dim: int, ffn: int, in_dim: int, out_dim: int) -> list[tuple[re.Pattern[str], tuple[int, ...]]]:
+    d = dim
+    table = {
+        r"patch_embedding\.weight": (d, in_dim, 1, 2, 2),
+        r"(patch_embedding|text_embedding\.[02]|time_embedding\.[02]|head\.head)\.bias": None,
+        r"text_embedding\.0\.weight": (d, 4096),
+        r"text_embedding\.2\.weight": (d, d),
+        r"time_embedding\.0\.weight": (d, 256),
+        r"time_embedding\.2\.weight": (d, d),
+        r"time_projection\.1\.weight": (6 * d, d),
+        r"time_projection\.1\.bias": (6 * d,),
+        r"head\.modulation": (1, 2, d),
+        r"head\.head\.weight": (out_dim * 4, d),
+        r"blocks\.\d+\.modulation": (1, 6, d),
+        r"blocks\.\d+\.(self_attn|cross_attn)\.(q|k|v|o|k_img|v_img)\.weight": (d, d),
+        r"blocks\.\d+\.(self_attn|cross_attn)\.(q|k|v|o|k_img|v_img)\.bias": (d,),
+        r"blocks\.\d+\.(self_attn|cross_attn)\.norm_(q|k|k_img)\.weight": (d,),
+        r"blocks\.\d+\.norm3\.(weight|bias)": (d,),
+        r"blocks\.\d+\.ffn\.0\.weight": (ffn, d),
+        r"blocks\.\d+\.ffn\.0\.bias": (ffn,),
+        r"blocks\.\d+\.ffn\.2\.weight": (d, ffn),
+        r"blocks\.\d+\.ffn\.2\.bias": (d,),
+    }
+    return [(re.compile(k), v) for k, v in table.items() if v is not None]
+
+
+_REQUIRED_BLOCK_KEYS = (
+    "modulation",
+    *(f"{a}.{p}.{w}" for a in ("self_attn", "cross_attn") for p in "qkvo" for w in ("weight", "bias")),
+    "ffn.0.weight",
+    "ffn.2.weight",
+)
+
+
+def inspect_checkpoint(path: str | Path, header: SafetensorsHeader | None = None) -> WanCheckpointInfo:
+    """Detect the format and architecture of a Wan file from its header; CheckpointError if it is not one."""
+    header = header or read_header(path)
+    p = header.path
+    names = list(header.tensors)
+    prefix = _strip_prefix(names)
+    t = {n[len(prefix) :]: header.tensors[n] for n in names if n.startswith(prefix)}
+    needed = ("head.modulation", "patch_embedding.weight", "blocks.0.ffn.0.weight", "head.head.weight")
+    missing = [k for k in needed if k not in t]
+    if missing:
+        hint = ""
+        if any(k.startswith("transformer_blocks.") for k in t) or "txt_norm.weight" in t:
+            hint = " It looks like a Qwen-Image/Flux-style model; load it with its own loader."
+        elif any(".condition_embedder." in k or k.startswith("condition_embedder.") for k in t):
+            hint = " It is a diffusers-format Wan; use the original Wan/Comfy-Org repackaged file."
+        raise CheckpointError(
+            f"{p.name}: not a Wan 2.1/2.2 diffusion model (missing {', '.join(missing)}); expected the original "
+            f"Wan key names (patch_embedding, blocks.N.self_attn.q, head.modulation, ...).{hint}"
+        )
+    dim = t["head.modulation"].shape[-1]
+    ffn = t["blocks.0.ffn.0.weight"].shape[0]
+    in_dim = t["patch_embedding.weight"].shape[1]
+    out_dim = t["head.head.weight"].shape[0] // 4
+    blocks = sorted({int(m.group(1)) for k in t if (m := _BLOCK_INDEX.match(k))})
+    num_layers = len(blocks)
+    if blocks != list(range(num_layers)):
+        raise CheckpointError(f"{p.name}: Wan blocks are not numbered 0..{num_layers - 1} (found {blocks[:8]}...)")
+    for i in blocks:
+        lost = [k for k in _REQUIRED_BLOCK_KEYS if f"blocks.{i}.{k}" not in t]
+        if lost:
+            raise CheckpointError(f"{p.name}: Wan block {i} is incomplete (missing blocks.{i}.{lost[0]}); the file is damaged")
+    rules = _expected_shapes(dim, ffn, in_dim, out_dim)
+    for k, info in t.items():
+        for pat, shape in rules:
+            if pat.fullmatch(k):
+                if info.shape != shape:
+                    raise CheckpointError(
+                        f"{p.name}: tensor {prefix + k!r} has shape {list(info.shape)}, expected {list(shape)} for a Wan "
+                        f"model with dim {dim}, ffn {ffn}, in_dim {in_dim}; the file is damaged or not a Wan 2.x model"
+                    )
+                break
+
+    lin = [t[k] for k in t if is_fp8_target(k, t[k].shape)]
+    weight_dtype = max({i.dtype for i in lin}, key=lambda d: sum(i.nbytes for i in lin if i.dtype == d))
+    meta = header.metadata
+    mode: QuantMode = "none"
+    block_size: int | None = None
+    fmt: SourceFormat
+    if META_FORMAT in meta:
+        if meta[META_FORMAT] != FORMAT_TAG:
+            raise CheckpointError(f"{p.name}: saved by a newer version ({meta[META_FORMAT]}); update the pack")
+        fmt, mode = "lowvram_fp8", meta.get(META_MODE, "per_tensor")  # type: ignore[assignment]
+        block_size = int(meta[META_BLOCK]) if mode == "blockwise" else None
+    elif "_quantization_metadata" in meta or any(k.endswith(".comfy_quant") for k in t):
+        fmt, mode = "comfy_quant", "per_tensor"
+    elif "scaled_fp8" in t:
+        fmt, mode = "comfy_fp8_scaled", "per_tensor"
+    elif any(k.endswith(".scale_weight") for k in t):
+        fmt = "musubi_fp8"
+        scales = [t[k] for k in t if k.endswith(".scale_weight")]
+        mode = "per_tensor" if all(math.prod(s.shape) == 1 for s in scales) else "blockwise"
+    elif weight_dtype in FP8_DTYPES:
+        fmt, mode = "fp8_plain", "per_tensor"
+    else:
+        fmt = "high_precision"
+    variant = _variant(dim, in_dim, out_dim, "img_emb.proj.0.bias" in t, num_layers)
+    return WanCheckpointInfo(p, fmt, variant, dim, ffn, num_layers, in_dim, out_dim, prefix, weight_dtype, mode, block_size)
+
+
+def quantize_weight(w: torch.Tensor, mode: QuantMode, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize one 2-D weight (any float dtype/device) -> (fp8 e4m3fn, fp32 scale) on the same device."""
+    if mode == "per_tensor":
+        q, s = fp8_math.quantize_per_tensor(w)
+        return q, s.float().reshape(())
+    if mode == "blockwise":
+        q, s = fp8_math.quantize_blockwise(w, block_size)
+        return q, s.float()
+    raise ValueError(f"quantize_weight: mode must be 'per_tensor' or 'blockwise', got {mode!r}")
+
+
+def quantize_state_dict(
+    sd: dict[str, torch.Tensor], mode: QuantMode, block_size: int = 128, *, device: str | torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """In-memory version of the streaming quantizer (benchmarks build weights on the GPU and call this)."""
+    if mode == "none":
+        return dict(sd)
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if is_fp8_target(k, tuple(v.shape)) and v.dtype not in FP8_DTYPES:
+            q, s = quantize_weight(v if device is None else v.to(device), mode, block_size)
+            out[k], out[k[: -len("weight")] + "weight_scale"] = q.to(v.device), s.to(v.device)
+        else:
+            out[k] = v
+    return out
+
+
+def _prefetched(it: Iterator[tuple[str, torch.Tensor]], depth: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
+    """Run a tensor reader ``depth`` items ahead in a thread, so disk reads overlap quantization."""
+    q: queue.Queue[object] = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def worker() -> None:
+        try:
+            for item in it:
+                if stop.is_set():
+                    return
+                q.put(item)
+        except BaseException as exc:  # re-raised in the consumer
+            q.put(exc)
+            return
+        q.put(done)
+
+    th = threading.Thread(target=worker, daemon=True, name="lowvram-dit-reader")
+    th.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item  # type: ignore[misc]
+    finally:
+        stop.set()
+        while th.is_alive():  # unblock a worker stuck on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                th.join(0.05)
+
+
+def _layer_formats(header: SafetensorsHeader, small: dict[str, torch.Tensor], prefix: str) -> dict[str, dict]:
+    """Per-layer ComfyUI quant configs (``_quantization_metadata`` or ``<layer>.comfy_quant`` tensors)."""
+    layers: dict[str, dict] = {}
+    raw = header.metadata.get("_quantization_metadata")
+    if raw:
+        try:
+            layers.update({k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in json.loads(raw)["layers"].items()})
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{header.path.name}: unreadable _quantization_metadata ({exc})") from None
+    for k, v in small.items():
+        if k.endswith(".comfy_quant"):
+            layers[k[: -len(".comfy_quant")]] = json.loads(bytes(v.to(torch.uint8).tolist()).decode("utf-8"))
+    return layers
+
+
+def _dequantize_musubi(q: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:
+    """musubi-tuner fp8 -> fp32: scale is [1] (tensor), [N,1] (channel) or [N, K/bs, 1] (1 x bs blocks along K)."""
+    w = q.float()
+    s = scale.float().to(w.device)
+    if tensor_scale is not None:
+        s = s * tensor_scale.float().to(w.device)
+    if s.ndim == 3:
+        n, nb, _ = s.shape
+        return (w.view(n, nb, -1) * s).view(q.shape)
+    return w * s
+
+
+def load_wan_state_dict(
+    path: str | Path,
+    mode: QuantMode = "none",
+    block_size: int = 128,
+    *,
+    device: str | torch.device | None = None,
+    progress: ProgressFn | None = None,
+) -> LoadedWan:
+    """Read a Wan file one tensor at a time into the in-memory fp8 form.
+
+    High-precision files are quantized to ``mode`` while streaming (on ``device``, e.g. the GPU, when
+    given). Pre-quantized files keep their own per-tensor quantization (re-quantizing fp8 codes only adds
+    error); musubi row-group/channel files, which no fp8 GEMM takes, are re-quantized to ``mode``
+    (block-wise when ``mode`` is "none"). Keys are returned without the checkpoint prefix.
+    """
+    if mode not in ("none", "per_tensor", "blockwise"):
+        raise ValueError(f"quantization mode must be none, per_tensor or blockwise, got {mode!r}")
+    if block_size not in (64, 128):
+        raise ValueError(f"block_size must be 64 or 128 (the GEMM scale granularities), got {block_size}")
+    header = read_header(path)
+    info = inspect_checkpoint(path, header)
+    name = header.path.name
+    prefix = info.prefix
+    qdev = torch.device(device) if device is not None else torch.device("cpu")
+    notes: list[str] = []
+    out_mode: QuantMode = mode
+    out_bs: int | None = block_size if mode == "blockwise" else None
+    quantized_here = False
+
+    # Scales, markers and small tensors (norms, biases) first, so each weight converts as it streams.
+    # musubi 1x64 scales are 1/16 of the fp8 bytes (0.9 GB for 14B): held only until their weight arrives.
+    small_names = [n for n, i in header.tensors.items() if i.nbytes <= 1 << 16 or n.endswith(_SCALE_SUFFIXES)]
+    small = {n[len(prefix) :] if n.startswith(prefix) else n: v for n, v in iter_tensors(header, small_names)}
+    small_set = set(small_names)
+    big_names = [n for n in header.tensors if n not in small_set]
+    layer_conf = _layer_formats(header, small, prefix) if info.format == "comfy_quant" else {}
+
+    if info.format == "lowvram_fp8":
+        out_mode, out_bs = info.mode, info.block_size
+        if mode not in ("none", info.mode) or (mode == "blockwise" and block_size != info.block_size):
+            notes.append(f"{name} is already quantized ({info.mode}, block {info.block_size}); used as saved")
+    elif info.format in ("comfy_fp8_scaled", "comfy_quant", "fp8_plain"):
+        out_mode, out_bs = "per_tensor", None
+        if mode == "blockwise":
+            notes.append(f"{name} is already per-tensor fp8; kept as is (re-quantizing fp8 codes only adds error)")
+    elif info.format == "musubi_fp8":
+        if info.mode == "per_tensor":
+            out_mode, out_bs = "per_tensor", None
+        else:
+            out_mode = mode if mode != "none" else "blockwise"
+            out_bs = block_size if out_mode == "blockwise" else None
+            notes.append(f"{name}: musubi row-group fp8 scales re-quantized to {out_mode} (no fp8 GEMM takes 1x64 groups)")
+    if info.format == "high_precision" and mode != "none":
+        quantized_here = True
+
+    marker = small.get("scaled_fp8")
+    legacy_e5m2 = marker is not None and marker.dtype == torch.float8_e5m2
+    sd: dict[str, torch.Tensor] = {}
+    total = sum(i.nbytes for i in header.tensors.values())
+    done = 0
+
+    def emit(key: str, value: torch.Tensor) -> None:
+        sd[key] = value
+
+    def convert(key: str, v: torch.Tensor) -> None:
+        base = key[: -len("weight")] if key.endswith(".weight") else None
+        if info.format == "high_precision":
+            if quantized_here and is_fp8_target(key, tuple(v.shape)):
+                q, s = quantize_weight(v.to(qdev, non_blocking=False), out_mode, block_size)
+                emit(key, q.cpu())
+                emit(base + "weight_scale", s.cpu())
+            else:
+                emit(key, v)
+            return
+        if v.dtype not in FP8_DTYPES or base is None:
+            emit(key, v)
+            return
+        # An fp8 weight: find its scale in whichever convention the file uses.
+        tensor_scale = small.get(base + "scale_weight_tensor")
+        if info.format == "lowvram_fp8":
+            scale = small.get(base + "weight_scale")
+        elif info.format == "comfy_quant":
+            conf = layer_conf.get(base[:-1], {})
+            fmt = conf.get("format", "float8_e4m3fn")
+            if fmt not in ("float8_e4m3fn", "float8_e5m2"):
+                raise CheckpointError(
+                    f"{name}: layer {base[:-1]!r} uses ComfyUI quant format {fmt!r}, which this loader does not read; "
+                    "load the file with ComfyUI's UNETLoader instead"
+                )
+            scale = small.get(base + "weight_scale")
+        elif info.format == "comfy_fp8_scaled":
+            scale = small.get(base + "scale_weight")
+        elif info.format == "musubi_fp8":
+            scale = small.get(base + "scale_weight")
+        else:  # fp8_plain
+            scale = torch.ones((), dtype=torch.float32)
+        if scale is None:
+            if info.format in ("comfy_fp8_scaled", "comfy_quant"):
+                scale = torch.ones((), dtype=torch.float32)  # an unscaled fp8 layer inside a scaled file
+            else:
+                raise CheckpointError(f"{name}: fp8 weight {prefix + key!r} has no scale tensor; the file is damaged")
+        per_tensor_scale = math.prod(scale.shape) == 1 and tensor_scale is None
+        if info.format == "musubi_fp8" and not per_tensor_scale:
+            w = _dequantize_musubi(v.to(qdev), scale, tensor_scale)
+            q, s = quantize_weight(w, out_mode, block_size)
+            emit(key, q.cpu())
+            emit(base + "weight_scale", s.cpu())
+            return
+        if info.format == "lowvram_fp8" and out_mode == "blockwise":
+            n, k = v.shape
+            want = (math.ceil(n / out_bs), math.ceil(k / out_bs))
+            if tuple(scale.shape) != want:
+                raise CheckpointError(
+                    f"{name}: {prefix + base}weight_scale has shape {list(scale.shape)}, expected {list(want)} for "
+                    f"block size {out_bs}; the file is damaged"
+                )
+            emit(key, v)
+            emit(base + "weight_scale", scale.float())
+            return
+        if v.dtype == torch.float8_e5m2 or legacy_e5m2:
+            # e5m2 has one mantissa bit less than the e4m3fn our GEMMs take: re-quantize per tensor.
+            q, s = quantize_weight(v.to(qdev).float() * scale.float().to(qdev), "per_tensor", block_size)
+            emit(key, q.cpu())
+            emit(base + "weight_scale", s.cpu())
+            return
+        emit(key, v)
+        emit(base + "weight_scale", scale.float().reshape(()))
+
+    for key, v in small.items():
+        if key == "scaled_fp8" or key.endswith(_SCALE_SUFFIXES):
+            continue  # consumed by convert() together with their weights
+        convert(key, v)
+    done += sum(header.tensors[n].nbytes for n in small_names)
+    if progress:
+        progress(done, total)
+    for raw_key, v in _prefetched(iter_tensors(header, big_names)):
+        convert(raw_key[len(prefix) :] if raw_key.startswith(prefix) else raw_key, v)
+        done += header.tensors[raw_key].nbytes
+        if progress:
+            progress(done, total)
+    if any(k.endswith((".scale_input", ".input_scale")) and bool((v.float() != 1.0).any()) for k, v in small.items()):
+        notes.append(f"{name}: static activation scales ignored; activations are quantized per call")
+    if out_mode == "none" and any(k.endswith(".weight_scale") for k in sd):
+        out_mode = "per_tensor"
+    return LoadedWan(sd, info, out_mode, out_bs if out_mode == "blockwise" else None, quantized_here, notes)
+
+
+def source_fingerprint(path: str | Path) -> str:
+    """sha256 of the header, the size and 16 evenly spaced 1 MiB samples (see HASH_METHOD)."""
+    header = read_header(path)
+    h = hashlib.sha256()
+    with header.path.open("rb") as f:
+        h.update(f.read(header.data_offset))
+        h.update(header.file_size.to_bytes(8, "little"))
+        span = header.file_size - header.data_offset
+        if span <= HASH_SAMPLES * HASH_CHUNK:
+            h.update(f.read())
+        else:
+            step = (span - HASH_CHUNK) // (HASH_SAMPLES - 1)
+            for i in range(HASH_SAMPLES):
+                f.seek(header.data_offset + i * step)
+                h.update(f.read(HASH_CHUNK))
+    return h.hexdigest()
+
+
+def quantized_path_for(source: str | Path, mode: QuantMode, block_size: int = 128) -> Path:
+    """Where the quantized copy of ``source`` is saved: next to it, named by mode and block size."""
+    src = Path(source)
+    tag = "per-tensor" if mode == "per_tensor" else f"blockwise-bs{block_size}"
+    return src.with_name(f"{src.stem}.lowvram-fp8-{tag}.safetensors")
+
+
+def find_quantized(source: str | Path, mode: QuantMode, block_size: int = 128) -> Path | None:
+    """The saved quantized copy of ``source`` if it exists and was made from this exact source file."""
+    if mode == "none":
+        return None
+    cand = quantized_path_for(source, mode, block_size)
+    if not cand.is_file():
+        return None
+    try:
+        meta = read_header(cand).metadata
+    except CheckpointError as exc:
+        log.warning("lowvram_dit: ignoring saved quantized file: %s", exc)
+        return None
+    want_bs = str(block_size) if mode == "blockwise" else "0"
+    if meta.get(META_FORMAT) != FORMAT_TAG or meta.get(META_MODE) != mode or meta.get(META_BLOCK) != want_bs:
+        log.warning("lowvram_dit: %s does not match mode %s / block %s; re-quantizing", cand.name, mode, block_size)
+        return None
+    if meta.get(META_SOURCE) != source_fingerprint(source):
+        log.warning("lowvram_dit: %s was made from a different %s; re-quantizing", cand.name, Path(source).name)
+        return None
+    return cand
+
+
+def save_quantized(loaded: LoadedWan, dest: str | Path, source: str | Path, progress: ProgressFn | None = None) -> Path:
+    """Write ``loaded`` (fp8 + scales) as a safetensors file with the metadata that makes it auto-load."""
+    if loaded.mode == "none":
+        raise ValueError("save_quantized: nothing is quantized (mode none)")
+    sd = loaded.state_dict
+    meta = {
+        META_FORMAT: FORMAT_TAG,
+        META_MODE: loaded.mode,
+        META_BLOCK: str(loaded.block_size or 0),
+        META_SOURCE: source_fingerprint(source),
+        META_SOURCE_NAME: Path(source).name,
+        META_HASH_METHOD: HASH_METHOD,
+    }
+    layout = [(k, tuple(v.shape), v.dtype) for k, v in sd.items()]
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    done = 0
+    with StreamingSafetensorsWriter(dest, layout, meta) as w:
+        for k, v in sd.items():
+            w.write(k, v)
+            done += v.numel() * v.element_size()
+            if progress:
+                progress(done, total)
+    return Path(dest)

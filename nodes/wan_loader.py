@@ -1,0 +1,129 @@
+"""Wan 2.1 / 2.2 loader with fp8 quantization (per-tensor or block-wise) that returns a native MODEL."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from comfy_api.latest import io
+
+from ..kernels import wan_checkpoint as wc
+from ._common import CATEGORY_LOADERS, display_name, node_id
+from .fp8_ops import Fp8OpsConfig, make_fp8_ops
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+QUANTIZATION = {"none": "none", "fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise"}
+COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "dequantize": "dequantize"}
+
+
+def _quantize_device() -> torch.device:
+    """Quantize on the GPU when there is one (>= 1 GB/s; one tensor at a time, so VRAM use stays small)."""
+    import comfy.model_management as mm
+
+    dev = mm.get_torch_device()
+    return dev if dev.type == "cuda" else torch.device("cpu")
+
+
+def load_wan_model(
+    path: str | Path,
+    quantization: str = "fp8 block-wise",
+    block_size: int = 128,
+    compute: str = "auto",
+    save_quantized: bool = False,
+):  # noqa: ANN201 - comfy.model_patcher.ModelPatcher
+    """Load a Wan file (quantizing while streaming if asked) and build a native ComfyUI MODEL from it."""
+    import comfy.sd
+    import comfy.utils
+
+    mode = QUANTIZATION[quantization]
+    source = Path(path)
+    saved = wc.find_quantized(source, mode, block_size)
+    read_from = saved or source
+    if saved is not None:
+        log.info("lowvram_dit: using saved quantized %s for %s", saved.name, source.name)
+    bar = comfy.utils.ProgressBar(1000)
+    t0 = time.perf_counter()
+    loaded = wc.load_wan_state_dict(
+        read_from, mode, block_size, device=_quantize_device(),
+        progress=lambda done, total: bar.update_absolute(int(1000 * done / max(total, 1)), 1000),
+    )
+    for note in loaded.notes:
+        log.info("lowvram_dit: %s", note)
+    size_gb = read_from.stat().st_size / 1e9
+    log.info("lowvram_dit: read %s (%s, %s) in %.1f s (%.2f GB/s); %d fp8 layers, mode %s",
+             read_from.name, loaded.info.variant, loaded.info.format, time.perf_counter() - t0,
+             size_gb / max(time.perf_counter() - t0, 1e-9), loaded.fp8_layers, loaded.mode)
+    if save_quantized and loaded.quantized_here:
+        dest = wc.quantized_path_for(source, loaded.mode, block_size)
+        try:
+            wc.save_quantized(loaded, dest, source,
+                              progress=lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1)), 1000))
+            log.info("lowvram_dit: saved %s (picked up automatically next time)", dest.name)
+        except OSError as exc:  # a read-only models folder must not fail the load
+            log.warning("lowvram_dit: could not save %s: %s", dest, exc)
+
+    if loaded.fp8_layers == 0:
+        # Nothing quantized: exactly what UNETLoader(weight_dtype="default") builds.
+        model = comfy.sd.load_diffusion_model_state_dict(loaded.state_dict, model_options={})
+    else:
+        ops = make_fp8_ops(Fp8OpsConfig(block_size=loaded.block_size or block_size, compute=COMPUTE[compute]))
+        # bf16 for the high-precision layers and activations: fp8 dequant/GEMM outputs are bf16-native, and
+        # Wan's default fp16 pick risks overflow in the residual stream.
+        opts = {"custom_operations": ops, "dtype": torch.bfloat16}
+        model = comfy.sd.load_diffusion_model_state_dict(loaded.state_dict, model_options=opts)
+    if model is None:
+        raise RuntimeError(f"{source.name}: ComfyUI could not detect the model type of this Wan file")
+    return model
+
+
+class WanLoader(io.ComfyNode):
+    """Loads a Wan 2.1 / 2.2 diffusion model (T2V/I2V A14B experts, TI2V 5B), optionally as fp8."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        import folder_paths
+
+        return io.Schema(
+            node_id=node_id("WanLoader"),
+            display_name=display_name("Wan 2.2 Loader"),
+            category=CATEGORY_LOADERS,
+            description=(
+                "Loads a Wan 2.1/2.2 diffusion model from diffusion_models as a native MODEL (works with KSampler, "
+                "LoRA loaders, Wan conditioning nodes). fp8 quantizes the Linear weights inside the transformer "
+                "blocks while reading the file; bf16/fp16/fp32, ComfyUI fp8_scaled, plain fp8 and musubi-tuner fp8 "
+                "files are accepted."
+            ),
+            inputs=[
+                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
+                               tooltip="Wan diffusion model file (diffusion_models folder)."),
+                io.Combo.Input("quantization", options=list(QUANTIZATION), default="fp8 block-wise",
+                               tooltip="none: load as stored. fp8 per-tensor: one scale per weight (ComfyUI fp8_scaled "
+                                       "style). fp8 block-wise: one scale per block_size x block_size tile, lower "
+                                       "error. Already-quantized files keep their own quantization."),
+                io.Combo.Input("block_size", options=["128", "64"], default="128",
+                               tooltip="Tile size for block-wise fp8. 128 uses the hardware block-scaled GEMM on "
+                                       "H100/H200; 64 is slightly more accurate and uses the Triton kernel."),
+                io.Combo.Input("compute", options=list(COMPUTE), default="auto",
+                               tooltip="auto: fp8 matmul where the GPU supports it (RTX 40xx/50xx, H100), else "
+                                       "dequantize. fp8 matmul: require it (error otherwise). dequantize: fp8 storage, "
+                                       "bf16 matmul."),
+                io.Boolean.Input("save_quantized", default=False,
+                                 tooltip="Write the quantized model next to the source file; later loads with the same "
+                                         "settings pick it up automatically and skip quantization."),
+            ],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def execute(cls, unet_name: str, quantization: str, block_size: str, compute: str,
+                save_quantized: bool) -> io.NodeOutput:
+        import folder_paths
+
+        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        return io.NodeOutput(load_wan_model(path, quantization, int(block_size), compute, save_quantized))
+
+
+NODES = [WanLoader]
