@@ -1,0 +1,452 @@
+"""One benchmark runner for every capability: each variant in a fresh process, honest peaks, one report.
+
+A benchmark is a name plus a list of ``Variant``s. Each variant names a target ``"module:function"``
+that the child process imports and calls as ``target(ctx, **kwargs)``. The target does its setup
+(build a model, move it to the GPU) and returns ``{"fn": callable, ...extra metrics}``; the child then
+times ``fn()`` with CUDA events (``time.perf_counter`` on CPU): ``warmup`` untimed calls, then the
+median of ``repeats`` timed calls. A target may instead return a plain metrics dict (no timing).
+
+Per variant the child records: timings, ``torch.cuda.max_memory_allocated/reserved`` of the timed
+phase (peaks are reset after setup) and of the setup, peak RSS of the child process
+(``getrusage(RUSAGE_SELF).ru_maxrss``, which covers the whole process life), device name, torch version.
+A variant that fails (OOM, exception, crash, timeout) is recorded with its error; the others still run.
+
+The parent writes ``<bench>.json``, ``<bench>.md`` and ``<bench>.png`` (matplotlib, Agg; skipped with
+a note when matplotlib is missing) with the environment: device, torch, ComfyUI version (when
+``COMFYUI_PATH`` is set), git sha, and the exact command.
+
+Child invocation: ``python -m comfyui_lowvram_dit.benchmarks.harness --child SPEC.json RESULT.json``.
+This module imports only the standard library at module level (torch inside functions) and uses no
+relative imports, so bench scripts can also load it as a plain file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import logging
+import math
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+PACKAGE = "comfyui_lowvram_dit"
+PACK_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+CHILD_MODULE = f"{PACKAGE}.benchmarks.harness"
+GIB = float(1 << 30)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One measured configuration: ``target`` is ``"module:function"``, called as ``target(ctx, **kwargs)``.
+
+    ``timeout_s`` overrides ``run_benchmark``'s per-variant time limit for this variant.
+    """
+
+    name: str
+    target: str
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    timeout_s: float | None = None
+
+
+@dataclasses.dataclass
+class BenchContext:
+    """What a target gets as ``ctx``: the device to run on and the timing settings."""
+
+    variant: str
+    device: Any  # torch.device: "cuda" when available (and not forced off), else "cpu"
+    repeats: int
+    warmup: int
+
+    def sync(self) -> None:
+        """Wait for queued GPU work (no-op on CPU)."""
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------------------------
+
+
+def git_sha(repo: Path = PACK_ROOT) -> str | None:
+    """``HEAD`` of the pack checkout, with ``-dirty`` when tracked files differ; None outside git."""
+    try:
+        sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{sha}-dirty" if dirty else sha
+
+
+def comfyui_version(comfyui_path: str | os.PathLike | None = None) -> str | None:
+    """ComfyUI's version read from ``comfyui_version.py`` (``COMFYUI_PATH`` by default), without importing it."""
+    root = comfyui_path or os.environ.get("COMFYUI_PATH")
+    if not root:
+        return None
+    try:
+        text = (Path(root) / "comfyui_version.py").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    match = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", text)
+    return match.group(1) if match else None
+
+
+def parent_environment(argv: list[str] | None = None) -> dict:
+    """Facts the parent knows without touching the GPU: command, git sha, Python, ComfyUI."""
+    argv = list(sys.argv if argv is None else argv)
+    return {
+        "command": shlex.join([sys.executable, *argv]),
+        "cwd": os.getcwd(),
+        "git_sha": git_sha(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+        "comfyui_path": os.environ.get("COMFYUI_PATH"),
+        "comfyui_version": comfyui_version(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def child_environment(device: Any) -> dict:
+    """Facts only the child knows: torch, CUDA, the device it ran on."""
+    import torch
+
+    env = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "device_type": device.type}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(device_name=props.name, compute_capability=f"{props.major}.{props.minor}",
+                   vram_total_gib=round(props.total_memory / GIB, 2))
+    else:
+        env.update(device_name=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
+    return env
+
+
+# --------------------------------------------------------------------------------------------------
+# Child side
+# --------------------------------------------------------------------------------------------------
+
+
+def resolve_target(target: str) -> Callable[..., Any]:
+    """Import ``"module:function"`` and return the function."""
+    module_name, sep, func_name = target.partition(":")
+    if not sep or not module_name or not func_name:
+        raise ValueError(f"Variant target {target!r} must look like 'package.module:function'")
+    return getattr(importlib.import_module(module_name), func_name)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    try:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024)
+    except ImportError:  # Windows: psutil's peak working set is the same idea
+        import psutil
+
+        return int(getattr(psutil.Process().memory_info(), "peak_wset", psutil.Process().memory_info().rss))
+
+
+def time_fn(fn: Callable[[], Any], device: Any, repeats: int, warmup: int) -> list[float]:
+    """Milliseconds of each of ``repeats`` calls of ``fn`` after ``warmup`` calls (CUDA events on GPU)."""
+    import torch
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(float(start.elapsed_time(end)))
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _jsonable(value: Any) -> Any:
+    """Metrics as JSON: tensors/dtypes/devices become strings or numbers, unknown objects their repr."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 2)() == 1:
+        return _jsonable(value.item())
+    return str(value)
+
+
+def _pick_device(force_cpu: bool) -> Any:
+    import torch
+
+    if not force_cpu and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def run_variant(spec: dict) -> dict:
+    """Run one variant in this process and return its result record (never raises for the variant's errors)."""
+    import torch
+
+    device = _pick_device(bool(spec.get("force_cpu")))
+    result: dict = {"name": spec["name"], "target": spec["target"], "kwargs": spec.get("kwargs", {}),
+                    "status": "error", "env": child_environment(device)}
+    ctx = BenchContext(variant=spec["name"], device=device, repeats=int(spec["repeats"]),
+                       warmup=int(spec["warmup"]))
+    cuda = device.type == "cuda"
+    phase = "setup"
+    try:
+        target = resolve_target(spec["target"])
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        out = target(ctx, **spec.get("kwargs", {}))
+        result["setup_s"] = round(time.perf_counter() - t0, 4)
+        if cuda:
+            torch.cuda.synchronize(device)
+            result["setup_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+            result["setup_peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        if out is None:
+            out = {}
+        if not isinstance(out, dict):
+            raise TypeError(f"target {spec['target']} returned {type(out).__name__}; expected a dict "
+                            "({'fn': callable, ...metrics} or a metrics dict)")
+        fn = out.pop("fn", None)
+        result["metrics"] = _jsonable(out)
+        if fn is not None:
+            phase = "run"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            times = time_fn(fn, device, ctx.repeats, ctx.warmup)
+            result.update(times_ms=times, time_ms=statistics.median(times), time_ms_min=min(times),
+                          time_ms_max=max(times), timer="cuda_events" if cuda else "perf_counter")
+            if cuda:
+                result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+                result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        result["status"] = "ok"
+    except Exception as exc:  # the variant's failure is data, not a crash of the benchmark
+        oom = isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in str(exc).lower()
+        result["status"] = "oom" if oom else "error"
+        result["error"] = f"{type(exc).__name__} during {phase}: {exc}"[:2000]
+        result["traceback"] = traceback.format_exc()[-4000:]
+    result["peak_rss_gib"] = peak_rss_bytes() / GIB
+    return result
+
+
+def child_main(argv: list[str]) -> int:
+    """``--child SPEC RESULT``: run the variant described in SPEC and write its record to RESULT."""
+    parser = argparse.ArgumentParser(prog=f"python -m {CHILD_MODULE}")
+    parser.add_argument("--child", nargs=2, metavar=("SPEC_JSON", "RESULT_JSON"), required=True)
+    args = parser.parse_args(argv)
+    spec = json.loads(Path(args.child[0]).read_text(encoding="utf-8"))
+    result = run_variant(spec)
+    Path(args.child[1]).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Parent side
+# --------------------------------------------------------------------------------------------------
+
+
+def _package_shim() -> Path:
+    """A temp dir holding ``comfyui_lowvram_dit -> <this checkout>`` so children import exactly this code."""
+    shim = Path(tempfile.mkdtemp(prefix="lowvram_dit_shim_"))
+    (shim / PACKAGE).symlink_to(PACK_ROOT, target_is_directory=True)
+    return shim
+
+
+def _child_env(shim: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(shim), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _run_in_child(spec: dict, shim: Path, workdir: Path, timeout_s: float | None) -> dict:
+    spec_path, result_path = workdir / f"{spec['index']}_spec.json", workdir / f"{spec['index']}_result.json"
+    spec_path.write_text(json.dumps(spec), encoding="utf-8")
+    cmd = [sys.executable, "-m", CHILD_MODULE, "--child", str(spec_path), str(result_path)]
+    record: dict = {"name": spec["name"], "target": spec["target"], "kwargs": spec["kwargs"],
+                    "child_command": shlex.join(cmd)}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=_child_env(shim), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        record.update(status="timeout", error=f"child exceeded {timeout_s} s",
+                      stderr_tail=(exc.stderr or b"")[-3000:].decode("utf-8", "replace")
+                      if isinstance(exc.stderr, bytes) else str(exc.stderr or "")[-3000:])
+        return record
+    record["wall_s"] = round(time.perf_counter() - t0, 3)
+    if result_path.exists():
+        record.update(json.loads(result_path.read_text(encoding="utf-8")))
+    else:  # killed (e.g. host OOM, segfault) before it could write its record
+        record.update(status="crashed", error=f"child exited with code {proc.returncode} and wrote no result")
+    record["returncode"] = proc.returncode
+    if record.get("status") != "ok":
+        record["stderr_tail"] = proc.stderr[-3000:]
+    return record
+
+
+def run_benchmark(bench: str, variants: list[Variant], *, repeats: int = 10, warmup: int = 3,
+                  out_dir: Path = RESULTS, fresh_process: bool = True, plot: str | None = "time_ms",
+                  force_cpu: bool = False, timeout_s: float | None = 3600.0,
+                  argv: list[str] | None = None) -> list[dict]:
+    """Run every variant (each in a fresh process by default) and write ``<bench>.json/.md/.png``."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", bench):
+        raise ValueError(f"bench name {bench!r} must be a plain file stem (letters, digits, _ . -)")
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"variant names must be unique, got {names}")
+    env = parent_environment(argv)
+    env["fresh_process"] = fresh_process
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix=f"bench_{bench}_") as tmp:
+        shim = _package_shim() if fresh_process else None
+        try:
+            for index, variant in enumerate(variants):
+                spec = {"index": index, "name": variant.name, "target": variant.target,
+                        "kwargs": dict(variant.kwargs), "repeats": repeats, "warmup": warmup,
+                        "force_cpu": force_cpu}
+                log.info("bench %s: variant %d/%d %s", bench, index + 1, len(variants), variant.name)
+                if fresh_process:
+                    limit = variant.timeout_s if variant.timeout_s is not None else timeout_s
+                    record = _run_in_child(spec, shim, Path(tmp), limit)
+                else:
+                    record = run_variant(spec)
+                results.append(record)
+        finally:
+            if shim is not None:
+                (shim / PACKAGE).unlink(missing_ok=True)
+                shim.rmdir()
+    for record in results:  # the child's view of the device is the environment's device
+        if record.get("env"):
+            env.update({k: v for k, v in record["env"].items() if k not in env})
+            break
+    write_reports(bench, results, env, out_dir=Path(out_dir), plot=plot,
+                  settings={"repeats": repeats, "warmup": warmup, "fresh_process": fresh_process})
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(bench: str, results: list[dict], env: dict, settings: dict, notes: list[str]) -> str:
+    """The markdown report: environment, then one row per variant (ratio vs the first successful one)."""
+    base = next((r["time_ms"] for r in results if r.get("status") == "ok" and r.get("time_ms")), None)
+    lines = [f"# {bench}", ""]
+    for key in ("device_name", "compute_capability", "torch", "torch_cuda", "python", "comfyui_version",
+                "git_sha", "timestamp", "command"):
+        if env.get(key) is not None:
+            value = f"`{env[key]}`" if key in ("command", "git_sha") else env[key]
+            lines.append(f"- {key}: {value}")
+    lines.append(f"- timing: median of {settings['repeats']} after {settings['warmup']} warm-up calls"
+                 f"{', each variant in a fresh process' if settings['fresh_process'] else ', in-process'}")
+    lines += ["", "| variant | status | median ms | min ms | ratio vs first | peak alloc GiB | "
+                  "peak reserved GiB | peak RSS GiB | setup s | metrics / error |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        t = r.get("time_ms")
+        ratio = f"{base / t:.3f}x" if base and t else "—"
+        if r.get("status") == "ok":
+            extra = ", ".join(f"{k}={_fmt(v, 3)}" for k, v in (r.get("metrics") or {}).items()
+                              if not isinstance(v, (dict, list)))
+        else:
+            extra = (r.get("error") or "").splitlines()[0][:200] if r.get("error") else ""
+        extra = extra.replace("|", "\\|")
+        lines.append(f"| {r['name']} | {r.get('status')} | {_fmt(t)} | {_fmt(r.get('time_ms_min'))} | {ratio} | "
+                     f"{_fmt(r.get('peak_allocated_gib'))} | {_fmt(r.get('peak_reserved_gib'))} | "
+                     f"{_fmt(r.get('peak_rss_gib'))} | {_fmt(r.get('setup_s'), 1)} | {extra} |")
+    if notes:
+        lines += [""] + [f"Note: {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(path: Path, bench: str, results: list[dict], metric: str, env: dict) -> str | None:
+    """Bar chart of ``metric`` per variant; returns a note instead when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed (pip install matplotlib)"
+    names = [r["name"] for r in results]
+    values = [float(r.get(metric) or 0.0) if r.get("status") == "ok" else 0.0 for r in results]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
+    bars = ax.barh(names, values, color=["tab:blue" if r.get("status") == "ok" else "tab:red" for r in results])
+    for bar, r, v in zip(bars, results, values):
+        label = f"{v:.1f}" if r.get("status") == "ok" else r.get("status", "error")
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {label}", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(metric)
+    ax.set_title(f"{bench} — {env.get('device_name', '?')}, torch {env.get('torch', '?')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def write_reports(bench: str, results: list[dict], env: dict, *, out_dir: Path = RESULTS,
+                  plot: str | None = "time_ms", settings: dict | None = None) -> dict[str, Path]:
+    """Write ``<bench>.json``, ``<bench>.md`` and (when ``plot``) ``<bench>.png``; return their paths."""
+    settings = settings or {"repeats": None, "warmup": None, "fresh_process": None}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / f"{bench}.json", "md": out_dir / f"{bench}.md"}
+    notes: list[str] = []
+    if plot:
+        png = out_dir / f"{bench}.png"
+        note = write_plot(png, bench, results, plot, env)
+        if note:
+            notes.append(note)
+        else:
+            paths["png"] = png
+    paths["json"].write_text(json.dumps({"bench": bench, "env": env, "settings": settings, "notes": notes,
+                                         "variants": results}, indent=1), encoding="utf-8")
+    paths["md"].write_text(markdown_table(bench, results, env, settings, notes), encoding="utf-8")
+    return paths
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv[1:]))
