@@ -1,0 +1,229 @@
+"""Triton kernels behind kernels.attention_int8: the quantization prologue and the 8-bit attention loop.
+
+Only imported when Triton is importable (kernels.attention_int8 guards the import). The algorithm, which
+``attention_int8_reference`` emulates in fp32, is:
+
+- Q: per-token scale, Q·Kᵀ operands in int8 (or fp8 e4m3). The token's scale also carries sm_scale·log2(e),
+  so scores come out in the log2 domain and the softmax uses exp2 with no extra multiply.
+- K: smoothed by its per-channel mean over the sequence (softmax is invariant to it: it shifts a query's
+  scores by the constant q·mean), then one scale per KBLK-token block.
+- V: minus its per-channel mean (added back after the softmax), per-channel scale over the sequence
+  ((amax|V| + |mean|)/448, a bound on the centred amax: fp8 loses nothing to the slack), stored transposed ([D, L], tokens contiguous) because
+  Hopper's fp8/int8 wgmma wants both operands K-major.
+- P: exp2(s - m + 8) lies in (0, 256], exactly inside e4m3's range; the 2^8 cancels in acc / l.
+- P·V runs per BLOCK_N tile at fp8 speed and is added to the fp32 accumulator outside the tensor core
+  (Hopper's fp8 wgmma accumulates with ~14 mantissa bits; long sequences would drift).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# int8 dot products of length <= 256 fit in |x| < 2^22, where float(x) == bits(x + 0x4B400000) - 1.5*2^23.
+# One integer add replaces the int->float conversion, which issues at a quarter rate on sm80-sm90.
+MAGIC_I2F_BITS = 0x4B400000
+MAGIC_I2F_VALUE = 12582912.0
+# exp2 offset that puts P in (0, 256] for fp8 e4m3 (max 448); a power of two so exp2 stays exact at the top.
+P_LOG2_OFFSET = 8.0
+KBLK = 128  # K tokens per int8 scale; every kernel BLOCK_N divides it
+PAD = 128  # Q/K/V sequence padding, >= every BLOCK_M / BLOCK_N so kernel loads need no masks
+
+
+@triton.jit
+def _round_half_away(x):
+    """Round to nearest, ties away from zero (fptosi alone would truncate)."""
+    return tl.where(x >= 0, x + 0.5, x - 0.5)
+
+
+@triton.jit
+def quantize_q_kernel(
+    X, Out, Scale,
+    stride_b, stride_h, stride_l, stride_d,
+    H, L, L_pad, scale_mult, eps,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr,
+):
+    """Q -> int8/fp8 [BH, L_pad, D] with one fp32 scale per token (times sm_scale*log2e) in [BH, L_pad]."""
+    pid_l = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_l = pid_l * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    x = tl.load(X + b * stride_b + h * stride_h + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d,
+                mask=offs_l[:, None] < L, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
+    if TO_FP8:
+        y = x * (448.0 / amax)[:, None]
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+        s = amax / 448.0
+    else:
+        y = _round_half_away(x * (127.0 / amax)[:, None]).to(tl.int8)
+        s = amax / 127.0
+    out_base = pid_bh.to(tl.int64) * L_pad * HEAD_DIM
+    tl.store(Out + out_base + offs_l[:, None] * HEAD_DIM + offs_d[None, :], y)
+    tl.store(Scale + pid_bh.to(tl.int64) * L_pad + offs_l, s * scale_mult)
+
+
+@triton.jit
+def quantize_k_kernel(
+    X, Mean, Out, Scale,
+    stride_b, stride_h, stride_l, stride_d,
+    H, L, L_pad, eps,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr,
+):
+    """K - mean(K) -> int8/fp8 [BH, L_pad, D] with one fp32 scale per BLOCK tokens in [BH, L_pad // BLOCK]."""
+    pid_l = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_l = pid_l * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = offs_l[:, None] < L
+    x = tl.load(X + b * stride_b + h * stride_h + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d,
+                mask=valid, other=0.0).to(tl.float32)
+    mean = tl.load(Mean + pid_bh * HEAD_DIM + offs_d)
+    x = tl.where(valid, x - mean[None, :], 0.0)  # padded keys stay exactly zero
+    amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), eps)
+    if TO_FP8:
+        y = (x * (448.0 / amax)).to(tl.float8e4nv)  # |y| <= 448 up to rounding; the cast saturates on GPU
+        s = amax / 448.0
+    else:
+        y = _round_half_away(x * (127.0 / amax)).to(tl.int8)
+        s = amax / 127.0
+    out_base = pid_bh.to(tl.int64) * L_pad * HEAD_DIM
+    tl.store(Out + out_base + offs_l[:, None] * HEAD_DIM + offs_d[None, :], y)
+    tl.store(Scale + pid_bh * (L_pad // BLOCK) + pid_l, s)
+
+
+@triton.jit
+def quantize_v_kernel(
+    X, Mean, Amax, Out,
+    stride_b, stride_h, stride_l, stride_d,
+    H, L, L_pad, eps,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr,
+):
+    """(V - mean_c) / (amax_c / 448) -> fp8 (or fp16) transposed to [BH, D, L_pad]; padded tokens are zero."""
+    pid_l = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_l = pid_l * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = offs_l[:, None] < L
+    x = tl.load(X + b * stride_b + h * stride_h + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d,
+                mask=valid, other=0.0).to(tl.float32)
+    x = tl.where(valid, x - tl.load(Mean + pid_bh * HEAD_DIM + offs_d)[None, :], 0.0)
+    amax = tl.maximum(tl.load(Amax + pid_bh * HEAD_DIM + offs_d), eps)
+    y = tl.minimum(tl.maximum(x * (448.0 / amax)[None, :], -448.0), 448.0)
+    if TO_FP8:
+        y = y.to(tl.float8e4nv)
+    else:
+        y = y.to(tl.float16)
+    out_base = pid_bh.to(tl.int64) * L_pad * HEAD_DIM
+    tl.store(Out + out_base + offs_d[None, :] * L_pad + offs_l[:, None], y)
+
+
+@triton.jit
+def _attn_tile(
+    acc, l_i, m_i, q, qscale, k_ptrs, vt_ptrs, kscale_ptr, start_n, Lk,
+    BLOCK_N: tl.constexpr, QK_FP8: tl.constexpr, PV_FP8: tl.constexpr, MASK: tl.constexpr,
+):
+    """One BLOCK_N tile of keys: scores, online softmax in the log2 domain, P·V into acc."""
+    k = tl.load(k_ptrs)  # [BLOCK_N, D]
+    s = tl.dot(q, tl.trans(k))  # int32 (int8 path) or fp32 (fp8 path), [BLOCK_M, BLOCK_N]
+    c = qscale * tl.load(kscale_ptr)  # per-row factor from raw dot to log2-domain score
+    if QK_FP8:
+        s_off = tl.zeros_like(c)
+    else:
+        s = (s + MAGIC_I2F_BITS).to(tl.float32, bitcast=True)  # == raw + 1.5*2^23, exactly
+        s_off = c * MAGIC_I2F_VALUE
+    if MASK:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        s = tl.where((offs_n < Lk)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * c - s_off)
+    # p = exp2(score - m + 8) with score = s*c - s_off: a single FMA per element before exp2.
+    p = tl.math.exp2(s * c[:, None] - (s_off + m_new - P_LOG2_OFFSET)[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    vt = tl.load(vt_ptrs)  # [D, BLOCK_N], tokens contiguous
+    acc = acc * alpha[:, None]
+    if PV_FP8:
+        # max_num_imprecise_acc=BLOCK_N: the tile's product is summed in fp32 into acc (sm90 wgmma).
+        acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc, max_num_imprecise_acc=BLOCK_N)
+    else:
+        acc = tl.dot(p.to(tl.float16), tl.trans(vt), acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q8, QScale, K8, KScale, VT, VScale, VMean, Out,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H, Lq, Lk, Lq_pad, Lk_pad, LQ_BUCKET, LK_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KBLK_: tl.constexpr,
+    QK_FP8: tl.constexpr, PV_FP8: tl.constexpr,
+):
+    """Non-causal attention over pre-quantized Q8/K8/VT; one program = BLOCK_M queries of one (b, h)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    bh = pid_bh.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q = tl.load(Q8 + bh * Lq_pad * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :])
+    qscale = tl.load(QScale + bh * Lq_pad + offs_m)
+    k_ptrs = K8 + bh * Lk_pad * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    vt_ptrs = VT + bh * Lk_pad * HEAD_DIM + offs_d[:, None] * Lk_pad + offs_n[None, :]
+    kscale_ptr = KScale + pid_bh * (Lk_pad // KBLK_)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    n_full = (Lk // BLOCK_N) * BLOCK_N
+    for start_n in range(0, n_full, BLOCK_N):
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, qscale, k_ptrs + start_n * HEAD_DIM, vt_ptrs + start_n,
+            kscale_ptr + start_n // KBLK_, start_n, Lk, BLOCK_N, QK_FP8, PV_FP8, False)
+    if n_full < Lk:  # ragged tail: padded keys are zero in K8/VT, masked out of the softmax here
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, qscale, k_ptrs + n_full * HEAD_DIM, vt_ptrs + n_full,
+            kscale_ptr + n_full // KBLK_, n_full, Lk, BLOCK_N, QK_FP8, PV_FP8, True)
+
+    vscale = tl.load(VScale + pid_bh * HEAD_DIM + offs_d)  # amax_c / 448
+    vmean = tl.load(VMean + pid_bh * HEAD_DIM + offs_d)  # softmax rows sum to 1, so the mean adds back as is
+    out = acc * (1.0 / l_i)[:, None] * vscale[None, :] + vmean[None, :]
+    o_ptrs = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh \
+        + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < Lq)
+
+
+def attn_configs() -> list[triton.Config]:
+    """Small autotune set (Hopper first; the smaller tiles keep sm80/sm89 and short sequences covered)."""
+    out = []
+    for bm, bn, warps, stages in [
+        (128, 128, 8, 3),
+        (128, 64, 8, 3),
+        (128, 128, 8, 4),
+        (128, 64, 4, 4),
+        (64, 64, 4, 3),
+    ]:
+        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+    return out
+
+
+def make_autotuned_attn():
+    """attn_fwd_kernel wrapped in triton.autotune keyed on head dim and sequence buckets."""
+    kwargs = {}
+    try:  # Triton >= 3.3 can keep tuning results on disk across processes
+        import inspect
+
+        if "cache_results" in inspect.signature(triton.autotune).parameters:
+            kwargs["cache_results"] = True
+    except (TypeError, ValueError):
+        pass
+    return triton.autotune(configs=attn_configs(), key=["HEAD_DIM", "LQ_BUCKET", "LK_BUCKET", "QK_FP8", "PV_FP8"],
+                           **kwargs)(attn_fwd_kernel)

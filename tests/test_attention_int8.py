@@ -1,0 +1,240 @@
+"""8-bit attention: quantization math and its fp32 emulation on CPU, the Triton kernels under the Triton
+interpreter (subprocess, when triton is installed), and the real kernels against SDPA on a GPU (`cuda`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from comfyui_lowvram_dit.kernels import attention_int8 as A
+
+HAS_TRITON = A._triton_module() is not None
+
+
+def make_qkv(b: int, h: int, lq: int, lk: int, d: int, kind: str = "gauss", seed: int = 0,
+             dtype: torch.dtype = torch.bfloat16, device: str = "cpu"
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, H, L, D] inputs: "gauss" (zero-mean V: fp8's worst case) or "outlier" (see below)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, lq, d, generator=g)
+    k = torch.randn(b, h, lk, d, generator=g)
+    v = torch.randn(b, h, lk, d, generator=g)
+    if kind == "outlier":
+        # 4 channels 20-50x larger in Q and K, K with a large channel bias, then per-token RMSNorm as Wan and
+        # Qwen-Image apply before attention; V with a channel mean, as real activations have.
+        ch = torch.randperm(d, generator=g)[:4]
+        mult = torch.tensor([20.0, 30.0, 40.0, 50.0])
+        q[..., ch] *= mult
+        k[..., ch] = k[..., ch] * mult + 2 * mult
+        q = q / q.pow(2).mean(-1, keepdim=True).sqrt()
+        k = k / k.pow(2).mean(-1, keepdim=True).sqrt()
+        v = v + 0.5 * torch.randn(d, generator=g)
+    elif kind != "gauss":
+        raise ValueError(kind)
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
+
+
+def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """fp32 attention, the accuracy yardstick."""
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CPU: quantization math and the fp32 emulation
+
+
+def test_quantize_reference_ranges_scales_and_smoothing() -> None:
+    q, k, v = make_qkv(2, 3, 77, 129, 64, "outlier")
+    q_q, q_scale, k_q, k_scale, v_q, v_scale, v_mean = A.quantize_reference(q, k, v)
+    for t in (q_q, k_q):  # int8 values, full range used
+        assert torch.equal(t, t.round()) and t.abs().max() == 127
+    assert q_scale.shape == (2, 3, 77) and k_scale.shape == (2, 3, 2)  # 129 keys -> 2 blocks of 128
+    # Q: dequantized within half a step of the input (q_scale carries sm_scale*log2e)
+    step = q_scale / (64 ** -0.5 * A.LOG2E)
+    assert ((q_q * step[..., None] - q.float()).abs() <= step[..., None] * 0.5001).all()
+    # K: mean removed, then per 128-token block
+    k_c = k.float() - k.float().mean(dim=2, keepdim=True)
+    k_step = k_scale.repeat_interleave(128, dim=2)[:, :, :129]
+    assert ((k_q * k_step[..., None] - k_c).abs() <= k_step[..., None] * 0.5001).all()
+    # V: fp8 values of (v - mean) within e4m3's relative rounding (2^-4)
+    assert torch.allclose(v_mean, v.float().mean(dim=2))
+    v_c = v.float() - v_mean[:, :, None]
+    assert torch.allclose(v_q * v_scale[:, :, None], v_c, rtol=2 ** -4, atol=float(v_scale.max()) * 2 ** -9)
+    assert v_q.abs().max() <= 448
+
+
+@pytest.mark.parametrize("kind,qk,pv,budget", [
+    ("outlier", "int8", "fp8", 0.02),
+    ("outlier", "int8", "fp16", 0.02),
+    ("gauss", "int8", "fp16", 0.02),
+    # zero-mean random V is fp8's worst case: P and V rounding (3 mantissa bits) each add ~2.5%
+    ("gauss", "int8", "fp8", 0.05),
+])
+def test_reference_accuracy_vs_fp32(kind: str, qk: str, pv: str, budget: float) -> None:
+    q, k, v = make_qkv(1, 2, 300, 1000, 128, kind, seed=1)
+    err = A.relative_error(A.attention_int8_reference(q, k, v, qk_format=qk, pv_format=pv), exact(q, k, v))
+    assert err <= budget, f"{kind} {qk}/{pv}: rel err {err:.4f} > {budget}"
+
+
+def test_int8_qk_beats_fp8_qk_on_outliers() -> None:
+    """The measured reason DEFAULT_QK_FORMAT is int8 (e4m3 keeps 3 mantissa bits, int8 7)."""
+    q, k, v = make_qkv(1, 2, 256, 512, 128, "outlier", seed=2)
+    ref = exact(q, k, v)
+    e_int8 = A.relative_error(A.attention_int8_reference(q, k, v, qk_format="int8", pv_format="fp16"), ref)
+    e_fp8 = A.relative_error(A.attention_int8_reference(q, k, v, qk_format="fp8", pv_format="fp16"), ref)
+    assert e_int8 < 0.5 * e_fp8
+
+
+@pytest.mark.parametrize("b,h,lq,lk,d", [(1, 1, 1, 1, 64), (2, 2, 77, 513, 128), (1, 3, 200, 77, 64)])
+def test_reference_ragged_shapes(b: int, h: int, lq: int, lk: int, d: int) -> None:
+    q, k, v = make_qkv(b, h, lq, lk, d, "outlier", seed=3, dtype=torch.float16)
+    out = A.attention_int8_reference(q, k, v)
+    assert out.shape == q.shape and out.dtype == torch.float16
+    assert A.relative_error(out, exact(q, k, v)) <= 0.03
+
+
+def test_reference_single_key_is_exact_after_smoothing() -> None:
+    """Lk=1: smoothing zeroes K (all scores equal), softmax picks the one value; only the fp8 V rounding
+    remains, and with one key V - mean is 0, so the output is V itself."""
+    q, k, v = make_qkv(1, 2, 5, 1, 64)
+    out = A.attention_int8_reference(q, k, v)
+    assert torch.equal(out, v.expand_as(out))
+
+
+def test_reference_tile_size_and_layout() -> None:
+    q, k, v = make_qkv(2, 3, 50, 300, 64, "outlier", seed=4)
+    a = A.attention_int8_reference(q, k, v, block_n=128)
+    b = A.attention_int8_reference(q, k, v, block_n=64)
+    assert A.relative_error(a, b) < 0.01  # differs only by where fp8 P is rounded
+    blhd = A.attention_int8_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout="BLHD")
+    assert torch.equal(blhd.transpose(1, 2), a)
+
+
+def test_input_validation_and_support() -> None:
+    q, k, v = make_qkv(1, 2, 8, 8, 64)
+    with pytest.raises(ValueError, match="head dim"):
+        A.attention_int8_reference(q[..., :32], k[..., :32], v[..., :32])
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        A.attention_int8_reference(q.float(), k.float(), v.float())
+    with pytest.raises(ValueError, match="matching q"):
+        A.attention_int8_reference(q, k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match="layout"):
+        A.attention_int8_reference(q, k, v, layout="BHDL")  # type: ignore[arg-type]
+    assert not A.is_supported("cpu", torch.bfloat16, 128)
+    assert not A.is_supported("cuda", torch.float32, 128)
+    assert not A.is_supported("cuda", torch.bfloat16, 96)
+    if not A._interpreting():
+        with pytest.raises(ValueError, match="CUDA GPU"):
+            A.attention_int8(q, k, v)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The Triton kernels under TRITON_INTERPRET=1 (numpy), in a subprocess so the flag stays out of this process
+
+_INTERPRETER_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    from test_attention_int8 import make_qkv
+    from comfyui_lowvram_dit.kernels import attention_int8 as A
+    rows = []
+    for b, h, lq, lk, d, qk, pv, layout in json.loads(sys.argv[2]):
+        q, k, v = make_qkv(b, h, lq, lk, d, "outlier", seed=lq + lk)
+        if layout == "BLHD":
+            q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        out = A.attention_int8(q, k, v, layout=layout, qk_format=qk, pv_format=pv,
+                               config={"BLOCK_M": 64, "BLOCK_N": 64})
+        ref = A.attention_int8_reference(q, k, v, layout=layout, qk_format=qk, pv_format=pv, block_n=64)
+        rows.append({"shape": [b, h, lq, lk, d], "qk": qk, "pv": pv, "layout": layout,
+                     "same_shape": list(out.shape) == list(q.shape), "err_vs_ref": A.relative_error(out, ref)})
+    print("RESULT" + json.dumps(rows))
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed in this environment")
+def test_triton_kernels_under_interpreter() -> None:
+    cases = [
+        [1, 2, 77, 77, 64, "int8", "fp16", "BHLD"],
+        [2, 1, 65, 129, 128, "int8", "fp16", "BLHD"],  # ragged tail, B>1, Lq != Lk
+        [1, 1, 3, 1, 64, "int8", "fp16", "BHLD"],
+        [1, 1, 70, 200, 64, "int8", "fp8", "BHLD"],
+        [1, 1, 70, 200, 64, "fp8", "fp8", "BHLD"],
+    ]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT, os.path.dirname(__file__), json.dumps(cases)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for row in rows:
+        assert row["same_shape"], row
+        # int8/fp16 is emulated exactly (up to bf16 output rounding). The interpreter's fp32->fp8 cast (Triton
+        # 3.8) rounds values that carry into the next binade to the wrong power of two, so fp8 paths only get a
+        # loose bound here; an indexing or scaling bug gives errors near 100%. The GPU tests hold fp8 tight.
+        bound = 0.01 if row["pv"] == "fp16" else 0.25
+        assert row["err_vs_ref"] <= bound, row
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU
+
+
+def _cuda_formats() -> list[tuple[str, str]]:
+    if not torch.cuda.is_available():
+        return [("int8", "fp8")]
+    qk, pv = A.resolve_formats(torch.device("cuda"))
+    return [(qk, pv)] + ([("int8", "fp16")] if pv != "fp16" else [])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("b,h,lq,lk,d", [
+    (1, 2, 1, 1, 128), (1, 2, 77, 77, 64), (2, 3, 513, 513, 128), (2, 4, 1024, 512, 128),  # Wan cross-attn Lk
+    (1, 2, 32760, 32760, 128), (1, 2, 6889 + 128, 6889 + 128, 128), (2, 2, 300, 4000, 64),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_matches_emulation_and_fp32(b: int, h: int, lq: int, lk: int, d: int, dtype: torch.dtype) -> None:
+    assert A.is_supported("cuda", dtype, d)
+    for kind in ("outlier", "gauss"):
+        q, k, v = make_qkv(b, h, lq, lk, d, kind, seed=lq, dtype=dtype, device="cuda")
+        ref32 = exact(q, k, v)
+        for qk, pv in _cuda_formats():
+            out = A.attention_int8(q, k, v, qk_format=qk, pv_format=pv)
+            assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
+            emu = A.attention_int8_reference(q, k, v, qk_format=qk, pv_format=pv, block_n=64)
+            err_emu, err = A.relative_error(out, emu), A.relative_error(out, ref32)
+            # tile size and exp2 rounding move fp8 P a little; a real bug is far above 1.5%
+            assert err_emu <= 0.015, (kind, qk, pv, err_emu)
+            budget = 0.05 if (kind == "gauss" and pv == "fp8") else 0.02  # see test_reference_accuracy_vs_fp32
+            if lk == 1:
+                budget = 0.01
+            assert err <= budget, (kind, qk, pv, err)
+
+
+@pytest.mark.cuda
+def test_cuda_layouts_and_strides() -> None:
+    q, k, v = make_qkv(2, 4, 333, 555, 128, "outlier", device="cuda")
+    bhld = A.attention_int8(q, k, v)
+    blhd = A.attention_int8(*(t.transpose(1, 2).contiguous() for t in (q, k, v)), layout="BLHD")
+    assert blhd.shape == (2, 333, 4, 128)
+    assert torch.equal(blhd.transpose(1, 2), bhld)
+    # non-contiguous BHLD views (as a fused qkv projection yields) read through strides
+    qkv = torch.stack([q, k[:, :, :333], v[:, :, :333]], dim=-2)  # [B, H, L, 3, D]
+    out = A.attention_int8(qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :])
+    assert A.relative_error(out, exact(q, k[:, :, :333], v[:, :, :333])) <= 0.02
+
+
+@pytest.mark.cuda
+def test_cuda_fp8_qk_variant_runs() -> None:
+    if A.resolve_formats(torch.device("cuda"))[1] != "fp8":
+        pytest.skip("fp8 needs sm89+")
+    q, k, v = make_qkv(1, 2, 1000, 1000, 128, "outlier", device="cuda")
+    out = A.attention_int8(q, k, v, qk_format="fp8")
+    emu = A.attention_int8_reference(q, k, v, qk_format="fp8", block_n=64)
+    assert A.relative_error(out, emu) <= 0.015
+    assert math.isfinite(A.relative_error(out, exact(q, k, v)))
