@@ -157,6 +157,15 @@ def is_compile_failure(exc: BaseException) -> bool:
     return False
 
 
+def describe_failure(exc: BaseException) -> str:
+    """'out of memory: OutOfMemoryError: CUDA out of memory...' using the innermost cause dynamo wrapped."""
+    causes = list(_chain(exc))
+    inner = next((e for e in causes if isinstance(e, torch.OutOfMemoryError)), None)
+    inner = inner or getattr(exc, "inner_exception", None) or exc.__cause__ or exc
+    text = str(inner).strip().splitlines()[0][:300] if str(inner).strip() else ""
+    return f"{'out of memory' if is_oom(exc) else 'compiler error'}: {type(inner).__name__}: {text}"
+
+
 # ---------------------------------------------------------------------------------------------- regions
 
 
@@ -281,8 +290,7 @@ class CompiledRegions:
             except Exception as exc:
                 if not (is_oom(exc) or is_compile_failure(exc)) or not config.fallback:
                     raise
-                failure = f"{'out of memory' if is_oom(exc) else 'compiler error'}: " \
-                          f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+                failure = describe_failure(exc)
                 del exc  # drop the traceback's frames (and the activations they hold) before retrying
             if failure is None:
                 self._verified.add(id(root))
