@@ -1,0 +1,321 @@
+"""A real ComfyUI server for integration tests: started headless on CPU, driven over HTTP.
+
+How to run the integration tests (``comfyui`` marker) on this machine::
+
+    /work/cvenv/bin/pip install -e /work/main        # once: the tests import the pack's nodes too
+    COMFYUI_PATH=/work/main/.comfyui/ComfyUI /work/cvenv/bin/python -m pytest tests -m comfyui
+
+Anywhere else: ``COMFYUI_PATH`` = a ComfyUI >= 0.8.0 checkout (``git clone
+https://github.com/comfyanonymous/ComfyUI``, its ``requirements.txt`` installed into the Python
+that runs pytest, plus ``pip install -e .`` of this repo). ``COMFYUI_PYTHON`` picks another Python
+for the server (default: the one running pytest). ``COMFYUI_GPU=1`` drops ``--cpu``;
+``COMFYUI_EXTRA_ARGS`` is appended to the server's command line (shell syntax);
+``COMFYUI_START_TIMEOUT`` (seconds, default 180) bounds the start.
+
+Hermetic: ``--base-directory`` puts custom_nodes, models, input, output, temp and user in a temp
+dir (the checkout stays untouched and no other installed pack loads), the database is in memory,
+API nodes are off. Not covered by any flag: ComfyUI always reads ``<COMFYUI_PATH>/extra_model_paths.yaml``
+if that file exists (a warning says so). The pack is linked as ``custom_nodes/comfyui-lowvram-dit``
+(the Registry folder name) and, in a second import-only start (``--quick-test-for-ci``), under a
+git/zip-style name with dots and capitals, because users get either. Running two copies in one
+server would register every node id twice (the later silently wins), so that proves nothing.
+A ``comfyui_lowvram_dit`` that raises ImportError shadows the editable install inside the server,
+so an absolute self-import in the pack (which works only where the pack is pip-installed) fails
+here as it would for users.
+
+Identical prompts are served from ComfyUI's cache: vary an input (or a file name) per test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FIXTURE_NODES = Path(__file__).resolve().parent / "fixture_nodes"
+PACK_FOLDER = "comfyui-lowvram-dit"  # [project].name: where Registry / Manager installs put the pack
+ALT_PACK_FOLDER = "ComfyUI-LowVRAM-DiT-0.1.0"  # git clone / release-zip style: capitals, dots
+FIXTURE_FOLDER = "zz_lowvram_dit_test_nodes"
+MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras", "checkpoints", "clip_vision")
+
+SETUP_HINT = (
+    "point COMFYUI_PATH at a ComfyUI >= 0.8.0 checkout whose requirements are installed in this Python, "
+    "e.g. COMFYUI_PATH=/work/main/.comfyui/ComfyUI /work/cvenv/bin/python -m pytest tests -m comfyui "
+    "(elsewhere: git clone https://github.com/comfyanonymous/ComfyUI; pip install -r ComfyUI/requirements.txt; "
+    "pip install -e <this repo>)"
+)
+
+_SHADOW_INIT = (
+    "raise ImportError('the pack imported itself as comfyui_lowvram_dit; inside ComfyUI it lives in "
+    "custom_nodes/<any folder>, so use relative imports (from .kernels import ...)')\n"
+)
+
+
+def comfyui_path_or_reason() -> tuple[Path | None, str]:
+    """The ComfyUI checkout from ``COMFYUI_PATH``, or None and why integration tests must skip."""
+    raw = os.environ.get("COMFYUI_PATH", "").strip()
+    if not raw:
+        return None, f"COMFYUI_PATH not set: {SETUP_HINT}"
+    path = Path(raw).expanduser().resolve()
+    if not (path / "main.py").is_file():
+        return None, f"COMFYUI_PATH={raw} has no main.py: {SETUP_HINT}"
+    return path, ""
+
+
+def import_comfyui_in_process(comfy: Path) -> None:
+    """Make ``comfy``/``comfy_api`` importable in this (test) process, on CPU, as in ComfyUI's own unit tests."""
+    if str(comfy) not in sys.path:
+        sys.path.append(str(comfy))  # appended: ComfyUI's top-level names (utils, app) must not shadow others
+    from comfy.cli_args import args
+
+    args.cpu = True  # before comfy.model_management is imported, else CUDA-less machines crash
+
+
+def pack_import_problems(log: str, pack_dir: Path) -> list[str]:
+    """Log lines saying ComfyUI failed to import or register the pack at ``pack_dir``."""
+    path = re.escape(str(pack_dir))
+    patterns = [
+        rf"\(IMPORT FAILED\): {path}\s*$",
+        rf"Cannot import {path} module",
+        rf"Error while calling comfy_entrypoint in {path}\b",
+        rf"comfy_entrypoint in {path} (is not callable|did not return)",
+        rf"Skip {path} module",
+    ]
+    rx = re.compile("|".join(patterns))
+    return [line for line in log.splitlines() if rx.search(line)]
+
+
+def pack_import_line_seen(log: str, pack_dir: Path) -> bool:
+    """Whether ComfyUI's "Import times for custom nodes" list names ``pack_dir`` (it tried to load it)."""
+    rx = re.compile(rf"^\s*[\d.]+ seconds( \(IMPORT FAILED\))?: {re.escape(str(pack_dir))}\s*$", re.M)
+    return rx.search(log) is not None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _prepare_base(base: Path, pack_folder: str, with_fixture_nodes: bool) -> Path:
+    """Create the base directory layout with the pack (and fixture nodes) linked; returns the pack link."""
+    for sub in ("custom_nodes", "input", "output", "temp", "user", *(f"models/{m}" for m in MODEL_FOLDERS)):
+        (base / sub).mkdir(parents=True, exist_ok=True)
+    link = base / "custom_nodes" / pack_folder
+    link.symlink_to(REPO_ROOT, target_is_directory=True)
+    if with_fixture_nodes:
+        (base / "custom_nodes" / FIXTURE_FOLDER).symlink_to(FIXTURE_NODES, target_is_directory=True)
+    shadow = base / "pythonpath_shadow" / "comfyui_lowvram_dit"
+    shadow.mkdir(parents=True, exist_ok=True)
+    (shadow / "__init__.py").write_text(_SHADOW_INIT)
+    return link
+
+
+def _server_command(python: str, base: Path, extra: list[str]) -> list[str]:
+    cmd = [python, "main.py", "--base-directory", str(base), "--database-url", "sqlite:///:memory:",
+           "--disable-auto-launch", "--disable-api-nodes"]
+    if os.environ.get("COMFYUI_GPU", "") not in ("1", "true"):
+        cmd.append("--cpu")
+    return cmd + extra + shlex.split(os.environ.get("COMFYUI_EXTRA_ARGS", ""))
+
+
+def _server_env(base: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    shadow = str(base / "pythonpath_shadow")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (shadow, env.get("PYTHONPATH", "")) if p)
+    env.update(PYTHONUNBUFFERED="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return env
+
+
+def _tail(text: str, n: int = 6000) -> str:
+    return text[-n:]
+
+
+class ComfyServer:
+    """Client for one running ComfyUI; see the module docstring for how it is started."""
+
+    def __init__(self, url: str, base_dir: Path, log_path: Path, proc: subprocess.Popen, pack_dir: Path) -> None:
+        self.url = url
+        self.base_dir = base_dir
+        self.log_path = log_path
+        self.proc = proc
+        self.pack_dir = pack_dir  # custom_nodes/<PACK_FOLDER>, as ComfyUI names it in logs
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def log_text(self) -> str:
+        """Everything the server has logged so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def request(self, method: str, path: str, body: Any = None, timeout: float = 60) -> tuple[int, Any]:
+        """One HTTP request; returns (status, parsed JSON or text or None). Never raises on 4xx/5xx."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            status, raw = exc.code, exc.read()
+        if not raw:
+            return status, None
+        try:
+            return status, json.loads(raw)
+        except json.JSONDecodeError:
+            return status, raw.decode(errors="replace")
+
+    def get(self, path: str) -> Any:
+        """GET ``path``; asserts HTTP 200 and returns the parsed body."""
+        status, body = self.request("GET", path)
+        assert status == 200, f"GET {path} -> HTTP {status}: {body!r:.2000}"
+        return body
+
+    # -- contract API --------------------------------------------------------------------------
+    def object_info(self, node: str | None = None) -> dict:
+        """``/object_info`` for all nodes, or the info dict of ``node`` ({} if ComfyUI does not know it)."""
+        if node is None:
+            return self.get("/object_info")
+        return self.get(f"/object_info/{node}").get(node, {})
+
+    def post_prompt(self, api: dict) -> tuple[int, dict]:
+        """POST an API-format graph to ``/prompt``; returns (HTTP status, JSON reply)."""
+        status, body = self.request("POST", "/prompt", {"prompt": api, "client_id": uuid.uuid4().hex})
+        return status, body if isinstance(body, dict) else {"raw": body}
+
+    def run(self, api: dict, timeout: float = 600) -> dict:
+        """Queue ``api`` and wait for it; returns the ``/history`` entry, raises AssertionError on failure."""
+        status, reply = self.post_prompt(api)
+        if status != 200:
+            raise AssertionError(f"prompt rejected (HTTP {status}): {json.dumps(reply, indent=1)[:4000]}")
+        prompt_id = reply["prompt_id"]
+        deadline = time.monotonic() + timeout
+        while True:
+            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
+            if entry is not None and entry.get("status", {}).get("status_str") in ("success", "error"):
+                break
+            if self.proc.poll() is not None:
+                raise AssertionError(f"ComfyUI exited rc={self.proc.returncode} while running the prompt:\n"
+                                     f"{_tail(self.log_text())}")
+            if time.monotonic() > deadline:
+                self.interrupt()
+                raise AssertionError(f"prompt {prompt_id} not finished after {timeout:.0f} s (interrupted); "
+                                     f"log tail:\n{_tail(self.log_text(), 3000)}")
+            time.sleep(0.1)
+        if entry["status"]["status_str"] == "error":
+            raise AssertionError(self._execution_error(entry))
+        return entry
+
+    def free(self) -> None:
+        """Ask ComfyUI to unload models and free memory (applied before its next prompt)."""
+        status, _ = self.request("POST", "/free", {"unload_models": True, "free_memory": True})
+        assert status == 200, f"POST /free -> HTTP {status}"
+
+    def interrupt(self) -> None:
+        """Interrupt the running prompt."""
+        status, _ = self.request("POST", "/interrupt", {})
+        assert status == 200, f"POST /interrupt -> HTTP {status}"
+
+    @staticmethod
+    def _execution_error(entry: dict) -> str:
+        """The execution_error message of a failed history entry, with node and traceback tail."""
+        for kind, msg in entry["status"].get("messages", []):
+            if kind == "execution_error":
+                tb = "".join(msg.get("traceback", []))[-3000:]
+                return (f"node {msg.get('node_id')} ({msg.get('node_type')}) raised "
+                        f"{msg.get('exception_type')}: {msg.get('exception_message')}\n{tb}")
+            if kind == "execution_interrupted":
+                return f"prompt interrupted at node {msg.get('node_id')} ({msg.get('node_type')})"
+        return f"prompt failed without an execution_error message: {json.dumps(entry['status'])[:2000]}"
+
+
+def _start(comfy: Path, python: str, base: Path, extra: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "wb") as logf:  # the child keeps its own handle
+        return subprocess.Popen(_server_command(python, base, extra), cwd=comfy, stdout=logf,
+                                stderr=subprocess.STDOUT, env=_server_env(base))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def _check_alt_folder(proc: subprocess.Popen, log_path: Path, pack_dir: Path, timeout: float) -> None:
+    """Wait for the ``--quick-test-for-ci`` start and assert it imported the pack under the alt name."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        raise AssertionError(f"--quick-test-for-ci start did not exit in {timeout:.0f} s") from None
+    log = log_path.read_text(errors="replace")
+    problems = pack_import_problems(log, pack_dir)
+    if rc != 0 or problems or not pack_import_line_seen(log, pack_dir):
+        raise AssertionError(
+            f"the pack does not import from custom_nodes/{pack_dir.name} (rc={rc}): "
+            f"{problems or 'no import line for it'}\nlog tail:\n{_tail(log)}")
+
+
+@contextlib.contextmanager
+def comfy_server_session(comfy: Path, base: Path, python: str | None = None) -> Iterator[ComfyServer]:
+    """Start ComfyUI with the pack + fixture nodes under ``base`` (and the alt-name import check)."""
+    python = python or os.environ.get("COMFYUI_PYTHON") or sys.executable
+    timeout = float(os.environ.get("COMFYUI_START_TIMEOUT", "180"))
+    if (comfy / "extra_model_paths.yaml").is_file():
+        import warnings
+
+        warnings.warn(f"{comfy / 'extra_model_paths.yaml'} adds model paths to the test server", stacklevel=2)
+    pack_dir = _prepare_base(base / "main", PACK_FOLDER, with_fixture_nodes=True)
+    alt_dir = _prepare_base(base / "alt", ALT_PACK_FOLDER, with_fixture_nodes=False)
+    port = _free_port()
+    alt_log = base / "alt" / "comfyui.log"
+    # Both starts run at once: the import check costs no extra wall time on 2+ cores.
+    alt_proc = _start(comfy, python, base / "alt", ["--quick-test-for-ci"], alt_log)
+    log_path = base / "main" / "comfyui.log"
+    proc = _start(comfy, python, base / "main", ["--listen", "127.0.0.1", "--port", str(port)], log_path)
+    server = ComfyServer(f"http://127.0.0.1:{port}", base / "main", log_path, proc, pack_dir)
+    try:
+        _wait_ready(server, timeout)
+        problems = pack_import_problems(server.log_text(), pack_dir)
+        if problems or not pack_import_line_seen(server.log_text(), pack_dir):
+            raise AssertionError(f"ComfyUI did not import the pack from {pack_dir}: "
+                                 f"{problems or 'no import line for it'}\nlog tail:\n{_tail(server.log_text())}")
+        _check_alt_folder(alt_proc, alt_log, alt_dir, timeout)
+        yield server
+    finally:
+        _stop(alt_proc)
+        _stop(proc)
+
+
+def _wait_ready(server: ComfyServer, timeout: float) -> None:
+    """Poll ``/system_stats`` until it answers; raise with the log tail if ComfyUI dies or hangs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise AssertionError(f"ComfyUI exited rc={server.proc.returncode} during start:\n"
+                                 f"{_tail(server.log_text())}")
+        try:
+            with urllib.request.urlopen(server.url + "/system_stats", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(0.25)
+    _stop(server.proc)
+    raise AssertionError(f"ComfyUI did not answer /system_stats within {timeout:.0f} s:\n"
+                         f"{_tail(server.log_text())}")

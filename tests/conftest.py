@@ -1,0 +1,53 @@
+"""Shared pytest setup: marker skipping and the session-wide ``comfy_server`` fixture.
+
+Markers (declared in pyproject.toml):
+- ``comfyui``: needs ``COMFYUI_PATH`` (a ComfyUI >= 0.8.0 checkout); skipped without it. Tests that
+  use the ``comfy_server`` fixture get this marker automatically, so ``-m comfyui`` selects them.
+- ``cuda``: needs ``torch.cuda.is_available()``; skipped otherwise.
+
+Unit tests: ``python -m pytest tests`` (what CI runs, see ``.ci/run``). Integration tests:
+``COMFYUI_PATH=/work/main/.comfyui/ComfyUI /work/cvenv/bin/python -m pytest tests -m comfyui``
+(the pack must be pip-installed editable in that Python; details in ``tests/comfy_server.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import pytest
+from comfy_server import ComfyServer, comfy_server_session, comfyui_path_or_reason
+
+
+@functools.cache
+def _cuda_missing_reason() -> str:
+    """Why ``cuda`` tests must skip here ('' when a GPU is usable); imports torch only when asked."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return f"needs a CUDA GPU (torch {torch.__version__}, cuda available: False)"
+    return ""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``comfy_server`` users as ``comfyui``; skip ``comfyui``/``cuda`` tests this machine cannot run."""
+    _, comfy_reason = comfyui_path_or_reason()
+    for item in items:
+        if "comfy_server" in getattr(item, "fixturenames", ()) and item.get_closest_marker("comfyui") is None:
+            item.add_marker(pytest.mark.comfyui)
+        if comfy_reason and item.get_closest_marker("comfyui") is not None:
+            item.add_marker(pytest.mark.skip(reason=comfy_reason))
+        if item.get_closest_marker("cuda") is not None and _cuda_missing_reason():
+            item.add_marker(pytest.mark.skip(reason=_cuda_missing_reason()))
+
+
+@pytest.fixture(scope="session")
+def comfy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
+    """One ComfyUI for the whole run, with the pack and ``tests/fixture_nodes`` loaded (see comfy_server.py)."""
+    comfy, reason = comfyui_path_or_reason()
+    if comfy is None:
+        pytest.skip(reason)
+    with comfy_server_session(comfy, tmp_path_factory.mktemp("comfyui")) as server:
+        yield server

@@ -1,0 +1,179 @@
+"""The fixture nodes (ids ``LowVRAMTest_*``); imported only inside a running ComfyUI.
+
+Statistics nodes are output nodes that return their numbers as UI output, so a test reads them
+from ``ComfyServer.run(api)["outputs"][node_id]`` without saving files.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from comfy_api.latest import ComfyExtension, io
+
+CATEGORY = "lowvram_dit_tests"
+
+
+def _tensor_stats(t: torch.Tensor) -> dict[str, Any]:
+    """Shape, dtype, device and float64 moments of ``t`` (JSON-ready)."""
+    f = t.detach().to(device="cpu", dtype=torch.float64)
+    finite = bool(torch.isfinite(f).all())
+    return {
+        "shape": list(t.shape),
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "device": str(t.device),
+        "finite": finite,
+        "mean": float(f.mean()) if f.numel() else 0.0,
+        "std": float(f.std()) if f.numel() > 1 else 0.0,
+        "min": float(f.min()) if f.numel() else 0.0,
+        "max": float(f.max()) if f.numel() else 0.0,
+    }
+
+
+class RandomConditioning(io.ComfyNode):
+    """A CONDITIONING of Gaussian noise, so samplers run without a text encoder."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowVRAMTest_RandomConditioning",
+            display_name="Random Conditioning (test)",
+            category=CATEGORY,
+            inputs=[
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, tooltip="Seed of the CPU generator."),
+                io.Int.Input("length", default=16, min=1, max=4096, tooltip="Number of text tokens."),
+                # 4096 = umt5-xxl width that Wan's text_embedding expects; Qwen-Image takes 3584.
+                io.Int.Input("dim", default=4096, min=1, max=16384, tooltip="Embedding width."),
+                io.Float.Input("std", default=1.0, min=0.0, max=100.0, tooltip="Standard deviation."),
+            ],
+            outputs=[io.Conditioning.Output()],
+        )
+
+    @classmethod
+    def execute(cls, seed: int, length: int, dim: int, std: float) -> io.NodeOutput:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        cond = torch.randn((1, length, dim), generator=gen, dtype=torch.float32) * std
+        return io.NodeOutput([[cond, {}]])
+
+
+class ConditioningStats(io.ComfyNode):
+    """Reports each conditioning entry's tensor statistics and extra keys as UI output."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowVRAMTest_ConditioningStats",
+            display_name="Conditioning Stats (test)",
+            category=CATEGORY,
+            inputs=[io.Conditioning.Input("conditioning", tooltip="Conditioning to describe.")],
+            outputs=[],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, conditioning: list) -> io.NodeOutput:
+        stats = [{**_tensor_stats(c[0]), "keys": sorted(c[1].keys())} for c in conditioning]
+        return io.NodeOutput(ui={"conditioning_stats": stats})
+
+
+class LatentStats(io.ComfyNode):
+    """Reports the LATENT's ``samples`` statistics as UI output."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowVRAMTest_LatentStats",
+            display_name="Latent Stats (test)",
+            category=CATEGORY,
+            inputs=[io.Latent.Input("latent", tooltip="Latent to describe.")],
+            outputs=[],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, latent: dict) -> io.NodeOutput:
+        stats = {**_tensor_stats(latent["samples"]), "keys": sorted(latent.keys())}
+        return io.NodeOutput(ui={"latent_stats": [stats]})
+
+
+def _model_info(patcher: Any) -> dict[str, Any]:
+    """What a MODEL is made of and patched with: classes, dtypes, layer classes, wrappers, patches."""
+    model = patcher.model
+    diffusion_model = getattr(model, "diffusion_model", None)
+    modules = diffusion_model.modules() if diffusion_model is not None else model.modules()
+    layer_classes = Counter(f"{type(m).__module__}.{type(m).__qualname__}" for m in modules)
+    dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters())
+    devices = Counter(str(p.device) for p in model.parameters())
+    opts = patcher.model_options
+    t_opts = opts.get("transformer_options", {})
+    return {
+        "patcher_class": f"{type(patcher).__module__}.{type(patcher).__qualname__}",
+        "model_class": type(model).__name__,
+        "diffusion_model_class": type(diffusion_model).__name__ if diffusion_model is not None else None,
+        "parameter_dtypes": dict(dtypes),
+        "parameter_devices": dict(devices),
+        "layer_classes": dict(layer_classes),
+        "model_options_keys": sorted(opts.keys()),
+        "transformer_options_keys": sorted(t_opts.keys()),
+        # {wrapper type: {key: count}}, as comfy.patcher_extension stores them
+        "wrappers": {w: {k: len(v) for k, v in d.items()} for w, d in getattr(patcher, "wrappers", {}).items()},
+        "callbacks": {c: {k: len(v) for k, v in d.items()} for c, d in getattr(patcher, "callbacks", {}).items()},
+        "patches_replace": {k: sorted(map(str, v.keys())) for k, v in t_opts.get("patches_replace", {}).items()},
+        "object_patches": sorted(getattr(patcher, "object_patches", {}).keys()),
+        "weight_patches": len(getattr(patcher, "patches", {})),
+        "load_device": str(patcher.load_device),
+        "offload_device": str(patcher.offload_device),
+        "model_size_bytes": int(patcher.model_size()),
+    }
+
+
+class ModelInfo(io.ComfyNode):
+    """Reports what a MODEL is made of and patched with, so tests can check a pack node's effect."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowVRAMTest_ModelInfo",
+            display_name="Model Info (test)",
+            category=CATEGORY,
+            inputs=[io.Model.Input("model", tooltip="Model to describe.")],
+            outputs=[],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, model: Any) -> io.NodeOutput:
+        return io.NodeOutput(ui={"model_info": [_model_info(model)]})
+
+
+class Raise(io.ComfyNode):
+    """Raises ``RuntimeError(message)``: checks that failures reach the test with their message."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowVRAMTest_Raise",
+            display_name="Raise (test)",
+            category=CATEGORY,
+            inputs=[io.String.Input("message", default="boom", tooltip="Exception message.")],
+            outputs=[],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, message: str) -> io.NodeOutput:
+        raise RuntimeError(message)
+
+
+NODES = [RandomConditioning, ConditioningStats, LatentStats, ModelInfo, Raise]
+
+
+def make_extension() -> ComfyExtension:
+    """The ``ComfyExtension`` listing :data:`NODES`."""
+
+    class FixtureExtension(ComfyExtension):
+        async def get_node_list(self) -> list[type[io.ComfyNode]]:
+            return list(NODES)
+
+    return FixtureExtension()
