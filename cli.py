@@ -1,0 +1,45 @@
+"""Command line: ``python -m comfyui_lowvram_dit <command> ...``.
+
+Each command lives with its capability; this file only dispatches, importing the command's module
+when it is asked for so ``doctor`` works on a machine without Triton, CUDA or ComfyUI.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module relative to this package, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": (".kernels.doctor", "report versions, GPU, working fp8/attention paths and a recommendation"),
+    "synth": (".kernels.synth", "write synthetic checkpoints (real key names and shapes, random weights)"),
+    "run": (".runner", "run a shipped workflow headless in ComfyUI"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: python -m comfyui_lowvram_dit <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run 'python -m comfyui_lowvram_dit <command> --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to the command's ``cli(argv)`` and return its exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help", "help"}:
+        print(_usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name = COMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name, __package__)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.endswith(module_name.lstrip(".")):
+            print(f"command {name!r} is not available in this version of the pack", file=sys.stderr)
+            return 2
+        raise
+    return int(module.cli(rest) or 0)

@@ -1,0 +1,387 @@
+"""Run a workflow headless: ``python -m comfyui_lowvram_dit run WORKFLOW [options]``.
+
+Starts ComfyUI from a checkout (or uses one already running), converts the UI-format workflow to
+API format with comfy-cli against the server's own ``/object_info``, queues it, shows progress and
+prints where the outputs went. ``--synthetic tiny`` writes tiny random-weight models under the file
+names the workflow expects, so the whole path runs on a fresh machine without downloads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+PACK_DIR = Path(__file__).resolve().parent
+WORKFLOWS_DIR = PACK_DIR / "workflows"
+REGISTRY_FOLDER_NAME = "comfyui-lowvram-dit"
+
+# Official ComfyUI repackaged file names -> (model folder, synthetic model, synthetic format).
+KNOWN_MODEL_FILES: dict[str, tuple[str, str, str]] = {
+    "wan2.2_t2v_high_noise_14B_fp16.safetensors": ("diffusion_models", "wan22_t2v_14B", "fp16"),
+    "wan2.2_t2v_low_noise_14B_fp16.safetensors": ("diffusion_models", "wan22_t2v_14B", "fp16"),
+    "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors": ("diffusion_models", "wan22_t2v_14B", "fp8_scaled"),
+    "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors": ("diffusion_models", "wan22_t2v_14B", "fp8_scaled"),
+    "wan2.2_i2v_high_noise_14B_fp16.safetensors": ("diffusion_models", "wan22_i2v_14B", "fp16"),
+    "wan2.2_i2v_low_noise_14B_fp16.safetensors": ("diffusion_models", "wan22_i2v_14B", "fp16"),
+    "wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors": ("diffusion_models", "wan22_i2v_14B", "fp8_scaled"),
+    "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors": ("diffusion_models", "wan22_i2v_14B", "fp8_scaled"),
+    "wan2.2_ti2v_5B_fp16.safetensors": ("diffusion_models", "wan22_ti2v_5B", "fp16"),
+    "qwen_image_bf16.safetensors": ("diffusion_models", "qwen_image", "bf16"),
+    "qwen_image_fp8_e4m3fn.safetensors": ("diffusion_models", "qwen_image", "fp8"),
+    "umt5_xxl_fp16.safetensors": ("text_encoders", "umt5_xxl_enc", "fp16"),
+    "umt5_xxl_fp8_e4m3fn_scaled.safetensors": ("text_encoders", "umt5_xxl_enc", "fp8_scaled"),
+    "qwen_2.5_vl_7b.safetensors": ("text_encoders", "qwen25_vl_7b", "bf16"),
+    "qwen_2.5_vl_7b_fp8_scaled.safetensors": ("text_encoders", "qwen25_vl_7b", "fp8_scaled"),
+    "wan_2.1_vae.safetensors": ("vae", "wan21_vae", "bf16"),
+    "wan2.2_vae.safetensors": ("vae", "wan22_vae", "bf16"),
+    "qwen_image_vae.safetensors": ("vae", "wan21_vae", "bf16"),
+}
+MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras", "clip_vision")
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on; the message says what to do."""
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 30.0) -> tuple[int, dict]:
+    """GET (or POST ``payload`` as JSON) and return ``(status, parsed JSON)``; HTTP errors are returned, not raised."""
+    data = None if payload is None else json.dumps(payload).encode("utf-8")
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read()
+            return resp.status, (json.loads(body) if body else {})
+    except urllib.error.HTTPError as err:
+        body = err.read()
+        try:
+            return err.code, json.loads(body)
+        except json.JSONDecodeError:
+            return err.code, {"error": body.decode("utf-8", "replace")}
+
+
+@dataclass
+class ComfyServer:
+    """A ComfyUI server reachable at ``url``; ``process`` is set when this module started it."""
+
+    url: str
+    process: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    def log_text(self) -> str:
+        """The server log so far ("" for a server this module did not start)."""
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    def get(self, route: str, timeout: float = 30.0) -> dict:
+        """GET a JSON route; raises RunError on a non-200 answer."""
+        status, body = http_json(self.url + route, timeout=timeout)
+        if status != 200:
+            raise RunError(f"GET {route} answered {status}: {body}")
+        return body
+
+    def post_prompt(self, api: dict, client_id: str | None = None) -> tuple[int, dict]:
+        """POST an API-format graph to /prompt; returns (status, JSON)."""
+        return http_json(self.url + "/prompt", {"prompt": api, "client_id": client_id or uuid.uuid4().hex})
+
+    def wait_for_history(self, prompt_id: str, timeout: float, on_tick=None) -> dict:  # noqa: ANN001
+        """Poll /history until the prompt finished; returns its history entry."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
+            if entry and entry.get("status", {}).get("status_str") in {"success", "error"}:
+                return entry
+            if self.process is not None and self.process.poll() is not None:
+                raise RunError(f"ComfyUI exited (rc={self.process.returncode}) while running; log:\n{self.log_text()[-4000:]}")
+            if on_tick:
+                on_tick()
+            time.sleep(0.25)
+        raise RunError(f"prompt {prompt_id} did not finish within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        """Stop the server if this module started it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+def prepare_base_dir(base: Path, extra_custom_nodes: dict[str, Path] | None = None) -> None:
+    """Make a hermetic ComfyUI base directory with this pack linked into ``custom_nodes``."""
+    for sub in ("custom_nodes", "input", "output", "user", "temp", *(f"models/{f}" for f in MODEL_FOLDERS)):
+        (base / sub).mkdir(parents=True, exist_ok=True)
+    links = {REGISTRY_FOLDER_NAME: PACK_DIR, **(extra_custom_nodes or {})}
+    for name, target in links.items():
+        link = base / "custom_nodes" / name
+        if not link.exists():
+            link.symlink_to(target, target_is_directory=True)
+
+
+@contextmanager
+def start_comfyui(
+    comfyui_path: Path,
+    base_dir: Path,
+    *,
+    python: str | None = None,
+    cpu: bool = False,
+    extra_args: list[str] | None = None,
+    startup_timeout: float = 300.0,
+) -> Iterator[ComfyServer]:
+    """Start ComfyUI headless on a free loopback port; stop it on exit. Fails fast if it dies."""
+    main_py = comfyui_path / "main.py"
+    if not main_py.is_file():
+        raise RunError(f"{comfyui_path}: no main.py here; point --comfyui (or COMFYUI_PATH) at a ComfyUI checkout")
+    port = free_port()
+    cmd = [
+        python or sys.executable, str(main_py), "--listen", "127.0.0.1", "--port", str(port),
+        "--base-directory", str(base_dir), "--disable-auto-launch", "--database-url", "sqlite:///:memory:",
+        *(["--cpu"] if cpu else []), *(extra_args or []),
+    ]  # fmt: skip
+    log_path = base_dir / "comfyui.log"
+    logf = log_path.open("w")
+    proc = subprocess.Popen(
+        cmd, cwd=comfyui_path, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    server = ComfyServer(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RunError(f"ComfyUI exited at startup (rc={proc.returncode}); log:\n{server.log_text()[-4000:]}")
+            try:
+                if http_json(server.url + "/system_stats", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RunError(f"ComfyUI did not answer within {startup_timeout:.0f} s; log:\n{server.log_text()[-4000:]}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        server.stop()
+        logf.close()
+
+
+def pack_import_failure(log: str) -> str | None:
+    """The log line saying this pack failed to import, if there is one."""
+    for line in log.splitlines():
+        if ("IMPORT FAILED" in line or "Cannot import" in line) and REGISTRY_FOLDER_NAME in line:
+            return line.strip()
+    return None
+
+
+def resolve_workflow(name_or_path: str) -> Path:
+    """A workflow path, or the name of a shipped workflow (with or without ``.json``)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    shipped = WORKFLOWS_DIR / (name_or_path if name_or_path.endswith(".json") else name_or_path + ".json")
+    if shipped.is_file():
+        return shipped
+    names = sorted(f.stem for f in WORKFLOWS_DIR.glob("*.json"))
+    raise RunError(f"workflow {name_or_path!r} not found; shipped workflows: {', '.join(names) or '(none)'}")
+
+
+def referenced_model_files(workflow: dict) -> set[str]:
+    """Every ``*.safetensors`` name in a UI or API workflow's widget values / inputs."""
+    values: list[object] = []
+    if "nodes" in workflow:
+        for node in workflow["nodes"]:
+            wv = node.get("widgets_values")
+            values += list(wv.values()) if isinstance(wv, dict) else list(wv or [])
+    else:
+        for node in workflow.values():
+            values += list(node.get("inputs", {}).values())
+    return {v for v in values if isinstance(v, str) and v.endswith(".safetensors")}
+
+
+def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny") -> list[Path]:
+    """Write a synthetic model under each known file name (cached: an existing file is kept)."""
+    from .kernels.synth import write_synthetic
+
+    unknown = sorted(n for n in names if n not in KNOWN_MODEL_FILES)
+    if unknown:
+        raise RunError(
+            f"--synthetic cannot make {', '.join(unknown)}: not an official file name this runner knows "
+            f"({', '.join(sorted(KNOWN_MODEL_FILES))}); give real files with --models instead"
+        )
+    written = []
+    for name in sorted(names):
+        folder, model, fmt = KNOWN_MODEL_FILES[name]
+        path = models_dir / folder / name
+        if not path.exists():
+            print(f"  synthetic {size} {model} ({fmt}) -> {path}", flush=True)
+            write_synthetic(model, path, size=size, fmt=fmt)
+        written.append(path)
+    return written
+
+
+def extra_model_paths_yaml(models_dir: Path, path: Path) -> Path:
+    """An extra_model_paths.yaml that adds ``models_dir/<folder>`` for every model folder."""
+    lines = ["lowvram_dit_models:", f"    base_path: {json.dumps(str(models_dir))}"]
+    lines += [f"    {folder}: {folder}/" for folder in MODEL_FOLDERS]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def to_api(workflow: dict, object_info: dict) -> dict:
+    """Convert a UI-format workflow to API format with comfy-cli (API format passes through)."""
+    try:
+        from comfy_cli.workflow_to_api import convert_ui_to_api, is_api_format
+    except ImportError:
+        raise RunError("converting UI workflows needs comfy-cli: pip install comfy-cli") from None
+    return workflow if is_api_format(workflow) else convert_ui_to_api(workflow, object_info)
+
+
+def apply_overrides(api: dict, overrides: list[str]) -> dict:
+    """Apply ``NODE.INPUT=VALUE`` overrides; NODE is a node id, a title or a class_type (must be unique)."""
+    for item in overrides:
+        target, sep, raw = item.partition("=")
+        node_key, dot, input_name = target.rpartition(".")
+        if not sep or not dot or not node_key or not input_name:
+            raise RunError(f"--set {item!r}: expected NODE.INPUT=VALUE")
+        matches = [
+            nid for nid, n in api.items()
+            if node_key in (nid, n.get("class_type"), n.get("_meta", {}).get("title"))
+        ]  # fmt: skip
+        if len(matches) != 1:
+            raise RunError(f"--set {item!r}: {len(matches)} nodes match {node_key!r}; use the node id")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        api[matches[0]].setdefault("inputs", {})[input_name] = value
+    return api
+
+
+def output_files(entry: dict, output_dir: Path) -> list[Path]:
+    """Paths of the files a finished prompt wrote (images, videos, latents...)."""
+    found = []
+    for node_out in entry.get("outputs", {}).values():
+        for items in node_out.values():
+            for item in items if isinstance(items, list) else []:
+                if isinstance(item, dict) and "filename" in item and item.get("type", "output") == "output":
+                    found.append(output_dir / item.get("subfolder", "") / item["filename"])
+    return found
+
+
+def execution_error(entry: dict) -> str:
+    """ComfyUI's execution error message from a history entry ("" when none)."""
+    for kind, data in entry.get("status", {}).get("messages", []):
+        if kind == "execution_error":
+            return f"{data.get('node_type')} (node {data.get('node_id')}): {data.get('exception_message', '').strip()}"
+    return ""
+
+
+def run_workflow(server: ComfyServer, workflow: dict, overrides: list[str], output_dir: Path, timeout: float) -> list[Path]:
+    """Convert, queue and wait for one workflow; returns the output files."""
+    api = apply_overrides(to_api(workflow, server.get("/object_info", timeout=120)), overrides)
+    status, body = server.post_prompt(api)
+    if status != 200:
+        raise RunError(f"ComfyUI rejected the workflow ({status}): {json.dumps(body.get('node_errors') or body)[:2000]}")
+    prompt_id = body["prompt_id"]
+    print(f"queued prompt {prompt_id}", flush=True)
+    start = time.monotonic()
+    last = [0.0]
+
+    def tick() -> None:
+        if time.monotonic() - last[0] > 10:
+            last[0] = time.monotonic()
+            print(f"  ... running ({time.monotonic() - start:.0f} s)", flush=True)
+
+    entry = server.wait_for_history(prompt_id, timeout, tick)
+    if entry["status"]["status_str"] != "success":
+        raise RunError(f"the workflow failed: {execution_error(entry) or entry['status']}")
+    print(f"finished in {time.monotonic() - start:.1f} s", flush=True)
+    return output_files(entry, output_dir)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m comfyui_lowvram_dit run", description=__doc__.splitlines()[0])
+    p.add_argument("workflow", help="a workflow file, or the name of a shipped workflow (see workflows/)")
+    p.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="ComfyUI checkout (default: $COMFYUI_PATH)")
+    p.add_argument("--python", default=None, help="Python that runs ComfyUI (default: this one)")
+    p.add_argument("--url", default=None, help="use a running ComfyUI (e.g. http://127.0.0.1:8188) instead of starting one")
+    p.add_argument("--models", type=Path, default=None, help="folder with diffusion_models/ text_encoders/ vae/ loras/")
+    p.add_argument("--synthetic", choices=["tiny"], default=None, help="write tiny random-weight models for the workflow")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NODE.INPUT=VALUE")
+    p.add_argument("--output", type=Path, default=Path("lowvram_dit_output"), help="where outputs go (default: ./lowvram_dit_output)")
+    p.add_argument("--cpu", action="store_true", help="run ComfyUI on the CPU (default when no CUDA GPU is found)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the workflow")
+    p.add_argument("--keep", action="store_true", help="keep the temporary ComfyUI base directory")
+    return p
+
+
+def _cuda_available(python: str) -> bool:
+    code = "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([python, "-c", code], capture_output=True).returncode == 0
+
+
+def cli(argv: list[str]) -> int:
+    """Entry point of ``python -m comfyui_lowvram_dit run``."""
+    args = _parser().parse_args(argv)
+    try:
+        wf_path = resolve_workflow(args.workflow)
+        workflow = json.loads(wf_path.read_text())
+        output_dir = args.output.resolve()
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if args.url:
+            if args.synthetic or args.models:
+                raise RunError("--synthetic and --models need a ComfyUI started by the runner; drop --url")
+            server = ComfyServer(args.url.rstrip("/"))
+            files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout)
+        else:
+            if not args.comfyui:
+                raise RunError("no ComfyUI: pass --comfyui PATH or set COMFYUI_PATH (or --url for a running one)")
+            base = Path(tempfile.mkdtemp(prefix="lowvram_dit_run_"))
+            try:
+                prepare_base_dir(base)
+                extra = ["--output-directory", str(output_dir)]
+                models_dir = args.models
+                if args.synthetic:
+                    models_dir = Path(os.environ.get("LOWVRAM_DIT_CACHE", Path.home() / ".cache" / "comfyui_lowvram_dit")) / "synthetic" / args.synthetic
+                    print(f"writing synthetic models ({args.synthetic}) to {models_dir}", flush=True)
+                    write_synthetic_models(referenced_model_files(workflow), models_dir, args.synthetic)
+                if models_dir:
+                    extra += ["--extra-model-paths-config", str(extra_model_paths_yaml(models_dir.resolve(), base / "extra_model_paths.yaml"))]
+                python = args.python or sys.executable
+                cpu = args.cpu or not _cuda_available(python)
+                print(f"starting ComfyUI from {args.comfyui}{' on the CPU' if cpu else ''} ...", flush=True)
+                with start_comfyui(Path(args.comfyui), base, python=python, cpu=cpu, extra_args=extra) as server:
+                    failure = pack_import_failure(server.log_text())
+                    if failure:
+                        raise RunError(f"the pack failed to import in ComfyUI: {failure}")
+                    files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout)
+            finally:
+                if not args.keep:
+                    shutil.rmtree(base, ignore_errors=True)
+    except RunError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    for f in files:
+        print(f"output: {f}")
+    if not files:
+        print("the workflow finished but wrote no output files")
+    return 0
