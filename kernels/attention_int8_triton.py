@@ -156,7 +156,8 @@ def _attn_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+# Lengths vary per call; specialising them (divisibility by 16) would recompile per model resolution.
+@triton.jit(do_not_specialize=["Lq", "Lk", "LQ_BUCKET", "LK_BUCKET"])
 def attn_fwd_kernel(
     Q8, QScale, K8, KScale, VT, VScale, VMean, Out,
     stride_ob, stride_oh, stride_om, stride_od,

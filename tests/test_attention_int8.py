@@ -222,7 +222,7 @@ def test_cuda_layouts_and_strides() -> None:
     bhld = A.attention_int8(q, k, v)
     blhd = A.attention_int8(*(t.transpose(1, 2).contiguous() for t in (q, k, v)), layout="BLHD")
     assert blhd.shape == (2, 333, 4, 128)
-    assert torch.equal(blhd.transpose(1, 2), bhld)
+    assert A.relative_error(blhd.transpose(1, 2), bhld) < 1e-3  # only the mean's reduction order differs
     # non-contiguous BHLD views (as a fused qkv projection yields) read through strides
     qkv = torch.stack([q, k[:, :, :333], v[:, :, :333]], dim=-2)  # [B, H, L, 3, D]
     out = A.attention_int8(qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :])

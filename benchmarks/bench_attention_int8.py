@@ -1,0 +1,233 @@
+"""8-bit attention (kernels/attention_int8.py) vs torch SDPA cuDNN / flash at Wan 2.2 and Qwen-Image shapes.
+
+Run on the GPU box from the repo root (about 2 minutes; --quick about 1):
+    python -m comfyui_lowvram_dit.benchmarks.bench_attention_int8 [--quick] [--no-sweep]
+Per shape and backend: median ms (CUDA events, via benchmarks/harness.time_fn), TFLOP/s = 4*B*H*Lq*Lk*D / t,
+speedup vs cuDNN, relative error vs fp32 math on a 2-head slice for Gaussian and outlier-heavy inputs; the
+prologue (quantization) alone; the configs the autotuner chose; and (default) a sweep of fixed tile configs
+at Wan 480p. Writes benchmarks/results/bench_attention_int8[_quick].json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from comfyui_lowvram_dit.benchmarks import harness
+from comfyui_lowvram_dit.kernels import attention_int8 as A
+
+# (B, H, Lq, Lk, D); token counts from shared/research/model-facts-wan22-qwenimage.md
+SHAPES: dict[str, tuple[int, int, int, int, int]] = {
+    "wan14b_480p_self": (1, 40, 32760, 32760, 128),  # 832x480x81 -> 21 x 60 x 104 / (1x2x2) patches
+    "wan14b_480p_cross": (1, 40, 32760, 512, 128),  # umT5 text context, 512 tokens
+    "qwen_image_1328_joint": (1, 24, 6889 + 128, 6889 + 128, 128),  # 83x83 patches + text
+    "wan14b_720p_self": (1, 40, 75600, 75600, 128),  # 1280x720x81 -> 21 x 90 x 160 / 4
+}
+QUICK_SHAPES = ("wan14b_480p_self", "wan14b_480p_cross")
+OURS = {"int8_fp8": ("int8", "fp8"), "fp8_fp8": ("fp8", "fp8"), "int8_fp16": ("int8", "fp16")}
+ERR_HEADS = 2
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def make_inputs(b: int, h: int, lq: int, lk: int, d: int, kind: str, seed: int = 0):
+    """bf16 [B, H, L, D] on the GPU; "outlier": 4 channels 20-50x, K channel bias, per-token RMSNorm."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, h, lq, d, device="cuda", generator=g)
+    k = torch.randn(b, h, lk, d, device="cuda", generator=g)
+    v = torch.randn(b, h, lk, d, device="cuda", generator=g)
+    if kind == "outlier":
+        ch = torch.randperm(d, device="cuda", generator=g)[:4]
+        mult = torch.tensor([20.0, 30.0, 40.0, 50.0], device="cuda")
+        q[..., ch] *= mult
+        k[..., ch] = k[..., ch] * mult + 2 * mult
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True))
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True))
+        v = v + 0.5 * torch.randn(d, device="cuda", generator=g)
+    return q.bfloat16(), k.bfloat16(), v.bfloat16()
+
+
+def backend_fn(name: str, config: dict | None = None):
+    """callable(q, k, v) -> out for a backend name."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name in ("sdpa_cudnn", "sdpa_flash"):
+        which = SDPBackend.CUDNN_ATTENTION if name == "sdpa_cudnn" else SDPBackend.FLASH_ATTENTION
+
+        def run(q, k, v):
+            with sdpa_kernel(which):
+                return F.scaled_dot_product_attention(q, k, v)
+        return run
+    if name == "prologue":
+        qk, pv = A.resolve_formats(torch.device("cuda"))
+        return lambda q, k, v: A.quantize_qkv(q, k, v, qk_format=qk, pv_format=pv)
+    qk, pv = OURS[name]
+    return lambda q, k, v: A.attention_int8(q, k, v, qk_format=qk, pv_format=pv, config=config)
+
+
+def rel_errors(fn, shape: tuple[int, ...]) -> dict[str, float]:
+    """Relative error vs fp32 math on the first ERR_HEADS heads, Gaussian and outlier-heavy inputs."""
+    b, h, lq, lk, d = shape
+    out = {}
+    for kind in ("gauss", "outlier"):
+        q, k, v = make_inputs(b, min(h, ERR_HEADS), lq, lk, d, kind, seed=1)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        out[f"err_{kind}"] = A.relative_error(fn(q, k, v), ref)
+        del ref
+    return out
+
+
+def measure(name: str, shape: tuple[int, ...], repeats: int, warmup: int, config: dict | None = None,
+            errors: bool = True) -> dict:
+    """One (backend, shape) row; failures become rows with an error."""
+    b, h, lq, lk, d = shape
+    row: dict = {"backend": name, "shape": list(shape), "config": config}
+    try:
+        fn = backend_fn(name, config)
+        q, k, v = make_inputs(b, h, lq, lk, d, "gauss")
+        t0 = time.perf_counter()
+        fn(q, k, v)  # first call: compile + autotune for ours
+        torch.cuda.synchronize()
+        row["first_call_s"] = round(time.perf_counter() - t0, 2)
+        times = harness.time_fn(lambda: fn(q, k, v), q.device, repeats, warmup)
+        row["time_ms"] = statistics.median(times)
+        if name != "prologue":
+            row["tflops"] = 4 * b * h * lq * lk * d / (row["time_ms"] * 1e-3) / 1e12
+            if errors:
+                row.update(rel_errors(fn, shape))
+        del q, k, v
+    except Exception as exc:  # a backend that cannot run here is a result, not a crash
+        row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    torch.cuda.empty_cache()
+    return row
+
+
+def check_correctness() -> list[dict]:
+    """Small shapes first, so a broken kernel shows up before the long timings."""
+    rows = []
+    for shape in [(1, 2, 1, 1, 128), (2, 3, 77, 513, 64), (1, 4, 1000, 512, 128), (2, 2, 4097, 4097, 128)]:
+        for name in OURS:
+            qk, pv = OURS[name]
+            row = {"shape": list(shape), "backend": name}
+            try:
+                q, k, v = make_inputs(*shape, "outlier", seed=3)
+                out = A.attention_int8(q, k, v, qk_format=qk, pv_format=pv)
+                emu = A.attention_int8_reference(q, k, v, qk_format=qk, pv_format=pv, block_n=64)
+                ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+                row.update(err_vs_emulation=A.relative_error(out, emu), err_vs_fp32=A.relative_error(out, ref))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            say(f"  check {name:10s} {shape}: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                                                            for k, v in row.items() if k not in ("shape", "backend")))
+            rows.append(row)
+    return rows
+
+
+def sweep_configs(shape: tuple[int, ...], repeats: int) -> list[dict]:
+    """Fixed tile configs at one shape (what autotune chooses among, plus a few)."""
+    from comfyui_lowvram_dit.kernels import attention_int8_triton as tk
+
+    configs = [{"BLOCK_M": c.kwargs["BLOCK_M"], "BLOCK_N": c.kwargs["BLOCK_N"], "num_warps": c.num_warps,
+                "num_stages": c.num_stages} for c in tk.attn_configs()]
+    configs += [{"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+                {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4}]
+    rows = []
+    for name in ("int8_fp8", "fp8_fp8"):
+        for cfg in configs:
+            row = measure(name, shape, repeats, 2, config=cfg, errors=False)
+            say(f"  sweep {name} {cfg}: " + (f"{row['time_ms']:.2f} ms, {row['tflops']:.0f} TFLOP/s"
+                                              if "time_ms" in row else row.get("error", "")))
+            rows.append(row)
+    return rows
+
+
+def to_markdown(report: dict) -> str:
+    env = report["env"]
+    lines = ["# bench_attention_int8", ""]
+    for key in ("device_name", "compute_capability", "torch", "triton", "git_sha", "timestamp", "command"):
+        if env.get(key) is not None:
+            lines.append(f"- {key}: `{env[key]}`")
+    lines += ["- time: median of CUDA-event timings; TFLOP/s = 4·B·H·Lq·Lk·D / t; errors: ‖out − fp32‖ / ‖fp32‖ "
+              f"on {ERR_HEADS} heads", "", "| shape | backend | ms | TFLOP/s | vs cuDNN | err gauss | err outlier | "
+              "first call s | note |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        f = lambda key, fmt: (fmt.format(r[key]) if isinstance(r.get(key), (int, float)) else "—")  # noqa: E731
+        lines.append(f"| {r['shape_name']} | {r['backend']} | {f('time_ms', '{:.2f}')} | {f('tflops', '{:.0f}')} | "
+                     f"{f('speedup_vs_cudnn', '{:.2f}x')} | {f('err_gauss', '{:.4f}')} | {f('err_outlier', '{:.4f}')} | "
+                     f"{f('first_call_s', '{:.1f}')} | {r.get('error', '')[:120]} |")
+    if report.get("sweep"):
+        lines += ["", "## Fixed configs at Wan 480p", "", "| backend | config | ms | TFLOP/s |", "|---|---|---|---|"]
+        for r in report["sweep"]:
+            lines.append(f"| {r['backend']} | {r['config']} | {r.get('time_ms', float('nan')):.2f} | "
+                         f"{r.get('tflops', float('nan')):.0f} |")
+    lines += ["", "## Autotuner picks", "", "```", json.dumps(report["autotune"], indent=1), "```", ""]
+    lines += ["## Correctness checks (outlier inputs)", "", "```",
+              *[json.dumps(r) for r in report["checks"]], "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="correctness + Wan 480p self/cross only")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the fixed-config sweep")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        say("bench_attention_int8: needs a CUDA GPU")
+        return 2
+    dev = torch.device("cuda")
+    env = {**harness.parent_environment(argv if argv is not None else sys.argv), **harness.child_environment(dev)}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    env["formats_auto"] = list(A.resolve_formats(dev)) if A.is_supported(dev, torch.bfloat16, 128) else None
+    say(f"device {env.get('device_name')} (sm{env.get('compute_capability')}), torch {env['torch']}, "
+        f"triton {env['triton']}, auto formats {env['formats_auto']}")
+
+    say("correctness:")
+    checks = check_correctness()
+    names = ["sdpa_cudnn", "sdpa_flash", *OURS, "prologue"]
+    rows = []
+    for shape_name in (QUICK_SHAPES if args.quick else SHAPES):
+        shape = SHAPES[shape_name]
+        say(f"{shape_name} {shape}:")
+        repeats = args.repeats if shape[2] * shape[3] < 2e9 else max(3, args.repeats // 2)
+        cudnn_ms = None
+        for name in names:
+            row = measure(name, shape, repeats, 2)
+            row["shape_name"] = shape_name
+            if name == "sdpa_cudnn":
+                cudnn_ms = row.get("time_ms")
+            if cudnn_ms and row.get("time_ms") and name != "prologue":
+                row["speedup_vs_cudnn"] = cudnn_ms / row["time_ms"]
+            say(f"  {name:10s} " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in row.items() if k not in ("shape", "shape_name", "backend")))
+            rows.append(row)
+    sweep = [] if args.no_sweep else (say("config sweep, Wan 480p:") or sweep_configs(SHAPES["wan14b_480p_self"],
+                                                                                      max(3, args.repeats // 2)))
+    report = {"bench": "bench_attention_int8", "env": env, "rows": rows, "sweep": sweep,
+              "autotune": A.chosen_configs(), "checks": checks}
+    say(f"autotuner picks: {json.dumps(report['autotune'], indent=1)}")
+    stem = "bench_attention_int8" + ("_quick" if args.quick else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+    (args.out / f"{stem}.md").write_text(to_markdown(report), encoding="utf-8")
+    say(f"wrote {args.out / stem}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
