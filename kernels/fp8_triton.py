@@ -169,11 +169,13 @@ def quantize_tensorwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def blockwise_gemm_supported(block_size: int, out_features: int, in_features: int) -> bool:
-    """Whether triton_blockwise can run this weight layout (set when the Triton block GEMM is present)."""
+    """Whether path "triton_blockwise" can run a layout. No Triton block GEMM ships yet, so never: block-wise
+    weights off SM90 dequantize (select_path never picks this path)."""
     return False
 
 
 def blockwise_linear(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                      block_size: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """Block-wise fp8 linear through the Triton GEMM."""
-    raise NotImplementedError("triton_blockwise is not implemented yet; use path='dequantize'")
+    """Block-wise fp8 linear through a Triton GEMM: not available in this version (see blockwise_gemm_supported)."""
+    raise ValueError("fp8 path 'triton_blockwise' is not available in this version of the pack; "
+                     "use path=None (auto) or 'dequantize' for block-wise weights on this GPU")
