@@ -208,6 +208,22 @@ def test_write_streams_tensor_by_tensor(tmp_path: Path, monkeypatch: pytest.Monk
     assert alive["peak"] <= 5 * alive["largest"] and alive["peak"] < total / 3
 
 
+def test_write_failure_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"n": 0}
+    real_write = synth.StreamingSafetensorsWriter.write
+
+    def failing(self, name, tensor):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError("disk full (simulated)")
+        return real_write(self, name, tensor)
+
+    monkeypatch.setattr(synth.StreamingSafetensorsWriter, "write", failing)
+    with pytest.raises(OSError, match="disk full"):
+        synth.write_synthetic("wan22_t2v_14B", tmp_path / "f.safetensors", "tiny")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert synth.cli(["--list"]) == 0
     assert "wan22_t2v_14B" in capsys.readouterr().out
@@ -221,3 +237,21 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert synth.cli(["wan21_vae", "wan22_vae", "--output", str(out)]) == 2
     with pytest.raises(SystemExit):
         synth.cli(["nope-model-format", "--format", "int3"])
+
+
+@pytest.mark.cuda
+def test_cuda_generation(tmp_path: Path) -> None:
+    """CUDA generator path: same layout and outlier channels as on CPU, file == in-memory state dict."""
+    sd = synth.synthetic_state_dict("wan22_t2v_14B", "tiny", "fp8_scaled", seed=2, device="cuda")
+    assert all(t.device.type == "cuda" for t in sd.values())
+    assert [(n, tuple(t.shape), t.dtype) for n, t in sd.items()] == [
+        (n, tuple(s), d) for n, s, d in synth.file_layout("wan22_t2v_14B", "tiny", "fp8_scaled")
+    ]
+    w = synth.synthetic_tensor("blocks.0.ffn.2.weight", (256, 2048), torch.float32, seed=2, device="cuda")
+    idx, _ = synth.outlier_channels("blocks.0.ffn.2.weight", (256, 2048), seed=2)
+    col_amax = w.abs().amax(dim=0).cpu()
+    assert set(col_amax.topk(len(idx)).indices.tolist()) == set(idx.tolist())
+    path = synth.write_synthetic("wan22_t2v_14B", tmp_path / "c.safetensors", "tiny", "fp8_scaled", seed=2,
+                                 device="cuda")
+    for name, t in iter_tensors(read_header(path)):
+        assert torch.equal(t.reshape(-1).view(torch.uint8), sd[name].cpu().reshape(-1).view(torch.uint8)), name
