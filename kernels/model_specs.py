@@ -15,6 +15,9 @@ releases as ComfyUI instantiates them: bf16 everywhere, Wan `patch_embedding` fp
 - umT5-XXL and Qwen2.5-VL-7B: ComfyUI builds them from fixed configs (umt5_config_xxl.json,
   llama.Qwen25_7BVLI_Config) and loads with strict=False, so any missing tensor would stay uninitialised
   -> tiny == full.
+File sizes of "tiny" (`python -m comfyui_lowvram_dit synth --list`): Wan DiTs 6.6 MB bf16 (Wan 2.1 I2V 11 MB),
+Qwen-Image 761 MB bf16 / 380 MB fp8, Wan 2.1 VAE 14 MB fp32; fixed by ComfyUI: Wan 2.2 VAE 2.8 GB fp32 /
+1.4 GB fp16, umT5 11.4 GB bf16 / 6.7 GB fp8_scaled, Qwen2.5-VL 15.5 GB bf16 / 8.3 GB fp8_scaled.
 """
 
 from __future__ import annotations
