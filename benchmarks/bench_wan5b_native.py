@@ -93,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny synthetic model, 64x64x5, on the CPU: tests the whole flow without a GPU")
     args = parser.parse_args(argv)
-    argv_used = [a for a in sys.argv] if argv is None else ["-m", TARGET.split(":")[0], *argv]
+    module = TARGET.split(":")[0]
+    if argv is None:  # record "-m module" when run that way (python rewrites argv[0] to the file path)
+        argv_used = (["-m", module] if __package__ else sys.argv[:1]) + sys.argv[1:]
+    else:
+        argv_used = ["-m", module, *argv]
     if args.smoke:
         res, bench, repeats, warmup = ["480p"], "wan5b_native_smoke", min(args.repeats, 2), min(args.warmup, 1)
     else:

@@ -113,8 +113,9 @@ def comfyui_version(comfyui_path: str | os.PathLike | None = None) -> str | None
 def parent_environment(argv: list[str] | None = None) -> dict:
     """Facts the parent knows without touching the GPU: command, git sha, Python, ComfyUI."""
     argv = list(sys.argv if argv is None else argv)
+    prefix = [f"COMFYUI_PATH={os.environ['COMFYUI_PATH']}"] if os.environ.get("COMFYUI_PATH") else []
     return {
-        "command": shlex.join([sys.executable, *argv]),
+        "command": shlex.join([*prefix, sys.executable, *argv]),
         "cwd": os.getcwd(),
         "git_sha": git_sha(),
         "python": platform.python_version(),

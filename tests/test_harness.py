@@ -106,7 +106,7 @@ def test_failures_are_recorded_and_reports_carry_the_environment(targets: str, t
     for key in ("device_name", "torch", "python", "git_sha", "command", "comfyui_version", "timestamp"):
         assert env.get(key), key
     assert env["comfyui_version"] == "0.8.0"
-    assert env["command"].endswith("bench.py --flag") and env["command"].startswith(sys.executable)
+    assert env["command"] == f"COMFYUI_PATH={comfy} {sys.executable} bench.py --flag"
     assert [v["name"] for v in data["variants"]] == [v.name for v in variants]
     md = (out / "fail.md").read_text()
     assert "| raises | error |" in md and "planted failure" in md and "comfyui_version: 0.8.0" in md

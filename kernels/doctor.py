@@ -1,0 +1,715 @@
+"""The Doctor: what this machine has, which fast paths really work here, and what to use.
+
+One report: versions (Python, torch, CUDA, numpy, safetensors, triton, ComfyUI, optional attention
+libraries), the GPU (name, compute capability, VRAM), system and pinnable RAM, which fp8 matmul paths
+run AND match their fp32 emulation on a tiny GEMM, which attention backends import AND match an fp32
+reference on a tiny call, known-bad version combinations (only sourced ones), and a recommendation
+(fp8 path, attention backend, blocks to swap per model). Every probe is guarded: without a GPU (or with
+a broken library) the report says what was skipped or failed, and ``collect`` never raises.
+
+Plain torch; never imports ComfyUI (its version is read from ``comfyui_version.py`` or passed in by the
+node). ``cli(argv)`` backs ``python -m comfyui_lowvram_dit doctor [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+GIB = float(1 << 30)
+# Tolerances vs an fp32 reference. fp8 paths are compared with kernels.fp8's exact emulation of the same
+# quantization, so only output rounding (bf16: 2^-8) remains; attention tolerances come from kernels.attention.
+FP8_TOLERANCE = 0.02
+ATTN_EXACT_TOLERANCE = 0.03  # bf16 kernels ~0.4 % (measured-h200-2026-11-21.md)
+ATTN_QUANT_TOLERANCE = 0.08  # SageAttention 1: 1.4 % (same source)
+PIN_TEST_MIB = 256  # bounded pinned-allocation + H2D copy test: ~5 ms of PCIe time on a Gen4/Gen5 host
+
+# Weight bytes per model (GB = 1e9; model-facts-wan22-qwenimage.md §5.1) and the B=1 activation working set at
+# the named size (§5.2, FFN phase). Used only for the starting-point swap recommendation.
+SWAP_MODELS: dict[str, dict[str, Any]] = {
+    "wan22_14B (one expert), 832x480x81": {"blocks": 40, "block_gb": {"bf16": 0.703, "fp8": 0.352},
+                                            "nonblock_gb": 0.465, "activations_gib": 2.6},
+    "wan22_ti2v_5B, 1280x704x121": {"blocks": 30, "block_gb": {"bf16": 0.327, "fp8": 0.164},
+                                     "nonblock_gb": 0.180, "activations_gib": 1.9},
+    "qwen_image, 1328x1328": {"blocks": 60, "block_gb": {"bf16": 0.680, "fp8": 0.340},
+                              "nonblock_gb": 0.081, "activations_gib": 0.44},
+}
+# ComfyUI v0.8.0 model_management: EXTRA_RESERVED_VRAM 400 MB (600 MB Windows) + minimum_inference_memory 0.8 GiB.
+COMFY_RESERVED_GIB = {"linux": 0.4 * 1e9 / GIB, "windows": 0.6 * 1e9 / GIB}
+COMFY_MIN_INFERENCE_GIB = 0.8
+# ComfyUI v0.8.0 MAX_PINNED_MEMORY: 95 % of RAM on Linux, 45 % on Windows (comfyui-core-0.8.md §4.1).
+COMFY_PIN_FRACTION = {"linux": 0.95, "windows": 0.45}
+
+
+def _guard(fn: Callable[[], Any], default: Any = None) -> tuple[Any, str | None]:
+    """Run a probe; return (value, None) or (default, "ExcType: message")."""
+    try:
+        return fn(), None
+    except Exception as exc:  # a probe's failure is a finding, never a crash
+        return default, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+
+
+def _os_kind() -> str:
+    return "windows" if sys.platform.startswith("win") else "linux" if sys.platform.startswith("linux") else sys.platform
+
+
+def _version_tuple(version: str | None) -> tuple[int, ...]:
+    """'2.11.0+cu130' -> (2, 11, 0); None or unparsable -> ()."""
+    if not version:
+        return ()
+    return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+# --------------------------------------------------------------------------------------------------
+# Versions
+
+
+def dist_version(*names: str) -> str | None:
+    """Installed version of the first distribution found among ``names`` (metadata only, no import)."""
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        except Exception:  # a broken dist-info must not break the report
+            continue
+    return None
+
+
+def read_comfyui_version(comfyui_path: str | os.PathLike | None) -> str | None:
+    """``__version__`` from ``<comfyui_path>/comfyui_version.py``, read as text (ComfyUI is never imported)."""
+    if not comfyui_path:
+        return None
+    try:
+        text = (Path(comfyui_path) / "comfyui_version.py").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    match = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", text)
+    return match.group(1) if match else None
+
+
+def collect_versions(comfyui_version: str | None, comfyui_path: str | None) -> dict:
+    """Python, platform, torch/CUDA/cuDNN and the libraries the pack can use."""
+    import torch
+
+    from .. import __version__ as pack_version
+
+    cudnn, _ = _guard(lambda: torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
+    return {
+        "pack": pack_version,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "torch_hip": getattr(torch.version, "hip", None),
+        "cudnn": cudnn,
+        "numpy": dist_version("numpy"),
+        "safetensors": dist_version("safetensors"),
+        "triton": dist_version("triton", "triton-windows", "pytorch-triton"),
+        "comfyui": comfyui_version or read_comfyui_version(comfyui_path),
+        "comfyui_path": str(comfyui_path) if comfyui_path else None,
+        "comfy_kitchen": dist_version("comfy-kitchen", "comfy_kitchen"),
+        "flash_attn": dist_version("flash-attn", "flash_attn"),
+        "sageattention": dist_version("sageattention"),
+        "xformers": dist_version("xformers"),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU and memory
+
+
+def collect_gpu() -> dict:
+    """CUDA device facts, or ``{"available": False, "reason": ...}``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"available": False, "reason": "torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"}
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    arch_list, _ = _guard(torch.cuda.get_arch_list, [])
+    return {
+        "available": True,
+        "index": dev,
+        "count": torch.cuda.device_count(),
+        "name": props.name,
+        "capability": [props.major, props.minor],
+        "sm_count": props.multi_processor_count,
+        "vram_total_gib": round(total / GIB, 2),
+        "vram_free_gib": round(free / GIB, 2),
+        "arch_list": arch_list,
+    }
+
+
+def _ram() -> tuple[int | None, int | None]:
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.total), int(vm.available)
+    except ImportError:
+        pass
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return int(info["MemTotal"].split()[0]) * 1024, int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None, None
+
+
+def collect_memory(gpu: dict, pin_test: bool = True) -> dict:
+    """System RAM, the pinnable budget ComfyUI would use, and a bounded pinned-copy test on the GPU."""
+    import torch
+
+    total, available = _ram()
+    kind = _os_kind()
+    out: dict = {"ram_total_gib": round(total / GIB, 2) if total else None,
+                 "ram_available_gib": round(available / GIB, 2) if available else None}
+    fraction = COMFY_PIN_FRACTION.get(kind, 0.95)
+    if total:
+        out["comfyui_pin_cap_gib"] = round(total * fraction / GIB, 2)
+        out["comfyui_pin_cap_rule"] = f"{fraction:.0%} of RAM ({kind}, ComfyUI v0.8.0 MAX_PINNED_MEMORY)"
+    try:
+        import resource
+
+        soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        out["memlock_limit"] = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / GIB:.2f} GiB"
+    except (ImportError, AttributeError, OSError):
+        out["memlock_limit"] = None
+    if not gpu.get("available"):
+        out["pin_test"] = {"status": "skip", "detail": "no CUDA GPU"}
+    elif not pin_test:
+        out["pin_test"] = {"status": "skip", "detail": "disabled"}
+    elif available is not None and available < 4 * PIN_TEST_MIB * (1 << 20):
+        out["pin_test"] = {"status": "skip", "detail": f"only {available / GIB:.2f} GiB RAM available"}
+    else:
+        def pin_and_copy() -> dict:
+            n = PIN_TEST_MIB << 20
+            t0 = time.perf_counter()
+            host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            pin_s = time.perf_counter() - t0
+            dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+            dev.copy_(host, non_blocking=True)  # warm-up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dev.copy_(host, non_blocking=True)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+            del host, dev
+            return {"status": "ok", "pinned_mib": PIN_TEST_MIB, "pin_alloc_ms": round(pin_s * 1e3, 1),
+                    "h2d_pinned_gbps": round(n / (ms * 1e-3) / 1e9, 1)}
+
+        result, err = _guard(pin_and_copy)
+        out["pin_test"] = result if err is None else {"status": "fail", "detail": err}
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# fp8
+
+
+def _rel_err(got: Any, ref: Any) -> float:
+    got, ref = got.float(), ref.float()
+    if not bool(got.isfinite().all()):
+        return float("inf")
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def _probe_fp8_with_pack(device: Any) -> list[dict]:
+    """Each kernels.fp8 path on a tiny GEMM vs its own fp32 emulation (fp8_linear_reference)."""
+    import torch
+
+    from . import fp8
+
+    torch.manual_seed(0)
+    m, n, k = 64, 256, 256
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, dtype=torch.float32) * 0.02
+    probes = []
+    for path in fp8.FP8_PATHS:
+        block = None if path in ("scaled_mm_rowwise", "scaled_mm_tensorwise") else 128
+        if path == "dequantize":
+            block = None
+        label = {"scaled_mm_rowwise": "per-tensor weight, row-wise act. (torch._scaled_mm)",
+                 "scaled_mm_tensorwise": "per-tensor (torch._scaled_mm)",
+                 "scaled_mm_blockwise": "block-wise 128 (F.scaled_mm)",
+                 "triton_blockwise": "block-wise 128 (Triton)",
+                 "dequantize": "dequantize + bf16 matmul"}.get(path, path)
+        if device.type != "cuda" and path != "dequantize":
+            probes.append({"path": path, "label": label, "status": "skip", "detail": "no CUDA GPU"})
+            continue
+
+        def run(path: str = path, block: int | None = block) -> float:
+            q, s = fp8.quantize_per_tensor(w) if block is None else fp8.quantize_blockwise(w, block)
+            got = fp8.fp8_linear(x, q, s, block_size=block, path=path, out_dtype=torch.bfloat16)
+            ref = fp8.fp8_linear_reference(x, q, s, block_size=block, path=path, out_dtype=torch.bfloat16)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return _rel_err(got, ref)
+
+        err, exc = _guard(run)
+        if exc is not None:
+            probes.append({"path": path, "label": label, "status": "fail", "detail": exc})
+        else:
+            ok = err <= FP8_TOLERANCE
+            probes.append({"path": path, "label": label, "status": "ok" if ok else "fail", "rel_err": err,
+                           "detail": "" if ok else f"relative error {err:.3g} > {FP8_TOLERANCE}"})
+    return probes
+
+
+def _probe_fp8_direct(device: Any) -> list[dict]:
+    """Without kernels.fp8: try torch's scaled matmuls directly on a tiny GEMM vs an fp32 reference."""
+    import torch
+    import torch.nn.functional as F
+
+    fp8_dtype = getattr(torch, "float8_e4m3fn", None)
+    if fp8_dtype is None:
+        return [{"path": "dequantize", "status": "fail", "detail": f"torch {torch.__version__} has no float8_e4m3fn"}]
+    torch.manual_seed(0)
+    m, n, k = 64, 256, 256
+    a = (torch.randn(m, k, device=device) * 8).to(fp8_dtype)
+    b = (torch.randn(n, k, device=device) * 8).to(fp8_dtype)
+    ref = (a.float() @ b.float().t())
+    probes = [{"path": "dequantize", "status": "ok", "detail": "float8_e4m3fn storage + cast"}]
+    one = torch.ones((), device=device)
+    calls: dict[str, Callable[[], Any]] = {
+        "scaled_mm_tensorwise": lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+        "scaled_mm_rowwise": lambda: torch._scaled_mm(a, b.t(), scale_a=torch.ones(m, 1, device=device),
+                                                      scale_b=torch.ones(1, n, device=device),
+                                                      out_dtype=torch.bfloat16),
+    }
+    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
+        # Activation scale (M, K/128) column-major; weight scale (N/128, K/128) passed transposed
+        # (measured-h200-2026-11-21.md).
+        sa = torch.ones(k // 128, m, device=device).t()
+        sb = torch.ones(n // 128, k // 128, device=device).t()
+        calls["scaled_mm_blockwise"] = lambda: F.scaled_mm(a, b.t(), sa, F.ScalingType.BlockWise1x128, sb,
+                                                           F.ScalingType.BlockWise128x128,
+                                                           output_dtype=torch.bfloat16)
+    else:
+        probes.append({"path": "scaled_mm_blockwise", "status": "skip",
+                       "detail": f"torch {torch.__version__} has no F.scaled_mm (torch >= 2.10)"})
+    for path, call in calls.items():
+        if device.type != "cuda":
+            probes.append({"path": path, "status": "skip", "detail": "no CUDA GPU"})
+            continue
+        err, exc = _guard(lambda call=call: _rel_err(call(), ref))
+        ok = exc is None and err <= FP8_TOLERANCE
+        probes.append({"path": path, "status": "ok" if ok else "fail", "rel_err": err,
+                       "detail": exc or ("" if ok else f"relative error {err:.3g} > {FP8_TOLERANCE}")})
+    return probes
+
+
+def collect_fp8(device: Any) -> dict:
+    """Which fp8 paths work here, and which path the pack's fp8 layer would pick."""
+    fp8_mod, import_err = _guard(lambda: importlib.import_module(".fp8", __package__))
+    if fp8_mod is not None:
+        probes, err = _guard(lambda: _probe_fp8_with_pack(device), [])
+        source = "kernels.fp8"
+    else:
+        probes, err = _guard(lambda: _probe_fp8_direct(device), [])
+        source = f"torch (kernels.fp8 not importable: {import_err})"
+    out: dict = {"source": source, "probes": probes}
+    if err:
+        out["error"] = err
+    if fp8_mod is not None:
+        # The path our loader picks for 128-block and per-tensor weights at a Wan 14B q/k/v shape.
+        blockwise, e1 = _guard(lambda: fp8_mod.select_path(device, 128, 5120, 5120))
+        per_tensor, e2 = _guard(lambda: fp8_mod.select_path(device, None, 5120, 5120))
+        out["selected"] = {"blockwise_128": blockwise or e1, "per_tensor": per_tensor or e2}
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention
+
+
+def _probe_attention_with_pack(device: Any, dtype: Any) -> list[dict]:
+    """Every backend in kernels.attention's registry: static capability check, then a tiny checked call."""
+    import torch
+
+    from . import attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 256, 128, device=device, dtype=dtype) for _ in range(3))
+    probes = []
+    for name, backend in attention.BACKENDS.items():
+        reason, exc = _guard(lambda name=name: attention.unavailable_reason(name, device, dtype, 128))
+        if exc or reason:
+            probes.append({"backend": name, "label": backend.label, "status": "skip", "detail": exc or reason})
+            continue
+
+        def run(backend: Any = backend) -> tuple[bool, float, str]:
+            out = backend.call(q, k, v, None)
+            return attention.check_output(q, k, v, None, out)
+
+        res, exc = _guard(run)
+        if exc:
+            probes.append({"backend": name, "label": backend.label, "status": "fail", "detail": exc})
+            continue
+        finite, err, note = res
+        ok = finite and err <= backend.tolerance
+        probes.append({"backend": name, "label": backend.label, "status": "ok" if ok else "fail", "rel_err": err,
+                       "detail": note or ("" if ok else f"relative error {err:.3g} > {backend.tolerance:g}")})
+    return probes
+
+
+def _probe_attention_direct(device: Any, dtype: Any) -> list[dict]:
+    """Without kernels.attention: SDPA backends, flash_attn, sageattention, xformers vs fp32 math."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 256, 128, device=device, dtype=dtype) for _ in range(3))
+    ref = torch.softmax((q.float() @ k.float().transpose(-1, -2)) / math.sqrt(128), -1) @ v.float()
+    cuda_only = device.type != "cuda"
+    calls: list[tuple[str, float, Callable[[], Any] | None, str]] = []
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        SDPBackend = sdpa_kernel = None  # noqa: N806 - torch < 2.3
+    for name, kind in (("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_flash", "FLASH_ATTENTION"),
+                       ("sdpa_efficient", "EFFICIENT_ATTENTION"), ("sdpa_math", "MATH")):
+        backend = getattr(SDPBackend, kind, None) if SDPBackend is not None else None
+        if backend is None:
+            calls.append((name, ATTN_EXACT_TOLERANCE, None, f"SDPBackend.{kind} not in torch {torch.__version__}"))
+            continue
+
+        def sdpa(backend: Any = backend) -> Any:
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v)
+
+        calls.append((name, ATTN_EXACT_TOLERANCE, sdpa, ""))
+    blhd = lambda t: t.transpose(1, 2).contiguous()  # noqa: E731 - [B,H,L,D] -> [B,L,H,D]
+    libs = (("flash_attn", "flash_attn", lambda m: blhd(m.flash_attn_func(blhd(q), blhd(k), blhd(v))),
+             ATTN_EXACT_TOLERANCE),
+            ("sageattention", "sageattention", lambda m: m.sageattn(q, k, v, tensor_layout="HND", is_causal=False),
+             ATTN_QUANT_TOLERANCE),
+            ("xformers", "xformers.ops",
+             lambda m: blhd(m.memory_efficient_attention(blhd(q), blhd(k), blhd(v))), ATTN_EXACT_TOLERANCE))
+    for name, module, fn, tol in libs:
+        if cuda_only:
+            calls.append((name, tol, None, "no CUDA GPU"))
+            continue
+        mod, exc = _guard(lambda module=module: importlib.import_module(module))
+        calls.append((name, tol, (lambda fn=fn, mod=mod: fn(mod)) if mod is not None else None,
+                      "" if mod is not None else f"not importable ({exc})"))
+    probes = []
+    for name, tol, call, why in calls:
+        if call is None:
+            probes.append({"backend": name, "status": "skip", "detail": why})
+            continue
+        err, exc = _guard(lambda call=call: _rel_err(call(), ref))
+        ok = exc is None and err <= tol
+        probes.append({"backend": name, "status": "ok" if ok else "fail", "rel_err": err,
+                       "detail": exc or ("" if ok else f"relative error {err:.3g} > {tol:g}")})
+    return probes
+
+
+def collect_attention(device: Any) -> dict:
+    """Which attention backends import and pass a tiny numerics check on ``device`` (bf16, head_dim 128)."""
+    import torch
+
+    dtype = torch.bfloat16
+    attn_mod, import_err = _guard(lambda: importlib.import_module(".attention", __package__))
+    if attn_mod is not None:
+        probes, err = _guard(lambda: _probe_attention_with_pack(device, dtype), [])
+        source = "kernels.attention"
+    else:
+        probes, err = _guard(lambda: _probe_attention_direct(device, dtype), [])
+        source = f"direct probes (kernels.attention not importable: {import_err})"
+    out = {"source": source, "device": str(device), "probes": probes}
+    if attn_mod is not None:
+        out["preference"] = list(getattr(attn_mod, "FALLBACK_ORDER", ()))
+    if err:
+        out["error"] = err
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Known-bad combinations (sourced only) and the recommendation
+
+
+def known_issues(report: dict) -> list[dict]:
+    """Sourced version/hardware combinations that are known to break or degrade, that apply here."""
+    v, gpu = report["versions"], report["gpu"]
+    cap = tuple(gpu.get("capability") or ())
+    torch_v, cuda_v = _version_tuple(v.get("torch")), _version_tuple(v.get("torch_cuda"))
+    issues: list[dict] = []
+
+    def add(issue_id: str, severity: str, message: str, source: str) -> None:
+        issues.append({"id": issue_id, "severity": severity, "message": message, "source": source})
+
+    comfy_v = _version_tuple(v.get("comfyui"))
+    if comfy_v and comfy_v < (0, 8, 0):
+        add("comfyui_too_old", "error", f"ComfyUI {v['comfyui']} is older than 0.8.0, which this pack requires "
+            "(V3 node API, mixed-precision fp8 ops). Update ComfyUI.", "pyproject.toml [tool.comfy] requires-comfyui")
+    if cap and gpu.get("arch_list"):
+        arch = f"sm_{cap[0]}{cap[1]}"
+        ptx_ok = any(a.startswith("compute_") and _version_tuple(a[8:]) and int(a[8:]) <= cap[0] * 10 + cap[1]
+                     for a in gpu["arch_list"])
+        if arch not in gpu["arch_list"] and not ptx_ok:
+            add("gpu_arch_not_in_torch_build", "error",
+                f"This torch build has kernels for {', '.join(gpu['arch_list'])} but not {arch} ({gpu.get('name')}): "
+                "GPU kernels fail with 'no kernel image is available'. Install a torch build for this GPU "
+                "(RTX 50xx / sm_120 needs a CUDA >= 12.8 build).",
+                "/work/shared/seeds/004_131342819320e7c5.txt (RTX 5090: 'Unsupported gpu architecture compute_120' "
+                "with CUDA 12.6)")
+    if cap and cap[0] == 9 and torch_v >= (2, 10) and cuda_v and cuda_v < (12, 9):
+        add("blockwise_fp8_needs_cuda_12_9", "warn",
+            f"torch {v['torch']} is built with CUDA {v['torch_cuda']}: block-wise fp8 F.scaled_mm needs cuBLASLt "
+            ">= 12.9 on SM90 (cu128 wheels raise). Block-wise fp8 falls back to Triton or dequantize; a cu129+/cu130 "
+            "torch build restores it.", "offload-fp8-compile.md §3.1/§6 (PyTorch PRs #158037, #166639)")
+    if cap and cap[0] >= 10:
+        add("no_rowwise_scaled_mm", "info", f"SM{cap[0]}{cap[1]}: cuBLAS row-wise fp8 scaled_mm is unsupported, so "
+            "per-tensor fp8 weights use one activation scale per call (tensor-wise).",
+            "offload-fp8-compile.md §3.1 (PyTorch PRs #160693, #161236)")
+    if v.get("sageattention"):
+        add("sage_fp8_black_output", "warn",
+            "SageAttention with fp8 Wan weights has produced black frames (RTX 5090/Windows, and native Wan with "
+            "--use-sage-attention + fp8). If outputs turn black, switch attention to SDPA.",
+            "KJNodes #352, thu-ml/SageAttention #221, ComfyUI #7020 (anchors-wanvideowrapper-kjnodes-gguf.md §4.6)")
+    if cap and cap >= (8, 9):
+        add("fp8_e4m3fn_fast_quality", "info",
+            "ComfyUI's 'fp8_e4m3fn_fast' multiplies with unit scales and clamps activations to ±448; on the Wan "
+            "720p I2V fp8 model it gave blocky output. Prefer scaled fp8 (per-tensor or block-wise) weights.",
+            "kijai/ComfyUI-WanVideoWrapper #283 (anchors-wanvideowrapper-kjnodes-gguf.md §4.5)")
+    if torch_v and torch_v < (2, 7):
+        add("no_fp16_accumulation", "info", f"torch {v['torch']} < 2.7 has no "
+            "torch.backends.cuda.matmul.allow_fp16_accumulation ('fp16_fast' options in other packs fail).",
+            "ComfyUI #11621, WanVideoWrapper #108/#233/#446 (anchors-wanvideowrapper-kjnodes-gguf.md §4.6)")
+    if not v.get("triton"):
+        if _os_kind() == "windows":
+            add("triton_missing_windows", "warn", "Triton is not installed: torch.compile, SageAttention and the "
+                "pack's Triton kernels are unavailable. On Windows install 'triton-windows'.",
+                "ComfyUI #9826, #7484; WanVideoWrapper #1400 (anchors-wanvideowrapper-kjnodes-gguf.md §4.6)")
+        elif gpu.get("available"):
+            add("triton_missing", "info", "Triton is not installed: torch.compile, the fused fp8 activation "
+                "quantization and Triton block-wise fp8 / 8-bit attention kernels are unavailable.",
+                "kernels/fp8.py module doc (eager activation quantization erases the fp8 gain)")
+    if _os_kind() == "windows" and "dev" in (v.get("torch") or "") and torch_v[:2] == (2, 10):
+        add("sage_build_torch_2_10_dev_windows", "info", "Building SageAttention from source failed on Windows "
+            "with a PyTorch 2.10 nightly (compiled_autograd.h); use a release torch or a prebuilt wheel.",
+            "/work/shared/seeds/003_fb87d2113f345f82.txt")
+    # Not listed on purpose: the NumPy 2.x NaN claim in seeds/001 concerns musubi-tuner commit e7adb86,
+    # not ComfyUI >= 0.8 (which requires numpy >= 1.25) or this pack, and is unverified there.
+    return issues
+
+
+def _passing(probes: list[dict], key: str) -> list[str]:
+    return [p[key] for p in probes if p.get("status") == "ok"]
+
+
+def recommend(report: dict) -> dict:
+    """fp8 path, attention backend and blocks to swap per model for this machine (a starting point)."""
+    gpu, fp8, attn = report["gpu"], report["fp8"], report["attention"]
+    rec: dict = {}
+    fp8_ok = _passing(fp8.get("probes", []), "path")
+    selected = (fp8.get("selected") or {}).get("blockwise_128")
+    matmul_paths = ["scaled_mm_blockwise", "scaled_mm_rowwise", "scaled_mm_tensorwise", "triton_blockwise"]
+    for path in ([selected] if selected in matmul_paths else []) + matmul_paths:
+        if path in fp8_ok:
+            block = path in ("scaled_mm_blockwise", "triton_blockwise")
+            rec["fp8"] = {"path": path, "weights": "fp8 block-wise 128" if block else "fp8 per-tensor scaled",
+                          "why": "fp8 matmul passed its numerics check here (H200: 1.36-1.62x bf16 at Wan shapes, "
+                                 "measured-h200-2026-11-21.md)"}
+            break
+    else:
+        rec["fp8"] = {"path": "dequantize", "weights": "fp8 storage only" if gpu.get("available") else "bf16",
+                      "why": "no fp8 matmul path works here: fp8 weights halve memory and transfers, compute "
+                             "stays bf16/fp16" if gpu.get("available") else "no CUDA GPU"}
+    attn_ok = _passing(attn.get("probes", []), "backend")
+    order = attn.get("preference") or ["sdpa_cudnn", "flash_attn3", "flash_attn2", "flash_attn", "sdpa_flash",
+                                       "sageattention", "sage", "xformers", "sdpa_efficient", "sdpa", "sdpa_math"]
+    best = next((b for b in order if b in attn_ok), None)
+    rec["attention"] = {"backend": best, "device": attn.get("device"), "passing": attn_ok,
+                        "why": "first passing backend in speed order (H200 B1 H40 L32760 D128: cuDNN 38 ms, "
+                               "sage 50 ms, flash 61 ms, mem-efficient 122 ms; measured-h200-2026-11-21.md)"}
+    if "sage" in attn_ok or "sageattention" in attn_ok:
+        rec["attention"]["note"] = "SageAttention passes but changes numerics (8-bit); see known issues with fp8."
+    if not gpu.get("available"):
+        rec["swap"] = {"skipped": "no CUDA GPU"}
+        return rec
+    kind = _os_kind()
+    budget = (gpu["vram_total_gib"] - COMFY_RESERVED_GIB.get(kind, 0.4) - COMFY_MIN_INFERENCE_GIB)
+    pin_cap = report["memory"].get("comfyui_pin_cap_gib")
+    storage = "fp8" if gpu.get("capability", [0])[0] >= 8 else "bf16"
+    models = {}
+    for model, m in SWAP_MODELS.items():
+        weights_budget = budget - m["activations_gib"] - m["nonblock_gb"] * 1e9 / GIB
+        block_gib = m["block_gb"][storage] * 1e9 / GIB
+        resident = max(0, min(m["blocks"], math.floor(weights_budget / block_gib))) if weights_budget > 0 else 0
+        swapped = m["blocks"] - resident
+        entry = {"blocks": m["blocks"], "blocks_to_swap": swapped, "storage": storage,
+                 "vram_budget_gib": round(max(weights_budget, 0.0), 2), "pinned_needed_gib": round(swapped * block_gib, 2)}
+        if pin_cap is not None and swapped * block_gib > pin_cap:
+            entry["warning"] = "swapped blocks exceed the pinnable RAM: expect pageable (slow) copies or RAM pressure"
+        models[model] = entry
+    rec["swap"] = {"vram_total_gib": gpu["vram_total_gib"], "models": models,
+                   "why": "VRAM minus ComfyUI's reserve and 0.8 GiB inference minimum, minus the B=1 activation "
+                          "working set (model-facts-wan22-qwenimage.md §5.1-5.2); a starting point, not a measurement"}
+    return rec
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+
+
+def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike | None = None,
+            gpu_probes: bool = True, host: dict | None = None) -> dict:
+    """The whole report as a dict. Never raises: a failing section records its error."""
+    comfyui_path = comfyui_path or os.environ.get("COMFYUI_PATH")
+    report: dict = {"generated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "skipped": []}
+    if host:
+        report["host"] = host
+    report["versions"], err = _guard(lambda: collect_versions(comfyui_version, comfyui_path), {})
+    if err:
+        report["versions"]["error"] = err
+    report["gpu"], err = _guard(collect_gpu, {"available": False})
+    if err:
+        report["gpu"]["reason"] = err
+    if not report["gpu"].get("available"):
+        report["skipped"].append(f"GPU probes: {report['gpu'].get('reason', 'no CUDA GPU')}")
+    report["memory"], err = _guard(lambda: collect_memory(report["gpu"], pin_test=gpu_probes), {})
+    if err:
+        report["memory"]["error"] = err
+    import torch
+
+    on_gpu = bool(report["gpu"].get("available")) and gpu_probes
+    device = torch.device("cuda", report["gpu"].get("index", 0)) if on_gpu else torch.device("cpu")
+    if report["gpu"].get("available") and not gpu_probes:
+        report["skipped"].append("GPU fp8/attention/pinned-memory probes: disabled (--no-gpu-probes)")
+    report["fp8"], err = _guard(lambda: collect_fp8(device), {"probes": []})
+    if err:
+        report["fp8"]["error"] = err
+    report["attention"], err = _guard(lambda: collect_attention(device), {"probes": []})
+    if err:
+        report["attention"]["error"] = err
+    for section in ("fp8", "attention"):
+        for p in report[section].get("probes", []):
+            if p.get("status") == "skip":
+                report["skipped"].append(f"{section} {p.get('path') or p.get('backend')}: {p.get('detail')}")
+    report["known_issues"], err = _guard(lambda: known_issues(report), [])
+    if err:
+        report["known_issues"] = [{"id": "doctor_error", "severity": "info", "message": err, "source": "doctor"}]
+    report["recommendation"], err = _guard(lambda: recommend(report), {})
+    if err:
+        report["recommendation"] = {"error": err}
+    return report
+
+
+def _probe_line(p: dict, key: str) -> str:
+    mark = {"ok": "OK  ", "fail": "FAIL", "skip": "skip"}.get(p.get("status"), "?   ")
+    err = f" (rel err {p['rel_err']:.2%})" if isinstance(p.get("rel_err"), float) and math.isfinite(p["rel_err"]) else ""
+    label = f" - {p['label']}" if p.get("label") else ""
+    detail = f": {p['detail']}" if p.get("detail") else ""
+    return f"  [{mark}] {p.get(key)}{label}{err}{detail}"
+
+
+def format_report(report: dict) -> str:
+    """The human-readable text report."""
+    v, gpu, mem = report.get("versions", {}), report.get("gpu", {}), report.get("memory", {})
+    lines = [f"LowVRAM DiT Doctor — {report.get('generated', '')}", "", "Versions"]
+    for key in ("pack", "python", "platform", "torch", "torch_cuda", "cudnn", "numpy", "safetensors", "triton",
+                "comfyui", "comfy_kitchen", "flash_attn", "sageattention", "xformers"):
+        lines.append(f"  {key:<14} {v.get(key) if v.get(key) is not None else '-'}")
+    if v.get("error"):
+        lines.append(f"  error: {v['error']}")
+    if report.get("host"):
+        lines += ["", "ComfyUI (running)"] + [f"  {k:<14} {val}" for k, val in report["host"].items()]
+    lines += ["", "GPU"]
+    if gpu.get("available"):
+        cap = ".".join(map(str, gpu.get("capability", [])))
+        lines += [f"  {gpu['name']} (compute capability {cap}, {gpu.get('sm_count')} SMs), "
+                  f"{gpu['vram_total_gib']} GiB VRAM, {gpu['vram_free_gib']} GiB free",
+                  f"  torch arch list: {' '.join(gpu.get('arch_list') or []) or '-'}"]
+    else:
+        lines.append(f"  none: {gpu.get('reason', 'no CUDA GPU')}")
+    lines += ["", "Memory",
+              f"  RAM {mem.get('ram_total_gib', '-')} GiB total, {mem.get('ram_available_gib', '-')} GiB available",
+              f"  pinnable (ComfyUI cap): {mem.get('comfyui_pin_cap_gib', '-')} GiB "
+              f"({mem.get('comfyui_pin_cap_rule', '-')}); RLIMIT_MEMLOCK {mem.get('memlock_limit', '-')}"]
+    pin = mem.get("pin_test") or {}
+    if pin.get("status") == "ok":
+        lines.append(f"  pinned test: {pin['pinned_mib']} MiB pinned in {pin['pin_alloc_ms']} ms, "
+                     f"host->device {pin['h2d_pinned_gbps']} GB/s")
+    else:
+        lines.append(f"  pinned test: {pin.get('status', '-')}: {pin.get('detail', '')}")
+    fp8 = report.get("fp8", {})
+    lines += ["", f"fp8 matmul paths ({fp8.get('source', '-')})"]
+    lines += [_probe_line(p, "path") for p in fp8.get("probes", [])]
+    if fp8.get("selected"):
+        lines.append(f"  pack selects: block-wise 128 -> {fp8['selected'].get('blockwise_128')}, "
+                     f"per-tensor -> {fp8['selected'].get('per_tensor')}")
+    attn = report.get("attention", {})
+    lines += ["", f"Attention backends on {attn.get('device', '-')} ({attn.get('source', '-')})"]
+    lines += [_probe_line(p, "backend") for p in attn.get("probes", [])]
+    lines += ["", "Known issues"]
+    issues = report.get("known_issues", [])
+    lines += [f"  [{i['severity']}] {i['message']}\n      source: {i['source']}" for i in issues] or ["  none known"]
+    rec = report.get("recommendation", {})
+    lines += ["", "Recommendation"]
+    if rec.get("fp8"):
+        lines.append(f"  fp8: {rec['fp8']['weights']} via {rec['fp8']['path']} — {rec['fp8']['why']}")
+    if rec.get("attention"):
+        lines.append(f"  attention ({rec['attention'].get('device')}): {rec['attention']['backend'] or '-'} — "
+                     f"{rec['attention']['why']}")
+        if rec["attention"].get("note"):
+            lines.append(f"    {rec['attention']['note']}")
+    swap = rec.get("swap", {})
+    if swap.get("models"):
+        lines.append(f"  block swap ({swap['vram_total_gib']} GiB VRAM; {swap['why']}):")
+        for model, e in swap["models"].items():
+            warn = f" — {e['warning']}" if e.get("warning") else ""
+            lines.append(f"    {model}: swap {e['blocks_to_swap']}/{e['blocks']} {e['storage']} blocks "
+                         f"(weights budget {e['vram_budget_gib']} GiB, pinned RAM {e['pinned_needed_gib']} GiB){warn}")
+    elif swap.get("skipped"):
+        lines.append(f"  block swap: skipped ({swap['skipped']})")
+    if rec.get("error"):
+        lines.append(f"  error: {rec['error']}")
+    if report.get("skipped"):
+        lines += ["", "Skipped"] + [f"  {s}" for s in report["skipped"]]
+    return "\n".join(lines) + "\n"
+
+
+def _json_safe(value: Any) -> Any:
+    """Non-finite floats become strings so ``--json`` output is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def to_json(report: dict) -> str:
+    """The report as strict JSON."""
+    return json.dumps(_json_safe(report), indent=1, default=str, allow_nan=False)
+
+
+def cli(argv: list[str]) -> int:
+    """``python -m comfyui_lowvram_dit doctor [--json] [--comfyui-path P] [--no-gpu-probes]``."""
+    parser = argparse.ArgumentParser(prog="python -m comfyui_lowvram_dit doctor",
+                                     description="Report versions, GPU, working fp8/attention paths and a "
+                                                 "recommendation for this machine.")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--comfyui-path", default=None, help="ComfyUI checkout to read the version from "
+                        "(default: $COMFYUI_PATH)")
+    parser.add_argument("--no-gpu-probes", action="store_true", help="skip the tiny GPU matmul/attention/pin tests")
+    args = parser.parse_args(argv)
+    report = collect(comfyui_path=args.comfyui_path, gpu_probes=not args.no_gpu_probes)
+    print(to_json(report) if args.json else format_report(report), end="\n" if args.json else "")
+    return 0

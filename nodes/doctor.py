@@ -1,0 +1,65 @@
+"""Doctor node: the kernels.doctor report inside ComfyUI, shown on the node and returned as a STRING."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io, ui
+
+from ..kernels import doctor
+from ._common import CATEGORY_UTILS, display_name, node_id
+
+
+def comfyui_host_info() -> tuple[str | None, dict]:
+    """ComfyUI's version and the settings of the running server that the report should show."""
+    version = None
+    try:
+        from comfyui_version import __version__ as version  # top-level module of the running ComfyUI
+    except ImportError:
+        pass
+    host: dict = {}
+    try:
+        import comfy.model_management as mm
+        from comfy.cli_args import args
+
+        host["vram_state"] = getattr(mm.vram_state, "name", str(mm.vram_state))
+        host["reserved_vram_gib"] = round(mm.extra_reserved_memory() / 2**30, 2)
+        host["attention_flags"] = [f for f in ("use_sage_attention", "use_flash_attention", "use_pytorch_cross_attention",
+                                               "use_split_cross_attention", "disable_xformers") if getattr(args, f, False)]
+        host["disable_pinned_memory"] = bool(getattr(args, "disable_pinned_memory", False))
+        host["fast"] = sorted(str(f) for f in (getattr(args, "fast", None) or []))
+    except Exception as exc:  # the report must still come out if a ComfyUI internal moved
+        host["error"] = f"{type(exc).__name__}: {exc}"
+    return version, host
+
+
+class Doctor(io.ComfyNode):
+    """Checks versions, GPU, working fp8/attention paths and recommends settings for this machine."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=node_id("Doctor"),
+            display_name=display_name("Doctor"),
+            category=CATEGORY_UTILS,
+            description="Report versions, GPU, which fp8 matmul and attention paths really work here, known-bad "
+                        "version combinations, and recommended fp8 / attention / block-swap settings.",
+            inputs=[
+                io.Boolean.Input("gpu_probes", default=True,
+                                 tooltip="Run tiny fp8 matmul, attention and pinned-copy tests on the GPU "
+                                         "(well under a second). Off: report versions and hardware only."),
+            ],
+            outputs=[io.String.Output(display_name="report", tooltip="The report as text.")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, gpu_probes: bool = True) -> float:
+        return float("nan")  # NaN never equals itself: re-run every time (free VRAM, loaded libraries change)
+
+    @classmethod
+    def execute(cls, gpu_probes: bool = True) -> io.NodeOutput:
+        version, host = comfyui_host_info()
+        text = doctor.format_report(doctor.collect(comfyui_version=version, gpu_probes=gpu_probes, host=host))
+        return io.NodeOutput(text, ui=ui.PreviewText(text))
+
+
+NODES = [Doctor]
