@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         res, bench, repeats, warmup = ["480p"], "wan5b_native_smoke", min(args.repeats, 2), min(args.warmup, 1)
     else:
         res, bench, repeats, warmup = args.res, "wan5b_native", args.repeats, args.warmup
+        if sorted(res) != sorted(RESOLUTIONS):  # a partial run must not overwrite the full one
+            bench += "_" + "_".join(res)
         if args.vram_cap_gb:
             bench += f"_cap{args.vram_cap_gb:g}gb"
     results = harness.run_benchmark(bench, variants(res, args.dtypes, args.smoke, args.vram_cap_gb),
