@@ -477,28 +477,31 @@ class BlockStreamer:
         return self._gpu_views[key]
 
     @torch.no_grad()
-    def deactivate(self) -> None:
-        """Free the ring and unpin; streamed blocks point at CPU tensors (file-backed originals when they were)."""
-        if not self.active:
-            return
-        for b in list(self._bound):
-            self._bind(b, self._cpu_views[b])
-        self._bound.clear()
-        if self._sync is not None and self._sync.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self._sync.copy_stream)
-            self._sync.copy_stream.synchronize()  # not the hot loop: the ring must be idle before it is freed
-        self.slots = []
-        self._gpu_views.clear()
-        self._where.clear()
-        self._sync = None
-        if self.arena is not None:
+    def deactivate(self, release_host: bool = True) -> None:
+        """Free the ring; with ``release_host`` also unpin and go back to file-backed originals when there are any.
+
+        ``release_host=False`` keeps the arena pinned for a quick re-``activate`` (ComfyUI detaches and re-loads
+        the same model around every sampler run).
+        """
+        if self.active:
+            for b in list(self._bound):
+                self._bind(b, self._cpu_views[b])
+            self._bound.clear()
+            if self._sync is not None and self._sync.cuda:
+                torch.cuda.current_stream(self.device).wait_stream(self._sync.copy_stream)
+                self._sync.copy_stream.synchronize()  # not the hot loop: copies must finish before unpin/free
+            self.slots = []
+            self._gpu_views.clear()
+            self._where.clear()
+            self._sync = None
+            self.active = False
+        if self.arena is not None and release_host:
             self.arena.unpin()
             if self.originals and all(len(self.originals[b]) == len(self._layout(b)[0]) for b in self.plan.streamed):
                 for b in self.plan.streamed:  # every master is file-backed: drop the arena (idle expert ~0 RSS)
                     self._bind(b, self.originals[b])
                 self.arena = None
                 self._cpu_views.clear()
-        self.active = False
 
     # -- the hot loop ----------------------------------------------------------------------------------------
 

@@ -1,0 +1,443 @@
+"""Block Swap node: stream whole transformer blocks through a GPU ring, inside ComfyUI's memory manager.
+
+How it cooperates with ComfyUI (v0.8.0, comfy/model_patcher.py + comfy/model_management.py):
+- The node returns a clone of the MODEL whose class is the input's ModelPatcher class plus ``BlockSwapMixin``
+  (``clone()`` keeps it, so ModelSampling*/LoRA nodes after this one keep the behaviour).
+- ``_load_list`` leaves the streamed blocks (and, if asked, the embeddings/head) out, so the stock ``load`` never
+  moves them; ``model_size`` reports resident weights + ring, so ``load_models_gpu``/``free_memory`` budget what
+  really goes to the GPU; after the stock load the ring bytes are added to ``model_loaded_weight_memory``.
+- ``unpatch_model``/``detach`` (unload, model switch, another clone taking over) free the ring and put every
+  streamed block back on its CPU master. The clone gets its own ``patches_uuid``, so a plain clone of the same
+  weights reloads cleanly after us.
+- Prefetch/wait logic runs in ``patches_replace["dit"][("double_block", i)]`` and a DIFFUSION_MODEL wrapper,
+  outside the block forward: a compiled block stays compiled; swapped weights keep shape/dtype/device.
+- LoRA on streamed layers uses ComfyUI's own ``LowVramPatch`` (applied on the GPU per call, like native offload).
+
+Two-expert Wan 2.2 A14B (RAM): only the loaded expert's streamed blocks sit in the pinned host arena. When an
+expert is unloaded its arena is unpinned, and when its weights came from a file mapping (a loader that maps the
+safetensors file instead of copying) the arena is dropped and the blocks point at the file again, so the idle
+expert costs page cache, not RSS. With ComfyUI's stock loader (anonymous copies) the arena simply replaces the
+original tensors: RAM never holds two copies of a streamed block.
+
+On a CPU-only ComfyUI there is no VRAM to save: with ``blocks_to_swap`` or ``vram_budget_gb`` set the node runs
+the same code path with a CPU "ring" (synchronous copies; used by the integration tests), otherwise it passes the
+model through with a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import weakref
+
+import torch
+from comfy_api.latest import io
+
+from ..kernels import offload
+from ..kernels.offload import BlockStreamer, SwapConfig, SwapPlan
+from ._common import CATEGORY_PATCHES, display_name, node_id
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+SWAP_KEY = "lowvram_dit_block_swap"
+BLOCK_LISTS = ("blocks", "transformer_blocks")  # Wan (comfy/ldm/wan/model.py), Qwen-Image (qwen_image/model.py)
+
+
+def find_blocks(diffusion_model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
+    """The transformer block list of a Wan or Qwen-Image diffusion model."""
+    for name in BLOCK_LISTS:
+        blocks = getattr(diffusion_model, name, None)
+        if isinstance(blocks, torch.nn.ModuleList) and len(blocks) > 0:
+            return name, blocks
+    raise ValueError(f"Block Swap: {type(diffusion_model).__name__} has no `blocks`/`transformer_blocks` list; "
+                     "it supports Wan 2.1/2.2 and Qwen-Image models (connect one of those)")
+
+
+def _set_param(root: torch.nn.Module, key: str, t: torch.Tensor) -> None:
+    """Rebind parameter ``key`` (dotted) of ``root`` to ``t`` (as comfy.utils.set_attr_param; no import at exit)."""
+    mod_name, _, attr = key.rpartition(".")
+    mod = root.get_submodule(mod_name) if mod_name else root
+    mod._parameters[attr] = t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, requires_grad=False)
+
+
+def _module_bytes(m: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in m.state_dict().values())
+
+
+class SwapController:
+    """State shared by every clone of one Block Swap MODEL: the plan, the streamer, what was moved and why."""
+
+    def __init__(self, config: SwapConfig, base_model: torch.nn.Module) -> None:
+        self.config = config
+        dm = base_model.diffusion_model
+        self.list_name, self.blocks = find_blocks(dm)
+        self.prefix = f"diffusion_model.{self.list_name}."
+        self.block_bytes = [offload.block_nbytes(b) for b in self.blocks]
+        self.block_state_bytes = [_module_bytes(b) for b in self.blocks]
+        self.embed_names = tuple(f"diffusion_model.{n}" for n, m in dm.named_children()
+                                 if n != self.list_name and any(True for _ in m.parameters()))
+        self.embed_bytes = sum(_module_bytes(getattr(dm, n.split(".", 1)[1])) for n in self.embed_names)
+        self.full_bytes = _module_bytes(base_model)
+        self.activation_bytes = 0  # ComfyUI's own estimate at the current resolution (PREPARE_SAMPLING wrapper)
+        self.plan: SwapPlan | None = None
+        self.streamer: BlockStreamer | None = None
+        self.active = False
+        self.device: torch.device | None = None
+        self._moved: dict[str, torch.Tensor] = {}  # non-leaf params moved to the GPU -> their CPU originals
+        self._flagged: list[torch.nn.Module] = []  # modules whose comfy_cast_weights we set
+        self._pinned_keys: list[str] = []
+        self._extra_loaded = 0
+        self._patcher: weakref.ref | None = None
+
+    def __deepcopy__(self, memo: dict) -> "SwapController":
+        return self  # model_options are deep-copied on clone: the controller (GPU ring) must be shared
+
+    # -- planning ------------------------------------------------------------------------------------------
+
+    def fixed_bytes(self) -> int:
+        """Weights that stay on the GPU besides blocks (embeddings/head unless offloaded)."""
+        nonblock = self.full_bytes - sum(self.block_state_bytes)
+        return nonblock - (self.embed_bytes if self.config.offload_embeddings else 0)
+
+    def make_plan(self, weight_budget: float | None) -> SwapPlan:
+        """Plan for a load: ``weight_budget`` is what ComfyUI offers for weights (None = unlimited)."""
+        budget = weight_budget
+        if self.config.vram_budget_gb > 0:
+            user = offload.budget_bytes_from_gb(self.config.vram_budget_gb) - self.activation_bytes
+            budget = user if budget is None else min(budget, user)
+        return offload.plan_swap(self.block_bytes, self.config,
+                                 budget_bytes=None if budget is None else int(budget),
+                                 fixed_bytes=self.fixed_bytes())
+
+    def gpu_bytes(self, plan: SwapPlan) -> int:
+        """What a load with ``plan`` puts on the GPU: fixed + resident blocks + ring."""
+        streamed = sum(self.block_state_bytes[i] for i in plan.streamed)
+        return self.fixed_bytes() + sum(self.block_state_bytes) - streamed + plan.ring_bytes
+
+    def is_swapped_module(self, name: str) -> bool:
+        """True for modules ComfyUI must not load: streamed blocks' modules and offloaded embeddings."""
+        plan = self.plan
+        if plan is not None and plan.streamed and name.startswith(self.prefix):
+            idx = name[len(self.prefix):].split(".", 1)[0]
+            if idx.isdigit() and int(idx) in set(plan.streamed):
+                return True
+        if self.config.offload_embeddings:
+            return any(name == e or name.startswith(e + ".") for e in self.embed_names)
+        return False
+
+    # -- load / unload ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def activate(self, patcher, device: torch.device) -> None:  # noqa: ANN001 - ModelPatcher
+        """After ComfyUI loaded the resident part: build the ring, flag streamed/offloaded layers, account memory."""
+        import comfy.model_patcher as mp
+
+        if self.active:
+            return
+        plan = self.plan
+        self.device = device
+        self._patcher = weakref.ref(patcher)
+        if plan.streamed:
+            if self.streamer is None or self.streamer.plan != plan or self.streamer.device != device:
+                self.streamer = BlockStreamer(self.blocks, plan, device, pinned=self.config.pinned,
+                                              debug=self.config.debug)
+            self.streamer.activate()
+        model = patcher.model
+        swapped = [(n, m) for n, m in model.named_modules() if self.is_swapped_module(n)]
+        for n, m in swapped:  # LoRA on streamed/offloaded layers: ComfyUI's LowVramPatch, computed on the GPU
+            if not hasattr(m, "comfy_cast_weights"):
+                continue
+            patched = False
+            for kind in ("weight", "bias"):
+                key = f"{n}.{kind}"
+                if key in patcher.patches:
+                    _, set_func, convert_func = mp.get_key_weight(model, key)
+                    getattr(m, f"{kind}_function").append(mp.LowVramPatch(key, patcher.patches, convert_func, set_func))
+                    patched = True
+            embed = self.config.offload_embeddings and not n.startswith(self.prefix)
+            if patched or embed:
+                m.prev_comfy_cast_weights = m.comfy_cast_weights
+                m.comfy_cast_weights = True  # cast per call (embeddings stay on the CPU, pinned by ComfyUI)
+                self._flagged.append(m)
+            if embed:
+                for p, _ in m.named_parameters(recurse=False):
+                    key = f"{n}.{p}"
+                    patcher.pin_weight_to_device(key)
+                    self._pinned_keys.append(key)
+        # Params owned by non-leaf modules (Wan `blocks.N.modulation`, `head.modulation`) are skipped by
+        # ModelPatcher._load_list and would be copied synchronously every call: move the resident ones once.
+        moved = 0
+        for n, m in model.named_modules():
+            if self.is_swapped_module(n) or not any(True for _ in m.children()):
+                continue
+            for p, t in list(m.named_parameters(recurse=False)):
+                if t.device != device:
+                    key = f"{n}.{p}" if n else p
+                    self._moved[key] = t
+                    _set_param(model, key, t.to(device))
+                    moved += t.numel() * t.element_size()
+        self._extra_loaded = plan.ring_bytes + moved
+        model.model_loaded_weight_memory += self._extra_loaded
+        self.active = True
+        where = "GPU" if device.type == "cuda" else f"{device.type} (no VRAM to save: test path)"
+        log.info("lowvram_dit Block Swap: %d of %d blocks streamed %s, ring %d x %.0f MB, prefetch %d, pinned %s, "
+                 "resident %.2f GB + ring %.2f GB on %s", len(plan.streamed), plan.num_blocks, list(plan.streamed),
+                 plan.ring, plan.slot_bytes / 2**20, self.config.prefetch, self.config.pinned,
+                 (self.gpu_bytes(plan) - plan.ring_bytes) / 1e9, plan.ring_bytes / 1e9, where)
+
+    @torch.no_grad()
+    def deactivate(self, patcher, unload: bool = True) -> None:  # noqa: ANN001 - ModelPatcher
+        """Free the ring, restore flags and moved params, take the ring out of the accounting.
+
+        ``unload=False`` (ComfyUI detaches the model before every re-load) keeps the plan and the pinned arena,
+        so the next ``partially_load`` re-activates at the cost of a cached allocation.
+        """
+        if not self.active:
+            if unload:
+                self.plan = None
+                if self.streamer is not None:
+                    self.streamer.deactivate(release_host=True)  # unpin a kept arena
+            return
+        if self.streamer is not None:
+            self.streamer.deactivate(release_host=unload)
+        for m in self._flagged:
+            if hasattr(m, "prev_comfy_cast_weights"):
+                m.comfy_cast_weights = m.prev_comfy_cast_weights
+                del m.prev_comfy_cast_weights
+            m.weight_function = []
+            m.bias_function = []
+        self._flagged.clear()
+        for key in self._pinned_keys:
+            patcher.unpin_weight(key)
+        self._pinned_keys.clear()
+        model = patcher.model
+        for key, cpu in self._moved.items():
+            _set_param(model, key, cpu)
+        self._moved.clear()
+        model.model_loaded_weight_memory = max(0, model.model_loaded_weight_memory - self._extra_loaded)
+        self._extra_loaded = 0
+        self.active = False
+        if unload:
+            self.plan = None  # re-planned at the next load (resolution or free VRAM may have changed)
+
+    def ensure_active(self) -> bool:
+        """Safety net for a forward that finds the ring inactive (ComfyUI skipped ``load``): activate lazily."""
+        if self.active:
+            return bool(self.plan and self.plan.streamed)
+        patcher = self._patcher() if self._patcher is not None else None
+        if patcher is None or self.plan is None or self.device is None:
+            return False
+        log.warning("lowvram_dit Block Swap: model ran without a load; activating the ring now")
+        self.activate(patcher, self.device)
+        return bool(self.plan.streamed)
+
+
+class BlockSwapMixin:
+    """ModelPatcher behaviour for block swap; mixed in front of the MODEL's own patcher class."""
+
+    @property
+    def _swap(self) -> SwapController:
+        return self.attachments[SWAP_KEY]
+
+    def model_size(self) -> int:
+        ctl = self._swap
+        if ctl.active or ctl.plan is not None:
+            return ctl.gpu_bytes(ctl.plan)
+        if ctl.config.blocks_to_swap >= 0 or ctl.config.vram_budget_gb > 0:
+            return ctl.gpu_bytes(ctl.make_plan(None))
+        return ctl.full_bytes  # auto: ask for everything, stream what ComfyUI cannot give
+
+    def get_ram_usage(self) -> int:
+        return self._swap.full_bytes
+
+    def _load_list(self):  # noqa: ANN202
+        ctl = self._swap
+        return [x for x in super()._load_list() if not ctl.is_swapped_module(x[2])]
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):  # noqa: ANN001
+        ctl = self._swap
+        if device_to is None:
+            return super().load(device_to, lowvram_model_memory, force_patch_weights, full_load)
+        if not ctl.active:
+            offered = None if (full_load or lowvram_model_memory <= 0 or lowvram_model_memory >= 1e30) \
+                else lowvram_model_memory
+            ctl.plan = ctl.make_plan(offered)
+        if not ctl.plan.streamed and not ctl.config.offload_embeddings:
+            if not ctl.active:
+                log.info("lowvram_dit Block Swap: everything fits (%s); nothing to stream",
+                         "no budget set on a CPU device" if torch.device(device_to).type == "cpu" else "budget")
+            ctl.active = False
+            return super().load(device_to, lowvram_model_memory, force_patch_weights, full_load)
+        # The stock loader handles every resident module (LoRA baking, pinning, partial loading if VRAM is short),
+        # but must never `model.to(device)` (full_load) since that would move the streamed blocks too.
+        weights = 1e32 if (full_load or lowvram_model_memory <= 0) else lowvram_model_memory - ctl.plan.ring_bytes
+        if ctl.active:
+            self.model.model_loaded_weight_memory -= ctl._extra_loaded
+        super().load(device_to, lowvram_model_memory=max(weights, 0.1), force_patch_weights=force_patch_weights,
+                     full_load=False)
+        if ctl.active:
+            self.model.model_loaded_weight_memory += ctl._extra_loaded
+        else:
+            ctl.activate(self, torch.device(device_to))
+
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):  # noqa: ANN001
+        out = super().partially_load(device_to, extra_memory, force_patch_weights)
+        ctl = self._swap
+        if not ctl.active and ctl.plan is not None and ctl.plan.streamed:
+            ctl.activate(self, torch.device(device_to))  # the stock early return skipped load()
+        return out
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):  # noqa: ANN001
+        if unpatch_weights:
+            self._swap.deactivate(self)
+        return super().unpatch_model(device_to, unpatch_weights)
+
+    def detach(self, unpatch_all=True):  # noqa: ANN001
+        # unpatch_all=False: ComfyUI hands the weights to a clone (often this very patcher, re-loaded for the next
+        # sampler run): free the ring now, keep the plan and the pinned arena for partially_load to re-activate.
+        self._swap.deactivate(self, unload=unpatch_all)
+        return super().detach(unpatch_all)
+
+
+_MIXED: dict[type, type] = {}
+
+
+def _swap_class(base: type) -> type:
+    if issubclass(base, BlockSwapMixin):
+        return base
+    if base not in _MIXED:
+        _MIXED[base] = type(f"BlockSwap{base.__name__}", (BlockSwapMixin, base), {})
+    return _MIXED[base]
+
+
+class _SwapBlock:
+    """``patches_replace["dit"][("double_block", i)]``: wait for block i's weights, run it, release its slot."""
+
+    def __init__(self, ctl: SwapController, index: int, inner=None) -> None:  # noqa: ANN001
+        self.ctl, self.index, self.inner = ctl, index, inner
+
+    def __deepcopy__(self, memo: dict) -> "_SwapBlock":
+        return self
+
+    def __call__(self, args: dict, extra: dict) -> dict:
+        st = self.ctl.streamer if self.ctl.active else None
+        if st is not None and st.active:
+            st.before_block(self.index)
+        try:
+            return self.inner(args, extra) if self.inner is not None else extra["original_block"](args)
+        finally:
+            if st is not None and st.active:
+                st.after_block(self.index)
+
+
+class _SwapForward:
+    """DIFFUSION_MODEL wrapper: start the prefetch before the embeddings run, report after (debug)."""
+
+    def __init__(self, ctl: SwapController) -> None:
+        self.ctl = ctl
+
+    def __deepcopy__(self, memo: dict) -> "_SwapForward":
+        return self
+
+    def __call__(self, executor, *args, **kwargs):  # noqa: ANN001, ANN204
+        ctl = self.ctl
+        if not ctl.ensure_active() or ctl.streamer is None or not ctl.streamer.active:
+            return executor(*args, **kwargs)
+        ctl.streamer.begin_forward()
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            stats = ctl.streamer.end_forward()
+            if ctl.config.debug:
+                log.info("lowvram_dit %s", offload.format_stats(stats))
+
+
+class _SwapPrepare:
+    """PREPARE_SAMPLING wrapper: record ComfyUI's activation estimate at this resolution before the load."""
+
+    def __init__(self, ctl: SwapController) -> None:
+        self.ctl = ctl
+
+    def __deepcopy__(self, memo: dict) -> "_SwapPrepare":
+        return self
+
+    def __call__(self, executor, model, noise_shape, conds, *args, **kwargs):  # noqa: ANN001, ANN204
+        import comfy.sampler_helpers
+
+        try:
+            self.ctl.activation_bytes = int(comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)[0])
+        except Exception as exc:  # an estimate must never break sampling
+            log.debug("lowvram_dit Block Swap: no activation estimate (%s)", exc)
+        return executor(model, noise_shape, conds, *args, **kwargs)
+
+
+def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - ModelPatcher in and out
+    """Return a clone of ``model`` that streams blocks per ``config`` (the node's whole job)."""
+    import comfy.patcher_extension as pe
+
+    m = model.clone()
+    if SWAP_KEY in m.attachments:  # Block Swap applied twice: the last one wins
+        m.remove_wrappers_with_key(pe.WrappersMP.DIFFUSION_MODEL, SWAP_KEY)
+        m.remove_wrappers_with_key(pe.WrappersMP.PREPARE_SAMPLING, SWAP_KEY)
+    m.__class__ = _swap_class(type(model))
+    m.patches_uuid = uuid.uuid4()  # a plain clone of the same weights must reload after us, and vice versa
+    ctl = SwapController(config, m.model)
+    m.set_attachments(SWAP_KEY, ctl)
+    replace = m.model_options["transformer_options"].setdefault("patches_replace", {}).setdefault("dit", {})
+    for i in range(len(ctl.blocks)):
+        inner = replace.get(("double_block", i))
+        if isinstance(inner, _SwapBlock):
+            inner = inner.inner
+        replace[("double_block", i)] = _SwapBlock(ctl, i, inner)
+    m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, SWAP_KEY, _SwapForward(ctl))
+    m.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, SWAP_KEY, _SwapPrepare(ctl))
+    if model.load_device.type == "cpu" and config.blocks_to_swap < 0 and config.vram_budget_gb <= 0:
+        log.info("lowvram_dit Block Swap: load device is the CPU and no budget/blocks are set: nothing to swap to, "
+                 "the model passes through unchanged")
+        return model
+    return m
+
+
+class BlockSwap(io.ComfyNode):
+    """Keep some transformer blocks in (pinned) RAM and stream them to the GPU just before they run."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=node_id("BlockSwap"),
+            display_name=display_name("Block Swap"),
+            category=CATEGORY_PATCHES,
+            description="Streams whole transformer blocks (fp8 or not) from RAM to the GPU one step ahead of "
+                        "compute, inside ComfyUI's memory management. Wan 2.1/2.2 and Qwen-Image.",
+            inputs=[
+                io.Model.Input("model", tooltip="A Wan 2.1/2.2 or Qwen-Image diffusion model."),
+                io.Float.Input("vram_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.5,
+                               tooltip="GPU memory this model may use (weights + ring + activations at the "
+                                       "current resolution). 0 = whatever ComfyUI has free."),
+                io.Int.Input("blocks_to_swap", default=-1, min=-1, max=200,
+                             tooltip="Blocks to keep in RAM and stream. -1 = the fewest that fit the budget."),
+                io.Int.Input("prefetch", default=1, min=1, max=offload.MAX_PREFETCH,
+                             tooltip="Streamed blocks loading ahead of the one computing (GPU ring = prefetch + 1 "
+                                     "blocks). Raise it when transfers are slower than compute."),
+                io.Boolean.Input("pinned", default=True,
+                                 tooltip="Page-lock the RAM copy of streamed blocks (fast async copies). Off saves "
+                                         "pinned memory (Windows shows it as shared GPU memory) but copies block."),
+                io.Boolean.Input("offload_embeddings", default=False,
+                                 tooltip="Also keep embeddings and the output head in RAM (cast per call)."),
+                io.Boolean.Input("debug", default=False,
+                                 tooltip="Log per-block transfer vs compute time and the overlap achieved "
+                                         "(adds one GPU sync per forward)."),
+            ],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model, vram_budget_gb: float, blocks_to_swap: int, prefetch: int, pinned: bool,
+                offload_embeddings: bool, debug: bool = False) -> io.NodeOutput:  # noqa: ANN001
+        config = SwapConfig(vram_budget_gb=vram_budget_gb, blocks_to_swap=blocks_to_swap, prefetch=prefetch,
+                            pinned=pinned, offload_embeddings=offload_embeddings, debug=debug)
+        return io.NodeOutput(apply_block_swap(model, config))
+
+
+NODES = [BlockSwap]
+
