@@ -154,3 +154,36 @@ def test_invalid_inputs_are_rejected(tmp_path: Path) -> None:
         harness.run_benchmark("../escape", [Variant("a", "m:f")], out_dir=tmp_path)
     with pytest.raises(ValueError, match="module:function"):
         harness.resolve_target("no_colon")
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("weight_dtype,stored", [("default", None), ("fp8_e4m3fn", "float8_e4m3fn"),
+                                                 ("fp8_e4m3fn_fast", "float8_e4m3fn")])
+def test_native_wan_model_loads_as_unetloader_would_and_runs_a_forward(weight_dtype: str, stored: str | None) -> None:
+    from comfy_server import comfyui_path_or_reason, import_comfyui_in_process
+
+    comfy, reason = comfyui_path_or_reason()
+    assert comfy is not None, reason
+    import_comfyui_in_process(comfy)
+    from comfyui_lowvram_dit.benchmarks import comfy_native as cn
+    from comfyui_lowvram_dit.kernels.synth import synthetic_state_dict
+
+    cn.import_comfy(cpu=True)
+    sd = synthetic_state_dict("wan22_ti2v_5B", size="tiny")
+    shape = cn.wan_latent_shape(sd["head.head.weight"].shape[0] // 4, 64, 64, 5)
+    assert shape == (1, 48, 2, 4, 4) and cn.wan_tokens(shape) == 8
+    patcher = cn.load_native_model(sd, weight_dtype, latent_shape=shape)
+    assert not sd  # consumed, so on-GPU synthetic tensors are freed before measuring
+    info = cn.describe(patcher)
+    assert info["model_class"] == "WAN22"
+    if stored:
+        assert info["weight_dtype"] == stored and info["linear_op"].endswith("manual_cast.Linear")  # CPU: no fp8 compute
+    inputs = cn.wan_inputs(patcher, 64, 64, 5)
+    assert inputs["context"].shape == (1, 512, 4096)
+    for via in ("diffusion_model", "apply_model"):
+        out = cn.forward(patcher, inputs, via=via)
+        assert out.shape == inputs["x"].shape and bool(out.float().isfinite().all())
+    with pytest.raises(ValueError, match="4k\\+1"):
+        cn.wan_latent_shape(48, 64, 64, 6)
+    with pytest.raises(ValueError, match="UNETLoader"):
+        cn.unet_model_options("fp4")
