@@ -1,0 +1,419 @@
+"""Qwen-Image in stages on small machines: text on the CPU, fp8 transformer with block swap, GPU VAE decode.
+
+``LowVRAM_QwenImageStagedLoader`` returns native MODEL, positive/negative CONDITIONING and VAE (stock KSampler,
+LoRA and ModelSampling nodes work on them):
+- Stage 1, text. The Qwen2.5-VL encoder is built on the CPU with ComfyUI's own classes (the QWEN25_7B
+  detection, ``llama_detect``, ``convert_old_quants``, ``qwen_image.te``, ``QwenImageTokenizer`` and
+  ``comfy.sd.CLIP``: what ``load_text_encoder_state_dicts(clip_type=QWEN_IMAGE)`` dispatches to) but with an empty
+  state dict; its weights are then streamed from the file one module at a time (``kernels.staged``). ComfyUI's
+  ``load_clip`` maps the whole file and copies it into the model, so the bf16 encoder briefly costs 2 x 15 GB of
+  RSS; streaming costs the model plus one module. The vision tower is never read (text prompts do not use it).
+  Prompts are encoded exactly as CLIPTextEncode does, the encoder is freed (RSS falls back) and only the
+  embeddings go to the GPU. Embeddings are cached on disk under ComfyUI's user directory, keyed by prompt,
+  template and encoder identity (content fingerprint, format, dtype, config, ComfyUI version); an unchanged
+  prompt skips stage 1 entirely.
+- Stage 2, transformer: read tensor by tensor, block Linear weights quantized to fp8 (block-wise or per-tensor)
+  while streaming (on the GPU when there is one), built with nodes/fp8_ops.py's custom operations, then
+  wrapped by the Block Swap node's ``apply_block_swap`` under the VRAM budget.
+- VAE: loaded as VAELoader does.
+
+``LowVRAM_QwenImageDecode`` (stage 3) unloads every other model from the GPU (the transformer's VRAM is released
+before decoding), then decodes on the GPU, tiled when ComfyUI's own memory estimate does not fit the free VRAM
+or the budget. It refuses a CPU decode when a GPU exists (a 1328x1328 CPU decode takes tens of minutes).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import types
+from pathlib import Path
+
+import torch
+from comfy_api.latest import io
+
+from ..kernels import staged
+from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
+from ..kernels.offload import SwapConfig
+from ._common import CATEGORY_LOADERS, CATEGORY_UTILS, display_name, node_id
+from .block_swap import apply_block_swap
+from .fp8_ops import Fp8OpsConfig, make_fp8_ops
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+QUANTIZATION = {"fp8 block-wise": "blockwise", "fp8 per-tensor": "per_tensor", "none": "none"}
+COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "dequantize": "dequantize"}
+CACHE_FOLDER = ("comfyui-lowvram-dit", "embeddings")
+
+
+def _log_stage(report: staged.StageReport) -> None:
+    log.info("lowvram_dit Qwen-Image %s", report.format())
+
+
+def _compute_device() -> torch.device:
+    import comfy.model_management as mm
+
+    return mm.get_torch_device()
+
+
+def _bar(total: int):  # noqa: ANN202 - comfy.utils.ProgressBar
+    import comfy.utils
+
+    return comfy.utils.ProgressBar(total)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage 1: text
+
+
+@functools.cache
+def _prompt_template() -> str:
+    """The template ComfyUI's QwenImageTokenizer wraps prompts in (part of the cache key)."""
+    import comfy.text_encoders.qwen_image as qi
+
+    tok = qi.QwenImageTokenizer()
+    return f"{type(tok).__module__}.{type(tok).__qualname__}|{tok.llama_template}"
+
+
+def _comfyui_version() -> str:
+    try:
+        import comfyui_version
+
+        return str(comfyui_version.__version__)
+    except ImportError:
+        return "unknown"
+
+
+def encoder_identity(te_path: str | Path) -> dict:
+    """Everything about the encoder that changes embeddings, readable without loading it (cache key part)."""
+    header = read_header(te_path)
+    cfg = staged.qwen25_vl_config_from_header(header)
+    norm = header.tensors["model.norm.weight"].dtype
+    return {"sha256": staged.file_identity(te_path), "format": staged.text_encoder_format(header),
+            "dtype": str(norm).removeprefix("torch."), "config": cfg, "device": "cpu",
+            "comfyui": _comfyui_version(), "file": Path(te_path).name}
+
+
+def embedding_cache():  # noqa: ANN201 - kernels.staged.EmbeddingCache
+    """The pack's embedding cache under ComfyUI's user directory (kept across restarts, unlike temp)."""
+    import folder_paths
+
+    return staged.EmbeddingCache(Path(folder_paths.get_user_directory()).joinpath(*CACHE_FOLDER))
+
+
+def build_text_encoder_streaming(te_path: str | Path, progress=None):  # noqa: ANN001, ANN201 - comfy.sd.CLIP
+    """A CPU ``comfy.sd.CLIP`` for a Qwen2.5-VL file, its weights streamed in one module at a time."""
+    import comfy.sd
+    import comfy.text_encoders.qwen_image as qi
+    import comfy.utils
+    import folder_paths
+
+    header = read_header(te_path)
+    cfg = staged.qwen25_vl_config_from_header(header)
+    small_names = staged.small_tensor_names(header)
+    small = dict(iter_tensors(header, small_names))
+    # ComfyUI's own legacy scaled-fp8 conversion (scale_weight -> weight_scale + comfy_quant), on small tensors only.
+    small, _ = comfy.utils.convert_old_quants(small, "", header.metadata)
+    raw_small = set(small_names)
+    probe = {n: torch.empty(i.shape, dtype=i.dtype, device="meta") for n, i in header.tensors.items()
+             if n not in raw_small}
+    probe.update(small)
+    kind = comfy.sd.detect_te_model(probe)
+    if kind != comfy.sd.TEModel.QWEN25_7B:
+        raise CheckpointError(f"{Path(te_path).name}: ComfyUI detects this text encoder as {kind}, not Qwen2.5-VL 7B; "
+                              "Qwen-Image needs qwen_2.5_vl_7b(.safetensors | _fp8_scaled.safetensors)")
+    # What load_text_encoder_state_dicts(clip_type=QWEN_IMAGE) builds for QWEN25_7B, minus the state dict.
+    target = types.SimpleNamespace(params={}, clip=qi.te(**comfy.sd.llama_detect([probe])),
+                                   tokenizer=qi.QwenImageTokenizer)
+    del probe
+    cpu = torch.device("cpu")
+    options = {"load_device": cpu, "offload_device": cpu, "initial_device": cpu, "qwen25_7b_model_config": cfg}
+    clip = comfy.sd.CLIP(target, embedding_directory=folder_paths.get_folder_paths("embeddings"),
+                         tokenizer_data={}, parameters=0, state_dict=[], model_options=options)
+    transformer = getattr(clip.cond_stage_model, clip.cond_stage_model.clip).transformer
+    stats = staged.StreamStats()
+    groups = staged.iter_owner_groups(header, small, skip=lambda n: n.startswith("visual."), progress=progress,
+                                      stats=stats)
+    with torch.no_grad():
+        loaded = set(staged.load_streaming(transformer, groups))
+    missing = [n for n, _ in transformer.named_parameters() if not n.startswith("visual.") and n not in loaded]
+    if missing:
+        raise CheckpointError(f"{Path(te_path).name}: the file lacks {len(missing)} text-encoder weights "
+                              f"({missing[:3]}...); it is damaged or not Qwen2.5-VL")
+    log.info("lowvram_dit Qwen-Image text encoder %s streamed to the CPU: %.2f GB read in %d modules, at most "
+             "%.2f GB held besides the model (format %s)", Path(te_path).name, stats.bytes_read / 1e9, stats.groups,
+             stats.max_held_bytes / 1e9, staged.text_encoder_format(header))
+    return clip
+
+
+def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = True,
+                   target_device: torch.device | None = None) -> tuple[list[list], staged.StageReport]:
+    """Stage 1: CONDITIONING for each prompt, from the cache or a streamed CPU encoder that is freed after."""
+    import comfy.model_management as mm
+
+    cache = embedding_cache() if use_cache else None
+    meter = staged.StageMeter("stage 1 (text encoder, CPU)")
+    with meter:
+        keys: list[str | None] = [None] * len(prompts)
+        out: list[list | None] = [None] * len(prompts)
+        if cache is not None:
+            ident = encoder_identity(te_path)
+            template = _prompt_template()
+            for i, p in enumerate(prompts):
+                keys[i] = staged.embedding_cache_key(p, template, ident)
+                out[i] = cache.get(keys[i])
+        todo = [i for i, c in enumerate(out) if c is None]
+        hits = len(prompts) - len(todo)
+        if todo:
+            bar = _bar(1000 + 1000 * len(todo))
+            clip = build_text_encoder_streaming(
+                te_path, progress=lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))))
+            for n, i in enumerate(todo):
+                tokens = clip.tokenize(prompts[i])
+                out[i] = clip.encode_from_tokens_scheduled(tokens)
+                bar.update_absolute(1000 + 1000 * (n + 1))
+                if cache is not None:
+                    cache.put(keys[i], out[i], info={"encoder": Path(te_path).name})
+            del clip
+            mm.cleanup_models_gc()
+            staged.release_host_memory()
+        meter.report.notes.append(f"{hits} of {len(prompts)} prompts from the embedding cache"
+                                  + (", encoder not loaded" if not todo else ", encoder freed"))
+    dev = target_device or _compute_device()
+    result = [[[t.to(dev), {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in extra.items()}]
+               for t, extra in cond] for cond in out]
+    _log_stage(meter.report)
+    return result, meter.report
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage 2: transformer
+
+
+def load_transformer(unet_path: str | Path, quantization: str = "fp8 block-wise", block_size: int = 128,
+                     compute: str = "auto"):  # noqa: ANN201 - comfy.model_patcher.ModelPatcher
+    """Read a Qwen-Image file (fp8-quantizing while streaming) and build a native MODEL from it."""
+    import comfy.sd
+
+    mode = QUANTIZATION[quantization]
+    dev = _compute_device()
+    bar = _bar(1000)
+    sd, info, out_mode = staged.load_qwen_image_state_dict(
+        unet_path, mode, block_size, device=dev if dev.type == "cuda" else None,
+        progress=lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))))
+    if mode != "none" and info.format != "high_precision":
+        log.info("lowvram_dit: %s is already %s fp8; kept as stored", Path(unet_path).name, info.format)
+    if out_mode == "none":
+        opts: dict = {}  # exactly UNETLoader(weight_dtype="default")
+    else:
+        ops = make_fp8_ops(Fp8OpsConfig(block_size=block_size, compute=COMPUTE[compute]))
+        opts = {"custom_operations": ops, "dtype": torch.bfloat16}  # Qwen-Image runs in bf16 (no fp16 support)
+    model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=opts)
+    del sd
+    if model is None:
+        raise RuntimeError(f"{Path(unet_path).name}: ComfyUI could not detect this Qwen-Image file")
+    log.info("lowvram_dit Qwen-Image transformer %s: %d blocks, %s, weights %s", Path(unet_path).name,
+             info.num_blocks, info.format, out_mode)
+    return model
+
+
+def load_vae(vae_path: str | Path):  # noqa: ANN201 - comfy.sd.VAE
+    """The VAE exactly as VAELoader builds it."""
+    import comfy.sd
+    import comfy.utils
+
+    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(vae_path)))
+    vae.throw_exception_if_invalid()
+    return vae
+
+
+class QwenImageStagedLoader(io.ComfyNode):
+    """Qwen-Image from three files in stages: CPU text encode (cached), fp8 transformer + block swap, VAE."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        import folder_paths
+
+        return io.Schema(
+            node_id=node_id("QwenImageStagedLoader"),
+            display_name=display_name("Qwen-Image Staged Loader"),
+            category=CATEGORY_LOADERS,
+            description=(
+                "Runs Qwen-Image on small machines: encodes the prompts on the CPU with a streamed text encoder "
+                "that is freed afterwards (embeddings cached on disk), then loads the transformer as fp8 with "
+                "block swap under a VRAM budget. Outputs native MODEL / CONDITIONING / VAE for KSampler; decode "
+                "with 'Qwen-Image Decode (LowVRAM)'."),
+            inputs=[
+                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
+                               tooltip="Qwen-Image transformer (diffusion_models): bf16, fp8_e4m3fn or fp8 scaled."),
+                io.Combo.Input("clip_name", options=folder_paths.get_filename_list("text_encoders"),
+                               tooltip="Qwen2.5-VL 7B text encoder (text_encoders), bf16 or *_fp8_scaled. It runs "
+                                       "on the CPU and is freed after encoding."),
+                io.Combo.Input("vae_name", options=folder_paths.get_filename_list("vae"),
+                               tooltip="Qwen-Image VAE (vae folder)."),
+                io.String.Input("positive", multiline=True, default="",
+                                tooltip="Prompt. Encoded with ComfyUI's Qwen-Image template."),
+                io.String.Input("negative", multiline=True, default=" ",
+                                tooltip="Negative prompt (used when KSampler cfg > 1)."),
+                io.Combo.Input("quantization", options=list(QUANTIZATION), default="fp8 block-wise",
+                               tooltip="Transformer weights. fp8 block-wise: one scale per 128x128 tile (best "
+                                       "quality). fp8 per-tensor: one scale per weight. none: as stored (bf16 "
+                                       "needs ~41 GB RAM). fp8 files are always used as stored."),
+                io.Float.Input("vram_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.5,
+                               tooltip="GPU memory the transformer may use (weights + swap ring + activations). "
+                                       "0 = what ComfyUI has free. E.g. 7 on an 8 GB card."),
+                io.Int.Input("blocks_to_swap", default=-1, min=-1, max=60,
+                             tooltip="Transformer blocks kept in RAM and streamed to the GPU. -1 = the fewest "
+                                     "that fit the budget."),
+                io.Boolean.Input("cache_embeddings", default=True,
+                                 tooltip="Keep prompt embeddings on disk (user directory); an unchanged prompt "
+                                         "skips loading the text encoder. Keyed by prompt + encoder file content."),
+                io.Combo.Input("compute", options=list(COMPUTE), default="auto",
+                               tooltip="auto: fp8 matmul where the GPU has it (RTX 40xx/50xx, H100), else "
+                                       "dequantize. fp8 matmul: require it. dequantize: bf16 matmul."),
+            ],
+            outputs=[io.Model.Output(), io.Conditioning.Output("positive"), io.Conditioning.Output("negative"),
+                     io.Vae.Output()],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, unet_name: str, clip_name: str, vae_name: str, **kwargs) -> str:
+        """Re-run when a selected file changes on disk under the same name (size/mtime)."""
+        import folder_paths
+
+        parts = []
+        for folder, name in (("diffusion_models", unet_name), ("text_encoders", clip_name), ("vae", vae_name)):
+            path = folder_paths.get_full_path(folder, name)
+            try:
+                st = Path(path).stat() if path else None
+                parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}" if st else f"{name}:missing")
+            except OSError:
+                parts.append(f"{name}:missing")
+        return "|".join(parts)
+
+    @classmethod
+    def execute(cls, unet_name: str, clip_name: str, vae_name: str, positive: str, negative: str,
+                quantization: str, vram_budget_gb: float, blocks_to_swap: int, cache_embeddings: bool,
+                compute: str = "auto") -> io.NodeOutput:
+        import comfy.model_management as mm
+        import folder_paths
+
+        unet = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        te = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+        vae_path = folder_paths.get_full_path_or_raise("vae", vae_name)
+        # A previous run's transformer (dropped from ComfyUI's cache when our inputs changed) must be gone
+        # before the encoder loads: the two do not fit in RAM together on the machines this node is for.
+        mm.cleanup_models_gc()
+        staged.release_host_memory()
+        (pos, neg), _ = encode_prompts(te, [positive, negative], use_cache=cache_embeddings)
+        with staged.StageMeter("stage 2 (transformer load)") as meter:
+            model = load_transformer(unet, quantization, 128, compute)
+            staged.release_host_memory()
+            config = SwapConfig(vram_budget_gb=vram_budget_gb, blocks_to_swap=blocks_to_swap)
+            model = apply_block_swap(model, config)
+            vae = load_vae(vae_path)
+        meter.report.notes.append(f"block swap budget {vram_budget_gb:g} GB, blocks_to_swap {blocks_to_swap} "
+                                  "(the GPU load happens in KSampler)")
+        _log_stage(meter.report)
+        return io.NodeOutput(model, pos, neg, vae)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage 3: decode
+
+
+def plan_decode(need_bytes: float, available_bytes: float, height_px: int, width_px: int,
+                tile_px: int) -> int | None:
+    """Tile size (px) for a decode that needs ``need_bytes`` at full size; None when the full decode fits.
+
+    ComfyUI's estimate scales with the latent area, so a square tile of side ``t`` needs about
+    need * t^2 / (H * W); halve from ``tile_px`` until that fits (not below 128 px).
+    """
+    if need_bytes <= available_bytes:
+        return None
+    tile = min(tile_px, max(height_px, width_px))
+    while tile > 128 and need_bytes * min(tile, height_px) * min(tile, width_px) / (height_px * width_px) \
+            > available_bytes:
+        tile //= 2
+    return max(128, tile - tile % 32)
+
+
+class QwenImageDecode(io.ComfyNode):
+    """VAE decode after the transformer left the GPU: on the GPU, tiled when the budget is small."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=node_id("QwenImageDecode"),
+            display_name=display_name("Qwen-Image Decode"),
+            category=CATEGORY_UTILS,
+            description=("Frees every other model's GPU memory (the transformer), then decodes on the GPU. Uses "
+                         "ComfyUI's tiled decode when its memory estimate does not fit the free VRAM or the "
+                         "budget. Never decodes on the CPU silently."),
+            inputs=[
+                io.Latent.Input("samples", tooltip="Latents from KSampler."),
+                io.Vae.Input("vae", tooltip="The Qwen-Image VAE."),
+                io.Float.Input("vram_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.5,
+                               tooltip="GPU memory the decode may use. 0 = whatever is free after the transformer "
+                                       "was unloaded."),
+                io.Int.Input("tile_size", default=512, min=128, max=4096, step=32,
+                             tooltip="Largest tile (pixels) when tiling is needed; halved until it fits."),
+                io.Int.Input("overlap", default=64, min=0, max=512, step=32,
+                             tooltip="Tile overlap in pixels (hides seams)."),
+                io.Boolean.Input("allow_cpu", default=False,
+                                 tooltip="Allow a CPU decode when a GPU exists (e.g. --cpu-vae). Takes many "
+                                         "minutes at 1328x1328; off = error instead."),
+            ],
+            outputs=[io.Image.Output()],
+        )
+
+    @classmethod
+    def execute(cls, samples: dict, vae, vram_budget_gb: float, tile_size: int, overlap: int,  # noqa: ANN001
+                allow_cpu: bool = False) -> io.NodeOutput:
+        import comfy.model_management as mm
+
+        gpu = mm.get_torch_device()
+        dev = torch.device(vae.device)
+        if dev.type == "cpu" and gpu.type != "cpu" and not allow_cpu:
+            raise RuntimeError("Qwen-Image Decode: the VAE is on the CPU (ComfyUI started with --cpu-vae?) while a "
+                               f"GPU ({gpu}) exists; a CPU decode of a 1328x1328 image takes tens of minutes. Remove "
+                               "--cpu-vae, or set allow_cpu on this node to accept it.")
+        latent = samples["samples"]
+        with staged.StageMeter("stage 3 (VAE decode)", device=dev) as meter:
+            # Release the transformer (and anything else) from this device before the VAE loads.
+            mm.free_memory(1e30, dev, keep_loaded=[vae.patcher])
+            mm.soft_empty_cache()
+            need = float(vae.memory_used_decode(latent.shape, vae.vae_dtype))
+            if dev.type == "cpu":
+                available = math.inf
+                log.info("lowvram_dit Qwen-Image Decode: decoding on the CPU (%s)",
+                         "no GPU" if gpu.type == "cpu" else "allow_cpu is on")
+            else:
+                available = mm.get_free_memory(dev) - mm.module_size(vae.first_stage_model)
+                if vram_budget_gb > 0:
+                    available = min(available, vram_budget_gb * staged.GIB - mm.module_size(vae.first_stage_model))
+            comp = vae.spacial_compression_decode()
+            h_px, w_px = latent.shape[-2] * comp, latent.shape[-1] * comp
+            tile = plan_decode(need, available, h_px, w_px, tile_size)
+            if tile is None:
+                bar = _bar(1)
+                images = vae.decode(latent)
+                bar.update(1)
+                meter.report.notes.append(f"full decode (estimate {need / staged.GIB:.2f} GiB fits)")
+            else:
+                ov = min(overlap, tile // 4)
+                t_comp = vae.temporal_compression_decode()
+                tile_t, overlap_t = (None, None) if t_comp is None else (max(2, 64 // t_comp), 1)
+                images = vae.decode_tiled(latent, tile_x=tile // comp, tile_y=tile // comp, overlap=ov // comp,
+                                          tile_t=tile_t, overlap_t=overlap_t)
+                meter.report.notes.append(f"tiled {tile}px/{ov}px (estimate {need / staged.GIB:.2f} GiB > "
+                                          f"{max(available, 0) / staged.GIB:.2f} GiB available)")
+            if images.ndim == 5:  # video VAE output for a single-frame image: combine batches as VAEDecode does
+                images = images.reshape(-1, *images.shape[-3:])
+        meter.report.notes.append(f"on {dev}")
+        _log_stage(meter.report)
+        return io.NodeOutput(images)
+
+
+NODES = [QwenImageStagedLoader, QwenImageDecode]
