@@ -113,10 +113,14 @@ def make_fp8_ops(config: Fp8OpsConfig | None = None) -> type:
 
             # ---- forward -----------------------------------------------------------------------------
             def _path(self, device: torch.device) -> str:
-                if self._fp8_path is None or self._fp8_path[0] != device:
-                    n, k = self.weight.shape
-                    self._fp8_path = (device, fp8_math.select_path(device, self._block_size(), n, k, cfg.compute))
-                return self._fp8_path[1]
+                cached = self._fp8_path
+                if cached is not None and cached[0] == device:
+                    return cached[1]
+                n, k = self.weight.shape
+                path = fp8_math.select_path(device, self._block_size(), n, k, cfg.compute)
+                if not torch.compiler.is_compiling():  # no module mutation inside a compiled region
+                    self._fp8_path = (device, path)
+                return path
 
             def forward(self, input, *args, **kwargs):  # noqa: ANN001, ANN201 - ComfyUI op signature
                 comfy.ops.run_every_op()
