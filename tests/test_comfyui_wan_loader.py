@@ -264,3 +264,47 @@ def test_lora_via_stock_loader_matches_bf16_with_merged_lora(comfy_server: Comfy
         err = _rel(got, ref)
         print(f"\n{q} + LoRA vs bf16 merged: {err:.4f} (LoRA effect {_rel(no_lora, ref):.3f})")
         assert err < 0.05 and err < 0.5 * _rel(no_lora, ref)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: the fp8 matmul fast path (resident) and the offload-stream path (lowvram), against native bf16
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quantization", MODES)
+@pytest.mark.parametrize("lowvram", [False, True])
+def test_gpu_fast_and_offloaded_paths_match_bf16(tmp_path: Path, comfy_in_process: None, quantization: str,
+                                                 lowvram: bool) -> None:
+    import comfy.model_management as mm
+    import comfy.sd
+
+    from comfyui_lowvram_dit.kernels import fp8
+    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+
+    if mm.get_torch_device().type != "cuda":
+        pytest.skip("ComfyUI was imported with --cpu in this process (run the cuda tests in their own pytest run)")
+    sd = synth.synthetic_state_dict(MODEL, size="tiny", fmt="bf16", seed=13)
+    path = tmp_path / "gpu_bf16.safetensors"
+    save_file(sd, str(path))
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(1)
+    x, t, ctx = torch.randn(1, 16, 3, 16, 16, generator=g), torch.tensor([600.0]), torch.randn(1, 16, 4096, generator=g)
+
+    def run(patcher: Any) -> torch.Tensor:
+        with torch.no_grad():
+            return patcher.model.diffusion_model(x.to(dev, torch.bfloat16), t.to(dev), ctx.to(dev, torch.bfloat16)).float()
+
+    ref_model = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options={"dtype": torch.bfloat16})
+    mm.load_models_gpu([ref_model], force_full_load=True)
+    ref = run(ref_model)
+    m = load_wan_model(path, quantization, 128, "auto")
+    mm.unload_all_models()
+    m.load(dev, lowvram_model_memory=1 if lowvram else 0, full_load=not lowvram)
+    lin = m.model.diffusion_model.blocks[0].ffn[0]
+    assert (lin.weight.device.type == "cuda") != lowvram
+    expected = fp8.select_path(dev, lin._block_size(), *lin.weight.shape)
+    assert lin._path(dev) == expected
+    err = _rel(run(m), ref)
+    m.unpatch_model(torch.device("cpu"))
+    print(f"\n{quantization} lowvram={lowvram} path={expected}: rel err vs bf16 {err:.4f}")
+    assert err < 0.03, err  # activations are fp8 too on the fast paths
