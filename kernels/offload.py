@@ -251,7 +251,7 @@ class HostArena:
         if self.pinned or not torch.cuda.is_available():
             return self.pinned
         err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
-        self.pinned = int(err) == 0
+        self.pinned = err == 0  # cudaError_t cudaSuccess (compared as ComfyUI's pin_memory does)
         if not self.pinned:
             log.warning("lowvram_dit block swap: cudaHostRegister of %.2f GB failed (%s); copies will be "
                         "synchronous. Free RAM or turn `pinned` off.", self.buffer.numel() / 1e9, err)

@@ -266,7 +266,6 @@ class BlockSwapMixin:
             if not ctl.active:
                 log.info("lowvram_dit Block Swap: everything fits (%s); nothing to stream",
                          "no budget set on a CPU device" if torch.device(device_to).type == "cpu" else "budget")
-            ctl.active = False
             return super().load(device_to, lowvram_model_memory, force_patch_weights, full_load)
         # The stock loader handles every resident module (LoRA baking, pinning, partial loading if VRAM is short),
         # but must never `model.to(device)` (full_load) since that would move the streamed blocks too.

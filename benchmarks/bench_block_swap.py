@@ -1,0 +1,143 @@
+"""Block Swap vs ComfyUI v0.8.0 native partial loading: full-size synthetic Wan 2.2 14B, one forward, VRAM caps.
+
+Per (resolution, cap) three variants, each in a fresh process (benchmarks/harness.py):
+- ``native``: UNETLoader ``fp8_e4m3fn`` storage placed by ``load_models_gpu`` under the cap (ComfyUI streams the
+  layers that do not fit, dequantized to bf16);
+- ``swap``: the same native fp8 MODEL through Block Swap (auto budget = what ComfyUI offers under the cap);
+- ``swap_b2``: our fp8 layers (nodes/fp8_ops.py, per-tensor scales, fp8 matmul kept for streamed blocks) + Block
+  Swap.
+Caps: none / 16 / 12 / 8 / 6 GiB, enforced in-process by comfy_native.apply_vram_cap (ComfyUI's reserve + a hard
+``set_per_process_memory_fraction``). Metrics: time per forward (CUDA events, median), peak VRAM, peak RSS, and
+for swap variants the blocks streamed, ring size, transfer/stall ms and overlap % from one debug forward.
+
+GPU (the lead runs this on an H100/H200):
+    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_block_swap
+    ... --res 480p17 --caps 8 6 --kinds native swap          (a subset)
+CPU smoke test of the whole flow (tiny model, tiny resolution, no caps):
+    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_block_swap --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+try:
+    from . import harness
+except ImportError:  # run as a file: python benchmarks/bench_block_swap.py
+    import harness  # type: ignore[no-redef]
+
+TARGET = "comfyui_lowvram_dit.benchmarks.bench_block_swap:swap_forward"
+MODEL = "wan22_t2v_14B"
+RESOLUTIONS = {"480p81": (832, 480, 81), "480p17": (832, 480, 17)}  # issue 4: compute-bound / transfer-bound
+CAPS = (None, 16, 12, 8, 6)  # GiB
+KINDS = ("native", "swap", "swap_b2")
+SMOKE_RESOLUTION = (64, 64, 5)
+# keep every variant well under a minute: an 81-frame forward is ~2.7 s (H200, issue 4)
+TIMING = {"480p81": (3, 1), "480p17": (10, 3)}  # (repeats, warmup)
+
+
+def swap_forward(ctx: harness.BenchContext, kind: str = "swap", model: str = MODEL, size: str = "full",
+                 width: int = 832, height: int = 480, frames: int = 81, vram_cap_gb: float | None = None,
+                 prefetch: int = 1, blocks_to_swap: int = -1) -> dict:
+    """Harness target: build the MODEL (native fp8, or our fp8 layers), add Block Swap unless native, time it."""
+    import torch
+
+    from . import comfy_native
+    from ..kernels.offload import SwapConfig, format_stats
+    from ..kernels.synth import synthetic_state_dict
+
+    comfy = comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
+    mm = comfy.model_management
+    sd = synthetic_state_dict(model, size=size, device=ctx.device.type)
+    out_dim = sd["head.head.weight"].shape[0] // 4
+    latent_shape = comfy_native.wan_latent_shape(out_dim, width, height, frames)
+    if kind == "native":
+        patcher = comfy_native.load_native_model(sd, "fp8_e4m3fn", None, vram_cap_gb=vram_cap_gb,
+                                                 latent_shape=latent_shape)
+        metrics: dict = {}
+    else:
+        from ..nodes.block_swap import SWAP_KEY, apply_block_swap
+
+        if kind == "swap_b2":
+            from ..kernels.wan_checkpoint import quantize_state_dict
+            from ..nodes.fp8_ops import Fp8OpsConfig, make_fp8_ops
+
+            sd = quantize_state_dict(sd, "per_tensor")
+            options = {"custom_operations": make_fp8_ops(Fp8OpsConfig()), "dtype": torch.bfloat16}
+        else:
+            options = comfy_native.unet_model_options("fp8_e4m3fn")
+        plain = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options)
+        sd.clear()
+        mm.soft_empty_cache(force=True)
+        if vram_cap_gb is not None:
+            comfy_native.apply_vram_cap(vram_cap_gb)
+        patcher = apply_block_swap(plain, SwapConfig(blocks_to_swap=blocks_to_swap, prefetch=prefetch))
+        ctl = patcher.attachments[SWAP_KEY]
+        b, rest = latent_shape[0], list(latent_shape[1:])
+        need = plain.model.memory_required([2 * b, *rest])  # what KSampler's estimate_memory reserves (CFG batch)
+        ctl.activation_bytes = int(need)
+        mm.load_models_gpu([patcher], memory_required=need,
+                           minimum_memory_required=plain.model.memory_required([b, *rest]))
+        metrics = {"streamed_blocks": len(ctl.plan.streamed) if ctl.plan else 0,
+                   "ring_slots": ctl.plan.ring if ctl.plan else 0,
+                   "ring_gib": (ctl.plan.ring_bytes if ctl.plan else 0) / comfy_native.GIB}
+    del sd
+    inputs = comfy_native.wan_inputs(patcher, width, height, frames)
+    out = comfy_native.forward(patcher, inputs)
+    if tuple(out.shape) != tuple(inputs["x"].shape) or not torch.isfinite(out).all():
+        raise RuntimeError(f"forward gave shape {tuple(out.shape)} or non-finite values")
+    del out
+    if kind != "native" and ctl.streamer is not None and ctl.active and ctl.plan.streamed:
+        ctl.streamer.debug = True  # one instrumented forward (one sync at its end), then timing without it
+        comfy_native.forward(patcher, inputs)
+        stats = ctl.streamer.stats
+        ctl.streamer.debug = False
+        metrics.update(transfer_ms=round(stats.transfer_ms, 2), stall_ms=round(stats.stall_ms, 2),
+                       streamed_compute_ms=round(stats.compute_ms, 2), overlap_pct=round(100 * stats.overlap, 1),
+                       on_demand_loads=stats.on_demand)
+        print(format_stats(stats), file=sys.stderr)
+    return {"fn": lambda: comfy_native.forward(patcher, inputs), "tokens": inputs["tokens"], "kind": kind,
+            "vram_cap_gib": vram_cap_gb, "resolution": f"{width}x{height}x{frames}", **metrics,
+            **comfy_native.describe(patcher)}
+
+
+def variants(resolutions: list[str], caps: list[float | None], kinds: list[str], smoke: bool = False) -> list:
+    """One variant per (resolution, cap, kind)."""
+    out = []
+    for res in resolutions:
+        width, height, frames = SMOKE_RESOLUTION if smoke else RESOLUTIONS[res]
+        for cap in caps:
+            for kind in kinds:
+                kwargs = {"kind": kind, "size": "tiny" if smoke else "full", "width": width, "height": height,
+                          "frames": frames, "vram_cap_gb": cap}
+                if smoke and kind != "native":
+                    kwargs["blocks_to_swap"] = 2  # no VRAM on CPU: stream explicitly to exercise the path
+                label = "smoke" if smoke else res
+                out.append(harness.Variant(f"{label} cap={cap or 'none'} {kind}", TARGET, kwargs, timeout_s=300))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; see the module docstring."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--res", nargs="+", default=list(RESOLUTIONS), choices=list(RESOLUTIONS))
+    p.add_argument("--caps", nargs="+", default=["none", "16", "12", "8", "6"], help="GiB caps, 'none' = no cap")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, no caps (checks the flow only)")
+    args = p.parse_args(argv)
+    caps = [None if c == "none" else float(c) for c in args.caps]
+    results = []
+    for res in args.res:
+        repeats, warmup = (2, 1) if args.smoke else TIMING[res]
+        vs = variants([res], [None] if args.smoke else caps, args.kinds, smoke=args.smoke)
+        results += harness.run_benchmark(f"block_swap_{'smoke' if args.smoke else res}", vs, repeats=repeats,
+                                         warmup=warmup, plot="time_ms")
+    failed = [r for r in results if r.get("status") != "ok"]
+    for r in failed:
+        print(f"{r['name']}: {r['status']}: {r.get('error', '')[:500]}", file=sys.stderr)
+    return 1 if failed and args.smoke else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
