@@ -22,10 +22,10 @@ import triton.language as tl
 
 # int8 dot products of length <= 256 fit in |x| < 2^22, where float(x) == bits(x + 0x4B400000) - 1.5*2^23.
 # One integer add replaces the int->float conversion, which issues at a quarter rate on sm80-sm90.
-MAGIC_I2F_BITS = 0x4B400000
-MAGIC_I2F_VALUE = 12582912.0
+MAGIC_I2F_BITS = tl.constexpr(0x4B400000)
+MAGIC_I2F_VALUE = tl.constexpr(12582912.0)
 # exp2 offset that puts P in (0, 256] for fp8 e4m3 (max 448); a power of two so exp2 stays exact at the top.
-P_LOG2_OFFSET = 8.0
+P_LOG2_OFFSET = tl.constexpr(8.0)
 KBLK = 128  # K tokens per int8 scale; every kernel BLOCK_N divides it
 PAD = 128  # Q/K/V sequence padding, >= every BLOCK_M / BLOCK_N so kernel loads need no masks
 
