@@ -384,6 +384,8 @@ class AttentionSelector:
     @torch.compiler.disable
     def _decide_and_run(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], backend: str) -> Tensor:
         key = _key(backend, q, k, mask)
+        if (known := self.decisions.get(key)) is not None:  # a graph traced before the decision lands here
+            return BACKENDS[known].call(q, k, v, mask)
         decision = Decision(backend="sdpa_math", requested=backend)
         device, head_dim, has_mask = q.device, q.shape[-1], mask is not None
         if backend == "auto":
