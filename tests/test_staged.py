@@ -1,0 +1,358 @@
+"""kernels/staged.py on the CPU: embedding cache keying and atomic writes, streaming loads (one module held at
+a time, RSS falls back after freeing), Qwen2.5-VL config and format detection, Qwen-Image reading/quantization,
+stage accounting. ``write_small_text_encoder`` is shared with tests/test_comfyui_qwen_staged.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfyui_lowvram_dit.kernels import staged
+from comfyui_lowvram_dit.kernels import synth
+from comfyui_lowvram_dit.kernels.checkpoint_io import CheckpointError, StreamingSafetensorsWriter, read_header
+from comfyui_lowvram_dit.kernels.fp8 import dequantize_blockwise
+from comfyui_lowvram_dit.kernels.model_specs import (
+    Qwen25VLConfig,
+    QwenImageConfig,
+    is_linear_weight,
+    model_spec,
+    qwen25_vl_spec,
+    qwen_image_spec,
+)
+
+# Qwen2.5-VL with ComfyUI's fixed widths (hidden 3584 = Qwen-Image's joint_attention_dim, 28 heads, 4 KV heads,
+# vocab 152064 for the real tokenizer's ids) but 2 layers, a narrow MLP and 1 vision block: 1.2 GB instead of 16.
+SMALL_TE = Qwen25VLConfig(num_layers=2, intermediate=256, vision_layers=1)
+
+
+def write_small_text_encoder(path: Path, fmt: str = "bf16", seed: int = 0, cfg: Qwen25VLConfig = SMALL_TE) -> Path:
+    """A Qwen2.5-VL file with the real key names (kernels.model_specs) and random weights; bf16 or ComfyUI's
+    legacy fp8_scaled (fp8 Linear weights + ``scale_weight``, fp16 rest, ``scaled_fp8`` marker)."""
+    spec = qwen25_vl_spec(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    layout: list = []
+    for name, shape, dtype in spec:
+        if fmt == "fp8_scaled" and is_linear_weight("qwen25_vl_7b", name, shape):
+            layout += [(name, shape, torch.float8_e4m3fn), (name[: -len("weight")] + "scale_weight", (), torch.float32)]
+        else:
+            layout.append((name, shape, torch.float16 if fmt == "fp8_scaled" else dtype))
+    if fmt == "fp8_scaled":
+        layout.append(("scaled_fp8", (0,), torch.float8_e4m3fn))
+    with StreamingSafetensorsWriter(path, layout) as w:
+        for name, shape, dtype in spec:
+            if name.endswith("norm.weight") or ".norm" in name:
+                t = 1.0 + 0.05 * torch.randn(shape, generator=gen)
+            else:
+                t = torch.randn(shape, generator=gen) * (0.5 if "embed_tokens" in name else 0.02)
+            if fmt == "fp8_scaled" and is_linear_weight("qwen25_vl_7b", name, shape):
+                q, s = synth.quantize_fp8_scaled(t)
+                w.write(name, q)
+                w.write(name[: -len("weight")] + "scale_weight", s)
+            else:
+                w.write(name, t.to(torch.float16 if fmt == "fp8_scaled" else dtype))
+        if fmt == "fp8_scaled":
+            w.write("scaled_fp8", torch.empty(0, dtype=torch.float8_e4m3fn))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Embedding cache
+
+
+ENC = {"sha256": "a" * 64, "format": "bfloat16", "dtype": "bfloat16", "config": {"hidden_size": 3584}}
+
+
+def test_cache_key_depends_on_prompt_template_and_encoder_identity() -> None:
+    base = staged.embedding_cache_key("a red cat", "tmpl {}", ENC)
+    assert base == staged.embedding_cache_key("a red cat", "tmpl {}", dict(reversed(list(ENC.items()))))
+    variants = [
+        staged.embedding_cache_key("a red cat ", "tmpl {}", ENC),
+        staged.embedding_cache_key("a red cat", "other {}", ENC),
+        staged.embedding_cache_key("a red cat", "tmpl {}", {**ENC, "sha256": "b" * 64}),
+        staged.embedding_cache_key("a red cat", "tmpl {}", {**ENC, "dtype": "float16"}),
+        staged.embedding_cache_key("a red cat", "tmpl {}", {**ENC, "format": "fp8_scaled"}),
+        staged.embedding_cache_key("a red cat", "tmpl {}", {**ENC, "config": {"hidden_size": 4096}}),
+    ]
+    assert len({base, *variants}) == len(variants) + 1
+
+
+def _cond(length: int = 5, mask: bool = False) -> list:
+    extra: dict = {"pooled_output": None}
+    if mask:
+        extra["attention_mask"] = torch.tensor([[1] * (length - 1) + [0]])
+    return [[torch.randn(1, length, 3584), extra]]
+
+
+def test_cache_round_trip_hashed_names_and_miss(tmp_path: Path) -> None:
+    cache = staged.EmbeddingCache(tmp_path)
+    key = staged.embedding_cache_key("secret prompt", "t", ENC)
+    assert cache.get(key) is None
+    cond = _cond(mask=True)
+    path = cache.put(key, cond, info={"encoder": "x.safetensors"})
+    assert path is not None and path.name == f"{key}.safetensors"
+    assert "secret" not in "".join(str(p) for p in tmp_path.rglob("*"))
+    got = cache.get(key)
+    assert torch.equal(got[0][0], cond[0][0]) and got[0][0].dtype == torch.float32
+    assert torch.equal(got[0][1]["attention_mask"], cond[0][1]["attention_mask"])
+    assert got[0][1]["pooled_output"] is None
+    other = staged.embedding_cache_key("secret prompt", "t", {**ENC, "sha256": "c" * 64})
+    assert cache.get(other) is None
+
+
+def test_cache_write_is_atomic_when_replace_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = staged.EmbeddingCache(tmp_path)
+    key = staged.embedding_cache_key("p", "t", ENC)
+
+    def boom(src: object, dst: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(staged.os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        cache.put(key, _cond())
+    monkeypatch.undo()
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # no entry, no temp file left behind
+    assert cache.get(key) is None
+    assert cache.put(key, _cond()) is not None and cache.get(key) is not None
+
+
+def test_cache_drops_corrupt_and_foreign_entries(tmp_path: Path) -> None:
+    cache = staged.EmbeddingCache(tmp_path)
+    key = staged.embedding_cache_key("p", "t", ENC)
+    path = cache.put(key, _cond())
+    path.write_bytes(path.read_bytes()[:-7])  # truncated
+    assert cache.get(key) is None and not path.exists()
+    # An entry copied under another key's name (e.g. a bad manual copy) is not served.
+    other = staged.embedding_cache_key("q", "t", ENC)
+    good = cache.put(key, _cond())
+    cache.path_for(other).parent.mkdir(parents=True, exist_ok=True)
+    cache.path_for(other).write_bytes(good.read_bytes())
+    assert cache.get(other) is None
+
+
+def test_cache_prunes_least_recently_used(tmp_path: Path) -> None:
+    cache = staged.EmbeddingCache(tmp_path, max_entries=2)
+    keys = [staged.embedding_cache_key(str(i), "t", ENC) for i in range(3)]
+    for i, k in enumerate(keys[:2]):
+        cache.put(k, _cond())
+        os.utime(cache.path_for(k), (1000 + i, 1000 + i))
+    cache.put(keys[2], _cond())
+    assert cache.get(keys[0]) is None and cache.get(keys[1]) is not None and cache.get(keys[2]) is not None
+
+
+def test_uncacheable_extras_are_skipped(tmp_path: Path) -> None:
+    cache = staged.EmbeddingCache(tmp_path)
+    key = staged.embedding_cache_key("p", "t", ENC)
+    assert cache.put(key, [[torch.zeros(1, 2, 3), {"hooks": object()}]]) is None
+    assert cache.entries() == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Streaming loads
+
+
+class _Net(torch.nn.Module):
+    """Tiny model with a non-contiguous file order in mind: embed, two layers, norm."""
+
+    def __init__(self, width: int = 256, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(1000, width)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(width)
+
+
+def _write(path: Path, sd: dict[str, torch.Tensor], order: list[str] | None = None) -> Path:
+    names = order or list(sd)
+    with StreamingSafetensorsWriter(path, [(n, tuple(sd[n].shape), sd[n].dtype) for n in names]) as w:
+        for n in names:
+            w.write(n, sd[n])
+    return path
+
+
+def test_streaming_load_matches_state_dict_and_holds_one_module(tmp_path: Path) -> None:
+    src = _Net()
+    sd = {k: v.clone() for k, v in src.state_dict().items()}
+    # Biases stored far from their weights: a group must wait until it is complete.
+    order = sorted(sd, key=lambda k: (k.endswith("bias"), k))
+    header = read_header(_write(tmp_path / "m.safetensors", sd, order))
+    small = dict(staged.iter_tensors(header, staged.small_tensor_names(header)))
+    dst = _Net()
+    stats = staged.StreamStats()
+    seen: list[int] = []
+    loaded = staged.load_streaming(dst, staged.iter_owner_groups(
+        header, small, stats=stats, progress=lambda d, t: seen.append(d)))
+    assert sorted(loaded) == sorted(sd)
+    for k, v in dst.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    biggest = max(v.numel() * v.element_size() for v in sd.values())
+    assert stats.max_held_bytes <= biggest  # never more than one module's streamed tensors at once
+    assert seen == sorted(seen) and seen[-1] == stats.bytes_read
+
+
+def test_streaming_skip_and_errors(tmp_path: Path) -> None:
+    sd = _Net().state_dict()
+    header = read_header(_write(tmp_path / "m.safetensors", sd))
+    groups = list(staged.iter_owner_groups(header, {}, skip=lambda n: n.startswith("embed.")))
+    assert "embed" not in {o for o, _ in groups} and {o for o, _ in groups} == {"layers.0", "layers.1", "norm"}
+
+    class Other(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(256)
+
+    with pytest.raises(CheckpointError, match="does not have"):
+        staged.load_streaming(Other(), staged.iter_owner_groups(header, {}))
+
+
+def test_rss_falls_back_after_streaming_load_and_release(tmp_path: Path) -> None:
+    width = 2048
+    sd = _Net(width, layers=12).state_dict()  # ~210 MB fp32
+    nbytes = sum(v.numel() * v.element_size() for v in sd.values())
+    header = read_header(_write(tmp_path / "m.safetensors", sd))
+    del sd
+    staged.release_host_memory()
+    with staged.StageMeter("load+free", interval=0.005) as meter:
+        model = _Net(width, layers=12)
+        staged.load_streaming(model, staged.iter_owner_groups(header, {}))
+        peak_loaded = staged.current_rss_bytes()
+        del model
+        staged.release_host_memory()
+    rep = meter.report
+    assert peak_loaded - rep.rss_start > 0.8 * nbytes  # the model really was resident...
+    assert rep.rss_peak - rep.rss_start < 1.6 * nbytes  # ...never twice over (model + one layer + prefetch)
+    assert rep.rss_end - rep.rss_start < 0.25 * nbytes  # and RSS fell back once it was freed (allocator slack)
+    assert "load+free" in rep.format() and rep.as_dict()["seconds"] >= 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Qwen2.5-VL header helpers
+
+
+def _header_from_spec(tmp_path: Path, spec: list) -> object:
+    """A safetensors header with ``spec``'s layout (data never read: a sparse file of the right size)."""
+    raw = {n: {"dtype": {torch.bfloat16: "BF16", torch.float32: "F32"}[d], "shape": list(s), "data_offsets": [0, 0]}
+           for n, s, d in spec}
+    off = 0
+    for n, s, d in spec:
+        size = d.itemsize
+        for x in s:
+            size *= x
+        raw[n]["data_offsets"] = [off, off + size]
+        off += size
+    blob = json.dumps(raw).encode()
+    p = tmp_path / "h.safetensors"
+    with p.open("wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        f.truncate(8 + len(blob) + off)
+    return read_header(p)
+
+
+def test_te_config_of_the_real_7b_layout_is_comfyuis_default(tmp_path: Path) -> None:
+    header = _header_from_spec(tmp_path, model_spec("qwen25_vl_7b", "full"))
+    assert staged.qwen25_vl_config_from_header(header) == {
+        "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4}  # comfy/text_encoders/llama.py Qwen25_7BVLI_Config
+    assert staged.text_encoder_format(header) == "bfloat16"
+
+
+def test_te_config_small_file_and_formats(tmp_path: Path) -> None:
+    header = _header_from_spec(tmp_path, qwen25_vl_spec(Qwen25VLConfig(num_layers=3, intermediate=512)))
+    cfg = staged.qwen25_vl_config_from_header(header)
+    assert cfg["num_hidden_layers"] == 3 and cfg["intermediate_size"] == 512 and cfg["num_key_value_heads"] == 4
+    with pytest.raises(CheckpointError, match="not a Qwen2.5-VL"):
+        staged.qwen25_vl_config_from_header(_header_from_spec(tmp_path, model_spec("wan21_t2v_1_3B", "tiny")))
+
+
+def test_small_text_encoder_writer_formats(tmp_path: Path) -> None:
+    cfg = Qwen25VLConfig(num_layers=1, intermediate=128, vision_layers=0, vocab_size=1024)
+    fp8 = read_header(write_small_text_encoder(tmp_path / "a.safetensors", "fp8_scaled", cfg=cfg))
+    assert staged.text_encoder_format(fp8) == "fp8_scaled"
+    assert fp8.tensors["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert fp8.tensors["model.norm.weight"].dtype == torch.float16
+    bf = read_header(write_small_text_encoder(tmp_path / "b.safetensors", "bf16", cfg=cfg))
+    assert staged.text_encoder_format(bf) == "bfloat16"
+    id_a, id_b = staged.file_identity(tmp_path / "a.safetensors"), staged.file_identity(tmp_path / "b.safetensors")
+    assert id_a != id_b and id_a == staged.file_identity(tmp_path / "a.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Qwen-Image transformer
+
+
+# Qwen-Image key names and block structure at a narrow width (the reader never looks at widths; ComfyUI's
+# fixed-width tiny model is covered by the integration test).
+NARROW_QWEN = QwenImageConfig(num_layers=2, dim=256, joint_dim=384)
+
+
+def _write_qwen(path: Path, fmt: str) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Narrow Qwen-Image as bf16, ComfyUI legacy fp8_scaled or plain fp8 (as kernels.synth writes them)."""
+    gen = torch.Generator().manual_seed(1)
+    src = {n: (torch.randn(s, generator=gen) * 0.05).to(d) for n, s, d in qwen_image_spec(NARROW_QWEN)}
+    out: dict[str, torch.Tensor] = {}
+    for n, t in src.items():
+        linear = is_linear_weight("qwen_image", n, tuple(t.shape))
+        if fmt == "fp8_scaled" and linear:
+            q, scale = synth.quantize_fp8_scaled(t)
+            out.update({n: q, n[: -len("weight")] + "scale_weight": scale,
+                        n[: -len("weight")] + "scale_input": torch.ones(())})
+        elif fmt == "fp8" and linear:
+            out[n] = t.to(torch.float8_e4m3fn)
+        else:
+            out[n] = t
+    if fmt == "fp8_scaled":
+        out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    return _write(path, out), src
+
+
+def test_qwen_image_blockwise_quantization_streams(tmp_path: Path) -> None:
+    path, src = _write_qwen(tmp_path / "q.safetensors", "bf16")
+    sd, info, mode = staged.load_qwen_image_state_dict(path, "blockwise", 128)
+    assert info.format == "high_precision" and info.num_blocks == 2 and mode == "blockwise"
+    key = "transformer_blocks.1.img_mlp.net.0.proj.weight"  # [1024, 256]
+    assert sd[key].dtype == torch.float8_e4m3fn and sd[key[: -len("weight")] + "weight_scale"].shape == (8, 2)
+    back = dequantize_blockwise(sd[key], sd[key[: -len("weight")] + "weight_scale"], 128, torch.float32)
+    err = (back - src[key].float()).abs().max() / src[key].float().abs().max()
+    assert 0 < err < 0.07  # e4m3fn: 3 mantissa bits, per-128x128 scale
+    for k in ("img_in.weight", "txt_norm.weight", "proj_out.weight", "transformer_blocks.0.attn.norm_q.weight",
+              "transformer_blocks.0.img_mod.1.bias"):
+        assert sd[k].dtype == torch.bfloat16 and torch.equal(sd[k], src[k]), k
+    targets = [k for k, v in src.items() if staged.is_qwen_fp8_target(k, tuple(v.shape))]
+    assert len(targets) == 2 * 14  # img/txt mod, 8 attention projections, 2 x 2 MLP Linears per block
+    assert sorted(k[: -len("_scale")] for k in sd if k.endswith(".weight_scale")) == sorted(targets)
+    per_tensor, _, mode = staged.load_qwen_image_state_dict(path, "per_tensor")
+    assert mode == "per_tensor" and per_tensor[key[: -len("weight")] + "weight_scale"].shape == ()
+    plain, _, mode = staged.load_qwen_image_state_dict(path, "none")
+    assert mode == "none" and all(torch.equal(plain[k], v) for k, v in src.items())
+
+
+def test_qwen_image_fp8_files_kept_as_stored(tmp_path: Path) -> None:
+    scaled, _ = _write_qwen(tmp_path / "s.safetensors", "fp8_scaled")
+    sd, info, mode = staged.load_qwen_image_state_dict(scaled, "blockwise")
+    assert info.format == "comfy_fp8_scaled" and mode == "per_tensor"
+    key = "transformer_blocks.0.attn.to_q"
+    assert sd[f"{key}.weight"].dtype == torch.float8_e4m3fn and sd[f"{key}.weight_scale"].shape == ()
+    assert not any(k.endswith((".scale_weight", ".scale_input")) or k == "scaled_fp8" for k in sd)
+    plain, _ = _write_qwen(tmp_path / "p.safetensors", "fp8")
+    sd, info, mode = staged.load_qwen_image_state_dict(plain, "none")
+    assert info.format == "fp8_plain" and mode == "per_tensor" and f"{key}.weight_scale" not in sd
+
+
+def test_qwen_image_rejects_other_models(tmp_path: Path) -> None:
+    wan = synth.write_synthetic("wan21_t2v_1_3B", tmp_path / "w.safetensors", "tiny", "bf16")
+    with pytest.raises(CheckpointError, match="not a Qwen-Image"):
+        staged.load_qwen_image_state_dict(wan)
+    with pytest.raises(ValueError, match="quantization mode"):
+        staged.load_qwen_image_state_dict(wan, "int8")  # type: ignore[arg-type]
+
+
+def test_stage_meter_sees_an_allocation() -> None:
+    with staged.StageMeter("alloc", interval=0.002) as meter:
+        x = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+        x.add_(1)
+        del x
+    assert meter.report.rss_peak - meter.report.rss_start > 48 << 20
+    assert meter.report.vram_peak is None
