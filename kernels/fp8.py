@@ -28,7 +28,7 @@ from . import fp8_triton
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Floor for scales: an all-zero tensor or block gets this instead of 0, so quantizing never divides by zero.
-SCALE_MIN = torch.finfo(torch.float32).tiny
+SCALE_MIN = fp8_triton.SCALE_MIN  # torch.finfo(torch.float32).tiny
 DEFAULT_BLOCK_SIZE = 128
 
 Fp8Path = Literal[
@@ -53,8 +53,15 @@ _FP8_ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """fp32 scale so that amax maps to FP8_MAX; zero amax gets SCALE_MIN."""
-    return (amax.float() / FP8_MAX).clamp_min(SCALE_MIN)
+    """fp32 scale amax / 448 (IEEE division on every device); zero amax gets SCALE_MIN."""
+    a = amax.float()
+    # The divisor is a tensor on amax's device, not the Python float 448: torch's CUDA kernel evaluates
+    # `t / 448.0` as t * fp32(1/448) (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu, a CPU-scalar divisor),
+    # 1 ulp off the IEEE quotient for some amax, while its CPU kernel and the
+    # Triton kernels (div_rn) divide. Seen on an H200 (torch 2.11): GPU and CPU weight scales differed.
+    # A tensor / tensor division is IEEE on CPU and CUDA alike, so weights quantized on either device and
+    # activations quantized by torch or Triton are bit-identical, and re-quantizing q * scale returns scale.
+    return (a / a.new_full((), FP8_MAX)).clamp_min(SCALE_MIN)
 
 
 def _cast_fp8(x32: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -270,10 +277,42 @@ def _linear_scaled_mm(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     # scaled_mm_blockwise
     m = x2.shape[0]
     xq, xs = quantize_activation(x2, "group", 128, pad_rows_to=4)
-    out = F.scaled_mm(xq, weight.t(), xs, F.ScalingType.BlockWise1x128,
-                      _blockwise_weight_scale(weight_scale), F.ScalingType.BlockWise128x128,
-                      bias=bias, output_dtype=out_dtype)
+    ws = _blockwise_weight_scale(weight_scale)
+    if torch.compiler.is_compiling() and _BLOCKWISE_OP is not None:
+        out = _BLOCKWISE_OP(xq, weight, xs, ws, bias, out_dtype)
+    else:  # eager: call it directly, skipping the custom op's extra Python dispatch
+        out = _scaled_mm_blockwise(xq, weight, xs, ws, bias, out_dtype)
     return out[:m] if out.shape[0] != m else out
+
+
+def _scaled_mm_blockwise(xq: torch.Tensor, weight: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor,
+                         bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """F.scaled_mm with 1x128 activation and 128x128 weight scales (layouts from quantize_activation and
+    _blockwise_weight_scale)."""
+    return F.scaled_mm(xq, weight.t(), xs, F.ScalingType.BlockWise1x128, ws, F.ScalingType.BlockWise128x128,
+                       bias=bias, output_dtype=out_dtype)
+
+
+def _register_blockwise_op():
+    """Wrap the block-wise F.scaled_mm in a custom op so torch.compile(fullgraph=True) can hold it.
+
+    Dynamo cannot trace `torch._scaled_mm_v2`, which F.scaled_mm calls (torch 2.11: "Dynamo does not know how to
+    trace the builtin torch._VariableFunctionsClass._scaled_mm_v2"), so compiled Wan blocks would graph-break on
+    every block-wise linear. As a custom op it is one opaque node; its fake implementation is the same call on
+    fake tensors, which runs torch's own meta checks of the scale layouts.
+    """
+    if not has_blockwise_scaled_mm():
+        return None
+    name = "lowvram_dit::fp8_scaled_mm_blockwise"
+    try:
+        op = torch.library.custom_op(name, mutates_args=())(_scaled_mm_blockwise)
+        op.register_fake(_scaled_mm_blockwise)
+        return op
+    except RuntimeError:  # already registered by another import of this file (ComfyUI + editable install)
+        return torch.ops.lowvram_dit.fp8_scaled_mm_blockwise.default
+
+
+_BLOCKWISE_OP = _register_blockwise_op()
 
 
 def _linear_dequantize(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,

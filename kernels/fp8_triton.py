@@ -6,7 +6,9 @@ saves (H100, torch 2.11; shared/research/offload-fp8-compile.md §3.7). The kern
 and inductor sees the Triton kernel itself.
 
 The math is exactly kernels/fp8.py's torch versions: scale = max(amax / 448, SCALE_MIN) and
-q = e4m3fn(clamp(x / scale, ±448)), divisions IEEE-rounded (div_rn), so the GPU bits match the reference.
+q = e4m3fn(clamp(x / scale, ±448)), both divisions IEEE-rounded (tl.math.div_rn; Triton's plain `/` on fp32 is the
+approximate div.full.f32), so the GPU bits match the torch reference on CPU and on CUDA. Kernel constants are tl.constexpr, never Python-float kernel arguments: under inductor a float argument becomes
+fp64 and Triton rejects it ("Expected dtype ['fp32'] but got fp64", torch 2.11).
 Importing this module without Triton is fine: TRITON_AVAILABLE is False and nothing is registered.
 """
 
@@ -23,17 +25,17 @@ except Exception:  # noqa: BLE001 - a broken triton install must not break the p
     TRITON_AVAILABLE = False
 
 FP8_MAX = 448.0
-SCALE_MIN = torch.finfo(torch.float32).tiny  # == kernels.fp8.SCALE_MIN (not imported: fp8.py imports us)
+SCALE_MIN = 2.0**-126  # smallest normal fp32 == torch.finfo(torch.float32).tiny == kernels.fp8.SCALE_MIN
 _ROW_BLOCK_K = 1024  # row kernel: K chunk per loop step (two passes over the row; the second hits L2)
 _GROUP_BLOCK_M = 32  # group kernel: rows per program
 _SCALAR_BLOCK = 4096  # tensor-wise cast kernel: elements per program
 
 
 if TRITON_AVAILABLE:
+    _SCALE_MIN_C = tl.constexpr(SCALE_MIN)
 
     @triton.jit
-    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, scale_min,
-                           BLOCK_K: tl.constexpr):
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
         """One program per row: pass 1 finds the row amax, pass 2 scales, saturates and casts."""
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_xm
@@ -43,7 +45,7 @@ if TRITON_AVAILABLE:
             offs = k0 + tl.arange(0, BLOCK_K)
             v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), scale_min)
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), _SCALE_MIN_C)
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
             v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
@@ -53,7 +55,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, M, Mp, K, stride_xm, stride_qm, stride_sm, stride_sg,
-                             scale_min, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+                             GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
         """One program per (BLOCK_M rows, one K-group): amax per row, scale, cast; rows M..Mp are zero padding."""
         rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         g = tl.program_id(1)
@@ -61,19 +63,23 @@ if TRITON_AVAILABLE:
         col_ok = cols[None, :] < K
         v = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=(rows[:, None] < M) & col_ok,
                     other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), 448.0), scale_min)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), 448.0), _SCALE_MIN_C)
         q = tl.clamp(tl.math.div_rn(v, scale[:, None]), -448.0, 448.0)
         tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
                  mask=(rows[:, None] < Mp) & col_ok)
         tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale, mask=rows < Mp)
 
     @triton.jit
-    def _quant_scalar_kernel(x_ptr, q_ptr, s_ptr, N, BLOCK: tl.constexpr):
-        """Cast with a precomputed per-tensor scale (the amax is one torch reduction before this)."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    def _quant_scalar_kernel(x_ptr, q_ptr, amax_ptr, s_ptr, N, BLOCK: tl.constexpr):
+        """Scale from a precomputed amax (one torch reduction before this), then cast; program 0 stores the scale."""
+        pid = tl.program_id(0)
+        scale = tl.maximum(tl.math.div_rn(tl.load(amax_ptr).to(tl.float32), 448.0), _SCALE_MIN_C)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(v, tl.load(s_ptr)), -448.0, 448.0)
+        q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0)
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=offs < N)
+        if pid == 0:
+            tl.store(s_ptr, scale)
 
 
 def _launch_rows(x: torch.Tensor, q_dtype: torch.dtype, wrap) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +87,7 @@ def _launch_rows(x: torch.Tensor, q_dtype: torch.dtype, wrap) -> tuple[torch.Ten
     q = torch.empty((m, k), dtype=q_dtype, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        wrap(_quant_rows_kernel)[(m,)](x, q, s, k, x.stride(0), q.stride(0), SCALE_MIN, BLOCK_K=_ROW_BLOCK_K)
+        wrap(_quant_rows_kernel)[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=_ROW_BLOCK_K)
     return q, s
 
 
@@ -95,18 +101,19 @@ def _launch_groups(x: torch.Tensor, group_size: int, pad_rows_to: int, q_dtype: 
     if mp:
         grid = (triton.cdiv(mp, _GROUP_BLOCK_M), kg)
         wrap(_quant_groups_kernel)[grid](x, q, s, m, mp, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                         SCALE_MIN, GROUP=group_size, BLOCK_M=_GROUP_BLOCK_M)
+                                         GROUP=group_size, BLOCK_M=_GROUP_BLOCK_M)
     return q, s
 
 
 def _launch_scalar(x: torch.Tensor, q_dtype: torch.dtype, wrap) -> tuple[torch.Tensor, torch.Tensor]:
     # inf-norm = max |x| in one reduction kernel (abs and max fused by torch).
     amax = torch.linalg.vector_norm(x, ord=float("inf")).float()
-    s = (amax / FP8_MAX).clamp_min(SCALE_MIN)
     q = torch.empty_like(x, dtype=q_dtype)
     n = x.numel()
-    if n:
-        wrap(_quant_scalar_kernel)[(triton.cdiv(n, _SCALAR_BLOCK),)](x, q, s, n, BLOCK=_SCALAR_BLOCK)
+    if not n:
+        return q, torch.full((), SCALE_MIN, dtype=torch.float32, device=x.device)
+    s = torch.empty((), dtype=torch.float32, device=x.device)
+    wrap(_quant_scalar_kernel)[(triton.cdiv(n, _SCALAR_BLOCK),)](x, q, amax, s, n, BLOCK=_SCALAR_BLOCK)
     return q, s
 
 
