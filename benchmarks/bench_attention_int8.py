@@ -132,20 +132,44 @@ def check_correctness() -> list[dict]:
     return rows
 
 
-def sweep_configs(shape: tuple[int, ...], repeats: int) -> list[dict]:
-    """Fixed tile configs at one shape (what autotune chooses among, plus a few)."""
+# Kernel variants timed at Wan 480p (flags of attention_int8_triton.attn_fwd_kernel): PV_ACC 0 = round-1 kernel
+# (ptxas serialises every wgmma, C7514), 1 = same numerics without it, 2 = P·V accumulated in the tensor core
+# across tiles; EXP_EMU 1/2 = 1/2 or 1/4 of the exp2s by polynomial on the FMA pipe instead of MUFU.
+BEST_TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8}
+VARIANTS: list[tuple[str, dict]] = [
+    ("round1 (PV_ACC=0)", {**BEST_TILE, "num_stages": 4, "PV_ACC": 0}),
+    ("PV_ACC=1", {**BEST_TILE, "num_stages": 4, "PV_ACC": 1}),
+    ("PV_ACC=1 st3", {**BEST_TILE, "num_stages": 3, "PV_ACC": 1}),
+    ("PV_ACC=1 st5", {**BEST_TILE, "num_stages": 5, "PV_ACC": 1}),
+    ("PV_ACC=1 EXP_EMU=1", {**BEST_TILE, "num_stages": 4, "PV_ACC": 1, "EXP_EMU": 1}),
+    ("PV_ACC=1 EXP_EMU=2", {**BEST_TILE, "num_stages": 4, "PV_ACC": 1, "EXP_EMU": 2}),
+    ("PV_ACC=1 EXP_EMU=1 st3", {**BEST_TILE, "num_stages": 3, "PV_ACC": 1, "EXP_EMU": 1}),
+    ("PV_ACC=2", {**BEST_TILE, "num_stages": 4, "PV_ACC": 2}),
+    ("PV_ACC=2 EXP_EMU=1", {**BEST_TILE, "num_stages": 4, "PV_ACC": 2, "EXP_EMU": 1}),
+    ("PV_ACC=1 128x64 w4", {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "PV_ACC": 1}),
+]
+
+FP8_QK_VARIANTS = ("round1 (PV_ACC=0)", "PV_ACC=1", "PV_ACC=1 EXP_EMU=1")
+
+
+def sweep_configs(shape: tuple[int, ...], repeats: int, quick: bool = False) -> list[dict]:
+    """Kernel variants (VARIANTS) at one shape, with errors; the full run adds the autotune tile set."""
     from comfyui_lowvram_dit.kernels import attention_int8_triton as tk
 
-    configs = [{"BLOCK_M": c.kwargs["BLOCK_M"], "BLOCK_N": c.kwargs["BLOCK_N"], "num_warps": c.num_warps,
-                "num_stages": c.num_stages} for c in tk.attn_configs()]
-    configs += [{"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
-                {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4}]
+    cases = [(label, cfg) for label, cfg in VARIANTS]
+    if not quick:
+        cases += [(f"tile {c.kwargs}", {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages})
+                  for c in tk.attn_configs()]
     rows = []
     for name in ("int8_fp8", "fp8_fp8"):
-        for cfg in configs:
-            row = measure(name, shape, repeats, 2, config=cfg, errors=False)
-            say(f"  sweep {name} {cfg}: " + (f"{row['time_ms']:.2f} ms, {row['tflops']:.0f} TFLOP/s"
-                                              if "time_ms" in row else row.get("error", "")))
+        for label, cfg in cases:
+            if name == "fp8_fp8" and label not in FP8_QK_VARIANTS and not label.startswith("tile"):
+                continue  # fp8 Q·Kᵀ misses the accuracy budget; a few rows show how far speed moves it
+            row = measure(name, shape, repeats, 2, config=cfg, errors=True)
+            row["variant"] = label
+            say(f"  sweep {name:8s} {label:26s}: " + (
+                f"{row['time_ms']:.2f} ms, {row['tflops']:.0f} TFLOP/s, err outlier {row.get('err_outlier', float('nan')):.4f}, "
+                f"gauss {row.get('err_gauss', float('nan')):.4f}" if "time_ms" in row else row.get("error", "")))
             rows.append(row)
     return rows
 
@@ -165,10 +189,17 @@ def to_markdown(report: dict) -> str:
                      f"{f('speedup_vs_cudnn', '{:.2f}x')} | {f('err_gauss', '{:.4f}')} | {f('err_outlier', '{:.4f}')} | "
                      f"{f('first_call_s', '{:.1f}')} | {r.get('error', '')[:120]} |")
     if report.get("sweep"):
-        lines += ["", "## Fixed configs at Wan 480p", "", "| backend | config | ms | TFLOP/s |", "|---|---|---|---|"]
+        cudnn = next((r.get("time_ms") for r in report["rows"]
+                      if r["shape_name"] == "wan14b_480p_self" and r["backend"] == "sdpa_cudnn"), None)
+        lines += ["", "## Kernel variants at Wan 480p self-attention", "",
+                  "| backend | variant | config | ms | TFLOP/s | vs cuDNN | err outlier | err gauss | note |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in report["sweep"]:
-            lines.append(f"| {r['backend']} | {r['config']} | {r.get('time_ms', float('nan')):.2f} | "
-                         f"{r.get('tflops', float('nan')):.0f} |")
+            ms = r.get("time_ms", float("nan"))
+            vs = f"{cudnn / ms:.2f}x" if cudnn and r.get("time_ms") else "—"
+            lines.append(f"| {r['backend']} | {r.get('variant', '')} | {r['config']} | {ms:.2f} | "
+                         f"{r.get('tflops', float('nan')):.0f} | {vs} | {r.get('err_outlier', float('nan')):.4f} | "
+                         f"{r.get('err_gauss', float('nan')):.4f} | {r.get('error', '')[:100]} |")
     lines += ["", "## Autotuner picks", "", "```", json.dumps(report["autotune"], indent=1), "```", ""]
     lines += ["## Correctness checks (outlier inputs)", "", "```",
               *[json.dumps(r) for r in report["checks"]], "```", ""]
@@ -216,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             say(f"  {name:10s} " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in row.items() if k not in ("shape", "shape_name", "backend")))
             rows.append(row)
-    sweep = [] if args.no_sweep else (say("config sweep, Wan 480p:") or sweep_configs(SHAPES["wan14b_480p_self"],
-                                                                                      max(3, args.repeats // 2)))
+    sweep = [] if args.no_sweep else (say("kernel variants, Wan 480p self-attention:") or sweep_configs(
+        SHAPES["wan14b_480p_self"], max(3, args.repeats // 2), quick=args.quick))
     report = {"bench": "bench_attention_int8", "env": env, "rows": rows, "sweep": sweep,
               "autotune": A.chosen_configs(), "checks": checks}
     say(f"autotuner picks: {json.dumps(report['autotune'], indent=1)}")

@@ -32,7 +32,8 @@ PvFormat = Literal["auto", "fp8", "fp16"]
 Layout = Literal["BHLD", "BLHD"]
 
 LOG2E = 1.4426950408889634
-# Q·Kᵀ format that "auto" picks. int8 keeps 7 bits where e4m3 keeps 3; bench_attention_int8.py measures both.
+# Q·Kᵀ format that "auto" picks. int8 keeps 7 bits where e4m3 keeps 3. H200 Wan 480p (notes/int8_bench.log):
+# int8 33.3 ms, err 1.3% on outlier inputs; fp8 32.0 ms (4% faster) but 2.9% > the 2% budget. So int8.
 DEFAULT_QK_FORMAT: Literal["int8", "fp8"] = "int8"
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -193,7 +194,11 @@ def _autotuned_kernel():
 
 def attention_from_quantized(qq: QuantizedQKV, out: torch.Tensor, lq: int, lk: int,
                              config: dict | None = None) -> torch.Tensor:
-    """Main loop on prologue output; out is a [B, H, Lq, D] view (any strides) written in place."""
+    """Main loop on prologue output; out is a [B, H, Lq, D] view (any strides) written in place.
+
+    config (None = autotune): BLOCK_M, BLOCK_N, num_warps, num_stages, and optionally the kernel variant flags
+    PV_ACC (0/1/2) and EXP_EMU (0/1/2) documented in attention_int8_triton.attn_fwd_kernel.
+    """
     tk = _triton_module()
     b, h, _, d = out.shape
     lq_pad, lk_pad = qq.q8.shape[1], qq.k8.shape[1]
@@ -206,8 +211,9 @@ def attention_from_quantized(qq: QuantizedQKV, out: torch.Tensor, lq: int, lk: i
         bm, bn = config["BLOCK_M"], config["BLOCK_N"]
         if PAD % bm or KBLK % bn:
             raise ValueError(f"attention_int8: config {config}: BLOCK_M must divide {PAD}, BLOCK_N {KBLK}")
+        variant = {key: config[key] for key in ("PV_ACC", "EXP_EMU") if key in config}
         tk.attn_fwd_kernel[(triton_cdiv(lq, bm), b * h)](
-            *args, **flags, BLOCK_M=bm, BLOCK_N=bn,
+            *args, **flags, **variant, BLOCK_M=bm, BLOCK_N=bn,
             num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3))
     else:
         _autotuned_kernel()[lambda meta: (triton_cdiv(lq, meta["BLOCK_M"]), b * h)](*args, **flags)

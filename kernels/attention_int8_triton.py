@@ -125,13 +125,42 @@ def quantize_v_kernel(
 
 
 @triton.jit
-def _attn_tile(
-    acc, l_i, m_i, q, qscale, k_ptrs, vt_ptrs, kscale_ptr, start_n, Lk,
-    BLOCK_N: tl.constexpr, QK_FP8: tl.constexpr, PV_FP8: tl.constexpr, MASK: tl.constexpr,
+def _exp2_fma(x):
+    """2^x on the FMA/ALU pipes (FA4's trick): P goes to fp8 (3 mantissa bits), so a degree-3 polynomial
+    (Taylor, rel. error < 7e-4 on [-0.5, 0.5]) is plenty and the MUFU unit, the softmax's bottleneck, gets relief."""
+    x = tl.maximum(x, -60.0)  # -inf (masked keys) -> 2^-60, far below fp8's smallest P (2^-9)
+    t = x + MAGIC_I2F_VALUE  # round to nearest integer j: bits(t) = 0x4B400000 + j
+    f = x - (t - MAGIC_I2F_VALUE)  # in [-0.5, 0.5]
+    poly = 1.0 + f * (0.6931471805599453 + f * (0.2402265069591007 + f * 0.05550410866482158))
+    # 2^j * poly: add j to the exponent field; (0x4B400000 + j) << 23 wraps to j << 23 in 32 bits
+    return (poly.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp2_split(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP_EMU: tl.constexpr):
+    """2^x with 1/2 (EXP_EMU=1) or 1/4 (EXP_EMU=2) of the columns on the FMA pipe, the rest on MUFU."""
+    xa, xb = x.reshape([BLOCK_M, 2, BLOCK_N // 2]).permute(0, 2, 1).split()
+    if EXP_EMU == 1:
+        pb = _exp2_fma(xb)
+    else:
+        xb0, xb1 = xb.reshape([BLOCK_M, 2, BLOCK_N // 4]).permute(0, 2, 1).split()
+        pb = tl.join(tl.math.exp2(xb0), _exp2_fma(xb1)).permute(0, 2, 1).reshape([BLOCK_M, BLOCK_N // 2])
+    return tl.join(tl.math.exp2(xa), pb).permute(0, 2, 1).reshape([BLOCK_M, BLOCK_N])
+
+
+@triton.jit
+def _scores(q, k_ptrs):
+    """Raw Q·Kᵀ of one tile: int32 (int8 path) or fp32 (fp8 path), [BLOCK_M, BLOCK_N]."""
+    return tl.dot(q, tl.trans(tl.load(k_ptrs)))
+
+
+@triton.jit
+def _softmax_pv(
+    acc, l_i, m_i, s, qscale, vt_ptrs, kscale_ptr, start_n, Lk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_FP8: tl.constexpr, PV_FP8: tl.constexpr,
+    MASK: tl.constexpr, EXP_EMU: tl.constexpr, PV_ACC: tl.constexpr,
 ):
-    """One BLOCK_N tile of keys: scores, online softmax in the log2 domain, P·V into acc."""
-    k = tl.load(k_ptrs)  # [BLOCK_N, D]
-    s = tl.dot(q, tl.trans(k))  # int32 (int8 path) or fp32 (fp8 path), [BLOCK_M, BLOCK_N]
+    """Online softmax of one tile of raw scores in the log2 domain, then P·V into acc."""
     c = qscale * tl.load(kscale_ptr)  # per-row factor from raw dot to log2-domain score
     if QK_FP8:
         s_off = tl.zeros_like(c)
@@ -143,16 +172,29 @@ def _attn_tile(
         s = tl.where((offs_n < Lk)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * c - s_off)
     # p = exp2(score - m + 8) with score = s*c - s_off: a single FMA per element before exp2.
-    p = tl.math.exp2(s * c[:, None] - (s_off + m_new - P_LOG2_OFFSET)[:, None])
+    x = s * c[:, None] - (s_off + m_new - P_LOG2_OFFSET)[:, None]
+    if EXP_EMU == 0:
+        p = tl.math.exp2(x)
+    else:
+        p = _exp2_split(x, BLOCK_M, BLOCK_N, EXP_EMU)
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     vt = tl.load(vt_ptrs)  # [D, BLOCK_N], tokens contiguous
-    acc = acc * alpha[:, None]
     if PV_FP8:
-        # max_num_imprecise_acc=BLOCK_N: the tile's product is summed in fp32 into acc (sm90 wgmma).
-        acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc, max_num_imprecise_acc=BLOCK_N)
+        p8 = p.to(tl.float8e4nv)
+        if PV_ACC == 0:
+            # max_num_imprecise_acc=BLOCK_N: the tile's product is summed in fp32 into acc. Triton 3.6 reads the
+            # wgmma result before its wait, so ptxas serialises every wgmma in the kernel (C7514).
+            acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=BLOCK_N)
+        elif PV_ACC == 1:
+            # same numerics written out: a fresh fp8 product per tile (<= BLOCK_N terms in the tensor core's
+            # accumulator), added to the fp32 acc by the CUDA cores after the wgmma wait
+            acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt))
+        else:
+            # accumulate across tiles inside the tensor core (Hopper fp8 wgmma keeps ~14 mantissa bits)
+            acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     else:
-        acc = tl.dot(p.to(tl.float16), tl.trans(vt), acc)
+        acc = tl.dot(p.to(tl.float16), tl.trans(vt), acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -164,8 +206,15 @@ def attn_fwd_kernel(
     H, Lq, Lk, Lq_pad, Lk_pad, LQ_BUCKET, LK_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KBLK_: tl.constexpr,
     QK_FP8: tl.constexpr, PV_FP8: tl.constexpr,
+    PV_ACC: tl.constexpr = 1, EXP_EMU: tl.constexpr = 0,
 ):
-    """Non-causal attention over pre-quantized Q8/K8/VT; one program = BLOCK_M queries of one (b, h)."""
+    """Non-causal attention over pre-quantized Q8/K8/VT; one program = BLOCK_M queries of one (b, h).
+
+    Variant flags (bench_attention_int8.py --quick times each at Wan 480p): PV_ACC 0/1/2 how P·V reaches the
+    fp32 accumulator (see _softmax_pv); EXP_EMU 0/1/2 moves 0, 1/2 or 1/4 of the exp2s from MUFU to a polynomial
+    on the FMA pipe. (tl.range(warp_specialize=True) compiles to identical SASS on sm90 with Triton 3.6, and a
+    hand-pipelined next-tile Q·Kᵀ gets its wgmma wait placed right after issue, so neither is offered.)
+    """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -186,13 +235,15 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n_full = (Lk // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i = _attn_tile(
-            acc, l_i, m_i, q, qscale, k_ptrs + start_n * HEAD_DIM, vt_ptrs + start_n,
-            kscale_ptr + start_n // KBLK_, start_n, Lk, BLOCK_N, QK_FP8, PV_FP8, False)
+        s = _scores(q, k_ptrs + start_n * HEAD_DIM)
+        acc, l_i, m_i = _softmax_pv(
+            acc, l_i, m_i, s, qscale, vt_ptrs + start_n, kscale_ptr + start_n // KBLK_, start_n, Lk,
+            BLOCK_M, BLOCK_N, QK_FP8, PV_FP8, False, EXP_EMU, PV_ACC)
     if n_full < Lk:  # ragged tail: padded keys are zero in K8/VT, masked out of the softmax here
-        acc, l_i, m_i = _attn_tile(
-            acc, l_i, m_i, q, qscale, k_ptrs + n_full * HEAD_DIM, vt_ptrs + n_full,
-            kscale_ptr + n_full // KBLK_, n_full, Lk, BLOCK_N, QK_FP8, PV_FP8, True)
+        s = _scores(q, k_ptrs + n_full * HEAD_DIM)
+        acc, l_i, m_i = _softmax_pv(
+            acc, l_i, m_i, s, qscale, vt_ptrs + n_full, kscale_ptr + n_full // KBLK_, n_full, Lk,
+            BLOCK_M, BLOCK_N, QK_FP8, PV_FP8, True, EXP_EMU, PV_ACC)
 
     vscale = tl.load(VScale + pid_bh * HEAD_DIM + offs_d)  # amax_c / 448
     vmean = tl.load(VMean + pid_bh * HEAD_DIM + offs_d)  # softmax rows sum to 1, so the mean adds back as is
@@ -202,18 +253,23 @@ def attn_fwd_kernel(
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < Lq)
 
 
+# Autotune set: (BLOCK_M, BLOCK_N, warps, stages, EXP_EMU). 128/128/8/4 won the H200 sweep at Wan 480p
+# (notes/bench_attention_int8_quick.md, 33.15 ms); the EXP_EMU variants only move exp2 work between pipes (same
+# accuracy), so autotune may pick among them. PV_ACC stays 1 (fp32 accumulation, no wgmma serialisation).
+ATTN_CONFIGS = [
+    (128, 128, 8, 4, 0),
+    (128, 128, 8, 4, 1),
+    (128, 128, 8, 4, 2),
+    (128, 128, 8, 3, 0),
+    (128, 64, 4, 4, 0),
+    (64, 64, 4, 3, 0),
+]
+
+
 def attn_configs() -> list[triton.Config]:
     """Small autotune set (Hopper first; the smaller tiles keep sm80/sm89 and short sequences covered)."""
-    out = []
-    for bm, bn, warps, stages in [
-        (128, 128, 8, 3),
-        (128, 64, 8, 3),
-        (128, 128, 8, 4),
-        (128, 64, 4, 4),
-        (64, 64, 4, 3),
-    ]:
-        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
-    return out
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "EXP_EMU": emu}, num_warps=warps, num_stages=stages)
+            for bm, bn, warps, stages, emu in ATTN_CONFIGS]
 
 
 def make_autotuned_attn():

@@ -145,14 +145,14 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     from test_attention_int8 import make_qkv
     from comfyui_lowvram_dit.kernels import attention_int8 as A
     rows = []
-    for b, h, lq, lk, d, qk, pv, layout in json.loads(sys.argv[2]):
+    for b, h, lq, lk, d, qk, pv, layout, variant in json.loads(sys.argv[2]):
         q, k, v = make_qkv(b, h, lq, lk, d, "outlier", seed=lq + lk)
         if layout == "BLHD":
             q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         out = A.attention_int8(q, k, v, layout=layout, qk_format=qk, pv_format=pv,
-                               config={"BLOCK_M": 64, "BLOCK_N": 64})
+                               config={"BLOCK_M": 64, "BLOCK_N": 64, **variant})
         ref = A.attention_int8_reference(q, k, v, layout=layout, qk_format=qk, pv_format=pv, block_n=64)
-        rows.append({"shape": [b, h, lq, lk, d], "qk": qk, "pv": pv, "layout": layout,
+        rows.append({"shape": [b, h, lq, lk, d], "qk": qk, "pv": pv, "layout": layout, "variant": variant,
                      "same_shape": list(out.shape) == list(q.shape), "err_vs_ref": A.relative_error(out, ref)})
     print("RESULT" + json.dumps(rows))
 """)
@@ -161,11 +161,16 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed in this environment")
 def test_triton_kernels_under_interpreter() -> None:
     cases = [
-        [1, 2, 77, 77, 64, "int8", "fp16", "BHLD"],
-        [2, 1, 65, 129, 128, "int8", "fp16", "BLHD"],  # ragged tail, B>1, Lq != Lk
-        [1, 1, 3, 1, 64, "int8", "fp16", "BHLD"],
-        [1, 1, 70, 200, 64, "int8", "fp8", "BHLD"],
-        [1, 1, 70, 200, 64, "fp8", "fp8", "BHLD"],
+        [1, 2, 77, 77, 64, "int8", "fp16", "BHLD", {}],
+        [2, 1, 65, 129, 128, "int8", "fp16", "BLHD", {}],  # ragged tail, B>1, Lq != Lk
+        [1, 1, 3, 1, 64, "int8", "fp16", "BHLD", {}],
+        [1, 1, 70, 200, 64, "int8", "fp8", "BHLD", {}],
+        [1, 1, 70, 200, 64, "fp8", "fp8", "BHLD", {}],
+        # kernel variants: polynomial exp2 for 1/2 and 1/4 of P (incl. the masked tail), P·V accumulation modes
+        [1, 1, 70, 200, 64, "int8", "fp16", "BHLD", {"EXP_EMU": 1}],
+        [1, 1, 70, 200, 64, "int8", "fp16", "BHLD", {"EXP_EMU": 2}],
+        [1, 1, 70, 200, 64, "int8", "fp16", "BHLD", {"PV_ACC": 0}],
+        [1, 1, 70, 200, 64, "int8", "fp8", "BHLD", {"PV_ACC": 2}],
     ]
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT, os.path.dirname(__file__), json.dumps(cases)],
@@ -192,6 +197,34 @@ def _cuda_formats() -> list[tuple[str, str]]:
     return [(qk, pv)] + ([("int8", "fp16")] if pv != "fp16" else [])
 
 
+# Issue 9's budget is <= 2% vs fp32 on outlier-heavy inputs at the benchmark shapes (Wan Lk=32760, Qwen 7017).
+# Its largest term is rounding P to e4m3 (relative step 2^-3); that noise averages over the keys a query
+# attends to, so short sequences sit higher: the exact fp32 emulation of the algorithm itself (no kernel) gives
+# 2.04% at (1, 2, 77, 77, 64) and 2.13% at (2, 4, 333, 333, 128), 1.76% at Lk=2048, 1.56% at Lk=4096 (CPU,
+# attention_int8_reference, these inputs). Short sequences therefore get 2.5%; Lk >= 4096 keeps the 2%.
+SHORT_SEQ_LK = 4096
+
+
+def fp32_budget(kind: str, pv: str, lk: int) -> float:
+    """Relative-error bound vs fp32 math for the GPU tests (see the comment above)."""
+    if lk == 1:
+        return 0.01
+    if kind == "gauss" and pv == "fp8":
+        return 0.05  # see test_reference_accuracy_vs_fp32
+    if pv == "fp8" and lk < SHORT_SEQ_LK:
+        return 0.025
+    return 0.02
+
+
+def test_short_sequence_budget_is_the_algorithms_own_error() -> None:
+    """The 2.5% short-sequence bound is what the emulation itself needs, and long sequences get back under 2%."""
+    q, k, v = make_qkv(1, 2, 77, 77, 64, "outlier", seed=77)
+    err = A.relative_error(A.attention_int8_reference(q, k, v, block_n=64), exact(q, k, v))
+    assert 0.015 < err <= fp32_budget("outlier", "fp8", 77)
+    q, k, v = make_qkv(1, 1, 256, 4096, 128, "outlier", seed=5)
+    assert A.relative_error(A.attention_int8_reference(q, k, v), exact(q, k, v)) <= fp32_budget("outlier", "fp8", 4096)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("b,h,lq,lk,d", [
     (1, 2, 1, 1, 128), (1, 2, 77, 77, 64), (2, 3, 513, 513, 128), (2, 4, 1024, 512, 128),  # Wan cross-attn Lk
@@ -210,10 +243,7 @@ def test_cuda_matches_emulation_and_fp32(b: int, h: int, lq: int, lk: int, d: in
             err_emu, err = A.relative_error(out, emu), A.relative_error(out, ref32)
             # tile size and exp2 rounding move fp8 P a little; a real bug is far above 1.5%
             assert err_emu <= 0.015, (kind, qk, pv, err_emu)
-            budget = 0.05 if (kind == "gauss" and pv == "fp8") else 0.02  # see test_reference_accuracy_vs_fp32
-            if lk == 1:
-                budget = 0.01
-            assert err <= budget, (kind, qk, pv, err)
+            assert err <= fp32_budget(kind, pv, lk), (kind, qk, pv, err)
 
 
 @pytest.mark.cuda
@@ -226,7 +256,28 @@ def test_cuda_layouts_and_strides() -> None:
     # non-contiguous BHLD views (as a fused qkv projection yields) read through strides
     qkv = torch.stack([q, k[:, :, :333], v[:, :, :333]], dim=-2)  # [B, H, L, 3, D]
     out = A.attention_int8(qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :])
-    assert A.relative_error(out, exact(q, k[:, :, :333], v[:, :, :333])) <= 0.02
+    emu = A.attention_int8_reference(q, k[:, :, :333], v[:, :, :333], block_n=64)
+    assert A.relative_error(out, emu) <= 0.015
+    pv = A.resolve_formats(torch.device("cuda"))[1]
+    assert A.relative_error(out, exact(q, k[:, :, :333], v[:, :, :333])) <= fp32_budget("outlier", pv, 333)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", [{"PV_ACC": 0}, {"PV_ACC": 1}, {"PV_ACC": 2}, {"EXP_EMU": 1}, {"EXP_EMU": 2}])
+@pytest.mark.parametrize("lk", [4097, 700])
+def test_cuda_kernel_variants(variant: dict, lk: int) -> None:
+    """Every kernel variant the bench sweeps matches the emulation (PV_ACC=2 accumulates in the tensor core
+    across tiles, so it only has to stay inside the fp32 budget, which is what the bench's error columns show)."""
+    qk, pv = A.resolve_formats(torch.device("cuda"))
+    if pv != "fp8" and variant.get("PV_ACC") == 2:
+        pytest.skip("PV_ACC=2 is an fp8 P·V mode")
+    q, k, v = make_qkv(1, 2, 1000, lk, 128, "outlier", seed=lk, device="cuda")
+    out = A.attention_int8(q, k, v, qk_format=qk, pv_format=pv,
+                           config={"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4, **variant})
+    emu = A.attention_int8_reference(q, k, v, qk_format=qk, pv_format=pv, block_n=128)
+    if variant.get("PV_ACC") != 2:
+        assert A.relative_error(out, emu) <= 0.015
+    assert A.relative_error(out, exact(q, k, v)) <= fp32_budget("outlier", pv, lk)
 
 
 @pytest.mark.cuda
