@@ -611,7 +611,8 @@ class BlockStreamer:
         for b in list(self._bound):  # a forward that raised inside a block
             self.after_block(b)
         if self.debug and self._sync is not None and self._sync.cuda and self._timers:
-            torch.cuda.current_stream(self.device).synchronize()
+            # the device, not just compute: wrap-around prefetches for the next forward are still on the copy stream
+            torch.cuda.synchronize(self.device)
             st = self.stats
             for b, kind, a, z in self._timers:
                 if z is None:
