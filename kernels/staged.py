@@ -180,17 +180,20 @@ def iter_owner_groups(
     progress: ProgressFn | None = None,
     stats: StreamStats | None = None,
     prefetch: bool = True,
+    already_read: Iterable[str] = (),
 ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """Yield ``(owner, {param_name: tensor})`` for every owning module, as soon as all its tensors are read.
 
     ``small`` holds the already-read (and possibly renamed, e.g. by ComfyUI's ``convert_old_quants``) small
     tensors, keyed by full name; every other tensor in the file is read once, in file order, and released
     when its group is yielded, so the RAM overhead is about one module's weights (the largest is the
-    embedding table). Keys for which ``skip`` is true are neither read nor yielded.
+    embedding table). ``already_read`` names file tensors that ``small`` holds under other names (renamed
+    scales); they are not read again. Keys for which ``skip`` is true are neither read nor yielded.
     """
     stats = stats if stats is not None else StreamStats()
     keep = (lambda n: not skip(n)) if skip is not None else (lambda n: True)
-    big = [n for n in header.tensors if n not in small and keep(n)]
+    done = set(already_read)
+    big = [n for n in header.tensors if n not in small and n not in done and keep(n)]
     expected: dict[str, set[str]] = {}
     for n in [*small, *big]:
         if keep(n):

@@ -7,7 +7,7 @@ LoRA and ModelSampling nodes work on them):
   ``comfy.sd.CLIP``: what ``load_text_encoder_state_dicts(clip_type=QWEN_IMAGE)`` dispatches to) but with an empty
   state dict; its weights are then streamed from the file one module at a time (``kernels.staged``). ComfyUI's
   ``load_clip`` maps the whole file and copies it into the model, so the bf16 encoder briefly costs 2 x 15 GB of
-  RSS; streaming costs the model plus one module. The vision tower is never read (text prompts do not use it).
+  RSS; streaming costs the model plus one module.
   Prompts are encoded exactly as CLIPTextEncode does, the encoder is freed (RSS falls back) and only the
   embeddings go to the GPU. Embeddings are cached on disk under ComfyUI's user directory, keyed by prompt,
   template and encoder identity (content fingerprint, format, dtype, config, ComfyUI version); an unchanged
@@ -128,16 +128,25 @@ def build_text_encoder_streaming(te_path: str | Path, progress=None):  # noqa: A
                                    tokenizer=qi.QwenImageTokenizer)
     del probe
     cpu = torch.device("cpu")
-    options = {"load_device": cpu, "offload_device": cpu, "initial_device": cpu, "qwen25_7b_model_config": cfg}
+    # initial_device "cpu:0" builds the model on the CPU like "cpu" does, but compares unequal to load_device, so
+    # CLIP.__init__ skips its load_models_gpu call: that call sizes the model through state_dict(), which an
+    # fp8 (mixed-precision) Linear cannot produce before its weight is loaded. Encoding loads it as usual.
+    options = {"load_device": cpu, "offload_device": cpu, "initial_device": torch.device("cpu", 0),
+               "qwen25_7b_model_config": cfg}
     clip = comfy.sd.CLIP(target, embedding_directory=folder_paths.get_folder_paths("embeddings"),
                          tokenizer_data={}, parameters=0, state_dict=[], model_options=options)
     transformer = getattr(clip.cond_stage_model, clip.cond_stage_model.clip).transformer
     stats = staged.StreamStats()
-    groups = staged.iter_owner_groups(header, small, skip=lambda n: n.startswith("visual."), progress=progress,
-                                      stats=stats)
+    # The vision tower (0.67 B params) is loaded too although text prompts never run it: the encoder is then
+    # complete, exactly what load_clip builds (ComfyUI sizes every module when it loads the patcher).
+    groups = staged.iter_owner_groups(header, small, progress=progress, stats=stats, already_read=raw_small)
     with torch.no_grad():
         loaded = set(staged.load_streaming(transformer, groups))
-    missing = [n for n, _ in transformer.named_parameters() if not n.startswith("visual.") and n not in loaded]
+    missing = [n for n, _ in transformer.named_parameters() if n not in loaded]
+    if any(n.startswith("visual.") for n in missing):  # as load_clip: only a warning (text prompts do not use it)
+        log.warning("lowvram_dit: %s has no complete vision tower (%d weights missing)", Path(te_path).name,
+                    sum(n.startswith("visual.") for n in missing))
+    missing = [n for n in missing if not n.startswith("visual.")]
     if missing:
         raise CheckpointError(f"{Path(te_path).name}: the file lacks {len(missing)} text-encoder weights "
                               f"({missing[:3]}...); it is damaged or not Qwen2.5-VL")

@@ -26,8 +26,9 @@ from comfyui_lowvram_dit.kernels.model_specs import (
 )
 
 # Qwen2.5-VL with ComfyUI's fixed widths (hidden 3584 = Qwen-Image's joint_attention_dim, 28 heads, 4 KV heads,
-# vocab 152064 for the real tokenizer's ids) but 2 layers, a narrow MLP and 1 vision block: 1.2 GB instead of 16.
-SMALL_TE = Qwen25VLConfig(num_layers=2, intermediate=256, vision_layers=1)
+# vocab 152064 for the real tokenizer's ids, the full 32-block vision tower ComfyUI always builds) but 2 language
+# layers with a narrow MLP: 2.5 GB instead of 16.
+SMALL_TE = Qwen25VLConfig(num_layers=2, intermediate=256)
 
 
 def write_small_text_encoder(path: Path, fmt: str = "bf16", seed: int = 0, cfg: Qwen25VLConfig = SMALL_TE) -> Path:
