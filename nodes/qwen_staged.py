@@ -157,12 +157,13 @@ def build_text_encoder_streaming(te_path: str | Path, progress=None):  # noqa: A
 
 
 def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = True,
-                   target_device: torch.device | None = None) -> tuple[list[list], staged.StageReport]:
+                   target_device: torch.device | None = None,
+                   reset_cuda_peak: bool = False) -> tuple[list[list], staged.StageReport]:
     """Stage 1: CONDITIONING for each prompt, from the cache or a streamed CPU encoder that is freed after."""
     import comfy.model_management as mm
 
     cache = embedding_cache() if use_cache else None
-    meter = staged.StageMeter("stage 1 (text encoder, CPU)")
+    meter = staged.StageMeter("stage 1 (text encoder, CPU)", reset_cuda_peak=reset_cuda_peak)
     with meter:
         keys: list[str | None] = [None] * len(prompts)
         out: list[list | None] = [None] * len(prompts)
@@ -316,16 +317,23 @@ class QwenImageStagedLoader(io.ComfyNode):
         mm.cleanup_models_gc()
         staged.release_host_memory()
         (pos, neg), _ = encode_prompts(te, [positive, negative], use_cache=cache_embeddings)
-        with staged.StageMeter("stage 2 (transformer load)") as meter:
-            model = load_transformer(unet, quantization, 128, compute)
-            staged.release_host_memory()
-            config = SwapConfig(vram_budget_gb=vram_budget_gb, blocks_to_swap=blocks_to_swap)
-            model = apply_block_swap(model, config)
-            vae = load_vae(vae_path)
-        meter.report.notes.append(f"block swap budget {vram_budget_gb:g} GB, blocks_to_swap {blocks_to_swap} "
-                                  "(the GPU load happens in KSampler)")
-        _log_stage(meter.report)
+        model, _ = load_staged_model(unet, quantization, vram_budget_gb, blocks_to_swap, compute)
+        vae = load_vae(vae_path)
         return io.NodeOutput(model, pos, neg, vae)
+
+
+def load_staged_model(unet_path: str | Path, quantization: str = "fp8 block-wise", vram_budget_gb: float = 0.0,
+                      blocks_to_swap: int = -1, compute: str = "auto",
+                      reset_cuda_peak: bool = False):  # noqa: ANN201 - (ModelPatcher, StageReport)
+    """Stage 2: the fp8 transformer wrapped by Block Swap (the GPU load itself happens when sampling starts)."""
+    with staged.StageMeter("stage 2 (transformer load)", reset_cuda_peak=reset_cuda_peak) as meter:
+        model = load_transformer(unet_path, quantization, 128, compute)
+        staged.release_host_memory()
+        model = apply_block_swap(model, SwapConfig(vram_budget_gb=vram_budget_gb, blocks_to_swap=blocks_to_swap))
+    meter.report.notes.append(f"block swap budget {vram_budget_gb:g} GB, blocks_to_swap {blocks_to_swap} "
+                              "(the GPU load happens in KSampler)")
+    _log_stage(meter.report)
+    return model, meter.report
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -380,49 +388,57 @@ class QwenImageDecode(io.ComfyNode):
     @classmethod
     def execute(cls, samples: dict, vae, vram_budget_gb: float, tile_size: int, overlap: int,  # noqa: ANN001
                 allow_cpu: bool = False) -> io.NodeOutput:
-        import comfy.model_management as mm
-
-        gpu = mm.get_torch_device()
-        dev = torch.device(vae.device)
-        if dev.type == "cpu" and gpu.type != "cpu" and not allow_cpu:
-            raise RuntimeError("Qwen-Image Decode: the VAE is on the CPU (ComfyUI started with --cpu-vae?) while a "
-                               f"GPU ({gpu}) exists; a CPU decode of a 1328x1328 image takes tens of minutes. Remove "
-                               "--cpu-vae, or set allow_cpu on this node to accept it.")
-        latent = samples["samples"]
-        with staged.StageMeter("stage 3 (VAE decode)", device=dev) as meter:
-            # Release the transformer (and anything else) from this device before the VAE loads.
-            mm.free_memory(1e30, dev, keep_loaded=[vae.patcher])
-            mm.soft_empty_cache()
-            need = float(vae.memory_used_decode(latent.shape, vae.vae_dtype))
-            if dev.type == "cpu":
-                available = math.inf
-                log.info("lowvram_dit Qwen-Image Decode: decoding on the CPU (%s)",
-                         "no GPU" if gpu.type == "cpu" else "allow_cpu is on")
-            else:
-                available = mm.get_free_memory(dev) - mm.module_size(vae.first_stage_model)
-                if vram_budget_gb > 0:
-                    available = min(available, vram_budget_gb * staged.GIB - mm.module_size(vae.first_stage_model))
-            comp = vae.spacial_compression_decode()
-            h_px, w_px = latent.shape[-2] * comp, latent.shape[-1] * comp
-            tile = plan_decode(need, available, h_px, w_px, tile_size)
-            if tile is None:
-                bar = _bar(1)
-                images = vae.decode(latent)
-                bar.update(1)
-                meter.report.notes.append(f"full decode (estimate {need / staged.GIB:.2f} GiB fits)")
-            else:
-                ov = min(overlap, tile // 4)
-                t_comp = vae.temporal_compression_decode()
-                tile_t, overlap_t = (None, None) if t_comp is None else (max(2, 64 // t_comp), 1)
-                images = vae.decode_tiled(latent, tile_x=tile // comp, tile_y=tile // comp, overlap=ov // comp,
-                                          tile_t=tile_t, overlap_t=overlap_t)
-                meter.report.notes.append(f"tiled {tile}px/{ov}px (estimate {need / staged.GIB:.2f} GiB > "
-                                          f"{max(available, 0) / staged.GIB:.2f} GiB available)")
-            if images.ndim == 5:  # video VAE output for a single-frame image: combine batches as VAEDecode does
-                images = images.reshape(-1, *images.shape[-3:])
-        meter.report.notes.append(f"on {dev}")
-        _log_stage(meter.report)
+        images, _ = decode_staged(samples["samples"], vae, vram_budget_gb, tile_size, overlap, allow_cpu)
         return io.NodeOutput(images)
+
+
+def decode_staged(latent: torch.Tensor, vae, vram_budget_gb: float = 0.0, tile_size: int = 512,  # noqa: ANN001
+                  overlap: int = 64, allow_cpu: bool = False,
+                  reset_cuda_peak: bool = False) -> tuple[torch.Tensor, staged.StageReport]:
+    """Stage 3: free the GPU of other models, decode (tiled if needed) on the VAE's device; IMAGE [N, H, W, C]."""
+    import comfy.model_management as mm
+
+    gpu = mm.get_torch_device()
+    dev = torch.device(vae.device)
+    if dev.type == "cpu" and gpu.type != "cpu" and not allow_cpu:
+        raise RuntimeError("Qwen-Image Decode: the VAE is on the CPU (ComfyUI started with --cpu-vae?) while a "
+                           f"GPU ({gpu}) exists; a CPU decode of a 1328x1328 image takes tens of minutes. Remove "
+                           "--cpu-vae, or set allow_cpu on this node to accept it.")
+    with staged.StageMeter("stage 3 (VAE decode)", device=dev, reset_cuda_peak=reset_cuda_peak) as meter:
+        # Release the transformer (and anything else) from this device before the VAE loads.
+        mm.free_memory(1e30, dev, keep_loaded=[vae.patcher])
+        mm.soft_empty_cache()
+        need = float(vae.memory_used_decode(latent.shape, vae.vae_dtype))
+        if dev.type == "cpu":
+            available = math.inf
+            log.info("lowvram_dit Qwen-Image Decode: decoding on the CPU (%s)",
+                     "no GPU" if gpu.type == "cpu" else "allow_cpu is on")
+        else:
+            vae_bytes = mm.module_size(vae.first_stage_model)
+            available = mm.get_free_memory(dev) - vae_bytes
+            if vram_budget_gb > 0:
+                available = min(available, vram_budget_gb * staged.GIB - vae_bytes)
+        comp = vae.spacial_compression_decode()
+        h_px, w_px = latent.shape[-2] * comp, latent.shape[-1] * comp
+        tile = plan_decode(need, available, h_px, w_px, tile_size)
+        if tile is None:
+            bar = _bar(1)
+            images = vae.decode(latent)
+            bar.update(1)
+            meter.report.notes.append(f"full decode (estimate {need / staged.GIB:.2f} GiB fits)")
+        else:
+            ov = min(overlap, tile // 4)
+            t_comp = vae.temporal_compression_decode()
+            tile_t, overlap_t = (None, None) if t_comp is None else (max(2, 64 // t_comp), 1)
+            images = vae.decode_tiled(latent, tile_x=tile // comp, tile_y=tile // comp, overlap=ov // comp,
+                                      tile_t=tile_t, overlap_t=overlap_t)
+            meter.report.notes.append(f"tiled {tile}px/{ov}px (estimate {need / staged.GIB:.2f} GiB > "
+                                      f"{max(available, 0) / staged.GIB:.2f} GiB available)")
+        if images.ndim == 5:  # video VAE output for a single-frame image: combine batches as VAEDecode does
+            images = images.reshape(-1, *images.shape[-3:])
+    meter.report.notes.append(f"on {dev}")
+    _log_stage(meter.report)
+    return images, meter.report
 
 
 NODES = [QwenImageStagedLoader, QwenImageDecode]

@@ -1,0 +1,249 @@
+"""Qwen-Image staged pipeline vs ComfyUI v0.8.0 native, per stage: time, peak VRAM, peak RSS.
+
+Full-size synthetic files (kernels.synth: real key names and shapes, random values) written once to ``--files``:
+the transformer as plain fp8 e4m3fn (20.4 GB, like Comfy-Org's qwen_image_fp8_e4m3fn.safetensors; a bf16 file
+would not fit the GPU box's 64 GB disk next to the encoders), the Qwen2.5-VL encoder as bf16 (16.6 GB) and,
+with ``--te fp8_scaled``, as ComfyUI fp8_scaled, and the Wan 2.1 VAE.
+
+Variants, each in a fresh process (benchmarks/harness.py), in this order:
+- ``native``: CLIPLoader(device=cpu) + CLIPTextEncode, UNETLoader(default) with ComfyUI's memory management under
+  the VRAM cap, VAEDecode (ComfyUI falls back to tiles on OOM);
+- ``ours cold``: LowVRAM staged loader with an empty embedding cache, block swap under the cap, staged decode;
+- ``ours cached``: the same with the cache filled by ``ours cold`` (stage 1 skips the encoder);
+- ``ours resident``: no cap, no swap (the 1.15x goal compares ``ours cold`` time_ms against this).
+``time_ms`` is one transformer forward at 1328x1328 (6889 image tokens, batch 1); stage metrics are extra columns.
+
+GPU (lead):
+    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_qwen_staged --files /data/qwen_synth
+CPU smoke test of the flow (tiny transformer, 64x64, no cap):
+    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_qwen_staged --smoke --files /tmp/q
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+try:
+    from . import harness
+except ImportError:  # run as a file
+    import harness  # type: ignore[no-redef]
+
+MODULE = "comfyui_lowvram_dit.benchmarks.bench_qwen_staged"
+PROMPT = ("A coffee shop entrance features a chalkboard sign reading \"Qwen Coffee 2 dollars\", with a neon light "
+          "beside it displaying a glowing logo; a poster of a beautiful woman hangs next to it")
+NEGATIVE = " "
+
+
+def _stage(report) -> dict:  # noqa: ANN001 - kernels.staged.StageReport
+    d = report.as_dict()
+    name = d.pop("stage").split(" ")[1]
+    return {f"s{name}_{k}": v for k, v in d.items() if k != "notes"} | {f"s{name}_notes": "; ".join(d["notes"])}
+
+
+def _setup(ctx: harness.BenchContext, user_dir: str):  # noqa: ANN202
+    import folder_paths
+
+    from . import comfy_native
+
+    comfy = comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
+    Path(user_dir).mkdir(parents=True, exist_ok=True)
+    folder_paths.set_user_directory(user_dir)  # embedding cache lives here, not in the ComfyUI checkout
+    return comfy
+
+
+def _forward_fn(patcher, cond: list, width: int, height: int, vram_cap_gb: float | None):  # noqa: ANN001, ANN202
+    """Load ``patcher`` as KSampler would (memory estimate at this size, cond+uncond) and return one forward."""
+    import torch
+
+    import comfy.model_management as mm
+
+    from . import comfy_native
+
+    if vram_cap_gb:
+        comfy_native.apply_vram_cap(vram_cap_gb)
+    shape = (1, 16, 1, height // 8, width // 8)
+    mm.load_models_gpu([patcher], memory_required=patcher.model.memory_required([2, *shape[1:]]),
+                       minimum_memory_required=patcher.model.memory_required(list(shape)))
+    dev = patcher.load_device
+    x = torch.randn(shape).to(dev, torch.bfloat16)
+    t = torch.full((1,), 0.5, device=dev)
+    context = cond[0][0].to(dev, torch.bfloat16)
+    inputs = {"x": x, "timestep": t, "context": context}
+    out = comfy_native.forward(patcher, inputs)
+    if not torch.isfinite(out).all():
+        raise RuntimeError("forward produced non-finite values")
+    return lambda: comfy_native.forward(patcher, inputs), x
+
+
+def ours(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: int, height: int,
+         vram_cap_gb: float | None, quantization: str = "fp8 per-tensor", clear_cache: bool = False) -> dict:
+    """Harness target: the staged pipeline, stage by stage; returns the transformer forward as ``fn``."""
+    import torch
+
+    import comfy.model_management as mm
+
+    _setup(ctx, user_dir)
+    from ..nodes import qwen_staged
+
+    f = Path(files)
+    if clear_cache:
+        shutil.rmtree(Path(user_dir) / qwen_staged.CACHE_FOLDER[0], ignore_errors=True)
+    reset = ctx.device.type == "cuda"
+    (pos, _neg), r1 = qwen_staged.encode_prompts(str(f / te), [PROMPT, NEGATIVE], reset_cuda_peak=reset)
+    model, r2 = qwen_staged.load_staged_model(str(f / "qwen_image.safetensors"), quantization,
+                                              vram_budget_gb=vram_cap_gb or 0.0, reset_cuda_peak=reset)
+    vae = qwen_staged.load_vae(str(f / "vae.safetensors"))
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    fn, x = _forward_fn(model, pos, width, height, vram_cap_gb)
+    ctx.sync()
+    load_peak = torch.cuda.max_memory_allocated() if reset else None
+    fn()  # one more forward so the stage-3 decode sees a model that has really run
+    _images, r3 = qwen_staged.decode_staged(x.float(), vae, vram_budget_gb=vram_cap_gb or 0.0, reset_cuda_peak=reset)
+    mm.load_models_gpu([model])  # back on the GPU for the timed forwards (decode unloaded it)
+    out = {"fn": fn, "resolution": f"{width}x{height}", "te": te, "quantization": quantization,
+           "load_and_first_forward_vram_gib": None if load_peak is None else round(load_peak / 2**30, 3)}
+    for r in (r1, r2, r3):
+        out.update(_stage(r))
+    return out
+
+
+def native(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: int, height: int,
+           vram_cap_gb: float | None, smoke: bool = False) -> dict:
+    """Harness target: CLIPLoader(cpu) + encode, UNETLoader(default), VAEDecode, as stock v0.8.0 does them."""
+    import torch
+
+    comfy = _setup(ctx, user_dir)
+    import comfy.model_management as mm
+    import comfy.utils
+
+    from ..kernels import staged
+
+    f = Path(files)
+    cpu = torch.device("cpu")
+    reset = ctx.device.type == "cuda"
+    with staged.StageMeter("stage 1 (native CLIPLoader cpu)", reset_cuda_peak=reset) as m1:
+        options = {"load_device": cpu, "offload_device": cpu}
+        if smoke:  # the smoke encoder is smaller than ComfyUI's fixed 7B config
+            options["qwen25_7b_model_config"] = staged.qwen25_vl_config_from_header(staged.read_header(f / te))
+        clip = comfy.sd.load_clip([str(f / te)], clip_type=comfy.sd.CLIPType.QWEN_IMAGE, model_options=options)
+        with torch.inference_mode():
+            pos = clip.encode_from_tokens_scheduled(clip.tokenize(PROMPT))
+            clip.encode_from_tokens_scheduled(clip.tokenize(NEGATIVE))
+        del clip
+        mm.cleanup_models_gc()
+    with staged.StageMeter("stage 2 (native UNETLoader)", reset_cuda_peak=reset) as m2:
+        model = comfy.sd.load_diffusion_model(str(f / "qwen_image.safetensors"))
+        vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(f / "vae.safetensors")))
+    fn, x = _forward_fn(model, pos, width, height, vram_cap_gb)
+    fn()
+    with staged.StageMeter("stage 3 (native VAEDecode)", device=torch.device(vae.device), reset_cuda_peak=reset) as m3:
+        vae.decode(x.float())
+    mm.load_models_gpu([model])
+    out = {"fn": fn, "resolution": f"{width}x{height}", "te": te}
+    for r in (m1.report, m2.report, m3.report):
+        out.update(_stage(r))
+    return out
+
+
+def write_files(files: Path, te_formats: list[str], smoke: bool) -> None:
+    """Write the synthetic files once (skipped when present); full size on the GPU when there is one."""
+    import torch
+
+    from ..kernels import synth
+
+    files.mkdir(parents=True, exist_ok=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    size = "tiny" if smoke else "full"
+    jobs = [("qwen_image", "qwen_image.safetensors", "fp8"), ("wan21_vae", "vae.safetensors", "bf16")]
+    jobs += [("qwen25_vl_7b", f"te_{fmt}.safetensors", fmt) for fmt in te_formats]
+    for model, name, fmt in jobs:
+        path = files / name
+        if path.is_file():
+            continue
+        print(f"writing {path} ({model}, {size}, {fmt})", file=sys.stderr)
+        if smoke and model == "qwen25_vl_7b":
+            _write_small_te(path, fmt)
+        else:
+            synth.write_synthetic(model, path, size, fmt, seed=0, device=dev, progress=True)
+
+
+SMOKE_TE_LAYERS, SMOKE_TE_MLP = 2, 256  # the 7B encoder is 16.6 GB even "tiny": smoke runs use 2 narrow layers
+
+
+def _write_small_te(path: Path, fmt: str) -> None:
+    """Qwen2.5-VL with ComfyUI's widths but 2 narrow layers (smoke only; ComfyUI needs the config override)."""
+    import torch
+
+    from ..kernels import synth
+    from ..kernels.checkpoint_io import StreamingSafetensorsWriter
+    from ..kernels.model_specs import Qwen25VLConfig, is_linear_weight, qwen25_vl_spec
+
+    spec = qwen25_vl_spec(Qwen25VLConfig(num_layers=SMOKE_TE_LAYERS, intermediate=SMOKE_TE_MLP))
+    fp8 = fmt == "fp8_scaled"
+    layout: list = []
+    for n, shape, dt in spec:
+        if fp8 and is_linear_weight("qwen25_vl_7b", n, shape):
+            layout += [(n, shape, torch.float8_e4m3fn), (n[: -len("weight")] + "scale_weight", (), torch.float32)]
+        else:
+            layout.append((n, shape, torch.float16 if fp8 else dt))
+    if fp8:
+        layout.append(("scaled_fp8", (0,), torch.float8_e4m3fn))
+    with StreamingSafetensorsWriter(path, layout) as w:
+        for n, shape, dt in spec:
+            t = synth.synthetic_tensor(n, shape, dt, 0)
+            if fp8 and is_linear_weight("qwen25_vl_7b", n, shape):
+                q, scale = synth.quantize_fp8_scaled(t)
+                w.write(n, q)
+                w.write(n[: -len("weight")] + "scale_weight", scale)
+            else:
+                w.write(n, t.to(torch.float16) if fp8 else t)
+        if fp8:
+            w.write("scaled_fp8", torch.empty(0, dtype=torch.float8_e4m3fn))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write files if needed, run the variants, print the markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--files", type=Path, required=True, help="folder for the synthetic model files")
+    parser.add_argument("--te", nargs="+", choices=["bf16", "fp8_scaled"], default=["bf16"])
+    parser.add_argument("--vram-gb", type=float, default=8.0, help="simulated card size for native and ours")
+    parser.add_argument("--size", type=int, nargs=2, default=[1328, 1328], metavar=("W", "H"))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--skip-native", action="store_true")
+    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS)
+    parser.add_argument("--smoke", action="store_true", help="tiny transformer/VAE, 64x64, CPU, no cap")
+    args = parser.parse_args(argv)
+    write_files(args.files, args.te, args.smoke)
+    width, height = (64, 64) if args.smoke else tuple(args.size)
+    cap = None if args.smoke else args.vram_gb
+    user_dir = str(args.files / "comfy_user")
+    common = {"files": str(args.files), "user_dir": user_dir, "width": width, "height": height}
+    variants = []
+    for te in args.te:
+        te_file = f"te_{te}.safetensors"
+        if not args.skip_native:
+            variants.append(harness.Variant(f"native te={te} cap={cap}", f"{MODULE}:native",
+                                            {**common, "te": te_file, "vram_cap_gb": cap, "smoke": args.smoke}))
+        variants += [
+            harness.Variant(f"ours cold te={te} cap={cap}", f"{MODULE}:ours",
+                            {**common, "te": te_file, "vram_cap_gb": cap, "clear_cache": True}),
+            harness.Variant(f"ours cached te={te} cap={cap}", f"{MODULE}:ours",
+                            {**common, "te": te_file, "vram_cap_gb": cap}),
+        ]
+    variants.append(harness.Variant("ours resident (no cap, no swap)", f"{MODULE}:ours",
+                                    {**common, "te": f"te_{args.te[0]}.safetensors", "vram_cap_gb": None}))
+    bench = "qwen_staged_smoke" if args.smoke else f"qwen_staged_{width}x{height}_cap{args.vram_gb:g}gb"
+    argv_used = ["-m", MODULE, *(argv if argv is not None else sys.argv[1:])]
+    results = harness.run_benchmark(bench, variants, repeats=min(args.repeats, 2) if args.smoke else args.repeats,
+                                    warmup=args.warmup, out_dir=args.out_dir, force_cpu=args.smoke, argv=argv_used)
+    print((Path(args.out_dir) / f"{bench}.md").read_text(encoding="utf-8"))
+    return 0 if all(r.get("status") == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
