@@ -44,11 +44,10 @@ def _stage(report) -> dict:  # noqa: ANN001 - kernels.staged.StageReport
 
 
 def _setup(ctx: harness.BenchContext, user_dir: str):  # noqa: ANN202
-    import folder_paths
-
     from . import comfy_native
 
     comfy = comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
+    import folder_paths
     Path(user_dir).mkdir(parents=True, exist_ok=True)
     folder_paths.set_user_directory(user_dir)  # embedding cache lives here, not in the ComfyUI checkout
     return comfy
@@ -68,9 +67,10 @@ def _forward_fn(patcher, cond: list, width: int, height: int, vram_cap_gb: float
     mm.load_models_gpu([patcher], memory_required=patcher.model.memory_required([2, *shape[1:]]),
                        minimum_memory_required=patcher.model.memory_required(list(shape)))
     dev = patcher.load_device
-    x = torch.randn(shape).to(dev, torch.bfloat16)
+    dtype = patcher.model.manual_cast_dtype or patcher.model.get_dtype()  # what _apply_model casts inputs to
+    x = torch.randn(shape).to(dev, dtype)
     t = torch.full((1,), 0.5, device=dev)
-    context = cond[0][0].to(dev, torch.bfloat16)
+    context = cond[0][0].to(dev, dtype)
     inputs = {"x": x, "timestep": t, "context": context}
     out = comfy_native.forward(patcher, inputs)
     if not torch.isfinite(out).all():
@@ -83,9 +83,8 @@ def ours(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: i
     """Harness target: the staged pipeline, stage by stage; returns the transformer forward as ``fn``."""
     import torch
 
-    import comfy.model_management as mm
-
     _setup(ctx, user_dir)
+    import comfy.model_management as mm
     from ..nodes import qwen_staged
 
     f = Path(files)
