@@ -47,7 +47,9 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_NODES = Path(__file__).resolve().parent / "fixture_nodes"
 PACK_FOLDER = "comfyui-lowvram-dit"  # [project].name: where Registry / Manager installs put the pack
-ALT_PACK_FOLDER = "ComfyUI-LowVRAM-DiT-0.1.0"  # git clone / release-zip style: capitals, dots
+# git clone / release-archive style (capitals, dots: ComfyUI maps "." to "_x_" in module names);
+# only a name, it need not track the version.
+ALT_PACK_FOLDER = "ComfyUI-LowVRAM-DiT-0.1.0"
 FIXTURE_FOLDER = "zz_lowvram_dit_test_nodes"
 MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras", "checkpoints", "clip_vision")
 
