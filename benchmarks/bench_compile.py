@@ -48,6 +48,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "model_ours_max-autotune": ("model", {"how": "ours", "mode": "max-autotune"}),
     "model_ours_whole_default": ("model", {"how": "ours", "mode": "default", "scope": "whole model"}),
     "native_torchcompilemodel": ("model", {"how": "native"}),
+    # the whole stack: our fp8 layers (per-tensor) eager vs regionally compiled (activation quantization fused)
+    "model_fp8_eager": ("model", {"how": "eager", "fp8": "per_tensor"}),
+    "model_fp8_ours_default": ("model", {"how": "ours", "mode": "default", "fp8": "per_tensor"}),
     "oom_fallback": ("model", {"how": "ours", "mode": "reduce-overhead", "cap": True}),
 }
 
@@ -61,7 +64,8 @@ class _Capture(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _build(ctx: harness.BenchContext, size: str, num_layers: int | None, width: int, height: int, frames: int):
+def _build(ctx: harness.BenchContext, size: str, num_layers: int | None, width: int, height: int, frames: int,
+           fp8: str | None = None):
     import torch
 
     from ..kernels.synth import synthetic_state_dict
@@ -69,9 +73,14 @@ def _build(ctx: harness.BenchContext, size: str, num_layers: int | None, width: 
 
     comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
     sd = synthetic_state_dict(MODEL, size=size, device=ctx.device.type, num_layers=num_layers)
+    options: dict = {"dtype": torch.bfloat16}
+    if fp8:  # our fp8 layers (per_tensor / blockwise), built as the Wan loader node builds them
+        from .bench_wan_fp8 import quantize_for_ours
+
+        options = quantize_for_ours(sd, fp8, 128)
     out_dim = sd["head.head.weight"].shape[0] // 4
     latent_shape = comfy_native.wan_latent_shape(out_dim, width, height, frames)
-    patcher = comfy_native.load_native_model(sd, "default", {"dtype": torch.bfloat16}, latent_shape=latent_shape)
+    patcher = comfy_native.load_native_model(sd, "default", options, latent_shape=latent_shape)
     return patcher, comfy_native.wan_inputs(patcher, width, height, frames)
 
 
@@ -93,13 +102,13 @@ def _compiled(patcher: Any, how: str, mode: str, scope: str, backend: str) -> An
 
 def model_case(ctx: harness.BenchContext, how: str, mode: str = "default", scope: str = "blocks",
                size: str = "full", width: int = 832, height: int = 480, frames: int = 81, cap: bool = False,
-               cap_gb: float | None = None, backend: str = "inductor") -> dict:
+               cap_gb: float | None = None, backend: str = "inductor", fp8: str | None = None) -> dict:
     """Harness target: the whole model through apply_model, eager or compiled; first call timed here."""
     import torch
 
     from . import comfy_native
 
-    patcher, inputs = _build(ctx, size, None, width, height, frames)
+    patcher, inputs = _build(ctx, size, None, width, height, frames, fp8)
     cuda = ctx.device.type == "cuda"
     extra: dict = {}
     if cap:

@@ -66,6 +66,20 @@ def _rel_error(out, ref_path: Path | None, save: bool) -> dict:  # noqa: ANN001 
     return {"rel_error_vs_bf16": ((out.float() - ref).norm() / ref.norm()).item()}
 
 
+def quantize_for_ours(sd: dict, mode: str, block_size: int, compute: str = "auto") -> dict:
+    """Quantize ``sd``'s block Linear weights in place (our fp8 format); returns the model_options for our ops."""
+    import torch
+
+    from ..kernels import wan_checkpoint as wc
+    from ..nodes.fp8_ops import Fp8OpsConfig, make_fp8_ops
+
+    for k in [k for k, v in sd.items() if wc.is_fp8_target(k, tuple(v.shape))]:
+        q, s = wc.quantize_weight(sd.pop(k), mode, block_size)  # bf16 freed as we go: peak ~ bf16 model
+        sd[k], sd[k[: -len("weight")] + "weight_scale"] = q, s
+    ops = make_fp8_ops(Fp8OpsConfig(block_size=block_size, compute=compute))
+    return {"custom_operations": ops, "dtype": torch.bfloat16}
+
+
 def wan_forward(ctx: harness.BenchContext, kind: str, size: str = "full", width: int = 832, height: int = 480,
                 frames: int = 81, ref_path: str | None = None, save_ref: bool = False, weight_dtype: str = "default",
                 dtype: str | None = None, fmt: str = "bf16", mode: str = "blockwise", block_size: int = 128,
@@ -84,16 +98,10 @@ def wan_forward(ctx: harness.BenchContext, kind: str, size: str = "full", width:
     if dtype:
         options["dtype"] = getattr(torch, dtype)
     if kind == "ours":
-        from ..nodes.fp8_ops import Fp8OpsConfig, make_fp8_ops
-
         t0 = time.perf_counter()
-        for k in [k for k, v in sd.items() if wc.is_fp8_target(k, tuple(v.shape))]:
-            q, s = wc.quantize_weight(sd.pop(k), mode, block_size)  # bf16 freed as we go: peak ~ bf16 model
-            sd[k], sd[k[: -len("weight")] + "weight_scale"] = q, s
+        options.update(quantize_for_ours(sd, mode, block_size, compute))
         ctx.sync()
         extra["quantize_s"] = round(time.perf_counter() - t0, 3)
-        ops = make_fp8_ops(Fp8OpsConfig(block_size=block_size, compute=compute))
-        options.update({"custom_operations": ops, "dtype": torch.bfloat16})
     out_dim = sd["head.head.weight"].shape[0] // 4
     latent_shape = comfy_native.wan_latent_shape(out_dim, width, height, frames)
     patcher = comfy_native.load_native_model(sd, weight_dtype, options, latent_shape=latent_shape)
