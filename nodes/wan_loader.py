@@ -99,13 +99,17 @@ class WanLoader(io.ComfyNode):
             inputs=[
                 io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
                                tooltip="Wan diffusion model file (diffusion_models folder)."),
-                io.Combo.Input("quantization", options=list(QUANTIZATION), default="fp8 block-wise",
-                               tooltip="none: load as stored. fp8 per-tensor: one scale per weight (ComfyUI fp8_scaled "
-                                       "style). fp8 block-wise: one scale per block_size x block_size tile, lower "
-                                       "error. Already-quantized files keep their own quantization."),
+                io.Combo.Input("quantization", options=list(QUANTIZATION), default="fp8 per-tensor",
+                               tooltip="none: load as stored. fp8 per-tensor (default): one scale per weight, "
+                                       "activations scaled per token; fp8 matmul on Ada, Hopper and Blackwell. "
+                                       "fp8 block-wise: one scale per block_size tile; fp8 matmul on Hopper only "
+                                       "(dequantized elsewhere), slightly lower error, slightly slower (H200: "
+                                       "2.51 s vs 2.45 s per Wan 14B forward). Already-quantized files keep their "
+                                       "own quantization."),
                 io.Combo.Input("block_size", options=["128", "64"], default="128",
-                               tooltip="Tile size for block-wise fp8. 128 uses the hardware block-scaled GEMM on "
-                                       "H100/H200; 64 is slightly more accurate and uses the Triton kernel."),
+                               tooltip="Tile size for block-wise fp8. 128 uses the block-scaled fp8 GEMM on "
+                                       "H100/H200; 64 stores finer scales but no fp8 GEMM takes them, so those "
+                                       "layers dequantize to bf16 (slower)."),
                 io.Combo.Input("compute", options=list(COMPUTE), default="auto",
                                tooltip="auto: fp8 matmul where the GPU supports it (RTX 40xx/50xx, H100), else "
                                        "dequantize. fp8 matmul: require it (error otherwise). dequantize: fp8 storage, "
