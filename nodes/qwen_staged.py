@@ -42,7 +42,7 @@ from .fp8_ops import Fp8OpsConfig, make_fp8_ops
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
-QUANTIZATION = {"fp8 block-wise": "blockwise", "fp8 per-tensor": "per_tensor", "none": "none"}
+QUANTIZATION = {"fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise", "none": "none"}
 COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "dequantize": "dequantize"}
 CACHE_FOLDER = ("comfyui-lowvram-dit", "embeddings")
 
@@ -201,7 +201,7 @@ def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = Tr
 # Stage 2: transformer
 
 
-def load_transformer(unet_path: str | Path, quantization: str = "fp8 block-wise", block_size: int = 128,
+def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor", block_size: int = 128,
                      compute: str = "auto"):  # noqa: ANN201 - comfy.model_patcher.ModelPatcher
     """Read a Qwen-Image file (fp8-quantizing while streaming) and build a native MODEL from it."""
     import comfy.sd
@@ -266,10 +266,11 @@ class QwenImageStagedLoader(io.ComfyNode):
                                 tooltip="Prompt. Encoded with ComfyUI's Qwen-Image template."),
                 io.String.Input("negative", multiline=True, default=" ",
                                 tooltip="Negative prompt (used when KSampler cfg > 1)."),
-                io.Combo.Input("quantization", options=list(QUANTIZATION), default="fp8 block-wise",
-                               tooltip="Transformer weights. fp8 block-wise: one scale per 128x128 tile (best "
-                                       "quality). fp8 per-tensor: one scale per weight. none: as stored (bf16 "
-                                       "needs ~41 GB RAM). fp8 files are always used as stored."),
+                io.Combo.Input("quantization", options=list(QUANTIZATION), default="fp8 per-tensor",
+                               tooltip="Transformer weights when the file is bf16. fp8 per-tensor: one scale per "
+                                       "weight (the fp8 matmul every fp8 GPU has; fastest). fp8 block-wise: one "
+                                       "scale per 128x128 tile (slightly lower error). none: as stored (bf16 needs "
+                                       "~41 GB RAM). fp8 files are always used as stored."),
                 io.Float.Input("vram_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.5,
                                tooltip="GPU memory the transformer may use (weights + swap ring + activations). "
                                        "0 = what ComfyUI has free. E.g. 7 on an 8 GB card."),
@@ -322,7 +323,7 @@ class QwenImageStagedLoader(io.ComfyNode):
         return io.NodeOutput(model, pos, neg, vae)
 
 
-def load_staged_model(unet_path: str | Path, quantization: str = "fp8 block-wise", vram_budget_gb: float = 0.0,
+def load_staged_model(unet_path: str | Path, quantization: str = "fp8 per-tensor", vram_budget_gb: float = 0.0,
                       blocks_to_swap: int = -1, compute: str = "auto",
                       reset_cuda_peak: bool = False):  # noqa: ANN201 - (ModelPatcher, StageReport)
     """Stage 2: the fp8 transformer wrapped by Block Swap (the GPU load itself happens when sampling starts)."""
