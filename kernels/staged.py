@@ -305,8 +305,46 @@ def text_encoder_format(header: SafetensorsHeader) -> str:
         return "fp8_scaled"
     if any(i.dtype in FP8_DTYPES for i in header.tensors.values()):
         return "fp8"
-    norm = header.tensors.get("model.norm.weight")
+    norm = header.tensors.get("model.norm.weight", header.tensors.get("encoder.final_layer_norm.weight"))
     return str(norm.dtype).removeprefix("torch.") if norm is not None else "unknown"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# umT5-XXL text encoder (Wan): config from the file
+
+_UMT5_BLOCK = re.compile(r"encoder\.block\.(\d+)\.")
+
+
+def umt5_config_from_header(header: SafetensorsHeader) -> dict[str, int]:
+    """Encoder sizes read from the file's shapes, in ComfyUI's ``umt5_config_xxl.json`` field names.
+
+    For the released umT5-XXL file these equal ComfyUI's fixed config (24 layers, d_model 4096, d_ff 10240,
+    64 heads x 64, vocab 256384); reading them lets reduced-layer files of the same architecture load.
+    """
+    t = header.tensors
+    need = ("shared.weight", "encoder.final_layer_norm.weight", "encoder.block.0.layer.0.SelfAttention.q.weight",
+            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+            "encoder.block.0.layer.1.DenseReluDense.wi_0.weight", "encoder.block.0.layer.1.DenseReluDense.wi_1.weight")
+    missing = [k for k in need if k not in t]
+    if missing:
+        raise CheckpointError(
+            f"{header.path.name}: not a umT5 text encoder (missing {', '.join(missing)}); Wan needs "
+            "umt5_xxl_fp16.safetensors or umt5_xxl_fp8_e4m3fn_scaled.safetensors in models/text_encoders")
+    layers = sorted({int(m.group(1)) for k in t if (m := _UMT5_BLOCK.match(k))})
+    if layers != list(range(len(layers))):
+        raise CheckpointError(f"{header.path.name}: encoder blocks are not numbered 0..{len(layers) - 1}")
+    if len(layers) > 1 and "encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight" not in t:
+        raise CheckpointError(f"{header.path.name}: a T5 encoder (one shared position bias), not umT5 (one per "
+                              "layer); Wan needs umT5-XXL")
+    heads = t["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].shape[1]
+    return {
+        "num_layers": len(layers),
+        "d_model": t["shared.weight"].shape[1],
+        "d_ff": t["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"].shape[0],
+        "num_heads": heads,
+        "d_kv": t["encoder.block.0.layer.0.SelfAttention.q.weight"].shape[0] // heads,
+        "vocab_size": t["shared.weight"].shape[0],
+    }
 
 
 _FINGERPRINTS: dict[tuple[str, int, int], str] = {}

@@ -42,9 +42,13 @@ from .model_specs import (
     SIZES,
     VAE_CONFIGS,
     Spec,
+    Qwen25VLConfig,
+    UMT5Config,
     is_linear_weight,
     model_spec,
+    qwen25_vl_spec,
     spec_nbytes,
+    umt5_spec,
 )
 
 FORMATS: tuple[str, ...] = ("bf16", "fp16", "fp8", "fp8_scaled")
@@ -223,12 +227,24 @@ def _check_args(model: str, size: str, fmt: str) -> None:
                          "use bf16 or fp16")
 
 
-def _plan(model: str, size: str, fmt: str, num_layers: int | None) -> tuple[Spec, list[tuple[str, tuple, torch.dtype, int]]]:
+def _spec(model: str, size: str, num_layers: int | None, config: UMT5Config | Qwen25VLConfig | None) -> Spec:
+    """model_spec, or a text encoder's layout from an explicit (e.g. reduced-layer) config."""
+    if config is None:
+        return model_spec(model, size, num_layers)
+    if model == "umt5_xxl_enc" and isinstance(config, UMT5Config):
+        return umt5_spec(config)
+    if model == "qwen25_vl_7b" and isinstance(config, Qwen25VLConfig):
+        return qwen25_vl_spec(config)
+    raise ValueError(f"config {type(config).__name__} does not apply to {model!r} (text encoders only)")
+
+
+def _plan(model: str, size: str, fmt: str, num_layers: int | None,
+          config: UMT5Config | Qwen25VLConfig | None = None) -> tuple[Spec, list[tuple[str, tuple, torch.dtype, int]]]:
     """(file layout, groups): each group = (source name, shape, source dtype, number of file entries)."""
     _check_args(model, size, fmt)
     layout: Spec = []
     groups = []
-    for name, shape, dtype in model_spec(model, size, num_layers):
+    for name, shape, dtype in _spec(model, size, num_layers, config):
         linear = is_linear_weight(model, name, shape)
         if fmt == "bf16":
             entries = [(name, shape, dtype)]
@@ -287,9 +303,9 @@ def _make_group(
 
 def _iter_groups(
     model: str, size: str, fmt: str, seed: int, device: str | torch.device, num_layers: int | None,
-    pool: ThreadPoolExecutor | None,
+    pool: ThreadPoolExecutor | None, config: UMT5Config | Qwen25VLConfig | None = None,
 ) -> Iterator[Group]:
-    _, groups = _plan(model, size, fmt, num_layers)
+    _, groups = _plan(model, size, fmt, num_layers, config)
     dev = torch.device(device)
     for src in groups:
         yield _make_group(model, fmt, src, seed, dev, pool)
@@ -368,13 +384,15 @@ def write_synthetic(
     progress: bool = False,
     num_layers: int | None = None,
     threads: int | None = None,
+    config: UMT5Config | Qwen25VLConfig | None = None,
 ) -> Path:
     """Write a synthetic checkpoint tensor by tensor (RAM ~ a few tensors, never the model); returns the path.
 
     Generation runs on `device` ("cuda" is fastest) with `threads` CPU workers per tensor (default: all
-    cores) while a writer thread drains finished tensors to disk, at most two tensors ahead.
+    cores) while a writer thread drains finished tensors to disk, at most two tensors ahead. `config` (a
+    UMT5Config / Qwen25VLConfig) writes a text encoder with other sizes, e.g. 2 layers for fast test runs.
     """
-    layout, _ = _plan(model, size, fmt, num_layers)
+    layout, _ = _plan(model, size, fmt, num_layers, config)
     metadata = {"synthetic": "comfyui_lowvram_dit", "model": model, "size": size, "format": fmt, "seed": str(seed)}
     dev = torch.device(device)
     n_threads = threads or (torch.get_num_threads() if dev.type == "cpu" else 1)
@@ -399,7 +417,7 @@ def write_synthetic(
     ok = False
     try:
         with ThreadPoolExecutor(max_workers=n_threads) if n_threads > 1 else _NoPool() as pool:
-            for group in _iter_groups(model, size, fmt, seed, dev, num_layers, pool):
+            for group in _iter_groups(model, size, fmt, seed, dev, num_layers, pool, config):
                 if failure:
                     break
                 todo.put([(n, t.to("cpu")) for n, t in group])

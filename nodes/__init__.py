@@ -19,6 +19,7 @@ NODE_MODULES: tuple[str, ...] = (
     "attention",
     "compile",
     "qwen_staged",
+    "wan_text",
     "doctor",
 )
 
