@@ -65,7 +65,9 @@ def targets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 @pytest.mark.slow  # two child processes, each importing torch
 def test_each_variant_runs_in_its_own_process_with_honest_peak_rss(targets: str, tmp_path: Path) -> None:
-    variants = [Variant("alloc 400MB", f"{targets}:big_alloc", {"mb": 400}),
+    # 1 GiB: well above the transient import peak (~0.45 GiB when torch's bytecode is compiled at import, as in a
+    # --no-compile venv), which ru_maxrss also records for the small variant.
+    variants = [Variant("alloc 1024MB", f"{targets}:big_alloc", {"mb": 1024}),
                 Variant("alloc 0MB", f"{targets}:big_alloc", {"mb": 0})]
     res = harness.run_benchmark("iso", variants, repeats=2, warmup=1, out_dir=tmp_path / "out", force_cpu=True,
                                 plot=None)
@@ -76,7 +78,7 @@ def test_each_variant_runs_in_its_own_process_with_honest_peak_rss(targets: str,
     pids = {r["metrics"]["pid"] for r in res}
     assert len(pids) == 2 and os.getpid() not in pids
     # ru_maxrss is per process: the small variant must not inherit the big one's peak.
-    assert big["peak_rss_gib"] - small["peak_rss_gib"] > 0.3
+    assert big["peak_rss_gib"] - small["peak_rss_gib"] > 0.5
     assert "--child" in big["child_command"] and harness.CHILD_MODULE in big["child_command"]
 
 
