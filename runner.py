@@ -52,6 +52,22 @@ KNOWN_MODEL_FILES: dict[str, tuple[str, str, str]] = {
 }
 MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras", "clip_vision")
 
+# Nodes that stream their text encoder and read its layer count and widths from the file: for them --synthetic
+# tiny writes a 2-layer encoder (seconds to write and encode) instead of ComfyUI's fixed full-size config, which
+# stock CLIPLoader needs (6.7 GB umT5 / 8.3 GB Qwen2.5-VL fp8, >10 min on a 2-core CPU).
+STAGED_TEXT_NODES = ("LowVRAM_WanTextEncode", "LowVRAM_QwenImageStagedLoader")
+TINY_TE_LAYERS = 2
+
+# --synthetic tiny: sizes and steps every sampler/latent node gets unless --set says otherwise.
+TINY_OVERRIDES: dict[str, dict[str, int]] = {
+    "EmptyHunyuanLatentVideo": {"width": 64, "height": 64, "length": 5},
+    "WanImageToVideo": {"width": 64, "height": 64, "length": 5},
+    "Wan22ImageToVideoLatent": {"width": 64, "height": 64, "length": 5},
+    "EmptySD3LatentImage": {"width": 64, "height": 64},
+    "EmptyLatentImage": {"width": 64, "height": 64},
+}
+TINY_STEPS = 2
+
 
 class RunError(RuntimeError):
     """A run that cannot go on; the message says what to do."""
@@ -217,8 +233,57 @@ def referenced_model_files(workflow: dict) -> set[str]:
     return {v for v in values if isinstance(v, str) and v.endswith(".safetensors")}
 
 
-def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny") -> list[Path]:
-    """Write a synthetic model under each known file name (cached: an existing file is kept)."""
+def staged_text_encoder_files(workflow: dict) -> set[str]:
+    """Model names used by the pack's streaming text-encoder nodes only (never also by another node)."""
+    staged: set[str] = set()
+    other: set[str] = set()
+    nodes = workflow["nodes"] if "nodes" in workflow else [
+        {"type": n.get("class_type"), "widgets_values": list(n.get("inputs", {}).values())} for n in workflow.values()]
+    for node in nodes:
+        wv = node.get("widgets_values")
+        names = {v for v in (wv.values() if isinstance(wv, dict) else wv or []) if isinstance(v, str)}
+        (staged if node.get("type") in STAGED_TEXT_NODES else other).update(names)
+    return staged - other
+
+
+def tiny_text_encoder_config(model: str) -> object | None:
+    """The reduced config --synthetic tiny uses for a text encoder loaded by a staged node (None: not a TE).
+
+    umT5: 2 layers, d_model 4096 (Wan's text_dim), 2 heads, d_ff 256, vocab 512 (the synthetic tokenizer's ids
+    are < 200). Qwen2.5-VL: 2 layers, hidden 3584 (Qwen-Image's joint_attention_dim), narrow MLP, the full
+    vocabulary (ComfyUI's bundled tokenizer emits ids up to 151k) and the full vision tower (ComfyUI always
+    builds it; an fp8_scaled encoder without its weights cannot be sized for loading).
+    """
+    from .kernels.model_specs import Qwen25VLConfig, UMT5Config
+
+    if model == "umt5_xxl_enc":
+        return UMT5Config(num_layers=TINY_TE_LAYERS, d_ff=256, num_heads=2, vocab_size=512)
+    if model == "qwen25_vl_7b":
+        return Qwen25VLConfig(num_layers=TINY_TE_LAYERS, intermediate=256)
+    return None
+
+
+def _layer_count(path: Path) -> int | None:
+    """Blocks/layers of an existing text encoder file (None when unreadable)."""
+    import re
+
+    from .kernels.checkpoint_io import CheckpointError, read_header
+
+    try:
+        keys = read_header(path).tensors
+    except (CheckpointError, OSError):
+        return None
+    pat = re.compile(r"(?:encoder\.block|model\.layers)\.(\d+)\.")
+    return len({m.group(1) for k in keys if (m := pat.match(k))})
+
+
+def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny",
+                           reduced_text_encoders: set[str] = frozenset()) -> list[Path]:
+    """Write a synthetic model under each known file name (cached: an existing file of the right kind is kept).
+
+    Names in ``reduced_text_encoders`` get a 2-layer encoder (tiny_text_encoder_config); other text encoders
+    keep ComfyUI's full config (stock loaders cannot read anything else).
+    """
     from .kernels.synth import write_synthetic
 
     unknown = sorted(n for n in names if n not in KNOWN_MODEL_FILES)
@@ -231,9 +296,15 @@ def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny"
     for name in sorted(names):
         folder, model, fmt = KNOWN_MODEL_FILES[name]
         path = models_dir / folder / name
+        config = tiny_text_encoder_config(model) if size == "tiny" and name in reduced_text_encoders else None
+        if path.exists() and folder == "text_encoders":
+            want_reduced = config is not None
+            if (_layer_count(path) == TINY_TE_LAYERS) != want_reduced:
+                path.unlink()  # cached for the other kind of loader (staged vs stock)
         if not path.exists():
-            print(f"  synthetic {size} {model} ({fmt}) -> {path}", flush=True)
-            write_synthetic(model, path, size=size, fmt=fmt)
+            what = f"{TINY_TE_LAYERS}-layer " if config is not None else ""
+            print(f"  synthetic {size} {what}{model} ({fmt}) -> {path}", flush=True)
+            write_synthetic(model, path, size=size, fmt=fmt, config=config)
         written.append(path)
     return written
 
@@ -276,6 +347,60 @@ def apply_overrides(api: dict, overrides: list[str]) -> dict:
     return api
 
 
+def tiny_overrides(api: dict) -> list[str]:
+    """``--set`` items that shrink a workflow for --synthetic tiny: latent sizes and 2 sampler steps.
+
+    KSamplerAdvanced start/end steps are scaled with the step count, so a two-expert split (0->10, 10->end of
+    20) stays a split (0->1, 1->end of 2).
+    """
+    items: list[str] = []
+    for nid, node in api.items():
+        ct, inp = node.get("class_type"), node.get("inputs", {})
+        for key, value in TINY_OVERRIDES.get(ct, {}).items():
+            if key in inp:
+                items.append(f"{nid}.{key}={value}")
+        if ct in ("KSampler", "KSamplerAdvanced") and isinstance(inp.get("steps"), int) and inp["steps"] > TINY_STEPS:
+            old = inp["steps"]
+            items.append(f"{nid}.steps={TINY_STEPS}")
+            for key in ("start_at_step", "end_at_step"):
+                v = inp.get(key)
+                if isinstance(v, int) and v < old:
+                    items.append(f"{nid}.{key}={round(v * TINY_STEPS / old)}")
+    return items
+
+
+def ensure_input_images(workflow: dict, input_dir: Path, synthetic: bool, search: list[Path]) -> list[Path]:
+    """Put every image a LoadImage node names into ComfyUI's input folder.
+
+    The file is copied from ``search`` (the workflow's folder, the current directory); for --synthetic runs a
+    missing one is drawn (a 256x256 gradient PNG), otherwise its absence is an error naming the fix.
+    """
+    nodes = workflow.get("nodes", [])
+    names = [n["widgets_values"][0] for n in nodes if n.get("type") == "LoadImage" and n.get("widgets_values")]
+    if "nodes" not in workflow:
+        names = [n["inputs"]["image"] for n in workflow.values() if n.get("class_type") == "LoadImage"]
+    placed = []
+    for name in names:
+        dst = input_dir / name
+        if dst.exists():
+            continue
+        src = next((d / name for d in search if (d / name).is_file()), None)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src is not None:
+            shutil.copyfile(src, dst)
+        elif synthetic:
+            from PIL import Image
+
+            img = Image.new("RGB", (256, 256))
+            img.putdata([(x, y, (x + y) // 2) for y in range(256) for x in range(256)])
+            img.save(dst)
+        else:
+            raise RunError(f"LoadImage wants {name!r}: put it in the current directory (or next to the workflow), "
+                           "or use --set NODE.image=FILE with a file that is there")
+        placed.append(dst)
+    return placed
+
+
 def output_files(entry: dict, output_dir: Path) -> list[Path]:
     """Paths of the files a finished prompt wrote (images, videos, latents...)."""
     found = []
@@ -295,9 +420,15 @@ def execution_error(entry: dict) -> str:
     return ""
 
 
-def run_workflow(server: ComfyServer, workflow: dict, overrides: list[str], output_dir: Path, timeout: float) -> list[Path]:
-    """Convert, queue and wait for one workflow; returns the output files."""
-    api = apply_overrides(to_api(workflow, server.get("/object_info", timeout=120)), overrides)
+def run_workflow(server: ComfyServer, workflow: dict, overrides: list[str], output_dir: Path, timeout: float,
+                 tiny: bool = False) -> list[Path]:
+    """Convert, queue and wait for one workflow (``tiny``: apply tiny_overrides first); returns the output files."""
+    api = to_api(workflow, server.get("/object_info", timeout=120))
+    if tiny:
+        auto = tiny_overrides(api)
+        print(f"--synthetic tiny: {' '.join(auto) or 'no size/step overrides'}", flush=True)
+        overrides = [*auto, *overrides]
+    api = apply_overrides(api, overrides)
     status, body = server.post_prompt(api)
     if status != 200:
         raise RunError(f"ComfyUI rejected the workflow ({status}): {json.dumps(body.get('node_errors') or body)[:2000]}")
@@ -325,7 +456,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--python", default=None, help="Python that runs ComfyUI (default: this one)")
     p.add_argument("--url", default=None, help="use a running ComfyUI (e.g. http://127.0.0.1:8188) instead of starting one")
     p.add_argument("--models", type=Path, default=None, help="folder with diffusion_models/ text_encoders/ vae/ loras/")
-    p.add_argument("--synthetic", choices=["tiny"], default=None, help="write tiny random-weight models for the workflow")
+    p.add_argument("--synthetic", choices=["tiny"], default=None,
+                   help="write tiny random-weight models for the workflow and shrink it (64 px, 5 frames, 2 steps)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NODE.INPUT=VALUE")
     p.add_argument("--output", type=Path, default=Path("lowvram_dit_output"), help="where outputs go (default: ./lowvram_dit_output)")
     p.add_argument("--cpu", action="store_true", help="run ComfyUI on the CPU (default when no CUDA GPU is found)")
@@ -363,7 +495,9 @@ def cli(argv: list[str]) -> int:
                 if args.synthetic:
                     models_dir = Path(os.environ.get("LOWVRAM_DIT_CACHE", Path.home() / ".cache" / "comfyui_lowvram_dit")) / "synthetic" / args.synthetic
                     print(f"writing synthetic models ({args.synthetic}) to {models_dir}", flush=True)
-                    write_synthetic_models(referenced_model_files(workflow), models_dir, args.synthetic)
+                    write_synthetic_models(referenced_model_files(workflow), models_dir, args.synthetic,
+                                           staged_text_encoder_files(workflow))
+                ensure_input_images(workflow, base / "input", bool(args.synthetic), [wf_path.parent, Path.cwd()])
                 if models_dir:
                     extra += ["--extra-model-paths-config", str(extra_model_paths_yaml(models_dir.resolve(), base / "extra_model_paths.yaml"))]
                 python = args.python or sys.executable
@@ -373,7 +507,8 @@ def cli(argv: list[str]) -> int:
                     failure = pack_import_failure(server.log_text())
                     if failure:
                         raise RunError(f"the pack failed to import in ComfyUI: {failure}")
-                    files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout)
+                    files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout,
+                                         tiny=args.synthetic == "tiny")
             finally:
                 if not args.keep:
                     shutil.rmtree(base, ignore_errors=True)
