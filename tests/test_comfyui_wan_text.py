@@ -36,13 +36,19 @@ def comfy() -> types.ModuleType:
     return comfy
 
 
-def _ours(te: Path) -> list[list]:
+def _ours(te: Path, rss: list | None = None) -> list[list]:
+    """Our streamed encoder's CONDITIONING per prompt; appends the build's StageReport to ``rss`` if given."""
     import torch
 
+    from comfyui_lowvram_dit.kernels import staged
     from comfyui_lowvram_dit.nodes import wan_text
 
     with torch.inference_mode():
-        clip = wan_text.build_umt5_streaming(te)
+        staged.release_host_memory()
+        with staged.StageMeter("build") as meter:
+            clip = wan_text.build_umt5_streaming(te)
+        if rss is not None:
+            rss.append(meter.report)
         return [clip.encode_from_tokens_scheduled(clip.tokenize(p)) for p in PROMPTS]
 
 
@@ -85,9 +91,18 @@ def test_full_width_2_layers_equals_stock_wan_branch(comfy: types.ModuleType, tm
     import comfy.utils
     import torch
 
+    from comfyui_lowvram_dit.kernels import staged
+
     te = synth.write_synthetic("umt5_xxl_enc", tmp_path / "umt5_2l_fp16.safetensors", fmt="fp16", seed=6,
                                config=UMT5Config(num_layers=2))
-    ours = _ours(te)
+    reports: list = []
+    ours = _ours(te, reports)
+    # Never two copies: building costs the model (~ the file) plus at most its largest module in flight (here
+    # the 2.1 GB embedding table, 73 % of this 2-layer file but 18 % of the real 24-layer one), not the file
+    # twice as load_clip's full state dict + model (5.7 GB here, 23 GB for umt5_xxl_fp16).
+    largest = max(i.nbytes for i in staged.read_header(te).tensors.values())
+    grew = reports[0].rss_peak - reports[0].rss_start
+    assert grew < te.stat().st_size + largest + 0.3e9, (grew / 1e9, te.stat().st_size / 1e9, largest / 1e9)
     sd = comfy.utils.load_torch_file(str(te), safe_load=True)
     cpu = torch.device("cpu")
     # comfy.sd.load_text_encoder_state_dicts, CLIPType.WAN / TEModel.T5_XXL branch, verbatim but for detection.
@@ -99,3 +114,31 @@ def test_full_width_2_layers_equals_stock_wan_branch(comfy: types.ModuleType, tm
         del sd
         stock = [clip.encode_from_tokens_scheduled(clip.tokenize(p)) for p in PROMPTS]
     _assert_same(ours, stock)
+
+
+def test_embedding_cache_hit_miss_and_encoder_swap(comfy: types.ModuleType, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Second encode of the same prompts: from the cache, encoder not loaded; a replaced file: a miss."""
+    import folder_paths
+    import torch
+
+    from comfyui_lowvram_dit.nodes import wan_text
+
+    monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path / "user"))
+    cfg = UMT5Config(num_layers=2, d_ff=64, num_heads=2, vocab_size=512)
+    te = synth.write_synthetic("umt5_xxl_enc", tmp_path / "umt5.safetensors", fmt="fp8_scaled", seed=1, config=cfg)
+    first, r1 = wan_text.encode_wan_prompts(te, PROMPTS)
+    assert "0 of 2 prompts from the embedding cache, encoder freed" in r1.notes
+    assert len(wan_text.embedding_cache().entries()) == 2
+    second, r2 = wan_text.encode_wan_prompts(te, PROMPTS)
+    assert "2 of 2 prompts from the embedding cache, encoder not loaded" in r2.notes
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a[0][0], b[0][0]) and a[0][1] == b[0][1]
+    _assert_same(second, _ours(te))
+    synth.write_synthetic("umt5_xxl_enc", te, fmt="fp8_scaled", seed=2, config=cfg)  # same name, new weights
+    third, r3 = wan_text.encode_wan_prompts(te, PROMPTS)
+    assert "0 of 2 prompts from the embedding cache, encoder freed" in r3.notes
+    assert not torch.equal(third[0][0][0], first[0][0][0])
+    uncached, r4 = wan_text.encode_wan_prompts(te, PROMPTS[:1], use_cache=False)
+    assert "0 of 1 prompts from the embedding cache, encoder freed" in r4.notes
+    assert torch.equal(uncached[0][0][0], third[0][0][0])
