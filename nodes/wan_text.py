@@ -46,7 +46,7 @@ def _comfyui_version() -> str:
 @functools.cache
 def _tokenizer_id() -> str:
     """The tokenizer class (part of the cache key; its sentencepiece model is covered by the file hash)."""
-    import comfy.text_encoders.wan as wan
+    from comfy.text_encoders import wan
 
     return f"{wan.WanT5Tokenizer.__module__}.{wan.WanT5Tokenizer.__qualname__}"
 
@@ -67,13 +67,12 @@ def embedding_cache() -> staged.EmbeddingCache:
     return staged.EmbeddingCache(Path(folder_paths.get_user_directory()).joinpath(*CACHE_FOLDER))
 
 
-def build_umt5_streaming(te_path: str | Path, progress: staged.ProgressFn | None = None):  # noqa: ANN201 - comfy.sd.CLIP
+def build_umt5_streaming(te_path: str | Path, progress: staged.ProgressFn | None = None):
     """A CPU ``comfy.sd.CLIP`` for a umT5 file (what CLIPLoader(type=wan) builds), weights streamed in."""
     import comfy.sd
-    import comfy.text_encoders.sd3_clip as sd3_clip
-    import comfy.text_encoders.wan as wan
     import comfy.utils
     import folder_paths
+    from comfy.text_encoders import sd3_clip, wan
 
     header = read_header(te_path)
     cfg = staged.umt5_config_from_header(header)

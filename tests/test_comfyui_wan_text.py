@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from comfy_server import comfyui_path_or_reason, import_comfyui_in_process
-
 from comfyui_lowvram_dit.kernels import synth
 from comfyui_lowvram_dit.kernels.model_specs import UMT5Config
 
@@ -39,7 +38,6 @@ def comfy() -> types.ModuleType:
 def _ours(te: Path, rss: list | None = None) -> list[list]:
     """Our streamed encoder's CONDITIONING per prompt; appends the build's StageReport to ``rss`` if given."""
     import torch
-
     from comfyui_lowvram_dit.kernels import staged
     from comfyui_lowvram_dit.nodes import wan_text
 
@@ -67,7 +65,6 @@ def _assert_same(ours: list[list], stock: list[list]) -> None:
 def test_narrow_24_layers_equals_stock_load_clip(comfy: types.ModuleType, tmp_path: Path, fmt: str) -> None:
     """24 narrow layers: ours == comfy.sd.load_clip(WAN) + encode, bit for bit (bf16 and legacy fp8_scaled)."""
     import torch
-
     from comfyui_lowvram_dit.kernels import staged
 
     cfg = UMT5Config(num_layers=24, d_ff=64, num_heads=2, vocab_size=512)
@@ -86,11 +83,9 @@ def test_narrow_24_layers_equals_stock_load_clip(comfy: types.ModuleType, tmp_pa
 @pytest.mark.slow
 def test_full_width_2_layers_equals_stock_wan_branch(comfy: types.ModuleType, tmp_path: Path) -> None:
     """2 layers at umT5-XXL's real widths (2.9 GB fp16): ours == ComfyUI's WAN CLIP built from the full state dict."""
-    import comfy.text_encoders.sd3_clip as sd3_clip
-    import comfy.text_encoders.wan as wan
     import comfy.utils
     import torch
-
+    from comfy.text_encoders import sd3_clip, wan
     from comfyui_lowvram_dit.kernels import staged
 
     te = synth.write_synthetic("umt5_xxl_enc", tmp_path / "umt5_2l_fp16.safetensors", fmt="fp16", seed=6,
@@ -121,7 +116,6 @@ def test_embedding_cache_hit_miss_and_encoder_swap(comfy: types.ModuleType, tmp_
     """Second encode of the same prompts: from the cache, encoder not loaded; a replaced file: a miss."""
     import folder_paths
     import torch
-
     from comfyui_lowvram_dit.nodes import wan_text
 
     monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path / "user"))

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from comfy_server import ComfyServer
-
 from comfyui_lowvram_dit import runner
 
 pytestmark = pytest.mark.comfyui
@@ -44,8 +43,8 @@ def test_pack_object_info_snapshot_matches_live(comfy_server: ComfyServer) -> No
     live = {k: _normalized(v) for k, v in comfy_server.object_info().items() if k.startswith("LowVRAM_")}
     stored = {k: _normalized(v) for k, v in json.loads((TESTS / "pack_object_info.json").read_text()).items()}
     assert live.keys() == stored.keys(), "regenerate tests/pack_object_info.json from the live /object_info"
-    for k in live:
-        assert live[k] == stored[k], f"{k} changed: regenerate tests/pack_object_info.json from /object_info"
+    for k, info in live.items():
+        assert info == stored[k], f"{k} changed: regenerate tests/pack_object_info.json from /object_info"
 
 
 @pytest.mark.parametrize("name, suffix", [("wan22_t2v_a14b", ".webp"), ("wan22_i2v_a14b", ".webp"),

@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from comfyui_lowvram_dit import runner
 
 TESTS = Path(__file__).resolve().parent
