@@ -457,7 +457,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=None, help="use a running ComfyUI (e.g. http://127.0.0.1:8188) instead of starting one")
     p.add_argument("--models", type=Path, default=None, help="folder with diffusion_models/ text_encoders/ vae/ loras/")
     p.add_argument("--synthetic", choices=["tiny"], default=None,
-                   help="write tiny random-weight models for the workflow and shrink it (64 px, 5 frames, 2 steps)")
+                   help="write tiny random-weight models for the workflow and shrink it (64 px, 5 frames, 2 steps); "
+                        "the default when --models is not given")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NODE.INPUT=VALUE")
     p.add_argument("--output", type=Path, default=Path("lowvram_dit_output"), help="where outputs go (default: ./lowvram_dit_output)")
     p.add_argument("--cpu", action="store_true", help="run ComfyUI on the CPU (default when no CUDA GPU is found)")
@@ -490,10 +491,16 @@ def cli(argv: list[str]) -> int:
             base = Path(tempfile.mkdtemp(prefix="lowvram_dit_run_"))
             try:
                 prepare_base_dir(base)
-                extra = ["--output-directory", str(output_dir)]
+                cache_root = Path(os.environ.get("LOWVRAM_DIT_CACHE", Path.home() / ".cache" / "comfyui_lowvram_dit"))
+                user_dir = (cache_root / "user").resolve()  # persistent, so the embedding cache survives runs
+                user_dir.mkdir(parents=True, exist_ok=True)
+                extra = ["--output-directory", str(output_dir), "--user-directory", str(user_dir)]
                 models_dir = args.models
+                if not args.models and not args.synthetic:
+                    print("no --models given: using tiny synthetic models (--synthetic tiny)", flush=True)
+                    args.synthetic = "tiny"
                 if args.synthetic:
-                    models_dir = Path(os.environ.get("LOWVRAM_DIT_CACHE", Path.home() / ".cache" / "comfyui_lowvram_dit")) / "synthetic" / args.synthetic
+                    models_dir = cache_root / "synthetic" / args.synthetic
                     print(f"writing synthetic models ({args.synthetic}) to {models_dir}", flush=True)
                     write_synthetic_models(referenced_model_files(workflow), models_dir, args.synthetic,
                                            staged_text_encoder_files(workflow))
