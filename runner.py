@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -135,13 +136,19 @@ class ComfyServer:
 
     def stop(self) -> None:
         """Stop the server if this module started it."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        if self.process is not None:
+            stop_process(self.process)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """Terminate a child process, killing it if it does not exit within 30 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 def prepare_base_dir(base: Path, extra_custom_nodes: dict[str, Path] | None = None) -> None:
@@ -200,12 +207,18 @@ def start_comfyui(
         logf.close()
 
 
-def pack_import_failure(log: str) -> str | None:
-    """The log line saying this pack failed to import, if there is one."""
-    for line in log.splitlines():
-        if ("IMPORT FAILED" in line or "Cannot import" in line) and REGISTRY_FOLDER_NAME in line:
-            return line.strip()
-    return None
+def pack_import_problems(log: str, pack_dir: Path) -> list[str]:
+    """Log lines saying ComfyUI failed to import or register the pack at ``pack_dir``."""
+    path = re.escape(str(pack_dir))
+    patterns = [
+        rf"\(IMPORT FAILED\): {path}\s*$",
+        rf"Cannot import {path} module",
+        rf"Error while calling comfy_entrypoint in {path}\b",
+        rf"comfy_entrypoint in {path} (is not callable|did not return)",
+        rf"Skip {path} module",
+    ]
+    rx = re.compile("|".join(patterns))
+    return [line for line in log.splitlines() if rx.search(line)]
 
 
 def resolve_workflow(name_or_path: str) -> Path:
@@ -511,9 +524,9 @@ def cli(argv: list[str]) -> int:
                 cpu = args.cpu or not _cuda_available(python)
                 print(f"starting ComfyUI from {args.comfyui}{' on the CPU' if cpu else ''} ...", flush=True)
                 with start_comfyui(Path(args.comfyui), base, python=python, cpu=cpu, extra_args=extra) as server:
-                    failure = pack_import_failure(server.log_text())
-                    if failure:
-                        raise RunError(f"the pack failed to import in ComfyUI: {failure}")
+                    problems = pack_import_problems(server.log_text(), base / "custom_nodes" / REGISTRY_FOLDER_NAME)
+                    if problems:
+                        raise RunError(f"the pack failed to import in ComfyUI: {problems[0].strip()}")
                     files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout,
                                          tiny=args.synthetic == "tiny")
             finally:

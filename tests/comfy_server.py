@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from comfyui_lowvram_dit.runner import free_port, pack_import_problems, stop_process  # noqa: E402,F401 - shared with the runner
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_NODES = Path(__file__).resolve().parent / "fixture_nodes"
@@ -86,30 +87,10 @@ def import_comfyui_in_process(comfy: Path) -> None:
     args.cpu = True  # before comfy.model_management is imported, else CUDA-less machines crash
 
 
-def pack_import_problems(log: str, pack_dir: Path) -> list[str]:
-    """Log lines saying ComfyUI failed to import or register the pack at ``pack_dir``."""
-    path = re.escape(str(pack_dir))
-    patterns = [
-        rf"\(IMPORT FAILED\): {path}\s*$",
-        rf"Cannot import {path} module",
-        rf"Error while calling comfy_entrypoint in {path}\b",
-        rf"comfy_entrypoint in {path} (is not callable|did not return)",
-        rf"Skip {path} module",
-    ]
-    rx = re.compile("|".join(patterns))
-    return [line for line in log.splitlines() if rx.search(line)]
-
-
 def pack_import_line_seen(log: str, pack_dir: Path) -> bool:
     """Whether ComfyUI's "Import times for custom nodes" list names ``pack_dir`` (it tried to load it)."""
     rx = re.compile(rf"^\s*[\d.]+ seconds( \(IMPORT FAILED\))?: {re.escape(str(pack_dir))}\s*$", re.M)
     return rx.search(log) is not None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _prepare_base(base: Path, pack_folder: str, with_fixture_nodes: bool) -> Path:
@@ -248,22 +229,12 @@ def _start(comfy: Path, python: str, base: Path, extra: list[str], log_path: Pat
                                 stderr=subprocess.STDOUT, env=_server_env(base))
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-
-
 def _check_alt_folder(proc: subprocess.Popen, log_path: Path, pack_dir: Path, timeout: float) -> None:
     """Wait for the ``--quick-test-for-ci`` start and assert it imported the pack under the alt name."""
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _stop(proc)
+        stop_process(proc)
         raise AssertionError(f"--quick-test-for-ci start did not exit in {timeout:.0f} s") from None
     log = log_path.read_text(errors="replace")
     problems = pack_import_problems(log, pack_dir)
@@ -284,7 +255,7 @@ def comfy_server_session(comfy: Path, base: Path, python: str | None = None) -> 
         warnings.warn(f"{comfy / 'extra_model_paths.yaml'} adds model paths to the test server", stacklevel=2)
     pack_dir = _prepare_base(base / "main", PACK_FOLDER, with_fixture_nodes=True)
     alt_dir = _prepare_base(base / "alt", ALT_PACK_FOLDER, with_fixture_nodes=False)
-    port = _free_port()
+    port = free_port()
     alt_log = base / "alt" / "comfyui.log"
     # Both starts run at once: the import check costs no extra wall time on 2+ cores.
     alt_proc = _start(comfy, python, base / "alt", ["--quick-test-for-ci"], alt_log)
@@ -300,8 +271,8 @@ def comfy_server_session(comfy: Path, base: Path, python: str | None = None) -> 
         _check_alt_folder(alt_proc, alt_log, alt_dir, timeout)
         yield server
     finally:
-        _stop(alt_proc)
-        _stop(proc)
+        stop_process(alt_proc)
+        stop_process(proc)
 
 
 def _wait_ready(server: ComfyServer, timeout: float) -> None:
@@ -318,6 +289,6 @@ def _wait_ready(server: ComfyServer, timeout: float) -> None:
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
         time.sleep(0.25)
-    _stop(server.proc)
+    stop_process(server.proc)
     raise AssertionError(f"ComfyUI did not answer /system_stats within {timeout:.0f} s:\n"
                          f"{_tail(server.log_text())}")
