@@ -245,7 +245,6 @@ def _probe_fp8_with_pack(device: Any) -> list[dict]:
         label = {"scaled_mm_rowwise": "per-tensor weight, row-wise act. (torch._scaled_mm)",
                  "scaled_mm_tensorwise": "per-tensor (torch._scaled_mm)",
                  "scaled_mm_blockwise": "block-wise 128 (F.scaled_mm)",
-                 "triton_blockwise": "block-wise 128 (Triton)",
                  "dequantize": "dequantize + bf16 matmul"}.get(path, path)
         if device.type != "cuda" and path != "dequantize":
             probes.append({"path": path, "label": label, "status": "skip", "detail": "no CUDA GPU"})
@@ -517,14 +516,15 @@ def recommend(report: dict) -> dict:
     gpu, fp8, attn = report["gpu"], report["fp8"], report["attention"]
     rec: dict = {}
     fp8_ok = _passing(fp8.get("probes", []), "path")
-    selected = (fp8.get("selected") or {}).get("blockwise_128")
-    matmul_paths = ["scaled_mm_blockwise", "scaled_mm_rowwise", "scaled_mm_tensorwise", "triton_blockwise"]
+    selected = (fp8.get("selected") or {}).get("per_tensor")  # the loader's default mode
+    matmul_paths = ["scaled_mm_rowwise", "scaled_mm_tensorwise", "scaled_mm_blockwise"]
     for path in ([selected] if selected in matmul_paths else []) + matmul_paths:
         if path in fp8_ok:
-            block = path in ("scaled_mm_blockwise", "triton_blockwise")
+            block = path == "scaled_mm_blockwise"
             rec["fp8"] = {"path": path, "weights": "fp8 block-wise 128" if block else "fp8 per-tensor scaled",
-                          "why": "fp8 matmul passed its numerics check here (H200: 1.36-1.62x bf16 at Wan shapes, "
-                                 "measured-h200-2026-11-21.md)"}
+                          "why": "fp8 matmul passed its numerics check here (H200: per-tensor 1.38-1.62x bf16 per "
+                                 "Wan 14B GEMM, 1.14x per whole forward; benchmarks/results/bench_fp8_gemm.md, "
+                                 "wan_fp8_partial.md)"}
             break
     else:
         rec["fp8"] = {"path": "dequantize", "weights": "fp8 storage only" if gpu.get("available") else "bf16",

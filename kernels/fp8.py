@@ -10,7 +10,7 @@ Paths (`Fp8Path`), picked by `select_path` and overridable:
 - "scaled_mm_rowwise": per-tensor weight, one activation scale per token, `torch._scaled_mm` (SM89/SM90).
 - "scaled_mm_tensorwise": per-tensor weight, one activation scale per call, `torch._scaled_mm` (SM89+).
 - "scaled_mm_blockwise": 128x128 weight blocks, 1x128 activation groups, `F.scaled_mm` (SM90, torch >= 2.10).
-- "triton_blockwise": block-wise weights through our Triton GEMM (fp8_triton.py), for GPUs without the above.
+  Block-wise weights on other GPUs dequantize (no Triton block-scaled GEMM ships yet).
 - "dequantize": weight -> compute dtype, then `F.linear` (CPU, pre-Ada GPUs, odd shapes, fp32 activations).
 """
 
@@ -32,7 +32,7 @@ SCALE_MIN = fp8_triton.SCALE_MIN  # torch.finfo(torch.float32).tiny
 DEFAULT_BLOCK_SIZE = 128
 
 Fp8Path = Literal[
-    "scaled_mm_rowwise", "scaled_mm_tensorwise", "scaled_mm_blockwise", "triton_blockwise", "dequantize"
+    "scaled_mm_rowwise", "scaled_mm_tensorwise", "scaled_mm_blockwise", "dequantize"
 ]
 Fp8Compute = Literal["auto", "fp8", "dequantize"]
 FP8_PATHS: tuple[str, ...] = get_args(Fp8Path)
@@ -240,8 +240,6 @@ def select_path(
     if (block_size == 128 and cap[0] == 9 and has_blockwise_scaled_mm()
             and out_features % 128 == 0 and in_features % 128 == 0):
         return "scaled_mm_blockwise"  # cuBLASLt 1x128 x 128x128 exists on SM90 only
-    if fp8_triton.TRITON_AVAILABLE and fp8_triton.blockwise_gemm_supported(block_size, out_features, in_features):
-        return "triton_blockwise"
     return "dequantize"
 
 
@@ -347,10 +345,10 @@ def _resolve(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         raise ValueError(f"fp8 path {path!r} needs bf16/fp16 activations and output, got {x.dtype} -> {out_dtype}")
     if path in ("scaled_mm_rowwise", "scaled_mm_tensorwise") and block_size is not None:
         raise ValueError(f"fp8 path {path!r} needs per-tensor weights (block_size=None), got block_size {block_size}")
-    if path in ("scaled_mm_blockwise", "triton_blockwise") and block_size is None:
+    if path == "scaled_mm_blockwise" and block_size is None:
         raise ValueError(f"fp8 path {path!r} needs block-wise weights (block_size=128 or 64)")
     if path == "scaled_mm_blockwise" and block_size != 128:
-        raise ValueError(f"scaled_mm_blockwise needs block_size 128, got {block_size}; use 'triton_blockwise'")
+        raise ValueError(f"scaled_mm_blockwise needs block_size 128, got {block_size}; use 'dequantize'")
     return path
 
 
@@ -376,13 +374,10 @@ def fp8_linear(
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         b = bias.to(out_dtype) if bias is not None else None
-        if path == "triton_blockwise":
-            out = fp8_triton.blockwise_linear(x2, weight_fp8, weight_scale, b, block_size, out_dtype)
-        else:
-            out = _linear_scaled_mm(x2, weight_fp8, weight_scale, b if path in _EPILOGUE_BIAS_PATHS else None,
-                                    path, out_dtype)
-            if b is not None and path not in _EPILOGUE_BIAS_PATHS:
-                out = out + b
+        out = _linear_scaled_mm(x2, weight_fp8, weight_scale, b if path in _EPILOGUE_BIAS_PATHS else None,
+                                path, out_dtype)
+        if b is not None and path not in _EPILOGUE_BIAS_PATHS:
+            out = out + b
     return out.reshape(*lead, n)
 
 
@@ -433,6 +428,5 @@ def describe_path(path: Fp8Path) -> str:
         "scaled_mm_rowwise": "fp8 matmul, per-token activation scales (torch._scaled_mm row-wise)",
         "scaled_mm_tensorwise": "fp8 matmul, per-tensor activation scale (torch._scaled_mm)",
         "scaled_mm_blockwise": "fp8 matmul, 1x128 activation / 128x128 weight blocks (F.scaled_mm)",
-        "triton_blockwise": "fp8 matmul, block-wise scales (Triton kernel)",
         "dequantize": "weights dequantized to the compute dtype, bf16/fp16 matmul",
     }[path]

@@ -174,15 +174,3 @@ def quantize_tensorwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _op("fp8_quant_tensor")(x)
     return _launch_scalar(x, torch.float8_e4m3fn, _direct)
 
-
-def blockwise_gemm_supported(block_size: int, out_features: int, in_features: int) -> bool:
-    """Whether path "triton_blockwise" can run a layout. No Triton block GEMM ships yet, so never: block-wise
-    weights off SM90 dequantize (select_path never picks this path)."""
-    return False
-
-
-def blockwise_linear(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                     block_size: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """Block-wise fp8 linear through a Triton GEMM: not available in this version (see blockwise_gemm_supported)."""
-    raise ValueError("fp8 path 'triton_blockwise' is not available in this version of the pack; "
-                     "use path=None (auto) or 'dequantize' for block-wise weights on this GPU")
