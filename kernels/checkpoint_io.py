@@ -95,8 +95,8 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         raw = f.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{p.name}: corrupt safetensors header ({exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: deep nesting
+        raise CheckpointError(f"{p.name}: corrupt safetensors header ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{p.name}: corrupt safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
@@ -110,9 +110,9 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
             dtype_s, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
             shape_t = tuple(int(s) for s in shape)
             begin, end = int(begin), int(end)
-        except (TypeError, KeyError, ValueError):
+        except (TypeError, KeyError, ValueError, OverflowError):  # OverflowError: Infinity / 1e400 in the JSON
             raise CheckpointError(f"{p.name}: corrupt safetensors header entry for tensor {name!r}") from None
-        dtype = SAFETENSORS_DTYPES.get(dtype_s)
+        dtype = SAFETENSORS_DTYPES.get(dtype_s) if isinstance(dtype_s, str) else None
         if dtype is None:
             raise CheckpointError(f"{p.name}: tensor {name!r} has unsupported dtype {dtype_s!r}")
         if any(s < 0 for s in shape_t) or begin < 0 or end < begin:
@@ -130,6 +130,21 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
             )
         tensors[name] = TensorInfo(name, dtype, shape_t, data_offset + begin, data_offset + end)
     return SafetensorsHeader(p, tensors, {str(k): str(v) for k, v in metadata.items()}, data_offset, size)
+
+
+def check_ranks(header: SafetensorsHeader, ranks: dict[str, int], what: str) -> None:
+    """CheckpointError naming the file unless each (present) tensor in ``ranks`` has that many dimensions.
+
+    Readers call this before sizing a model from ``shape[i]``, so a damaged header gives this message, not an
+    IndexError (found by tests/test_reliability.py).
+    """
+    for key, rank in ranks.items():
+        info = header.tensors.get(key)
+        if info is not None and (len(info.shape) != rank or 0 in info.shape):
+            raise CheckpointError(
+                f"{header.path.name}: tensor {key!r} has shape {list(info.shape)}, expected a non-empty {rank}-D "
+                f"tensor; the file is damaged or not a {what}"
+            )
 
 
 def iter_tensors(

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from .checkpoint_io import CheckpointError, SafetensorsHeader, StreamingSafetensorsWriter, iter_tensors, read_header
+from .checkpoint_io import CheckpointError, SafetensorsHeader, check_ranks, StreamingSafetensorsWriter, iter_tensors, read_header
 from .wan_checkpoint import FP8_DTYPES, _prefetched, quantize_weight, source_fingerprint
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -286,6 +286,7 @@ def qwen25_vl_config_from_header(header: SafetensorsHeader) -> dict[str, int]:
         raise CheckpointError(
             f"{header.path.name}: not a Qwen2.5-VL text encoder (missing {', '.join(missing)}); Qwen-Image needs "
             "qwen_2.5_vl_7b.safetensors or qwen_2.5_vl_7b_fp8_scaled.safetensors in models/text_encoders")
+    check_ranks(header, dict(zip(need, (2, 1, 2, 2, 1, 2))), "Qwen2.5-VL text encoder")
     layers = sorted({int(m.group(1)) for k in t if (m := _TE_LAYER.match(k))})
     return {
         "vocab_size": t["model.embed_tokens.weight"].shape[0],
@@ -330,6 +331,7 @@ def umt5_config_from_header(header: SafetensorsHeader) -> dict[str, int]:
         raise CheckpointError(
             f"{header.path.name}: not a umT5 text encoder (missing {', '.join(missing)}); Wan needs "
             "umt5_xxl_fp16.safetensors or umt5_xxl_fp8_e4m3fn_scaled.safetensors in models/text_encoders")
+    check_ranks(header, dict.fromkeys(need, 2) | {"encoder.final_layer_norm.weight": 1}, "umT5 text encoder")
     layers = sorted({int(m.group(1)) for k in t if (m := _UMT5_BLOCK.match(k))})
     if layers != list(range(len(layers))):
         raise CheckpointError(f"{header.path.name}: encoder blocks are not numbered 0..{len(layers) - 1}")
@@ -525,6 +527,7 @@ def inspect_qwen_image(header: SafetensorsHeader) -> QwenImageInfo:
             hint = " It is a text encoder; select it as clip_name."
         raise CheckpointError(f"{header.path.name}: not a Qwen-Image transformer (no txt_norm.weight / "
                               f"transformer_blocks.0.img_mod.1.weight).{hint}")
+    check_ranks(header, {f"{prefix}transformer_blocks.0.img_mod.1.weight": 2}, "Qwen-Image transformer")
     t = {n[len(prefix):]: i for n, i in header.tensors.items() if n.startswith(prefix)}
     blocks = sorted({int(m.group(1)) for k in t if (m := _QWEN_BLOCK.match(k))})
     if blocks != list(range(len(blocks))):

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 
 from . import fp8 as fp8_math
-from .checkpoint_io import CheckpointError, SafetensorsHeader, StreamingSafetensorsWriter, iter_tensors, read_header
+from .checkpoint_io import CheckpointError, SafetensorsHeader, check_ranks, StreamingSafetensorsWriter, iter_tensors, read_header
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -172,6 +172,7 @@ def inspect_checkpoint(path: str | Path, header: SafetensorsHeader | None = None
             f"{p.name}: not a Wan 2.1/2.2 diffusion model (missing {', '.join(missing)}); expected the original "
             f"Wan key names (patch_embedding, blocks.N.self_attn.q, head.modulation, ...).{hint}"
         )
+    check_ranks(header, {prefix + k: r for k, r in zip(needed, (3, 5, 2, 2))}, "Wan 2.1/2.2 diffusion model")
     dim = t["head.modulation"].shape[-1]
     ffn = t["blocks.0.ffn.0.weight"].shape[0]
     in_dim = t["patch_embedding.weight"].shape[1]
@@ -205,6 +206,9 @@ def inspect_checkpoint(path: str | Path, header: SafetensorsHeader | None = None
         if meta[META_FORMAT] != FORMAT_TAG:
             raise CheckpointError(f"{p.name}: saved by a newer version ({meta[META_FORMAT]}); update the pack")
         fmt, mode = "lowvram_fp8", meta.get(META_MODE, "per_tensor")  # type: ignore[assignment]
+        if mode == "blockwise" and not (meta.get(META_BLOCK, "").isdigit() and int(meta[META_BLOCK]) > 0):
+            raise CheckpointError(f"{p.name}: damaged metadata ({META_BLOCK}={meta.get(META_BLOCK)!r}); "
+                                  "delete the file and quantize again")
         block_size = int(meta[META_BLOCK]) if mode == "blockwise" else None
     elif "_quantization_metadata" in meta or any(k.endswith(".comfy_quant") for k in t):
         fmt, mode = "comfy_quant", "per_tensor"
