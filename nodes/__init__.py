@@ -20,6 +20,7 @@ NODE_MODULES: tuple[str, ...] = (
     "compile",
     "qwen_staged",
     "wan_text",
+    "nan_guard",
     "doctor",
 )
 
