@@ -46,7 +46,7 @@ class _Guard:
 class _GuardBlock:
     """``("double_block", i)`` replace patch: run the block (or the patch it wraps), queue a finiteness flag."""
 
-    def __init__(self, guard: _Guard, index: int, inner=None) -> None:  # noqa: ANN001
+    def __init__(self, guard: _Guard, index: int, inner=None) -> None:
         self.guard, self.index, self.inner = guard, index, inner
 
     def __deepcopy__(self, memo: dict) -> _GuardBlock:
@@ -73,7 +73,7 @@ class _GuardForward:
     def __deepcopy__(self, memo: dict) -> _GuardForward:
         return self
 
-    def __call__(self, executor, *args, **kwargs):  # noqa: ANN001, ANN204
+    def __call__(self, executor, *args, **kwargs):
         g = self.guard
         g.tracker.begin()
         out = executor(*args, **kwargs)
@@ -101,7 +101,7 @@ def _find_list(diffusion_model: torch.nn.Module) -> tuple[str, int]:
                      "it supports Wan 2.1/2.2 and Qwen-Image models (connect one of those)")
 
 
-def apply_nan_guard(model, action: str = "warn"):  # noqa: ANN001, ANN201 - ModelPatcher in and out
+def apply_nan_guard(model, action: str = "warn"):
     """Return a clone of ``model`` whose every forward checks each block output for NaN/inf."""
     import comfy.model_management as mm
     import comfy.patcher_extension as pe
@@ -147,7 +147,7 @@ class NanGuard(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, action: str = "warn") -> io.NodeOutput:  # noqa: ANN001
+    def execute(cls, model, action: str = "warn") -> io.NodeOutput:
         return io.NodeOutput(apply_nan_guard(model, action))
 
 

@@ -10,9 +10,8 @@ import uuid
 
 import pytest
 from comfy_server import ComfyServer
-from safetensors.torch import load_file, save_file
-
 from comfyui_lowvram_dit.kernels import synth
+from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.comfyui
 POISONED_BLOCK = 2

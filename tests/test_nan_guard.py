@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from comfyui_lowvram_dit.kernels import nan_guard as ng
 
 
@@ -64,7 +63,7 @@ def test_no_sync_per_block(monkeypatch: pytest.MonkeyPatch) -> None:
     reads = {"n": 0}
     orig = torch.Tensor.cpu
 
-    def counting_cpu(self: torch.Tensor, *a, **k) -> torch.Tensor:  # noqa: ANN002, ANN003
+    def counting_cpu(self: torch.Tensor, *a, **k) -> torch.Tensor:
         reads["n"] += 1
         return orig(self, *a, **k)
 

@@ -21,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from comfyui_lowvram_dit.kernels import staged, synth
 from comfyui_lowvram_dit.kernels import wan_checkpoint as wc
-from comfyui_lowvram_dit.kernels.checkpoint_io import TORCH_TO_SAFETENSORS, CheckpointError, read_header
+from comfyui_lowvram_dit.kernels.checkpoint_io import (
+    TORCH_TO_SAFETENSORS,
+    CheckpointError,
+    read_header,
+)
 
 SEED_MODELS = ("wan22_t2v_14B", "wan22_ti2v_5B", "qwen_image", "umt5_xxl_enc", "qwen25_vl_7b")
 CASES_PER_KIND = 30  # x 12 kinds = 360 files; ~5 s on 2 CPU cores
@@ -247,7 +250,7 @@ def _check(path: Path, what: str, fn: Callable[[], object]) -> str:
     except CheckpointError as exc:
         assert path.name in str(exc), f"{what}: error does not name the file: {exc}"
         return "error"
-    except Exception as exc:  # the bug this test exists to catch
+    except Exception as exc:  # noqa: BLE001 - the bug this test exists to catch
         pytest.fail(f"{what} on {path.name} raised {type(exc).__name__} (not CheckpointError): {exc!r}")
     return "ok"
 
