@@ -86,10 +86,11 @@ def ours(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: i
     _setup(ctx, user_dir)
     import comfy.model_management as mm
     from ..nodes import qwen_staged
+    from ..nodes._common import EMBEDDING_CACHE_FOLDER
 
     f = Path(files)
     if clear_cache:
-        shutil.rmtree(Path(user_dir) / qwen_staged.CACHE_FOLDER[0], ignore_errors=True)
+        shutil.rmtree(Path(user_dir) / EMBEDDING_CACHE_FOLDER[0], ignore_errors=True)
     reset = ctx.device.type == "cuda"
     (pos, _neg), r1 = qwen_staged.encode_prompts(str(f / te), [PROMPT, NEGATIVE], reset_cuda_peak=reset)
     model, r2 = qwen_staged.load_staged_model(str(f / "qwen_image.safetensors"), quantization,

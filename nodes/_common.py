@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 CATEGORY = "lowvram_dit"
 CATEGORY_LOADERS = f"{CATEGORY}/loaders"
 CATEGORY_PATCHES = f"{CATEGORY}/model_patches"
@@ -16,3 +19,35 @@ def node_id(name: str) -> str:
 def display_name(name: str) -> str:
     """The display name for ``name`` in the pack's one style: ``<name> (LowVRAM)``."""
     return f"{name} (LowVRAM)"
+
+
+# The staged text nodes (Wan Text Encode, Qwen-Image Staged Loader) share one embedding cache and one key recipe.
+EMBEDDING_CACHE_FOLDER = ("comfyui-lowvram-dit", "embeddings")
+
+
+def comfyui_version() -> str:
+    """The running ComfyUI's version ("unknown" outside ComfyUI)."""
+    try:
+        import comfyui_version
+
+        return str(comfyui_version.__version__)
+    except ImportError:
+        return "unknown"
+
+
+def embedding_cache() -> Any:  # kernels.staged.EmbeddingCache
+    """The pack's embedding cache under ComfyUI's user directory (kept across restarts, unlike temp)."""
+    import folder_paths
+
+    from ..kernels import staged
+
+    return staged.EmbeddingCache(Path(folder_paths.get_user_directory()).joinpath(*EMBEDDING_CACHE_FOLDER))
+
+
+def text_encoder_identity(te_path: str | Path, header: Any, dtype_key: str, config: dict) -> dict:
+    """Everything about a text encoder file that changes its embeddings, readable without loading it (cache key)."""
+    from ..kernels import staged
+
+    return {"sha256": staged.file_identity(te_path), "format": staged.text_encoder_format(header),
+            "dtype": str(header.tensors[dtype_key].dtype).removeprefix("torch."), "config": config,
+            "device": "cpu", "comfyui": comfyui_version(), "file": Path(te_path).name}

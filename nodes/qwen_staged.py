@@ -36,7 +36,8 @@ from comfy_api.latest import io
 from ..kernels import staged
 from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
 from ..kernels.offload import SwapConfig
-from ._common import CATEGORY_LOADERS, CATEGORY_UTILS, display_name, node_id
+from ._common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, embedding_cache, node_id,
+                      text_encoder_identity)
 from .block_swap import apply_block_swap
 from .fp8_ops import Fp8OpsConfig, make_fp8_ops
 
@@ -44,7 +45,6 @@ log = logging.getLogger("comfyui_lowvram_dit")
 
 QUANTIZATION = {"fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise", "none": "none"}
 COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "dequantize": "dequantize"}
-CACHE_FOLDER = ("comfyui-lowvram-dit", "embeddings")
 
 
 def _log_stage(report: staged.StageReport) -> None:
@@ -76,30 +76,10 @@ def _prompt_template() -> str:
     return f"{type(tok).__module__}.{type(tok).__qualname__}|{tok.llama_template}"
 
 
-def _comfyui_version() -> str:
-    try:
-        import comfyui_version
-
-        return str(comfyui_version.__version__)
-    except ImportError:
-        return "unknown"
-
-
 def encoder_identity(te_path: str | Path) -> dict:
     """Everything about the encoder that changes embeddings, readable without loading it (cache key part)."""
     header = read_header(te_path)
-    cfg = staged.qwen25_vl_config_from_header(header)
-    norm = header.tensors["model.norm.weight"].dtype
-    return {"sha256": staged.file_identity(te_path), "format": staged.text_encoder_format(header),
-            "dtype": str(norm).removeprefix("torch."), "config": cfg, "device": "cpu",
-            "comfyui": _comfyui_version(), "file": Path(te_path).name}
-
-
-def embedding_cache():  # noqa: ANN201 - kernels.staged.EmbeddingCache
-    """The pack's embedding cache under ComfyUI's user directory (kept across restarts, unlike temp)."""
-    import folder_paths
-
-    return staged.EmbeddingCache(Path(folder_paths.get_user_directory()).joinpath(*CACHE_FOLDER))
+    return text_encoder_identity(te_path, header, "model.norm.weight", staged.qwen25_vl_config_from_header(header))
 
 
 def build_text_encoder_streaming(te_path: str | Path, progress=None):  # noqa: ANN001, ANN201 - comfy.sd.CLIP

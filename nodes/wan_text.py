@@ -25,22 +25,12 @@ from comfy_api.latest import io
 
 from ..kernels import staged
 from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
-from ._common import CATEGORY_LOADERS, display_name, node_id
+from ._common import CATEGORY_LOADERS, display_name, embedding_cache, node_id, text_encoder_identity
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
-CACHE_FOLDER = ("comfyui-lowvram-dit", "embeddings")
 WAN_TEXT_DIM = 4096  # Wan's text_embedding input width (ComfyUI wan detection fixes text_dim = 4096)
 _TOKENIZER_KEY = "spiece_model"  # the umT5 sentencepiece model ComfyUI's Wan tokenizer reads from the file
-
-
-def _comfyui_version() -> str:
-    try:
-        import comfyui_version
-
-        return str(comfyui_version.__version__)
-    except ImportError:
-        return "unknown"
 
 
 @functools.cache
@@ -54,17 +44,8 @@ def _tokenizer_id() -> str:
 def encoder_identity(te_path: str | Path) -> dict:
     """Everything about the encoder that changes embeddings, readable without loading it (cache key part)."""
     header = read_header(te_path)
-    return {"sha256": staged.file_identity(te_path), "format": staged.text_encoder_format(header),
-            "dtype": str(header.tensors["encoder.final_layer_norm.weight"].dtype).removeprefix("torch."),
-            "config": staged.umt5_config_from_header(header), "device": "cpu", "comfyui": _comfyui_version(),
-            "file": Path(te_path).name}
-
-
-def embedding_cache() -> staged.EmbeddingCache:
-    """The pack's embedding cache under ComfyUI's user directory (shared with the Qwen-Image staged loader)."""
-    import folder_paths
-
-    return staged.EmbeddingCache(Path(folder_paths.get_user_directory()).joinpath(*CACHE_FOLDER))
+    return text_encoder_identity(te_path, header, "encoder.final_layer_norm.weight",
+                                 staged.umt5_config_from_header(header))
 
 
 def build_umt5_streaming(te_path: str | Path, progress: staged.ProgressFn | None = None):
