@@ -35,7 +35,7 @@ from comfy_api.latest import io
 
 from ..kernels import offload
 from ..kernels.offload import BlockStreamer, SwapConfig, SwapPlan
-from ._common import CATEGORY_PATCHES, display_name, node_id
+from ._common import CATEGORY_PATCHES, display_name, node_id, wrap_block_patches
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -382,12 +382,7 @@ def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - Model
     m.patches_uuid = uuid.uuid4()  # a plain clone of the same weights must reload after us, and vice versa
     ctl = SwapController(config, m.model)
     m.set_attachments(SWAP_KEY, ctl)
-    replace = m.model_options["transformer_options"].setdefault("patches_replace", {}).setdefault("dit", {})
-    for i in range(len(ctl.blocks)):
-        inner = replace.get(("double_block", i))
-        if isinstance(inner, _SwapBlock):
-            inner = inner.inner
-        replace[("double_block", i)] = _SwapBlock(ctl, i, inner)
+    wrap_block_patches(m, len(ctl.blocks), lambda i, inner: _SwapBlock(ctl, i, inner), _SwapBlock)
     m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, SWAP_KEY, _SwapForward(ctl))
     m.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, SWAP_KEY, _SwapPrepare(ctl))
     if model.load_device.type == "cpu" and config.blocks_to_swap < 0 and config.vram_budget_gb <= 0:

@@ -14,7 +14,7 @@ import torch
 from comfy_api.latest import io
 
 from ..kernels.nan_guard import AFTER_BLOCKS, BEFORE_BLOCKS, NanReport, NanTracker
-from ._common import CATEGORY_PATCHES, display_name, node_id
+from ._common import CATEGORY_PATCHES, display_name, node_id, wrap_block_patches
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -114,12 +114,7 @@ def apply_nan_guard(model, action: str = "warn"):
     m = model.clone()
     m.remove_wrappers_with_key(pe.WrappersMP.DIFFUSION_MODEL, GUARD_KEY)  # applied twice: the last one wins
     guard = _Guard(list_name, action, fp8, bool(mm.sage_attention_enabled()))
-    replace = m.model_options["transformer_options"].setdefault("patches_replace", {}).setdefault("dit", {})
-    for i in range(n):
-        inner = replace.get(("double_block", i))
-        if isinstance(inner, _GuardBlock):
-            inner = inner.inner
-        replace[("double_block", i)] = _GuardBlock(guard, i, inner)
+    wrap_block_patches(m, n, lambda i, inner: _GuardBlock(guard, i, inner), _GuardBlock)
     m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, GUARD_KEY, _GuardForward(guard))
     m.set_attachments(GUARD_KEY, guard)
     return m
