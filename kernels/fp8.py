@@ -17,6 +17,7 @@ Paths (`Fp8Path`), picked by `select_path` and overridable:
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import Literal, get_args
 
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 from . import fp8_triton
 
+log = logging.getLogger("comfyui_lowvram_dit")
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Floor for scales: an all-zero tensor or block gets this instead of 0, so quantizing never divides by zero.
@@ -205,6 +207,28 @@ def has_blockwise_scaled_mm() -> bool:
     return hasattr(F, "scaled_mm") and hasattr(F, "ScalingType") and hasattr(F.ScalingType, "BlockWise128x128")
 
 
+_FALLBACKS_SAID: set[tuple] = set()  # (device, capability, reason) already logged: say each fallback once
+
+
+def _gpu_name(device: torch.device) -> str:
+    try:
+        return torch.cuda.get_device_name(device)
+    except Exception:  # no driver, CPU-only torch: the device string still identifies it
+        return str(device)
+
+
+def _say_fallback(device: torch.device, cap: tuple[int, int] | None, compute: str, why: str, fix: str) -> None:
+    """Log once per device and reason that fp8 matmul was asked for (compute auto/fp8) but dequantize runs."""
+    key = (str(device), cap, why)
+    if key in _FALLBACKS_SAID or torch.compiler.is_compiling():  # no logging inside a traced region
+        return
+    _FALLBACKS_SAID.add(key)
+    gpu = f"{_gpu_name(device)} ({device}, compute capability {'.'.join(map(str, cap)) if cap else 'unknown'})"
+    log.warning("lowvram_dit fp8: compute '%s' asked for fp8 matmul, but %s %s; falling back to 'dequantize' "
+                "(fp8 weights in memory, bf16/fp16 matmul: the memory saving stays, the fp8 speed-up does not). %s",
+                compute, gpu, why, fix)
+
+
 def select_path(
     device: torch.device | str,
     block_size: int | None,
@@ -223,12 +247,18 @@ def select_path(
         raise ValueError(f"fp8 compute must be one of {FP8_COMPUTE}, got {compute!r}")
     if compute == "dequantize":
         return "dequantize"
+    detected = capability is None  # an explicit capability is planning or a test: nothing to tell the user
     cap = capability if capability is not None else device_capability(device)
     if cap is None or cap < (8, 9):
         if compute == "fp8":
             raise RuntimeError(
                 f"fp8 compute='fp8' needs an NVIDIA GPU with compute capability >= 8.9 (RTX 40xx, H100, RTX 50xx); "
                 f"device {device} has {cap}. Set compute to 'auto' or 'dequantize'.")
+        if detected and torch.device(device).type == "cuda":  # a CPU run never promised fp8 matmul
+            why = ("has no fp8 matmul the pack can use (ROCm fp8 is e4m3fnuz, or CUDA is unavailable)" if cap is None
+                   else "has no fp8 matmul (needs compute capability >= 8.9: RTX 40xx, H100, RTX 50xx)")
+            _say_fallback(torch.device(device), cap, compute, why,
+                          "Set compute to 'dequantize' on this GPU to silence this message.")
         return "dequantize"
     if out_features % 16 or in_features % 16:  # cuBLASLt fp8 GEMMs need both dims multiples of 16
         return "dequantize"
@@ -240,6 +270,15 @@ def select_path(
     if (block_size == 128 and cap[0] == 9 and has_blockwise_scaled_mm()
             and out_features % 128 == 0 and in_features % 128 == 0):
         return "scaled_mm_blockwise"  # cuBLASLt 1x128 x 128x128 exists on SM90 only
+    if detected and out_features % 128 == 0 and in_features % 128 == 0:  # odd-shaped small layers: not news
+        if block_size != 128:
+            why = f"has no fp8 matmul for block-wise weights with block_size {block_size} (only 128 has one)"
+        elif cap[0] != 9:
+            why = "has no block-wise fp8 matmul (cuBLASLt 1x128/128x128 scaling exists on Hopper, SM 9.0, only)"
+        else:
+            why = f"runs torch {torch.__version__}, which lacks block-scaled F.scaled_mm (torch >= 2.10)"
+        _say_fallback(torch.device(device), cap, compute, why,
+                      "Quantize with 'fp8 per-tensor' for fp8 matmul on this GPU, or set compute to 'dequantize'.")
     return "dequantize"
 
 

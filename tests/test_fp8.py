@@ -207,6 +207,45 @@ def test_select_path_overrides_and_errors():
         fp8.select_path("cpu", None, 256, 256, "fast")
 
 
+def _fallback_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "comfyui_lowvram_dit" and "fp8:" in r.getMessage()]
+
+
+def test_auto_on_a_gpu_without_fp8_matmul_falls_back_and_says_so_once(monkeypatch, caplog):
+    monkeypatch.setattr(fp8, "device_capability", lambda device: (8, 6))  # an RTX 3090, seen from a CPU box
+    monkeypatch.setattr(fp8, "_gpu_name", lambda device: "NVIDIA GeForce RTX 3090")
+    monkeypatch.setattr(fp8, "_FALLBACKS_SAID", set())
+    caplog.set_level("WARNING", logger="comfyui_lowvram_dit")
+    for _ in range(3):  # every Linear of a model asks: one message per device and reason
+        assert fp8.select_path("cuda:0", None, 5120, 5120, "auto") == "dequantize"
+    (msg,) = _fallback_messages(caplog)
+    assert "compute 'auto'" in msg and "NVIDIA GeForce RTX 3090" in msg and "compute capability 8.6" in msg
+    assert "falling back to 'dequantize'" in msg and "compute to 'dequantize'" in msg
+    with pytest.raises(RuntimeError, match="compute capability"):  # explicit fp8 still refuses
+        fp8.select_path("cuda:0", None, 5120, 5120, "fp8")
+    # Explicit capability (planning, the doctor's what-if) and CPU runs never log.
+    assert fp8.select_path("cuda:0", None, 5120, 5120, capability=(7, 5)) == "dequantize"
+    assert fp8.select_path("cpu", None, 5120, 5120) == "dequantize"
+    assert fp8.select_path("cuda:0", None, 256, 256, "dequantize") == "dequantize"
+    assert len(_fallback_messages(caplog)) == 1
+
+
+def test_blockwise_weights_without_a_blockwise_gemm_fall_back_and_say_so(monkeypatch, caplog):
+    monkeypatch.setattr(fp8, "device_capability", lambda device: (8, 9))  # Ada: per-tensor fp8 GEMM only
+    monkeypatch.setattr(fp8, "_gpu_name", lambda device: "NVIDIA GeForce RTX 4090")
+    monkeypatch.setattr(fp8, "_FALLBACKS_SAID", set())
+    caplog.set_level("WARNING", logger="comfyui_lowvram_dit")
+    assert fp8.select_path("cuda:0", 128, 5120, 5120, "auto") == "dequantize"
+    assert fp8.select_path("cuda:0", 128, 5120, 13824, "auto") == "dequantize"
+    assert fp8.select_path("cuda:0", 128, 5120, 5184, "auto") == "dequantize"  # odd shape: silent
+    assert fp8.select_path("cuda:0", None, 5120, 5120, "auto") != "dequantize"  # per-tensor: fp8 matmul, silent
+    (msg,) = _fallback_messages(caplog)
+    assert "RTX 4090" in msg and "8.9" in msg and "Hopper" in msg and "'fp8 per-tensor'" in msg
+    monkeypatch.setattr(fp8, "device_capability", lambda device: (9, 0))
+    assert fp8.select_path("cuda:0", 64, 5120, 5120, "auto") == "dequantize"
+    assert "block_size 64" in _fallback_messages(caplog)[-1]
+
+
 # ---- fp8_linear vs its emulation -----------------------------------------------------------------------------
 
 
