@@ -98,6 +98,12 @@ def read_comfyui_version(comfyui_path: str | os.PathLike | None) -> str | None:
     return match.group(1) if match else None
 
 
+def import_error(module: str) -> str | None:
+    """None when ``module`` imports, else why not (an installed but broken Triton is as good as none)."""
+    _, err = _guard(lambda: importlib.import_module(module))
+    return err
+
+
 def collect_versions(comfyui_version: str | None, comfyui_path: str | None) -> dict:
     """Python, platform, torch/CUDA/cuDNN and the libraries the pack can use."""
     import torch
@@ -116,6 +122,7 @@ def collect_versions(comfyui_version: str | None, comfyui_path: str | None) -> d
         "numpy": dist_version("numpy"),
         "safetensors": dist_version("safetensors"),
         "triton": dist_version("triton", "triton-windows", "pytorch-triton"),
+        "triton_import_error": import_error("triton"),
         "comfyui": comfyui_version or read_comfyui_version(comfyui_path),
         "comfyui_path": str(comfyui_path) if comfyui_path else None,
         "comfy_kitchen": dist_version("comfy-kitchen", "comfy_kitchen"),
@@ -451,6 +458,11 @@ def known_issues(report: dict) -> list[dict]:
     def add(issue_id: str, severity: str, message: str, source: str) -> None:
         issues.append({"id": issue_id, "severity": severity, "message": message, "source": source})
 
+    missing = {name: s for name, s in (report.get("seams") or {}).items() if s != "ok"}
+    if missing:
+        add("comfyui_seams_missing", "error", f"This ComfyUI ({v.get('comfyui') or 'unknown version'}) lacks "
+            f"{len(missing)} seam(s) the pack uses ({', '.join(missing)}): the nodes that need them are left out or "
+            "pass the model through (see 'ComfyUI seams' and the startup log).", "nodes/_seams.py")
     comfy_v = _version_tuple(v.get("comfyui"))
     if comfy_v and comfy_v < (0, 8, 0):
         add("comfyui_too_old", "error", f"ComfyUI {v['comfyui']} is older than 0.8.0, which this pack requires "
@@ -489,6 +501,11 @@ def known_issues(report: dict) -> list[dict]:
         add("no_fp16_accumulation", "info", f"torch {v['torch']} < 2.7 has no "
             "torch.backends.cuda.matmul.allow_fp16_accumulation ('fp16_fast' options in other packs fail).",
             "ComfyUI #11621, WanVideoWrapper #108/#233/#446 (anchors-wanvideowrapper-kjnodes-gguf.md §4.6)")
+    if v.get("triton") and v.get("triton_import_error"):
+        add("triton_broken", "warn", f"Triton {v['triton']} is installed but does not import "
+            f"({v['triton_import_error']}): torch.compile, the fused fp8 activation quantization and the 8-bit "
+            "attention kernel are unavailable (the pack falls back to eager/dequantize/SDPA). Reinstall a triton "
+            "matching this torch.", "kernels/fp8_triton.py, kernels/attention_int8.py (_triton_module)")
     if not v.get("triton"):
         if _os_kind() == "windows":
             add("triton_missing_windows", "warn", "Triton is not installed: torch.compile, SageAttention and the "
@@ -568,12 +585,17 @@ def recommend(report: dict) -> dict:
 
 
 def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike | None = None,
-            gpu_probes: bool = True, host: dict | None = None) -> dict:
-    """The whole report as a dict. Never raises: a failing section records its error."""
+            gpu_probes: bool = True, host: dict | None = None, seams: dict[str, str] | None = None) -> dict:
+    """The whole report as a dict. Never raises: a failing section records its error.
+
+    ``seams`` (seam -> "ok" / "missing: ...") comes from nodes/_seams.py when the Doctor node runs inside ComfyUI.
+    """
     comfyui_path = comfyui_path or os.environ.get("COMFYUI_PATH")
     report: dict = {"generated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "skipped": []}
     if host:
         report["host"] = host
+    if seams:
+        report["seams"] = dict(seams)
     report["versions"], err = _guard(lambda: collect_versions(comfyui_version, comfyui_path), {})
     if err:
         report["versions"]["error"] = err
@@ -629,6 +651,8 @@ def format_report(report: dict) -> str:
         lines.append(f"  error: {v['error']}")
     if report.get("host"):
         lines += ["", "ComfyUI (running)"] + [f"  {k:<14} {val}" for k, val in report["host"].items()]
+    if report.get("seams"):
+        lines += ["", "ComfyUI seams (nodes/_seams.py)"] + [f"  {k:<25} {val}" for k, val in report["seams"].items()]
     lines += ["", "GPU"]
     if gpu.get("available"):
         cap = ".".join(map(str, gpu.get("capability", [])))

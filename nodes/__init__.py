@@ -2,7 +2,9 @@
 
 Imported only by ``comfy_entrypoint`` inside a running ComfyUI. A module that fails to import (a
 ComfyUI seam that moved, a missing optional library) disables its own nodes and logs why; the
-rest of the pack and ComfyUI's startup keep working.
+rest of the pack and ComfyUI's startup keep working. Each node class then declares the ComfyUI
+seams it uses (``COMFY_SEAMS``); nodes/_seams.py leaves out, or turns into a pass-through, a node
+whose seams this ComfyUI lacks, with one warning naming the node, the seam and the ComfyUI version.
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ def load_node_classes() -> list[type]:
             log.warning("lowvram_dit: nodes in %s disabled: %s: %s", name, type(exc).__name__, exc)
             continue
         classes.extend(getattr(module, "NODES", ()))
-    return classes
+    try:
+        from ._seams import guard_nodes
+    except Exception as exc:  # the seam check itself must not cost the user every node
+        log.warning("lowvram_dit: ComfyUI seam check unavailable (%s: %s); nodes registered unchecked",
+                    type(exc).__name__, exc)
+        return classes
+    return guard_nodes(classes)
 
 
 def make_extension():  # noqa: ANN201 - comfy_api.latest.ComfyExtension

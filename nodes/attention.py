@@ -17,6 +17,7 @@ from comfy_api.latest import io
 
 from ..kernels import attention as attention_kernels
 from ._common import CATEGORY_PATCHES, display_name, node_id
+from ._seams import PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -114,7 +115,14 @@ def describe_availability(device: torch.device, dtype: torch.dtype = torch.bfloa
 
 
 class AttentionSelect(io.ComfyNode):
-    """MODEL in, MODEL out: this model's attention runs through the chosen backend (with checked fallback)."""
+    """MODEL in, MODEL out: this model's attention runs through the chosen backend (with checked fallback).
+
+    Without ComfyUI's per-model attention override the node passes the model through (ComfyUI's own attention
+    still runs; nothing breaks, the speed-up is lost), logged once.
+    """
+
+    COMFY_SEAMS = ("model_patcher.wrappers", "attention.override")
+    IF_SEAMS_MISSING = PASS_THROUGH
 
     @classmethod
     def define_schema(cls) -> io.Schema:

@@ -24,6 +24,7 @@ from ..kernels.compile import (
     transformer_options_guard_filter,
 )
 from ._common import CATEGORY_PATCHES, display_name, node_id
+from ._seams import PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -90,7 +91,14 @@ def apply_compile(model: Any, config: CompileConfig, scope: str = "blocks",
 
 
 class TorchCompile(io.ComfyNode):
-    """MODEL in, MODEL out: compiled transformer blocks that fall back instead of failing."""
+    """MODEL in, MODEL out: compiled transformer blocks that fall back instead of failing.
+
+    Without the APPLY_MODEL wrapper seam the node passes the model through (it runs eager, as its own fallback
+    chain would end), logged once.
+    """
+
+    COMFY_SEAMS = ("wrappers.apply_model", "model_patcher.wrappers")
+    IF_SEAMS_MISSING = PASS_THROUGH
 
     @classmethod
     def define_schema(cls) -> io.Schema:

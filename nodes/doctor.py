@@ -6,6 +6,7 @@ from comfy_api.latest import io, ui
 
 from ..kernels import doctor
 from ._common import CATEGORY_UTILS, display_name, node_id
+from ._seams import seam_status
 
 
 def comfyui_host_info() -> tuple[str | None, dict]:
@@ -32,7 +33,10 @@ def comfyui_host_info() -> tuple[str | None, dict]:
 
 
 class Doctor(io.ComfyNode):
-    """Checks versions, GPU, working fp8/attention paths and recommends settings for this machine."""
+    """Checks versions, GPU, working fp8/attention paths and recommends settings for this machine.
+
+    Declares no seams: it must stay available on any ComfyUI to report which seams are missing.
+    """
 
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -58,7 +62,8 @@ class Doctor(io.ComfyNode):
     @classmethod
     def execute(cls, gpu_probes: bool = True) -> io.NodeOutput:
         version, host = comfyui_host_info()
-        text = doctor.format_report(doctor.collect(comfyui_version=version, gpu_probes=gpu_probes, host=host))
+        report = doctor.collect(comfyui_version=version, gpu_probes=gpu_probes, host=host, seams=seam_status())
+        text = doctor.format_report(report)
         return io.NodeOutput(text, ui=ui.PreviewText(text))
 
 

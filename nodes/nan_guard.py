@@ -15,6 +15,7 @@ from comfy_api.latest import io
 
 from ..kernels.nan_guard import AFTER_BLOCKS, BEFORE_BLOCKS, NanReport, NanTracker
 from ._common import CATEGORY_PATCHES, display_name, node_id, wrap_block_patches
+from ._seams import PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -121,7 +122,14 @@ def apply_nan_guard(model, action: str = "warn"):
 
 
 class NanGuard(io.ComfyNode):
-    """Check every transformer block's output for NaN/inf and name the first block that produced them."""
+    """Check every transformer block's output for NaN/inf and name the first block that produced them.
+
+    Without its hooks (per-block replace patches, DIFFUSION_MODEL wrapper) the node passes the model through:
+    sampling works, nothing is checked, and the log says so once.
+    """
+
+    COMFY_SEAMS = ("wrappers.diffusion_model", "model_patcher.wrappers", "dit.block_replace", "model_management")
+    IF_SEAMS_MISSING = PASS_THROUGH
 
     @classmethod
     def define_schema(cls) -> io.Schema:

@@ -39,6 +39,7 @@ from ..kernels.offload import SwapConfig
 from ._common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, embedding_cache, node_id,
                       text_encoder_identity)
 from .block_swap import apply_block_swap
+from ._seams import BLOCK_SWAP_SEAMS, DISABLE
 from .fp8_ops import Fp8OpsConfig, make_fp8_ops
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -219,7 +220,15 @@ def load_vae(vae_path: str | Path):  # noqa: ANN201 - comfy.sd.VAE
 
 
 class QwenImageStagedLoader(io.ComfyNode):
-    """Qwen-Image from three files in stages: CPU text encode (cached), fp8 transformer + block swap, VAE."""
+    """Qwen-Image from three files in stages: CPU text encode (cached), fp8 transformer + block swap, VAE.
+
+    A loader (nothing to pass through): without its seams, Block Swap's included, it is left out with one
+    warning; ComfyUI's UNETLoader / CLIPLoader / VAELoader remain the way to load Qwen-Image.
+    """
+
+    COMFY_SEAMS = ("folder_paths", "text_encoder.qwen25_vl", "diffusion_model_loading", "ops.custom_operations",
+                   "ops.manual_cast", "model_management", "vae", *BLOCK_SWAP_SEAMS)
+    IF_SEAMS_MISSING = DISABLE
 
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -338,7 +347,14 @@ def plan_decode(need_bytes: float, available_bytes: float, height_px: int, width
 
 
 class QwenImageDecode(io.ComfyNode):
-    """VAE decode after the transformer left the GPU: on the GPU, tiled when the budget is small."""
+    """VAE decode after the transformer left the GPU: on the GPU, tiled when the budget is small.
+
+    LATENT in, IMAGE out (nothing to pass through): without its seams it is left out with one warning; ComfyUI's
+    VAEDecode / VAEDecodeTiled do the same job.
+    """
+
+    COMFY_SEAMS = ("model_management", "vae")
+    IF_SEAMS_MISSING = DISABLE
 
     @classmethod
     def define_schema(cls) -> io.Schema:

@@ -11,6 +11,7 @@ from comfy_api.latest import io
 
 from ..kernels import wan_checkpoint as wc
 from ._common import CATEGORY_LOADERS, display_name, node_id
+from ._seams import DISABLE
 from .fp8_ops import Fp8OpsConfig, make_fp8_ops
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -80,7 +81,15 @@ def load_wan_model(
 
 
 class WanLoader(io.ComfyNode):
-    """Loads a Wan 2.1 / 2.2 diffusion model (T2V/I2V A14B experts, TI2V 5B), optionally as fp8."""
+    """Loads a Wan 2.1 / 2.2 diffusion model (T2V/I2V A14B experts, TI2V 5B), optionally as fp8.
+
+    A loader has no model to pass through: without its seams it is left out (one warning at startup), and
+    ComfyUI's UNETLoader remains the way to load the file.
+    """
+
+    COMFY_SEAMS = ("folder_paths", "diffusion_model_loading", "ops.custom_operations", "ops.manual_cast",
+                   "model_management")
+    IF_SEAMS_MISSING = DISABLE
 
     @classmethod
     def define_schema(cls) -> io.Schema:

@@ -26,6 +26,7 @@ from comfy_api.latest import io
 from ..kernels import staged
 from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
 from ._common import CATEGORY_LOADERS, display_name, embedding_cache, node_id, text_encoder_identity
+from ._seams import DISABLE
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -135,7 +136,14 @@ def encode_wan_prompts(te_path: str | Path, prompts: list[str],
 
 
 class WanTextEncode(io.ComfyNode):
-    """umT5-XXL prompts on the CPU, streamed (one copy in RAM), freed after encoding, embeddings cached."""
+    """umT5-XXL prompts on the CPU, streamed (one copy in RAM), freed after encoding, embeddings cached.
+
+    Produces CONDITIONING from text (nothing to pass through): without its seams it is left out with one
+    warning, and CLIPLoader(type=wan) + CLIPTextEncode remain the way to encode.
+    """
+
+    COMFY_SEAMS = ("folder_paths", "text_encoder.umt5", "model_management")
+    IF_SEAMS_MISSING = DISABLE
 
     @classmethod
     def define_schema(cls) -> io.Schema:

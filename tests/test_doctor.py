@@ -86,7 +86,7 @@ def test_a_crashing_probe_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch
 def _fake_report(cpu_report: dict, *, name: str, cap: tuple[int, int], vram: float, torch_v: str, cuda: str,
                  arch: list[str], **versions: str | None) -> dict:
     r = copy.deepcopy(cpu_report)
-    r["versions"].update(torch=torch_v, torch_cuda=cuda, **versions)
+    r["versions"].update(torch=torch_v, torch_cuda=cuda, **{"triton_import_error": None, **versions})
     r["gpu"] = {"available": True, "index": 0, "name": name, "capability": list(cap), "vram_total_gib": vram,
                 "vram_free_gib": vram - 0.5, "arch_list": arch}
     r["memory"]["comfyui_pin_cap_gib"] = 60.0
@@ -116,6 +116,30 @@ def test_known_issues_fire_only_for_their_sourced_combinations(cpu_report: dict)
     assert "gpu_arch_not_in_torch_build" in _ids(rtx50)
     for issue in doctor.known_issues(cu128) + doctor.known_issues(rtx50):
         assert issue["source"] and issue["severity"] in ("error", "warn", "info")
+
+
+def test_broken_triton_and_missing_seams_are_reported(cpu_report: dict) -> None:
+    r = _fake_report(cpu_report, name="NVIDIA H100", cap=(9, 0), vram=80, torch_v="2.11.0+cu130", cuda="13.0",
+                     arch=["sm_90"], comfyui="0.9.0", sageattention=None, triton="3.6.0")
+    assert {"triton_broken", "comfyui_seams_missing"}.isdisjoint(_ids(r))
+    r["versions"]["triton_import_error"] = "ImportError: libcuda.so.1: cannot open shared object file"
+    r["seams"] = {"wrappers.apply_model": "ok",
+                  "wrappers.diffusion_model": "missing: comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL"}
+    issues = {i["id"]: i for i in doctor.known_issues(r)}
+    assert "Triton 3.6.0 is installed but does not import (ImportError: libcuda" in issues["triton_broken"]["message"]
+    seams = issues["comfyui_seams_missing"]
+    assert seams["severity"] == "error" and "ComfyUI (0.9.0) lacks 1 seam(s)" in seams["message"]
+    assert "wrappers.diffusion_model" in seams["message"] and "wrappers.apply_model" not in seams["message"]
+    text = doctor.format_report(r)
+    assert "\nComfyUI seams (nodes/_seams.py)\n" in text
+    assert "wrappers.diffusion_model  missing: comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL" in text
+
+
+def test_collect_keeps_the_seam_status_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = doctor.collect(gpu_probes=False, seams={"attention.override": "ok"})
+    assert r["seams"] == {"attention.override": "ok"} and "comfyui_seams_missing" not in _ids(r)
+    assert "seams" not in doctor.collect(gpu_probes=False)
 
 
 def test_swap_advice_follows_vram(cpu_report: dict) -> None:
@@ -176,6 +200,8 @@ def test_node_schema_is_valid_and_execute_returns_text_and_ui() -> None:
     out = doctor_node.Doctor.execute(gpu_probes=False)
     text = out.result[0]
     assert "Recommendation" in text and "comfyui        0.8" in text
+    assert "\nComfyUI seams (nodes/_seams.py)\n" in text and "dit.block_replace         ok" in text
+    assert "missing:" not in text
     assert out.ui.as_dict() == {"text": (text,)}
 
 
