@@ -58,7 +58,7 @@ class Probe:
                 source = _source(obj)
                 return all(s in source for s in self.contains)
             return True
-        except (Exception, SystemExit) as exc:  # ImportError, AttributeError, OSError (no source), a module that exits
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - ImportError, AttributeError, no source, sys.exit
             log.debug("lowvram_dit: seam probe %s failed: %s: %s", self.target, type(exc).__name__, exc)
             return False
 
@@ -82,8 +82,9 @@ def _p(*targets: str) -> tuple[Probe, ...]:
 # Seam name -> probes (all must pass). Where each is used is in the comment.
 SEAMS: dict[str, tuple[Probe, ...]] = {
     # Every node module (imported at module top; a missing one disables the module in nodes/__init__.py).
-    "v3_node_api": _p("comfy_api.latest:ComfyExtension", "comfy_api.latest:io.ComfyNode", "comfy_api.latest:io.Schema",
-                      "comfy_api.latest:io.NodeOutput", "comfy_api.latest:io.Model.Input", "comfy_api.latest:ui.PreviewText"),
+    "v3_node_api": _p("comfy_api.latest:ComfyExtension", "comfy_api.latest:io.ComfyNode",
+                      "comfy_api.latest:io.Schema", "comfy_api.latest:io.NodeOutput",
+                      "comfy_api.latest:io.Model.Input", "comfy_api.latest:ui.PreviewText"),
     # Loaders: model lists and paths; embedding cache under the user directory (nodes/_common.py).
     "folder_paths": _p("folder_paths:get_filename_list", "folder_paths:get_full_path",
                        "folder_paths:get_full_path_or_raise", "folder_paths:get_folder_paths",
@@ -106,7 +107,8 @@ SEAMS: dict[str, tuple[Probe, ...]] = {
     "model_patcher.loading": _p("comfy.model_patcher:ModelPatcher.load", "comfy.model_patcher:ModelPatcher._load_list",
                                 "comfy.model_patcher:ModelPatcher.partially_load",
                                 "comfy.model_patcher:ModelPatcher.unpatch_model",
-                                "comfy.model_patcher:ModelPatcher.detach", "comfy.model_patcher:ModelPatcher.model_size",
+                                "comfy.model_patcher:ModelPatcher.detach",
+                                "comfy.model_patcher:ModelPatcher.model_size",
                                 "comfy.model_patcher:ModelPatcher.get_ram_usage", "comfy.model_patcher:LowVramPatch",
                                 "comfy.model_patcher:get_key_weight"),
     # Block Swap, NaN Guard: per-block replace patches, read by the Wan and Qwen-Image forwards.
@@ -133,7 +135,8 @@ SEAMS: dict[str, tuple[Probe, ...]] = {
                             "comfy.text_encoders.sd3_clip:t5_xxl_detect", "comfy.utils:convert_old_quants",
                             "comfy.sd:CLIP.tokenize", "comfy.sd:CLIP.encode_from_tokens_scheduled"),
     # Qwen-Image Staged Loader: Qwen2.5-VL built the way load_text_encoder_state_dicts(QWEN_IMAGE) does.
-    "text_encoder.qwen25_vl": _p("comfy.text_encoders.qwen_image:te", "comfy.text_encoders.qwen_image:QwenImageTokenizer",
+    "text_encoder.qwen25_vl": _p("comfy.text_encoders.qwen_image:te",
+                                 "comfy.text_encoders.qwen_image:QwenImageTokenizer",
                                  "comfy.sd:detect_te_model", "comfy.sd:TEModel.QWEN25_7B", "comfy.sd:llama_detect",
                                  "comfy.utils:convert_old_quants", "comfy.sd:CLIP.tokenize",
                                  "comfy.sd:CLIP.encode_from_tokens_scheduled"),
@@ -195,7 +198,7 @@ def _label(cls: type) -> str:
     """The node's display name (its class name if the schema cannot be built)."""
     try:
         return str(cls.define_schema().display_name or cls.__name__)
-    except Exception:  # a schema that needs a missing seam (folder_paths) must not stop the check
+    except Exception:  # noqa: BLE001 - a schema that needs a missing seam (folder_paths) must not stop the check
         return cls.__name__
 
 
@@ -238,7 +241,7 @@ def guard_node(cls: type) -> type | None:
         message = seam_problem(label, names, "passes the model through unchanged")
         try:
             twin = _pass_through_class(cls, message)
-        except Exception as exc:  # the schema itself needs something missing: disable instead
+        except Exception as exc:  # noqa: BLE001 - the schema itself needs something missing: disable instead
             log.debug("lowvram_dit: no pass-through for %s (%s)", cls.__name__, exc)
             twin = None
         if twin is not None:
@@ -254,7 +257,7 @@ def guard_nodes(classes: list[type]) -> list[type]:
     for cls in classes:
         try:
             guarded = guard_node(cls)
-        except Exception as exc:  # the check must never break ComfyUI's startup
+        except Exception as exc:  # noqa: BLE001 - the check must never break ComfyUI's startup
             log.warning("lowvram_dit: could not check the ComfyUI seams of %s (%s: %s); keeping it",
                         getattr(cls, "__name__", cls), type(exc).__name__, exc)
             guarded = cls
