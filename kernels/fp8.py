@@ -277,8 +277,10 @@ def select_path(
             why = "has no block-wise fp8 matmul (cuBLASLt 1x128/128x128 scaling exists on Hopper, SM 9.0, only)"
         else:
             why = f"runs torch {torch.__version__}, which lacks block-scaled F.scaled_mm (torch >= 2.10)"
-        _say_fallback(torch.device(device), cap, compute, why,
-                      "Quantize with 'fp8 per-tensor' for fp8 matmul on this GPU, or set compute to 'dequantize'.")
+        fix = "Quantize with 'fp8 per-tensor' for fp8 matmul on this GPU, or set compute to 'dequantize'."
+        if block_size != 128 and cap[0] == 9:
+            fix = "Use block_size 128 (or 'fp8 per-tensor') for fp8 matmul on this GPU."
+        _say_fallback(torch.device(device), cap, compute, why, fix)
     return "dequantize"
 
 
