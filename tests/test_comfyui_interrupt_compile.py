@@ -48,7 +48,6 @@ def _comfy() -> None:
 
 def _tiny_wan_patcher(seed: int = 0) -> Any:
     import comfy.sd
-
     from comfyui_lowvram_dit.kernels import synth
 
     sd = synth.synthetic_state_dict("wan21_t2v_1_3B", size="tiny", fmt="bf16", seed=seed, num_layers=NUM_LAYERS)
@@ -94,7 +93,7 @@ class _InterruptOnce:
     def __init__(self, on_call: int) -> None:
         self.on_call, self.calls = on_call, 0
 
-    def __deepcopy__(self, memo: dict) -> "_InterruptOnce":
+    def __deepcopy__(self, memo: dict) -> _InterruptOnce:
         return self  # clones deep-copy model_options: keep one counter
 
     def __call__(self, args: dict, extra: dict) -> dict:
@@ -119,7 +118,6 @@ def fresh_selector() -> Iterator[Any]:
 def test_in_process_interrupt_with_swap_and_compile_restores_model_and_accounting(fresh_selector: Any) -> None:
     _comfy()
     import comfy.model_management as mm
-
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
     from comfyui_lowvram_dit.kernels.offload import SwapConfig
     from comfyui_lowvram_dit.nodes.attention import apply_attention
@@ -279,7 +277,7 @@ def test_server_interrupt_with_block_swap_and_compile_then_switch_models(comfy_s
     entry = _interrupt_when_sampling(comfy_server, _graph(a, seed=12, steps=10000))
     kinds = [k for k, _ in entry["status"].get("messages", [])]
     assert "execution_interrupted" in kinds, kinds
-    interrupted_at = [m for k, m in entry["status"]["messages"] if k == "execution_interrupted"][0]
+    interrupted_at = next(m for k, m in entry["status"]["messages"] if k == "execution_interrupted")
     assert interrupted_at["node_type"] == "KSampler", interrupted_at
 
     again = _run(comfy_server, _graph(a, seed=11, steps=2))  # same graph, to completion, same answer
