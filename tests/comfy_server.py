@@ -107,10 +107,12 @@ def _prepare_base(base: Path, pack_folder: str, with_fixture_nodes: bool) -> Pat
     return link
 
 
-def _server_command(python: str, base: Path, extra: list[str]) -> list[str]:
+def _server_command(python: str, base: Path, extra: list[str], gpu: bool | None = None) -> list[str]:
     cmd = [python, "main.py", "--base-directory", str(base), "--database-url", "sqlite:///:memory:",
            "--disable-auto-launch", "--disable-api-nodes"]
-    if os.environ.get("COMFYUI_GPU", "") not in ("1", "true"):
+    if gpu is None:
+        gpu = os.environ.get("COMFYUI_GPU", "") in ("1", "true")
+    if not gpu:
         cmd.append("--cpu")
     return cmd + extra + shlex.split(os.environ.get("COMFYUI_EXTRA_ARGS", ""))
 
@@ -136,6 +138,11 @@ class ComfyServer:
         self.log_path = log_path
         self.proc = proc
         self.pack_dir = pack_dir  # custom_nodes/<PACK_FOLDER>, as ComfyUI names it in logs
+
+    @property
+    def pid(self) -> int:
+        """The server's process id (for memory probes: /proc/<pid>/status, nvidia-smi)."""
+        return self.proc.pid
 
     # -- plumbing ------------------------------------------------------------------------------
     def log_text(self) -> str:
@@ -223,9 +230,10 @@ class ComfyServer:
         return f"prompt failed without an execution_error message: {json.dumps(entry['status'])[:2000]}"
 
 
-def _start(comfy: Path, python: str, base: Path, extra: list[str], log_path: Path) -> subprocess.Popen:
+def _start(comfy: Path, python: str, base: Path, extra: list[str], log_path: Path,
+           gpu: bool | None = None) -> subprocess.Popen:
     with open(log_path, "wb") as logf:  # the child keeps its own handle
-        return subprocess.Popen(_server_command(python, base, extra), cwd=comfy, stdout=logf,
+        return subprocess.Popen(_server_command(python, base, extra, gpu), cwd=comfy, stdout=logf,
                                 stderr=subprocess.STDOUT, env=_server_env(base))
 
 
@@ -245,8 +253,11 @@ def _check_alt_folder(proc: subprocess.Popen, log_path: Path, pack_dir: Path, ti
 
 
 @contextlib.contextmanager
-def comfy_server_session(comfy: Path, base: Path, python: str | None = None) -> Iterator[ComfyServer]:
-    """Start ComfyUI with the pack + fixture nodes under ``base`` (and the alt-name import check)."""
+def comfy_server_session(comfy: Path, base: Path, python: str | None = None,
+                         gpu: bool | None = None) -> Iterator[ComfyServer]:
+    """Start ComfyUI with the pack + fixture nodes under ``base`` (and the alt-name import check).
+
+    ``gpu``: True runs it on the GPU (no ``--cpu``), False on the CPU, None (default) as ``COMFYUI_GPU`` says."""
     python = python or os.environ.get("COMFYUI_PYTHON") or sys.executable
     timeout = float(os.environ.get("COMFYUI_START_TIMEOUT", "180"))
     if (comfy / "extra_model_paths.yaml").is_file():
@@ -258,9 +269,9 @@ def comfy_server_session(comfy: Path, base: Path, python: str | None = None) -> 
     port = free_port()
     alt_log = base / "alt" / "comfyui.log"
     # Both starts run at once: the import check costs no extra wall time on 2+ cores.
-    alt_proc = _start(comfy, python, base / "alt", ["--quick-test-for-ci"], alt_log)
+    alt_proc = _start(comfy, python, base / "alt", ["--quick-test-for-ci"], alt_log, gpu)
     log_path = base / "main" / "comfyui.log"
-    proc = _start(comfy, python, base / "main", ["--listen", "127.0.0.1", "--port", str(port)], log_path)
+    proc = _start(comfy, python, base / "main", ["--listen", "127.0.0.1", "--port", str(port)], log_path, gpu)
     server = ComfyServer(f"http://127.0.0.1:{port}", base / "main", log_path, proc, pack_dir)
     try:
         _wait_ready(server, timeout)
