@@ -1,29 +1,52 @@
-"""torch.compile on Wan 2.2 14B at 832x480x81: our Torch Compile node's modes vs eager vs ComfyUI's TorchCompileModel.
+"""torch.compile benchmarks: our Torch Compile node vs eager vs ComfyUI's TorchCompileModel, per model and with swap.
 
-Variants (fresh process each, synthetic bf16 weights generated on the GPU, ComfyUI's default attention):
-- block_*: one WanAttentionBlock (a 1-layer 14B model) with the inputs a real forward hands block 0;
-- model_*: the whole 40-block model through ``apply_model`` (APPLY_MODEL wrappers apply, as in KSampler):
-  eager, ours in default / max-autotune-no-cudagraphs / reduce-overhead / max-autotune (regional), ours
-  whole-model default, and ComfyUI's native TorchCompileModel (set_torch_compile_wrapper + its guard filter);
-- oom_fallback: reduce-overhead under a VRAM cap (``--cap-gb``, default: eager peak + 1 GiB) to show the
+Variants (fresh process each, synthetic weights generated on the GPU, ComfyUI's default attention), by group:
+- block: one Wan 14B WanAttentionBlock (a 1-layer model) with the inputs a real forward hands block 0;
+- 14B bf16 (``model_*``, ``native_torchcompilemodel``): Wan 2.2 14B at 832x480x81 through ``apply_model`` (APPLY_MODEL
+  wrappers apply, as in KSampler): eager, ours in default / max-autotune-no-cudagraphs / reduce-overhead /
+  max-autotune (regional), ours whole-model default, ComfyUI's TorchCompileModel (set_torch_compile_wrapper + its
+  guard filter);
+- 14B stack (``model_fp8_*``): our fp8 layers (per-tensor) eager vs regionally compiled (activation quantization
+  fused), against native bf16 ``model_eager``;
+- 5B 480p (``wan5b_fp8_*``): Wan 2.2 TI2V-5B at 832x480x81 = 8,190 tokens (model-facts-wan22-qwenimage.md §2), the
+  small-token case where compile must pay (goal >= 1.15x over our fp8 eager); native bf16 171 ms per forward on the
+  H200 (results/wan5b_native_480p.md);
+- Qwen 1024 (``qwen_fp8_*``): Qwen-Image at 1024x1024 = 4,096 image + 100 text tokens, our fp8 layers (per-tensor,
+  the staged loader's default quantization) eager vs compiled;
+- 14B swap (``swap_fp8_*``): Wan 14B our fp8 + Block Swap under an 8 GiB cap (comfy_native.apply_vram_cap, as
+  bench_block_swap does; 37 of 40 blocks streamed there) eager vs compiled: compile composes with swap when
+  streamed weights cause no recompiles after the first call;
+- ``oom_fallback``: reduce-overhead under a VRAM cap (``--cap-gb``, default: eager peak + 1 GiB) to show the
   fallback chain at work; the mode in use and the log line are recorded (if the cap does not bite, it says so).
-Metrics: steady time (harness, CUDA events), first call incl. compile (s), peak VRAM, mode in use; the summary adds
-speedup vs eager and extra VRAM vs eager. H200 reference (measured-h200-2026-11-21.md): eager 2.742 s,
-per-block default 2.695 s (first call 20.8 s), max-autotune-no-cudagraphs 2.689 s (first call 74 s).
+Metrics: steady time (harness, CUDA events), first call incl. compile (s), peak VRAM, mode in use, and dynamo's
+unique-graph count after the first call and after every later call (``graphs`` column: first -> last; growth after
+the first call = recompiles step after step). The summary adds speedup vs each group's baseline(s) and extra VRAM.
+H200 reference (measured-h200-2026-11-21.md, results/bench_compile_*.md): 14B bf16 eager 2.799 s, ours default
+2.755 s (first call 12.3 s); our fp8 eager 2.471 s, fp8 + compile 2.420 s (first call 23.1 s).
 
-GPU (the lead runs this on an H100/H200 with torch 2.11; ~20-30 min because max-autotune compiles for minutes):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_compile
-    ... --variants model_eager model_ours_default native_torchcompilemodel      (a subset)
-CPU smoke test of the flow (tiny model, 64x64x5, eager/cudagraphs backends only):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_compile --smoke
+Presets (``--preset``, one flag = one fixed set, written as ``bench_compile_<preset>``; each variant is its own
+harness run, so the combined report is rewritten after every variant and survives a run that is cut short; a
+variant whose estimated cost no longer fits ``--time-budget-s`` is recorded as skipped instead of started):
+- ``session2`` (~8 min on an H200): 5B pair, Qwen pair, 14B stack vs native bf16, swap pair, oom_fallback;
+- ``stack14b`` (~2.5 min): native bf16 eager, our fp8 eager, our fp8 + compile default.
+
+GPU (the lead runs these on an H100/H200 with torch 2.11):
+    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_compile --preset session2
+    ... --variants model_eager model_ours_default native_torchcompilemodel      (a subset, bench_compile_partial)
+CPU smoke test of every code path (tiny models, 64x64(x5), eager/cudagraphs backends; reports go to a temp dir):
+    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_compile --smoke [--preset session2]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +57,14 @@ except ImportError:  # run as a file
 
 MODULE = "comfyui_lowvram_dit.benchmarks.bench_compile"
 MODEL = "wan22_t2v_14B"
-RESOLUTION = (832, 480, 81)
+MODEL_5B = "wan22_ti2v_5B"
+MODEL_QWEN = "qwen_image"
+RESOLUTION = (832, 480, 81)  # Wan 14B and 5B: 32,760 / 8,190 tokens
+QWEN_RESOLUTION = (1024, 1024, 1)  # 4,096 image tokens
+QWEN_TEXT_LEN = 100  # prompt tokens after the template prefix is dropped (model-facts §2 FLOP table: "+100")
+QWEN_TEXT_DIM = 3584  # Qwen2.5-VL hidden size = the transformer's joint_attention_dim (model-facts §3.1)
 SMOKE_RESOLUTION = (64, 64, 5)
+SWAP_CAP_GB = 8.0
 # name -> (target, kwargs)
 VARIANTS: dict[str, tuple[str, dict]] = {
     "block_eager": ("block", {"how": "eager"}),
@@ -51,8 +80,52 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # the whole stack: our fp8 layers (per-tensor) eager vs regionally compiled (activation quantization fused)
     "model_fp8_eager": ("model", {"how": "eager", "fp8": "per_tensor"}),
     "model_fp8_ours_default": ("model", {"how": "ours", "mode": "default", "fp8": "per_tensor"}),
+    # small token counts: Wan 2.2 TI2V-5B at 480p81 and Qwen-Image at 1024x1024, our fp8 layers
+    "wan5b_fp8_eager": ("model", {"how": "eager", "fp8": "per_tensor", "model": MODEL_5B}),
+    "wan5b_fp8_ours_default": ("model", {"how": "ours", "mode": "default", "fp8": "per_tensor", "model": MODEL_5B}),
+    "qwen_fp8_eager": ("model", {"how": "eager", "fp8": "per_tensor", "model": MODEL_QWEN}),
+    "qwen_fp8_ours_default": ("model", {"how": "ours", "mode": "default", "fp8": "per_tensor",
+                                        "model": MODEL_QWEN}),
+    # compile composed with Block Swap (our fp8 layers) under a VRAM cap
+    "swap_fp8_eager": ("swap", {"how": "eager"}),
+    "swap_fp8_ours_default": ("swap", {"how": "ours", "mode": "default"}),
     "oom_fallback": ("model", {"how": "ours", "mode": "reduce-overhead", "cap": True}),
 }
+# name -> (group, baselines): speedups in the summary are against each baseline that ran ok
+GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    **{n: ("block", ("block_eager",)) for n in VARIANTS if n.startswith("block_")},
+    **{n: ("14B bf16", ("model_eager",)) for n in VARIANTS if n.startswith("model_ours") or n == "model_eager"},
+    "native_torchcompilemodel": ("14B bf16", ("model_eager",)),
+    "oom_fallback": ("14B bf16", ("model_eager",)),
+    "model_fp8_eager": ("14B stack", ("model_eager",)),
+    "model_fp8_ours_default": ("14B stack", ("model_fp8_eager", "model_eager")),
+    "wan5b_fp8_eager": ("5B 480p81", ()),
+    "wan5b_fp8_ours_default": ("5B 480p81", ("wan5b_fp8_eager",)),
+    "qwen_fp8_eager": ("Qwen 1024", ()),
+    "qwen_fp8_ours_default": ("Qwen 1024", ("qwen_fp8_eager",)),
+    "swap_fp8_eager": ("14B swap", ("model_fp8_eager",)),  # the cost of streaming vs resident
+    "swap_fp8_ours_default": ("14B swap", ("swap_fp8_eager", "model_fp8_ours_default")),
+}
+PRESETS: dict[str, list[str]] = {
+    "session2": ["wan5b_fp8_eager", "wan5b_fp8_ours_default", "qwen_fp8_eager", "qwen_fp8_ours_default",
+                 "model_eager", "model_fp8_eager", "model_fp8_ours_default", "swap_fp8_eager",
+                 "swap_fp8_ours_default", "oom_fallback"],
+    "stack14b": ["model_eager", "model_fp8_eager", "model_fp8_ours_default"],
+}
+# (repeats, warmup): every target makes one untimed forward first (the compiling one for compiled variants; swap
+# variants add an instrumented one), so it is the warm-up and the harness adds none; medians of 3 hide the one
+# graph-recording call of reduce-overhead in oom_fallback.
+PRESET_TIMING = {"session2": (3, 0), "stack14b": (3, 0)}
+PRESET_BUDGET_S = 560.0  # the GPU tool stops a command at 600 s: leave room for the last report
+# Wall seconds per variant on the H200 (child start ~5 s + setup + first call + 3 timed calls), from results/*.md:
+# 14B bf16 setup 35 s, our fp8 25 s (block swap 24 s), default compile +12-23 s, 14B forward 2.4-2.8 s; 5B (15 s)
+# and Qwen (~36 s, 20.4 GB of fp8 vs 14.3) scaled by weight bytes. For the budget check and the printed estimate.
+EST_WALL_S: dict[str, float] = {
+    "wan5b_fp8_eager": 20, "wan5b_fp8_ours_default": 35, "qwen_fp8_eager": 42, "qwen_fp8_ours_default": 62,
+    "model_eager": 48, "model_fp8_eager": 38, "model_fp8_ours_default": 55, "swap_fp8_eager": 36,
+    "swap_fp8_ours_default": 55, "oom_fallback": 75,
+}
+DEFAULT_EST_S = 90.0
 
 
 class _Capture(logging.Handler):
@@ -64,24 +137,106 @@ class _Capture(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def _unique_graphs() -> int:
+    """Graphs dynamo compiled in this process so far (every recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class _GraphWatch:
+    """Dynamo's graph count after every forward, written to ``path`` (the parent merges it into the report).
+
+    The harness snapshots a target's metrics before timing, so counts taken during the timed calls travel in a
+    side file: one small JSON write after each call, on the CPU while the GPU still runs the forward.
+    """
+
+    def __init__(self, path: str | None, untimed_calls: int) -> None:
+        self.path = Path(path) if path else None
+        self.graphs: list[int] = [_unique_graphs()]
+        self.untimed = untimed_calls  # calls made by the target itself (the first, compiling one included)
+        self._write()
+
+    def mark(self) -> None:
+        """Record the count after one more forward."""
+        self.graphs.append(_unique_graphs())
+        self._write()
+
+    def wrap(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """``fn`` that records the graph count after each call."""
+        def call() -> Any:
+            out = fn()
+            self.mark()
+            return out
+        return call
+
+    def _write(self) -> None:
+        if self.path is not None:
+            self.path.write_text(json.dumps({"graphs": self.graphs, "untimed_calls": self.untimed}), encoding="utf-8")
+
+
+def _fp8_options(model: str, sd: dict, mode: str) -> dict:
+    """Quantize ``sd``'s block Linear weights in place (our fp8 format) and return the model_options for our ops."""
+    if model != MODEL_QWEN:
+        from .bench_wan_fp8 import quantize_for_ours
+
+        return quantize_for_ours(sd, mode, 128)
+    import torch
+
+    from ..kernels import wan_checkpoint as wc
+    from ..kernels.staged import is_qwen_fp8_target
+    from ..nodes.fp8_ops import Fp8OpsConfig, make_fp8_ops
+
+    for k in [k for k, v in sd.items() if is_qwen_fp8_target(k, tuple(v.shape))]:
+        q, s = wc.quantize_weight(sd.pop(k), mode, 128)  # bf16 freed as we go: peak ~ the bf16 model
+        sd[k], sd[k[: -len("weight")] + "weight_scale"] = q, s
+    return {"custom_operations": make_fp8_ops(Fp8OpsConfig(block_size=128)), "dtype": torch.bfloat16}
+
+
+def _latent_shape(model: str, sd: dict, width: int, height: int, frames: int) -> tuple:
+    from . import comfy_native
+
+    if model == MODEL_QWEN:  # Wan 2.1 VAE latent, one frame (bench_qwen_staged._forward_fn)
+        if width % 16 or height % 16:
+            raise ValueError(f"{width}x{height}: Qwen-Image needs multiples of 16 (VAE stride 8 x patch 2)")
+        return (1, 16, 1, height // 8, width // 8)
+    out_dim = sd["head.head.weight"].shape[0] // 4  # latent channels, as comfy/model_detection.py derives them
+    return comfy_native.wan_latent_shape(out_dim, width, height, frames)
+
+
+def _inputs(model: str, patcher: Any, latent_shape: tuple, width: int, height: int, frames: int) -> dict:
+    """x, timestep, context (and the token count) for one forward of ``model``."""
+    import torch
+
+    from . import comfy_native
+
+    if model != MODEL_QWEN:
+        return comfy_native.wan_inputs(patcher, width, height, frames)
+    base = patcher.model
+    dtype = base.manual_cast_dtype or base.get_dtype()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    device = patcher.load_device
+    return {"x": torch.randn(latent_shape, generator=gen).to(device, dtype),
+            "timestep": torch.full((1,), 500.0, device=device),
+            "context": torch.randn((1, QWEN_TEXT_LEN, QWEN_TEXT_DIM), generator=gen).to(device, dtype),
+            "tokens": (latent_shape[3] // 2) * (latent_shape[4] // 2) + QWEN_TEXT_LEN}
+
+
 def _build(ctx: harness.BenchContext, size: str, num_layers: int | None, width: int, height: int, frames: int,
-           fp8: str | None = None):
+           fp8: str | None = None, model: str = MODEL):
     import torch
 
     from ..kernels.synth import synthetic_state_dict
     from . import comfy_native
 
     comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
-    sd = synthetic_state_dict(MODEL, size=size, device=ctx.device.type, num_layers=num_layers)
+    sd = synthetic_state_dict(model, size=size, device=ctx.device.type, num_layers=num_layers)
     options: dict = {"dtype": torch.bfloat16}
-    if fp8:  # our fp8 layers (per_tensor / blockwise), built as the Wan loader node builds them
-        from .bench_wan_fp8 import quantize_for_ours
-
-        options = quantize_for_ours(sd, fp8, 128)
-    out_dim = sd["head.head.weight"].shape[0] // 4
-    latent_shape = comfy_native.wan_latent_shape(out_dim, width, height, frames)
+    if fp8:  # our fp8 layers (per_tensor / blockwise), built as the loader nodes build them
+        options = _fp8_options(model, sd, fp8)
+    latent_shape = _latent_shape(model, sd, width, height, frames)
     patcher = comfy_native.load_native_model(sd, "default", options, latent_shape=latent_shape)
-    return patcher, comfy_native.wan_inputs(patcher, width, height, frames)
+    return patcher, _inputs(model, patcher, latent_shape, width, height, frames)
 
 
 def _compiled(patcher: Any, how: str, mode: str, scope: str, backend: str) -> Any:
@@ -100,17 +255,46 @@ def _compiled(patcher: Any, how: str, mode: str, scope: str, backend: str) -> An
     return apply_compile(patcher, CompileConfig(mode=mode, backend=backend), scope)
 
 
+def _first_call(ctx: harness.BenchContext, model: Any, inputs: dict, how: str) -> tuple[dict, Any]:
+    """Run (and time) the first forward, which compiles; returns (metrics, the compiled regions or None)."""
+    import torch
+
+    from . import comfy_native
+
+    capture = _Capture()
+    logger = logging.getLogger("comfyui_lowvram_dit")
+    logger.addHandler(capture)
+    logger.setLevel(logging.INFO)
+    try:
+        t0 = time.perf_counter()
+        out = comfy_native.forward(model, inputs, via="apply_model")
+        ctx.sync()
+        extra: dict = {"first_call_s": round(time.perf_counter() - t0, 2)}
+    finally:
+        logger.removeHandler(capture)
+    if tuple(out.shape) != tuple(inputs["x"].shape) or not torch.isfinite(out).all():
+        raise RuntimeError(f"forward gave shape {tuple(out.shape)} (expected {tuple(inputs['x'].shape)}) "
+                           "or non-finite values")
+    del out
+    regions = model.attachments.get("lowvram_dit.torch_compile") if how == "ours" else None
+    if regions is not None:
+        extra["mode_in_use"] = regions.status()
+    extra["log"] = [line for line in capture.lines if "compile" in line or "Block Swap" in line][-4:]
+    return extra, regions
+
+
 def model_case(ctx: harness.BenchContext, how: str, mode: str = "default", scope: str = "blocks",
                size: str = "full", width: int = 832, height: int = 480, frames: int = 81, cap: bool = False,
-               cap_gb: float | None = None, backend: str = "inductor", fp8: str | None = None) -> dict:
+               cap_gb: float | None = None, backend: str = "inductor", fp8: str | None = None,
+               model: str = MODEL, watch: str | None = None) -> dict:
     """Harness target: the whole model through apply_model, eager or compiled; first call timed here."""
     import torch
 
     from . import comfy_native
 
-    patcher, inputs = _build(ctx, size, None, width, height, frames, fp8)
+    patcher, inputs = _build(ctx, size, None, width, height, frames, fp8, model)
     cuda = ctx.device.type == "cuda"
-    extra: dict = {}
+    extra: dict = {"resolution": f"{width}x{height}" + (f"x{frames}" if model != MODEL_QWEN else "")}
     if cap:
         if not cuda:
             return {"skipped": "the VRAM cap needs a GPU"}
@@ -122,33 +306,82 @@ def model_case(ctx: harness.BenchContext, how: str, mode: str = "default", scope
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_total / total), ctx.device)
         extra.update(eager_peak_gib=round(eager_peak, 2), cap_gib=round(cap_total, 2))
-    model = _compiled(patcher, how, mode, scope, backend)
-    capture = _Capture()
-    logging.getLogger("comfyui_lowvram_dit").addHandler(capture)
-    logging.getLogger("comfyui_lowvram_dit").setLevel(logging.INFO)
-    t0 = time.perf_counter()
-    out = comfy_native.forward(model, inputs, via="apply_model")
-    ctx.sync()
-    extra["first_call_s"] = round(time.perf_counter() - t0, 2)
-    if not torch.isfinite(out).all():
-        raise RuntimeError("compiled forward gave non-finite values")
-    regions = model.attachments.get("lowvram_dit.torch_compile") if how == "ours" else None
-    if regions is not None:
-        extra["mode_in_use"] = regions.status()
-    extra["log"] = [line for line in capture.lines if "compile" in line][-4:]
+    compiled = _compiled(patcher, how, mode, scope, backend)
+    first, regions = _first_call(ctx, compiled, inputs, how)
+    extra.update(first)
     if cap and regions is not None and regions.current is not None and regions.current.mode == mode:
         extra["note"] = "the cap did not force a fallback: lower --cap-gb to see the chain"
-    del out
-    return {"fn": lambda: comfy_native.forward(model, inputs, via="apply_model"), "tokens": inputs["tokens"],
-            **extra}
+    graphs = _GraphWatch(watch, untimed_calls=1)
+    fn = graphs.wrap(lambda: comfy_native.forward(compiled, inputs, via="apply_model"))
+    return {"fn": fn, "tokens": inputs["tokens"], **extra}
+
+
+def swap_case(ctx: harness.BenchContext, how: str, mode: str = "default", size: str = "full", width: int = 832,
+              height: int = 480, frames: int = 81, vram_cap_gb: float | None = SWAP_CAP_GB, blocks_to_swap: int = -1,
+              prefetch: int = 1, backend: str = "inductor", watch: str | None = None) -> dict:
+    """Harness target: Wan 14B, our fp8 layers + Block Swap under a VRAM cap, then (how="ours") our compile node.
+
+    Graph order as a user wires it: loader -> Block Swap -> Torch Compile; loaded by ``load_models_gpu`` with
+    KSampler's memory estimate (as bench_block_swap.swap_forward does), run through ``apply_model``.
+    """
+    from ..kernels.offload import SwapConfig, format_stats
+    from ..kernels.synth import synthetic_state_dict
+    from . import comfy_native
+
+    comfy = comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
+    # nodes.block_swap imports comfy_api at module level: only after import_comfy put COMFYUI_PATH on sys.path
+    from ..nodes.block_swap import SWAP_KEY, apply_block_swap
+    mm = comfy.model_management
+    sd = synthetic_state_dict(MODEL, size=size, device=ctx.device.type)
+    latent_shape = _latent_shape(MODEL, sd, width, height, frames)
+    options = _fp8_options(MODEL, sd, "per_tensor")
+    plain = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options)
+    sd.clear()
+    mm.soft_empty_cache(force=True)
+    extra: dict = {"resolution": f"{width}x{height}x{frames}", "vram_cap_gib": vram_cap_gb}
+    if vram_cap_gb is not None:
+        if ctx.device.type != "cuda":
+            return {"skipped": "the VRAM cap needs a GPU"}
+        comfy_native.apply_vram_cap(vram_cap_gb)
+    swapped = apply_block_swap(plain, SwapConfig(blocks_to_swap=blocks_to_swap, prefetch=prefetch))
+    ctl = swapped.attachments[SWAP_KEY]
+    model = _compiled(swapped, how, mode, "blocks", backend)
+    b, rest = latent_shape[0], list(latent_shape[1:])
+    need = plain.model.memory_required([2 * b, *rest])  # what KSampler's estimate_memory reserves (CFG batch)
+    ctl.activation_bytes = int(need)
+    mm.load_models_gpu([model], memory_required=need, minimum_memory_required=plain.model.memory_required([b, *rest]))
+    inputs = _inputs(MODEL, model, latent_shape, width, height, frames)
+    extra.update(_first_call(ctx, model, inputs, how)[0])
+    plan = ctl.plan
+    extra.update(streamed_blocks=len(plan.streamed) if plan else 0, ring_slots=plan.ring if plan else 0,
+                 ring_gib=round((plan.ring_bytes if plan else 0) / harness.GIB, 3))
+    untimed = 1
+    graphs = _GraphWatch(watch, untimed_calls=untimed)
+    if ctl.streamer is not None and ctl.active and plan is not None and plan.streamed:
+        ctl.streamer.debug = True  # one instrumented forward (one sync at its end), then timing without it
+        comfy_native.forward(model, inputs, via="apply_model")
+        stats = ctl.streamer.stats
+        ctl.streamer.debug = False
+        graphs.untimed = untimed = 2
+        graphs.mark()
+        extra.update(transfer_ms=round(stats.transfer_ms, 2), stall_ms=round(stats.stall_ms, 2),
+                     streamed_compute_ms=round(stats.compute_ms, 2), overlap_pct=round(100 * stats.overlap, 1),
+                     on_demand_loads=stats.on_demand)
+        print(format_stats(stats), file=sys.stderr)
+    fn = graphs.wrap(lambda: comfy_native.forward(model, inputs, via="apply_model"))
+    return {"fn": fn, "tokens": inputs["tokens"], **extra, **comfy_native.describe(model)}
 
 
 def block_case(ctx: harness.BenchContext, how: str, mode: str = "default", size: str = "full", width: int = 832,
-               height: int = 480, frames: int = 81, backend: str = "inductor") -> dict:
+               height: int = 480, frames: int = 81, backend: str = "inductor", watch: str | None = None) -> dict:
     """Harness target: one WanAttentionBlock with real block-0 inputs (captured from a 1-layer forward)."""
     import torch
 
-    from ..kernels.compile import CompileConfig, CompiledRegions, transformer_options_guard_filter
+    from ..kernels.compile import (
+        CompileConfig,
+        CompiledRegions,
+        transformer_options_guard_filter,
+    )
     from . import comfy_native
 
     patcher, inputs = _build(ctx, size, 1, width, height, frames)
@@ -182,65 +415,154 @@ def block_case(ctx: harness.BenchContext, how: str, mode: str = "default", size:
 
         def call() -> torch.Tensor:
             return regions.run(holder, run)
-    return {"fn": call, "tokens": inputs["tokens"], **extra}
+    return {"fn": _GraphWatch(watch, untimed_calls=1).wrap(call), "tokens": inputs["tokens"], **extra}
 
 
-def variants(names: list[str], smoke: bool, cap_gb: float | None) -> list[harness.Variant]:
+def variants(names: list[str], smoke: bool, cap_gb: float | None, watch_dir: Path | None = None,
+             timeout_s: float = 1800) -> list[harness.Variant]:
     """The selected variants with the resolution and model size for a full or smoke run."""
-    width, height, frames = SMOKE_RESOLUTION if smoke else RESOLUTION
     out = []
     for name in names:
         kind, opts = VARIANTS[name]
+        res = QWEN_RESOLUTION if opts.get("model") == MODEL_QWEN else RESOLUTION
+        width, height, frames = SMOKE_RESOLUTION if smoke else res
         kwargs = {"size": "tiny" if smoke else "full", "width": width, "height": height, "frames": frames, **opts}
         if smoke and kwargs.get("how") != "eager":
             kwargs["backend"] = "cudagraphs"  # inductor on 2 CPU cores takes minutes; this checks the plumbing
         if kind == "model" and opts.get("cap"):
             kwargs["cap_gb"] = cap_gb
-        out.append(harness.Variant(name, f"{MODULE}:{kind}_case", kwargs, timeout_s=1800))
+        if kind == "swap" and smoke:
+            kwargs.update(vram_cap_gb=None, blocks_to_swap=2)  # no VRAM on CPU: stream explicitly (CPU ring)
+        if watch_dir is not None:
+            kwargs["watch"] = str(watch_dir / f"{name}.json")
+        out.append(harness.Variant(name, f"{MODULE}:{kind}_case", kwargs, timeout_s=timeout_s))
     return out
 
 
+def merge_graph_counts(results: list[dict], watch_dir: Path, warmup: int) -> None:
+    """Add each variant's graph counts (side file written by its child) to its metrics, in place."""
+    for r in results:
+        path = watch_dir / f"{r['name']}.json"
+        if r.get("status") != "ok" or not path.is_file():
+            continue
+        data = json.loads(path.read_text(encoding="utf-8"))
+        g, untimed = data["graphs"], int(data["untimed_calls"])
+        steady = g[min(len(g) - 1, untimed - 1 + warmup)]  # after the target's own calls and the warm-up calls
+        r.setdefault("metrics", {}).update(
+            graphs_per_call=g, graphs_first_call=g[0], graphs_last_call=g[-1],
+            new_graphs_after_first_call=g[-1] - g[0], new_graphs_after_warmup=g[-1] - steady)
+
+
+def _speedups(r: dict, ok: dict[str, dict]) -> str:
+    t = r.get("time_ms")
+    cells = [f"{ok[b]['time_ms'] / t:.3f}x vs {b}" for b in GROUPS.get(r["name"], ("", ()))[1]
+             if b != r["name"] and b in ok and ok[b].get("time_ms") and t]
+    return "; ".join(cells)
+
+
 def summary(results: list[dict]) -> str:
-    """Markdown: time, speedup vs eager of the same scope, first call, extra VRAM, mode in use."""
-    base = {r["name"].split("_")[0]: r for r in results if r["name"] in ("block_eager", "model_eager")}
-    lines = ["| variant | ms | speedup vs eager | first call s | peak GiB | extra GiB vs eager | mode in use |",
-             "|---|---|---|---|---|---|---|"]
+    """Markdown: group, time, speedup vs the group's baseline(s), first call, VRAM, graph counts, mode in use."""
+    ok = {r["name"]: r for r in results if r.get("status") == "ok" and "skipped" not in r.get("metrics", {})}
+    header = ("| group | variant | ms | speedup | first call s | peak GiB | extra GiB vs first baseline | "
+              "graphs first->last | mode in use |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         m = r.get("metrics", {})
-        if r.get("status") != "ok" or "skipped" in m:
-            lines.append(f"| {r['name']} | {r.get('status')} | | | | | {m.get('skipped') or r.get('error', '')[:150]} |")
+        group, bases = GROUPS.get(r["name"], ("", ()))
+        if r["name"] not in ok:
+            why = m.get("skipped") or (r.get("error") or "")[:150]
+            lines.append(f"| {group} | {r['name']} | {r.get('status')} | | | | | | {why} |")
             continue
-        ref = base.get("block" if r["name"].startswith("block") else "model")
         t, peak = r.get("time_ms"), r.get("peak_allocated_gib")
-        speed = f"{ref['time_ms'] / t:.3f}x" if ref and ref.get("time_ms") and t else ""
+        ref = next((ok[b] for b in bases if b in ok), None)
         extra = f"{peak - ref['peak_allocated_gib']:+.2f}" if ref and peak is not None and \
             ref.get("peak_allocated_gib") is not None else ""
         peak_s = f"{peak:.2f}" if peak is not None else ""
-        lines.append(f"| {r['name']} | {t:.1f} | {speed} | {m.get('first_call_s', '')} | {peak_s} | {extra} | "
-                     f"{m.get('mode_in_use', 'eager' if 'eager' in r['name'] else 'native')} {m.get('note', '')} |")
+        graphs = f"{m['graphs_first_call']}->{m['graphs_last_call']}" if "graphs_first_call" in m else ""
+        mode = m.get("mode_in_use", "eager" if "eager" in r["name"] else "native")
+        lines.append(f"| {group} | {r['name']} | {t:.1f} | {_speedups(r, ok)} | {m.get('first_call_s', '')} | "
+                     f"{peak_s} | {extra} | {graphs} | {mode} {m.get('note', '')} |")
     return "\n".join(lines)
+
+
+def _skipped(variant: harness.Variant, why: str) -> dict:
+    return {"name": variant.name, "target": variant.target, "kwargs": variant.kwargs, "status": "skipped",
+            "error": why, "metrics": {"skipped": why}}
+
+
+def run(bench: str, vs: list[harness.Variant], *, repeats: int, warmup: int, out_dir: Path, smoke: bool,
+        argv: list[str], watch_dir: Path, budget_s: float | None) -> list[dict]:
+    """Each variant as its own harness run; the combined ``<bench>`` report is rewritten after every variant."""
+    results: list[dict] = []
+    env: dict = {}
+    settings = {"repeats": repeats, "warmup": warmup, "fresh_process": True}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_compile_parts_") as parts:
+        for i, v in enumerate(vs):
+            elapsed = time.perf_counter() - start
+            est = EST_WALL_S.get(v.name, DEFAULT_EST_S)
+            if budget_s is not None and elapsed + est > budget_s:
+                results.append(_skipped(v, f"time budget: {elapsed:.0f} s used + ~{est:.0f} s > {budget_s:.0f} s"))
+            else:
+                if budget_s is not None:  # an overrunning variant ends as "timeout" before the 600 s device limit
+                    v = dataclasses.replace(v, timeout_s=min(v.timeout_s or 1e9, max(60.0, budget_s + 25 - elapsed)))
+                results += harness.run_benchmark(f"part{i}", [v], repeats=repeats, warmup=warmup, out_dir=Path(parts),
+                                                 force_cpu=smoke, plot=None, argv=argv)
+                env = env or json.loads((Path(parts) / f"part{i}.json").read_text(encoding="utf-8"))["env"]
+            merge_graph_counts(results, watch_dir, warmup)
+            last = i == len(vs) - 1
+            harness.write_reports(bench, results, env, out_dir=out_dir, plot="time_ms" if last else None,
+                                  settings=settings)
+            (out_dir / f"{bench}_summary.md").write_text(summary(results) + "\n", encoding="utf-8")
+            print(f"[{time.perf_counter() - start:.0f} s] {v.name}: {results[-1].get('status')} "
+                  f"{results[-1].get('time_ms') or ''}", file=sys.stderr, flush=True)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the summary table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a fixed variant set with its own repeats and time budget (see above)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None)
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per variant (default 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 1)")
     parser.add_argument("--cap-gb", type=float, default=None, help="VRAM cap for oom_fallback (GiB)")
-    parser.add_argument("--smoke", action="store_true", help="tiny model, 64x64x5, on the CPU")
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS)
+    parser.add_argument("--time-budget-s", type=float, default=None,
+                        help=f"skip variants that would end past this (presets: {PRESET_BUDGET_S:g}; 0 = no limit)")
+    parser.add_argument("--smoke", action="store_true", help="tiny models, 64x64(x5), on the CPU")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="report folder (default benchmarks/results, or a temp folder with --smoke)")
     args = parser.parse_args(argv)
-    bench = "bench_compile_smoke" if args.smoke else "bench_compile"
-    if not args.smoke and args.variants != list(VARIANTS):
-        bench += "_partial"
-    names = [n for n in args.variants if not (args.smoke and n == "oom_fallback")]
-    results = harness.run_benchmark(bench, variants(names, args.smoke, args.cap_gb), repeats=args.repeats,
-                                    warmup=args.warmup, out_dir=args.out_dir, force_cpu=args.smoke,
-                                    argv=["-m", MODULE, *(sys.argv[1:] if argv is None else argv)])
-    text = summary(results)
-    (Path(args.out_dir) / f"{bench}_summary.md").write_text(text + "\n", encoding="utf-8")
-    print(text)
+    if args.preset and args.variants:
+        parser.error("--preset and --variants are exclusive")
+    names = PRESETS[args.preset] if args.preset else (args.variants or list(VARIANTS))
+    if args.preset:
+        bench = f"bench_compile_{args.preset}"
+    else:
+        bench = "bench_compile" if names == list(VARIANTS) else "bench_compile_partial"
+    if args.smoke:
+        bench += "_smoke"
+        names = [n for n in names if n != "oom_fallback"]  # needs a GPU
+    repeats, warmup = PRESET_TIMING.get(args.preset or "", (3, 1))
+    repeats = args.repeats if args.repeats is not None else repeats
+    warmup = args.warmup if args.warmup is not None else warmup
+    budget = args.time_budget_s if args.time_budget_s is not None else \
+        (PRESET_BUDGET_S if args.preset and not args.smoke else 0)  # the estimates are GPU seconds
+    out_dir = args.out_dir or (Path(tempfile.gettempdir()) / "lowvram_dit_bench_smoke" if args.smoke
+                               else harness.RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.preset and not args.smoke:
+        print(f"{bench}: {len(names)} variants, estimated {sum(EST_WALL_S.get(n, DEFAULT_EST_S) for n in names):.0f} s"
+              f" on an H200; reports in {out_dir}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_compile_graphs_") as watch:
+        results = run(bench, variants(names, args.smoke, args.cap_gb, Path(watch),
+                                      timeout_s=300 if args.preset else 1800),
+                      repeats=repeats, warmup=warmup, out_dir=out_dir, smoke=args.smoke,
+                      argv=["-m", MODULE, *(sys.argv[1:] if argv is None else argv)], watch_dir=Path(watch),
+                      budget_s=budget or None)
+    print(summary(results))
+    print(f"reports: {out_dir / bench}.md, {bench}_summary.md", file=sys.stderr)
     return 0 if any(r.get("status") == "ok" for r in results) else 1
 
 
