@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from .memwatch import MemoryWatch
+
 PACK_DIR = Path(__file__).resolve().parent
 WORKFLOWS_DIR = PACK_DIR / "workflows"
 REGISTRY_FOLDER_NAME = "comfyui-lowvram-dit"
@@ -295,9 +297,16 @@ def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny"
     """Write a synthetic model under each known file name (cached: an existing file of the right kind is kept).
 
     Names in ``reduced_text_encoders`` get a 2-layer encoder (tiny_text_encoder_config); other text encoders
-    keep ComfyUI's full config (stock loaders cannot read anything else).
+    keep ComfyUI's full config (stock loaders cannot read anything else). ``size="full"`` writes the real
+    sizes (a 14B fp8 expert is ~14 GB), generated on the GPU when there is one.
     """
     from .kernels.synth import write_synthetic
+
+    device = "cpu"
+    if size == "full":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
 
     unknown = sorted(n for n in names if n not in KNOWN_MODEL_FILES)
     if unknown:
@@ -317,7 +326,7 @@ def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny"
         if not path.exists():
             what = f"{TINY_TE_LAYERS}-layer " if config is not None else ""
             print(f"  synthetic {size} {what}{model} ({fmt}) -> {path}", flush=True)
-            write_synthetic(model, path, size=size, fmt=fmt, config=config)
+            write_synthetic(model, path, size=size, fmt=fmt, config=config, device=device)
         written.append(path)
     return written
 
@@ -330,8 +339,16 @@ def extra_model_paths_yaml(models_dir: Path, path: Path) -> Path:
     return path
 
 
+def is_api_workflow(workflow: dict) -> bool:
+    """True for an API-format workflow: ``{node_id: {"class_type": ..., "inputs": {...}}}``."""
+    return bool(workflow) and "nodes" not in workflow and all(
+        isinstance(n, dict) and "class_type" in n for n in workflow.values())
+
+
 def to_api(workflow: dict, object_info: dict) -> dict:
     """Convert a UI-format workflow to API format with comfy-cli (API format passes through)."""
+    if is_api_workflow(workflow):  # no comfy-cli needed (e.g. a GPU box with only ComfyUI's requirements)
+        return workflow
     try:
         from comfy_cli.workflow_to_api import convert_ui_to_api, is_api_format
     except ImportError:
@@ -436,7 +453,7 @@ def execution_error(entry: dict) -> str:
 def run_workflow(server: ComfyServer, workflow: dict, overrides: list[str], output_dir: Path, timeout: float,
                  tiny: bool = False) -> list[Path]:
     """Convert, queue and wait for one workflow (``tiny``: apply tiny_overrides first); returns the output files."""
-    api = to_api(workflow, server.get("/object_info", timeout=120))
+    api = workflow if is_api_workflow(workflow) else to_api(workflow, server.get("/object_info", timeout=120))
     if tiny:
         auto = tiny_overrides(api)
         print(f"--synthetic tiny: {' '.join(auto) or 'no size/step overrides'}", flush=True)
@@ -462,6 +479,18 @@ def run_workflow(server: ComfyServer, workflow: dict, overrides: list[str], outp
     return output_files(entry, output_dir)
 
 
+def write_report(path: Path, args: argparse.Namespace, wall_s: float, summary: dict, watch: MemoryWatch,
+                 log: str, files: list[Path]) -> None:
+    """The ``--report`` JSON: what ran, how long, peak memory, the sampled timeline and ComfyUI's log tail."""
+    report = {"workflow": args.workflow, "overrides": args.overrides, "synthetic": args.synthetic,
+              "comfyui_args": args.comfyui_args, "wall_s": round(wall_s, 2), **summary,
+              "marks": watch.marks, "timeline": watch.samples, "outputs": [str(f) for f in files],
+              "comfyui_log_tail": log[-20000:]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1), encoding="utf-8")
+    print(f"report: {path}", flush=True)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m comfyui_lowvram_dit run", description=__doc__.splitlines()[0])
     p.add_argument("workflow", help="a workflow file, or the name of a shipped workflow (see workflows/)")
@@ -469,14 +498,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--python", default=None, help="Python that runs ComfyUI (default: this one)")
     p.add_argument("--url", default=None, help="use a running ComfyUI (e.g. http://127.0.0.1:8188) instead of starting one")
     p.add_argument("--models", type=Path, default=None, help="folder with diffusion_models/ text_encoders/ vae/ loras/")
-    p.add_argument("--synthetic", choices=["tiny"], default=None,
-                   help="write tiny random-weight models for the workflow and shrink it (64 px, 5 frames, 2 steps); "
-                        "the default when --models is not given")
+    p.add_argument("--synthetic", choices=["tiny", "full"], default=None,
+                   help="tiny: write tiny random-weight models and shrink the workflow (64 px, 5 frames, 2 steps), "
+                        "the default when --models is not given; full: full-size random-weight files with real "
+                        "shapes (tens of GB, written under --models or the cache; the workflow keeps its sizes)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NODE.INPUT=VALUE")
     p.add_argument("--output", type=Path, default=Path("lowvram_dit_output"), help="where outputs go (default: ./lowvram_dit_output)")
     p.add_argument("--cpu", action="store_true", help="run ComfyUI on the CPU (default when no CUDA GPU is found)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the workflow")
     p.add_argument("--keep", action="store_true", help="keep the temporary ComfyUI base directory")
+    p.add_argument("--report", type=Path, default=None,
+                   help="write a JSON report: wall time, peak RSS (anonymous/file-backed) and GPU memory of ComfyUI")
+    p.add_argument("--comfyui-arg", dest="comfyui_args", action="append", default=[], metavar="ARG",
+                   help="extra ComfyUI command-line argument, e.g. --comfyui-arg=--reserve-vram=2 (repeatable)")
     return p
 
 
@@ -509,11 +543,11 @@ def cli(argv: list[str]) -> int:
                 user_dir.mkdir(parents=True, exist_ok=True)
                 extra = ["--output-directory", str(output_dir), "--user-directory", str(user_dir)]
                 models_dir = args.models
-                if not args.models and not args.synthetic:
+                if not args.models and not args.synthetic:  # (--synthetic full may name the folder with --models)
                     print("no --models given: using tiny synthetic models (--synthetic tiny)", flush=True)
                     args.synthetic = "tiny"
                 if args.synthetic:
-                    models_dir = cache_root / "synthetic" / args.synthetic
+                    models_dir = args.models or cache_root / "synthetic" / args.synthetic
                     print(f"writing synthetic models ({args.synthetic}) to {models_dir}", flush=True)
                     write_synthetic_models(referenced_model_files(workflow), models_dir, args.synthetic,
                                            staged_text_encoder_files(workflow))
@@ -523,12 +557,21 @@ def cli(argv: list[str]) -> int:
                 python = args.python or sys.executable
                 cpu = args.cpu or not _cuda_available(python)
                 print(f"starting ComfyUI from {args.comfyui}{' on the CPU' if cpu else ''} ...", flush=True)
+                extra += args.comfyui_args
                 with start_comfyui(Path(args.comfyui), base, python=python, cpu=cpu, extra_args=extra) as server:
                     problems = pack_import_problems(server.log_text(), base / "custom_nodes" / REGISTRY_FOLDER_NAME)
                     if problems:
                         raise RunError(f"the pack failed to import in ComfyUI: {problems[0].strip()}")
-                    files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout,
-                                         tiny=args.synthetic == "tiny")
+                    with MemoryWatch(server.process.pid) as watch:
+                        start = time.monotonic()
+                        files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout,
+                                             tiny=args.synthetic == "tiny")
+                        wall = time.monotonic() - start
+                    summary = watch.summary()
+                    print("memory: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k.startswith("peak")),
+                          flush=True)
+                    if args.report:
+                        write_report(args.report, args, wall, summary, watch, server.log_text(), files)
             finally:
                 if not args.keep:
                     shutil.rmtree(base, ignore_errors=True)

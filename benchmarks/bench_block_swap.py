@@ -3,6 +3,7 @@
 Per (resolution, cap) three variants, each in a fresh process (benchmarks/harness.py):
 - ``native``: UNETLoader ``fp8_e4m3fn`` storage placed by ``load_models_gpu`` under the cap (ComfyUI streams the
   layers that do not fit, dequantized to bf16);
+- ``native_bf16``: UNETLoader ``default`` on the bf16 source (what a user with the bf16/fp16 file gets natively);
 - ``swap``: the same native fp8 MODEL through Block Swap (auto budget = what ComfyUI offers under the cap);
 - ``swap_b2``: our fp8 layers (nodes/fp8_ops.py, per-tensor scales, fp8 matmul kept for streamed blocks) + Block
   Swap.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 try:
     from . import harness
@@ -29,12 +31,13 @@ except ImportError:  # run as a file: python benchmarks/bench_block_swap.py
 
 TARGET = "comfyui_lowvram_dit.benchmarks.bench_block_swap:swap_forward"
 MODEL = "wan22_t2v_14B"
-RESOLUTIONS = {"480p81": (832, 480, 81), "480p17": (832, 480, 17)}  # issue 4: compute-bound / transfer-bound
+RESOLUTIONS = {"480p81": (832, 480, 81), "480p17": (832, 480, 17),  # issue 4: compute-bound / transfer-bound
+               "720p81": (1280, 720, 81)}  # 75,600 tokens: attention-dominated, ~11 s per forward
 CAPS = (None, 16, 12, 8, 6)  # GiB
-KINDS = ("native", "swap", "swap_b2")
+KINDS = ("native", "native_bf16", "swap", "swap_b2")
 SMOKE_RESOLUTION = (64, 64, 5)
 # keep every variant well under a minute: an 81-frame forward is ~2.7 s (H200, issue 4)
-TIMING = {"480p81": (3, 1), "480p17": (10, 3)}  # (repeats, warmup)
+TIMING = {"480p81": (3, 1), "480p17": (10, 3), "720p81": (2, 1)}  # (repeats, warmup)
 
 
 def swap_forward(ctx: harness.BenchContext, kind: str = "swap", model: str = MODEL, size: str = "full",
@@ -52,8 +55,9 @@ def swap_forward(ctx: harness.BenchContext, kind: str = "swap", model: str = MOD
     sd = synthetic_state_dict(model, size=size, device=ctx.device.type)
     out_dim = sd["head.head.weight"].shape[0] // 4
     latent_shape = comfy_native.wan_latent_shape(out_dim, width, height, frames)
-    if kind == "native":
-        patcher = comfy_native.load_native_model(sd, "fp8_e4m3fn", None, vram_cap_gb=vram_cap_gb,
+    if kind in ("native", "native_bf16"):
+        weight_dtype = "fp8_e4m3fn" if kind == "native" else "default"
+        patcher = comfy_native.load_native_model(sd, weight_dtype, None, vram_cap_gb=vram_cap_gb,
                                                  latent_shape=latent_shape)
         metrics: dict = {}
     else:
@@ -88,7 +92,7 @@ def swap_forward(ctx: harness.BenchContext, kind: str = "swap", model: str = MOD
     if tuple(out.shape) != tuple(inputs["x"].shape) or not torch.isfinite(out).all():
         raise RuntimeError(f"forward gave shape {tuple(out.shape)} or non-finite values")
     del out
-    if kind != "native" and ctl.streamer is not None and ctl.active and ctl.plan.streamed:
+    if not kind.startswith("native") and ctl.streamer is not None and ctl.active and ctl.plan.streamed:
         ctl.streamer.debug = True  # one instrumented forward (one sync at its end), then timing without it
         comfy_native.forward(patcher, inputs)
         stats = ctl.streamer.stats
@@ -111,7 +115,7 @@ def variants(resolutions: list[str], caps: list[float | None], kinds: list[str],
             for kind in kinds:
                 kwargs = {"kind": kind, "size": "tiny" if smoke else "full", "width": width, "height": height,
                           "frames": frames, "vram_cap_gb": cap}
-                if smoke and kind != "native":
+                if smoke and not kind.startswith("native"):
                     kwargs["blocks_to_swap"] = 2  # no VRAM on CPU: stream explicitly to exercise the path
                 label = "smoke" if smoke else res
                 out.append(harness.Variant(f"{label} cap={cap or 'none'} {kind}", TARGET, kwargs, timeout_s=300))
@@ -125,14 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--caps", nargs="+", default=["none", "16", "12", "8", "6"], help="GiB caps, 'none' = no cap")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, no caps (checks the flow only)")
+    p.add_argument("--tag", default="", help="suffix for the result files (keeps an earlier run's files)")
+    p.add_argument("--out-dir", type=Path, default=harness.RESULTS)
     args = p.parse_args(argv)
     caps = [None if c == "none" else float(c) for c in args.caps]
     results = []
     for res in args.res:
         repeats, warmup = (2, 1) if args.smoke else TIMING[res]
         vs = variants([res], [None] if args.smoke else caps, args.kinds, smoke=args.smoke)
-        results += harness.run_benchmark(f"block_swap_{'smoke' if args.smoke else res}", vs, repeats=repeats,
-                                         warmup=warmup, plot="time_ms")
+        bench = f"block_swap_{'smoke' if args.smoke else res}{'_' + args.tag if args.tag else ''}"
+        results += harness.run_benchmark(bench, vs, repeats=repeats, warmup=warmup, plot="time_ms",
+                                         out_dir=args.out_dir)
     failed = [r for r in results if r.get("status") != "ok"]
     for r in failed:
         print(f"{r['name']}: {r['status']}: {r.get('error', '')[:500]}", file=sys.stderr)

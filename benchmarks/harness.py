@@ -347,17 +347,24 @@ def run_benchmark(bench: str, variants: list[Variant], *, repeats: int = 10, war
                 else:
                     record = run_variant(spec)
                 results.append(record)
+                if index + 1 < len(variants):  # reports so far: a run cut short still leaves its numbers
+                    _report(bench, results, env, out_dir, None, repeats, warmup, fresh_process)
         finally:
             if shim is not None:
                 (shim / PACKAGE).unlink(missing_ok=True)
                 shim.rmdir()
+    _report(bench, results, env, out_dir, plot, repeats, warmup, fresh_process)
+    return results
+
+
+def _report(bench: str, results: list[dict], env: dict, out_dir: Path, plot: str | None, repeats: int,
+            warmup: int, fresh_process: bool) -> None:
     for record in results:  # the child's view of the device is the environment's device
         if record.get("env"):
             env.update({k: v for k, v in record["env"].items() if k not in env})
             break
     write_reports(bench, results, env, out_dir=Path(out_dir), plot=plot,
                   settings={"repeats": repeats, "warmup": warmup, "fresh_process": fresh_process})
-    return results
 
 
 # --------------------------------------------------------------------------------------------------

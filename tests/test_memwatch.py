@@ -1,0 +1,39 @@
+"""memwatch (the runner's --report memory sampling) and the runner's API-format pass-through, on CPU."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from comfyui_lowvram_dit import memwatch, runner
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_watch_sees_an_allocation_in_this_process() -> None:
+    with memwatch.MemoryWatch(os.getpid(), interval=0.05) as watch:
+        time.sleep(0.15)
+        block = bytearray(256 << 20)  # 256 MiB, touched so it is resident
+        block[:: 4096] = b"x" * len(block[:: 4096])
+        time.sleep(0.3)
+    s = watch.summary()
+    base = watch.samples[0]["anon"]
+    assert max(x["anon"] for x in watch.samples) - base >= 200 << 20, watch.samples
+    assert s["peak_rss_hwm_gib"] >= s["peak_rss_sampled_gib"] > 0
+    assert s["peak_gpu_gib"] is None or s["peak_gpu_gib"] >= 0
+    del block
+
+
+def test_proc_status_of_a_missing_pid_is_empty() -> None:
+    assert memwatch.proc_status(2**31 - 1) == {}
+    assert memwatch.gpu_used_bytes(os.getpid(), None) is None
+
+
+def test_api_workflows_pass_through_without_comfy_cli() -> None:
+    api = {"3": {"class_type": "KSampler", "inputs": {"seed": 1}}}
+    assert runner.is_api_workflow(api)
+    assert runner.to_api(api, {}) is api
+    assert not runner.is_api_workflow({"nodes": [], "links": []})
+    assert not runner.is_api_workflow({})
