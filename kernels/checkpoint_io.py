@@ -7,7 +7,9 @@ can show it to the user as is.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import mmap
 import os
 import struct
 from collections.abc import Iterator
@@ -155,13 +157,63 @@ def iter_tensors(
     with header.path.open("rb") as f:
         for info in order:
             f.seek(info.begin)
-            buf = bytearray(info.nbytes)
-            got = f.readinto(buf)
+            # Read into torch-allocated (64-byte aligned) memory, not a bytearray: the tensor then behaves like
+            # any other CPU tensor for H2D copies (a bytearray-backed one failed `.to("cuda")` with "invalid
+            # argument" inside ComfyUI's cudaMallocAsync server on an H200).
+            t = torch.empty(info.nbytes, dtype=torch.uint8)
+            got = f.readinto(memoryview(t.numpy())) if info.nbytes else 0
             if got != info.nbytes:
                 raise CheckpointError(f"{header.path.name}: truncated file while reading tensor {info.name!r}")
-            t = torch.frombuffer(buf, dtype=torch.uint8) if info.nbytes else torch.empty(0, dtype=torch.uint8)
             t = t.view(info.dtype).reshape(info.shape)
             yield info.name, (t.to(device) if torch.device(device).type != "cpu" else t)
+
+
+def to_device_or_cpu(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` for on-load quantization; if the copy fails, ``t`` stays on the CPU (said once).
+
+    Quantizing on the GPU is ~10x faster, but a failed copy must not fail the load: the CPU path computes the
+    same values, only slower.
+    """
+    if device.type == "cpu" or t.device == device:
+        return t
+    try:
+        return t.to(device, non_blocking=False)
+    except RuntimeError as exc:  # torch.AcceleratorError is a RuntimeError
+        if not _FALLBACK_SAID:
+            _FALLBACK_SAID.append(str(device))
+            logging.getLogger("comfyui_lowvram_dit").warning(
+                "lowvram_dit: copying a weight to %s for quantization failed (%s); quantizing on the CPU instead "
+                "(slower, same result)", device, str(exc).splitlines()[0])
+        return t
+
+
+_FALLBACK_SAID: list[str] = []
+
+
+def map_tensors(
+    header: SafetensorsHeader, names: list[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` as zero-copy views of a private (copy-on-write) mapping of the file.
+
+    The tensors cost page cache, not anonymous RAM: the kernel can drop their pages and re-read them from the
+    file, which is what lets an idle model (e.g. the other Wan 2.2 expert) sit at ~0 RSS. Nothing is read
+    until a tensor is touched. Callers must not write into them (a write would make that page anonymous).
+    Empty files and zero-size tensors are served as fresh empty tensors.
+    """
+    order = sorted((header.tensors[n] for n in (names if names is not None else header.tensors)), key=lambda t: t.begin)
+    size = header.path.stat().st_size
+    if any(info.begin + info.nbytes > size for info in order):
+        raise CheckpointError(f"{header.path.name}: truncated file (a tensor ends past the file's {size} bytes)")
+    mapped = None
+    if any(info.nbytes for info in order):
+        with header.path.open("rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # the mapping outlives the descriptor
+    for info in order:
+        if info.nbytes:
+            t = torch.frombuffer(mapped, dtype=torch.uint8, count=info.nbytes, offset=info.begin)
+        else:
+            t = torch.empty(0, dtype=torch.uint8)
+        yield info.name, t.view(info.dtype).reshape(info.shape)
 
 
 class StreamingSafetensorsWriter:

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from .checkpoint_io import CheckpointError, SafetensorsHeader, check_ranks, StreamingSafetensorsWriter, iter_tensors, read_header
+from .checkpoint_io import CheckpointError, SafetensorsHeader, check_ranks, StreamingSafetensorsWriter, iter_tensors, map_tensors, read_header, to_device_or_cpu
 from .wan_checkpoint import FP8_DTYPES, _prefetched, quantize_weight, source_fingerprint
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -552,6 +552,7 @@ def load_qwen_image_state_dict(
     *,
     device: str | torch.device | None = None,
     progress: ProgressFn | None = None,
+    mmap: bool = False,
 ) -> tuple[dict[str, torch.Tensor], QwenImageInfo, QuantMode]:
     """Read a Qwen-Image file tensor by tensor into the in-memory fp8 form nodes/fp8_ops.py loads.
 
@@ -559,7 +560,8 @@ def load_qwen_image_state_dict(
     e.g. the GPU), everything else is kept. fp8 files keep their per-tensor quantization (re-quantizing fp8
     codes only adds error): legacy ``scale_weight`` becomes ``weight_scale``, a missing scale means 1.0
     (nodes/fp8_ops.py fills it), markers and unit input scales are dropped. Returns (state dict without the
-    key prefix, file info, the quantization now in the dict).
+    key prefix, file info, the quantization now in the dict). ``mmap``: an fp8 file's tensors are zero-copy
+    views of the file (checkpoint_io.map_tensors: page cache, not RSS); a file quantized here is read as usual.
     """
     if mode not in ("none", "per_tensor", "blockwise"):
         raise ValueError(f"quantization mode must be none, per_tensor or blockwise, got {mode!r}")
@@ -568,7 +570,8 @@ def load_qwen_image_state_dict(
     qdev = torch.device(device) if device is not None else torch.device("cpu")
     strip = len(info.prefix)
     small_names = small_tensor_names(header)
-    small = {n[strip:]: v for n, v in iter_tensors(header, small_names)}
+    read = map_tensors if mmap and info.format != "high_precision" else iter_tensors
+    small = {n[strip:]: v for n, v in read(header, small_names)}
     big = [n for n in header.tensors if n not in set(small_names)]
     sd: dict[str, torch.Tensor] = {}
     quantize = info.format == "high_precision" and mode != "none"
@@ -585,7 +588,7 @@ def load_qwen_image_state_dict(
         if key.endswith(".scale_weight"):
             key = key[: -len("scale_weight")] + "weight_scale"
         if quantize and is_qwen_fp8_target(key, tuple(v.shape)):
-            q, s = quantize_weight(v.to(qdev), mode, block_size)
+            q, s = quantize_weight(to_device_or_cpu(v, qdev), mode, block_size)
             sd[key], sd[key[: -len("weight")] + "weight_scale"] = q.cpu(), s.cpu()
             return
         sd[key] = v
@@ -594,7 +597,7 @@ def load_qwen_image_state_dict(
         put(k, v)
     total = sum(header.tensors[n].nbytes for n in big)
     done = 0
-    for raw, v in _prefetched(iter_tensors(header, big)):
+    for raw, v in (read(header, big) if read is map_tensors else _prefetched(iter_tensors(header, big))):
         put(raw[strip:], v)
         done += header.tensors[raw].nbytes
         if progress:

@@ -25,7 +25,16 @@ from typing import Literal
 import torch
 
 from . import fp8 as fp8_math
-from .checkpoint_io import CheckpointError, SafetensorsHeader, check_ranks, StreamingSafetensorsWriter, iter_tensors, read_header
+from .checkpoint_io import (
+    CheckpointError,
+    SafetensorsHeader,
+    StreamingSafetensorsWriter,
+    check_ranks,
+    iter_tensors,
+    map_tensors,
+    read_header,
+    to_device_or_cpu,
+)
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -323,6 +332,7 @@ def load_wan_state_dict(
     *,
     device: str | torch.device | None = None,
     progress: ProgressFn | None = None,
+    mmap: bool = False,
 ) -> LoadedWan:
     """Read a Wan file one tensor at a time into the in-memory fp8 form.
 
@@ -330,6 +340,9 @@ def load_wan_state_dict(
     given). Pre-quantized files keep their own per-tensor quantization (re-quantizing fp8 codes only adds
     error); musubi row-group/channel files, which no fp8 GEMM takes, are re-quantized to ``mode``
     (block-wise when ``mode`` is "none"). Keys are returned without the checkpoint prefix.
+
+    ``mmap``: tensors of a pre-quantized file that pass through unchanged are zero-copy views of the file
+    (checkpoint_io.map_tensors), so they cost page cache instead of RSS; files quantized here are read as usual.
     """
     if mode not in ("none", "per_tensor", "blockwise"):
         raise ValueError(f"quantization mode must be none, per_tensor or blockwise, got {mode!r}")
@@ -348,7 +361,8 @@ def load_wan_state_dict(
     # Scales, markers and small tensors (norms, biases) first, so each weight converts as it streams.
     # musubi 1x64 scales are 1/16 of the fp8 bytes (0.9 GB for 14B): held only until their weight arrives.
     small_names = [n for n, i in header.tensors.items() if i.nbytes <= 1 << 16 or n.endswith(_SCALE_SUFFIXES)]
-    small = {n[len(prefix) :] if n.startswith(prefix) else n: v for n, v in iter_tensors(header, small_names)}
+    read = map_tensors if mmap and info.format != "high_precision" else iter_tensors
+    small = {n[len(prefix) :] if n.startswith(prefix) else n: v for n, v in read(header, small_names)}
     small_set = set(small_names)
     big_names = [n for n in header.tensors if n not in small_set]
     layer_conf = _layer_formats(header, small, prefix) if info.format == "comfy_quant" else {}
@@ -384,7 +398,7 @@ def load_wan_state_dict(
         base = key[: -len("weight")] if key.endswith(".weight") else None
         if info.format == "high_precision":
             if quantized_here and is_fp8_target(key, tuple(v.shape)):
-                q, s = quantize_weight(v.to(qdev, non_blocking=False), out_mode, block_size)
+                q, s = quantize_weight(to_device_or_cpu(v, qdev), out_mode, block_size)
                 emit(key, q.cpu())
                 emit(base + "weight_scale", s.cpu())
             else:
@@ -419,7 +433,7 @@ def load_wan_state_dict(
                 raise CheckpointError(f"{name}: fp8 weight {prefix + key!r} has no scale tensor; the file is damaged")
         per_tensor_scale = math.prod(scale.shape) == 1 and tensor_scale is None
         if info.format == "musubi_fp8" and not per_tensor_scale:
-            w = _dequantize_musubi(v.to(qdev), scale, tensor_scale)
+            w = _dequantize_musubi(to_device_or_cpu(v, qdev), scale, tensor_scale)
             q, s = quantize_weight(w, out_mode, block_size)
             emit(key, q.cpu())
             emit(base + "weight_scale", s.cpu())
@@ -437,7 +451,8 @@ def load_wan_state_dict(
             return
         if v.dtype == torch.float8_e5m2 or legacy_e5m2:
             # e5m2 has one mantissa bit less than the e4m3fn our GEMMs take: re-quantize per tensor.
-            q, s = quantize_weight(v.to(qdev).float() * scale.float().to(qdev), "per_tensor", block_size)
+            v = to_device_or_cpu(v, qdev)
+            q, s = quantize_weight(v.float() * scale.float().to(v.device), "per_tensor", block_size)
             emit(key, q.cpu())
             emit(base + "weight_scale", s.cpu())
             return
@@ -451,7 +466,7 @@ def load_wan_state_dict(
     done += sum(header.tensors[n].nbytes for n in small_names)
     if progress:
         progress(done, total)
-    for raw_key, v in _prefetched(iter_tensors(header, big_names)):
+    for raw_key, v in (read(header, big_names) if read is map_tensors else _prefetched(iter_tensors(header, big_names))):
         convert(raw_key[len(prefix) :] if raw_key.startswith(prefix) else raw_key, v)
         done += header.tensors[raw_key].nbytes
         if progress:

@@ -36,6 +36,7 @@ from comfy_api.latest import io
 from ..kernels import offload
 from ..kernels.offload import BlockStreamer, SwapConfig, SwapPlan
 from ._common import CATEGORY_PATCHES, display_name, node_id, wrap_block_patches
+from ._seams import BLOCK_SWAP_SEAMS, PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -393,7 +394,14 @@ def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - Model
 
 
 class BlockSwap(io.ComfyNode):
-    """Keep some transformer blocks in (pinned) RAM and stream them to the GPU just before they run."""
+    """Keep some transformer blocks in (pinned) RAM and stream them to the GPU just before they run.
+
+    Without its seams the node passes the model through: ComfyUI's own partial loading still streams weights
+    (no block prefetch), logged once.
+    """
+
+    COMFY_SEAMS = BLOCK_SWAP_SEAMS
+    IF_SEAMS_MISSING = PASS_THROUGH
 
     @classmethod
     def define_schema(cls) -> io.Schema:

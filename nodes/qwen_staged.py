@@ -191,7 +191,7 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
     dev = _compute_device()
     bar = _bar(1000)
     sd, info, out_mode = staged.load_qwen_image_state_dict(
-        unet_path, mode, block_size, device=dev if dev.type == "cuda" else None,
+        unet_path, mode, block_size, device=dev if dev.type == "cuda" else None, mmap=True,
         progress=lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))))
     if mode != "none" and info.format != "high_precision":
         log.info("lowvram_dit: %s is already %s fp8; kept as stored", Path(unet_path).name, info.format)

@@ -48,7 +48,7 @@ def load_wan_model(
     bar = comfy.utils.ProgressBar(1000)
     t0 = time.perf_counter()
     loaded = wc.load_wan_state_dict(
-        read_from, mode, block_size, device=_quantize_device(),
+        read_from, mode, block_size, device=_quantize_device(), mmap=True,
         progress=lambda done, total: bar.update_absolute(int(1000 * done / max(total, 1)), 1000),
     )
     for note in loaded.notes:

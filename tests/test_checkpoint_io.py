@@ -102,3 +102,64 @@ def test_safetensors_library_files_are_read(tmp_path: Path) -> None:
     header = read_header(path)
     assert header.tensors["x"].shape == (2, 3)
     assert torch.equal(dict(iter_tensors(header))["x"], torch.arange(6).reshape(2, 3))
+
+
+def test_map_tensors_are_zero_copy_views_of_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    from comfyui_lowvram_dit.kernels.checkpoint_io import iter_tensors, map_tensors, read_header
+    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+
+    sd = {"a.weight": torch.randn(64, 96).to(torch.float8_e4m3fn), "a.scale_weight": torch.tensor(0.5),
+          "b.bias": torch.randn(33, dtype=torch.bfloat16), "empty": torch.zeros(0)}
+    path = tmp_path / "m.safetensors"
+    save_file(sd, path)
+    header = read_header(path)
+    mapped = dict(map_tensors(header))
+    read = dict(iter_tensors(header))
+    for k, v in sd.items():
+        assert mapped[k].dtype == v.dtype and mapped[k].shape == v.shape
+        assert torch.equal(mapped[k].reshape(-1).view(torch.uint8), read[k].reshape(-1).view(torch.uint8))
+    assert is_file_backed(mapped["a.weight"]) and not is_file_backed(read["a.weight"])
+    assert set(dict(map_tensors(header, ["b.bias"]))) == {"b.bias"}
+
+
+def test_map_tensors_refuses_a_truncated_file(tmp_path):
+    from safetensors.torch import save_file
+
+    from comfyui_lowvram_dit.kernels.checkpoint_io import CheckpointError, map_tensors, read_header
+
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.randn(256, 256)}, path)
+    header = read_header(path)
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size - 1000)
+    with pytest.raises(CheckpointError, match="m.safetensors"):
+        list(map_tensors(header))
+
+
+def test_to_device_or_cpu_keeps_a_tensor_on_the_cpu_when_the_copy_fails(monkeypatch, caplog):
+    from comfyui_lowvram_dit.kernels import checkpoint_io
+
+    t = torch.randn(4, 4)
+    assert checkpoint_io.to_device_or_cpu(t, torch.device("cpu")) is t
+
+    def broken_to(self, *args, **kwargs):
+        raise RuntimeError("CUDA error: invalid argument\nmore")
+
+    monkeypatch.setattr(torch.Tensor, "to", broken_to)
+    monkeypatch.setattr(checkpoint_io, "_FALLBACK_SAID", [])
+    with caplog.at_level("WARNING", logger="comfyui_lowvram_dit"):
+        assert checkpoint_io.to_device_or_cpu(t, torch.device("cuda", 0)) is t
+        assert checkpoint_io.to_device_or_cpu(t, torch.device("cuda", 0)) is t
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "quantizing on the CPU" in said[0] and "invalid argument" in said[0]
+
+
+def test_iter_tensors_are_owned_by_torch(tmp_path):
+    from comfyui_lowvram_dit.kernels.checkpoint_io import iter_tensors, read_header
+
+    save_file({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}, tmp_path / "m.safetensors")
+    (name, t), = iter_tensors(read_header(tmp_path / "m.safetensors"))
+    assert name == "w" and torch.equal(t, torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert t.data_ptr() % 64 == 0  # torch's CPU allocator, not a bytearray

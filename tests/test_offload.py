@@ -352,3 +352,54 @@ def test_deactivate_restores_file_backed_originals(tmp_path):
     st.deactivate()
     with torch.no_grad():
         assert torch.equal(out, model(x, e, ctx))
+
+
+def test_mostly_file_backed_blocks_leave_the_arena_when_idle(tmp_path):
+    """Weights mapped from the file, small tensors (biases, norms) private: idle = weights back on the file."""
+    from safetensors.torch import save_file
+
+    from comfyui_lowvram_dit.kernels.checkpoint_io import map_tensors, read_header
+
+    model = TinyWan(n=4, d=64, ffn=128)
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, tmp_path / "m.safetensors")
+    mapped = dict(map_tensors(read_header(tmp_path / "m.safetensors")))
+    assert all(torch.equal(mapped[k], v) for k, v in sd.items())
+    weights = {k: v for k, v in mapped.items() if k.endswith("weight") and v.dim() == 2}
+    private = {k: v.clone() for k, v in mapped.items() if k not in weights}  # as ComfyUI copies biases/norms
+    model.load_state_dict({**weights, **private}, assign=True)
+    w = model.blocks[1].ffn[0].weight
+    assert offload.is_file_backed(w) and not offload.is_file_backed(model.blocks[1].ffn[0].bias)
+    plan = plan_swap([offload.block_nbytes(b) for b in model.blocks], SwapConfig(blocks_to_swap=2))
+    st = BlockStreamer(model.blocks, plan, "cpu", pinned=False)
+    x, e, ctx = _inputs(d=64)
+    with torch.no_grad():
+        ref = model(x, e, ctx)
+    st.activate()
+    b = plan.streamed[0]
+    assert st.arena is not None and st.arena.contains(model.blocks[b].ffn[0].weight)
+    assert offload.page_out([model.blocks[b].ffn[0].weight]) >= 0  # never raises, data stays valid
+    st.deactivate(release_host=False)
+    assert st.arena is not None  # a detach before a re-load keeps the arena
+    st.deactivate()
+    assert st.arena is None
+    assert offload.is_file_backed(model.blocks[b].ffn[0].weight)
+    assert not offload.is_file_backed(model.blocks[b].ffn[0].bias)
+    for _ in range(2):  # comes back, twice
+        st.activate()
+        with torch.no_grad():
+            st.begin_forward()
+            out = model(x, e, ctx, streamer=st)
+            st.end_forward()
+        st.deactivate()
+        assert torch.equal(out, ref)
+    assert st.arena is None and offload.is_file_backed(model.blocks[b].ffn[0].weight)
+
+
+def test_a_mostly_private_model_keeps_its_arena():
+    model = TinyWan(n=4)
+    plan = plan_swap([offload.block_nbytes(b) for b in model.blocks], SwapConfig(blocks_to_swap=2))
+    st = BlockStreamer(model.blocks, plan, "cpu", pinned=False)
+    st.activate()
+    st.deactivate()
+    assert st.arena is not None  # nothing to fall back to: the arena is the only copy

@@ -312,3 +312,28 @@ def test_saved_file_with_wrong_block_scale_is_refused(tmp_path: Path, bf16_sd: d
     dest = wc.save_quantized(loaded, tmp_path / "x.lowvram-fp8-blockwise-bs128.safetensors", src)
     with pytest.raises(CheckpointError, match=r"blockwise-bs128\.safetensors: blocks\.0\.ffn\.0\.weight_scale has shape \[2, 2\], expected \[4, 2\]"):
         wc.load_wan_state_dict(dest, "blockwise", 128)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_scaled", "fp8"])
+def test_mmap_load_equals_a_copying_load_and_stays_file_backed(tmp_path: Path, fmt: str) -> None:
+    """Pre-quantized files map their fp8 weights (the idle-expert RSS design); values equal a normal read."""
+    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+
+    path = synth.write_synthetic(MODEL, tmp_path / "s.safetensors", size="tiny", fmt=fmt, seed=3)
+    copied = wc.load_wan_state_dict(path, "per_tensor")
+    mapped = wc.load_wan_state_dict(path, "per_tensor", mmap=True)
+    assert copied.state_dict.keys() == mapped.state_dict.keys() and copied.mode == mapped.mode
+    for k, v in copied.state_dict.items():
+        m = mapped.state_dict[k]
+        assert m.dtype == v.dtype and torch.equal(m.float(), v.float()), k
+    w = mapped.state_dict["blocks.0.ffn.0.weight"]
+    assert w.dtype == torch.float8_e4m3fn and is_file_backed(w)
+    assert not is_file_backed(copied.state_dict["blocks.0.ffn.0.weight"])
+
+
+def test_mmap_is_ignored_when_quantizing_on_load(tmp_path: Path) -> None:
+    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+
+    path = synth.write_synthetic(MODEL, tmp_path / "b.safetensors", size="tiny", fmt="bf16", seed=3)
+    loaded = wc.load_wan_state_dict(path, "per_tensor", mmap=True)
+    assert loaded.quantized_here and not is_file_backed(loaded.state_dict["blocks.0.ffn.0.weight"])
