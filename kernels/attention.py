@@ -160,7 +160,11 @@ def _int8_reason(device: torch.device, dtype: torch.dtype, head_dim: int, has_ma
     if has_mask:
         return "does not take an attention mask"
     try:
-        return None if mod.is_supported(device, dtype, head_dim) else "unsupported on this GPU/dtype/head size"
+        if mod.is_supported(device, dtype, head_dim):
+            return None
+        if device.type == "cuda" and mod._triton_module() is None:
+            return "needs Triton, which does not import here (pip install triton; triton-windows on Windows)"
+        return "unsupported on this GPU/dtype/head size (CUDA sm80+, bf16/fp16, head dim 64 or 128)"
     except Exception as exc:  # its capability probe must not take the sampler down
         return f"is_supported() failed: {exc}"
 

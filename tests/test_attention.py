@@ -196,3 +196,13 @@ def test_cuda_backends_agree_with_reference(dtype: torch.dtype) -> None:
         assert decision.backend == name, f"{name} rejected: {decision.rejected}"
     sel.run(q, k, v, None, "auto")
     assert sel.details[attn._key("auto", q, k, None)].backend in attn.AUTO_CANDIDATES
+
+
+def test_int8_backend_names_a_missing_triton(monkeypatch):
+    from comfyui_lowvram_dit.kernels import attention, attention_int8
+
+    monkeypatch.setattr(attention_int8, "is_supported", lambda *a: False)
+    monkeypatch.setattr(attention_int8, "_triton_module", lambda: None)
+    reason = attention._int8_reason(torch.device("cuda", 0), torch.bfloat16, 128, False)
+    assert reason is not None and "needs Triton" in reason
+    assert "head dim" in attention._int8_reason(torch.device("cpu"), torch.bfloat16, 128, False)
