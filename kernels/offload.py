@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -150,6 +151,58 @@ def plan_swap(
     streamed = tuple(streamed_block_indices(n, s))
     slot = max((aligned(block_bytes[i]) for i in streamed), default=0)
     return SwapPlan(num_blocks=n, streamed=streamed, ring=ring_slots(config.prefetch, s), slot_bytes=slot)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Out of memory during sampling: what would fit
+
+
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+_OOM_TRIED = re.compile(r"Tried to allocate ([\d.]+) (GiB|MiB|KiB|B)")
+_OOM_FREE = re.compile(r"of which ([\d.]+) (GiB|MiB|KiB|B) is free")
+OOM_MARGIN = 256 << 20  # bytes kept spare in a suggestion: the allocator rounds and fragments
+
+
+def parse_oom(message: str) -> tuple[int | None, int | None]:
+    """(bytes torch tried to allocate, bytes the GPU had free) from a CUDA out-of-memory message (None if absent)."""
+    def grab(rx: re.Pattern[str]) -> int | None:
+        m = rx.search(message)
+        return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
+
+    return grab(_OOM_TRIED), grab(_OOM_FREE)
+
+
+def oom_advice(plan: SwapPlan, block_bytes: Sequence[int], config: SwapConfig, message: str,
+               fixed_bytes: int = 0, embed_bytes: int = 0) -> str:
+    """A Block Swap OOM message that says what was on the GPU and the setting that would fit (issue 8)."""
+    tried, free = parse_oom(message)
+    streamed = set(plan.streamed)
+    resident = [i for i in range(plan.num_blocks) if i not in streamed]
+    resident_bytes = sum(block_bytes[i] for i in resident)
+    head = (f"Block Swap ran out of GPU memory during sampling (vram_budget_gb={config.vram_budget_gb:g}, "
+            f"blocks_to_swap={config.blocks_to_swap}): {len(streamed)} of {plan.num_blocks} blocks streamed, "
+            f"{resident_bytes / 1e9:.2f} GB of blocks resident, ring {plan.ring_bytes / 1e9:.2f} GB, other weights "
+            f"{fixed_bytes / 1e9:.2f} GB")
+    if tried is not None and free is not None:
+        head += f"; it tried to allocate {tried / 2**30:.2f} GiB with {free / 2**30:.2f} GiB free"
+    head += "."
+    shortfall = None if tried is None or free is None else max(tried - free, 0) + OOM_MARGIN
+    if resident:
+        per_block = resident_bytes / len(resident)
+        # unknown shortfall (no torch numbers in the message): 3 blocks is ~1 GB for Wan 14B fp8
+        more = min(len(resident), 3 if shortfall is None else max(1, math.ceil(shortfall / per_block)))
+        fit = len(streamed) + more
+        lower = "" if shortfall is None or config.vram_budget_gb <= 0 else \
+            f" or vram_budget_gb={max(config.vram_budget_gb - shortfall / 1e9, 0.1):.1f}"
+        return (f"{head} Stream more blocks: blocks_to_swap={fit}{lower} should fit at this size "
+                f"(each block frees ~{per_block / 1e9:.2f} GB).")
+    tips = ["lower the resolution or the frame count (activations grow with the token count)"]
+    if config.prefetch > 1:
+        tips.append(f"prefetch=1 (frees {(plan.ring - 2) * plan.slot_bytes / 1e9:.2f} GB of ring)")
+    if not config.offload_embeddings and embed_bytes:
+        tips.append(f"offload_embeddings on (frees {embed_bytes / 1e9:.2f} GB)")
+    tips.append("close other GPU users (another loaded model, the desktop, a second ComfyUI)")
+    return f"{head} Every block already streams, so the activations do not fit: " + "; ".join(tips) + "."
 
 
 # ----------------------------------------------------------------------------------------------------------

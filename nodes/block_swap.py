@@ -346,6 +346,11 @@ class _SwapForward:
         ctl.streamer.begin_forward()
         try:
             return executor(*args, **kwargs)
+        except torch.OutOfMemoryError as exc:  # same type, so ComfyUI's OOM handling (unload, report) still runs
+            advice = offload.oom_advice(ctl.plan, ctl.block_bytes, ctl.config, str(exc), ctl.fixed_bytes(),
+                                        ctl.embed_bytes)
+            log.error("lowvram_dit %s", advice)
+            raise torch.OutOfMemoryError(f"{advice}\n\n{exc}") from exc
         finally:
             stats = ctl.streamer.end_forward()
             if ctl.config.debug:

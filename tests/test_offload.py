@@ -403,3 +403,32 @@ def test_a_mostly_private_model_keeps_its_arena():
     st.activate()
     st.deactivate()
     assert st.arena is not None  # nothing to fall back to: the arena is the only copy
+
+
+TORCH_OOM = ("CUDA out of memory. Tried to allocate 1.95 GiB. GPU 0 has a total capacity of 139.80 GiB of which "
+             "1.20 GiB is free. Including non-PyTorch memory, this process has 7.61 GiB memory in use.")
+
+
+def test_parse_oom_reads_torch_numbers():
+    assert offload.parse_oom(TORCH_OOM) == (int(1.95 * 2**30), int(1.20 * 2**30))
+    assert offload.parse_oom("CUDA out of memory") == (None, None)
+
+
+def test_oom_advice_names_blocks_that_would_fit():
+    blocks = [int(0.35e9)] * 40
+    cfg = SwapConfig(vram_budget_gb=8.0)
+    plan = plan_swap(blocks, SwapConfig(blocks_to_swap=30))
+    msg = offload.oom_advice(plan, blocks, cfg, TORCH_OOM, fixed_bytes=int(0.2e9))
+    # shortfall 0.75 GiB + 256 MiB margin = ~1.07 GB -> 4 more blocks of 0.35 GB
+    assert "30 of 40 blocks streamed" in msg and "blocks_to_swap=34" in msg and "vram_budget_gb=6.9" in msg
+    assert "1.95 GiB with 1.20 GiB free" in msg
+    unknown = offload.oom_advice(plan, blocks, cfg, "CUDA out of memory")
+    assert "blocks_to_swap=33" in unknown
+
+
+def test_oom_advice_when_every_block_streams():
+    blocks = [int(0.35e9)] * 40
+    plan = plan_swap(blocks, SwapConfig(blocks_to_swap=40, prefetch=3))
+    msg = offload.oom_advice(plan, blocks, SwapConfig(blocks_to_swap=40, prefetch=3), TORCH_OOM, embed_bytes=int(0.3e9))
+    assert "Every block already streams" in msg and "prefetch=1" in msg and "offload_embeddings on" in msg
+    assert "resolution" in msg
