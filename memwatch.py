@@ -52,14 +52,17 @@ def gpu_used_bytes(pid: int, nvidia_smi: str | None) -> int | None:
 
 
 class MemoryWatch:
-    """Samples ``pid`` every ``interval`` seconds until ``stop()``; ``summary()`` gives the peaks in GiB."""
+    """Samples ``pid`` every ``interval`` seconds until ``stop()``; ``summary()`` gives the peaks in GiB.
 
-    def __init__(self, pid: int, interval: float = 0.5) -> None:
+    ``gpu=False`` skips nvidia-smi (a subprocess per sample) when the GPU side is measured some other way.
+    """
+
+    def __init__(self, pid: int, interval: float = 0.5, gpu: bool = True) -> None:
         self.pid = pid
         self.interval = interval
         self.samples: list[dict] = []  # {"t": s, "rss": B, "anon": B, "file": B, "gpu": B | None}
         self.marks: list[tuple[float, str]] = []
-        self._nvidia_smi = shutil.which("nvidia-smi")
+        self._nvidia_smi = shutil.which("nvidia-smi") if gpu else None
         self._stop = threading.Event()
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="lowvram-memwatch", daemon=True)

@@ -227,6 +227,7 @@ def run_variant(spec: dict) -> dict:
                        warmup=int(spec["warmup"]))
     cuda = device.type == "cuda"
     phase = "setup"
+    watch = _self_watch()
     try:
         target = resolve_target(spec["target"])
         if cuda:
@@ -262,7 +263,23 @@ def run_variant(spec: dict) -> dict:
         result["error"] = f"{type(exc).__name__} during {phase}: {exc}"[:2000]
         result["traceback"] = traceback.format_exc()[-4000:]
     result["peak_rss_gib"] = peak_rss_bytes() / GIB
+    if watch is not None:  # ru_maxrss also counts resident pages of mapped files; anon is what the OOM killer weighs
+        watch.stop()
+        summary = watch.summary()
+        result["peak_rss_anon_gib"] = summary["peak_rss_anon_gib"]
+        result["peak_rss_file_gib"] = summary["peak_rss_file_gib"]
     return result
+
+
+def _self_watch():  # noqa: ANN202 - memwatch.MemoryWatch | None
+    """Sample this process's anonymous vs file-backed RSS (Linux; None elsewhere or if the pack is not importable)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        from comfyui_lowvram_dit.memwatch import MemoryWatch
+    except ImportError:
+        return None
+    return MemoryWatch(os.getpid(), interval=0.1, gpu=False).__enter__()  # GPU memory: torch's own counters
 
 
 def child_main(argv: list[str]) -> int:
@@ -372,6 +389,12 @@ def _report(bench: str, results: list[dict], env: dict, out_dir: Path, plot: str
 # --------------------------------------------------------------------------------------------------
 
 
+def _rss(r: dict) -> str:
+    """Peak RSS cell: ru_maxrss, with the sampled anonymous peak when there is one."""
+    anon = r.get("peak_rss_anon_gib")
+    return _fmt(r.get("peak_rss_gib")) + (f" (anon {anon:.2f})" if anon is not None else "")
+
+
 def _fmt(value: Any, digits: int = 2) -> str:
     if value is None:
         return "—"
@@ -405,7 +428,7 @@ def markdown_table(bench: str, results: list[dict], env: dict, settings: dict, n
         extra = extra.replace("|", "\\|")
         lines.append(f"| {r['name']} | {r.get('status')} | {_fmt(t)} | {_fmt(r.get('time_ms_min'))} | {ratio} | "
                      f"{_fmt(r.get('peak_allocated_gib'))} | {_fmt(r.get('peak_reserved_gib'))} | "
-                     f"{_fmt(r.get('peak_rss_gib'))} | {_fmt(r.get('setup_s'), 1)} | {extra} |")
+                     f"{_rss(r)} | {_fmt(r.get('setup_s'), 1)} | {extra} |")
     if notes:
         lines += [""] + [f"Note: {n}" for n in notes]
     return "\n".join(lines) + "\n"
