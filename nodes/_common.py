@@ -36,6 +36,16 @@ def comfyui_version() -> str:
         return "unknown"
 
 
+def use_mmap() -> bool:
+    """Map checkpoint files (weights cost page cache, not RAM) unless ComfyUI runs with ``--disable-mmap``."""
+    try:
+        import comfy.utils
+
+        return not bool(getattr(comfy.utils, "DISABLE_MMAP", False))
+    except Exception:  # noqa: BLE001 - outside ComfyUI (tests, scripts): mapping is the default
+        return True
+
+
 def embedding_cache() -> Any:  # kernels.staged.EmbeddingCache
     """The pack's embedding cache under ComfyUI's user directory (kept across restarts, unlike temp)."""
     import folder_paths

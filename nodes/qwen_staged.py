@@ -37,7 +37,7 @@ from ..kernels import staged
 from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
 from ..kernels.offload import SwapConfig
 from ._common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, embedding_cache, node_id,
-                      text_encoder_identity)
+                      text_encoder_identity, use_mmap)
 from .block_swap import apply_block_swap
 from ._seams import BLOCK_SWAP_SEAMS, DISABLE
 from .fp8_ops import Fp8OpsConfig, make_fp8_ops
@@ -191,7 +191,7 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
     dev = _compute_device()
     bar = _bar(1000)
     sd, info, out_mode = staged.load_qwen_image_state_dict(
-        unet_path, mode, block_size, device=dev if dev.type == "cuda" else None, mmap=True,
+        unet_path, mode, block_size, device=dev if dev.type == "cuda" else None, mmap=use_mmap(),
         progress=lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))))
     if mode != "none" and info.format != "high_precision":
         log.info("lowvram_dit: %s is already %s fp8; kept as stored", Path(unet_path).name, info.format)

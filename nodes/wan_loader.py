@@ -10,7 +10,7 @@ import torch
 from comfy_api.latest import io
 
 from ..kernels import wan_checkpoint as wc
-from ._common import CATEGORY_LOADERS, display_name, node_id
+from ._common import CATEGORY_LOADERS, display_name, node_id, use_mmap
 from ._seams import DISABLE
 from .fp8_ops import Fp8OpsConfig, make_fp8_ops
 
@@ -48,7 +48,7 @@ def load_wan_model(
     bar = comfy.utils.ProgressBar(1000)
     t0 = time.perf_counter()
     loaded = wc.load_wan_state_dict(
-        read_from, mode, block_size, device=_quantize_device(), mmap=True,
+        read_from, mode, block_size, device=_quantize_device(), mmap=use_mmap(),
         progress=lambda done, total: bar.update_absolute(int(1000 * done / max(total, 1)), 1000),
     )
     for note in loaded.notes:

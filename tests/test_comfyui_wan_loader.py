@@ -320,3 +320,22 @@ def test_gpu_fast_and_offloaded_paths_match_bf16(tmp_path: Path, comfy_on_gpu: N
     m.unpatch_model(torch.device("cpu"))
     print(f"\n{quantization} lowvram={lowvram} path={expected}: rel err vs bf16 {err:.4f}")
     assert err < 0.03, err  # activations are fp8 too on the fast paths
+
+
+@pytest.mark.parametrize("disable_mmap", [False, True])
+def test_prequantized_file_is_mapped_unless_comfyui_disables_mmap(tiny: dict, tmp_path: Path, monkeypatch: Any,
+                                                                  disable_mmap: bool) -> None:
+    """fp8_scaled experts stay file-backed (idle-expert RAM), and ComfyUI's --disable-mmap is honoured."""
+    import comfy.utils
+
+    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+
+    path = synth.write_synthetic(MODEL, tmp_path / "scaled.safetensors", size="tiny", fmt="fp8_scaled", seed=11)
+    monkeypatch.setattr(comfy.utils, "DISABLE_MMAP", disable_mmap)
+    patcher = load_wan_model(path, "fp8 per-tensor")
+    w = patcher.model.diffusion_model.blocks[0].ffn[0].weight
+    assert w.dtype == torch.float8_e4m3fn
+    assert is_file_backed(w) is (not disable_mmap)
+    out = _forward(patcher, tiny["inputs"])
+    assert torch.isfinite(out).all()
