@@ -36,6 +36,19 @@ def comfyui_version() -> str:
         return "unknown"
 
 
+def file_fingerprint(folder: str, name: str) -> str:
+    """``name:size:mtime_ns`` of a model file in a ComfyUI folder (``name:missing`` when absent): a node's
+    ``fingerprint_inputs`` so it re-runs when the file changes on disk under the same name."""
+    import folder_paths
+
+    path = folder_paths.get_full_path(folder, name)
+    try:
+        st = Path(path).stat() if path else None
+    except OSError:
+        st = None
+    return f"{name}:{st.st_size}:{st.st_mtime_ns}" if st else f"{name}:missing"
+
+
 def use_mmap() -> bool:
     """Map checkpoint files (weights cost page cache, not RAM) unless ComfyUI runs with ``--disable-mmap``."""
     try:

@@ -37,7 +37,7 @@ from ..kernels import staged
 from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
 from ..kernels.offload import SwapConfig
 from ._common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, embedding_cache, node_id,
-                      text_encoder_identity, use_mmap)
+                      file_fingerprint, text_encoder_identity, use_mmap)
 from .block_swap import apply_block_swap
 from ._seams import BLOCK_SWAP_SEAMS, DISABLE
 from .fp8_ops import Fp8OpsConfig, make_fp8_ops
@@ -280,17 +280,8 @@ class QwenImageStagedLoader(io.ComfyNode):
     @classmethod
     def fingerprint_inputs(cls, unet_name: str, clip_name: str, vae_name: str, **kwargs) -> str:
         """Re-run when a selected file changes on disk under the same name (size/mtime)."""
-        import folder_paths
-
-        parts = []
-        for folder, name in (("diffusion_models", unet_name), ("text_encoders", clip_name), ("vae", vae_name)):
-            path = folder_paths.get_full_path(folder, name)
-            try:
-                st = Path(path).stat() if path else None
-                parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}" if st else f"{name}:missing")
-            except OSError:
-                parts.append(f"{name}:missing")
-        return "|".join(parts)
+        return "|".join(file_fingerprint(folder, name) for folder, name in
+                        (("diffusion_models", unet_name), ("text_encoders", clip_name), ("vae", vae_name)))
 
     @classmethod
     def execute(cls, unet_name: str, clip_name: str, vae_name: str, positive: str, negative: str,

@@ -25,7 +25,8 @@ from comfy_api.latest import io
 
 from ..kernels import staged
 from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
-from ._common import CATEGORY_LOADERS, display_name, embedding_cache, node_id, text_encoder_identity
+from ._common import (CATEGORY_LOADERS, display_name, embedding_cache, file_fingerprint, node_id,
+                      text_encoder_identity)
 from ._seams import DISABLE
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -177,14 +178,7 @@ class WanTextEncode(io.ComfyNode):
     @classmethod
     def fingerprint_inputs(cls, clip_name: str, **kwargs) -> str:
         """Re-run when the selected file changes on disk under the same name (size/mtime)."""
-        import folder_paths
-
-        path = folder_paths.get_full_path("text_encoders", clip_name)
-        try:
-            st = Path(path).stat() if path else None
-        except OSError:
-            st = None
-        return f"{clip_name}:{st.st_size}:{st.st_mtime_ns}" if st else f"{clip_name}:missing"
+        return file_fingerprint("text_encoders", clip_name)
 
     @classmethod
     def execute(cls, clip_name: str, positive: str, negative: str, cache_embeddings: bool = True) -> io.NodeOutput:
