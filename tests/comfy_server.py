@@ -87,6 +87,21 @@ def import_comfyui_in_process(comfy: Path) -> None:
     args.cpu = True  # before comfy.model_management is imported, else CUDA-less machines crash
 
 
+def sample_wan(patcher: Any, seed: int = 0, steps: int = 2, cfg: float = 3.0, frames: int = 3) -> Any:
+    """In-process KSampler path (``comfy.sample.sample``: wrappers, transformer_options, cond + uncond batched in
+    one forward) on a tiny Wan latent [1, 16, frames, 8, 8] with random 12-token conditioning; returns the latent."""
+    import comfy.sample
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    latent = torch.zeros(1, 16, frames, 8, 8)
+    noise = torch.randn(latent.shape, generator=g)
+    pos = [[torch.randn(1, 12, 4096, generator=g), {}]]
+    neg = [[torch.randn(1, 12, 4096, generator=g), {}]]
+    return comfy.sample.sample(patcher, noise, steps, cfg, "euler", "simple", pos, neg, latent, seed=seed,
+                               disable_pbar=True)
+
+
 def pack_import_line_seen(log: str, pack_dir: Path) -> bool:
     """Whether ComfyUI's "Import times for custom nodes" list names ``pack_dir`` (it tried to load it)."""
     rx = re.compile(rf"^\s*[\d.]+ seconds( \(IMPORT FAILED\))?: {re.escape(str(pack_dir))}\s*$", re.M)

@@ -7,6 +7,7 @@ Run: COMFYUI_PATH=/work/main/.comfyui/ComfyUI /work/cvenv/bin/python -m pytest t
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from comfy_server import comfyui_path_or_reason, import_comfyui_in_process
+from comfy_server import comfyui_path_or_reason, import_comfyui_in_process, sample_wan
 
 pytestmark = pytest.mark.comfyui
 
@@ -40,17 +41,7 @@ def tiny_wan(comfy: Any) -> Any:
     return comfy.sd.load_diffusion_model_state_dict(synth.synthetic_state_dict("wan22_t2v_14B", size="tiny"))
 
 
-def _sample(model: Any, seed: int = 0, steps: int = 2) -> torch.Tensor:
-    """comfy.sample.sample, which KSampler calls: wrappers, transformer_options and CFG batching all apply."""
-    import comfy.sample
-
-    g = torch.Generator().manual_seed(seed)
-    latent = torch.zeros(1, 16, 1, 8, 8)
-    noise = torch.randn(latent.shape, generator=g)
-    cond = [[torch.randn(1, 12, 4096, generator=g), {}]]
-    uncond = [[torch.randn(1, 12, 4096, generator=g), {}]]
-    return comfy.sample.sample(model, noise, steps, 3.0, "euler", "simple", cond, uncond, latent, seed=seed,
-                               disable_pbar=True)
+_sample = functools.partial(sample_wan, frames=1)  # the shared tiny-Wan KSampler path (tests/comfy_server.py)
 
 
 # -------------------------------------------------------------------------------------------- attention

@@ -7,12 +7,13 @@ On a CPU-only ComfyUI the node runs its CPU path when ``blocks_to_swap`` or ``vr
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 
 import pytest
 import torch
-from comfy_server import comfyui_path_or_reason, import_comfyui_in_process
+from comfy_server import comfyui_path_or_reason, import_comfyui_in_process, sample_wan
 
 pytestmark = pytest.mark.comfyui
 
@@ -33,17 +34,7 @@ def _tiny_wan_patcher(num_layers: int = 6, seed: int = 0):  # noqa: ANN202
     return comfy.sd.load_diffusion_model_state_dict(sd, {"dtype": torch.bfloat16})
 
 
-def _sample(patcher, seed: int = 0, steps: int = 2, cfg: float = 2.0) -> torch.Tensor:  # noqa: ANN001
-    """The stock KSampler path (comfy.sample.sample: cond + uncond batched in one forward)."""
-    import comfy.sample
-
-    g = torch.Generator().manual_seed(seed)
-    latent = torch.zeros(1, 16, 3, 8, 8)
-    noise = torch.randn(latent.shape, generator=g)
-    pos = [[torch.randn(1, 12, 4096, generator=g), {}]]
-    neg = [[torch.randn(1, 12, 4096, generator=g), {}]]
-    return comfy.sample.sample(patcher, noise, steps, cfg, "euler", "simple", pos, neg, latent, seed=seed,
-                               disable_pbar=True)
+_sample = functools.partial(sample_wan, cfg=2.0)  # the shared tiny-Wan KSampler path (tests/comfy_server.py)
 
 
 def test_in_process_swapped_sampling_equals_plain_and_accounts_memory():

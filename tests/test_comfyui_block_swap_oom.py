@@ -4,11 +4,9 @@ In process, tiny Wan on the CPU; needs COMFYUI_PATH."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from comfy_server import comfyui_path_or_reason, import_comfyui_in_process
+from comfy_server import comfyui_path_or_reason, import_comfyui_in_process, sample_wan
 
 pytestmark = pytest.mark.comfyui
 
@@ -33,16 +31,6 @@ class _OomOnce:
         return extra["original_block"](args)
 
 
-def _sample(patcher: Any, seed: int = 0) -> torch.Tensor:
-    import comfy.sample
-
-    g = torch.Generator().manual_seed(seed)
-    latent = torch.zeros(1, 16, 3, 8, 8)
-    noise = torch.randn(latent.shape, generator=g)
-    pos = [[torch.randn(1, 12, 4096, generator=g), {}]]
-    neg = [[torch.randn(1, 12, 4096, generator=g), {}]]
-    return comfy.sample.sample(patcher, noise, 2, 3.0, "euler", "simple", pos, neg, latent, seed=seed,
-                               disable_pbar=True)
 
 
 def test_oom_in_a_swapped_forward_names_a_setting_that_fits(caplog: pytest.LogCaptureFixture) -> None:
@@ -59,12 +47,12 @@ def test_oom_in_a_swapped_forward_names_a_setting_that_fits(caplog: pytest.LogCa
 
     sd = synth.synthetic_state_dict("wan21_t2v_1_3B", size="tiny", fmt="bf16", seed=1, num_layers=NUM_LAYERS)
     plain = comfy.sd.load_diffusion_model_state_dict(sd, {"dtype": torch.bfloat16})
-    ref = _sample(plain, seed=3)
+    ref = sample_wan(plain, seed=3)
     oom = _OomOnce(on_call=2)
     plain.set_model_patch_replace(oom, "dit", "double_block", 3)
     model = apply_block_swap(plain, SwapConfig(blocks_to_swap=3))
     with caplog.at_level("ERROR", logger="comfyui_lowvram_dit"), pytest.raises(mm.OOM_EXCEPTION) as err:
-        _sample(model, seed=3)
+        sample_wan(model, seed=3)
     msg = str(err.value)
     assert "Block Swap ran out of GPU memory during sampling" in msg and "3 of 6 blocks streamed" in msg
     assert "blocks_to_swap=" in msg and "should fit" in msg and "1.95 GiB with 0.40 GiB free" in msg
@@ -72,6 +60,6 @@ def test_oom_in_a_swapped_forward_names_a_setting_that_fits(caplog: pytest.LogCa
     assert any("Block Swap ran out of GPU memory" in r.getMessage() for r in caplog.records)
     ctl = model.attachments[SWAP_KEY]
     assert not ctl.streamer._bound, "a ring slot stayed bound after the OOM"
-    out = _sample(model, seed=3)  # still usable: the next run completes with the reference answer
+    out = sample_wan(model, seed=3)  # still usable: the next run completes with the reference answer
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     mm.unload_all_models()

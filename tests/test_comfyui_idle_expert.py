@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from comfy_server import comfyui_path_or_reason, import_comfyui_in_process
+from comfy_server import comfyui_path_or_reason, import_comfyui_in_process, sample_wan
 
 pytestmark = pytest.mark.comfyui
 
@@ -18,16 +18,6 @@ MODEL = "wan22_t2v_14B"
 STREAMED = 3
 
 
-def _sample(patcher: Any, seed: int = 0) -> torch.Tensor:
-    import comfy.sample
-
-    g = torch.Generator().manual_seed(seed)
-    latent = torch.zeros(1, 16, 3, 8, 8)
-    noise = torch.randn(latent.shape, generator=g)
-    pos = [[torch.randn(1, 12, 4096, generator=g), {}]]
-    neg = [[torch.randn(1, 12, 4096, generator=g), {}]]
-    return comfy.sample.sample(patcher, noise, 2, 3.0, "euler", "simple", pos, neg, latent, seed=seed,
-                               disable_pbar=True)
 
 
 def _weight(model: Any, block: int) -> torch.Tensor:
@@ -55,7 +45,7 @@ def test_unloaded_expert_goes_back_to_its_file(tmp_path: Path) -> None:
     ctl = high.attachments[SWAP_KEY]
     assert all(is_file_backed(_weight(high, b)) for b in range(6)), "the loader copied a pre-quantized file"
 
-    ref_high = _sample(high, seed=5)
+    ref_high = sample_wan(high, seed=5)
     streamed = list(ctl.plan.streamed)
     assert len(streamed) == STREAMED
     assert ctl.streamer.arena is not None and ctl.streamer.arena.contains(_weight(high, streamed[0]))
@@ -64,10 +54,10 @@ def test_unloaded_expert_goes_back_to_its_file(tmp_path: Path) -> None:
     assert ctl.streamer.arena is None, "the unloaded expert kept its host buffer"
     assert all(is_file_backed(_weight(high, b)) for b in streamed)
 
-    out_low = _sample(low, seed=5)  # the other expert runs while the first is back on its file
+    out_low = sample_wan(low, seed=5)  # the other expert runs while the first is back on its file
     assert torch.isfinite(out_low).all() and not torch.equal(out_low, ref_high)
     mm.unload_all_models()
-    again = _sample(high, seed=5)  # and the first comes back with the same answer
+    again = sample_wan(high, seed=5)  # and the first comes back with the same answer
     torch.testing.assert_close(again, ref_high, rtol=0, atol=0)
     assert ctl.streamer.arena is not None
     mm.unload_all_models()

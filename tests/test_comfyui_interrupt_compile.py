@@ -20,6 +20,7 @@ Inductor on 2 CPU cores compiles the block in ~17 s with a warm FX-graph cache (
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 import uuid
@@ -28,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from comfy_server import ComfyServer, comfyui_path_or_reason, import_comfyui_in_process
+from comfy_server import ComfyServer, comfyui_path_or_reason, import_comfyui_in_process, sample_wan
 
 pytestmark = pytest.mark.comfyui
 
@@ -54,17 +55,7 @@ def _tiny_wan_patcher(seed: int = 0) -> Any:
     return comfy.sd.load_diffusion_model_state_dict(sd, {"dtype": torch.bfloat16})
 
 
-def _sample(patcher: Any, seed: int = 0, steps: int = 3) -> torch.Tensor:
-    """comfy.sample.sample, KSampler's path (cond + uncond batched in one forward)."""
-    import comfy.sample
-
-    g = torch.Generator().manual_seed(seed)
-    latent = torch.zeros(1, 16, 3, 8, 8)
-    noise = torch.randn(latent.shape, generator=g)
-    pos = [[torch.randn(1, 12, 4096, generator=g), {}]]
-    neg = [[torch.randn(1, 12, 4096, generator=g), {}]]
-    return comfy.sample.sample(patcher, noise, steps, 3.0, "euler", "simple", pos, neg, latent, seed=seed,
-                               disable_pbar=True)
+_sample = functools.partial(sample_wan, steps=3)  # the shared tiny-Wan KSampler path (tests/comfy_server.py)
 
 
 class _PassThroughCompiler:
