@@ -34,13 +34,13 @@ def proc_status(pid: int) -> dict[str, int]:
     return out
 
 
-def gpu_used_bytes(pid: int, nvidia_smi: str | None) -> int | None:
-    """GPU memory ``pid`` holds according to nvidia-smi (None when unknown)."""
+def gpu_used_bytes(pid: int, nvidia_smi: str | None, timeout: float = 5.0) -> int | None:
+    """GPU memory ``pid`` holds according to nvidia-smi (None when unknown, e.g. another pid namespace)."""
     if not nvidia_smi:
         return None
     try:
         res = subprocess.run([nvidia_smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=5)
+                             capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.SubprocessError):
         return None
     total = None

@@ -102,6 +102,18 @@ def sample_wan(patcher: Any, seed: int = 0, steps: int = 2, cfg: float = 3.0, fr
                                disable_pbar=True)
 
 
+def loader_swap_nodes(unet: str, blocks_to_swap: int) -> dict:
+    """API nodes "1" (Wan Loader, fp8 per-tensor) and "2" (Block Swap streaming ``blocks_to_swap`` blocks)."""
+    return {
+        "1": {"class_type": "LowVRAM_WanLoader", "inputs": {
+            "unet_name": unet, "quantization": "fp8 per-tensor", "block_size": "128", "compute": "auto",
+            "save_quantized": False}},
+        "2": {"class_type": "LowVRAM_BlockSwap", "inputs": {
+            "model": ["1", 0], "vram_budget_gb": 0.0, "blocks_to_swap": blocks_to_swap, "prefetch": 1,
+            "pinned": True, "offload_embeddings": False, "debug": False}},
+    }
+
+
 def pack_import_line_seen(log: str, pack_dir: Path) -> bool:
     """Whether ComfyUI's "Import times for custom nodes" list names ``pack_dir`` (it tried to load it)."""
     rx = re.compile(rf"^\s*[\d.]+ seconds( \(IMPORT FAILED\))?: {re.escape(str(pack_dir))}\s*$", re.M)

@@ -29,7 +29,8 @@ from typing import Any
 
 import pytest
 import torch
-from comfy_server import ComfyServer, comfyui_path_or_reason, import_comfyui_in_process, sample_wan
+from comfy_server import (ComfyServer, comfyui_path_or_reason, import_comfyui_in_process, loader_swap_nodes,
+                         sample_wan)
 
 pytestmark = pytest.mark.comfyui
 
@@ -176,12 +177,7 @@ def _graph(unet: str, seed: int, steps: int) -> dict:
     The Attention node keeps ComfyUI's CPU attention (sub-quadratic, graph-breaking on a psutil call) out of
     the compiled blocks, which roughly halves the compile time here."""
     return {
-        "1": {"class_type": "LowVRAM_WanLoader", "inputs": {
-            "unet_name": unet, "quantization": "fp8 per-tensor", "block_size": "128", "compute": "auto",
-            "save_quantized": False}},
-        "2": {"class_type": "LowVRAM_BlockSwap", "inputs": {
-            "model": ["1", 0], "vram_budget_gb": 0.0, "blocks_to_swap": SWAPPED, "prefetch": 1, "pinned": True,
-            "offload_embeddings": False, "debug": False}},
+        **loader_swap_nodes(unet, SWAPPED),
         "9": {"class_type": "LowVRAM_Attention", "inputs": {"model": ["2", 0], "backend": "auto"}},
         "3": {"class_type": "LowVRAM_TorchCompile", "inputs": {
             "model": ["9", 0], "mode": "default", "backend": "inductor", "dynamic": "auto", "fullgraph": False,

@@ -20,14 +20,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from comfy_server import ComfyServer, comfy_server_session, comfyui_path_or_reason
+from comfy_server import ComfyServer, comfy_server_session, comfyui_path_or_reason, loader_swap_nodes
+
+from comfyui_lowvram_dit.memwatch import gpu_used_bytes, proc_status
 
 pytestmark = [pytest.mark.cuda, pytest.mark.comfyui]
 
@@ -66,12 +66,7 @@ def _write_models(server: ComfyServer) -> tuple[str, str]:
 
 def _graph(unet: str, seed: int) -> dict:
     return {
-        "1": {"class_type": "LowVRAM_WanLoader", "inputs": {
-            "unet_name": unet, "quantization": "fp8 per-tensor", "block_size": "128", "compute": "auto",
-            "save_quantized": False}},
-        "2": {"class_type": "LowVRAM_BlockSwap", "inputs": {
-            "model": ["1", 0], "vram_budget_gb": 0.0, "blocks_to_swap": SWAPPED, "prefetch": 1, "pinned": True,
-            "offload_embeddings": False, "debug": False}},
+        **loader_swap_nodes(unet, SWAPPED),
         "3": {"class_type": "LowVRAM_Attention", "inputs": {"model": ["2", 0], "backend": "auto"}},
         "4": {"class_type": "LowVRAMTest_RandomConditioning", "inputs": {"seed": 1, "length": 24, "dim": 4096,
                                                                          "std": 1.0}},
@@ -87,42 +82,20 @@ def _graph(unet: str, seed: int) -> dict:
     }
 
 
-def _proc_status(pid: int) -> dict[str, int]:
-    """VmRSS / RssAnon / RssFile / RssShmem of ``pid`` in bytes (Linux /proc)."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
-            out[key] = int(value.split()[0]) * 1024  # reported in kB
-    return out
-
-
-def _nvidia_smi_used(pid: int) -> int | None:
-    """GPU memory nvidia-smi attributes to ``pid`` (bytes), or None (no nvidia-smi, or another pid namespace)."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        text = subprocess.run([exe, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=30, check=True).stdout
-    except (subprocess.SubprocessError, OSError):
-        return None
-    for line in text.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
-            return int(parts[1]) * MiB
-    return None
+PROC_KEYS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
 
 
 def _sample(server: ComfyServer) -> dict[str, int | None]:
     """One measurement of the server process."""
     dev = server.get("/system_stats")["devices"][0]
     assert dev["type"] == DEVICE_TYPE, f"the server is not on the GPU: /system_stats devices[0] = {dev}"
-    m: dict[str, int | None] = dict(_proc_status(server.pid))
+    status = proc_status(server.pid)
+    assert status, f"/proc/{server.pid}/status is not readable"
+    m: dict[str, int | None] = {k: status[k] for k in PROC_KEYS}
     m["torch_active"] = dev["torch_vram_total"] - dev["torch_vram_free"]  # ComfyUI: reserved, reserved - active
     m["torch_reserved"] = dev["torch_vram_total"]
     m["device_used"] = dev["vram_total"] - dev["vram_free"]  # whole GPU (all processes), info only
-    m["smi_used"] = _nvidia_smi_used(server.pid)
+    m["smi_used"] = gpu_used_bytes(server.pid, shutil.which("nvidia-smi"), timeout=30)
     return m
 
 
