@@ -87,6 +87,17 @@ def import_comfyui_in_process(comfy: Path) -> None:
     args.cpu = True  # before comfy.model_management is imported, else CUDA-less machines crash
 
 
+def comfyui_in_process_or_skip() -> Path:
+    """Skip the calling test (with the reason) without a usable ``COMFYUI_PATH``; else import ComfyUI here, on CPU."""
+    import pytest
+
+    comfy, reason = comfyui_path_or_reason()
+    if comfy is None:
+        pytest.skip(reason)
+    import_comfyui_in_process(comfy)
+    return comfy
+
+
 def sample_wan(patcher: Any, seed: int = 0, steps: int = 2, cfg: float = 3.0, frames: int = 3) -> Any:
     """In-process KSampler path (``comfy.sample.sample``: wrappers, transformer_options, cond + uncond batched in
     one forward) on a tiny Wan latent [1, 16, frames, 8, 8] with random 12-token conditioning; returns the latent."""

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from comfy_server import comfyui_path_or_reason, import_comfyui_in_process, sample_wan
+from comfy_server import comfyui_in_process_or_skip, sample_wan
 
 pytestmark = pytest.mark.comfyui
 
@@ -23,10 +23,7 @@ pytestmark = pytest.mark.comfyui
 @pytest.fixture(scope="module")
 def comfy() -> Any:
     """ComfyUI importable in this process, on CPU."""
-    path, reason = comfyui_path_or_reason()
-    if path is None:
-        pytest.skip(reason)
-    import_comfyui_in_process(path)
+    path = comfyui_in_process_or_skip()
     import comfy.model_management  # noqa: F401 - after args.cpu
 
     return path

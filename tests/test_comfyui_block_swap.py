@@ -13,16 +13,13 @@ import uuid
 
 import pytest
 import torch
-from comfy_server import comfyui_path_or_reason, import_comfyui_in_process, sample_wan
+from comfy_server import comfyui_in_process_or_skip, sample_wan
 
 pytestmark = pytest.mark.comfyui
 
 
 def _comfy():  # noqa: ANN202
-    comfy, reason = comfyui_path_or_reason()
-    if comfy is None:
-        pytest.skip(reason)
-    import_comfyui_in_process(comfy)
+    comfyui_in_process_or_skip()
 
 
 def _tiny_wan_patcher(num_layers: int = 6, seed: int = 0):  # noqa: ANN202

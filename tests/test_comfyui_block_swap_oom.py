@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comfy_server import comfyui_path_or_reason, import_comfyui_in_process, sample_wan
+from comfy_server import comfyui_in_process_or_skip, sample_wan
 
 pytestmark = pytest.mark.comfyui
 
@@ -34,10 +34,7 @@ class _OomOnce:
 
 
 def test_oom_in_a_swapped_forward_names_a_setting_that_fits(caplog: pytest.LogCaptureFixture) -> None:
-    comfy, reason = comfyui_path_or_reason()
-    if comfy is None:
-        pytest.skip(reason)
-    import_comfyui_in_process(comfy)
+    comfy = comfyui_in_process_or_skip()
     import comfy.model_management as mm
     import comfy.sd
 

@@ -7,16 +7,13 @@ import os
 from pathlib import Path
 
 import pytest
-from comfy_server import comfyui_path_or_reason, import_comfyui_in_process
+from comfy_server import comfyui_in_process_or_skip
 
 pytestmark = pytest.mark.comfyui
 
 
 def test_fingerprints_follow_the_files(tmp_path: Path) -> None:
-    comfy, reason = comfyui_path_or_reason()
-    if comfy is None:
-        pytest.skip(reason)
-    import_comfyui_in_process(comfy)
+    comfyui_in_process_or_skip()
     import folder_paths
 
     from comfyui_lowvram_dit.nodes.qwen_staged import QwenImageStagedLoader

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from comfy_server import comfyui_path_or_reason, import_comfyui_in_process, sample_wan
+from comfy_server import comfyui_in_process_or_skip, sample_wan
 
 pytestmark = pytest.mark.comfyui
 
@@ -25,10 +25,7 @@ def _weight(model: Any, block: int) -> torch.Tensor:
 
 
 def test_unloaded_expert_goes_back_to_its_file(tmp_path: Path) -> None:
-    comfy, reason = comfyui_path_or_reason()
-    if comfy is None:
-        pytest.skip(reason)
-    import_comfyui_in_process(comfy)
+    comfyui_in_process_or_skip()
     import comfy.model_management as mm
 
     from comfyui_lowvram_dit.kernels import synth

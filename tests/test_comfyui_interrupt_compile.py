@@ -29,8 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from comfy_server import (ComfyServer, comfyui_path_or_reason, import_comfyui_in_process, loader_swap_nodes,
-                         sample_wan)
+from comfy_server import ComfyServer, comfyui_in_process_or_skip, loader_swap_nodes, sample_wan
 
 pytestmark = pytest.mark.comfyui
 
@@ -42,10 +41,7 @@ SWAPPED = 3  # blocks_to_swap: streams blocks 1, 3 and 5 of 6 (kernels/offload.p
 
 
 def _comfy() -> None:
-    comfy, reason = comfyui_path_or_reason()
-    if comfy is None:
-        pytest.skip(reason)
-    import_comfyui_in_process(comfy)
+    comfyui_in_process_or_skip()
 
 
 def _tiny_wan_patcher(seed: int = 0) -> Any:

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from comfy_server import ComfyServer, comfyui_path_or_reason, import_comfyui_in_process
+from comfy_server import ComfyServer, comfyui_in_process_or_skip
 from test_staged import write_small_text_encoder
 
 from comfyui_lowvram_dit.kernels import synth
@@ -132,10 +132,7 @@ def test_streamed_encoder_equals_comfyui_load_clip(tmp_path: Path, fmt: str) -> 
     """In process: our streamed CPU encoder == comfy.sd.load_clip(QWEN_IMAGE, cpu) + encode, bit for bit.
 
     (Stock CLIPLoader cannot load the 2-layer test encoder: load_clip gets the same config override here.)"""
-    comfy_path, reason = comfyui_path_or_reason()
-    if comfy_path is None:
-        pytest.skip(reason)
-    import_comfyui_in_process(comfy_path)
+    comfyui_in_process_or_skip()
     import comfy.sd
     import torch
 

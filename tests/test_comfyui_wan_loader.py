@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from comfy_server import ComfyServer, comfyui_path_or_reason, import_comfyui_in_process
+from comfy_server import ComfyServer, comfyui_in_process_or_skip, comfyui_path_or_reason
 from safetensors.torch import load_file, save_file
 
 from comfyui_lowvram_dit.kernels import synth
@@ -62,10 +62,7 @@ def _merge_lora(sd: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], stre
 
 @pytest.fixture(scope="module")
 def comfy_in_process() -> None:
-    comfy, reason = comfyui_path_or_reason()
-    if comfy is None:
-        pytest.skip(reason)
-    import_comfyui_in_process(comfy)
+    comfyui_in_process_or_skip()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import types
 from pathlib import Path
 
 import pytest
-from comfy_server import comfyui_path_or_reason, import_comfyui_in_process
+from comfy_server import comfyui_in_process_or_skip
 from comfyui_lowvram_dit.kernels import synth
 from comfyui_lowvram_dit.kernels.model_specs import UMT5Config
 
@@ -26,10 +26,7 @@ PROMPTS = ["a red fox runs through fresh snow, golden hour", ""]
 @pytest.fixture(scope="module")
 def comfy() -> types.ModuleType:
     """ComfyUI imported in this process (CPU)."""
-    path, reason = comfyui_path_or_reason()
-    if path is None:
-        pytest.skip(reason)
-    import_comfyui_in_process(path)
+    comfyui_in_process_or_skip()
     import comfy.sd
 
     return comfy
