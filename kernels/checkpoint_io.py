@@ -11,7 +11,9 @@ import logging
 import math
 import mmap
 import os
+import queue
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,6 +216,52 @@ def map_tensors(
         else:
             t = torch.empty(0, dtype=torch.uint8)
         yield info.name, t.view(info.dtype).reshape(info.shape)
+
+
+def prefetched(it: Iterator[tuple[str, torch.Tensor]], depth: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
+    """Run a tensor reader ``depth`` items ahead in a thread, so disk reads overlap the consumer's work."""
+    q: queue.Queue[object] = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def worker() -> None:
+        try:
+            for item in it:
+                if stop.is_set():
+                    return
+                q.put(item)
+        except BaseException as exc:  # re-raised in the consumer
+            q.put(exc)
+            return
+        q.put(done)
+
+    th = threading.Thread(target=worker, daemon=True, name="lowvram-dit-reader")
+    th.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item  # type: ignore[misc]
+    finally:
+        stop.set()
+        while th.is_alive():  # unblock a worker stuck on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                th.join(0.05)
+
+
+def read_tensors(
+    header: SafetensorsHeader, names: list[str] | None = None, *, mmap: bool = False, prefetch: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The loaders' one tensor reader: zero-copy views of the file (``mmap``, see map_tensors) or fresh copies
+    (iter_tensors), read ahead in a thread when ``prefetch`` (mapped views need no read-ahead)."""
+    if mmap:
+        return map_tensors(header, names)
+    return prefetched(iter_tensors(header, names)) if prefetch else iter_tensors(header, names)
 
 
 class StreamingSafetensorsWriter:

@@ -27,8 +27,8 @@ from typing import Any, Literal
 
 import torch
 
-from .checkpoint_io import CheckpointError, SafetensorsHeader, check_ranks, StreamingSafetensorsWriter, iter_tensors, map_tensors, read_header, to_device_or_cpu
-from .wan_checkpoint import FP8_DTYPES, _prefetched, quantize_weight, source_fingerprint
+from .checkpoint_io import CheckpointError, SafetensorsHeader, check_ranks, StreamingSafetensorsWriter, iter_tensors, read_header, read_tensors, to_device_or_cpu
+from .wan_checkpoint import FP8_DTYPES, quantize_weight, source_fingerprint
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -229,8 +229,7 @@ def iter_owner_groups(
     for name, t in small.items():
         if keep(name) and owner_of(name) in big_owners:
             pending.setdefault(owner_of(name), {})[name] = t
-    reader = iter_tensors(header, big)
-    for name, t in (_prefetched(reader) if prefetch else reader):
+    for name, t in read_tensors(header, big, prefetch=prefetch):
         stats.bytes_read += t.numel() * t.element_size()
         stats.tensors += 1
         yield from add(name, t, streamed=True)
@@ -570,8 +569,8 @@ def load_qwen_image_state_dict(
     qdev = torch.device(device) if device is not None else torch.device("cpu")
     strip = len(info.prefix)
     small_names = small_tensor_names(header)
-    read = map_tensors if mmap and info.format != "high_precision" else iter_tensors
-    small = {n[strip:]: v for n, v in read(header, small_names)}
+    mapped = mmap and info.format != "high_precision"  # a file quantized here is read as copies
+    small = {n[strip:]: v for n, v in read_tensors(header, small_names, mmap=mapped)}
     big = [n for n in header.tensors if n not in set(small_names)]
     sd: dict[str, torch.Tensor] = {}
     quantize = info.format == "high_precision" and mode != "none"
@@ -597,7 +596,7 @@ def load_qwen_image_state_dict(
         put(k, v)
     total = sum(header.tensors[n].nbytes for n in big)
     done = 0
-    for raw, v in (read(header, big) if read is map_tensors else _prefetched(iter_tensors(header, big))):
+    for raw, v in read_tensors(header, big, mmap=mapped, prefetch=True):
         put(raw[strip:], v)
         done += header.tensors[raw].nbytes
         if progress:

@@ -14,10 +14,8 @@ import hashlib
 import json
 import logging
 import math
-import queue
 import re
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -30,9 +28,8 @@ from .checkpoint_io import (
     SafetensorsHeader,
     StreamingSafetensorsWriter,
     check_ranks,
-    iter_tensors,
-    map_tensors,
     read_header,
+    read_tensors,
     to_device_or_cpu,
 )
 
@@ -262,42 +259,6 @@ def quantize_state_dict(
     return out
 
 
-def _prefetched(it: Iterator[tuple[str, torch.Tensor]], depth: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
-    """Run a tensor reader ``depth`` items ahead in a thread, so disk reads overlap quantization."""
-    q: queue.Queue[object] = queue.Queue(maxsize=depth)
-    done = object()
-    stop = threading.Event()
-
-    def worker() -> None:
-        try:
-            for item in it:
-                if stop.is_set():
-                    return
-                q.put(item)
-        except BaseException as exc:  # re-raised in the consumer
-            q.put(exc)
-            return
-        q.put(done)
-
-    th = threading.Thread(target=worker, daemon=True, name="lowvram-dit-reader")
-    th.start()
-    try:
-        while True:
-            item = q.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item  # type: ignore[misc]
-    finally:
-        stop.set()
-        while th.is_alive():  # unblock a worker stuck on a full queue
-            try:
-                q.get_nowait()
-            except queue.Empty:
-                th.join(0.05)
-
-
 def _layer_formats(header: SafetensorsHeader, small: dict[str, torch.Tensor], prefix: str) -> dict[str, dict]:
     """Per-layer ComfyUI quant configs (``_quantization_metadata`` or ``<layer>.comfy_quant`` tensors)."""
     layers: dict[str, dict] = {}
@@ -361,8 +322,9 @@ def load_wan_state_dict(
     # Scales, markers and small tensors (norms, biases) first, so each weight converts as it streams.
     # musubi 1x64 scales are 1/16 of the fp8 bytes (0.9 GB for 14B): held only until their weight arrives.
     small_names = [n for n, i in header.tensors.items() if i.nbytes <= 1 << 16 or n.endswith(_SCALE_SUFFIXES)]
-    read = map_tensors if mmap and info.format != "high_precision" else iter_tensors
-    small = {n[len(prefix) :] if n.startswith(prefix) else n: v for n, v in read(header, small_names)}
+    mapped = mmap and info.format != "high_precision"  # files quantized here are read as copies
+    small = {n[len(prefix) :] if n.startswith(prefix) else n: v
+             for n, v in read_tensors(header, small_names, mmap=mapped)}
     small_set = set(small_names)
     big_names = [n for n in header.tensors if n not in small_set]
     layer_conf = _layer_formats(header, small, prefix) if info.format == "comfy_quant" else {}
@@ -466,7 +428,7 @@ def load_wan_state_dict(
     done += sum(header.tensors[n].nbytes for n in small_names)
     if progress:
         progress(done, total)
-    for raw_key, v in (read(header, big_names) if read is map_tensors else _prefetched(iter_tensors(header, big_names))):
+    for raw_key, v in read_tensors(header, big_names, mmap=mapped, prefetch=True):
         convert(raw_key[len(prefix) :] if raw_key.startswith(prefix) else raw_key, v)
         done += header.tensors[raw_key].nbytes
         if progress:
