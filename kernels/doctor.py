@@ -234,6 +234,14 @@ def _rel_err(got: Any, ref: Any) -> float:
     return float((got - ref).norm() / ref.norm().clamp_min(1e-12))
 
 
+def _checked(kind: str, name: str, call: Callable[[], Any], ref: Any, tol: float) -> dict:
+    """Run one numerics probe against ``ref``: {kind: name, status ok|fail, rel_err, detail}."""
+    err, exc = _guard(lambda: _rel_err(call(), ref))
+    ok = exc is None and err <= tol
+    return {kind: name, "status": "ok" if ok else "fail", "rel_err": err,
+            "detail": exc or ("" if ok else f"relative error {err:.3g} > {tol:g}")}
+
+
 def _probe_fp8_with_pack(device: Any) -> list[dict]:
     """Each kernels.fp8 path on a tiny GEMM vs its own fp32 emulation (fp8_linear_reference)."""
     import torch
@@ -311,10 +319,7 @@ def _probe_fp8_direct(device: Any) -> list[dict]:
         if device.type != "cuda":
             probes.append({"path": path, "status": "skip", "detail": "no CUDA GPU"})
             continue
-        err, exc = _guard(lambda call=call: _rel_err(call(), ref))
-        ok = exc is None and err <= FP8_TOLERANCE
-        probes.append({"path": path, "status": "ok" if ok else "fail", "rel_err": err,
-                       "detail": exc or ("" if ok else f"relative error {err:.3g} > {FP8_TOLERANCE}")})
+        probes.append(_checked("path", path, call, ref, FP8_TOLERANCE))
     return probes
 
 
@@ -417,10 +422,7 @@ def _probe_attention_direct(device: Any, dtype: Any) -> list[dict]:
         if call is None:
             probes.append({"backend": name, "status": "skip", "detail": why})
             continue
-        err, exc = _guard(lambda call=call: _rel_err(call(), ref))
-        ok = exc is None and err <= tol
-        probes.append({"backend": name, "status": "ok" if ok else "fail", "rel_err": err,
-                       "detail": exc or ("" if ok else f"relative error {err:.3g} > {tol:g}")})
+        probes.append(_checked("backend", name, call, ref, tol))
     return probes
 
 
