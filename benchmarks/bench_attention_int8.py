@@ -147,16 +147,22 @@ VARIANTS: list[tuple[str, dict]] = [
     ("PV_ACC=2", {**BEST_TILE, "num_stages": 4, "PV_ACC": 2}),
     ("PV_ACC=2 EXP_EMU=1", {**BEST_TILE, "num_stages": 4, "PV_ACC": 2, "EXP_EMU": 1}),
     ("PV_ACC=1 128x64 w4", {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "PV_ACC": 1}),
+    ("PV_ACC=1 EXP_EMU=3", {**BEST_TILE, "num_stages": 4, "PV_ACC": 1, "EXP_EMU": 3}),
+    ("PV_ACC=1 EXP_EMU=4", {**BEST_TILE, "num_stages": 4, "PV_ACC": 1, "EXP_EMU": 4}),
+    ("PV_ACC=2 EXP_EMU=3", {**BEST_TILE, "num_stages": 4, "PV_ACC": 2, "EXP_EMU": 3}),
+    ("PV_ACC=1 EXP_EMU=3 st3", {**BEST_TILE, "num_stages": 3, "PV_ACC": 1, "EXP_EMU": 3}),
 ]
 
-FP8_QK_VARIANTS = ("round1 (PV_ACC=0)", "PV_ACC=1", "PV_ACC=1 EXP_EMU=1")
+FP8_QK_VARIANTS = ("round1 (PV_ACC=0)", "PV_ACC=1", "PV_ACC=1 EXP_EMU=1", "PV_ACC=1 EXP_EMU=3")
 
 
-def sweep_configs(shape: tuple[int, ...], repeats: int, quick: bool = False) -> list[dict]:
-    """Kernel variants (VARIANTS) at one shape, with errors; the full run adds the autotune tile set."""
+def sweep_configs(shape: tuple[int, ...], repeats: int, quick: bool = False,
+                  only: list[str] | None = None) -> list[dict]:
+    """Kernel variants (VARIANTS, or only the labels in ``only``) at one shape, with errors;
+    the full run adds the autotune tile set."""
     from comfyui_lowvram_dit.kernels import attention_int8_triton as tk
 
-    cases = [(label, cfg) for label, cfg in VARIANTS]
+    cases = [(label, cfg) for label, cfg in VARIANTS if not only or label in only]
     if not quick:
         cases += [(f"tile {c.kwargs}", {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages})
                   for c in tk.attn_configs()]
@@ -211,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="correctness + Wan 480p self/cross only")
     parser.add_argument("--no-sweep", action="store_true", help="skip the fixed-config sweep")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--variants", nargs="*", default=None,
+                        help="time only these sweep variants (exact labels, e.g. \"PV_ACC=1 EXP_EMU=3\")")
+    parser.add_argument("--tag", default="", help="suffix of the result files' names")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -248,11 +257,11 @@ def main(argv: list[str] | None = None) -> int:
                                            for k, v in row.items() if k not in ("shape", "shape_name", "backend")))
             rows.append(row)
     sweep = [] if args.no_sweep else (say("kernel variants, Wan 480p self-attention:") or sweep_configs(
-        SHAPES["wan14b_480p_self"], max(3, args.repeats // 2), quick=args.quick))
+        SHAPES["wan14b_480p_self"], max(3, args.repeats // 2), quick=args.quick, only=args.variants))
     report = {"bench": "bench_attention_int8", "env": env, "rows": rows, "sweep": sweep,
               "autotune": A.chosen_configs(), "checks": checks}
     say(f"autotuner picks: {json.dumps(report['autotune'], indent=1)}")
-    stem = "bench_attention_int8" + ("_quick" if args.quick else "")
+    stem = "bench_attention_int8" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
     (args.out / f"{stem}.md").write_text(to_markdown(report), encoding="utf-8")

@@ -263,7 +263,8 @@ def test_cuda_layouts_and_strides() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", [{"PV_ACC": 0}, {"PV_ACC": 1}, {"PV_ACC": 2}, {"EXP_EMU": 1}, {"EXP_EMU": 2}])
+@pytest.mark.parametrize("variant", [{"PV_ACC": 0}, {"PV_ACC": 1}, {"PV_ACC": 2}, {"EXP_EMU": 1}, {"EXP_EMU": 2},
+                                     {"EXP_EMU": 3}, {"EXP_EMU": 4}, {"PV_ACC": 2, "EXP_EMU": 3}])
 @pytest.mark.parametrize("lk", [4097, 700])
 def test_cuda_kernel_variants(variant: dict, lk: int) -> None:
     """Every kernel variant the bench sweeps matches the emulation (PV_ACC=2 accumulates in the tensor core
