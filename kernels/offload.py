@@ -345,8 +345,18 @@ class HostArena:
     def unpin(self) -> None:
         """Release the page lock (the memory stays valid)."""
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self.pinned = False
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+
+    def __del__(self) -> None:
+        # Memory freed while still registered stays registered in the driver: a later allocation at the same
+        # address (a checkpoint read, a state dict) then fails its H2D copy with "CUDA error: invalid argument".
+        # ComfyUI drops a patcher without unloading it (weak references; ModelPatcher.__del__ only detaches), so
+        # the arena may go with its patcher while pinned: unregister here, before the buffer is freed.
+        try:
+            self.unpin()
+        except Exception:  # noqa: BLE001 - interpreter shutdown or a CUDA context already gone
+            pass
 
     def contains(self, t: torch.Tensor) -> bool:
         """True if ``t`` is a view into this arena."""
@@ -536,6 +546,8 @@ class BlockStreamer:
         for b in streamed:
             offsets[b] = total
             total += self._layout(b)[1]
+        if self.arena is not None:
+            self.arena.unpin()  # the old buffer is freed below (its views are rebound to the new one)
         self.arena = HostArena(total, pin=False)
         maps = _file_backed_ranges()
         self.originals.clear()

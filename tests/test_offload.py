@@ -432,3 +432,46 @@ def test_oom_advice_when_every_block_streams():
     msg = offload.oom_advice(plan, blocks, SwapConfig(blocks_to_swap=40, prefetch=3), TORCH_OOM, embed_bytes=int(0.3e9))
     assert "Every block already streams" in msg and "prefetch=1" in msg and "offload_embeddings on" in msg
     assert "resolution" in msg
+
+
+def test_a_pinned_arena_is_unregistered_when_its_streamer_is_dropped(monkeypatch):
+    """ComfyUI drops a patcher without unloading it (ModelPatcher.__del__ only detaches, and our detach keeps the
+    arena pinned for the next run): the registration must go with the buffer, or the next allocation at that
+    address fails its H2D copy ("CUDA error: invalid argument", seen in the GPU leak test's second prompt)."""
+    import gc
+
+    from fake_cudart import FakeCudart
+
+    cudart = FakeCudart.install(monkeypatch)
+    model = TinyWan(n=4)
+    plan = plan_swap([offload.block_nbytes(b) for b in model.blocks], SwapConfig(blocks_to_swap=2))
+    st = BlockStreamer(model.blocks, plan, "cpu", pinned=True)
+    st.activate()
+    assert st.arena.pin() and list(cudart.registered) == [st.arena.buffer.data_ptr()]
+    st.deactivate(release_host=False)  # what detach(unpatch_all=False) does: keep the arena pinned for a re-load
+    assert cudart.registered
+    del st
+    gc.collect()
+    assert cudart.registered == {}, "a pinned arena was freed while registered"
+    del model
+
+
+def test_rebuilding_the_arena_unregisters_the_old_one(monkeypatch):
+    from fake_cudart import FakeCudart
+
+    cudart = FakeCudart.install(monkeypatch)
+    model = TinyWan(n=4)
+    plan = plan_swap([offload.block_nbytes(b) for b in model.blocks], SwapConfig(blocks_to_swap=2))
+    st = BlockStreamer(model.blocks, plan, "cpu", pinned=True)
+    st.activate()
+    st.arena.pin()
+    old = st.arena.buffer.data_ptr()
+    st.deactivate(release_host=False)
+    b = plan.streamed[0]
+    w = model.blocks[b].ffn[0].weight  # someone (ComfyUI, a LoRA merge) rebinds a streamed weight
+    model.blocks[b].ffn[0].weight = torch.nn.Parameter(w.detach().clone(), requires_grad=False)
+    st.activate()  # the arena is stale: rebuilt
+    assert st.arena.buffer.data_ptr() != old or not st.arena.pinned
+    assert old not in cudart.registered
+    assert ("unregister", old, 0) in cudart.calls
+    st.deactivate()
