@@ -268,7 +268,7 @@ def block_nbytes(block: torch.nn.Module) -> int:
 # Host memory
 
 
-def _file_backed_ranges() -> list[tuple[int, int]]:
+def file_backed_ranges() -> list[tuple[int, int]]:
     """Address ranges of file-backed mappings of this process (Linux /proc/self/maps; empty elsewhere)."""
     ranges = []
     try:
@@ -319,7 +319,7 @@ def is_file_backed(t: torch.Tensor, ranges: list[tuple[int, int]] | None = None)
     if t.device.type != "cpu" or t.numel() == 0:
         return False
     ptr = t.data_ptr()
-    return any(lo <= ptr < hi for lo, hi in (ranges if ranges is not None else _file_backed_ranges()))
+    return any(lo <= ptr < hi for lo, hi in (ranges if ranges is not None else file_backed_ranges()))
 
 
 class HostArena:
@@ -549,7 +549,7 @@ class BlockStreamer:
         if self.arena is not None:
             self.arena.unpin()  # the old buffer is freed below (its views are rebound to the new one)
         self.arena = HostArena(total, pin=False)
-        maps = _file_backed_ranges()
+        maps = file_backed_ranges()
         self.originals.clear()
         mapped = 0
         for b in streamed:

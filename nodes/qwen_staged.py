@@ -41,6 +41,7 @@ from ._common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, embedding_
 from .block_swap import apply_block_swap
 from ._seams import BLOCK_SWAP_SEAMS, DISABLE
 from .fp8_ops import Fp8OpsConfig, make_fp8_ops
+from .mapped_weights import keep_file_backed
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -206,7 +207,7 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
         raise RuntimeError(f"{Path(unet_path).name}: ComfyUI could not detect this Qwen-Image file")
     log.info("lowvram_dit Qwen-Image transformer %s: %d blocks, %s, weights %s", Path(unet_path).name,
              info.num_blocks, info.format, out_mode)
-    return model
+    return keep_file_backed(model)
 
 
 def load_vae(vae_path: str | Path):  # noqa: ANN201 - comfy.sd.VAE

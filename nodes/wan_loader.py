@@ -13,6 +13,7 @@ from ..kernels import wan_checkpoint as wc
 from ._common import CATEGORY_LOADERS, display_name, node_id, use_mmap
 from ._seams import DISABLE
 from .fp8_ops import Fp8OpsConfig, make_fp8_ops
+from .mapped_weights import keep_file_backed
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -77,7 +78,7 @@ def load_wan_model(
         model = comfy.sd.load_diffusion_model_state_dict(loaded.state_dict, model_options=opts)
     if model is None:
         raise RuntimeError(f"{source.name}: ComfyUI could not detect the model type of this Wan file")
-    return model
+    return keep_file_backed(model)
 
 
 class WanLoader(io.ComfyNode):

@@ -1,0 +1,105 @@
+"""Weights served from a checkpoint's file mapping stay file-backed through ComfyUI's load / offload / unload.
+
+Our loaders map pre-quantized files (``checkpoint_io.map_tensors``): a mapped weight costs page cache, not
+anonymous RAM, which is what keeps two Wan 2.2 experts (or Qwen-Image's 20 GB) inside 32 GB of RAM. Two stock
+ModelPatcher steps would turn them into anonymous copies:
+
+- Pinning an offloaded weight (``pin_weight_to_device`` -> ``cudaHostRegister``, writable) makes the kernel
+  copy every page of a private file mapping (copy-on-write): RAM grows by the pinned size. Mapped weights are
+  left unpinned (their H2D copies are pageable; ComfyUI's ``--disable-pinned-memory`` behaves the same).
+- Unloading (``unpatch_model`` / ``partially_unload``: ``module.to(offload_device)``) copies each GPU weight into
+  fresh CPU memory. An unpatched weight is identical to its file view, so it is pointed back at the view
+  instead: the copy is never made (full unload) or freed at once (partial unload, at the pin step).
+
+Weights with patches (LoRA) or backups are left to ComfyUI. Views are recorded right after the model is built,
+on the model itself, so clones share them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..kernels.offload import file_backed_ranges, is_file_backed
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+VIEWS_ATTR = "lowvram_dit_file_views"
+
+
+def file_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The recorded ``key -> file view`` map of ``model`` (a ComfyUI BaseModel); empty if none."""
+    return getattr(model, VIEWS_ATTR, None) or {}
+
+
+class MappedWeightsMixin:
+    """ModelPatcher behaviour for models whose weights are views of a file mapping (see the module docstring)."""
+
+    def _file_view(self, key: str, weight: torch.Tensor | None) -> torch.Tensor | None:
+        view = file_views(self.model).get(key)
+        if view is None or weight is None or key in self.patches or key in self.backup:
+            return None
+        if weight.shape != view.shape or weight.dtype != view.dtype:
+            return None  # replaced by something else (a merge, a requantization): not ours to restore
+        return view
+
+    def pin_weight_to_device(self, key: str) -> None:
+        import comfy.model_patcher as mp
+        import comfy.utils
+
+        weight, _, _ = mp.get_key_weight(self.model, key)
+        if weight is not None and is_file_backed(weight):
+            return  # pinning a private file mapping would copy it into anonymous RAM
+        view = self._file_view(key, weight)
+        if view is not None and weight.device.type == "cpu":
+            comfy.utils.set_attr_param(self.model, key, view)  # just offloaded: back to the file, copy freed
+            return
+        super().pin_weight_to_device(key)  # type: ignore[misc]
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):  # noqa: ANN001, ANN201
+        if unpatch_weights and device_to is not None and torch.device(device_to).type == "cpu":
+            self.rebind_to_file(lambda w: w.device.type != "cpu")
+        return super().unpatch_model(device_to, unpatch_weights)  # type: ignore[misc]
+
+    def rebind_to_file(self, which: Any = None) -> int:
+        """Point every unpatched weight (``which(weight)`` true, default all) back at its file view; returns bytes."""
+        import comfy.model_patcher as mp
+        import comfy.utils
+
+        done = 0
+        for key in file_views(self.model):
+            weight, _, _ = mp.get_key_weight(self.model, key)
+            view = self._file_view(key, weight)
+            if view is None or weight.data_ptr() == view.data_ptr() or (which is not None and not which(weight)):
+                continue
+            self.unpin_weight(key)  # never free memory that is still registered with CUDA
+            comfy.utils.set_attr_param(self.model, key, view)
+            done += view.numel() * view.element_size()
+        return done
+
+
+_MIXED: dict[type, type] = {}
+
+
+def mapped_class(base: type) -> type:
+    """``base`` (a ModelPatcher class) with MappedWeightsMixin in front; cached, idempotent."""
+    if issubclass(base, MappedWeightsMixin):
+        return base
+    if base not in _MIXED:
+        _MIXED[base] = type(f"Mapped{base.__name__}", (MappedWeightsMixin, base), {})
+    return _MIXED[base]
+
+
+def keep_file_backed(patcher):  # noqa: ANN001, ANN201 - ModelPatcher in, the same object out
+    """Record ``patcher``'s file-mapped weights and give it MappedWeightsMixin; a no-op when none are mapped."""
+    ranges = file_backed_ranges()
+    views = {k: p.data for k, p in patcher.model.named_parameters() if is_file_backed(p, ranges)}
+    if not views:
+        return patcher
+    setattr(patcher.model, VIEWS_ATTR, views)
+    patcher.__class__ = mapped_class(type(patcher))
+    log.debug("lowvram_dit: %d weights (%.2f GB) stay file-backed", len(views),
+              sum(v.numel() * v.element_size() for v in views.values()) / 1e9)
+    return patcher

@@ -1,0 +1,149 @@
+"""Mapped (pre-quantized) weights stay file-backed through ComfyUI's partial load, offload and unload (issue 6's
+RAM goal, issue 8's pinned-memory faults). In process, tiny Wan on the CPU, ComfyUI's real ModelPatcher code;
+``torch.cuda.cudart()`` is replaced by a registration table (tests/fake_cudart.py) and ComfyUI's pinned-memory
+limit is raised, so its pinning path runs as it does on a GPU. Needs COMFYUI_PATH."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+from comfy_server import comfyui_in_process_or_skip, sample_wan
+from fake_cudart import FakeCudart
+
+pytestmark = pytest.mark.comfyui
+
+MODEL = "wan22_t2v_14B"
+KEY = "diffusion_model.blocks.1.ffn.0.weight"
+
+
+@pytest.fixture
+def comfy_pinning(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    """ComfyUI's pin_memory/unpin_memory enabled on the CPU, registering into a fake table."""
+    comfyui_in_process_or_skip()
+    import comfy.model_management as mm
+
+    cudart = FakeCudart.install(monkeypatch)
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1 << 40)
+    monkeypatch.setattr(mm, "discard_cuda_async_error", lambda: None)
+    monkeypatch.setattr(mm, "PINNED_MEMORY", {})
+    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
+    return cudart
+
+
+def _load(tmp_path: Path, fmt: str, seed: int = 1):  # noqa: ANN202 - ModelPatcher
+    from comfyui_lowvram_dit.kernels import synth
+    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+
+    path = synth.write_synthetic(MODEL, tmp_path / f"m_{fmt}_{seed}.safetensors", size="tiny", fmt=fmt, seed=seed,
+                                 num_layers=4)
+    return load_wan_model(path, "fp8 per-tensor")
+
+
+def _mapped_registered(cudart: FakeCudart) -> int:
+    """Bytes registered inside file mappings (each one a copy-on-write copy into anonymous RAM on Linux)."""
+    from comfyui_lowvram_dit.kernels.offload import file_backed_ranges
+
+    maps = file_backed_ranges()
+    return sum(s for p, s in cudart.registered.items() if any(lo <= p < hi for lo, hi in maps))
+
+
+def _weight(patcher, key: str = KEY) -> torch.Tensor:  # noqa: ANN001
+    import comfy.model_patcher as mp
+
+    return mp.get_key_weight(patcher.model, key)[0]
+
+
+def test_partial_load_never_pins_mapped_weights(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
+    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+    from comfyui_lowvram_dit.nodes.mapped_weights import MappedWeightsMixin, file_views
+
+    patcher = _load(tmp_path, "fp8_scaled")
+    ref = sample_wan(patcher, seed=3)
+    # what load_models_gpu does on a GPU short of memory: most modules stay offloaded, ComfyUI pins them
+    patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1 << 20)
+    assert patcher.model.model_lowvram, "the partial-load path did not run"
+    assert _mapped_registered(comfy_pinning) == 0, "ComfyUI pinned weights that live in the file mapping"
+    assert isinstance(patcher, MappedWeightsMixin) and KEY in file_views(patcher.model)
+    assert is_file_backed(_weight(patcher))
+    patcher.unpatch_model(torch.device("cpu"))
+    torch.testing.assert_close(sample_wan(patcher, seed=3), ref, rtol=0, atol=0)
+    del patcher
+    gc.collect()
+    assert comfy_pinning.registered == {}
+
+
+def test_offloaded_copies_go_back_to_the_file(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
+    """A weight that comes back from the GPU (an anonymous copy) is pointed at its file view, not pinned; a weight
+    with a LoRA patch is left to ComfyUI (pinned as usual)."""
+    import comfy.utils
+
+    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+
+    patcher = _load(tmp_path, "fp8_scaled")
+    view = _weight(patcher)
+    comfy.utils.set_attr_param(patcher.model, KEY, view.clone())  # as module.to("cpu") leaves it after the GPU
+    assert not is_file_backed(_weight(patcher))
+    patcher.pin_weight_to_device(KEY)
+    assert _weight(patcher).data_ptr() == view.data_ptr() and KEY not in patcher.pinned
+    assert comfy_pinning.registered == {}
+
+    other = "diffusion_model.blocks.2.ffn.0.weight"
+    comfy.utils.set_attr_param(patcher.model, other, _weight(patcher, other).clone())
+    patcher.patches[other] = [(1.0, (torch.zeros(1),), 1.0, None, None)]  # any patch: ComfyUI owns the weight
+    patcher.pin_weight_to_device(other)
+    assert other in patcher.pinned and comfy_pinning.registered
+    patcher.unpin_all_weights()
+    assert comfy_pinning.registered == {}
+
+
+def test_unload_points_gpu_weights_back_at_the_file(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
+    """``unpatch_model(cpu)`` after a load: weights that were on the device come back as file views (``meta``
+    stands in for the GPU here; ComfyUI's ``model.to(cpu)`` would have to copy them, and cannot copy meta)."""
+    import comfy.utils
+
+    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+    from comfyui_lowvram_dit.nodes.mapped_weights import file_views
+
+    patcher = _load(tmp_path, "fp8_scaled")
+    ref = sample_wan(patcher, seed=4)
+    keys = [k for k in file_views(patcher.model) if ".ffn." in k]
+    assert keys
+    for k in keys:
+        w = _weight(patcher, k)
+        comfy.utils.set_attr_param(patcher.model, k, torch.empty(w.shape, dtype=w.dtype, device="meta"))
+    patcher.unpatch_model(torch.device("cpu"))
+    assert all(is_file_backed(_weight(patcher, k)) for k in keys)
+    torch.testing.assert_close(sample_wan(patcher, seed=4), ref, rtol=0, atol=0)
+
+
+def test_quantized_on_load_models_are_left_alone(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
+    """bf16 source quantized while loading: nothing is mapped, the patcher stays stock and pins as usual."""
+    from comfyui_lowvram_dit.nodes.mapped_weights import MappedWeightsMixin
+
+    patcher = _load(tmp_path, "bf16")
+    assert not isinstance(patcher, MappedWeightsMixin)
+    patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1 << 20)
+    assert comfy_pinning.registered, "ComfyUI's own pinning path did not run (the test would prove nothing)"
+    patcher.unpatch_model(torch.device("cpu"))
+    assert comfy_pinning.registered == {}
+
+
+def test_block_swap_on_a_mapped_model_keeps_both_behaviours(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
+    from comfyui_lowvram_dit.kernels.offload import SwapConfig
+    from comfyui_lowvram_dit.nodes.block_swap import BlockSwapMixin, apply_block_swap
+    from comfyui_lowvram_dit.nodes.mapped_weights import MappedWeightsMixin
+
+    base = _load(tmp_path, "fp8_scaled")
+    ref = sample_wan(base, seed=5)
+    swapped = apply_block_swap(base, SwapConfig(blocks_to_swap=2))
+    torch.testing.assert_close(sample_wan(swapped, seed=5), ref, rtol=0, atol=0)
+    swapped.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1 << 20)
+    assert _mapped_registered(comfy_pinning) == 0
+    assert isinstance(swapped, BlockSwapMixin) and isinstance(swapped, MappedWeightsMixin)
+    swapped.unpatch_model(torch.device("cpu"))
+    del swapped, base
+    gc.collect()
+    assert comfy_pinning.registered == {}
