@@ -149,14 +149,6 @@ def _exp2_split(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP_EMU: tl.con
 
 
 @triton.jit
-def _exp2_f16x2(x):
-    """2^x for fp16 x, two per MUFU instruction (ex2.approx.f16x2): half the MUFU issues of fp32 exp2. P then
-    goes to fp8 (3 mantissa bits) or fp16, so fp16's 10-bit exponent input and result lose nothing that counts."""
-    return tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=True,
-                                     pack=2)
-
-
-@triton.jit
 def _scores(q, k_ptrs):
     """Raw Q·Kᵀ of one tile: int32 (int8 path) or fp32 (fp8 path), [BLOCK_M, BLOCK_N]."""
     return tl.dot(q, tl.trans(tl.load(k_ptrs)))
@@ -181,21 +173,12 @@ def _softmax_pv(
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * c - s_off)
     # p = exp2(score - m + 8) with score = s*c - s_off: a single FMA per element before exp2.
     x = s * c[:, None] - (s_off + m_new - P_LOG2_OFFSET)[:, None]
-    alpha = tl.math.exp2(m_i - m_new)
-    if EXP_EMU >= 3:
-        # packed fp16 exp2 (x <= 8, so 2^x <= 256: no fp16 overflow); row sum in fp32 (3) or fp16 (4: the
-        # sum of a 128-key tile is <= 2^15, inside fp16's range)
-        p = _exp2_f16x2(x.to(tl.float16))
-        if EXP_EMU == 3:
-            l_i = l_i * alpha + tl.sum(p.to(tl.float32), axis=1)
-        else:
-            l_i = l_i * alpha + tl.sum(p, axis=1).to(tl.float32)
+    if EXP_EMU == 0:
+        p = tl.math.exp2(x)
     else:
-        if EXP_EMU == 0:
-            p = tl.math.exp2(x)
-        else:
-            p = _exp2_split(x, BLOCK_M, BLOCK_N, EXP_EMU)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = _exp2_split(x, BLOCK_M, BLOCK_N, EXP_EMU)
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
     vt = tl.load(vt_ptrs)  # [D, BLOCK_N], tokens contiguous
     if PV_FP8:
         p8 = p.to(tl.float8e4nv)
@@ -229,7 +212,7 @@ def attn_fwd_kernel(
 
     Variant flags (bench_attention_int8.py --quick times each at Wan 480p): PV_ACC 0/1/2 how P·V reaches the
     fp32 accumulator (see _softmax_pv); EXP_EMU 0/1/2 moves 0, 1/2 or 1/4 of the exp2s from MUFU to a polynomial
-    on the FMA pipe; EXP_EMU 3/4 computes them two at a time in packed fp16 (row sum in fp32 / fp16). (tl.range(warp_specialize=True) compiles to identical SASS on sm90 with Triton 3.6, and a
+    on the FMA pipe. (tl.range(warp_specialize=True) compiles to identical SASS on sm90 with Triton 3.6, and a
     hand-pipelined next-tile Q·Kᵀ gets its wgmma wait placed right after issue, so neither is offered.)
     """
     pid_m = tl.program_id(0)
@@ -273,11 +256,16 @@ def attn_fwd_kernel(
 # Autotune set: (BLOCK_M, BLOCK_N, warps, stages, EXP_EMU). 128/128/8/4 won the H200 sweep at Wan 480p
 # (notes/bench_attention_int8_quick.md, 33.15 ms); the EXP_EMU variants only move exp2 work between pipes (same
 # accuracy), so autotune may pick among them. PV_ACC stays 1 (fp32 accumulation, no wgmma serialisation).
+# 64/128/4/{2,3}: one warpgroup per CTA and two CTAs per SM (252 registers, 72/104 KB shared: see
+# benchmarks/sass_attention_int8.py). 128/128/8 runs its two warpgroups in one CTA, whose per-tile barriers keep
+# them in lockstep; two independent CTAs can overlap one's softmax with the other's wgmma.
 ATTN_CONFIGS = [
     (128, 128, 8, 4, 0),
     (128, 128, 8, 4, 1),
     (128, 128, 8, 4, 2),
     (128, 128, 8, 3, 0),
+    (64, 128, 4, 2, 0),
+    (64, 128, 4, 3, 0),
     (128, 64, 4, 4, 0),
     (64, 64, 4, 3, 0),
 ]
