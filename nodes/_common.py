@@ -87,3 +87,17 @@ def wrap_block_patches(model: Any, num_blocks: int, make: Callable[[int, Any], A
         if isinstance(inner, own_type):
             inner = inner.inner
         replace[("double_block", i)] = make(i, inner)
+
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def mixed_class(mixin: type, base: type, prefix: str) -> type:
+    """``base`` (a ModelPatcher class) with ``mixin`` in front, named ``<prefix><base>``; cached and idempotent,
+    so patchers re-mixed on every node run keep one class (and ``clone()``, which uses ``__class__``, keeps it)."""
+    if issubclass(base, mixin):
+        return base
+    key = (mixin, base)
+    if key not in _MIXED:
+        _MIXED[key] = type(f"{prefix}{base.__name__}", (mixin, base), {})
+    return _MIXED[key]

@@ -35,7 +35,7 @@ from comfy_api.latest import io
 
 from ..kernels import offload
 from ..kernels.offload import BlockStreamer, SwapConfig, SwapPlan
-from ._common import CATEGORY_PATCHES, display_name, node_id, wrap_block_patches
+from ._common import CATEGORY_PATCHES, display_name, mixed_class, node_id, wrap_block_patches
 from ._seams import BLOCK_SWAP_SEAMS, PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -299,15 +299,8 @@ class BlockSwapMixin:
         return super().detach(unpatch_all)
 
 
-_MIXED: dict[type, type] = {}
-
-
 def _swap_class(base: type) -> type:
-    if issubclass(base, BlockSwapMixin):
-        return base
-    if base not in _MIXED:
-        _MIXED[base] = type(f"BlockSwap{base.__name__}", (BlockSwapMixin, base), {})
-    return _MIXED[base]
+    return mixed_class(BlockSwapMixin, base, "BlockSwap")
 
 
 class _SwapBlock:

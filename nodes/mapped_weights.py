@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..kernels.offload import file_backed_ranges, is_file_backed
+from ._common import mixed_class
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -80,18 +81,6 @@ class MappedWeightsMixin:
         return done
 
 
-_MIXED: dict[type, type] = {}
-
-
-def mapped_class(base: type) -> type:
-    """``base`` (a ModelPatcher class) with MappedWeightsMixin in front; cached, idempotent."""
-    if issubclass(base, MappedWeightsMixin):
-        return base
-    if base not in _MIXED:
-        _MIXED[base] = type(f"Mapped{base.__name__}", (MappedWeightsMixin, base), {})
-    return _MIXED[base]
-
-
 def keep_file_backed(patcher):  # noqa: ANN001, ANN201 - ModelPatcher in, the same object out
     """Record ``patcher``'s file-mapped weights and give it MappedWeightsMixin; a no-op when none are mapped."""
     ranges = file_backed_ranges()
@@ -99,7 +88,7 @@ def keep_file_backed(patcher):  # noqa: ANN001, ANN201 - ModelPatcher in, the sa
     if not views:
         return patcher
     setattr(patcher.model, VIEWS_ATTR, views)
-    patcher.__class__ = mapped_class(type(patcher))
+    patcher.__class__ = mixed_class(MappedWeightsMixin, type(patcher), "Mapped")
     log.debug("lowvram_dit: %d weights (%.2f GB) stay file-backed", len(views),
               sum(v.numel() * v.element_size() for v in views.values()) / 1e9)
     return patcher
