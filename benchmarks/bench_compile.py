@@ -28,7 +28,11 @@ Presets (``--preset``, one flag = one fixed set, written as ``bench_compile_<pre
 harness run, so the combined report is rewritten after every variant and survives a run that is cut short; a
 variant whose estimated cost no longer fits ``--time-budget-s`` is recorded as skipped instead of started):
 - ``session2`` (~8 min on an H200): 5B pair, Qwen pair, 14B stack vs native bf16, swap pair, oom_fallback;
-- ``stack14b`` (~2.5 min): native bf16 eager, our fp8 eager, our fp8 + compile default.
+- ``stack14b`` (~2.5 min): native bf16 eager, our fp8 eager, our fp8 + compile default;
+- ``stack_int8`` (~4 min): issue 9's whole stack: native bf16 eager, native fp8_e4m3fn_fast, our fp8 eager, our
+  fp8 + 8-bit attention eager and + regional compile (goals: >= 1.6x vs native bf16, >= 1.3x vs fp8_fast);
+- ``modes14b`` (~5.5 min): native-bf16-model compile modes (reduce-overhead, max-autotune-no-cudagraphs) and the
+  OOM fallback under a cap, against bf16 eager.
 
 GPU (the lead runs these on an H100/H200 with torch 2.11):
     COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_compile --preset session2
@@ -90,6 +94,12 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "swap_fp8_eager": ("swap", {"how": "eager"}),
     "swap_fp8_ours_default": ("swap", {"how": "ours", "mode": "default"}),
     "oom_fallback": ("model", {"how": "ours", "mode": "reduce-overhead", "cap": True}),
+    # issue 9's whole-stack goal: native fp8_e4m3fn_fast (UNETLoader) as the second baseline, and our fp8 layers
+    # with the 8-bit attention kernel (Attention node "lowvram 8-bit"), eager and regionally compiled
+    "model_native_fp8fast": ("model", {"how": "eager", "weight_dtype": "fp8_e4m3fn_fast"}),
+    "model_fp8_int8attn_eager": ("model", {"how": "eager", "fp8": "per_tensor", "attention": "lowvram 8-bit"}),
+    "model_fp8_int8attn_ours_default": ("model", {"how": "ours", "mode": "default", "fp8": "per_tensor",
+                                                  "attention": "lowvram 8-bit"}),
 }
 # name -> (group, baselines): speedups in the summary are against each baseline that ran ok
 GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -105,17 +115,24 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "qwen_fp8_ours_default": ("Qwen 1024", ("qwen_fp8_eager",)),
     "swap_fp8_eager": ("14B swap", ("model_fp8_eager",)),  # the cost of streaming vs resident
     "swap_fp8_ours_default": ("14B swap", ("swap_fp8_eager", "model_fp8_ours_default")),
+    "model_native_fp8fast": ("14B stack", ("model_eager",)),
+    "model_fp8_int8attn_eager": ("14B stack", ("model_fp8_eager", "model_eager", "model_native_fp8fast")),
+    "model_fp8_int8attn_ours_default": ("14B stack", ("model_fp8_int8attn_eager", "model_eager",
+                                                      "model_native_fp8fast")),
 }
 PRESETS: dict[str, list[str]] = {
     "session2": ["wan5b_fp8_eager", "wan5b_fp8_ours_default", "qwen_fp8_eager", "qwen_fp8_ours_default",
                  "model_eager", "model_fp8_eager", "model_fp8_ours_default", "swap_fp8_eager",
                  "swap_fp8_ours_default", "oom_fallback"],
     "stack14b": ["model_eager", "model_fp8_eager", "model_fp8_ours_default"],
+    "stack_int8": ["model_eager", "model_native_fp8fast", "model_fp8_eager", "model_fp8_int8attn_eager",
+                   "model_fp8_int8attn_ours_default"],
+    "modes14b": ["model_eager", "oom_fallback", "model_ours_reduce-overhead", "model_ours_max-autotune-no-cudagraphs"],
 }
 # (repeats, warmup): every target makes one untimed forward first (the compiling one for compiled variants; swap
 # variants add an instrumented one), so it is the warm-up and the harness adds none; medians of 3 hide the one
 # graph-recording call of reduce-overhead in oom_fallback.
-PRESET_TIMING = {"session2": (3, 0), "stack14b": (3, 0)}
+PRESET_TIMING = {"session2": (3, 0), "stack14b": (3, 0), "stack_int8": (3, 0), "modes14b": (3, 0)}
 PRESET_BUDGET_S = 560.0  # the GPU tool stops a command at 600 s: leave room for the last report
 # Wall seconds per variant on the H200 (child start ~5 s + setup + first call + 3 timed calls), from results/*.md:
 # 14B bf16 setup 35 s, our fp8 25 s (block swap 24 s), default compile +12-23 s, 14B forward 2.4-2.8 s; 5B (15 s)
@@ -123,7 +140,9 @@ PRESET_BUDGET_S = 560.0  # the GPU tool stops a command at 600 s: leave room for
 EST_WALL_S: dict[str, float] = {
     "wan5b_fp8_eager": 20, "wan5b_fp8_ours_default": 35, "qwen_fp8_eager": 42, "qwen_fp8_ours_default": 62,
     "model_eager": 48, "model_fp8_eager": 38, "model_fp8_ours_default": 55, "swap_fp8_eager": 36,
-    "swap_fp8_ours_default": 55, "oom_fallback": 75,
+    "swap_fp8_ours_default": 55, "oom_fallback": 75, "model_native_fp8fast": 45, "model_fp8_int8attn_eager": 45,
+    "model_fp8_int8attn_ours_default": 65, "model_ours_reduce-overhead": 70,
+    "model_ours_max-autotune-no-cudagraphs": 130,
 }
 DEFAULT_EST_S = 90.0
 
@@ -223,7 +242,7 @@ def _inputs(model: str, patcher: Any, latent_shape: tuple, width: int, height: i
 
 
 def _build(ctx: harness.BenchContext, size: str, num_layers: int | None, width: int, height: int, frames: int,
-           fp8: str | None = None, model: str = MODEL):
+           fp8: str | None = None, model: str = MODEL, weight_dtype: str = "default", attention: str | None = None):
     import torch
 
     from ..kernels.synth import synthetic_state_dict
@@ -231,11 +250,15 @@ def _build(ctx: harness.BenchContext, size: str, num_layers: int | None, width: 
 
     comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
     sd = synthetic_state_dict(model, size=size, device=ctx.device.type, num_layers=num_layers)
-    options: dict = {"dtype": torch.bfloat16}
+    options: dict = {"dtype": torch.bfloat16} if weight_dtype == "default" else {}  # UNETLoader's own fp8 modes
     if fp8:  # our fp8 layers (per_tensor / blockwise), built as the loader nodes build them
         options = _fp8_options(model, sd, fp8)
     latent_shape = _latent_shape(model, sd, width, height, frames)
-    patcher = comfy_native.load_native_model(sd, "default", options, latent_shape=latent_shape)
+    patcher = comfy_native.load_native_model(sd, weight_dtype, options, latent_shape=latent_shape)
+    if attention is not None:  # what the Attention node does (its backend label)
+        from ..nodes.attention import apply_attention
+
+        patcher = apply_attention(patcher, attention)
     return patcher, _inputs(model, patcher, latent_shape, width, height, frames)
 
 
@@ -286,13 +309,14 @@ def _first_call(ctx: harness.BenchContext, model: Any, inputs: dict, how: str) -
 def model_case(ctx: harness.BenchContext, how: str, mode: str = "default", scope: str = "blocks",
                size: str = "full", width: int = 832, height: int = 480, frames: int = 81, cap: bool = False,
                cap_gb: float | None = None, backend: str = "inductor", fp8: str | None = None,
-               model: str = MODEL, watch: str | None = None) -> dict:
+               model: str = MODEL, watch: str | None = None, weight_dtype: str = "default",
+               attention: str | None = None) -> dict:
     """Harness target: the whole model through apply_model, eager or compiled; first call timed here."""
     import torch
 
     from . import comfy_native
 
-    patcher, inputs = _build(ctx, size, None, width, height, frames, fp8, model)
+    patcher, inputs = _build(ctx, size, None, width, height, frames, fp8, model, weight_dtype, attention)
     cuda = ctx.device.type == "cuda"
     extra: dict = {"resolution": f"{width}x{height}" + (f"x{frames}" if model != MODEL_QWEN else "")}
     if cap:
