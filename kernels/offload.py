@@ -328,6 +328,7 @@ class HostArena:
     def __init__(self, nbytes: int, pin: bool) -> None:
         self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         self.pinned = False
+        self.last_copy = None  # event after the latest H2D copy out of the buffer (one copy stream: in order)
         if pin:
             self.pin()
 
@@ -343,10 +344,19 @@ class HostArena:
         return self.pinned
 
     def unpin(self) -> None:
-        """Release the page lock (the memory stays valid)."""
-        if self.pinned:
-            self.pinned = False
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+        """Release the page lock (the memory stays valid), after the last copy out of it has finished."""
+        if not self.pinned:
+            return
+        if self.last_copy is not None:
+            self.last_copy.synchronize()
+        err = torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+        self.pinned = False
+        if err != 0:
+            # Freeing it now would leave a stale registration behind: keep the buffer for the process's life.
+            _UNFREED.append(self.buffer)
+            log.warning("lowvram_dit block swap: cudaHostUnregister of %.2f GB failed (%s); that RAM stays "
+                        "allocated until ComfyUI restarts", self.buffer.numel() / 1e9, err)
+            discard_cuda_error()
 
     def __del__(self) -> None:
         # Memory freed while still registered stays registered in the driver: a later allocation at the same
@@ -364,12 +374,30 @@ class HostArena:
         return t.device.type == "cpu" and base <= t.data_ptr() < base + self.buffer.numel()
 
 
+_UNFREED: list[torch.Tensor] = []  # buffers whose unregistration failed (see HostArena.unpin)
+
+
+def discard_cuda_error() -> None:
+    """Consume an error a failed CUDA runtime call left behind, so the next (unrelated) kernel launch does not
+    raise it (as ComfyUI's model_management.discard_cuda_async_error does)."""
+    if not torch.cuda.is_available():
+        return
+    try:
+        torch.ones(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Streams and events (CUDA, or no-ops for the CPU "device")
 
 
 class _NullEvent:
     def record(self, stream=None) -> None:  # noqa: ANN001
+        pass
+
+    def synchronize(self) -> None:
         pass
 
     def elapsed_time(self, other: "_NullEvent") -> float:
@@ -633,6 +661,7 @@ class BlockStreamer:
                 start.record(sync.copy_stream)
             slot.flat[:n].copy_(self.arena.buffer[src_base: src_base + n], non_blocking=True)
             slot.ready.record(sync.copy_stream)
+            self.arena.last_copy = slot.ready
             if start is not None:
                 end = sync.event(True)
                 end.record(sync.copy_stream)

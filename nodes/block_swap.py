@@ -140,6 +140,10 @@ class SwapController:
         self._patcher = weakref.ref(patcher)
         if plan.streamed:
             if self.streamer is None or self.streamer.plan != plan or self.streamer.device != device:
+                if self.streamer is not None:
+                    # a new plan: the old arena goes first, and file-backed weights go back to the file, so the
+                    # new arena is copied from the file (its masters stay file-backed) and RAM does not double
+                    self.streamer.deactivate(release_host=True)
                 self.streamer = BlockStreamer(self.blocks, plan, device, pinned=self.config.pinned,
                                               debug=self.config.debug)
             self.streamer.activate()

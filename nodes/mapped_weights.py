@@ -11,13 +11,16 @@ ModelPatcher steps would turn them into anonymous copies:
   fresh CPU memory. An unpatched weight is identical to its file view, so it is pointed back at the view
   instead: the copy is never made (full unload) or freed at once (partial unload, at the pin step).
 
-Weights with patches (LoRA) or backups are left to ComfyUI. Views are recorded right after the model is built,
-on the model itself, so clones share them.
+Weights with patches (LoRA, hooks) or backups are left to ComfyUI, and so is a module an object patch replaced;
+a patcher that patches in place (``weight_inplace_update``) turns this off for the model. Views are recorded right
+after the model is built, on the model itself, so clones share them.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,31 +33,59 @@ log = logging.getLogger("comfyui_lowvram_dit")
 VIEWS_ATTR = "lowvram_dit_file_views"
 
 
-def file_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The recorded ``key -> file view`` map of ``model`` (a ComfyUI BaseModel); empty if none."""
+@dataclass(frozen=True)
+class FileView:
+    """A parameter's file-mapped tensor and the module that held it when the model was built."""
+
+    tensor: torch.Tensor
+    owner: weakref.ref  # an object patch may put another module at the same path: never rebind into that one
+
+
+def file_views(model: torch.nn.Module) -> dict[str, FileView]:
+    """The recorded ``key -> FileView`` map of ``model`` (a ComfyUI BaseModel); empty if none."""
     return getattr(model, VIEWS_ATTR, None) or {}
 
 
 class MappedWeightsMixin:
     """ModelPatcher behaviour for models whose weights are views of a file mapping (see the module docstring)."""
 
+    def _is_its_view(self, key: str, weight: torch.Tensor | None) -> bool:
+        fv = file_views(self.model).get(key)
+        return fv is not None and weight is not None and weight.device.type == "cpu" \
+            and weight.data_ptr() == fv.tensor.data_ptr()
+
     def _file_view(self, key: str, weight: torch.Tensor | None) -> torch.Tensor | None:
-        view = file_views(self.model).get(key)
-        if view is None or weight is None or key in self.patches or key in self.backup:
+        """The view ``key`` may be pointed back at, or None where that would not give the same weight."""
+        import comfy.utils
+
+        fv = file_views(self.model).get(key)
+        if fv is None or weight is None or key in self.patches or key in self.backup or key in self.hook_backup:
             return None
-        if weight.shape != view.shape or weight.dtype != view.dtype:
+        owner_path = key.rpartition(".")[0]
+        owner = comfy.utils.get_attr(self.model, owner_path) if owner_path else self.model
+        if owner is not fv.owner():
+            return None  # an object patch replaced the module
+        if weight.shape != fv.tensor.shape or weight.dtype != fv.tensor.dtype:
             return None  # replaced by something else (a merge, a requantization): not ours to restore
-        return view
+        return fv.tensor
+
+    def load(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        if self.weight_inplace_update and file_views(self.model):
+            # in-place patches write into the mapping, so its pages may no longer hold the file's weights
+            file_views(self.model).clear()
+            log.info("lowvram_dit: weight_inplace_update patcher: weights are no longer pointed back at the file")
+        return super().load(*args, **kwargs)  # type: ignore[misc]
 
     def pin_weight_to_device(self, key: str) -> None:
         import comfy.model_patcher as mp
         import comfy.utils
 
         weight, _, _ = mp.get_key_weight(self.model, key)
-        if weight is not None and is_file_backed(weight):
+        if self._is_its_view(key, weight):
             return  # pinning a private file mapping would copy it into anonymous RAM
         view = self._file_view(key, weight)
         if view is not None and weight.device.type == "cpu":
+            self.unpin_weight(key)  # never free memory that is still registered with CUDA
             comfy.utils.set_attr_param(self.model, key, view)  # just offloaded: back to the file, copy freed
             return
         super().pin_weight_to_device(key)  # type: ignore[misc]
@@ -75,7 +106,7 @@ class MappedWeightsMixin:
             view = self._file_view(key, weight)
             if view is None or weight.data_ptr() == view.data_ptr() or (which is not None and not which(weight)):
                 continue
-            self.unpin_weight(key)  # never free memory that is still registered with CUDA
+            self.unpin_weight(key)
             comfy.utils.set_attr_param(self.model, key, view)
             done += view.numel() * view.element_size()
         return done
@@ -84,11 +115,16 @@ class MappedWeightsMixin:
 def keep_file_backed(patcher):  # noqa: ANN001, ANN201 - ModelPatcher in, the same object out
     """Record ``patcher``'s file-mapped weights and give it MappedWeightsMixin; a no-op when none are mapped."""
     ranges = file_backed_ranges()
-    views = {k: p.data for k, p in patcher.model.named_parameters() if is_file_backed(p, ranges)}
+    views = {}
+    for owner_name, module in patcher.model.named_modules():
+        for attr, p in module.named_parameters(recurse=False):
+            if is_file_backed(p, ranges):
+                key = f"{owner_name}.{attr}" if owner_name else attr
+                views[key] = FileView(p.data, weakref.ref(module))
     if not views:
         return patcher
     setattr(patcher.model, VIEWS_ATTR, views)
     patcher.__class__ = mixed_class(MappedWeightsMixin, type(patcher), "Mapped")
     log.debug("lowvram_dit: %d weights (%.2f GB) stay file-backed", len(views),
-              sum(v.numel() * v.element_size() for v in views.values()) / 1e9)
+              sum(v.tensor.numel() * v.tensor.element_size() for v in views.values()) / 1e9)
     return patcher

@@ -5,6 +5,7 @@ limit is raised, so its pinning path runs as it does on a GPU. Needs COMFYUI_PAT
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from pathlib import Path
 
@@ -147,3 +148,102 @@ def test_block_swap_on_a_mapped_model_keeps_both_behaviours(tmp_path: Path, comf
     del swapped, base
     gc.collect()
     assert comfy_pinning.registered == {}
+
+
+def _set(patcher, key: str, t: torch.Tensor) -> None:  # noqa: ANN001
+    import comfy.utils
+
+    comfy.utils.set_attr_param(patcher.model, key, t)
+
+
+def test_a_lora_patched_file_view_is_not_pinned(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
+    """A weight with a patch is left to ComfyUI, but while it is still the file view itself it is not pinned."""
+    patcher = _load(tmp_path, "fp8_scaled")
+    w = _weight(patcher)
+    patcher.add_patches({KEY: (torch.randn(w.shape) * 0.1,)}, 1.0)
+    patcher.pin_weight_to_device(KEY)
+    assert comfy_pinning.registered == {} and KEY not in patcher.pinned
+
+
+def test_real_partially_unload_with_a_lora(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
+    """ComfyUI's own partially_unload after a full load (other weights stand in as GPU copies): the LoRA weight comes
+    back through ComfyUI's backup, the rest go back to the file, nothing mapped is pinned, same output."""
+    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+    from comfyui_lowvram_dit.nodes.mapped_weights import file_views
+
+    base = _load(tmp_path, "fp8_scaled")
+    lora = base.clone()
+    w = _weight(lora)
+    lora.add_patches({KEY: (torch.randn(w.shape) * 0.5,)}, 1.0)
+    lora.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=0)
+    ref = sample_wan(lora, seed=7)
+    others = [k for k in file_views(lora.model) if k != KEY]
+    for k in others:
+        _set(lora, k, _weight(lora, k).clone())  # as module.to(cuda) would leave them
+    lora.partially_unload(torch.device("cpu"), memory_to_free=1 << 40)
+    assert all(is_file_backed(_weight(lora, k)) for k in others)
+    assert _mapped_registered(comfy_pinning) == 0
+    torch.testing.assert_close(sample_wan(lora, seed=7), ref, rtol=0, atol=0)
+
+
+def test_an_object_patched_module_is_never_rebound(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
+    """add_object_patch swaps in another module at the same path: its weights must not become the original's."""
+    import copy
+
+    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+
+    patcher = _load(tmp_path, "fp8_scaled")
+    original = patcher.model.diffusion_model.blocks[1]
+    replacement = copy.deepcopy(original)
+    for p in replacement.parameters():
+        p.data = p.data.clone()
+    patcher.add_object_patch("diffusion_model.blocks.1", replacement)
+    patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=0)
+    assert patcher.model.diffusion_model.blocks[1] is replacement
+    w = _weight(patcher)
+    _set(patcher, KEY, torch.empty(w.shape, dtype=w.dtype, device="meta"))  # the replacement "on the GPU"
+    patcher.rebind_to_file(lambda t: t.device.type != "cpu")
+    assert _weight(patcher).device.type == "meta", "the replacement got the original block's file view"
+    patcher.pin_weight_to_device(KEY.replace("ffn.0", "ffn.2"))  # an offloaded replacement weight: pinned as usual
+    assert not is_file_backed(replacement.ffn[2].weight)
+
+
+def test_in_place_patching_turns_file_rebinding_off(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
+    """weight_inplace_update writes LoRA results into the mapped pages: afterwards no weight may be pointed back at
+    them, or a plain clone would silently run with the LoRA baked in."""
+    from comfyui_lowvram_dit.nodes.mapped_weights import file_views
+
+    base = _load(tmp_path, "fp8_scaled")
+    ref = sample_wan(base, seed=9)
+    base.unpatch_model(torch.device("cpu"))
+    inplace = base.clone()
+    inplace.weight_inplace_update = True
+    view = file_views(inplace.model)[KEY].tensor
+    inplace.add_patches({KEY: (torch.randn(view.shape) * 2.0,)}, 1.0)
+    inplace.load(torch.device("cpu"), lowvram_model_memory=1e32, full_load=False)  # patches the view in place
+    assert file_views(base.model) == {}
+    _set(inplace, KEY, _weight(inplace).clone())  # as module.to(cuda) would leave it
+    inplace.unpatch_model(torch.device("cpu"))
+    base.pin_weight_to_device(KEY)  # e.g. a partial unload of the plain model
+    torch.testing.assert_close(sample_wan(base, seed=9), ref, rtol=0, atol=0)
+
+
+def test_a_new_swap_plan_builds_its_arena_from_the_file(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
+    """A different plan on re-activation (auto budget, other resolution): the old arena is released first, so the
+    new one's masters are the file views again (not copies of the old arena) and the idle model stays file-backed."""
+    from comfyui_lowvram_dit.kernels.offload import SwapConfig, is_file_backed
+    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
+
+    swapped = apply_block_swap(_load(tmp_path, "fp8_scaled"), SwapConfig(blocks_to_swap=2))
+    ref = sample_wan(swapped, seed=2)
+    ctl = swapped.attachments[SWAP_KEY]
+    ctl.deactivate(swapped, unload=False)  # detach(unpatch_all=False): arena kept
+    old = ctl.plan.streamed
+    new = tuple(sorted({*old, 0}))  # overlaps the old plan: those blocks now point into the old arena
+    ctl.plan = dataclasses.replace(ctl.plan, streamed=new)
+    ctl.activate(swapped, torch.device("cpu"))
+    assert all(ctl.streamer.originals.get(b) for b in new), "the new arena was copied from the old one"
+    ctl.deactivate(swapped)
+    assert ctl.streamer.arena is None
+    assert all(is_file_backed(_weight(swapped, f"diffusion_model.blocks.{b}.ffn.0.weight")) for b in new)
+    torch.testing.assert_close(sample_wan(swapped, seed=2), ref, rtol=0, atol=0)

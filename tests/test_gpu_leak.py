@@ -13,8 +13,9 @@ Two cases:
 - ``gpu`` (marked cuda): Wan 2.2 14B blocks (5120 wide, 3.28 GB per bf16 file, real per-block sizes, so a leaked
   block or ring is hundreds of MB); VRAM and RSS. About 2-3 minutes on an H200:
   ``COMFYUI_PATH=<ComfyUI v0.8.0> python -m pytest tests/test_gpu_leak.py -s -q -m cuda``
-- ``cpu`` (marked slow): Wan 2.1 1.3B blocks (1536 wide, ~0.4 GB per file) on a --cpu server; RSS only, with a
-  tighter tolerance because the blocks are smaller. A few minutes on 8 cores:
+- ``cpu`` / ``cpu_mapped`` (marked slow): Wan 2.1 1.3B blocks (1536 wide, ~0.4 GB per file) on a --cpu server,
+  bf16 files quantized at every load / fp8_scaled files mapped (the file-backed path); RSS only, with a tighter
+  tolerance because the blocks are smaller. About 2.5 minutes each on 2 cores:
   ``COMFYUI_PATH=<ComfyUI v0.8.0> python -m pytest tests/test_gpu_leak.py -s -q -m slow``
 Skips without COMFYUI_PATH (and the gpu case without CUDA).
 """
@@ -51,6 +52,7 @@ class Case:
     tol_rss: int
     tol_active: int | None  # None: no VRAM to measure
     tol_reserved: int | None
+    fmt: str = "bf16"  # source files: bf16 (quantized at every load) or fp8_scaled (mapped, kept as stored)
 
 
 # gpu: one 14B block is 351 M params: 351 MB in fp8, the ring is 2 of them (702 MB), one model resident on the
@@ -64,6 +66,7 @@ class Case:
 # 1.4-3 GB over 15 runs; RSS 256 MiB catches >= 17 MB per run.
 GPU = Case("cuda", "wan22_t2v_14B", "GPU", 1024 * MiB, 256 * MiB, 1024 * MiB)
 CPU = Case("cpu", "wan21_t2v_1_3B", "cpu", 256 * MiB, None, None)
+CPU_MAPPED = Case("cpu", "wan21_t2v_1_3B", "cpu", 256 * MiB, None, None, fmt="fp8_scaled")
 
 
 def _write_models(server: ComfyServer, case: Case) -> tuple[str, str]:
@@ -76,7 +79,7 @@ def _write_models(server: ComfyServer, case: Case) -> tuple[str, str]:
     for seed in (0, 1):
         name = f"leak_{seed}_{uuid.uuid4().hex[:6]}.safetensors"
         synth.write_synthetic(case.model, server.base_dir / "models" / "diffusion_models" / name,
-                              size="full", fmt="bf16", seed=seed, device=device, num_layers=NUM_LAYERS)
+                              size="full", fmt=case.fmt, seed=seed, device=device, num_layers=NUM_LAYERS)
         names.append(name)
     if device == "cuda":
         torch.cuda.empty_cache()  # this (test) process's memory is not measured, but keep the GPU clear
@@ -138,7 +141,8 @@ def _table(series: list[dict], times: list[float]) -> str:
 
 
 @pytest.fixture(scope="module", params=[pytest.param(GPU, marks=pytest.mark.cuda, id="gpu"),
-                                        pytest.param(CPU, marks=pytest.mark.slow, id="cpu")])
+                                        pytest.param(CPU, marks=pytest.mark.slow, id="cpu"),
+                                        pytest.param(CPU_MAPPED, marks=pytest.mark.slow, id="cpu_mapped")])
 def leak_server(request: pytest.FixtureRequest,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ComfyServer, Case]]:
     """A ComfyUI of its own on the case's device (the session-wide ``comfy_server`` is shared with other tests)."""
@@ -146,7 +150,7 @@ def leak_server(request: pytest.FixtureRequest,
     comfy, reason = comfyui_path_or_reason()
     if comfy is None:
         pytest.skip(reason)
-    with comfy_server_session(comfy, tmp_path_factory.mktemp(f"comfyui_{case.device}"),
+    with comfy_server_session(comfy, tmp_path_factory.mktemp(f"comfyui_{case.device}_{case.fmt}"),
                               gpu=case.device == "cuda") as server:
         yield server, case
 
