@@ -31,8 +31,9 @@ variant whose estimated cost no longer fits ``--time-budget-s`` is recorded as s
 - ``stack14b`` (~2.5 min): native bf16 eager, our fp8 eager, our fp8 + compile default;
 - ``stack_int8`` (~4 min): issue 9's whole stack: native bf16 eager, native fp8_e4m3fn_fast, our fp8 eager, our
   fp8 + 8-bit attention eager and + regional compile (goals: >= 1.6x vs native bf16, >= 1.3x vs fp8_fast);
-- ``modes14b`` (~5.5 min): native-bf16-model compile modes (reduce-overhead, max-autotune-no-cudagraphs) and the
-  OOM fallback under a cap, against bf16 eager.
+- ``modes`` (~8 min): compile modes at a small token count (Wan 5B 480p81, our fp8: reduce-overhead, where CUDA
+  graphs remove launch overhead, and max-autotune-no-cudagraphs) and on the 14B bf16 model, plus the OOM fallback
+  under a cap.
 
 GPU (the lead runs these on an H100/H200 with torch 2.11):
     COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_compile --preset session2
@@ -87,6 +88,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # small token counts: Wan 2.2 TI2V-5B at 480p81 and Qwen-Image at 1024x1024, our fp8 layers
     "wan5b_fp8_eager": ("model", {"how": "eager", "fp8": "per_tensor", "model": MODEL_5B}),
     "wan5b_fp8_ours_default": ("model", {"how": "ours", "mode": "default", "fp8": "per_tensor", "model": MODEL_5B}),
+    "wan5b_fp8_ours_reduce-overhead": ("model", {"how": "ours", "mode": "reduce-overhead", "fp8": "per_tensor",
+                                                 "model": MODEL_5B}),
+    "wan5b_fp8_ours_max-autotune-no-cudagraphs": ("model", {"how": "ours", "mode": "max-autotune-no-cudagraphs",
+                                                            "fp8": "per_tensor", "model": MODEL_5B}),
     "qwen_fp8_eager": ("model", {"how": "eager", "fp8": "per_tensor", "model": MODEL_QWEN}),
     "qwen_fp8_ours_default": ("model", {"how": "ours", "mode": "default", "fp8": "per_tensor",
                                         "model": MODEL_QWEN}),
@@ -111,6 +116,8 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "model_fp8_ours_default": ("14B stack", ("model_fp8_eager", "model_eager")),
     "wan5b_fp8_eager": ("5B 480p81", ()),
     "wan5b_fp8_ours_default": ("5B 480p81", ("wan5b_fp8_eager",)),
+    "wan5b_fp8_ours_reduce-overhead": ("5B 480p81", ("wan5b_fp8_eager",)),
+    "wan5b_fp8_ours_max-autotune-no-cudagraphs": ("5B 480p81", ("wan5b_fp8_eager",)),
     "qwen_fp8_eager": ("Qwen 1024", ()),
     "qwen_fp8_ours_default": ("Qwen 1024", ("qwen_fp8_eager",)),
     "swap_fp8_eager": ("14B swap", ("model_fp8_eager",)),  # the cost of streaming vs resident
@@ -127,12 +134,13 @@ PRESETS: dict[str, list[str]] = {
     "stack14b": ["model_eager", "model_fp8_eager", "model_fp8_ours_default"],
     "stack_int8": ["model_eager", "model_native_fp8fast", "model_fp8_eager", "model_fp8_int8attn_eager",
                    "model_fp8_int8attn_ours_default"],
-    "modes14b": ["model_eager", "oom_fallback", "model_ours_reduce-overhead", "model_ours_max-autotune-no-cudagraphs"],
+    "modes": ["wan5b_fp8_eager", "wan5b_fp8_ours_reduce-overhead", "wan5b_fp8_ours_max-autotune-no-cudagraphs",
+              "model_eager", "oom_fallback", "model_ours_reduce-overhead", "model_ours_max-autotune-no-cudagraphs"],
 }
 # (repeats, warmup): every target makes one untimed forward first (the compiling one for compiled variants; swap
 # variants add an instrumented one), so it is the warm-up and the harness adds none; medians of 3 hide the one
 # graph-recording call of reduce-overhead in oom_fallback.
-PRESET_TIMING = {"session2": (3, 0), "stack14b": (3, 0), "stack_int8": (3, 0), "modes14b": (3, 0)}
+PRESET_TIMING = {"session2": (3, 0), "stack14b": (3, 0), "stack_int8": (3, 0), "modes": (3, 0)}
 PRESET_BUDGET_S = 560.0  # the GPU tool stops a command at 600 s: leave room for the last report
 # Wall seconds per variant on the H200 (child start ~5 s + setup + first call + 3 timed calls), from results/*.md:
 # 14B bf16 setup 35 s, our fp8 25 s (block swap 24 s), default compile +12-23 s, 14B forward 2.4-2.8 s; 5B (15 s)
@@ -142,7 +150,8 @@ EST_WALL_S: dict[str, float] = {
     "model_eager": 48, "model_fp8_eager": 38, "model_fp8_ours_default": 55, "swap_fp8_eager": 36,
     "swap_fp8_ours_default": 55, "oom_fallback": 75, "model_native_fp8fast": 45, "model_fp8_int8attn_eager": 45,
     "model_fp8_int8attn_ours_default": 65, "model_ours_reduce-overhead": 70,
-    "model_ours_max-autotune-no-cudagraphs": 130,
+    "model_ours_max-autotune-no-cudagraphs": 130, "wan5b_fp8_ours_reduce-overhead": 45,
+    "wan5b_fp8_ours_max-autotune-no-cudagraphs": 90,
 }
 DEFAULT_EST_S = 90.0
 
