@@ -13,8 +13,9 @@ import mmap
 import os
 import queue
 import struct
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,6 +191,37 @@ def to_device_or_cpu(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 _FALLBACK_SAID: list[str] = []
+
+
+MADV_DONTNEED = 4  # drop these pages from this process (a private file mapping re-reads them from the file)
+MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now (clean file pages are dropped, never lost)
+
+
+def advise_mapped(tensors: Iterable[torch.Tensor], advice: int) -> int:
+    """``madvise(advice)`` over the pages under CPU tensors (Linux; elsewhere a no-op); returns bytes advised.
+
+    Only for views of a file mapping that were never written (map_tensors): both advices keep the data valid,
+    a later access re-faults it from the file. MADV_DONTNEED leaves the page cache warm, MADV_PAGEOUT evicts.
+    """
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = os.sysconf("SC_PAGE_SIZE")
+    except (OSError, AttributeError, ValueError):
+        return 0
+    done = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if t.device.type != "cpu" or n < page:
+            continue
+        start = t.data_ptr() // page * page
+        length = -(-(t.data_ptr() + n - start) // page) * page
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0:
+            done += n
+    return done
 
 
 def map_tensors(

@@ -22,11 +22,12 @@ import logging
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
+
+from .checkpoint_io import MADV_PAGEOUT, advise_mapped
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -283,9 +284,6 @@ def file_backed_ranges() -> list[tuple[int, int]]:
     return ranges
 
 
-MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now (clean file pages are dropped, never lost)
-
-
 def page_out(tensors: Iterable[torch.Tensor]) -> int:
     """Ask the kernel to reclaim the pages under file-backed CPU tensors (Linux); returns bytes advised.
 
@@ -293,25 +291,7 @@ def page_out(tensors: Iterable[torch.Tensor]) -> int:
     should not sit in RSS. MADV_PAGEOUT keeps the data valid (pages re-fault from the file); on other systems
     or older kernels this is a no-op and the kernel reclaims the page cache under pressure anyway.
     """
-    if not sys.platform.startswith("linux"):
-        return 0
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        page = os.sysconf("SC_PAGE_SIZE")
-    except (OSError, AttributeError, ValueError):
-        return 0
-    done = 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        if t.device.type != "cpu" or n < page:
-            continue
-        start = t.data_ptr() // page * page
-        length = -(-(t.data_ptr() + n - start) // page) * page
-        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_PAGEOUT) == 0:
-            done += n
-    return done
+    return advise_mapped(tensors, MADV_PAGEOUT)
 
 
 def is_file_backed(t: torch.Tensor, ranges: list[tuple[int, int]] | None = None) -> bool:

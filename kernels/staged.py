@@ -27,7 +27,8 @@ from typing import Any, Literal
 
 import torch
 
-from .checkpoint_io import CheckpointError, SafetensorsHeader, check_ranks, StreamingSafetensorsWriter, iter_tensors, read_header, read_tensors, to_device_or_cpu
+from .checkpoint_io import (MADV_DONTNEED, CheckpointError, SafetensorsHeader, StreamingSafetensorsWriter,
+                            advise_mapped, check_ranks, iter_tensors, read_header, read_tensors, to_device_or_cpu)
 from .wan_checkpoint import FP8_DTYPES, quantize_weight, source_fingerprint
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -181,6 +182,7 @@ def iter_owner_groups(
     stats: StreamStats | None = None,
     prefetch: bool = True,
     already_read: Iterable[str] = (),
+    mmap: bool = False,
 ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """Yield ``(owner, {param_name: tensor})`` for every owning module, as soon as all its tensors are read.
 
@@ -189,6 +191,11 @@ def iter_owner_groups(
     when its group is yielded, so the RAM overhead is about one module's weights (the largest is the
     embedding table). ``already_read`` names file tensors that ``small`` holds under other names (renamed
     scales); they are not read again. Keys for which ``skip`` is true are neither read nor yielded.
+
+    ``mmap``: the streamed tensors are views of a file mapping instead of copies read into RAM (one memory
+    pass less: the consumer copies straight out of the page cache). Once the consumer asks for the next group,
+    the previous group's pages are dropped from this process (MADV_DONTNEED; the page cache stays warm), so
+    they never add up in RSS. The consumer must copy, not keep, the tensors it is given.
     """
     stats = stats if stats is not None else StreamStats()
     keep = (lambda n: not skip(n)) if skip is not None else (lambda n: True)
@@ -220,6 +227,8 @@ def iter_owner_groups(
             stats.groups += 1
             prefix = len(owner) + 1 if owner else 0
             yield owner, {k[prefix:]: v for k, v in group.items()}
+            if mmap:  # consumed: its mapped pages leave RSS (small tensors are private copies, never mapped)
+                advise_mapped([v for k, v in group.items() if k not in small], MADV_DONTNEED)
 
     # Groups made only of small tensors (norms, biases of skipped weights...) go first.
     big_owners = {owner_of(n) for n in big}
@@ -229,7 +238,7 @@ def iter_owner_groups(
     for name, t in small.items():
         if keep(name) and owner_of(name) in big_owners:
             pending.setdefault(owner_of(name), {})[name] = t
-    for name, t in read_tensors(header, big, prefetch=prefetch):
+    for name, t in read_tensors(header, big, mmap=mmap, prefetch=prefetch and not mmap):
         stats.bytes_read += t.numel() * t.element_size()
         stats.tensors += 1
         yield from add(name, t, streamed=True)

@@ -121,7 +121,8 @@ def build_text_encoder_streaming(te_path: str | Path, progress=None):  # noqa: A
     stats = staged.StreamStats()
     # The vision tower (0.67 B params) is loaded too although text prompts never run it: the encoder is then
     # complete, exactly what load_clip builds (ComfyUI sizes every module when it loads the patcher).
-    groups = staged.iter_owner_groups(header, small, progress=progress, stats=stats, already_read=raw_small)
+    groups = staged.iter_owner_groups(header, small, progress=progress, stats=stats, already_read=raw_small,
+                                      mmap=use_mmap())
     with torch.no_grad():
         loaded = set(staged.load_streaming(transformer, groups))
     missing = [n for n, _ in transformer.named_parameters() if n not in loaded]

@@ -26,7 +26,7 @@ from comfy_api.latest import io
 from ..kernels import staged
 from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
 from ._common import (CATEGORY_LOADERS, display_name, embedding_cache, file_fingerprint, node_id,
-                      text_encoder_identity)
+                      text_encoder_identity, use_mmap)
 from ._seams import DISABLE
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -89,7 +89,7 @@ def build_umt5_streaming(te_path: str | Path, progress: staged.ProgressFn | None
     transformer = clip.cond_stage_model.umt5xxl.transformer
     stats = staged.StreamStats()
     groups = staged.iter_owner_groups(header, small, skip=lambda n: n == _TOKENIZER_KEY, progress=progress,
-                                      stats=stats, already_read=raw_small)
+                                      stats=stats, already_read=raw_small, mmap=use_mmap())
     with torch.no_grad():
         loaded = set(staged.load_streaming(transformer, groups))
     missing = [n for n, _ in transformer.named_parameters() if n not in loaded]

@@ -363,3 +363,26 @@ def test_stage_meter_sees_an_allocation() -> None:
         buf.close()
     assert meter.report.rss_peak - meter.report.rss_start > 48 << 20
     assert meter.report.vram_peak is None
+
+
+def test_mapped_streaming_loads_the_same_weights_without_piling_up_rss(tmp_path: Path) -> None:
+    """iter_owner_groups(mmap=True): the consumer copies out of the page cache (one memory pass less), and each
+    consumed group's mapped pages leave RSS, so a mapped load costs about the model, as a copying one does."""
+    width = 2048
+    sd = _Net(width, layers=12).state_dict()  # ~210 MB fp32
+    nbytes = sum(v.numel() * v.element_size() for v in sd.values())
+    header = read_header(_write(tmp_path / "m.safetensors", sd))
+    ref = _Net(width, layers=12)
+    staged.load_streaming(ref, staged.iter_owner_groups(header, {}))
+    del sd
+    staged.release_host_memory()
+    with staged.StageMeter("mapped load", interval=0.005) as meter:
+        model = _Net(width, layers=12)
+        loaded = staged.load_streaming(model, staged.iter_owner_groups(header, {}, mmap=True))
+        after = staged.current_rss_bytes()
+    assert set(loaded) == set(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    rep = meter.report
+    assert after - rep.rss_start < 1.3 * nbytes  # the model, not the model plus the mapped file
+    assert rep.rss_peak - rep.rss_start < 1.5 * nbytes
