@@ -125,6 +125,26 @@ def loader_swap_nodes(unet: str, blocks_to_swap: int) -> dict:
     }
 
 
+def sample_nodes(seed: int, steps: int, size: int, cond_length: int) -> dict:
+    """API nodes "4"-"8": random cond/uncond (``cond_length`` tokens), a ``size``² x 5-frame Wan latent, KSampler
+    (euler, cfg 3) on the MODEL of node "3", and the latent's stats (``LowVRAMTest_LatentStats``)."""
+    def cond(seed: int) -> dict:
+        return {"class_type": "LowVRAMTest_RandomConditioning",
+                "inputs": {"seed": seed, "length": cond_length, "dim": 4096, "std": 1.0}}
+
+    return {
+        "4": cond(1),
+        "5": cond(2),
+        "6": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": size, "height": size, "length": 5,
+                                                                   "batch_size": 1}},
+        "7": {"class_type": "KSampler", "inputs": {
+            "model": ["3", 0], "seed": seed, "steps": steps, "cfg": 3.0, "sampler_name": "euler",
+            "scheduler": "simple", "positive": ["4", 0], "negative": ["5", 0], "latent_image": ["6", 0],
+            "denoise": 1.0}},
+        "8": {"class_type": "LowVRAMTest_LatentStats", "inputs": {"latent": ["7", 0]}},
+    }
+
+
 def pack_import_line_seen(log: str, pack_dir: Path) -> bool:
     """Whether ComfyUI's "Import times for custom nodes" list names ``pack_dir`` (it tried to load it)."""
     rx = re.compile(rf"^\s*[\d.]+ seconds( \(IMPORT FAILED\))?: {re.escape(str(pack_dir))}\s*$", re.M)

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from comfy_server import ComfyServer, comfyui_in_process_or_skip, loader_swap_nodes, sample_wan
+from comfy_server import ComfyServer, comfyui_in_process_or_skip, loader_swap_nodes, sample_nodes, sample_wan
 
 pytestmark = pytest.mark.comfyui
 
@@ -178,17 +178,7 @@ def _graph(unet: str, seed: int, steps: int) -> dict:
         "3": {"class_type": "LowVRAM_TorchCompile", "inputs": {
             "model": ["9", 0], "mode": "default", "backend": "inductor", "dynamic": "auto", "fullgraph": False,
             "cache_size_limit": 16, "fallback": True, "scope": "blocks"}},
-        "4": {"class_type": "LowVRAMTest_RandomConditioning", "inputs": {"seed": 1, "length": 12, "dim": 4096,
-                                                                         "std": 1.0}},
-        "5": {"class_type": "LowVRAMTest_RandomConditioning", "inputs": {"seed": 2, "length": 12, "dim": 4096,
-                                                                         "std": 1.0}},
-        "6": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 5,
-                                                                   "batch_size": 1}},
-        "7": {"class_type": "KSampler", "inputs": {
-            "model": ["3", 0], "seed": seed, "steps": steps, "cfg": 3.0, "sampler_name": "euler",
-            "scheduler": "simple", "positive": ["4", 0], "negative": ["5", 0], "latent_image": ["6", 0],
-            "denoise": 1.0}},
-        "8": {"class_type": "LowVRAMTest_LatentStats", "inputs": {"latent": ["7", 0]}},
+        **sample_nodes(seed, steps, size=64, cond_length=12),
         "10": {"class_type": "LowVRAMTest_ModelInfo", "inputs": {"model": ["1", 0]}},  # whole model
         "11": {"class_type": "LowVRAMTest_ModelInfo", "inputs": {"model": ["3", 0]}},  # swapped + compiled
     }

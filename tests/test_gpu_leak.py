@@ -31,7 +31,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from comfy_server import ComfyServer, comfy_server_session, comfyui_path_or_reason, loader_swap_nodes
+from comfy_server import (ComfyServer, comfy_server_session, comfyui_path_or_reason, loader_swap_nodes,
+                         sample_nodes)
 
 from comfyui_lowvram_dit.memwatch import gpu_used_bytes, proc_status
 
@@ -90,17 +91,7 @@ def _graph(unet: str, seed: int) -> dict:
     return {
         **loader_swap_nodes(unet, SWAPPED),
         "3": {"class_type": "LowVRAM_Attention", "inputs": {"model": ["2", 0], "backend": "auto"}},
-        "4": {"class_type": "LowVRAMTest_RandomConditioning", "inputs": {"seed": 1, "length": 24, "dim": 4096,
-                                                                         "std": 1.0}},
-        "5": {"class_type": "LowVRAMTest_RandomConditioning", "inputs": {"seed": 2, "length": 24, "dim": 4096,
-                                                                         "std": 1.0}},
-        "6": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 256, "height": 256, "length": 5,
-                                                                   "batch_size": 1}},
-        "7": {"class_type": "KSampler", "inputs": {
-            "model": ["3", 0], "seed": seed, "steps": 2, "cfg": 3.0, "sampler_name": "euler",
-            "scheduler": "simple", "positive": ["4", 0], "negative": ["5", 0], "latent_image": ["6", 0],
-            "denoise": 1.0}},
-        "8": {"class_type": "LowVRAMTest_LatentStats", "inputs": {"latent": ["7", 0]}},
+        **sample_nodes(seed, steps=2, size=256, cond_length=24),
     }
 
 
