@@ -160,9 +160,9 @@ def iter_tensors(
     with header.path.open("rb") as f:
         for info in order:
             f.seek(info.begin)
-            # Read into torch-allocated (64-byte aligned) memory, not a bytearray: the tensor then behaves like
-            # any other CPU tensor for H2D copies (a bytearray-backed one failed `.to("cuda")` with "invalid
-            # argument" inside ComfyUI's cudaMallocAsync server on an H200).
+            # Read into torch-allocated (64-byte aligned) memory: the tensor behaves like any other CPU tensor.
+            # (The "invalid argument" H2D failure once blamed on bytearray buffers was a stale cudaHostRegister
+            # of freed memory at the same address; offload.HostArena now unregisters before freeing.)
             t = torch.empty(info.nbytes, dtype=torch.uint8)
             got = f.readinto(memoryview(t.numpy())) if info.nbytes else 0
             if got != info.nbytes:
@@ -175,7 +175,8 @@ def to_device_or_cpu(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device`` for on-load quantization; if the copy fails, ``t`` stays on the CPU (said once).
 
     Quantizing on the GPU is ~10x faster, but a failed copy must not fail the load: the CPU path computes the
-    same values, only slower.
+    same values, only slower. (A copy fails with "invalid argument" when the source lies in memory that was
+    cudaHostRegister'ed and freed without being unregistered, e.g. by another node pack.)
     """
     if device.type == "cpu" or t.device == device:
         return t
