@@ -136,11 +136,15 @@ PRESETS: dict[str, list[str]] = {
                    "model_fp8_int8attn_ours_default"],
     "modes": ["wan5b_fp8_eager", "wan5b_fp8_ours_reduce-overhead", "wan5b_fp8_ours_max-autotune-no-cudagraphs",
               "model_eager", "oom_fallback", "model_ours_reduce-overhead", "model_ours_max-autotune-no-cudagraphs"],
+    # CUDA-graph mode after the block-output clone fix, next to default mode in the same run
+    "graphs": ["wan5b_fp8_eager", "wan5b_fp8_ours_default", "wan5b_fp8_ours_reduce-overhead", "model_eager",
+               "model_ours_default", "model_ours_reduce-overhead"],
 }
 # (repeats, warmup): every target makes one untimed forward first (the compiling one for compiled variants; swap
 # variants add an instrumented one), so it is the warm-up and the harness adds none; medians of 3 hide the one
 # graph-recording call of reduce-overhead in oom_fallback.
-PRESET_TIMING = {"session2": (3, 0), "stack14b": (3, 0), "stack_int8": (3, 0), "modes": (3, 0)}
+PRESET_TIMING = {"session2": (3, 0), "stack14b": (3, 0), "stack_int8": (3, 0), "modes": (3, 0),
+                 "graphs": (3, 0)}
 PRESET_BUDGET_S = 560.0  # the GPU tool stops a command at 600 s: leave room for the last report
 # Wall seconds per variant on the H200 (child start ~5 s + setup + first call + 3 timed calls), from results/*.md:
 # 14B bf16 setup 35 s, our fp8 25 s (block swap 24 s), default compile +12-23 s, 14B forward 2.4-2.8 s; 5B (15 s)
@@ -150,7 +154,8 @@ EST_WALL_S: dict[str, float] = {
     "model_eager": 48, "model_fp8_eager": 38, "model_fp8_ours_default": 55, "swap_fp8_eager": 36,
     "swap_fp8_ours_default": 55, "oom_fallback": 75, "model_native_fp8fast": 45, "model_fp8_int8attn_eager": 45,
     "model_fp8_int8attn_ours_default": 65, "model_ours_reduce-overhead": 70,
-    "model_ours_max-autotune-no-cudagraphs": 130, "wan5b_fp8_ours_reduce-overhead": 45,
+    "model_ours_max-autotune-no-cudagraphs": 130, "wan5b_fp8_ours_reduce-overhead": 55,
+    "model_ours_default": 70,
     "wan5b_fp8_ours_max-autotune-no-cudagraphs": 90,
 }
 DEFAULT_EST_S = 90.0

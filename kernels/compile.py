@@ -12,7 +12,10 @@ restored in ``finally``: the model is never left half-patched and ``state_dict()
 OOM-safe: a compile failure or out-of-memory during compile or the first compiled run frees what the attempt
 held and retries the same call one step down the chain (e.g. reduce-overhead -> default -> eager); the mode in
 use is logged. CUDA graphs (reduce-overhead, max-autotune, the cudagraphs backend) need fixed weight
-addresses, so they are swapped for their no-cudagraphs twin when weights stream.
+addresses, so they are swapped for their no-cudagraphs twin when weights stream. Under CUDA graphs every block
+call is its own torch.compile invocation, which cudagraph trees treat as a new step: the previous block's
+outputs (this block's input) would be overwritten by the next replay, so block outputs are cloned outside the
+compiled region (one copy of the hidden states per block, ~0.1 ms on Wan 14B 480p).
 
 Never imports ComfyUI.
 """
@@ -148,11 +151,17 @@ def is_oom(exc: BaseException) -> bool:
     return False
 
 
+# cudagraph trees raise plain RuntimeErrors; these phrases mark the CUDA-graph runtime, not the model.
+_CUDA_GRAPH_ERRORS: tuple[str, ...] = ("cudagraph", "cuda graph", "stream capture", "stream is capturing")
+
+
 def is_compile_failure(exc: BaseException) -> bool:
-    """True when the compiler (dynamo, AOT, inductor, Triton) failed, as opposed to the model itself."""
+    """True when the compiler (dynamo, AOT, inductor, Triton) or its CUDA-graph runtime failed, not the model."""
     for e in _chain(exc):
         module = type(e).__module__ or ""
         if module.startswith(("torch._dynamo", "torch._inductor", "torch._functorch", "triton")):
+            return True
+        if isinstance(e, RuntimeError) and any(p in str(e).lower() for p in _CUDA_GRAPH_ERRORS):
             return True
     return False
 
@@ -164,6 +173,21 @@ def describe_failure(exc: BaseException) -> str:
     inner = inner or getattr(exc, "inner_exception", None) or exc.__cause__ or exc
     text = str(inner).strip().splitlines()[0][:300] if str(inner).strip() else ""
     return f"{'out of memory' if is_oom(exc) else 'compiler error'}: {type(inner).__name__}: {text}"
+
+
+class GraphOutputsCloned(torch.nn.Module):
+    """Runs a compiled block and clones its tensor outputs, so a later CUDA-graph replay cannot overwrite them.
+
+    The compiled module is held outside ``_modules``: the wrapper adds no parameters and no state_dict keys."""
+
+    def __init__(self, compiled: Any) -> None:
+        super().__init__()
+        self.__dict__["compiled"] = compiled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils._pytree import tree_map_only
+
+        return tree_map_only(torch.Tensor, torch.Tensor.clone, self.compiled(*args, **kwargs))
 
 
 # ---------------------------------------------------------------------------------------------- regions
@@ -314,7 +338,8 @@ class CompiledRegions:
         key = (id(root), path)
         if key not in self._compiled:
             module = get_submodule(root, path)
-            self._compiled[key] = self.compile_fn(module, **compile_kwargs(config, self.guard_filter_fn))
+            compiled = self.compile_fn(module, **compile_kwargs(config, self.guard_filter_fn))
+            self._compiled[key] = GraphOutputsCloned(compiled) if config.uses_cuda_graphs else compiled
         return self._compiled[key]
 
     @contextlib.contextmanager

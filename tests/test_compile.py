@@ -134,6 +134,59 @@ def test_failure_classification() -> None:
     assert not cmp.is_compile_failure(ValueError("shapes"))
 
 
+class ReplayingCompiler:
+    """A ``compile_fn`` that behaves like CUDA-graph replay in one shared pool: each call of any compiled block
+    recycles the previous call's output (here: fills it with NaN) before writing its own."""
+
+    def __init__(self) -> None:
+        self.last: torch.Tensor | None = None
+        self.modes: list[str] = []
+
+    def __call__(self, module: nn.Module, **kw: Any) -> nn.Module:
+        self.modes.append(kw.get("mode") or kw["backend"])
+        owner = self
+
+        class Replay(nn.Module):
+            def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+                if owner.last is not None:
+                    owner.last.fill_(float("nan"))  # the next replay reuses the pool
+                owner.last = module(*args, **kwargs)
+                return owner.last
+
+        return Replay()
+
+
+def test_cuda_graph_modes_clone_block_outputs_before_the_next_replay() -> None:
+    """The error seen on an H100 with reduce-overhead ('accessing tensor output of CUDAGraphs that has been
+    overwritten by a subsequent run'): block i's output is block i+1's input and must survive its replay."""
+    model = TinyWan(blocks=4)
+    with torch.no_grad():
+        eager = model(*_inputs())
+        replay = ReplayingCompiler()
+        regions = CompiledRegions(CompileConfig(mode="reduce-overhead"), cmp.find_block_lists(model), compile_fn=replay)
+        torch.testing.assert_close(_run(regions, model), eager)
+        torch.testing.assert_close(_run(regions, model), eager)
+        assert regions.current == CompileConfig(mode="reduce-overhead") and set(replay.modes) == {"reduce-overhead"}
+        _assert_clean(model)
+        # the control: a mode without CUDA graphs is not wrapped, so the same replaying fake corrupts the chain
+        control = CompiledRegions(CompileConfig(), cmp.find_block_lists(model), compile_fn=ReplayingCompiler())
+        assert torch.isnan(_run(control, model)).all()
+
+
+def test_cuda_graph_runtime_error_steps_down() -> None:
+    """A CUDA-graph runtime error (a plain RuntimeError) is the compiler's fault: step down, do not kill the run."""
+    err = "Error: accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run."
+    assert cmp.is_compile_failure(RuntimeError(err))
+    assert cmp.is_compile_failure(RuntimeError("CUDA error: operation not permitted when stream is capturing"))
+    model = TinyWan(blocks=2)
+    eager = model(*_inputs())
+    fake = FakeCompiler(fail_run=lambda m: RuntimeError(err) if m == "reduce-overhead" else None)
+    regions = CompiledRegions(CompileConfig(mode="reduce-overhead"), cmp.find_block_lists(model), compile_fn=fake)
+    torch.testing.assert_close(_run(regions, model), eager)
+    assert regions.current == CompileConfig(mode="default")
+    _assert_clean(model)
+
+
 def test_regional_compile_traces_once_for_all_blocks_with_guard_filter() -> None:
     model = TinyWan(blocks=4)
     eager = model(*_inputs())
@@ -310,3 +363,19 @@ def test_cuda_inductor_streamed_weights_no_recompile() -> None:
             p.data = p.data.to("cpu").to(dev)  # a CPU round trip: new addresses, as block swap gives
         torch.testing.assert_close(regions.run(model, lambda: model(x, t), streaming=True), first)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.cuda
+def test_cuda_real_reduce_overhead_matches_eager_over_steps() -> None:
+    """Real inductor + CUDA graphs (reduce-overhead), regional: every step, with new inputs, gives the eager answer
+    and stays on reduce-overhead (no fallback needed)."""
+    dev = torch.device("cuda")
+    model = TinyWan(blocks=4).to(dev)
+    regions = CompiledRegions(CompileConfig(mode="reduce-overhead"), cmp.find_block_lists(model),
+                              guard_filter_fn=cmp.transformer_options_guard_filter)
+    with torch.no_grad():
+        for seed in (1, 1, 2, 3, 3):
+            x, t = (a.to(dev) for a in _inputs(seed))
+            torch.testing.assert_close(regions.run(model, lambda: model(x, t)), model(x, t), rtol=2e-3, atol=2e-3)
+    assert regions.current == CompileConfig(mode="reduce-overhead"), regions.status()
+    _assert_clean(model)
