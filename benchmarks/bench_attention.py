@@ -71,7 +71,7 @@ def attention_case(ctx: harness.BenchContext, shape: list[int], backend: str, dt
     if backend == "auto":
         metrics["auto_timings_ms"] = {A.BACKENDS[n].label: round(t, 3) for n, t in decision.timings_ms.items()}
     elif chosen != backend:
-        metrics["fallback_reason"] = decision.rejected.get(backend, note)
+        metrics["fallback_reason"] = decision.rejected.get(backend) or decision.note or note
     call = A.BACKENDS[chosen].call
     del out
     return {"fn": lambda: call(q, k, v, None), **metrics}

@@ -28,8 +28,10 @@ def registry(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 - yields a regist
     """Register throw-away backends; the registry and candidate lists are restored afterwards."""
     monkeypatch.setattr(attn, "BACKENDS", dict(attn.BACKENDS))
 
-    def add(name: str, fn, *, auto: bool = False, first: bool = True, tolerance: float = attn.EXACT_TOLERANCE):
-        attn.register_backend(AttentionBackend(name, name.upper(), fn, lambda *a: None, tolerance=tolerance))
+    def add(name: str, fn, *, auto: bool = False, first: bool = True, tolerance: float = attn.EXACT_TOLERANCE,
+            trades_accuracy: bool = False):
+        attn.register_backend(AttentionBackend(name, name.upper(), fn, lambda *a: None, tolerance=tolerance,
+                                               trades_accuracy=trades_accuracy))
         if first:
             monkeypatch.setattr(attn, "FALLBACK_ORDER", (name, *attn.FALLBACK_ORDER))
         if auto:
@@ -126,6 +128,37 @@ def test_quantized_tolerance_accepts_small_error(registry) -> None:
     assert chosen == {"int8ish": "int8ish", "exactish": chosen["exactish"]} and chosen["exactish"] != "exactish"
 
 
+@pytest.mark.parametrize("quantized_faster", [True, False])
+def test_quantized_backend_only_runs_where_it_is_faster(registry, quantized_faster: bool,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """8-bit kernels lose to cuDNN on short sequences (Wan cross-attention, Qwen-Image 1328²): the requested
+    quantized backend is timed once per shape against the first exact one and the faster one is kept."""
+    calls = {"q8": 0, "exact": 0}
+
+    def make(name: str, delay: float):
+        def fn(q, k, v, m):
+            calls[name] += 1
+            time.sleep(delay)
+            return attn.reference_attention(q, k, v).to(q.dtype)
+        return fn
+
+    registry("q8", make("q8", 0.002 if quantized_faster else 0.03), tolerance=attn.QUANTIZED_TOLERANCE,
+             trades_accuracy=True, first=False)
+    registry("exact", make("exact", 0.03 if quantized_faster else 0.002))  # first in the fallback order
+    sel = AttentionSelector()
+    q, k, v = _qkv()
+    with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
+        sel.run(q, k, v, None, "q8")
+    (detail,) = sel.details.values()
+    assert set(detail.timings_ms) == {"q8", "exact"}
+    assert detail.backend == ("q8" if quantized_faster else "exact")
+    assert ("is slower than EXACT" in caplog.text) is not quantized_faster
+    before = dict(calls)
+    sel.run(q, k, v, None, "q8")  # cached: no second measurement
+    chosen = "q8" if quantized_faster else "exact"
+    assert calls[chosen] == before[chosen] + 1 and sum(calls.values()) == sum(before.values()) + 1
+
+
 def test_auto_picks_fastest_passing_candidate_once_per_shape(registry) -> None:
     counts = {"slow": 0, "fast": 0, "fast_nan": 0}
 
@@ -193,7 +226,10 @@ def test_cuda_backends_agree_with_reference(dtype: torch.dtype) -> None:
     for name in attn.available_backends(dev, dtype, 128):
         sel.run(q, k, v, None, name)
         decision = sel.details[attn._key(name, q, k, None)]
-        assert decision.backend == name, f"{name} rejected: {decision.rejected}"
+        assert name not in decision.rejected and decision.errors[name] <= attn.BACKENDS[name].tolerance, \
+            f"{name} rejected: {decision.rejected}"
+        # an 8-bit kernel that passes may still lose to an exact one at this short length; then the exact one runs
+        assert decision.backend == name or (attn.BACKENDS[name].trades_accuracy and "slower" in decision.note)
     sel.run(q, k, v, None, "auto")
     assert sel.details[attn._key("auto", q, k, None)].backend in attn.AUTO_CANDIDATES
 
