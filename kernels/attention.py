@@ -408,7 +408,7 @@ class AttentionSelector:
             if reason is None:
                 out, reason = self._try(name, q, k, v, mask, decision)
                 if out is not None and backend == "auto":
-                    decision.timings_ms[name] = time_call(lambda n=name: BACKENDS[n].call(q, k, v, mask), device)
+                    _time_into(decision, name, q, k, v, mask)
                     if result is None or decision.timings_ms[name] < decision.timings_ms[decision.backend]:
                         decision.backend, result = name, out
                     continue
@@ -443,9 +443,8 @@ class AttentionSelector:
             if out is None:
                 decision.rejected[name] = reason
                 continue
-            decision.timings_ms[quantized] = time_call(lambda: BACKENDS[quantized].call(q, k, v, mask), q.device)
-            decision.timings_ms[name] = time_call(lambda: BACKENDS[name].call(q, k, v, mask), q.device)
-            if decision.timings_ms[name] < decision.timings_ms[quantized]:
+            quantized_ms = _time_into(decision, quantized, q, k, v, mask)
+            if _time_into(decision, name, q, k, v, mask) < quantized_ms:
                 decision.note = (f"{BACKENDS[quantized].label} is slower than {BACKENDS[name].label} at this "
                                  f"shape, so {BACKENDS[name].label} runs it")
                 decision.backend = name
@@ -469,6 +468,12 @@ class AttentionSelector:
         if err > backend.tolerance:
             return None, f"relative error {err:.3g} > {backend.tolerance:g} vs fp32 reference"
         return out, ""
+
+
+def _time_into(decision: Decision, name: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> float:
+    """Time backend ``name`` on these inputs, record it in ``decision.timings_ms`` and return the milliseconds."""
+    decision.timings_ms[name] = time_call(lambda: BACKENDS[name].call(q, k, v, mask), q.device)
+    return decision.timings_ms[name]
 
 
 def _call(backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -185,8 +186,6 @@ class GraphOutputsCloned(torch.nn.Module):
         self.__dict__["compiled"] = compiled
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.utils._pytree import tree_map_only
-
         return tree_map_only(torch.Tensor, torch.Tensor.clone, self.compiled(*args, **kwargs))
 
 

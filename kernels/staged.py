@@ -238,7 +238,7 @@ def iter_owner_groups(
     for name, t in small.items():
         if keep(name) and owner_of(name) in big_owners:
             pending.setdefault(owner_of(name), {})[name] = t
-    for name, t in read_tensors(header, big, mmap=mmap, prefetch=prefetch and not mmap):
+    for name, t in read_tensors(header, big, mmap=mmap, prefetch=prefetch):
         stats.bytes_read += t.numel() * t.element_size()
         stats.tensors += 1
         yield from add(name, t, streamed=True)
@@ -580,7 +580,8 @@ def load_qwen_image_state_dict(
     small_names = small_tensor_names(header)
     mapped = mmap and info.format != "high_precision"  # a file quantized here is read as copies
     small = {n[strip:]: v for n, v in read_tensors(header, small_names, mmap=mapped)}
-    big = [n for n in header.tensors if n not in set(small_names)]
+    small_set = set(small_names)
+    big = [n for n in header.tensors if n not in small_set]
     sd: dict[str, torch.Tensor] = {}
     quantize = info.format == "high_precision" and mode != "none"
     out_mode: QuantMode = mode if quantize else ("per_tensor" if info.format != "high_precision" else "none")
