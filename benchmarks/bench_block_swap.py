@@ -5,7 +5,7 @@ Per (resolution, cap) three variants, each in a fresh process (benchmarks/harnes
   layers that do not fit, dequantized to bf16);
 - ``native_bf16``: UNETLoader ``default`` on the bf16 source (what a user with the bf16/fp16 file gets natively);
 - ``swap``: the same native fp8 MODEL through Block Swap (auto budget = what ComfyUI offers under the cap);
-- ``swap_b2``: our fp8 layers (nodes/fp8_ops.py, per-tensor scales, fp8 matmul kept for streamed blocks) + Block
+- ``swap_b2``: our fp8 layers (nodes/glue/fp8_ops.py, per-tensor scales, fp8 matmul kept for streamed blocks) + Block
   Swap.
 Caps: none / 16 / 12 / 8 / 6 GiB, enforced in-process by comfy_native.apply_vram_cap (ComfyUI's reserve + a hard
 ``set_per_process_memory_fraction``). Metrics: time per forward (CUDA events, median), peak VRAM, peak RSS, and
@@ -48,7 +48,7 @@ def swap_forward(ctx: harness.BenchContext, kind: str = "swap", model: str = MOD
 
     from . import comfy_native
     from ..kernels.offload import SwapConfig, format_stats
-    from ..kernels.synth import synthetic_state_dict
+    from ..tools.synth import synthetic_state_dict
 
     comfy = comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
     mm = comfy.model_management
@@ -65,7 +65,7 @@ def swap_forward(ctx: harness.BenchContext, kind: str = "swap", model: str = MOD
 
         if kind == "swap_b2":
             from ..kernels.wan_checkpoint import quantize_state_dict
-            from ..nodes.fp8_ops import Fp8OpsConfig, make_fp8_ops
+            from ..nodes.glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 
             sd = quantize_state_dict(sd, "per_tensor")
             options = {"custom_operations": make_fp8_ops(Fp8OpsConfig()), "dtype": torch.bfloat16}

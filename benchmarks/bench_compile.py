@@ -218,7 +218,7 @@ def _fp8_options(model: str, sd: dict, mode: str) -> dict:
 
     from ..kernels import wan_checkpoint as wc
     from ..kernels.staged import is_qwen_fp8_target
-    from ..nodes.fp8_ops import Fp8OpsConfig, make_fp8_ops
+    from ..nodes.glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 
     for k in [k for k, v in sd.items() if is_qwen_fp8_target(k, tuple(v.shape))]:
         q, s = wc.quantize_weight(sd.pop(k), mode, 128)  # bf16 freed as we go: peak ~ the bf16 model
@@ -259,7 +259,7 @@ def _build(ctx: harness.BenchContext, size: str, num_layers: int | None, width: 
            fp8: str | None = None, model: str = MODEL, weight_dtype: str = "default", attention: str | None = None):
     import torch
 
-    from ..kernels.synth import synthetic_state_dict
+    from ..tools.synth import synthetic_state_dict
     from . import comfy_native
 
     comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
@@ -363,7 +363,7 @@ def swap_case(ctx: harness.BenchContext, how: str, mode: str = "default", size: 
     KSampler's memory estimate (as bench_block_swap.swap_forward does), run through ``apply_model``.
     """
     from ..kernels.offload import SwapConfig, format_stats
-    from ..kernels.synth import synthetic_state_dict
+    from ..tools.synth import synthetic_state_dict
     from . import comfy_native
 
     comfy = comfy_native.import_comfy(cpu=ctx.device.type == "cpu")

@@ -1,6 +1,6 @@
 """Qwen-Image staged pipeline vs ComfyUI v0.8.0 native, per stage: time, peak VRAM, peak RSS.
 
-Full-size synthetic files (kernels.synth: real key names and shapes, random values) written once to ``--files``:
+Full-size synthetic files (tools.synth: real key names and shapes, random values) written once to ``--files``:
 the transformer as plain fp8 e4m3fn (20.4 GB, like Comfy-Org's qwen_image_fp8_e4m3fn.safetensors; a bf16 file
 would not fit the GPU box's 64 GB disk next to the encoders), the Qwen2.5-VL encoder as bf16 (16.6 GB) and,
 with ``--te fp8_scaled``, as ComfyUI fp8_scaled, and the Wan 2.1 VAE.
@@ -86,7 +86,7 @@ def ours(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: i
     _setup(ctx, user_dir)
     import comfy.model_management as mm
     from ..nodes import qwen_staged
-    from ..nodes._common import EMBEDDING_CACHE_FOLDER
+    from ..nodes.glue.common import EMBEDDING_CACHE_FOLDER
 
     f = Path(files)
     if clear_cache:
@@ -153,7 +153,7 @@ def write_files(files: Path, te_formats: list[str], smoke: bool) -> None:
     """Write the synthetic files once (skipped when present); full size on the GPU when there is one."""
     import torch
 
-    from ..kernels import synth
+    from ..tools import synth
 
     files.mkdir(parents=True, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -178,9 +178,9 @@ def _write_small_te(path: Path, fmt: str) -> None:
     """Qwen2.5-VL with ComfyUI's widths but 2 narrow layers (smoke only; ComfyUI needs the config override)."""
     import torch
 
-    from ..kernels import synth
+    from ..tools import synth
     from ..kernels.checkpoint_io import StreamingSafetensorsWriter
-    from ..kernels.model_specs import Qwen25VLConfig, is_linear_weight, qwen25_vl_spec
+    from ..tools.model_specs import Qwen25VLConfig, is_linear_weight, qwen25_vl_spec
 
     spec = qwen25_vl_spec(Qwen25VLConfig(num_layers=SMOKE_TE_LAYERS, intermediate=SMOKE_TE_MLP))
     fp8 = fmt == "fp8_scaled"

@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(*args.child)))
         return 0
-    from ..kernels import synth
-    from ..kernels.model_specs import Qwen25VLConfig
+    from ..tools import synth
+    from ..tools.model_specs import Qwen25VLConfig
 
     te = args.files / f"qwen25_vl_{args.layers}l_bf16.safetensors"
     if not te.is_file():

@@ -1,6 +1,6 @@
 """ComfyUI v0.8.0 native Wan 2.2 TI2V-5B, one forward: bf16 vs fp8_e4m3fn vs fp8_e4m3fn_fast.
 
-Full-size synthetic weights (kernels.synth, real key names and shapes, random values: speed does not
+Full-size synthetic weights (tools.synth, real key names and shapes, random values: speed does not
 depend on them), loaded exactly as UNETLoader would, placed by load_models_gpu, one forward of
 ``diffusion_model(x, t, context)`` at 1280x704x121 (27,280 tokens, the 5B template's size) and
 832x480x81. Each variant runs in a fresh process (benchmarks/harness.py).
@@ -43,7 +43,7 @@ def native_forward(ctx: harness.BenchContext, model: str = MODEL, size: str = "f
     import torch
 
     from . import comfy_native
-    from ..kernels.synth import synthetic_state_dict
+    from ..tools.synth import synthetic_state_dict
 
     comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
     options = dict(model_options or {})

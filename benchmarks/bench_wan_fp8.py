@@ -9,7 +9,7 @@ Variants (each in a fresh process, same synthetic weights and inputs, ComfyUI's 
   nodes.fp8_ops custom_operations, bf16 compute.
 Metrics: forward time (CUDA events, median), peak VRAM, and the output's relative L2 error vs native_bf16
 (the bf16 variant saves its output; run it first). Plus ``quantize_on_load``: streaming a full-size bf16
-file from disk (written once with kernels.synth; read back from the page cache when RAM allows) into block-wise
+file from disk (written once with tools.synth; read back from the page cache when RAM allows) into block-wise
 fp8 on the GPU: GB/s and peak RSS (goal: >= 1 GB/s, peak RSS <= fp8 bytes + 2 GB).
 
 GPU (the lead runs this on an H100/H200; ~6-8 min, 30 GB free disk for the load test):
@@ -71,7 +71,7 @@ def quantize_for_ours(sd: dict, mode: str, block_size: int, compute: str = "auto
     import torch
 
     from ..kernels import wan_checkpoint as wc
-    from ..nodes.fp8_ops import Fp8OpsConfig, make_fp8_ops
+    from ..nodes.glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 
     for k in [k for k, v in sd.items() if wc.is_fp8_target(k, tuple(v.shape))]:
         q, s = wc.quantize_weight(sd.pop(k), mode, block_size)  # bf16 freed as we go: peak ~ bf16 model
@@ -88,7 +88,7 @@ def wan_forward(ctx: harness.BenchContext, kind: str, size: str = "full", width:
     import torch
 
     from ..kernels import wan_checkpoint as wc
-    from ..kernels.synth import synthetic_state_dict
+    from ..tools.synth import synthetic_state_dict
     from . import comfy_native
 
     comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
@@ -125,7 +125,7 @@ def quantize_on_load(ctx: harness.BenchContext, path: str, size: str = "full", m
     import resource
 
     from ..kernels import wan_checkpoint as wc
-    from ..kernels.synth import write_synthetic
+    from ..tools.synth import write_synthetic
 
     p = Path(path)
     if not p.is_file():

@@ -276,7 +276,7 @@ def _self_watch():  # noqa: ANN202 - memwatch.MemoryWatch | None
     if not sys.platform.startswith("linux"):
         return None
     try:
-        from comfyui_lowvram_dit.memwatch import MemoryWatch
+        from comfyui_lowvram_dit.tools.memwatch import MemoryWatch
     except ImportError:
         return None
     return MemoryWatch(os.getpid(), interval=0.1, gpu=False).__enter__()  # GPU memory: torch's own counters

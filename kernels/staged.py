@@ -562,12 +562,12 @@ def load_qwen_image_state_dict(
     progress: ProgressFn | None = None,
     mmap: bool = False,
 ) -> tuple[dict[str, torch.Tensor], QwenImageInfo, QuantMode]:
-    """Read a Qwen-Image file tensor by tensor into the in-memory fp8 form nodes/fp8_ops.py loads.
+    """Read a Qwen-Image file tensor by tensor into the in-memory fp8 form nodes/glue/fp8_ops.py loads.
 
     High-precision files: block Linear weights are quantized to ``mode`` while streaming (on ``device``,
     e.g. the GPU), everything else is kept. fp8 files keep their per-tensor quantization (re-quantizing fp8
     codes only adds error): legacy ``scale_weight`` becomes ``weight_scale``, a missing scale means 1.0
-    (nodes/fp8_ops.py fills it), markers and unit input scales are dropped. Returns (state dict without the
+    (nodes/glue/fp8_ops.py fills it), markers and unit input scales are dropped. Returns (state dict without the
     key prefix, file info, the quantization now in the dict). ``mmap``: an fp8 file's tensors are zero-copy
     views of the file (checkpoint_io.map_tensors: page cache, not RSS); a file quantized here is read as usual.
     """

@@ -1,6 +1,6 @@
 """Wan 2.1 / 2.2 diffusion checkpoints: format detection, streaming fp8 quantization, our fp8 file format.
 
-Plain torch; no ComfyUI. The in-memory form every input is converted to (and what nodes/fp8_ops.py
+Plain torch; no ComfyUI. The in-memory form every input is converted to (and what nodes/glue/fp8_ops.py
 loads) is: ``<layer>.weight`` float8_e4m3fn + ``<layer>.weight_scale`` fp32 for quantized Linear layers
 (a 0-d scalar for per-tensor, ``[ceil(N/bs), ceil(K/bs)]`` for block-wise), every other key as in the
 file. Only the 2-D Linear weights inside ``blocks.N.`` are quantized: embeddings, time projection,

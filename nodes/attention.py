@@ -16,8 +16,8 @@ import torch
 from comfy_api.latest import io
 
 from ..kernels import attention as attention_kernels
-from ._common import CATEGORY_PATCHES, display_name, node_id
-from ._seams import PASS_THROUGH
+from .glue.common import CATEGORY_PATCHES, display_name, node_id
+from .glue.seams import PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

@@ -35,8 +35,8 @@ from comfy_api.latest import io
 
 from ..kernels import offload
 from ..kernels.offload import BlockStreamer, SwapConfig, SwapPlan
-from ._common import CATEGORY_PATCHES, display_name, mixed_class, node_id, wrap_block_patches
-from ._seams import BLOCK_SWAP_SEAMS, PASS_THROUGH
+from .glue.common import CATEGORY_PATCHES, display_name, mixed_class, node_id, wrap_block_patches
+from .glue.seams import BLOCK_SWAP_SEAMS, PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

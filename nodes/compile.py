@@ -23,8 +23,8 @@ from ..kernels.compile import (
     find_block_lists,
     transformer_options_guard_filter,
 )
-from ._common import CATEGORY_PATCHES, display_name, node_id
-from ._seams import PASS_THROUGH
+from .glue.common import CATEGORY_PATCHES, display_name, node_id
+from .glue.seams import PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

@@ -1,12 +1,12 @@
-"""Doctor node: the kernels.doctor report inside ComfyUI, shown on the node and returned as a STRING."""
+"""Doctor node: the tools.doctor report inside ComfyUI, shown on the node and returned as a STRING."""
 
 from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ..kernels import doctor
-from ._common import CATEGORY_UTILS, display_name, node_id
-from ._seams import seam_status
+from ..tools import doctor
+from .glue.common import CATEGORY_UTILS, display_name, node_id
+from .glue.seams import seam_status
 
 
 def comfyui_host_info() -> tuple[str | None, dict]:

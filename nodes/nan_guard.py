@@ -14,8 +14,8 @@ import torch
 from comfy_api.latest import io
 
 from ..kernels.nan_guard import AFTER_BLOCKS, BEFORE_BLOCKS, NanReport, NanTracker
-from ._common import CATEGORY_PATCHES, display_name, node_id, wrap_block_patches
-from ._seams import PASS_THROUGH
+from .glue.common import CATEGORY_PATCHES, display_name, node_id, wrap_block_patches
+from .glue.seams import PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

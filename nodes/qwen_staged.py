@@ -13,7 +13,7 @@ LoRA and ModelSampling nodes work on them):
   template and encoder identity (content fingerprint, format, dtype, config, ComfyUI version); an unchanged
   prompt skips stage 1 entirely.
 - Stage 2, transformer: read tensor by tensor, block Linear weights quantized to fp8 (block-wise or per-tensor)
-  while streaming (on the GPU when there is one), built with nodes/fp8_ops.py's custom operations, then
+  while streaming (on the GPU when there is one), built with nodes/glue/fp8_ops.py's custom operations, then
   wrapped by the Block Swap node's ``apply_block_swap`` under the VRAM budget.
 - VAE: loaded as VAELoader does.
 
@@ -36,12 +36,12 @@ from comfy_api.latest import io
 from ..kernels import staged
 from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
 from ..kernels.offload import SwapConfig
-from ._common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, embedding_cache, node_id,
+from .glue.common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, embedding_cache, node_id,
                       file_fingerprint, text_encoder_identity, use_mmap)
 from .block_swap import apply_block_swap
-from ._seams import BLOCK_SWAP_SEAMS, DISABLE
-from .fp8_ops import Fp8OpsConfig, make_fp8_ops
-from .mapped_weights import keep_file_backed
+from .glue.seams import BLOCK_SWAP_SEAMS, DISABLE
+from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
+from .glue.mapped_weights import keep_file_backed
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

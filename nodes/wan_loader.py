@@ -10,10 +10,10 @@ import torch
 from comfy_api.latest import io
 
 from ..kernels import wan_checkpoint as wc
-from ._common import CATEGORY_LOADERS, display_name, node_id, use_mmap
-from ._seams import DISABLE
-from .fp8_ops import Fp8OpsConfig, make_fp8_ops
-from .mapped_weights import keep_file_backed
+from .glue.common import CATEGORY_LOADERS, display_name, node_id, use_mmap
+from .glue.seams import DISABLE
+from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
+from .glue.mapped_weights import keep_file_backed
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

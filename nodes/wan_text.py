@@ -25,9 +25,9 @@ from comfy_api.latest import io
 
 from ..kernels import staged
 from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
-from ._common import (CATEGORY_LOADERS, display_name, embedding_cache, file_fingerprint, node_id,
+from .glue.common import (CATEGORY_LOADERS, display_name, embedding_cache, file_fingerprint, node_id,
                       text_encoder_identity, use_mmap)
-from ._seams import DISABLE
+from .glue.seams import DISABLE
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

@@ -32,7 +32,7 @@ def comfy() -> Any:
 @pytest.fixture(scope="module")
 def tiny_wan(comfy: Any) -> Any:
     """A 2-block Wan 2.2 14B-layout model (dim 256) from engineer A's synthetic checkpoint, as UNETLoader builds it."""
-    synth = pytest.importorskip("comfyui_lowvram_dit.kernels.synth")
+    synth = pytest.importorskip("comfyui_lowvram_dit.tools.synth")
     import comfy.sd
 
     return comfy.sd.load_diffusion_model_state_dict(synth.synthetic_state_dict("wan22_t2v_14B", size="tiny"))
@@ -204,7 +204,7 @@ def test_server_unetloader_attention_compile_ksampler(comfy_server: Any) -> None
     """Stock graph with our two nodes in the middle, on the real server (CPU). Real torch.compile (inductor
     on CPU) would take minutes here, so the graph uses backend=cudagraphs, which on CPU tensors runs the
     AOT graph without recording: it still exercises the wrapper, regional swap and sampling end to end."""
-    synth = pytest.importorskip("comfyui_lowvram_dit.kernels.synth")
+    synth = pytest.importorskip("comfyui_lowvram_dit.tools.synth")
     name = f"tiny_wan_attn_compile_{uuid.uuid4().hex[:8]}.safetensors"
     synth.write_synthetic("wan22_t2v_14B", comfy_server.base_dir / "models" / "diffusion_models" / name,
                           size="tiny")

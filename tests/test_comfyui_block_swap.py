@@ -25,7 +25,7 @@ def _comfy():  # noqa: ANN202
 def _tiny_wan_patcher(num_layers: int = 6, seed: int = 0):  # noqa: ANN202
     import comfy.sd
 
-    from comfyui_lowvram_dit.kernels import synth
+    from comfyui_lowvram_dit.tools import synth
 
     sd = synth.synthetic_state_dict("wan21_t2v_1_3B", size="tiny", fmt="bf16", seed=seed, num_layers=num_layers)
     return comfy.sd.load_diffusion_model_state_dict(sd, {"dtype": torch.bfloat16})
@@ -96,7 +96,7 @@ def test_in_process_interrupt_mid_step_leaves_the_model_usable():
 
 
 def _write_tiny_wan(server, name: str, seed: int, num_layers: int = 6) -> str:  # noqa: ANN001
-    from comfyui_lowvram_dit.kernels import synth
+    from comfyui_lowvram_dit.tools import synth
 
     path = server.base_dir / "models" / "diffusion_models" / name
     synth.write_synthetic("wan21_t2v_1_3B", path, size="tiny", fmt="bf16", seed=seed, num_layers=num_layers)

@@ -38,7 +38,7 @@ def test_oom_in_a_swapped_forward_names_a_setting_that_fits(caplog: pytest.LogCa
     import comfy.model_management as mm
     import comfy.sd
 
-    from comfyui_lowvram_dit.kernels import synth
+    from comfyui_lowvram_dit.tools import synth
     from comfyui_lowvram_dit.kernels.offload import SwapConfig
     from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
 

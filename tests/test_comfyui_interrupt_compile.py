@@ -46,7 +46,7 @@ def _comfy() -> None:
 
 def _tiny_wan_patcher(seed: int = 0) -> Any:
     import comfy.sd
-    from comfyui_lowvram_dit.kernels import synth
+    from comfyui_lowvram_dit.tools import synth
 
     sd = synth.synthetic_state_dict("wan21_t2v_1_3B", size="tiny", fmt="bf16", seed=seed, num_layers=NUM_LAYERS)
     return comfy.sd.load_diffusion_model_state_dict(sd, {"dtype": torch.bfloat16})
@@ -160,7 +160,7 @@ def test_in_process_interrupt_with_swap_and_compile_restores_model_and_accountin
 
 
 def _write_wan(server: ComfyServer, name: str, seed: int) -> str:
-    from comfyui_lowvram_dit.kernels import synth
+    from comfyui_lowvram_dit.tools import synth
 
     synth.write_synthetic("wan21_t2v_1_3B", server.base_dir / "models" / "diffusion_models" / name, size="tiny",
                           fmt="bf16", seed=seed, num_layers=NUM_LAYERS)

@@ -35,7 +35,7 @@ def comfy_pinning(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
 
 
 def _load(tmp_path: Path, fmt: str, seed: int = 1):  # noqa: ANN202 - ModelPatcher
-    from comfyui_lowvram_dit.kernels import synth
+    from comfyui_lowvram_dit.tools import synth
     from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
 
     path = synth.write_synthetic(MODEL, tmp_path / f"m_{fmt}_{seed}.safetensors", size="tiny", fmt=fmt, seed=seed,
@@ -59,7 +59,7 @@ def _weight(patcher, key: str = KEY) -> torch.Tensor:  # noqa: ANN001
 
 def test_partial_load_never_pins_mapped_weights(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
     from comfyui_lowvram_dit.kernels.offload import is_file_backed
-    from comfyui_lowvram_dit.nodes.mapped_weights import MappedWeightsMixin, file_views
+    from comfyui_lowvram_dit.nodes.glue.mapped_weights import MappedWeightsMixin, file_views
 
     patcher = _load(tmp_path, "fp8_scaled")
     ref = sample_wan(patcher, seed=3)
@@ -106,7 +106,7 @@ def test_unload_points_gpu_weights_back_at_the_file(tmp_path: Path, comfy_pinnin
     import comfy.utils
 
     from comfyui_lowvram_dit.kernels.offload import is_file_backed
-    from comfyui_lowvram_dit.nodes.mapped_weights import file_views
+    from comfyui_lowvram_dit.nodes.glue.mapped_weights import file_views
 
     patcher = _load(tmp_path, "fp8_scaled")
     ref = sample_wan(patcher, seed=4)
@@ -122,7 +122,7 @@ def test_unload_points_gpu_weights_back_at_the_file(tmp_path: Path, comfy_pinnin
 
 def test_quantized_on_load_models_are_left_alone(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
     """bf16 source quantized while loading: nothing is mapped, the patcher stays stock and pins as usual."""
-    from comfyui_lowvram_dit.nodes.mapped_weights import MappedWeightsMixin
+    from comfyui_lowvram_dit.nodes.glue.mapped_weights import MappedWeightsMixin
 
     patcher = _load(tmp_path, "bf16")
     assert not isinstance(patcher, MappedWeightsMixin)
@@ -135,7 +135,7 @@ def test_quantized_on_load_models_are_left_alone(tmp_path: Path, comfy_pinning: 
 def test_block_swap_on_a_mapped_model_keeps_both_behaviours(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
     from comfyui_lowvram_dit.kernels.offload import SwapConfig
     from comfyui_lowvram_dit.nodes.block_swap import BlockSwapMixin, apply_block_swap
-    from comfyui_lowvram_dit.nodes.mapped_weights import MappedWeightsMixin
+    from comfyui_lowvram_dit.nodes.glue.mapped_weights import MappedWeightsMixin
 
     base = _load(tmp_path, "fp8_scaled")
     ref = sample_wan(base, seed=5)
@@ -169,7 +169,7 @@ def test_real_partially_unload_with_a_lora(tmp_path: Path, comfy_pinning: FakeCu
     """ComfyUI's own partially_unload after a full load (other weights stand in as GPU copies): the LoRA weight comes
     back through ComfyUI's backup, the rest go back to the file, nothing mapped is pinned, same output."""
     from comfyui_lowvram_dit.kernels.offload import is_file_backed
-    from comfyui_lowvram_dit.nodes.mapped_weights import file_views
+    from comfyui_lowvram_dit.nodes.glue.mapped_weights import file_views
 
     base = _load(tmp_path, "fp8_scaled")
     lora = base.clone()
@@ -211,7 +211,7 @@ def test_an_object_patched_module_is_never_rebound(tmp_path: Path, comfy_pinning
 def test_in_place_patching_turns_file_rebinding_off(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
     """weight_inplace_update writes LoRA results into the mapped pages: afterwards no weight may be pointed back at
     them, or a plain clone would silently run with the LoRA baked in."""
-    from comfyui_lowvram_dit.nodes.mapped_weights import file_views
+    from comfyui_lowvram_dit.nodes.glue.mapped_weights import file_views
 
     base = _load(tmp_path, "fp8_scaled")
     ref = sample_wan(base, seed=9)

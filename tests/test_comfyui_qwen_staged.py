@@ -1,6 +1,6 @@
 """Qwen-Image staged loader inside a real ComfyUI v0.8.0: tiny synthetic Qwen-Image end to end.
 
-Files: the tiny Qwen-Image transformer (kernels.synth, ComfyUI's fixed widths, 1 block), a small Qwen2.5-VL text
+Files: the tiny Qwen-Image transformer (tools.synth, ComfyUI's fixed widths, 1 block), a small Qwen2.5-VL text
 encoder (ComfyUI's widths, 2 layers; tests/test_staged.py) and the tiny Wan 2.1 VAE.
 Graph: LowVRAM_QwenImageStagedLoader -> KSampler -> LowVRAM_QwenImageDecode. A second test proves in process that
 the streamed encoder gives exactly ComfyUI's own embeddings (load_clip + encode), bf16 and fp8_scaled.
@@ -19,7 +19,7 @@ import pytest
 from comfy_server import ComfyServer, comfyui_in_process_or_skip
 from test_staged import write_small_text_encoder
 
-from comfyui_lowvram_dit.kernels import synth
+from comfyui_lowvram_dit.tools import synth
 
 pytestmark = pytest.mark.comfyui
 _seed = itertools.count(7000)

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 from comfy_server import ComfyServer
-from comfyui_lowvram_dit.kernels import synth
+from comfyui_lowvram_dit.tools import synth
 from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.comfyui

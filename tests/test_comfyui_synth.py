@@ -2,7 +2,7 @@
 
 DiTs: UNETLoader -> KSampler (2 steps, cfg 2, random conditioning from the fixture nodes) -> latent stats.
 VAEs: VAELoader -> VAEDecode -> VAEEncode. Text encoders (full size even when "tiny": ComfyUI's configs are
-fixed, see kernels/model_specs.py) and the Wan 2.2 VAE (dim 160 fixed, 1.4 GB) are marked ``slow``.
+fixed, see tools/model_specs.py) and the Wan 2.2 VAE (dim 160 fixed, 1.4 GB) are marked ``slow``.
 Run: see tests/comfy_server.py (needs COMFYUI_PATH).
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from comfy_server import ComfyServer
 
-from comfyui_lowvram_dit.kernels import synth
-from comfyui_lowvram_dit.kernels.model_specs import MODEL_FOLDER
+from comfyui_lowvram_dit.tools import synth
+from comfyui_lowvram_dit.tools.model_specs import MODEL_FOLDER
 
 pytestmark = pytest.mark.comfyui
 _seed = itertools.count(1000)  # identical prompts are cached by ComfyUI: vary a seed per run

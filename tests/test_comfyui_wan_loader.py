@@ -17,7 +17,7 @@ import torch
 from comfy_server import ComfyServer, comfyui_in_process_or_skip, comfyui_path_or_reason
 from safetensors.torch import load_file, save_file
 
-from comfyui_lowvram_dit.kernels import synth
+from comfyui_lowvram_dit.tools import synth
 from comfyui_lowvram_dit.kernels import wan_checkpoint as wc
 
 pytestmark = pytest.mark.comfyui

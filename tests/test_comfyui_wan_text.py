@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from comfy_server import comfyui_in_process_or_skip
-from comfyui_lowvram_dit.kernels import synth
-from comfyui_lowvram_dit.kernels.model_specs import UMT5Config
+from comfyui_lowvram_dit.tools import synth
+from comfyui_lowvram_dit.tools.model_specs import UMT5Config
 
 pytestmark = pytest.mark.comfyui
 PROMPTS = ["a red fox runs through fresh snow, golden hour", ""]

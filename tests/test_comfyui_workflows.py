@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from comfy_server import ComfyServer
-from comfyui_lowvram_dit import runner
+from comfyui_lowvram_dit.tools import runner
 
 pytestmark = pytest.mark.comfyui
 TESTS = Path(__file__).resolve().parent

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfyui_lowvram_dit.kernels import doctor
+from comfyui_lowvram_dit.tools import doctor
 
 SECTIONS = ("versions", "gpu", "memory", "fp8", "attention", "known_issues", "recommendation", "skipped")
 
@@ -130,7 +130,7 @@ def test_broken_triton_and_missing_seams_are_reported(cpu_report: dict) -> None:
     assert seams["severity"] == "error" and "ComfyUI (0.9.0) lacks 1 seam(s)" in seams["message"]
     assert "wrappers.diffusion_model" in seams["message"] and "wrappers.apply_model" not in seams["message"]
     text = doctor.format_report(r)
-    assert "\nComfyUI seams (nodes/_seams.py)\n" in text
+    assert "\nComfyUI seams (nodes/glue/seams.py)\n" in text
     assert "wrappers.diffusion_model  missing: comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL" in text
 
 
@@ -199,7 +199,7 @@ def test_node_schema_is_valid_and_execute_returns_text_and_ui() -> None:
     out = doctor_node.Doctor.execute(gpu_probes=False)
     text = out.result[0]
     assert "Recommendation" in text and "comfyui        0.8" in text
-    assert "\nComfyUI seams (nodes/_seams.py)\n" in text and "dit.block_replace         ok" in text
+    assert "\nComfyUI seams (nodes/glue/seams.py)\n" in text and "dit.block_replace         ok" in text
     assert "missing:" not in text
     assert out.ui.as_dict() == {"text": (text,)}
 

@@ -34,7 +34,7 @@ import pytest
 from comfy_server import (ComfyServer, comfy_server_session, comfyui_path_or_reason, loader_swap_nodes,
                          sample_nodes)
 
-from comfyui_lowvram_dit.memwatch import gpu_used_bytes, proc_status
+from comfyui_lowvram_dit.tools.memwatch import gpu_used_bytes, proc_status
 
 pytestmark = pytest.mark.comfyui
 
@@ -73,7 +73,7 @@ CPU_MAPPED = Case("cpu", "wan21_t2v_1_3B", "cpu", 256 * MiB, None, None, fmt="fp
 def _write_models(server: ComfyServer, case: Case) -> tuple[str, str]:
     """Two 4-block, full-width bf16 files of ``case.model`` in the server's diffusion_models folder."""
     import torch
-    from comfyui_lowvram_dit.kernels import synth
+    from comfyui_lowvram_dit.tools import synth
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # generation on the GPU: seconds, not minutes
     names = []

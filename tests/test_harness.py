@@ -168,7 +168,7 @@ def test_native_wan_model_loads_as_unetloader_would_and_runs_a_forward(weight_dt
     assert comfy is not None, reason
     import_comfyui_in_process(comfy)
     from comfyui_lowvram_dit.benchmarks import comfy_native as cn
-    from comfyui_lowvram_dit.kernels.synth import synthetic_state_dict
+    from comfyui_lowvram_dit.tools.synth import synthetic_state_dict
 
     cn.import_comfy(cpu=True)
     sd = synthetic_state_dict("wan22_ti2v_5B", size="tiny")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from comfyui_lowvram_dit import memwatch, runner
+from comfyui_lowvram_dit.tools import memwatch, runner
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

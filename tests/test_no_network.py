@@ -21,7 +21,8 @@ NETWORK_MODULES = {"socket", "urllib", "urllib3", "http", "requests", "httpx", "
 
 
 def _runtime_files() -> list[Path]:
-    return [PACK / "__init__.py", *sorted((PACK / "kernels").rglob("*.py")), *sorted((PACK / "nodes").rglob("*.py"))]
+    return [PACK / "__init__.py", *sorted((PACK / "kernels").rglob("*.py")), *sorted((PACK / "nodes").rglob("*.py")),
+            PACK / "tools" / "doctor.py"]
 
 
 def _imported_roots(path: Path) -> set[str]:
@@ -43,7 +44,7 @@ def test_no_runtime_module_imports_a_network_library() -> None:
 
 def test_the_static_check_sees_imports() -> None:
     """The scan is not vacuous: it finds runner.py's HTTP client."""
-    assert {"socket", "urllib"} <= _imported_roots(PACK / "runner.py")
+    assert {"socket", "urllib"} <= _imported_roots(PACK / "tools" / "runner.py")
 
 
 @pytest.fixture
@@ -70,8 +71,8 @@ def test_wan_path_runs_offline(tmp_path: Path, no_network: list[tuple], monkeypa
     import folder_paths
     import torch
 
-    from comfyui_lowvram_dit.kernels import synth
-    from comfyui_lowvram_dit.kernels.model_specs import UMT5Config
+    from comfyui_lowvram_dit.tools import synth
+    from comfyui_lowvram_dit.tools.model_specs import UMT5Config
     from comfyui_lowvram_dit.kernels.offload import SwapConfig
     from comfyui_lowvram_dit.nodes.attention import apply_attention
     from comfyui_lowvram_dit.nodes.block_swap import apply_block_swap

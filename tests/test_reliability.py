@@ -3,7 +3,7 @@
 Covers ``checkpoint_io.read_header`` and everything the loaders run on a header before touching tensor data:
 ``wan_checkpoint.inspect_checkpoint``, ``staged.inspect_qwen_image``, ``staged.text_encoder_format``,
 ``staged.umt5_config_from_header`` and ``staged.qwen25_vl_config_from_header``. The seeds are real key layouts
-(kernels.synth.file_layout), written as sparse files (header + ``truncate``), so a 15 GB text-encoder layout costs
+(tools.synth.file_layout), written as sparse files (header + ``truncate``), so a 15 GB text-encoder layout costs
 a few kB on disk. A seeded ``random.Random`` drives the mutations: same cases on every run.
 """
 
@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from comfyui_lowvram_dit.kernels import staged, synth
+from comfyui_lowvram_dit.kernels import staged
+from comfyui_lowvram_dit.tools import synth
 from comfyui_lowvram_dit.kernels import wan_checkpoint as wc
 from comfyui_lowvram_dit.kernels.checkpoint_io import (
     TORCH_TO_SAFETENSORS,

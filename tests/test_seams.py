@@ -1,4 +1,4 @@
-"""ComfyUI seam detection (nodes/_seams.py): a node whose seams are missing is left out or passes its MODEL through,
+"""ComfyUI seam detection (nodes/glue/seams.py): a node whose seams are missing is left out or passes its MODEL through,
 with a message naming the node, the missing name and the ComfyUI version; the pack imports without Triton.
 
 CPU tests build a fake ComfyUI on disk from the seam table itself (every probed name exists, with the source
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from comfyui_lowvram_dit.nodes import _seams
+from comfyui_lowvram_dit.nodes.glue import seams as _seams
 
 REPO = Path(__file__).resolve().parents[1]
 LOGGER = "comfyui_lowvram_dit"
@@ -144,7 +144,7 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_every_node_declares_known_seams_and_a_policy(fake_comfy) -> None:
     classes = fake_comfy("0.8.0")
     declared = [c for c in classes if getattr(c, "COMFY_SEAMS", ())]
-    assert len(declared) >= 7  # every node but the Doctor (and Block Swap until it declares; see nodes/_seams.py)
+    assert len(declared) >= 7  # every node but the Doctor (and Block Swap until it declares; see nodes/glue/seams.py)
     for cls in declared:
         assert set(cls.COMFY_SEAMS) <= set(_seams.SEAMS), cls.__name__
         assert cls.IF_SEAMS_MISSING in (_seams.PASS_THROUGH, _seams.DISABLE), cls.__name__
@@ -234,7 +234,7 @@ def test_probes_never_raise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert not _seams.Probe("lowvram_ok_mod:value.real.nope").ok()
     assert not _seams.Probe("lowvram_ok_mod:f", ("anything",)).ok()  # a builtin has no source
     assert _seams.Probe("lowvram_ok_mod:value.real").ok()
-    assert _seams.missing_probes("no.such.seam") == ["(unknown seam 'no.such.seam' in nodes/_seams.py)"]
+    assert _seams.missing_probes("no.such.seam") == ["(unknown seam 'no.such.seam' in nodes/glue/seams.py)"]
 
 
 def test_a_broken_check_keeps_the_node(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
@@ -278,7 +278,8 @@ for pkg in (k, n):
         except Exception as exc:
             failed[name] = f"{type(exc).__name__}: {exc}"
 import torch
-from comfyui_lowvram_dit.kernels import attention, attention_int8, doctor, fp8_triton
+from comfyui_lowvram_dit.kernels import attention, attention_int8, fp8_triton
+from comfyui_lowvram_dit.tools import doctor
 classes = n.load_node_classes()
 report = doctor.collect(gpu_probes=False)
 print(json.dumps({

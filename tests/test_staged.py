@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from comfyui_lowvram_dit.kernels import staged
-from comfyui_lowvram_dit.kernels import synth
+from comfyui_lowvram_dit.tools import synth
 from comfyui_lowvram_dit.kernels.checkpoint_io import CheckpointError, StreamingSafetensorsWriter, read_header
 from comfyui_lowvram_dit.kernels.fp8 import dequantize_blockwise
-from comfyui_lowvram_dit.kernels.model_specs import (
+from comfyui_lowvram_dit.tools.model_specs import (
     Qwen25VLConfig,
     QwenImageConfig,
     is_linear_weight,
@@ -34,7 +34,7 @@ SMALL_TE = Qwen25VLConfig(num_layers=2, intermediate=256)
 
 
 def write_small_text_encoder(path: Path, fmt: str = "bf16", seed: int = 0, cfg: Qwen25VLConfig = SMALL_TE) -> Path:
-    """A Qwen2.5-VL file with the real key names (kernels.model_specs) and random weights; bf16 or ComfyUI's
+    """A Qwen2.5-VL file with the real key names (tools.model_specs) and random weights; bf16 or ComfyUI's
     legacy fp8_scaled (fp8 Linear weights + ``scale_weight``, fp16 rest, ``scaled_fp8`` marker)."""
     spec = qwen25_vl_spec(cfg)
     gen = torch.Generator().manual_seed(seed)
@@ -292,7 +292,7 @@ NARROW_QWEN = QwenImageConfig(num_layers=2, dim=256, joint_dim=384)
 
 
 def _write_qwen(path: Path, fmt: str) -> tuple[Path, dict[str, torch.Tensor]]:
-    """Narrow Qwen-Image as bf16, ComfyUI legacy fp8_scaled or plain fp8 (as kernels.synth writes them)."""
+    """Narrow Qwen-Image as bf16, ComfyUI legacy fp8_scaled or plain fp8 (as tools.synth writes them)."""
     gen = torch.Generator().manual_seed(1)
     src = {n: (torch.randn(s, generator=gen) * 0.05).to(d) for n, s, d in qwen_image_spec(NARROW_QWEN)}
     out: dict[str, torch.Tensor] = {}

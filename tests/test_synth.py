@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfyui_lowvram_dit.kernels import model_specs, synth
+from comfyui_lowvram_dit.tools import model_specs, synth
 from comfyui_lowvram_dit.kernels.checkpoint_io import iter_tensors, read_header
-from comfyui_lowvram_dit.kernels.model_specs import MODELS, is_linear_weight, model_spec
+from comfyui_lowvram_dit.tools.model_specs import MODELS, is_linear_weight, model_spec
 
 SHAPES = Path(__file__).parent / "shapes"
 DITS = [m for m in MODELS if m.startswith("wan2") and not m.endswith("vae")] + ["qwen_image"]

@@ -1,6 +1,6 @@
 """Wan checkpoints: format detection, streaming fp8 quantization, our saved format, conversions, errors.
 
-Tiny Wan files (real key names, dim 256, 2 blocks) come from kernels.synth; the ComfyUI / musubi-tuner
+Tiny Wan files (real key names, dim 256, 2 blocks) come from tools.synth; the ComfyUI / musubi-tuner
 fp8 variants are built here the way those tools write them.
 """
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from comfyui_lowvram_dit.kernels import fp8, synth
+from comfyui_lowvram_dit.kernels import fp8
+from comfyui_lowvram_dit.tools import synth
 from comfyui_lowvram_dit.kernels import wan_checkpoint as wc
 from comfyui_lowvram_dit.kernels.checkpoint_io import CheckpointError
 

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from comfyui_lowvram_dit import runner
+from comfyui_lowvram_dit.tools import runner
 
 TESTS = Path(__file__).resolve().parent
 WORKFLOWS = sorted((TESTS.parent / "workflows").glob("*.json"))

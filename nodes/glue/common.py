@@ -63,14 +63,14 @@ def embedding_cache() -> Any:  # kernels.staged.EmbeddingCache
     """The pack's embedding cache under ComfyUI's user directory (kept across restarts, unlike temp)."""
     import folder_paths
 
-    from ..kernels import staged
+    from ...kernels import staged
 
     return staged.EmbeddingCache(Path(folder_paths.get_user_directory()).joinpath(*EMBEDDING_CACHE_FOLDER))
 
 
 def text_encoder_identity(te_path: str | Path, header: Any, dtype_key: str, config: dict) -> dict:
     """Everything about a text encoder file that changes its embeddings, readable without loading it (cache key)."""
-    from ..kernels import staged
+    from ...kernels import staged
 
     return {"sha256": staged.file_identity(te_path), "format": staged.text_encoder_format(header),
             "dtype": str(header.tensors[dtype_key].dtype).removeprefix("torch."), "config": config,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import fp8 as fp8_math
+from ...kernels import fp8 as fp8_math
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Keys ComfyUI / musubi files carry next to a weight; accepted here too, in case a state dict was not

@@ -11,8 +11,8 @@ import sys
 
 # command -> (module relative to this package, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "doctor": (".kernels.doctor", "report versions, GPU, working fp8/attention paths and a recommendation"),
-    "synth": (".kernels.synth", "write synthetic checkpoints (real key names and shapes, random weights)"),
+    "doctor": (".doctor", "report versions, GPU, working fp8/attention paths and a recommendation"),
+    "synth": (".synth", "write synthetic checkpoints (real key names and shapes, random weights)"),
     "run": (".runner", "run a shipped workflow headless in ComfyUI"),
 }
 

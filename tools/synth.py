@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_io import StreamingSafetensorsWriter
+from ..kernels.checkpoint_io import StreamingSafetensorsWriter
 from .model_specs import (
     MODEL_FOLDER,
     MODELS,

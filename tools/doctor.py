@@ -246,7 +246,7 @@ def _probe_fp8_with_pack(device: Any) -> list[dict]:
     """Each kernels.fp8 path on a tiny GEMM vs its own fp32 emulation (fp8_linear_reference)."""
     import torch
 
-    from . import fp8
+    from ..kernels import fp8
 
     torch.manual_seed(0)
     m, n, k = 64, 256, 256
@@ -325,7 +325,7 @@ def _probe_fp8_direct(device: Any) -> list[dict]:
 
 def collect_fp8(device: Any) -> dict:
     """Which fp8 paths work here, and which path the pack's fp8 layer would pick."""
-    fp8_mod, import_err = _guard(lambda: importlib.import_module(".fp8", __package__))
+    fp8_mod, import_err = _guard(lambda: importlib.import_module("..kernels.fp8", __package__))
     if fp8_mod is not None:
         probes, err = _guard(lambda: _probe_fp8_with_pack(device), [])
         source = "kernels.fp8"
@@ -351,7 +351,7 @@ def _probe_attention_with_pack(device: Any, dtype: Any) -> list[dict]:
     """Every backend in kernels.attention's registry: static capability check, then a tiny checked call."""
     import torch
 
-    from . import attention
+    from ..kernels import attention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 4, 256, 128, device=device, dtype=dtype) for _ in range(3))
@@ -431,7 +431,7 @@ def collect_attention(device: Any) -> dict:
     import torch
 
     dtype = torch.bfloat16
-    attn_mod, import_err = _guard(lambda: importlib.import_module(".attention", __package__))
+    attn_mod, import_err = _guard(lambda: importlib.import_module("..kernels.attention", __package__))
     if attn_mod is not None:
         probes, err = _guard(lambda: _probe_attention_with_pack(device, dtype), [])
         source = "kernels.attention"
@@ -464,7 +464,7 @@ def known_issues(report: dict) -> list[dict]:
     if missing:
         add("comfyui_seams_missing", "error", f"This ComfyUI ({v.get('comfyui') or 'unknown version'}) lacks "
             f"{len(missing)} seam(s) the pack uses ({', '.join(missing)}): the nodes that need them are left out or "
-            "pass the model through (see 'ComfyUI seams' and the startup log).", "nodes/_seams.py")
+            "pass the model through (see 'ComfyUI seams' and the startup log).", "nodes/glue/seams.py")
     comfy_v = _version_tuple(v.get("comfyui"))
     if comfy_v and comfy_v < (0, 8, 0):
         add("comfyui_too_old", "error", f"ComfyUI {v['comfyui']} is older than 0.8.0, which this pack requires "
@@ -590,7 +590,7 @@ def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike 
             gpu_probes: bool = True, host: dict | None = None, seams: dict[str, str] | None = None) -> dict:
     """The whole report as a dict. Never raises: a failing section records its error.
 
-    ``seams`` (seam -> "ok" / "missing: ...") comes from nodes/_seams.py when the Doctor node runs inside ComfyUI.
+    ``seams`` (seam -> "ok" / "missing: ...") comes from nodes/glue/seams.py when the Doctor node runs inside ComfyUI.
     """
     comfyui_path = comfyui_path or os.environ.get("COMFYUI_PATH")
     report: dict = {"generated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "skipped": []}
@@ -654,7 +654,7 @@ def format_report(report: dict) -> str:
     if report.get("host"):
         lines += ["", "ComfyUI (running)"] + [f"  {k:<14} {val}" for k, val in report["host"].items()]
     if report.get("seams"):
-        lines += ["", "ComfyUI seams (nodes/_seams.py)"] + [f"  {k:<25} {val}" for k, val in report["seams"].items()]
+        lines += ["", "ComfyUI seams (nodes/glue/seams.py)"] + [f"  {k:<25} {val}" for k, val in report["seams"].items()]
     lines += ["", "GPU"]
     if gpu.get("available"):
         cap = ".".join(map(str, gpu.get("capability", [])))

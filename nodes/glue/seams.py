@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ._common import comfyui_version
+from .common import comfyui_version
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -85,7 +85,7 @@ SEAMS: dict[str, tuple[Probe, ...]] = {
     "v3_node_api": _p("comfy_api.latest:ComfyExtension", "comfy_api.latest:io.ComfyNode",
                       "comfy_api.latest:io.Schema", "comfy_api.latest:io.NodeOutput",
                       "comfy_api.latest:io.Model.Input", "comfy_api.latest:ui.PreviewText"),
-    # Loaders: model lists and paths; embedding cache under the user directory (nodes/_common.py).
+    # Loaders: model lists and paths; embedding cache under the user directory (nodes/glue/common.py).
     "folder_paths": _p("folder_paths:get_filename_list", "folder_paths:get_full_path",
                        "folder_paths:get_full_path_or_raise", "folder_paths:get_folder_paths",
                        "folder_paths:get_user_directory"),
@@ -117,7 +117,7 @@ SEAMS: dict[str, tuple[Probe, ...]] = {
     # Attention: per-model override called by wrap_attn (comfy/ldm/modules/attention.py).
     "attention.override": (Probe("comfy.ldm.modules.attention:wrap_attn",
                                  ("optimized_attention_override", "_inside_attn_wrapper")),),
-    # Loaders: the fp8 Linear (nodes/fp8_ops.py) passed as model_options["custom_operations"].
+    # Loaders: the fp8 Linear (nodes/glue/fp8_ops.py) passed as model_options["custom_operations"].
     "ops.custom_operations": (Probe("comfy.sd:load_diffusion_model_state_dict", ('"custom_operations"',)),
                               Probe("comfy.model_base:BaseModel.__init__", ("custom_operations",))),
     "ops.manual_cast": _p("comfy.ops:manual_cast.Linear.forward_comfy_cast_weights", "comfy.ops:run_every_op",
@@ -157,7 +157,7 @@ def missing_probes(name: str) -> list[str]:
     """The ComfyUI names of seam ``name`` that this ComfyUI lacks (an unknown seam name is reported as missing)."""
     probes = SEAMS.get(name)
     if probes is None:
-        return [f"(unknown seam {name!r} in nodes/_seams.py)"]
+        return [f"(unknown seam {name!r} in nodes/glue/seams.py)"]
     return [p.describe() for p in probes if not p.ok()]
 
 

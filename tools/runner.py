@@ -269,7 +269,7 @@ def tiny_text_encoder_config(model: str) -> object | None:
     vocabulary (ComfyUI's bundled tokenizer emits ids up to 151k) and the full vision tower (ComfyUI always
     builds it; an fp8_scaled encoder without its weights cannot be sized for loading).
     """
-    from .kernels.model_specs import Qwen25VLConfig, UMT5Config
+    from .model_specs import Qwen25VLConfig, UMT5Config
 
     if model == "umt5_xxl_enc":
         return UMT5Config(num_layers=TINY_TE_LAYERS, d_ff=256, num_heads=2, vocab_size=512)
@@ -282,7 +282,7 @@ def _layer_count(path: Path) -> int | None:
     """Blocks/layers of an existing text encoder file (None when unreadable)."""
     import re
 
-    from .kernels.checkpoint_io import CheckpointError, read_header
+    from ..kernels.checkpoint_io import CheckpointError, read_header
 
     try:
         keys = read_header(path).tensors
@@ -300,7 +300,7 @@ def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny"
     keep ComfyUI's full config (stock loaders cannot read anything else). ``size="full"`` writes the real
     sizes (a 14B fp8 expert is ~14 GB), generated on the GPU when there is one.
     """
-    from .kernels.synth import write_synthetic
+    from .synth import write_synthetic
 
     device = "cpu"
     if size == "full":

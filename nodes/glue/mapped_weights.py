@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..kernels.offload import file_backed_ranges, is_file_backed
-from ._common import mixed_class
+from ...kernels.offload import file_backed_ranges, is_file_backed
+from .common import mixed_class
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
