@@ -43,7 +43,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from comfyui_lowvram_dit.tools.runner import free_port, pack_import_problems, stop_process  # noqa: E402,F401 - shared with the runner
+from comfyui_lowvram_dit.tools.runner import (free_port, headless_frontend_args, pack_import_problems,  # noqa: F401
+                                              stop_process)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_NODES = Path(__file__).resolve().parent / "fixture_nodes"
@@ -172,7 +173,8 @@ def _server_command(python: str, base: Path, extra: list[str], gpu: bool | None 
         gpu = os.environ.get("COMFYUI_GPU", "") in ("1", "true")
     if not gpu:
         cmd.append("--cpu")
-    return cmd + extra + shlex.split(os.environ.get("COMFYUI_EXTRA_ARGS", ""))
+    extra = extra + shlex.split(os.environ.get("COMFYUI_EXTRA_ARGS", ""))
+    return cmd + extra + headless_frontend_args(python, extra, base)
 
 
 def _server_env(base: Path) -> dict[str, str]:

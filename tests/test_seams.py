@@ -1,9 +1,10 @@
 """ComfyUI seam detection (nodes/glue/seams.py): a node whose seams are missing is left out or passes its MODEL through,
 with a message naming the node, the missing name and the ComfyUI version; the pack imports without Triton.
 
-CPU tests build a fake ComfyUI on disk from the seam table itself (every probed name exists, with the source
-strings the source probes look for), then drop one name and check what the real node classes become. The
-``comfyui`` tests check the table against the real ComfyUI v0.8.0 (no seam falsely missing).
+CPU tests build a fake ComfyUI on disk from the seam table itself (every probed name exists; the objects that
+behaviour probes exercise follow the protocol, or ignore it when a test breaks them), then drop or break one and
+check what the real node classes become. The ``comfyui`` tests check the table against a real ComfyUI (each
+supported host: no seam falsely missing).
 """
 
 from __future__ import annotations
@@ -58,43 +59,92 @@ ui = types.SimpleNamespace(PreviewText=lambda text: text)
 
 
 def _emit(tree: dict, indent: str = "") -> list[str]:
-    """Source for a nested {name: subtree | needles} tree: subtrees become classes, leaves functions."""
+    """Source for a nested {name: subtree | None} tree: subtrees become classes, leaves functions."""
     lines = []
     for name, sub in tree.items():
         if isinstance(sub, dict):
             lines += [f"{indent}class {name}:", f"{indent}    pass"] + _emit(sub, indent + "    ")
         else:
             args = "self, *a, **k" if indent else "*a, **k"
-            body = f"{indent}    return {list(sub)!r}  # the source probes read this"
-            lines += [f"{indent}def {name}({args}):", body]
+            lines += [f"{indent}def {name}({args}):", f"{indent}    return None"]
     return lines
 
 
-def write_fake_comfyui(root: Path, version: str, drop: tuple[str, ...] = (),
-                       strip: dict[str, str] | None = None) -> None:
-    """A ComfyUI tree in which every seam probe passes, minus the targets in ``drop`` and the source strings in
-    ``strip`` (target -> needle removed from that function's source)."""
-    strip = strip or {}
+# The objects behaviour probes exercise, as a ComfyUI that keeps each protocol ({"ok"}) or drops it ({"broken"}).
+_BLOCK_MODEL = '''
+class {name}:
+    def __init__(self, **kwargs):
+        pass
+    def parameters(self):
+        return []
+    def state_dict(self):
+        return {{}}
+    def __call__(self, x, t, context, transformer_options=None, **kwargs):
+        patch = (transformer_options or {{}}).get("patches_replace", {{}}).get("dit", {{}}).get(("double_block", 0))
+        if patch is None or {broken}:
+            return x
+        return patch({{"img": x}}, {{"original_block": lambda args: args}})
+'''
+_ATTENTION = '''
+def optimized_attention(q, k, v, heads, transformer_options=None, **kwargs):
+    override = (transformer_options or {{}}).get("optimized_attention_override")
+    if override is None or {broken}:
+        return q
+    return override(lambda *a, **k: q, q, k, v, heads)
+'''
+_LOADER = '''
+def load_diffusion_model_state_dict(sd, model_options=None):
+    ops = (model_options or {{}}).get("custom_operations")
+    return None if ops is None or {broken} else ops.Linear(2, 2)
+'''
+_OPS = '''
+class _Linear:
+    def __init__(self, *args, **kwargs):
+        pass
+    def forward_comfy_cast_weights(self, *args, **kwargs):
+        return None
+class manual_cast:
+    Linear = _Linear
+disable_weight_init = manual_cast
+'''
+FAKE_BEHAVIOURS = {
+    "comfy.ldm.wan.model:WanModel": _BLOCK_MODEL.replace("{name}", "WanModel"),
+    "comfy.ldm.qwen_image.model:QwenImageTransformer2DModel":
+        _BLOCK_MODEL.replace("{name}", "QwenImageTransformer2DModel"),
+    "comfy.ldm.modules.attention:optimized_attention": _ATTENTION,
+    "comfy.sd:load_diffusion_model_state_dict": _LOADER,
+}
+
+
+def write_fake_comfyui(root: Path, version: str, drop: tuple[str, ...] = (), broken: tuple[str, ...] = ()) -> None:
+    """A ComfyUI tree in which every seam probe passes, minus the targets in ``drop`` (absent) and ``broken``
+    (present, but ignoring the protocol their behaviour probe checks)."""
     modules: dict[str, dict] = {}
+    extra: dict[str, list[str]] = {"comfy.ops": [_OPS]}
     for probes in _seams.SEAMS.values():
         for p in probes:
             module, _, path = p.target.partition(":")
             if module.startswith("comfy_api") or p.target in drop:
                 continue
+            if p.check is not None:
+                source = FAKE_BEHAVIOURS[p.target].replace("{broken}", str(p.target in broken))
+                extra.setdefault(module, []).append(source.replace("{{", "{").replace("}}", "}"))
+                modules.setdefault(module, {})
+                continue
             node = modules.setdefault(module, {})
             *parents, leaf = path.split(".")
             for part in parents:
                 node = node.setdefault(part, {})
-            kept = tuple(s for s in p.contains if s != strip.get(p.target))
-            node[leaf] = tuple(dict.fromkeys(node.get(leaf, ()) + kept))  # one target can be probed twice
+            node.setdefault(leaf, None)
     root.mkdir(parents=True, exist_ok=True)
-    for module, tree in modules.items():
+    for module in set(modules) | set(extra):
         parts = module.split(".")
         for i in range(1, len(parts)):  # packages along the way
             pkg = root.joinpath(*parts[:i])
             pkg.mkdir(parents=True, exist_ok=True)
             (pkg / "__init__.py").touch()
-        root.joinpath(*parts[:-1], parts[-1] + ".py").write_text("\n".join(_emit(tree)) + "\n")
+        body = _emit(modules.get(module, {})) + extra.get(module, [])
+        root.joinpath(*parts[:-1], parts[-1] + ".py").write_text("\n".join(body) + "\n")
     api = root / "comfy_api" / "latest"  # comfy_api is a namespace package in ComfyUI too (no __init__.py)
     api.mkdir(parents=True, exist_ok=True)
     (api / "__init__.py").write_text(FAKE_COMFY_API)
@@ -103,7 +153,7 @@ def write_fake_comfyui(root: Path, version: str, drop: tuple[str, ...] = (),
 
 @pytest.fixture
 def fake_comfy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
-    """Returns ``load(version, drop=(), strip=None) -> list of node classes after the seam guard``; every module
+    """Returns ``load(version, drop=(), broken=()) -> list of node classes after the seam guard``; every module
     imported meanwhile (fake ComfyUI, the pack's node modules) is forgotten afterwards."""
     before = set(sys.modules)
     roots: list[str] = []
@@ -113,10 +163,11 @@ def fake_comfy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
             if name.split(".")[0] in FAKE_TOP_LEVEL or name.startswith("comfyui_lowvram_dit.nodes."):
                 del sys.modules[name]
 
-    def load(version: str, drop: tuple[str, ...] = (), strip: dict[str, str] | None = None) -> list[type]:
+    def load(version: str, drop: tuple[str, ...] = (), broken: tuple[str, ...] = ()) -> list[type]:
         forget()
+        _seams.forget_probe_results()
         root = tmp_path / f"comfy{len(roots)}"
-        write_fake_comfyui(root, version, drop, strip)
+        write_fake_comfyui(root, version, drop, broken)
         if roots:
             sys.path.remove(roots[-1])
         roots.append(str(root))
@@ -128,6 +179,7 @@ def fake_comfy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
 
     yield load
     forget()
+    _seams.forget_probe_results()
     if roots:
         sys.path.remove(roots[-1])
     _seams._SAID.clear()
@@ -199,27 +251,32 @@ def test_missing_folder_paths_function_disables_the_loaders_naming_a_newer_comfy
     assert {"AttentionSelect", "NanGuard", "TorchCompile", "QwenImageDecode", "Doctor"} <= set(classes)
     msg = next(m for m in _warnings(caplog) if "Wan 2.2 Loader" in m)
     assert msg == ("lowvram_dit: Wan 2.2 Loader (LowVRAM) is disabled: this ComfyUI (0.9.1) lacks "
-                   "folder_paths.get_user_directory; the pack needs ComfyUI >= 0.8.0 and was checked against 0.8.0; a "
-                   "newer ComfyUI may have moved it: update comfyui-lowvram-dit (or report it with this message).")
+                   "folder_paths.get_user_directory; the pack needs ComfyUI >= 0.8.0 and was checked on 0.8.0 to 0.33.0; "
+                   "a newer ComfyUI may have moved it: update comfyui-lowvram-dit (or report it with this message).")
 
 
-def test_changed_protocol_is_detected_from_the_source(fake_comfy, caplog) -> None:
-    """Wan's forward still exists but no longer consults patches_replace["dit"][("double_block", i)]."""
+def test_changed_protocol_is_detected_from_behaviour(fake_comfy, caplog) -> None:
+    """Wan's model still exists but its forward no longer runs patches_replace["dit"][("double_block", i)]."""
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    target = "comfy.ldm.wan.model:WanModel.forward_orig"
-    classes = _by_name(fake_comfy("0.10.0", strip={target: '("double_block", i)'}))
-    assert "comfy.ldm.wan.model.WanModel.forward_orig (using patches_replace" in classes["NanGuard"].SEAM_PROBLEM
+    classes = _by_name(fake_comfy("0.40.0", broken=("comfy.ldm.wan.model:WanModel",)))
+    assert ("comfy.ldm.wan.model.WanModel (behaviour: Wan's forward runs per-block replace patches"
+            in classes["NanGuard"].SEAM_PROBLEM)
     assert not hasattr(classes["AttentionSelect"], "SEAM_PROBLEM")
-    assert _seams.seam_status()["dit.block_replace"].startswith("missing: comfy.ldm.wan.model.WanModel.forward_orig")
+    assert _seams.seam_status()["dit.block_replace"].startswith("missing: comfy.ldm.wan.model.WanModel")
 
 
 def test_attention_override_missing_passes_through(fake_comfy) -> None:
-    classes = _by_name(fake_comfy("0.8.0", strip={"comfy.ldm.modules.attention:wrap_attn":
-                                                  "optimized_attention_override"}))
+    classes = _by_name(fake_comfy("0.8.0", broken=("comfy.ldm.modules.attention:optimized_attention",)))
     problem = classes["AttentionSelect"].SEAM_PROBLEM
     assert problem.startswith("Attention (LowVRAM) passes the model through unchanged: this ComfyUI (0.8.0) lacks "
-                              "comfy.ldm.modules.attention.wrap_attn (using optimized_attention_override")
+                              "comfy.ldm.modules.attention.optimized_attention (behaviour: ComfyUI's attention entry "
+                              "point hands the call to")
     assert not hasattr(classes["TorchCompile"], "SEAM_PROBLEM")
+
+
+def test_custom_operations_ignored_disables_the_loaders(fake_comfy) -> None:
+    classes = _by_name(fake_comfy("0.8.0", broken=("comfy.sd:load_diffusion_model_state_dict",)))
+    assert "WanLoader" not in classes and "AttentionSelect" in classes
 
 
 def test_probes_never_raise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -232,7 +289,9 @@ def test_probes_never_raise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert not _seams.Probe("lowvram_exiting_mod:x").ok()
     assert not _seams.Probe("lowvram_blocked_mod:x").ok()
     assert not _seams.Probe("lowvram_ok_mod:value.real.nope").ok()
-    assert not _seams.Probe("lowvram_ok_mod:f", ("anything",)).ok()  # a builtin has no source
+    assert not _seams.Probe("lowvram_ok_mod:f", lambda obj: 1 / 0).ok()  # a behaviour check that raises
+    assert not _seams.Probe("lowvram_ok_mod:value", lambda obj: obj == 2).ok()
+    assert _seams.Probe("lowvram_ok_mod:value", lambda obj: obj == 1).ok()
     assert _seams.Probe("lowvram_ok_mod:value.real").ok()
     assert _seams.missing_probes("no.such.seam") == ["(unknown seam 'no.such.seam' in nodes/glue/seams.py)"]
 

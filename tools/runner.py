@@ -164,6 +164,25 @@ def prepare_base_dir(base: Path, extra_custom_nodes: dict[str, Path] | None = No
             link.symlink_to(target, target_is_directory=True)
 
 
+def headless_frontend_args(python: str, extra_args: list[str], base_dir: Path) -> list[str]:
+    """``--front-end-root`` on an empty folder when the server's Python lacks ComfyUI's front-end package.
+
+    A headless run never serves the UI, and ComfyUI refuses to start without the package unless a front-end
+    root is given; a user's own ``--front-end-root`` is kept."""
+    if any(a.startswith("--front-end-root") for a in extra_args):
+        return []
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('comfyui_frontend_package') is None)"
+    try:
+        has_frontend = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        has_frontend = True  # let ComfyUI itself report what is wrong with that Python
+    if has_frontend:
+        return []
+    root = base_dir / "empty_frontend"
+    root.mkdir(parents=True, exist_ok=True)
+    return [f"--front-end-root={root}"]
+
+
 @contextmanager
 def start_comfyui(
     comfyui_path: Path,
@@ -179,10 +198,11 @@ def start_comfyui(
     if not main_py.is_file():
         raise RunError(f"{comfyui_path}: no main.py here; point --comfyui (or COMFYUI_PATH) at a ComfyUI checkout")
     port = free_port()
+    extra_args = [*(extra_args or []), *headless_frontend_args(python or sys.executable, extra_args or [], base_dir)]
     cmd = [
         python or sys.executable, str(main_py), "--listen", "127.0.0.1", "--port", str(port),
         "--base-directory", str(base_dir), "--disable-auto-launch", "--database-url", "sqlite:///:memory:",
-        *(["--cpu"] if cpu else []), *(extra_args or []),
+        *(["--cpu"] if cpu else []), *extra_args,
     ]  # fmt: skip
     log_path = base_dir / "comfyui.log"
     logf = log_path.open("w")

@@ -1,7 +1,7 @@
 """Feature detection of the ComfyUI seams the pack builds on, and what a node does when one is missing.
 
-Every ComfyUI name a node relies on is listed once in ``SEAMS`` (names checked against ComfyUI v0.8.0).
-A node class declares the seams it needs and what to do without them:
+Every ComfyUI name a node relies on is listed once in ``SEAMS``. A node class declares the seams it needs and
+what to do without them:
 
     COMFY_SEAMS = ("wrappers.diffusion_model", "model_patcher.wrappers")
     IF_SEAMS_MISSING = "pass_through"   # or "disable"
@@ -11,68 +11,66 @@ leaves out a "disable" node with one warning, and replaces a "pass_through" node
 subclass whose execute returns the input model unchanged (one warning at startup, one at the first run).
 Every message names the node, the missing ComfyUI name and the running ComfyUI version.
 
-Probes are an import plus ``getattr`` (or a look at one function's source for seams that are protocols
-rather than names, such as ``patches_replace["dit"]``); they import ComfyUI only when called and never raise.
+A probe is an import plus ``getattr``; seams that are protocols rather than names (per-block replace patches,
+the attention override, custom operations) also run a behaviour check from nodes/glue/behaviour.py on a tiny CPU
+model. Probes import ComfyUI only when called, never raise, and each result is computed once per process.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
-import linecache
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import behaviour
 from .common import comfyui_version
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
 MIN_COMFYUI = "0.8.0"  # pyproject.toml [tool.comfy] requires-comfyui
-TESTED_COMFYUI = "0.8.0"  # the version every seam below was read from
+TESTED_COMFYUI = ("0.8.0", "0.33.0")  # the oldest and newest ComfyUI every seam below was checked on
 PASS_THROUGH, DISABLE = "pass_through", "disable"
-_BLOCK_REPLACE = ("patches_replace", '"dit"', '("double_block", i)', '"original_block"')
+_RESULTS: dict["Probe", bool] = {}  # a probe's outcome cannot change while ComfyUI runs
 
 
 @dataclass(frozen=True)
 class Probe:
-    """``module:attr.path`` must resolve; with ``contains``, that object's source must hold every string."""
+    """``module:attr.path`` must resolve; with ``check``, calling it on that object must return True."""
 
     target: str
-    contains: tuple[str, ...] = ()
+    check: Callable[[Any], bool] | None = None
 
     def describe(self) -> str:
-        """The dotted name a user can search for (and what its source must do, for source probes)."""
+        """The dotted name a user can search for (and the behaviour it must show, for behaviour probes)."""
         name = self.target.replace(":", ".")
-        return f"{name} (using {', '.join(self.contains)})" if self.contains else name
+        if self.check is None:
+            return name
+        return f"{name} (behaviour: {(self.check.__doc__ or self.check.__name__).strip().rstrip('.')})"
 
     def ok(self) -> bool:
-        """True when the target exists (and its source holds ``contains``); never raises."""
+        """True when the target exists (and passes its behaviour check); never raises."""
+        if self not in _RESULTS:
+            _RESULTS[self] = self._run()
+        return _RESULTS[self]
+
+    def _run(self) -> bool:
         try:
             module_name, _, path = self.target.partition(":")
             obj: Any = importlib.import_module(module_name)
             for part in filter(None, path.split(".")):
                 obj = getattr(obj, part)
-            if self.contains:
-                source = _source(obj)
-                return all(s in source for s in self.contains)
-            return True
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - ImportError, AttributeError, no source, sys.exit
+            return True if self.check is None else bool(self.check(obj))
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - ImportError, AttributeError, a changed protocol
             log.debug("lowvram_dit: seam probe %s failed: %s: %s", self.target, type(exc).__name__, exc)
             return False
 
 
-def _source(obj: Any) -> str:
-    """A function's source read from its code object's file (inspect.getsource would walk sys.modules through
-    inspect.getmodule, which raises on some namespace packages); other objects go through inspect."""
-    code = getattr(inspect.unwrap(obj), "__code__", None)
-    if code is None:
-        return inspect.getsource(obj)
-    lines = linecache.getlines(code.co_filename)
-    if not lines:
-        raise OSError(f"no source for {code.co_filename}")
-    return "".join(inspect.getblock(lines[code.co_firstlineno - 1:]))
+def forget_probe_results() -> None:
+    """Drop cached probe outcomes (for tests that swap the ComfyUI under the pack)."""
+    _RESULTS.clear()
 
 
 def _p(*targets: str) -> tuple[Probe, ...]:
@@ -109,17 +107,16 @@ SEAMS: dict[str, tuple[Probe, ...]] = {
                                 "comfy.model_patcher:ModelPatcher.unpatch_model",
                                 "comfy.model_patcher:ModelPatcher.detach",
                                 "comfy.model_patcher:ModelPatcher.model_size",
-                                "comfy.model_patcher:ModelPatcher.get_ram_usage", "comfy.model_patcher:LowVramPatch",
+                                "comfy.model_patcher:LowVramPatch",
                                 "comfy.model_patcher:get_key_weight"),
     # Block Swap, NaN Guard: per-block replace patches, read by the Wan and Qwen-Image forwards.
-    "dit.block_replace": (Probe("comfy.ldm.wan.model:WanModel.forward_orig", _BLOCK_REPLACE),
-                          Probe("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel._forward", _BLOCK_REPLACE)),
+    "dit.block_replace": (Probe("comfy.ldm.wan.model:WanModel", behaviour.wan_block_replace),
+                          Probe("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",
+                                behaviour.qwen_image_block_replace)),
     # Attention: per-model override called by wrap_attn (comfy/ldm/modules/attention.py).
-    "attention.override": (Probe("comfy.ldm.modules.attention:wrap_attn",
-                                 ("optimized_attention_override", "_inside_attn_wrapper")),),
+    "attention.override": (Probe("comfy.ldm.modules.attention:optimized_attention", behaviour.attention_override),),
     # Loaders: the fp8 Linear (nodes/glue/fp8_ops.py) passed as model_options["custom_operations"].
-    "ops.custom_operations": (Probe("comfy.sd:load_diffusion_model_state_dict", ('"custom_operations"',)),
-                              Probe("comfy.model_base:BaseModel.__init__", ("custom_operations",))),
+    "ops.custom_operations": (Probe("comfy.sd:load_diffusion_model_state_dict", behaviour.custom_operations),),
     "ops.manual_cast": _p("comfy.ops:manual_cast.Linear.forward_comfy_cast_weights", "comfy.ops:run_every_op",
                           "comfy.ops:uncast_bias_weight", "comfy.float:stochastic_rounding",
                           "comfy.model_management:get_offload_stream", "comfy.model_management:cast_to",
@@ -181,8 +178,9 @@ def seam_problem(node_name: str, names: tuple[str, ...] | list[str], action: str
     v = _version_tuple(version)
     if v and v < _version_tuple(MIN_COMFYUI):
         return message + f"the pack needs ComfyUI >= {MIN_COMFYUI}. Update ComfyUI."
-    return message + (f"the pack needs ComfyUI >= {MIN_COMFYUI} and was checked against {TESTED_COMFYUI}; a newer "
-                      "ComfyUI may have moved it: update comfyui-lowvram-dit (or report it with this message).")
+    checked = " to ".join(TESTED_COMFYUI)
+    return message + (f"the pack needs ComfyUI >= {MIN_COMFYUI} and was checked on {checked}; a newer ComfyUI may "
+                      "have moved it: update comfyui-lowvram-dit (or report it with this message).")
 
 
 def seam_status() -> dict[str, str]:
