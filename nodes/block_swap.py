@@ -35,7 +35,8 @@ from comfy_api.latest import io
 
 from ..kernels import offload
 from ..kernels.offload import BlockStreamer, SwapConfig, SwapPlan
-from .glue.common import CATEGORY_PATCHES, display_name, mixed_class, node_id, wrap_block_patches
+from .glue.common import (CATEGORY_PATCHES, display_name, dynamic_vram_manages, mixed_class, node_id, say_once,
+                          wrap_block_patches)
 from .glue.seams import BLOCK_SWAP_SEAMS, PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -377,6 +378,11 @@ def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - Model
     """Return a clone of ``model`` that streams blocks per ``config`` (the node's whole job)."""
     import comfy.patcher_extension as pe
 
+    if dynamic_vram_manages(model):
+        say_once(log, "lowvram_dit Block Swap steps aside: ComfyUI's DynamicVRAM already streams this model's "
+                      "weights to the GPU on demand, and two managers of one model's VRAM would fight. To use Block "
+                      "Swap instead, start ComfyUI with --disable-dynamic-vram.")
+        return model
     m = model.clone()
     if SWAP_KEY in m.attachments:  # Block Swap applied twice: the last one wins
         m.remove_wrappers_with_key(pe.WrappersMP.DIFFUSION_MODEL, SWAP_KEY)

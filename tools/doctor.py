@@ -44,6 +44,7 @@ SWAP_MODELS: dict[str, dict[str, Any]] = {
     "qwen_image, 1328x1328": {"blocks": 60, "block_gb": {"bf16": 0.680, "fp8": 0.340},
                               "nonblock_gb": 0.081, "activations_gib": 0.44},
 }
+SUPPORTED_COMFYUI = ((0, 8, 0), (0, 33, 0))  # oldest and newest ComfyUI the pack is tested on
 # ComfyUI v0.8.0 model_management: EXTRA_RESERVED_VRAM 400 MB (600 MB Windows) + minimum_inference_memory 0.8 GiB.
 COMFY_RESERVED_GIB = {"linux": 0.4 * 1e9 / GIB, "windows": 0.6 * 1e9 / GIB}
 COMFY_MIN_INFERENCE_GIB = 0.8
@@ -466,9 +467,13 @@ def known_issues(report: dict) -> list[dict]:
             f"{len(missing)} seam(s) the pack uses ({', '.join(missing)}): the nodes that need them are left out or "
             "pass the model through (see 'ComfyUI seams' and the startup log).", "nodes/glue/seams.py")
     comfy_v = _version_tuple(v.get("comfyui"))
-    if comfy_v and comfy_v < (0, 8, 0):
+    if comfy_v and comfy_v < SUPPORTED_COMFYUI[0]:
         add("comfyui_too_old", "error", f"ComfyUI {v['comfyui']} is older than 0.8.0, which this pack requires "
             "(V3 node API, mixed-precision fp8 ops). Update ComfyUI.", "pyproject.toml [tool.comfy] requires-comfyui")
+    elif comfy_v and comfy_v > SUPPORTED_COMFYUI[1]:
+        add("comfyui_newer_than_tested", "info", f"ComfyUI {v['comfyui']} is newer than 0.33.0, the newest the "
+            "pack was tested on; the seam check above says whether everything it uses is still there.",
+            "pyproject.toml [tool.comfy] requires-comfyui")
     if cap and gpu.get("arch_list"):
         arch = f"sm_{cap[0]}{cap[1]}"
         ptx_ok = any(a.startswith("compute_") and _version_tuple(a[8:]) and int(a[8:]) <= cap[0] * 10 + cap[1]

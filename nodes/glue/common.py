@@ -101,3 +101,20 @@ def mixed_class(mixin: type, base: type, prefix: str) -> type:
     if key not in _MIXED:
         _MIXED[key] = type(f"{prefix}{base.__name__}", (mixin, base), {})
     return _MIXED[key]
+
+
+def dynamic_vram_manages(patcher: Any) -> bool:
+    """Whether ComfyUI's DynamicVRAM (``ModelPatcherDynamic``, on by default on NVIDIA since 0.16) owns this
+    patcher's VRAM; False on hosts without it and under ``--disable-dynamic-vram``."""
+    is_dynamic = getattr(patcher, "is_dynamic", None)
+    return bool(is_dynamic()) if callable(is_dynamic) else False
+
+
+_SAID_ONCE: set[str] = set()
+
+
+def say_once(logger: Any, message: str) -> None:
+    """Log ``message`` as a warning the first time this process says it."""
+    if message not in _SAID_ONCE:
+        _SAID_ONCE.add(message)
+        logger.warning(message)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ...kernels.offload import file_backed_ranges, is_file_backed
-from .common import mixed_class
+from .common import dynamic_vram_manages, mixed_class, say_once
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -114,6 +114,10 @@ class MappedWeightsMixin:
 
 def keep_file_backed(patcher):  # noqa: ANN001, ANN201 - ModelPatcher in, the same object out
     """Record ``patcher``'s file-mapped weights and give it MappedWeightsMixin; a no-op when none are mapped."""
+    if dynamic_vram_manages(patcher):
+        say_once(log, "lowvram_dit: ComfyUI's DynamicVRAM manages the mapped fp8 weights (its own pinning and "
+                      "disk-backed offload); the pack's file-backed offload steps aside")
+        return patcher
     ranges = file_backed_ranges()
     views = {}
     for owner_name, module in patcher.model.named_modules():

@@ -1,0 +1,71 @@
+"""Block Swap and the file-backed weights step aside while ComfyUI's DynamicVRAM manages a model, with one log line
+each, and stay active under the legacy patcher. DynamicVRAM only starts on a CUDA device (``ModelPatcherDynamic``
+falls back to ``ModelPatcher`` for CPU load devices), so the dynamic patcher is stood in by the real patcher whose
+``is_dynamic()`` answers True, the only thing the pack asks. In process, tiny Wan on the CPU; needs COMFYUI_PATH."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from comfy_server import comfyui_in_process_or_skip, sample_wan
+
+pytestmark = pytest.mark.comfyui
+LOGGER = "comfyui_lowvram_dit"
+
+
+def _as_dynamic(patcher: Any) -> Any:
+    patcher.is_dynamic = lambda: True
+    return patcher
+
+
+def _tiny_wan(tmp_path: Path, name: str) -> Path:
+    from comfyui_lowvram_dit.tools import synth
+
+    return synth.write_synthetic("wan22_t2v_14B", tmp_path / name, size="tiny", fmt="fp8_scaled", seed=3,
+                                 num_layers=4)
+
+
+def test_block_swap_steps_aside_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    comfyui_in_process_or_skip()
+    from comfyui_lowvram_dit.kernels.offload import SwapConfig
+    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.nodes.glue import common
+    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+
+    common._SAID_ONCE.clear()
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    path = _tiny_wan(tmp_path, "dyn.safetensors")
+    legacy = load_wan_model(path, "fp8 per-tensor")
+    swapped = apply_block_swap(legacy, SwapConfig(blocks_to_swap=2))
+    assert swapped is not legacy and SWAP_KEY in swapped.attachments  # the legacy patcher gets Block Swap
+
+    dynamic = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
+    for _ in range(2):
+        assert apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2)) is dynamic
+    said = [r.getMessage() for r in caplog.records if "Block Swap steps aside" in r.getMessage()]
+    assert len(said) == 1 and "--disable-dynamic-vram" in said[0]
+    assert torch.isfinite(sample_wan(dynamic, seed=2)).all()  # the model it passed on still samples
+
+
+def test_file_backed_offload_steps_aside_under_dynamic_vram(tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    comfyui_in_process_or_skip()
+    from comfyui_lowvram_dit.nodes.glue import common
+    from comfyui_lowvram_dit.nodes.glue.mapped_weights import MappedWeightsMixin, keep_file_backed
+    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+
+    common._SAID_ONCE.clear()
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    patcher = load_wan_model(_tiny_wan(tmp_path, "mapped.safetensors"), "fp8 per-tensor")
+    assert isinstance(patcher, MappedWeightsMixin)  # the loader keeps mapped weights file-backed by default
+
+    dynamic = _as_dynamic(patcher.clone())
+    # the patcher class without the mixin, as a fresh load gives
+    dynamic.__class__ = next(c for c in type(patcher).__mro__ if not issubclass(c, MappedWeightsMixin))
+    assert not isinstance(dynamic, MappedWeightsMixin)
+    assert keep_file_backed(dynamic) is dynamic and not isinstance(dynamic, MappedWeightsMixin)
+    assert sum("file-backed offload steps aside" in r.getMessage() for r in caplog.records) == 1
