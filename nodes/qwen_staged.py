@@ -34,6 +34,7 @@ import torch
 from comfy_api.latest import io
 
 from ..kernels import staged
+from ..kernels.embedding_cache import embedding_cache_key
 from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
 from ..kernels.offload import SwapConfig
 from .glue.common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, embedding_cache, node_id,
@@ -154,7 +155,7 @@ def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = Tr
             ident = encoder_identity(te_path)
             template = _prompt_template()
             for i, p in enumerate(prompts):
-                keys[i] = staged.embedding_cache_key(p, template, ident)
+                keys[i] = embedding_cache_key(p, template, ident)
                 out[i] = cache.get(keys[i])
         todo = [i for i, c in enumerate(out) if c is None]
         hits = len(prompts) - len(todo)

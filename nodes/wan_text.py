@@ -24,6 +24,7 @@ import torch
 from comfy_api.latest import io
 
 from ..kernels import staged
+from ..kernels.embedding_cache import embedding_cache_key
 from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
 from .glue.common import (CATEGORY_LOADERS, display_name, embedding_cache, file_fingerprint, node_id,
                       text_encoder_identity, use_mmap)
@@ -116,7 +117,7 @@ def encode_wan_prompts(te_path: str | Path, prompts: list[str],
         if cache is not None:
             ident = encoder_identity(te_path)
             for i, p in enumerate(prompts):
-                keys[i] = staged.embedding_cache_key(p, _tokenizer_id(), ident)
+                keys[i] = embedding_cache_key(p, _tokenizer_id(), ident)
                 out[i] = cache.get(keys[i])
         todo = [i for i, c in enumerate(out) if c is None]
         if todo:
