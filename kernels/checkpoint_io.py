@@ -330,10 +330,14 @@ class StreamingSafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-(len(raw)) % _ALIGN)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = self._tmp.open("wb")
-        self._f.write(struct.pack("<Q", len(raw)))
-        self._f.write(raw)
         self._next = 0
+        self._f = self._tmp.open("wb")
+        try:
+            self._f.write(struct.pack("<Q", len(raw)))
+            self._f.write(raw)
+        except BaseException:  # e.g. a disk that fills while the header is written: no .partial survives
+            self.abort()
+            raise
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next tensor; it must match the declared name, shape and dtype."""
@@ -346,22 +350,35 @@ class StreamingSafetensorsWriter:
                 f"got {name!r} {list(tensor.shape)} {tensor.dtype}"
             )
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self._f.write(memoryview(data.numpy()))
+        try:
+            self._f.write(memoryview(data.numpy()))
+        except BaseException:  # a failed write leaves nothing behind, whatever the caller does next
+            self.abort()
+            raise
         self._next += 1
 
     def close(self) -> Path:
         """Finish the file (all declared tensors must have been written) and move it into place."""
-        self._f.close()
-        if self._next != len(self._order):
-            self._tmp.unlink(missing_ok=True)
-            raise ValueError(f"{self.path.name}: {len(self._order) - self._next} declared tensors were not written")
-        os.replace(self._tmp, self.path)
+        try:
+            self._f.close()  # flushes: a full disk can fail here
+            if self._next != len(self._order):
+                raise ValueError(f"{self.path.name}: {len(self._order) - self._next} declared tensors were not written")
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
         return self.path
 
     def abort(self) -> None:
-        """Drop the partial file."""
-        self._f.close()
-        self._tmp.unlink(missing_ok=True)
+        """Close the handle and drop the partial file; never raises (it runs while another error propagates)."""
+        try:
+            self._f.close()
+        except OSError:  # the failed flush of a full disk: CPython closes the descriptor anyway
+            pass
+        try:
+            self._tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def __enter__(self) -> StreamingSafetensorsWriter:
         return self

@@ -156,7 +156,7 @@ def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = Tr
             template = _prompt_template()
             for i, p in enumerate(prompts):
                 keys[i] = embedding_cache_key(p, template, ident)
-                out[i] = cache.get(keys[i])
+                out[i] = cache.get(keys[i], expect_dim=ident["config"]["hidden_size"])
         todo = [i for i, c in enumerate(out) if c is None]
         hits = len(prompts) - len(todo)
         if todo:

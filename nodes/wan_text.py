@@ -118,7 +118,7 @@ def encode_wan_prompts(te_path: str | Path, prompts: list[str],
             ident = encoder_identity(te_path)
             for i, p in enumerate(prompts):
                 keys[i] = embedding_cache_key(p, _tokenizer_id(), ident)
-                out[i] = cache.get(keys[i])
+                out[i] = cache.get(keys[i], expect_dim=ident["config"]["d_model"])
         todo = [i for i, c in enumerate(out) if c is None]
         if todo:
             bar = comfy.utils.ProgressBar(1000 + 1000 * len(todo))

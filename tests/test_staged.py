@@ -114,9 +114,8 @@ def test_cache_write_is_atomic_when_replace_fails(tmp_path: Path, monkeypatch: p
     def boom(src: object, dst: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(staged.os, "replace", boom)
-    with pytest.raises(OSError, match="disk full"):
-        cache.put(key, _cond())
+    monkeypatch.setattr(embedding_cache.os, "replace", boom)
+    assert cache.put(key, _cond()) is None  # the cache is an optimisation: a failed write only skips caching
     monkeypatch.undo()
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # no entry, no temp file left behind
     assert cache.get(key) is None
