@@ -35,7 +35,7 @@ from comfy_api.latest import io
 
 from ..kernels import staged
 from ..kernels.embedding_cache import embedding_cache_key
-from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
+from ..kernels.checkpoint_io import CheckpointError, check_quantization, iter_tensors, read_header
 from ..kernels.offload import SwapConfig
 from .glue.common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, embedding_cache, node_id,
                       file_fingerprint, text_encoder_identity, use_mmap)
@@ -93,6 +93,7 @@ def build_text_encoder_streaming(te_path: str | Path, progress=None):  # noqa: A
     import folder_paths
 
     header = read_header(te_path)
+    check_quantization(header)  # ComfyUI would parse it later, without naming the file
     cfg = staged.qwen25_vl_config_from_header(header)
     small_names = staged.small_tensor_names(header)
     small = dict(iter_tensors(header, small_names))
@@ -191,6 +192,7 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
     import comfy.sd
 
     mode = QUANTIZATION[quantization]
+    check_quantization(read_header(unet_path))  # malformed configs / bad scales: named before any weight is read
     dev = _compute_device()
     bar = _bar(1000)
     sd, info, out_mode = staged.load_qwen_image_state_dict(

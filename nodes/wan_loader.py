@@ -64,8 +64,8 @@ def load_wan_model(
             wc.save_quantized(loaded, dest, source,
                               progress=lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1)), 1000))
             log.info("lowvram_dit: saved %s (picked up automatically next time)", dest.name)
-        except OSError as exc:  # a read-only models folder must not fail the load
-            log.warning("lowvram_dit: could not save %s: %s", dest, exc)
+        except (OSError, wc.CheckpointError) as exc:  # a read-only folder or a user's file there must not fail the load
+            log.warning("lowvram_dit: could not save %s: %s", dest.name, exc)
 
     if loaded.fp8_layers == 0:
         # Nothing quantized: exactly what UNETLoader(weight_dtype="default") builds.
