@@ -10,7 +10,7 @@ import torch
 from comfy_api.latest import io
 
 from ..kernels import wan_checkpoint as wc
-from .glue.common import CATEGORY_LOADERS, display_name, node_id, use_mmap
+from .glue.common import CATEGORY_LOADERS, display_name, file_fingerprint, node_id, use_mmap
 from .glue.seams import DISABLE
 from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 from .glue.mapped_weights import keep_file_backed
@@ -130,6 +130,23 @@ class WanLoader(io.ComfyNode):
             ],
             outputs=[io.Model.Output()],
         )
+
+    @classmethod
+    def fingerprint_inputs(cls, unet_name: str, quantization: str = "none", block_size: str = "128",
+                           **kwargs) -> str:
+        """Re-run when the file, or its saved quantized copy, changes on disk under the same name (size/mtime)."""
+        import folder_paths
+
+        mode = QUANTIZATION.get(quantization, "none")
+        path = folder_paths.get_full_path("diffusion_models", unet_name)
+        saved = "none"
+        if path and mode != "none" and str(block_size).isdigit():
+            try:
+                st = wc.quantized_path_for(path, mode, int(block_size)).stat()
+                saved = f"{st.st_size}:{st.st_mtime_ns}"
+            except OSError:
+                pass
+        return f"{file_fingerprint('diffusion_models', unet_name)}|{saved}"
 
     @classmethod
     def execute(cls, unet_name: str, quantization: str, block_size: str, compute: str,
