@@ -54,6 +54,11 @@ def load_wan_model(
     )
     for note in loaded.notes:
         log.info("lowvram_dit: %s", note)
+    # The loader cannot see the graph's VAE, and ComfyUI widens an empty latent to any model silently: say what fits,
+    # so a VAE Decode channel mismatch at the end of a run can be traced to this file.
+    vae = "the Wan 2.2 VAE (wan2.2_vae) and Wan22ImageToVideoLatent" if loaded.info.out_dim == 48 else "the Wan 2.1 VAE"
+    log.info("lowvram_dit: %s (%s) makes %d-channel latents: decode them with %s", source.name, loaded.info.variant,
+             loaded.info.out_dim, vae)
     size_gb = read_from.stat().st_size / 1e9
     log.info("lowvram_dit: read %s (%s, %s) in %.1f s (%.2f GB/s); %d fp8 layers, mode %s",
              read_from.name, loaded.info.variant, loaded.info.format, time.perf_counter() - t0,
