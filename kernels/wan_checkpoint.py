@@ -11,9 +11,9 @@ them most; same exclusion list as musubi-tuner's Wan fp8 loader).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +28,8 @@ from .checkpoint_io import (
     SafetensorsHeader,
     StreamingSafetensorsWriter,
     check_ranks,
+    check_weight_scales,
+    quant_layer_configs,
     read_header,
     read_tensors,
     to_device_or_cpu,
@@ -259,19 +261,30 @@ def quantize_state_dict(
     return out
 
 
-def _layer_formats(header: SafetensorsHeader, small: dict[str, torch.Tensor], prefix: str) -> dict[str, dict]:
-    """Per-layer ComfyUI quant configs (``_quantization_metadata`` or ``<layer>.comfy_quant`` tensors)."""
-    layers: dict[str, dict] = {}
-    raw = header.metadata.get("_quantization_metadata")
-    if raw:
-        try:
-            layers.update({k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in json.loads(raw)["layers"].items()})
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{header.path.name}: unreadable _quantization_metadata ({exc})") from None
-    for k, v in small.items():
-        if k.endswith(".comfy_quant"):
-            layers[k[: -len(".comfy_quant")]] = json.loads(bytes(v.to(torch.uint8).tolist()).decode("utf-8"))
-    return layers
+def _layer_formats(header: SafetensorsHeader, prefix: str) -> dict[str, dict]:
+    """Per-layer ComfyUI quant configs (``_quantization_metadata`` or ``<layer>.comfy_quant`` tensors), validated,
+    keyed without the checkpoint prefix."""
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in quant_layer_configs(header).items()}
+
+
+def _check_scales(header: SafetensorsHeader, info: WanCheckpointInfo, small: dict[str, torch.Tensor],
+                  layer_conf: dict[str, dict]) -> None:
+    """Before any weight is read: every scale finite and positive, and every fp8 block weight of a scaled file
+    (ComfyUI fp8_scaled, a comfy_quant layer, this pack's own files) has its scale."""
+    check_weight_scales(header, small.items())
+    if info.format not in ("comfy_fp8_scaled", "comfy_quant", "lowvram_fp8"):
+        return
+    suffix = "weight_scale" if info.format != "comfy_fp8_scaled" else "scale_weight"
+    for raw, i in header.tensors.items():
+        key = raw[len(info.prefix):] if raw.startswith(info.prefix) else raw
+        if i.dtype not in FP8_DTYPES or not is_fp8_target(key, i.shape):
+            continue
+        base = key[: -len("weight")]
+        if info.format == "comfy_quant" and base[:-1] not in layer_conf:
+            continue  # an fp8 layer without a config is a plain fp8 cast (as ComfyUI loads it)
+        if base + suffix not in small:
+            raise CheckpointError(f"{header.path.name}: fp8 weight {raw!r} has no scale ({info.prefix}{base}{suffix}); "
+                                  "the file is damaged or incomplete, download it again")
 
 
 def _dequantize_musubi(q: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:
@@ -327,7 +340,8 @@ def load_wan_state_dict(
              for n, v in read_tensors(header, small_names, mmap=mapped)}
     small_set = set(small_names)
     big_names = [n for n in header.tensors if n not in small_set]
-    layer_conf = _layer_formats(header, small, prefix) if info.format == "comfy_quant" else {}
+    layer_conf = _layer_formats(header, prefix) if info.format == "comfy_quant" else {}
+    _check_scales(header, info, small, layer_conf)
 
     if info.format == "lowvram_fp8":
         out_mode, out_bs = info.mode, info.block_size
@@ -487,10 +501,29 @@ def find_quantized(source: str | Path, mode: QuantMode, block_size: int = 128) -
     return cand
 
 
+def _refuse_foreign(dest: Path) -> None:
+    """CheckpointError unless ``dest`` is absent or a regular file this pack wrote (its format tag): a user's own
+    file that happens to have the target name is never replaced."""
+    if not os.path.lexists(dest):
+        return
+    try:
+        ours = dest.is_file() and not dest.is_symlink() and read_header(dest).metadata.get(META_FORMAT) == FORMAT_TAG
+    except CheckpointError:
+        ours = False
+    if not ours:
+        raise CheckpointError(f"{dest.name}: a file of that name exists and was not written by this pack; it is "
+                              "left untouched and the quantized copy is not saved (rename or move that file to save it)")
+
+
 def save_quantized(loaded: LoadedWan, dest: str | Path, source: str | Path, progress: ProgressFn | None = None) -> Path:
-    """Write ``loaded`` (fp8 + scales) as a safetensors file with the metadata that makes it auto-load."""
+    """Write ``loaded`` (fp8 + scales) as a safetensors file with the metadata that makes it auto-load.
+
+    Replaces only a file this pack wrote (CheckpointError otherwise); on any failure no partial file remains.
+    """
     if loaded.mode == "none":
         raise ValueError("save_quantized: nothing is quantized (mode none)")
+    dest = Path(dest)
+    _refuse_foreign(dest)
     sd = loaded.state_dict
     meta = {
         META_FORMAT: FORMAT_TAG,
@@ -503,10 +536,16 @@ def save_quantized(loaded: LoadedWan, dest: str | Path, source: str | Path, prog
     layout = [(k, tuple(v.shape), v.dtype) for k, v in sd.items()]
     total = sum(v.numel() * v.element_size() for v in sd.values())
     done = 0
-    with StreamingSafetensorsWriter(dest, layout, meta) as w:
+    w = StreamingSafetensorsWriter(dest, layout, meta)
+    try:
         for k, v in sd.items():
             w.write(k, v)
             done += v.numel() * v.element_size()
             if progress:
                 progress(done, total)
-    return Path(dest)
+        _refuse_foreign(dest)  # a file put there while this one was written is not replaced either
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    return dest

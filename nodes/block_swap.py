@@ -27,6 +27,7 @@ model through with a log line.
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 import weakref
 
@@ -374,6 +375,26 @@ class _SwapPrepare:
         return executor(model, noise_shape, conds, *args, **kwargs)
 
 
+BUDGET_MAX_GB = 1024.0
+
+
+def budget_problem(vram_budget_gb: object) -> str | None:
+    """Why a ``vram_budget_gb`` value is refused (NaN passes ComfyUI's min/max checks and would act as 0), or None."""
+    if isinstance(vram_budget_gb, bool) or not isinstance(vram_budget_gb, (int, float)):
+        return None  # a linked value: checked when the node runs
+    if not math.isfinite(vram_budget_gb) or not 0.0 <= vram_budget_gb <= BUDGET_MAX_GB:
+        return (f"vram_budget_gb is {vram_budget_gb}: use 0 (what ComfyUI has free) or a size in GB up to "
+                f"{BUDGET_MAX_GB:g}")
+    return None
+
+
+def check_budget(vram_budget_gb: float) -> None:
+    """ValueError naming ``vram_budget_gb`` unless it is a finite size in range (for values no validation saw)."""
+    problem = budget_problem(float(vram_budget_gb))
+    if problem:
+        raise ValueError(problem)
+
+
 def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - ModelPatcher in and out
     """Return a clone of ``model`` that streams blocks per ``config`` (the node's whole job)."""
     import comfy.patcher_extension as pe
@@ -442,8 +463,14 @@ class BlockSwap(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, vram_budget_gb: float) -> bool | str:
+        """Refuse a NaN / infinite / out-of-range budget by name when the prompt is queued."""
+        return budget_problem(vram_budget_gb) or True
+
+    @classmethod
     def execute(cls, model, vram_budget_gb: float, blocks_to_swap: int, prefetch: int, pinned: bool,
                 offload_embeddings: bool, debug: bool = False) -> io.NodeOutput:  # noqa: ANN001
+        check_budget(vram_budget_gb)
         config = SwapConfig(vram_budget_gb=vram_budget_gb, blocks_to_swap=blocks_to_swap, prefetch=prefetch,
                             pinned=pinned, offload_embeddings=offload_embeddings, debug=debug)
         return io.NodeOutput(apply_block_swap(model, config))

@@ -34,11 +34,12 @@ import torch
 from comfy_api.latest import io
 
 from ..kernels import staged
-from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
+from ..kernels.embedding_cache import embedding_cache_key
+from ..kernels.checkpoint_io import CheckpointError, check_quantization, iter_tensors, read_header
 from ..kernels.offload import SwapConfig
 from .glue.common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, embedding_cache, node_id,
                       file_fingerprint, text_encoder_identity, use_mmap)
-from .block_swap import apply_block_swap
+from .block_swap import apply_block_swap, budget_problem, check_budget
 from .glue.seams import BLOCK_SWAP_SEAMS, DISABLE
 from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 from .glue.mapped_weights import keep_file_backed
@@ -92,6 +93,7 @@ def build_text_encoder_streaming(te_path: str | Path, progress=None):  # noqa: A
     import folder_paths
 
     header = read_header(te_path)
+    check_quantization(header)  # ComfyUI would parse it later, without naming the file
     cfg = staged.qwen25_vl_config_from_header(header)
     small_names = staged.small_tensor_names(header)
     small = dict(iter_tensors(header, small_names))
@@ -154,8 +156,8 @@ def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = Tr
             ident = encoder_identity(te_path)
             template = _prompt_template()
             for i, p in enumerate(prompts):
-                keys[i] = staged.embedding_cache_key(p, template, ident)
-                out[i] = cache.get(keys[i])
+                keys[i] = embedding_cache_key(p, template, ident)
+                out[i] = cache.get(keys[i], expect_dim=ident["config"]["hidden_size"])
         todo = [i for i, c in enumerate(out) if c is None]
         hits = len(prompts) - len(todo)
         if todo:
@@ -190,6 +192,7 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
     import comfy.sd
 
     mode = QUANTIZATION[quantization]
+    check_quantization(read_header(unet_path))  # malformed configs / bad scales: named before any weight is read
     dev = _compute_device()
     bar = _bar(1000)
     sd, info, out_mode = staged.load_qwen_image_state_dict(
@@ -209,6 +212,31 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
     log.info("lowvram_dit Qwen-Image transformer %s: %d blocks, %s, weights %s", Path(unet_path).name,
              info.num_blocks, info.format, out_mode)
     return keep_file_backed(model)
+
+
+QWEN_PATCH = 2  # Qwen-Image packs 2x2 latent pixels per token: img_in takes 4x the VAE's latent channels
+
+
+def check_vae_fits(vae_path: str | Path, unet_path: str | Path) -> None:
+    """Before stage 1 (minutes of text encoding): the VAE file reads, is a Qwen-Image (Wan 2.1-style) VAE, and its
+    latent channels are what the transformer takes; CheckpointError naming both files otherwise."""
+    vae, unet = Path(vae_path), Path(unet_path)
+    if vae.suffix.lower() not in (".safetensors", ".sft"):
+        return  # other formats are ComfyUI's to read (VAELoader accepts them)
+    t = read_header(vae).tensors
+    if "decoder.middle.0.residual.0.gamma" not in t:
+        raise CheckpointError(f"{vae.name}: not a Qwen-Image VAE (no decoder.middle.0.residual.0.gamma); select "
+                              "qwen_image_vae.safetensors as vae_name")
+    if "decoder.upsamples.0.upsamples.0.residual.2.weight" in t:
+        raise CheckpointError(f"{vae.name} is a Wan 2.2 VAE (48 latent channels); {unet.name} needs the Qwen-Image "
+                              "VAE (16 channels): select qwen_image_vae.safetensors as vae_name")
+    header = read_header(unet)
+    img_in = header.tensors.get(staged.inspect_qwen_image(header).prefix + "img_in.weight")
+    conv2 = t.get("conv2.weight")
+    if img_in is not None and conv2 is not None and len(img_in.shape) == 2 and conv2.shape \
+            and conv2.shape[0] * QWEN_PATCH ** 2 != img_in.shape[1]:
+        raise CheckpointError(f"{vae.name} gives {conv2.shape[0]} latent channels but {unet.name} takes "
+                              f"{img_in.shape[1] // QWEN_PATCH ** 2}; the two files do not belong together")
 
 
 def load_vae(vae_path: str | Path):  # noqa: ANN201 - comfy.sd.VAE
@@ -286,17 +314,24 @@ class QwenImageStagedLoader(io.ComfyNode):
                         (("diffusion_models", unet_name), ("text_encoders", clip_name), ("vae", vae_name)))
 
     @classmethod
+    def validate_inputs(cls, vram_budget_gb: float) -> bool | str:
+        """Refuse a NaN / infinite / out-of-range budget by name when the prompt is queued."""
+        return budget_problem(vram_budget_gb) or True
+
+    @classmethod
     def execute(cls, unet_name: str, clip_name: str, vae_name: str, positive: str, negative: str,
                 quantization: str, vram_budget_gb: float, blocks_to_swap: int, cache_embeddings: bool,
                 compute: str = "auto") -> io.NodeOutput:
         import comfy.model_management as mm
         import folder_paths
 
+        check_budget(vram_budget_gb)
         unet = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         te = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
         vae_path = folder_paths.get_full_path_or_raise("vae", vae_name)
         # A previous run's transformer (dropped from ComfyUI's cache when our inputs changed) must be gone
         # before the encoder loads: the two do not fit in RAM together on the machines this node is for.
+        check_vae_fits(vae_path, unet)  # a wrong VAE fails now, not after the long text stage
         mm.cleanup_models_gc()
         staged.release_host_memory()
         (pos, neg), _ = encode_prompts(te, [positive, negative], use_cache=cache_embeddings)
@@ -376,8 +411,14 @@ class QwenImageDecode(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, vram_budget_gb: float) -> bool | str:
+        """Refuse a NaN / infinite / out-of-range budget by name when the prompt is queued."""
+        return budget_problem(vram_budget_gb) or True
+
+    @classmethod
     def execute(cls, samples: dict, vae, vram_budget_gb: float, tile_size: int, overlap: int,  # noqa: ANN001
                 allow_cpu: bool = False) -> io.NodeOutput:
+        check_budget(vram_budget_gb)
         images, _ = decode_staged(samples["samples"], vae, vram_budget_gb, tile_size, overlap, allow_cpu)
         return io.NodeOutput(images)
 

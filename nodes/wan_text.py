@@ -24,7 +24,8 @@ import torch
 from comfy_api.latest import io
 
 from ..kernels import staged
-from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
+from ..kernels.embedding_cache import embedding_cache_key
+from ..kernels.checkpoint_io import CheckpointError, check_quantization, iter_tensors, read_header
 from .glue.common import (CATEGORY_LOADERS, display_name, embedding_cache, file_fingerprint, node_id,
                       text_encoder_identity, use_mmap)
 from .glue.seams import DISABLE
@@ -58,6 +59,7 @@ def build_umt5_streaming(te_path: str | Path, progress: staged.ProgressFn | None
     from comfy.text_encoders import sd3_clip, wan
 
     header = read_header(te_path)
+    check_quantization(header)  # ComfyUI would parse it later, without naming the file
     cfg = staged.umt5_config_from_header(header)
     if cfg["d_model"] != WAN_TEXT_DIM:
         raise CheckpointError(f"{Path(te_path).name}: d_model {cfg['d_model']}, but Wan needs a {WAN_TEXT_DIM}-wide "
@@ -116,8 +118,8 @@ def encode_wan_prompts(te_path: str | Path, prompts: list[str],
         if cache is not None:
             ident = encoder_identity(te_path)
             for i, p in enumerate(prompts):
-                keys[i] = staged.embedding_cache_key(p, _tokenizer_id(), ident)
-                out[i] = cache.get(keys[i])
+                keys[i] = embedding_cache_key(p, _tokenizer_id(), ident)
+                out[i] = cache.get(keys[i], expect_dim=ident["config"]["d_model"])
         todo = [i for i, c in enumerate(out) if c is None]
         if todo:
             bar = comfy.utils.ProgressBar(1000 + 1000 * len(todo))

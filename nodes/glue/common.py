@@ -59,20 +59,21 @@ def use_mmap() -> bool:
         return True
 
 
-def embedding_cache() -> Any:  # kernels.staged.EmbeddingCache
+def embedding_cache() -> Any:  # kernels.embedding_cache.EmbeddingCache
     """The pack's embedding cache under ComfyUI's user directory (kept across restarts, unlike temp)."""
     import folder_paths
 
-    from ...kernels import staged
+    from ...kernels.embedding_cache import EmbeddingCache
 
-    return staged.EmbeddingCache(Path(folder_paths.get_user_directory()).joinpath(*EMBEDDING_CACHE_FOLDER))
+    return EmbeddingCache(Path(folder_paths.get_user_directory()).joinpath(*EMBEDDING_CACHE_FOLDER))
 
 
 def text_encoder_identity(te_path: str | Path, header: Any, dtype_key: str, config: dict) -> dict:
     """Everything about a text encoder file that changes its embeddings, readable without loading it (cache key)."""
     from ...kernels import staged
+    from ...kernels.embedding_cache import file_identity
 
-    return {"sha256": staged.file_identity(te_path), "format": staged.text_encoder_format(header),
+    return {"sha256": file_identity(te_path), "format": staged.text_encoder_format(header),
             "dtype": str(header.tensors[dtype_key].dtype).removeprefix("torch."), "config": config,
             "device": "cpu", "comfyui": comfyui_version(), "file": Path(te_path).name}
 
