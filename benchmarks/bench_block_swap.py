@@ -47,7 +47,8 @@ def swap_forward(ctx: harness.BenchContext, kind: str = "swap", model: str = MOD
     import torch
 
     from . import comfy_native
-    from ..kernels.offload import SwapConfig, format_stats
+    from ..kernels.swap_plan import SwapConfig
+    from ..kernels.offload import format_stats
     from ..tools.synth import synthetic_state_dict
 
     comfy = comfy_native.import_comfy(cpu=ctx.device.type == "cpu")

@@ -36,7 +36,7 @@ from comfy_api.latest import io
 from ..kernels import staged
 from ..kernels.embedding_cache import embedding_cache_key
 from ..kernels.checkpoint_io import CheckpointError, check_quantization, iter_tensors, read_header
-from ..kernels.offload import SwapConfig
+from ..kernels.swap_plan import SwapConfig
 from .glue.common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, embedding_cache, node_id,
                       file_fingerprint, text_encoder_identity, use_mmap)
 from .block_swap import apply_block_swap, budget_problem, check_budget

@@ -34,7 +34,7 @@ from comfy_server import ComfyServer, comfyui_in_process_or_skip, loader_swap_no
 pytestmark = pytest.mark.comfyui
 
 NUM_LAYERS = 6
-SWAPPED = 3  # blocks_to_swap: streams blocks 1, 3 and 5 of 6 (kernels/offload.plan_swap spreads them)
+SWAPPED = 3  # blocks_to_swap: streams blocks 1, 3 and 5 of 6 (kernels/swap_plan.plan_swap spreads them)
 
 
 # ------------------------------------------------------------------------------------------------ in process
@@ -107,7 +107,7 @@ def test_in_process_interrupt_with_swap_and_compile_restores_model_and_accountin
     _comfy()
     import comfy.model_management as mm
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
-    from comfyui_lowvram_dit.kernels.offload import SwapConfig
+    from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig
     from comfyui_lowvram_dit.nodes.attention import apply_attention
     from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
     from comfyui_lowvram_dit.nodes.compile import COMPILE_KEY, apply_compile

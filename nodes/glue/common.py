@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,18 +75,6 @@ def text_encoder_identity(te_path: str | Path, header: Any, dtype_key: str, conf
     return {"sha256": file_identity(te_path), "format": staged.text_encoder_format(header),
             "dtype": str(header.tensors[dtype_key].dtype).removeprefix("torch."), "config": config,
             "device": "cpu", "comfyui": comfyui_version(), "file": Path(te_path).name}
-
-
-def wrap_block_patches(model: Any, num_blocks: int, make: Callable[[int, Any], Any], own_type: type) -> None:
-    """Install ``make(i, inner)`` as ``patches_replace["dit"][("double_block", i)]`` for every block of a cloned
-    ModelPatcher, wrapping the patch already there (``inner``, or None); a patch of ``own_type`` is unwrapped first,
-    so applying the same node twice does not nest."""
-    replace = model.model_options["transformer_options"].setdefault("patches_replace", {}).setdefault("dit", {})
-    for i in range(num_blocks):
-        inner = replace.get(("double_block", i))
-        if isinstance(inner, own_type):
-            inner = inner.inner
-        replace[("double_block", i)] = make(i, inner)
 
 
 _MIXED: dict[tuple[type, type], type] = {}

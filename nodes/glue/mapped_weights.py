@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ...kernels.checkpoint_io import CheckpointError
-from ...kernels.offload import file_backed_ranges, is_file_backed
+from ...kernels.host_memory import file_backed_ranges, is_file_backed
 from .common import dynamic_vram_manages, mixed_class, say_once
 
 log = logging.getLogger("comfyui_lowvram_dit")
