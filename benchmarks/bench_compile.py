@@ -210,7 +210,7 @@ def _fp8_options(model: str, sd: dict, mode: str) -> dict:
     import torch
 
     from ..kernels import wan_checkpoint as wc
-    from ..kernels.staged import is_qwen_fp8_target
+    from ..kernels.qwen_image import is_qwen_fp8_target
     from ..nodes.glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 
     for k in [k for k, v in sd.items() if is_qwen_fp8_target(k, tuple(v.shape))]:

@@ -243,8 +243,6 @@ def iter_tensors(
         for info in order:
             f.seek(info.begin)
             # Read into torch-allocated (64-byte aligned) memory: the tensor behaves like any other CPU tensor.
-            # (The "invalid argument" H2D failure once blamed on bytearray buffers was a stale cudaHostRegister
-            # of freed memory at the same address; offload.HostArena now unregisters before freeing.)
             t = torch.empty(info.nbytes, dtype=torch.uint8)
             got = f.readinto(memoryview(t.numpy())) if info.nbytes else 0
             if got != info.nbytes:

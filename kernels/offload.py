@@ -7,12 +7,14 @@ Design (after musubi-tuner's ``LoRAStreamOffloader``):
 - Loading is one ``copy_`` into one of R preallocated GPU slots on a side stream. The copy stream waits on the
   slot's ``free`` event (recorded on the compute stream after the previous occupant ran); compute waits on the
   slot's ``ready`` event. No CPU synchronisation in the loop, no allocation after ``activate``.
-- Which blocks stream and the ring size come from kernels/swap_plan.py, decided once per load. Prefetch wraps around, so the next forward's first streamed blocks load during this
-  forward's tail. A block that is not where the schedule expects it is loaded on demand (self-healing), which
-  keeps interrupts, skipped blocks and extra forwards correct.
+- Which blocks stream and the ring size come from kernels/swap_plan.py, decided once per load. Prefetch wraps
+  around, so the next forward's first streamed blocks load during this forward's tail. A block that is not where
+  the schedule expects it is loaded on demand (self-healing), which keeps interrupts, skipped blocks and extra
+  forwards correct.
 
 ``StreamHook`` attaches a streamer to a model through kernels/hooks.py. Plain torch, no ComfyUI import. The
-engine runs on a CPU "device" too (streams and events become no-ops), so swapped == resident can be checked without a GPU.
+engine runs on a CPU "device" too (streams and events become no-ops), so swapped == resident can be checked
+without a GPU.
 """
 
 from __future__ import annotations

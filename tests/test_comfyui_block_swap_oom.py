@@ -1,5 +1,5 @@
 """An out-of-memory error inside a Block Swap forward says what was on the GPU and the setting that would fit, keeps
-its type (so ComfyUI's own OOM handling still unloads and reports), and leaves the model usable (issue 8).
+its type (so ComfyUI's own OOM handling still unloads and reports), and leaves the model usable.
 In process, tiny Wan on the CPU; needs COMFYUI_PATH."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The two-expert RAM design through ComfyUI's real load/unload path (issue 4): a pre-quantized Wan file is mapped,
+"""The two-expert RAM design through ComfyUI's real load/unload path: a pre-quantized Wan file is mapped,
 Block Swap copies the streamed blocks into its host buffer while the model is loaded, and when ComfyUI unloads the
 model the buffer is freed and the weights point back at the file (the idle expert costs page cache, not RSS).
 In process, tiny Wan on the CPU; needs COMFYUI_PATH."""

@@ -1,5 +1,5 @@
 """Interrupting a sampler mid-step with Block Swap AND Torch Compile active leaves the model usable and its memory
-accounted (issue #8, "Faults"). Needs COMFYUI_PATH.
+accounted. Needs COMFYUI_PATH.
 
 Two levels:
 - in process: a tiny Wan through ``apply_block_swap`` -> ``apply_compile`` (real dynamo, a pass-through backend
@@ -14,8 +14,7 @@ Two levels:
   leak warning in the log, and ComfyUI's own load accounting ("loaded completely; ... MB loaded") equal to the
   resident weights at every load of the swapped model.
 
-Inductor on 2 CPU cores compiles the block in ~17 s with a warm FX-graph cache (~40 s cold, measured
-2026-11-22 on this machine), which dominates the server test.
+Inductor compiling the block on the CPU dominates the server test's time.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Mapped (pre-quantized) weights stay file-backed through ComfyUI's partial load, offload and unload (issue 6's
-RAM goal, issue 8's pinned-memory faults). In process, tiny Wan on the CPU, ComfyUI's real ModelPatcher code;
+"""Mapped (pre-quantized) weights stay file-backed through ComfyUI's partial load, offload and unload (the idle
+model costs page cache, not RSS; pinned memory is never freed while registered). In process, tiny Wan on the CPU, ComfyUI's real ModelPatcher code;
 ``torch.cuda.cudart()`` is replaced by a registration table (tests/fake_cudart.py) and ComfyUI's pinned-memory
 limit is raised, so its pinning path runs as it does on a GPU. Needs COMFYUI_PATH."""
 

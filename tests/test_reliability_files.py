@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_reliability_cache import _FullDisk, full_disk, open_fds_under  # noqa: F401 - full_disk is a fixture
 
-from comfyui_lowvram_dit.kernels import checkpoint_io
+from comfyui_lowvram_dit.kernels import checkpoint_io, fp8_state
 from comfyui_lowvram_dit.kernels import wan_checkpoint as wc
 from comfyui_lowvram_dit.kernels.checkpoint_io import CheckpointError, read_header
 from comfyui_lowvram_dit.tools import synth
@@ -61,16 +61,16 @@ def _comfy_quant(sd: dict[str, torch.Tensor], how: str) -> tuple[dict[str, torch
 
 
 def _no_weight_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Names the loader streams after its small tensors (the weights); filled by a spy on read_tensors."""
+    """Names the loader streams after its small tensors (the weights); filled by a spy on fp8_state.read_tensors."""
     streamed: list[str] = []
-    real = wc.read_tensors
+    real = fp8_state.read_tensors
 
     def spy(header, names=None, *, mmap=False, prefetch=False):  # noqa: ANN001, ANN202
         if prefetch:
             streamed.extend(names or [])
         return real(header, names, mmap=mmap, prefetch=prefetch)
 
-    monkeypatch.setattr(wc, "read_tensors", spy)
+    monkeypatch.setattr(fp8_state, "read_tensors", spy)
     return streamed
 
 

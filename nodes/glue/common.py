@@ -67,16 +67,6 @@ def embedding_cache() -> Any:  # kernels.embedding_cache.EmbeddingCache
     return EmbeddingCache(Path(folder_paths.get_user_directory()).joinpath(*EMBEDDING_CACHE_FOLDER))
 
 
-def text_encoder_identity(te_path: str | Path, header: Any, dtype_key: str, config: dict) -> dict:
-    """Everything about a text encoder file that changes its embeddings, readable without loading it (cache key)."""
-    from ...kernels import staged
-    from ...kernels.embedding_cache import file_identity
-
-    return {"sha256": file_identity(te_path), "format": staged.text_encoder_format(header),
-            "dtype": str(header.tensors[dtype_key].dtype).removeprefix("torch."), "config": config,
-            "device": "cpu", "comfyui": comfyui_version(), "file": Path(te_path).name}
-
-
 _MIXED: dict[tuple[type, type], type] = {}
 
 
