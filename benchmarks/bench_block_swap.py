@@ -89,20 +89,20 @@ def swap_forward(ctx: harness.BenchContext, kind: str = "swap", model: str = MOD
                    "ring_gib": (ctl.plan.ring_bytes if ctl.plan else 0) / comfy_native.GIB}
     del sd
     inputs = comfy_native.wan_inputs(patcher, width, height, frames)
-    out = comfy_native.forward(patcher, inputs)
+    out = comfy_native.forward(patcher, inputs, via="apply_model")
     if tuple(out.shape) != tuple(inputs["x"].shape) or not torch.isfinite(out).all():
         raise RuntimeError(f"forward gave shape {tuple(out.shape)} or non-finite values")
     del out
     if not kind.startswith("native") and ctl.streamer is not None and ctl.active and ctl.plan.streamed:
         ctl.streamer.debug = True  # one instrumented forward (one sync at its end), then timing without it
-        comfy_native.forward(patcher, inputs)
+        comfy_native.forward(patcher, inputs, via="apply_model")
         stats = ctl.streamer.stats
         ctl.streamer.debug = False
         metrics.update(transfer_ms=round(stats.transfer_ms, 2), stall_ms=round(stats.stall_ms, 2),
                        streamed_compute_ms=round(stats.compute_ms, 2), overlap_pct=round(100 * stats.overlap, 1),
                        on_demand_loads=stats.on_demand)
         print(format_stats(stats), file=sys.stderr)
-    return {"fn": lambda: comfy_native.forward(patcher, inputs), "tokens": inputs["tokens"], "kind": kind,
+    return {"fn": lambda: comfy_native.forward(patcher, inputs, via="apply_model"), "tokens": inputs["tokens"], "kind": kind,
             "vram_cap_gib": vram_cap_gb, "resolution": f"{width}x{height}x{frames}", **metrics,
             **comfy_native.describe(patcher)}
 

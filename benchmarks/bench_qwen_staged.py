@@ -72,10 +72,10 @@ def _forward_fn(patcher, cond: list, width: int, height: int, vram_cap_gb: float
     t = torch.full((1,), 0.5, device=dev)
     context = cond[0][0].to(dev, dtype)
     inputs = {"x": x, "timestep": t, "context": context}
-    out = comfy_native.forward(patcher, inputs)
+    out = comfy_native.forward(patcher, inputs, via="apply_model")
     if not torch.isfinite(out).all():
         raise RuntimeError("forward produced non-finite values")
-    return lambda: comfy_native.forward(patcher, inputs), x
+    return lambda: comfy_native.forward(patcher, inputs, via="apply_model"), x
 
 
 def ours(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: int, height: int,
