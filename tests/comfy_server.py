@@ -148,7 +148,8 @@ def sample_nodes(seed: int, steps: int, size: int, cond_length: int) -> dict:
 
 def pack_import_line_seen(log: str, pack_dir: Path) -> bool:
     """Whether ComfyUI's "Import times for custom nodes" list names ``pack_dir`` (it tried to load it)."""
-    rx = re.compile(rf"^\s*[\d.]+ seconds( \(IMPORT FAILED\))?: {re.escape(str(pack_dir))}\s*$", re.M)
+    # 0.8 logs the bare line; newer ComfyUI prefixes a (coloured) level name.
+    rx = re.compile(rf"(^|\s)[\d.]+ seconds( \(IMPORT FAILED\))?: {re.escape(str(pack_dir))}\s*$", re.M)
     return rx.search(log) is not None
 
 
