@@ -60,8 +60,8 @@ def ours(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 - a function that set
 
 @pytest.mark.parametrize("core_faster", [True, False])
 def test_auto_measures_host_backends_with_ours(ours, core_faster: bool, caplog: pytest.LogCaptureFixture) -> None:
-    ours(mine=0.03 if core_faster else 0.002)
-    host = _host(_backend("core:pytorch", _exact(0.002 if core_faster else 0.03)), default="core:pytorch")
+    ours(mine=0.06 if core_faster else 0.0)
+    host = _host(_backend("core:pytorch", _exact(0.0 if core_faster else 0.06)), default="core:pytorch")
     sel, (q, k, v) = AttentionSelector(), _qkv()
     with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
         out = sel.run(q, k, v, None, "auto", host)
@@ -103,9 +103,9 @@ def test_broken_host_backend_is_never_chosen(ours, broken: str, caplog: pytest.L
 
 @pytest.mark.parametrize("quantized_faster", [True, False])
 def test_quantized_host_backend_only_where_faster_than_best_exact(ours, quantized_faster: bool) -> None:
-    ours(mine_slow=0.04, mine_fast=0.015)
-    host = _host(_backend("core:pytorch", _exact(0.03)),
-                 _backend("core:int8", _noisy(0.002 if quantized_faster else 0.025, 0.02), quantized=True),
+    ours(mine_slow=0.1, mine_fast=0.03)  # margins of 3x and more: timings on a loaded CI machine are noisy
+    host = _host(_backend("core:pytorch", _exact(0.1)),
+                 _backend("core:int8", _noisy(0.0 if quantized_faster else 0.1, 0.02), quantized=True),
                  default="core:int8")
     sel, (q, k, v) = AttentionSelector(), _qkv()
     sel.run(q, k, v, None, "auto", host)
@@ -127,14 +127,14 @@ def test_quantized_host_backend_outside_its_tolerance_is_rejected(ours) -> None:
 
 def test_host_decisions_are_cached_apart_from_plain_auto(ours) -> None:
     calls: list = []
-    ours(mine=0.01)
+    ours(mine=0.08)
     host = _host(_backend("core:pytorch", _exact(0.0, calls)), default="core:pytorch")
     sel, (q, k, v) = AttentionSelector(), _qkv()
     sel.run(q, k, v, None, "auto")
     assert calls == [] and len(sel.decisions) == 1
     sel.run(q, k, v, None, "auto", host)
     measured = len(calls)
-    assert measured > 1 and len(sel.decisions) == 2
+    assert measured > 1 and sorted(sel.decisions.values()) == ["core:pytorch", "mine"]
     sel.run(q, k, v, None, "auto", host)
     assert len(calls) == measured + 1  # cached: one plain call, no new measurement
     q2, k2, v2 = _qkv(lq=32)

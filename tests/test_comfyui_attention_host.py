@@ -70,11 +70,11 @@ def fake_core(core: Any, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 - reg
 
 @pytest.fixture
 def slow_ours(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make auto's own candidates one exact fake of 20 ms, so a fake core function can beat it on CPU."""
+    """Make auto's own candidates one exact fake of 50 ms, so a fake core function can beat it on CPU."""
     from comfyui_lowvram_dit.kernels import attention as ak
 
     def slow(q, k, v, mask):
-        time.sleep(0.02)
+        time.sleep(0.05)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     monkeypatch.setattr(ak, "BACKENDS", dict(ak.BACKENDS))
