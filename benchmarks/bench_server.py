@@ -36,8 +36,9 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from ..tools import runner
 from ..tools.memwatch import MemoryWatch
@@ -237,14 +238,14 @@ def step_times(events: list[tuple[float, dict]], node: str) -> dict:
     stamps = [seen[v] for v in values]
     return {"node": node, "progress_values": values,
             "first_s": round(stamps[0] - start, 3) if stamps and start is not None else None,
-            "steps_s": [round(b - a, 3) for a, b in zip(stamps, stamps[1:])]}
+            "steps_s": [round(b - a, 3) for a, b in pairwise(stamps)]}
 
 
 def node_times(events: list[tuple[float, dict]]) -> dict[str, float]:
     """Seconds each executed node took: from its 'executing' message to the next node's (or the end)."""
     marks = [(t, m["data"].get("node")) for t, m in events if m.get("type") == "executing"]
     out: dict[str, float] = {}
-    for (t, node), (t_next, _) in zip(marks, marks[1:]):
+    for (t, node), (t_next, _) in pairwise(marks):
         if node is not None:
             out[str(node)] = round(out.get(str(node), 0.0) + t_next - t, 3)
     return out
@@ -312,7 +313,7 @@ class EventRecorder:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._listen()), name="bench-ws", daemon=True)
 
-    def __enter__(self) -> EventRecorder:
+    def __enter__(self) -> Self:
         self._thread.start()
         if not self._ready.wait(30) or self.error:
             raise runner.RunError(f"websocket {self.ws_url} did not open: {self.error or 'timeout'}")
@@ -430,7 +431,7 @@ def gpu_facts() -> dict:
     if not smi:
         return {}
     res = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30)
+                         capture_output=True, text=True, timeout=30, check=False)
     first = res.stdout.strip().splitlines()[0] if res.returncode == 0 and res.stdout.strip() else ""
     fields = [f.strip() for f in first.split(",")]
     if len(fields) != 3:
@@ -460,6 +461,16 @@ def write_models(models: Path) -> dict[str, float]:
         took[name] = round(time.monotonic() - t0, 1)
         print(f"model {name}: {took[name]} s", flush=True)
     return took
+
+
+def merged_rows(paths: list[Path], replaced: set[str]) -> list[dict]:
+    """Finished rows of earlier result files, each marked with the file it came from; names in ``replaced`` left out."""
+    rows = []
+    for path in paths:
+        for row in json.loads(path.read_text(encoding="utf-8"))["variants"]:
+            if row.get("status") != "skipped" and row["name"] not in replaced:
+                rows.append({**row, "source": row.get("source") or path.name})
+    return rows
 
 
 def pick_variants(spec: str) -> list[ServerVariant]:
@@ -497,6 +508,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--git-status", default=None, help="`git status --short` of the pack checkout to record")
     p.add_argument("--keep-logs", action="store_true", help="keep each server log in the work folder")
     p.add_argument("--list-nodes", action="store_true", help="record the pack's nodes from /object_info")
+    p.add_argument("--merge", type=Path, action="append", default=[], metavar="JSON",
+                   help="rows of an earlier run of this script to report with (a row run now replaces its name)")
     return p
 
 
@@ -521,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     settings["model_files_gb"] = {n: round(p.stat().st_size / 1e9, 2) for n in MODEL_FILES
                                   for p in opts.models.glob(f"*/{n}")}
     total = env.get("vram_total_gib") or 0.0
-    results: list[dict] = []
+    results = merged_rows(opts.merge, {v.name for v in variants})
     for variant in variants:
         elapsed = time.monotonic() - started
         if opts.deadline and elapsed + opts.reserve_estimate > opts.deadline:

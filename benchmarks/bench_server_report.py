@@ -79,27 +79,27 @@ def markdown(results: list[dict], env: dict, settings: dict) -> str:
     """The results as markdown: environment, one table per card size, the goals, failures."""
     rat = ratios(results)
     lines = [f"# Wan 2.2 T2V-A14B through a ComfyUI {env.get('comfyui_version', '?')} server", "",
-             f"- device: {env.get('device_name', '?')} ({env.get('vram_total_gib', '?')} GiB), driver "
-             f"{env.get('driver', '?')}; torch {env.get('torch', '?')}, comfy-kitchen {env.get('comfy_kitchen', '?')}, "
-             f"comfy-aimdo {env.get('comfy_aimdo', '?')}, Python {env.get('python', '?')}",
+             (f"- device: {env.get('device_name', '?')} ({env.get('vram_total_gib', '?')} GiB), driver "
+              f"{env.get('driver', '?')}; torch {env.get('torch', '?')}, comfy-kitchen {env.get('comfy_kitchen', '?')}, "
+              f"comfy-aimdo {env.get('comfy_aimdo', '?')}, Python {env.get('python', '?')}"),
              f"- pack: git {env.get('git_sha', '?')}; status: {env.get('git_status') or 'clean'}",
-             f"- graph: {settings['width']}x{settings['height']}x{settings['frames']}, cfg {settings['cfg']}, "
-             f"{settings['steps_per_expert']} steps per expert (2 experts), output "
-             f"{'VAE decode + WEBP' if settings['decode'] else 'SaveLatent (no VAE decode)'}",
+             (f"- graph: {settings['width']}x{settings['height']}x{settings['frames']}, cfg {settings['cfg']}, "
+              f"{settings['steps_per_expert']} steps per expert (2 experts), output "
+              f"{'VAE decode + WEBP' if settings['decode'] else 'SaveLatent (no VAE decode)'}"),
              "- files (synthetic: random weights, real names; GB): " + ", ".join(
                  f"{k} {v}" for k, v in settings.get("model_files_gb", {}).items()) + "; page cache warm",
              f"- command: `{env.get('command', '?')}`",
-             "- s/step: median of each expert's steps after its first (websocket progress messages); first steps "
-             "(model load, compile, attention timing inside) listed apart; tqdm avg: ComfyUI's own average over all "
-             "steps of both experts; GPU: the server process per nvidia-smi (context + cache), whole run / from the "
-             "first sampler on; RSS: VmHWM and peak anonymous RSS of the server process", ""]
+             ("- s/step: median of each expert's steps after its first (websocket progress messages); first steps "
+              "(model load, compile, attention timing inside) listed apart; tqdm avg: ComfyUI's own average over all "
+              "steps of both experts; GPU: the server process per nvidia-smi (context + cache), whole run / from the "
+              "first sampler on; RSS: VmHWM and peak anonymous RSS of the server process"), ""]
     for card in (None, 8.0):
         rows = [r for r in results if _card(r) == card]
         if not rows:
             continue
         lines += [f"## {'whole GPU' if card is None else f'{card:g} GB card (--reserve-vram = total - {card:g} GiB)'}",
-                  "", "| variant | what | s/step | speed-up vs native rows | first step high/low s | tqdm avg s/step "
-                  "| wall s | GPU peak GiB (run / sampling) | RSS HWM GiB | anon GiB | status |",
+                  "", ("| variant | what | s/step | speed-up vs native rows | first step high/low s | tqdm avg s/step "
+                       "| wall s | GPU peak GiB (run / sampling) | RSS HWM GiB | anon GiB | status |"),
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             rs = ", ".join(f"{v:.2f}x vs {k}" for k, v in rat.get(r["name"], {}).items()) or "—"
@@ -110,7 +110,8 @@ def markdown(results: list[dict], env: dict, settings: dict) -> str:
                          f"{_f(sum(tq) / steps, 3) if steps else '—'} | {_f(r.get('wall_s'), 1)} | "
                          f"{_f(r.get('peak_gpu_gib'))} / {_f(r.get('peak_gpu_sampling_gib'))} | "
                          f"{_f(r.get('peak_rss_hwm_gib'))} | {_f(r.get('peak_rss_anon_gib'))} | "
-                         f"{r.get('status')}{': ' + r['error'][:160] if r.get('error') else ''} |")
+                         f"{r.get('status')}{': ' + r['error'][:160] if r.get('error') else ''}"
+                         f"{' (from ' + r['source'] + ')' if r.get('source') else ''} |")
         lines.append("")
     checks = goals(results)
     if checks:

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from comfyui_lowvram_dit.benchmarks import bench_server as bs
 from comfyui_lowvram_dit.benchmarks import bench_server_report as rep
 
@@ -111,7 +110,7 @@ def test_server_args() -> None:
 
 def test_pick_variants() -> None:
     assert [v.name for v in bs.pick_variants("uncapped")] == bs.UNCAPPED
-    assert [v.name for v in bs.pick_variants("pack,uncapped")][0] == "pack"
+    assert bs.pick_variants("pack,uncapped")[0].name == "pack"
     assert len(bs.pick_variants("all")) == len(bs.VARIANTS)
     with pytest.raises(SystemExit, match="unknown"):
         bs.pick_variants("pack,nope")
@@ -199,3 +198,14 @@ def test_report_files(tmp_path: Path) -> None:
     assert "1.67x vs native_default" in md and "## 8 GB card" in md and "| NO |" in md
     assert json.loads((tmp_path / "t.json").read_text())["ratios"]["pack"]["native_default"] == 1.667
     assert {p.name for p in paths} <= {"t.json", "t.md", "t.png"} and len(paths) >= 2
+
+
+def test_merged_rows(tmp_path: Path) -> None:
+    rows = [_row("native_default", 4.0), _row("native_fp8fast", 5.0), {**_row("native_default_8gb", None),
+                                                                        "status": "skipped"}]
+    path = tmp_path / "natives.json"
+    path.write_text(json.dumps({"variants": rows}))
+    got = bs.merged_rows([path], {"native_fp8fast"})
+    assert [(r["name"], r["source"]) for r in got] == [("native_default", "natives.json")]
+    md = rep.markdown(got, {}, {"steps_per_expert": 2, "width": 1, "height": 1, "frames": 1, "cfg": 1, "decode": False})
+    assert "(from natives.json)" in md
