@@ -1,9 +1,9 @@
 """A real ComfyUI server for integration tests: started headless on CPU, driven over HTTP.
 
-How to run the integration tests (``comfyui`` marker) on this machine::
+How to run the integration tests (``comfyui`` marker)::
 
-    /work/cvenv/bin/pip install -e /work/main        # once: the tests import the pack's nodes too
-    COMFYUI_PATH=/work/main/.comfyui/ComfyUI /work/cvenv/bin/python -m pytest tests -m comfyui
+    pip install -e .                  # once, in the Python that runs pytest: the tests import the pack's nodes too
+    COMFYUI_PATH=/path/to/ComfyUI python -m pytest tests -m comfyui
 
 Anywhere else: ``COMFYUI_PATH`` = a ComfyUI >= 0.8.0 checkout (``git clone
 https://github.com/comfyanonymous/ComfyUI``, its ``requirements.txt`` installed into the Python
@@ -56,7 +56,7 @@ MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras", "checkpoin
 
 SETUP_HINT = (
     "point COMFYUI_PATH at a ComfyUI >= 0.8.0 checkout whose requirements are installed in this Python, "
-    "e.g. COMFYUI_PATH=/work/main/.comfyui/ComfyUI /work/cvenv/bin/python -m pytest tests -m comfyui "
+    "e.g. COMFYUI_PATH=/path/to/ComfyUI python -m pytest tests -m comfyui "
     "(elsewhere: git clone https://github.com/comfyanonymous/ComfyUI; pip install -r ComfyUI/requirements.txt; "
     "pip install -e <this repo>)"
 )

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,8 +27,11 @@ VIDEO_FRAMES = 5  # runner.TINY_OVERRIDES length
 
 
 @pytest.fixture(scope="module")
-def synthetic_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("lowvram_dit_cache")
+def synthetic_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The runner's cache (synthetic models, user folder) for this module; removed afterwards."""
+    path = tmp_path_factory.mktemp("lowvram_dit_cache")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _normalized(info: dict) -> dict:

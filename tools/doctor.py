@@ -51,6 +51,21 @@ COMFY_MIN_INFERENCE_GIB = 0.8
 COMFY_PIN_FRACTION = {"linux": 0.95, "windows": 0.45}
 
 
+COMFYUI_REPO = "comfyanonymous/ComfyUI"
+WRAPPER_REPO = "kijai/ComfyUI-WanVideoWrapper"
+PACK_REPO_URL = "https://github.com/comfyui-lowvram-dit/comfyui-lowvram-dit"
+
+
+def _gh(repo: str, *numbers: int) -> str:
+    """Public GitHub links to issues/PRs (GitHub redirects an issue link to the PR of the same number)."""
+    return " ".join(f"https://github.com/{repo}/issues/{n}" for n in numbers)
+
+
+def _repo_file(path: str) -> str:
+    """Public link to a file of this pack."""
+    return f"{PACK_REPO_URL}/blob/main/{path}"
+
+
 def _guard(fn: Callable[[], Any], default: Any = None) -> tuple[Any, str | None]:
     """Run a probe; return (value, None) or (default, "ExcType: message")."""
     try:
@@ -96,6 +111,33 @@ def read_comfyui_version(comfyui_path: str | os.PathLike | None) -> str | None:
         return None
     match = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", text)
     return match.group(1) if match else None
+
+
+COMFYUI_HINT = ("ComfyUI not found: run the Doctor from ComfyUI/custom_nodes/<this pack>, set "
+                "COMFYUI_PATH=/path/to/ComfyUI or pass --comfyui-path /path/to/ComfyUI")
+
+
+def _is_comfyui(path: Path) -> bool:
+    return (path / "main.py").is_file() and (path / "comfy").is_dir()
+
+
+def find_comfyui(explicit: str | os.PathLike | None = None, cwd: Path | None = None) -> tuple[Path | None, str]:
+    """(ComfyUI checkout, how it was found): --comfyui-path, $COMFYUI_PATH, or custom_nodes/<pack> above us.
+
+    The pack's own folder is checked unresolved too, so a symlinked custom_nodes entry still counts.
+    """
+    for given, how in ((explicit, "--comfyui-path"), (os.environ.get("COMFYUI_PATH"), "COMFYUI_PATH")):
+        if given:
+            return Path(given).expanduser(), how
+    pack = Path(__file__).parent.parent
+    starts = [Path(os.path.abspath(cwd or Path.cwd())), Path(os.path.abspath(pack)), pack.resolve()]
+    for start in starts:
+        for d in (start, *start.parents):
+            if _is_comfyui(d):
+                return d, f"found above {start}"
+            if d.name == "custom_nodes" and _is_comfyui(d.parent):
+                return d.parent, f"found above {start}"
+    return None, COMFYUI_HINT
 
 
 def import_error(module: str) -> str | None:
@@ -464,11 +506,11 @@ def known_issues(report: dict) -> list[dict]:
     if missing:
         add("comfyui_seams_missing", "error", f"This ComfyUI ({v.get('comfyui') or 'unknown version'}) lacks "
             f"{len(missing)} seam(s) the pack uses ({', '.join(missing)}): the nodes that need them are left out or "
-            "pass the model through (see 'ComfyUI seams' and the startup log).", "nodes/glue/seams.py")
+            "pass the model through (see 'ComfyUI seams' and the startup log).", _repo_file("nodes/glue/seams.py"))
     comfy_v = _version_tuple(v.get("comfyui"))
     if comfy_v and comfy_v < (0, 8, 0):
         add("comfyui_too_old", "error", f"ComfyUI {v['comfyui']} is older than 0.8.0, which this pack requires "
-            "(V3 node API, mixed-precision fp8 ops). Update ComfyUI.", "pyproject.toml [tool.comfy] requires-comfyui")
+            "(V3 node API, mixed-precision fp8 ops). Update ComfyUI.", _repo_file("pyproject.toml"))
     if cap and gpu.get("arch_list"):
         arch = f"sm_{cap[0]}{cap[1]}"
         ptx_ok = any(a.startswith("compute_") and _version_tuple(a[8:]) and int(a[8:]) <= cap[0] * 10 + cap[1]
@@ -478,49 +520,48 @@ def known_issues(report: dict) -> list[dict]:
                 f"This torch build has kernels for {', '.join(gpu['arch_list'])} but not {arch} ({gpu.get('name')}): "
                 "GPU kernels fail with 'no kernel image is available'. Install a torch build for this GPU "
                 "(RTX 50xx / sm_120 needs a CUDA >= 12.8 build).",
-                "/work/shared/seeds/004_131342819320e7c5.txt (RTX 5090: 'Unsupported gpu architecture compute_120' "
-                "with CUDA 12.6)")
+                "")
     if cap and cap[0] == 9 and torch_v >= (2, 10) and cuda_v and cuda_v < (12, 9):
         add("blockwise_fp8_needs_cuda_12_9", "warn",
             f"torch {v['torch']} is built with CUDA {v['torch_cuda']}: block-wise fp8 F.scaled_mm needs cuBLASLt "
             ">= 12.9 on SM90 (cu128 wheels raise). Block-wise fp8 falls back to Triton or dequantize; a cu129+/cu130 "
-            "torch build restores it.", "offload-fp8-compile.md §3.1/§6 (PyTorch PRs #158037, #166639)")
+            "torch build restores it.", _gh("pytorch/pytorch", 158037, 166639))
     if cap and cap[0] >= 10:
         add("no_rowwise_scaled_mm", "info", f"SM{cap[0]}{cap[1]}: cuBLAS row-wise fp8 scaled_mm is unsupported, so "
             "per-tensor fp8 weights use one activation scale per call (tensor-wise).",
-            "offload-fp8-compile.md §3.1 (PyTorch PRs #160693, #161236)")
+            _gh("pytorch/pytorch", 160693, 161236))
     if v.get("sageattention"):
         add("sage_fp8_black_output", "warn",
             "SageAttention with fp8 Wan weights has produced black frames (RTX 5090/Windows, and native Wan with "
             "--use-sage-attention + fp8). If outputs turn black, switch attention to SDPA.",
-            "KJNodes #352, thu-ml/SageAttention #221, ComfyUI #7020 (anchors-wanvideowrapper-kjnodes-gguf.md §4.6)")
+            _gh("kijai/ComfyUI-KJNodes", 352) + " " + _gh("thu-ml/SageAttention", 221) + " " + _gh(COMFYUI_REPO, 7020))
     if cap and cap >= (8, 9):
         add("fp8_e4m3fn_fast_quality", "info",
             "ComfyUI's 'fp8_e4m3fn_fast' multiplies with unit scales and clamps activations to ±448; on the Wan "
             "720p I2V fp8 model it gave blocky output. Prefer scaled fp8 (per-tensor or block-wise) weights.",
-            "kijai/ComfyUI-WanVideoWrapper #283 (anchors-wanvideowrapper-kjnodes-gguf.md §4.5)")
+            _gh(WRAPPER_REPO, 283))
     if torch_v and torch_v < (2, 7):
         add("no_fp16_accumulation", "info", f"torch {v['torch']} < 2.7 has no "
             "torch.backends.cuda.matmul.allow_fp16_accumulation ('fp16_fast' options in other packs fail).",
-            "ComfyUI #11621, WanVideoWrapper #108/#233/#446 (anchors-wanvideowrapper-kjnodes-gguf.md §4.6)")
+            _gh(COMFYUI_REPO, 11621) + " " + _gh(WRAPPER_REPO, 108, 233, 446))
     if v.get("triton") and v.get("triton_import_error"):
         add("triton_broken", "warn", f"Triton {v['triton']} is installed but does not import "
             f"({v['triton_import_error']}): torch.compile, the fused fp8 activation quantization and the 8-bit "
             "attention kernel are unavailable (the pack falls back to eager/dequantize/SDPA). Reinstall a triton "
-            "matching this torch.", "kernels/fp8_triton.py, kernels/attention_int8.py (_triton_module)")
+            "matching this torch.", "")
     if not v.get("triton"):
         if _os_kind() == "windows":
             add("triton_missing_windows", "warn", "Triton is not installed: torch.compile, SageAttention and the "
                 "pack's Triton kernels are unavailable. On Windows install 'triton-windows'.",
-                "ComfyUI #9826, #7484; WanVideoWrapper #1400 (anchors-wanvideowrapper-kjnodes-gguf.md §4.6)")
+                _gh(COMFYUI_REPO, 9826, 7484) + " " + _gh(WRAPPER_REPO, 1400))
         elif gpu.get("available"):
             add("triton_missing", "info", "Triton is not installed: torch.compile, the fused fp8 activation "
                 "quantization and Triton block-wise fp8 / 8-bit attention kernels are unavailable.",
-                "kernels/fp8.py module doc (eager activation quantization erases the fp8 gain)")
+                "")
     if _os_kind() == "windows" and "dev" in (v.get("torch") or "") and torch_v[:2] == (2, 10):
         add("sage_build_torch_2_10_dev_windows", "info", "Building SageAttention from source failed on Windows "
             "with a PyTorch 2.10 nightly (compiled_autograd.h); use a release torch or a prebuilt wheel.",
-            "/work/shared/seeds/003_fb87d2113f345f82.txt")
+            "")
     # Not listed on purpose: the NumPy 2.x NaN claim in seeds/001 concerns musubi-tuner commit e7adb86,
     # not ComfyUI >= 0.8 (which requires numpy >= 1.25) or this pack, and is unverified there.
     return issues
@@ -542,8 +583,7 @@ def recommend(report: dict) -> dict:
             block = path == "scaled_mm_blockwise"
             rec["fp8"] = {"path": path, "weights": "fp8 block-wise 128" if block else "fp8 per-tensor scaled",
                           "why": "fp8 matmul passed its numerics check here (H200: per-tensor 1.38-1.62x bf16 per "
-                                 "Wan 14B GEMM, 1.14x per whole forward; benchmarks/results/bench_fp8_gemm.md, "
-                                 "wan_fp8_partial.md)"}
+                                 "Wan 14B GEMM, 1.14x per whole forward; benchmarks/results/bench_fp8_gemm.md)"}
             break
     else:
         rec["fp8"] = {"path": "dequantize", "weights": "fp8 storage only" if gpu.get("available") else "bf16",
@@ -555,7 +595,7 @@ def recommend(report: dict) -> dict:
     best = next((b for b in order if b in attn_ok), None)
     rec["attention"] = {"backend": best, "device": attn.get("device"), "passing": attn_ok,
                         "why": "first passing backend in speed order (H200 B1 H40 L32760 D128: cuDNN 38 ms, "
-                               "sage 50 ms, flash 61 ms, mem-efficient 122 ms; measured-h200-2026-11-21.md)"}
+                               "sage 50 ms, flash 61 ms, mem-efficient 122 ms, measured on an H200)"}
     if "sage" in attn_ok or "sageattention" in attn_ok:
         rec["attention"]["note"] = "SageAttention passes but changes numerics (8-bit); see known issues with fp8."
     if not gpu.get("available"):
@@ -578,7 +618,7 @@ def recommend(report: dict) -> dict:
         models[model] = entry
     rec["swap"] = {"vram_total_gib": gpu["vram_total_gib"], "models": models,
                    "why": "VRAM minus ComfyUI's reserve and 0.8 GiB inference minimum, minus the B=1 activation "
-                          "working set (model-facts-wan22-qwenimage.md §5.1-5.2); a starting point, not a measurement"}
+                          "working set at the named size; a starting point, not a measurement"}
     return rec
 
 
@@ -587,20 +627,29 @@ def recommend(report: dict) -> dict:
 
 
 def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike | None = None,
-            gpu_probes: bool = True, host: dict | None = None, seams: dict[str, str] | None = None) -> dict:
+            gpu_probes: bool = True, host: dict | None = None, seams: dict[str, str] | None = None,
+            progress: Callable[[str], None] | None = None) -> dict:
     """The whole report as a dict. Never raises: a failing section records its error.
+
+    ``progress`` gets a line before each probe section (the CLI prints them to stderr).
 
     ``seams`` (seam -> "ok" / "missing: ...") comes from nodes/glue/seams.py when the Doctor node runs inside ComfyUI.
     """
-    comfyui_path = comfyui_path or os.environ.get("COMFYUI_PATH")
+    say = progress or (lambda _line: None)
     report: dict = {"generated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "skipped": []}
+    if not comfyui_version:
+        found, how = find_comfyui(comfyui_path)
+        comfyui_path = found
+        report["comfyui_found"] = how
     if host:
         report["host"] = host
     if seams:
         report["seams"] = dict(seams)
+    say("Doctor: reading versions ...")
     report["versions"], err = _guard(lambda: collect_versions(comfyui_version, comfyui_path), {})
     if err:
         report["versions"]["error"] = err
+    say("Doctor: looking for a GPU ...")
     report["gpu"], err = _guard(collect_gpu, {"available": False})
     if err:
         report["gpu"]["reason"] = err
@@ -615,9 +664,11 @@ def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike 
     device = torch.device("cuda", report["gpu"].get("index", 0)) if on_gpu else torch.device("cpu")
     if report["gpu"].get("available") and not gpu_probes:
         report["skipped"].append("GPU fp8/attention/pinned-memory probes: disabled (--no-gpu-probes)")
+    say(f"Doctor: probing fp8 matmul paths on {device} ...")
     report["fp8"], err = _guard(lambda: collect_fp8(device), {"probes": []})
     if err:
         report["fp8"]["error"] = err
+    say(f"Doctor: probing attention backends on {device} ...")
     report["attention"], err = _guard(lambda: collect_attention(device), {"probes": []})
     if err:
         report["attention"]["error"] = err
@@ -642,6 +693,20 @@ def _probe_line(p: dict, key: str) -> str:
     return f"  [{mark}] {p.get(key)}{label}{err}{detail}"
 
 
+def no_gpu_detail(probe: dict) -> bool:
+    """True for a probe skipped only because there is no CUDA GPU."""
+    return probe.get("status") == "skip" and "CUDA" in str(probe.get("detail", ""))
+
+
+def _probe_lines(probes: list[dict], key: str, no_gpu: bool) -> list[str]:
+    """One line per probe; without a GPU the GPU-only ones share one line (the GPU section says why)."""
+    gpu_only = [p for p in probes if no_gpu and no_gpu_detail(p)]
+    lines = [_probe_line(p, key) for p in probes if p not in gpu_only]
+    if gpu_only:
+        lines.append(f"  [skip] GPU only: {', '.join(str(p.get(key)) for p in gpu_only)}")
+    return lines
+
+
 def format_report(report: dict) -> str:
     """The human-readable text report."""
     v, gpu, mem = report.get("versions", {}), report.get("gpu", {}), report.get("memory", {})
@@ -651,6 +716,10 @@ def format_report(report: dict) -> str:
         lines.append(f"  {key:<14} {v.get(key) if v.get(key) is not None else '-'}")
     if v.get("error"):
         lines.append(f"  error: {v['error']}")
+    if report.get("comfyui_found"):
+        where = v.get("comfyui_path")
+        lines.append(f"  comfyui path   {where} ({report['comfyui_found']})" if where else
+                     f"  {report['comfyui_found']}")
     if report.get("host"):
         lines += ["", "ComfyUI (running)"] + [f"  {k:<14} {val}" for k, val in report["host"].items()]
     if report.get("seams"):
@@ -671,20 +740,22 @@ def format_report(report: dict) -> str:
     if pin.get("status") == "ok":
         lines.append(f"  pinned test: {pin['pinned_mib']} MiB pinned in {pin['pin_alloc_ms']} ms, "
                      f"host->device {pin['h2d_pinned_gbps']} GB/s")
-    else:
+    elif not (no_gpu_detail(pin) and not gpu.get("available")):
         lines.append(f"  pinned test: {pin.get('status', '-')}: {pin.get('detail', '')}")
     fp8 = report.get("fp8", {})
+    no_gpu = not gpu.get("available")
     lines += ["", f"fp8 matmul paths ({fp8.get('source', '-')})"]
-    lines += [_probe_line(p, "path") for p in fp8.get("probes", [])]
+    lines += _probe_lines(fp8.get("probes", []), "path", no_gpu)
     if fp8.get("selected"):
         lines.append(f"  pack selects: block-wise 128 -> {fp8['selected'].get('blockwise_128')}, "
                      f"per-tensor -> {fp8['selected'].get('per_tensor')}")
     attn = report.get("attention", {})
     lines += ["", f"Attention backends on {attn.get('device', '-')} ({attn.get('source', '-')})"]
-    lines += [_probe_line(p, "backend") for p in attn.get("probes", [])]
+    lines += _probe_lines(attn.get("probes", []), "backend", no_gpu)
     lines += ["", "Known issues"]
     issues = report.get("known_issues", [])
-    lines += [f"  [{i['severity']}] {i['message']}\n      source: {i['source']}" for i in issues] or ["  none known"]
+    lines += [f"  [{i['severity']}] {i['message']}" + (f"\n      source: {i['source']}" if i.get("source") else "")
+              for i in issues] or ["  none known"]
     rec = report.get("recommendation", {})
     lines += ["", "Recommendation"]
     if rec.get("fp8"):
@@ -705,8 +776,10 @@ def format_report(report: dict) -> str:
         lines.append(f"  block swap: skipped ({swap['skipped']})")
     if rec.get("error"):
         lines.append(f"  error: {rec['error']}")
-    if report.get("skipped"):
-        lines += ["", "Skipped"] + [f"  {s}" for s in report["skipped"]]
+    # Probe skips are already on their probe's line and "no GPU" in the GPU section: list only the rest.
+    rest = [s for s in report.get("skipped", []) if not s.startswith(("GPU probes:", "fp8 ", "attention "))]
+    if rest:
+        lines += ["", "Skipped"] + [f"  {s}" for s in rest]
     return "\n".join(lines) + "\n"
 
 
@@ -733,9 +806,11 @@ def cli(argv: list[str]) -> int:
                                                  "recommendation for this machine.")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--comfyui-path", default=None, help="ComfyUI checkout to read the version from "
-                        "(default: $COMFYUI_PATH)")
+                        "(default: $COMFYUI_PATH, else the ComfyUI whose custom_nodes holds the pack or the "
+                        "current folder)")
     parser.add_argument("--no-gpu-probes", action="store_true", help="skip the tiny GPU matmul/attention/pin tests")
     args = parser.parse_args(argv)
-    report = collect(comfyui_path=args.comfyui_path, gpu_probes=not args.no_gpu_probes)
+    report = collect(comfyui_path=args.comfyui_path, gpu_probes=not args.no_gpu_probes,
+                     progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(to_json(report) if args.json else format_report(report), end="\n" if args.json else "")
     return 0
