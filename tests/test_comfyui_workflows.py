@@ -72,5 +72,7 @@ def test_workflow_runs_with_synthetic_tiny_models(name: str, suffix: str, synthe
         assert img.size == (64, 64)
         assert getattr(img, "n_frames", 1) == (1 if suffix == ".png" else VIDEO_FRAMES)
     assert "--synthetic tiny:" in text.out
+    assert "ComfyUI ready in" in text.out  # the start is shown, not seconds of silence
+    assert text.out.splitlines()[-1] == runner.SYNTHETIC_NOTE  # last word: the output is noise
     tes = [p for p in (synthetic_cache / "synthetic" / "tiny" / "text_encoders").iterdir()]
     assert tes and all(runner._layer_count(p) == runner.TINY_TE_LAYERS for p in tes)
