@@ -2,7 +2,7 @@
 in-process through comfy.sample (KSampler's path), no `_orig_mod.` in saved state, and the server graph
 UNETLoader -> Attention -> Torch Compile -> KSampler.
 
-Run: COMFYUI_PATH=/work/main/.comfyui/ComfyUI /work/cvenv/bin/python -m pytest tests/test_comfyui_attention_compile.py
+Run: COMFYUI_PATH=/path/to/ComfyUI python -m pytest tests/test_comfyui_attention_compile.py
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def comfy() -> Any:
 
 @pytest.fixture(scope="module")
 def tiny_wan(comfy: Any) -> Any:
-    """A 2-block Wan 2.2 14B-layout model (dim 256) from engineer A's synthetic checkpoint, as UNETLoader builds it."""
+    """A 2-block Wan 2.2 14B-layout model (dim 256) from the synthetic checkpoint, as UNETLoader builds it."""
     synth = pytest.importorskip("comfyui_lowvram_dit.tools.synth")
     import comfy.sd
 
@@ -187,7 +187,7 @@ def test_compile_node_replaces_core_wrapper(tiny_wan: Any) -> None:
     assert len(m.get_wrappers(WrappersMP.APPLY_MODEL, COMPILE_KEY)) == 1
 
 
-def test_weights_stream_detects_block_swap_and_partial_load() -> None:
+def test_weights_stream_detects_block_swap_and_partial_load(comfy: Any) -> None:
     from types import SimpleNamespace
 
     from comfyui_lowvram_dit.nodes.compile import BLOCK_SWAP_KEY, weights_stream
