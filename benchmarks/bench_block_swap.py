@@ -31,12 +31,12 @@ except ImportError:  # run as a file: python benchmarks/bench_block_swap.py
 
 TARGET = "comfyui_lowvram_dit.benchmarks.bench_block_swap:swap_forward"
 MODEL = "wan22_t2v_14B"
-RESOLUTIONS = {"480p81": (832, 480, 81), "480p17": (832, 480, 17),  # issue 4: compute-bound / transfer-bound
-               "720p81": (1280, 720, 81)}  # 75,600 tokens: attention-dominated, ~11 s per forward
+RESOLUTIONS = {"480p81": (832, 480, 81), "480p17": (832, 480, 17),  # compute-bound / transfer-bound
+               "720p81": (1280, 720, 81)}  # 75,600 tokens: attention-dominated
 CAPS = (None, 16, 12, 8, 6)  # GiB
 KINDS = ("native", "native_bf16", "swap", "swap_b2")
 SMOKE_RESOLUTION = (64, 64, 5)
-# keep every variant well under a minute: an 81-frame forward is ~2.7 s (H200, issue 4)
+# keep every variant well under a minute (forward times: benchmarks/results/block_swap*.md)
 TIMING = {"480p81": (3, 1), "480p17": (10, 3), "720p81": (2, 1)}  # (repeats, warmup)
 
 
@@ -47,7 +47,8 @@ def swap_forward(ctx: harness.BenchContext, kind: str = "swap", model: str = MOD
     import torch
 
     from . import comfy_native
-    from ..kernels.offload import SwapConfig, format_stats
+    from ..kernels.swap_plan import SwapConfig
+    from ..kernels.offload import format_stats
     from ..tools.synth import synthetic_state_dict
 
     comfy = comfy_native.import_comfy(cpu=ctx.device.type == "cpu")

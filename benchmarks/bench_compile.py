@@ -8,9 +8,8 @@ Variants (fresh process each, synthetic weights generated on the GPU, ComfyUI's 
   guard filter);
 - 14B stack (``model_fp8_*``): our fp8 layers (per-tensor) eager vs regionally compiled (activation quantization
   fused), against native bf16 ``model_eager``;
-- 5B 480p (``wan5b_fp8_*``): Wan 2.2 TI2V-5B at 832x480x81 = 8,190 tokens (model-facts-wan22-qwenimage.md §2), the
-  small-token case where compile must pay (goal >= 1.15x over our fp8 eager); native bf16 171 ms per forward on the
-  H200 (results/wan5b_native_480p.md);
+- 5B 480p (``wan5b_fp8_*``): Wan 2.2 TI2V-5B at 832x480x81 = 8,190 tokens, the small-token case where compile
+  must pay (goal >= 1.15x over our fp8 eager; native bf16 in results/wan5b_native_480p.md);
 - Qwen 1024 (``qwen_fp8_*``): Qwen-Image at 1024x1024 = 4,096 image + 100 text tokens, our fp8 layers (per-tensor,
   the staged loader's default quantization) eager vs compiled;
 - 14B swap (``swap_fp8_*``): Wan 14B our fp8 + Block Swap under an 8 GiB cap (comfy_native.apply_vram_cap, as
@@ -21,21 +20,20 @@ Variants (fresh process each, synthetic weights generated on the GPU, ComfyUI's 
 Metrics: steady time (harness, CUDA events), first call incl. compile (s), peak VRAM, mode in use, and dynamo's
 unique-graph count after the first call and after every later call (``graphs`` column: first -> last; growth after
 the first call = recompiles step after step). The summary adds speedup vs each group's baseline(s) and extra VRAM.
-H200 reference (measured-h200-2026-11-21.md, results/bench_compile_*.md): 14B bf16 eager 2.799 s, ours default
-2.755 s (first call 12.3 s); our fp8 eager 2.471 s, fp8 + compile 2.420 s (first call 23.1 s).
+Measured numbers: results/bench_compile_*.md.
 
 Presets (``--preset``, one flag = one fixed set, written as ``bench_compile_<preset>``; each variant is its own
 harness run, so the combined report is rewritten after every variant and survives a run that is cut short; a
 variant whose estimated cost no longer fits ``--time-budget-s`` is recorded as skipped instead of started):
 - ``session2`` (~8 min on an H200): 5B pair, Qwen pair, 14B stack vs native bf16, swap pair, oom_fallback;
 - ``stack14b`` (~2.5 min): native bf16 eager, our fp8 eager, our fp8 + compile default;
-- ``stack_int8`` (~4 min): issue 9's whole stack: native bf16 eager, native fp8_e4m3fn_fast, our fp8 eager, our
+- ``stack_int8`` (~4 min): the whole int8-attention stack: native bf16 eager, native fp8_e4m3fn_fast, our fp8 eager, our
   fp8 + 8-bit attention eager and + regional compile (goals: >= 1.6x vs native bf16, >= 1.3x vs fp8_fast);
 - ``modes`` (~8 min): compile modes at a small token count (Wan 5B 480p81, our fp8: reduce-overhead, where CUDA
   graphs remove launch overhead, and max-autotune-no-cudagraphs) and on the 14B bf16 model, plus the OOM fallback
   under a cap.
 
-GPU (the lead runs these on an H100/H200 with torch 2.11):
+GPU (an H100/H200 with torch >= 2.11):
     COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_compile --preset session2
     ... --variants model_eager model_ours_default native_torchcompilemodel      (a subset, bench_compile_partial)
 CPU smoke test of every code path (tiny models, 64x64(x5), eager/cudagraphs backends; reports go to a temp dir):
@@ -99,8 +97,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "swap_fp8_eager": ("swap", {"how": "eager"}),
     "swap_fp8_ours_default": ("swap", {"how": "ours", "mode": "default"}),
     "oom_fallback": ("model", {"how": "ours", "mode": "reduce-overhead", "cap": True}),
-    # issue 9's whole-stack goal: native fp8_e4m3fn_fast (UNETLoader) as the second baseline, and our fp8 layers
-    # with the 8-bit attention kernel (Attention node "lowvram 8-bit"), eager and regionally compiled
+    # the whole stack: native fp8_e4m3fn_fast (UNETLoader) as the second baseline, and our fp8 layers with the
+    # 8-bit attention kernel (Attention node "lowvram 8-bit"), eager and regionally compiled
     "model_native_fp8fast": ("model", {"how": "eager", "weight_dtype": "fp8_e4m3fn_fast"}),
     "model_fp8_int8attn_eager": ("model", {"how": "eager", "fp8": "per_tensor", "attention": "lowvram 8-bit"}),
     "model_fp8_int8attn_ours_default": ("model", {"how": "ours", "mode": "default", "fp8": "per_tensor",
@@ -136,7 +134,7 @@ PRESETS: dict[str, list[str]] = {
                    "model_fp8_int8attn_ours_default"],
     "modes": ["wan5b_fp8_eager", "wan5b_fp8_ours_reduce-overhead", "wan5b_fp8_ours_max-autotune-no-cudagraphs",
               "model_eager", "oom_fallback", "model_ours_reduce-overhead", "model_ours_max-autotune-no-cudagraphs"],
-    # CUDA-graph mode after the block-output clone fix, next to default mode in the same run
+    # CUDA-graph mode next to default mode in the same run
     "graphs": ["wan5b_fp8_eager", "wan5b_fp8_ours_default", "wan5b_fp8_ours_reduce-overhead", "model_eager",
                "model_ours_default", "model_ours_reduce-overhead"],
 }
@@ -146,9 +144,8 @@ PRESETS: dict[str, list[str]] = {
 PRESET_TIMING = {"session2": (3, 0), "stack14b": (3, 0), "stack_int8": (3, 0), "modes": (3, 0),
                  "graphs": (3, 0)}
 PRESET_BUDGET_S = 560.0  # the GPU tool stops a command at 600 s: leave room for the last report
-# Wall seconds per variant on the H200 (child start ~5 s + setup + first call + 3 timed calls), from results/*.md:
-# 14B bf16 setup 35 s, our fp8 25 s (block swap 24 s), default compile +12-23 s, 14B forward 2.4-2.8 s; 5B (15 s)
-# and Qwen (~36 s, 20.4 GB of fp8 vs 14.3) scaled by weight bytes. For the budget check and the printed estimate.
+# Wall seconds per variant on an H200 (child start + setup + first call + 3 timed calls, from results/*.md), for
+# the budget check and the printed estimate.
 EST_WALL_S: dict[str, float] = {
     "wan5b_fp8_eager": 20, "wan5b_fp8_ours_default": 35, "qwen_fp8_eager": 42, "qwen_fp8_ours_default": 62,
     "model_eager": 48, "model_fp8_eager": 38, "model_fp8_ours_default": 55, "swap_fp8_eager": 36,
@@ -170,13 +167,6 @@ class _Capture(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _unique_graphs() -> int:
-    """Graphs dynamo compiled in this process so far (every recompile adds one)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
 class _GraphWatch:
     """Dynamo's graph count after every forward, written to ``path`` (the parent merges it into the report).
 
@@ -186,13 +176,16 @@ class _GraphWatch:
 
     def __init__(self, path: str | None, untimed_calls: int) -> None:
         self.path = Path(path) if path else None
-        self.graphs: list[int] = [_unique_graphs()]
+        from ..kernels.compile import unique_graphs
+
+        self.count = unique_graphs
+        self.graphs: list[int] = [self.count()]
         self.untimed = untimed_calls  # calls made by the target itself (the first, compiling one included)
         self._write()
 
     def mark(self) -> None:
         """Record the count after one more forward."""
-        self.graphs.append(_unique_graphs())
+        self.graphs.append(self.count())
         self._write()
 
     def wrap(self, fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -217,7 +210,7 @@ def _fp8_options(model: str, sd: dict, mode: str) -> dict:
     import torch
 
     from ..kernels import wan_checkpoint as wc
-    from ..kernels.staged import is_qwen_fp8_target
+    from ..kernels.qwen_image import is_qwen_fp8_target
     from ..nodes.glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 
     for k in [k for k, v in sd.items() if is_qwen_fp8_target(k, tuple(v.shape))]:
@@ -362,7 +355,8 @@ def swap_case(ctx: harness.BenchContext, how: str, mode: str = "default", size: 
     Graph order as a user wires it: loader -> Block Swap -> Torch Compile; loaded by ``load_models_gpu`` with
     KSampler's memory estimate (as bench_block_swap.swap_forward does), run through ``apply_model``.
     """
-    from ..kernels.offload import SwapConfig, format_stats
+    from ..kernels.swap_plan import SwapConfig
+    from ..kernels.offload import format_stats
     from ..tools.synth import synthetic_state_dict
     from . import comfy_native
 
@@ -415,11 +409,7 @@ def block_case(ctx: harness.BenchContext, how: str, mode: str = "default", size:
     """Harness target: one WanAttentionBlock with real block-0 inputs (captured from a 1-layer forward)."""
     import torch
 
-    from ..kernels.compile import (
-        CompileConfig,
-        CompiledRegions,
-        transformer_options_guard_filter,
-    )
+    from ..kernels.compile import CompileConfig, CompiledRegions, transformer_options_guard_filter
     from . import comfy_native
 
     patcher, inputs = _build(ctx, size, 1, width, height, frames)

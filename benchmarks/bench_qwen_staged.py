@@ -37,7 +37,7 @@ PROMPT = ("A coffee shop entrance features a chalkboard sign reading \"Qwen Coff
 NEGATIVE = " "
 
 
-def _stage(report) -> dict:  # noqa: ANN001 - kernels.staged.StageReport
+def _stage(report) -> dict:  # noqa: ANN001 - kernels.stage_meter.StageReport
     d = report.as_dict()
     name = d.pop("stage").split(" ")[1]
     return {f"s{name}_{k}": v for k, v in d.items() if k != "notes"} | {f"s{name}_notes": "; ".join(d["notes"])}
@@ -120,27 +120,27 @@ def native(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width:
     import comfy.model_management as mm
     import comfy.utils
 
-    from ..kernels import staged
+    from ..kernels import checkpoint_io, stage_meter, text_encoders
 
     f = Path(files)
     cpu = torch.device("cpu")
     reset = ctx.device.type == "cuda"
-    with staged.StageMeter("stage 1 (native CLIPLoader cpu)", reset_cuda_peak=reset) as m1:
+    with stage_meter.StageMeter("stage 1 (native CLIPLoader cpu)", reset_cuda_peak=reset) as m1:
         options = {"load_device": cpu, "offload_device": cpu}
         if smoke:  # the smoke encoder is smaller than ComfyUI's fixed 7B config
-            options["qwen25_7b_model_config"] = staged.qwen25_vl_config_from_header(staged.read_header(f / te))
+            options["qwen25_7b_model_config"] = text_encoders.qwen25_vl_config_from_header(checkpoint_io.read_header(f / te))
         clip = comfy.sd.load_clip([str(f / te)], clip_type=comfy.sd.CLIPType.QWEN_IMAGE, model_options=options)
         with torch.inference_mode():
             pos = clip.encode_from_tokens_scheduled(clip.tokenize(PROMPT))
             clip.encode_from_tokens_scheduled(clip.tokenize(NEGATIVE))
         del clip
         mm.cleanup_models_gc()
-    with staged.StageMeter("stage 2 (native UNETLoader)", reset_cuda_peak=reset) as m2:
+    with stage_meter.StageMeter("stage 2 (native UNETLoader)", reset_cuda_peak=reset) as m2:
         model = comfy.sd.load_diffusion_model(str(f / "qwen_image.safetensors"))
         vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(f / "vae.safetensors")))
     fn, x = _forward_fn(model, pos, width, height, vram_cap_gb)
     fn()
-    with staged.StageMeter("stage 3 (native VAEDecode)", device=torch.device(vae.device), reset_cuda_peak=reset) as m3:
+    with stage_meter.StageMeter("stage 3 (native VAEDecode)", device=torch.device(vae.device), reset_cuda_peak=reset) as m3:
         vae.decode(x.float())
     mm.load_models_gpu([model])
     out = {"fn": fn, "resolution": f"{width}x{height}", "te": te}

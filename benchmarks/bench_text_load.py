@@ -34,7 +34,7 @@ def child(kind: str, te: str) -> dict:
     import comfy.sd
     import torch
 
-    from ..kernels import staged
+    from ..kernels import checkpoint_io, text_encoders
     from ..nodes import qwen_staged
 
     if kind == "ours_copying":
@@ -45,7 +45,7 @@ def child(kind: str, te: str) -> dict:
     with torch.inference_mode():
         if kind == "native":
             cpu = torch.device("cpu")
-            cfg = staged.qwen25_vl_config_from_header(staged.read_header(te))
+            cfg = text_encoders.qwen25_vl_config_from_header(checkpoint_io.read_header(te))
             clip = comfy.sd.load_clip([te], clip_type=comfy.sd.CLIPType.QWEN_IMAGE, model_options={
                 "load_device": cpu, "offload_device": cpu, "qwen25_7b_model_config": cfg})
         else:

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
+_MAX_DIMS, _MAX_DIM = 16, 1 << 40  # diffusion checkpoints use <= 5 dimensions; larger ones come from damage
 _ALIGN = 8
 
 
@@ -122,6 +124,9 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
             raise CheckpointError(f"{p.name}: tensor {name!r} has unsupported dtype {dtype_s!r}")
         if any(s < 0 for s in shape_t) or begin < 0 or end < begin:
             raise CheckpointError(f"{p.name}: corrupt safetensors header entry for tensor {name!r}")
+        if len(shape_t) > _MAX_DIMS or any(s > _MAX_DIM for s in shape_t):
+            raise CheckpointError(f"{p.name}: tensor {name!r} declares the impossible shape {list(shape_t)[:8]} "
+                                  f"({len(shape_t)} dimensions); the header is corrupt, download the file again")
         expected = math.prod(shape_t) * dtype.itemsize
         if end - begin != expected:
             raise CheckpointError(
@@ -134,7 +139,84 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
                 f"but the file has {size} bytes; download it again"
             )
         tensors[name] = TensorInfo(name, dtype, shape_t, data_offset + begin, data_offset + end)
+    _check_no_overlap(p, tensors)
     return SafetensorsHeader(p, tensors, {str(k): str(v) for k, v in metadata.items()}, data_offset, size)
+
+
+def _check_no_overlap(p: Path, tensors: dict[str, TensorInfo]) -> None:
+    """The format forbids two tensors sharing bytes; a header that does so is crafted or corrupt."""
+    spans = sorted((i.begin, i.end, i.name) for i in tensors.values() if i.end > i.begin)
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+        if begin_b < end_a:
+            raise CheckpointError(f"{p.name}: tensors {a!r} and {b!r} overlap in the file (data_offsets); the "
+                                  "header is corrupt, download the file again")
+
+
+WEIGHT_SCALE_SUFFIXES = (".scale_weight", ".weight_scale", ".scale_weight_tensor")
+_MAX_QUANT_JSON = 1 << 16  # bytes of one layer's ComfyUI quantization config; real ones are ~50
+
+
+def check_weight_scales(header: SafetensorsHeader, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """CheckpointError naming the file and tensor unless every weight scale among ``tensors`` is a finite,
+    positive float: a NaN, infinite, zero or negative scale loads silently and spoils every image later."""
+    for name, t in tensors:
+        if not name.endswith(WEIGHT_SCALE_SUFFIXES):
+            continue
+        if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise CheckpointError(f"{header.path.name}: weight scale {name!r} is {t.dtype}, expected a float32/"
+                                  "bf16/fp16 scale; the file is damaged, download it again")
+        v = t.float()
+        if v.numel() and not bool((torch.isfinite(v) & (v > 0)).all()):
+            raise CheckpointError(f"{header.path.name}: weight scale {name!r} holds NaN, infinite, zero or negative "
+                                  "values; the file is damaged (download it again) or was quantized wrongly")
+
+
+def _quant_json(header: SafetensorsHeader, raw: str | bytes, where: str) -> Any:
+    """``raw`` parsed as JSON; CheckpointError naming the file and ``where`` for bad bytes, syntax or nesting."""
+    try:
+        return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{header.path.name}: {where} is not valid UTF-8 JSON ({type(exc).__name__}); the "
+                              "file is damaged, download it again") from None
+
+
+def quant_layer_configs(header: SafetensorsHeader) -> dict[str, dict[str, Any]]:
+    """ComfyUI's per-layer quantization configs (``_quantization_metadata`` and ``<layer>.comfy_quant`` tensors),
+    keyed by full layer name, each checked to be an object with a string ``format``; CheckpointError naming the
+    file, the tensor and the fix otherwise (never an AttributeError, RecursionError or UnicodeDecodeError)."""
+    def conf_of(value: Any, where: str) -> dict[str, Any]:
+        if not isinstance(value, dict) or not isinstance(value.get("format", ""), str):
+            raise CheckpointError(f"{header.path.name}: {where} is not a quantization config (a JSON object with a "
+                                  "string 'format'); the file is damaged, download it again")
+        return value
+
+    layers: dict[str, dict[str, Any]] = {}
+    raw = header.metadata.get("_quantization_metadata")
+    if raw is not None:
+        meta = _quant_json(header, raw, "metadata _quantization_metadata")
+        if not isinstance(meta, dict) or not isinstance(meta.get("layers"), dict):
+            raise CheckpointError(f"{header.path.name}: metadata _quantization_metadata has no 'layers' object; "
+                                  "the file is damaged, download it again")
+        for name, conf in meta["layers"].items():
+            layers[name] = conf_of(conf, f"_quantization_metadata layer {name!r}")
+    names = [n for n in header.tensors if n.endswith(".comfy_quant")]
+    for name in names:
+        info = header.tensors[name]
+        if info.dtype not in (torch.uint8, torch.int8) or len(info.shape) != 1 or info.nbytes > _MAX_QUANT_JSON:
+            raise CheckpointError(f"{header.path.name}: tensor {name!r} ({info.dtype}, {list(info.shape)}) is not a "
+                                  "quantization config (1-D uint8 JSON); the file is damaged, download it again")
+    for name, t in iter_tensors(header, names):
+        conf = _quant_json(header, bytes(t.view(torch.uint8).tolist()), f"tensor {name!r}")
+        layers[name[: -len(".comfy_quant")]] = conf_of(conf, f"tensor {name!r}")
+    return layers
+
+
+def check_quantization(header: SafetensorsHeader) -> dict[str, dict[str, Any]]:
+    """Validate a file's quantization data before any weight is read: ``quant_layer_configs`` plus
+    ``check_weight_scales`` over its scale tensors (read here; loaders with per-layer scalars use this)."""
+    layers = quant_layer_configs(header)
+    check_weight_scales(header, iter_tensors(header, [n for n in header.tensors if n.endswith(WEIGHT_SCALE_SUFFIXES)]))
+    return layers
 
 
 def check_ranks(header: SafetensorsHeader, ranks: dict[str, int], what: str) -> None:
@@ -161,8 +243,6 @@ def iter_tensors(
         for info in order:
             f.seek(info.begin)
             # Read into torch-allocated (64-byte aligned) memory: the tensor behaves like any other CPU tensor.
-            # (The "invalid argument" H2D failure once blamed on bytearray buffers was a stale cudaHostRegister
-            # of freed memory at the same address; offload.HostArena now unregisters before freeing.)
             t = torch.empty(info.nbytes, dtype=torch.uint8)
             got = f.readinto(memoryview(t.numpy())) if info.nbytes else 0
             if got != info.nbytes:
@@ -330,10 +410,14 @@ class StreamingSafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-(len(raw)) % _ALIGN)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = self._tmp.open("wb")
-        self._f.write(struct.pack("<Q", len(raw)))
-        self._f.write(raw)
         self._next = 0
+        self._f = self._tmp.open("wb")
+        try:
+            self._f.write(struct.pack("<Q", len(raw)))
+            self._f.write(raw)
+        except BaseException:  # e.g. a disk that fills while the header is written: no .partial survives
+            self.abort()
+            raise
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next tensor; it must match the declared name, shape and dtype."""
@@ -346,22 +430,35 @@ class StreamingSafetensorsWriter:
                 f"got {name!r} {list(tensor.shape)} {tensor.dtype}"
             )
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self._f.write(memoryview(data.numpy()))
+        try:
+            self._f.write(memoryview(data.numpy()))
+        except BaseException:  # a failed write leaves nothing behind, whatever the caller does next
+            self.abort()
+            raise
         self._next += 1
 
     def close(self) -> Path:
         """Finish the file (all declared tensors must have been written) and move it into place."""
-        self._f.close()
-        if self._next != len(self._order):
-            self._tmp.unlink(missing_ok=True)
-            raise ValueError(f"{self.path.name}: {len(self._order) - self._next} declared tensors were not written")
-        os.replace(self._tmp, self.path)
+        try:
+            self._f.close()  # flushes: a full disk can fail here
+            if self._next != len(self._order):
+                raise ValueError(f"{self.path.name}: {len(self._order) - self._next} declared tensors were not written")
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
         return self.path
 
     def abort(self) -> None:
-        """Drop the partial file."""
-        self._f.close()
-        self._tmp.unlink(missing_ok=True)
+        """Close the handle and drop the partial file; never raises (it runs while another error propagates)."""
+        try:
+            self._f.close()
+        except OSError:  # the failed flush of a full disk: CPython closes the descriptor anyway
+            pass
+        try:
+            self._tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def __enter__(self) -> StreamingSafetensorsWriter:
         return self

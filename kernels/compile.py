@@ -15,9 +15,9 @@ use is logged. CUDA graphs (reduce-overhead, max-autotune, the cudagraphs backen
 addresses, so they are swapped for their no-cudagraphs twin when weights stream. Under CUDA graphs every block
 call is its own torch.compile invocation, which cudagraph trees treat as a new step: the previous block's
 outputs (this block's input) would be overwritten by the next replay, so block outputs are cloned outside the
-compiled region (one copy of the hidden states per block, ~0.1 ms on Wan 14B 480p).
+compiled region (one copy of the hidden states per block).
 
-Never imports ComfyUI.
+``CompileHook`` attaches the regions to a model through kernels/hooks.py. Never imports ComfyUI.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 import torch
 from torch.utils._pytree import tree_map_only
 
+from .hooks import BLOCK_LISTS, HookRegistry, ModelHook
+
 log = logging.getLogger("comfyui_lowvram_dit")
 
 T = TypeVar("T")
 
 MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "cudagraphs")
-# Attribute names of the repeated block lists in the DiTs we serve (Wan: blocks, Qwen-Image: transformer_blocks).
-BLOCK_LIST_NAMES: tuple[str, ...] = ("blocks", "transformer_blocks", "double_blocks", "single_blocks")
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,7 @@ def find_block_lists(root: torch.nn.Module, prefix: str = "") -> list[str]:
     paths: list[str] = []
     for name, module in root.named_modules(prefix=prefix.rstrip(".")):
         leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, torch.nn.ModuleList) and leaf in BLOCK_LIST_NAMES and len(module) > 0:
+        if isinstance(module, torch.nn.ModuleList) and leaf in BLOCK_LISTS and len(module) > 0:
             paths += [f"{name}.{i}" for i in range(len(module))]
     return paths
 
@@ -243,7 +243,8 @@ def free_compiler_memory(used_cuda_graphs: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def _unique_graphs() -> int:
+def unique_graphs() -> int:
+    """Graphs dynamo compiled in this process so far (every recompile adds one)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
@@ -305,7 +306,7 @@ class CompiledRegions:
             if config is None:
                 return call()
             first = id(root) not in self._verified
-            before = _unique_graphs()
+            before = unique_graphs()
             failure: Optional[str] = None
             try:
                 with self._swapped_in(root, config), _recompile_limit(config.cache_size_limit):
@@ -358,7 +359,7 @@ class CompiledRegions:
     def _watch_recompiles(self, before: int, first: bool) -> None:
         """Warn once when graphs keep appearing after warm-up: a recompile every step costs more than it saves."""
         self.calls += 1
-        new = _unique_graphs() - before
+        new = unique_graphs() - before
         if first or self.calls <= 3 or new <= 0:
             return
         if not self._recompile_warned:
@@ -366,3 +367,25 @@ class CompiledRegions:
             log.warning("lowvram_dit compile: %d new graph(s) compiled on call %d; something in the inputs "
                         "changes every step (shape, dtype, or a streamed weight's device). Set dynamic=true, "
                         "or compile once per resolution", new, self.calls)
+
+
+class CompileHook(ModelHook):
+    """Runs every model call through ``CompiledRegions``; CUDA-graph modes give way while weights stream."""
+
+    ORDER = 0  # outermost: a retry after a failed compile re-runs every other hook's forward
+
+    def __init__(self, regions: CompiledRegions,
+                 partial_load: Callable[[Any], bool] = lambda module: False) -> None:
+        self.regions = regions
+        self.partial_load = partial_load  # the host's own partial (low-VRAM) loading also moves weights
+        self._last_status = ""
+
+    def wrap_forward(self, module: Any, call: Callable[[], T], registry: HookRegistry) -> T:
+        """Run ``call`` with ``module``'s regions compiled; log the mode in use whenever it changes."""
+        streaming = registry.moves_weights() or bool(self.partial_load(module))
+        out = self.regions.run(module, call, streaming=streaming)
+        status = self.regions.status()
+        if status != self._last_status:
+            self._last_status = status
+            log.info("lowvram_dit %s", status)
+        return out

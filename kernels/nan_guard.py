@@ -3,17 +3,24 @@
 Plain torch. Each checked tensor costs one fused ``torch.isfinite(x).all()`` reduction that stays on the device
 (a 0-d bool); the flags are stacked and read once at the end of the forward (one sync per model call instead of
 one per block). NaN/inf propagate through every later block, so the first flag that is False names the culprit.
-
-Cost: the reduction reads the activation once. A Wan 14B 480p 81-frame block output is [1, 32760, 5120] bf16 =
-335 MB, about 0.1 ms at H200 bandwidth (4.8 TB/s) against tens of ms per block; negligible.
+The reduction reads each activation once; benchmarks/results/nan_guard.md has the measured cost.
+``NanGuardHook`` attaches the tracker to a model through kernels/hooks.py.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from .hooks import HookRegistry, ModelHook
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+ACTIONS = ("warn", "raise")
 BEFORE_BLOCKS = -1  # position of the input check (embeddings / latent went bad before block 0)
 AFTER_BLOCKS = 1 << 30  # position of the output check (the head produced it)
 
@@ -109,3 +116,67 @@ def likely_cause(compute_dtype: torch.dtype | None, *, attention_override: bool,
                 "and run again to confirm")
     return ("check the LoRA / model file: a LoRA with inf/NaN weights or too high a strength, or a damaged or "
             "wrongly converted checkpoint (bypass the LoRA to tell which; re-download the file)")
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by the guard with action=raise; the message is the report."""
+
+
+def _block_tensors(x: Any) -> tuple[Any, ...]:
+    """The hidden states of a block's inputs or outputs: a ``{"img", "txt"}`` dict (ComfyUI DiTs) or a tensor."""
+    if isinstance(x, dict):
+        return (x.get("img"), x.get("txt"))
+    return (x,)
+
+
+class NanGuardHook(ModelHook):
+    """Per block: queue one finiteness flag; per forward: read the flags once, then warn or raise."""
+
+    ORDER = 20
+    PER_BLOCK = True
+
+    def __init__(self, list_name: str, action: str, *, fp8_weights: bool = False, global_sage: bool = False,
+                 attention_override: Callable[[Any], bool] = lambda inputs: False) -> None:
+        if action not in ACTIONS:
+            raise ValueError(f"NaN Guard: action must be one of {ACTIONS}, got {action!r}")
+        self.tracker = NanTracker(list_name)
+        self.action = action
+        self.fp8_weights = fp8_weights
+        self.global_sage = global_sage
+        self.attention_override_of = attention_override  # reads a per-model attention override off block 0's inputs
+        self.attention_override = False
+        self.warned: set[int] = set()
+        self.last: NanReport | None = None
+
+    def pre_block(self, index: int, inputs: Any) -> None:
+        """Block 0 also records the model's input and the sigma of this step."""
+        if index != 0:
+            return
+        opts = (inputs.get("transformer_options") or {}) if isinstance(inputs, dict) else {}
+        self.attention_override = bool(self.attention_override_of(inputs))
+        self.tracker.sigma = opts.get("sigmas")
+        self.tracker.record(BEFORE_BLOCKS, *_block_tensors(inputs))
+
+    def post_block(self, index: int, outputs: Any) -> Any:
+        """Queue the block output's flag (no sync)."""
+        self.tracker.record(index, *_block_tensors(outputs))
+        return outputs
+
+    def wrap_forward(self, module: Any, call: Callable[[], Any], registry: HookRegistry) -> Any:
+        """Start the record, check the output, read every flag once, warn or raise."""
+        tracker = self.tracker
+        tracker.begin()
+        out = call()
+        tracker.record(AFTER_BLOCKS, out if isinstance(out, torch.Tensor) else None)
+        report = tracker.finish(attention_override=self.attention_override or self.global_sage,
+                                fp8_weights=self.fp8_weights)
+        tracker.begin()  # drop references to this forward's tensors
+        if report is None:
+            return out
+        self.last = report
+        if self.action == "raise":
+            raise NonFiniteError(report.message())
+        if report.position not in self.warned:  # once per culprit, not once per step
+            self.warned.add(report.position)
+            log.warning("lowvram_dit %s", report.message())
+        return out

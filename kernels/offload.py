@@ -1,218 +1,41 @@
 """Block swap engine: stream whole transformer blocks host-to-device through a ring of GPU slots.
 
-Design (after musubi-tuner's ``LoRAStreamOffloader``, see /work/shared/research/offload-fp8-compile.md §2.2, §2.8):
+Design (after musubi-tuner's ``LoRAStreamOffloader``):
 - H2D only. Every streamed block has one flat, exact-size master region in a host arena (pinned with
   ``cudaHostRegister``, never ``pin_memory()``, which rounds to powers of two); its parameters and buffers are
   256-byte aligned views into it. Eviction rebinds the block to those CPU views: no D2H traffic.
 - Loading is one ``copy_`` into one of R preallocated GPU slots on a side stream. The copy stream waits on the
   slot's ``free`` event (recorded on the compute stream after the previous occupant ran); compute waits on the
   slot's ``ready`` event. No CPU synchronisation in the loop, no allocation after ``activate``.
-- Streamed blocks are spread evenly among resident ones (midpoint formula), so each transfer hides behind about
-  N/S blocks of compute. Prefetch wraps around, so the next forward's first streamed blocks load during this
-  forward's tail. A block that is not where the schedule expects it is loaded on demand (self-healing), which
-  keeps interrupts, skipped blocks and extra forwards correct.
+- Which blocks stream and the ring size come from kernels/swap_plan.py, decided once per load. Prefetch wraps
+  around, so the next forward's first streamed blocks load during this forward's tail. A block that is not where
+  the schedule expects it is loaded on demand (self-healing), which keeps interrupts, skipped blocks and extra
+  forwards correct.
 
-Plain torch, no ComfyUI import. The scheduling functions are pure and tested on CPU; the engine itself runs on
-a CPU "device" too (streams and events become no-ops), so swapped == resident can be checked without a GPU.
+``StreamHook`` attaches a streamer to a model through kernels/hooks.py. Plain torch, no ComfyUI import. The
+engine runs on a CPU "device" too (streams and events become no-ops), so swapped == resident can be checked
+without a GPU.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 
-from .checkpoint_io import MADV_PAGEOUT, advise_mapped
+from .hooks import HookRegistry, ModelHook
+from .host_memory import HostArena, file_backed_ranges, is_file_backed, page_out
+from .swap_plan import ALIGN, SwapPlan, aligned, prefetch_targets
 
 log = logging.getLogger("comfyui_lowvram_dit")
-
-ALIGN = 256  # bytes; cuBLAS/cuDNN and fp8 scaled_mm want >= 16-byte aligned operands, 256 matches the allocator
-MAX_PREFETCH = 3
-
-
-@dataclass(frozen=True)
-class SwapConfig:
-    """What the Block Swap node asks for; the engine and the patcher consume it."""
-
-    vram_budget_gb: float = 0.0  # 0 = use what the memory manager offers; else weights + ring + activations cap
-    blocks_to_swap: int = -1  # -1 = computed from the budget; >= 0 explicit
-    prefetch: int = 1  # streamed blocks loading ahead of the one computing; ring slots = prefetch + 1
-    pinned: bool = True
-    offload_embeddings: bool = False
-    debug: bool = False
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.prefetch <= MAX_PREFETCH:
-            raise ValueError(f"SwapConfig.prefetch={self.prefetch}: use 1..{MAX_PREFETCH}")
-        if self.blocks_to_swap < -1:
-            raise ValueError(f"SwapConfig.blocks_to_swap={self.blocks_to_swap}: use -1 (auto) or >= 0")
-        if self.vram_budget_gb < 0:
-            raise ValueError(f"SwapConfig.vram_budget_gb={self.vram_budget_gb}: use 0 (auto) or a positive size")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Scheduling (pure functions)
-
-
-def streamed_block_indices(num_blocks: int, blocks_to_swap: int) -> list[int]:
-    """Indices of the streamed blocks, evenly spaced by the midpoint formula ((2i+1)N)//(2S) (musubi)."""
-    if not 0 <= blocks_to_swap <= num_blocks:
-        raise ValueError(f"blocks_to_swap={blocks_to_swap} must be within 0..{num_blocks}")
-    return [((2 * i + 1) * num_blocks) // (2 * blocks_to_swap) for i in range(blocks_to_swap)]
-
-
-def ring_slots(prefetch: int, num_streamed: int) -> int:
-    """GPU slots in the ring: one computing plus ``prefetch`` loading, never more than there are streamed blocks."""
-    return min(prefetch + 1, num_streamed)
-
-
-def blocks_to_swap_for_budget(
-    block_bytes: Sequence[int], budget_bytes: int, fixed_bytes: int, activation_bytes: int, prefetch: int
-) -> int:
-    """Fewest blocks to stream so resident blocks + ring + fixed weights + activations fit ``budget_bytes``.
-
-    The streamed set is the evenly spaced one, the ring holds the largest streamed block. Returns
-    ``len(block_bytes)`` when even streaming everything does not fit (the caller warns).
-    """
-    n = len(block_bytes)
-    available = budget_bytes - fixed_bytes - activation_bytes
-    for s in range(n + 1):
-        streamed = set(streamed_block_indices(n, s))
-        resident = sum(b for i, b in enumerate(block_bytes) if i not in streamed)
-        slot = max((aligned(block_bytes[i]) for i in streamed), default=0)
-        if resident + ring_slots(prefetch, s) * slot <= available:
-            return s
-    return n
-
-
-def prefetch_targets(position: int, num_streamed: int, ring: int) -> list[int]:
-    """Streamed ordinals that should be loaded or loading once ordinal ``position`` is about to run (wrap-around)."""
-    return [(position + k) % num_streamed for k in range(min(ring, num_streamed))]
-
-
-def load_sequence(num_streamed: int, ring: int, forwards: int) -> list[tuple[int, int]]:
-    """(ordinal, slot) of every H2D copy over ``forwards`` in-order passes: the ring is a FIFO over a cyclic order.
-
-    This is what ``BlockStreamer`` issues when blocks run in order; it documents and tests the ring assignment.
-    """
-    seq: list[tuple[int, int]] = []
-    if num_streamed == 0:
-        return seq
-    issued = 0  # global load counter; load n goes to slot n % ring
-    for n_consumed in range(num_streamed * forwards):
-        while issued < n_consumed + ring:  # keep `ring` loads in front of the consumer
-            seq.append((issued % num_streamed, issued % ring))
-            issued += 1
-    return seq
-
-
-@dataclass(frozen=True)
-class SwapPlan:
-    """Which blocks stream and how big the ring is: decided once per load, consumed by ``BlockStreamer``."""
-
-    num_blocks: int
-    streamed: tuple[int, ...]
-    ring: int
-    slot_bytes: int  # bytes of one ring slot (largest streamed block, aligned)
-
-    @property
-    def ring_bytes(self) -> int:
-        """GPU bytes the ring takes (what the memory manager must account for on top of resident weights)."""
-        return self.ring * self.slot_bytes
-
-
-def plan_swap(
-    block_bytes: Sequence[int],
-    config: SwapConfig,
-    *,
-    budget_bytes: int | None = None,
-    fixed_bytes: int = 0,
-    activation_bytes: int = 0,
-) -> SwapPlan:
-    """Turn a ``SwapConfig`` into a ``SwapPlan``: explicit ``blocks_to_swap``, or the fewest that fit the budget."""
-    n = len(block_bytes)
-    if config.blocks_to_swap >= 0:
-        s = min(config.blocks_to_swap, n)
-    elif budget_bytes is None:
-        s = 0
-    else:
-        s = blocks_to_swap_for_budget(block_bytes, budget_bytes, fixed_bytes, activation_bytes, config.prefetch)
-        if s == n:
-            need = fixed_bytes + activation_bytes + ring_slots(config.prefetch, n) * aligned(max(block_bytes, default=0))
-            if need > budget_bytes:
-                log.warning(
-                    "lowvram_dit block swap: budget %.2f GB is below the minimum %.2f GB (ring of %d blocks + "
-                    "fixed weights + activations); streaming every block anyway. Raise vram_budget_gb or lower "
-                    "prefetch.", budget_bytes / 1e9, need / 1e9, ring_slots(config.prefetch, n))
-    streamed = tuple(streamed_block_indices(n, s))
-    slot = max((aligned(block_bytes[i]) for i in streamed), default=0)
-    return SwapPlan(num_blocks=n, streamed=streamed, ring=ring_slots(config.prefetch, s), slot_bytes=slot)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Out of memory during sampling: what would fit
-
-
-_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-_OOM_TRIED = re.compile(r"Tried to allocate ([\d.]+) (GiB|MiB|KiB|B)")
-_OOM_FREE = re.compile(r"of which ([\d.]+) (GiB|MiB|KiB|B) is free")
-OOM_MARGIN = 256 << 20  # bytes kept spare in a suggestion: the allocator rounds and fragments
-
-
-def parse_oom(message: str) -> tuple[int | None, int | None]:
-    """(bytes torch tried to allocate, bytes the GPU had free) from a CUDA out-of-memory message (None if absent)."""
-    def grab(rx: re.Pattern[str]) -> int | None:
-        m = rx.search(message)
-        return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
-
-    return grab(_OOM_TRIED), grab(_OOM_FREE)
-
-
-def oom_advice(plan: SwapPlan, block_bytes: Sequence[int], config: SwapConfig, message: str,
-               fixed_bytes: int = 0, embed_bytes: int = 0) -> str:
-    """A Block Swap OOM message that says what was on the GPU and the setting that would fit (issue 8)."""
-    tried, free = parse_oom(message)
-    streamed = set(plan.streamed)
-    resident = [i for i in range(plan.num_blocks) if i not in streamed]
-    resident_bytes = sum(block_bytes[i] for i in resident)
-    head = (f"Block Swap ran out of GPU memory during sampling (vram_budget_gb={config.vram_budget_gb:g}, "
-            f"blocks_to_swap={config.blocks_to_swap}): {len(streamed)} of {plan.num_blocks} blocks streamed, "
-            f"{resident_bytes / 1e9:.2f} GB of blocks resident, ring {plan.ring_bytes / 1e9:.2f} GB, other weights "
-            f"{fixed_bytes / 1e9:.2f} GB")
-    if tried is not None and free is not None:
-        head += f"; it tried to allocate {tried / 2**30:.2f} GiB with {free / 2**30:.2f} GiB free"
-    head += "."
-    shortfall = None if tried is None or free is None else max(tried - free, 0) + OOM_MARGIN
-    if resident:
-        per_block = resident_bytes / len(resident)
-        # unknown shortfall (no torch numbers in the message): 3 blocks is ~1 GB for Wan 14B fp8
-        more = min(len(resident), 3 if shortfall is None else max(1, math.ceil(shortfall / per_block)))
-        fit = len(streamed) + more
-        lower = "" if shortfall is None or config.vram_budget_gb <= 0 else \
-            f" or vram_budget_gb={max(config.vram_budget_gb - shortfall / 1e9, 0.1):.1f}"
-        return (f"{head} Stream more blocks: blocks_to_swap={fit}{lower} should fit at this size "
-                f"(each block frees ~{per_block / 1e9:.2f} GB).")
-    tips = ["lower the resolution or the frame count (activations grow with the token count)"]
-    if config.prefetch > 1:
-        tips.append(f"prefetch=1 (frees {(plan.ring - 2) * plan.slot_bytes / 1e9:.2f} GB of ring)")
-    if not config.offload_embeddings and embed_bytes:
-        tips.append(f"offload_embeddings on (frees {embed_bytes / 1e9:.2f} GB)")
-    tips.append("close other GPU users (another loaded model, the desktop, a second ComfyUI)")
-    return f"{head} Every block already streams, so the activations do not fit: " + "; ".join(tips) + "."
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Flat layout
-
-
-def aligned(nbytes: int, align: int = ALIGN) -> int:
-    """``nbytes`` rounded up to a multiple of ``align``."""
-    return (nbytes + align - 1) // align * align
 
 
 @dataclass(frozen=True)
@@ -263,110 +86,6 @@ def block_tensors(block: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 def block_nbytes(block: torch.nn.Module) -> int:
     """Bytes of ``block`` in its flat layout (what one ring slot must hold)."""
     return flat_layout(block_tensors(block))[1]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Host memory
-
-
-def file_backed_ranges() -> list[tuple[int, int]]:
-    """Address ranges of file-backed mappings of this process (Linux /proc/self/maps; empty elsewhere)."""
-    ranges = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 6 and parts[5].startswith("/"):
-                    lo, hi = parts[0].split("-")
-                    ranges.append((int(lo, 16), int(hi, 16)))
-    except OSError:
-        pass
-    return ranges
-
-
-def page_out(tensors: Iterable[torch.Tensor]) -> int:
-    """Ask the kernel to reclaim the pages under file-backed CPU tensors (Linux); returns bytes advised.
-
-    After the arena copy the mapped file pages are only needed again when the model is re-activated, so they
-    should not sit in RSS. MADV_PAGEOUT keeps the data valid (pages re-fault from the file); on other systems
-    or older kernels this is a no-op and the kernel reclaims the page cache under pressure anyway.
-    """
-    return advise_mapped(tensors, MADV_PAGEOUT)
-
-
-def is_file_backed(t: torch.Tensor, ranges: list[tuple[int, int]] | None = None) -> bool:
-    """True if ``t``'s CPU storage lies in a file mapping (e.g. a safetensors mmap): it costs no anonymous RAM."""
-    if t.device.type != "cpu" or t.numel() == 0:
-        return False
-    ptr = t.data_ptr()
-    return any(lo <= ptr < hi for lo, hi in (ranges if ranges is not None else file_backed_ranges()))
-
-
-class HostArena:
-    """One exact-size host buffer, optionally pinned with cudaHostRegister (about 10x faster than pin_memory)."""
-
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-        self.pinned = False
-        self.last_copy = None  # event after the latest H2D copy out of the buffer (one copy stream: in order)
-        if pin:
-            self.pin()
-
-    def pin(self) -> bool:
-        """Page-lock the buffer so H2D copies are asynchronous DMA; False (with a log line) when it cannot."""
-        if self.pinned or not torch.cuda.is_available():
-            return self.pinned
-        err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
-        self.pinned = err == 0  # cudaError_t cudaSuccess (compared as ComfyUI's pin_memory does)
-        if not self.pinned:
-            log.warning("lowvram_dit block swap: cudaHostRegister of %.2f GB failed (%s); copies will be "
-                        "synchronous. Free RAM or turn `pinned` off.", self.buffer.numel() / 1e9, err)
-        return self.pinned
-
-    def unpin(self) -> None:
-        """Release the page lock (the memory stays valid), after the last copy out of it has finished."""
-        if not self.pinned:
-            return
-        if self.last_copy is not None:
-            self.last_copy.synchronize()
-        err = torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-        self.pinned = False
-        if err != 0:
-            # Freeing it now would leave a stale registration behind: keep the buffer for the process's life.
-            _UNFREED.append(self.buffer)
-            log.warning("lowvram_dit block swap: cudaHostUnregister of %.2f GB failed (%s); that RAM stays "
-                        "allocated until ComfyUI restarts", self.buffer.numel() / 1e9, err)
-            discard_cuda_error()
-
-    def __del__(self) -> None:
-        # Memory freed while still registered stays registered in the driver: a later allocation at the same
-        # address (a checkpoint read, a state dict) then fails its H2D copy with "CUDA error: invalid argument".
-        # ComfyUI drops a patcher without unloading it (weak references; ModelPatcher.__del__ only detaches), so
-        # the arena may go with its patcher while pinned: unregister here, before the buffer is freed.
-        try:
-            self.unpin()
-        except Exception:  # noqa: BLE001 - interpreter shutdown or a CUDA context already gone
-            pass
-
-    def contains(self, t: torch.Tensor) -> bool:
-        """True if ``t`` is a view into this arena."""
-        base = self.buffer.data_ptr()
-        return t.device.type == "cpu" and base <= t.data_ptr() < base + self.buffer.numel()
-
-
-_UNFREED: list[torch.Tensor] = []  # buffers whose unregistration failed (see HostArena.unpin)
-
-
-def discard_cuda_error() -> None:
-    """Consume an error a failed CUDA runtime call left behind, so the next (unrelated) kernel launch does not
-    raise it (as ComfyUI's model_management.discard_cuda_async_error does)."""
-    if not torch.cuda.is_available():
-        return
-    try:
-        torch.ones(1, device="cuda").add_(1)
-        torch.cuda.synchronize()
-    except RuntimeError:
-        pass
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -763,11 +482,56 @@ def format_stats(stats: StreamStats) -> str:
     return "\n".join(lines)
 
 
-def gib(nbytes: float) -> float:
-    """Bytes to GiB (for log lines)."""
-    return nbytes / 2**30
+class StreamOwner(Protocol):
+    """What a ``StreamHook`` asks of the code that owns the streamer (the Block Swap patcher)."""
+
+    debug: bool
+
+    def block_streamer(self) -> BlockStreamer | None:
+        """The active streamer, or None (blocks then run as they are)."""
+
+    def forward_streamer(self) -> BlockStreamer | None:
+        """The active streamer at the start of a forward (activating it if the host skipped the load), or None."""
+
+    def oom_advice(self, message: str) -> str:
+        """What to change after a CUDA out-of-memory error with this message."""
 
 
-def budget_bytes_from_gb(gb: float) -> int:
-    """A ``vram_budget_gb`` option to bytes (decimal GB, as GPU marketing and ComfyUI's logs use MB of 2**20)."""
-    return int(math.floor(gb * 1e9))
+class StreamHook(ModelHook):
+    """Per block: wait for a streamed block's weights, run it, free its slot; per forward: start the prefetch."""
+
+    ORDER = 40  # innermost: the waits sit right around the block, inside every other hook
+    PER_BLOCK = True
+    MOVES_WEIGHTS = True
+
+    def __init__(self, owner: StreamOwner) -> None:
+        self.owner = owner
+
+    def wrap_block(self, index: int, inputs: Any, call: Callable[[Any], Any]) -> Any:
+        """Bind block ``index``'s streamed weights around ``call`` (its slot is released even when it raises)."""
+        st = self.owner.block_streamer()
+        if st is None or not st.active:
+            return call(inputs)
+        st.before_block(index)
+        try:
+            return call(inputs)
+        finally:
+            if st.active:
+                st.after_block(index)
+
+    def wrap_forward(self, module: Any, call: Callable[[], Any], registry: HookRegistry) -> Any:
+        """Start the prefetch before the forward, name what would fit after an OOM, report after (debug)."""
+        st = self.owner.forward_streamer()
+        if st is None or not st.active:
+            return call()
+        st.begin_forward()
+        try:
+            return call()
+        except torch.OutOfMemoryError as exc:  # same type, so the host's OOM handling (unload, report) still runs
+            advice = self.owner.oom_advice(str(exc))
+            log.error("lowvram_dit %s", advice)
+            raise torch.OutOfMemoryError(f"{advice}\n\n{exc}") from exc
+        finally:
+            stats = st.end_forward()
+            if self.owner.debug:
+                log.info("lowvram_dit %s", format_stats(stats))

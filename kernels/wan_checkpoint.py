@@ -1,51 +1,29 @@
 """Wan 2.1 / 2.2 diffusion checkpoints: format detection, streaming fp8 quantization, our fp8 file format.
 
-Plain torch; no ComfyUI. The in-memory form every input is converted to (and what nodes/glue/fp8_ops.py
-loads) is: ``<layer>.weight`` float8_e4m3fn + ``<layer>.weight_scale`` fp32 for quantized Linear layers
-(a 0-d scalar for per-tensor, ``[ceil(N/bs), ceil(K/bs)]`` for block-wise), every other key as in the
-file. Only the 2-D Linear weights inside ``blocks.N.`` are quantized: embeddings, time projection,
-head, norms and modulation stay in high precision (they are ~1.6 % of the 14B weights and fp8 hurts
-them most; same exclusion list as musubi-tuner's Wan fp8 loader).
+Plain torch; no ComfyUI. Every input is converted to the in-memory fp8 form of kernels/fp8_state.py (what
+nodes/glue/fp8_ops.py loads). Only the 2-D Linear weights inside ``blocks.N.`` are quantized: embeddings, time
+projection, head, norms and modulation stay in high precision (fp8 hurts them most; same exclusion list as
+musubi-tuner's Wan fp8 loader).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
+import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 
-from . import fp8 as fp8_math
-from .checkpoint_io import (
-    CheckpointError,
-    SafetensorsHeader,
-    StreamingSafetensorsWriter,
-    check_ranks,
-    read_header,
-    read_tensors,
-    to_device_or_cpu,
-)
+from .checkpoint_io import CheckpointError, SafetensorsHeader, StreamingSafetensorsWriter, check_ranks, read_header
+from .fp8_state import FP8_DTYPES, Fp8Plan, QuantMode, SourceFormat, quantize_weight, read_fp8_state_dict
+from .streaming import ProgressFn
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
-QuantMode = Literal["none", "per_tensor", "blockwise"]
-SourceFormat = Literal[
-    "high_precision",  # bf16 / fp16 / fp32 release files
-    "comfy_fp8_scaled",  # ComfyUI legacy: <layer>.scale_weight + top-level scaled_fp8 marker
-    "comfy_quant",  # ComfyUI v0.8: <layer>.weight_scale + <layer>.comfy_quant or _quantization_metadata
-    "fp8_plain",  # fp8 cast without any scale
-    "musubi_fp8",  # musubi-tuner: <layer>.scale_weight [1] / [N,1] / [N,K/bs,1] (+ .scale_weight_tensor)
-    "lowvram_fp8",  # this pack's own saved files
-]
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FORMAT_TAG = "wan-fp8-v1"
 META_FORMAT = "lowvram_dit.format"
 META_MODE = "lowvram_dit.mode"
@@ -61,10 +39,6 @@ HASH_METHOD = f"sha256(header + size + {HASH_SAMPLES} x 1 MiB samples)"
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.model.", "model.", "net.")
 _BLOCK_LINEAR = re.compile(r"blocks\.\d+\.(?:self_attn|cross_attn|ffn)\.[A-Za-z0-9_.]+\.weight")
 _BLOCK_INDEX = re.compile(r"blocks\.(\d+)\.")
-# Per-layer tensors ComfyUI / musubi store next to a weight: read before the weights, never emitted as is.
-_SCALE_SUFFIXES = (".scale_weight", ".weight_scale", ".scale_weight_tensor", ".scale_input", ".input_scale", ".comfy_quant")
-
-ProgressFn = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -232,17 +206,6 @@ def inspect_checkpoint(path: str | Path, header: SafetensorsHeader | None = None
     return WanCheckpointInfo(p, fmt, variant, dim, ffn, num_layers, in_dim, out_dim, prefix, weight_dtype, mode, block_size)
 
 
-def quantize_weight(w: torch.Tensor, mode: QuantMode, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize one 2-D weight (any float dtype/device) -> (fp8 e4m3fn, fp32 scale) on the same device."""
-    if mode == "per_tensor":
-        q, s = fp8_math.quantize_per_tensor(w)
-        return q, s.float().reshape(())
-    if mode == "blockwise":
-        q, s = fp8_math.quantize_blockwise(w, block_size)
-        return q, s.float()
-    raise ValueError(f"quantize_weight: mode must be 'per_tensor' or 'blockwise', got {mode!r}")
-
-
 def quantize_state_dict(
     sd: dict[str, torch.Tensor], mode: QuantMode, block_size: int = 128, *, device: str | torch.device | None = None
 ) -> dict[str, torch.Tensor]:
@@ -259,31 +222,25 @@ def quantize_state_dict(
     return out
 
 
-def _layer_formats(header: SafetensorsHeader, small: dict[str, torch.Tensor], prefix: str) -> dict[str, dict]:
-    """Per-layer ComfyUI quant configs (``_quantization_metadata`` or ``<layer>.comfy_quant`` tensors)."""
-    layers: dict[str, dict] = {}
-    raw = header.metadata.get("_quantization_metadata")
-    if raw:
-        try:
-            layers.update({k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in json.loads(raw)["layers"].items()})
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{header.path.name}: unreadable _quantization_metadata ({exc})") from None
-    for k, v in small.items():
-        if k.endswith(".comfy_quant"):
-            layers[k[: -len(".comfy_quant")]] = json.loads(bytes(v.to(torch.uint8).tolist()).decode("utf-8"))
-    return layers
-
-
-def _dequantize_musubi(q: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:
-    """musubi-tuner fp8 -> fp32: scale is [1] (tensor), [N,1] (channel) or [N, K/bs, 1] (1 x bs blocks along K)."""
-    w = q.float()
-    s = scale.float().to(w.device)
-    if tensor_scale is not None:
-        s = s * tensor_scale.float().to(w.device)
-    if s.ndim == 3:
-        n, nb, _ = s.shape
-        return (w.view(n, nb, -1) * s).view(q.shape)
-    return w * s
+def _output_quantization(info: WanCheckpointInfo, mode: QuantMode, block_size: int) -> tuple[QuantMode, int | None,
+                                                                                            list[str]]:
+    """(quantization the loaded dict holds, its block size, notes) for a file of ``info`` asked to load as ``mode``."""
+    name = info.path.name
+    if info.format == "lowvram_fp8":
+        notes = [f"{name} is already quantized ({info.mode}, block {info.block_size}); used as saved"] \
+            if mode not in ("none", info.mode) or (mode == "blockwise" and block_size != info.block_size) else []
+        return info.mode, info.block_size, notes
+    if info.format in ("comfy_fp8_scaled", "comfy_quant", "fp8_plain"):
+        notes = [f"{name} is already per-tensor fp8; kept as is (re-quantizing fp8 codes only adds error)"] \
+            if mode == "blockwise" else []
+        return "per_tensor", None, notes
+    if info.format == "musubi_fp8":
+        if info.mode == "per_tensor":
+            return "per_tensor", None, []
+        out: QuantMode = mode if mode != "none" else "blockwise"
+        return out, block_size if out == "blockwise" else None, [
+            f"{name}: musubi row-group fp8 scales re-quantized to {out} (no fp8 GEMM takes 1x64 groups)"]
+    return mode, block_size if mode == "blockwise" else None, []
 
 
 def load_wan_state_dict(
@@ -295,7 +252,7 @@ def load_wan_state_dict(
     progress: ProgressFn | None = None,
     mmap: bool = False,
 ) -> LoadedWan:
-    """Read a Wan file one tensor at a time into the in-memory fp8 form.
+    """Read a Wan file one tensor at a time into the in-memory fp8 form (kernels/fp8_state.py).
 
     High-precision files are quantized to ``mode`` while streaming (on ``device``, e.g. the GPU, when
     given). Pre-quantized files keep their own per-tensor quantization (re-quantizing fp8 codes only adds
@@ -311,133 +268,14 @@ def load_wan_state_dict(
         raise ValueError(f"block_size must be 64 or 128 (the GEMM scale granularities), got {block_size}")
     header = read_header(path)
     info = inspect_checkpoint(path, header)
-    name = header.path.name
-    prefix = info.prefix
-    qdev = torch.device(device) if device is not None else torch.device("cpu")
-    notes: list[str] = []
-    out_mode: QuantMode = mode
-    out_bs: int | None = block_size if mode == "blockwise" else None
-    quantized_here = False
-
-    # Scales, markers and small tensors (norms, biases) first, so each weight converts as it streams.
-    # musubi 1x64 scales are 1/16 of the fp8 bytes (0.9 GB for 14B): held only until their weight arrives.
-    small_names = [n for n, i in header.tensors.items() if i.nbytes <= 1 << 16 or n.endswith(_SCALE_SUFFIXES)]
-    mapped = mmap and info.format != "high_precision"  # files quantized here are read as copies
-    small = {n[len(prefix) :] if n.startswith(prefix) else n: v
-             for n, v in read_tensors(header, small_names, mmap=mapped)}
-    small_set = set(small_names)
-    big_names = [n for n in header.tensors if n not in small_set]
-    layer_conf = _layer_formats(header, small, prefix) if info.format == "comfy_quant" else {}
-
-    if info.format == "lowvram_fp8":
-        out_mode, out_bs = info.mode, info.block_size
-        if mode not in ("none", info.mode) or (mode == "blockwise" and block_size != info.block_size):
-            notes.append(f"{name} is already quantized ({info.mode}, block {info.block_size}); used as saved")
-    elif info.format in ("comfy_fp8_scaled", "comfy_quant", "fp8_plain"):
-        out_mode, out_bs = "per_tensor", None
-        if mode == "blockwise":
-            notes.append(f"{name} is already per-tensor fp8; kept as is (re-quantizing fp8 codes only adds error)")
-    elif info.format == "musubi_fp8":
-        if info.mode == "per_tensor":
-            out_mode, out_bs = "per_tensor", None
-        else:
-            out_mode = mode if mode != "none" else "blockwise"
-            out_bs = block_size if out_mode == "blockwise" else None
-            notes.append(f"{name}: musubi row-group fp8 scales re-quantized to {out_mode} (no fp8 GEMM takes 1x64 groups)")
-    if info.format == "high_precision" and mode != "none":
-        quantized_here = True
-
-    marker = small.get("scaled_fp8")
-    legacy_e5m2 = marker is not None and marker.dtype == torch.float8_e5m2
-    sd: dict[str, torch.Tensor] = {}
-    total = sum(i.nbytes for i in header.tensors.values())
-    done = 0
-
-    def emit(key: str, value: torch.Tensor) -> None:
-        sd[key] = value
-
-    def convert(key: str, v: torch.Tensor) -> None:
-        base = key[: -len("weight")] if key.endswith(".weight") else None
-        if info.format == "high_precision":
-            if quantized_here and is_fp8_target(key, tuple(v.shape)):
-                q, s = quantize_weight(to_device_or_cpu(v, qdev), out_mode, block_size)
-                emit(key, q.cpu())
-                emit(base + "weight_scale", s.cpu())
-            else:
-                emit(key, v)
-            return
-        if v.dtype not in FP8_DTYPES or base is None:
-            emit(key, v)
-            return
-        # An fp8 weight: find its scale in whichever convention the file uses.
-        tensor_scale = small.get(base + "scale_weight_tensor")
-        if info.format == "lowvram_fp8":
-            scale = small.get(base + "weight_scale")
-        elif info.format == "comfy_quant":
-            conf = layer_conf.get(base[:-1], {})
-            fmt = conf.get("format", "float8_e4m3fn")
-            if fmt not in ("float8_e4m3fn", "float8_e5m2"):
-                raise CheckpointError(
-                    f"{name}: layer {base[:-1]!r} uses ComfyUI quant format {fmt!r}, which this loader does not read; "
-                    "load the file with ComfyUI's UNETLoader instead"
-                )
-            scale = small.get(base + "weight_scale")
-        elif info.format == "comfy_fp8_scaled":
-            scale = small.get(base + "scale_weight")
-        elif info.format == "musubi_fp8":
-            scale = small.get(base + "scale_weight")
-        else:  # fp8_plain
-            scale = torch.ones((), dtype=torch.float32)
-        if scale is None:
-            if info.format in ("comfy_fp8_scaled", "comfy_quant"):
-                scale = torch.ones((), dtype=torch.float32)  # an unscaled fp8 layer inside a scaled file
-            else:
-                raise CheckpointError(f"{name}: fp8 weight {prefix + key!r} has no scale tensor; the file is damaged")
-        per_tensor_scale = math.prod(scale.shape) == 1 and tensor_scale is None
-        if info.format == "musubi_fp8" and not per_tensor_scale:
-            w = _dequantize_musubi(to_device_or_cpu(v, qdev), scale, tensor_scale)
-            q, s = quantize_weight(w, out_mode, block_size)
-            emit(key, q.cpu())
-            emit(base + "weight_scale", s.cpu())
-            return
-        if info.format == "lowvram_fp8" and out_mode == "blockwise":
-            n, k = v.shape
-            want = (math.ceil(n / out_bs), math.ceil(k / out_bs))
-            if tuple(scale.shape) != want:
-                raise CheckpointError(
-                    f"{name}: {prefix + base}weight_scale has shape {list(scale.shape)}, expected {list(want)} for "
-                    f"block size {out_bs}; the file is damaged"
-                )
-            emit(key, v)
-            emit(base + "weight_scale", scale.float())
-            return
-        if v.dtype == torch.float8_e5m2 or legacy_e5m2:
-            # e5m2 has one mantissa bit less than the e4m3fn our GEMMs take: re-quantize per tensor.
-            v = to_device_or_cpu(v, qdev)
-            q, s = quantize_weight(v.float() * scale.float().to(v.device), "per_tensor", block_size)
-            emit(key, q.cpu())
-            emit(base + "weight_scale", s.cpu())
-            return
-        emit(key, v)
-        emit(base + "weight_scale", scale.float().reshape(()))
-
-    for key, v in small.items():
-        if key == "scaled_fp8" or key.endswith(_SCALE_SUFFIXES):
-            continue  # consumed by convert() together with their weights
-        convert(key, v)
-    done += sum(header.tensors[n].nbytes for n in small_names)
-    if progress:
-        progress(done, total)
-    for raw_key, v in read_tensors(header, big_names, mmap=mapped, prefetch=True):
-        convert(raw_key[len(prefix) :] if raw_key.startswith(prefix) else raw_key, v)
-        done += header.tensors[raw_key].nbytes
-        if progress:
-            progress(done, total)
-    if any(k.endswith((".scale_input", ".input_scale")) and bool((v.float() != 1.0).any()) for k, v in small.items()):
-        notes.append(f"{name}: static activation scales ignored; activations are quantized per call")
+    out_mode, out_bs, notes = _output_quantization(info, mode, block_size)
+    plan = Fp8Plan(info.format, info.prefix, is_fp8_target, out_mode, block_size,
+                   saved_block=out_bs if info.format == "lowvram_fp8" and out_mode == "blockwise" else None)
+    sd, read_notes = read_fp8_state_dict(header, plan, device=device, mmap=mmap, progress=progress)
     if out_mode == "none" and any(k.endswith(".weight_scale") for k in sd):
         out_mode = "per_tensor"
-    return LoadedWan(sd, info, out_mode, out_bs if out_mode == "blockwise" else None, quantized_here, notes)
+    return LoadedWan(sd, info, out_mode, out_bs if out_mode == "blockwise" else None, plan.quantizes_here,
+                     notes + read_notes)
 
 
 def source_fingerprint(path: str | Path) -> str:
@@ -487,10 +325,29 @@ def find_quantized(source: str | Path, mode: QuantMode, block_size: int = 128) -
     return cand
 
 
+def _refuse_foreign(dest: Path) -> None:
+    """CheckpointError unless ``dest`` is absent or a regular file this pack wrote (its format tag): a user's own
+    file that happens to have the target name is never replaced."""
+    if not os.path.lexists(dest):
+        return
+    try:
+        ours = dest.is_file() and not dest.is_symlink() and read_header(dest).metadata.get(META_FORMAT) == FORMAT_TAG
+    except CheckpointError:
+        ours = False
+    if not ours:
+        raise CheckpointError(f"{dest.name}: a file of that name exists and was not written by this pack; it is "
+                              "left untouched and the quantized copy is not saved (rename or move that file to save it)")
+
+
 def save_quantized(loaded: LoadedWan, dest: str | Path, source: str | Path, progress: ProgressFn | None = None) -> Path:
-    """Write ``loaded`` (fp8 + scales) as a safetensors file with the metadata that makes it auto-load."""
+    """Write ``loaded`` (fp8 + scales) as a safetensors file with the metadata that makes it auto-load.
+
+    Replaces only a file this pack wrote (CheckpointError otherwise); on any failure no partial file remains.
+    """
     if loaded.mode == "none":
         raise ValueError("save_quantized: nothing is quantized (mode none)")
+    dest = Path(dest)
+    _refuse_foreign(dest)
     sd = loaded.state_dict
     meta = {
         META_FORMAT: FORMAT_TAG,
@@ -503,10 +360,16 @@ def save_quantized(loaded: LoadedWan, dest: str | Path, source: str | Path, prog
     layout = [(k, tuple(v.shape), v.dtype) for k, v in sd.items()]
     total = sum(v.numel() * v.element_size() for v in sd.values())
     done = 0
-    with StreamingSafetensorsWriter(dest, layout, meta) as w:
+    w = StreamingSafetensorsWriter(dest, layout, meta)
+    try:
         for k, v in sd.items():
             w.write(k, v)
             done += v.numel() * v.element_size()
             if progress:
                 progress(done, total)
-    return Path(dest)
+        _refuse_foreign(dest)  # a file put there while this one was written is not replaced either
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    return dest

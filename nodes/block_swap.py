@@ -9,8 +9,9 @@ How it cooperates with ComfyUI (v0.8.0, comfy/model_patcher.py + comfy/model_man
 - ``unpatch_model``/``detach`` (unload, model switch, another clone taking over) free the ring and put every
   streamed block back on its CPU master. The clone gets its own ``patches_uuid``, so a plain clone of the same
   weights reloads cleanly after us.
-- Prefetch/wait logic runs in ``patches_replace["dit"][("double_block", i)]`` and a DIFFUSION_MODEL wrapper,
-  outside the block forward: a compiled block stays compiled; swapped weights keep shape/dtype/device.
+- Prefetch/wait logic is a kernels/offload.py ``StreamHook`` installed by nodes/glue/hooks.py (per-block replace
+  patches and the forward chain), outside the block forward: a compiled block stays compiled; swapped weights
+  keep shape/dtype/device.
 - LoRA on streamed layers uses ComfyUI's own ``LowVramPatch`` (applied on the GPU per call, like native offload).
 
 Two-expert Wan 2.2 A14B (RAM): only the loaded expert's streamed blocks sit in the pinned host arena. When an
@@ -27,32 +28,25 @@ model through with a log line.
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 import weakref
 
 import torch
 from comfy_api.latest import io
 
-from ..kernels import offload
-from ..kernels.offload import BlockStreamer, SwapConfig, SwapPlan
-from .glue.common import (CATEGORY_PATCHES, display_name, dynamic_vram_manages, mixed_class, node_id, say_once,
-                          wrap_block_patches)
+from ..kernels import offload, swap_plan
+from ..kernels.hooks import find_blocks
+from ..kernels.offload import BlockStreamer, StreamHook
+from ..kernels.swap_plan import SwapConfig, SwapPlan
+from .glue.common import CATEGORY_PATCHES, display_name, dynamic_vram_manages, mixed_class, node_id, say_once
+from .glue.hooks import register_hook
 from .glue.seams import BLOCK_SWAP_SEAMS, PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
 SWAP_KEY = "lowvram_dit_block_swap"
-BLOCK_LISTS = ("blocks", "transformer_blocks")  # Wan (comfy/ldm/wan/model.py), Qwen-Image (qwen_image/model.py)
 
-
-def find_blocks(diffusion_model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
-    """The transformer block list of a Wan or Qwen-Image diffusion model."""
-    for name in BLOCK_LISTS:
-        blocks = getattr(diffusion_model, name, None)
-        if isinstance(blocks, torch.nn.ModuleList) and len(blocks) > 0:
-            return name, blocks
-    raise ValueError(f"Block Swap: {type(diffusion_model).__name__} has no `blocks`/`transformer_blocks` list; "
-                     "it supports Wan 2.1/2.2 and Qwen-Image models (connect one of those)")
 
 
 def _set_param(root: torch.nn.Module, key: str, t: torch.Tensor) -> None:
@@ -72,7 +66,7 @@ class SwapController:
     def __init__(self, config: SwapConfig, base_model: torch.nn.Module) -> None:
         self.config = config
         dm = base_model.diffusion_model
-        self.list_name, self.blocks = find_blocks(dm)
+        self.list_name, self.blocks = find_blocks(dm, "Block Swap")
         self.prefix = f"diffusion_model.{self.list_name}."
         self.block_bytes = [offload.block_nbytes(b) for b in self.blocks]
         self.block_state_bytes = [_module_bytes(b) for b in self.blocks]
@@ -105,9 +99,9 @@ class SwapController:
         """Plan for a load: ``weight_budget`` is what ComfyUI offers for weights (None = unlimited)."""
         budget = weight_budget
         if self.config.vram_budget_gb > 0:
-            user = offload.budget_bytes_from_gb(self.config.vram_budget_gb) - self.activation_bytes
+            user = swap_plan.budget_bytes_from_gb(self.config.vram_budget_gb) - self.activation_bytes
             budget = user if budget is None else min(budget, user)
-        return offload.plan_swap(self.block_bytes, self.config,
+        return swap_plan.plan_swap(self.block_bytes, self.config,
                                  budget_bytes=None if budget is None else int(budget),
                                  fixed_bytes=self.fixed_bytes())
 
@@ -237,6 +231,26 @@ class SwapController:
         self.activate(patcher, self.device)
         return bool(self.plan.streamed)
 
+    # -- what the StreamHook asks (kernels/offload.py StreamOwner) -----------------------------------------
+
+    @property
+    def debug(self) -> bool:
+        """Log per-forward transfer statistics."""
+        return self.config.debug
+
+    def block_streamer(self) -> BlockStreamer | None:
+        """The streamer while the ring is active."""
+        return self.streamer if self.active else None
+
+    def forward_streamer(self) -> BlockStreamer | None:
+        """The streamer at the start of a forward (activated now if ComfyUI skipped the load), or None."""
+        return self.streamer if self.ensure_active() else None
+
+    def oom_advice(self, message: str) -> str:
+        """The out-of-memory message naming what was on the GPU and the setting that would fit."""
+        return swap_plan.oom_advice(self.plan, self.block_bytes, self.config, message, self.fixed_bytes(),
+                                    self.embed_bytes)
+
 
 class BlockSwapMixin:
     """ModelPatcher behaviour for block swap; mixed in front of the MODEL's own patcher class."""
@@ -308,53 +322,6 @@ def _swap_class(base: type) -> type:
     return mixed_class(BlockSwapMixin, base, "BlockSwap")
 
 
-class _SwapBlock:
-    """``patches_replace["dit"][("double_block", i)]``: wait for block i's weights, run it, release its slot."""
-
-    def __init__(self, ctl: SwapController, index: int, inner=None) -> None:  # noqa: ANN001
-        self.ctl, self.index, self.inner = ctl, index, inner
-
-    def __deepcopy__(self, memo: dict) -> "_SwapBlock":
-        return self
-
-    def __call__(self, args: dict, extra: dict) -> dict:
-        st = self.ctl.streamer if self.ctl.active else None
-        if st is not None and st.active:
-            st.before_block(self.index)
-        try:
-            return self.inner(args, extra) if self.inner is not None else extra["original_block"](args)
-        finally:
-            if st is not None and st.active:
-                st.after_block(self.index)
-
-
-class _SwapForward:
-    """DIFFUSION_MODEL wrapper: start the prefetch before the embeddings run, report after (debug)."""
-
-    def __init__(self, ctl: SwapController) -> None:
-        self.ctl = ctl
-
-    def __deepcopy__(self, memo: dict) -> "_SwapForward":
-        return self
-
-    def __call__(self, executor, *args, **kwargs):  # noqa: ANN001, ANN204
-        ctl = self.ctl
-        if not ctl.ensure_active() or ctl.streamer is None or not ctl.streamer.active:
-            return executor(*args, **kwargs)
-        ctl.streamer.begin_forward()
-        try:
-            return executor(*args, **kwargs)
-        except torch.OutOfMemoryError as exc:  # same type, so ComfyUI's OOM handling (unload, report) still runs
-            advice = offload.oom_advice(ctl.plan, ctl.block_bytes, ctl.config, str(exc), ctl.fixed_bytes(),
-                                        ctl.embed_bytes)
-            log.error("lowvram_dit %s", advice)
-            raise torch.OutOfMemoryError(f"{advice}\n\n{exc}") from exc
-        finally:
-            stats = ctl.streamer.end_forward()
-            if ctl.config.debug:
-                log.info("lowvram_dit %s", offload.format_stats(stats))
-
-
 class _SwapPrepare:
     """PREPARE_SAMPLING wrapper: record ComfyUI's activation estimate at this resolution before the load."""
 
@@ -374,6 +341,26 @@ class _SwapPrepare:
         return executor(model, noise_shape, conds, *args, **kwargs)
 
 
+BUDGET_MAX_GB = 1024.0
+
+
+def budget_problem(vram_budget_gb: object) -> str | None:
+    """Why a ``vram_budget_gb`` value is refused (NaN passes ComfyUI's min/max checks and would act as 0), or None."""
+    if isinstance(vram_budget_gb, bool) or not isinstance(vram_budget_gb, (int, float)):
+        return None  # a linked value: checked when the node runs
+    if not math.isfinite(vram_budget_gb) or not 0.0 <= vram_budget_gb <= BUDGET_MAX_GB:
+        return (f"vram_budget_gb is {vram_budget_gb}: use 0 (what ComfyUI has free) or a size in GB up to "
+                f"{BUDGET_MAX_GB:g}")
+    return None
+
+
+def check_budget(vram_budget_gb: float) -> None:
+    """ValueError naming ``vram_budget_gb`` unless it is a finite size in range (for values no validation saw)."""
+    problem = budget_problem(float(vram_budget_gb))
+    if problem:
+        raise ValueError(problem)
+
+
 def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - ModelPatcher in and out
     """Return a clone of ``model`` that streams blocks per ``config`` (the node's whole job)."""
     import comfy.patcher_extension as pe
@@ -384,15 +371,13 @@ def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - Model
                       "Swap instead, start ComfyUI with --disable-dynamic-vram.")
         return model
     m = model.clone()
-    if SWAP_KEY in m.attachments:  # Block Swap applied twice: the last one wins
-        m.remove_wrappers_with_key(pe.WrappersMP.DIFFUSION_MODEL, SWAP_KEY)
+    if SWAP_KEY in m.attachments:  # Block Swap applied twice: the last one wins (its hook is replaced below)
         m.remove_wrappers_with_key(pe.WrappersMP.PREPARE_SAMPLING, SWAP_KEY)
     m.__class__ = _swap_class(type(model))
     m.patches_uuid = uuid.uuid4()  # a plain clone of the same weights must reload after us, and vice versa
     ctl = SwapController(config, m.model)
     m.set_attachments(SWAP_KEY, ctl)
-    wrap_block_patches(m, len(ctl.blocks), lambda i, inner: _SwapBlock(ctl, i, inner), _SwapBlock)
-    m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, SWAP_KEY, _SwapForward(ctl))
+    register_hook(m, SWAP_KEY, StreamHook(ctl))
     m.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, SWAP_KEY, _SwapPrepare(ctl))
     if model.load_device.type == "cpu" and config.blocks_to_swap < 0 and config.vram_budget_gb <= 0:
         log.info("lowvram_dit Block Swap: load device is the CPU and no budget/blocks are set: nothing to swap to, "
@@ -426,7 +411,7 @@ class BlockSwap(io.ComfyNode):
                                        "current resolution). 0 = whatever ComfyUI has free."),
                 io.Int.Input("blocks_to_swap", default=-1, min=-1, max=200,
                              tooltip="Blocks to keep in RAM and stream. -1 = the fewest that fit the budget."),
-                io.Int.Input("prefetch", default=1, min=1, max=offload.MAX_PREFETCH,
+                io.Int.Input("prefetch", default=1, min=1, max=swap_plan.MAX_PREFETCH,
                              tooltip="Streamed blocks loading ahead of the one computing (GPU ring = prefetch + 1 "
                                      "blocks). Raise it when transfers are slower than compute."),
                 io.Boolean.Input("pinned", default=True,
@@ -442,8 +427,14 @@ class BlockSwap(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, vram_budget_gb: float) -> bool | str:
+        """Refuse a NaN / infinite / out-of-range budget by name when the prompt is queued."""
+        return budget_problem(vram_budget_gb) or True
+
+    @classmethod
     def execute(cls, model, vram_budget_gb: float, blocks_to_swap: int, prefetch: int, pinned: bool,
                 offload_embeddings: bool, debug: bool = False) -> io.NodeOutput:  # noqa: ANN001
+        check_budget(vram_budget_gb)
         config = SwapConfig(vram_budget_gb=vram_budget_gb, blocks_to_swap=blocks_to_swap, prefetch=prefetch,
                             pinned=pinned, offload_embeddings=offload_embeddings, debug=debug)
         return io.NodeOutput(apply_block_swap(model, config))

@@ -1,8 +1,9 @@
 """Torch Compile node: regional compile of the transformer blocks, with an OOM-safe fallback chain.
 
 Built on the same seam as ComfyUI's ``set_torch_compile_wrapper`` (comfy_api/torch_helpers/torch_compile.py):
-an ``APPLY_MODEL`` wrapper puts compiled modules into the BaseModel only while ``apply_model`` runs, so
-weight patching, LoRA and saving see the original modules (no ``_orig_mod.`` keys). Differences: mode,
+the pack's ``APPLY_MODEL`` hook chain (nodes/glue/hooks.py) runs a ``CompileHook`` that puts compiled modules
+into the BaseModel only while ``apply_model`` runs, so weight patching, LoRA and saving see the original
+modules (no ``_orig_mod.`` keys). Differences: mode,
 dynamic, fullgraph and a per-model recompile limit; blocks compiled as regions (one trace serves all blocks);
 failures (compile errors, OOM during compile or the first run) step down the chain and retry the same step;
 CUDA-graph modes are replaced when weights stream (our block swap, ComfyUI partial loading).
@@ -20,45 +21,25 @@ from ..kernels.compile import (
     MODES,
     CompileConfig,
     CompiledRegions,
+    CompileHook,
     find_block_lists,
     transformer_options_guard_filter,
 )
 from .glue.common import CATEGORY_PATCHES, display_name, node_id
+from .glue.hooks import register_hook
 from .glue.seams import PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
 COMPILE_KEY = "lowvram_dit.torch_compile"
 CORE_COMPILE_KEY = "torch.compile"  # comfy_api.torch_helpers.torch_compile.COMPILE_KEY
-BLOCK_SWAP_KEY = "lowvram_dit_block_swap"  # nodes/block_swap.py SWAP_KEY (engineer F)
 DYNAMIC_CHOICES: dict[str, Optional[bool]] = {"auto": None, "true": True, "false": False}
 SCOPES = ("blocks", "whole model")
 
 
-def weights_stream(base_model: Any, transformer_options: dict) -> bool:
-    """True when weights move between calls: our block swap, or ComfyUI's partial (lowvram) loading."""
-    if getattr(base_model, "model_lowvram", False):
-        return True
-    wrappers = transformer_options.get("wrappers", {}).get("diffusion_model", {})
-    return BLOCK_SWAP_KEY in wrappers
-
-
-class CompileWrapper:
-    """``APPLY_MODEL`` wrapper: runs the step through ``CompiledRegions`` (shared by clones of the model)."""
-
-    def __init__(self, regions: CompiledRegions) -> None:
-        self.regions = regions
-        self._last_status = ""
-
-    def __call__(self, executor: Any, *args: Any, **kwargs: Any) -> Any:
-        opts = args[5] if len(args) > 5 else kwargs.get("transformer_options", {})
-        streaming = weights_stream(executor.class_obj, opts or {})
-        out = self.regions.run(executor.class_obj, lambda: executor(*args, **kwargs), streaming=streaming)
-        status = self.regions.status()
-        if status != self._last_status:
-            self._last_status = status
-            log.info("lowvram_dit %s", status)
-        return out
+def partially_loaded(base_model: Any) -> bool:
+    """True when ComfyUI loaded the model partially (lowvram): its weights move between calls."""
+    return bool(getattr(base_model, "model_lowvram", False))
 
 
 def apply_compile(model: Any, config: CompileConfig, scope: str = "blocks",
@@ -73,7 +54,6 @@ def apply_compile(model: Any, config: CompileConfig, scope: str = "blocks",
         log.warning("lowvram_dit compile: removed ComfyUI's TorchCompileModel wrapper from this model; "
                     "compiling twice would nest the compiled modules")
         m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, CORE_COMPILE_KEY)
-    m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, COMPILE_KEY)
     diffusion_model = m.get_model_object("diffusion_model")
     paths = find_block_lists(diffusion_model, prefix="diffusion_model") if scope == "blocks" else []
     if not paths:
@@ -83,7 +63,7 @@ def apply_compile(model: Any, config: CompileConfig, scope: str = "blocks",
         paths = ["diffusion_model"]
     regions = CompiledRegions(config, paths, guard_filter_fn=transformer_options_guard_filter,
                               compile_fn=compile_fn)
-    m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, COMPILE_KEY, CompileWrapper(regions))
+    register_hook(m, COMPILE_KEY, CompileHook(regions, partial_load=partially_loaded))  # twice: the last one wins
     m.set_attachments(COMPILE_KEY, regions)  # read by the doctor node / tests: regions.status()
     log.info("lowvram_dit compile: %s over %d region(s) (%s), first run compiles",
              config.describe(), len(paths), "one per block" if scope == "blocks" else "whole model")

@@ -5,7 +5,7 @@ LoRA and ModelSampling nodes work on them):
 - Stage 1, text. The Qwen2.5-VL encoder is built on the CPU with ComfyUI's own classes (the QWEN25_7B
   detection, ``llama_detect``, ``convert_old_quants``, ``qwen_image.te``, ``QwenImageTokenizer`` and
   ``comfy.sd.CLIP``: what ``load_text_encoder_state_dicts(clip_type=QWEN_IMAGE)`` dispatches to) but with an empty
-  state dict; its weights are then streamed from the file one module at a time (``kernels.staged``). ComfyUI's
+  state dict; its weights are then streamed from the file one module at a time (nodes/glue/text_encoders.py). ComfyUI's
   ``load_clip`` maps the whole file and copies it into the model, so the bf16 encoder briefly costs 2 x 15 GB of
   RSS; streaming costs the model plus one module.
   Prompts are encoded exactly as CLIPTextEncode does, the encoder is freed (RSS falls back) and only the
@@ -27,21 +27,23 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import types
 from pathlib import Path
 
 import torch
 from comfy_api.latest import io
 
-from ..kernels import staged
-from ..kernels.checkpoint_io import CheckpointError, iter_tensors, read_header
-from ..kernels.offload import SwapConfig
-from .glue.common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, embedding_cache, file_fingerprint,
-                          load_diffusion_model, node_id, text_encoder_identity, use_mmap)
-from .block_swap import apply_block_swap
-from .glue.seams import BLOCK_SWAP_SEAMS, DISABLE
+from ..kernels import qwen_image, stage_meter
+from ..kernels.checkpoint_io import CheckpointError, check_quantization, read_header
+from ..kernels.stage_meter import StageReport
+from ..kernels.swap_plan import SwapConfig
+from ..kernels.text_encoders import qwen25_vl_config_from_header
+from .block_swap import apply_block_swap, budget_problem, check_budget
+from .glue import text_encoders
+from .glue.common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, file_fingerprint, load_diffusion_model,
+                          node_id, use_mmap)
 from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 from .glue.mapped_weights import keep_file_backed
+from .glue.seams import BLOCK_SWAP_SEAMS, DISABLE
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -49,7 +51,7 @@ QUANTIZATION = {"fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise", "
 COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "dequantize": "dequantize"}
 
 
-def _log_stage(report: staged.StageReport) -> None:
+def _log_stage(report: StageReport) -> None:
     log.info("lowvram_dit Qwen-Image %s", report.format())
 
 
@@ -78,106 +80,49 @@ def _prompt_template() -> str:
     return f"{type(tok).__module__}.{type(tok).__qualname__}|{tok.llama_template}"
 
 
+def _qwen25_vl_target(probe: dict, name: str):  # noqa: ANN202 - what load_text_encoder_state_dicts builds
+    """What load_text_encoder_state_dicts(clip_type=QWEN_IMAGE) builds for QWEN25_7B, after ComfyUI's own
+    detection agrees the file is one."""
+    import comfy.sd
+    import comfy.text_encoders.qwen_image as qi
+
+    kind = comfy.sd.detect_te_model(probe)
+    if kind != comfy.sd.TEModel.QWEN25_7B:
+        raise CheckpointError(f"{name}: ComfyUI detects this text encoder as {kind}, not Qwen2.5-VL 7B; "
+                              "Qwen-Image needs qwen_2.5_vl_7b(.safetensors | _fp8_scaled.safetensors)")
+    return text_encoders.clip_target(qi.te(**comfy.sd.llama_detect([probe])), qi.QwenImageTokenizer)
+
+
+# The vision tower (0.67 B params) is loaded too although text prompts never run it: the encoder is then complete,
+# exactly what load_clip builds; missing vision weights only warn, as load_clip does.
+QWEN25_VL = text_encoders.StreamedTextEncoder(
+    label="Qwen-Image text encoder", kind="Qwen2.5-VL", norm_key="model.norm.weight", width_key="hidden_size",
+    layers_key="num_hidden_layers", config_option="qwen25_7b_model_config",
+    config_from_header=qwen25_vl_config_from_header, build_target=_qwen25_vl_target,
+    cache_context=_prompt_template, optional_prefixes=("visual.",))
+
+
 def encoder_identity(te_path: str | Path) -> dict:
     """Everything about the encoder that changes embeddings, readable without loading it (cache key part)."""
-    header = read_header(te_path)
-    return text_encoder_identity(te_path, header, "model.norm.weight", staged.qwen25_vl_config_from_header(header))
+    return text_encoders.encoder_identity(QWEN25_VL, te_path)
 
 
 def build_text_encoder_streaming(te_path: str | Path, progress=None):  # noqa: ANN001, ANN201 - comfy.sd.CLIP
     """A CPU ``comfy.sd.CLIP`` for a Qwen2.5-VL file, its weights streamed in one module at a time."""
-    import comfy.sd
-    import comfy.text_encoders.qwen_image as qi
-    import comfy.utils
-    import folder_paths
-
-    header = read_header(te_path)
-    cfg = staged.qwen25_vl_config_from_header(header)
-    small_names = staged.small_tensor_names(header)
-    small = dict(iter_tensors(header, small_names))
-    # ComfyUI's own legacy scaled-fp8 conversion (scale_weight -> weight_scale + comfy_quant), on small tensors only.
-    small, _ = comfy.utils.convert_old_quants(small, "", header.metadata)
-    raw_small = set(small_names)
-    probe = {n: torch.empty(i.shape, dtype=i.dtype, device="meta") for n, i in header.tensors.items()
-             if n not in raw_small}
-    probe.update(small)
-    kind = comfy.sd.detect_te_model(probe)
-    if kind != comfy.sd.TEModel.QWEN25_7B:
-        raise CheckpointError(f"{Path(te_path).name}: ComfyUI detects this text encoder as {kind}, not Qwen2.5-VL 7B; "
-                              "Qwen-Image needs qwen_2.5_vl_7b(.safetensors | _fp8_scaled.safetensors)")
-    # What load_text_encoder_state_dicts(clip_type=QWEN_IMAGE) builds for QWEN25_7B, minus the state dict.
-    target = types.SimpleNamespace(params={}, clip=qi.te(**comfy.sd.llama_detect([probe])),
-                                   tokenizer=qi.QwenImageTokenizer)
-    del probe
-    cpu = torch.device("cpu")
-    # initial_device "cpu:0" builds the model on the CPU like "cpu" does, but compares unequal to load_device, so
-    # CLIP.__init__ skips its load_models_gpu call: that call sizes the model through state_dict(), which an
-    # fp8 (mixed-precision) Linear cannot produce before its weight is loaded. Encoding loads it as usual.
-    options = {"load_device": cpu, "offload_device": cpu, "initial_device": torch.device("cpu", 0),
-               "qwen25_7b_model_config": cfg}
-    clip = comfy.sd.CLIP(target, embedding_directory=folder_paths.get_folder_paths("embeddings"),
-                         tokenizer_data={}, parameters=0, state_dict=[], model_options=options)
-    transformer = getattr(clip.cond_stage_model, clip.cond_stage_model.clip).transformer
-    stats = staged.StreamStats()
-    # The vision tower (0.67 B params) is loaded too although text prompts never run it: the encoder is then
-    # complete, exactly what load_clip builds (ComfyUI sizes every module when it loads the patcher).
-    groups = staged.iter_owner_groups(header, small, progress=progress, stats=stats, already_read=raw_small,
-                                      mmap=use_mmap())
-    with torch.no_grad():
-        loaded = set(staged.load_streaming(transformer, groups))
-    missing = [n for n, _ in transformer.named_parameters() if n not in loaded]
-    if any(n.startswith("visual.") for n in missing):  # as load_clip: only a warning (text prompts do not use it)
-        log.warning("lowvram_dit: %s has no complete vision tower (%d weights missing)", Path(te_path).name,
-                    sum(n.startswith("visual.") for n in missing))
-    missing = [n for n in missing if not n.startswith("visual.")]
-    if missing:
-        raise CheckpointError(f"{Path(te_path).name}: the file lacks {len(missing)} text-encoder weights "
-                              f"({missing[:3]}...); it is damaged or not Qwen2.5-VL")
-    log.info("lowvram_dit Qwen-Image text encoder %s streamed to the CPU: %.2f GB read in %d modules, at most "
-             "%.2f GB held besides the model (format %s)", Path(te_path).name, stats.bytes_read / 1e9, stats.groups,
-             stats.max_held_bytes / 1e9, staged.text_encoder_format(header))
-    return clip
+    return text_encoders.build_streaming(QWEN25_VL, te_path, progress)
 
 
 def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = True,
                    target_device: torch.device | None = None,
-                   reset_cuda_peak: bool = False) -> tuple[list[list], staged.StageReport]:
+                   reset_cuda_peak: bool = False) -> tuple[list[list], StageReport]:
     """Stage 1: CONDITIONING for each prompt, from the cache or a streamed CPU encoder that is freed after."""
-    import comfy.model_management as mm
-
-    cache = embedding_cache() if use_cache else None
-    meter = staged.StageMeter("stage 1 (text encoder, CPU)", reset_cuda_peak=reset_cuda_peak)
-    with meter:
-        keys: list[str | None] = [None] * len(prompts)
-        out: list[list | None] = [None] * len(prompts)
-        if cache is not None:
-            ident = encoder_identity(te_path)
-            template = _prompt_template()
-            for i, p in enumerate(prompts):
-                keys[i] = staged.embedding_cache_key(p, template, ident)
-                out[i] = cache.get(keys[i])
-        todo = [i for i, c in enumerate(out) if c is None]
-        hits = len(prompts) - len(todo)
-        if todo:
-            bar = _bar(1000 + 1000 * len(todo))
-            clip = build_text_encoder_streaming(
-                te_path, progress=lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))))
-            for n, i in enumerate(todo):
-                tokens = clip.tokenize(prompts[i])
-                out[i] = clip.encode_from_tokens_scheduled(tokens)
-                bar.update_absolute(1000 + 1000 * (n + 1))
-                if cache is not None:
-                    cache.put(keys[i], out[i], info={"encoder": Path(te_path).name})
-            del clip
-            mm.cleanup_models_gc()
-            staged.release_host_memory()
-        meter.report.notes.append(f"{hits} of {len(prompts)} prompts from the embedding cache"
-                                  + (", encoder not loaded" if not todo else ", encoder freed"))
+    out, report = text_encoders.encode_prompts(QWEN25_VL, te_path, prompts, stage="stage 1 (text encoder, CPU)",
+                                               use_cache=use_cache, reset_cuda_peak=reset_cuda_peak)
     dev = target_device or _compute_device()
     result = [[[t.to(dev), {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in extra.items()}]
                for t, extra in cond] for cond in out]
-    _log_stage(meter.report)
-    return result, meter.report
+    _log_stage(report)
+    return result, report
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -190,9 +135,10 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
     (``disable_dynamic``: see wan_loader.load_wan_model)."""
 
     mode = QUANTIZATION[quantization]
+    check_quantization(read_header(unet_path))  # malformed configs / bad scales: named before any weight is read
     dev = _compute_device()
     bar = _bar(1000)
-    sd, info, out_mode = staged.load_qwen_image_state_dict(
+    sd, info, out_mode = qwen_image.load_qwen_image_state_dict(
         unet_path, mode, block_size, device=dev if dev.type == "cuda" else None, mmap=use_mmap(),
         progress=lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))))
     if mode != "none" and info.format != "high_precision":
@@ -210,6 +156,31 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
     log.info("lowvram_dit Qwen-Image transformer %s: %d blocks, %s, weights %s", Path(unet_path).name,
              info.num_blocks, info.format, out_mode)
     return keep_file_backed(model)
+
+
+QWEN_PATCH = 2  # Qwen-Image packs 2x2 latent pixels per token: img_in takes 4x the VAE's latent channels
+
+
+def check_vae_fits(vae_path: str | Path, unet_path: str | Path) -> None:
+    """Before stage 1 (minutes of text encoding): the VAE file reads, is a Qwen-Image (Wan 2.1-style) VAE, and its
+    latent channels are what the transformer takes; CheckpointError naming both files otherwise."""
+    vae, unet = Path(vae_path), Path(unet_path)
+    if vae.suffix.lower() not in (".safetensors", ".sft"):
+        return  # other formats are ComfyUI's to read (VAELoader accepts them)
+    t = read_header(vae).tensors
+    if "decoder.middle.0.residual.0.gamma" not in t:
+        raise CheckpointError(f"{vae.name}: not a Qwen-Image VAE (no decoder.middle.0.residual.0.gamma); select "
+                              "qwen_image_vae.safetensors as vae_name")
+    if "decoder.upsamples.0.upsamples.0.residual.2.weight" in t:
+        raise CheckpointError(f"{vae.name} is a Wan 2.2 VAE (48 latent channels); {unet.name} needs the Qwen-Image "
+                              "VAE (16 channels): select qwen_image_vae.safetensors as vae_name")
+    header = read_header(unet)
+    img_in = header.tensors.get(qwen_image.inspect_qwen_image(header).prefix + "img_in.weight")
+    conv2 = t.get("conv2.weight")
+    if img_in is not None and conv2 is not None and len(img_in.shape) == 2 and conv2.shape \
+            and conv2.shape[0] * QWEN_PATCH ** 2 != img_in.shape[1]:
+        raise CheckpointError(f"{vae.name} gives {conv2.shape[0]} latent channels but {unet.name} takes "
+                              f"{img_in.shape[1] // QWEN_PATCH ** 2}; the two files do not belong together")
 
 
 def load_vae(vae_path: str | Path):  # noqa: ANN201 - comfy.sd.VAE
@@ -287,19 +258,26 @@ class QwenImageStagedLoader(io.ComfyNode):
                         (("diffusion_models", unet_name), ("text_encoders", clip_name), ("vae", vae_name)))
 
     @classmethod
+    def validate_inputs(cls, vram_budget_gb: float) -> bool | str:
+        """Refuse a NaN / infinite / out-of-range budget by name when the prompt is queued."""
+        return budget_problem(vram_budget_gb) or True
+
+    @classmethod
     def execute(cls, unet_name: str, clip_name: str, vae_name: str, positive: str, negative: str,
                 quantization: str, vram_budget_gb: float, blocks_to_swap: int, cache_embeddings: bool,
                 compute: str = "auto") -> io.NodeOutput:
         import comfy.model_management as mm
         import folder_paths
 
+        check_budget(vram_budget_gb)
         unet = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         te = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
         vae_path = folder_paths.get_full_path_or_raise("vae", vae_name)
         # A previous run's transformer (dropped from ComfyUI's cache when our inputs changed) must be gone
         # before the encoder loads: the two do not fit in RAM together on the machines this node is for.
+        check_vae_fits(vae_path, unet)  # a wrong VAE fails now, not after the long text stage
         mm.cleanup_models_gc()
-        staged.release_host_memory()
+        stage_meter.release_host_memory()
         (pos, neg), _ = encode_prompts(te, [positive, negative], use_cache=cache_embeddings)
         model, _ = load_staged_model(unet, quantization, vram_budget_gb, blocks_to_swap, compute)
         vae = load_vae(vae_path)
@@ -310,9 +288,9 @@ def load_staged_model(unet_path: str | Path, quantization: str = "fp8 per-tensor
                       blocks_to_swap: int = -1, compute: str = "auto",
                       reset_cuda_peak: bool = False):  # noqa: ANN201 - (ModelPatcher, StageReport)
     """Stage 2: the fp8 transformer wrapped by Block Swap (the GPU load itself happens when sampling starts)."""
-    with staged.StageMeter("stage 2 (transformer load)", reset_cuda_peak=reset_cuda_peak) as meter:
+    with stage_meter.StageMeter("stage 2 (transformer load)", reset_cuda_peak=reset_cuda_peak) as meter:
         model = load_transformer(unet_path, quantization, 128, compute)
-        staged.release_host_memory()
+        stage_meter.release_host_memory()
         model = apply_block_swap(model, SwapConfig(vram_budget_gb=vram_budget_gb, blocks_to_swap=blocks_to_swap))
     meter.report.notes.append(f"block swap budget {vram_budget_gb:g} GB, blocks_to_swap {blocks_to_swap} "
                               "(the GPU load happens in KSampler)")
@@ -377,15 +355,21 @@ class QwenImageDecode(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, vram_budget_gb: float) -> bool | str:
+        """Refuse a NaN / infinite / out-of-range budget by name when the prompt is queued."""
+        return budget_problem(vram_budget_gb) or True
+
+    @classmethod
     def execute(cls, samples: dict, vae, vram_budget_gb: float, tile_size: int, overlap: int,  # noqa: ANN001
                 allow_cpu: bool = False) -> io.NodeOutput:
+        check_budget(vram_budget_gb)
         images, _ = decode_staged(samples["samples"], vae, vram_budget_gb, tile_size, overlap, allow_cpu)
         return io.NodeOutput(images)
 
 
 def decode_staged(latent: torch.Tensor, vae, vram_budget_gb: float = 0.0, tile_size: int = 512,  # noqa: ANN001
                   overlap: int = 64, allow_cpu: bool = False,
-                  reset_cuda_peak: bool = False) -> tuple[torch.Tensor, staged.StageReport]:
+                  reset_cuda_peak: bool = False) -> tuple[torch.Tensor, StageReport]:
     """Stage 3: free the GPU of other models, decode (tiled if needed) on the VAE's device; IMAGE [N, H, W, C]."""
     import comfy.model_management as mm
 
@@ -395,7 +379,7 @@ def decode_staged(latent: torch.Tensor, vae, vram_budget_gb: float = 0.0, tile_s
         raise RuntimeError("Qwen-Image Decode: the VAE is on the CPU (ComfyUI started with --cpu-vae?) while a "
                            f"GPU ({gpu}) exists; a CPU decode of a 1328x1328 image takes tens of minutes. Remove "
                            "--cpu-vae, or set allow_cpu on this node to accept it.")
-    with staged.StageMeter("stage 3 (VAE decode)", device=dev, reset_cuda_peak=reset_cuda_peak) as meter:
+    with stage_meter.StageMeter("stage 3 (VAE decode)", device=dev, reset_cuda_peak=reset_cuda_peak) as meter:
         # Release the transformer (and anything else) from this device before the VAE loads.
         mm.free_memory(1e30, dev, keep_loaded=[vae.patcher])
         mm.soft_empty_cache()
@@ -408,7 +392,7 @@ def decode_staged(latent: torch.Tensor, vae, vram_budget_gb: float = 0.0, tile_s
             vae_bytes = mm.module_size(vae.first_stage_model)
             available = mm.get_free_memory(dev) - vae_bytes
             if vram_budget_gb > 0:
-                available = min(available, vram_budget_gb * staged.GIB - vae_bytes)
+                available = min(available, vram_budget_gb * stage_meter.GIB - vae_bytes)
         comp = vae.spacial_compression_decode()
         h_px, w_px = latent.shape[-2] * comp, latent.shape[-1] * comp
         tile = plan_decode(need, available, h_px, w_px, tile_size)
@@ -416,15 +400,15 @@ def decode_staged(latent: torch.Tensor, vae, vram_budget_gb: float = 0.0, tile_s
             bar = _bar(1)
             images = vae.decode(latent)
             bar.update(1)
-            meter.report.notes.append(f"full decode (estimate {need / staged.GIB:.2f} GiB fits)")
+            meter.report.notes.append(f"full decode (estimate {need / stage_meter.GIB:.2f} GiB fits)")
         else:
             ov = min(overlap, tile // 4)
             t_comp = vae.temporal_compression_decode()
             tile_t, overlap_t = (None, None) if t_comp is None else (max(2, 64 // t_comp), 1)
             images = vae.decode_tiled(latent, tile_x=tile // comp, tile_y=tile // comp, overlap=ov // comp,
                                       tile_t=tile_t, overlap_t=overlap_t)
-            meter.report.notes.append(f"tiled {tile}px/{ov}px (estimate {need / staged.GIB:.2f} GiB > "
-                                      f"{max(available, 0) / staged.GIB:.2f} GiB available)")
+            meter.report.notes.append(f"tiled {tile}px/{ov}px (estimate {need / stage_meter.GIB:.2f} GiB > "
+                                      f"{max(available, 0) / stage_meter.GIB:.2f} GiB available)")
         if images.ndim == 5:  # video VAE output for a single-frame image: combine batches as VAEDecode does
             images = images.reshape(-1, *images.shape[-3:])
     meter.report.notes.append(f"on {dev}")

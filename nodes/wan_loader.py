@@ -10,7 +10,8 @@ import torch
 from comfy_api.latest import io
 
 from ..kernels import wan_checkpoint as wc
-from .glue.common import CATEGORY_LOADERS, display_name, load_diffusion_model, node_id, use_mmap
+from .glue.common import (CATEGORY_LOADERS, display_name, file_fingerprint, load_diffusion_model, node_id,
+                          use_mmap)
 from .glue.seams import DISABLE
 from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 from .glue.mapped_weights import keep_file_backed
@@ -57,6 +58,11 @@ def load_wan_model(
     )
     for note in loaded.notes:
         log.info("lowvram_dit: %s", note)
+    # The loader cannot see the graph's VAE, and ComfyUI widens an empty latent to any model silently: say what fits,
+    # so a VAE Decode channel mismatch at the end of a run can be traced to this file.
+    vae = "the Wan 2.2 VAE (wan2.2_vae) and Wan22ImageToVideoLatent" if loaded.info.out_dim == 48 else "the Wan 2.1 VAE"
+    log.info("lowvram_dit: %s (%s) makes %d-channel latents: decode them with %s", source.name, loaded.info.variant,
+             loaded.info.out_dim, vae)
     size_gb = read_from.stat().st_size / 1e9
     log.info("lowvram_dit: read %s (%s, %s) in %.1f s (%.2f GB/s); %d fp8 layers, mode %s",
              read_from.name, loaded.info.variant, loaded.info.format, time.perf_counter() - t0,
@@ -67,8 +73,8 @@ def load_wan_model(
             wc.save_quantized(loaded, dest, source,
                               progress=lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1)), 1000))
             log.info("lowvram_dit: saved %s (picked up automatically next time)", dest.name)
-        except OSError as exc:  # a read-only models folder must not fail the load
-            log.warning("lowvram_dit: could not save %s: %s", dest, exc)
+        except (OSError, wc.CheckpointError) as exc:  # a read-only folder or a user's file there must not fail the load
+            log.warning("lowvram_dit: could not save %s: %s", dest.name, exc)
 
     reload = (load_wan_model, (path, quantization, block_size, compute))
     if loaded.fp8_layers == 0:
@@ -134,6 +140,23 @@ class WanLoader(io.ComfyNode):
             ],
             outputs=[io.Model.Output()],
         )
+
+    @classmethod
+    def fingerprint_inputs(cls, unet_name: str, quantization: str = "none", block_size: str = "128",
+                           **kwargs) -> str:
+        """Re-run when the file, or its saved quantized copy, changes on disk under the same name (size/mtime)."""
+        import folder_paths
+
+        mode = QUANTIZATION.get(quantization, "none")
+        path = folder_paths.get_full_path("diffusion_models", unet_name)
+        saved = "none"
+        if path and mode != "none" and str(block_size).isdigit():
+            try:
+                st = wc.quantized_path_for(path, mode, int(block_size)).stat()
+                saved = f"{st.st_size}:{st.st_mtime_ns}"
+            except OSError:
+                pass
+        return f"{file_fingerprint('diffusion_models', unet_name)}|{saved}"
 
     @classmethod
     def execute(cls, unet_name: str, quantization: str, block_size: str, compute: str,

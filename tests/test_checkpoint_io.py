@@ -108,7 +108,7 @@ def test_map_tensors_are_zero_copy_views_of_the_file(tmp_path):
     from safetensors.torch import save_file
 
     from comfyui_lowvram_dit.kernels.checkpoint_io import iter_tensors, map_tensors, read_header
-    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+    from comfyui_lowvram_dit.kernels.host_memory import is_file_backed
 
     sd = {"a.weight": torch.randn(64, 96).to(torch.float8_e4m3fn), "a.scale_weight": torch.tensor(0.5),
           "b.bias": torch.randn(33, dtype=torch.bfloat16), "empty": torch.zeros(0)}

@@ -31,7 +31,7 @@ def comfy() -> Any:
 
 @pytest.fixture(scope="module")
 def tiny_wan(comfy: Any) -> Any:
-    """A 2-block Wan 2.2 14B-layout model (dim 256) from the synthetic checkpoint, as UNETLoader builds it."""
+    """A 2-block Wan 2.2 14B-layout model (dim 256) from tools/synth.py, as UNETLoader builds it."""
     synth = pytest.importorskip("comfyui_lowvram_dit.tools.synth")
     import comfy.sd
 
@@ -179,22 +179,24 @@ def test_compile_node_replaces_core_wrapper(tiny_wan: Any) -> None:
 
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
     from comfyui_lowvram_dit.nodes.compile import COMPILE_KEY, CORE_COMPILE_KEY, apply_compile
+    from comfyui_lowvram_dit.nodes.glue.hooks import hook_registry
 
     core = tiny_wan.clone()
     set_torch_compile_wrapper(core, backend="eager")
     m = apply_compile(core, CompileConfig(), compile_fn=_CountingCompiler())
     assert not m.get_wrappers(WrappersMP.APPLY_MODEL, CORE_COMPILE_KEY)
-    assert len(m.get_wrappers(WrappersMP.APPLY_MODEL, COMPILE_KEY)) == 1
+    m = apply_compile(m, CompileConfig(mode="max-autotune-no-cudagraphs"), compile_fn=_CountingCompiler())
+    assert hook_registry(m).names() == [COMPILE_KEY]  # applied twice: one hook, the last one
+    assert hook_registry(m).get(COMPILE_KEY).regions is m.attachments[COMPILE_KEY]
 
 
-def test_weights_stream_detects_block_swap_and_partial_load(comfy: Any) -> None:
+def test_partial_load_counts_as_streaming() -> None:
     from types import SimpleNamespace
 
-    from comfyui_lowvram_dit.nodes.compile import BLOCK_SWAP_KEY, weights_stream
+    from comfyui_lowvram_dit.nodes.compile import partially_loaded
 
-    assert weights_stream(SimpleNamespace(model_lowvram=True), {})
-    assert weights_stream(SimpleNamespace(), {"wrappers": {"diffusion_model": {BLOCK_SWAP_KEY: [print]}}})
-    assert not weights_stream(SimpleNamespace(model_lowvram=False), {"wrappers": {}})
+    assert partially_loaded(SimpleNamespace(model_lowvram=True))
+    assert not partially_loaded(SimpleNamespace(model_lowvram=False)) and not partially_loaded(SimpleNamespace())
 
 
 # ------------------------------------------------------------------------------------------------ server

@@ -38,7 +38,7 @@ def test_in_process_swapped_sampling_equals_plain_and_accounts_memory():
     _comfy()
     import comfy.model_management as mm
 
-    from comfyui_lowvram_dit.kernels.offload import SwapConfig
+    from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig
     from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
 
     plain = _tiny_wan_patcher()
@@ -64,7 +64,7 @@ def test_in_process_interrupt_mid_step_leaves_the_model_usable():
     _comfy()
     import comfy.model_management as mm
 
-    from comfyui_lowvram_dit.kernels.offload import SwapConfig
+    from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig
     from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
 
     plain = _tiny_wan_patcher(seed=1)

@@ -1,5 +1,5 @@
 """An out-of-memory error inside a Block Swap forward says what was on the GPU and the setting that would fit, keeps
-its type (so ComfyUI's own OOM handling still unloads and reports), and leaves the model usable (issue 8).
+its type (so ComfyUI's own OOM handling still unloads and reports), and leaves the model usable.
 In process, tiny Wan on the CPU; needs COMFYUI_PATH."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_oom_in_a_swapped_forward_names_a_setting_that_fits(caplog: pytest.LogCa
     import comfy.sd
 
     from comfyui_lowvram_dit.tools import synth
-    from comfyui_lowvram_dit.kernels.offload import SwapConfig
+    from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig
     from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
 
     sd = synth.synthetic_state_dict("wan21_t2v_1_3B", size="tiny", fmt="bf16", seed=1, num_layers=NUM_LAYERS)

@@ -30,7 +30,7 @@ def _tiny_wan(tmp_path: Path, name: str, fmt: str = "fp8_scaled") -> Path:
 
 def test_block_swap_steps_aside_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     comfyui_in_process_or_skip()
-    from comfyui_lowvram_dit.kernels.offload import SwapConfig
+    from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig
     from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
     from comfyui_lowvram_dit.nodes.glue import common
     from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model

@@ -1,4 +1,4 @@
-"""The two-expert RAM design through ComfyUI's real load/unload path (issue 4): a pre-quantized Wan file is mapped,
+"""The two-expert RAM design through ComfyUI's real load/unload path: a pre-quantized Wan file is mapped,
 Block Swap copies the streamed blocks into its host buffer while the model is loaded, and when ComfyUI unloads the
 model the buffer is freed and the weights point back at the file (the idle expert costs page cache, not RSS).
 In process, tiny Wan on the CPU; needs COMFYUI_PATH."""
@@ -29,7 +29,8 @@ def test_unloaded_expert_goes_back_to_its_file(tmp_path: Path) -> None:
     import comfy.model_management as mm
 
     from comfyui_lowvram_dit.tools import synth
-    from comfyui_lowvram_dit.kernels.offload import SwapConfig, is_file_backed
+    from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig
+    from comfyui_lowvram_dit.kernels.host_memory import is_file_backed
     from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
     from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
 

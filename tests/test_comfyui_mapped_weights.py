@@ -1,5 +1,5 @@
-"""Mapped (pre-quantized) weights stay file-backed through ComfyUI's partial load, offload and unload (issue 6's
-RAM goal, issue 8's pinned-memory faults). In process, tiny Wan on the CPU, ComfyUI's real ModelPatcher code;
+"""Mapped (pre-quantized) weights stay file-backed through ComfyUI's partial load, offload and unload (the idle
+model costs page cache, not RSS; pinned memory is never freed while registered). In process, tiny Wan on the CPU, ComfyUI's real ModelPatcher code;
 ``torch.cuda.cudart()`` is replaced by a registration table (tests/fake_cudart.py) and ComfyUI's pinned-memory
 limit is raised, so its pinning path runs as it does on a GPU. Needs COMFYUI_PATH."""
 
@@ -45,7 +45,7 @@ def _load(tmp_path: Path, fmt: str, seed: int = 1):  # noqa: ANN202 - ModelPatch
 
 def _mapped_registered(cudart: FakeCudart) -> int:
     """Bytes registered inside file mappings (each one a copy-on-write copy into anonymous RAM on Linux)."""
-    from comfyui_lowvram_dit.kernels.offload import file_backed_ranges
+    from comfyui_lowvram_dit.kernels.host_memory import file_backed_ranges
 
     maps = file_backed_ranges()
     return sum(s for p, s in cudart.registered.items() if any(lo <= p < hi for lo, hi in maps))
@@ -58,7 +58,7 @@ def _weight(patcher, key: str = KEY) -> torch.Tensor:  # noqa: ANN001
 
 
 def test_partial_load_never_pins_mapped_weights(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
-    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+    from comfyui_lowvram_dit.kernels.host_memory import is_file_backed
     from comfyui_lowvram_dit.nodes.glue.mapped_weights import MappedWeightsMixin, file_views
 
     patcher = _load(tmp_path, "fp8_scaled")
@@ -81,7 +81,7 @@ def test_offloaded_copies_go_back_to_the_file(tmp_path: Path, comfy_pinning: Fak
     with a LoRA patch is left to ComfyUI (pinned as usual)."""
     import comfy.utils
 
-    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+    from comfyui_lowvram_dit.kernels.host_memory import is_file_backed
 
     patcher = _load(tmp_path, "fp8_scaled")
     view = _weight(patcher)
@@ -105,7 +105,7 @@ def test_unload_points_gpu_weights_back_at_the_file(tmp_path: Path, comfy_pinnin
     stands in for the GPU here; ComfyUI's ``model.to(cpu)`` would have to copy them, and cannot copy meta)."""
     import comfy.utils
 
-    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+    from comfyui_lowvram_dit.kernels.host_memory import is_file_backed
     from comfyui_lowvram_dit.nodes.glue.mapped_weights import file_views
 
     patcher = _load(tmp_path, "fp8_scaled")
@@ -133,7 +133,7 @@ def test_quantized_on_load_models_are_left_alone(tmp_path: Path, comfy_pinning: 
 
 
 def test_block_swap_on_a_mapped_model_keeps_both_behaviours(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
-    from comfyui_lowvram_dit.kernels.offload import SwapConfig
+    from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig
     from comfyui_lowvram_dit.nodes.block_swap import BlockSwapMixin, apply_block_swap
     from comfyui_lowvram_dit.nodes.glue.mapped_weights import MappedWeightsMixin
 
@@ -168,7 +168,7 @@ def test_a_lora_patched_file_view_is_not_pinned(tmp_path: Path, comfy_pinning: F
 def test_real_partially_unload_with_a_lora(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
     """ComfyUI's own partially_unload after a full load (other weights stand in as GPU copies): the LoRA weight comes
     back through ComfyUI's backup, the rest go back to the file, nothing mapped is pinned, same output."""
-    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+    from comfyui_lowvram_dit.kernels.host_memory import is_file_backed
     from comfyui_lowvram_dit.nodes.glue.mapped_weights import file_views
 
     base = _load(tmp_path, "fp8_scaled")
@@ -190,7 +190,7 @@ def test_an_object_patched_module_is_never_rebound(tmp_path: Path, comfy_pinning
     """add_object_patch swaps in another module at the same path: its weights must not become the original's."""
     import copy
 
-    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+    from comfyui_lowvram_dit.kernels.host_memory import is_file_backed
 
     patcher = _load(tmp_path, "fp8_scaled")
     original = patcher.model.diffusion_model.blocks[1]
@@ -231,7 +231,8 @@ def test_in_place_patching_turns_file_rebinding_off(tmp_path: Path, comfy_pinnin
 def test_a_new_swap_plan_builds_its_arena_from_the_file(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
     """A different plan on re-activation (auto budget, other resolution): the old arena is released first, so the
     new one's masters are the file views again (not copies of the old arena) and the idle model stays file-backed."""
-    from comfyui_lowvram_dit.kernels.offload import SwapConfig, is_file_backed
+    from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig
+    from comfyui_lowvram_dit.kernels.host_memory import is_file_backed
     from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
 
     swapped = apply_block_swap(_load(tmp_path, "fp8_scaled"), SwapConfig(blocks_to_swap=2))

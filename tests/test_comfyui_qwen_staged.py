@@ -136,7 +136,7 @@ def test_streamed_encoder_equals_comfyui_load_clip(tmp_path: Path, fmt: str) -> 
     import comfy.sd
     import torch
 
-    from comfyui_lowvram_dit.kernels import staged
+    from comfyui_lowvram_dit.kernels import checkpoint_io, text_encoders
     from comfyui_lowvram_dit.nodes import qwen_staged
 
     te = write_small_text_encoder(tmp_path / f"te_{fmt}.safetensors", fmt, seed=2)
@@ -146,7 +146,7 @@ def test_streamed_encoder_equals_comfyui_load_clip(tmp_path: Path, fmt: str) -> 
         ours = ours_clip.encode_from_tokens_scheduled(ours_clip.tokenize(prompt))
         del ours_clip
         cpu = torch.device("cpu")
-        cfg = staged.qwen25_vl_config_from_header(staged.read_header(te))
+        cfg = text_encoders.qwen25_vl_config_from_header(checkpoint_io.read_header(te))
         stock_clip = comfy.sd.load_clip([str(te)], clip_type=comfy.sd.CLIPType.QWEN_IMAGE, model_options={
             "load_device": cpu, "offload_device": cpu, "qwen25_7b_model_config": cfg})
         stock = stock_clip.encode_from_tokens_scheduled(stock_clip.tokenize(prompt))

@@ -328,7 +328,7 @@ def test_prequantized_file_is_mapped_unless_comfyui_disables_mmap(tiny: dict, tm
     """fp8_scaled experts stay file-backed (idle-expert RAM), and ComfyUI's --disable-mmap is honoured."""
     import comfy.utils
 
-    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+    from comfyui_lowvram_dit.kernels.host_memory import is_file_backed
     from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
 
     path = synth.write_synthetic(MODEL, tmp_path / "scaled.safetensors", size="tiny", fmt="fp8_scaled", seed=11)

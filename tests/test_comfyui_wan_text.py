@@ -35,12 +35,12 @@ def comfy() -> types.ModuleType:
 def _ours(te: Path, rss: list | None = None) -> list[list]:
     """Our streamed encoder's CONDITIONING per prompt; appends the build's StageReport to ``rss`` if given."""
     import torch
-    from comfyui_lowvram_dit.kernels import staged
+    from comfyui_lowvram_dit.kernels import stage_meter
     from comfyui_lowvram_dit.nodes import wan_text
 
     with torch.inference_mode():
-        staged.release_host_memory()
-        with staged.StageMeter("build") as meter:
+        stage_meter.release_host_memory()
+        with stage_meter.StageMeter("build") as meter:
             clip = wan_text.build_umt5_streaming(te)
         if rss is not None:
             rss.append(meter.report)
@@ -62,12 +62,12 @@ def _assert_same(ours: list[list], stock: list[list]) -> None:
 def test_narrow_24_layers_equals_stock_load_clip(comfy: types.ModuleType, tmp_path: Path, fmt: str) -> None:
     """24 narrow layers: ours == comfy.sd.load_clip(WAN) + encode, bit for bit (bf16 and legacy fp8_scaled)."""
     import torch
-    from comfyui_lowvram_dit.kernels import staged
+    from comfyui_lowvram_dit.kernels import checkpoint_io, text_encoders
 
     cfg = UMT5Config(num_layers=24, d_ff=64, num_heads=2, vocab_size=512)
     te = synth.write_synthetic("umt5_xxl_enc", tmp_path / f"umt5_{fmt}.safetensors", fmt=fmt, seed=5, config=cfg)
     ours = _ours(te)
-    read = staged.umt5_config_from_header(staged.read_header(te))
+    read = text_encoders.umt5_config_from_header(checkpoint_io.read_header(te))
     assert read == {"num_layers": 24, "d_model": 4096, "d_ff": 64, "num_heads": 2, "d_kv": 64, "vocab_size": 512}
     cpu = torch.device("cpu")
     with torch.inference_mode():
@@ -83,7 +83,7 @@ def test_full_width_2_layers_equals_stock_wan_branch(comfy: types.ModuleType, tm
     import comfy.utils
     import torch
     from comfy.text_encoders import sd3_clip, wan
-    from comfyui_lowvram_dit.kernels import staged
+    from comfyui_lowvram_dit.kernels import checkpoint_io
 
     te = synth.write_synthetic("umt5_xxl_enc", tmp_path / "umt5_2l_fp16.safetensors", fmt="fp16", seed=6,
                                config=UMT5Config(num_layers=2))
@@ -92,7 +92,7 @@ def test_full_width_2_layers_equals_stock_wan_branch(comfy: types.ModuleType, tm
     # Never two copies: building costs the model (~ the file) plus at most its largest module in flight (here
     # the 2.1 GB embedding table, 73 % of this 2-layer file but 18 % of the real 24-layer one), not the file
     # twice as load_clip's full state dict + model (5.7 GB here, 23 GB for umt5_xxl_fp16).
-    largest = max(i.nbytes for i in staged.read_header(te).tensors.values())
+    largest = max(i.nbytes for i in checkpoint_io.read_header(te).tensors.values())
     grew = reports[0].rss_peak - reports[0].rss_start
     assert grew < te.stat().st_size + largest + 0.3e9, (grew / 1e9, te.stat().st_size / 1e9, largest / 1e9)
     sd = comfy.utils.load_torch_file(str(te), safe_load=True)
@@ -114,13 +114,14 @@ def test_embedding_cache_hit_miss_and_encoder_swap(comfy: types.ModuleType, tmp_
     import folder_paths
     import torch
     from comfyui_lowvram_dit.nodes import wan_text
+    from comfyui_lowvram_dit.nodes.glue import common
 
     monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path / "user"))
     cfg = UMT5Config(num_layers=2, d_ff=64, num_heads=2, vocab_size=512)
     te = synth.write_synthetic("umt5_xxl_enc", tmp_path / "umt5.safetensors", fmt="fp8_scaled", seed=1, config=cfg)
     first, r1 = wan_text.encode_wan_prompts(te, PROMPTS)
     assert "0 of 2 prompts from the embedding cache, encoder freed" in r1.notes
-    assert len(wan_text.embedding_cache().entries()) == 2
+    assert len(common.embedding_cache().entries()) == 2
     second, r2 = wan_text.encode_wan_prompts(te, PROMPTS)
     assert "2 of 2 prompts from the embedding cache, encoder not loaded" in r2.notes
     for a, b in zip(first, second, strict=True):

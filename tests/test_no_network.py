@@ -73,7 +73,7 @@ def test_wan_path_runs_offline(tmp_path: Path, no_network: list[tuple], monkeypa
 
     from comfyui_lowvram_dit.tools import synth
     from comfyui_lowvram_dit.tools.model_specs import UMT5Config
-    from comfyui_lowvram_dit.kernels.offload import SwapConfig
+    from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig
     from comfyui_lowvram_dit.nodes.attention import apply_attention
     from comfyui_lowvram_dit.nodes.block_swap import apply_block_swap
     from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model

@@ -1,14 +1,15 @@
-"""CPU tests for kernels/offload.py: the schedule, the flat layout, and the engine on a CPU "device"."""
+"""CPU tests for kernels/offload.py, swap_plan.py and host_memory.py: the schedule, the flat layout, and the engine on a CPU "device"."""
 
 from __future__ import annotations
 
 import torch
 import pytest
 
-from comfyui_lowvram_dit.kernels import offload
-from comfyui_lowvram_dit.kernels.offload import (
-    BlockStreamer, SwapConfig, aligned, blocks_to_swap_for_budget, flat_layout, flat_views, load_sequence,
-    plan_swap, prefetch_targets, ring_slots, streamed_block_indices,
+from comfyui_lowvram_dit.kernels import host_memory, offload, swap_plan
+from comfyui_lowvram_dit.kernels.offload import BlockStreamer, flat_layout, flat_views
+from comfyui_lowvram_dit.kernels.swap_plan import (
+    SwapConfig, aligned, blocks_to_swap_for_budget, load_sequence, plan_swap, prefetch_targets, ring_slots,
+    streamed_block_indices,
 )
 
 
@@ -156,9 +157,9 @@ def test_flat_layout_alignment_and_views_roundtrip():
     block = WanBlock(32, 64, fp8=True)
     tensors = offload.block_tensors(block)
     layout, total = flat_layout(tensors)
-    assert total % offload.ALIGN == 0
+    assert total % swap_plan.ALIGN == 0
     for a, b in zip(layout, layout[1:]):
-        assert b.offset % offload.ALIGN == 0 and b.offset >= a.offset + a.nbytes
+        assert b.offset % swap_plan.ALIGN == 0 and b.offset >= a.offset + a.nbytes
     flat = torch.zeros(total + 512, dtype=torch.uint8)
     views = flat_views(flat, layout, base=512)
     for (name, t), s in zip(tensors, layout):
@@ -334,7 +335,7 @@ def test_deactivate_restores_file_backed_originals(tmp_path):
     save_file(sd, tmp_path / "m.safetensors")
     mapped = load_file(tmp_path / "m.safetensors")  # safetensors CPU tensors are mmap-backed
     model.load_state_dict(mapped, assign=True)
-    if not offload.is_file_backed(model.blocks[1].ffn[0].weight):
+    if not host_memory.is_file_backed(model.blocks[1].ffn[0].weight):
         pytest.skip("safetensors did not return mmap-backed tensors on this platform")
     plan = plan_swap([offload.block_nbytes(b) for b in model.blocks], SwapConfig(blocks_to_swap=2))
     st = BlockStreamer(model.blocks, plan, "cpu", pinned=False)
@@ -342,7 +343,7 @@ def test_deactivate_restores_file_backed_originals(tmp_path):
     assert st.arena is not None
     st.deactivate()
     assert st.arena is None
-    assert offload.is_file_backed(model.blocks[plan.streamed[0]].ffn[0].weight)
+    assert host_memory.is_file_backed(model.blocks[plan.streamed[0]].ffn[0].weight)
     st.activate()  # and comes back
     x, e, ctx = _inputs()
     with torch.no_grad():
@@ -369,7 +370,7 @@ def test_mostly_file_backed_blocks_leave_the_arena_when_idle(tmp_path):
     private = {k: v.clone() for k, v in mapped.items() if k not in weights}  # as ComfyUI copies biases/norms
     model.load_state_dict({**weights, **private}, assign=True)
     w = model.blocks[1].ffn[0].weight
-    assert offload.is_file_backed(w) and not offload.is_file_backed(model.blocks[1].ffn[0].bias)
+    assert host_memory.is_file_backed(w) and not host_memory.is_file_backed(model.blocks[1].ffn[0].bias)
     plan = plan_swap([offload.block_nbytes(b) for b in model.blocks], SwapConfig(blocks_to_swap=2))
     st = BlockStreamer(model.blocks, plan, "cpu", pinned=False)
     x, e, ctx = _inputs(d=64)
@@ -378,13 +379,13 @@ def test_mostly_file_backed_blocks_leave_the_arena_when_idle(tmp_path):
     st.activate()
     b = plan.streamed[0]
     assert st.arena is not None and st.arena.contains(model.blocks[b].ffn[0].weight)
-    assert offload.page_out([model.blocks[b].ffn[0].weight]) >= 0  # never raises, data stays valid
+    assert host_memory.page_out([model.blocks[b].ffn[0].weight]) >= 0  # never raises, data stays valid
     st.deactivate(release_host=False)
     assert st.arena is not None  # a detach before a re-load keeps the arena
     st.deactivate()
     assert st.arena is None
-    assert offload.is_file_backed(model.blocks[b].ffn[0].weight)
-    assert not offload.is_file_backed(model.blocks[b].ffn[0].bias)
+    assert host_memory.is_file_backed(model.blocks[b].ffn[0].weight)
+    assert not host_memory.is_file_backed(model.blocks[b].ffn[0].bias)
     for _ in range(2):  # comes back, twice
         st.activate()
         with torch.no_grad():
@@ -393,7 +394,7 @@ def test_mostly_file_backed_blocks_leave_the_arena_when_idle(tmp_path):
             st.end_forward()
         st.deactivate()
         assert torch.equal(out, ref)
-    assert st.arena is None and offload.is_file_backed(model.blocks[b].ffn[0].weight)
+    assert st.arena is None and host_memory.is_file_backed(model.blocks[b].ffn[0].weight)
 
 
 def test_a_mostly_private_model_keeps_its_arena():
@@ -410,26 +411,26 @@ TORCH_OOM = ("CUDA out of memory. Tried to allocate 1.95 GiB. GPU 0 has a total 
 
 
 def test_parse_oom_reads_torch_numbers():
-    assert offload.parse_oom(TORCH_OOM) == (int(1.95 * 2**30), int(1.20 * 2**30))
-    assert offload.parse_oom("CUDA out of memory") == (None, None)
+    assert swap_plan.parse_oom(TORCH_OOM) == (int(1.95 * 2**30), int(1.20 * 2**30))
+    assert swap_plan.parse_oom("CUDA out of memory") == (None, None)
 
 
 def test_oom_advice_names_blocks_that_would_fit():
     blocks = [int(0.35e9)] * 40
     cfg = SwapConfig(vram_budget_gb=8.0)
     plan = plan_swap(blocks, SwapConfig(blocks_to_swap=30))
-    msg = offload.oom_advice(plan, blocks, cfg, TORCH_OOM, fixed_bytes=int(0.2e9))
+    msg = swap_plan.oom_advice(plan, blocks, cfg, TORCH_OOM, fixed_bytes=int(0.2e9))
     # shortfall 0.75 GiB + 256 MiB margin = ~1.07 GB -> 4 more blocks of 0.35 GB
     assert "30 of 40 blocks streamed" in msg and "blocks_to_swap=34" in msg and "vram_budget_gb=6.9" in msg
     assert "1.95 GiB with 1.20 GiB free" in msg
-    unknown = offload.oom_advice(plan, blocks, cfg, "CUDA out of memory")
+    unknown = swap_plan.oom_advice(plan, blocks, cfg, "CUDA out of memory")
     assert "blocks_to_swap=33" in unknown
 
 
 def test_oom_advice_when_every_block_streams():
     blocks = [int(0.35e9)] * 40
     plan = plan_swap(blocks, SwapConfig(blocks_to_swap=40, prefetch=3))
-    msg = offload.oom_advice(plan, blocks, SwapConfig(blocks_to_swap=40, prefetch=3), TORCH_OOM, embed_bytes=int(0.3e9))
+    msg = swap_plan.oom_advice(plan, blocks, SwapConfig(blocks_to_swap=40, prefetch=3), TORCH_OOM, embed_bytes=int(0.3e9))
     assert "Every block already streams" in msg and "prefetch=1" in msg and "offload_embeddings on" in msg
     assert "resolution" in msg
 
@@ -481,22 +482,22 @@ def test_unpin_waits_for_the_last_copy_and_keeps_a_buffer_it_cannot_unregister(m
     from fake_cudart import FakeCudart
 
     cudart = FakeCudart.install(monkeypatch)
-    monkeypatch.setattr(offload, "discard_cuda_error", lambda: None)
+    monkeypatch.setattr(host_memory, "discard_cuda_error", lambda: None)
     order = []
 
     class Event:
         def synchronize(self) -> None:
             order.append("sync")
 
-    arena = offload.HostArena(1 << 16, pin=True)
+    arena = host_memory.HostArena(1 << 16, pin=True)
     arena.last_copy = Event()
     real = cudart.cudaHostUnregister
     monkeypatch.setattr(cudart, "cudaHostUnregister", lambda ptr: order.append("unregister") or real(ptr))
     arena.unpin()
     assert order == ["sync", "unregister"] and cudart.registered == {}
 
-    failing = offload.HostArena(1 << 16, pin=True)
+    failing = host_memory.HostArena(1 << 16, pin=True)
     monkeypatch.setattr(cudart, "cudaHostUnregister", lambda ptr: 1)  # cudaErrorInvalidValue
     failing.unpin()
-    assert not failing.pinned and any(t is failing.buffer for t in offload._UNFREED)
-    offload._UNFREED.clear()
+    assert not failing.pinned and any(t is failing.buffer for t in host_memory._UNFREED)
+    host_memory._UNFREED.clear()

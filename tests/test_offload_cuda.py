@@ -14,7 +14,8 @@ import torch
 from test_offload import TinyWan, _inputs
 
 from comfyui_lowvram_dit.kernels import offload
-from comfyui_lowvram_dit.kernels.offload import BlockStreamer, SwapConfig, plan_swap
+from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig, plan_swap
+from comfyui_lowvram_dit.kernels.offload import BlockStreamer
 
 pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda")

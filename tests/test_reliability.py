@@ -1,8 +1,8 @@
 """Fuzz the header readers: a corrupt checkpoint must give a CheckpointError that names the file, nothing else.
 
 Covers ``checkpoint_io.read_header`` and everything the loaders run on a header before touching tensor data:
-``wan_checkpoint.inspect_checkpoint``, ``staged.inspect_qwen_image``, ``staged.text_encoder_format``,
-``staged.umt5_config_from_header`` and ``staged.qwen25_vl_config_from_header``. The seeds are real key layouts
+``wan_checkpoint.inspect_checkpoint``, ``qwen_image.inspect_qwen_image``, ``text_encoders.text_encoder_format``,
+``text_encoders.umt5_config_from_header`` and ``text_encoders.qwen25_vl_config_from_header``. The seeds are real key layouts
 (tools.synth.file_layout), written as sparse files (header + ``truncate``), so a 15 GB text-encoder layout costs
 a few kB on disk. A seeded ``random.Random`` drives the mutations: same cases on every run.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from comfyui_lowvram_dit.kernels import staged
+from comfyui_lowvram_dit.kernels import qwen_image, text_encoders
 from comfyui_lowvram_dit.tools import synth
 from comfyui_lowvram_dit.kernels import wan_checkpoint as wc
 from comfyui_lowvram_dit.kernels.checkpoint_io import (
@@ -235,10 +235,10 @@ def _readers(path: Path) -> list[tuple[str, Callable[[], object]]]:
     """Every header consumer, each given a fresh header (so one failure never hides the next)."""
     return [
         ("inspect_checkpoint", lambda: wc.inspect_checkpoint(path)),
-        ("inspect_qwen_image", lambda: staged.inspect_qwen_image(read_header(path))),
-        ("text_encoder_format", lambda: staged.text_encoder_format(read_header(path))),
-        ("umt5_config_from_header", lambda: staged.umt5_config_from_header(read_header(path))),
-        ("qwen25_vl_config_from_header", lambda: staged.qwen25_vl_config_from_header(read_header(path))),
+        ("inspect_qwen_image", lambda: qwen_image.inspect_qwen_image(read_header(path))),
+        ("text_encoder_format", lambda: text_encoders.text_encoder_format(read_header(path))),
+        ("umt5_config_from_header", lambda: text_encoders.umt5_config_from_header(read_header(path))),
+        ("qwen25_vl_config_from_header", lambda: text_encoders.qwen25_vl_config_from_header(read_header(path))),
         ("source_fingerprint", lambda: wc.source_fingerprint(path)),
     ]
 
@@ -281,11 +281,11 @@ def test_seed_layouts_are_valid(model: str, tmp_path: Path) -> None:
     if model.startswith("wan"):
         assert wc.inspect_checkpoint(path, h).num_layers > 0
     elif model == "qwen_image":
-        assert staged.inspect_qwen_image(h).num_blocks > 0
+        assert qwen_image.inspect_qwen_image(h).num_blocks > 0
     elif model == "umt5_xxl_enc":
-        assert staged.umt5_config_from_header(h)["num_layers"] == 2
+        assert text_encoders.umt5_config_from_header(h)["num_layers"] == 2
     else:
-        assert staged.qwen25_vl_config_from_header(h)["num_hidden_layers"] == 2
+        assert text_encoders.qwen25_vl_config_from_header(h)["num_hidden_layers"] == 2
 
 
 def test_pickle_and_missing_files_are_refused(tmp_path: Path) -> None:

@@ -223,13 +223,13 @@ def test_complete_comfyui_keeps_every_node_unchanged(fake_comfy, caplog) -> None
 
 def test_missing_wrapper_makes_model_patches_pass_through_and_loaders_disappear(fake_comfy, caplog) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    gone = "comfy.patcher_extension:WrappersMP.DIFFUSION_MODEL"
+    gone = "comfy.patcher_extension:WrappersMP.APPLY_MODEL"
     classes = _by_name(fake_comfy("0.7.2", drop=(gone,)))
     startup = _warnings(caplog)
     # NaN Guard needs the wrapper: it stays in the menu and passes the model through.
     guard = classes["NanGuard"]
     assert guard.SEAM_PROBLEM == ("NaN Guard (LowVRAM) passes the model through unchanged: this ComfyUI (0.7.2) "
-                                  "lacks comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL; the pack needs ComfyUI "
+                                  "lacks comfy.patcher_extension.WrappersMP.APPLY_MODEL; the pack needs ComfyUI "
                                   ">= 0.8.0. Update ComfyUI.")
     assert guard.define_schema().description.startswith(guard.SEAM_PROBLEM)
     model = object()
@@ -241,13 +241,15 @@ def test_missing_wrapper_makes_model_patches_pass_through_and_loaders_disappear(
     # The Qwen-Image loader calls Block Swap, which needs it too: a loader has nothing to pass, so it is left out.
     assert "QwenImageStagedLoader" not in classes
     assert any(m.startswith("lowvram_dit: Qwen-Image Staged Loader (LowVRAM) is disabled: this ComfyUI (0.7.2) "
-                            "lacks comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL") for m in startup)
+                            "lacks comfy.patcher_extension.WrappersMP.APPLY_MODEL") for m in startup)
     # Nodes that do not use it are untouched.
-    for name in ("WanLoader", "AttentionSelect", "TorchCompile", "QwenImageDecode", "WanTextEncode", "Doctor"):
+    for name in ("WanLoader", "AttentionSelect", "QwenImageDecode", "WanTextEncode", "Doctor"):
         assert name in classes and not hasattr(classes[name], "SEAM_PROBLEM"), name
     # Block Swap needs the wrapper too and passes the model through (ComfyUI's own partial loading still works).
     assert any(m.startswith("lowvram_dit: Block Swap (LowVRAM) passes the model through unchanged") for m in startup)
-    assert len(startup) == 3  # one line per affected node
+    # Torch Compile runs in the same hook chain: it passes the model through (it runs eager).
+    assert any(m.startswith("lowvram_dit: Torch Compile (LowVRAM) passes the model through unchanged") for m in startup)
+    assert len(startup) == 4  # one line per affected node
 
 
 def test_missing_folder_paths_function_disables_the_loaders_naming_a_newer_comfyui(fake_comfy, caplog) -> None:

@@ -1,6 +1,6 @@
-"""kernels/staged.py on the CPU: embedding cache keying and atomic writes, streaming loads (one module held at
-a time, RSS falls back after freeing), Qwen2.5-VL config and format detection, Qwen-Image reading/quantization,
-stage accounting. ``write_small_text_encoder`` is shared with tests/test_comfyui_qwen_staged.py.
+"""kernels/streaming.py, text_encoders.py, qwen_image.py and stage_meter.py on the CPU: embedding cache keying and
+atomic writes, streaming loads (one module held at a time, RSS falls back after freeing), Qwen2.5-VL config and
+format detection, Qwen-Image reading/quantization, stage accounting. ``write_small_text_encoder`` is shared with tests/test_comfyui_qwen_staged.py.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfyui_lowvram_dit.kernels import staged
+from comfyui_lowvram_dit.kernels import embedding_cache, qwen_image, stage_meter, streaming, text_encoders
 from comfyui_lowvram_dit.tools import synth
-from comfyui_lowvram_dit.kernels.checkpoint_io import CheckpointError, StreamingSafetensorsWriter, read_header
+from comfyui_lowvram_dit.kernels.checkpoint_io import CheckpointError, StreamingSafetensorsWriter, iter_tensors, read_header
 from comfyui_lowvram_dit.kernels.fp8 import dequantize_blockwise
 from comfyui_lowvram_dit.tools.model_specs import (
     Qwen25VLConfig,
@@ -71,15 +71,15 @@ ENC = {"sha256": "a" * 64, "format": "bfloat16", "dtype": "bfloat16", "config": 
 
 
 def test_cache_key_depends_on_prompt_template_and_encoder_identity() -> None:
-    base = staged.embedding_cache_key("a red cat", "tmpl {}", ENC)
-    assert base == staged.embedding_cache_key("a red cat", "tmpl {}", dict(reversed(list(ENC.items()))))
+    base = embedding_cache.embedding_cache_key("a red cat", "tmpl {}", ENC)
+    assert base == embedding_cache.embedding_cache_key("a red cat", "tmpl {}", dict(reversed(list(ENC.items()))))
     variants = [
-        staged.embedding_cache_key("a red cat ", "tmpl {}", ENC),
-        staged.embedding_cache_key("a red cat", "other {}", ENC),
-        staged.embedding_cache_key("a red cat", "tmpl {}", {**ENC, "sha256": "b" * 64}),
-        staged.embedding_cache_key("a red cat", "tmpl {}", {**ENC, "dtype": "float16"}),
-        staged.embedding_cache_key("a red cat", "tmpl {}", {**ENC, "format": "fp8_scaled"}),
-        staged.embedding_cache_key("a red cat", "tmpl {}", {**ENC, "config": {"hidden_size": 4096}}),
+        embedding_cache.embedding_cache_key("a red cat ", "tmpl {}", ENC),
+        embedding_cache.embedding_cache_key("a red cat", "other {}", ENC),
+        embedding_cache.embedding_cache_key("a red cat", "tmpl {}", {**ENC, "sha256": "b" * 64}),
+        embedding_cache.embedding_cache_key("a red cat", "tmpl {}", {**ENC, "dtype": "float16"}),
+        embedding_cache.embedding_cache_key("a red cat", "tmpl {}", {**ENC, "format": "fp8_scaled"}),
+        embedding_cache.embedding_cache_key("a red cat", "tmpl {}", {**ENC, "config": {"hidden_size": 4096}}),
     ]
     assert len({base, *variants}) == len(variants) + 1
 
@@ -92,8 +92,8 @@ def _cond(length: int = 5, mask: bool = False) -> list:
 
 
 def test_cache_round_trip_hashed_names_and_miss(tmp_path: Path) -> None:
-    cache = staged.EmbeddingCache(tmp_path)
-    key = staged.embedding_cache_key("secret prompt", "t", ENC)
+    cache = embedding_cache.EmbeddingCache(tmp_path)
+    key = embedding_cache.embedding_cache_key("secret prompt", "t", ENC)
     assert cache.get(key) is None
     cond = _cond(mask=True)
     path = cache.put(key, cond, info={"encoder": "x.safetensors"})
@@ -103,20 +103,19 @@ def test_cache_round_trip_hashed_names_and_miss(tmp_path: Path) -> None:
     assert torch.equal(got[0][0], cond[0][0]) and got[0][0].dtype == torch.float32
     assert torch.equal(got[0][1]["attention_mask"], cond[0][1]["attention_mask"])
     assert got[0][1]["pooled_output"] is None
-    other = staged.embedding_cache_key("secret prompt", "t", {**ENC, "sha256": "c" * 64})
+    other = embedding_cache.embedding_cache_key("secret prompt", "t", {**ENC, "sha256": "c" * 64})
     assert cache.get(other) is None
 
 
 def test_cache_write_is_atomic_when_replace_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cache = staged.EmbeddingCache(tmp_path)
-    key = staged.embedding_cache_key("p", "t", ENC)
+    cache = embedding_cache.EmbeddingCache(tmp_path)
+    key = embedding_cache.embedding_cache_key("p", "t", ENC)
 
     def boom(src: object, dst: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(staged.os, "replace", boom)
-    with pytest.raises(OSError, match="disk full"):
-        cache.put(key, _cond())
+    monkeypatch.setattr(embedding_cache.os, "replace", boom)
+    assert cache.put(key, _cond()) is None  # the cache is an optimisation: a failed write only skips caching
     monkeypatch.undo()
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # no entry, no temp file left behind
     assert cache.get(key) is None
@@ -124,13 +123,13 @@ def test_cache_write_is_atomic_when_replace_fails(tmp_path: Path, monkeypatch: p
 
 
 def test_cache_drops_corrupt_and_foreign_entries(tmp_path: Path) -> None:
-    cache = staged.EmbeddingCache(tmp_path)
-    key = staged.embedding_cache_key("p", "t", ENC)
+    cache = embedding_cache.EmbeddingCache(tmp_path)
+    key = embedding_cache.embedding_cache_key("p", "t", ENC)
     path = cache.put(key, _cond())
     path.write_bytes(path.read_bytes()[:-7])  # truncated
     assert cache.get(key) is None and not path.exists()
     # An entry copied under another key's name (e.g. a bad manual copy) is not served.
-    other = staged.embedding_cache_key("q", "t", ENC)
+    other = embedding_cache.embedding_cache_key("q", "t", ENC)
     good = cache.put(key, _cond())
     cache.path_for(other).parent.mkdir(parents=True, exist_ok=True)
     cache.path_for(other).write_bytes(good.read_bytes())
@@ -138,8 +137,8 @@ def test_cache_drops_corrupt_and_foreign_entries(tmp_path: Path) -> None:
 
 
 def test_cache_prunes_least_recently_used(tmp_path: Path) -> None:
-    cache = staged.EmbeddingCache(tmp_path, max_entries=2)
-    keys = [staged.embedding_cache_key(str(i), "t", ENC) for i in range(3)]
+    cache = embedding_cache.EmbeddingCache(tmp_path, max_entries=2)
+    keys = [embedding_cache.embedding_cache_key(str(i), "t", ENC) for i in range(3)]
     for i, k in enumerate(keys[:2]):
         cache.put(k, _cond())
         os.utime(cache.path_for(k), (1000 + i, 1000 + i))
@@ -148,8 +147,8 @@ def test_cache_prunes_least_recently_used(tmp_path: Path) -> None:
 
 
 def test_uncacheable_extras_are_skipped(tmp_path: Path) -> None:
-    cache = staged.EmbeddingCache(tmp_path)
-    key = staged.embedding_cache_key("p", "t", ENC)
+    cache = embedding_cache.EmbeddingCache(tmp_path)
+    key = embedding_cache.embedding_cache_key("p", "t", ENC)
     assert cache.put(key, [[torch.zeros(1, 2, 3), {"hooks": object()}]]) is None
     assert cache.entries() == []
 
@@ -182,11 +181,11 @@ def test_streaming_load_matches_state_dict_and_holds_one_module(tmp_path: Path) 
     # Biases stored far from their weights: a group must wait until it is complete.
     order = sorted(sd, key=lambda k: (k.endswith("bias"), k))
     header = read_header(_write(tmp_path / "m.safetensors", sd, order))
-    small = dict(staged.iter_tensors(header, staged.small_tensor_names(header)))
+    small = dict(iter_tensors(header, streaming.small_tensor_names(header)))
     dst = _Net()
-    stats = staged.StreamStats()
+    stats = streaming.StreamStats()
     seen: list[int] = []
-    loaded = staged.load_streaming(dst, staged.iter_owner_groups(
+    loaded = streaming.load_streaming(dst, streaming.iter_owner_groups(
         header, small, stats=stats, progress=lambda d, t: seen.append(d)))
     assert sorted(loaded) == sorted(sd)
     for k, v in dst.state_dict().items():
@@ -199,7 +198,7 @@ def test_streaming_load_matches_state_dict_and_holds_one_module(tmp_path: Path) 
 def test_streaming_skip_and_errors(tmp_path: Path) -> None:
     sd = _Net().state_dict()
     header = read_header(_write(tmp_path / "m.safetensors", sd))
-    groups = list(staged.iter_owner_groups(header, {}, skip=lambda n: n.startswith("embed.")))
+    groups = list(streaming.iter_owner_groups(header, {}, skip=lambda n: n.startswith("embed.")))
     assert "embed" not in {o for o, _ in groups} and {o for o, _ in groups} == {"layers.0", "layers.1", "norm"}
 
     class Other(torch.nn.Module):
@@ -208,7 +207,7 @@ def test_streaming_skip_and_errors(tmp_path: Path) -> None:
             self.norm = torch.nn.LayerNorm(256)
 
     with pytest.raises(CheckpointError, match="does not have"):
-        staged.load_streaming(Other(), staged.iter_owner_groups(header, {}))
+        streaming.load_streaming(Other(), streaming.iter_owner_groups(header, {}))
 
 
 def test_rss_falls_back_after_streaming_load_and_release(tmp_path: Path) -> None:
@@ -217,13 +216,13 @@ def test_rss_falls_back_after_streaming_load_and_release(tmp_path: Path) -> None
     nbytes = sum(v.numel() * v.element_size() for v in sd.values())
     header = read_header(_write(tmp_path / "m.safetensors", sd))
     del sd
-    staged.release_host_memory()
-    with staged.StageMeter("load+free", interval=0.005) as meter:
+    stage_meter.release_host_memory()
+    with stage_meter.StageMeter("load+free", interval=0.005) as meter:
         model = _Net(width, layers=12)
-        staged.load_streaming(model, staged.iter_owner_groups(header, {}))
-        peak_loaded = staged.current_rss_bytes()
+        streaming.load_streaming(model, streaming.iter_owner_groups(header, {}))
+        peak_loaded = stage_meter.current_rss_bytes()
         del model
-        staged.release_host_memory()
+        stage_meter.release_host_memory()
     rep = meter.report
     assert peak_loaded - rep.rss_start > 0.8 * nbytes  # the model really was resident...
     assert rep.rss_peak - rep.rss_start < 1.6 * nbytes  # ...never twice over (model + one layer + prefetch)
@@ -256,30 +255,30 @@ def _header_from_spec(tmp_path: Path, spec: list) -> object:
 
 def test_te_config_of_the_real_7b_layout_is_comfyuis_default(tmp_path: Path) -> None:
     header = _header_from_spec(tmp_path, model_spec("qwen25_vl_7b", "full"))
-    assert staged.qwen25_vl_config_from_header(header) == {
+    assert text_encoders.qwen25_vl_config_from_header(header) == {
         "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
         "num_attention_heads": 28, "num_key_value_heads": 4}  # comfy/text_encoders/llama.py Qwen25_7BVLI_Config
-    assert staged.text_encoder_format(header) == "bfloat16"
+    assert text_encoders.text_encoder_format(header) == "bfloat16"
 
 
 def test_te_config_small_file_and_formats(tmp_path: Path) -> None:
     header = _header_from_spec(tmp_path, qwen25_vl_spec(Qwen25VLConfig(num_layers=3, intermediate=512)))
-    cfg = staged.qwen25_vl_config_from_header(header)
+    cfg = text_encoders.qwen25_vl_config_from_header(header)
     assert cfg["num_hidden_layers"] == 3 and cfg["intermediate_size"] == 512 and cfg["num_key_value_heads"] == 4
     with pytest.raises(CheckpointError, match="not a Qwen2.5-VL"):
-        staged.qwen25_vl_config_from_header(_header_from_spec(tmp_path, model_spec("wan21_t2v_1_3B", "tiny")))
+        text_encoders.qwen25_vl_config_from_header(_header_from_spec(tmp_path, model_spec("wan21_t2v_1_3B", "tiny")))
 
 
 def test_small_text_encoder_writer_formats(tmp_path: Path) -> None:
     cfg = Qwen25VLConfig(num_layers=1, intermediate=128, vision_layers=0, vocab_size=1024)
     fp8 = read_header(write_small_text_encoder(tmp_path / "a.safetensors", "fp8_scaled", cfg=cfg))
-    assert staged.text_encoder_format(fp8) == "fp8_scaled"
+    assert text_encoders.text_encoder_format(fp8) == "fp8_scaled"
     assert fp8.tensors["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
     assert fp8.tensors["model.norm.weight"].dtype == torch.float16
     bf = read_header(write_small_text_encoder(tmp_path / "b.safetensors", "bf16", cfg=cfg))
-    assert staged.text_encoder_format(bf) == "bfloat16"
-    id_a, id_b = staged.file_identity(tmp_path / "a.safetensors"), staged.file_identity(tmp_path / "b.safetensors")
-    assert id_a != id_b and id_a == staged.file_identity(tmp_path / "a.safetensors")
+    assert text_encoders.text_encoder_format(bf) == "bfloat16"
+    id_a, id_b = embedding_cache.file_identity(tmp_path / "a.safetensors"), embedding_cache.file_identity(tmp_path / "b.safetensors")
+    assert id_a != id_b and id_a == embedding_cache.file_identity(tmp_path / "a.safetensors")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -313,7 +312,7 @@ def _write_qwen(path: Path, fmt: str) -> tuple[Path, dict[str, torch.Tensor]]:
 
 def test_qwen_image_blockwise_quantization_streams(tmp_path: Path) -> None:
     path, src = _write_qwen(tmp_path / "q.safetensors", "bf16")
-    sd, info, mode = staged.load_qwen_image_state_dict(path, "blockwise", 128)
+    sd, info, mode = qwen_image.load_qwen_image_state_dict(path, "blockwise", 128)
     assert info.format == "high_precision" and info.num_blocks == 2 and mode == "blockwise"
     key = "transformer_blocks.1.img_mlp.net.0.proj.weight"  # [1024, 256]
     assert sd[key].dtype == torch.float8_e4m3fn and sd[key[: -len("weight")] + "weight_scale"].shape == (8, 2)
@@ -323,37 +322,39 @@ def test_qwen_image_blockwise_quantization_streams(tmp_path: Path) -> None:
     for k in ("img_in.weight", "txt_norm.weight", "proj_out.weight", "transformer_blocks.0.attn.norm_q.weight",
               "transformer_blocks.0.img_mod.1.bias"):
         assert sd[k].dtype == torch.bfloat16 and torch.equal(sd[k], src[k]), k
-    targets = [k for k, v in src.items() if staged.is_qwen_fp8_target(k, tuple(v.shape))]
+    targets = [k for k, v in src.items() if qwen_image.is_qwen_fp8_target(k, tuple(v.shape))]
     assert len(targets) == 2 * 14  # img/txt mod, 8 attention projections, 2 x 2 MLP Linears per block
     assert sorted(k[: -len("_scale")] for k in sd if k.endswith(".weight_scale")) == sorted(targets)
-    per_tensor, _, mode = staged.load_qwen_image_state_dict(path, "per_tensor")
+    per_tensor, _, mode = qwen_image.load_qwen_image_state_dict(path, "per_tensor")
     assert mode == "per_tensor" and per_tensor[key[: -len("weight")] + "weight_scale"].shape == ()
-    plain, _, mode = staged.load_qwen_image_state_dict(path, "none")
+    plain, _, mode = qwen_image.load_qwen_image_state_dict(path, "none")
     assert mode == "none" and all(torch.equal(plain[k], v) for k, v in src.items())
 
 
 def test_qwen_image_fp8_files_kept_as_stored(tmp_path: Path) -> None:
     scaled, _ = _write_qwen(tmp_path / "s.safetensors", "fp8_scaled")
-    sd, info, mode = staged.load_qwen_image_state_dict(scaled, "blockwise")
+    sd, info, mode = qwen_image.load_qwen_image_state_dict(scaled, "blockwise")
     assert info.format == "comfy_fp8_scaled" and mode == "per_tensor"
     key = "transformer_blocks.0.attn.to_q"
     assert sd[f"{key}.weight"].dtype == torch.float8_e4m3fn and sd[f"{key}.weight_scale"].shape == ()
     assert not any(k.endswith((".scale_weight", ".scale_input")) or k == "scaled_fp8" for k in sd)
     plain, _ = _write_qwen(tmp_path / "p.safetensors", "fp8")
-    sd, info, mode = staged.load_qwen_image_state_dict(plain, "none")
-    assert info.format == "fp8_plain" and mode == "per_tensor" and f"{key}.weight_scale" not in sd
+    sd, info, mode = qwen_image.load_qwen_image_state_dict(plain, "none")
+    assert info.format == "fp8_plain" and mode == "per_tensor"
+    unit = sd[f"{key}.weight_scale"]  # a plain fp8 cast gets a unit scale, as in the Wan loader (one normaliser)
+    assert unit.shape == () and unit.dtype == torch.float32 and unit.item() == 1.0
 
 
 def test_qwen_image_rejects_other_models(tmp_path: Path) -> None:
     wan = synth.write_synthetic("wan21_t2v_1_3B", tmp_path / "w.safetensors", "tiny", "bf16")
     with pytest.raises(CheckpointError, match="not a Qwen-Image"):
-        staged.load_qwen_image_state_dict(wan)
+        qwen_image.load_qwen_image_state_dict(wan)
     with pytest.raises(ValueError, match="quantization mode"):
-        staged.load_qwen_image_state_dict(wan, "int8")  # type: ignore[arg-type]
+        qwen_image.load_qwen_image_state_dict(wan, "int8")  # type: ignore[arg-type]
 
 
 def test_stage_meter_sees_an_allocation() -> None:
-    with staged.StageMeter("alloc", interval=0.002) as meter:
+    with stage_meter.StageMeter("alloc", interval=0.002) as meter:
         # A fresh anonymous mapping, every page written: new resident pages for certain. (A torch tensor can
         # land on pages the allocator kept from earlier tests, already counted in RSS: CI saw +4 KiB.)
         buf = mmap.mmap(-1, 64 << 20)
@@ -373,13 +374,13 @@ def test_mapped_streaming_loads_the_same_weights_without_piling_up_rss(tmp_path:
     nbytes = sum(v.numel() * v.element_size() for v in sd.values())
     header = read_header(_write(tmp_path / "m.safetensors", sd))
     ref = _Net(width, layers=12)
-    staged.load_streaming(ref, staged.iter_owner_groups(header, {}))
+    streaming.load_streaming(ref, streaming.iter_owner_groups(header, {}))
     del sd
-    staged.release_host_memory()
-    with staged.StageMeter("mapped load", interval=0.005) as meter:
+    stage_meter.release_host_memory()
+    with stage_meter.StageMeter("mapped load", interval=0.005) as meter:
         model = _Net(width, layers=12)
-        loaded = staged.load_streaming(model, staged.iter_owner_groups(header, {}, mmap=True))
-        after = staged.current_rss_bytes()
+        loaded = streaming.load_streaming(model, streaming.iter_owner_groups(header, {}, mmap=True))
+        after = stage_meter.current_rss_bytes()
     assert set(loaded) == set(ref.state_dict())
     for k, v in ref.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k

@@ -318,7 +318,7 @@ def test_saved_file_with_wrong_block_scale_is_refused(tmp_path: Path, bf16_sd: d
 @pytest.mark.parametrize("fmt", ["fp8_scaled", "fp8"])
 def test_mmap_load_equals_a_copying_load_and_stays_file_backed(tmp_path: Path, fmt: str) -> None:
     """Pre-quantized files map their fp8 weights (the idle-expert RSS design); values equal a normal read."""
-    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+    from comfyui_lowvram_dit.kernels.host_memory import is_file_backed
 
     path = synth.write_synthetic(MODEL, tmp_path / "s.safetensors", size="tiny", fmt=fmt, seed=3)
     copied = wc.load_wan_state_dict(path, "per_tensor")
@@ -333,7 +333,7 @@ def test_mmap_load_equals_a_copying_load_and_stays_file_backed(tmp_path: Path, f
 
 
 def test_mmap_is_ignored_when_quantizing_on_load(tmp_path: Path) -> None:
-    from comfyui_lowvram_dit.kernels.offload import is_file_backed
+    from comfyui_lowvram_dit.kernels.host_memory import is_file_backed
 
     path = synth.write_synthetic(MODEL, tmp_path / "b.safetensors", size="tiny", fmt="bf16", seed=3)
     loaded = wc.load_wan_state_dict(path, "per_tensor", mmap=True)

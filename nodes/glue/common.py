@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,34 +58,13 @@ def use_mmap() -> bool:
         return True
 
 
-def embedding_cache() -> Any:  # kernels.staged.EmbeddingCache
+def embedding_cache() -> Any:  # kernels.embedding_cache.EmbeddingCache
     """The pack's embedding cache under ComfyUI's user directory (kept across restarts, unlike temp)."""
     import folder_paths
 
-    from ...kernels import staged
+    from ...kernels.embedding_cache import EmbeddingCache
 
-    return staged.EmbeddingCache(Path(folder_paths.get_user_directory()).joinpath(*EMBEDDING_CACHE_FOLDER))
-
-
-def text_encoder_identity(te_path: str | Path, header: Any, dtype_key: str, config: dict) -> dict:
-    """Everything about a text encoder file that changes its embeddings, readable without loading it (cache key)."""
-    from ...kernels import staged
-
-    return {"sha256": staged.file_identity(te_path), "format": staged.text_encoder_format(header),
-            "dtype": str(header.tensors[dtype_key].dtype).removeprefix("torch."), "config": config,
-            "device": "cpu", "comfyui": comfyui_version(), "file": Path(te_path).name}
-
-
-def wrap_block_patches(model: Any, num_blocks: int, make: Callable[[int, Any], Any], own_type: type) -> None:
-    """Install ``make(i, inner)`` as ``patches_replace["dit"][("double_block", i)]`` for every block of a cloned
-    ModelPatcher, wrapping the patch already there (``inner``, or None); a patch of ``own_type`` is unwrapped first,
-    so applying the same node twice does not nest."""
-    replace = model.model_options["transformer_options"].setdefault("patches_replace", {}).setdefault("dit", {})
-    for i in range(num_blocks):
-        inner = replace.get(("double_block", i))
-        if isinstance(inner, own_type):
-            inner = inner.inner
-        replace[("double_block", i)] = make(i, inner)
+    return EmbeddingCache(Path(folder_paths.get_user_directory()).joinpath(*EMBEDDING_CACHE_FOLDER))
 
 
 _MIXED: dict[tuple[type, type], type] = {}

@@ -11,6 +11,12 @@ ModelPatcher steps would turn them into anonymous copies:
   fresh CPU memory. An unpatched weight is identical to its file view, so it is pointed back at the view
   instead: the copy is never made (full unload) or freed at once (partial unload, at the pin step).
 
+A mapped file that is truncated or rewritten in place while the model lives would crash the process (SIGBUS) or
+mix old and new weights the next time its pages are read. Each file's size, mtime and inode are recorded with the
+views, and every sampling run checks them first (an OUTER_SAMPLE wrapper) and fails with a message naming the file.
+A file deleted or replaced by a new one (rename) is harmless: the mapping keeps the old inode's data. What remains
+unavoidable: a file truncated during a sampling run, after the check (the kernel delivers SIGBUS on the next read).
+
 Weights with patches (LoRA, hooks) or backups are left to ComfyUI, and so is a module an object patch replaced;
 a patcher that patches in place (``weight_inplace_update``) turns this off for the model. Views are recorded right
 after the model is built, on the model itself, so clones share them.
@@ -19,18 +25,92 @@ after the model is built, on the model itself, so clones share them.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...kernels.offload import file_backed_ranges, is_file_backed
+from ...kernels.checkpoint_io import CheckpointError
+from ...kernels.host_memory import file_backed_ranges, is_file_backed
 from .common import dynamic_vram_manages, mixed_class, say_once
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
 VIEWS_ATTR = "lowvram_dit_file_views"
+STAMPS_ATTR = "lowvram_dit_file_stamps"
+CHECK_KEY = "lowvram_dit_mapped_files"
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """A mapped file as it was when the model was built: what must not change while its pages are in use."""
+
+    path: str
+    ino: int
+    size: int
+    mtime_ns: int
+
+
+def mapped_file_stamps(tensors: list[torch.Tensor]) -> list[FileStamp]:
+    """Stamps of the files (Linux /proc/self/maps) whose mappings hold ``tensors``; empty elsewhere."""
+    ptrs = sorted(t.data_ptr() for t in tensors)
+    found: dict[str, int] = {}
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6 or not parts[5].startswith("/") or parts[5].rstrip().endswith("(deleted)"):
+                    continue
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if any(lo <= p < hi for p in ptrs):
+                    found[parts[5].rstrip("\n")] = int(parts[4])
+    except OSError:
+        return []
+    stamps = []
+    for path, ino in found.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if st.st_ino == ino:  # else already replaced: the mapping reads the old, intact inode
+            stamps.append(FileStamp(path, ino, st.st_size, st.st_mtime_ns))
+    return stamps
+
+
+def check_mapped_files(model: torch.nn.Module) -> None:
+    """CheckpointError naming the file if a file ``model``'s weights are mapped from changed in place since."""
+    for stamp in getattr(model, STAMPS_ATTR, ()):
+        try:
+            st = os.stat(stamp.path)
+        except OSError:
+            continue  # deleted: the mapping keeps the data alive
+        if st.st_ino != stamp.ino:
+            continue  # replaced by a new file: the mapping still reads the old one; the loader re-runs next prompt
+        if (st.st_size, st.st_mtime_ns) != (stamp.size, stamp.mtime_ns):
+            name = os.path.basename(stamp.path)
+            raise CheckpointError(
+                f"{name} changed on disk while this model was loaded from it (size {stamp.size} -> {st.st_size} "
+                "bytes, or rewritten in place); reading its weights again could crash ComfyUI (SIGBUS) or mix old "
+                "and new weights, so this run stops here. Replace model files only while ComfyUI does not use them "
+                "(copy to a new name, then rename); queue the prompt again and the loader reads the file anew")
+
+
+class _CheckMappedFiles:
+    """OUTER_SAMPLE wrapper: check the mapped files before sampling touches their pages."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = weakref.ref(model)
+
+    def __deepcopy__(self, memo: dict) -> _CheckMappedFiles:
+        return self  # clones share the model and its stamps
+
+    def __call__(self, executor, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN204
+        model = self.model()
+        if model is not None:
+            check_mapped_files(model)
+        return executor(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -128,6 +208,10 @@ def keep_file_backed(patcher):  # noqa: ANN001, ANN201 - ModelPatcher in, the sa
     if not views:
         return patcher
     setattr(patcher.model, VIEWS_ATTR, views)
+    setattr(patcher.model, STAMPS_ATTR, mapped_file_stamps([v.tensor for v in views.values()]))
+    import comfy.patcher_extension as pe
+
+    patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, CHECK_KEY, _CheckMappedFiles(patcher.model))
     patcher.__class__ = mixed_class(MappedWeightsMixin, type(patcher), "Mapped")
     log.debug("lowvram_dit: %d weights (%.2f GB) stay file-backed", len(views),
               sum(v.tensor.numel() * v.tensor.element_size() for v in views.values()) / 1e9)

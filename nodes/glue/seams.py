@@ -3,7 +3,7 @@
 Every ComfyUI name a node relies on is listed once in ``SEAMS``. A node class declares the seams it needs and
 what to do without them:
 
-    COMFY_SEAMS = ("wrappers.diffusion_model", "model_patcher.wrappers")
+    COMFY_SEAMS = ("wrappers.apply_model", "model_patcher.wrappers")
     IF_SEAMS_MISSING = "pass_through"   # or "disable"
 
 At registration ``guard_nodes`` (called by nodes/__init__.py) keeps a node whose seams are all present,
@@ -87,9 +87,7 @@ SEAMS: dict[str, tuple[Probe, ...]] = {
     "folder_paths": _p("folder_paths:get_filename_list", "folder_paths:get_full_path",
                        "folder_paths:get_full_path_or_raise", "folder_paths:get_folder_paths",
                        "folder_paths:get_user_directory"),
-    # Block Swap, NaN Guard: per-forward wrapper (comfy/patcher_extension.py).
-    "wrappers.diffusion_model": _p("comfy.patcher_extension:WrappersMP.DIFFUSION_MODEL"),
-    # Torch Compile: compiled modules swapped in only while apply_model runs.
+    # Block Swap, NaN Guard, Torch Compile: the hook chain around apply_model (nodes/glue/hooks.py).
     "wrappers.apply_model": _p("comfy.patcher_extension:WrappersMP.APPLY_MODEL"),
     # Block Swap: activation estimate before the model loads.
     "wrappers.prepare_sampling": _p("comfy.patcher_extension:WrappersMP.PREPARE_SAMPLING",
@@ -109,7 +107,8 @@ SEAMS: dict[str, tuple[Probe, ...]] = {
                                 "comfy.model_patcher:ModelPatcher.model_size",
                                 "comfy.model_patcher:LowVramPatch",
                                 "comfy.model_patcher:get_key_weight"),
-    # Block Swap, NaN Guard: per-block replace patches, read by the Wan and Qwen-Image forwards.
+    # Block Swap, NaN Guard: per-block replace patches (the hooks' block chain), read by the Wan and Qwen-Image
+    # forwards.
     "dit.block_replace": (Probe("comfy.ldm.wan.model:WanModel", behaviour.wan_block_replace),
                           Probe("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",
                                 behaviour.qwen_image_block_replace)),
@@ -145,7 +144,7 @@ SEAMS: dict[str, tuple[Probe, ...]] = {
 }
 
 # Seams of nodes/block_swap.py's apply_block_swap (also needed by the Qwen-Image Staged Loader, which calls it).
-BLOCK_SWAP_SEAMS = ("wrappers.diffusion_model", "wrappers.prepare_sampling", "model_patcher.wrappers",
+BLOCK_SWAP_SEAMS = ("wrappers.apply_model", "wrappers.prepare_sampling", "model_patcher.wrappers",
                     "model_patcher.loading", "dit.block_replace")
 _SAID: set[str] = set()  # messages already logged at run time (class attributes are locked while a node runs)
 

@@ -1,0 +1,100 @@
+"""Qwen-Image transformer files: what a file is, and a streaming read into the in-memory fp8 form.
+
+Plain torch, no ComfyUI. High-precision files are quantized while streaming (kernels/fp8_state.py, the same
+normaliser as the Wan loader); fp8 files keep their own quantization.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint_io import CheckpointError, SafetensorsHeader, check_ranks, read_header
+from .fp8_state import FP8_DTYPES, Fp8Plan, QuantMode, SourceFormat, read_fp8_state_dict
+from .streaming import ProgressFn
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+_QWEN_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", "")
+_QWEN_BLOCK = re.compile(r"transformer_blocks\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class QwenImageInfo:
+    """What a Qwen-Image transformer file is."""
+
+    path: Path
+    prefix: str
+    num_blocks: int
+    format: SourceFormat  # "high_precision" | "fp8_plain" | "comfy_fp8_scaled" | "comfy_quant"
+    weight_dtype: torch.dtype  # dtype of the block Linear weights in the file
+
+
+def is_qwen_fp8_target(key: str, shape: tuple[int, ...]) -> bool:
+    """Keys quantized from high precision: 2-D Linear weights inside ``transformer_blocks.N.`` (attention
+    projections, MLPs and the img/txt modulation Linears, 99.8 % of the 20.4 B weights; embeddings, norms,
+    the time embedder and the output projection stay bf16, as in the Wan loader)."""
+    return len(shape) == 2 and key.endswith(".weight") and _QWEN_BLOCK.match(key) is not None
+
+
+def inspect_qwen_image(header: SafetensorsHeader) -> QwenImageInfo:
+    """Detect a Qwen-Image transformer (ComfyUI/diffusers key names); CheckpointError with a hint otherwise."""
+    names = list(header.tensors)
+    prefix = next((p for p in _QWEN_PREFIXES if f"{p}txt_norm.weight" in header.tensors), None)
+    if prefix is None or f"{prefix}transformer_blocks.0.img_mod.1.weight" not in header.tensors:
+        hint = ""
+        if any(".self_attn." in n and "blocks." in n for n in names[:2000]):
+            hint = " It looks like a Wan model; use the Wan loader."
+        elif "model.embed_tokens.weight" in header.tensors:
+            hint = " It is a text encoder; select it as clip_name."
+        raise CheckpointError(f"{header.path.name}: not a Qwen-Image transformer (no txt_norm.weight / "
+                              f"transformer_blocks.0.img_mod.1.weight).{hint}")
+    check_ranks(header, {f"{prefix}transformer_blocks.0.img_mod.1.weight": 2}, "Qwen-Image transformer")
+    t = {n[len(prefix):]: i for n, i in header.tensors.items() if n.startswith(prefix)}
+    blocks = sorted({int(m.group(1)) for k in t if (m := _QWEN_BLOCK.match(k))})
+    if blocks != list(range(len(blocks))):
+        raise CheckpointError(f"{header.path.name}: transformer_blocks are not numbered 0..{len(blocks) - 1}")
+    lin = [i for k, i in t.items() if is_qwen_fp8_target(k, i.shape)]
+    weight_dtype = max({i.dtype for i in lin}, key=lambda d: sum(i.nbytes for i in lin if i.dtype == d))
+    if "_quantization_metadata" in header.metadata or any(k.endswith(".comfy_quant") for k in t):
+        fmt = "comfy_quant"
+    elif "scaled_fp8" in t:
+        fmt = "comfy_fp8_scaled"
+    elif weight_dtype in FP8_DTYPES:
+        fmt = "fp8_plain"
+    else:
+        fmt = "high_precision"
+    return QwenImageInfo(header.path, prefix, len(blocks), fmt, weight_dtype)
+
+
+def load_qwen_image_state_dict(
+    path: str | Path,
+    mode: QuantMode = "blockwise",
+    block_size: int = 128,
+    *,
+    device: str | torch.device | None = None,
+    progress: ProgressFn | None = None,
+    mmap: bool = False,
+) -> tuple[dict[str, torch.Tensor], QwenImageInfo, QuantMode]:
+    """Read a Qwen-Image file tensor by tensor into the in-memory fp8 form (kernels/fp8_state.py).
+
+    High-precision files: block Linear weights are quantized to ``mode`` while streaming (on ``device``,
+    e.g. the GPU), everything else is kept. fp8 files keep their per-tensor quantization. Returns (state dict
+    without the key prefix, file info, the quantization now in the dict). ``mmap``: an fp8 file's tensors are
+    zero-copy views of the file (page cache, not RSS); a file quantized here is read as usual.
+    """
+    if mode not in ("none", "per_tensor", "blockwise"):
+        raise ValueError(f"quantization mode must be none, per_tensor or blockwise, got {mode!r}")
+    header = read_header(path)
+    info = inspect_qwen_image(header)
+    plan = Fp8Plan(info.format, info.prefix, is_qwen_fp8_target, mode, block_size)
+    sd, notes = read_fp8_state_dict(header, plan, device=device, mmap=mmap, progress=progress)
+    for note in notes:
+        log.info("lowvram_dit: %s", note)
+    out_mode: QuantMode = mode if plan.quantizes_here else (
+        "per_tensor" if info.format != "high_precision" else "none")
+    return sd, info, out_mode
