@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-# Goals (issue text): whole GPU, pack stack vs native; 8 GB card, pack vs native DynamicVRAM.
+# Goals: whole GPU, pack stack vs native; 8 GB card, pack vs native DynamicVRAM.
 GOAL_VS_DEFAULT = 1.6
 GOAL_VS_BEST = 1.3
 GOAL_CAPPED = 1.0

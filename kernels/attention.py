@@ -167,7 +167,7 @@ def _xformers(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor
 
 
 def _int8(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
-    from . import attention_int8  # engineer G's module, optional
+    from . import attention_int8  # optional (needs Triton)
 
     return attention_int8.attention_int8(q, k, v, layout="BHLD")
 

@@ -1,4 +1,4 @@
-"""20 prompts in a row with model switches show no VRAM or RSS growth (issue #8, "Faults"). ComfyUI server.
+"""20 prompts in a row with model switches show no VRAM or RSS growth. ComfyUI server.
 
 A headless ComfyUI of its own gets two synthetic Wan models cut to 4 full-width blocks and runs 20 prompts
 alternating between them: Wan Loader (fp8 per-tensor, quantized at every load) -> Block Swap (2 of 4 blocks
