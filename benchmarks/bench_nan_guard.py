@@ -1,6 +1,6 @@
 """NaN Guard's cost: Wan 2.2 14B with our fp8 layers, one forward through ``apply_model``, with and without the guard.
 
-Issue 8 asks for a guard that is cheap: one ``isfinite`` reduction per block output, kept on the GPU and read once
+The guard must be cheap: one ``isfinite`` reduction per block output, kept on the GPU and read once
 per model call. Variants (fresh process each; weights generated on the GPU): ``plain`` and ``guard`` (action warn)
 at 832x480x81 (compute-bound, 32,760 tokens) and 832x480x17 (7,800 tokens, where a per-block cost shows most).
 The report's ratio column is vs the first row; the summary line prints guard/plain per resolution.

@@ -8,9 +8,8 @@ SageAttention, xformers, our 8-bit kernel) are imported on first use; a missing 
 real, and its output is compared with an fp32 reference on a slice of query rows (attention rows are
 independent, so the slice needs the full K/V but only a few queries). NaN/Inf or a large error means fall
 back to the next backend and say so once. ``auto`` times every candidate that passes on the real inputs,
-once per (shape, dtype, device), and caches the fastest. H200 numbers that motivate measuring instead of
-ranking by name: at B1 H40 L32760 D128 bf16, SDPA cuDNN 38 ms, SDPA flash 61 ms, memory-efficient 122 ms
-(measured-h200-2026-11-21.md).
+once per (shape, dtype, device), and caches the fastest: the ranking differs by GPU and torch version
+(benchmarks/results/bench_attention_partial.md). ``HostAttention`` adds the host's own backends to it.
 
 Never imports ComfyUI; the ComfyUI call contract (layouts, heads, ``_inside_attn_wrapper``) lives in
 ``nodes/attention.py``.
@@ -60,6 +59,24 @@ class AttentionBackend:
     compile_safe: bool = False
     # Quantized (8-bit) kernels give up accuracy for speed: where they are not faster, an exact kernel is used.
     trades_accuracy: bool = False
+
+
+@dataclass(frozen=True)
+class HostAttention:
+    """The host application's attention: extra ``auto`` candidates (exact ones timed with ours, quantized ones
+    winning a shape only where faster than the best exact one) and the one the host would run itself."""
+
+    backends: tuple[AttentionBackend, ...] = ()
+    default: Optional[str] = None  # the name in ``backends`` of what the host runs without us, if known
+    default_label: str = ""  # how the log names the host's own choice
+    tag: str = field(init=False, default="")  # part of the cache key: a plain str, so dynamo guards on it
+
+    def __post_init__(self) -> None:
+        clash = [b.name for b in self.backends if b.name in BACKENDS]
+        if clash:
+            raise ValueError(f"kernels/attention.py: host backend names {clash} clash with the pack's own; "
+                             "give host backends a prefix")
+        object.__setattr__(self, "tag", ",".join(b.name for b in self.backends))
 
 
 # --------------------------------------------------------------------------------------------- capability
@@ -150,7 +167,7 @@ def _xformers(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor
 
 
 def _int8(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
-    from . import attention_int8  # engineer G's module, optional
+    from . import attention_int8  # optional (needs Triton)
 
     return attention_int8.attention_int8(q, k, v, layout="BHLD")
 
@@ -328,13 +345,20 @@ class Decision:
     errors: dict[str, float] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
     note: str = ""
+    labels: dict[str, str] = field(default_factory=dict)  # labels of host backends, which are not in BACKENDS
+
+    def label(self, name: str) -> str:
+        """The human name of backend ``name`` (ours or the host's)."""
+        if name in self.labels:
+            return self.labels[name]
+        return BACKENDS[name].label if name in BACKENDS else name
 
     def describe(self) -> str:
         """One log line: the choice, the timings behind it and what was rejected and why."""
-        times = ", ".join(f"{BACKENDS[n].label} {t:.2f} ms" for n, t in sorted(self.timings_ms.items(),
-                                                                               key=lambda kv: kv[1]))
-        rej = "; ".join(f"{BACKENDS[n].label if n in BACKENDS else n}: {r}" for n, r in self.rejected.items())
-        text = f"{BACKENDS[self.backend].label}"
+        times = ", ".join(f"{self.label(n)} {t:.2f} ms" for n, t in sorted(self.timings_ms.items(),
+                                                                           key=lambda kv: kv[1]))
+        rej = "; ".join(f"{self.label(n)}: {r}" for n, r in self.rejected.items())
+        text = self.label(self.backend)
         if times:
             text += f" [{times}]"
         if rej:
@@ -343,16 +367,24 @@ class Decision:
             text += f"; {self.note}"
         return text
 
+    def versus_host(self, host: HostAttention) -> str:
+        """'core would use X; chose Y (ms vs ms)': the choice against what the host runs without us."""
+        core, chosen, ms = host.default_label or str(host.default), self.label(self.backend), self.timings_ms
+        if self.backend in ms and host.default in ms:
+            return f"core would use {core}; chose {chosen} ({ms[self.backend]:.2f} ms vs {ms[host.default]:.2f} ms)"
+        return f"core would use {core} ({self.rejected.get(host.default or '', 'not measured')}); chose {chosen}"
 
-def _key(requested: str, q: Tensor, k: Tensor, mask: Optional[Tensor]) -> tuple:
+
+def _key(requested: str, q: Tensor, k: Tensor, mask: Optional[Tensor], host: Optional[HostAttention] = None) -> tuple:
     b, h, lq, d = q.shape
     mask_kind = "none" if mask is None else ("bool" if mask.dtype == torch.bool else "float")
-    return (requested, b, h, lq, k.shape[2], d, q.dtype, q.device.type, q.device.index, mask_kind)
+    return (requested, b, h, lq, k.shape[2], d, q.dtype, q.device.type, q.device.index, mask_kind,
+            "" if host is None else host.tag)
 
 
 def describe_key(key: tuple) -> str:
     """Human form of a cache key: 'B1 H40 L32760/32760 D128 bfloat16 cuda:0'."""
-    _, b, h, lq, lk, d, dtype, dev, idx, mask_kind = key
+    _, b, h, lq, lk, d, dtype, dev, idx, mask_kind = key[:10]
     dev_s = dev if idx is None else f"{dev}:{idx}"
     if dev == "cuda" and idx is not None:
         dev_s += f" {torch.cuda.get_device_name(idx)}"
@@ -367,14 +399,23 @@ class AttentionSelector:
         # key -> backend name. Plain str values so dynamo can guard on a hit and trace straight into the kernel.
         self.decisions: dict[tuple, str] = {}
         self.details: dict[tuple, Decision] = {}
+        self.host_backends: dict[str, AttentionBackend] = {}
         self._said: set[str] = set()
 
-    def run(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, backend: str = "auto") -> Tensor:
-        """Attention on [B, H, L, D] views with ``backend`` ("auto" or a registry name); never silently wrong."""
-        name = self.decisions.get(_key(backend, q, k, mask))
+    def run(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, backend: str = "auto",
+            host: Optional[HostAttention] = None) -> Tensor:
+        """Attention on [B, H, L, D] views with ``backend`` ("auto" or a registry name); never silently wrong.
+
+        ``host`` adds the host application's backends to ``auto``'s candidates and names its own choice."""
+        name = self.decisions.get(_key(backend, q, k, mask, host))
         if name is not None:
-            return _call(BACKENDS[name], q, k, v, mask)
-        return self._decide_and_run(q, k, v, mask, backend)
+            return _call(self.backend(name), q, k, v, mask)
+        return self._decide_and_run(q, k, v, mask, backend, host)
+
+    def backend(self, name: str) -> AttentionBackend:
+        """The pack's backend ``name``, else a host backend this selector has been given."""
+        found = BACKENDS.get(name)
+        return found if found is not None else self.host_backends[name]
 
     def say_once(self, message: str, level: int = logging.WARNING) -> None:
         """Log ``message`` the first time it is seen by this selector."""
@@ -390,43 +431,96 @@ class AttentionSelector:
         """Forget every cached choice (next call measures and checks again)."""
         self.decisions.clear()
         self.details.clear()
+        self.host_backends.clear()
 
     @torch.compiler.disable
-    def _decide_and_run(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], backend: str) -> Tensor:
-        key = _key(backend, q, k, mask)
+    def _decide_and_run(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], backend: str,
+                        host: Optional[HostAttention]) -> Tensor:
+        key = _key(backend, q, k, mask, host)
         if (known := self.decisions.get(key)) is not None:  # a graph traced before the decision lands here
-            return BACKENDS[known].call(q, k, v, mask)
+            return self.backend(known).call(q, k, v, mask)
         decision = Decision(backend="sdpa_math", requested=backend)
-        device, head_dim, has_mask = q.device, q.shape[-1], mask is not None
-        if backend == "auto":
-            order = list(AUTO_CANDIDATES)
-        else:
-            order = [backend] + [n for n in FALLBACK_ORDER if n != backend]
-        result: Optional[Tensor] = None
-        for name in order:
-            reason = unavailable_reason(name, device, q.dtype, head_dim, has_mask)
-            if reason is None:
-                out, reason = self._try(name, q, k, v, mask, decision)
-                if out is not None and backend == "auto":
-                    _time_into(decision, name, q, k, v, mask)
-                    if result is None or decision.timings_ms[name] < decision.timings_ms[decision.backend]:
-                        decision.backend, result = name, out
-                    continue
-                if out is not None:
-                    decision.backend, result = name, out
-                    break
-            decision.rejected[name] = reason
-            if backend != "auto" and name == backend:
-                self.say_once(f"lowvram_dit attention: {BACKENDS[name].label if name in BACKENDS else name} "
-                              f"cannot run {describe_key(key)}: {reason}; falling back")
+        exact, quantized = self._candidates(backend, host, decision)
+        result = self._first_or_fastest(exact, q, k, v, mask, decision, key)
         if result is None:  # every candidate failed: the math kernel runs everything torch runs
             decision.backend, result = "sdpa_math", BACKENDS["sdpa_math"].call(q, k, v, mask)
+        elif backend == "auto":
+            result = self._quantized_where_faster(quantized, q, k, v, mask, decision, result)
         elif decision.backend == backend and BACKENDS[backend].trades_accuracy:
             result = self._prefer_faster_exact(q, k, v, mask, decision, result)
         self.decisions[key], self.details[key] = decision.backend, decision
-        level = logging.INFO if decision.backend == backend or backend == "auto" or decision.note else logging.WARNING
-        self.say_once(f"lowvram_dit attention {backend} {describe_key(key)} -> {decision.describe()}", level)
+        if backend == "auto" and host is not None and host.default is not None:
+            self.say_once(f"lowvram_dit attention auto for {describe_key(key)}: {decision.versus_host(host)}; "
+                          f"measured: {decision.describe()}", logging.INFO)
+        else:
+            level = logging.INFO if decision.backend == backend or backend == "auto" or decision.note \
+                else logging.WARNING
+            self.say_once(f"lowvram_dit attention {backend} {describe_key(key)} -> {decision.describe()}", level)
         return result
+
+    def _candidates(self, backend: str, host: Optional[HostAttention],
+                    decision: Decision) -> tuple[list[str], list[str]]:
+        """(exact candidates in order, quantized host candidates) for this request."""
+        if backend != "auto":
+            return [backend] + [n for n in FALLBACK_ORDER if n != backend], []
+        exact, quantized = list(AUTO_CANDIDATES), []
+        for extra in host.backends if host is not None else ():
+            self.host_backends[extra.name] = extra
+            decision.labels[extra.name] = extra.label
+            (quantized if extra.trades_accuracy else exact).append(extra.name)
+        return exact, quantized
+
+    def _unavailable(self, name: str, q: Tensor, mask: Optional[Tensor]) -> Optional[str]:
+        if name in BACKENDS or name not in self.host_backends:
+            return unavailable_reason(name, q.device, q.dtype, q.shape[-1], mask is not None)
+        return self.host_backends[name].reason(q.device, q.dtype, q.shape[-1], mask is not None)
+
+    def _first_or_fastest(self, order: list[str], q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+                          decision: Decision, key: tuple) -> Optional[Tensor]:
+        """A request: the first of ``order`` that passes. Auto: the fastest that passes. None if none does."""
+        auto, result = decision.requested == "auto", None
+        for name in order:
+            reason = self._unavailable(name, q, mask)
+            if reason is None:
+                out, reason = self._try(name, q, k, v, mask, decision)
+                if out is not None and not auto:
+                    decision.backend = name
+                    return out
+                if out is not None:
+                    self._time(decision, name, q, k, v, mask)
+                    if result is None or decision.timings_ms[name] < decision.timings_ms[decision.backend]:
+                        decision.backend, result = name, out
+                    continue
+            decision.rejected[name] = reason
+            if not auto and name == decision.requested:
+                self.say_once(f"lowvram_dit attention: {decision.label(name)} cannot run {describe_key(key)}: "
+                              f"{reason}; falling back")
+        return result
+
+    def _quantized_where_faster(self, names: list[str], q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+                                decision: Decision, result: Tensor) -> Tensor:
+        """Auto's quantized host candidates: each that passes the check wins only where faster than the
+        current choice (the fastest exact one), the rule an 8-bit request follows."""
+        for name in names:
+            reason = self._unavailable(name, q, mask)
+            out = None
+            if reason is None:
+                out, reason = self._try(name, q, k, v, mask, decision)
+            if out is None:
+                decision.rejected[name] = reason
+            elif self._keeps_quantized(decision, name, decision.backend, q, k, v, mask):
+                decision.note = f"{decision.label(name)} is faster than {decision.label(decision.backend)} here"
+                decision.backend, result = name, out
+        return result
+
+    def _keeps_quantized(self, decision: Decision, quantized: str, exact: str, q: Tensor, k: Tensor, v: Tensor,
+                         mask: Optional[Tensor]) -> bool:
+        """True where ``quantized`` is faster than ``exact`` on these inputs; else the note says why not."""
+        if self._time(decision, quantized, q, k, v, mask) < self._time(decision, exact, q, k, v, mask):
+            return True
+        decision.note = (f"{decision.label(quantized)} is slower than {decision.label(exact)} at this shape, "
+                         f"so {decision.label(exact)} runs it")
+        return False
 
     def _prefer_faster_exact(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], decision: Decision,
                              result: Tensor) -> Tensor:
@@ -443,24 +537,21 @@ class AttentionSelector:
             if out is None:
                 decision.rejected[name] = reason
                 continue
-            quantized_ms = _time_into(decision, quantized, q, k, v, mask)
-            if _time_into(decision, name, q, k, v, mask) < quantized_ms:
-                decision.note = (f"{BACKENDS[quantized].label} is slower than {BACKENDS[name].label} at this "
-                                 f"shape, so {BACKENDS[name].label} runs it")
-                decision.backend = name
-                return out
-            return result
+            if self._keeps_quantized(decision, quantized, name, q, k, v, mask):
+                return result
+            decision.backend = name
+            return out
         return result
 
     def _try(self, name: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
              decision: Decision) -> tuple[Optional[Tensor], str]:
-        backend = BACKENDS[name]
+        backend = self.backend(name)
         try:
             out = backend.call(q, k, v, mask)
         except Exception as exc:  # "cannot run" is learnt here as often as from the static check
             return None, f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        if tuple(out.shape) != (*q.shape[:3], v.shape[-1]):
-            return None, f"returned shape {tuple(out.shape)}"
+        if not isinstance(out, Tensor) or tuple(out.shape) != (*q.shape[:3], v.shape[-1]):
+            return None, f"returned shape {tuple(getattr(out, 'shape', ()))}"
         finite, err, note = check_output(q, k, v, mask, out)
         decision.errors[name] = err
         if not finite:
@@ -469,11 +560,12 @@ class AttentionSelector:
             return None, f"relative error {err:.3g} > {backend.tolerance:g} vs fp32 reference"
         return out, ""
 
-
-def _time_into(decision: Decision, name: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> float:
-    """Time backend ``name`` on these inputs, record it in ``decision.timings_ms`` and return the milliseconds."""
-    decision.timings_ms[name] = time_call(lambda: BACKENDS[name].call(q, k, v, mask), q.device)
-    return decision.timings_ms[name]
+    def _time(self, decision: Decision, name: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> float:
+        """Milliseconds of backend ``name`` on these inputs, measured once per decision (``timings_ms``)."""
+        if name not in decision.timings_ms:
+            fn = self.backend(name).call
+            decision.timings_ms[name] = time_call(lambda: fn(q, k, v, mask), q.device)
+        return decision.timings_ms[name]
 
 
 def _call(backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:

@@ -329,6 +329,6 @@ def attention_int8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref||_F / ||ref||_F in fp32 (the 2% budget of issue 9)."""
+    """||out - ref||_F / ||ref||_F in fp32 (the error budget is 2 %)."""
     out32, ref32 = out.float(), ref.float()
     return float((out32 - ref32).norm() / ref32.norm().clamp_min(1e-30))

@@ -38,6 +38,81 @@ BACKEND_CHOICES: dict[str, Optional[str]] = {
     COMFY_DEFAULT: None,
 }
 _ARG_NAMES = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+CORE_PREFIX = "comfy:"
+# ComfyUI's registered functions whose numerics are known. Exact ones join auto; quantized ones join only when
+# ComfyUI's launch flags already chose one (the user accepted quantized attention), as our 8-bit kernel is opt-in.
+CORE_EXACT = ("pytorch", "flash", "xformers")
+CORE_QUANTIZED = ("comfy_kitchen_int8", "sage", "sage3")
+CORE_COMPILE_SAFE = ("pytorch",)  # plain SDPA (under sdpa_kernel priority on newer hosts): dynamo traces it
+
+
+def core_adapter(fn: Any) -> attention_kernels.AttentionFn:
+    """ComfyUI's ``fn(q, k, v, heads, mask, skip_reshape=, skip_output_reshape=)`` as the pack's
+    ``(q, k, v, mask)`` on [B, H, L, D]; no transformer_options, so ComfyUI's wrapper does not re-enter us."""
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        return fn(q, k, v, q.shape[1], mask, skip_reshape=True, skip_output_reshape=True)
+
+    return call
+
+
+def _core_registry(core: Any) -> dict[str, Any]:
+    """name -> function from ComfyUI's public attention registry; {} on hosts without one."""
+    registered = getattr(core, "REGISTERED_ATTENTION_FUNCTIONS", None)
+    if not isinstance(registered, dict):
+        return {}
+    get = getattr(core, "get_attention_function", None)
+    found = {}
+    for name in list(registered):
+        fn = get(name, None) if callable(get) else registered[name]
+        if callable(fn):
+            found[str(name)] = fn
+    return found
+
+
+def core_default_label(default: Any) -> str:
+    """What ComfyUI itself runs: its ``optimized_attention`` and, for SDPA, the kernel priority it sets."""
+    name = getattr(default, "__name__", repr(default))
+    if name != "attention_pytorch":
+        return name
+    import comfy.ops
+
+    priority = getattr(comfy.ops, "SDPA_BACKEND_PRIORITY", None)
+    if not priority:
+        return f"{name} (SDPA, torch picks)"
+    order = ">".join(getattr(b, "name", str(b)).replace("_ATTENTION", "") for b in priority)
+    return f"{name} (SDPA with {order} priority)"
+
+
+def _any_input(device: torch.device, dtype: torch.dtype, head_dim: int, has_mask: bool) -> Optional[str]:
+    return None  # ComfyUI's functions fall back internally; the first-use check decides
+
+
+def core_attention() -> Optional[attention_kernels.HostAttention]:
+    """ComfyUI's own attention functions as auto candidates and the one it runs by default (None without it)."""
+    try:
+        from comfy.ldm.modules import attention as core
+    except Exception as exc:  # a host that cannot import its attention module still runs ours
+        log.info("lowvram_dit attention: ComfyUI's attention functions are not importable (%s)", exc)
+        return None
+    default = getattr(core, "optimized_attention", None)
+    registry = _core_registry(core)
+    default_name = next((n for n, fn in registry.items() if fn is default), None)
+    if default_name is None and callable(default):  # hosts without the registry, or an unregistered default
+        default_name, registry = "optimized", {**registry, "optimized": default}
+    quantized_ok = default_name in CORE_QUANTIZED
+    backends = []
+    for name, fn in registry.items():
+        quantized = name in CORE_QUANTIZED
+        if name != default_name and not (name in CORE_EXACT or (quantized and quantized_ok)):
+            continue  # unknown numerics (another pack's function) or slow fallbacks: not a candidate
+        backends.append(attention_kernels.AttentionBackend(
+            CORE_PREFIX + name, f"ComfyUI {name}", core_adapter(fn), _any_input,
+            tolerance=attention_kernels.QUANTIZED_TOLERANCE if quantized else attention_kernels.EXACT_TOLERANCE,
+            compile_safe=name in CORE_COMPILE_SAFE, trades_accuracy=quantized))
+    if default_name is None:
+        return attention_kernels.HostAttention(tuple(backends))
+    return attention_kernels.HostAttention(tuple(backends), CORE_PREFIX + default_name, core_default_label(default))
 
 
 def _bind(args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -53,8 +128,9 @@ def _bind(args: tuple, kwargs: dict) -> dict[str, Any]:
 class AttentionOverride:
     """The per-model ``optimized_attention_override``: routes each call to ``kernels.attention``."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, host: Optional[attention_kernels.HostAttention] = None) -> None:
         self.backend = backend
+        self.host = host  # ComfyUI's own backends: auto measures them with ours
 
     def __repr__(self) -> str:
         return f"AttentionOverride({self.backend!r})"
@@ -79,7 +155,7 @@ class AttentionOverride:
                 mask = mask.unsqueeze(0)
             if mask.ndim == 3:
                 mask = mask.unsqueeze(1)
-        out = attention_kernels.SELECTOR.run(qh, kh, vh, mask, self.backend)
+        out = attention_kernels.SELECTOR.run(qh, kh, vh, mask, self.backend, self.host)
         if a.get("skip_output_reshape", False):
             return out
         return out.transpose(1, 2).reshape(b, -1, heads * out.shape[-1])
@@ -96,7 +172,7 @@ def apply_attention(model: Any, backend_label: str) -> Any:
     if name is None:
         opts.pop(OVERRIDE_KEY, None)
     else:
-        opts[OVERRIDE_KEY] = AttentionOverride(name)
+        opts[OVERRIDE_KEY] = AttentionOverride(name, core_attention() if name == "auto" else None)
     if previous is not None and not isinstance(previous, AttentionOverride):
         log.warning("lowvram_dit attention: replaced another node's attention override (%r) on this model", previous)
     log.info("lowvram_dit attention: model uses %s", backend_label)

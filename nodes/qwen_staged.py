@@ -39,7 +39,8 @@ from ..kernels.swap_plan import SwapConfig
 from ..kernels.text_encoders import qwen25_vl_config_from_header
 from .block_swap import apply_block_swap, budget_problem, check_budget
 from .glue import text_encoders
-from .glue.common import CATEGORY_LOADERS, CATEGORY_UTILS, display_name, file_fingerprint, node_id, use_mmap
+from .glue.common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, file_fingerprint, load_diffusion_model,
+                          node_id, use_mmap)
 from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 from .glue.mapped_weights import keep_file_backed
 from .glue.seams import BLOCK_SWAP_SEAMS, DISABLE
@@ -129,9 +130,9 @@ def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = Tr
 
 
 def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor", block_size: int = 128,
-                     compute: str = "auto"):  # noqa: ANN201 - comfy.model_patcher.ModelPatcher
-    """Read a Qwen-Image file (fp8-quantizing while streaming) and build a native MODEL from it."""
-    import comfy.sd
+                     compute: str = "auto", disable_dynamic: bool = False):  # noqa: ANN201 - ModelPatcher
+    """Read a Qwen-Image file (fp8-quantizing while streaming) and build a native MODEL from it
+    (``disable_dynamic``: see wan_loader.load_wan_model)."""
 
     mode = QUANTIZATION[quantization]
     check_quantization(read_header(unet_path))  # malformed configs / bad scales: named before any weight is read
@@ -147,7 +148,8 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
     else:
         ops = make_fp8_ops(Fp8OpsConfig(block_size=block_size, compute=COMPUTE[compute]))
         opts = {"custom_operations": ops, "dtype": torch.bfloat16}  # Qwen-Image runs in bf16 (no fp16 support)
-    model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=opts)
+    model = load_diffusion_model(sd, opts, (load_transformer, (unet_path, quantization, block_size, compute)),
+                                 disable_dynamic)
     del sd
     if model is None:
         raise RuntimeError(f"{Path(unet_path).name}: ComfyUI could not detect this Qwen-Image file")

@@ -10,7 +10,8 @@ import torch
 from comfy_api.latest import io
 
 from ..kernels import wan_checkpoint as wc
-from .glue.common import CATEGORY_LOADERS, display_name, file_fingerprint, node_id, use_mmap
+from .glue.common import (CATEGORY_LOADERS, display_name, file_fingerprint, load_diffusion_model, node_id,
+                          use_mmap)
 from .glue.seams import DISABLE
 from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 from .glue.mapped_weights import keep_file_backed
@@ -35,9 +36,12 @@ def load_wan_model(
     block_size: int = 128,
     compute: str = "auto",
     save_quantized: bool = False,
+    disable_dynamic: bool = False,
 ):  # noqa: ANN201 - comfy.model_patcher.ModelPatcher
-    """Load a Wan file (quantizing while streaming if asked) and build a native ComfyUI MODEL from it."""
-    import comfy.sd
+    """Load a Wan file (quantizing while streaming if asked) and build a native ComfyUI MODEL from it.
+
+    ``disable_dynamic`` as in ComfyUI's loaders (its ``cached_patcher_init`` protocol); fp8 models never use
+    DynamicVRAM (see ``nodes.glue.common.load_diffusion_model``)."""
     import comfy.utils
 
     mode = QUANTIZATION[quantization]
@@ -72,15 +76,16 @@ def load_wan_model(
         except (OSError, wc.CheckpointError) as exc:  # a read-only folder or a user's file there must not fail the load
             log.warning("lowvram_dit: could not save %s: %s", dest.name, exc)
 
+    reload = (load_wan_model, (path, quantization, block_size, compute))
     if loaded.fp8_layers == 0:
         # Nothing quantized: exactly what UNETLoader(weight_dtype="default") builds.
-        model = comfy.sd.load_diffusion_model_state_dict(loaded.state_dict, model_options={})
+        model = load_diffusion_model(loaded.state_dict, {}, reload, disable_dynamic)
     else:
         ops = make_fp8_ops(Fp8OpsConfig(block_size=loaded.block_size or block_size, compute=COMPUTE[compute]))
         # bf16 for the high-precision layers and activations: fp8 dequant/GEMM outputs are bf16-native, and
         # Wan's default fp16 pick risks overflow in the residual stream.
         opts = {"custom_operations": ops, "dtype": torch.bfloat16}
-        model = comfy.sd.load_diffusion_model_state_dict(loaded.state_dict, model_options=opts)
+        model = load_diffusion_model(loaded.state_dict, opts, reload)
     if model is None:
         raise RuntimeError(f"{source.name}: ComfyUI could not detect the model type of this Wan file")
     return keep_file_backed(model)

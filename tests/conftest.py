@@ -6,13 +6,14 @@ Markers (declared in pyproject.toml):
 - ``cuda``: needs ``torch.cuda.is_available()``; skipped otherwise.
 
 Unit tests: ``python -m pytest tests`` (what CI runs, see ``.ci/run``). Integration tests:
-``COMFYUI_PATH=/work/main/.comfyui/ComfyUI /work/cvenv/bin/python -m pytest tests -m comfyui``
+``COMFYUI_PATH=/path/to/ComfyUI python -m pytest tests -m comfyui``
 (the pack must be pip-installed editable in that Python; details in ``tests/comfy_server.py``).
 """
 
 from __future__ import annotations
 
 import functools
+import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -49,5 +50,9 @@ def comfy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServ
     comfy, reason = comfyui_path_or_reason()
     if comfy is None:
         pytest.skip(reason)
-    with comfy_server_session(comfy, tmp_path_factory.mktemp("comfyui")) as server:
-        yield server
+    base = tmp_path_factory.mktemp("comfyui")
+    try:
+        with comfy_server_session(comfy, base) as server:
+            yield server
+    finally:  # the synthetic models tests placed there are large; the log and outputs stay for a failed run
+        shutil.rmtree(base / "models", ignore_errors=True)

@@ -47,7 +47,7 @@ def test_registry_reports_what_cpu_can_run() -> None:
         assert gpu_only not in names
         assert attn.unavailable_reason(gpu_only, CPU, torch.float32, 128)
     assert "unknown attention backend" in attn.unavailable_reason("nope", CPU, torch.float32, 128)
-    # the 8-bit backend is engineer G's optional module: absent or unsupported on CPU, never a crash
+    # the 8-bit backend is optional: absent or unsupported on CPU, never a crash
     assert "int8" not in names and attn.unavailable_reason("int8", CPU, torch.bfloat16, 128)
 
 

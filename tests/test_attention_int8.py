@@ -198,7 +198,7 @@ def _cuda_formats() -> list[tuple[str, str]]:
     return [(qk, pv)] + ([("int8", "fp16")] if pv != "fp16" else [])
 
 
-# Issue 9's budget is <= 2% vs fp32 on outlier-heavy inputs at the benchmark shapes (Wan Lk=32760, Qwen 7017).
+# The error budget is <= 2% vs fp32 on outlier-heavy inputs at the benchmark shapes (Wan Lk=32760, Qwen 7017).
 # Its largest term is rounding P to e4m3 (relative step 2^-3); that noise averages over the keys a query
 # attends to, so short sequences sit higher: the exact fp32 emulation of the algorithm itself (no kernel) gives
 # 2.04% at (1, 2, 77, 77, 64) and 2.13% at (2, 4, 333, 333, 128), 1.76% at Lk=2048, 1.56% at Lk=4096 (CPU,

@@ -198,3 +198,16 @@ def test_log_checks_name_only_the_given_pack_folder() -> None:
     assert pack_import_problems(_LOG, Path("/b/custom_nodes/comfyui-lowvram")) == []  # a prefix is not a match
     assert pack_import_line_seen(_LOG, fixture) and pack_import_line_seen(_LOG, pack)
     assert not pack_import_line_seen(_LOG, Path("/b/custom_nodes/other"))
+
+
+# Real ComfyUI 0.33.0 lines: the level name, coloured, comes first.
+_LOG_033 = ("\x1b[32m[INFO]\x1b[0m    0.0 seconds: /b/custom_nodes/zz_lowvram_dit_test_nodes\n"
+            "\x1b[32m[INFO]\x1b[0m    3.6 seconds: /b/custom_nodes/comfyui-lowvram-dit\n"
+            "\x1b[32m[INFO]\x1b[0m    0.1 seconds (IMPORT FAILED): /b/custom_nodes/ComfyUI-LowVRAM-DiT-0.1.0\n")
+
+
+def test_import_lines_of_newer_comfyui_are_recognised() -> None:
+    pack, alt = Path("/b/custom_nodes/comfyui-lowvram-dit"), Path("/b/custom_nodes/ComfyUI-LowVRAM-DiT-0.1.0")
+    assert pack_import_line_seen(_LOG_033, pack) and pack_import_problems(_LOG_033, pack) == []
+    assert pack_import_line_seen(_LOG_033, alt) and len(pack_import_problems(_LOG_033, alt)) == 1
+    assert not pack_import_line_seen(_LOG_033, Path("/b/custom_nodes/comfyui-lowvram"))

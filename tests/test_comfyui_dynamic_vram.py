@@ -22,11 +22,10 @@ def _as_dynamic(patcher: Any) -> Any:
     return patcher
 
 
-def _tiny_wan(tmp_path: Path, name: str) -> Path:
+def _tiny_wan(tmp_path: Path, name: str, fmt: str = "fp8_scaled") -> Path:
     from comfyui_lowvram_dit.tools import synth
 
-    return synth.write_synthetic("wan22_t2v_14B", tmp_path / name, size="tiny", fmt="fp8_scaled", seed=3,
-                                 num_layers=4)
+    return synth.write_synthetic("wan22_t2v_14B", tmp_path / name, size="tiny", fmt=fmt, seed=3, num_layers=4)
 
 
 def test_block_swap_steps_aside_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -69,3 +68,52 @@ def test_file_backed_offload_steps_aside_under_dynamic_vram(tmp_path: Path,
     assert not isinstance(dynamic, MappedWeightsMixin)
     assert keep_file_backed(dynamic) is dynamic and not isinstance(dynamic, MappedWeightsMixin)
     assert sum("file-backed offload steps aside" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_fp8_models_get_the_legacy_patcher_and_a_reload_factory(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    comfyui_in_process_or_skip()
+    import functools
+    import inspect
+
+    import comfy.sd
+
+    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+
+    real = comfy.sd.load_diffusion_model_state_dict
+    asked: list[object] = []
+
+    @functools.wraps(real)
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs.get("disable_dynamic"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(comfy.sd, "load_diffusion_model_state_dict", spy)
+    fp8 = load_wan_model(_tiny_wan(tmp_path, "legacy.safetensors"), "fp8 per-tensor")
+    plain = load_wan_model(_tiny_wan(tmp_path, "plain.safetensors", "bf16"), "none")
+    if "disable_dynamic" not in inspect.signature(real).parameters:  # a host without DynamicVRAM
+        assert asked == [None, None] and not hasattr(fp8, "cached_patcher_init")
+        return
+    assert asked == [True, False]  # fp8 layers: legacy patcher; ComfyUI's own layers: as UNETLoader builds them
+    factory, args = fp8.cached_patcher_init
+    again = factory(*args, disable_dynamic=True)  # what ComfyUI calls for a non-dynamic copy
+    assert type(again).__name__ == type(fp8).__name__ and plain.cached_patcher_init[0] is load_wan_model
+    assert fp8.clone(disable_dynamic=True).model is fp8.model
+
+
+def test_seams_hold_with_dynamic_vram_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DynamicVRAM ComfyUI's layers start without weight tensors; the behaviour probes must still pass."""
+    comfyui_in_process_or_skip()
+    import comfy.memory_management as memory
+
+    from comfyui_lowvram_dit.nodes.glue import seams
+
+    if not hasattr(memory, "aimdo_enabled"):
+        pytest.skip("this ComfyUI has no DynamicVRAM")
+    monkeypatch.setattr(memory, "aimdo_enabled", True)
+    seams.forget_probe_results()
+    try:
+        status = seams.seam_status()
+    finally:
+        seams.forget_probe_results()
+    assert {k: v for k, v in status.items() if v != "ok"} == {}

@@ -8,7 +8,9 @@ euler KSampler run (cfg 3) against the same graph with the stock UNETLoader on t
 from __future__ import annotations
 
 import itertools
+import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +68,15 @@ def comfy_in_process() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory, comfy_in_process: None) -> dict[str, Any]:
+def tiny(tmp_path_factory: pytest.TempPathFactory, comfy_in_process: None) -> Iterator[dict[str, Any]]:
     d = tmp_path_factory.mktemp("wan")
     sd = synth.synthetic_state_dict(MODEL, size="tiny", fmt="bf16", seed=11)
     path = d / "tiny_bf16.safetensors"
     save_file(sd, str(path))
     g = torch.Generator().manual_seed(0)
     inputs = (torch.randn(1, 16, 2, 8, 8, generator=g), torch.tensor([700.0]), torch.randn(1, 12, 4096, generator=g))
-    return {"sd": sd, "path": path, "inputs": inputs}
+    yield {"sd": sd, "path": path, "inputs": inputs}
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _forward(patcher: Any, inputs: tuple) -> torch.Tensor:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,8 +27,11 @@ VIDEO_FRAMES = 5  # runner.TINY_OVERRIDES length
 
 
 @pytest.fixture(scope="module")
-def synthetic_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("lowvram_dit_cache")
+def synthetic_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The runner's cache (synthetic models, user folder) for this module; removed afterwards."""
+    path = tmp_path_factory.mktemp("lowvram_dit_cache")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _normalized(info: dict) -> dict:
@@ -67,5 +72,7 @@ def test_workflow_runs_with_synthetic_tiny_models(name: str, suffix: str, synthe
         assert img.size == (64, 64)
         assert getattr(img, "n_frames", 1) == (1 if suffix == ".png" else VIDEO_FRAMES)
     assert "--synthetic tiny:" in text.out
+    assert "ComfyUI ready in" in text.out  # the start is shown, not seconds of silence
+    assert text.out.splitlines()[-1] == runner.SYNTHETIC_NOTE  # last word: the output is noise
     tes = [p for p in (synthetic_cache / "synthetic" / "tiny" / "text_encoders").iterdir()]
     assert tes and all(runner._layer_count(p) == runner.TINY_TE_LAYERS for p in tes)

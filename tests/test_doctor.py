@@ -43,8 +43,52 @@ def test_report_without_gpu_is_complete_and_says_what_was_skipped(cpu_report: di
     assert r["recommendation"]["swap"] == {"skipped": "no CUDA GPU"}
     text = doctor.format_report(r)
     for heading in ("Versions", "GPU", "Memory", "fp8 matmul paths", "Attention backends", "Known issues",
-                    "Recommendation", "Skipped"):
+                    "Recommendation"):
         assert f"\n{heading}" in text, heading
+    # Each skip is said once: on its probe's line (GPU-only ones share one), never again in a "Skipped" list.
+    assert "\nSkipped" not in text
+    assert text.count("[skip] GPU only:") == 2 and "no CUDA GPU" not in text.split("\nRecommendation")[0]
+    assert text.count("scaled_mm_rowwise") == 1
+
+
+def test_no_gpu_probes_is_listed_as_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "collect_gpu", lambda: {"available": True, "index": 0, "name": "fake",
+                                                        "capability": [9, 0], "vram_total_gib": 80.0,
+                                                        "vram_free_gib": 79.0})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = doctor.collect(gpu_probes=False)
+    assert "\nSkipped\n  GPU fp8/attention/pinned-memory probes: disabled" in doctor.format_report(r)
+
+
+def _fake_comfyui(root: Path) -> Path:
+    (root / "comfy").mkdir(parents=True)
+    (root / "main.py").write_text("", encoding="utf-8")
+    (root / "comfyui_version.py").write_text('__version__ = "0.8.0"\n', encoding="utf-8")
+    pack = root / "custom_nodes" / "comfyui-lowvram-dit"
+    pack.mkdir(parents=True)
+    return pack
+
+
+def test_comfyui_is_found_from_custom_nodes_or_named_how_to_point_at_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    pack = _fake_comfyui(tmp_path / "ComfyUI")
+    assert doctor.find_comfyui(cwd=pack) == (tmp_path / "ComfyUI", f"found above {pack}")
+    assert doctor.find_comfyui(cwd=tmp_path / "ComfyUI")[0] == tmp_path / "ComfyUI"
+    monkeypatch.chdir(pack)
+    assert doctor.collect(gpu_probes=False)["versions"]["comfyui"] == "0.8.0"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert doctor.find_comfyui(cwd=elsewhere) == (None, doctor.COMFYUI_HINT)
+    monkeypatch.setenv("COMFYUI_PATH", str(tmp_path / "ComfyUI"))
+    assert doctor.find_comfyui(cwd=elsewhere) == (tmp_path / "ComfyUI", "COMFYUI_PATH")
+    monkeypatch.delenv("COMFYUI_PATH")
+    assert doctor.cli(["--no-gpu-probes"]) == 0
+    out = capsys.readouterr()
+    assert "COMFYUI_PATH=/path/to/ComfyUI" in out.out and "comfyui        -" in out.out
+    assert "Doctor: probing attention backends" in out.err  # progress while it probes, on stderr
 
 
 def test_cli_json_is_strict_and_text_mode_prints_the_report(capsys: pytest.CaptureFixture,
@@ -114,7 +158,12 @@ def test_known_issues_fire_only_for_their_sourced_combinations(cpu_report: dict)
     rtx50["gpu"]["arch_list"] = ["sm_50", "sm_80", "sm_90"]
     assert "gpu_arch_not_in_torch_build" in _ids(rtx50)
     for issue in doctor.known_issues(cu128) + doctor.known_issues(rtx50):
-        assert issue["source"] and issue["severity"] in ("error", "warn", "info")
+        assert issue["severity"] in ("error", "warn", "info")
+        assert issue["source"] == "" or all(u.startswith("https://") for u in issue["source"].split()), issue
+    rtx50["known_issues"], cu128["known_issues"] = doctor.known_issues(rtx50), doctor.known_issues(cu128)
+    text = doctor.format_report(rtx50) + doctor.format_report(cu128)
+    assert "source: https://github.com/" in text and "/work/" not in text
+    assert all(".md" not in line for line in text.splitlines() if "source:" in line)
 
 
 def test_broken_triton_and_missing_seams_are_reported(cpu_report: dict) -> None:

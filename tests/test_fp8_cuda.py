@@ -125,7 +125,7 @@ def test_auto_path_is_the_expected_one_and_correct():
 
 @pytest.mark.parametrize("path,block_size", _paths_for_cap())
 def test_fast_paths_compile_fullgraph(path, block_size):
-    """What engineer E relies on: a compiled block containing fp8 linears has no graph break (inductor)."""
+    """What Torch Compile relies on: a compiled block containing fp8 linears has no graph break (inductor)."""
     w = torch.randn(384, 512, device="cuda") * 0.03
     q, s = fp8.quantize_per_tensor(w) if block_size is None else fp8.quantize_blockwise(w, block_size)
     bias = torch.randn(384, device="cuda", dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""20 prompts in a row with model switches show no VRAM or RSS growth (issue #8, "Faults"). ComfyUI server.
+"""20 prompts in a row with model switches show no VRAM or RSS growth. ComfyUI server.
 
 A headless ComfyUI of its own gets two synthetic Wan models cut to 4 full-width blocks and runs 20 prompts
 alternating between them: Wan Loader (fp8 per-tensor, quantized at every load) -> Block Swap (2 of 4 blocks
@@ -141,9 +141,12 @@ def leak_server(request: pytest.FixtureRequest,
     comfy, reason = comfyui_path_or_reason()
     if comfy is None:
         pytest.skip(reason)
-    with comfy_server_session(comfy, tmp_path_factory.mktemp(f"comfyui_{case.device}_{case.fmt}"),
-                              gpu=case.device == "cuda") as server:
-        yield server, case
+    base = tmp_path_factory.mktemp(f"comfyui_{case.device}_{case.fmt}")
+    try:
+        with comfy_server_session(comfy, base, gpu=case.device == "cuda") as server:
+            yield server, case
+    finally:  # synthetic models are large; the server log stays for a failed run
+        shutil.rmtree(base / "models", ignore_errors=True)
 
 
 def test_twenty_runs_with_model_switches_do_not_grow_memory(leak_server: tuple[ComfyServer, Case]) -> None:

@@ -1,4 +1,4 @@
-"""The pack makes no network calls at run time (issue 8, "Caches and saved files").
+"""The pack makes no network calls at run time.
 
 - Static: no module that runs inside ComfyUI (``__init__.py``, ``kernels/``, ``nodes/``) imports a network library.
   ``runner.py`` is the command-line runner: it talks HTTP to the local ComfyUI it starts, outside ComfyUI.

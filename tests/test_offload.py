@@ -18,7 +18,7 @@ from comfyui_lowvram_dit.kernels.swap_plan import (
 
 
 class Fp8Linear(torch.nn.Module):
-    """Engineer B2's layer contract: plain fp8 `weight` + fp32 `weight_scale` Parameters."""
+    """The fp8 layer contract: plain fp8 `weight` + fp32 `weight_scale` Parameters."""
 
     def __init__(self, fin: int, fout: int) -> None:
         super().__init__()

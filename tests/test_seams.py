@@ -154,14 +154,19 @@ def write_fake_comfyui(root: Path, version: str, drop: tuple[str, ...] = (), bro
 @pytest.fixture
 def fake_comfy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
     """Returns ``load(version, drop=(), broken=()) -> list of node classes after the seam guard``; every module
-    imported meanwhile (fake ComfyUI, the pack's node modules) is forgotten afterwards."""
-    before = set(sys.modules)
+    imported meanwhile (fake ComfyUI, the pack's node modules) is forgotten afterwards.
+
+    A real ComfyUI (and the node modules built on it) that an earlier in-process test imported is set aside
+    first and put back afterwards, so the fake is what the nodes see whatever ran before."""
+    def ours(name: str) -> bool:  # only ComfyUI's and the node modules (torch's lazily loaded parts must stay)
+        return name.split(".")[0] in FAKE_TOP_LEVEL or name.startswith("comfyui_lowvram_dit.nodes.")
+
+    saved = {name: mod for name, mod in sys.modules.items() if ours(name)}
     roots: list[str] = []
 
-    def forget() -> None:  # only the fake ComfyUI and the node modules (torch's lazily loaded parts must stay)
-        for name in set(sys.modules) - before:
-            if name.split(".")[0] in FAKE_TOP_LEVEL or name.startswith("comfyui_lowvram_dit.nodes."):
-                del sys.modules[name]
+    def forget() -> None:
+        for name in [n for n in sys.modules if ours(n)]:
+            del sys.modules[name]
 
     def load(version: str, drop: tuple[str, ...] = (), broken: tuple[str, ...] = ()) -> list[type]:
         forget()
@@ -180,6 +185,7 @@ def fake_comfy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
     yield load
     forget()
     _seams.forget_probe_results()
+    sys.modules.update(saved)
     if roots:
         sys.path.remove(roots[-1])
     _seams._SAID.clear()
@@ -383,6 +389,7 @@ def test_no_seam_is_missing_on_the_supported_comfyui() -> None:
     comfy, reason = comfyui_path_or_reason()
     assert comfy is not None, reason
     import_comfyui_in_process(comfy)
+    _seams.forget_probe_results()  # outcomes of an earlier (fake) ComfyUI in this process
     status = _seams.seam_status()
     assert {k: v for k, v in status.items() if v != "ok"} == {}
     from comfyui_lowvram_dit import nodes
@@ -403,7 +410,11 @@ def test_pass_through_twin_is_a_valid_v3_node_on_the_real_api(monkeypatch: pytes
     from comfyui_lowvram_dit.nodes.compile import TorchCompile
 
     monkeypatch.delattr(pe.WrappersMP, "APPLY_MODEL")
-    (twin,) = _seams.guard_nodes([TorchCompile])
+    _seams.forget_probe_results()
+    try:
+        (twin,) = _seams.guard_nodes([TorchCompile])
+    finally:
+        _seams.forget_probe_results()  # the attribute comes back when the test ends
     assert twin is not TorchCompile and issubclass(twin, TorchCompile)
     schema = twin.GET_SCHEMA()  # ComfyUI's own class + schema validation
     assert schema.node_id == "LowVRAM_TorchCompile"

@@ -26,6 +26,18 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .doctor_advice import (  # noqa: F401 - re-exported: the report's advice and text live there
+    COMFY_MIN_INFERENCE_GIB,
+    COMFY_RESERVED_GIB,
+    SWAP_MODELS,
+    _os_kind,
+    _version_tuple,
+    format_report,
+    known_issues,
+    no_gpu_detail,
+    recommend,
+)
+
 GIB = float(1 << 30)
 # Tolerances vs an fp32 reference. fp8 paths are compared with kernels.fp8's exact emulation of the same
 # quantization, so only output rounding (bf16: 2^-8) remains; attention tolerances come from kernels.attention.
@@ -34,22 +46,9 @@ ATTN_EXACT_TOLERANCE = 0.03  # bf16 kernels ~0.4 % (measured-h200-2026-11-21.md)
 ATTN_QUANT_TOLERANCE = 0.08  # SageAttention 1: 1.4 % (same source)
 PIN_TEST_MIB = 256  # bounded pinned-allocation + H2D copy test: ~5 ms of PCIe time on a Gen4/Gen5 host
 
-# Weight bytes per model (GB = 1e9; model-facts-wan22-qwenimage.md §5.1) and the B=1 activation working set at
-# the named size (§5.2, FFN phase). Used only for the starting-point swap recommendation.
-SWAP_MODELS: dict[str, dict[str, Any]] = {
-    "wan22_14B (one expert), 832x480x81": {"blocks": 40, "block_gb": {"bf16": 0.703, "fp8": 0.352},
-                                            "nonblock_gb": 0.465, "activations_gib": 2.6},
-    "wan22_ti2v_5B, 1280x704x121": {"blocks": 30, "block_gb": {"bf16": 0.327, "fp8": 0.164},
-                                     "nonblock_gb": 0.180, "activations_gib": 1.9},
-    "qwen_image, 1328x1328": {"blocks": 60, "block_gb": {"bf16": 0.680, "fp8": 0.340},
-                              "nonblock_gb": 0.081, "activations_gib": 0.44},
-}
-SUPPORTED_COMFYUI = ((0, 8, 0), (0, 33, 0))  # oldest and newest ComfyUI the pack is tested on
-# ComfyUI v0.8.0 model_management: EXTRA_RESERVED_VRAM 400 MB (600 MB Windows) + minimum_inference_memory 0.8 GiB.
-COMFY_RESERVED_GIB = {"linux": 0.4 * 1e9 / GIB, "windows": 0.6 * 1e9 / GIB}
-COMFY_MIN_INFERENCE_GIB = 0.8
 # ComfyUI v0.8.0 MAX_PINNED_MEMORY: 95 % of RAM on Linux, 45 % on Windows (comfyui-core-0.8.md §4.1).
 COMFY_PIN_FRACTION = {"linux": 0.95, "windows": 0.45}
+
 
 
 def _guard(fn: Callable[[], Any], default: Any = None) -> tuple[Any, str | None]:
@@ -59,16 +58,6 @@ def _guard(fn: Callable[[], Any], default: Any = None) -> tuple[Any, str | None]
     except Exception as exc:  # a probe's failure is a finding, never a crash
         return default, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
-
-def _os_kind() -> str:
-    return "windows" if sys.platform.startswith("win") else "linux" if sys.platform.startswith("linux") else sys.platform
-
-
-def _version_tuple(version: str | None) -> tuple[int, ...]:
-    """'2.11.0+cu130' -> (2, 11, 0); None or unparsable -> ()."""
-    if not version:
-        return ()
-    return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -97,6 +86,33 @@ def read_comfyui_version(comfyui_path: str | os.PathLike | None) -> str | None:
         return None
     match = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", text)
     return match.group(1) if match else None
+
+
+COMFYUI_HINT = ("ComfyUI not found: run the Doctor from ComfyUI/custom_nodes/<this pack>, set "
+                "COMFYUI_PATH=/path/to/ComfyUI or pass --comfyui-path /path/to/ComfyUI")
+
+
+def _is_comfyui(path: Path) -> bool:
+    return (path / "main.py").is_file() and (path / "comfy").is_dir()
+
+
+def find_comfyui(explicit: str | os.PathLike | None = None, cwd: Path | None = None) -> tuple[Path | None, str]:
+    """(ComfyUI checkout, how it was found): --comfyui-path, $COMFYUI_PATH, or custom_nodes/<pack> above us.
+
+    The pack's own folder is checked unresolved too, so a symlinked custom_nodes entry still counts.
+    """
+    for given, how in ((explicit, "--comfyui-path"), (os.environ.get("COMFYUI_PATH"), "COMFYUI_PATH")):
+        if given:
+            return Path(given).expanduser(), how
+    pack = Path(__file__).parent.parent
+    starts = [Path(os.path.abspath(cwd or Path.cwd())), Path(os.path.abspath(pack)), pack.resolve()]
+    for start in starts:
+        for d in (start, *start.parents):
+            if _is_comfyui(d):
+                return d, f"found above {start}"
+            if d.name == "custom_nodes" and _is_comfyui(d.parent):
+                return d.parent, f"found above {start}"
+    return None, COMFYUI_HINT
 
 
 def import_error(module: str) -> str | None:
@@ -447,165 +463,35 @@ def collect_attention(device: Any) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# Known-bad combinations (sourced only) and the recommendation
-
-
-def known_issues(report: dict) -> list[dict]:
-    """Sourced version/hardware combinations that are known to break or degrade, that apply here."""
-    v, gpu = report["versions"], report["gpu"]
-    cap = tuple(gpu.get("capability") or ())
-    torch_v, cuda_v = _version_tuple(v.get("torch")), _version_tuple(v.get("torch_cuda"))
-    issues: list[dict] = []
-
-    def add(issue_id: str, severity: str, message: str, source: str) -> None:
-        issues.append({"id": issue_id, "severity": severity, "message": message, "source": source})
-
-    missing = {name: s for name, s in (report.get("seams") or {}).items() if s != "ok"}
-    if missing:
-        add("comfyui_seams_missing", "error", f"This ComfyUI ({v.get('comfyui') or 'unknown version'}) lacks "
-            f"{len(missing)} seam(s) the pack uses ({', '.join(missing)}): the nodes that need them are left out or "
-            "pass the model through (see 'ComfyUI seams' and the startup log).", "nodes/glue/seams.py")
-    comfy_v = _version_tuple(v.get("comfyui"))
-    if comfy_v and comfy_v < SUPPORTED_COMFYUI[0]:
-        add("comfyui_too_old", "error", f"ComfyUI {v['comfyui']} is older than 0.8.0, which this pack requires "
-            "(V3 node API, mixed-precision fp8 ops). Update ComfyUI.", "pyproject.toml [tool.comfy] requires-comfyui")
-    elif comfy_v and comfy_v > SUPPORTED_COMFYUI[1]:
-        add("comfyui_newer_than_tested", "info", f"ComfyUI {v['comfyui']} is newer than 0.33.0, the newest the "
-            "pack was tested on; the seam check above says whether everything it uses is still there.",
-            "pyproject.toml [tool.comfy] requires-comfyui")
-    if cap and gpu.get("arch_list"):
-        arch = f"sm_{cap[0]}{cap[1]}"
-        ptx_ok = any(a.startswith("compute_") and _version_tuple(a[8:]) and int(a[8:]) <= cap[0] * 10 + cap[1]
-                     for a in gpu["arch_list"])
-        if arch not in gpu["arch_list"] and not ptx_ok:
-            add("gpu_arch_not_in_torch_build", "error",
-                f"This torch build has kernels for {', '.join(gpu['arch_list'])} but not {arch} ({gpu.get('name')}): "
-                "GPU kernels fail with 'no kernel image is available'. Install a torch build for this GPU "
-                "(RTX 50xx / sm_120 needs a CUDA >= 12.8 build).",
-                "/work/shared/seeds/004_131342819320e7c5.txt (RTX 5090: 'Unsupported gpu architecture compute_120' "
-                "with CUDA 12.6)")
-    if cap and cap[0] == 9 and torch_v >= (2, 10) and cuda_v and cuda_v < (12, 9):
-        add("blockwise_fp8_needs_cuda_12_9", "warn",
-            f"torch {v['torch']} is built with CUDA {v['torch_cuda']}: block-wise fp8 F.scaled_mm needs cuBLASLt "
-            ">= 12.9 on SM90 (cu128 wheels raise). Block-wise fp8 falls back to Triton or dequantize; a cu129+/cu130 "
-            "torch build restores it.", "offload-fp8-compile.md §3.1/§6 (PyTorch PRs #158037, #166639)")
-    if cap and cap[0] >= 10:
-        add("no_rowwise_scaled_mm", "info", f"SM{cap[0]}{cap[1]}: cuBLAS row-wise fp8 scaled_mm is unsupported, so "
-            "per-tensor fp8 weights use one activation scale per call (tensor-wise).",
-            "offload-fp8-compile.md §3.1 (PyTorch PRs #160693, #161236)")
-    if v.get("sageattention"):
-        add("sage_fp8_black_output", "warn",
-            "SageAttention with fp8 Wan weights has produced black frames (RTX 5090/Windows, and native Wan with "
-            "--use-sage-attention + fp8). If outputs turn black, switch attention to SDPA.",
-            "KJNodes #352, thu-ml/SageAttention #221, ComfyUI #7020 (anchors-wanvideowrapper-kjnodes-gguf.md §4.6)")
-    if cap and cap >= (8, 9):
-        add("fp8_e4m3fn_fast_quality", "info",
-            "ComfyUI's 'fp8_e4m3fn_fast' multiplies with unit scales and clamps activations to ±448; on the Wan "
-            "720p I2V fp8 model it gave blocky output. Prefer scaled fp8 (per-tensor or block-wise) weights.",
-            "kijai/ComfyUI-WanVideoWrapper #283 (anchors-wanvideowrapper-kjnodes-gguf.md §4.5)")
-    if torch_v and torch_v < (2, 7):
-        add("no_fp16_accumulation", "info", f"torch {v['torch']} < 2.7 has no "
-            "torch.backends.cuda.matmul.allow_fp16_accumulation ('fp16_fast' options in other packs fail).",
-            "ComfyUI #11621, WanVideoWrapper #108/#233/#446 (anchors-wanvideowrapper-kjnodes-gguf.md §4.6)")
-    if v.get("triton") and v.get("triton_import_error"):
-        add("triton_broken", "warn", f"Triton {v['triton']} is installed but does not import "
-            f"({v['triton_import_error']}): torch.compile, the fused fp8 activation quantization and the 8-bit "
-            "attention kernel are unavailable (the pack falls back to eager/dequantize/SDPA). Reinstall a triton "
-            "matching this torch.", "kernels/fp8_triton.py, kernels/attention_int8.py (_triton_module)")
-    if not v.get("triton"):
-        if _os_kind() == "windows":
-            add("triton_missing_windows", "warn", "Triton is not installed: torch.compile, SageAttention and the "
-                "pack's Triton kernels are unavailable. On Windows install 'triton-windows'.",
-                "ComfyUI #9826, #7484; WanVideoWrapper #1400 (anchors-wanvideowrapper-kjnodes-gguf.md §4.6)")
-        elif gpu.get("available"):
-            add("triton_missing", "info", "Triton is not installed: torch.compile, the fused fp8 activation "
-                "quantization and Triton block-wise fp8 / 8-bit attention kernels are unavailable.",
-                "kernels/fp8.py module doc (eager activation quantization erases the fp8 gain)")
-    if _os_kind() == "windows" and "dev" in (v.get("torch") or "") and torch_v[:2] == (2, 10):
-        add("sage_build_torch_2_10_dev_windows", "info", "Building SageAttention from source failed on Windows "
-            "with a PyTorch 2.10 nightly (compiled_autograd.h); use a release torch or a prebuilt wheel.",
-            "/work/shared/seeds/003_fb87d2113f345f82.txt")
-    # Not listed on purpose: the NumPy 2.x NaN claim in seeds/001 concerns musubi-tuner commit e7adb86,
-    # not ComfyUI >= 0.8 (which requires numpy >= 1.25) or this pack, and is unverified there.
-    return issues
-
-
-def _passing(probes: list[dict], key: str) -> list[str]:
-    return [p[key] for p in probes if p.get("status") == "ok"]
-
-
-def recommend(report: dict) -> dict:
-    """fp8 path, attention backend and blocks to swap per model for this machine (a starting point)."""
-    gpu, fp8, attn = report["gpu"], report["fp8"], report["attention"]
-    rec: dict = {}
-    fp8_ok = _passing(fp8.get("probes", []), "path")
-    selected = (fp8.get("selected") or {}).get("per_tensor")  # the loader's default mode
-    matmul_paths = ["scaled_mm_rowwise", "scaled_mm_tensorwise", "scaled_mm_blockwise"]
-    for path in ([selected] if selected in matmul_paths else []) + matmul_paths:
-        if path in fp8_ok:
-            block = path == "scaled_mm_blockwise"
-            rec["fp8"] = {"path": path, "weights": "fp8 block-wise 128" if block else "fp8 per-tensor scaled",
-                          "why": "fp8 matmul passed its numerics check here (H200: per-tensor 1.38-1.62x bf16 per "
-                                 "Wan 14B GEMM, 1.14x per whole forward; benchmarks/results/bench_fp8_gemm.md, "
-                                 "wan_fp8_partial.md)"}
-            break
-    else:
-        rec["fp8"] = {"path": "dequantize", "weights": "fp8 storage only" if gpu.get("available") else "bf16",
-                      "why": "no fp8 matmul path works here: fp8 weights halve memory and transfers, compute "
-                             "stays bf16/fp16" if gpu.get("available") else "no CUDA GPU"}
-    attn_ok = _passing(attn.get("probes", []), "backend")
-    order = attn.get("preference") or ["sdpa_cudnn", "flash_attn3", "flash_attn2", "flash_attn", "sdpa_flash",
-                                       "sageattention", "sage", "xformers", "sdpa_efficient", "sdpa", "sdpa_math"]
-    best = next((b for b in order if b in attn_ok), None)
-    rec["attention"] = {"backend": best, "device": attn.get("device"), "passing": attn_ok,
-                        "why": "first passing backend in speed order (H200 B1 H40 L32760 D128: cuDNN 38 ms, "
-                               "sage 50 ms, flash 61 ms, mem-efficient 122 ms; measured-h200-2026-11-21.md)"}
-    if "sage" in attn_ok or "sageattention" in attn_ok:
-        rec["attention"]["note"] = "SageAttention passes but changes numerics (8-bit); see known issues with fp8."
-    if not gpu.get("available"):
-        rec["swap"] = {"skipped": "no CUDA GPU"}
-        return rec
-    kind = _os_kind()
-    budget = (gpu["vram_total_gib"] - COMFY_RESERVED_GIB.get(kind, 0.4) - COMFY_MIN_INFERENCE_GIB)
-    pin_cap = report["memory"].get("comfyui_pin_cap_gib")
-    storage = "fp8" if gpu.get("capability", [0])[0] >= 8 else "bf16"
-    models = {}
-    for model, m in SWAP_MODELS.items():
-        weights_budget = budget - m["activations_gib"] - m["nonblock_gb"] * 1e9 / GIB
-        block_gib = m["block_gb"][storage] * 1e9 / GIB
-        resident = max(0, min(m["blocks"], math.floor(weights_budget / block_gib))) if weights_budget > 0 else 0
-        swapped = m["blocks"] - resident
-        entry = {"blocks": m["blocks"], "blocks_to_swap": swapped, "storage": storage,
-                 "vram_budget_gib": round(max(weights_budget, 0.0), 2), "pinned_needed_gib": round(swapped * block_gib, 2)}
-        if pin_cap is not None and swapped * block_gib > pin_cap:
-            entry["warning"] = "swapped blocks exceed the pinnable RAM: expect pageable (slow) copies or RAM pressure"
-        models[model] = entry
-    rec["swap"] = {"vram_total_gib": gpu["vram_total_gib"], "models": models,
-                   "why": "VRAM minus ComfyUI's reserve and 0.8 GiB inference minimum, minus the B=1 activation "
-                          "working set (model-facts-wan22-qwenimage.md §5.1-5.2); a starting point, not a measurement"}
-    return rec
-
 
 # --------------------------------------------------------------------------------------------------
 # Report
 
 
 def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike | None = None,
-            gpu_probes: bool = True, host: dict | None = None, seams: dict[str, str] | None = None) -> dict:
+            gpu_probes: bool = True, host: dict | None = None, seams: dict[str, str] | None = None,
+            progress: Callable[[str], None] | None = None) -> dict:
     """The whole report as a dict. Never raises: a failing section records its error.
+
+    ``progress`` gets a line before each probe section (the CLI prints them to stderr).
 
     ``seams`` (seam -> "ok" / "missing: ...") comes from nodes/glue/seams.py when the Doctor node runs inside ComfyUI.
     """
-    comfyui_path = comfyui_path or os.environ.get("COMFYUI_PATH")
+    say = progress or (lambda _line: None)
     report: dict = {"generated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "skipped": []}
+    if not comfyui_version:
+        found, how = find_comfyui(comfyui_path)
+        comfyui_path = found
+        report["comfyui_found"] = how
     if host:
         report["host"] = host
     if seams:
         report["seams"] = dict(seams)
+    say("Doctor: reading versions ...")
     report["versions"], err = _guard(lambda: collect_versions(comfyui_version, comfyui_path), {})
     if err:
         report["versions"]["error"] = err
+    say("Doctor: looking for a GPU ...")
     report["gpu"], err = _guard(collect_gpu, {"available": False})
     if err:
         report["gpu"]["reason"] = err
@@ -620,9 +506,11 @@ def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike 
     device = torch.device("cuda", report["gpu"].get("index", 0)) if on_gpu else torch.device("cpu")
     if report["gpu"].get("available") and not gpu_probes:
         report["skipped"].append("GPU fp8/attention/pinned-memory probes: disabled (--no-gpu-probes)")
+    say(f"Doctor: probing fp8 matmul paths on {device} ...")
     report["fp8"], err = _guard(lambda: collect_fp8(device), {"probes": []})
     if err:
         report["fp8"]["error"] = err
+    say(f"Doctor: probing attention backends on {device} ...")
     report["attention"], err = _guard(lambda: collect_attention(device), {"probes": []})
     if err:
         report["attention"]["error"] = err
@@ -638,81 +526,6 @@ def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike 
         report["recommendation"] = {"error": err}
     return report
 
-
-def _probe_line(p: dict, key: str) -> str:
-    mark = {"ok": "OK  ", "fail": "FAIL", "skip": "skip"}.get(p.get("status"), "?   ")
-    err = f" (rel err {p['rel_err']:.2%})" if isinstance(p.get("rel_err"), float) and math.isfinite(p["rel_err"]) else ""
-    label = f" - {p['label']}" if p.get("label") else ""
-    detail = f": {p['detail']}" if p.get("detail") else ""
-    return f"  [{mark}] {p.get(key)}{label}{err}{detail}"
-
-
-def format_report(report: dict) -> str:
-    """The human-readable text report."""
-    v, gpu, mem = report.get("versions", {}), report.get("gpu", {}), report.get("memory", {})
-    lines = [f"LowVRAM DiT Doctor — {report.get('generated', '')}", "", "Versions"]
-    for key in ("pack", "python", "platform", "torch", "torch_cuda", "cudnn", "numpy", "safetensors", "triton",
-                "comfyui", "comfy_kitchen", "flash_attn", "sageattention", "xformers"):
-        lines.append(f"  {key:<14} {v.get(key) if v.get(key) is not None else '-'}")
-    if v.get("error"):
-        lines.append(f"  error: {v['error']}")
-    if report.get("host"):
-        lines += ["", "ComfyUI (running)"] + [f"  {k:<14} {val}" for k, val in report["host"].items()]
-    if report.get("seams"):
-        lines += ["", "ComfyUI seams (nodes/glue/seams.py)"] + [f"  {k:<25} {val}" for k, val in report["seams"].items()]
-    lines += ["", "GPU"]
-    if gpu.get("available"):
-        cap = ".".join(map(str, gpu.get("capability", [])))
-        lines += [f"  {gpu['name']} (compute capability {cap}, {gpu.get('sm_count')} SMs), "
-                  f"{gpu['vram_total_gib']} GiB VRAM, {gpu['vram_free_gib']} GiB free",
-                  f"  torch arch list: {' '.join(gpu.get('arch_list') or []) or '-'}"]
-    else:
-        lines.append(f"  none: {gpu.get('reason', 'no CUDA GPU')}")
-    lines += ["", "Memory",
-              f"  RAM {mem.get('ram_total_gib', '-')} GiB total, {mem.get('ram_available_gib', '-')} GiB available",
-              f"  pinnable (ComfyUI cap): {mem.get('comfyui_pin_cap_gib', '-')} GiB "
-              f"({mem.get('comfyui_pin_cap_rule', '-')}); RLIMIT_MEMLOCK {mem.get('memlock_limit', '-')}"]
-    pin = mem.get("pin_test") or {}
-    if pin.get("status") == "ok":
-        lines.append(f"  pinned test: {pin['pinned_mib']} MiB pinned in {pin['pin_alloc_ms']} ms, "
-                     f"host->device {pin['h2d_pinned_gbps']} GB/s")
-    else:
-        lines.append(f"  pinned test: {pin.get('status', '-')}: {pin.get('detail', '')}")
-    fp8 = report.get("fp8", {})
-    lines += ["", f"fp8 matmul paths ({fp8.get('source', '-')})"]
-    lines += [_probe_line(p, "path") for p in fp8.get("probes", [])]
-    if fp8.get("selected"):
-        lines.append(f"  pack selects: block-wise 128 -> {fp8['selected'].get('blockwise_128')}, "
-                     f"per-tensor -> {fp8['selected'].get('per_tensor')}")
-    attn = report.get("attention", {})
-    lines += ["", f"Attention backends on {attn.get('device', '-')} ({attn.get('source', '-')})"]
-    lines += [_probe_line(p, "backend") for p in attn.get("probes", [])]
-    lines += ["", "Known issues"]
-    issues = report.get("known_issues", [])
-    lines += [f"  [{i['severity']}] {i['message']}\n      source: {i['source']}" for i in issues] or ["  none known"]
-    rec = report.get("recommendation", {})
-    lines += ["", "Recommendation"]
-    if rec.get("fp8"):
-        lines.append(f"  fp8: {rec['fp8']['weights']} via {rec['fp8']['path']} — {rec['fp8']['why']}")
-    if rec.get("attention"):
-        lines.append(f"  attention ({rec['attention'].get('device')}): {rec['attention']['backend'] or '-'} — "
-                     f"{rec['attention']['why']}")
-        if rec["attention"].get("note"):
-            lines.append(f"    {rec['attention']['note']}")
-    swap = rec.get("swap", {})
-    if swap.get("models"):
-        lines.append(f"  block swap ({swap['vram_total_gib']} GiB VRAM; {swap['why']}):")
-        for model, e in swap["models"].items():
-            warn = f" — {e['warning']}" if e.get("warning") else ""
-            lines.append(f"    {model}: swap {e['blocks_to_swap']}/{e['blocks']} {e['storage']} blocks "
-                         f"(weights budget {e['vram_budget_gib']} GiB, pinned RAM {e['pinned_needed_gib']} GiB){warn}")
-    elif swap.get("skipped"):
-        lines.append(f"  block swap: skipped ({swap['skipped']})")
-    if rec.get("error"):
-        lines.append(f"  error: {rec['error']}")
-    if report.get("skipped"):
-        lines += ["", "Skipped"] + [f"  {s}" for s in report["skipped"]]
-    return "\n".join(lines) + "\n"
 
 
 def _json_safe(value: Any) -> Any:
@@ -738,9 +551,11 @@ def cli(argv: list[str]) -> int:
                                                  "recommendation for this machine.")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--comfyui-path", default=None, help="ComfyUI checkout to read the version from "
-                        "(default: $COMFYUI_PATH)")
+                        "(default: $COMFYUI_PATH, else the ComfyUI whose custom_nodes holds the pack or the "
+                        "current folder)")
     parser.add_argument("--no-gpu-probes", action="store_true", help="skip the tiny GPU matmul/attention/pin tests")
     args = parser.parse_args(argv)
-    report = collect(comfyui_path=args.comfyui_path, gpu_probes=not args.no_gpu_probes)
+    report = collect(comfyui_path=args.comfyui_path, gpu_probes=not args.no_gpu_probes,
+                     progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(to_json(report) if args.json else format_report(report), end="\n" if args.json else "")
     return 0

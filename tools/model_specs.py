@@ -1,9 +1,9 @@
 """Tensor layouts (name, shape, dtype, file order) of the models this pack serves, generated from each config.
 
 The layouts are built from the architecture configs below, never read from a manifest, so a test can
-compare them with the manifests measured from ComfyUI v0.8.0's own modules
-(`/work/shared/research/shapes/*.json`, copied to `tests/shapes/`). Dtypes are those of the bf16
-releases as ComfyUI instantiates them: bf16 everywhere, Wan `patch_embedding` fp32, VAEs fp32.
+compare them with the manifests measured from ComfyUI v0.8.0's own modules (`tests/shapes/`).
+Dtypes are those of the bf16 releases as ComfyUI instantiates them: bf16 everywhere, Wan
+`patch_embedding` fp32, VAEs fp32.
 
 "tiny" layouts keep every key pattern and every size that ComfyUI v0.8.0 hard-codes, and shrink the rest:
 - Wan DiTs: dim 256 (ComfyUI derives num_heads = dim // 128), ffn 512, 2 blocks; text_dim 4096, freq_dim 256,
@@ -11,13 +11,15 @@ releases as ComfyUI instantiates them: bf16 everywhere, Wan `patch_embedding` fp
 - Qwen-Image: width 3072 / heads 24 / joint dim 3584 are hard-coded defaults (only in_channels and the block
   count are read from the weights), so tiny = 1 block at full width (~380 M params).
 - Wan 2.1 VAE: ComfyUI reads `dim` from `decoder.head.0.gamma` -> tiny dim 16. Wan 2.2 VAE: dim 160 /
-  dec_dim 256 are hard-coded in comfy/sd.py -> tiny == full.
-- umT5-XXL and Qwen2.5-VL-7B: ComfyUI builds them from fixed configs (umt5_config_xxl.json,
-  llama.Qwen25_7BVLI_Config) and loads with strict=False, so any missing tensor would stay uninitialised
-  -> tiny == full.
+  dec_dim 256 are hard-coded in comfy/sd.py -> tiny == full (705 M params).
+- umT5-XXL and Qwen2.5-VL-7B: ComfyUI's stock loaders build them from fixed configs (umt5_config_xxl.json,
+  llama.Qwen25_7BVLI_Config) -> tiny == full. The pack's streaming text nodes read the sizes from the file,
+  so `run --synthetic tiny` writes 2-layer encoders for them (tools/run_models.py); Qwen2.5-VL keeps its
+  hidden size (Qwen-Image's joint dim), its 152k vocabulary (ComfyUI's tokenizer emits ids up to 151k) and
+  its vision tower (ComfyUI always builds it).
 File sizes of "tiny" (`python -m comfyui_lowvram_dit synth --list`): Wan DiTs 6.6 MB bf16 (Wan 2.1 I2V 11 MB),
-Qwen-Image 761 MB bf16 / 380 MB fp8, Wan 2.1 VAE 14 MB fp32; fixed by ComfyUI: Wan 2.2 VAE 2.8 GB fp32 /
-1.4 GB fp16, umT5 11.4 GB bf16 / 6.7 GB fp8_scaled, Qwen2.5-VL 15.5 GB bf16 / 8.3 GB fp8_scaled.
+Qwen-Image 761 MB bf16 / 380 MB fp8, Wan 2.1 VAE 14 MB fp32 / 7 MB fp16; fixed by ComfyUI: Wan 2.2 VAE 2.8 GB
+fp32 / 1.4 GB fp16, umT5 11.4 GB bf16 / 6.7 GB fp8_scaled, Qwen2.5-VL 15.5 GB bf16 / 8.3 GB fp8_scaled.
 """
 
 from __future__ import annotations

@@ -21,45 +21,29 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from .memwatch import MemoryWatch
+from .run_models import (  # noqa: F401 - re-exported: part of the runner's interface
+    KNOWN_MODEL_FILES,
+    MODEL_FOLDERS,
+    STAGED_TEXT_NODES,
+    TINY_TE_LAYERS,
+    RunError,
+    _layer_count,
+    extra_model_paths_yaml,
+    referenced_model_files,
+    staged_text_encoder_files,
+    tiny_text_encoder_config,
+    write_synthetic_models,
+)
 
-PACK_DIR = Path(__file__).resolve().parent
+PACK_DIR = Path(__file__).resolve().parent.parent  # the repository root is the pack
 WORKFLOWS_DIR = PACK_DIR / "workflows"
 REGISTRY_FOLDER_NAME = "comfyui-lowvram-dit"
-
-# Official ComfyUI repackaged file names -> (model folder, synthetic model, synthetic format).
-KNOWN_MODEL_FILES: dict[str, tuple[str, str, str]] = {
-    "wan2.2_t2v_high_noise_14B_fp16.safetensors": ("diffusion_models", "wan22_t2v_14B", "fp16"),
-    "wan2.2_t2v_low_noise_14B_fp16.safetensors": ("diffusion_models", "wan22_t2v_14B", "fp16"),
-    "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors": ("diffusion_models", "wan22_t2v_14B", "fp8_scaled"),
-    "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors": ("diffusion_models", "wan22_t2v_14B", "fp8_scaled"),
-    "wan2.2_i2v_high_noise_14B_fp16.safetensors": ("diffusion_models", "wan22_i2v_14B", "fp16"),
-    "wan2.2_i2v_low_noise_14B_fp16.safetensors": ("diffusion_models", "wan22_i2v_14B", "fp16"),
-    "wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors": ("diffusion_models", "wan22_i2v_14B", "fp8_scaled"),
-    "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors": ("diffusion_models", "wan22_i2v_14B", "fp8_scaled"),
-    "wan2.2_ti2v_5B_fp16.safetensors": ("diffusion_models", "wan22_ti2v_5B", "fp16"),
-    "qwen_image_bf16.safetensors": ("diffusion_models", "qwen_image", "bf16"),
-    "qwen_image_fp8_e4m3fn.safetensors": ("diffusion_models", "qwen_image", "fp8"),
-    "umt5_xxl_fp16.safetensors": ("text_encoders", "umt5_xxl_enc", "fp16"),
-    "umt5_xxl_fp8_e4m3fn_scaled.safetensors": ("text_encoders", "umt5_xxl_enc", "fp8_scaled"),
-    "qwen_2.5_vl_7b.safetensors": ("text_encoders", "qwen25_vl_7b", "bf16"),
-    "qwen_2.5_vl_7b_fp8_scaled.safetensors": ("text_encoders", "qwen25_vl_7b", "fp8_scaled"),
-    "wan_2.1_vae.safetensors": ("vae", "wan21_vae", "bf16"),
-    "wan2.2_vae.safetensors": ("vae", "wan22_vae", "bf16"),
-    "qwen_image_vae.safetensors": ("vae", "wan21_vae", "bf16"),
-}
-MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras", "clip_vision")
-
-# Nodes that stream their text encoder and read its layer count and widths from the file: for them --synthetic
-# tiny writes a 2-layer encoder (seconds to write and encode) instead of ComfyUI's fixed full-size config, which
-# stock CLIPLoader needs (6.7 GB umT5 / 8.3 GB Qwen2.5-VL fp8, >10 min on a 2-core CPU).
-STAGED_TEXT_NODES = ("LowVRAM_WanTextEncode", "LowVRAM_QwenImageStagedLoader")
-TINY_TE_LAYERS = 2
 
 # --synthetic tiny: sizes and steps every sampler/latent node gets unless --set says otherwise.
 TINY_OVERRIDES: dict[str, dict[str, int]] = {
@@ -70,10 +54,7 @@ TINY_OVERRIDES: dict[str, dict[str, int]] = {
     "EmptyLatentImage": {"width": 64, "height": 64},
 }
 TINY_STEPS = 2
-
-
-class RunError(RuntimeError):
-    """A run that cannot go on; the message says what to do."""
+STARTUP_NOTE_S = 3.0  # seconds between progress lines while ComfyUI starts
 
 
 def free_port() -> int:
@@ -164,25 +145,6 @@ def prepare_base_dir(base: Path, extra_custom_nodes: dict[str, Path] | None = No
             link.symlink_to(target, target_is_directory=True)
 
 
-def headless_frontend_args(python: str, extra_args: list[str], base_dir: Path) -> list[str]:
-    """``--front-end-root`` on an empty folder when the server's Python lacks ComfyUI's front-end package.
-
-    A headless run never serves the UI, and ComfyUI refuses to start without the package unless a front-end
-    root is given; a user's own ``--front-end-root`` is kept."""
-    if any(a.startswith("--front-end-root") for a in extra_args):
-        return []
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('comfyui_frontend_package') is None)"
-    try:
-        has_frontend = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        has_frontend = True  # let ComfyUI itself report what is wrong with that Python
-    if has_frontend:
-        return []
-    root = base_dir / "empty_frontend"
-    root.mkdir(parents=True, exist_ok=True)
-    return [f"--front-end-root={root}"]
-
-
 @contextmanager
 def start_comfyui(
     comfyui_path: Path,
@@ -192,17 +154,26 @@ def start_comfyui(
     cpu: bool = False,
     extra_args: list[str] | None = None,
     startup_timeout: float = 300.0,
+    progress: Callable[[str], None] | None = None,
 ) -> Iterator[ComfyServer]:
-    """Start ComfyUI headless on a free loopback port; stop it on exit. Fails fast if it dies."""
+    """Start ComfyUI headless on a free loopback port; stop it on exit. Fails fast if it dies.
+
+    ``progress`` gets a line every few seconds while ComfyUI starts (elapsed time and its last log line).
+    """
     main_py = comfyui_path / "main.py"
     if not main_py.is_file():
         raise RunError(f"{comfyui_path}: no main.py here; point --comfyui (or COMFYUI_PATH) at a ComfyUI checkout")
     port = free_port()
-    extra_args = [*(extra_args or []), *headless_frontend_args(python or sys.executable, extra_args or [], base_dir)]
+    # Headless: an empty web root, so ComfyUI neither needs nor version-checks its front-end package; no
+    # paid-API nodes (a second to import, and a headless run has no account to call them with).
+    web_root = base_dir / "web"
+    web_root.mkdir(exist_ok=True)
+    front = [] if any(a.startswith("--front-end-root") for a in extra_args or []) else [
+        "--front-end-root", str(web_root)]
     cmd = [
         python or sys.executable, str(main_py), "--listen", "127.0.0.1", "--port", str(port),
         "--base-directory", str(base_dir), "--disable-auto-launch", "--database-url", "sqlite:///:memory:",
-        *(["--cpu"] if cpu else []), *extra_args,
+        "--disable-api-nodes", *front, *(["--cpu"] if cpu else []), *(extra_args or []),
     ]  # fmt: skip
     log_path = base_dir / "comfyui.log"
     logf = log_path.open("w")
@@ -211,7 +182,9 @@ def start_comfyui(
     )
     server = ComfyServer(f"http://127.0.0.1:{port}", proc, log_path)
     try:
-        deadline = time.monotonic() + startup_timeout
+        t0 = time.monotonic()
+        deadline = t0 + startup_timeout
+        next_note = t0 + STARTUP_NOTE_S
         while True:
             if proc.poll() is not None:
                 raise RunError(f"ComfyUI exited at startup (rc={proc.returncode}); log:\n{server.log_text()[-4000:]}")
@@ -220,9 +193,16 @@ def start_comfyui(
                     break
             except OSError:
                 pass
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise RunError(f"ComfyUI did not answer within {startup_timeout:.0f} s; log:\n{server.log_text()[-4000:]}")
-            time.sleep(0.5)
+            if progress is not None and now >= next_note:
+                next_note = now + STARTUP_NOTE_S
+                last = next((ln for ln in reversed(server.log_text().splitlines()) if ln.strip()), "")
+                progress(f"  ComfyUI starting ({now - t0:.0f} s){': ' + last.strip()[:100] if last else ''}")
+            time.sleep(0.25)
+        if progress is not None:
+            progress(f"ComfyUI ready in {time.monotonic() - t0:.1f} s")
         yield server
     finally:
         server.stop()
@@ -253,110 +233,6 @@ def resolve_workflow(name_or_path: str) -> Path:
         return shipped
     names = sorted(f.stem for f in WORKFLOWS_DIR.glob("*.json"))
     raise RunError(f"workflow {name_or_path!r} not found; shipped workflows: {', '.join(names) or '(none)'}")
-
-
-def referenced_model_files(workflow: dict) -> set[str]:
-    """Every ``*.safetensors`` name in a UI or API workflow's widget values / inputs."""
-    values: list[object] = []
-    if "nodes" in workflow:
-        for node in workflow["nodes"]:
-            wv = node.get("widgets_values")
-            values += list(wv.values()) if isinstance(wv, dict) else list(wv or [])
-    else:
-        for node in workflow.values():
-            values += list(node.get("inputs", {}).values())
-    return {v for v in values if isinstance(v, str) and v.endswith(".safetensors")}
-
-
-def staged_text_encoder_files(workflow: dict) -> set[str]:
-    """Model names used by the pack's streaming text-encoder nodes only (never also by another node)."""
-    staged: set[str] = set()
-    other: set[str] = set()
-    nodes = workflow["nodes"] if "nodes" in workflow else [
-        {"type": n.get("class_type"), "widgets_values": list(n.get("inputs", {}).values())} for n in workflow.values()]
-    for node in nodes:
-        wv = node.get("widgets_values")
-        names = {v for v in (wv.values() if isinstance(wv, dict) else wv or []) if isinstance(v, str)}
-        (staged if node.get("type") in STAGED_TEXT_NODES else other).update(names)
-    return staged - other
-
-
-def tiny_text_encoder_config(model: str) -> object | None:
-    """The reduced config --synthetic tiny uses for a text encoder loaded by a staged node (None: not a TE).
-
-    umT5: 2 layers, d_model 4096 (Wan's text_dim), 2 heads, d_ff 256, vocab 512 (the synthetic tokenizer's ids
-    are < 200). Qwen2.5-VL: 2 layers, hidden 3584 (Qwen-Image's joint_attention_dim), narrow MLP, the full
-    vocabulary (ComfyUI's bundled tokenizer emits ids up to 151k) and the full vision tower (ComfyUI always
-    builds it; an fp8_scaled encoder without its weights cannot be sized for loading).
-    """
-    from .model_specs import Qwen25VLConfig, UMT5Config
-
-    if model == "umt5_xxl_enc":
-        return UMT5Config(num_layers=TINY_TE_LAYERS, d_ff=256, num_heads=2, vocab_size=512)
-    if model == "qwen25_vl_7b":
-        return Qwen25VLConfig(num_layers=TINY_TE_LAYERS, intermediate=256)
-    return None
-
-
-def _layer_count(path: Path) -> int | None:
-    """Blocks/layers of an existing text encoder file (None when unreadable)."""
-    import re
-
-    from ..kernels.checkpoint_io import CheckpointError, read_header
-
-    try:
-        keys = read_header(path).tensors
-    except (CheckpointError, OSError):
-        return None
-    pat = re.compile(r"(?:encoder\.block|model\.layers)\.(\d+)\.")
-    return len({m.group(1) for k in keys if (m := pat.match(k))})
-
-
-def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny",
-                           reduced_text_encoders: set[str] = frozenset()) -> list[Path]:
-    """Write a synthetic model under each known file name (cached: an existing file of the right kind is kept).
-
-    Names in ``reduced_text_encoders`` get a 2-layer encoder (tiny_text_encoder_config); other text encoders
-    keep ComfyUI's full config (stock loaders cannot read anything else). ``size="full"`` writes the real
-    sizes (a 14B fp8 expert is ~14 GB), generated on the GPU when there is one.
-    """
-    from .synth import write_synthetic
-
-    device = "cpu"
-    if size == "full":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-
-    unknown = sorted(n for n in names if n not in KNOWN_MODEL_FILES)
-    if unknown:
-        raise RunError(
-            f"--synthetic cannot make {', '.join(unknown)}: not an official file name this runner knows "
-            f"({', '.join(sorted(KNOWN_MODEL_FILES))}); give real files with --models instead"
-        )
-    written = []
-    for name in sorted(names):
-        folder, model, fmt = KNOWN_MODEL_FILES[name]
-        path = models_dir / folder / name
-        config = tiny_text_encoder_config(model) if size == "tiny" and name in reduced_text_encoders else None
-        if path.exists() and folder == "text_encoders":
-            want_reduced = config is not None
-            if (_layer_count(path) == TINY_TE_LAYERS) != want_reduced:
-                path.unlink()  # cached for the other kind of loader (staged vs stock)
-        if not path.exists():
-            what = f"{TINY_TE_LAYERS}-layer " if config is not None else ""
-            print(f"  synthetic {size} {what}{model} ({fmt}) -> {path}", flush=True)
-            write_synthetic(model, path, size=size, fmt=fmt, config=config, device=device)
-        written.append(path)
-    return written
-
-
-def extra_model_paths_yaml(models_dir: Path, path: Path) -> Path:
-    """An extra_model_paths.yaml that adds ``models_dir/<folder>`` for every model folder."""
-    lines = ["lowvram_dit_models:", f"    base_path: {json.dumps(str(models_dir))}"]
-    lines += [f"    {folder}: {folder}/" for folder in MODEL_FOLDERS]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def is_api_workflow(workflow: dict) -> bool:
@@ -511,32 +387,99 @@ def write_report(path: Path, args: argparse.Namespace, wall_s: float, summary: d
     print(f"report: {path}", flush=True)
 
 
+SYNTHETIC_NOTE = ("note: the models were synthetic (random weights), so the output is noise from random weights, "
+                  "not a picture; pass --models DIR with the real files for real output")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m comfyui_lowvram_dit run", description=__doc__.splitlines()[0])
     p.add_argument("workflow", help="a workflow file, or the name of a shipped workflow (see workflows/)")
-    p.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="ComfyUI checkout (default: $COMFYUI_PATH)")
+    p.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"),
+                   help="ComfyUI checkout to start (default: $COMFYUI_PATH)")
     p.add_argument("--python", default=None, help="Python that runs ComfyUI (default: this one)")
-    p.add_argument("--url", default=None, help="use a running ComfyUI (e.g. http://127.0.0.1:8188) instead of starting one")
+    p.add_argument("--url", default=None,
+                   help="use a running ComfyUI (e.g. http://127.0.0.1:8188) instead of starting one")
     p.add_argument("--models", type=Path, default=None, help="folder with diffusion_models/ text_encoders/ vae/ loras/")
     p.add_argument("--synthetic", choices=["tiny", "full"], default=None,
                    help="tiny: write tiny random-weight models and shrink the workflow (64 px, 5 frames, 2 steps), "
                         "the default when --models is not given; full: full-size random-weight files with real "
                         "shapes (tens of GB, written under --models or the cache; the workflow keeps its sizes)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NODE.INPUT=VALUE")
-    p.add_argument("--output", type=Path, default=Path("lowvram_dit_output"), help="where outputs go (default: ./lowvram_dit_output)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NODE.INPUT=VALUE",
+                   help="change one input of the workflow before it is queued; NODE is a node id, title or class "
+                        "name that matches one node, VALUE is JSON or else a string, e.g. --set KSampler.steps=4 "
+                        "(repeatable; applied after --synthetic tiny's own size/step changes)")
+    p.add_argument("--output", type=Path, default=Path("lowvram_dit_output"),
+                   help="folder for the outputs (default: ./lowvram_dit_output, ignored by the pack's .gitignore)")
     p.add_argument("--cpu", action="store_true", help="run ComfyUI on the CPU (default when no CUDA GPU is found)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the workflow")
-    p.add_argument("--keep", action="store_true", help="keep the temporary ComfyUI base directory")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the workflow to finish")
+    p.add_argument("--keep", action="store_true", help="keep the temporary ComfyUI base directory (for debugging)")
     p.add_argument("--report", type=Path, default=None,
                    help="write a JSON report: wall time, peak RSS (anonymous/file-backed) and GPU memory of ComfyUI")
     p.add_argument("--comfyui-arg", dest="comfyui_args", action="append", default=[], metavar="ARG",
                    help="extra ComfyUI command-line argument, e.g. --comfyui-arg=--reserve-vram=2 (repeatable)")
+    p.epilog = ("Models: --models DIR, else tiny synthetic ones cached under $LOWVRAM_DIT_CACHE "
+                "(default ~/.cache/comfyui_lowvram_dit).")
     return p
 
 
 def _cuda_available(python: str) -> bool:
+    """Whether ``python``'s torch sees a GPU; on Linux without an NVIDIA/AMD driver, no (skips a torch import)."""
+    if sys.platform.startswith("linux") and not any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/kfd")):
+        return False
     code = "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     return subprocess.run([python, "-c", code], capture_output=True).returncode == 0
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _run_started(args: argparse.Namespace, workflow: dict, wf_path: Path, output_dir: Path) -> list[Path]:
+    """Start ComfyUI in a temporary base directory (models: --models or synthetic), run the workflow, stop it."""
+    if not args.comfyui:
+        raise RunError("no ComfyUI: pass --comfyui PATH or set COMFYUI_PATH=/path/to/ComfyUI "
+                       "(or --url for a running one)")
+    base = Path(tempfile.mkdtemp(prefix="lowvram_dit_run_"))
+    try:
+        prepare_base_dir(base)
+        cache_root = Path(os.environ.get("LOWVRAM_DIT_CACHE", Path.home() / ".cache" / "comfyui_lowvram_dit"))
+        user_dir = (cache_root / "user").resolve()  # persistent, so the embedding cache survives runs
+        user_dir.mkdir(parents=True, exist_ok=True)
+        extra = ["--output-directory", str(output_dir), "--user-directory", str(user_dir)]
+        models_dir = args.models
+        if not args.models and not args.synthetic:  # (--synthetic full may name the folder with --models)
+            _say("no --models given: using tiny synthetic models (--synthetic tiny)")
+            args.synthetic = "tiny"
+        if args.synthetic:
+            models_dir = args.models or cache_root / "synthetic" / args.synthetic
+            write_synthetic_models(referenced_model_files(workflow), models_dir, args.synthetic,
+                                   staged_text_encoder_files(workflow))
+        ensure_input_images(workflow, base / "input", bool(args.synthetic), [wf_path.parent, Path.cwd()])
+        if models_dir:
+            yaml = extra_model_paths_yaml(models_dir.resolve(), base / "extra_model_paths.yaml")
+            extra += ["--extra-model-paths-config", str(yaml)]
+        python = args.python or sys.executable
+        cpu = args.cpu or not _cuda_available(python)
+        _say(f"starting ComfyUI from {args.comfyui}{' on the CPU' if cpu else ''} ...")
+        extra += args.comfyui_args
+        with start_comfyui(Path(args.comfyui), base, python=python, cpu=cpu, extra_args=extra,
+                           progress=_say) as server:
+            problems = pack_import_problems(server.log_text(), base / "custom_nodes" / REGISTRY_FOLDER_NAME)
+            if problems:
+                raise RunError(f"the pack failed to import in ComfyUI: {problems[0].strip()}")
+            with MemoryWatch(server.process.pid) as watch:
+                start = time.monotonic()
+                files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout,
+                                     tiny=args.synthetic == "tiny")
+                wall = time.monotonic() - start
+            summary = watch.summary()
+            _say("memory: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k.startswith("peak")))
+            if args.report:
+                write_report(args.report, args, wall, summary, watch, server.log_text(), files)
+        return files
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 def cli(argv: list[str]) -> int:
@@ -550,51 +493,10 @@ def cli(argv: list[str]) -> int:
         if args.url:
             if args.synthetic or args.models:
                 raise RunError("--synthetic and --models need a ComfyUI started by the runner; drop --url")
-            server = ComfyServer(args.url.rstrip("/"))
-            files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout)
+            files = run_workflow(ComfyServer(args.url.rstrip("/")), workflow, args.overrides, output_dir,
+                                 args.timeout)
         else:
-            if not args.comfyui:
-                raise RunError("no ComfyUI: pass --comfyui PATH or set COMFYUI_PATH (or --url for a running one)")
-            base = Path(tempfile.mkdtemp(prefix="lowvram_dit_run_"))
-            try:
-                prepare_base_dir(base)
-                cache_root = Path(os.environ.get("LOWVRAM_DIT_CACHE", Path.home() / ".cache" / "comfyui_lowvram_dit"))
-                user_dir = (cache_root / "user").resolve()  # persistent, so the embedding cache survives runs
-                user_dir.mkdir(parents=True, exist_ok=True)
-                extra = ["--output-directory", str(output_dir), "--user-directory", str(user_dir)]
-                models_dir = args.models
-                if not args.models and not args.synthetic:  # (--synthetic full may name the folder with --models)
-                    print("no --models given: using tiny synthetic models (--synthetic tiny)", flush=True)
-                    args.synthetic = "tiny"
-                if args.synthetic:
-                    models_dir = args.models or cache_root / "synthetic" / args.synthetic
-                    print(f"writing synthetic models ({args.synthetic}) to {models_dir}", flush=True)
-                    write_synthetic_models(referenced_model_files(workflow), models_dir, args.synthetic,
-                                           staged_text_encoder_files(workflow))
-                ensure_input_images(workflow, base / "input", bool(args.synthetic), [wf_path.parent, Path.cwd()])
-                if models_dir:
-                    extra += ["--extra-model-paths-config", str(extra_model_paths_yaml(models_dir.resolve(), base / "extra_model_paths.yaml"))]
-                python = args.python or sys.executable
-                cpu = args.cpu or not _cuda_available(python)
-                print(f"starting ComfyUI from {args.comfyui}{' on the CPU' if cpu else ''} ...", flush=True)
-                extra += args.comfyui_args
-                with start_comfyui(Path(args.comfyui), base, python=python, cpu=cpu, extra_args=extra) as server:
-                    problems = pack_import_problems(server.log_text(), base / "custom_nodes" / REGISTRY_FOLDER_NAME)
-                    if problems:
-                        raise RunError(f"the pack failed to import in ComfyUI: {problems[0].strip()}")
-                    with MemoryWatch(server.process.pid) as watch:
-                        start = time.monotonic()
-                        files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout,
-                                             tiny=args.synthetic == "tiny")
-                        wall = time.monotonic() - start
-                    summary = watch.summary()
-                    print("memory: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k.startswith("peak")),
-                          flush=True)
-                    if args.report:
-                        write_report(args.report, args, wall, summary, watch, server.log_text(), files)
-            finally:
-                if not args.keep:
-                    shutil.rmtree(base, ignore_errors=True)
+            files = _run_started(args, workflow, wf_path, output_dir)
     except RunError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -602,4 +504,6 @@ def cli(argv: list[str]) -> int:
         print(f"output: {f}")
     if not files:
         print("the workflow finished but wrote no output files")
+    if args.synthetic:
+        print(SYNTHETIC_NOTE)
     return 0

@@ -7,6 +7,7 @@ per process (nodes/glue/seams.py caches the result), in well under a second, and
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,18 @@ _WAN_TINY = dict(model_type="t2v", patch_size=(1, 2, 2), text_len=4, in_dim=4, d
                  text_dim=4096, out_dim=4, num_heads=1, num_layers=1)
 _QWEN_TINY = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
                   num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(4, 6, 6))
+
+
+def _eager_ops() -> type:
+    """ComfyUI's ``disable_weight_init`` layers with real weight tensors from the start: under DynamicVRAM
+    (comfy-aimdo) its Linear leaves ``weight`` None until a state dict is loaded, which a probe never does."""
+    import comfy.ops
+    import torch
+
+    layers = {name: type(name, (cls,), {"_load_from_state_dict": torch.nn.Module._load_from_state_dict})
+              for name, cls in vars(comfy.ops.disable_weight_init).items()
+              if isinstance(cls, type) and issubclass(cls, torch.nn.Module)}
+    return type("EagerOps", (comfy.ops.disable_weight_init,), layers)
 
 
 def _zeroed(module: Any) -> Any:
@@ -46,20 +59,18 @@ def _first_block_replaced(model: Any, call: Callable[[Any, dict], Any]) -> bool:
 
 def wan_block_replace(wan_model_class: type) -> bool:
     """Wan's forward runs per-block replace patches (Block Swap, NaN Guard)."""
-    import comfy.ops
     import torch
 
-    model = _zeroed(wan_model_class(**_WAN_TINY, operations=comfy.ops.disable_weight_init, dtype=torch.float32))
+    model = _zeroed(wan_model_class(**_WAN_TINY, operations=_eager_ops(), dtype=torch.float32))
     x, t, context = torch.zeros(1, 4, 1, 4, 4), torch.zeros(1), torch.zeros(1, 4, 4096)
     return _first_block_replaced(model, lambda m, o: m(x, t, context, transformer_options=o))
 
 
 def qwen_image_block_replace(qwen_model_class: type) -> bool:
     """Qwen-Image's forward runs per-block replace patches (Block Swap, NaN Guard)."""
-    import comfy.ops
     import torch
 
-    model = _zeroed(qwen_model_class(**_QWEN_TINY, operations=comfy.ops.disable_weight_init, dtype=torch.float32))
+    model = _zeroed(qwen_model_class(**_QWEN_TINY, operations=_eager_ops(), dtype=torch.float32))
     x, t, context = torch.zeros(1, 4, 1, 4, 4), torch.zeros(1), torch.zeros(1, 4, 16)
     return _first_block_replaced(model, lambda m, o: m(x, t, context, transformer_options=o))
 
@@ -93,8 +104,9 @@ def custom_operations(load_diffusion_model_state_dict: Callable) -> bool:
                 super().__init__(*args, **kwargs)
                 made.append(True)
 
-    tiny = _zeroed(comfy.ldm.wan.model.WanModel(**_WAN_TINY, operations=comfy.ops.disable_weight_init,
-                                                dtype=torch.float32))
+    tiny = _zeroed(comfy.ldm.wan.model.WanModel(**_WAN_TINY, operations=_eager_ops(), dtype=torch.float32))
     state_dict = {k: v.clone() for k, v in tiny.state_dict().items()}
-    load_diffusion_model_state_dict(state_dict, model_options={"custom_operations": CountingOps})
+    kwargs = {"disable_dynamic": True} if "disable_dynamic" in inspect.signature(
+        load_diffusion_model_state_dict).parameters else {}  # build no DynamicVRAM patcher state for a probe
+    load_diffusion_model_state_dict(state_dict, model_options={"custom_operations": CountingOps}, **kwargs)
     return bool(made)

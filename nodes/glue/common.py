@@ -96,3 +96,25 @@ def say_once(logger: Any, message: str) -> None:
     if message not in _SAID_ONCE:
         _SAID_ONCE.add(message)
         logger.warning(message)
+
+
+def load_diffusion_model(state_dict: dict, model_options: dict, reload: tuple[Callable, tuple],
+                         disable_dynamic: bool = False) -> Any:
+    """``comfy.sd.load_diffusion_model_state_dict``, with the pack's rule for ComfyUI's DynamicVRAM.
+
+    The pack's fp8 layers (``model_options["custom_operations"]``) keep their weights themselves and do not
+    implement DynamicVRAM's on-demand weight streaming, so on hosts with DynamicVRAM such a model gets the legacy
+    patcher (ComfyUI's own torch.compile node does the same), and Block Swap and the file-backed offload manage
+    it; a model built with ComfyUI's own layers stays as UNETLoader builds it. ``reload`` = (loader, args) is
+    registered as ``cached_patcher_init``, which ComfyUI calls with ``disable_dynamic=True`` for a fresh copy."""
+    import inspect
+
+    import comfy.sd
+
+    kwargs = {}
+    if "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters:
+        kwargs["disable_dynamic"] = disable_dynamic or "custom_operations" in model_options
+    model = comfy.sd.load_diffusion_model_state_dict(state_dict, model_options=model_options, **kwargs)
+    if model is not None and hasattr(model, "cached_patcher_init"):
+        model.cached_patcher_init = reload
+    return model

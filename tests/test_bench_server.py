@@ -1,0 +1,211 @@
+"""The server benchmark on CPU, without ComfyUI: graphs, server flags, step timing from websocket events and the
+log, ratios against named native rows, goals and report files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from comfyui_lowvram_dit.benchmarks import bench_server as bs
+from comfyui_lowvram_dit.benchmarks import bench_server_report as rep
+
+TESTS = Path(__file__).resolve().parent
+OBJECT_INFO = {**json.loads((TESTS / "object_info-0.8.0.schema.json").read_text()),
+               **json.loads((TESTS / "pack_object_info.json").read_text())}
+FILE_INPUTS = {"unet_name", "clip_name", "vae_name"}
+
+
+def _problems(graph: dict) -> list[str]:
+    """Every way ``graph`` would fail ComfyUI's prompt validation that the schemas can tell."""
+    out = []
+    for nid, node in graph.items():
+        info = OBJECT_INFO.get(node["class_type"])
+        if info is None:
+            out.append(f"{nid}: unknown node {node['class_type']}")
+            continue
+        req, opt = info["input"].get("required", {}), info["input"].get("optional", {})
+        out += [f"{nid}: missing {k}" for k in req if k not in node["inputs"]]
+        for key, value in node["inputs"].items():
+            spec = req.get(key) or opt.get(key)
+            if spec is None:
+                out.append(f"{nid}: unknown input {key}")
+            elif isinstance(value, list):
+                src = graph.get(value[0])
+                if src is None:
+                    out.append(f"{nid}.{key}: link to missing node {value[0]}")
+                elif OBJECT_INFO[src["class_type"]]["output"][value[1]] != spec[0]:
+                    out.append(f"{nid}.{key}: {src['class_type']} output {value[1]} is not {spec[0]}")
+            elif key not in FILE_INPUTS:
+                options = spec[0] if isinstance(spec[0], list) else (spec[1].get("options") if spec[0] == "COMBO"
+                                                                      else None)
+                if options is not None and value not in options:
+                    out.append(f"{nid}.{key}: {value!r} not in {options}")
+    return out
+
+
+@pytest.mark.parametrize("name", list(bs.VARIANTS))
+@pytest.mark.parametrize("decode", [False, True])
+def test_every_variant_graph_validates(name: str, decode: bool) -> None:
+    graph = bs.build_graph(bs.VARIANTS[name], 2, decode=decode)
+    assert _problems(graph) == []
+    assert {bs.HIGH, bs.LOW} <= {n["inputs"].get("unet_name") for n in graph.values()}
+
+
+def test_schema_check_catches_a_broken_graph() -> None:
+    graph = bs.build_graph(bs.VARIANTS["pack_blockswap_8gb"], 2)
+    graph["31"]["inputs"]["prefetch_blocks"] = 1
+    graph["32"]["inputs"]["backend"] = "fastest"
+    graph["15"]["inputs"]["model"] = ["99", 0]
+    assert len(_problems(graph)) == 3
+
+
+def test_variant_graphs_hold_the_nodes_they_name() -> None:
+    kinds = {n: {node["class_type"] for node in bs.build_graph(v, 2).values()} for n, v in bs.VARIANTS.items()}
+    assert "UNETLoader" in kinds["native_default"] and "LowVRAM_WanLoader" not in kinds["native_default"]
+    assert {"LowVRAM_WanLoader", "LowVRAM_Attention", "LowVRAM_WanTextEncode"} <= kinds["pack"]
+    assert "LowVRAM_BlockSwap" not in kinds["pack_8gb"] and "LowVRAM_BlockSwap" in kinds["pack_blockswap_8gb"]
+    assert "LowVRAM_TorchCompile" in kinds["pack_int8_compile"]
+    g = bs.build_graph(bs.VARIANTS["pack_blockswap_8gb"], 2)
+    assert {n["inputs"]["vram_budget_gb"] for n in g.values() if n["class_type"] == "LowVRAM_BlockSwap"} == {8.0}
+    g = bs.build_graph(bs.VARIANTS["native_fp8fast"], 2)
+    assert {n["inputs"]["weight_dtype"] for n in g.values() if n["class_type"] == "UNETLoader"} == {"fp8_e4m3fn_fast"}
+
+
+def test_steps_split_between_experts() -> None:
+    g = bs.build_graph(bs.VARIANTS["pack"], 3)
+    hi, lo = g["15"]["inputs"], g["16"]["inputs"]
+    assert hi["steps"] == lo["steps"] == 6
+    assert (hi["start_at_step"], hi["end_at_step"], lo["start_at_step"]) == (0, 3, 3)
+    assert g["16"]["inputs"]["latent_image"] == ["15", 0]
+    with pytest.raises(ValueError, match="steps_per_expert"):
+        bs.build_graph(bs.VARIANTS["pack"], 1)
+
+
+def test_settings_match_the_shipped_workflow() -> None:
+    wf = json.loads((TESTS.parent / "workflows" / "wan22_t2v_a14b.json").read_text())
+    by_type: dict[str, list] = {}
+    for node in wf["nodes"]:
+        by_type.setdefault(node["type"], []).append(node.get("widgets_values"))
+    assert by_type["LowVRAM_WanTextEncode"][0] == [bs.TEXT_ENCODER, bs.POSITIVE, bs.NEGATIVE, True]
+    assert by_type["EmptyHunyuanLatentVideo"][0] == [bs.WIDTH, bs.HEIGHT, bs.FRAMES, 1]
+    assert {tuple(w) for w in by_type["ModelSamplingSD3"]} == {(bs.SHIFT,)}
+    assert {w[0] for w in by_type["LowVRAM_WanLoader"]} == {bs.HIGH, bs.LOW}
+    assert {tuple(w[1:]) for w in by_type["LowVRAM_WanLoader"]} == {("fp8 per-tensor", "128", "auto", False)}
+    assert {w[0] for w in by_type["LowVRAM_Attention"]} == {"auto"}
+    first = by_type["KSamplerAdvanced"][0]
+    assert (first[1], first[4], first[5], first[6]) == (bs.SEED, bs.CFG, bs.SAMPLER, bs.SCHEDULER)
+    assert by_type["VAELoader"][0] == [bs.VAE]
+
+
+def test_server_args() -> None:
+    v = bs.VARIANTS
+    assert v["native_default"].server_args(79.65) == []
+    assert v["native_fp8fast_ck"].server_args(79.65) == ["--use-ck-attention"]
+    assert v["native_fp8fast_8gb"].server_args(79.65) == ["--reserve-vram=71.65"]
+    assert v["native_fp8fast_legacy_8gb"].server_args(79.65) == ["--disable-dynamic-vram", "--reserve-vram=71.65"]
+    with pytest.raises(ValueError, match="drop the capped variants"):
+        v["pack_8gb"].server_args(8.0)
+
+
+def test_pick_variants() -> None:
+    assert [v.name for v in bs.pick_variants("uncapped")] == bs.UNCAPPED
+    assert bs.pick_variants("pack,uncapped")[0].name == "pack"
+    assert len(bs.pick_variants("all")) == len(bs.VARIANTS)
+    with pytest.raises(SystemExit, match="unknown"):
+        bs.pick_variants("pack,nope")
+
+
+def _ev(t: float, kind: str, **data: object) -> tuple[float, dict]:
+    return (t, {"type": kind, "data": data})
+
+
+EVENTS = [
+    _ev(0.0, "execution_start"), _ev(0.1, "executing", node="11"), _ev(5.0, "executing", node="15"),
+    _ev(9.0, "progress", node="15", value=1, max=4), _ev(9.0, "progress", node="11", value=1, max=1),
+    _ev(11.5, "progress", node="15", value=2, max=4), _ev(11.6, "progress", node="15", value=2, max=4),
+    _ev(12.0, "executing", node="16"), _ev(20.0, "progress", node="16", value=3, max=4),
+    _ev(22.0, "progress", node="16", value=4, max=4), _ev(22.5, "executing", node=None),
+]
+
+
+def test_step_times_from_progress_events() -> None:
+    hi, lo = bs.step_times(EVENTS, "15"), bs.step_times(EVENTS, "16")
+    assert hi == {"node": "15", "progress_values": [1, 2], "first_s": 4.0, "steps_s": [2.5]}
+    assert lo["first_s"] == 8.0 and lo["steps_s"] == [2.0]
+    s = bs.summarize_steps([hi, lo])
+    assert s["s_per_step"] == 2.25 and s["steps_timed"] == 2 and s["first_step_s"] == [4.0, 8.0]
+    assert bs.step_times(EVENTS, "99") == {"node": "99", "progress_values": [], "first_s": None, "steps_s": []}
+    assert bs.summarize_steps([bs.step_times(EVENTS, "99")])["s_per_step"] is None
+
+
+def test_node_times() -> None:
+    assert bs.node_times(EVENTS) == {"11": 4.9, "15": 7.0, "16": 10.5}
+
+
+LOG_033 = ("got prompt\n  0%|          | 0/2 [00:00<?, ?it/s]\r 50%|█████     | 1/2 [00:06<00:06,  6.47s/it]\r"
+           "100%|██████████| 2/2 [00:04<00:00,  2.34s/it]\r100%|██████████| 2/2 [00:04<00:00,  2.34s/it]\n"
+           "100%|██████████| 2/2 [00:16<00:00,  7.47s/it]\r100%|██████████| 2/2 [00:16<00:00,  8.01s/it]\n"
+           "\x1b[32m[INFO]\x1b[0m lowvram_dit attention auto -> SDPA cuDNN\nPrompt executed in 45.20 seconds\n")
+
+
+def test_tqdm_closing_lines() -> None:
+    assert bs.tqdm_summaries(LOG_033) == [{"steps": 2, "elapsed_s": 4, "s_per_step": 2.34},
+                                          {"steps": 2, "elapsed_s": 16, "s_per_step": 8.01}]
+    assert bs.tqdm_summaries("100%|█| 3/3 [01:02<00:00,  4.00it/s]") == [
+        {"steps": 3, "elapsed_s": 62, "s_per_step": 0.25}]
+
+
+def test_log_digest_drops_colours_and_bars() -> None:
+    assert bs.log_digest(LOG_033) == ["[INFO] lowvram_dit attention auto -> SDPA cuDNN", "Prompt executed in 45.20 seconds"]
+
+
+def _row(name: str, sps: float | None, rss: float = 10.0, status: str = "ok") -> dict:
+    v = bs.VARIANTS[name]
+    return {"name": name, "what": v.describe(), "variant": bs.asdict(v), "status": status, "s_per_step": sps,
+            "peak_rss_hwm_gib": rss, "peak_gpu_gib": 7.5, "first_step_s": [9.0, 8.0], "tqdm": []}
+
+
+RESULTS = [_row("native_default", 4.0), _row("native_fp8fast_ck", 3.0), _row("pack", 2.4),
+           _row("native_fp8fast_8gb", 5.0, rss=30.0), _row("pack_8gb", 5.5, rss=20.0),
+           _row("pack_blockswap_8gb", 4.5, rss=31.0), _row("native_fp8fast", None, status="error")]
+
+
+def test_ratios_name_the_native_row_and_stay_within_a_card_size() -> None:
+    r = rep.ratios(RESULTS)
+    assert r["pack"] == {"native_default": 1.667, "native_fp8fast_ck": 1.25}
+    assert r["pack_8gb"] == {"native_fp8fast_8gb": 0.909}
+    assert r["native_default"] == {"native_fp8fast_ck": 0.75}
+    assert "native_fp8fast" not in r
+    assert rep.best_native(RESULTS, None)["name"] == "native_fp8fast_ck"
+
+
+def test_goals() -> None:
+    got = {(c["row"], c["against"], c["metric"]): c["met"] for c in rep.goals(RESULTS)}
+    assert got == {("pack", "native_default", "s/step"): True, ("pack", "native_fp8fast_ck", "s/step"): False,
+                   ("pack_8gb", "native_fp8fast_8gb", "s/step"): False,
+                   ("pack_8gb", "native_fp8fast_8gb", "peak RSS (VmHWM)"): True,
+                   ("pack_blockswap_8gb", "native_fp8fast_8gb", "s/step"): True,
+                   ("pack_blockswap_8gb", "native_fp8fast_8gb", "peak RSS (VmHWM)"): False}
+
+
+def test_report_files(tmp_path: Path) -> None:
+    env = {"device_name": "GPU", "torch": "2.x", "comfyui_version": "0.33.0", "command": "python bench"}
+    settings = {"steps_per_expert": 2, "width": 832, "height": 480, "frames": 81, "cfg": 3.5, "decode": False,
+                "model_files_gb": {bs.HIGH: 14.29}}
+    paths = rep.write(tmp_path, "t", RESULTS, env, settings)
+    md = (tmp_path / "t.md").read_text()
+    assert "1.67x vs native_default" in md and "## 8 GB card" in md and "| NO |" in md
+    assert json.loads((tmp_path / "t.json").read_text())["ratios"]["pack"]["native_default"] == 1.667
+    assert {p.name for p in paths} <= {"t.json", "t.md", "t.png"} and len(paths) >= 2
+
+
+def test_merged_rows(tmp_path: Path) -> None:
+    rows = [_row("native_default", 4.0), _row("native_fp8fast", 5.0), {**_row("native_default_8gb", None),
+                                                                        "status": "skipped"}]
+    path = tmp_path / "natives.json"
+    path.write_text(json.dumps({"variants": rows}))
+    got = bs.merged_rows([path], {"native_fp8fast"})
+    assert [(r["name"], r["source"]) for r in got] == [("native_default", "natives.json")]
+    md = rep.markdown(got, {}, {"steps_per_expert": 2, "width": 1, "height": 1, "frames": 1, "cfg": 1, "decode": False})
+    assert "(from natives.json)" in md

@@ -1,0 +1,154 @@
+"""The model files of a workflow for ``run``: which official files it names and their synthetic stand-ins.
+
+``write_synthetic_models`` writes a tiny (or full-size) random-weight file under each official name a workflow
+uses, cached between runs; everything here reads headers as JSON, so a cached run never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+# Official ComfyUI repackaged file names -> (model folder, synthetic model, synthetic format).
+KNOWN_MODEL_FILES: dict[str, tuple[str, str, str]] = {
+    "wan2.2_t2v_high_noise_14B_fp16.safetensors": ("diffusion_models", "wan22_t2v_14B", "fp16"),
+    "wan2.2_t2v_low_noise_14B_fp16.safetensors": ("diffusion_models", "wan22_t2v_14B", "fp16"),
+    "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors": ("diffusion_models", "wan22_t2v_14B", "fp8_scaled"),
+    "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors": ("diffusion_models", "wan22_t2v_14B", "fp8_scaled"),
+    "wan2.2_i2v_high_noise_14B_fp16.safetensors": ("diffusion_models", "wan22_i2v_14B", "fp16"),
+    "wan2.2_i2v_low_noise_14B_fp16.safetensors": ("diffusion_models", "wan22_i2v_14B", "fp16"),
+    "wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors": ("diffusion_models", "wan22_i2v_14B", "fp8_scaled"),
+    "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors": ("diffusion_models", "wan22_i2v_14B", "fp8_scaled"),
+    "wan2.2_ti2v_5B_fp16.safetensors": ("diffusion_models", "wan22_ti2v_5B", "fp16"),
+    "qwen_image_bf16.safetensors": ("diffusion_models", "qwen_image", "bf16"),
+    "qwen_image_fp8_e4m3fn.safetensors": ("diffusion_models", "qwen_image", "fp8"),
+    "umt5_xxl_fp16.safetensors": ("text_encoders", "umt5_xxl_enc", "fp16"),
+    "umt5_xxl_fp8_e4m3fn_scaled.safetensors": ("text_encoders", "umt5_xxl_enc", "fp8_scaled"),
+    "qwen_2.5_vl_7b.safetensors": ("text_encoders", "qwen25_vl_7b", "bf16"),
+    "qwen_2.5_vl_7b_fp8_scaled.safetensors": ("text_encoders", "qwen25_vl_7b", "fp8_scaled"),
+    "wan_2.1_vae.safetensors": ("vae", "wan21_vae", "fp16"),
+    "wan2.2_vae.safetensors": ("vae", "wan22_vae", "fp16"),
+    "qwen_image_vae.safetensors": ("vae", "wan21_vae", "fp16"),
+}
+MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras", "clip_vision")
+
+# Nodes that stream their text encoder and read its layer count and widths from the file: for them --synthetic
+# tiny writes a 2-layer encoder (seconds to write and encode) instead of ComfyUI's fixed full-size config, which
+# stock CLIPLoader needs (6.7 GB umT5 / 8.3 GB Qwen2.5-VL fp8, >10 min on a 2-core CPU).
+STAGED_TEXT_NODES = ("LowVRAM_WanTextEncode", "LowVRAM_QwenImageStagedLoader")
+TINY_TE_LAYERS = 2
+
+class RunError(RuntimeError):
+    """A run that cannot go on; the message says what to do."""
+
+
+
+def referenced_model_files(workflow: dict) -> set[str]:
+    """Every ``*.safetensors`` name in a UI or API workflow's widget values / inputs."""
+    values: list[object] = []
+    if "nodes" in workflow:
+        for node in workflow["nodes"]:
+            wv = node.get("widgets_values")
+            values += list(wv.values()) if isinstance(wv, dict) else list(wv or [])
+    else:
+        for node in workflow.values():
+            values += list(node.get("inputs", {}).values())
+    return {v for v in values if isinstance(v, str) and v.endswith(".safetensors")}
+
+
+def staged_text_encoder_files(workflow: dict) -> set[str]:
+    """Model names used by the pack's streaming text-encoder nodes only (never also by another node)."""
+    staged: set[str] = set()
+    other: set[str] = set()
+    nodes = workflow["nodes"] if "nodes" in workflow else [
+        {"type": n.get("class_type"), "widgets_values": list(n.get("inputs", {}).values())} for n in workflow.values()]
+    for node in nodes:
+        wv = node.get("widgets_values")
+        names = {v for v in (wv.values() if isinstance(wv, dict) else wv or []) if isinstance(v, str)}
+        (staged if node.get("type") in STAGED_TEXT_NODES else other).update(names)
+    return staged - other
+
+
+def tiny_text_encoder_config(model: str) -> object | None:
+    """The reduced config --synthetic tiny uses for a text encoder loaded by a staged node (None: not a TE).
+
+    umT5: 2 layers, d_model 4096 (Wan's text_dim), 2 heads, d_ff 256, vocab 512 (the synthetic tokenizer's ids
+    are < 200). Qwen2.5-VL: 2 layers, hidden 3584 (Qwen-Image's joint_attention_dim), narrow MLP, the full
+    vocabulary (ComfyUI's bundled tokenizer emits ids up to 151k) and the full vision tower (ComfyUI always
+    builds it; an fp8_scaled encoder without its weights cannot be sized for loading).
+    """
+    from .model_specs import Qwen25VLConfig, UMT5Config
+
+    if model == "umt5_xxl_enc":
+        return UMT5Config(num_layers=TINY_TE_LAYERS, d_ff=256, num_heads=2, vocab_size=512)
+    if model == "qwen25_vl_7b":
+        return Qwen25VLConfig(num_layers=TINY_TE_LAYERS, intermediate=256)
+    return None
+
+
+def _layer_count(path: Path) -> int | None:
+    """Blocks/layers of an existing text encoder file (None when unreadable).
+
+    Reads the safetensors header (8-byte length + JSON) itself: importing torch for this costs seconds.
+    """
+    try:
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            keys = json.loads(f.read(size)) if size < (100 << 20) else {}
+    except (OSError, struct.error, ValueError):
+        return None
+    pat = re.compile(r"(?:encoder\.block|model\.layers)\.(\d+)\.")
+    return len({m.group(1) for k in keys if (m := pat.match(k))})
+
+
+def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny",
+                           reduced_text_encoders: set[str] = frozenset()) -> list[Path]:
+    """Write a synthetic model under each known file name (cached: an existing file of the right kind is kept).
+
+    Names in ``reduced_text_encoders`` get a 2-layer encoder (tiny_text_encoder_config); other text encoders
+    keep ComfyUI's full config (stock loaders cannot read anything else). ``size="full"`` writes the real
+    sizes (a 14B fp8 expert is ~14 GB), generated on the GPU when there is one. Prints one line per file it
+    writes and nothing when every file is cached.
+    """
+    unknown = sorted(n for n in names if n not in KNOWN_MODEL_FILES)
+    if unknown:
+        raise RunError(
+            f"--synthetic cannot make {', '.join(unknown)}: not an official file name this runner knows "
+            f"({', '.join(sorted(KNOWN_MODEL_FILES))}); give real files with --models instead"
+        )
+    todo: list[tuple[Path, str, str, bool]] = []
+    paths = []
+    for name in sorted(names):
+        folder, model, fmt = KNOWN_MODEL_FILES[name]
+        path = models_dir / folder / name
+        reduced = size == "tiny" and name in reduced_text_encoders and folder == "text_encoders"
+        if path.exists() and folder == "text_encoders" and (_layer_count(path) == TINY_TE_LAYERS) != reduced:
+            path.unlink()  # cached for the other kind of loader (staged vs stock)
+        if not path.exists():
+            todo.append((path, model, fmt, reduced))
+        paths.append(path)
+    if todo:  # torch is imported only here: a cached run starts ComfyUI seconds sooner
+        from .synth import write_synthetic
+
+        device = "cpu"
+        if size == "full":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        print(f"writing {len(todo)} synthetic {size} model file(s) (random weights) to {models_dir}", flush=True)
+        for path, model, fmt, reduced in todo:
+            config = tiny_text_encoder_config(model) if reduced else None
+            what = f"{TINY_TE_LAYERS}-layer " if config is not None else ""
+            print(f"  {what}{model} ({fmt}) -> {path.relative_to(models_dir)}", flush=True)
+            write_synthetic(model, path, size=size, fmt=fmt, config=config, device=device)
+    return paths
+
+
+def extra_model_paths_yaml(models_dir: Path, path: Path) -> Path:
+    """An extra_model_paths.yaml that adds ``models_dir/<folder>`` for every model folder."""
+    lines = ["lowvram_dit_models:", f"    base_path: {json.dumps(str(models_dir))}"]
+    lines += [f"    {folder}: {folder}/" for folder in MODEL_FOLDERS]
+    path.write_text("\n".join(lines) + "\n")
+    return path
