@@ -227,9 +227,10 @@ def _interrupt_when_sampling(server: ComfyServer, graph: dict) -> dict:
 
 
 def _loaded_mb(log: str) -> list[float]:
-    """ComfyUI's accounting of each model load: the "MB loaded" figure of its "loaded ..." log lines."""
-    return [float(x) for x in re.findall(r"loaded (?:completely|partially); [\d.]+ MB usable, ([\d.]+) MB loaded",
-                                         log)]
+    """ComfyUI's accounting of each model load: the "MB loaded" figure of its "loaded ..." log lines (0.8.0 also
+    names the usable MB first; newer ComfyUI does not)."""
+    return [float(x) for x in re.findall(
+        r"loaded (?:completely|partially);(?: [\d.]+ MB usable,)?\s+([\d.]+) MB loaded", log)]
 
 
 def test_server_interrupt_with_block_swap_and_compile_then_switch_models(comfy_server: ComfyServer) -> None:
