@@ -17,7 +17,11 @@ def test_watch_sees_an_allocation_in_this_process() -> None:
         time.sleep(0.15)
         block = bytearray(256 << 20)  # 256 MiB, touched so it is resident
         block[:: 4096] = b"x" * len(block[:: 4096])
-        time.sleep(0.3)
+        # Wait for two samples taken after the pages were touched (a loaded machine can delay the sampler
+        # thread far past any fixed sleep); the second one started after the allocation for sure.
+        seen, deadline = len(watch.samples), time.monotonic() + 30
+        while len(watch.samples) < seen + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
     s = watch.summary()
     base = watch.samples[0]["anon"]
     assert max(x["anon"] for x in watch.samples) - base >= 200 << 20, watch.samples
