@@ -209,3 +209,23 @@ def test_merged_rows(tmp_path: Path) -> None:
     assert [(r["name"], r["source"]) for r in got] == [("native_default", "natives.json")]
     md = rep.markdown(got, {}, {"steps_per_expert": 2, "width": 1, "height": 1, "frames": 1, "cfg": 1, "decode": False})
     assert "(from natives.json)" in md
+
+
+def test_profile_groups_kernels_by_name_and_sums_them() -> None:
+    from types import SimpleNamespace
+
+    from comfyui_lowvram_dit.benchmarks import profile_wan_step as pw
+
+    assert pw.group_of("sm90_xmma_gemm_e4m3bf16_e4m3f32") == "matmul"
+    assert pw.group_of("flash_fwd_kernel<Flash_fwd_kernel_traits>") == "attention"
+    assert pw.group_of("attn_fwd_kernel") == "attention"
+    assert pw.group_of("_quant_rows_kernel") == "quantize/cast"
+    assert pw.group_of("some_unknown_thing") == "other"
+    events = [SimpleNamespace(key="sm90_xmma_gemm_x", self_device_time_total=3000.0, count=4),
+              SimpleNamespace(key="flash_fwd_kernel", self_device_time_total=5000.0, count=2),
+              SimpleNamespace(key="aten::mm", self_device_time_total=3000.0, count=4)]  # an op row, not a kernel
+    table = pw.kernel_table(SimpleNamespace(key_averages=lambda: events), top=5)
+    assert table["groups_ms"] == {"matmul": 3.0, "attention": 5.0} and table["total_ms"] == 8.0
+    assert [k["kernel"] for k in table["top"]] == ["flash_fwd_kernel", "sm90_xmma_gemm_x"]
+    md = pw.markdown([{"name": "native", "forward_s": 1.5, **table}], {"device_name": "GPU", "command": "x"})
+    assert "| native | 1.5 |" in md and "`flash_fwd_kernel`" in md
