@@ -39,7 +39,7 @@ VARIANTS = ("native", "pack", "pack_int8")
 GROUPS = (  # first match wins; kernel names of cuBLAS/CUTLASS/flash/cuDNN/Triton/inductor
     ("attention", re.compile(r"flash|fmha|attn|attention|sdpa|cudnn.*(mha|sdp)", re.IGNORECASE)),
     ("matmul", re.compile(r"gemm|matmul|sm90_|sm80_|cutlass|scaled_mm|cublas|nvjet|xmma", re.IGNORECASE)),
-    ("quantize/cast", re.compile(r"quant|fp8|amax|e4m3|float8|copy_|to_copy|_to_|cast", re.IGNORECASE)),
+    ("quantize/cast", re.compile(r"quant|fp8|amax|e4m3|float8|copy_|to_copy|_to_|(?<!no)cast", re.IGNORECASE)),
     ("norm/elementwise", re.compile(r"norm|elementwise|vectorized|reduce|rope|mul|add|silu|gelu|triton_", re.IGNORECASE)),
 )
 
@@ -132,10 +132,39 @@ def markdown(rows: list[dict], env: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def write_plot(rows: list[dict], env: dict, path: Path) -> str | None:
+    """Stacked bars of GPU milliseconds per kernel group and variant; a note instead when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed"
+    rows = [r for r in rows if "groups_ms" in r]
+    groups = sorted({g for r in rows for g in r["groups_ms"]})
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 1.8))
+    left = [0.0] * len(rows)
+    for g in groups:
+        widths = [r["groups_ms"].get(g, 0.0) for r in rows]
+        ax.barh([f"{r['name']} ({r['forward_s']} s)" for r in rows], widths, left=left, label=g)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.set_xlabel("GPU time per forward by kernel group, ms (profiler; 'other' is mostly launch-queue waits)")
+    ax.set_title(f"Wan 14B forward, batch 2 - {env.get('device_name', '?')}, torch {env.get('torch', '?')}, "
+                 f"ComfyUI {env.get('comfyui_version', '?')}", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Profile the chosen variants and write JSON + markdown to ``--out``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, required=True, help="a Wan 2.2 14B *_fp8_scaled diffusion file")
+    p.add_argument("--model", type=Path, help="a Wan 2.2 14B *_fp8_scaled diffusion file")
+    p.add_argument("--replot", type=Path, default=None, help="only redraw the plot of a written JSON report")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--size", default="832x480x81", help="WIDTHxHEIGHTxFRAMES")
     p.add_argument("--repeat", type=int, default=3, help="timed forwards per variant")
@@ -143,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--git-sha", default=None, help="pack commit to record (default: git rev-parse here)")
     opts = p.parse_args(argv)
+    if opts.replot is not None:
+        report = json.loads(opts.replot.read_text(encoding="utf-8"))
+        note = write_plot(report["variants"], report["env"], opts.replot.with_suffix(".png"))
+        print(note or f"wrote {opts.replot.with_suffix('.png')}")
+        return 0
+    if opts.model is None:
+        raise SystemExit("--model is required (a Wan 2.2 14B *_fp8_scaled diffusion file)")
     if not torch.cuda.is_available():
         raise SystemExit("profile_wan_step needs a CUDA GPU")
     names = [n for n in opts.variants.split(",") if n]
@@ -164,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "profile_wan_step.json").write_text(json.dumps({"env": env, "variants": rows}, indent=1))
     (opts.out / "profile_wan_step.md").write_text(markdown(rows, env))
+    note = write_plot(rows, env, opts.out / "profile_wan_step.png")
+    if note:
+        print(note)
     return 0
 
 

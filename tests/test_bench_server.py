@@ -221,6 +221,7 @@ def test_profile_groups_kernels_by_name_and_sums_them() -> None:
     assert pw.group_of("attn_fwd_kernel") == "attention"
     assert pw.group_of("_quant_rows_kernel") == "quantize/cast"
     assert pw.group_of("some_unknown_thing") == "other"
+    assert pw.group_of("elementwise_kernel<gpu_kernel_impl_nocast<addcmul_cuda_kernel>>") == "norm/elementwise"
     events = [SimpleNamespace(key="sm90_xmma_gemm_x", self_device_time_total=3000.0, count=4),
               SimpleNamespace(key="flash_fwd_kernel", self_device_time_total=5000.0, count=2),
               SimpleNamespace(key="aten::mm", self_device_time_total=3000.0, count=4)]  # an op row, not a kernel
