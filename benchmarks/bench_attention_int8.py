@@ -104,7 +104,7 @@ def measure(name: str, shape: tuple[int, ...], repeats: int, warmup: int, config
             row["tflops"] = 4 * b * h * lq * lk * d / (row["time_ms"] * 1e-3) / 1e12
             if errors:
                 row.update(rel_errors(fn, shape))
-        del q, k, v
+        q = k = v = None  # free the inputs before empty_cache (the lambda above is done with them)
     except Exception as exc:  # a backend that cannot run here is a result, not a crash
         row["error"] = f"{type(exc).__name__}: {exc}"[:500]
     torch.cuda.empty_cache()

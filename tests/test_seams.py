@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from comfyui_lowvram_dit.nodes.glue import common as _common
 from comfyui_lowvram_dit.nodes.glue import seams as _seams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,7 +178,7 @@ def fake_comfy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
             sys.path.remove(roots[-1])
         roots.append(str(root))
         sys.path.insert(0, str(root))
-        _seams._SAID.clear()
+        _common._SAID_ONCE.clear()
         from comfyui_lowvram_dit import nodes
 
         return nodes.load_node_classes()
@@ -188,7 +189,7 @@ def fake_comfy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
     sys.modules.update(saved)
     if roots:
         sys.path.remove(roots[-1])
-    _seams._SAID.clear()
+    _common._SAID_ONCE.clear()
 
 
 def _by_name(classes: list[type]) -> dict[str, type]:

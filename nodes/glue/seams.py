@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import behaviour
-from .common import comfyui_version
+from .common import comfyui_version, say_once
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -146,7 +146,6 @@ SEAMS: dict[str, tuple[Probe, ...]] = {
 # Seams of nodes/block_swap.py's apply_block_swap (also needed by the Qwen-Image Staged Loader, which calls it).
 BLOCK_SWAP_SEAMS = ("wrappers.apply_model", "wrappers.prepare_sampling", "model_patcher.wrappers",
                     "model_patcher.loading", "dit.block_replace")
-_SAID: set[str] = set()  # messages already logged at run time (class attributes are locked while a node runs)
 
 
 def missing_probes(name: str) -> list[str]:
@@ -217,9 +216,7 @@ def _pass_through_class(cls: type, message: str) -> type | None:
         return s
 
     def _execute(c: type, **kwargs: Any) -> Any:
-        if message not in _SAID:
-            _SAID.add(message)
-            log.warning("lowvram_dit: %s", message)
+        say_once(log, f"lowvram_dit: {message}")
         return io.NodeOutput(kwargs[model_arg])
 
     return type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
