@@ -155,7 +155,19 @@ def resolve_target(target: str) -> Callable[..., Any]:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    """Peak resident set size of this process so far.
+
+    Linux: ``VmHWM`` of ``/proc/self/status``, the high-water mark of this address space. Not ``ru_maxrss``: Linux
+    carries that across fork + exec, so a child started by a parent holding 6 GB would report the parent's 6 GB.
+    Elsewhere ``ru_maxrss`` (bytes on macOS), or psutil's peak working set on Windows."""
+    if sys.platform.startswith("linux"):
+        try:
+            from comfyui_lowvram_dit.tools.memwatch import proc_status
+        except ImportError:  # run as a file without the pack installed: ru_maxrss below
+            proc_status = None
+        hwm = proc_status(os.getpid()).get("VmHWM") if proc_status else None
+        if hwm:
+            return hwm
     try:
         import resource
 
