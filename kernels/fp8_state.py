@@ -153,7 +153,7 @@ class Fp8Normaliser:
 
 def check_scales(header: SafetensorsHeader, plan: Fp8Plan, small: dict[str, torch.Tensor],
                  layer_conf: dict[str, dict]) -> None:
-    """Before any weight is read: every scale finite and positive, and every fp8 target weight of a scaled file
+    """Before any weight is read: every scale finite and positive, and every fp8 weight of a scaled file
     (ComfyUI fp8_scaled, a comfy_quant layer, this pack's own files) has its scale."""
     check_weight_scales(header, small.items())
     if plan.source_format not in ("comfy_fp8_scaled", "comfy_quant", "lowvram_fp8"):
@@ -161,7 +161,9 @@ def check_scales(header: SafetensorsHeader, plan: Fp8Plan, small: dict[str, torc
     suffix = "weight_scale" if plan.source_format != "comfy_fp8_scaled" else "scale_weight"
     for raw, i in header.tensors.items():
         key = raw[len(plan.prefix):] if raw.startswith(plan.prefix) else raw
-        if i.dtype not in FP8_DTYPES or not plan.is_target(key, i.shape):
+        # Every fp8 weight of a scaled file, block layer or not: an embedding or head read without its scale
+        # would silently act as scale 1.0. comfy_quant files mark their scaled layers, so only those are checked.
+        if i.dtype not in FP8_DTYPES or not key.endswith("weight"):
             continue
         base = key[: -len("weight")]
         if plan.source_format == "comfy_quant" and base[:-1] not in layer_conf:

@@ -233,3 +233,32 @@ def test_full_disk_leaves_no_partial_file(wan_files: dict[str, Path], tmp_path: 
         assert sorted(p.name for p in root.iterdir()) == [dest.name], "a temp file survived the full disk"
         assert open_fds_under(root) == []
         assert dest.read_bytes() == before  # the previous copy is intact
+
+
+@pytest.mark.parametrize("model", ["wan22_t2v_14B", "qwen_image"])
+def test_every_fp8_weight_of_a_scaled_file_needs_its_scale(model: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block layers and the rest (embeddings, heads): each fp8 weight whose scale is missing is named up front."""
+    from comfyui_lowvram_dit.kernels import qwen_image
+
+    def load(path: Path) -> object:
+        if model == "qwen_image":
+            return qwen_image.load_qwen_image_state_dict(path, "none", 128, device="cpu")
+        return wc.load_wan_state_dict(path, "per_tensor", device="cpu")
+
+    sd = synth.synthetic_state_dict(model, size="tiny", fmt="fp8_scaled")
+    fp8 = [k for k, v in sd.items() if v.dtype == torch.float8_e4m3fn and k.endswith("weight")]
+    outside_blocks = [k for k in fp8 if not k.startswith(("blocks.", "transformer_blocks."))]
+    assert outside_blocks and len(fp8) > len(outside_blocks), fp8  # both kinds are covered
+    streamed = _no_weight_read(monkeypatch)
+    for victim in outside_blocks + fp8[-2:]:
+        path = tmp_path / f"{model}_fp8_scaled.safetensors"
+        save_file({k: v for k, v in sd.items() if k != victim[: -len("weight")] + "scale_weight"}, str(path))
+        streamed.clear()
+        with pytest.raises(CheckpointError) as err:
+            load(path)
+        assert path.name in str(err.value) and victim in str(err.value) and "download" in str(err.value)
+        assert streamed == [], f"{victim}: weights were read before the missing scale was reported"
+    save_file(sd, str(path))
+    load(path)  # the undamaged file still loads
+    path.unlink()
