@@ -5,16 +5,24 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from comfy_api.latest import io
 
 from ..kernels import wan_checkpoint as wc
-from .glue.common import (CATEGORY_LOADERS, display_name, file_fingerprint, load_diffusion_model, node_id,
-                          use_mmap)
-from .glue.seams import DISABLE
+from .glue import graph_checks
+from .glue.common import (
+    CATEGORY_LOADERS,
+    display_name,
+    file_fingerprint,
+    load_diffusion_model,
+    node_id,
+    use_mmap,
+)
 from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 from .glue.mapped_weights import keep_file_backed
+from .glue.seams import DISABLE
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -58,8 +66,8 @@ def load_wan_model(
     )
     for note in loaded.notes:
         log.info("lowvram_dit: %s", note)
-    # The loader cannot see the graph's VAE, and ComfyUI widens an empty latent to any model silently: say what fits,
-    # so a VAE Decode channel mismatch at the end of a run can be traced to this file.
+    # ComfyUI widens an empty latent to any model silently: say what fits (the node checks the graph's stock VAE
+    # Loaders before loading; a VAE from elsewhere can still mismatch at VAE Decode).
     vae = "the Wan 2.2 VAE (wan2.2_vae) and Wan22ImageToVideoLatent" if loaded.info.out_dim == 48 else "the Wan 2.1 VAE"
     log.info("lowvram_dit: %s (%s) makes %d-channel latents: decode them with %s", source.name, loaded.info.variant,
              loaded.info.out_dim, vae)
@@ -139,6 +147,7 @@ class WanLoader(io.ComfyNode):
                                          "settings pick it up automatically and skip quantization."),
             ],
             outputs=[io.Model.Output()],
+            hidden=[io.Hidden.prompt, io.Hidden.unique_id],
         )
 
     @classmethod
@@ -164,7 +173,21 @@ class WanLoader(io.ComfyNode):
         import folder_paths
 
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        hidden = getattr(cls, "hidden", None)
+        if hidden is not None:
+            check_decoding_vae(path, getattr(hidden, "prompt", None), getattr(hidden, "unique_id", None))
         return io.NodeOutput(load_wan_model(path, quantization, int(block_size), compute, save_quantized))
+
+
+def check_decoding_vae(path: str | Path, prompt: Any, loader_id: Any) -> None:
+    """Before loading: ValueError when a VAE Decode of this model's latents uses a Wan VAE of other channels."""
+    import folder_paths
+
+    out_dim = wc.inspect_checkpoint(path).out_dim
+    found = graph_checks.mismatched_vaes(prompt, loader_id, out_dim,
+                                         lambda name: folder_paths.get_full_path("vae", name))
+    if found:
+        raise ValueError(graph_checks.vae_mismatch_message(Path(path).name, loader_id, out_dim, found))
 
 
 NODES = [WanLoader]

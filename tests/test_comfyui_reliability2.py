@@ -176,6 +176,28 @@ def test_wrong_vae_fails_before_the_text_stage(comfy_server: ComfyServer, qwen_f
     assert "stage 1" not in comfy_server.log_text()[before:], "the text stage ran before the VAE was checked"
 
 
+def _wan_decode_graph(unet: str, vae: str) -> dict:
+    graph = _wan_graph(unet, 1)
+    del graph["7"]
+    graph["8"] = {"class_type": "VAELoader", "inputs": {"vae_name": vae}}
+    graph["9"] = {"class_type": "VAEDecode", "inputs": {"samples": ["6", 0], "vae": ["8", 0]}}
+    graph["10"] = {"class_type": "PreviewImage", "inputs": {"images": ["9", 0]}}
+    return graph
+
+
+def test_wan_file_and_vae_that_do_not_fit_fail_before_loading(comfy_server: ComfyServer, good_wan: str,
+                                                               qwen_files: dict[str, str]) -> None:
+    five_b = synth.write_synthetic("wan22_ti2v_5B", comfy_server.base_dir / "models" / "diffusion_models" /
+                                   f"rel2_5b_{_tag()}.safetensors", size="tiny", fmt="bf16", seed=2, num_layers=1)
+    cases = [(good_wan, qwen_files["vae22"], "16-channel latents", "wan_2.1_vae"),
+             (five_b.name, qwen_files["vae"], "48-channel latents", "wan2.2_vae")]
+    for unet, vae, channels, fix in cases:
+        before = len(comfy_server.log_text())
+        _fails_with(comfy_server, _wan_decode_graph(unet, vae), unet, vae, channels, fix, "node 1", "node 9")
+        assert f"read {unet}" not in comfy_server.log_text()[before:], "the model was read before the check"
+    _still_serving(comfy_server, good_wan)
+
+
 # ------------------------------------------------------------------------------------------------------------- 5
 
 
