@@ -53,7 +53,8 @@ class _Port:
         return types.SimpleNamespace(id=id, io_type=self.io_type, **kw)
 
 _TYPES = ("Model", "Clip", "Conditioning", "Vae", "Latent", "Image", "Int", "Float", "Boolean", "String", "Combo")
-io = types.SimpleNamespace(ComfyNode=ComfyNode, Schema=Schema, NodeOutput=NodeOutput,
+Hidden = types.SimpleNamespace(prompt="PROMPT", unique_id="UNIQUE_ID", extra_pnginfo="EXTRA_PNGINFO")
+io = types.SimpleNamespace(ComfyNode=ComfyNode, Schema=Schema, NodeOutput=NodeOutput, Hidden=Hidden,
                            **{t: _Port(t.upper()) for t in _TYPES})
 ui = types.SimpleNamespace(PreviewText=lambda text: text)
 '''
