@@ -167,8 +167,20 @@ def fake_comfy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
     roots: list[str] = []
 
     def forget() -> None:
+        # The parent package's attribute goes too: `from package import mod` reads that attribute before
+        # sys.modules, so a later test would get the fake-built module back.
         for name in [n for n in sys.modules if ours(n)]:
-            del sys.modules[name]
+            mod = sys.modules.pop(name)
+            parent, _, child = name.rpartition(".")
+            if parent in sys.modules and getattr(sys.modules[parent], child, None) is mod:
+                delattr(sys.modules[parent], child)
+
+    def restore() -> None:
+        sys.modules.update(saved)
+        for name, mod in saved.items():
+            parent, _, child = name.rpartition(".")
+            if parent in sys.modules:
+                setattr(sys.modules[parent], child, mod)
 
     def load(version: str, drop: tuple[str, ...] = (), broken: tuple[str, ...] = ()) -> list[type]:
         forget()
@@ -187,7 +199,7 @@ def fake_comfy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
     yield load
     forget()
     _seams.forget_probe_results()
-    sys.modules.update(saved)
+    restore()
     if roots:
         sys.path.remove(roots[-1])
     _common._SAID_ONCE.clear()
