@@ -13,13 +13,13 @@ from __future__ import annotations
 import itertools
 import re
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from comfy_server import ComfyServer, comfyui_in_process_or_skip
-from test_staged import write_small_text_encoder
-
 from comfyui_lowvram_dit.tools import synth
+from test_staged import write_small_text_encoder
 
 pytestmark = pytest.mark.comfyui
 _seed = itertools.count(7000)
@@ -28,8 +28,9 @@ STAGE_RE = re.compile(r"Qwen-Image (stage \d) \(([^)]*)\): ([\d.]+) s, RSS ([\d.
 
 
 @pytest.fixture(scope="module")
-def files(comfy_server: ComfyServer) -> dict[str, str]:
-    """Unique file names (the server is shared by the session) for transformer, encoder and VAE."""
+def files(comfy_server: ComfyServer) -> Iterator[dict[str, str]]:
+    """Unique file names (the server is shared by the session) for transformer, encoder and VAE; deleted after
+    the module (the server outlives it)."""
     tag = uuid.uuid4().hex[:8]
     models = comfy_server.base_dir / "models"
     names = {"unet": f"staged_qwen_{tag}.safetensors", "te": f"staged_te_{tag}.safetensors",
@@ -37,7 +38,9 @@ def files(comfy_server: ComfyServer) -> dict[str, str]:
     synth.write_synthetic("qwen_image", models / "diffusion_models" / names["unet"], "tiny", "bf16", seed=3)
     write_small_text_encoder(models / "text_encoders" / names["te"], "bf16", seed=0)
     synth.write_synthetic("wan21_vae", models / "vae" / names["vae"], "tiny", "bf16", seed=3)
-    return names
+    yield names
+    for folder, key in (("diffusion_models", "unet"), ("text_encoders", "te"), ("vae", "vae")):
+        (models / folder / names[key]).unlink(missing_ok=True)
 
 
 def _graph(files: dict[str, str], prompt: str, *, quantization: str = "fp8 block-wise", blocks_to_swap: int = -1,
@@ -135,7 +138,6 @@ def test_streamed_encoder_equals_comfyui_load_clip(tmp_path: Path, fmt: str) -> 
     comfyui_in_process_or_skip()
     import comfy.sd
     import torch
-
     from comfyui_lowvram_dit.kernels import checkpoint_io, text_encoders
     from comfyui_lowvram_dit.nodes import qwen_staged
 

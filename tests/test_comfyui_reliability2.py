@@ -12,15 +12,15 @@ import os
 import random
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from comfy_server import ComfyServer, comfyui_in_process_or_skip, sample_wan
+from comfyui_lowvram_dit.tools import synth
 from safetensors.torch import load_file, save_file
 from test_staged import write_small_text_encoder
-
-from comfyui_lowvram_dit.tools import synth
 
 pytestmark = pytest.mark.comfyui
 SEED = 99
@@ -75,7 +75,7 @@ def good_wan(comfy_server: ComfyServer) -> str:
 
 
 @pytest.fixture(scope="module")
-def qwen_files(comfy_server: ComfyServer) -> dict[str, str]:
+def qwen_files(comfy_server: ComfyServer) -> Iterator[dict[str, str]]:
     tag = _tag()
     models = comfy_server.base_dir / "models"
     names = {"unet": f"rel2_qwen_{tag}.safetensors", "te": f"rel2_te_{tag}.safetensors",
@@ -84,7 +84,9 @@ def qwen_files(comfy_server: ComfyServer) -> dict[str, str]:
     write_small_text_encoder(models / "text_encoders" / names["te"], "bf16", seed=0)
     synth.write_synthetic("wan21_vae", models / "vae" / names["vae"], "tiny", "bf16", seed=3)
     synth.write_synthetic("wan22_vae", models / "vae" / names["vae22"], "tiny", "bf16", seed=3)
-    return names
+    yield names
+    for folder, key in (("diffusion_models", "unet"), ("text_encoders", "te"), ("vae", "vae"), ("vae", "vae22")):
+        (models / folder / names[key]).unlink(missing_ok=True)  # the server outlives this module
 
 
 def _qwen_graph(files: dict[str, str], prompt: str, *, vae: str | None = None, budget: float = 0.0) -> dict:
@@ -191,11 +193,14 @@ def test_wan_file_and_vae_that_do_not_fit_fail_before_loading(comfy_server: Comf
                                    f"rel2_5b_{_tag()}.safetensors", size="tiny", fmt="bf16", seed=2, num_layers=1)
     cases = [(good_wan, qwen_files["vae22"], "16-channel latents", "wan_2.1_vae"),
              (five_b.name, qwen_files["vae"], "48-channel latents", "wan2.2_vae")]
-    for unet, vae, channels, fix in cases:
-        before = len(comfy_server.log_text())
-        _fails_with(comfy_server, _wan_decode_graph(unet, vae), unet, vae, channels, fix, "node 1", "node 9")
-        assert f"read {unet}" not in comfy_server.log_text()[before:], "the model was read before the check"
-    _still_serving(comfy_server, good_wan)
+    try:
+        for unet, vae, channels, fix in cases:
+            before = len(comfy_server.log_text())
+            _fails_with(comfy_server, _wan_decode_graph(unet, vae), unet, vae, channels, fix, "node 1", "node 9")
+            assert f"read {unet}" not in comfy_server.log_text()[before:], "the model was read before the check"
+        _still_serving(comfy_server, good_wan)
+    finally:
+        five_b.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------------------------------------- 5
@@ -237,7 +242,6 @@ def test_mapped_file_changed_in_place_stops_sampling_by_name(tmp_path: Path) -> 
     """In process: the check runs at every sampling start (an idle expert's file may change between its runs)."""
     comfyui_in_process_or_skip()
     import comfy.model_management as mm
-
     from comfyui_lowvram_dit.kernels.checkpoint_io import CheckpointError
     from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
 
