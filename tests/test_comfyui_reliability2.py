@@ -189,9 +189,11 @@ def _wan_decode_graph(unet: str, vae: str) -> dict:
 
 def test_wan_file_and_vae_that_do_not_fit_fail_before_loading(comfy_server: ComfyServer, good_wan: str,
                                                                qwen_files: dict[str, str]) -> None:
+    # Files no earlier prompt loaded: ComfyUI reuses a loader's cached output without running it (and its check)
     five_b = synth.write_synthetic("wan22_ti2v_5B", comfy_server.base_dir / "models" / "diffusion_models" /
                                    f"rel2_5b_{_tag()}.safetensors", size="tiny", fmt="bf16", seed=2, num_layers=1)
-    cases = [(good_wan, qwen_files["vae22"], "16-channel latents", "wan_2.1_vae"),
+    fresh = _wan(comfy_server, "fp8_scaled")
+    cases = [(fresh.name, qwen_files["vae22"], "16-channel latents", "wan_2.1_vae"),
              (five_b.name, qwen_files["vae"], "48-channel latents", "wan2.2_vae")]
     try:
         for unet, vae, channels, fix in cases:
@@ -201,6 +203,7 @@ def test_wan_file_and_vae_that_do_not_fit_fail_before_loading(comfy_server: Comf
         _still_serving(comfy_server, good_wan)
     finally:
         five_b.unlink(missing_ok=True)
+        fresh.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------------------------------------- 5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import time
@@ -15,8 +16,11 @@ from comfyui_lowvram_dit.tools import memwatch, runner
 def test_watch_sees_an_allocation_in_this_process() -> None:
     with memwatch.MemoryWatch(os.getpid(), interval=0.05) as watch:
         time.sleep(0.15)
-        block = bytearray(256 << 20)  # 256 MiB, touched so it is resident
-        block[:: 4096] = b"x" * len(block[:: 4096])
+        # 256 MiB of fresh private anonymous pages, touched so they are resident (a bytearray may reuse heap
+        # memory a long-running process already holds, and then RSS does not move)
+        block = mmap.mmap(-1, 256 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        for offset in range(0, len(block), 4096):
+            block[offset] = 1
         # Wait for two samples taken after the pages were touched (a loaded machine can delay the sampler
         # thread far past any fixed sleep); the second one started after the allocation for sure.
         seen, deadline = len(watch.samples), time.monotonic() + 30
@@ -27,7 +31,7 @@ def test_watch_sees_an_allocation_in_this_process() -> None:
     assert max(x["anon"] for x in watch.samples) - base >= 200 << 20, watch.samples
     assert s["peak_rss_hwm_gib"] >= s["peak_rss_sampled_gib"] > 0
     assert s["peak_gpu_gib"] is None or s["peak_gpu_gib"] >= 0
-    del block
+    block.close()
 
 
 def test_proc_status_of_a_missing_pid_is_empty() -> None:
