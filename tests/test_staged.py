@@ -224,7 +224,9 @@ def test_rss_falls_back_after_streaming_load_and_release(tmp_path: Path) -> None
         del model
         stage_meter.release_host_memory()
     rep = meter.report
-    assert peak_loaded - rep.rss_start > 0.8 * nbytes  # the model really was resident...
+    # the model really was resident (a lazy or mapped load would add ~0; in a long test process part of the new
+    # tensors can land in heap pages it already held, so not all 210 MB show up as growth)...
+    assert peak_loaded - rep.rss_start > 0.5 * nbytes
     assert rep.rss_peak - rep.rss_start < 1.6 * nbytes  # ...never twice over (model + one layer + prefetch)
     assert rep.rss_end - rep.rss_start < 0.25 * nbytes  # and RSS fell back once it was freed (allocator slack)
     assert "load+free" in rep.format() and rep.as_dict()["seconds"] >= 0
