@@ -39,6 +39,7 @@ from ..kernels.swap_plan import SwapConfig
 from ..kernels.text_encoders import qwen25_vl_config_from_header
 from .block_swap import apply_block_swap, budget_problem, check_budget
 from .glue import text_encoders
+from .glue.graph_checks import WAN_VAE_KEY
 from .glue.common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, file_fingerprint, load_diffusion_model,
                           node_id, use_mmap)
 from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
@@ -168,7 +169,7 @@ def check_vae_fits(vae_path: str | Path, unet_path: str | Path) -> None:
     if vae.suffix.lower() not in (".safetensors", ".sft"):
         return  # other formats are ComfyUI's to read (VAELoader accepts them)
     t = read_header(vae).tensors
-    if "decoder.middle.0.residual.0.gamma" not in t:
+    if WAN_VAE_KEY not in t:
         raise CheckpointError(f"{vae.name}: not a Qwen-Image VAE (no decoder.middle.0.residual.0.gamma); select "
                               "qwen_image_vae.safetensors as vae_name")
     if "decoder.upsamples.0.upsamples.0.residual.2.weight" in t:
