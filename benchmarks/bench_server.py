@@ -42,7 +42,7 @@ from typing import Any, Self
 
 from ..tools import runner
 from ..tools.memwatch import MemoryWatch
-from . import harness
+from . import harness, server_probe
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = PACK_ROOT / "benchmarks" / "results" / "server_0.33"
@@ -114,6 +114,7 @@ VARIANTS: dict[str, ServerVariant] = {v.name: v for v in (
     ServerVariant("native_fp8fast", "native", weight_dtype="fp8_e4m3fn_fast", baseline=True),
     ServerVariant("native_fp8fast_ck", "native", weight_dtype="fp8_e4m3fn_fast", ck_attention=True, baseline=True),
     ServerVariant("pack", "pack"),
+    ServerVariant("pack_int8", "pack", attention="lowvram 8-bit"),
     ServerVariant("pack_int8_compile", "pack", attention="lowvram 8-bit", compile=True),
     ServerVariant("native_default_8gb", "native", card_gib=_8, baseline=True),
     ServerVariant("native_fp8fast_8gb", "native", weight_dtype="fp8_e4m3fn_fast", card_gib=_8, baseline=True),
@@ -179,8 +180,12 @@ def _pack_model_chain(graph: dict, first_id: int, unet: str, variant: ServerVari
 
 
 def build_graph(variant: ServerVariant, steps_per_expert: int = 3, width: int = WIDTH, height: int = HEIGHT,
-                frames: int = FRAMES, decode: bool = False) -> dict:
-    """The API graph of ``variant``: two experts, ``steps_per_expert`` steps each; decode+WEBP or SaveLatent."""
+                frames: int = FRAMES, decode: bool = False, probe: bool = False) -> dict:
+    """The API graph of ``variant``: two experts, ``steps_per_expert`` steps each; decode+WEBP or SaveLatent.
+
+    ``probe``: each expert's model goes through the benchmark's Kernel Profile node (benchmarks/server_probe),
+    which times every model call and profiles the second (PROBE_CALL).
+    """
     if steps_per_expert < 2:
         raise ValueError("steps_per_expert must be >= 2: the first step of each expert holds loading, so at least "
                          "one later step is needed for a per-step time")
@@ -205,6 +210,12 @@ def build_graph(variant: ServerVariant, steps_per_expert: int = 3, width: int = 
         pos, neg = ["11", 0], ["11", 1]
     else:
         raise ValueError(f"variant {variant.name}: graph must be 'native' or 'pack', not {variant.graph!r}")
+    if probe:
+        for nid, label in (("50", "high"), ("51", "low")):
+            src = high if label == "high" else low
+            graph[nid] = _node(PROBE_NODE, f"Kernel Profile ({label} noise)", model=src, label=label,
+                               profile_call=PROBE_CALL)
+        high, low = ["50", 0], ["51", 0]
     graph.update(_samplers(high, low, pos, neg, steps_per_expert))
     if decode:
         graph["12"] = _node("VAELoader", "Load VAE", vae_name=VAE)
@@ -217,6 +228,9 @@ def build_graph(variant: ServerVariant, steps_per_expert: int = 3, width: int = 
 
 
 SAMPLER_NODES = ("15", "16")
+PROBE_NODE = "LowVRAMBench_KernelProfile"
+PROBE_CALL = 1  # the second model call of each expert = its second step (cfg batched: one call per step)
+PROBE_DIR = "lowvram_bench_probe"  # its folder name in the server's custom_nodes
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -343,17 +357,21 @@ class EventRecorder:
             self._ready.set()
 
 
-def prepare_base(base: Path, models: Path) -> list[str]:
-    """A hermetic ComfyUI base dir with this pack in custom_nodes; returns the model-path flags for it."""
+def prepare_base(base: Path, models: Path, probe: bool = False) -> list[str]:
+    """A hermetic ComfyUI base dir with this pack (and the probe node) in custom_nodes; returns its path flags."""
     for sub in ("custom_nodes", "input", "output", "temp"):
         (base / sub).mkdir(parents=True, exist_ok=True)
     (base / "custom_nodes" / runner.REGISTRY_FOLDER_NAME).symlink_to(PACK_ROOT, target_is_directory=True)
+    if probe:
+        (base / "custom_nodes" / PROBE_DIR).symlink_to(Path(__file__).resolve().parent / "server_probe",
+                                                       target_is_directory=True)
     yaml = runner.extra_model_paths_yaml(models.resolve(), base / "extra_model_paths.yaml")
     return ["--extra-model-paths-config", str(yaml), "--output-directory", str(base / "output")]
 
 
-def measure(variant: ServerVariant, server: runner.ComfyServer, graph: dict, timeout: float) -> dict:
-    """Queue ``graph`` on ``server`` and measure it: step times, node times, memory peaks."""
+def measure(variant: ServerVariant, server: runner.ComfyServer, graph: dict, timeout: float,
+            probe_dir: Path | None = None) -> dict:
+    """Queue ``graph`` on ``server`` and measure it: step times, node times, memory peaks (and probe results)."""
     cid = uuid.uuid4().hex
     with EventRecorder(server.url, cid) as rec:
         t_watch = time.monotonic()
@@ -368,8 +386,13 @@ def measure(variant: ServerVariant, server: runner.ComfyServer, graph: dict, tim
         time.sleep(0.3)  # the last websocket messages
     events = rec.events
     per_node = [step_times(events, n) for n in SAMPLER_NODES]
+    probe = server_probe.read_probe(probe_dir) if probe_dir is not None else None
+    if probe:
+        server_probe.drop_profiled_steps(per_node, PROBE_CALL)
     out: dict[str, Any] = {"wall_s": round(wall, 2), **summarize_steps(per_node), "samplers": per_node,
                            "node_s": node_times(events), **watch.summary()}
+    if probe is not None:
+        out["probe"] = probe
     starts = [t for t, m in events if m.get("type") == "executing" and m["data"].get("node") == SAMPLER_NODES[0]]
     if starts:
         rel = starts[0] - t_watch
@@ -388,10 +411,11 @@ def run_variant(variant: ServerVariant, opts: argparse.Namespace, total_vram_gib
     base = Path(tempfile.mkdtemp(prefix=f"bench_{variant.name}_", dir=opts.work))
     record: dict[str, Any] = {"name": variant.name, "what": variant.describe(), "variant": asdict(variant),
                               "status": "error"}
-    graph = build_graph(variant, opts.steps_per_expert, opts.width, opts.height, opts.frames, decode=opts.decode)
+    graph = build_graph(variant, opts.steps_per_expert, opts.width, opts.height, opts.frames, decode=opts.decode,
+                        probe=opts.kernel_profile)
     log = ""
     try:
-        flags = [*prepare_base(base, opts.models), "--front-end-root", str(opts.work / "frontend"),
+        flags = [*prepare_base(base, opts.models, probe=opts.kernel_profile), "--front-end-root", str(opts.work / "frontend"),
                  "--user-directory", str(opts.work / "user"), *variant.server_args(total_vram_gib)]
         record["server_args"] = flags
         t0 = time.monotonic()
@@ -406,7 +430,8 @@ def run_variant(variant: ServerVariant, opts: argparse.Namespace, total_vram_gib
                 record["pack_nodes"] = sorted(k for k in info if k.startswith("LowVRAM_"))
                 record["object_info_nodes"] = len(info)
             try:
-                record.update(measure(variant, server, graph, opts.timeout))
+                probe_dir = base / "output" / "bench_probe" if opts.kernel_profile else None
+                record.update(measure(variant, server, graph, opts.timeout, probe_dir))
             finally:
                 log = server.log_text()
     except Exception as exc:  # noqa: BLE001 - one variant's failure must not stop the others
@@ -508,6 +533,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--git-status", default=None, help="`git status --short` of the pack checkout to record")
     p.add_argument("--keep-logs", action="store_true", help="keep each server log in the work folder")
     p.add_argument("--list-nodes", action="store_true", help="record the pack's nodes from /object_info")
+    p.add_argument("--kernel-profile", action="store_true",
+                   help="time every model call inside the server and profile each expert's second step "
+                        "(benchmarks/server_probe); that step is left out of s/step")
     p.add_argument("--merge", type=Path, action="append", default=[], metavar="JSON",
                    help="rows of an earlier run of this script to report with (a row run now replaces its name)")
     return p
@@ -528,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     env["git_sha"] = opts.git_sha or env.get("git_sha")
     env["git_status"] = opts.git_status
     settings = {"steps_per_expert": opts.steps_per_expert, "width": opts.width, "height": opts.height, "frames": opts.frames,
+                "kernel_profile": opts.kernel_profile,
                 "cfg": CFG, "decode": opts.decode, "variants": [v.name for v in variants]}
     if opts.write_models:
         settings["model_write_s"] = write_models(opts.models)

@@ -7,6 +7,7 @@ names the native row it is against; rows are compared only within one card size 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,31 @@ def _f(v: Any, digits: int = 2) -> str:
     return "—" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
+def probe_lines(results: list[dict]) -> list[str]:
+    """Markdown of the in-server probe: model-call time per expert and where the profiled call's GPU time went."""
+    rows = [(r["name"], label, p) for r in results for label, p in (r.get("probe") or {}).items() if "call_s" in p]
+    if not rows:
+        return []
+    out = ["## Inside the server (Kernel Profile node)", "",
+           ("Model call = one sampler step's forward (cond + uncond batched), between two CUDA synchronisations; "
+            "median of the calls after the first, the profiled call left out. GPU ms of the profiled call by kernel "
+            "group; the attention kernel is the top kernel of that group."), "",
+           ("| variant | expert | call s (median) | calls | profiled call s | kernels ms | attention ms | matmul ms "
+            "| quantize/cast ms | norm/elementwise ms | attention kernel |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, label, p in rows:
+        calls = p["call_s"]
+        timed = [t for i, t in enumerate(calls) if i and i != p.get("profiled_call")]
+        prof = p.get("profile") or {}
+        g = prof.get("groups_ms", {})
+        attn = next((k["kernel"] for k in prof.get("top", []) if k["group"] == "attention"), "—")
+        profiled = calls[p["profiled_call"]] if 0 <= p.get("profiled_call", -1) < len(calls) else None
+        out.append(f"| {name} | {label} | {_f(statistics.median(timed), 3) if timed else '—'} | {len(calls)} | "
+                   f"{_f(profiled, 3)} | {_f(prof.get('total_ms'), 1)} | {_f(g.get('attention'), 1)} | "
+                   f"{_f(g.get('matmul'), 1)} | {_f(g.get('quantize/cast'), 1)} | {_f(g.get('norm/elementwise'), 1)} "
+                   f"| `{attn[:90]}` |")
+    return out + [""]
+
+
 def markdown(results: list[dict], env: dict, settings: dict) -> str:
     """The results as markdown: environment, one table per card size, the goals, failures."""
     rat = ratios(results)
@@ -113,6 +139,7 @@ def markdown(results: list[dict], env: dict, settings: dict) -> str:
                          f"{r.get('status')}{': ' + r['error'][:160] if r.get('error') else ''}"
                          f"{' (from ' + r['source'] + ')' if r.get('source') else ''} |")
         lines.append("")
+    lines += probe_lines(results)
     checks = goals(results)
     if checks:
         lines += ["## Goals", "", "| row | against | metric | value | target | met |", "|---|---|---|---|---|---|"]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import re
 import statistics
 import time
 from pathlib import Path
@@ -31,45 +30,13 @@ import torch
 
 try:
     from . import comfy_native, harness
+    from .kernel_groups import kernel_table
 except ImportError:  # run as a file
     import comfy_native  # type: ignore[no-redef]
     import harness  # type: ignore[no-redef]
+    from kernel_groups import kernel_table  # type: ignore[no-redef]
 
 VARIANTS = ("native", "pack", "pack_int8")
-GROUPS = (  # first match wins; kernel names of cuBLAS/CUTLASS/flash/cuDNN/Triton/inductor
-    ("attention", re.compile(r"flash|fmha|attn|attention|sdpa|cudnn.*(mha|sdp)", re.IGNORECASE)),
-    ("matmul", re.compile(r"gemm|matmul|sm90_|sm80_|cutlass|scaled_mm|cublas|nvjet|xmma", re.IGNORECASE)),
-    ("quantize/cast", re.compile(r"quant|fp8|amax|e4m3|float8|copy_|to_copy|_to_|(?<!no)cast", re.IGNORECASE)),
-    ("norm/elementwise", re.compile(r"norm|elementwise|vectorized|reduce|rope|mul|add|silu|gelu|triton_", re.IGNORECASE)),
-)
-
-
-def group_of(kernel: str) -> str:
-    """The group a kernel name falls in (see GROUPS), 'other' when none matches."""
-    return next((name for name, rx in GROUPS if rx.search(kernel)), "other")
-
-
-def _device_us(event: Any) -> float:
-    """Self device time of a profiler row in microseconds (the attribute was renamed in torch 2.4)."""
-    for attr in ("self_device_time_total", "self_cuda_time_total"):
-        if hasattr(event, attr):
-            return float(getattr(event, attr))
-    return 0.0
-
-
-def kernel_table(prof: Any, top: int) -> dict:
-    """Per-group and top-kernel device milliseconds of one profiled forward."""
-    rows = [(e.key, _device_us(e) / 1e3, e.count) for e in prof.key_averages() if _device_us(e) > 0]
-    rows = [r for r in rows if not r[0].startswith(("aten::", "cuda", "Memcpy", "Memset"))] or rows
-    groups: dict[str, float] = {}
-    for name, ms, _ in rows:
-        groups[group_of(name)] = groups.get(group_of(name), 0.0) + ms
-    rows.sort(key=lambda r: -r[1])
-    return {"total_ms": round(sum(groups.values()), 1), "groups_ms": {k: round(v, 1) for k, v in groups.items()},
-            "top": [{"kernel": n[:140], "ms": round(ms, 2), "calls": c, "group": group_of(n)}
-                    for n, ms, c in rows[:top]]}
-
-
 def build(variant: str, model: Path) -> Any:
     """The ModelPatcher of ``variant``, resident on the GPU."""
     comfy = comfy_native.import_comfy()

@@ -214,19 +214,81 @@ def test_merged_rows(tmp_path: Path) -> None:
 def test_profile_groups_kernels_by_name_and_sums_them() -> None:
     from types import SimpleNamespace
 
+    from comfyui_lowvram_dit.benchmarks import kernel_groups as kg
     from comfyui_lowvram_dit.benchmarks import profile_wan_step as pw
 
-    assert pw.group_of("sm90_xmma_gemm_e4m3bf16_e4m3f32") == "matmul"
-    assert pw.group_of("flash_fwd_kernel<Flash_fwd_kernel_traits>") == "attention"
-    assert pw.group_of("attn_fwd_kernel") == "attention"
-    assert pw.group_of("_quant_rows_kernel") == "quantize/cast"
-    assert pw.group_of("some_unknown_thing") == "other"
-    assert pw.group_of("elementwise_kernel<gpu_kernel_impl_nocast<addcmul_cuda_kernel>>") == "norm/elementwise"
+    assert kg.group_of("sm90_xmma_gemm_e4m3bf16_e4m3f32") == "matmul"
+    assert kg.group_of("flash_fwd_kernel<Flash_fwd_kernel_traits>") == "attention"
+    assert kg.group_of("attn_fwd_kernel") == "attention"
+    assert kg.group_of("_quant_rows_kernel") == "quantize/cast"
+    assert kg.group_of("some_unknown_thing") == "other"
+    assert kg.group_of("elementwise_kernel<gpu_kernel_impl_nocast<addcmul_cuda_kernel>>") == "norm/elementwise"
     events = [SimpleNamespace(key="sm90_xmma_gemm_x", self_device_time_total=3000.0, count=4),
               SimpleNamespace(key="flash_fwd_kernel", self_device_time_total=5000.0, count=2),
-              SimpleNamespace(key="aten::mm", self_device_time_total=3000.0, count=4)]  # an op row, not a kernel
-    table = pw.kernel_table(SimpleNamespace(key_averages=lambda: events), top=5)
+              SimpleNamespace(key="aten::mm", self_device_time_total=3000.0, count=4),  # an op row, not a kernel
+              SimpleNamespace(key="Command Buffer Full", self_device_time_total=7000.0, count=9)]  # a profiler marker
+    table = kg.kernel_table(SimpleNamespace(key_averages=lambda: events), top=5)
     assert table["groups_ms"] == {"matmul": 3.0, "attention": 5.0} and table["total_ms"] == 8.0
     assert [k["kernel"] for k in table["top"]] == ["flash_fwd_kernel", "sm90_xmma_gemm_x"]
     md = pw.markdown([{"name": "native", "forward_s": 1.5, **table}], {"device_name": "GPU", "command": "x"})
     assert "| native | 1.5 |" in md and "`flash_fwd_kernel`" in md
+
+
+PROBE_INFO = {bs.PROBE_NODE: {"input": {"required": {"model": ["MODEL"], "label": ["STRING", {}],
+                                                     "profile_call": ["INT", {}]}}, "output": ["MODEL"]}}
+
+
+@pytest.mark.parametrize("name", ["native_default", "pack_int8_compile"])
+def test_probe_sits_between_each_expert_and_its_sampler(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from comfyui_lowvram_dit.benchmarks import server_probe
+
+    monkeypatch.setitem(OBJECT_INFO, bs.PROBE_NODE, PROBE_INFO[bs.PROBE_NODE])
+    required = server_probe.KernelProfile.INPUT_TYPES()["required"]
+    assert set(required) == set(PROBE_INFO[bs.PROBE_NODE]["input"]["required"])
+    assert server_probe.NODE_CLASS_MAPPINGS[bs.PROBE_NODE] is server_probe.KernelProfile
+    graph = bs.build_graph(bs.VARIANTS[name], 3, probe=True)
+    assert _problems(graph) == []
+    probes = {nid: n for nid, n in graph.items() if n["class_type"] == bs.PROBE_NODE}
+    assert {n["inputs"]["label"] for n in probes.values()} == {"high", "low"}
+    assert {graph[s]["inputs"]["model"][0] for s in bs.SAMPLER_NODES} == set(probes)
+    assert bs.PROBE_NODE not in {n["class_type"] for n in bs.build_graph(bs.VARIANTS[name], 3).values()}
+
+
+def test_probe_wrapper_times_every_call_and_profiles_one(tmp_path: Path) -> None:
+    import torch
+    from comfyui_lowvram_dit.benchmarks import server_probe
+
+    out = tmp_path / "probe" / "high.json"
+    wrapper = server_probe.make_wrapper("high", 1, out)
+    x = torch.randn(64, 64)
+    results = [wrapper(lambda a, scale=1.0: torch.mm(a, a) * scale, x, scale=2.0) for _ in range(3)]
+    assert all(torch.equal(r, torch.mm(x, x) * 2.0) for r in results)
+    got = json.loads(out.read_text())
+    assert got["label"] == "high" and len(got["call_s"]) == 3 and got["profiled_call"] == 1
+    assert got["profile"]["call"] == 1 and got["profile"]["total_ms"] > 0
+    assert any("mm" in k["kernel"] for k in got["profile"]["top"])
+    none = server_probe.make_wrapper("low", -1, tmp_path / "low.json")
+    none(lambda: x)
+    assert json.loads((tmp_path / "low.json").read_text())["profile"] is None
+
+
+def test_probe_results_leave_the_profiled_step_out_and_reach_the_report(tmp_path: Path) -> None:
+    folder = tmp_path / "bench_probe"
+    folder.mkdir()
+    prof = {"call": 1, "total_ms": 4000.0, "groups_ms": {"attention": 3000.0, "matmul": 1000.0},
+            "top": [{"kernel": "cudnn_sdpa_fprop", "ms": 3000.0, "calls": 80, "group": "attention"}]}
+    (folder / "high.json").write_text(json.dumps({"label": "high", "call_s": [9.0, 5.5, 4.0, 4.2],
+                                                  "profiled_call": 1, "profile": prof}))
+    (folder / "low.json").write_text("{broken")
+    from comfyui_lowvram_dit.benchmarks import server_probe
+
+    probe = server_probe.read_probe(folder)
+    assert probe["high"]["call_s"] == [9.0, 5.5, 4.0, 4.2] and "error" in probe["low"]
+    md = "\n".join(rep.probe_lines([{"name": "pack", "probe": probe}]))
+    assert "| pack | high | 4.100 | 4 | 5.500 | 4000.0 | 3000.0 | 1000.0 |" in md and "`cudnn_sdpa_fprop`" in md
+    assert rep.probe_lines([{"name": "pack"}]) == []
+    per_node = [{"first_s": 9.0, "steps_s": [5.5, 4.0, 4.2]}, {"first_s": 3.0, "steps_s": [6.0, 4.4, 4.6]}]
+    server_probe.drop_profiled_steps(per_node, bs.PROBE_CALL)
+    assert [d["steps_s"] for d in per_node] == [[4.0, 4.2], [4.4, 4.6]]
+    assert [d["profiled_step_s"] for d in per_node] == [[5.5], [6.0]]
+    assert bs.summarize_steps(per_node)["s_per_step"] == 4.3

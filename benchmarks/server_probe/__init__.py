@@ -1,0 +1,114 @@
+"""A benchmark-only ComfyUI node: times every model call of a sampler and profiles one with torch.profiler.
+
+``bench_server.py --kernel-profile`` links this folder into the server's custom_nodes and puts the node after
+each expert's ModelSamplingSD3, so native and pack graphs are measured by the same code inside the server they
+run in. Each call's time is taken between two CUDA synchronisations; the profiled call is slower by the profiler's
+overhead and is reported apart. Results: ``<output dir>/bench_probe/<label>.json``, rewritten after every call.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+WRAPPER_KEY = "lowvram_bench_probe"
+
+
+def _kernel_groups() -> ModuleType:
+    """benchmarks/kernel_groups.py, loaded by path: ComfyUI imports this folder as a top-level package."""
+    path = Path(__file__).resolve().parent.parent / "kernel_groups.py"
+    spec = importlib.util.spec_from_file_location("lowvram_bench_kernel_groups", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_wrapper(label: str, profile_call: int, out_path: Path, top: int = 25) -> Callable[..., Any]:
+    """An APPLY_MODEL wrapper: times each call, profiles call number ``profile_call`` (0-based; -1: none)."""
+    import torch
+
+    calls: list[float] = []
+    state: dict[str, Any] = {"label": label, "call_s": calls, "profiled_call": profile_call, "profile": None}
+    cuda = torch.cuda.is_available()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def wrapper(executor: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        sync()
+        t0 = time.perf_counter()
+        if len(calls) == profile_call:
+            activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+            with torch.profiler.profile(activities=[activity]) as prof:
+                out = executor(*args, **kwargs)
+                sync()
+            state["profile"] = {"call": profile_call, **_kernel_groups().kernel_table(prof, top, device=cuda)}
+        else:
+            out = executor(*args, **kwargs)
+            sync()
+        calls.append(round(time.perf_counter() - t0, 4))
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(state), encoding="utf-8")
+        return out
+
+    return wrapper
+
+
+def drop_profiled_steps(per_node: list[dict], profiled_call: int) -> None:
+    """Move each sampler's profiled step (it carries the profiler's overhead) from ``steps_s`` to ``profiled_step_s``.
+
+    ``steps_s[i]`` is the step after progress i + 1, i.e. model call i + 1, so call ``profiled_call`` is index ``profiled_call - 1``.
+    """
+    for d in per_node:
+        i = profiled_call - 1
+        d["profiled_step_s"] = d["steps_s"][i:i + 1]
+        d["steps_s"] = d["steps_s"][:i] + d["steps_s"][i + 1:]
+
+
+def read_probe(folder: Path) -> dict:
+    """The Kernel Profile node's files: {label: {call_s, profiled_call, profile}}; {} when it wrote none."""
+    out = {}
+    for path in sorted(folder.glob("*.json")):
+        try:
+            out[path.stem] = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            out[path.stem] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+class KernelProfile:
+    """Benchmark probe: the model unchanged, with its calls timed and one of them profiled."""
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict:
+        return {"required": {
+            "model": ("MODEL",),
+            "label": ("STRING", {"default": "model"}),
+            "profile_call": ("INT", {"default": 1, "min": -1, "max": 100000}),
+        }}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "lowvram_dit/benchmark"
+
+    def patch(self, model: Any, label: str, profile_call: int) -> tuple[Any]:
+        import comfy.patcher_extension
+        import folder_paths
+
+        out = Path(folder_paths.get_output_directory()) / "bench_probe" / f"{label}.json"
+        patched = model.clone()
+        patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY,
+                                     make_wrapper(label, profile_call, out))
+        return (patched,)
+
+
+NODE_CLASS_MAPPINGS = {"LowVRAMBench_KernelProfile": KernelProfile}
+NODE_DISPLAY_NAME_MAPPINGS = {"LowVRAMBench_KernelProfile": "Kernel Profile (benchmark)"}
