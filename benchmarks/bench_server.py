@@ -124,6 +124,7 @@ VARIANTS: dict[str, ServerVariant] = {v.name: v for v in (
                   card_gib=_8, baseline=True),
     ServerVariant("pack_8gb", "pack", card_gib=_8),
     ServerVariant("pack_blockswap_8gb", "pack", block_swap_gb=_8, card_gib=_8),
+    ServerVariant("pack_blockswap_int8_8gb", "pack", attention="lowvram 8-bit", block_swap_gb=_8, card_gib=_8),
     ServerVariant("pack_int8_compile_8gb", "pack", attention="lowvram 8-bit", compile=True, card_gib=_8),
 )}
 UNCAPPED = [n for n, v in VARIANTS.items() if v.card_gib is None]
