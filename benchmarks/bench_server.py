@@ -418,7 +418,7 @@ def run_variant(variant: ServerVariant, opts: argparse.Namespace, total_vram_gib
     try:
         flags = [*prepare_base(base, opts.models, probe=opts.kernel_profile), "--front-end-root", str(opts.work / "frontend"),
                  "--user-directory", str(opts.work / "user"), *variant.server_args(total_vram_gib)]
-        record["server_args"] = flags
+        record["server_args"] = [f.replace(str(opts.work), "$WORK") for f in flags]  # no machine paths in results
         t0 = time.monotonic()
         with runner.start_comfyui(opts.comfyui, base, cpu=opts.cpu, extra_args=flags, startup_timeout=240) as server:
             record["startup_s"] = round(time.monotonic() - t0, 1)

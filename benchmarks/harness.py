@@ -110,18 +110,44 @@ def comfyui_version(comfyui_path: str | os.PathLike | None = None) -> str | None
     return match.group(1) if match else None
 
 
+def public_path(arg: str) -> str:
+    """A command-line word as results may show it: no path of the machine that ran the benchmark.
+
+    The repository's own files become repo-relative, the output folder ``$OUT``, the home folder ``~`` and the
+    interpreter ``python3``; other words are kept.
+    """
+    if arg == sys.executable:
+        return "python3"
+    repo = Path(__file__).resolve().parent.parent
+    for root, name in ((os.environ.get("OUT"), "$OUT"), (str(repo), None), (str(Path.home()), "~")):
+        if not root or not arg.startswith("/"):
+            continue
+        for candidate in (Path(arg), Path(arg).resolve()):
+            try:
+                rel = candidate.relative_to(root)
+                break
+            except ValueError:
+                rel = None
+        if rel is None:
+            continue
+        if name is None:
+            return str(rel)
+        return name if str(rel) == "." else f"{name}/{rel}"
+    return arg
+
+
 def parent_environment(argv: list[str] | None = None) -> dict:
     """Facts the parent knows without touching the GPU: command, git sha, Python, ComfyUI."""
     argv = list(sys.argv if argv is None else argv)
-    prefix = [f"COMFYUI_PATH={os.environ['COMFYUI_PATH']}"] if os.environ.get("COMFYUI_PATH") else []
+    comfy = os.environ.get("COMFYUI_PATH")
+    prefix = [f"COMFYUI_PATH={public_path(comfy)}"] if comfy else []
     return {
-        "command": shlex.join([*prefix, sys.executable, *argv]),
-        "cwd": os.getcwd(),
+        "command": " ".join(w if w.startswith(("$OUT", "~")) else shlex.quote(w)
+                            for w in [*prefix, "python3", *(public_path(a) for a in argv)]),
         "git_sha": git_sha(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "hostname": platform.node(),
-        "comfyui_path": os.environ.get("COMFYUI_PATH"),
+        "comfyui_path": public_path(comfy) if comfy else None,
         "comfyui_version": comfyui_version(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

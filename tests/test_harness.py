@@ -108,7 +108,7 @@ def test_failures_are_recorded_and_reports_carry_the_environment(targets: str, t
     for key in ("device_name", "torch", "python", "git_sha", "command", "comfyui_version", "timestamp"):
         assert env.get(key), key
     assert env["comfyui_version"] == "0.8.0"
-    assert env["command"] == f"COMFYUI_PATH={comfy} {sys.executable} bench.py --flag"
+    assert env["command"] == f"COMFYUI_PATH={comfy} python3 bench.py --flag"
     assert [v["name"] for v in data["variants"]] == [v.name for v in variants]
     md = (out / "fail.md").read_text()
     assert "| raises | error |" in md and "planted failure" in md and "comfyui_version: 0.8.0" in md
@@ -189,3 +189,16 @@ def test_native_wan_model_loads_as_unetloader_would_and_runs_a_forward(weight_dt
         cn.wan_latent_shape(48, 64, 64, 6)
     with pytest.raises(ValueError, match="UNETLoader"):
         cn.unet_model_options("fp4")
+
+
+def test_recorded_commands_name_no_machine_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Results are committed: the interpreter, the repository, $OUT and the home folder are written generically."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("OUT", str(out))
+    monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    repo = Path(harness.__file__).resolve().parent.parent
+    argv = [str(repo / "benchmarks" / "bench_server.py"), "--out", str(out / "x"), "--work", str(Path.home() / "w"),
+            "--py", sys.executable, "--comfyui", "/srv/ComfyUI"]
+    command = harness.parent_environment(argv)["command"]
+    assert command == "python3 benchmarks/bench_server.py --out $OUT/x --work ~/w --py python3 --comfyui /srv/ComfyUI"
+    assert "cwd" not in harness.parent_environment(argv)
