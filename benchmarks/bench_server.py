@@ -15,6 +15,12 @@ tqdm lines in the server log give an independent check (their average includes t
 Memory: ``tools.memwatch`` samples the server process from outside every 0.5 s: VmHWM (kernel peak RSS),
 RssAnon/RssFile, and the process's GPU memory from nvidia-smi (CUDA context and allocator cache included).
 
+4-step LoRA rows (``--variants lora``): the lightx2v 4-step LoRAs (stock LoraLoaderModelOnly after each loader) at
+cfg 1 and shift 5 as workflows/wan22_t2v_a14b_4step.json, at the 8 GB cap, each next to the same graph without the
+LoRAs, for native fp8_e4m3fn_fast (LoRA merged by ComfyUI / DynamicVRAM), the pack with Block Swap (merged once per
+load into the streamed blocks) and the pack under ComfyUI's partial loading (per-call LoRA on offloaded layers). The
+LoRA files must be in ``--models``/loras (``--write-models`` writes them once the runner has a synthetic writer).
+
 Run (the ComfyUI Python, with the pack importable as ``comfyui_lowvram_dit``)::
 
     python -m comfyui_lowvram_dit.benchmarks.bench_server --comfyui PATH --models DIR \\
@@ -29,7 +35,6 @@ import json
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,6 +48,7 @@ from typing import Any, Self
 from ..tools import runner
 from ..tools.memwatch import MemoryWatch
 from . import harness, server_probe
+from .bench_server_env import gpu_facts, merged_rows, software_facts, write_models
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = PACK_ROOT / "benchmarks" / "results" / "server_0.33"
@@ -55,6 +61,11 @@ LOW = "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors"
 TEXT_ENCODER = "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
 VAE = "wan_2.1_vae.safetensors"
 MODEL_FILES = (HIGH, LOW, TEXT_ENCODER, VAE)
+# The lightx2v 4-step LoRAs of workflows/wan22_t2v_a14b_4step.json (official template names, models/loras).
+HIGH_LORA = "wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors"
+LOW_LORA = "wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.safetensors"
+LORA_FILES = (HIGH_LORA, LOW_LORA)
+LORA_SHIFT, LORA_CFG = 5.0, 1.0  # the 4-step workflow's ModelSamplingSD3 shift and cfg
 
 # The shipped workflow's settings (workflows/wan22_t2v_a14b.json; a unit test keeps them equal).
 POSITIVE = ("A red fox trots through fresh snow in a birch forest at golden hour, its breath visible in the cold "
@@ -79,6 +90,18 @@ class ServerVariant:
     dynamic_vram: bool = True  # False: --disable-dynamic-vram (legacy partial loading)
     card_gib: float | None = None  # None: the whole GPU; else --reserve-vram = total - card_gib
     baseline: bool = False  # a native row other rows are compared against
+    lora: bool = False  # the 4-step LoRAs after each expert's loader (LoraLoaderModelOnly)
+    four_step: bool = False  # the 4-step workflow's sampling (cfg 1, shift 5), with or without the LoRAs
+
+    @property
+    def cfg(self) -> float:
+        """The sampler's cfg: 1 for 4-step rows (one forward per step), the shipped workflow's otherwise."""
+        return LORA_CFG if self.four_step else CFG
+
+    @property
+    def shift(self) -> float:
+        """ModelSamplingSD3 shift of this row."""
+        return LORA_SHIFT if self.four_step else SHIFT
 
     def server_args(self, total_vram_gib: float) -> list[str]:
         """ComfyUI command-line flags for this variant on a GPU of ``total_vram_gib``."""
@@ -103,6 +126,8 @@ class ServerVariant:
                 parts.append(f"Block Swap {self.block_swap_gb:g} GB")
             if self.compile:
                 parts.append("Torch Compile")
+        if self.four_step:
+            parts.append("4-step LoRAs" if self.lora else "4-step sampling without the LoRAs")
         parts.append("DynamicVRAM" if self.dynamic_vram else "legacy loading (--disable-dynamic-vram)")
         parts.append("whole GPU" if self.card_gib is None else f"{self.card_gib:g} GB card")
         return ", ".join(parts)
@@ -126,7 +151,16 @@ VARIANTS: dict[str, ServerVariant] = {v.name: v for v in (
     ServerVariant("pack_blockswap_8gb", "pack", block_swap_gb=_8, card_gib=_8),
     ServerVariant("pack_blockswap_int8_8gb", "pack", attention="lowvram 8-bit", block_swap_gb=_8, card_gib=_8),
     ServerVariant("pack_int8_compile_8gb", "pack", attention="lowvram 8-bit", compile=True, card_gib=_8),
+    # 4-step LoRA rows (cfg 1, shift 5) at the 8 GB cap: each LoRA row next to the same graph without the LoRAs
+    ServerVariant("native_fp8fast_8gb_4step", "native", weight_dtype="fp8_e4m3fn_fast", card_gib=_8, four_step=True,
+                  baseline=True),
+    ServerVariant("native_fp8fast_8gb_lora4", "native", weight_dtype="fp8_e4m3fn_fast", card_gib=_8, four_step=True,
+                  lora=True, baseline=True),
+    ServerVariant("pack_blockswap_8gb_4step", "pack", block_swap_gb=_8, card_gib=_8, four_step=True),
+    ServerVariant("pack_blockswap_8gb_lora4", "pack", block_swap_gb=_8, card_gib=_8, four_step=True, lora=True),
+    ServerVariant("pack_8gb_lora4", "pack", card_gib=_8, four_step=True, lora=True),
 )}
+LORA_ROWS = [n for n, v in VARIANTS.items() if v.four_step]
 UNCAPPED = [n for n, v in VARIANTS.items() if v.card_gib is None]
 CAPPED = [n for n, v in VARIANTS.items() if v.card_gib is not None]
 
@@ -139,10 +173,11 @@ def _node(class_type: str, title: str, **inputs: Any) -> dict:
     return {"class_type": class_type, "inputs": inputs, "_meta": {"title": title}}
 
 
-def _samplers(high_model: list, low_model: list, pos: list, neg: list, steps_per_expert: int) -> dict:
+def _samplers(high_model: list, low_model: list, pos: list, neg: list, steps_per_expert: int,
+              cfg: float = CFG) -> dict:
     """The two KSamplerAdvanced nodes of the workflow: high-noise expert first, low-noise expert after."""
     steps = 2 * steps_per_expert
-    common = {"steps": steps, "cfg": CFG, "sampler_name": SAMPLER, "scheduler": SCHEDULER,
+    common = {"steps": steps, "cfg": cfg, "sampler_name": SAMPLER, "scheduler": SCHEDULER,
               "positive": pos, "negative": neg}
     return {
         "15": _node("KSamplerAdvanced", "Sampler (high noise)", add_noise="enable", noise_seed=SEED,
@@ -160,6 +195,10 @@ def _pack_model_chain(graph: dict, first_id: int, unet: str, variant: ServerVari
     graph[str(nid)] = _node("LowVRAM_WanLoader", f"Wan Loader ({label})", unet_name=unet,
                             quantization="fp8 per-tensor", block_size="128", compute="auto", save_quantized=False)
     link = [str(nid), 0]
+    if variant.lora:
+        nid += 1
+        graph[str(nid)] = _lora(link, unet, label)
+        link = [str(nid), 0]
     if variant.block_swap_gb is not None:
         nid += 1
         graph[str(nid)] = _node("LowVRAM_BlockSwap", f"Block Swap ({label})", model=link,
@@ -176,8 +215,14 @@ def _pack_model_chain(graph: dict, first_id: int, unet: str, variant: ServerVari
                                 fallback=True, scope="blocks")
         link = [str(nid), 0]
     nid += 1
-    graph[str(nid)] = _node("ModelSamplingSD3", f"ModelSamplingSD3 ({label})", model=link, shift=SHIFT)
+    graph[str(nid)] = _node("ModelSamplingSD3", f"ModelSamplingSD3 ({label})", model=link, shift=variant.shift)
     return [str(nid), 0]
+
+
+def _lora(model: list, unet: str, label: str) -> dict:
+    """The stock LoraLoaderModelOnly with the expert's 4-step LoRA at the official template's strength 1."""
+    return _node("LoraLoaderModelOnly", f"LoRA 4-step ({label})", model=model,
+                 lora_name=HIGH_LORA if unet == HIGH else LOW_LORA, strength_model=1.0)
 
 
 def build_graph(variant: ServerVariant, steps_per_expert: int = 3, width: int = WIDTH, height: int = HEIGHT,
@@ -197,8 +242,12 @@ def build_graph(variant: ServerVariant, steps_per_expert: int = 3, width: int = 
                            weight_dtype=variant.weight_dtype)
         graph["7"] = _node("UNETLoader", "Load Diffusion Model (low noise)", unet_name=LOW,
                            weight_dtype=variant.weight_dtype)
-        graph["6"] = _node("ModelSamplingSD3", "ModelSamplingSD3 (high noise)", model=["3", 0], shift=SHIFT)
-        graph["10"] = _node("ModelSamplingSD3", "ModelSamplingSD3 (low noise)", model=["7", 0], shift=SHIFT)
+        high_src, low_src = ["3", 0], ["7", 0]
+        if variant.lora:
+            graph["4"], graph["8"] = _lora(high_src, HIGH, "high noise"), _lora(low_src, LOW, "low noise")
+            high_src, low_src = ["4", 0], ["8", 0]
+        graph["6"] = _node("ModelSamplingSD3", "ModelSamplingSD3 (high noise)", model=high_src, shift=variant.shift)
+        graph["10"] = _node("ModelSamplingSD3", "ModelSamplingSD3 (low noise)", model=low_src, shift=variant.shift)
         graph["11"] = _node("CLIPLoader", "Load CLIP", clip_name=TEXT_ENCODER, type="wan", device="default")
         graph["20"] = _node("CLIPTextEncode", "Positive", text=POSITIVE, clip=["11", 0])
         graph["21"] = _node("CLIPTextEncode", "Negative", text=NEGATIVE, clip=["11", 0])
@@ -217,7 +266,7 @@ def build_graph(variant: ServerVariant, steps_per_expert: int = 3, width: int = 
             graph[nid] = _node(PROBE_NODE, f"Kernel Profile ({label} noise)", model=src, label=label,
                                profile_call=PROBE_CALL)
         high, low = ["50", 0], ["51", 0]
-    graph.update(_samplers(high, low, pos, neg, steps_per_expert))
+    graph.update(_samplers(high, low, pos, neg, steps_per_expert, variant.cfg))
     if decode:
         graph["12"] = _node("VAELoader", "Load VAE", vae_name=VAE)
         graph["18"] = _node("VAEDecode", "VAE Decode", samples=["16", 0], vae=["12", 0])
@@ -451,61 +500,14 @@ def run_variant(variant: ServerVariant, opts: argparse.Namespace, total_vram_gib
 # environment, synthetic files, main
 
 
-def gpu_facts() -> dict:
-    """GPU name, total memory and driver from nvidia-smi (no CUDA context in this process); {} without it."""
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return {}
-    res = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30, check=False)
-    first = res.stdout.strip().splitlines()[0] if res.returncode == 0 and res.stdout.strip() else ""
-    fields = [f.strip() for f in first.split(",")]
-    if len(fields) != 3:
-        return {}
-    return {"device_name": fields[0], "vram_total_gib": round(int(fields[1]) / 1024, 2), "driver": fields[2]}
-
-
-def software_facts() -> dict:
-    """Versions of torch, Triton, comfy-kitchen and comfy-aimdo in this Python (read without importing them)."""
-    from importlib import metadata
-
-    out = {}
-    for dist in ("torch", "triton", "comfy-kitchen", "comfy-aimdo"):
-        try:
-            out[dist.replace("-", "_")] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist.replace("-", "_")] = None
-    return out
-
-
-def write_models(models: Path) -> dict[str, float]:
-    """Write the full-size synthetic files the graphs use (missing ones only); seconds per file written."""
-    took = {}
-    for name in MODEL_FILES:
-        t0 = time.monotonic()
-        runner.write_synthetic_models({name}, models, "full")
-        took[name] = round(time.monotonic() - t0, 1)
-        print(f"model {name}: {took[name]} s", flush=True)
-    return took
-
-
-def merged_rows(paths: list[Path], replaced: set[str]) -> list[dict]:
-    """Finished rows of earlier result files, each marked with the file it came from; names in ``replaced`` left out."""
-    rows = []
-    for path in paths:
-        for row in json.loads(path.read_text(encoding="utf-8"))["variants"]:
-            if row.get("status") != "skipped" and row["name"] not in replaced:
-                rows.append({**row, "source": row.get("source") or path.name})
-    return rows
-
-
 def pick_variants(spec: str) -> list[ServerVariant]:
-    """Variants from a comma list of names or the groups 'uncapped', 'capped', 'all'."""
+    """Variants from a comma list of names or the groups 'uncapped', 'capped', 'lora' (4-step rows), 'all'."""
     names: list[str] = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        group = {"uncapped": UNCAPPED, "capped": CAPPED, "all": list(VARIANTS)}.get(item)
+        group = {"uncapped": UNCAPPED, "capped": CAPPED, "lora": LORA_ROWS, "all": list(VARIANTS)}.get(item)
         if group is None and item not in VARIANTS:
-            raise SystemExit(f"--variants: unknown {item!r}; known: uncapped, capped, all, {', '.join(VARIANTS)}")
+            raise SystemExit(f"--variants: unknown {item!r}; known: uncapped, capped, lora, all, "
+                             f"{', '.join(VARIANTS)}")
         names += group or [item]
     return [VARIANTS[n] for n in dict.fromkeys(names)]
 
@@ -515,7 +517,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--comfyui", type=Path, required=True, help="ComfyUI checkout (main.py there)")
     p.add_argument("--models", type=Path, required=True, help="folder with diffusion_models/ text_encoders/ vae/")
     p.add_argument("--write-models", action="store_true", help="write missing full-size synthetic files first")
-    p.add_argument("--variants", default="all", help="comma list of names or uncapped, capped, all")
+    p.add_argument("--variants", default="all", help="comma list of names or uncapped, capped, lora, all")
     p.add_argument("--steps-per-expert", type=int, default=3)
     p.add_argument("--width", type=int, default=WIDTH)
     p.add_argument("--height", type=int, default=HEIGHT)
@@ -558,9 +560,10 @@ def main(argv: list[str] | None = None) -> int:
     env["git_status"] = opts.git_status
     settings = {"steps_per_expert": opts.steps_per_expert, "width": opts.width, "height": opts.height, "frames": opts.frames,
                 "kernel_profile": opts.kernel_profile,
-                "cfg": CFG, "decode": opts.decode, "variants": [v.name for v in variants]}
+                "cfg": CFG, "cfg_4step": LORA_CFG, "shift_4step": LORA_SHIFT, "decode": opts.decode,
+                "variants": [v.name for v in variants]}
     if opts.write_models:
-        settings["model_write_s"] = write_models(opts.models)
+        settings["model_write_s"] = write_models(opts.models, lora=any(v.lora for v in variants))
     settings["model_files_gb"] = {n: round(p.stat().st_size / 1e9, 2) for n in MODEL_FILES
                                   for p in opts.models.glob(f"*/{n}")}
     total = env.get("vram_total_gib") or 0.0

@@ -12,7 +12,9 @@ How it cooperates with ComfyUI (v0.8.0, comfy/model_patcher.py + comfy/model_man
 - Prefetch/wait logic is a kernels/offload.py ``StreamHook`` installed by nodes/glue/hooks.py (per-block replace
   patches and the forward chain), outside the block forward: a compiled block stays compiled; swapped weights
   keep shape/dtype/device.
-- LoRA on streamed layers uses ComfyUI's own ``LowVramPatch`` (applied on the GPU per call, like native offload).
+- LoRA on streamed blocks is merged once per load into their host arena (nodes/glue/lora_merge.py: ComfyUI's own
+  convert / calculate_weight / set steps, so fp8 layers re-quantize with their own scales) and restored exactly on
+  unload; every step streams the merged bytes. Offloaded embeddings keep ComfyUI's ``LowVramPatch`` (per call).
 
 Two-expert Wan 2.2 A14B (RAM): only the loaded expert's streamed blocks sit in the pinned host arena. When an
 expert is unloaded its arena is unpinned, and when its weights came from a file mapping (a loader that maps the
@@ -41,6 +43,7 @@ from ..kernels.offload import BlockStreamer, StreamHook
 from ..kernels.swap_plan import SwapConfig, SwapPlan
 from .glue.common import CATEGORY_PATCHES, display_name, dynamic_vram_manages, mixed_class, node_id, say_once
 from .glue.hooks import register_hook
+from .glue.lora_merge import StreamedMerge
 from .glue.seams import BLOCK_SWAP_SEAMS, PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -84,6 +87,7 @@ class SwapController:
         self._pinned_keys: list[str] = []
         self._extra_loaded = 0
         self._patcher: weakref.ref | None = None
+        self.lora = StreamedMerge()  # LoRA patches merged into the streamed blocks' host arena
 
     def __deepcopy__(self, memo: dict) -> "SwapController":
         return self  # model_options are deep-copied on clone: the controller (GPU ring) must be shared
@@ -138,32 +142,32 @@ class SwapController:
                 if self.streamer is not None:
                     # a new plan: the old arena goes first, and file-backed weights go back to the file, so the
                     # new arena is copied from the file (its masters stay file-backed) and RAM does not double
+                    self.lora.restore()
                     self.streamer.deactivate(release_host=True)
                 self.streamer = BlockStreamer(self.blocks, plan, device, pinned=self.config.pinned,
                                               debug=self.config.debug)
             self.streamer.activate()
+            self._merge_lora(patcher, device)
         model = patcher.model
         swapped = [(n, m) for n, m in model.named_modules() if self.is_swapped_module(n)]
-        for n, m in swapped:  # LoRA on streamed/offloaded layers: ComfyUI's LowVramPatch, computed on the GPU
-            if not hasattr(m, "comfy_cast_weights"):
+        for n, m in swapped:  # LoRA on offloaded embeddings: ComfyUI's LowVramPatch, computed on the GPU per call
+            embed = self.config.offload_embeddings and not n.startswith(self.prefix)
+            if not hasattr(m, "comfy_cast_weights") or not embed:
                 continue
-            patched = False
             for kind in ("weight", "bias"):
                 key = f"{n}.{kind}"
                 if key in patcher.patches:
                     _, set_func, convert_func = mp.get_key_weight(model, key)
-                    getattr(m, f"{kind}_function").append(mp.LowVramPatch(key, patcher.patches, convert_func, set_func))
-                    patched = True
-            embed = self.config.offload_embeddings and not n.startswith(self.prefix)
-            if patched or embed:
-                m.prev_comfy_cast_weights = m.comfy_cast_weights
-                m.comfy_cast_weights = True  # cast per call (embeddings stay on the CPU, pinned by ComfyUI)
-                self._flagged.append(m)
-            if embed:
-                for p, _ in m.named_parameters(recurse=False):
-                    key = f"{n}.{p}"
-                    patcher.pin_weight_to_device(key)
-                    self._pinned_keys.append(key)
+                    # a new list: the op class's default list is shared by every layer of that class
+                    setattr(m, f"{kind}_function", [*getattr(m, f"{kind}_function"),
+                                                    mp.LowVramPatch(key, patcher.patches, convert_func, set_func)])
+            m.prev_comfy_cast_weights = m.comfy_cast_weights
+            m.comfy_cast_weights = True  # cast per call (embeddings stay on the CPU, pinned by ComfyUI)
+            self._flagged.append(m)
+            for p, _ in m.named_parameters(recurse=False):
+                key = f"{n}.{p}"
+                patcher.pin_weight_to_device(key)
+                self._pinned_keys.append(key)
         # Params owned by non-leaf modules (Wan `blocks.N.modulation`, `head.modulation`) are skipped by
         # ModelPatcher._load_list and would be copied synchronously every call: move the resident ones once.
         moved = 0
@@ -185,6 +189,24 @@ class SwapController:
                  plan.ring, plan.slot_bytes / 2**20, self.config.prefetch, self.config.pinned,
                  (self.gpu_bytes(plan) - plan.ring_bytes) / 1e9, plan.ring_bytes / 1e9, where)
 
+    def _merge_lora(self, patcher, device: torch.device) -> None:  # noqa: ANN001 - ModelPatcher
+        """Merge ``patcher``'s patches on streamed blocks into the host arena, unless they are merged already."""
+        if self.lora.is_current(patcher):
+            return
+        self.lora.restore()
+        streamed = set(self.plan.streamed)
+        keys, originals = [], {}
+        for key in patcher.patches:
+            idx, _, name = key[len(self.prefix):].partition(".") if key.startswith(self.prefix) else ("", "", "")
+            if not (idx.isdigit() and int(idx) in streamed):
+                continue
+            keys.append(key)
+            original = self.streamer.originals.get(int(idx), {}).get(name)
+            if original is not None:
+                originals[key] = original
+        # LoRA math on the GPU when there is one: one weight at a time goes there and back
+        self.lora.merge(patcher, keys, originals, device)
+
     @torch.no_grad()
     def deactivate(self, patcher, unload: bool = True) -> None:  # noqa: ANN001 - ModelPatcher
         """Free the ring, restore flags and moved params, take the ring out of the accounting.
@@ -192,6 +214,8 @@ class SwapController:
         ``unload=False`` (ComfyUI detaches the model before every re-load) keeps the plan and the pinned arena,
         so the next ``partially_load`` re-activates at the cost of a cached allocation.
         """
+        if unload:
+            self.lora.restore()  # the arena gets the original bytes back before it is dropped or re-used
         if not self.active:
             if unload:
                 self.plan = None

@@ -4,6 +4,7 @@ log, ratios against named native rows, goals and report files."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from comfyui_lowvram_dit.benchmarks import bench_server_report as rep
 TESTS = Path(__file__).resolve().parent
 OBJECT_INFO = {**json.loads((TESTS / "object_info-0.8.0.schema.json").read_text()),
                **json.loads((TESTS / "pack_object_info.json").read_text())}
-FILE_INPUTS = {"unet_name", "clip_name", "vae_name"}
+FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name"}
 
 
 def _problems(graph: dict) -> list[str]:
@@ -70,6 +71,29 @@ def test_variant_graphs_hold_the_nodes_they_name() -> None:
     assert {n["inputs"]["vram_budget_gb"] for n in g.values() if n["class_type"] == "LowVRAM_BlockSwap"} == {8.0}
     g = bs.build_graph(bs.VARIANTS["native_fp8fast"], 2)
     assert {n["inputs"]["weight_dtype"] for n in g.values() if n["class_type"] == "UNETLoader"} == {"fp8_e4m3fn_fast"}
+
+
+def test_lora_rows_pair_with_the_same_graph_without_the_loras() -> None:
+    """The 4-step rows: LoraLoaderModelOnly right after each expert's loader (before Block Swap), cfg 1, shift 5;
+    each LoRA row has a row of the same graph without it at the same cap."""
+    for name in bs.LORA_ROWS:
+        v = bs.VARIANTS[name]
+        g = bs.build_graph(v, 2)
+        loras = {n["inputs"]["lora_name"]: n["inputs"]["model"] for n in g.values()
+                 if n["class_type"] == "LoraLoaderModelOnly"}
+        assert set(loras) == (set(bs.LORA_FILES) if v.lora else set()), name
+        loaders = {"UNETLoader", "LowVRAM_WanLoader"}
+        assert all(g[src[0]]["class_type"] in loaders for src in loras.values()), name
+        assert {g[s]["inputs"]["cfg"] for s in bs.SAMPLER_NODES} == {1.0} and v.card_gib == bs.CARD_GIB
+        assert {n["inputs"]["shift"] for n in g.values() if n["class_type"] == "ModelSamplingSD3"} == {5.0}
+        if v.lora:
+            twin = [w for w in bs.LORA_ROWS if bs.VARIANTS[w] == replace(v, name=w, lora=False)]
+            assert twin or name == "pack_8gb_lora4", name
+    assert bs.VARIANTS["pack"].cfg == bs.CFG and [v.name for v in bs.pick_variants("lora")] == bs.LORA_ROWS
+    wf = json.loads((TESTS.parent / "workflows" / "wan22_t2v_a14b_4step.json").read_text())
+    assert {n["widgets_values"][0] for n in wf["nodes"] if n["type"] == "LoraLoaderModelOnly"} == set(bs.LORA_FILES)
+    assert {n["widgets_values"][4] for n in wf["nodes"] if n["type"] == "KSamplerAdvanced"} == {bs.LORA_CFG}
+    assert {n["widgets_values"][0] for n in wf["nodes"] if n["type"] == "ModelSamplingSD3"} == {bs.LORA_SHIFT}
 
 
 def test_steps_split_between_experts() -> None:

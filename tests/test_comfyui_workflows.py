@@ -55,12 +55,16 @@ def test_pack_object_info_snapshot_matches_live(comfy_server: ComfyServer) -> No
 
 
 @pytest.mark.parametrize("name, suffix", [("wan22_t2v_a14b", ".webp"), ("wan22_i2v_a14b", ".webp"),
-                                          ("wan22_ti2v_5b", ".webp"), ("qwen_image_t2i", ".png")])
+                                          ("wan22_ti2v_5b", ".webp"), ("qwen_image_t2i", ".png"),
+                                          ("wan22_t2v_a14b_4step", ".webp"), ("qwen_image_t2i_4step", ".png")])
 def test_workflow_runs_with_synthetic_tiny_models(name: str, suffix: str, synthetic_cache: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     from PIL import Image
 
+    from test_workflows import skip_without_synthetic_loras
+
+    skip_without_synthetic_loras(runner.referenced_model_files(json.loads(runner.resolve_workflow(name).read_text())))
     comfy = os.environ.get("COMFYUI_PATH")
     monkeypatch.setenv("LOWVRAM_DIT_CACHE", str(synthetic_cache))
     out = tmp_path / "out"

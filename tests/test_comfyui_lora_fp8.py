@@ -1,0 +1,272 @@
+"""4-step (Lightning / distilled) LoRAs on the pack's fp8 weights inside ComfyUI, in-process on tiny models.
+
+LoRA files are built here with the key names the public distillation LoRAs use, as comfy/lora.py maps them:
+Kijai-style lightx2v extracts (``diffusion_model.blocks.N.<layer>.lora_down/lora_up/alpha``, ``.diff_b`` on biases,
+``.diff`` on norm weights), the official Wan 2.2 lightx2v files (``...lora_A.weight`` / ``...lora_B.weight``) and
+Qwen-Image-Lightning (``transformer_blocks.N.attn.to_q.lora_A.weight``, ComfyUI's Qwen-Image direct mapping).
+
+What is checked: with Block Swap, patches on streamed blocks are merged once per load into the host arena (no
+per-step ``calculate_weight``), bit-identical to ComfyUI's own merge of resident layers; unpatching restores the
+original bytes exactly (the checkpoint file is never written); another strength re-merges; and the fp8 merge's
+error against merging the same LoRA into the bf16 weights is not above ComfyUI's fp8_e4m3fn path's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from comfy_server import comfyui_in_process_or_skip, sample_wan
+from safetensors.torch import save_file
+
+from comfyui_lowvram_dit.kernels import wan_checkpoint as wc
+from comfyui_lowvram_dit.tools import synth
+
+pytestmark = pytest.mark.comfyui
+MODEL = "wan22_t2v_14B"
+MODES = ["fp8 per-tensor", "fp8 block-wise"]
+
+
+def wan_lora(sd: dict[str, torch.Tensor], style: str = "kijai", rank: int = 8, ratio: float = 0.1,
+             seed: int = 7) -> dict[str, torch.Tensor]:
+    """A rank-``rank`` LoRA on every block Linear whose delta is ``ratio`` of the weight's norm (distillation LoRAs
+    are small next to the weights); ``kijai`` also carries bias (``diff_b``) and norm (``diff``) differences."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if not wc.is_fp8_target(k, tuple(v.shape)):
+            continue
+        n, kk = v.shape
+        base = f"diffusion_model.{k[: -len('.weight')]}"
+        up, down = torch.randn(n, rank, generator=g), torch.randn(rank, kk, generator=g)
+        c = (ratio * v.float().norm() / (up @ down).norm()).sqrt()
+        if style == "kijai":
+            out[f"{base}.lora_up.weight"], out[f"{base}.lora_down.weight"] = (up * c).bfloat16(), (down * c).bfloat16()
+            out[f"{base}.alpha"] = torch.tensor(float(rank))
+            if k.replace(".weight", ".bias") in sd:
+                out[f"{base}.diff_b"] = (torch.randn(n, generator=g) * 0.01).bfloat16()
+        else:  # official lightx2v Wan 2.2 files
+            out[f"{base}.lora_B.weight"], out[f"{base}.lora_A.weight"] = (up * c).bfloat16(), (down * c).bfloat16()
+    for k, v in sd.items():
+        if k.endswith("norm3.weight") and style == "kijai":
+            out[f"diffusion_model.{k[: -len('.weight')]}.diff"] = (torch.randn(v.shape, generator=g) * 0.01).bfloat16()
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    comfyui_in_process_or_skip()
+    d = tmp_path_factory.mktemp("lora_fp8")
+    sd = synth.synthetic_state_dict(MODEL, size="tiny", fmt="bf16", seed=11)
+    bf16 = d / "wan_bf16.safetensors"
+    save_file(sd, str(bf16))
+    scaled = d / "wan_fp8_scaled.safetensors"  # kept as stored and mapped: file-backed weights
+    synth.write_synthetic(MODEL, scaled, size="tiny", fmt="fp8_scaled", seed=11)
+    yield {"sd": sd, "bf16": bf16, "fp8_scaled": scaled}
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _load(path: Path, quantization: str) -> Any:
+    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+
+    return load_wan_model(path, quantization, 128, "auto")
+
+
+def _swapped(model: Any, blocks: int = 2) -> Any:
+    from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig
+    from comfyui_lowvram_dit.nodes.block_swap import apply_block_swap
+
+    return apply_block_swap(model, SwapConfig(blocks_to_swap=blocks, prefetch=1))
+
+
+def _with_lora(model: Any, lora: dict, strength: float = 1.0) -> Any:
+    import comfy.sd
+
+    patched, _ = comfy.sd.load_lora_for_models(model, None, lora, strength, 0)
+    return patched
+
+
+def _block_weights(patcher: Any, block: int) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in patcher.model.diffusion_model.blocks[block].state_dict().items()}
+
+
+class _CountCalculate:
+    """Counts comfy.lora.calculate_weight calls (every LoRA application, merged or per call)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import comfy.lora
+
+        self.n = 0
+        orig = comfy.lora.calculate_weight
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            self.n += 1
+            return orig(*args, **kwargs)
+
+        monkeypatch.setattr(comfy.lora, "calculate_weight", counting)
+
+
+@pytest.mark.parametrize("quantization", MODES)
+def test_block_swap_lora_equals_resident_merge_and_merges_once(files: dict, quantization: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY
+
+    lora = wan_lora(files["sd"])
+    resident = _with_lora(_load(files["bf16"], quantization), lora)
+    ref = sample_wan(resident, steps=3)
+    mm.unload_all_models()
+    plain = sample_wan(_load(files["bf16"], quantization), steps=3)
+    mm.unload_all_models()
+    assert _rel(plain, ref) > 0.01  # the LoRA matters
+
+    model = _with_lora(_swapped(_load(files["bf16"], quantization)), lora)
+    ctl = model.attachments[SWAP_KEY]
+    calls = _CountCalculate(monkeypatch)
+    out = sample_wan(model, steps=3)
+    streamed_keys = [k for k in model.patches if any(k.startswith(f"{ctl.prefix}{b}.") for b in ctl.plan.streamed)]
+    assert len(streamed_keys) == 2 * 21  # per streamed block: 10 Linear weights, their 10 biases, norm3
+    assert calls.n == len(model.patches)  # each patch applied once (resident by ComfyUI, streamed by Block Swap)
+    assert torch.equal(out, ref)  # bit-identical to ComfyUI merging every layer itself
+    # the op class's shared default list was never appended to (it would patch every layer of the class)
+    lin = model.model.diffusion_model.blocks[ctl.plan.streamed[0]].ffn[0]
+    assert type(lin).weight_function == [] and lin.weight_function == []
+    calls.n = 0
+    assert torch.equal(sample_wan(model, steps=3), ref)  # a second run of the same patcher merges nothing
+    assert calls.n == 0 and ctl.lora.is_current(model)
+    mm.unload_all_models()
+
+
+@pytest.mark.parametrize("source", ["bf16", "fp8_scaled"])
+def test_unpatch_restores_bytes_and_strength_change_remerges(files: dict, source: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY
+
+    digest = _sha(files[source])
+    lora = wan_lora(files["sd"], style="lightx2v")
+    base = _swapped(_load(files[source], "fp8 per-tensor"))
+    ctl = base.attachments[SWAP_KEY]
+    no_lora = sample_wan(base, steps=2)
+    b = ctl.plan.streamed[0]
+    before = _block_weights(base, b)
+    calls = _CountCalculate(monkeypatch)
+    strong = sample_wan(_with_lora(base, lora, 1.0), steps=2)
+    first = calls.n
+    merged = _block_weights(base, b)
+    assert first > 0 and not _same_bytes(merged["ffn.0.weight"], before["ffn.0.weight"])
+    weak_patcher = _with_lora(base, lora, 0.5)
+    weak = sample_wan(weak_patcher, steps=2)
+    assert calls.n == 2 * first and ctl.lora.is_current(weak_patcher)  # another strength: merged again, once
+    assert _rel(weak, no_lora) < _rel(strong, no_lora)
+    assert torch.equal(sample_wan(base, steps=2), no_lora)  # back to the plain clone: original weights
+    after = _block_weights(base, b)
+    assert all(_same_bytes(after[k], before[k]) for k in before)
+    assert not ctl.lora.merged
+    mm.unload_all_models()
+    assert _sha(files[source]) == digest  # the checkpoint file is never written
+
+
+def _native_fp8_merge(sd: dict, lora: dict, keys: list[str]) -> dict[str, torch.Tensor]:
+    """ComfyUI's own fp8 path: UNETLoader weight_dtype fp8_e4m3fn (plain fp8 cast) + LoRA merged by ModelPatcher
+    (stochastic rounding back to fp8)."""
+    import comfy.sd
+
+    native = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options={"dtype": torch.float8_e4m3fn})
+    patched = _with_lora(native, lora)
+    with torch.no_grad():  # as ComfyUI loads models
+        for k in keys:
+            patched.patch_weight_to_device(k)
+    out = {k: patched.model.state_dict()[k].float() for k in keys}
+    patched.unpatch_model()
+    return out
+
+
+@pytest.mark.parametrize("quantization", MODES)
+def test_fp8_merge_error_is_not_above_native_fp8(files: dict, quantization: str) -> None:
+    import comfy.lora
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.kernels import fp8 as fp8_math
+    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY
+
+    sd, lora = files["sd"], wan_lora(files["sd"])
+    model = _with_lora(_swapped(_load(files["bf16"], quantization), blocks=1), lora)
+    mm.load_models_gpu([model])  # CPU: resident blocks merged by ComfyUI, streamed ones by Block Swap
+    ctl = model.attachments[SWAP_KEY]
+    keys = [k for k in model.patches if k.endswith(".weight") and model.model.state_dict()[k].dtype
+            == torch.float8_e4m3fn]
+    assert len(keys) == 20 and len(ctl.plan.streamed) == 1  # one block merged by ComfyUI, one by Block Swap
+    msd = model.model.state_dict()
+    native = _native_fp8_merge(sd, lora, keys)
+    err = {"pack": 0.0, "native": 0.0, "ref": 0.0}
+    for k in keys:
+        bk = k[len("diffusion_model."):]
+        ref = comfy.lora.calculate_weight(model.patches[k], sd[bk].float(), k)  # the bf16 weights' merge, fp32
+        scale = msd[k + "_scale"]
+        pack = fp8_math.dequantize(msd[k], scale, None if scale.ndim == 0 else 128, torch.float32)
+        err["pack"] += (pack - ref).pow(2).sum().item()
+        err["native"] += (native[k] - ref).pow(2).sum().item()
+        err["ref"] += ref.pow(2).sum().item()
+    pack_err, native_err = (err["pack"] / err["ref"]) ** 0.5, (err["native"] / err["ref"]) ** 0.5
+    print(f"\n{quantization} + LoRA vs the bf16 merge: pack {pack_err:.5f}, native fp8_e4m3fn {native_err:.5f}")
+    assert pack_err <= native_err
+    mm.unload_all_models()
+
+
+def qwen_lora(sd: dict[str, torch.Tensor], rank: int = 8, ratio: float = 0.1) -> dict[str, torch.Tensor]:
+    """Qwen-Image-Lightning-style LoRA (diffusers names, ComfyUI's Qwen-Image direct mapping) on block Linears."""
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("transformer_blocks.") and k.endswith(".weight") and v.ndim == 2:
+            up, down = torch.randn(v.shape[0], rank, generator=g), torch.randn(rank, v.shape[1], generator=g)
+            c = (ratio * v.float().norm() / (up @ down).norm()).sqrt()
+            out[f"{k[: -len('.weight')]}.lora_B.weight"] = (up * c).bfloat16()
+            out[f"{k[: -len('.weight')]}.lora_A.weight"] = (down * c).bfloat16()
+    return out
+
+
+def test_qwen_image_streamed_blocks_hold_comfyui_merge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    comfyui_in_process_or_skip()
+    import comfy.model_management as mm
+    from safetensors.torch import load_file
+
+    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY
+    from comfyui_lowvram_dit.nodes.qwen_staged import load_transformer
+
+    path = tmp_path / "qwen_bf16.safetensors"
+    synth.write_synthetic("qwen_image", path, "tiny", "bf16", seed=3)
+    lora = qwen_lora(load_file(str(path)))
+    resident = _with_lora(load_transformer(path, "fp8 per-tensor", 128, "auto"), lora)
+    assert len(resident.patches) == len(lora) // 2
+    mm.load_models_gpu([resident])
+    ref = {k: v.clone() for k, v in resident.model.state_dict().items()}
+    mm.unload_all_models()
+    model = _with_lora(_swapped(load_transformer(path, "fp8 per-tensor", 128, "auto"), blocks=1), lora)
+    calls = _CountCalculate(monkeypatch)
+    mm.load_models_gpu([model])
+    ctl = model.attachments[SWAP_KEY]
+    assert calls.n == len(model.patches) and ctl.lora.merged and ctl.plan.streamed
+    got = model.model.state_dict()
+    assert all(_same_bytes(got[k], ref[k]) for k in model.patches)
+    mm.unload_all_models()
