@@ -120,7 +120,10 @@ def test_tiny_wan22_autoencoder_loads_as_taehv_and_decodes(comfy_server: ComfySe
     48-channel TAEHV, every key fits ComfyUI's module, and it decodes a Wan 2.2 latent to 16x its size."""
     from PIL import Image
 
-    vae = _place(comfy_server, "wan22_tae", fmt)
+    # Under a test name in models/vae (VAELoader takes a TAEHV from either folder; from vae_approx only under its
+    # official name, which the runner uses: tests/test_comfyui_workflows.py)
+    vae = f"synthtest_tae_{fmt}_{uuid.uuid4().hex[:8]}.safetensors"
+    synth.write_synthetic("wan22_tae", comfy_server.base_dir / "models" / "vae" / vae, "tiny", fmt, seed=1)
     width = 32 * (1 + next(_seed) % 2)
     api = {
         "1": {"class_type": "VAELoader", "inputs": {"vae_name": vae}},

@@ -62,8 +62,8 @@ MODEL_FOLDER: dict[str, str] = {
     "qwen25_vl_7b": "text_encoders",
     "wan21_vae": "vae",
     "wan22_vae": "vae",
-    "wan21_tae": "vae",
-    "wan22_tae": "vae",
+    "wan21_tae": "vae_approx",  # stock VAELoader looks for lighttaew2_1 / lighttaew2_2 there
+    "wan22_tae": "vae_approx",
 }
 
 BF16 = torch.bfloat16
@@ -501,7 +501,7 @@ _NOT_LINEAR = ("shared.weight", "model.embed_tokens.weight", "relative_attention
 
 def is_linear_weight(model: str, name: str, shape: tuple[int, ...]) -> bool:
     """True for the weight of an nn.Linear (what fp8 checkpoints quantize): 2-D, not an embedding table."""
-    if MODEL_FOLDER.get(model) == "vae" or len(shape) != 2 or not name.endswith(".weight"):
+    if MODEL_FOLDER.get(model) in ("vae", "vae_approx") or len(shape) != 2 or not name.endswith(".weight"):
         return False
     return not name.endswith(_NOT_LINEAR)
 

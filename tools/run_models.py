@@ -31,9 +31,9 @@ KNOWN_MODEL_FILES: dict[str, tuple[str, str, str]] = {
     "wan_2.1_vae.safetensors": ("vae", "wan21_vae", "fp16"),
     "wan2.2_vae.safetensors": ("vae", "wan22_vae", "fp16"),
     "qwen_image_vae.safetensors": ("vae", "wan21_vae", "fp16"),
-    "lighttaew2_2.safetensors": ("vae", "wan22_tae", "fp16"),
+    "lighttaew2_2.safetensors": ("vae_approx", "wan22_tae", "fp16"),  # VAELoader reads lighttae* from vae_approx
 }
-MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras", "clip_vision")
+MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "vae_approx", "loras", "clip_vision")
 
 # Nodes that stream their text encoder and read its layer count and widths from the file: for them --synthetic
 # tiny writes a 2-layer encoder (seconds to write and encode) instead of ComfyUI's fixed full-size config, which

@@ -221,7 +221,7 @@ def _check_args(model: str, size: str, fmt: str) -> None:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if fmt.startswith("fp8") and MODEL_FOLDER[model] == "vae":
+    if fmt.startswith("fp8") and MODEL_FOLDER[model] in ("vae", "vae_approx"):
         raise ValueError(f"format {fmt!r} is not available for the VAE {model!r} (ComfyUI has no fp8 VAE path); "
                          "use bf16 or fp16")
 
