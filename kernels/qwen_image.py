@@ -32,6 +32,7 @@ class QwenImageInfo:
     num_blocks: int
     format: SourceFormat  # "high_precision" | "fp8_plain" | "comfy_fp8_scaled" | "comfy_quant"
     weight_dtype: torch.dtype  # dtype of the block Linear weights in the file
+    widths: dict[str, int]  # qwen_image_widths: sizes ComfyUI's model config does not read from the weights
 
 
 def is_qwen_fp8_target(key: str, shape: tuple[int, ...]) -> bool:
@@ -68,7 +69,39 @@ def inspect_qwen_image(header: SafetensorsHeader) -> QwenImageInfo:
         fmt = "fp8_plain"
     else:
         fmt = "high_precision"
-    return QwenImageInfo(header.path, prefix, len(blocks), fmt, weight_dtype)
+    return QwenImageInfo(header.path, prefix, len(blocks), fmt, weight_dtype, qwen_image_widths(header, prefix))
+
+
+QWEN_ROPE_HEAD_DIM = 128  # ComfyUI's rotary axes (16, 56, 56) add up to this attention head size
+QWEN_PATCH = 2  # 2x2 latent pixels per token (ComfyUI's patch_size default)
+
+
+def qwen_image_widths(header: SafetensorsHeader, prefix: str = "") -> dict[str, int]:
+    """Widths of a Qwen-Image transformer read from its shapes, in ComfyUI's ``QwenImageTransformer2DModel`` names.
+
+    ComfyUI's detection reads only ``in_channels`` and the block count and builds everything else at the 20B
+    defaults (24 heads of 128, joint_attention_dim 3584, 16 output channels); these values, handed to its model
+    config, let a file of the same architecture at other widths load. For the released file they equal the
+    defaults. Biases and norms are read, never quantized weights (a packed format changes a weight's shape).
+    """
+    t = {n[len(prefix):]: i for n, i in header.tensors.items() if n.startswith(prefix)}
+
+    def rows(*names: str) -> int:
+        for n in names:
+            if n in t and len(t[n].shape) >= 1:
+                return int(t[n].shape[0])
+        raise CheckpointError(f"{header.path.name}: a Qwen-Image transformer without {names[0]}; the file is "
+                              "damaged or not Qwen-Image")
+
+    inner = rows("img_in.bias", "img_in.weight")
+    head_dim = rows("transformer_blocks.0.attn.norm_q.weight")
+    out = rows("proj_out.bias", "proj_out.weight")
+    if head_dim != QWEN_ROPE_HEAD_DIM or inner % head_dim or out % QWEN_PATCH**2:
+        raise CheckpointError(f"{header.path.name}: Qwen-Image widths ComfyUI cannot build (attention heads of "
+                              f"{head_dim}, width {inner}, {out} output features); it needs heads of "
+                              f"{QWEN_ROPE_HEAD_DIM} and a width that is a multiple of it")
+    return {"num_attention_heads": inner // head_dim, "attention_head_dim": head_dim,
+            "joint_attention_dim": rows("txt_norm.weight"), "out_channels": out // QWEN_PATCH**2}
 
 
 def load_qwen_image_state_dict(

@@ -149,8 +149,10 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
     else:
         ops = make_fp8_ops(Fp8OpsConfig(block_size=block_size, compute=COMPUTE[compute]))
         opts = {"custom_operations": ops, "dtype": torch.bfloat16}  # Qwen-Image runs in bf16 (no fp16 support)
+    # ComfyUI reads only in_channels and the block count; the widths come from the file (its defaults for the
+    # released 20B file), so same-architecture files of other widths load too.
     model = load_diffusion_model(sd, opts, (load_transformer, (unet_path, quantization, block_size, compute)),
-                                 disable_dynamic)
+                                 disable_dynamic, unet_config=info.widths)
     del sd
     if model is None:
         raise RuntimeError(f"{Path(unet_path).name}: ComfyUI could not detect this Qwen-Image file")
@@ -159,7 +161,7 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
     return keep_file_backed(model)
 
 
-QWEN_PATCH = 2  # Qwen-Image packs 2x2 latent pixels per token: img_in takes 4x the VAE's latent channels
+QWEN_PATCH = qwen_image.QWEN_PATCH  # 2x2 latent pixels per token: img_in takes 4x the VAE's latent channels
 
 
 def check_vae_fits(vae_path: str | Path, unet_path: str | Path) -> None:
@@ -201,8 +203,8 @@ class QwenImageStagedLoader(io.ComfyNode):
     warning; ComfyUI's UNETLoader / CLIPLoader / VAELoader remain the way to load Qwen-Image.
     """
 
-    COMFY_SEAMS = ("folder_paths", "text_encoder.qwen25_vl", "diffusion_model_loading", "ops.custom_operations",
-                   "ops.manual_cast", "model_management", "vae", *BLOCK_SWAP_SEAMS)
+    COMFY_SEAMS = ("folder_paths", "text_encoder.qwen25_vl", "diffusion_model_loading", "model_detection",
+                   "ops.custom_operations", "ops.manual_cast", "model_management", "vae", *BLOCK_SWAP_SEAMS)
     IF_SEAMS_MISSING = DISABLE
 
     @classmethod

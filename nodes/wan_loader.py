@@ -179,13 +179,20 @@ class WanLoader(io.ComfyNode):
         return io.NodeOutput(load_wan_model(path, quantization, int(block_size), compute, save_quantized))
 
 
+def _vae_file(name: str) -> str | None:
+    """The file VAELoader loads for ``name``: its tiny video autoencoders (lighttaew2_2...) from vae_approx."""
+    import folder_paths
+    import nodes
+
+    video_taes = getattr(getattr(nodes, "VAELoader", None), "video_taes", ())
+    folder = "vae_approx" if Path(name).stem in video_taes else "vae"
+    return folder_paths.get_full_path(folder, name)
+
+
 def check_decoding_vae(path: str | Path, prompt: Any, loader_id: Any) -> None:
     """Before loading: ValueError when a VAE Decode of this model's latents uses a Wan VAE of other channels."""
-    import folder_paths
-
     out_dim = wc.inspect_checkpoint(path).out_dim
-    found = graph_checks.mismatched_vaes(prompt, loader_id, out_dim,
-                                         lambda name: folder_paths.get_full_path("vae", name))
+    found = graph_checks.mismatched_vaes(prompt, loader_id, out_dim, _vae_file)
     if found:
         raise ValueError(graph_checks.vae_mismatch_message(Path(path).name, loader_id, out_dim, found))
 

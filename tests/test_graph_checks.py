@@ -132,3 +132,18 @@ def test_odd_prompt_content_never_raises(vaes: dict[str, Path]) -> None:
     ring = {str(i): {"class_type": "X", "inputs": {"a": [str((i + 1) % 50), 0]}} for i in range(50)}
     assert gc.mismatched_vaes(ring, "0", 16, vaes.get) == []  # a cycle ends
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize(("model", "channels"), [("wan22_tae", 48), ("wan21_tae", 16)])
+def test_tiny_autoencoders_are_judged_by_their_latent_channels(tmp_path: Path, model: str, channels: int) -> None:
+    """A TAEHV (lighttaew2_2 / lighttaew2_1 layout, as tools/synth writes it) gives its latent channels: the right
+    one passes, the other is named."""
+    from comfyui_lowvram_dit.tools import synth
+
+    tae = synth.write_synthetic(model, tmp_path / f"{model}.safetensors", "tiny", "fp16")
+    assert gc.wan_vae_latent_channels(tae) == channels
+    graph = _two_expert_graph("tae.safetensors")
+    assert gc.mismatched_vaes(graph, "37", channels, {"tae.safetensors": tae}.get) == []
+    other = 16 if channels == 48 else 48
+    found = gc.mismatched_vaes(graph, "37", other, {"tae.safetensors": tae}.get)
+    assert found == [gc.VaeMismatch("8", "VAEDecode", "39", "tae.safetensors", channels)]

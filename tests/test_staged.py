@@ -9,6 +9,7 @@ import json
 import mmap
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,11 +27,13 @@ from comfyui_lowvram_dit.tools.model_specs import (
     qwen25_vl_spec,
     qwen_image_spec,
 )
+from comfyui_lowvram_dit.tools.run_models import tiny_text_encoder_config
 
-# Qwen2.5-VL with ComfyUI's fixed widths (hidden 3584 = Qwen-Image's joint_attention_dim, 28 heads, 4 KV heads,
-# vocab 152064 for the real tokenizer's ids, the full 32-block vision tower ComfyUI always builds) but 2 language
-# layers with a narrow MLP: 2.5 GB instead of 16.
-SMALL_TE = Qwen25VLConfig(num_layers=2, intermediate=256)
+# The Qwen2.5-VL `run --synthetic tiny` writes: 2 layers, hidden 128 (= the tiny Qwen-Image's joint dim), ComfyUI's
+# 152k vocabulary for the real tokenizer's ids, no vision tower (39 MB bf16). WITH_VISION adds the full 32-block
+# vision tower ComfyUI always builds (0.67 B parameters: 0.7 GB even as fp8).
+SMALL_TE = tiny_text_encoder_config("qwen25_vl_7b")
+WITH_VISION = replace(SMALL_TE, vision_tower=True)
 
 
 def write_small_text_encoder(path: Path, fmt: str = "bf16", seed: int = 0, cfg: Qwen25VLConfig = SMALL_TE) -> Path:
@@ -345,6 +348,34 @@ def test_qwen_image_fp8_files_kept_as_stored(tmp_path: Path) -> None:
     assert info.format == "fp8_plain" and mode == "per_tensor"
     unit = sd[f"{key}.weight_scale"]  # a plain fp8 cast gets a unit scale, as in the Wan loader (one normaliser)
     assert unit.shape == () and unit.dtype == torch.float32 and unit.item() == 1.0
+
+
+COMFYUI_QWEN_IMAGE_DEFAULTS = {"num_attention_heads": 24, "attention_head_dim": 128, "joint_attention_dim": 3584,
+                               "out_channels": 16}  # QwenImageTransformer2DModel's defaults (ComfyUI 0.8.0, 0.33.0)
+
+
+def test_qwen_image_widths_of_the_release_are_comfyuis_defaults(tmp_path: Path) -> None:
+    """The layout measured from ComfyUI's own 20B module (tests/shapes) reads back as ComfyUI's defaults."""
+    data = json.loads((Path(__file__).parent / "shapes" / "qwen_image.json").read_text())
+    spec = [(n, tuple(shape), getattr(torch, dtype)) for n, (shape, dtype) in data.items()]
+    header = _header_from_spec(tmp_path, spec)
+    assert qwen_image.qwen_image_widths(header) == COMFYUI_QWEN_IMAGE_DEFAULTS
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_qwen_image_widths_of_a_narrow_file(tmp_path: Path, fmt: str) -> None:
+    path, _ = _write_qwen(tmp_path / "q.safetensors", fmt)
+    info = qwen_image.inspect_qwen_image(read_header(path))
+    assert info.widths == {"num_attention_heads": 2, "attention_head_dim": 128, "joint_attention_dim": 384,
+                           "out_channels": 16}
+    tiny = _header_from_spec(tmp_path, model_spec("qwen_image", "tiny"))
+    assert qwen_image.qwen_image_widths(tiny)["joint_attention_dim"] == SMALL_TE.hidden
+
+
+def test_qwen_image_widths_comfyui_cannot_build_are_named(tmp_path: Path) -> None:
+    header = _header_from_spec(tmp_path, qwen_image_spec(QwenImageConfig(num_layers=1, dim=256, head_dim=64)))
+    with pytest.raises(CheckpointError, match="heads of 64"):
+        qwen_image.inspect_qwen_image(header)
 
 
 def test_qwen_image_rejects_other_models(tmp_path: Path) -> None:

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfyui_lowvram_dit.tools import model_specs, synth
+from comfyui_lowvram_dit.tools import model_specs, run_models, synth
 from comfyui_lowvram_dit.kernels.checkpoint_io import iter_tensors, read_header
-from comfyui_lowvram_dit.tools.model_specs import MODELS, is_linear_weight, model_spec
+from comfyui_lowvram_dit.tools.model_specs import MODEL_FOLDER, MODELS, is_linear_weight, model_spec
 
 SHAPES = Path(__file__).parent / "shapes"
-DITS = [m for m in MODELS if m.startswith("wan2") and not m.endswith("vae")] + ["qwen_image"]
+DITS = [m for m in MODELS if m.startswith("wan2") and MODEL_FOLDER[m] == "diffusion_models"] + ["qwen_image"]
 WAN_DITS = [m for m in DITS if m.startswith("wan")]
 BLOCK_RE = re.compile(r"^(blocks|transformer_blocks)\.(\d+)\.")
 
@@ -38,7 +38,7 @@ def test_linear_weight_counts_match_real_fp8_files() -> None:
     counts = {m: sum(is_linear_weight(m, n, s) for n, s, _ in model_spec(m)) for m in MODELS}
     assert counts["wan22_t2v_14B"] == counts["wan22_i2v_14B"] == 406
     assert counts["umt5_xxl_enc"] == 168 and counts["qwen25_vl_7b"] == 358 and counts["qwen_image"] == 846
-    assert counts["wan21_vae"] == counts["wan22_vae"] == 0
+    assert counts["wan21_vae"] == counts["wan22_vae"] == counts["wan21_tae"] == counts["wan22_tae"] == 0
     assert len(synth.file_layout("wan22_i2v_14B", "full", "fp8_scaled")) == 1908  # 1095 + 2 x 406 + marker
     assert len(synth.file_layout("umt5_xxl_enc", "full", "fp8_scaled")) == 412  # 242 + 168 + marker + spiece
 
@@ -70,11 +70,14 @@ def test_tiny_wan_respects_comfyui_detection(model: str) -> None:
 
 
 def test_tiny_sizes_fixed_by_comfyui() -> None:
-    """Where ComfyUI hard-codes the architecture, tiny == full; Qwen-Image keeps width 3072."""
-    for model in ("umt5_xxl_enc", "qwen25_vl_7b", "wan22_vae"):
+    """Where ComfyUI hard-codes the architecture, tiny == full; Qwen-Image (widths read by the staged loader) is
+    narrow: 2 heads of 128, joint dim = the runner's tiny Qwen2.5-VL hidden size."""
+    for model in ("umt5_xxl_enc", "qwen25_vl_7b", "wan22_vae", "wan21_tae", "wan22_tae"):
         assert model_spec(model, "tiny") == model_spec(model, "full")
     tiny = dict((n, s) for n, s, _ in model_spec("qwen_image", "tiny"))
-    assert tiny["img_in.weight"] == (3072, 64) and tiny["txt_in.weight"] == (3072, 3584)
+    joint = run_models.tiny_text_encoder_config("qwen25_vl_7b").hidden
+    assert tiny["img_in.weight"] == (256, 64) and tiny["txt_in.weight"] == (256, joint)
+    assert tiny["transformer_blocks.0.attn.norm_q.weight"] == (128,) and tiny["proj_out.weight"] == (64, 256)
     vae_full, vae_tiny = model_spec("wan21_vae"), model_spec("wan21_vae", "tiny")
     assert [n for n, _, _ in vae_full] == [n for n, _, _ in vae_tiny]
     assert dict((n, s) for n, s, _ in vae_tiny)["decoder.head.0.gamma"] == (16, 1, 1, 1)

@@ -5,21 +5,25 @@ compare them with the manifests measured from ComfyUI v0.8.0's own modules (`tes
 Dtypes are those of the bf16 releases as ComfyUI instantiates them: bf16 everywhere, Wan
 `patch_embedding` fp32, VAEs fp32.
 
-"tiny" layouts keep every key pattern and every size that ComfyUI v0.8.0 hard-codes, and shrink the rest:
+"tiny" layouts keep every key pattern and every size that ComfyUI (0.8.0 to 0.33.0) hard-codes, and shrink the rest:
 - Wan DiTs: dim 256 (ComfyUI derives num_heads = dim // 128), ffn 512, 2 blocks; text_dim 4096, freq_dim 256,
   in/out channels and the CLIP-image width 1280 stay (comfy/model_detection.py, comfy/ldm/wan/model.py).
-- Qwen-Image: width 3072 / heads 24 / joint dim 3584 are hard-coded defaults (only in_channels and the block
-  count are read from the weights), so tiny = 1 block at full width (~380 M params).
+- Qwen-Image: 1 block, 2 heads of 128, joint dim 128. ComfyUI's detection reads only in_channels and the block
+  count (width 3072 / 24 heads / joint dim 3584 are defaults), so stock UNETLoader needs the full width; the
+  pack's Staged Loader reads the widths from the file (kernels/qwen_image.py), which is what the tiny file is for.
+  Its head size stays 128 (ComfyUI's rotary axes add up to it).
 - Wan 2.1 VAE: ComfyUI reads `dim` from `decoder.head.0.gamma` -> tiny dim 16. Wan 2.2 VAE: dim 160 /
-  dec_dim 256 are hard-coded in comfy/sd.py -> tiny == full (705 M params).
+  dec_dim 256 are hard-coded in comfy/sd.py -> tiny == full (705 M params); `run --synthetic tiny` loads the
+  tiny autoencoder of its latent space instead (TAEHV, the lighttaew2_2 layout: all widths fixed, tiny == full).
 - umT5-XXL and Qwen2.5-VL-7B: ComfyUI's stock loaders build them from fixed configs (umt5_config_xxl.json,
   llama.Qwen25_7BVLI_Config) -> tiny == full. The pack's streaming text nodes read the sizes from the file,
-  so `run --synthetic tiny` writes 2-layer encoders for them (tools/run_models.py); Qwen2.5-VL keeps its
-  hidden size (Qwen-Image's joint dim), its 152k vocabulary (ComfyUI's tokenizer emits ids up to 151k) and
-  its vision tower (ComfyUI always builds it).
+  so `run --synthetic tiny` writes 2-layer encoders for them (tools/run_models.py): umT5 at d_model 4096, and
+  Qwen2.5-VL at hidden 128 (the tiny Qwen-Image's joint dim) with its 152k vocabulary (ComfyUI's tokenizer emits
+  ids up to 151k) and without the vision tower (text prompts never run it).
 File sizes of "tiny" (`python -m comfyui_lowvram_dit synth --list`): Wan DiTs 6.6 MB bf16 (Wan 2.1 I2V 11 MB),
-Qwen-Image 761 MB bf16 / 380 MB fp8, Wan 2.1 VAE 14 MB fp32 / 7 MB fp16; fixed by ComfyUI: Wan 2.2 VAE 2.8 GB
-fp32 / 1.4 GB fp16, umT5 11.4 GB bf16 / 6.7 GB fp8_scaled, Qwen2.5-VL 15.5 GB bf16 / 8.3 GB fp8_scaled.
+Qwen-Image 5.4 MB bf16, Wan 2.1 VAE 14 MB fp32 / 7 MB fp16, TAEHV 46 MB fp32 / 23 MB fp16; fixed by ComfyUI: Wan 2.2
+VAE 2.8 GB fp32 / 1.4 GB fp16, umT5 11.4 GB bf16, Qwen2.5-VL 15.5 GB bf16. The runner's 2-layer fp8_scaled encoders: umT5
+15 MB, Qwen2.5-VL 40 MB (fp8_scaled). All tiny files of the four shipped workflows together: about 115 MB.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ MODELS: tuple[str, ...] = (
     "qwen25_vl_7b",
     "wan21_vae",
     "wan22_vae",
+    "wan21_tae",
+    "wan22_tae",
 )
 SIZES: tuple[str, ...] = ("full", "tiny")
 
@@ -56,6 +62,8 @@ MODEL_FOLDER: dict[str, str] = {
     "qwen25_vl_7b": "text_encoders",
     "wan21_vae": "vae",
     "wan22_vae": "vae",
+    "wan21_tae": "vae_approx",  # stock VAELoader looks for lighttaew2_1 / lighttaew2_2 there
+    "wan22_tae": "vae_approx",
 }
 
 BF16 = torch.bfloat16
@@ -155,6 +163,13 @@ class QwenImageConfig:
     freq_dim: int = 256
 
 
+# The staged loader reads heads, joint dim and output channels from the file (kernels/qwen_image.py), so tiny is
+# narrow: 2 heads of 128 (ComfyUI's rotary axes need 128) and a joint dim equal to the hidden size of the tiny
+# Qwen2.5-VL the runner writes for it (tools/run_models.py).
+QWEN_TINY_JOINT_DIM = 128
+QWEN_IMAGE_TINY = {"num_layers": 1, "dim": 256, "joint_dim": QWEN_TINY_JOINT_DIM}
+
+
 def qwen_image_spec(c: QwenImageConfig) -> Spec:
     """Layout of the Qwen-Image DiT state dict in module order."""
     d, hd = c.dim, c.head_dim
@@ -235,6 +250,7 @@ class Qwen25VLConfig:
     vision_intermediate: int = 3420
     vision_patch: tuple[int, int, int] = (2, 14, 14)  # temporal, h, w
     spatial_merge: int = 2
+    vision_tower: bool = True  # False: the language model only (text prompts never run the vision tower)
 
 
 def qwen25_vl_spec(c: Qwen25VLConfig) -> Spec:
@@ -251,6 +267,8 @@ def qwen25_vl_spec(c: Qwen25VLConfig) -> Spec:
         spec += _linear(f"{b}.mlp.down_proj", h, c.intermediate, bias=False)
         spec += [(f"{b}.input_layernorm.weight", (h,), BF16), (f"{b}.post_attention_layernorm.weight", (h,), BF16)]
     spec.append(("model.norm.weight", (h,), BF16))
+    if not c.vision_tower:
+        return spec
     v, vi = c.vision_hidden, c.vision_intermediate
     spec.append(("visual.patch_embed.proj.weight", (v, 3, *c.vision_patch), BF16))
     for i in range(c.vision_layers):
@@ -370,6 +388,61 @@ def wan_vae_spec(c: WanVAEConfig) -> Spec:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Tiny video autoencoders (TAEHV / lighttae: madebyollin/taehv; ComfyUI comfy/taesd/taehv.py, hard-coded widths)
+
+
+@dataclass(frozen=True)
+class TAEHVConfig:
+    """TAEHV config: only the latent channels vary (48: Wan 2.2, patchified 2x2; 16: Wan 2.1)."""
+
+    latent_channels: int
+    encoder_width: int = 64
+    decoder_widths: tuple[int, int, int, int] = (256, 128, 64, 64)
+    encoder_time_pool: tuple[int, int, int] = (2, 2, 1)  # TPool strides
+    decoder_time_grow: tuple[int, int, int] = (1, 2, 2)  # TGrow strides
+
+    @property
+    def patch(self) -> int:
+        return 2 if self.latent_channels == 48 else 1
+
+
+TAE_CONFIGS: dict[str, TAEHVConfig] = {"wan21_tae": TAEHVConfig(16), "wan22_tae": TAEHVConfig(48)}
+
+
+def _tae_conv(name: str, out_c: int, in_c: int, k: int = 3, bias: bool = True) -> Spec:
+    spec: Spec = [(f"{name}.weight", (out_c, in_c, k, k), F32)]
+    return spec + [(f"{name}.bias", (out_c,), F32)] if bias else spec
+
+
+def _tae_memblocks(name: str, first: int, n: int) -> Spec:
+    """Three MemBlocks at one width from Sequential index ``first`` (skip is an Identity: no weights)."""
+    spec: Spec = []
+    for i in range(first, first + 3):
+        spec += _tae_conv(f"{name}.{i}.conv.0", n, 2 * n) + _tae_conv(f"{name}.{i}.conv.2", n, n)
+        spec += _tae_conv(f"{name}.{i}.conv.4", n, n)
+    return spec
+
+
+def taehv_spec(c: TAEHVConfig) -> Spec:
+    """Layout of a TAEHV state dict (nn.Sequential indices as ComfyUI's TAEHV numbers them)."""
+    e, image = c.encoder_width, 3 * c.patch**2
+    spec = _tae_conv("encoder.0", e, image)
+    for stage, stride in enumerate(c.encoder_time_pool):
+        first = 2 + 5 * stage  # TPool, strided conv, three MemBlocks
+        spec += _tae_conv(f"encoder.{first}.conv", e, e * stride, k=1, bias=False)
+        spec += _tae_conv(f"encoder.{first + 1}", e, e, bias=False) + _tae_memblocks("encoder", first + 2, e)
+    spec += _tae_conv("encoder.17", c.latent_channels, e)
+    n = c.decoder_widths
+    spec += _tae_conv("decoder.1", n[0], c.latent_channels)
+    for stage, stride in enumerate(c.decoder_time_grow):
+        first = 3 + 6 * stage  # three MemBlocks, Upsample, TGrow, conv to the next width
+        spec += _tae_memblocks("decoder", first, n[stage])
+        spec += _tae_conv(f"decoder.{first + 4}.conv", n[stage] * stride, n[stage], k=1, bias=False)
+        spec += _tae_conv(f"decoder.{first + 5}", n[stage + 1], n[stage], bias=False)
+    return spec + _tae_conv("decoder.22", image, n[3])
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Public entry points
 
 
@@ -384,7 +457,9 @@ def model_config(model: str, size: str = "full", num_layers: int | None = None) 
         if size == "tiny":
             cfg = replace(cfg, **WAN_TINY)
     elif model == "qwen_image":
-        cfg = QwenImageConfig(num_layers=1) if size == "tiny" else QwenImageConfig()
+        cfg = replace(QwenImageConfig(), **QWEN_IMAGE_TINY) if size == "tiny" else QwenImageConfig()
+    elif model in TAE_CONFIGS:
+        cfg = TAE_CONFIGS[model]
     elif model == "umt5_xxl_enc":
         cfg = UMT5Config()
     elif model == "qwen25_vl_7b":
@@ -414,6 +489,8 @@ def model_spec(model: str, size: str = "full", num_layers: int | None = None) ->
         return umt5_spec(cfg)
     if isinstance(cfg, Qwen25VLConfig):
         return qwen25_vl_spec(cfg)
+    if isinstance(cfg, TAEHVConfig):
+        return taehv_spec(cfg)
     assert isinstance(cfg, WanVAEConfig)
     return wan_vae_spec(cfg)
 
@@ -424,7 +501,7 @@ _NOT_LINEAR = ("shared.weight", "model.embed_tokens.weight", "relative_attention
 
 def is_linear_weight(model: str, name: str, shape: tuple[int, ...]) -> bool:
     """True for the weight of an nn.Linear (what fp8 checkpoints quantize): 2-D, not an embedding table."""
-    if model in VAE_CONFIGS or len(shape) != 2 or not name.endswith(".weight"):
+    if MODEL_FOLDER.get(model) in ("vae", "vae_approx") or len(shape) != 2 or not name.endswith(".weight"):
         return False
     return not name.endswith(_NOT_LINEAR)
 

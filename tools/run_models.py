@@ -31,14 +31,26 @@ KNOWN_MODEL_FILES: dict[str, tuple[str, str, str]] = {
     "wan_2.1_vae.safetensors": ("vae", "wan21_vae", "fp16"),
     "wan2.2_vae.safetensors": ("vae", "wan22_vae", "fp16"),
     "qwen_image_vae.safetensors": ("vae", "wan21_vae", "fp16"),
+    "lighttaew2_2.safetensors": ("vae_approx", "wan22_tae", "fp16"),  # VAELoader reads lighttae* from vae_approx
 }
-MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras", "clip_vision")
+MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "vae_approx", "loras", "clip_vision")
 
 # Nodes that stream their text encoder and read its layer count and widths from the file: for them --synthetic
 # tiny writes a 2-layer encoder (seconds to write and encode) instead of ComfyUI's fixed full-size config, which
 # stock CLIPLoader needs (6.7 GB umT5 / 8.3 GB Qwen2.5-VL fp8, >10 min on a 2-core CPU).
 STAGED_TEXT_NODES = ("LowVRAM_WanTextEncode", "LowVRAM_QwenImageStagedLoader")
 TINY_TE_LAYERS = 2
+
+# VAEs that ComfyUI builds at full size whatever the file holds (the Wan 2.2 VAE's widths are fixed in comfy/sd.py:
+# 1.4 GB even for random weights): --synthetic tiny loads the tiny autoencoder of the same latent space instead,
+# which stock VAELoader recognises by its keys (comfy/taesd/taehv.py). Decoding only: ComfyUI 0.8.0's TAEHV for
+# 48 channels cannot encode, so a workflow that encodes an image with it fails there.
+TINY_VAE_SWAPS = {"wan2.2_vae.safetensors": "lighttaew2_2.safetensors"}
+
+# Stamped into the metadata of the files --synthetic tiny writes; a cached tiny file written with another value has
+# another layout (e.g. before the Qwen-Image widths were read from the file) and is written again.
+TINY_LAYOUT = "2"
+SYNTHETIC_MARK = "comfyui_lowvram_dit"  # tools/synth.py's "synthetic" metadata value
 
 class RunError(RuntimeError):
     """A run that cannot go on; the message says what to do."""
@@ -75,29 +87,62 @@ def tiny_text_encoder_config(model: str) -> object | None:
     """The reduced config --synthetic tiny uses for a text encoder loaded by a staged node (None: not a TE).
 
     umT5: 2 layers, d_model 4096 (Wan's text_dim), 2 heads, d_ff 256, vocab 512 (the synthetic tokenizer's ids
-    are < 200). Qwen2.5-VL: 2 layers, hidden 3584 (Qwen-Image's joint_attention_dim), narrow MLP, the full
-    vocabulary (ComfyUI's bundled tokenizer emits ids up to 151k) and the full vision tower (ComfyUI always
-    builds it; an fp8_scaled encoder without its weights cannot be sized for loading).
+    are < 200). Qwen2.5-VL: 2 layers, hidden 128 (the tiny Qwen-Image's joint dim: the staged loader reads both
+    from the files), 4 query and 4 key/value heads of 128 (ComfyUI detects a 7B by its 512-wide k_proj bias),
+    narrow MLP, the full vocabulary (ComfyUI's bundled tokenizer emits ids up to 151k) and no vision tower: text
+    prompts never run it, and the staged loader only warns that its weights are missing (load_clip does too).
     """
-    from .model_specs import Qwen25VLConfig, UMT5Config
+    from .model_specs import QWEN_TINY_JOINT_DIM, Qwen25VLConfig, UMT5Config
 
     if model == "umt5_xxl_enc":
         return UMT5Config(num_layers=TINY_TE_LAYERS, d_ff=256, num_heads=2, vocab_size=512)
     if model == "qwen25_vl_7b":
-        return Qwen25VLConfig(num_layers=TINY_TE_LAYERS, intermediate=256)
+        return Qwen25VLConfig(num_layers=TINY_TE_LAYERS, hidden=QWEN_TINY_JOINT_DIM, num_heads=4, intermediate=256,
+                              vision_tower=False)
     return None
 
 
-def _layer_count(path: Path) -> int | None:
-    """Blocks/layers of an existing text encoder file (None when unreadable).
+def swap_tiny_vaes(workflow: dict) -> list[tuple[str, str]]:
+    """Point every VAE Loader of a UI or API workflow that names a TINY_VAE_SWAPS file at its tiny stand-in, in
+    place; returns the (official, stand-in) names it changed."""
+    done = []
+    if "nodes" in workflow:
+        for node in workflow["nodes"]:
+            wv = node.get("widgets_values")
+            if node.get("type") == "VAELoader" and isinstance(wv, list) and wv and wv[0] in TINY_VAE_SWAPS:
+                done.append((wv[0], TINY_VAE_SWAPS[wv[0]]))
+                wv[0] = TINY_VAE_SWAPS[wv[0]]
+    else:
+        for node in workflow.values():
+            inputs = node.get("inputs", {}) if isinstance(node, dict) else {}
+            name = inputs.get("vae_name")
+            if node.get("class_type") == "VAELoader" and isinstance(name, str) and name in TINY_VAE_SWAPS:
+                done.append((name, TINY_VAE_SWAPS[name]))
+                inputs["vae_name"] = TINY_VAE_SWAPS[name]
+    return done
 
-    Reads the safetensors header (8-byte length + JSON) itself: importing torch for this costs seconds.
-    """
+
+def _header(path: Path) -> dict:
+    """The safetensors header (8-byte length + JSON) of a file, {} when unreadable; no torch (seconds to import)."""
     try:
         with path.open("rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
-            keys = json.loads(f.read(size)) if size < (100 << 20) else {}
+            return json.loads(f.read(size)) if size < (100 << 20) else {}
     except (OSError, struct.error, ValueError):
+        return {}
+
+
+def _stale_tiny_file(path: Path) -> bool:
+    """A tiny file this runner wrote with another layout (TINY_LAYOUT); files it did not write are never stale."""
+    meta = _header(path).get("__metadata__", {})
+    return meta.get("synthetic") == SYNTHETIC_MARK and meta.get("size") == "tiny" \
+        and meta.get("tiny_layout") != TINY_LAYOUT
+
+
+def _layer_count(path: Path) -> int | None:
+    """Blocks/layers of an existing text encoder file (None when unreadable)."""
+    keys = _header(path)
+    if not keys:
         return None
     pat = re.compile(r"(?:encoder\.block|model\.layers)\.(\d+)\.")
     return len({m.group(1) for k in keys if (m := pat.match(k))})
@@ -126,6 +171,8 @@ def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny"
         reduced = size == "tiny" and name in reduced_text_encoders and folder == "text_encoders"
         if path.exists() and folder == "text_encoders" and (_layer_count(path) == TINY_TE_LAYERS) != reduced:
             path.unlink()  # cached for the other kind of loader (staged vs stock)
+        elif path.exists() and size == "tiny" and _stale_tiny_file(path):
+            path.unlink()
         if not path.exists():
             todo.append((path, model, fmt, reduced))
         paths.append(path)
@@ -142,7 +189,8 @@ def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny"
             config = tiny_text_encoder_config(model) if reduced else None
             what = f"{TINY_TE_LAYERS}-layer " if config is not None else ""
             print(f"  {what}{model} ({fmt}) -> {path.relative_to(models_dir)}", flush=True)
-            write_synthetic(model, path, size=size, fmt=fmt, config=config, device=device)
+            write_synthetic(model, path, size=size, fmt=fmt, config=config, device=device,
+                            metadata={"tiny_layout": TINY_LAYOUT} if size == "tiny" else None)
     return paths
 
 

@@ -32,11 +32,13 @@ from .run_models import (  # noqa: F401 - re-exported: part of the runner's inte
     MODEL_FOLDERS,
     STAGED_TEXT_NODES,
     TINY_TE_LAYERS,
+    TINY_VAE_SWAPS,
     RunError,
     _layer_count,
     extra_model_paths_yaml,
     referenced_model_files,
     staged_text_encoder_files,
+    swap_tiny_vaes,
     tiny_text_encoder_config,
     write_synthetic_models,
 )
@@ -450,6 +452,10 @@ def _run_started(args: argparse.Namespace, workflow: dict, wf_path: Path, output
         if not args.models and not args.synthetic:  # (--synthetic full may name the folder with --models)
             _say("no --models given: using tiny synthetic models (--synthetic tiny)")
             args.synthetic = "tiny"
+        if args.synthetic == "tiny":
+            for old, new in swap_tiny_vaes(workflow):
+                _say(f"--synthetic tiny: VAE Loader {old} -> {new}, a tiny decoder of the same latents (ComfyUI "
+                     "builds that VAE at full size, 1.4 GB even with random weights)")
         if args.synthetic:
             models_dir = args.models or cache_root / "synthetic" / args.synthetic
             write_synthetic_models(referenced_model_files(workflow), models_dir, args.synthetic,

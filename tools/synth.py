@@ -40,7 +40,6 @@ from .model_specs import (
     MODEL_FOLDER,
     MODELS,
     SIZES,
-    VAE_CONFIGS,
     Qwen25VLConfig,
     Spec,
     UMT5Config,
@@ -222,7 +221,7 @@ def _check_args(model: str, size: str, fmt: str) -> None:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if fmt.startswith("fp8") and model in VAE_CONFIGS:
+    if fmt.startswith("fp8") and MODEL_FOLDER[model] in ("vae", "vae_approx"):
         raise ValueError(f"format {fmt!r} is not available for the VAE {model!r} (ComfyUI has no fp8 VAE path); "
                          "use bf16 or fp16")
 
@@ -385,15 +384,18 @@ def write_synthetic(
     num_layers: int | None = None,
     threads: int | None = None,
     config: UMT5Config | Qwen25VLConfig | None = None,
+    metadata: dict[str, str] | None = None,
 ) -> Path:
     """Write a synthetic checkpoint tensor by tensor (RAM ~ a few tensors, never the model); returns the path.
 
     Generation runs on `device` ("cuda" is fastest) with `threads` CPU workers per tensor (default: all
     cores) while a writer thread drains finished tensors to disk, at most two tensors ahead. `config` (a
     UMT5Config / Qwen25VLConfig) writes a text encoder with other sizes, e.g. 2 layers for fast test runs.
+    ``metadata``: more header metadata entries (the runner stamps its tiny layout version).
     """
     layout, _ = _plan(model, size, fmt, num_layers, config)
-    metadata = {"synthetic": "comfyui_lowvram_dit", "model": model, "size": size, "format": fmt, "seed": str(seed)}
+    metadata = {**(metadata or {}), "synthetic": "comfyui_lowvram_dit", "model": model, "size": size, "format": fmt,
+                "seed": str(seed)}
     dev = torch.device(device)
     n_threads = threads or (torch.get_num_threads() if dev.type == "cpu" else 1)
     bar = _Progress(spec_nbytes(layout), f"{model} {size} {fmt}", progress)
@@ -455,6 +457,14 @@ def _describe() -> str:
         full = spec_nbytes(file_layout(m, "full", "bf16")) / 1e9
         tiny = spec_nbytes(file_layout(m, "tiny", "bf16")) / 1e6
         lines.append(f"{m:16} {MODEL_FOLDER[m]:17} {full:15.2f} {tiny:15.1f}")
+    from .run_models import tiny_text_encoder_config
+
+    reduced = []
+    for m in ("umt5_xxl_enc", "qwen25_vl_7b"):
+        config = tiny_text_encoder_config(m)
+        reduced.append(f"{m} {spec_nbytes(_plan(m, 'tiny', 'bf16', None, config)[0]) / 1e6:.1f} MB")
+    lines.append("(`run --synthetic tiny` writes 2-layer encoders for the pack's streaming text nodes, which read "
+                 f"their sizes from the file: {', '.join(reduced)} bf16; the Wan 2.2 VAE becomes wan22_tae)")
     return "\n".join(lines)
 
 

@@ -23,6 +23,7 @@ from ...kernels.checkpoint_io import CheckpointError, read_header
 DECODERS = ("VAEDecode", "VAEDecodeTiled")
 VAE_LOADERS = ("VAELoader",)
 WAN_VAE_KEY = "decoder.middle.0.residual.0.gamma"  # what ComfyUI's VAE detection looks for (Wan 2.1 and 2.2)
+TAEHV_KEY = "decoder.22.bias"  # ComfyUI's key for a tiny video autoencoder (TAEHV, lighttaew2_1 / lighttaew2_2)
 _MAX_NODES = 100_000  # a prompt larger than this is not walked (the check is skipped, never slow)
 
 
@@ -38,11 +39,16 @@ class VaeMismatch:
 
 
 def wan_vae_latent_channels(path: str | Path) -> int | None:
-    """Latent channels of a Wan VAE file from its header (16: Wan 2.1, 48: Wan 2.2); None for anything else."""
+    """Latent channels of a Wan VAE file from its header (16: Wan 2.1, 48: Wan 2.2), or of a tiny video
+    autoencoder (TAEHV: the input channels of its first decoder conv, as ComfyUI reads them); None for anything
+    else."""
     try:
         tensors = read_header(path).tensors
     except (CheckpointError, OSError, ValueError):
         return None  # unreadable here: VAELoader reports it with its own message
+    first = tensors.get("decoder.1.weight")
+    if TAEHV_KEY in tensors and WAN_VAE_KEY not in tensors:
+        return int(first.shape[1]) if first is not None and len(first.shape) == 4 else None
     conv2 = tensors.get("conv2.weight")
     if WAN_VAE_KEY not in tensors or conv2 is None or not conv2.shape:
         return None

@@ -89,6 +89,7 @@ def build_streaming(enc: StreamedTextEncoder, te_path: str | Path,
                          tokenizer_data=tokenizer_data, parameters=0, state_dict=[], model_options=options)
     csm = clip.cond_stage_model
     transformer = getattr(csm, csm.clip).transformer
+    _leave_out_absent_parts(enc, name, header, transformer)
     stats = streaming.StreamStats()
     groups = streaming.iter_owner_groups(header, small, skip=is_tokenizer, progress=progress, stats=stats,
                                          already_read=raw_small, mmap=use_mmap())
@@ -99,6 +100,32 @@ def build_streaming(enc: StreamedTextEncoder, te_path: str | Path,
              "model (format %s, %d layers)", enc.label, name, stats.bytes_read / 1e9, stats.groups,
              stats.max_held_bytes / 1e9, text_encoder_format(header), cfg[enc.layers_key])
     return clip
+
+
+class AbsentPart(torch.nn.Module):
+    """Stands in for a part of the encoder the file does not have (no weights, so nothing to size or load); running
+    it is an error that names the file."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise CheckpointError(self.message)
+
+
+def _leave_out_absent_parts(enc: StreamedTextEncoder, name: str, header: SafetensorsHeader, transformer: Any) -> None:
+    """Replace each ``optional_prefixes`` submodule the file has no weight of at all by an ``AbsentPart``.
+
+    ComfyUI builds them anyway (Qwen2.5-VL's vision tower: 0.67 B parameters); left unloaded, an fp8 (mixed
+    precision) Linear has no weight and ComfyUI cannot size the model for loading. Text prompts never run them."""
+    for prefix in enc.optional_prefixes:
+        attr = prefix.rstrip(".")
+        if any(n.startswith(prefix) for n in header.tensors) or "." in attr or not hasattr(transformer, attr):
+            continue
+        setattr(transformer, attr, AbsentPart(f"{name} has no {attr} weights; this {enc.kind} file can encode text "
+                                              "prompts only (image inputs need a file with them)"))
+        log.info("lowvram_dit: %s has no %s weights: left out (text prompts do not use them)", name, attr)
 
 
 def _check_complete(enc: StreamedTextEncoder, name: str, missing: list[str]) -> None:
