@@ -15,11 +15,10 @@ tqdm lines in the server log give an independent check (their average includes t
 Memory: ``tools.memwatch`` samples the server process from outside every 0.5 s: VmHWM (kernel peak RSS),
 RssAnon/RssFile, and the process's GPU memory from nvidia-smi (CUDA context and allocator cache included).
 
-4-step LoRA rows (``--variants lora``): the lightx2v 4-step LoRAs (stock LoraLoaderModelOnly after each loader) at
-cfg 1 and shift 5 as workflows/wan22_t2v_a14b_4step.json, at the 8 GB cap, each next to the same graph without the
-LoRAs, for native fp8_e4m3fn_fast (LoRA merged by ComfyUI / DynamicVRAM), the pack with Block Swap (merged once per
-load into the streamed blocks) and the pack under ComfyUI's partial loading (per-call LoRA on offloaded layers). The
-LoRA files must be in ``--models``/loras (``--write-models`` writes them once the runner has a synthetic writer).
+4-step LoRA rows (``--variants lora``): the lightx2v 4-step LoRAs (stock LoraLoaderModelOnly after each loader), cfg 1,
+shift 5 as workflows/wan22_t2v_a14b_4step.json, 8 GB cap, each next to the same graph without the LoRAs: native
+fp8_e4m3fn_fast, the pack with Block Swap (merged once per load) and under ComfyUI's partial loading (per-call LoRA).
+The LoRA files must be in ``--models``/loras (``--write-models`` writes them where the runner can).
 
 Run (the ComfyUI Python, with the pack importable as ``comfyui_lowvram_dit``)::
 
@@ -92,6 +91,7 @@ class ServerVariant:
     baseline: bool = False  # a native row other rows are compared against
     lora: bool = False  # the 4-step LoRAs after each expert's loader (LoraLoaderModelOnly)
     four_step: bool = False  # the 4-step workflow's sampling (cfg 1, shift 5), with or without the LoRAs
+    fp8_path: str = "default"  # pack per-tensor fp8 GEMM path, set by the Kernel Profile node (needs --kernel-profile)
 
     @property
     def cfg(self) -> float:
@@ -126,6 +126,7 @@ class ServerVariant:
                 parts.append(f"Block Swap {self.block_swap_gb:g} GB")
             if self.compile:
                 parts.append("Torch Compile")
+            parts += [f"fp8 path {self.fp8_path}"] if self.fp8_path != "default" else []
         if self.four_step:
             parts.append("4-step LoRAs" if self.lora else "4-step sampling without the LoRAs")
         parts.append("DynamicVRAM" if self.dynamic_vram else "legacy loading (--disable-dynamic-vram)")
@@ -141,6 +142,9 @@ VARIANTS: dict[str, ServerVariant] = {v.name: v for v in (
     ServerVariant("pack", "pack"),
     ServerVariant("pack_int8", "pack", attention="lowvram 8-bit"),
     ServerVariant("pack_int8_compile", "pack", attention="lowvram 8-bit", compile=True),
+    ServerVariant("pack_tensorwise", "pack", fp8_path="scaled_mm_tensorwise"),
+    ServerVariant("pack_int8_compile_tensorwise", "pack", attention="lowvram 8-bit", compile=True,
+                  fp8_path="scaled_mm_tensorwise"),
     ServerVariant("native_default_8gb", "native", card_gib=_8, baseline=True),
     ServerVariant("native_fp8fast_8gb", "native", weight_dtype="fp8_e4m3fn_fast", card_gib=_8, baseline=True),
     ServerVariant("native_fp8fast_ck_8gb", "native", weight_dtype="fp8_e4m3fn_fast", ck_attention=True, card_gib=_8,
@@ -260,11 +264,13 @@ def build_graph(variant: ServerVariant, steps_per_expert: int = 3, width: int = 
         pos, neg = ["11", 0], ["11", 1]
     else:
         raise ValueError(f"variant {variant.name}: graph must be 'native' or 'pack', not {variant.graph!r}")
+    if variant.fp8_path != "default" and not probe:
+        raise ValueError(f"variant {variant.name}: an fp8 path is set by the Kernel Profile node; add --kernel-profile")
     if probe:
         for nid, label in (("50", "high"), ("51", "low")):
             src = high if label == "high" else low
             graph[nid] = _node(PROBE_NODE, f"Kernel Profile ({label} noise)", model=src, label=label,
-                               profile_call=PROBE_CALL)
+                               profile_call=PROBE_CALL, fp8_path=variant.fp8_path)
         high, low = ["50", 0], ["51", 0]
     graph.update(_samplers(high, low, pos, neg, steps_per_expert, variant.cfg))
     if decode:
@@ -554,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     (opts.work / "frontend").mkdir(parents=True, exist_ok=True)
     (opts.work / "user").mkdir(parents=True, exist_ok=True)
     variants = pick_variants(opts.variants)
+    if not opts.kernel_profile and (need := [v.name for v in variants if v.fp8_path != "default"]):
+        raise SystemExit(f"--variants {','.join(need)}: the Kernel Profile node sets their fp8 path; add --kernel-profile")
     env = {**harness.parent_environment(), **gpu_facts(), **software_facts(),
            "comfyui_version": harness.comfyui_version(opts.comfyui)}
     env["git_sha"] = opts.git_sha or env.get("git_sha")

@@ -4,6 +4,7 @@ log, ratios against named native rows, goals and report files."""
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,8 +48,14 @@ def _problems(graph: dict) -> list[str]:
 
 @pytest.mark.parametrize("name", list(bs.VARIANTS))
 @pytest.mark.parametrize("decode", [False, True])
-def test_every_variant_graph_validates(name: str, decode: bool) -> None:
-    graph = bs.build_graph(bs.VARIANTS[name], 2, decode=decode)
+def test_every_variant_graph_validates(name: str, decode: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    variant = bs.VARIANTS[name]
+    probe = variant.fp8_path != "default"  # the fp8 path is set by the Kernel Profile node
+    if probe:
+        monkeypatch.setitem(OBJECT_INFO, bs.PROBE_NODE, PROBE_INFO[bs.PROBE_NODE])
+        with pytest.raises(ValueError, match="--kernel-profile"):
+            bs.build_graph(variant, 2, decode=decode)
+    graph = bs.build_graph(variant, 2, decode=decode, probe=probe)
     assert _problems(graph) == []
     assert {bs.HIGH, bs.LOW} <= {n["inputs"].get("unet_name") for n in graph.values()}
 
@@ -62,7 +69,8 @@ def test_schema_check_catches_a_broken_graph() -> None:
 
 
 def test_variant_graphs_hold_the_nodes_they_name() -> None:
-    kinds = {n: {node["class_type"] for node in bs.build_graph(v, 2).values()} for n, v in bs.VARIANTS.items()}
+    kinds = {n: {node["class_type"] for node in bs.build_graph(v, 2, probe=v.fp8_path != "default").values()}
+             for n, v in bs.VARIANTS.items()}
     assert "UNETLoader" in kinds["native_default"] and "LowVRAM_WanLoader" not in kinds["native_default"]
     assert {"LowVRAM_WanLoader", "LowVRAM_Attention", "LowVRAM_WanTextEncode"} <= kinds["pack"]
     assert "LowVRAM_BlockSwap" not in kinds["pack_8gb"] and "LowVRAM_BlockSwap" in kinds["pack_blockswap_8gb"]
@@ -259,7 +267,28 @@ def test_profile_groups_kernels_by_name_and_sums_them() -> None:
 
 
 PROBE_INFO = {bs.PROBE_NODE: {"input": {"required": {"model": ["MODEL"], "label": ["STRING", {}],
-                                                     "profile_call": ["INT", {}]}}, "output": ["MODEL"]}}
+                                                     "profile_call": ["INT", {}]},
+                                        "optional": {"fp8_path": [["default", "scaled_mm_rowwise",
+                                                                   "scaled_mm_tensorwise"]]}},
+                               "output": ["MODEL"]}}
+
+
+def test_probe_sets_the_fp8_path_of_the_loaded_pack(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from comfyui_lowvram_dit.benchmarks import server_probe
+    from comfyui_lowvram_dit.kernels import fp8
+
+    assert server_probe.KernelProfile.INPUT_TYPES()["optional"]["fp8_path"][0] == list(server_probe.FP8_PATHS)
+    twin = types.SimpleNamespace(PER_TENSOR_DEFAULT_PATH="scaled_mm_rowwise")  # the pack loaded by ComfyUI
+    monkeypatch.setitem(sys.modules, "custom_nodes.comfyui-lowvram-dit.kernels.fp8", twin)
+    monkeypatch.setattr(fp8, "PER_TENSOR_DEFAULT_PATH", fp8.PER_TENSOR_DEFAULT_PATH)
+    assert server_probe.set_fp8_path("default") == []
+    changed = server_probe.set_fp8_path("scaled_mm_tensorwise")
+    assert "custom_nodes.comfyui-lowvram-dit.kernels.fp8" in changed
+    assert twin.PER_TENSOR_DEFAULT_PATH == fp8.PER_TENSOR_DEFAULT_PATH == "scaled_mm_tensorwise"
+    with pytest.raises(ValueError, match="fp8_path"):
+        server_probe.set_fp8_path("fast")
 
 
 @pytest.mark.parametrize("name", ["native_default", "pack_int8_compile"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,27 @@ from types import ModuleType
 from typing import Any
 
 WRAPPER_KEY = "lowvram_bench_probe"
+FP8_PATHS = ("default", "scaled_mm_rowwise", "scaled_mm_tensorwise")
+
+
+def set_fp8_path(path: str) -> list[str]:
+    """Make ``path`` the per-tensor fp8 GEMM path of every loaded copy of the pack's kernels/fp8.py.
+
+    A benchmark knob (the pack has no user option for it): layers pick their path at their first forward, so this
+    must run before sampling. Returns the module names it changed; "default" changes nothing.
+    """
+    if path == "default":
+        return []
+    if path not in FP8_PATHS:
+        raise ValueError(f"fp8_path {path!r}: expected one of {FP8_PATHS}")
+    changed = []
+    for name, module in list(sys.modules.items()):
+        if name.endswith("kernels.fp8") and hasattr(module, "PER_TENSOR_DEFAULT_PATH"):
+            module.PER_TENSOR_DEFAULT_PATH = path
+            changed.append(name)
+    if not changed:
+        raise RuntimeError("fp8_path: the pack's kernels/fp8.py is not loaded in this server")
+    return changed
 
 
 def _kernel_groups() -> ModuleType:
@@ -93,15 +115,17 @@ class KernelProfile:
             "model": ("MODEL",),
             "label": ("STRING", {"default": "model"}),
             "profile_call": ("INT", {"default": 1, "min": -1, "max": 100000}),
-        }}
+        }, "optional": {"fp8_path": (list(FP8_PATHS), {"default": "default"})}}
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "patch"
     CATEGORY = "lowvram_dit/benchmark"
 
-    def patch(self, model: Any, label: str, profile_call: int) -> tuple[Any]:
+    def patch(self, model: Any, label: str, profile_call: int, fp8_path: str = "default") -> tuple[Any]:
         import comfy.patcher_extension
         import folder_paths
+
+        set_fp8_path(fp8_path)
 
         out = Path(folder_paths.get_output_directory()) / "bench_probe" / f"{label}.json"
         patched = model.clone()
