@@ -280,13 +280,17 @@ def test_probe_sets_the_fp8_path_of_the_loaded_pack(monkeypatch: pytest.MonkeyPa
     from comfyui_lowvram_dit.kernels import fp8
 
     assert server_probe.KernelProfile.INPUT_TYPES()["optional"]["fp8_path"][0] == list(server_probe.FP8_PATHS)
+    from comfyui_lowvram_dit.kernels import fp8_choice
+
     twin = types.SimpleNamespace(PER_TENSOR_DEFAULT_PATH="scaled_mm_rowwise")  # the pack loaded by ComfyUI
     monkeypatch.setitem(sys.modules, "custom_nodes.comfyui-lowvram-dit.kernels.fp8", twin)
     monkeypatch.setattr(fp8, "PER_TENSOR_DEFAULT_PATH", fp8.PER_TENSOR_DEFAULT_PATH)
+    monkeypatch.setattr(fp8_choice, "TIME_PER_SHAPE", True)
     assert server_probe.set_fp8_path("default") == []
     changed = server_probe.set_fp8_path("scaled_mm_tensorwise")
     assert "custom_nodes.comfyui-lowvram-dit.kernels.fp8" in changed
     assert twin.PER_TENSOR_DEFAULT_PATH == fp8.PER_TENSOR_DEFAULT_PATH == "scaled_mm_tensorwise"
+    assert fp8_choice.TIME_PER_SHAPE is False  # a forced path is not timed away
     with pytest.raises(ValueError, match="fp8_path"):
         server_probe.set_fp8_path("fast")
 

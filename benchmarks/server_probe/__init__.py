@@ -22,7 +22,7 @@ FP8_PATHS = ("default", "scaled_mm_rowwise", "scaled_mm_tensorwise")
 
 
 def set_fp8_path(path: str) -> list[str]:
-    """Make ``path`` the per-tensor fp8 GEMM path of every loaded copy of the pack's kernels/fp8.py.
+    """Make ``path`` the per-tensor fp8 GEMM path of every loaded copy of the pack's kernels (no per-shape timing).
 
     A benchmark knob (the pack has no user option for it): layers pick their path at their first forward, so this
     must run before sampling. Returns the module names it changed; "default" changes nothing.
@@ -35,6 +35,9 @@ def set_fp8_path(path: str) -> list[str]:
     for name, module in list(sys.modules.items()):
         if name.endswith("kernels.fp8") and hasattr(module, "PER_TENSOR_DEFAULT_PATH"):
             module.PER_TENSOR_DEFAULT_PATH = path
+            changed.append(name)
+        elif name.endswith("kernels.fp8_choice") and hasattr(module, "TIME_PER_SHAPE"):
+            module.TIME_PER_SHAPE = False
             changed.append(name)
     if not changed:
         raise RuntimeError("fp8_path: the pack's kernels/fp8.py is not loaded in this server")

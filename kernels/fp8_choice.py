@@ -1,0 +1,108 @@
+"""Per-tensor fp8 linears: per-token or per-call activation scales, chosen per GEMM shape by timing both once.
+
+On GPUs with both `torch._scaled_mm` variants (SM89/SM90) neither is faster everywhere: which cuBLASLt kernel a
+shape gets decides it, and that changes with the row count (tokens x batch) and the GPU. So the first call of each
+shape, bucketed by its row count (next power of two), runs both paths on its real input, keeps the faster one and
+says so once in the log; later calls of that shape look the choice up. Per-token scales are a little more accurate
+on outlier tokens, per-call scales cost one extra amax pass but run the plain per-tensor GEMM.
+
+Under torch.compile the lookup is a dict read (dynamo guards on it); a miss leaves the graph for the timing
+(``torch.compiler.disable``), as the attention selector does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from . import fp8
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+CANDIDATES: tuple[str, str] = ("scaled_mm_rowwise", "scaled_mm_tensorwise")
+TIME_PER_SHAPE = True  # False: keep the path select_path gave (fp8.PER_TENSOR_DEFAULT_PATH)
+
+
+def row_bucket(rows: int) -> int:
+    """The power of two at or above ``rows``: shapes within a factor of two share one choice."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+def _median_ms(fn, device: torch.device, repeats: int = 3) -> float:  # noqa: ANN001 - a call without arguments
+    fn()  # warm-up: cuBLASLt picks its kernel on the first call of a shape
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+class ScaleChooser:
+    """Cached per-shape choices between per-token and per-call activation scales for per-tensor fp8 weights."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[tuple, str] = {}  # plain str values: dynamo guards on a hit
+        self.timings: dict[tuple, dict[str, float]] = {}
+
+    def choose(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None, path: str) -> str:
+        """The path for this call: ``path`` unless it is per-token scaling and timing both says otherwise."""
+        if path != CANDIDATES[0] or not TIME_PER_SHAPE or x.device.type != "cuda":
+            return path
+        rows = int(x.numel() // x.shape[-1]) if x.shape[-1] else 0  # int(): a compiled graph specializes on it
+        key = (x.device.index, row_bucket(rows), *weight.shape, x.dtype)
+        found = self.decisions.get(key)
+        return found if found is not None else self._decide(key, x, weight, weight_scale, bias)
+
+    @torch.compiler.disable
+    def _decide(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None) -> str:
+        if (known := self.decisions.get(key)) is not None:  # a graph traced before the decision lands here
+            return known
+        times: dict[str, float] = {}
+        try:
+            with torch.no_grad():
+                for name in CANDIDATES:
+                    times[name] = _median_ms(lambda p=name: fp8.fp8_linear(x, weight, weight_scale, bias, path=p,
+                                                                           out_dtype=x.dtype), x.device)
+        except (RuntimeError, torch.OutOfMemoryError) as exc:  # a path that cannot run here is never chosen
+            log.info("lowvram_dit fp8: timing the activation scales of %s failed (%s); keeping per-token scales",
+                     self.describe(key), exc)
+            self.decisions[key] = CANDIDATES[0]
+            return CANDIDATES[0]
+        best = min(times, key=times.get)
+        self.decisions[key], self.timings[key] = best, times
+        log.info("lowvram_dit fp8 %s: per-token scales %.2f ms, per-call scale %.2f ms -> %s", self.describe(key),
+                 times[CANDIDATES[0]], times[CANDIDATES[1]], fp8.describe_path(best))
+        return best
+
+    @staticmethod
+    def describe(key: tuple) -> str:
+        """A decision key as a log phrase: rows bucket and the weight's shape."""
+        _, rows, n, k, dtype = key
+        return f"linear {k}->{n} at <= {rows} rows ({str(dtype).removeprefix('torch.')})"
+
+    def report(self) -> list[str]:
+        """Every choice with its timings, for the Doctor and benchmarks."""
+        return [f"{self.describe(k)}: {fp8.describe_path(v)} "
+                + ", ".join(f"{n} {t:.2f} ms" for n, t in self.timings.get(k, {}).items())
+                for k, v in self.decisions.items()]
+
+    def clear(self) -> None:
+        """Forget every choice (the next call of each shape times again)."""
+        self.decisions.clear()
+        self.timings.clear()
+
+
+CHOOSER = ScaleChooser()
