@@ -32,9 +32,8 @@ from ..kernels import stage_meter
 from ..kernels.embedding_cache import embedding_cache_key, tensor_digest
 from ..kernels.stage_meter import StageReport
 from . import qwen_staged
-from .block_swap import budget_problem, check_budget
 from .glue import text_encoders
-from .glue.common import CATEGORY_LOADERS, display_name, embedding_cache, file_fingerprint, node_id
+from .glue.common import CATEGORY_LOADERS, display_name, embedding_cache, node_id
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -231,31 +230,20 @@ class QwenImageEditStagedLoader(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, unet_name: str, clip_name: str, vae_name: str, **kwargs) -> str:
-        """Re-run when a selected file changes on disk under the same name (size/mtime)."""
-        return "|".join(file_fingerprint(folder, name) for folder, name in
-                        (("diffusion_models", unet_name), ("text_encoders", clip_name), ("vae", vae_name)))
+        """Re-run when a selected file changes on disk under the same name (as the text-only loader)."""
+        return qwen_staged.QwenImageStagedLoader.fingerprint_inputs(unet_name, clip_name, vae_name)
 
     @classmethod
     def validate_inputs(cls, vram_budget_gb: float) -> bool | str:
         """Refuse a NaN / infinite / out-of-range budget by name when the prompt is queued."""
-        return budget_problem(vram_budget_gb) or True
+        return qwen_staged.QwenImageStagedLoader.validate_inputs(vram_budget_gb)
 
     @classmethod
     def execute(cls, unet_name: str, clip_name: str, vae_name: str, positive: str, negative: str,
                 quantization: str, vram_budget_gb: float, blocks_to_swap: int, cache_embeddings: bool,
                 compute: str = "auto", image1: torch.Tensor | None = None, image2: torch.Tensor | None = None,
                 image3: torch.Tensor | None = None) -> io.NodeOutput:
-        import comfy.model_management as mm
-        import folder_paths
-
-        check_budget(vram_budget_gb)
-        unet = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        te = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
-        vae_path = folder_paths.get_full_path_or_raise("vae", vae_name)
-        qwen_staged.check_vae_fits(vae_path, unet)  # a wrong VAE fails now, not after the long text stage
-        # A previous run's transformer must be gone before the encoder loads (see QwenImageStagedLoader).
-        mm.cleanup_models_gc()
-        stage_meter.release_host_memory()
+        unet, te, vae_path = qwen_staged.prepare_files(unet_name, clip_name, vae_name, vram_budget_gb)
         vae = qwen_staged.load_vae(vae_path)
         (pos, neg), _ = encode_edit_prompts(te, [positive, negative], [image1, image2, image3], vae,
                                             use_cache=cache_embeddings)

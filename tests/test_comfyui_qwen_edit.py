@@ -1,8 +1,8 @@
 """Qwen-Image-Edit staged loader: the streamed CPU encoder (vision tower included) against ComfyUI's own
 CLIPLoader + TextEncodeQwenImageEditPlus, the cache keyed by prompt + image content + encoder, and a real server.
 
-Files: the small Qwen2.5-VL encoder of tests/test_staged.py (ComfyUI's widths, the full 32-block vision tower ComfyUI
-always builds, 2 language layers), the tiny Wan 2.1 VAE and, for the server, the tiny Qwen-Image transformer.
+Files: a small Qwen2.5-VL encoder (``EDIT_TE``: ComfyUI's widths, the full 32-block vision tower ComfyUI always builds,
+2 language layers; written by tests/test_staged.py's writer), the tiny Wan 2.1 VAE and, for the server, the tiny Qwen-Image transformer.
 The vision tower and a 1024x1024 VAE encode run on the CPU here: each encode takes about a minute.
 """
 
@@ -16,9 +16,14 @@ from pathlib import Path
 import pytest
 from comfy_server import ComfyServer, comfyui_in_process_or_skip
 from comfyui_lowvram_dit.tools import synth
+from comfyui_lowvram_dit.tools.model_specs import Qwen25VLConfig
 from test_staged import write_small_text_encoder
 
 pytestmark = pytest.mark.comfyui
+# Written here, not shared with the text-only tests: Edit needs the full vision tower (32 blocks, width 1280, fixed in
+# ComfyUI) and the language model at ComfyUI's widths (3584 = the transformer's joint_attention_dim), 2 layers deep.
+EDIT_TE = Qwen25VLConfig(num_layers=2, hidden=3584, intermediate=256, num_heads=28, num_kv_heads=4, head_dim=128,
+                         vocab_size=152064, vision_layers=32, vision_hidden=1280, vision_intermediate=3420)
 GIB = float(1 << 30)
 STAGE1_RE = re.compile(r"Qwen-Image stage 1 \(text \+ vision encoder, CPU\): [\d.]+ s, RSS ([\d.]+) -> ([\d.]+) GiB "
                        r"\(peak ([\d.]+) GiB\)(?:, VRAM [^;]*)?; (.*)")
@@ -61,7 +66,7 @@ def test_edit_encode_equals_stock_and_caches_by_image(tmp_path: Path, monkeypatc
     from comfyui_lowvram_dit.nodes import qwen_edit, qwen_staged
 
     monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path / "user"))
-    te = write_small_text_encoder(tmp_path / "te.safetensors", "bf16", seed=2)
+    te = write_small_text_encoder(tmp_path / "te.safetensors", "bf16", seed=2, cfg=EDIT_TE)
     vae = qwen_staged.load_vae(synth.write_synthetic("wan21_vae", tmp_path / "vae.safetensors", "tiny", "bf16",
                                                      seed=3))
     img = _image(0)
@@ -141,7 +146,7 @@ def files(comfy_server: ComfyServer) -> Iterator[dict[str, str]]:
     names = {"unet": f"edit_qwen_{tag}.safetensors", "te": f"edit_te_{tag}.safetensors",
              "vae": f"edit_vae_{tag}.safetensors"}
     synth.write_synthetic("qwen_image", models / "diffusion_models" / names["unet"], "tiny", "bf16", seed=3)
-    write_small_text_encoder(models / "text_encoders" / names["te"], "bf16", seed=0)
+    write_small_text_encoder(models / "text_encoders" / names["te"], "bf16", seed=0, cfg=EDIT_TE)
     synth.write_synthetic("wan21_vae", models / "vae" / names["vae"], "tiny", "bf16", seed=3)
     yield names
     for folder, key in (("diffusion_models", "unet"), ("text_encoders", "te"), ("vae", "vae")):
