@@ -10,9 +10,11 @@ them:
   "Picture N:" prefix, edit template, VAE-encoded reference latents, ``conditioning_set_values``). Its ``clip`` is a
   stand-in: ``tokenize`` records the request, ``encode_from_tokens_scheduled`` answers it from the embedding cache
   or from the Qwen2.5-VL encoder streamed onto the CPU (vision tower included; nodes/glue/text_encoders.py), built
-  on the first miss and freed after the last prompt. The cache key holds the full text, the tokenizer arguments,
-  a content hash of every image the vision tower sees and the encoder identity (file fingerprint, format, dtype,
-  config, ComfyUI version). Only the embeddings and reference latents go to the GPU.
+  on the first miss. The node runs twice per prompt: without the VAE first (text + vision only), then the encoder is
+  freed, then with the VAE, its encodes answered from the first pass, so the encoder and the VAE encode never hold
+  memory at the same time. The cache key holds the full text, the tokenizer arguments, a content hash of every
+  image the vision tower sees and the encoder identity (file fingerprint, format, dtype, config, ComfyUI version).
+  Only the embeddings and reference latents go to the GPU.
 - Stage 2: the fp8 transformer with Block Swap (nodes/qwen_staged.py). A 2511 file's ``__index_timestep_zero__``
   marker is kept, so ComfyUI picks that reference method as it does for UNETLoader.
 """
