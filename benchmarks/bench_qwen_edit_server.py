@@ -134,6 +134,7 @@ def run_variant(name: str, opts: argparse.Namespace, total_vram_gib: float) -> d
         flags = [*bs.prepare_base(base, opts.models), "--front-end-root", str(opts.work / "frontend"),
                  "--user-directory", str(base / "user"), *variant.server_args(total_vram_gib)]
         write_input_image(base / "input", opts.image_size[0], opts.image_size[1])
+        (base / "user").mkdir(parents=True, exist_ok=True)
         with runner.start_comfyui(opts.comfyui, base, cpu=opts.smoke, extra_args=flags,
                                   startup_timeout=240) as server:
             try:
