@@ -56,6 +56,15 @@ def embedding_cache_key(prompt: str, template: str, encoder: dict[str, Any]) -> 
     return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 over a tensor's dtype, shape and bytes (an input image's content, as a cache key part)."""
+    c = t.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{c.dtype}|{list(c.shape)}|".encode())
+    if c.numel():
+        h.update(c.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 def _split_conditioning(cond: list) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """CONDITIONING ``[[tensor, {extras}], ...]`` -> (tensors by name, JSON description); ValueError if an
     extra is neither a tensor nor a JSON scalar (such conditionings are not cached)."""

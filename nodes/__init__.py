@@ -21,6 +21,7 @@ NODE_MODULES: tuple[str, ...] = (
     "attention",
     "compile",
     "qwen_staged",
+    "qwen_edit",
     "wan_text",
     "nan_guard",
     "doctor",

@@ -269,22 +269,29 @@ class QwenImageStagedLoader(io.ComfyNode):
     def execute(cls, unet_name: str, clip_name: str, vae_name: str, positive: str, negative: str,
                 quantization: str, vram_budget_gb: float, blocks_to_swap: int, cache_embeddings: bool,
                 compute: str = "auto") -> io.NodeOutput:
-        import comfy.model_management as mm
-        import folder_paths
-
-        check_budget(vram_budget_gb)
-        unet = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        te = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
-        vae_path = folder_paths.get_full_path_or_raise("vae", vae_name)
-        # A previous run's transformer (dropped from ComfyUI's cache when our inputs changed) must be gone
-        # before the encoder loads: the two do not fit in RAM together on the machines this node is for.
-        check_vae_fits(vae_path, unet)  # a wrong VAE fails now, not after the long text stage
-        mm.cleanup_models_gc()
-        stage_meter.release_host_memory()
+        unet, te, vae_path = prepare_files(unet_name, clip_name, vae_name, vram_budget_gb)
         (pos, neg), _ = encode_prompts(te, [positive, negative], use_cache=cache_embeddings)
         model, _ = load_staged_model(unet, quantization, vram_budget_gb, blocks_to_swap, compute)
         vae = load_vae(vae_path)
         return io.NodeOutput(model, pos, neg, vae)
+
+
+def prepare_files(unet_name: str, clip_name: str, vae_name: str, vram_budget_gb: float) -> tuple[str, str, str]:
+    """The opening of a staged Qwen-Image loader: the budget checked, the three files' paths, the VAE checked
+    against the transformer (a wrong VAE fails now, not after the long text stage) and RAM freed."""
+    import comfy.model_management as mm
+    import folder_paths
+
+    check_budget(vram_budget_gb)
+    unet = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+    te = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+    vae_path = folder_paths.get_full_path_or_raise("vae", vae_name)
+    check_vae_fits(vae_path, unet)
+    # A previous run's transformer (dropped from ComfyUI's cache when the inputs changed) must be gone before the
+    # encoder loads: the two do not fit in RAM together on the machines these nodes are for.
+    mm.cleanup_models_gc()
+    stage_meter.release_host_memory()
+    return unet, te, vae_path
 
 
 def load_staged_model(unet_path: str | Path, quantization: str = "fp8 per-tensor", vram_budget_gb: float = 0.0,

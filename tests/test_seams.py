@@ -229,7 +229,8 @@ def test_complete_comfyui_keeps_every_node_unchanged(fake_comfy, caplog) -> None
     classes = fake_comfy("0.8.0")
     assert all(not hasattr(c, "SEAM_PROBLEM") for c in classes)
     assert {c.__name__ for c in classes} >= {"WanLoader", "BlockSwap", "AttentionSelect", "TorchCompile",
-                                             "QwenImageStagedLoader", "QwenImageDecode", "WanTextEncode",
+                                             "QwenImageStagedLoader", "QwenImageEditStagedLoader",
+                                             "QwenImageDecode", "WanTextEncode",
                                              "NanGuard", "Doctor"}
     assert _warnings(caplog) == []
     assert set(_seams.seam_status().values()) == {"ok"}
@@ -253,9 +254,10 @@ def test_missing_wrapper_makes_model_patches_pass_through_and_loaders_disappear(
         assert out.args == (model,)
     assert _warnings(caplog) == [f"lowvram_dit: {guard.SEAM_PROBLEM}"]  # once, at the first run
     # The Qwen-Image loader calls Block Swap, which needs it too: a loader has nothing to pass, so it is left out.
-    assert "QwenImageStagedLoader" not in classes
-    assert any(m.startswith("lowvram_dit: Qwen-Image Staged Loader (LowVRAM) is disabled: this ComfyUI (0.7.2) "
-                            "lacks comfy.patcher_extension.WrappersMP.APPLY_MODEL") for m in startup)
+    assert "QwenImageStagedLoader" not in classes and "QwenImageEditStagedLoader" not in classes
+    for label in ("Qwen-Image Staged Loader", "Qwen-Image-Edit Staged Loader"):
+        assert any(m.startswith(f"lowvram_dit: {label} (LowVRAM) is disabled: this ComfyUI (0.7.2) "
+                                "lacks comfy.patcher_extension.WrappersMP.APPLY_MODEL") for m in startup), label
     # Nodes that do not use it are untouched.
     for name in ("WanLoader", "AttentionSelect", "QwenImageDecode", "WanTextEncode", "Doctor"):
         assert name in classes and not hasattr(classes[name], "SEAM_PROBLEM"), name
@@ -263,13 +265,13 @@ def test_missing_wrapper_makes_model_patches_pass_through_and_loaders_disappear(
     assert any(m.startswith("lowvram_dit: Block Swap (LowVRAM) passes the model through unchanged") for m in startup)
     # Torch Compile runs in the same hook chain: it passes the model through (it runs eager).
     assert any(m.startswith("lowvram_dit: Torch Compile (LowVRAM) passes the model through unchanged") for m in startup)
-    assert len(startup) == 4  # one line per affected node
+    assert len(startup) == 5  # one line per affected node
 
 
 def test_missing_folder_paths_function_disables_the_loaders_naming_a_newer_comfyui(fake_comfy, caplog) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
     classes = _by_name(fake_comfy("0.9.1", drop=("folder_paths:get_user_directory",)))
-    assert {"WanLoader", "WanTextEncode", "QwenImageStagedLoader"}.isdisjoint(classes)
+    assert {"WanLoader", "WanTextEncode", "QwenImageStagedLoader", "QwenImageEditStagedLoader"}.isdisjoint(classes)
     assert {"AttentionSelect", "NanGuard", "TorchCompile", "QwenImageDecode", "Doctor"} <= set(classes)
     msg = next(m for m in _warnings(caplog) if "Wan 2.2 Loader" in m)
     assert msg == ("lowvram_dit: Wan 2.2 Loader (LowVRAM) is disabled: this ComfyUI (0.9.1) lacks "

@@ -139,6 +139,9 @@ SEAMS: dict[str, tuple[Probe, ...]] = {
                                  "comfy.sd:detect_te_model", "comfy.sd:TEModel.QWEN25_7B", "comfy.sd:llama_detect",
                                  "comfy.utils:convert_old_quants", "comfy.sd:CLIP.tokenize",
                                  "comfy.sd:CLIP.encode_from_tokens_scheduled"),
+    # Qwen-Image-Edit Staged Loader: ComfyUI's own edit encode node, called with a served clip and the VAE.
+    "text_encoder.qwen_image_edit": _p("comfy_extras.nodes_qwen:TextEncodeQwenImageEditPlus.execute",
+                                       "node_helpers:conditioning_set_values", "comfy.sd:VAE.encode"),
     # Qwen-Image Staged Loader / Decode: VAE as VAELoader builds it, tiled decode (memory_used_decode is set per
     # instance in VAE.__init__, so it cannot be probed on the class).
     "vae": _p("comfy.sd:VAE.decode", "comfy.sd:VAE.decode_tiled",
