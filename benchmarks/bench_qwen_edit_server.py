@@ -50,11 +50,15 @@ SMOKE_NATIVE = ("CLIPLoader builds ComfyUI's fixed 28-layer 7B config, which the
 
 
 def build_graph(kind: str, unet: str, te: str, vae: str, steps: int, edit: str, card_gib: float | None,
-                decode: bool = False, scale: bool = True) -> dict:
+                decode: bool = False, scale: bool = True, empty_image: tuple[int, int] | None = None) -> dict:
     """The API graph of one variant ("native" or "pack"); the sampler is node ``SAMPLER``. ``scale``: the image goes
-    through FluxKontextImageScale (about 1 MP) as in the templates; off, the start latent keeps the image's size."""
+    through FluxKontextImageScale (about 1 MP) as in the templates; off, the start latent keeps the image's size.
+    ``empty_image`` (width, height): a stock EmptyImage of one colour instead of LoadImage (ComfyUI 0.33 decodes
+    every loaded image through PyAV; the compute is the same for any picture of that size)."""
     n = bs._node
-    g: dict[str, dict] = {"1": n("LoadImage", "Load Image", image=IMAGE)}
+    g: dict[str, dict] = {"1": n("LoadImage", "Load Image", image=IMAGE) if empty_image is None else
+                          n("EmptyImage", "Reference image", width=empty_image[0], height=empty_image[1],
+                            batch_size=1, color=0x5A7D9A)}
     if scale:
         g["2"] = n("FluxKontextImageScale", "FluxKontextImageScale", image=["1", 0])
     else:
@@ -127,7 +131,7 @@ def run_variant(name: str, opts: argparse.Namespace, total_vram_gib: float) -> d
     card = None if opts.smoke else opts.card_gib
     variant = bs.ServerVariant(name, VARIANTS[name], card_gib=card, baseline=VARIANTS[name] == "native")
     graph = build_graph(variant.graph, opts.unet, opts.te, opts.vae, opts.steps, opts.edit, card, opts.decode,
-                        scale=not opts.smoke)
+                        scale=not opts.smoke, empty_image=tuple(opts.image_size) if opts.empty_image else None)
     record: dict[str, Any] = {"name": name, "graph": variant.graph, "status": "error", "card_gib": card}
     log = ""
     try:
@@ -174,6 +178,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, nargs=2, default=[1024, 1024], metavar=("W", "H"))
     p.add_argument("--card-gib", type=float, default=bs.CARD_GIB)
     p.add_argument("--decode", action="store_true", help="VAEDecode + SaveImage instead of SaveLatent")
+    p.add_argument("--empty-image", action="store_true",
+                   help="a one-colour EmptyImage of --image-size instead of LoadImage (servers without PyAV)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny files written into --models, 64 px, 2 steps")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir, removed)")

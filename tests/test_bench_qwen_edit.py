@@ -54,3 +54,10 @@ def test_input_image_is_written(tmp_path: Path) -> None:
     path = be.write_input_image(tmp_path, 24, 16)
     with Image.open(path) as im:
         assert im.size == (24, 16) and im.mode == "RGB" and im.getpixel((23, 15))[:2] == (255, 255)
+
+
+def test_empty_image_replaces_the_loaded_one_with_the_same_size() -> None:
+    graph = be.build_graph("pack", be.UNET, be.TEXT_ENCODER, be.VAE, 4, "2509", 8.0, empty_image=(1024, 768))
+    assert graph["1"]["class_type"] == "EmptyImage"
+    assert (graph["1"]["inputs"]["width"], graph["1"]["inputs"]["height"]) == (1024, 768)
+    assert _problems(graph) == []  # EmptyImage is in the schema snapshot, LoadImage is gone
