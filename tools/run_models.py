@@ -67,7 +67,7 @@ def staged_text_encoder_files(workflow: dict) -> set[str]:
     """Model names used by the pack's streaming text-encoder nodes only (never also by another node)."""
     staged: set[str] = set()
     other: set[str] = set()
-    nodes = list(all_nodes(workflow)) if "nodes" in workflow else [
+    nodes = list(all_nodes(workflow, instances=False)) if "nodes" in workflow else [
         {"type": n.get("class_type"), "widgets_values": list(n.get("inputs", {}).values())} for n in workflow.values()]
     for node in nodes:
         wv = node.get("widgets_values")

@@ -208,8 +208,12 @@ class Workflow:
         return self.data
 
 
-def all_nodes(workflow: dict) -> Iterator[dict]:
-    """Every node of a UI-format workflow: the root graph's and each subgraph definition's."""
-    yield from workflow.get("nodes") or []
-    for sg in (workflow.get("definitions") or {}).get("subgraphs") or []:
-        yield from sg.get("nodes") or []
+def all_nodes(workflow: dict, instances: bool = True) -> Iterator[dict]:
+    """Every node of a UI-format workflow: the root graph's and each subgraph definition's.
+
+    ``instances=False`` leaves out the nodes that stand for a subgraph (their widget values are the promoted
+    values of nodes inside it)."""
+    subgraphs = (workflow.get("definitions") or {}).get("subgraphs") or []
+    ids = {str(sg.get("id")) for sg in subgraphs}
+    for graph in [workflow, *subgraphs]:
+        yield from (n for n in graph.get("nodes") or [] if instances or str(n.get("type")) not in ids)
