@@ -219,3 +219,36 @@ def test_keep_text_encoders_leaves_clip_nodes() -> None:
     types = [n["type"] for _, g in graphs(work) for n in g["nodes"]]
     assert types.count("CLIPLoader") == 1 and types.count("CLIPTextEncode") == 2
     assert "LowVRAM_WanTextEncode" not in types and types.count("LowVRAM_WanLoader") == 2
+
+
+def test_runner_names_the_nodes_a_host_lacks() -> None:
+    from comfyui_lowvram_dit.tools import runner
+
+    workflow = load_template("video_wan2_2_14B_t2v")
+    used = {n["type"] for _, g in graphs(workflow) for n in g["nodes"]}
+    host = {t: {} for t in used if t not in ("ComfyMathExpression", "MarkdownNote")}
+    # MarkdownNote lives only in the front end; the subgraph node is expanded; ComfyMathExpression is missing
+    assert runner.missing_node_types(workflow, host) == ["ComfyMathExpression"]
+    for _, g in graphs(workflow):
+        for n in g["nodes"]:
+            if n["type"] == "ComfyMathExpression":
+                n["mode"] = 4  # bypassed: not needed
+    assert runner.missing_node_types(workflow, host) == []
+    api = {"1": {"class_type": "KSampler", "inputs": {}}, "2": {"class_type": "Nope", "inputs": {}}}
+    assert runner.missing_node_types(api, {"KSampler": {}}) == ["Nope"]
+
+
+def test_template_model_and_lora_names_are_known_to_the_runner() -> None:
+    from comfyui_lowvram_dit.tools import run_models
+    from comfyui_lowvram_dit.tools.synth_lora import KNOWN_LORA_FILES, lora_layout
+
+    for name in TEMPLATES:
+        names = run_models.referenced_model_files(load_template(name))
+        assert names and names <= run_models.KNOWN_MODEL_FILES.keys() | KNOWN_LORA_FILES.keys(), name
+    from comfyui_lowvram_dit.tools.model_specs import model_spec
+
+    layout = dict(lora_layout("wan22_t2v_14B"))
+    shapes = {name: tuple(shape) for name, shape, _ in model_spec("wan22_t2v_14B", "tiny")}
+    assert layout["blocks.0.ffn.0"] == shapes["blocks.0.ffn.0.weight"]
+    assert layout["blocks.1.cross_attn.o"] == shapes["blocks.1.cross_attn.o.weight"]
+    assert all(k.startswith("blocks.") for k in layout) and "head.head" not in layout
