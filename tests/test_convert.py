@@ -252,3 +252,12 @@ def test_template_model_and_lora_names_are_known_to_the_runner() -> None:
     assert layout["blocks.0.ffn.0"] == shapes["blocks.0.ffn.0.weight"]
     assert layout["blocks.1.cross_attn.o"] == shapes["blocks.1.cross_attn.o.weight"]
     assert all(k.startswith("blocks.") for k in layout) and "head.head" not in layout
+
+
+def test_other_wan_variants_keep_their_loader() -> None:
+    from template_files import template_path
+
+    template_path("video_wan2_2_14B_fun_control")  # skips when this template is not in the installed package
+    _, work, report = _converted("video_wan2_2_14B_fun_control")
+    assert not any(n["type"] == "LowVRAM_WanLoader" for _, g in graphs(work) for n in g["nodes"])
+    assert any("kept: not a Wan" in n for n in report.notes)

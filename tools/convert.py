@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,7 +41,8 @@ QWEN_STAGED_INPUTS = [("unet_name", "COMBO", True), ("clip_name", "COMBO", True)
                       ("positive", "STRING", True), ("negative", "STRING", True), ("quantization", "COMBO", True),
                       ("vram_budget_gb", "FLOAT", True), ("blocks_to_swap", "INT", True),
                       ("cache_embeddings", "BOOLEAN", True), ("compute", "COMBO", True)]
-INSERT_OFFSET = (40.0, 140.0)  # where an inserted node goes, relative to the node it follows
+INSERT_OFFSET = (40.0, 140.0)
+WAN_FILE = re.compile(r"wan2[._][12][_-](t2v|i2v|ti2v)[_-]")  # where an inserted node goes, relative to the node it follows
 
 
 class ConvertError(RuntimeError):
@@ -153,7 +155,9 @@ def _widget(node: dict, index: int) -> object:
 
 
 def _is_wan_file(name: object) -> bool:
-    return isinstance(name, str) and "wan" in name.lower()
+    """A Wan 2.1 / 2.2 T2V, I2V or TI2V file (official names): what the Wan 2.2 Loader reads. Fun, VACE, S2V and
+    other variants carry extra layers and stay on their stock loader."""
+    return isinstance(name, str) and WAN_FILE.match(name.lower()) is not None
 
 
 def _is_qwen_image_file(name: object) -> bool:
@@ -293,6 +297,9 @@ def convert_workflow(workflow: dict, opts: ConvertOptions = ConvertOptions(), so
         for node in list(graph.nodes):
             if _active(node, "UNETLoader") and _is_wan_file(_widget(node, 0)):
                 _convert_wan_loader(graph, node, opts, report)
+            elif _active(node, "UNETLoader") and "wan" in str(_widget(node, 0)).lower():
+                report.notes.append(f"{graph.name}: UNETLoader {node['id']} ({_widget(node, 0)}) kept: not a Wan "
+                                    "2.1/2.2 T2V, I2V or TI2V file name the Wan 2.2 Loader is made for")
             elif _active(node, "UNETLoader") and _is_qwen_image_file(_widget(node, 0)):
                 _convert_qwen(wf, graph, node, opts, report)
     wf.finish()
