@@ -472,10 +472,10 @@ def _run_started(args: argparse.Namespace, workflow: dict, wf_path: Path, output
         if not args.models and not args.synthetic:  # (--synthetic full may name the folder with --models)
             _say("no --models given: using tiny synthetic models (--synthetic tiny)")
             args.synthetic = "tiny"
-        if args.synthetic:
+        if args.synthetic:  # the files are written once ComfyUI is up and has every node the workflow needs
             models_dir = args.models or cache_root / "synthetic" / args.synthetic
-            write_synthetic_models(referenced_model_files(workflow), models_dir, args.synthetic,
-                                   staged_text_encoder_files(workflow))
+            for folder in MODEL_FOLDERS:  # present at startup, so ComfyUI's file lists see files added later
+                (models_dir / folder).mkdir(parents=True, exist_ok=True)
         ensure_input_images(workflow, base / "input", bool(args.synthetic), [wf_path.parent, Path.cwd()])
         if models_dir:
             yaml = extra_model_paths_yaml(models_dir.resolve(), base / "extra_model_paths.yaml")
@@ -489,6 +489,10 @@ def _run_started(args: argparse.Namespace, workflow: dict, wf_path: Path, output
             problems = pack_import_problems(server.log_text(), base / "custom_nodes" / REGISTRY_FOLDER_NAME)
             if problems:
                 raise RunError(f"the pack failed to import in ComfyUI: {problems[0].strip()}")
+            check_node_types(server, workflow, server.get("/object_info", timeout=120))
+            if args.synthetic:
+                write_synthetic_models(referenced_model_files(workflow), models_dir, args.synthetic,
+                                       staged_text_encoder_files(workflow))
             with MemoryWatch(server.process.pid) as watch:
                 start = time.monotonic()
                 files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout,
