@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from comfyui_lowvram_dit.tools import runner
+from comfyui_lowvram_dit.tools.synth_lora import KNOWN_LORA_FILES
 
 TESTS = Path(__file__).resolve().parent
 WORKFLOWS = sorted((TESTS.parent / "workflows").glob("*.json"))
@@ -28,14 +29,6 @@ NOTE_TYPES = {"Note", "MarkdownNote"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 FILE_INPUTS = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "vae_name": "vae", "lora_name": "loras"}
 PACK_CNR = "comfyui-lowvram-dit"
-
-
-def skip_without_synthetic_loras(files: set[str]) -> None:
-    """Skip a 4-step workflow's synthetic run while the runner has no synthetic stand-in for its LoRA files."""
-    missing = sorted(f for f in files & OFFICIAL_LORAS if f not in runner.KNOWN_MODEL_FILES)
-    if missing:
-        pytest.skip(f"the runner cannot write synthetic LoRAs yet ({', '.join(missing)} unknown to "
-                    "tools/run_models.KNOWN_MODEL_FILES)")
 
 
 def _load(name: str) -> dict:
@@ -153,7 +146,9 @@ def test_synthetic_tiny_plan(path: Path) -> None:
     """What `run --synthetic tiny` does with each workflow: known files, 2-layer text encoders, tiny sizes."""
     wf = _workflow(path)
     files = runner.referenced_model_files(wf)
-    skip_without_synthetic_loras(files)
+    loras = files & OFFICIAL_LORAS
+    assert loras <= set(KNOWN_LORA_FILES)  # the runner writes a synthetic stand-in for every LoRA a workflow wires
+    files -= loras
     assert files and all(f in runner.KNOWN_MODEL_FILES for f in files)
     tes = {f for f in files if runner.KNOWN_MODEL_FILES[f][0] == "text_encoders"}
     assert tes and runner.staged_text_encoder_files(wf) >= tes  # every encoder goes through a staged node

@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": (".doctor", "report versions, GPU, working fp8/attention paths and a recommendation"),
     "synth": (".synth", "write synthetic checkpoints (real key names and shapes, random weights)"),
     "run": (".runner", "run a shipped workflow headless in ComfyUI"),
+    "convert": (".convert", "rewrite a workflow (e.g. an official template) to use this pack's nodes"),
 }
 
 

@@ -11,6 +11,9 @@ import re
 import struct
 from pathlib import Path
 
+from .synth_lora import KNOWN_LORA_FILES, write_synthetic_loras
+from .ui_graph import all_nodes
+
 # Official ComfyUI repackaged file names -> (model folder, synthetic model, synthetic format).
 KNOWN_MODEL_FILES: dict[str, tuple[str, str, str]] = {
     "wan2.2_t2v_high_noise_14B_fp16.safetensors": ("diffusion_models", "wan22_t2v_14B", "fp16"),
@@ -24,6 +27,8 @@ KNOWN_MODEL_FILES: dict[str, tuple[str, str, str]] = {
     "wan2.2_ti2v_5B_fp16.safetensors": ("diffusion_models", "wan22_ti2v_5B", "fp16"),
     "qwen_image_bf16.safetensors": ("diffusion_models", "qwen_image", "bf16"),
     "qwen_image_fp8_e4m3fn.safetensors": ("diffusion_models", "qwen_image", "fp8"),
+    "qwen_image_edit_2509_fp8_e4m3fn.safetensors": ("diffusion_models", "qwen_image", "fp8"),
+    "qwen_image_edit_2511_fp8mixed.safetensors": ("diffusion_models", "qwen_image", "fp8"),
     "umt5_xxl_fp16.safetensors": ("text_encoders", "umt5_xxl_enc", "fp16"),
     "umt5_xxl_fp8_e4m3fn_scaled.safetensors": ("text_encoders", "umt5_xxl_enc", "fp8_scaled"),
     "qwen_2.5_vl_7b.safetensors": ("text_encoders", "qwen25_vl_7b", "bf16"),
@@ -61,7 +66,7 @@ def referenced_model_files(workflow: dict) -> set[str]:
     """Every ``*.safetensors`` name in a UI or API workflow's widget values / inputs."""
     values: list[object] = []
     if "nodes" in workflow:
-        for node in workflow["nodes"]:
+        for node in all_nodes(workflow):  # subgraphs too
             wv = node.get("widgets_values")
             values += list(wv.values()) if isinstance(wv, dict) else list(wv or [])
     else:
@@ -74,7 +79,7 @@ def staged_text_encoder_files(workflow: dict) -> set[str]:
     """Model names used by the pack's streaming text-encoder nodes only (never also by another node)."""
     staged: set[str] = set()
     other: set[str] = set()
-    nodes = workflow["nodes"] if "nodes" in workflow else [
+    nodes = list(all_nodes(workflow, instances=False)) if "nodes" in workflow else [
         {"type": n.get("class_type"), "widgets_values": list(n.get("inputs", {}).values())} for n in workflow.values()]
     for node in nodes:
         wv = node.get("widgets_values")
@@ -157,11 +162,13 @@ def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny"
     sizes (a 14B fp8 expert is ~14 GB), generated on the GPU when there is one. Prints one line per file it
     writes and nothing when every file is cached.
     """
+    loras = {n for n in names if n in KNOWN_LORA_FILES}
+    names = {n for n in names if n not in loras}
     unknown = sorted(n for n in names if n not in KNOWN_MODEL_FILES)
     if unknown:
         raise RunError(
             f"--synthetic cannot make {', '.join(unknown)}: not an official file name this runner knows "
-            f"({', '.join(sorted(KNOWN_MODEL_FILES))}); give real files with --models instead"
+            f"({', '.join(sorted({*KNOWN_MODEL_FILES, *KNOWN_LORA_FILES}))}); give real files with --models instead"
         )
     todo: list[tuple[Path, str, str, bool]] = []
     paths = []
@@ -191,7 +198,7 @@ def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny"
             print(f"  {what}{model} ({fmt}) -> {path.relative_to(models_dir)}", flush=True)
             write_synthetic(model, path, size=size, fmt=fmt, config=config, device=device,
                             metadata={"tiny_layout": TINY_LAYOUT} if size == "tiny" else None)
-    return paths
+    return paths + write_synthetic_loras(loras, models_dir, size)
 
 
 def extra_model_paths_yaml(models_dir: Path, path: Path) -> Path:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .memwatch import MemoryWatch
+from .ui_graph import BYPASSED_MODES, FRONTEND_ONLY, all_nodes
 from .run_models import (  # noqa: F401 - re-exported: part of the runner's interface
     KNOWN_MODEL_FILES,
     MODEL_FOLDERS,
@@ -254,6 +255,25 @@ def to_api(workflow: dict, object_info: dict) -> dict:
     return workflow if is_api_format(workflow) else convert_ui_to_api(workflow, object_info)
 
 
+def missing_node_types(workflow: dict, object_info: dict) -> list[str]:
+    """Node types a UI or API workflow needs that this ComfyUI lacks (bypassed, muted, front-end-only nodes and
+    subgraph instances left out), sorted."""
+    if is_api_workflow(workflow):
+        return sorted({n["class_type"] for n in workflow.values()} - object_info.keys())
+    subgraphs = {str(sg.get("id")) for sg in (workflow.get("definitions") or {}).get("subgraphs") or []}
+    used = {str(n.get("type")) for n in all_nodes(workflow) if n.get("mode", 0) not in BYPASSED_MODES}
+    return sorted(used - FRONTEND_ONLY - subgraphs - object_info.keys())
+
+
+def check_node_types(server: ComfyServer, workflow: dict, object_info: dict) -> None:
+    """RunError naming every node type the workflow uses that the server lacks, and the server's version."""
+    missing = missing_node_types(workflow, object_info)
+    if missing:
+        version = server.get("/system_stats").get("system", {}).get("comfyui_version", "unknown version")
+        raise RunError(f"this ComfyUI ({version}) has no node {', '.join(missing)}: the workflow needs a newer "
+                       "ComfyUI or the custom nodes that provide it")
+
+
 def apply_overrides(api: dict, overrides: list[str]) -> dict:
     """Apply ``NODE.INPUT=VALUE`` overrides; NODE is a node id, a title or a class_type (must be unique)."""
     for item in overrides:
@@ -303,7 +323,7 @@ def ensure_input_images(workflow: dict, input_dir: Path, synthetic: bool, search
     The file is copied from ``search`` (the workflow's folder, the current directory); for --synthetic runs a
     missing one is drawn (a 256x256 gradient PNG), otherwise its absence is an error naming the fix.
     """
-    nodes = workflow.get("nodes", [])
+    nodes = list(all_nodes(workflow))  # subgraphs too
     names = [n["widgets_values"][0] for n in nodes if n.get("type") == "LoadImage" and n.get("widgets_values")]
     if "nodes" not in workflow:
         names = [n["inputs"]["image"] for n in workflow.values() if n.get("class_type") == "LoadImage"]
@@ -351,7 +371,9 @@ def execution_error(entry: dict) -> str:
 def run_workflow(server: ComfyServer, workflow: dict, overrides: list[str], output_dir: Path, timeout: float,
                  tiny: bool = False) -> list[Path]:
     """Convert, queue and wait for one workflow (``tiny``: apply tiny_overrides first); returns the output files."""
-    api = workflow if is_api_workflow(workflow) else to_api(workflow, server.get("/object_info", timeout=120))
+    object_info = server.get("/object_info", timeout=120)
+    check_node_types(server, workflow, object_info)
+    api = workflow if is_api_workflow(workflow) else to_api(workflow, object_info)
     if tiny:
         auto = tiny_overrides(api)
         print(f"--synthetic tiny: {' '.join(auto) or 'no size/step overrides'}", flush=True)
@@ -456,10 +478,10 @@ def _run_started(args: argparse.Namespace, workflow: dict, wf_path: Path, output
             for old, new in swap_tiny_vaes(workflow):
                 _say(f"--synthetic tiny: VAE Loader {old} -> {new}, a tiny decoder of the same latents (ComfyUI "
                      "builds that VAE at full size, 1.4 GB even with random weights)")
-        if args.synthetic:
+        if args.synthetic:  # the files are written once ComfyUI is up and has every node the workflow needs
             models_dir = args.models or cache_root / "synthetic" / args.synthetic
-            write_synthetic_models(referenced_model_files(workflow), models_dir, args.synthetic,
-                                   staged_text_encoder_files(workflow))
+            for folder in MODEL_FOLDERS:  # present at startup, so ComfyUI's file lists see files added later
+                (models_dir / folder).mkdir(parents=True, exist_ok=True)
         ensure_input_images(workflow, base / "input", bool(args.synthetic), [wf_path.parent, Path.cwd()])
         if models_dir:
             yaml = extra_model_paths_yaml(models_dir.resolve(), base / "extra_model_paths.yaml")
@@ -473,6 +495,10 @@ def _run_started(args: argparse.Namespace, workflow: dict, wf_path: Path, output
             problems = pack_import_problems(server.log_text(), base / "custom_nodes" / REGISTRY_FOLDER_NAME)
             if problems:
                 raise RunError(f"the pack failed to import in ComfyUI: {problems[0].strip()}")
+            check_node_types(server, workflow, server.get("/object_info", timeout=120))
+            if args.synthetic:
+                write_synthetic_models(referenced_model_files(workflow), models_dir, args.synthetic,
+                                       staged_text_encoder_files(workflow))
             with MemoryWatch(server.process.pid) as watch:
                 start = time.monotonic()
                 files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout,

@@ -166,7 +166,56 @@ class Raise(io.ComfyNode):
         raise RuntimeError(message)
 
 
-NODES = [RandomConditioning, ConditioningStats, LatentStats, ModelInfo, Raise]
+def _pack_submodule(name: str) -> Any:
+    """A module of the pack as ComfyUI loaded it (ComfyUI names a custom-node package after its path)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    for mod_name, mod in list(sys.modules.items()):
+        file = getattr(mod, "__file__", None)
+        if file and "." not in mod_name.replace("_x_", "") and Path(file).resolve() == repo / "__init__.py":
+            return importlib.import_module(f"{mod_name}.{name}")
+    raise RuntimeError(f"the pack at {repo} is not loaded in this ComfyUI")
+
+
+class StreamedCLIPLoader(io.ComfyNode):
+    """TEST STAND-IN for ComfyUI's CLIPLoader (types wan and qwen_image), same inputs and CLIP output.
+
+    Stock CLIPLoader builds umT5-XXL / Qwen2.5-VL-7B from ComfyUI's fixed full-size configs, so it cannot load
+    the 2-layer synthetic encoders the tests write (the full-size files are 6.7 / 8.3 GB). This node builds the
+    same ComfyUI classes (``comfy.sd.CLIP`` with ComfyUI's own tokenizer and encoder) with the sizes read from the
+    file, through the pack's streaming builders, so the rest of an official template (CLIPTextEncode,
+    TextEncodeQwenImageEditPlus, samplers, LoRAs, VAE) runs as shipped. Used only by
+    tests/test_comfyui_templates.py on templates that use the stock text encoder.
+    """
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        import folder_paths
+
+        return io.Schema(
+            node_id="LowVRAMTest_StreamedCLIPLoader",
+            display_name="Streamed CLIP Loader (test stand-in for CLIPLoader)",
+            category=CATEGORY,
+            inputs=[io.Combo.Input("clip_name", options=folder_paths.get_filename_list("text_encoders")),
+                    io.Combo.Input("type", options=["wan", "qwen_image"]),
+                    io.Combo.Input("device", options=["default", "cpu"], optional=True)],
+            outputs=[io.Clip.Output()],
+        )
+
+    @classmethod
+    def execute(cls, clip_name: str, type: str, device: str = "default") -> io.NodeOutput:  # noqa: A002
+        import folder_paths
+
+        path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+        if type == "wan":
+            return io.NodeOutput(_pack_submodule("nodes.wan_text").build_umt5_streaming(path))
+        return io.NodeOutput(_pack_submodule("nodes.qwen_staged").build_text_encoder_streaming(path))
+
+
+NODES = [RandomConditioning, ConditioningStats, LatentStats, ModelInfo, Raise, StreamedCLIPLoader]
 
 
 def make_extension() -> ComfyExtension:
