@@ -45,10 +45,11 @@ def write_models(models: Path, lora: bool = False) -> dict[str, float]:
     ``lora``: the 4-step LoRAs too, where the runner has a synthetic writer for them (else they must be in
     ``models/loras``)."""
     took = {}
+    from ..tools.synth_lora import KNOWN_LORA_FILES
     from .bench_server import LORA_FILES, MODEL_FILES
 
     for name in MODEL_FILES + (LORA_FILES if lora else ()):
-        if name not in runner.KNOWN_MODEL_FILES:
+        if name not in runner.KNOWN_MODEL_FILES and name not in KNOWN_LORA_FILES:
             print(f"model {name}: no synthetic writer for it; put the real file in {models / 'loras'}", flush=True)
             continue
         t0 = time.monotonic()

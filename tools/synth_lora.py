@@ -30,6 +30,7 @@ KNOWN_LORA_FILES: dict[str, tuple[str, str, str]] = {
     "Qwen-Image-Edit-2511-Lightning-4steps-V1.0-bf16.safetensors": ("qwen_image", "", "bfloat16"),
 }
 LORA_RANK = 4
+FULL_RANK = 64  # full-size stand-ins: the rank of the released lightx2v / Lightning 4-step LoRAs
 LORA_ALPHA = 4.0
 LORA_STD = 0.01  # small: a patched weight stays close to the synthetic one
 _BLOCK_LINEAR = re.compile(r"^(?:blocks|transformer_blocks)\.\d+\.")
@@ -75,10 +76,10 @@ def write_synthetic_loras(names: set[str], models_dir: Path, size: str = "tiny")
             from safetensors.torch import save_file
 
             path.parent.mkdir(parents=True, exist_ok=True)
-            print(f"  synthetic LoRA (rank {LORA_RANK}, {KNOWN_LORA_FILES[name][0]} {size}) -> loras/{name}",
-                  flush=True)
+            print(f"  synthetic LoRA ({KNOWN_LORA_FILES[name][0]} {size}) -> loras/{name}", flush=True)
             tmp = path.with_name(path.name + ".tmp")
-            save_file(synthetic_lora(name, size), str(tmp), metadata={"synthetic": "comfyui_lowvram_dit"})
+            rank = FULL_RANK if size == "full" else LORA_RANK
+            save_file(synthetic_lora(name, size, rank), str(tmp), metadata={"synthetic": "comfyui_lowvram_dit"})
             tmp.replace(path)
         paths.append(path)
     return paths
