@@ -47,7 +47,8 @@ def merged_weight(patcher: Any, key: str, device: torch.device) -> torch.Tensor:
     import comfy.model_patcher as mp
 
     weight, set_func, convert_func = mp.get_key_weight(patcher.model, key)
-    temp = weight.to(device=device, dtype=mm.lora_compute_dtype(device), copy=True)
+    # as patch_weight_to_device: a non-blocking copy converts on the GPU (a blocking one converts on the CPU)
+    temp = mm.cast_to_device(weight, device, mm.lora_compute_dtype(device), copy=True)
     if convert_func is not None:
         temp = convert_func(temp, inplace=True)
     out = comfy.lora.calculate_weight(patcher.patches[key], temp, key)
