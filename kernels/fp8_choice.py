@@ -13,11 +13,11 @@ Under torch.compile the lookup is a dict read (dynamo guards on it); a miss leav
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from . import fp8
+from .attention import time_call
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -28,24 +28,6 @@ TIME_PER_SHAPE = True  # False: keep the path select_path gave (fp8.PER_TENSOR_D
 def row_bucket(rows: int) -> int:
     """The power of two at or above ``rows``: shapes within a factor of two share one choice."""
     return 1 << max(rows - 1, 0).bit_length()
-
-
-def _median_ms(fn, device: torch.device, repeats: int = 3) -> float:  # noqa: ANN001 - a call without arguments
-    fn()  # warm-up: cuBLASLt picks its kernel on the first call of a shape
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 class ScaleChooser:
@@ -74,8 +56,9 @@ class ScaleChooser:
         try:
             with torch.no_grad():
                 for name in CANDIDATES:
-                    times[name] = _median_ms(lambda p=name: fp8.fp8_linear(x, weight, weight_scale, bias, path=p,
-                                                                           out_dtype=x.dtype), x.device)
+                    # one warm-up first: cuBLASLt picks its kernel on the first call of a shape
+                    times[name] = time_call(lambda p=name: fp8.fp8_linear(x, weight, weight_scale, bias, path=p,
+                                                                          out_dtype=x.dtype), x.device)
         except (RuntimeError, torch.OutOfMemoryError) as exc:  # a path that cannot run here is never chosen
             log.info("lowvram_dit fp8: timing the activation scales of %s failed (%s); keeping per-token scales",
                      self.describe(key), exc)
