@@ -88,6 +88,25 @@ def staged_text_encoder_files(workflow: dict) -> set[str]:
     return staged - other
 
 
+QWEN_IMAGE_NODES = ("LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageEditStagedLoader")
+
+
+def stock_loaded_qwen_image_files(workflow: dict) -> set[str]:
+    """Qwen-Image transformer files a node other than the pack's Qwen-Image loaders loads (e.g. stock UNETLoader).
+
+    The tiny synthetic Qwen-Image is narrow: only the pack's loaders read its widths from the file, while ComfyUI
+    builds Qwen-Image at its fixed full width, so such a workflow cannot run on tiny files."""
+    nodes = list(all_nodes(workflow, instances=False)) if "nodes" in workflow else [
+        {"type": n.get("class_type"), "widgets_values": list(n.get("inputs", {}).values())} for n in workflow.values()]
+    out: set[str] = set()
+    for node in nodes:
+        wv = node.get("widgets_values")
+        names = {v for v in (wv.values() if isinstance(wv, dict) else wv or []) if isinstance(v, str)}
+        if node.get("type") not in QWEN_IMAGE_NODES:
+            out |= {n for n in names if KNOWN_MODEL_FILES.get(n, ("", ""))[1] == "qwen_image"}
+    return out
+
+
 def tiny_text_encoder_config(model: str) -> object | None:
     """The reduced config --synthetic tiny uses for a text encoder loaded by a staged node (None: not a TE).
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .memwatch import MemoryWatch
-from .ui_graph import BYPASSED_MODES, FRONTEND_ONLY, all_nodes
 from .run_models import (  # noqa: F401 - re-exported: part of the runner's interface
     KNOWN_MODEL_FILES,
     MODEL_FOLDERS,
@@ -39,10 +38,12 @@ from .run_models import (  # noqa: F401 - re-exported: part of the runner's inte
     extra_model_paths_yaml,
     referenced_model_files,
     staged_text_encoder_files,
+    stock_loaded_qwen_image_files,
     swap_tiny_vaes,
     tiny_text_encoder_config,
     write_synthetic_models,
 )
+from .ui_graph import BYPASSED_MODES, FRONTEND_ONLY, all_nodes
 
 PACK_DIR = Path(__file__).resolve().parent.parent  # the repository root is the pack
 WORKFLOWS_DIR = PACK_DIR / "workflows"
@@ -474,6 +475,11 @@ def _run_started(args: argparse.Namespace, workflow: dict, wf_path: Path, output
         if not args.models and not args.synthetic:  # (--synthetic full may name the folder with --models)
             _say("no --models given: using tiny synthetic models (--synthetic tiny)")
             args.synthetic = "tiny"
+        if args.synthetic == "tiny" and (stock := stock_loaded_qwen_image_files(workflow)):
+            raise RunError(f"--synthetic tiny cannot serve {', '.join(sorted(stock))} to a stock loader: ComfyUI builds "
+                           "Qwen-Image at its full width, the tiny file is narrow (only the pack's Qwen-Image loaders "
+                           "read widths from the file). Convert the workflow first (python -m comfyui_lowvram_dit "
+                           "convert WORKFLOW.json) or give real files with --models")
         if args.synthetic == "tiny":
             for old, new in swap_tiny_vaes(workflow):
                 _say(f"--synthetic tiny: VAE Loader {old} -> {new}, a tiny decoder of the same latents (ComfyUI "
