@@ -11,12 +11,13 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from comfy_server import ComfyServer, comfyui_in_process_or_skip
 from comfyui_lowvram_dit.tools import synth
-from comfyui_lowvram_dit.tools.model_specs import Qwen25VLConfig
+from comfyui_lowvram_dit.tools.model_specs import Qwen25VLConfig, model_config
 from test_staged import write_small_text_encoder
 
 pytestmark = pytest.mark.comfyui
@@ -24,6 +25,9 @@ pytestmark = pytest.mark.comfyui
 # ComfyUI) and the language model at ComfyUI's widths (3584 = the transformer's joint_attention_dim), 2 layers deep.
 EDIT_TE = Qwen25VLConfig(num_layers=2, hidden=3584, intermediate=256, num_heads=28, num_kv_heads=4, head_dim=128,
                          vocab_size=152064, vision_layers=32, vision_hidden=1280, vision_intermediate=3420)
+# The tiny transformer, narrow as the runner's, with a joint dim equal to the encoder's hidden size (the vision
+# tower's merger, which ComfyUI builds at fixed sizes, projects to 3584).
+EDIT_DIT = replace(model_config("qwen_image", "tiny"), joint_dim=EDIT_TE.hidden)
 GIB = float(1 << 30)
 STAGE1_RE = re.compile(r"Qwen-Image stage 1 \(text \+ vision encoder, CPU\): [\d.]+ s, RSS ([\d.]+) -> ([\d.]+) GiB "
                        r"\(peak ([\d.]+) GiB\)(?:, VRAM [^;]*)?; (.*)")
@@ -145,7 +149,8 @@ def files(comfy_server: ComfyServer) -> Iterator[dict[str, str]]:
     models = comfy_server.base_dir / "models"
     names = {"unet": f"edit_qwen_{tag}.safetensors", "te": f"edit_te_{tag}.safetensors",
              "vae": f"edit_vae_{tag}.safetensors"}
-    synth.write_synthetic("qwen_image", models / "diffusion_models" / names["unet"], "tiny", "bf16", seed=3)
+    synth.write_synthetic("qwen_image", models / "diffusion_models" / names["unet"], "tiny", "bf16", seed=3,
+                          config=EDIT_DIT)
     write_small_text_encoder(models / "text_encoders" / names["te"], "bf16", seed=0, cfg=EDIT_TE)
     synth.write_synthetic("wan21_vae", models / "vae" / names["vae"], "tiny", "bf16", seed=3)
     yield names

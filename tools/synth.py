@@ -41,15 +41,18 @@ from .model_specs import (
     MODELS,
     SIZES,
     Qwen25VLConfig,
+    QwenImageConfig,
     Spec,
     UMT5Config,
     is_linear_weight,
     model_spec,
     qwen25_vl_spec,
+    qwen_image_spec,
     spec_nbytes,
     umt5_spec,
 )
 
+ModelConfig = UMT5Config | Qwen25VLConfig | QwenImageConfig  # explicit configs write files of other sizes
 FORMATS: tuple[str, ...] = ("bf16", "fp16", "fp8", "fp8_scaled")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -226,7 +229,7 @@ def _check_args(model: str, size: str, fmt: str) -> None:
                          "use bf16 or fp16")
 
 
-def _spec(model: str, size: str, num_layers: int | None, config: UMT5Config | Qwen25VLConfig | None) -> Spec:
+def _spec(model: str, size: str, num_layers: int | None, config: ModelConfig | None) -> Spec:
     """model_spec, or a text encoder's layout from an explicit (e.g. reduced-layer) config."""
     if config is None:
         return model_spec(model, size, num_layers)
@@ -234,11 +237,13 @@ def _spec(model: str, size: str, num_layers: int | None, config: UMT5Config | Qw
         return umt5_spec(config)
     if model == "qwen25_vl_7b" and isinstance(config, Qwen25VLConfig):
         return qwen25_vl_spec(config)
-    raise ValueError(f"config {type(config).__name__} does not apply to {model!r} (text encoders only)")
+    if model == "qwen_image" and isinstance(config, QwenImageConfig):
+        return qwen_image_spec(config)
+    raise ValueError(f"config {type(config).__name__} does not apply to {model!r}")
 
 
 def _plan(model: str, size: str, fmt: str, num_layers: int | None,
-          config: UMT5Config | Qwen25VLConfig | None = None) -> tuple[Spec, list[tuple[str, tuple, torch.dtype, int]]]:
+          config: ModelConfig | None = None) -> tuple[Spec, list[tuple[str, tuple, torch.dtype, int]]]:
     """(file layout, groups): each group = (source name, shape, source dtype, number of file entries)."""
     _check_args(model, size, fmt)
     layout: Spec = []
@@ -302,7 +307,7 @@ def _make_group(
 
 def _iter_groups(
     model: str, size: str, fmt: str, seed: int, device: str | torch.device, num_layers: int | None,
-    pool: ThreadPoolExecutor | None, config: UMT5Config | Qwen25VLConfig | None = None,
+    pool: ThreadPoolExecutor | None, config: ModelConfig | None = None,
 ) -> Iterator[Group]:
     _, groups = _plan(model, size, fmt, num_layers, config)
     dev = torch.device(device)
@@ -383,14 +388,14 @@ def write_synthetic(
     progress: bool = False,
     num_layers: int | None = None,
     threads: int | None = None,
-    config: UMT5Config | Qwen25VLConfig | None = None,
+    config: ModelConfig | None = None,
     metadata: dict[str, str] | None = None,
 ) -> Path:
     """Write a synthetic checkpoint tensor by tensor (RAM ~ a few tensors, never the model); returns the path.
 
     Generation runs on `device` ("cuda" is fastest) with `threads` CPU workers per tensor (default: all
     cores) while a writer thread drains finished tensors to disk, at most two tensors ahead. `config` (a
-    UMT5Config / Qwen25VLConfig) writes a text encoder with other sizes, e.g. 2 layers for fast test runs.
+    UMT5Config / Qwen25VLConfig / QwenImageConfig) writes a file with other sizes, e.g. 2 layers for fast tests.
     ``metadata``: more header metadata entries (the runner stamps its tiny layout version).
     """
     layout, _ = _plan(model, size, fmt, num_layers, config)
