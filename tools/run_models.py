@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 from .synth_lora import KNOWN_LORA_FILES, write_synthetic_loras
@@ -75,16 +76,22 @@ def referenced_model_files(workflow: dict) -> set[str]:
     return {v for v in values if isinstance(v, str) and v.endswith(".safetensors")}
 
 
-def staged_text_encoder_files(workflow: dict) -> set[str]:
-    """Model names used by the pack's streaming text-encoder nodes only (never also by another node)."""
-    staged: set[str] = set()
-    other: set[str] = set()
+def _node_strings(workflow: dict) -> Iterator[tuple[str | None, set[str]]]:
+    """(node type, its string widget values / inputs) of every node of a UI (subgraphs too, not their instances) or
+    API workflow."""
     nodes = list(all_nodes(workflow, instances=False)) if "nodes" in workflow else [
         {"type": n.get("class_type"), "widgets_values": list(n.get("inputs", {}).values())} for n in workflow.values()]
     for node in nodes:
         wv = node.get("widgets_values")
-        names = {v for v in (wv.values() if isinstance(wv, dict) else wv or []) if isinstance(v, str)}
-        (staged if node.get("type") in STAGED_TEXT_NODES else other).update(names)
+        yield node.get("type"), {v for v in (wv.values() if isinstance(wv, dict) else wv or []) if isinstance(v, str)}
+
+
+def staged_text_encoder_files(workflow: dict) -> set[str]:
+    """Model names used by the pack's streaming text-encoder nodes only (never also by another node)."""
+    staged: set[str] = set()
+    other: set[str] = set()
+    for node_type, names in _node_strings(workflow):
+        (staged if node_type in STAGED_TEXT_NODES else other).update(names)
     return staged - other
 
 
@@ -96,15 +103,8 @@ def stock_loaded_qwen_image_files(workflow: dict) -> set[str]:
 
     The tiny synthetic Qwen-Image is narrow: only the pack's loaders read its widths from the file, while ComfyUI
     builds Qwen-Image at its fixed full width, so such a workflow cannot run on tiny files."""
-    nodes = list(all_nodes(workflow, instances=False)) if "nodes" in workflow else [
-        {"type": n.get("class_type"), "widgets_values": list(n.get("inputs", {}).values())} for n in workflow.values()]
-    out: set[str] = set()
-    for node in nodes:
-        wv = node.get("widgets_values")
-        names = {v for v in (wv.values() if isinstance(wv, dict) else wv or []) if isinstance(v, str)}
-        if node.get("type") not in QWEN_IMAGE_NODES:
-            out |= {n for n in names if KNOWN_MODEL_FILES.get(n, ("", ""))[1] == "qwen_image"}
-    return out
+    return {n for node_type, names in _node_strings(workflow) if node_type not in QWEN_IMAGE_NODES
+            for n in names if KNOWN_MODEL_FILES.get(n, ("", ""))[1] == "qwen_image"}
 
 
 def tiny_text_encoder_config(model: str) -> object | None:
