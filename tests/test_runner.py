@@ -80,6 +80,12 @@ def test_tiny_runs_swap_the_wan22_vae_for_its_tiny_autoencoder() -> None:
         "lighttaew2_2.safetensors", "wan_2.1_vae.safetensors", "wan2.2_vae.safetensors"]
     t2v = json.loads(runner.resolve_workflow("wan22_t2v_a14b").read_text())
     assert runner.swap_tiny_vaes(t2v) == []
+    # a VAE Loader inside a subgraph (official templates keep theirs there) is swapped too
+    nested = {"nodes": [{"id": 1, "type": "sg-1", "widgets_values": []}],
+              "definitions": {"subgraphs": [{"id": "sg-1", "nodes": [
+                  {"id": 5, "type": "VAELoader", "widgets_values": ["wan2.2_vae.safetensors"]}]}]}}
+    assert runner.swap_tiny_vaes(nested) == [("wan2.2_vae.safetensors", "lighttaew2_2.safetensors")]
+    assert runner.referenced_model_files(nested) == {"lighttaew2_2.safetensors"}
 
 
 def test_a_cached_tiny_file_of_another_layout_is_written_again(tmp_path: Path,

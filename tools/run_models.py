@@ -131,7 +131,7 @@ def swap_tiny_vaes(workflow: dict) -> list[tuple[str, str]]:
     place; returns the (official, stand-in) names it changed."""
     done = []
     if "nodes" in workflow:
-        for node in workflow["nodes"]:
+        for node in all_nodes(workflow):  # subgraphs too, as referenced_model_files reads them
             wv = node.get("widgets_values")
             if node.get("type") == "VAELoader" and isinstance(wv, list) and wv and wv[0] in TINY_VAE_SWAPS:
                 done.append((wv[0], TINY_VAE_SWAPS[wv[0]]))
