@@ -41,8 +41,8 @@ QWEN_STAGED_INPUTS = [("unet_name", "COMBO", True), ("clip_name", "COMBO", True)
                       ("positive", "STRING", True), ("negative", "STRING", True), ("quantization", "COMBO", True),
                       ("vram_budget_gb", "FLOAT", True), ("blocks_to_swap", "INT", True),
                       ("cache_embeddings", "BOOLEAN", True), ("compute", "COMBO", True)]
-INSERT_OFFSET = (40.0, 140.0)
-WAN_FILE = re.compile(r"wan2[._][12][_-](t2v|i2v|ti2v)[_-]")  # where an inserted node goes, relative to the node it follows
+INSERT_OFFSET = (40.0, 140.0)  # where an inserted node goes, relative to the node it follows
+WAN_FILE = re.compile(r"wan2[._][12][_-](t2v|i2v|ti2v)[_-]")  # official Wan 2.1 / 2.2 T2V, I2V, TI2V file names
 
 
 class ConvertError(RuntimeError):

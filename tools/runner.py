@@ -370,9 +370,11 @@ def execution_error(entry: dict) -> str:
 
 
 def run_workflow(server: ComfyServer, workflow: dict, overrides: list[str], output_dir: Path, timeout: float,
-                 tiny: bool = False) -> list[Path]:
-    """Convert, queue and wait for one workflow (``tiny``: apply tiny_overrides first); returns the output files."""
-    object_info = server.get("/object_info", timeout=120)
+                 tiny: bool = False, object_info: dict | None = None) -> list[Path]:
+    """Convert, queue and wait for one workflow (``tiny``: apply tiny_overrides first); returns the output files.
+
+    ``object_info``: the server's /object_info when the caller already read it (a large reply)."""
+    object_info = object_info if object_info is not None else server.get("/object_info", timeout=120)
     check_node_types(server, workflow, object_info)
     api = workflow if is_api_workflow(workflow) else to_api(workflow, object_info)
     if tiny:
@@ -501,14 +503,15 @@ def _run_started(args: argparse.Namespace, workflow: dict, wf_path: Path, output
             problems = pack_import_problems(server.log_text(), base / "custom_nodes" / REGISTRY_FOLDER_NAME)
             if problems:
                 raise RunError(f"the pack failed to import in ComfyUI: {problems[0].strip()}")
-            check_node_types(server, workflow, server.get("/object_info", timeout=120))
+            object_info = server.get("/object_info", timeout=120)
+            check_node_types(server, workflow, object_info)
             if args.synthetic:
                 write_synthetic_models(referenced_model_files(workflow), models_dir, args.synthetic,
                                        staged_text_encoder_files(workflow))
             with MemoryWatch(server.process.pid) as watch:
                 start = time.monotonic()
                 files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout,
-                                     tiny=args.synthetic == "tiny")
+                                     tiny=args.synthetic == "tiny", object_info=object_info)
                 wall = time.monotonic() - start
             summary = watch.summary()
             _say("memory: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k.startswith("peak")))
