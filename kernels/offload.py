@@ -335,6 +335,10 @@ class BlockStreamer:
                 self.arena = None
                 self._cpu_views.clear()
 
+    def drops_arena_on_release(self) -> bool:
+        """True when ``deactivate(release_host=True)`` frees the arena and rebinds to the file-backed originals."""
+        return self.arena is not None and self._mostly_file_backed()
+
     def _mostly_file_backed(self) -> bool:
         """True when at least 90 % of the arena's bytes have a file-backed master to fall back to."""
         if not self.originals or self.arena is None:

@@ -142,7 +142,7 @@ class SwapController:
                 if self.streamer is not None:
                     # a new plan: the old arena goes first, and file-backed weights go back to the file, so the
                     # new arena is copied from the file (its masters stay file-backed) and RAM does not double
-                    self.lora.restore()
+                    self.lora.restore(arena_dropped=self.streamer.drops_arena_on_release())
                     self.streamer.deactivate(release_host=True)
                 self.streamer = BlockStreamer(self.blocks, plan, device, pinned=self.config.pinned,
                                               debug=self.config.debug)
@@ -214,8 +214,8 @@ class SwapController:
         ``unload=False`` (ComfyUI detaches the model before every re-load) keeps the plan and the pinned arena,
         so the next ``partially_load`` re-activates at the cost of a cached allocation.
         """
-        if unload:
-            self.lora.restore()  # the arena gets the original bytes back before it is dropped or re-used
+        if unload:  # the arena gets the original bytes back before it is re-used (or, when dropped, the private ones)
+            self.lora.restore(arena_dropped=self.streamer is not None and self.streamer.drops_arena_on_release())
         if not self.active:
             if unload:
                 self.plan = None

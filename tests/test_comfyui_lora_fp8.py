@@ -186,6 +186,46 @@ def test_unpatch_restores_bytes_and_strength_change_remerges(files: dict, source
     assert _sha(files[source]) == digest  # the checkpoint file is never written
 
 
+def test_unload_of_a_file_backed_arena_does_not_read_the_file_back(files: dict,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle expert goes back to its file mapping: the merged arena is dropped without copying the file into it."""
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.kernels.host_memory import file_backed_ranges, is_file_backed
+    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY
+
+    lora = wan_lora(files["sd"], style="lightx2v")
+    base = _swapped(_load(files["fp8_scaled"], "fp8 per-tensor"))
+    ctl = base.attachments[SWAP_KEY]
+    no_lora = sample_wan(base, steps=2)
+    b = ctl.plan.streamed[0]
+    before = _block_weights(base, b)
+    patched = _with_lora(base, lora)
+    strong = sample_wan(patched, steps=2)
+    assert ctl.lora.merged and ctl.streamer.drops_arena_on_release()
+    maps = file_backed_ranges()
+    read_from_file = []
+    copy = torch.Tensor.copy_
+
+    def watching(self: torch.Tensor, src: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(src, torch.Tensor) and src.device.type == "cpu" and is_file_backed(src, maps):
+            read_from_file.append(tuple(src.shape))
+        return copy(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", watching)
+    mm.unload_all_models()
+    monkeypatch.setattr(torch.Tensor, "copy_", copy)
+    assert read_from_file == []  # the file-backed originals were rebound, not copied into the dying arena
+    assert not ctl.lora.merged
+    lin = base.model.diffusion_model.blocks[b].ffn[0]
+    assert is_file_backed(lin.weight, file_backed_ranges())  # the idle block is the file mapping again
+    after = _block_weights(base, b)
+    assert all(_same_bytes(after[k], before[k]) for k in before)  # private copies (biases, norms) restored too
+    assert torch.equal(sample_wan(patched, steps=2), strong)  # re-loaded: merged again from the original bytes
+    assert torch.equal(sample_wan(base, steps=2), no_lora)
+    mm.unload_all_models()
+
+
 def _native_fp8_merge(sd: dict, lora: dict, keys: list[str]) -> dict[str, torch.Tensor]:
     """ComfyUI's own fp8 path: UNETLoader weight_dtype fp8_e4m3fn (plain fp8 cast) + LoRA merged by ModelPatcher
     (stochastic rounding back to fp8)."""

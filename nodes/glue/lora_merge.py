@@ -8,15 +8,21 @@ of a streamed block is computed with ComfyUI's own pieces (the op's ``convert_*`
 per-tensor or per-block scale; layers without one round stochastically, as ComfyUI does) and written into the arena
 in place. Every later step streams the merged bytes: no per-step LoRA cost.
 
+Each merged tensor goes back from the GPU straight into the pinned arena with an asynchronous copy (no pageable
+staging copy, no wait per tensor; one wait at the end), so a load pays about one host round trip of the merged bytes.
+
 Restoring is exact: the original bytes come back from the file-backed tensor the arena was copied from (the
 checkpoint's mapping, which is never written) or, for weights that were not file-backed, from a copy taken before
-the merge. A merge is keyed by the patcher's ``patches_uuid`` (ComfyUI gives every clone with new patches or a new
+the merge. When the arena is about to be dropped and its parameters rebound to those file-backed tensors (an idle
+expert going back to the file), only the private copies are restored: reading the file back into an arena that is
+freed next would cost the whole file in time and page cache for nothing. A merge is keyed by the patcher's ``patches_uuid`` (ComfyUI gives every clone with new patches or a new
 strength a new one), so a re-load of the same patcher merges nothing, and other patches restore first.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -69,8 +75,10 @@ class StreamedMerge:
 
     def __init__(self) -> None:
         self.uuid: Any = None  # patches_uuid of the merged patches (None: the arena holds the original bytes)
-        self._backups: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (arena tensor, original)
+        # key -> (arena tensor, original bytes, whether the original is the file-backed tensor)
+        self._backups: dict[str, tuple[torch.Tensor, torch.Tensor, bool]] = {}
         self.merges = 0  # tensors merged so far (a counter for logs and tests)
+        self.last_seconds = 0.0  # wall time of the last merge that merged anything
 
     @property
     def merged(self) -> bool:
@@ -90,27 +98,38 @@ class StreamedMerge:
         import comfy.utils
 
         self.restore()
-        done = 0
+        start, done, nbytes = time.perf_counter(), 0, 0
         for key in keys:
             target = comfy.utils.get_attr(patcher.model, key)
             new = merged_weight(patcher, key, device)
             original = originals.get(key)
-            if original is None or original.shape != target.shape or original.dtype != target.dtype:
+            file_backed = original is not None and original.shape == target.shape and original.dtype == target.dtype
+            if not file_backed:
                 original = target.detach().clone()  # not file-backed: the original bytes need their own copy
-            self._backups[key] = (target, original)
-            target.data.copy_(new.to(target.device))
+            self._backups[key] = (target, original, file_backed)
+            # GPU -> arena without staging: asynchronous into pinned memory (the caching allocator hands ``new``'s
+            # block only to later work on this stream, which runs after the copy), synchronous into pageable memory
+            target.data.copy_(new, non_blocking=True)
             done += 1
+            nbytes += target.numel() * target.element_size()
+        if device.type == "cuda" and done:
+            torch.cuda.current_stream(device).synchronize()  # the arena is read on the CPU and by the copy stream
         self.uuid = patcher.patches_uuid if self._backups else None  # nothing to merge: nothing to keep track of
         self.merges += done
         if done:
-            log.info("lowvram_dit Block Swap: LoRA merged into %d streamed weights once for this load (no per-step "
-                     "patching)", done)
+            self.last_seconds = time.perf_counter() - start
+            log.info("lowvram_dit Block Swap: LoRA merged into %d streamed weights (%.2f GB) in %.1f s, once for this "
+                     "load (no per-step patching)", done, nbytes / 1e9, self.last_seconds)
         return done
 
     @torch.no_grad()
-    def restore(self) -> None:
-        """Put the original bytes back into the arena (bit-exact); a no-op when nothing is merged."""
-        for target, original in self._backups.values():
-            target.data.copy_(original)
+    def restore(self, arena_dropped: bool = False) -> None:
+        """Put the original bytes back into the arena (bit-exact); a no-op when nothing is merged.
+
+        ``arena_dropped``: the arena is freed next and its parameters rebound to their file-backed originals, so
+        only the weights without one (kept as private copies) are copied back."""
+        for target, original, file_backed in self._backups.values():
+            if not (arena_dropped and file_backed):
+                target.data.copy_(original)
         self._backups.clear()
         self.uuid = None
