@@ -12,8 +12,8 @@ expert reported apart; ``tools.memwatch`` peaks of the server process), shared w
 
 4-step LoRA rows (``--variants lora``): the lightx2v 4-step LoRAs (stock LoraLoaderModelOnly after each loader), cfg 1,
 shift 5 as workflows/wan22_t2v_a14b_4step.json, 8 GB cap, each next to the same graph without the LoRAs: native
-fp8_e4m3fn_fast, the pack with Block Swap (merged once per load) and under ComfyUI's partial loading (per-call
-LoRA).
+fp8_e4m3fn_fast (with and without ``--use-ck-attention``), the pack with Block Swap (merged once per load) and under
+ComfyUI's partial loading (per-call LoRA).
 The LoRA files must be in ``--models``/loras (``--write-models`` writes them where the runner can).
 
 Run (the ComfyUI Python, with the pack importable as ``comfyui_lowvram_dit``)::
@@ -143,6 +143,10 @@ VARIANTS: dict[str, ServerVariant] = {v.name: v for v in (
                   baseline=True),
     ServerVariant("native_fp8fast_8gb_lora4", "native", weight_dtype="fp8_e4m3fn_fast", card_gib=_8, four_step=True,
                   lora=True, baseline=True),
+    ServerVariant("native_fp8fast_ck_8gb_4step", "native", weight_dtype="fp8_e4m3fn_fast", ck_attention=True,
+                  card_gib=_8, four_step=True, baseline=True),
+    ServerVariant("native_fp8fast_ck_8gb_lora4", "native", weight_dtype="fp8_e4m3fn_fast", ck_attention=True,
+                  card_gib=_8, four_step=True, lora=True, baseline=True),
     ServerVariant("pack_blockswap_8gb_4step", "pack", block_swap_gb=_8, card_gib=_8, four_step=True),
     ServerVariant("pack_blockswap_8gb_lora4", "pack", block_swap_gb=_8, card_gib=_8, four_step=True, lora=True),
     ServerVariant("pack_8gb_lora4", "pack", card_gib=_8, four_step=True, lora=True),

@@ -358,12 +358,33 @@ def test_probe_results_leave_the_profiled_step_out_and_reach_the_report(tmp_path
     assert run.summarize_steps(per_node)["s_per_step"] == 4.3
 
 
+def test_native_ck_rows_with_the_4step_loras() -> None:
+    """native_fp8fast_ck_8gb_4step / _lora4: the graphs of the default-attention 4-step rows on a server with
+    --use-ck-attention at the 8 GB cap, baselines in the 'lora' group, each ratio naming them."""
+    v = bs.VARIANTS
+    for name, twin in (("native_fp8fast_ck_8gb_4step", "native_fp8fast_8gb_4step"),
+                       ("native_fp8fast_ck_8gb_lora4", "native_fp8fast_8gb_lora4")):
+        row = v[name]
+        assert name in bs.LORA_ROWS and row.baseline and row.four_step and row.card_gib == bs.CARD_GIB
+        assert row == replace(v[twin], name=name, ck_attention=True)
+        same, other = bs.build_graph(row, 3), bs.build_graph(v[twin], 3)
+        assert {k: n for k, n in same.items() if k != "19"} == {k: n for k, n in other.items() if k != "19"}
+        assert row.server_args(79.65) == ["--use-ck-attention", "--reserve-vram=71.65"]
+    assert v["native_fp8fast_ck_8gb_lora4"].lora and not v["native_fp8fast_ck_8gb_4step"].lora
+    rows = [_row("native_fp8fast_ck_8gb_4step", 2.4), _row("native_fp8fast_ck_8gb_lora4", 3.0),
+            _row("pack_blockswap_8gb_lora4", 2.0)]
+    assert rep.ratios(rows)["pack_blockswap_8gb_lora4"] == {"native_fp8fast_ck_8gb_4step": 1.2,
+                                                            "native_fp8fast_ck_8gb_lora4": 1.5}
+    assert "1.50x vs native_fp8fast_ck_8gb_lora4" in rep.markdown(rows, {}, {
+        "steps_per_expert": 3, "width": 1, "height": 1, "frames": 1, "cfg": 1.0, "decode": False})
+
+
 def test_cli_keeps_its_flags() -> None:
     opts = bs._parser().parse_args(["--comfyui", "c", "--models", "m", "--variants", "lora", "--keep-logs",
                                     "--list-nodes", "--deadline", "500", "--merge", "a.json", "--write-models"])
     assert (opts.keep_logs, opts.list_nodes, opts.deadline, opts.merge, opts.write_models) == (
         True, True, 500.0, [Path("a.json")], True)
-    assert [v.name for v in bs.pick_variants("lora")] == bs.LORA_ROWS
+    assert {"native_fp8fast_ck_8gb_4step", "native_fp8fast_ck_8gb_lora4"} <= {v.name for v in bs.pick_variants("lora")}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -413,7 +434,7 @@ def test_run_row_records_flags_without_machine_paths_and_keeps_the_log(tmp_path:
     setup = run.ServerSetup(tmp_path / "comfy", tmp_path / "models", tmp_path / "work", keep_logs=True,
                             list_nodes=True)
     setup.work.mkdir()
-    row = bs.VARIANTS["native_fp8fast_ck_8gb"]
+    row = bs.VARIANTS["native_fp8fast_ck_8gb_lora4"]
     rec = run.run_row(setup, row, {}, 79.65, {"name": row.name}, sampler_nodes=bs.SAMPLER_NODES,
                       prepare_input=lambda folder: (folder / "ref.png").write_bytes(b"x"))
     assert rec["status"] == "ok" and rec["sampler_nodes"] == ["15", "16"] and rec["s_per_step"] == 1.5
@@ -446,7 +467,7 @@ def test_run_row_records_a_pack_that_failed_to_import_and_a_gpu_too_small(tmp_pa
 
 
 def test_run_rows_skips_what_the_deadline_leaves_no_time_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    rows = [bs.VARIANTS["native_fp8fast_ck_8gb"], bs.VARIANTS["pack_blockswap_8gb_4step"]]
+    rows = [bs.VARIANTS["native_fp8fast_ck_8gb_4step"], bs.VARIANTS["pack_blockswap_8gb_4step"]]
     written: list[int] = []
     done = run.run_rows(rows, lambda v: {"name": v.name, "status": "ok"}, bs._head,
                         lambda res: written.append(len(res)), [], time.monotonic())
