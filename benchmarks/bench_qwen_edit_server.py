@@ -112,11 +112,17 @@ def write_input_image(folder: Path, width: int, height: int) -> Path:
 
 
 def write_smoke_models(models: Path) -> None:
-    """Tiny synthetic files under the default names (the small encoder keeps ComfyUI's widths and vision tower)."""
+    """Tiny synthetic files under the default names (the small encoder keeps ComfyUI's widths and vision tower, so
+    the tiny transformer takes the encoder's width as its joint dim: the vision merger projects to it)."""
+    from dataclasses import replace
+
     from ..tools import synth
+    from ..tools.model_specs import Qwen25VLConfig, model_config
     from .bench_qwen_staged import _write_small_te
 
-    jobs = [("diffusion_models", UNET, lambda p: synth.write_synthetic("qwen_image", p, "tiny", "bf16", seed=0)),
+    dit = replace(model_config("qwen_image", "tiny"), joint_dim=Qwen25VLConfig().hidden)
+    jobs = [("diffusion_models", UNET, lambda p: synth.write_synthetic("qwen_image", p, "tiny", "bf16", seed=0,
+                                                                     config=dit)),
             ("text_encoders", TEXT_ENCODER, lambda p: _write_small_te(p, "bf16")),
             ("vae", VAE, lambda p: synth.write_synthetic("wan21_vae", p, "tiny", "bf16", seed=0))]
     for folder, name, write in jobs:
