@@ -149,6 +149,7 @@ LOG_KEEP = re.compile(r"lowvram_dit|DynamicVRAM|loaded (completely|partially)|Re
                       r"Prompt executed|ComfyUI version|comfy-(kitchen|aimdo) version|Total VRAM|pytorch version|"
                       r"attention|Error|error|Traceback|out of memory|OutOfMemory", re.IGNORECASE)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+LORA_KEY_MISSED = "lora key not loaded"  # ComfyUI's warning for each LoRA key that matches no model weight
 
 
 def log_digest(log: str, limit: int = 200) -> list[str]:
@@ -303,6 +304,7 @@ def run_row(setup: ServerSetup, row: ServerRow, graph: dict, total_vram_gib: flo
             log = (base / "comfyui.log").read_text(errors="replace")
     record["tqdm"] = tqdm_summaries(log)
     record["log"] = log_digest(log)
+    record["lora_keys_not_loaded"] = log.count(LORA_KEY_MISSED)  # > 0: a LoRA row ran partly without its LoRA
     if setup.keep_logs:
         (setup.work / f"{row.name}.log").write_text(log, errors="replace")
     shutil.rmtree(base, ignore_errors=True)

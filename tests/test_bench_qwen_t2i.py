@@ -136,7 +136,8 @@ def test_main_writes_the_report_with_ratios_naming_the_native_rows(tmp_path: Pat
     """The rows go through the shared runner (a stand-in for ComfyUI here); the report names the native rows."""
     times = {"native_fp8fast_ck_8gb_4step": 1.2, "native_fp8fast_ck_8gb_lora4": 1.8, "pack_staged_8gb_4step": 1.0,
              "pack_staged_8gb_lora4": 1.0}
-    starts = fake_start(monkeypatch, lambda base: "Prompt executed in 3.00 seconds\n")
+    starts = fake_start(monkeypatch, lambda base: ("lora key not loaded: transformer_blocks.0.attn.to_q\n" * 2
+                                                   if "lora4" in base.name else "") + "Prompt executed in 3.00 s\n")
     monkeypatch.setattr(bq, "gpu_facts", lambda: {"device_name": "GPU", "vram_total_gib": 79.65})
     names: list[str] = []
 
@@ -154,6 +155,7 @@ def test_main_writes_the_report_with_ratios_naming_the_native_rows(tmp_path: Pat
     assert doc["ratios"]["pack_staged_8gb_lora4"] == {"native_fp8fast_ck_8gb_4step": 1.2,
                                                       "native_fp8fast_ck_8gb_lora4": 1.8}
     assert [r["name"] for r in doc["variants"]] == bq.DEFAULT_ROWS and "timeline" not in doc["variants"][0]
+    assert [r["lora_keys_not_loaded"] for r in doc["variants"]] == [0, 2, 0, 2]
     md = (out / "q.md").read_text()
     assert "## 8 GB card" in md and "1.80x vs native_fp8fast_ck_8gb_lora4" in md and "first step s" in md
 

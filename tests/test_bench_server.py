@@ -445,6 +445,7 @@ def test_run_row_records_flags_without_machine_paths_and_keeps_the_log(tmp_path:
     assert flags[flags.index("--front-end-root") + 1] == "$WORK/frontend"
     assert flags[-2:] == ["--use-ck-attention", "--reserve-vram=71.65"]
     assert rec["tqdm"] == run.tqdm_summaries(LOG_033) and rec["log"] == run.log_digest(LOG_033)
+    assert rec["lora_keys_not_loaded"] == 0
     assert rec["pack_nodes"] == ["LowVRAM_BlockSwap", "LowVRAM_WanLoader"] and rec["object_info_nodes"] == 3
     assert (setup.work / f"{row.name}.log").read_bytes().decode() == LOG_033
     assert not starts[0]["base"].exists()  # the row's base folder is removed
@@ -461,7 +462,7 @@ def test_run_row_records_a_pack_that_failed_to_import_and_a_gpu_too_small(tmp_pa
     setup = run.ServerSetup(tmp_path, tmp_path, tmp_path)
     rec = run.run_row(setup, bs.VARIANTS["pack"], {}, 79.65, {"name": "pack"}, sampler_nodes=bs.SAMPLER_NODES)
     assert rec["status"] == "error" and "the pack failed to import" in rec["error"], rec
-    assert "ImportError: boom" in rec["log"]
+    assert "ImportError: boom" in rec["log"] and rec["lora_keys_not_loaded"] == 0
     rec = run.run_row(setup, bs.VARIANTS["pack_8gb"], {}, 6.0, {"name": "pack_8gb"}, sampler_nodes=bs.SAMPLER_NODES)
     assert rec["status"] == "error" and "drop the capped variants" in rec["error"] and len(starts) == 1
 
