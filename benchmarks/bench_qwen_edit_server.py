@@ -1,7 +1,8 @@
 """Qwen-Image-Edit through a real ComfyUI server at an 8 GB card: native template vs the pack's staged Edit path.
 
-Variants, each one API graph in a fresh server (benchmarks/bench_server.py's machinery: ``--reserve-vram`` = the
-GPU's total minus the card, websocket step timing, ``tools.memwatch`` peaks of the server process):
+Variants, each one API graph in a fresh server (benchmarks/bench_server_run.py, shared with bench_server:
+``--reserve-vram`` = the GPU's total minus the card, websocket step timing, ``tools.memwatch`` peaks of the server
+process, the pack-import check):
 - ``native_edit_8gb``: the official image_qwen_image_edit_2509 / 2511 template's nodes: UNETLoader (default),
   CLIPLoader (qwen_image, device=cpu), VAELoader, FluxKontextImageScale, TextEncodeQwenImageEditPlus x2 (positive,
   empty negative, both with the image), VAEEncode of the image as the start latent, ModelSamplingAuraFlow, CFGNorm,
@@ -32,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..tools import runner
 from . import bench_server as bs
+from . import bench_server_run as run
 from . import harness
 from .bench_server_env import gpu_facts, software_facts
 
@@ -111,11 +112,17 @@ def write_input_image(folder: Path, width: int, height: int) -> Path:
 
 
 def write_smoke_models(models: Path) -> None:
-    """Tiny synthetic files under the default names (the small encoder keeps ComfyUI's widths and vision tower)."""
+    """Tiny synthetic files under the default names (the small encoder keeps ComfyUI's widths and vision tower, so
+    the tiny transformer takes the encoder's width as its joint dim: the vision merger projects to it)."""
+    from dataclasses import replace
+
     from ..tools import synth
+    from ..tools.model_specs import Qwen25VLConfig, model_config
     from .bench_qwen_staged import _write_small_te
 
-    jobs = [("diffusion_models", UNET, lambda p: synth.write_synthetic("qwen_image", p, "tiny", "bf16", seed=0)),
+    dit = replace(model_config("qwen_image", "tiny"), joint_dim=Qwen25VLConfig().hidden)
+    jobs = [("diffusion_models", UNET, lambda p: synth.write_synthetic("qwen_image", p, "tiny", "bf16", seed=0,
+                                                                     config=dit)),
             ("text_encoders", TEXT_ENCODER, lambda p: _write_small_te(p, "bf16")),
             ("vae", VAE, lambda p: synth.write_synthetic("wan21_vae", p, "tiny", "bf16", seed=0))]
     for folder, name, write in jobs:
@@ -127,30 +134,17 @@ def write_smoke_models(models: Path) -> None:
 
 def run_variant(name: str, opts: argparse.Namespace, total_vram_gib: float) -> dict:
     """One fresh server (own user directory: cold embedding cache), one graph; failures are recorded, not raised."""
-    base = Path(tempfile.mkdtemp(prefix=f"bench_{name}_", dir=opts.work))
     card = None if opts.smoke else opts.card_gib
     variant = bs.ServerVariant(name, VARIANTS[name], card_gib=card, baseline=VARIANTS[name] == "native")
     graph = build_graph(variant.graph, opts.unet, opts.te, opts.vae, opts.steps, opts.edit, card, opts.decode,
                         scale=not opts.smoke, empty_image=tuple(opts.image_size) if opts.empty_image else None)
-    record: dict[str, Any] = {"name": name, "graph": variant.graph, "status": "error", "card_gib": card}
-    log = ""
-    try:
-        flags = [*bs.prepare_base(base, opts.models), "--front-end-root", str(opts.work / "frontend"),
-                 "--user-directory", str(base / "user"), *variant.server_args(total_vram_gib)]
-        write_input_image(base / "input", opts.image_size[0], opts.image_size[1])
-        (base / "user").mkdir(parents=True, exist_ok=True)
-        with runner.start_comfyui(opts.comfyui, base, cpu=opts.smoke, extra_args=flags,
-                                  startup_timeout=240) as server:
-            try:
-                record.update(bs.measure(variant, server, graph, opts.timeout))
-            finally:
-                log = server.log_text()
-    except Exception as exc:  # noqa: BLE001 - one variant's failure must not stop the other
-        record["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+    setup = run.ServerSetup(opts.comfyui, opts.models, opts.work, timeout=opts.timeout, cpu=opts.smoke,
+                            keep_logs=opts.keep_logs)
+    record = run.run_row(setup, variant, graph, total_vram_gib, {"name": name, "graph": variant.graph,
+                                                                 "card_gib": card},
+                         sampler_nodes=(SAMPLER,), own_user_dir=True,
+                         prepare_input=lambda folder: write_input_image(folder, *opts.image_size))
     record.pop("timeline", None)
-    record["tqdm"] = bs.tqdm_summaries(log)
-    record["log"] = bs.log_digest(log)
-    shutil.rmtree(base, ignore_errors=True)
     return record
 
 
@@ -183,6 +177,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny files written into --models, 64 px, 2 steps")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir, removed)")
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep each server log as <row>.log in the work folder (a default temp one is then kept)")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     return p
 
@@ -199,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
     own_work = opts.work is None
     opts.work = (opts.work or Path(tempfile.mkdtemp(prefix="bench_edit_"))).resolve()
-    (opts.work / "frontend").mkdir(parents=True, exist_ok=True)
     env = {**harness.parent_environment(), **gpu_facts(), **software_facts(),
            "comfyui_version": harness.comfyui_version(opts.comfyui)}
     rows = []
@@ -220,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.out is not None:
         opts.out.parent.mkdir(parents=True, exist_ok=True)
         opts.out.write_text(json.dumps(result, indent=1, default=str))
-    if own_work:
+    if own_work and not opts.keep_logs:
         shutil.rmtree(opts.work, ignore_errors=True)
     return 0 if rows and all(r["status"] in ("ok", "skipped") for r in rows) and any(r["status"] == "ok" for r in rows) \
         else 1

@@ -7,17 +7,13 @@ shipped workflow's nodes (Wan Loader, Attention, optional Block Swap / Torch Com
 "8 GB card" is ComfyUI's own ``--reserve-vram`` set to the card's total minus 8 GiB; nothing stops the process
 from taking more, so the measured GPU peak says whether it would fit.
 
-Step time: the server sends a websocket ``progress`` message after every sampler step (value 1..n per
-KSamplerAdvanced node); the interval between consecutive messages of one node is one step. A node's first step
-also holds the model load (DynamicVRAM loads weights inside it), Torch Compile's compile and the attention
-timing, so it is reported apart and the headline is the median of the later steps of both experts. ComfyUI's
-tqdm lines in the server log give an independent check (their average includes the first step).
-Memory: ``tools.memwatch`` samples the server process from outside every 0.5 s: VmHWM (kernel peak RSS),
-RssAnon/RssFile, and the process's GPU memory from nvidia-smi (CUDA context and allocator cache included).
+Step time and memory: benchmarks/bench_server_run.py (websocket ``progress`` messages, the first step of each
+expert reported apart; ``tools.memwatch`` peaks of the server process), shared with the Qwen-Image benches.
 
 4-step LoRA rows (``--variants lora``): the lightx2v 4-step LoRAs (stock LoraLoaderModelOnly after each loader), cfg 1,
 shift 5 as workflows/wan22_t2v_a14b_4step.json, 8 GB cap, each next to the same graph without the LoRAs: native
-fp8_e4m3fn_fast, the pack with Block Swap (merged once per load) and under ComfyUI's partial loading (per-call LoRA).
+fp8_e4m3fn_fast (with and without ``--use-ck-attention``), the pack with Block Swap (merged once per load) and under
+ComfyUI's partial loading (per-call LoRA).
 The LoRA files must be in ``--models``/loras (``--write-models`` writes them where the runner can).
 
 Run (the ComfyUI Python, with the pack importable as ``comfyui_lowvram_dit``)::
@@ -29,30 +25,26 @@ Run (the ComfyUI Python, with the pack importable as ``comfyui_lowvram_dit``)::
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import re
-import shutil
-import statistics
 import sys
 import tempfile
-import threading
 import time
-import uuid
 from dataclasses import asdict, dataclass
-from itertools import pairwise
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
-from ..tools import runner
-from ..tools.memwatch import MemoryWatch
-from . import harness, server_probe
-from .bench_server_env import gpu_facts, merged_rows, software_facts, write_models
+from . import bench_server_run as run
+from . import harness
+from .bench_server_env import (
+    gpu_facts,
+    merged_rows,
+    model_file_sizes,
+    software_facts,
+    write_models,
+)
+from .bench_server_run import PROBE_CALL, PROBE_NODE
 
-PACK_ROOT = Path(__file__).resolve().parents[1]
-RESULTS = PACK_ROOT / "benchmarks" / "results" / "server_0.33"
+RESULTS = run.PACK_ROOT / "benchmarks" / "results" / "server_0.33"
 BENCH = "server_t2v_a14b"
-GIB = float(1 << 30)
 CARD_GIB = 8.0
 
 HIGH = "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors"
@@ -105,16 +97,7 @@ class ServerVariant:
 
     def server_args(self, total_vram_gib: float) -> list[str]:
         """ComfyUI command-line flags for this variant on a GPU of ``total_vram_gib``."""
-        args = ["--use-ck-attention"] if self.ck_attention else []
-        if not self.dynamic_vram:
-            args.append("--disable-dynamic-vram")
-        if self.card_gib is not None:
-            reserve = total_vram_gib - self.card_gib
-            if reserve <= 0:
-                raise ValueError(f"variant {self.name}: the GPU has {total_vram_gib:.2f} GiB, not more than the "
-                                 f"{self.card_gib} GiB card to emulate; drop the capped variants")
-            args.append(f"--reserve-vram={reserve:.2f}")
-        return args
+        return run.server_flags(self.name, total_vram_gib, self.card_gib, self.ck_attention, self.dynamic_vram)
 
     def describe(self) -> str:
         """One line saying what the variant runs."""
@@ -160,6 +143,10 @@ VARIANTS: dict[str, ServerVariant] = {v.name: v for v in (
                   baseline=True),
     ServerVariant("native_fp8fast_8gb_lora4", "native", weight_dtype="fp8_e4m3fn_fast", card_gib=_8, four_step=True,
                   lora=True, baseline=True),
+    ServerVariant("native_fp8fast_ck_8gb_4step", "native", weight_dtype="fp8_e4m3fn_fast", ck_attention=True,
+                  card_gib=_8, four_step=True, baseline=True),
+    ServerVariant("native_fp8fast_ck_8gb_lora4", "native", weight_dtype="fp8_e4m3fn_fast", ck_attention=True,
+                  card_gib=_8, four_step=True, lora=True, baseline=True),
     ServerVariant("pack_blockswap_8gb_4step", "pack", block_swap_gb=_8, card_gib=_8, four_step=True),
     ServerVariant("pack_blockswap_8gb_lora4", "pack", block_swap_gb=_8, card_gib=_8, four_step=True, lora=True),
     ServerVariant("pack_8gb_lora4", "pack", card_gib=_8, four_step=True, lora=True),
@@ -284,222 +271,20 @@ def build_graph(variant: ServerVariant, steps_per_expert: int = 3, width: int = 
 
 
 SAMPLER_NODES = ("15", "16")
-PROBE_NODE = "LowVRAMBench_KernelProfile"
-PROBE_CALL = 1  # the second model call of each expert = its second step (cfg batched: one call per step)
-PROBE_DIR = "lowvram_bench_probe"  # its folder name in the server's custom_nodes
 
 
-# ----------------------------------------------------------------------------------------------------------
-# timing from websocket events and the server log
-
-
-def step_times(events: list[tuple[float, dict]], node: str) -> dict:
-    """Per-step times of one sampler node from ``(arrival time, message)`` pairs of the server's websocket.
-
-    ``first_s``: node start ('executing') to its first 'progress' (load + first step); ``steps_s``: intervals
-    between consecutive progress values (each later step). Repeated values (re-sent progress) count once.
-    """
-    start = next((t for t, m in events if m.get("type") == "executing" and m["data"].get("node") == node), None)
-    seen: dict[int, float] = {}
-    for t, m in events:
-        if m.get("type") == "progress" and str(m["data"].get("node")) == node:
-            seen.setdefault(int(m["data"]["value"]), t)
-    values = sorted(seen)
-    stamps = [seen[v] for v in values]
-    return {"node": node, "progress_values": values,
-            "first_s": round(stamps[0] - start, 3) if stamps and start is not None else None,
-            "steps_s": [round(b - a, 3) for a, b in pairwise(stamps)]}
-
-
-def node_times(events: list[tuple[float, dict]]) -> dict[str, float]:
-    """Seconds each executed node took: from its 'executing' message to the next node's (or the end)."""
-    marks = [(t, m["data"].get("node")) for t, m in events if m.get("type") == "executing"]
-    out: dict[str, float] = {}
-    for (t, node), (t_next, _) in pairwise(marks):
-        if node is not None:
-            out[str(node)] = round(out.get(str(node), 0.0) + t_next - t, 3)
-    return out
-
-
-_TQDM_DONE = re.compile(r"100%\|[^|]*\|\s*(\d+)/(\1)\s*\[(\d+):(\d+)<[^,\]]*,\s*([\d.]+)(s/it|it/s)\]")
-
-
-def tqdm_summaries(log: str) -> list[dict]:
-    """ComfyUI's closing tqdm line of each sampler run in ``log``: steps, elapsed (whole s) and average s/step.
-
-    tqdm prints the 100% line twice per run (last update, then close with the run's average): every second one
-    is kept when they pair up.
-    """
-    out = []
-    for segment in log.replace("\r", "\n").split("\n"):
-        m = _TQDM_DONE.search(segment)
-        if m:
-            rate = float(m.group(5))
-            out.append({"steps": int(m.group(1)), "elapsed_s": int(m.group(3)) * 60 + int(m.group(4)),
-                        "s_per_step": rate if m.group(6) == "s/it" else round(1.0 / rate, 4)})
-    return out[1::2] if len(out) % 2 == 0 else out
-
-
-def summarize_steps(per_node: list[dict]) -> dict:
-    """Headline numbers: median/mean of the later steps of every sampler node, and the first steps."""
-    later = [s for d in per_node for s in d["steps_s"]]
-    return {"s_per_step": round(statistics.median(later), 3) if later else None,
-            "s_per_step_mean": round(statistics.fmean(later), 3) if later else None,
-            "steps_timed": len(later),
-            "first_step_s": [d["first_s"] for d in per_node]}
-
-
-def _window_peak(samples: list[dict], t0: float, t1: float, key: str) -> float | None:
-    vals = [s[key] for s in samples if t0 <= s["t"] <= t1 and s.get(key) is not None]
-    return round(max(vals) / GIB, 3) if vals else None
-
-
-LOG_KEEP = re.compile(r"lowvram_dit|DynamicVRAM|loaded (completely|partially)|Requested to load|model weight dtype|"
-                      r"Prompt executed|ComfyUI version|comfy-(kitchen|aimdo) version|Total VRAM|pytorch version|"
-                      r"attention|Error|error|Traceback|out of memory|OutOfMemory", re.IGNORECASE)
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def log_digest(log: str, limit: int = 200) -> list[str]:
-    """The server log lines that explain a run (loading, attention, memory, errors); colours and tqdm bars dropped."""
-    lines = [_ANSI.sub("", ln).strip() for ln in log.replace("\r", "\n").split("\n")]
-    return [ln for ln in lines if LOG_KEEP.search(ln) and "it/s]" not in ln and "s/it]" not in ln][-limit:]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# running one variant
-
-
-class EventRecorder:
-    """Every JSON message of the server's websocket for ``client_id``, stamped with ``time.monotonic()`` on arrival."""
-
-    def __init__(self, url: str, client_id: str) -> None:
-        self.ws_url = url.replace("http://", "ws://", 1) + f"/ws?clientId={client_id}"
-        self.events: list[tuple[float, dict]] = []
-        self.error: str | None = None
-        self._ready = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._listen()), name="bench-ws", daemon=True)
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        if not self._ready.wait(30) or self.error:
-            raise runner.RunError(f"websocket {self.ws_url} did not open: {self.error or 'timeout'}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    async def _listen(self) -> None:
-        import aiohttp  # ComfyUI's own dependency: present wherever its server runs
-
-        try:
-            async with aiohttp.ClientSession() as session, session.ws_connect(self.ws_url, max_msg_size=0) as ws:
-                self._ready.set()
-                while not self._stop.is_set():
-                    try:
-                        msg = await ws.receive(timeout=0.5)
-                    except asyncio.TimeoutError:
-                        continue
-                    if msg.type == aiohttp.WSMsgType.TEXT:
-                        self.events.append((time.monotonic(), json.loads(msg.data)))
-                    elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
-                        break
-        except Exception as exc:  # noqa: BLE001 - reported by __enter__ or in the variant's record
-            self.error = f"{type(exc).__name__}: {exc}"
-            self._ready.set()
-
-
-def prepare_base(base: Path, models: Path, probe: bool = False) -> list[str]:
-    """A hermetic ComfyUI base dir with this pack (and the probe node) in custom_nodes; returns its path flags."""
-    for sub in ("custom_nodes", "input", "output", "temp"):
-        (base / sub).mkdir(parents=True, exist_ok=True)
-    (base / "custom_nodes" / runner.REGISTRY_FOLDER_NAME).symlink_to(PACK_ROOT, target_is_directory=True)
-    if probe:
-        (base / "custom_nodes" / PROBE_DIR).symlink_to(Path(__file__).resolve().parent / "server_probe",
-                                                       target_is_directory=True)
-    yaml = runner.extra_model_paths_yaml(models.resolve(), base / "extra_model_paths.yaml")
-    return ["--extra-model-paths-config", str(yaml), "--output-directory", str(base / "output")]
-
-
-def measure(variant: ServerVariant, server: runner.ComfyServer, graph: dict, timeout: float,
-            probe_dir: Path | None = None) -> dict:
-    """Queue ``graph`` on ``server`` and measure it: step times, node times, memory peaks (and probe results)."""
-    cid = uuid.uuid4().hex
-    with EventRecorder(server.url, cid) as rec:
-        t_watch = time.monotonic()
-        with MemoryWatch(server.process.pid) as watch:
-            t0 = time.monotonic()
-            status, body = server.post_prompt(graph, client_id=cid)
-            if status != 200:
-                raise runner.RunError(f"ComfyUI rejected the graph ({status}): "
-                                      f"{json.dumps(body.get('node_errors') or body)[:2000]}")
-            entry = server.wait_for_history(body["prompt_id"], timeout)
-            wall = time.monotonic() - t0
-        time.sleep(0.3)  # the last websocket messages
-    events = rec.events
-    per_node = [step_times(events, n) for n in SAMPLER_NODES]
-    probe = server_probe.read_probe(probe_dir) if probe_dir is not None else None
-    if probe:
-        server_probe.drop_profiled_steps(per_node, PROBE_CALL)
-    out: dict[str, Any] = {"wall_s": round(wall, 2), **summarize_steps(per_node), "samplers": per_node,
-                           "node_s": node_times(events), **watch.summary()}
-    if probe is not None:
-        out["probe"] = probe
-    starts = [t for t, m in events if m.get("type") == "executing" and m["data"].get("node") == SAMPLER_NODES[0]]
-    if starts:
-        rel = starts[0] - t_watch
-        out["peak_gpu_sampling_gib"] = _window_peak(watch.samples, rel, rel + 1e9, "gpu")
-    out["timeline"] = [[s["t"], round(s["rss"] / GIB, 3), round(s["anon"] / GIB, 3),
-                        None if s["gpu"] is None else round(s["gpu"] / GIB, 3)] for s in watch.samples]
-    if entry["status"]["status_str"] != "success":
-        out["status"], out["error"] = "error", runner.execution_error(entry) or str(entry["status"])
-    else:
-        out["status"] = "ok"
-    return out
+def _head(variant: ServerVariant) -> dict:
+    return {"name": variant.name, "what": variant.describe(), "variant": asdict(variant)}
 
 
 def run_variant(variant: ServerVariant, opts: argparse.Namespace, total_vram_gib: float) -> dict:
-    """One fresh server, one graph; a failure is recorded with its reason and the log, never raised."""
-    base = Path(tempfile.mkdtemp(prefix=f"bench_{variant.name}_", dir=opts.work))
-    record: dict[str, Any] = {"name": variant.name, "what": variant.describe(), "variant": asdict(variant),
-                              "status": "error"}
+    """One fresh server, one graph (bench_server_run.run_row); a failure is recorded with its reason and the log."""
     graph = build_graph(variant, opts.steps_per_expert, opts.width, opts.height, opts.frames, decode=opts.decode,
                         probe=opts.kernel_profile)
-    log = ""
-    try:
-        flags = [*prepare_base(base, opts.models, probe=opts.kernel_profile), "--front-end-root", str(opts.work / "frontend"),
-                 "--user-directory", str(opts.work / "user"), *variant.server_args(total_vram_gib)]
-        record["server_args"] = [f.replace(str(opts.work), "$WORK") for f in flags]  # no machine paths in results
-        t0 = time.monotonic()
-        with runner.start_comfyui(opts.comfyui, base, cpu=opts.cpu, extra_args=flags, startup_timeout=240) as server:
-            record["startup_s"] = round(time.monotonic() - t0, 1)
-            problems = runner.pack_import_problems(server.log_text(), base / "custom_nodes" /
-                                                   runner.REGISTRY_FOLDER_NAME)
-            if problems:
-                raise runner.RunError(f"the pack failed to import: {problems[0].strip()}")
-            if opts.list_nodes:
-                info = server.get("/object_info", timeout=180)
-                record["pack_nodes"] = sorted(k for k in info if k.startswith("LowVRAM_"))
-                record["object_info_nodes"] = len(info)
-            try:
-                probe_dir = base / "output" / "bench_probe" if opts.kernel_profile else None
-                record.update(measure(variant, server, graph, opts.timeout, probe_dir))
-            finally:
-                log = server.log_text()
-    except Exception as exc:  # noqa: BLE001 - one variant's failure must not stop the others
-        record["error"] = f"{type(exc).__name__}: {exc}"[:4000]
-        if not log and (base / "comfyui.log").exists():
-            log = (base / "comfyui.log").read_text(errors="replace")
-    record["tqdm"] = tqdm_summaries(log)
-    record["log"] = log_digest(log)
-    if opts.keep_logs:
-        (opts.work / f"{variant.name}.log").write_text(log, errors="replace")
-    shutil.rmtree(base, ignore_errors=True)
-    return record
+    setup = run.ServerSetup(opts.comfyui, opts.models, opts.work, timeout=opts.timeout, cpu=opts.cpu,
+                            keep_logs=opts.keep_logs, list_nodes=opts.list_nodes)
+    return run.run_row(setup, variant, graph, total_vram_gib, _head(variant), sampler_nodes=SAMPLER_NODES,
+                       probe=opts.kernel_profile)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -508,14 +293,8 @@ def run_variant(variant: ServerVariant, opts: argparse.Namespace, total_vram_gib
 
 def pick_variants(spec: str) -> list[ServerVariant]:
     """Variants from a comma list of names or the groups 'uncapped', 'capped', 'lora' (4-step rows), 'all'."""
-    names: list[str] = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        group = {"uncapped": UNCAPPED, "capped": CAPPED, "lora": LORA_ROWS, "all": list(VARIANTS)}.get(item)
-        if group is None and item not in VARIANTS:
-            raise SystemExit(f"--variants: unknown {item!r}; known: uncapped, capped, lora, all, "
-                             f"{', '.join(VARIANTS)}")
-        names += group or [item]
-    return [VARIANTS[n] for n in dict.fromkeys(names)]
+    return run.pick_rows(spec, VARIANTS, {"uncapped": UNCAPPED, "capped": CAPPED, "lora": LORA_ROWS,
+                                          "all": list(VARIANTS)})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -557,8 +336,6 @@ def main(argv: list[str] | None = None) -> int:
     opts = _parser().parse_args(argv)
     started = time.monotonic()
     opts.work = (opts.work or Path(tempfile.mkdtemp(prefix="bench_server_"))).resolve()
-    (opts.work / "frontend").mkdir(parents=True, exist_ok=True)
-    (opts.work / "user").mkdir(parents=True, exist_ok=True)
     variants = pick_variants(opts.variants)
     if not opts.kernel_profile and (need := [v.name for v in variants if v.fp8_path != "default"]):
         raise SystemExit(f"--variants {','.join(need)}: the Kernel Profile node sets their fp8 path; add --kernel-profile")
@@ -570,26 +347,15 @@ def main(argv: list[str] | None = None) -> int:
                 "kernel_profile": opts.kernel_profile,
                 "cfg": CFG, "cfg_4step": LORA_CFG, "shift_4step": LORA_SHIFT, "decode": opts.decode,
                 "variants": [v.name for v in variants]}
+    files = MODEL_FILES + (LORA_FILES if any(v.lora for v in variants) else ())
     if opts.write_models:
-        settings["model_write_s"] = write_models(opts.models, lora=any(v.lora for v in variants))
-    settings["model_files_gb"] = {n: round(p.stat().st_size / 1e9, 2) for n in MODEL_FILES
-                                  for p in opts.models.glob(f"*/{n}")}
+        settings["model_write_s"] = write_models(opts.models, files)
+    settings["model_files_gb"] = model_file_sizes(opts.models, files)
     total = env.get("vram_total_gib") or 0.0
     results = merged_rows(opts.merge, {v.name for v in variants})
-    for variant in variants:
-        elapsed = time.monotonic() - started
-        if opts.deadline and elapsed + opts.reserve_estimate > opts.deadline:
-            print(f"skip {variant.name}: {elapsed:.0f} s used of the {opts.deadline:.0f} s deadline", flush=True)
-            results.append({"name": variant.name, "what": variant.describe(), "variant": asdict(variant),
-                            "status": "skipped", "error": "not started: time budget"})
-            continue
-        print(f"== {variant.name}: {variant.describe()}", flush=True)
-        rec = run_variant(variant, opts, total)
-        results.append(rec)
-        print(f"   {rec['status']} s/step={rec.get('s_per_step')} first={rec.get('first_step_s')} "
-              f"wall={rec.get('wall_s')} gpu={rec.get('peak_gpu_gib')} rss={rec.get('peak_rss_hwm_gib')} "
-              f"{rec.get('error', '')[:300]}", flush=True)
-        report.write(opts.out, opts.stem, results, env, settings)
+    run.run_rows(variants, lambda v: run_variant(v, opts, total), _head,
+                 lambda rows: report.write(opts.out, opts.stem, rows, env, settings), results, started,
+                 opts.deadline, opts.reserve_estimate)
     paths = report.write(opts.out, opts.stem, results, env, settings)
     print(report.markdown(results, env, settings))
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -1,5 +1,5 @@
-"""bench_server's surroundings: the GPU and software facts it records, the synthetic model files it writes, and
-earlier result rows it merges with."""
+"""The server benches' surroundings: the GPU and software facts they record, the synthetic model files they write,
+and earlier result rows bench_server merges with."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from ..tools import runner
@@ -39,24 +40,27 @@ def software_facts() -> dict:
     return out
 
 
-def write_models(models: Path, lora: bool = False) -> dict[str, float]:
-    """Write the full-size synthetic files the graphs use (missing ones only); seconds per file written.
+def write_models(models: Path, names: Iterable[str]) -> dict[str, float]:
+    """Write the full-size synthetic files ``names`` (missing ones only); seconds per file (about 0 for one already there).
 
-    ``lora``: the 4-step LoRAs too, where the runner has a synthetic writer for them (else they must be in
-    ``models/loras``)."""
-    took = {}
+    A name the runner has no synthetic writer for is reported and left out: its real file must be in ``models``."""
     from ..tools.synth_lora import KNOWN_LORA_FILES
-    from .bench_server import LORA_FILES, MODEL_FILES
 
-    for name in MODEL_FILES + (LORA_FILES if lora else ()):
+    took = {}
+    for name in names:
         if name not in runner.KNOWN_MODEL_FILES and name not in KNOWN_LORA_FILES:
-            print(f"model {name}: no synthetic writer for it; put the real file in {models / 'loras'}", flush=True)
+            print(f"model {name}: no synthetic writer for it; put the real file under {models}", flush=True)
             continue
         t0 = time.monotonic()
         runner.write_synthetic_models({name}, models, "full")
         took[name] = round(time.monotonic() - t0, 1)
         print(f"model {name}: {took[name]} s", flush=True)
     return took
+
+
+def model_file_sizes(models: Path, names: Iterable[str]) -> dict[str, float]:
+    """GB of each file of ``names`` found in a folder of ``models``."""
+    return {n: round(p.stat().st_size / 1e9, 2) for n in names for p in models.glob(f"*/{n}")}
 
 
 def merged_rows(paths: list[Path], replaced: set[str]) -> list[dict]:

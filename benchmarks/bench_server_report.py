@@ -101,6 +101,25 @@ def probe_lines(results: list[dict]) -> list[str]:
     return out + [""]
 
 
+def table_lines(rows: list[dict], rat: dict[str, dict[str, float]], first: str = "first step high/low s") -> list[str]:
+    """The markdown table of ``rows``: s/step, ratios naming the native rows (``rat``), first steps (column title
+    ``first``), tqdm average, wall, GPU and RSS peaks, status."""
+    lines = [(f"| variant | what | s/step | speed-up vs native rows | {first} | tqdm avg s/step | wall s "
+              "| GPU peak GiB (run / sampling) | RSS HWM GiB | anon GiB | status |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rs = ", ".join(f"{v:.2f}x vs {k}" for k, v in rat.get(r["name"], {}).items()) or "—"
+        tq = [t["s_per_step"] * t["steps"] for t in r.get("tqdm", [])]
+        steps = sum(t["steps"] for t in r.get("tqdm", []))
+        first_s = "/".join(_f(x, 1) for x in r.get("first_step_s", [])) or "—"
+        lines.append(f"| {r['name']} | {r['what']} | {_f(r.get('s_per_step'), 3)} | {rs} | {first_s} | "
+                     f"{_f(sum(tq) / steps, 3) if steps else '—'} | {_f(r.get('wall_s'), 1)} | "
+                     f"{_f(r.get('peak_gpu_gib'))} / {_f(r.get('peak_gpu_sampling_gib'))} | "
+                     f"{_f(r.get('peak_rss_hwm_gib'))} | {_f(r.get('peak_rss_anon_gib'))} | "
+                     f"{r.get('status')}{': ' + r['error'][:160] if r.get('error') else ''}"
+                     f"{' (from ' + r['source'] + ')' if r.get('source') else ''} |")
+    return lines
+
+
 def markdown(results: list[dict], env: dict, settings: dict) -> str:
     """The results as markdown: environment, one table per card size, the goals, failures."""
     rat = ratios(results)
@@ -121,24 +140,9 @@ def markdown(results: list[dict], env: dict, settings: dict) -> str:
               "first sampler on; RSS: VmHWM and peak anonymous RSS of the server process"), ""]
     for card in (None, 8.0):
         rows = [r for r in results if _card(r) == card]
-        if not rows:
-            continue
-        lines += [f"## {'whole GPU' if card is None else f'{card:g} GB card (--reserve-vram = total - {card:g} GiB)'}",
-                  "", ("| variant | what | s/step | speed-up vs native rows | first step high/low s | tqdm avg s/step "
-                       "| wall s | GPU peak GiB (run / sampling) | RSS HWM GiB | anon GiB | status |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            rs = ", ".join(f"{v:.2f}x vs {k}" for k, v in rat.get(r["name"], {}).items()) or "—"
-            tq = [t["s_per_step"] * t["steps"] for t in r.get("tqdm", [])]
-            steps = sum(t["steps"] for t in r.get("tqdm", []))
-            first = "/".join(_f(x, 1) for x in r.get("first_step_s", [])) or "—"
-            lines.append(f"| {r['name']} | {r['what']} | {_f(r.get('s_per_step'), 3)} | {rs} | {first} | "
-                         f"{_f(sum(tq) / steps, 3) if steps else '—'} | {_f(r.get('wall_s'), 1)} | "
-                         f"{_f(r.get('peak_gpu_gib'))} / {_f(r.get('peak_gpu_sampling_gib'))} | "
-                         f"{_f(r.get('peak_rss_hwm_gib'))} | {_f(r.get('peak_rss_anon_gib'))} | "
-                         f"{r.get('status')}{': ' + r['error'][:160] if r.get('error') else ''}"
-                         f"{' (from ' + r['source'] + ')' if r.get('source') else ''} |")
-        lines.append("")
+        if rows:
+            lines += [f"## {'whole GPU' if card is None else f'{card:g} GB card (--reserve-vram = total - {card:g} GiB)'}",
+                      "", *table_lines(rows, rat), ""]
     lines += probe_lines(results)
     checks = goals(results)
     if checks:
@@ -152,7 +156,7 @@ def markdown(results: list[dict], env: dict, settings: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(path: Path, results: list[dict], env: dict) -> str | None:
+def plot(path: Path, results: list[dict], env: dict, title: str = "Wan 2.2 T2V-A14B 832x480x81") -> str | None:
     """Bars: s/step per variant (left), peak GPU and peak RSS (right); returns a note when matplotlib is missing."""
     try:
         import matplotlib
@@ -179,7 +183,7 @@ def plot(path: Path, results: list[dict], env: dict) -> str | None:
     ax2.barh([i + 0.2 for i in y], rss, height=0.4, color="tab:orange", label="peak RSS (VmHWM)")
     ax2.set_xlabel("GiB")
     ax2.legend(fontsize=8)
-    fig.suptitle(f"Wan 2.2 T2V-A14B 832x480x81 via ComfyUI {env.get('comfyui_version', '?')} server — "
+    fig.suptitle(f"{title} via ComfyUI {env.get('comfyui_version', '?')} server — "
                  f"{env.get('device_name', '?')}, torch {env.get('torch', '?')}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

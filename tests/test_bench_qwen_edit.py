@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 from comfyui_lowvram_dit.benchmarks import bench_qwen_edit_server as be
-from test_bench_server import _problems
+from comfyui_lowvram_dit.benchmarks import bench_server_run as run
+from test_bench_server import _measured, _problems, fake_start
 
 
 @pytest.mark.parametrize("kind", ["native", "pack"])
@@ -61,3 +62,22 @@ def test_empty_image_replaces_the_loaded_one_with_the_same_size() -> None:
     assert graph["1"]["class_type"] == "EmptyImage"
     assert (graph["1"]["inputs"]["width"], graph["1"]["inputs"]["height"]) == (1024, 768)
     assert _problems(graph) == []  # EmptyImage is in the schema snapshot, LoadImage is gone
+
+
+def test_rows_run_through_the_shared_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each row: a server of its own with its own user directory (cold embedding cache), the reference image in the
+    input folder before the start, the pack-import check, flags recorded with $WORK, the log kept on --keep-logs."""
+    pytest.importorskip("PIL.Image")
+    starts = fake_start(monkeypatch, lambda base: "got prompt\nPrompt executed in 3.00 seconds\n")
+    monkeypatch.setattr(run, "measure", _measured)
+    opts = be._parser().parse_args(["--comfyui", str(tmp_path), "--models", str(tmp_path), "--keep-logs",
+                                    "--variants", "pack_edit_blockswap_8gb", "--steps", "4"])
+    opts.work = tmp_path / "work"
+    opts.work.mkdir()
+    rec = be.run_variant("pack_edit_blockswap_8gb", opts, 79.65)
+    assert rec["status"] == "ok" and rec["graph"] == "pack" and rec["card_gib"] == 8.0 and "timeline" not in rec
+    assert rec["sampler_nodes"] == [be.SAMPLER] and starts[0]["inputs"] == [be.IMAGE]
+    flags = rec["server_args"]
+    assert flags[flags.index("--user-directory") + 1].endswith("/user") and flags[-1] == "--reserve-vram=71.65"
+    assert all(str(tmp_path) not in f for f in flags) and flags[flags.index("--user-directory") + 1] != "$WORK/user"
+    assert (opts.work / "pack_edit_blockswap_8gb.log").is_file()

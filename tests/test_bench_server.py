@@ -3,14 +3,19 @@ log, ratios against named native rows, goals and report files."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import time
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from comfyui_lowvram_dit.benchmarks import bench_server as bs
 from comfyui_lowvram_dit.benchmarks import bench_server_report as rep
+from comfyui_lowvram_dit.benchmarks import bench_server_run as run
 
 TESTS = Path(__file__).resolve().parent
 OBJECT_INFO = {**json.loads((TESTS / "object_info-0.8.0.schema.json").read_text()),
@@ -18,11 +23,13 @@ OBJECT_INFO = {**json.loads((TESTS / "object_info-0.8.0.schema.json").read_text(
 FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name"}
 
 
-def _problems(graph: dict) -> list[str]:
-    """Every way ``graph`` would fail ComfyUI's prompt validation that the schemas can tell."""
+def _problems(graph: dict, object_info: dict | None = None) -> list[str]:
+    """Every way ``graph`` would fail ComfyUI's prompt validation that the schemas (``object_info``: a server's
+    /object_info; default the 0.8.0 snapshot + the pack's nodes) can tell."""
+    schemas = OBJECT_INFO if object_info is None else object_info
     out = []
     for nid, node in graph.items():
-        info = OBJECT_INFO.get(node["class_type"])
+        info = schemas.get(node["class_type"])
         if info is None:
             out.append(f"{nid}: unknown node {node['class_type']}")
             continue
@@ -36,7 +43,7 @@ def _problems(graph: dict) -> list[str]:
                 src = graph.get(value[0])
                 if src is None:
                     out.append(f"{nid}.{key}: link to missing node {value[0]}")
-                elif OBJECT_INFO[src["class_type"]]["output"][value[1]] != spec[0]:
+                elif schemas[src["class_type"]]["output"][value[1]] != spec[0]:
                     out.append(f"{nid}.{key}: {src['class_type']} output {value[1]} is not {spec[0]}")
             elif key not in FILE_INPUTS:
                 options = spec[0] if isinstance(spec[0], list) else (spec[1].get("options") if spec[0] == "COMBO"
@@ -162,17 +169,17 @@ EVENTS = [
 
 
 def test_step_times_from_progress_events() -> None:
-    hi, lo = bs.step_times(EVENTS, "15"), bs.step_times(EVENTS, "16")
+    hi, lo = run.step_times(EVENTS, "15"), run.step_times(EVENTS, "16")
     assert hi == {"node": "15", "progress_values": [1, 2], "first_s": 4.0, "steps_s": [2.5]}
     assert lo["first_s"] == 8.0 and lo["steps_s"] == [2.0]
-    s = bs.summarize_steps([hi, lo])
+    s = run.summarize_steps([hi, lo])
     assert s["s_per_step"] == 2.25 and s["steps_timed"] == 2 and s["first_step_s"] == [4.0, 8.0]
-    assert bs.step_times(EVENTS, "99") == {"node": "99", "progress_values": [], "first_s": None, "steps_s": []}
-    assert bs.summarize_steps([bs.step_times(EVENTS, "99")])["s_per_step"] is None
+    assert run.step_times(EVENTS, "99") == {"node": "99", "progress_values": [], "first_s": None, "steps_s": []}
+    assert run.summarize_steps([run.step_times(EVENTS, "99")])["s_per_step"] is None
 
 
 def test_node_times() -> None:
-    assert bs.node_times(EVENTS) == {"11": 4.9, "15": 7.0, "16": 10.5}
+    assert run.node_times(EVENTS) == {"11": 4.9, "15": 7.0, "16": 10.5}
 
 
 LOG_033 = ("got prompt\n  0%|          | 0/2 [00:00<?, ?it/s]\r 50%|█████     | 1/2 [00:06<00:06,  6.47s/it]\r"
@@ -182,14 +189,14 @@ LOG_033 = ("got prompt\n  0%|          | 0/2 [00:00<?, ?it/s]\r 50%|████
 
 
 def test_tqdm_closing_lines() -> None:
-    assert bs.tqdm_summaries(LOG_033) == [{"steps": 2, "elapsed_s": 4, "s_per_step": 2.34},
+    assert run.tqdm_summaries(LOG_033) == [{"steps": 2, "elapsed_s": 4, "s_per_step": 2.34},
                                           {"steps": 2, "elapsed_s": 16, "s_per_step": 8.01}]
-    assert bs.tqdm_summaries("100%|█| 3/3 [01:02<00:00,  4.00it/s]") == [
+    assert run.tqdm_summaries("100%|█| 3/3 [01:02<00:00,  4.00it/s]") == [
         {"steps": 3, "elapsed_s": 62, "s_per_step": 0.25}]
 
 
 def test_log_digest_drops_colours_and_bars() -> None:
-    assert bs.log_digest(LOG_033) == ["[INFO] lowvram_dit attention auto -> SDPA cuDNN", "Prompt executed in 45.20 seconds"]
+    assert run.log_digest(LOG_033) == ["[INFO] lowvram_dit attention auto -> SDPA cuDNN", "Prompt executed in 45.20 seconds"]
 
 
 def _row(name: str, sps: float | None, rss: float = 10.0, status: str = "ok") -> dict:
@@ -348,4 +355,125 @@ def test_probe_results_leave_the_profiled_step_out_and_reach_the_report(tmp_path
     server_probe.drop_profiled_steps(per_node, bs.PROBE_CALL)
     assert [d["steps_s"] for d in per_node] == [[4.0, 4.2], [4.4, 4.6]]
     assert [d["profiled_step_s"] for d in per_node] == [[5.5], [6.0]]
-    assert bs.summarize_steps(per_node)["s_per_step"] == 4.3
+    assert run.summarize_steps(per_node)["s_per_step"] == 4.3
+
+
+def test_native_ck_rows_with_the_4step_loras() -> None:
+    """native_fp8fast_ck_8gb_4step / _lora4: the graphs of the default-attention 4-step rows on a server with
+    --use-ck-attention at the 8 GB cap, baselines in the 'lora' group, each ratio naming them."""
+    v = bs.VARIANTS
+    for name, twin in (("native_fp8fast_ck_8gb_4step", "native_fp8fast_8gb_4step"),
+                       ("native_fp8fast_ck_8gb_lora4", "native_fp8fast_8gb_lora4")):
+        row = v[name]
+        assert name in bs.LORA_ROWS and row.baseline and row.four_step and row.card_gib == bs.CARD_GIB
+        assert row == replace(v[twin], name=name, ck_attention=True)
+        same, other = bs.build_graph(row, 3), bs.build_graph(v[twin], 3)
+        assert {k: n for k, n in same.items() if k != "19"} == {k: n for k, n in other.items() if k != "19"}
+        assert row.server_args(79.65) == ["--use-ck-attention", "--reserve-vram=71.65"]
+    assert v["native_fp8fast_ck_8gb_lora4"].lora and not v["native_fp8fast_ck_8gb_4step"].lora
+    rows = [_row("native_fp8fast_ck_8gb_4step", 2.4), _row("native_fp8fast_ck_8gb_lora4", 3.0),
+            _row("pack_blockswap_8gb_lora4", 2.0)]
+    assert rep.ratios(rows)["pack_blockswap_8gb_lora4"] == {"native_fp8fast_ck_8gb_4step": 1.2,
+                                                            "native_fp8fast_ck_8gb_lora4": 1.5}
+    assert "1.50x vs native_fp8fast_ck_8gb_lora4" in rep.markdown(rows, {}, {
+        "steps_per_expert": 3, "width": 1, "height": 1, "frames": 1, "cfg": 1.0, "decode": False})
+
+
+def test_cli_keeps_its_flags() -> None:
+    opts = bs._parser().parse_args(["--comfyui", "c", "--models", "m", "--variants", "lora", "--keep-logs",
+                                    "--list-nodes", "--deadline", "500", "--merge", "a.json", "--write-models"])
+    assert (opts.keep_logs, opts.list_nodes, opts.deadline, opts.merge, opts.write_models) == (
+        True, True, 500.0, [Path("a.json")], True)
+    assert {"native_fp8fast_ck_8gb_4step", "native_fp8fast_ck_8gb_lora4"} <= {v.name for v in bs.pick_variants("lora")}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the shared row runner (bench_server_run.run_row) with a stand-in for ComfyUI
+
+
+class FakeServer:
+    """What run_row reads of a started server: its log, /object_info, the URL and the process id."""
+
+    def __init__(self, log: str) -> None:
+        self.log, self.url, self.process = log, "http://127.0.0.1:1", types.SimpleNamespace(pid=1)
+
+    def log_text(self) -> str:
+        return self.log
+
+    def get(self, route: str, timeout: float = 30.0) -> dict:
+        return {"LowVRAM_WanLoader": {}, "LowVRAM_BlockSwap": {}, "KSampler": {}}
+
+
+def fake_start(monkeypatch: pytest.MonkeyPatch, log: Callable[[Path], str]) -> list[dict]:
+    """Replace runner.start_comfyui: each start records its base folder and flags, writes ``log(base)`` as the
+    server log; returns the list of starts."""
+    starts: list[dict] = []
+
+    @contextlib.contextmanager
+    def start(comfyui: Path, base: Path, *, cpu: bool = False, extra_args: list[str] | None = None,
+              startup_timeout: float = 300.0) -> Iterator[FakeServer]:
+        pack = base / "custom_nodes" / "comfyui-lowvram-dit"
+        starts.append({"base": base, "args": list(extra_args or []), "cpu": cpu, "pack": pack.resolve(),
+                       "inputs": sorted(p.name for p in (base / "input").iterdir())})
+        (base / "comfyui.log").write_text(log(base))
+        yield FakeServer(log(base))
+
+    monkeypatch.setattr(run.runner, "start_comfyui", start)
+    return starts
+
+
+def _measured(server: object, graph: dict, timeout: float, sampler_nodes: tuple, probe_dir: object = None) -> dict:
+    return {"status": "ok", "s_per_step": 1.5, "first_step_s": [9.0], "timeline": [[0.0, 1.0, 1.0, 2.0]],
+            "sampler_nodes": list(sampler_nodes)}
+
+
+def test_run_row_records_flags_without_machine_paths_and_keeps_the_log(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    starts = fake_start(monkeypatch, lambda base: LOG_033)
+    monkeypatch.setattr(run, "measure", _measured)
+    setup = run.ServerSetup(tmp_path / "comfy", tmp_path / "models", tmp_path / "work", keep_logs=True,
+                            list_nodes=True)
+    setup.work.mkdir()
+    row = bs.VARIANTS["native_fp8fast_ck_8gb_lora4"]
+    rec = run.run_row(setup, row, {}, 79.65, {"name": row.name}, sampler_nodes=bs.SAMPLER_NODES,
+                      prepare_input=lambda folder: (folder / "ref.png").write_bytes(b"x"))
+    assert rec["status"] == "ok" and rec["sampler_nodes"] == ["15", "16"] and rec["s_per_step"] == 1.5
+    assert starts[0]["pack"] == run.PACK_ROOT and starts[0]["inputs"] == ["ref.png"]
+    assert not any(str(tmp_path) in f for f in rec["server_args"]), rec["server_args"]
+    flags = rec["server_args"]
+    assert flags[flags.index("--user-directory") + 1] == "$WORK/user"
+    assert flags[flags.index("--front-end-root") + 1] == "$WORK/frontend"
+    assert flags[-2:] == ["--use-ck-attention", "--reserve-vram=71.65"]
+    assert rec["tqdm"] == run.tqdm_summaries(LOG_033) and rec["log"] == run.log_digest(LOG_033)
+    assert rec["lora_keys_not_loaded"] == 0
+    assert rec["pack_nodes"] == ["LowVRAM_BlockSwap", "LowVRAM_WanLoader"] and rec["object_info_nodes"] == 3
+    assert (setup.work / f"{row.name}.log").read_bytes().decode() == LOG_033
+    assert not starts[0]["base"].exists()  # the row's base folder is removed
+    rec = run.run_row(setup, row, {}, 79.65, {"name": row.name}, sampler_nodes=("3",), own_user_dir=True)
+    base = str(starts[1]["base"]).replace(str(setup.work), "$WORK")
+    assert rec["server_args"][rec["server_args"].index("--user-directory") + 1] == f"{base}/user"
+
+
+def test_run_row_records_a_pack_that_failed_to_import_and_a_gpu_too_small(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    starts = fake_start(monkeypatch, lambda base: (f"Traceback ...\nImportError: boom\n   0.1 seconds (IMPORT FAILED): "
+                                                   f"{base / 'custom_nodes' / 'comfyui-lowvram-dit'}\n"))
+    monkeypatch.setattr(run, "measure", lambda *a, **k: pytest.fail("a graph was queued on a server without the pack"))
+    setup = run.ServerSetup(tmp_path, tmp_path, tmp_path)
+    rec = run.run_row(setup, bs.VARIANTS["pack"], {}, 79.65, {"name": "pack"}, sampler_nodes=bs.SAMPLER_NODES)
+    assert rec["status"] == "error" and "the pack failed to import" in rec["error"], rec
+    assert "ImportError: boom" in rec["log"] and rec["lora_keys_not_loaded"] == 0
+    rec = run.run_row(setup, bs.VARIANTS["pack_8gb"], {}, 6.0, {"name": "pack_8gb"}, sampler_nodes=bs.SAMPLER_NODES)
+    assert rec["status"] == "error" and "drop the capped variants" in rec["error"] and len(starts) == 1
+
+
+def test_run_rows_skips_what_the_deadline_leaves_no_time_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [bs.VARIANTS["native_fp8fast_ck_8gb_4step"], bs.VARIANTS["pack_blockswap_8gb_4step"]]
+    written: list[int] = []
+    done = run.run_rows(rows, lambda v: {"name": v.name, "status": "ok"}, bs._head,
+                        lambda res: written.append(len(res)), [], time.monotonic())
+    assert [r["status"] for r in done] == ["ok", "ok"] and written == [1, 2]
+    done = run.run_rows(rows, lambda v: pytest.fail("started past the deadline"), bs._head, written.append,
+                        [{"name": "merged"}], time.monotonic() - 100, deadline=150, reserve_estimate=60)
+    assert [(r["name"], r["status"]) for r in done[1:]] == [(v.name, "skipped") for v in rows]
+    assert done[1]["variant"]["ck_attention"] is True and done[1]["what"] == rows[0].describe()
