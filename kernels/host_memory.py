@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch
 
-from .checkpoint_io import MADV_PAGEOUT, advise_mapped
+from .checkpoint_io import MADV_DONTNEED, advise_mapped
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -33,13 +33,18 @@ def file_backed_ranges() -> list[tuple[int, int]]:
 
 
 def page_out(tensors: Iterable[torch.Tensor]) -> int:
-    """Ask the kernel to reclaim the pages under file-backed CPU tensors (Linux); returns bytes advised.
+    """Drop the pages under file-backed CPU tensors from this process's RSS (Linux); returns bytes advised.
 
     After the arena copy the mapped file pages are only needed again when the model is re-activated, so they
-    should not sit in RSS. MADV_PAGEOUT keeps the data valid (pages re-fault from the file); on other systems
-    or older kernels this is a no-op and the kernel reclaims the page cache under pressure anyway.
+    should not sit in RSS. MADV_DONTNEED unmaps them from this process only: the page cache keeps them (the kernel
+    reclaims it under pressure), so the next load of the same file (the next render, the other expert's switch
+    back) reads RAM, not the disk. MADV_PAGEOUT would evict them from the page cache as well, making every later
+    load re-read the whole file. The tensors are never written, so nothing is lost either way. A no-op elsewhere.
     """
-    return advise_mapped(tensors, MADV_PAGEOUT)
+    # Only tensors inside a file mapping: MADV_DONTNEED on anonymous memory (an arena view, a private copy) would
+    # zero it.
+    maps = file_backed_ranges()
+    return advise_mapped([t for t in tensors if is_file_backed(t, maps)], MADV_DONTNEED)
 
 
 def is_file_backed(t: torch.Tensor, ranges: list[tuple[int, int]] | None = None) -> bool:

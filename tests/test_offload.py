@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import torch
 import pytest
 
@@ -501,3 +505,44 @@ def test_unpin_waits_for_the_last_copy_and_keeps_a_buffer_it_cannot_unregister(m
     failing.unpin()
     assert not failing.pinned and any(t is failing.buffer for t in host_memory._UNFREED)
     host_memory._UNFREED.clear()
+
+
+
+def _resident_fraction(path: Path) -> float:
+    """Share of ``path``'s pages in the page cache (mincore over a fresh read-only mapping of the file)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    size = path.stat().st_size
+    with path.open("rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+        view = np.frombuffer(m, dtype=np.uint8)
+        vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec)
+        del view
+        assert rc == 0, os.strerror(ctypes.get_errno())
+        return sum(v & 1 for v in vec) / len(vec)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise / mincore: Linux only")
+def test_page_out_leaves_the_page_cache_warm(tmp_path: Path) -> None:
+    """After the arena copy the file pages leave this process's RSS but stay cached for the next load."""
+    from safetensors.torch import save_file
+
+    from comfyui_lowvram_dit.kernels.checkpoint_io import map_tensors, read_header
+
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(1024, 1024)}, str(path))  # 4 MiB
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)  # clean pages: MADV_PAGEOUT could drop them (dirty ones it would keep, hiding the difference)
+    os.close(fd)
+    w = dict(map_tensors(read_header(path)))["w"]
+    total = float(w.sum())  # touch every page: they are in the page cache and this process's RSS
+    assert _resident_fraction(path) > 0.99
+    assert host_memory.page_out([w]) > 0
+    assert _resident_fraction(path) > 0.99  # MADV_PAGEOUT would have evicted them: the next load reads the disk
+    assert float(w.sum()) == total  # re-faulted from the cache, same bytes
