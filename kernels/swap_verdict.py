@@ -209,8 +209,8 @@ def _stall_advice(setup: SwapSetup, c: StreamStats, copy_ms: float, compute_ms: 
 
 def swap_verdict(calls: Sequence[StreamStats], setup: SwapSetup) -> SwapVerdict:
     """One sentence on this load's copies vs compute, from its timed calls (the quickest complete one counts)."""
-    head = f"Block Swap measured ({setup.model}, {setup.streamed} of {setup.num_blocks} blocks streamed, " \
-           f"prefetch {setup.prefetch})"
+    head = (f"Block Swap measured ({setup.model}, {setup.streamed} of {setup.num_blocks} blocks streamed, "
+            f"prefetch {setup.prefetch})")
     if setup.streamed == 0:
         return SwapVerdict("unmeasured", f"Block Swap ({setup.model}): nothing streams on this load (every block "
                                          "fits), so it changes nothing here")
@@ -247,14 +247,16 @@ def swap_verdict(calls: Sequence[StreamStats], setup: SwapSetup) -> SwapVerdict:
 def _hidden_text(head: str, setup: SwapSetup, copy_ms: float, compute_ms: float, stall: float, share: float,
                  busy: float) -> str:
     margin = compute_ms / copy_ms if copy_ms > 0 else math.inf
-    text = (f"{head}: copies are hidden: {compute_ms:.1f} ms of compute per streamed block covers its {copy_ms:.1f} "
-            f"ms copy (stall {stall:.1f} ms per model call, {share:.1%}).")
+    cover = (f"{compute_ms:.1f} ms of compute per streamed block covers its {copy_ms:.1f} ms copy" if margin >= 1 else
+             f"each {copy_ms:.1f} ms copy hides behind more than its own block's {compute_ms:.1f} ms of compute (the "
+             "ring loads it during the blocks before it)")
+    text = f"{head}: copies are hidden: {cover} (stall {stall:.1f} ms per model call, {share:.1%})."
     if margin >= PARTIAL_LOADING_KEEPS_UP:
         text += (f" Streaming costs no speed here, and with {margin:.0f}x more compute than copy per block "
                  f"ComfyUI's own partial loading keeps up too, so what Block Swap buys on this run is memory: "
                  f"{_memory(setup)}.")
     else:
-        text += (f" The margin is thin ({margin:.1f}x): the ring's prefetch is what hides them (at a similar margin "
+        text += (f" The margin is thin ({margin:.1f}x per block): the ring's prefetch is what hides them (at 1.2x "
                  f"ComfyUI's own partial loading lost 14 % to its copies); memory kept off the GPU: {_memory(setup)}.")
     if setup.streamed < setup.num_blocks:
         capacity = hidden_capacity(setup, copy_ms, compute_ms, busy)

@@ -13,29 +13,30 @@ import time
 
 import pytest
 import torch
-from test_offload import TinyWan, _inputs
-
 from comfyui_lowvram_dit.kernels import offload
 from comfyui_lowvram_dit.kernels.offload import BlockStreamer, StreamHook
 from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig, plan_swap
 from comfyui_lowvram_dit.kernels.swap_verdict import (
-    StreamStats, SwapSetup, fewer_blocks, hidden_capacity, swap_verdict,
+    StreamStats,
+    SwapSetup,
+    fewer_blocks,
+    hidden_capacity,
+    swap_verdict,
 )
+from test_offload import TinyWan, _inputs
 
 GIB = 2**30
 BLOCK = int(0.655 * GIB / 2)  # one Wan 14B fp8 ring slot (ring_gib=0.655 for 2 slots in the result files)
 
 
-def _setup(streamed: int, loaded_gib: float, **kw) -> SwapSetup:  # noqa: ANN003
+def _setup(streamed: int, loaded_gib: float, **kw) -> SwapSetup:
     """A Wan 14B fp8 load as the result files describe it (loaded_gib = resident weights + ring)."""
-    args = dict(model="WanModel", num_blocks=40, streamed=streamed, prefetch=1, pinned=True, block_bytes=BLOCK,
-                ring_bytes=2 * BLOCK, resident_bytes=int(loaded_gib * GIB) - 2 * BLOCK, source_itemsize=1,
-                vram_budget_gb=0.0, blocks_to_swap=-1)
-    args.update(kw)
-    return SwapSetup(**args)
+    args = {"model": "WanModel", "num_blocks": 40, "streamed": streamed, "prefetch": 1, "pinned": True,
+            "block_bytes": BLOCK, "ring_bytes": 2 * BLOCK, "resident_bytes": int(loaded_gib * GIB) - 2 * BLOCK}
+    return SwapSetup(**{**args, **kw})
 
 
-def _call(n: int, transfer_ms: float, compute_ms: float, stall_ms: float, call_ms: float, **kw) -> StreamStats:  # noqa: ANN003
+def _call(n: int, transfer_ms: float, compute_ms: float, stall_ms: float, call_ms: float, **kw) -> StreamStats:
     return StreamStats(loads=n, copies=n, blocks_run=n, transfer_ms=transfer_ms, compute_ms=compute_ms,
                        stall_ms=stall_ms, call_ms=call_ms, timed=True, **kw)
 
@@ -61,12 +62,19 @@ def test_480p17_is_hidden_by_a_thin_margin_that_prefetch_covers():
     """block_swap_480p17.md, cap 8: 24 streamed, 6.37 ms copy vs 7.68 ms compute per block (1.2x)."""
     v = swap_verdict([_call(24, 152.88, 184.24, 0.07, 320.47)], _setup(24, 6.327))
     assert v.kind == "hidden"
-    assert "The margin is thin (1.2x)" in v.text and "the ring's prefetch is what hides them" in v.text
+    assert "The margin is thin (1.2x per block)" in v.text and "the ring's prefetch is what hides them" in v.text
     assert "partial loading keeps up" not in v.text
     # 40 copies of 6.37 ms fit in ~320 ms of compute, and 6.37 ms < 7.68 ms: even adjacent blocks hide
     assert "Streaming all 40 blocks would stay hidden too" in v.text
     explicit = swap_verdict([_call(24, 152.88, 184.24, 0.07, 320.47)], _setup(24, 6.327, blocks_to_swap=24))
     assert "a higher blocks_to_swap frees VRAM" in explicit.text
+
+
+def test_copies_longer_than_a_block_can_hide_behind_the_resident_blocks_between():
+    """Synthetic: 6 of 20 streamed, a 7 ms copy against 5.5 ms blocks, 3 blocks apart with prefetch 2."""
+    v = swap_verdict([_call(6, 42.0, 33.0, 0.2, 110.2)], _setup(6, 5.0, num_blocks=20, prefetch=2))
+    assert v.kind == "hidden" and "each 7.0 ms copy hides behind more than its own block's 5.5 ms" in v.text
+    assert "(0.8x per block)" in v.text and "Up to about 14 streamed blocks" in v.text
 
 
 def test_hidden_copies_name_how_far_streaming_could_go():
@@ -122,8 +130,7 @@ def test_a_stall_at_full_prefetch_still_gets_a_suggestion():
     setup = _setup(10, 2.071, prefetch=3, blocks_to_swap=10)
     v = swap_verdict([_call(10, 75.0, 77.0, 15.0, 335.0)], setup)
     assert v.kind == "stalls" and "prefetch=" not in v.text
-    assert v.suggestions == ("blocks_to_swap=8 (8 streamed) if the GPU has "
-                             f"{2 * BLOCK / 1e9:.2f} GB more free",)
+    assert v.suggestions == (f"blocks_to_swap=8 (8 streamed) if the GPU has {2 * BLOCK / 1e9:.2f} GB more free",)
 
 
 def test_pageable_copies_say_pinned_first():
@@ -183,7 +190,7 @@ class WallEvent:
         WallEvent.created += timing
         self.t = 0.0
 
-    def record(self, stream=None) -> None:  # noqa: ANN001
+    def record(self, stream=None) -> None:
         self.t = time.perf_counter()
 
     def elapsed_time(self, other: WallEvent) -> float:
@@ -208,7 +215,7 @@ class TimedSync(offload._Sync):
 
 
 @pytest.fixture
-def timed_sync(monkeypatch):  # noqa: ANN001, ANN201
+def timed_sync(monkeypatch):
     monkeypatch.setattr(offload, "_Sync", TimedSync)
     monkeypatch.setattr(WallEvent, "gpu_done", True)
     monkeypatch.setattr(WallEvent, "created", 0)
@@ -216,7 +223,7 @@ def timed_sync(monkeypatch):  # noqa: ANN001, ANN201
     return WallEvent
 
 
-def _streamer(swap: int = 3, n: int = 8, debug: bool = False):  # noqa: ANN202
+def _streamer(swap: int = 3, n: int = 8, debug: bool = False):
     torch.manual_seed(0)
     model = TinyWan(n=n)
     plan = plan_swap([offload.block_nbytes(b) for b in model.blocks], SwapConfig(blocks_to_swap=swap))
@@ -225,7 +232,7 @@ def _streamer(swap: int = 3, n: int = 8, debug: bool = False):  # noqa: ANN202
     return model, plan, st
 
 
-def _forward(model, st) -> StreamStats:  # noqa: ANN001
+def _forward(model, st) -> StreamStats:
     with torch.no_grad():
         st.begin_forward()
         model(*_inputs(), streamer=st)
