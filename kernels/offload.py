@@ -11,6 +11,9 @@ Design (after musubi-tuner's ``LoRAStreamOffloader``):
   around, so the next forward's first streamed blocks load during this forward's tail. A block that is not where
   the schedule expects it is loaded on demand (self-healing), which keeps interrupts, skipped blocks and extra
   forwards correct.
+- Each activation times a few forwards with CUDA events (copy, wait and compute per streamed block), read only
+  once the GPU has passed them (``Event.query``, no sync); ``take_measurement`` hands them over once per load for
+  kernels/swap_verdict.py. Debug mode times every forward and syncs at its end.
 
 ``StreamHook`` attaches a streamer to a model through kernels/hooks.py. Plain torch, no ComfyUI import. The
 engine runs on a CPU "device" too (streams and events become no-ops), so swapped == resident can be checked
@@ -22,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, Sequence
 
 import torch
@@ -30,6 +33,12 @@ import torch
 from .hooks import HookRegistry, ModelHook
 from .host_memory import HostArena, file_backed_ranges, is_file_backed, page_out
 from .swap_plan import ALIGN, SwapPlan, aligned, prefetch_targets
+from .swap_verdict import CallTimer, StreamStats, format_stats
+
+# Forwards after each activation: the first is left untimed (the ring starts cold; compile and autotune land
+# there), the next ones are timed; the quickest of them stands for the steady state.
+MEASURE_SKIP = 1
+MEASURE_CALLS = 2
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -102,6 +111,9 @@ class _NullEvent:
     def elapsed_time(self, other: "_NullEvent") -> float:
         return 0.0
 
+    def query(self) -> bool:
+        return True
+
 
 class _NullStream:
     def wait_event(self, event) -> None:  # noqa: ANN001
@@ -119,6 +131,7 @@ class _Sync:
 
     def __init__(self, device: torch.device, timing: bool) -> None:
         self.cuda = device.type == "cuda"
+        self.can_time = self.cuda  # CPU copies are synchronous: there is no overlap to measure
         self.timing = timing
         self.device = device
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else _NullStream()
@@ -144,23 +157,6 @@ class _Slot:
     free: object
     block: int | None = None  # block whose bytes are (being) copied here
     pending: bool = False  # loaded but not consumed yet
-
-
-@dataclass
-class StreamStats:
-    """Counters for one forward (debug mode adds CUDA-event timings)."""
-
-    loads: int = 0
-    on_demand: int = 0  # loads the schedule did not foresee (self-healing)
-    transfer_ms: float = 0.0
-    stall_ms: float = 0.0
-    compute_ms: float = 0.0
-    per_block: dict[int, dict[str, float]] = field(default_factory=dict)
-
-    @property
-    def overlap(self) -> float:
-        """Fraction of transfer time hidden behind compute (1.0 = fully hidden)."""
-        return 1.0 - min(self.stall_ms, self.transfer_ms) / self.transfer_ms if self.transfer_ms > 0 else 1.0
 
 
 class BlockStreamer:
@@ -194,7 +190,11 @@ class BlockStreamer:
         self._bound: dict[int, int] = {}  # block -> slot its params point at right now
         self._sync: _Sync | None = None
         self.stats = StreamStats()
-        self._timers: list[tuple[int, str, object, object]] = []
+        self._timer: CallTimer | None = None  # the current forward's, when it is timed
+        self._forwards = 0  # since activate
+        self._pending: list[CallTimer] = []  # timed forwards the GPU may not have passed yet
+        self._measured: list[StreamStats] = []
+        self._reported = False
 
     # -- setup ---------------------------------------------------------------------------------------------
 
@@ -207,6 +207,15 @@ class BlockStreamer:
     def streamed_bytes(self) -> int:
         """Bytes of the streamed blocks' masters (host RAM, pinned when ``pinned``)."""
         return sum(self._layout(b)[1] for b in self.plan.streamed)
+
+    def weight_itemsize(self) -> int:
+        """Bytes per element of the dtype holding most of a streamed block's bytes (1 for fp8 weights; 0: none)."""
+        if not self.plan.streamed:
+            return 0
+        by_dtype: dict[torch.dtype, int] = {}
+        for s in self._layout(self.plan.streamed[0])[0]:
+            by_dtype[s.dtype] = by_dtype.get(s.dtype, 0) + s.nbytes
+        return torch.empty(0, dtype=max(by_dtype, key=by_dtype.__getitem__)).element_size()
 
     def _layout(self, b: int) -> tuple[list[TensorSlot], int]:
         if b not in self._layouts:
@@ -265,6 +274,9 @@ class BlockStreamer:
         self._where.clear()
         self._bound.clear()
         self._gpu_views.clear()
+        self._forwards, self._timer, self._reported = 0, None, False  # every load is measured afresh
+        self._pending.clear()
+        self._measured.clear()
         self.active = True
 
     def _build_arena(self) -> None:
@@ -321,6 +333,8 @@ class BlockStreamer:
             self._gpu_views.clear()
             self._where.clear()
             self._sync = None
+            self._timer = None
+            self._pending.clear()
             self.active = False
         if self.arena is not None and release_host:
             self.arena.unpin()
@@ -357,18 +371,16 @@ class BlockStreamer:
         sync = self._sync
         src_base = self._arena_offsets[b]
         n = self._layout(b)[1]
+        timer = self._timer
         with sync.copy_context():
             sync.copy_stream.wait_event(slot.free)  # the previous occupant has been consumed
-            start = sync.event(True) if self.debug else None
-            if start is not None:
-                start.record(sync.copy_stream)
+            start = timer.mark(sync.copy_stream) if timer is not None else None
             slot.flat[:n].copy_(self.arena.buffer[src_base: src_base + n], non_blocking=True)
             slot.ready.record(sync.copy_stream)
             self.arena.last_copy = slot.ready
-            if start is not None:
-                end = sync.event(True)
-                end.record(sync.copy_stream)
-                self._timers.append((b, "transfer", start, end))
+            if timer is not None:
+                timer.last_copy = timer.mark(sync.copy_stream)
+                timer.spans.append((b, "transfer", start, timer.last_copy))
         slot.block, slot.pending = b, True
         self._where[b] = i
         self.stats.loads += 1
@@ -390,7 +402,10 @@ class BlockStreamer:
         if not self.active:
             raise RuntimeError("block swap: BlockStreamer.begin_forward() before activate()")
         self.stats = StreamStats(loads=0)
-        self._timers.clear()
+        self._forwards += 1
+        in_window = MEASURE_SKIP < self._forwards <= MEASURE_SKIP + MEASURE_CALLS
+        timed = self._sync.can_time and bool(self.plan.streamed) and (self.debug or in_window)
+        self._timer = CallTimer(self._sync, self.stats) if timed else None
         if self.plan.streamed:
             self._prefetch(0)
 
@@ -407,15 +422,13 @@ class BlockStreamer:
             s = self._load(i)
             self.stats.on_demand += 1
         compute = sync.compute_stream()
-        if self.debug:
-            t0 = sync.event(True)
-            t0.record(compute)
+        timer = self._timer
+        if timer is not None:
+            t0 = timer.mark(compute)
         compute.wait_event(self.slots[s].ready)
-        if self.debug:
-            t1 = sync.event(True)
-            t1.record(compute)
-            self._timers.append((i, "stall", t0, t1))
-            self._timers.append((i, "compute_start", t1, None))
+        if timer is not None:
+            timer.started[i] = timer.mark(compute)
+            timer.spans.append((i, "stall", t0, timer.started[i]))
         self._bind(i, self._gpu(i, s))
         self._bound[i] = s
         self._prefetch(j + 1)
@@ -429,11 +442,9 @@ class BlockStreamer:
         slot = self.slots[s]
         compute = self._sync.compute_stream()
         slot.free.record(compute)
-        if self.debug:
-            t2 = self._sync.event(True)
-            t2.record(compute)
-            start = next(t for (bi, kind, t, _) in reversed(self._timers) if bi == i and kind == "compute_start")
-            self._timers.append((i, "compute", start, t2))
+        timer = self._timer
+        if timer is not None and i in timer.started:
+            timer.spans.append((i, "compute", timer.started.pop(i), timer.mark(compute)))
         self._bind(i, self._cpu_views[i])
         slot.pending = False
         if self._where.get(i) == s:
@@ -451,39 +462,41 @@ class BlockStreamer:
         raise RuntimeError("block swap: every ring slot is bound to a running block; raise prefetch")
 
     def end_forward(self) -> StreamStats:
-        """End of a model forward; in debug mode read the CUDA-event timings (one sync, outside the loop)."""
+        """End of a model forward; in debug mode read its timings now (one sync, outside the loop).
+
+        A timed forward outside debug mode is read later (``take_measurement``): its stats gain their timings then.
+        """
         for b in list(self._bound):  # a forward that raised inside a block
             self.after_block(b)
-        if self.debug and self._sync is not None and self._sync.cuda and self._timers:
-            # the device, not just compute: wrap-around prefetches for the next forward are still on the copy stream
-            torch.cuda.synchronize(self.device)
-            st = self.stats
-            for b, kind, a, z in self._timers:
-                if z is None:
-                    continue
-                ms = a.elapsed_time(z)
-                st.per_block.setdefault(b, {}).setdefault(kind, 0.0)
-                st.per_block[b][kind] += ms
-                if kind == "transfer":
-                    st.transfer_ms += ms
-                elif kind == "stall":
-                    st.stall_ms += ms
-                elif kind == "compute":
-                    st.compute_ms += ms
-            self._timers.clear()
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.finish()
+            in_window = MEASURE_SKIP < self._forwards <= MEASURE_SKIP + MEASURE_CALLS
+            if self.debug:
+                timer.wait()  # both streams: wrap-around prefetches for the next forward are still copying
+                timer.read()
+                if in_window:
+                    self._measured.append(timer.stats)
+            elif in_window:
+                self._pending.append(timer)
         return self.stats
 
+    def take_measurement(self, wait: bool = False) -> list[StreamStats]:
+        """This load's timed forwards, once, when the GPU has passed them all; else [] (no sync).
 
-def format_stats(stats: StreamStats) -> str:
-    """One human-readable report of a forward's transfers (debug mode)."""
-    lines = [f"block swap: {stats.loads} loads ({stats.on_demand} on demand), transfer {stats.transfer_ms:.1f} ms, "
-             f"stall {stats.stall_ms:.1f} ms, streamed compute {stats.compute_ms:.1f} ms, "
-             f"overlap {100 * stats.overlap:.1f} %"]
-    for b in sorted(stats.per_block):
-        d = stats.per_block[b]
-        lines.append(f"  block {b:3d}: transfer {d.get('transfer', 0):7.2f} ms  compute {d.get('compute', 0):7.2f} ms"
-                     f"  stall {d.get('stall', 0):6.2f} ms")
-    return "\n".join(lines)
+        ``wait=True`` (unload: outside the loop) waits for what was timed and hands over even a partial set.
+        """
+        if self._reported:
+            return []
+        while self._pending and (wait or self._pending[0].done()):
+            timer = self._pending.pop(0)
+            if wait:
+                timer.wait()
+            self._measured.append(timer.read())
+        if len(self._measured) < MEASURE_CALLS and not (wait and self._measured):
+            return []
+        self._reported = True
+        return list(self._measured)
 
 
 class StreamOwner(Protocol):
@@ -499,6 +512,9 @@ class StreamOwner(Protocol):
 
     def oom_advice(self, message: str) -> str:
         """What to change after a CUDA out-of-memory error with this message."""
+
+    def swap_measured(self, calls: list[StreamStats]) -> None:
+        """This load's timed forwards (``BlockStreamer.take_measurement``), handed over once per load."""
 
 
 class StreamHook(ModelHook):
@@ -524,7 +540,10 @@ class StreamHook(ModelHook):
                 st.after_block(index)
 
     def wrap_forward(self, module: Any, call: Callable[[], Any], registry: HookRegistry) -> Any:
-        """Start the prefetch before the forward, name what would fit after an OOM, report after (debug)."""
+        """Start the prefetch before the forward, name what would fit after an OOM, report after.
+
+        After the forward: debug mode logs its transfers; once per load the owner gets the timed forwards.
+        """
         st = self.owner.forward_streamer()
         if st is None or not st.active:
             return call()
@@ -539,3 +558,6 @@ class StreamHook(ModelHook):
             stats = st.end_forward()
             if self.owner.debug:
                 log.info("lowvram_dit %s", format_stats(stats))
+            measured = st.take_measurement()
+            if measured:
+                self.owner.swap_measured(measured)

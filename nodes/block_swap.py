@@ -15,6 +15,9 @@ How it cooperates with ComfyUI (v0.8.0, comfy/model_patcher.py + comfy/model_man
 - LoRA on streamed blocks is merged once per load into their host arena (nodes/glue/lora_merge.py: ComfyUI's own
   convert / calculate_weight / set steps, so fp8 layers re-quantize with their own scales) and restored exactly on
   unload; every step streams the merged bytes. Offloaded embeddings keep ComfyUI's ``LowVramPatch`` (per call).
+- Once per load, after its first model calls, one log line says whether compute hid the copies or by how much
+  they stalled it and what would help (kernels/swap_verdict.py, from the engine's CUDA-event timings); the Doctor
+  node shows the latest line of each model. A CPU run times nothing and says nothing.
 
 Two-expert Wan 2.2 A14B (RAM): only the loaded expert's streamed blocks sit in the pinned host arena. When an
 expert is unloaded its arena is unpinned, and when its weights came from a file mapping (a loader that maps the
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import uuid
 import weakref
 
@@ -41,6 +45,7 @@ from ..kernels import offload, swap_plan
 from ..kernels.hooks import find_blocks
 from ..kernels.offload import BlockStreamer, StreamHook
 from ..kernels.swap_plan import SwapConfig, SwapPlan
+from ..kernels.swap_verdict import StreamStats, SwapSetup, swap_verdict
 from .glue.common import CATEGORY_PATCHES, display_name, dynamic_vram_manages, mixed_class, node_id, say_once
 from .glue.hooks import register_hook
 from .glue.lora_merge import StreamedMerge
@@ -49,7 +54,13 @@ from .glue.seams import BLOCK_SWAP_SEAMS, PASS_THROUGH
 log = logging.getLogger("comfyui_lowvram_dit")
 
 SWAP_KEY = "lowvram_dit_block_swap"
+MEASURED_KEEP = 8
+_measured: dict[int, str] = {}  # id(SwapController) -> its latest verdict line, oldest first (for the Doctor node)
 
+
+def measured_verdicts() -> list[str]:
+    """The latest measured verdict of each recent Block Swap model in this process, oldest first."""
+    return list(_measured.values())
 
 
 def _set_param(root: torch.nn.Module, key: str, t: torch.Tensor) -> None:
@@ -69,6 +80,7 @@ class SwapController:
     def __init__(self, config: SwapConfig, base_model: torch.nn.Module) -> None:
         self.config = config
         dm = base_model.diffusion_model
+        self.model_name = type(dm).__name__
         self.list_name, self.blocks = find_blocks(dm, "Block Swap")
         self.prefix = f"diffusion_model.{self.list_name}."
         self.block_bytes = [offload.block_nbytes(b) for b in self.blocks]
@@ -214,6 +226,10 @@ class SwapController:
         ``unload=False`` (ComfyUI detaches the model before every re-load) keeps the plan and the pinned arena,
         so the next ``partially_load`` re-activates at the cost of a cached allocation.
         """
+        if self.active and self.streamer is not None:  # a load too short for the hook to hand its timings over
+            calls = self.streamer.take_measurement(wait=True)
+            if calls:
+                self.swap_measured(calls)
         if unload:  # the arena gets the original bytes back before it is re-used (or, when dropped, the private ones)
             self.lora.restore(arena_dropped=self.streamer is not None and self.streamer.drops_arena_on_release())
         if not self.active:
@@ -274,6 +290,29 @@ class SwapController:
         """The out-of-memory message naming what was on the GPU and the setting that would fit."""
         return swap_plan.oom_advice(self.plan, self.block_bytes, self.config, message, self.fixed_bytes(),
                                     self.embed_bytes)
+
+    def swap_setup(self) -> SwapSetup:
+        """The shape of the active load, for kernels/swap_verdict.py."""
+        plan, st = self.plan, self.streamer
+        streamed = len(plan.streamed)
+        return SwapSetup(model=self.model_name, num_blocks=plan.num_blocks, streamed=streamed,
+                         prefetch=self.config.prefetch, pinned=st.arena is not None and st.arena.pinned,
+                         block_bytes=st.streamed_bytes // max(streamed, 1), ring_bytes=plan.ring_bytes,
+                         resident_bytes=self.gpu_bytes(plan) - plan.ring_bytes, source_itemsize=st.weight_itemsize(),
+                         vram_budget_gb=self.config.vram_budget_gb, blocks_to_swap=self.config.blocks_to_swap,
+                         pinned_option=self.config.pinned)
+
+    def swap_measured(self, calls: list[StreamStats]) -> None:
+        """Log this load's verdict once (the engine hands its timed calls over once per load) and keep it."""
+        verdict = swap_verdict(calls, self.swap_setup())
+        if verdict.kind == "unmeasured":
+            log.debug("lowvram_dit %s", verdict.text)
+            return
+        log.log(logging.INFO if verdict.kind == "hidden" else logging.WARNING, "lowvram_dit %s", verdict.text)
+        _measured.pop(id(self), None)
+        _measured[id(self)] = f"[{time.strftime('%H:%M:%S')}] {verdict.text}"
+        while len(_measured) > MEASURED_KEEP:
+            del _measured[next(iter(_measured))]
 
 
 class BlockSwapMixin:

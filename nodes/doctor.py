@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from comfy_api.latest import io, ui
 
 from ..tools import doctor
@@ -30,6 +32,13 @@ def comfyui_host_info() -> tuple[str | None, dict]:
     except Exception as exc:  # the report must still come out if a ComfyUI internal moved
         host["error"] = f"{type(exc).__name__}: {exc}"
     return version, host
+
+
+def block_swap_verdicts() -> list[str] | None:
+    """The Block Swap node's measured verdicts in this server (None when its module did not load here)."""
+    # read, never imported here: a Block Swap module that failed to load must not take the Doctor with it
+    block_swap = sys.modules.get(f"{__package__}.block_swap")
+    return None if block_swap is None else block_swap.measured_verdicts()
 
 
 class Doctor(io.ComfyNode):
@@ -62,7 +71,8 @@ class Doctor(io.ComfyNode):
     @classmethod
     def execute(cls, gpu_probes: bool = True) -> io.NodeOutput:
         version, host = comfyui_host_info()
-        report = doctor.collect(comfyui_version=version, gpu_probes=gpu_probes, host=host, seams=seam_status())
+        report = doctor.collect(comfyui_version=version, gpu_probes=gpu_probes, host=host, seams=seam_status(),
+                                swap_measured=block_swap_verdicts())
         text = doctor.format_report(report)
         return io.NodeOutput(text, ui=ui.PreviewText(text))
 

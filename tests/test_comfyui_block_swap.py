@@ -8,6 +8,7 @@ On a CPU-only ComfyUI the node runs its CPU path when ``blocks_to_swap`` or ``vr
 from __future__ import annotations
 
 import functools
+import logging
 import time
 import uuid
 
@@ -95,6 +96,40 @@ def test_in_process_interrupt_mid_step_leaves_the_model_usable():
     mm.unload_all_models()
 
 
+def test_in_process_verdict_once_per_load_never_on_plain_cpu_and_in_the_doctor(monkeypatch, caplog):  # noqa: ANN001
+    _comfy()
+    import comfy.model_management as mm
+    from test_swap_verdict import TimedSync
+
+    from comfyui_lowvram_dit.kernels import offload
+    from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig
+    from comfyui_lowvram_dit.nodes import block_swap, doctor
+
+    monkeypatch.setattr(block_swap, "_measured", {})
+    swapped = block_swap.apply_block_swap(_tiny_wan_patcher(seed=2), SwapConfig(blocks_to_swap=3))
+
+    def lines(marker: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if marker in r.getMessage()]
+
+    with caplog.at_level(logging.DEBUG, logger="comfyui_lowvram_dit"):
+        _sample(swapped, steps=4)  # the CPU "ring": copies are synchronous, nothing is timed, nothing is claimed
+        assert lines("Block Swap: 3 of 6 blocks streamed") and not lines("Block Swap measured")
+        assert "nothing measured yet" in doctor.Doctor.execute(gpu_probes=False).result[0]
+        mm.unload_all_models()
+        caplog.clear()
+        monkeypatch.setattr(offload, "_Sync", TimedSync)  # timing events standing in for CUDA's
+        for steps in (4, 6):
+            _sample(swapped, steps=steps)
+        mm.unload_all_models()
+    loads = lines("Block Swap: 3 of 6 blocks streamed")
+    measured = [m.removeprefix("lowvram_dit ") for m in lines("Block Swap measured")]
+    assert loads and len(measured) == len(loads)  # one line per load, not per step or per CFG call
+    assert "the host copy is pageable" in measured[-1]  # a CPU arena is never pinned: the verdict says so
+    assert "page-locking (it failed at load" in measured[-1]  # `pinned` is on: the verdict does not ask for it
+    report = doctor.Doctor.execute(gpu_probes=False).result[0]
+    assert measured[-1] in report and "nothing measured yet" not in report
+
+
 def _write_tiny_wan(server, name: str, seed: int, num_layers: int = 6) -> str:  # noqa: ANN001
     from comfyui_lowvram_dit.tools import synth
 
@@ -144,6 +179,7 @@ def test_server_block_swap_interrupt_and_model_switch(comfy_server):  # noqa: AN
     swapped = _stats(comfy_server.run(_graph(a, seed=11, steps=3, swap=3)))
     assert swapped == plain  # exact on CPU: same kernels, same order
     assert "Block Swap: 3 of 6 blocks streamed" in comfy_server.log_text()
+    assert "Block Swap measured" not in comfy_server.log_text()  # a CPU run claims no copy/compute timings
 
     # interrupt mid-sampling: a long run, interrupted once the sampler is under way
     status, reply = comfy_server.post_prompt(_graph(a, seed=12, steps=10000, swap=2, width=96, frames=9))

@@ -190,6 +190,17 @@ def test_collect_keeps_the_seam_status_it_is_given(monkeypatch: pytest.MonkeyPat
     assert "seams" not in doctor.collect(gpu_probes=False)
 
 
+def test_block_swap_verdicts_get_their_section_only_inside_comfyui(cpu_report: dict) -> None:
+    """The node passes the server's measured Block Swap lines ([] when none yet); the CLI passes nothing."""
+    assert "Block Swap in this server" not in doctor.format_report(cpu_report)
+    none_yet = doctor.format_report({**cpu_report, "block_swap_measured": []})
+    assert "\nBlock Swap in this server" in none_yet and "nothing measured yet" in none_yet
+    line = "[12:00:00] Block Swap measured (WanModel, 37 of 40 blocks streamed, prefetch 1): copies are hidden"
+    text = doctor.format_report({**cpu_report, "block_swap_measured": [line]})
+    assert f"\n  {line}\n" in text and "nothing measured yet" not in text
+    assert doctor.collect(gpu_probes=False, swap_measured=[line])["block_swap_measured"] == [line]
+
+
 def test_swap_advice_follows_vram(cpu_report: dict) -> None:
     swaps = {}
     for vram in (8.0, 16.0, 24.0, 80.0):

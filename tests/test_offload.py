@@ -296,6 +296,7 @@ def test_engine_event_order_with_a_recording_sync(monkeypatch):
 
     class RecSync:
         cuda = False
+        can_time = False
 
         def __init__(self, device, timing):
             self.copy_stream = Stream("copy")

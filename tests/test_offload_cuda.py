@@ -76,13 +76,20 @@ def test_no_cpu_synchronization_in_the_loop():
         st.end_forward()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
+        measured = []
         try:
-            for _ in range(2):
+            for _ in range(3):  # forwards 2 and 3 are timed for the load's verdict: events queried, never waited
                 st.begin_forward()
                 model(x, e, ctx, streamer=st)
                 st.end_forward()
+                measured += st.take_measurement()
         finally:
             torch.cuda.set_sync_debug_mode(0)
+    calls = measured or st.take_measurement(wait=True)
+    assert len(calls) == 2 and st.take_measurement(wait=True) == []  # handed over once
+    for c in calls:
+        assert c.timed and c.copies == c.blocks_run == len(plan.streamed)
+        assert 0 < c.compute_ms < c.call_ms and c.transfer_ms > 0 and 0 <= c.stall_ms < c.call_ms
     torch.cuda.synchronize()
     st.deactivate()
 

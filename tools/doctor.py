@@ -470,12 +470,13 @@ def collect_attention(device: Any) -> dict:
 
 def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike | None = None,
             gpu_probes: bool = True, host: dict | None = None, seams: dict[str, str] | None = None,
-            progress: Callable[[str], None] | None = None) -> dict:
+            progress: Callable[[str], None] | None = None, swap_measured: list[str] | None = None) -> dict:
     """The whole report as a dict. Never raises: a failing section records its error.
 
     ``progress`` gets a line before each probe section (the CLI prints them to stderr).
 
-    ``seams`` (seam -> "ok" / "missing: ...") comes from nodes/glue/seams.py when the Doctor node runs inside ComfyUI.
+    ``seams`` (seam -> "ok" / "missing: ...") comes from nodes/glue/seams.py when the Doctor node runs inside ComfyUI;
+    ``swap_measured`` (Block Swap's verdict lines of this server, nodes/block_swap.py) too.
     """
     say = progress or (lambda _line: None)
     report: dict = {"generated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "skipped": []}
@@ -487,6 +488,8 @@ def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike 
         report["host"] = host
     if seams:
         report["seams"] = dict(seams)
+    if swap_measured is not None:
+        report["block_swap_measured"] = list(swap_measured)
     say("Doctor: reading versions ...")
     report["versions"], err = _guard(lambda: collect_versions(comfyui_version, comfyui_path), {})
     if err:

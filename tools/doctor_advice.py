@@ -286,6 +286,10 @@ def format_report(report: dict) -> str:
         lines.append(f"  block swap: skipped ({swap['skipped']})")
     if rec.get("error"):
         lines.append(f"  error: {rec['error']}")
+    if "block_swap_measured" in report:
+        lines += ["", "Block Swap in this server (measured after each load's first model calls)"]
+        lines += [f"  {v}" for v in report["block_swap_measured"]] or [
+            "  nothing measured yet: a Block Swap load on a CUDA GPU reports here after its first model calls"]
     # Probe skips are already on their probe's line and "no GPU" in the GPU section: list only the rest.
     rest = [s for s in report.get("skipped", []) if not s.startswith(("GPU probes:", "fp8 ", "attention "))]
     if rest:
