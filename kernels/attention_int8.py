@@ -38,6 +38,11 @@ LOG2E = 1.4426950408889634
 # Q·Kᵀ format that "auto" picks. int8 keeps 7 bits where e4m3 keeps 3. H200 Wan 480p (notes/int8_bench.log):
 # int8 33.3 ms, err 1.3% on outlier inputs; fp8 32.0 ms (4% faster) but 2.9% > the 2% budget. So int8.
 DEFAULT_QK_FORMAT: Literal["int8", "fp8"] = "int8"
+# P·V format that "auto" picks on sm89+ (sm80 has no fp8 tensor cores, so it always gets fp16). e4m3 keeps 3
+# mantissa bits of P and V: where the output is averaged zero-mean V noise or a few huge V tokens, that rounding
+# does not average out (tests/test_attention_families.py: gauss 3.8 %, token_outliers 2.3 % vs 1.1 / 1.3 %
+# with fp16), while fp16 P·V ran 15 % slower at Wan 480p on an H100 (results/bench_attention_int8.md).
+DEFAULT_PV_FORMAT: Literal["fp8", "fp16"] = "fp8"
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 # Floor on every amax, so all-zero rows/blocks (padding, Lk=1 after smoothing) quantize to 0 without 0/0.
@@ -85,7 +90,7 @@ def resolve_formats(device: torch.device, qk_format: QkFormat = "auto",
         cap = (9, 0)
     has_fp8 = cap >= (8, 9)
     qk = DEFAULT_QK_FORMAT if qk_format == "auto" else qk_format
-    pv = ("fp8" if has_fp8 else "fp16") if pv_format == "auto" else pv_format
+    pv = (DEFAULT_PV_FORMAT if has_fp8 else "fp16") if pv_format == "auto" else pv_format
     if qk not in ("int8", "fp8") or pv not in ("fp8", "fp16"):
         raise ValueError(f"attention_int8: qk_format={qk_format!r}, pv_format={pv_format!r}; "
                          "use qk_format in {'auto','int8','fp8'} and pv_format in {'auto','fp8','fp16'}")
