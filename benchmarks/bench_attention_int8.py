@@ -390,25 +390,33 @@ def main(argv: list[str] | None = None) -> int:
     say(f"device {env.get('device_name')} (sm{env.get('compute_capability')}), torch {env['torch']}, "
         f"triton {env['triton']}, comfy_kitchen {env['comfy_kitchen']}, auto formats {env['formats_auto']}")
 
-    checks = [] if args.no_checks else (say("correctness:") or check_correctness())
+    stem = "bench_attention_int8" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
+    report = {"bench": "bench_attention_int8", "env": env, "rows": [], "sweep": [], "families": [],
+              "autotune": {}, "checks": []}
+
+    def write() -> None:  # after every stage, so a run cut short still leaves what it measured
+        report["autotune"] = A.chosen_configs()
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+        (args.out / f"{stem}.md").write_text(to_markdown(report), encoding="utf-8")
+
+    report["checks"] = [] if args.no_checks else (say("correctness:") or check_correctness())
     shape_names = args.shapes or list(QUICK_SHAPES if args.quick else SHAPES)
-    rows = time_shapes(shape_names, args.backends, args.repeats)
-    families = []
+    report["rows"] = time_shapes(shape_names, args.backends, args.repeats)
+    write()
     if args.families is not None:
         say(f"error per input family ({FAMILY_HEADS} heads):")
         fns, skipped = family_backends(FAMILY_BACKENDS)
         for shape_name in shape_names:
-            families += family_errors(shape_name, SHAPES[shape_name], fns, skipped,
-                                      args.families or list(AF.FAMILIES))
-    sweep = [] if args.no_sweep else (say("kernel variants, Wan 480p self-attention:") or sweep_configs(
-        SHAPES["wan14b_480p_self"], max(3, args.repeats // 2), quick=args.quick, only=args.variants))
-    report = {"bench": "bench_attention_int8", "env": env, "rows": rows, "sweep": sweep, "families": families,
-              "autotune": A.chosen_configs(), "checks": checks}
+            report["families"] += family_errors(shape_name, SHAPES[shape_name], fns, skipped,
+                                                args.families or list(AF.FAMILIES))
+            write()
+    if not args.no_sweep:
+        say("kernel variants, Wan 480p self-attention:")
+        report["sweep"] = sweep_configs(SHAPES["wan14b_480p_self"], max(3, args.repeats // 2), quick=args.quick,
+                                        only=args.variants)
+    write()
     say(f"autotuner picks: {json.dumps(report['autotune'], indent=1)}")
-    stem = "bench_attention_int8" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
-    (args.out / f"{stem}.md").write_text(to_markdown(report), encoding="utf-8")
     say(f"wrote {args.out / stem}.json and .md")
     return 0
 
