@@ -1,16 +1,22 @@
-"""8-bit attention (kernels/attention_int8.py) vs torch SDPA cuDNN / flash at Wan 2.2 and Qwen-Image shapes.
+"""8-bit attention (kernels/attention_int8.py) vs torch SDPA cuDNN / flash, comfy-kitchen's int8 attention and
+torch's fp8 SDPA at Wan 2.2 and Qwen-Image shapes.
 
 Run on the GPU box from the repo root (about 2 minutes; --quick about 1):
     python -m comfyui_lowvram_dit.benchmarks.bench_attention_int8 [--quick] [--no-sweep]
+        [--shapes NAME ...] [--backends NAME ...] [--families [NAME ...]] [--no-checks] [--out DIR]
 Per shape and backend: median ms (CUDA events, via benchmarks/harness.time_fn), TFLOP/s = 4*B*H*Lq*Lk*D / t,
 speedup vs cuDNN, relative error vs fp32 math on a 2-head slice for Gaussian and outlier-heavy inputs; the
 prologue (quantization) alone; the configs the autotuner chose; and (default) a sweep of fixed tile configs
-at Wan 480p. Writes benchmarks/results/bench_attention_int8[_quick].json and .md.
+at Wan 480p. --families adds, per shape, the error of each kernel vs fp32 on the outlier input families of
+benchmarks/attention_families.py (FAMILY_HEADS heads at the shape's sequence lengths). comfy_kitchen_int8 and
+sdpa_fp8 rows say why they were skipped when comfy-kitchen or torch's experimental fp8 SDPA cannot run.
+Writes benchmarks/results/bench_attention_int8[_quick][_TAG].json and .md (or under --out).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import statistics
 import sys
@@ -20,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from comfyui_lowvram_dit.benchmarks import attention_families as AF
 from comfyui_lowvram_dit.benchmarks import harness
 from comfyui_lowvram_dit.kernels import attention_int8 as A
 
@@ -32,7 +39,17 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
 }
 QUICK_SHAPES = ("wan14b_480p_self", "wan14b_480p_cross")
 OURS = {"int8_fp8": ("int8", "fp8"), "fp8_fp8": ("fp8", "fp8"), "int8_fp16": ("int8", "fp16")}
+# comfy-kitchen's INT8 attention (as ComfyUI's --use-ck-attention runs it) and torch's experimental fp8 SDPA
+RIVALS = ("comfy_kitchen_int8", "sdpa_fp8")
+BACKENDS = ("sdpa_cudnn", "sdpa_flash", *OURS, *RIVALS, "prologue")
+FAMILY_BACKENDS = ("sdpa_cudnn", "int8_fp8", "int8_fp16", *RIVALS)
 ERR_HEADS = 2
+FAMILY_HEADS = 4  # head_scales cycles over 4 head magnitudes
+ERROR_BUDGET = 0.02
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend that cannot run in this environment; its rows carry the reason instead of numbers."""
 
 
 def say(msg: str) -> None:
@@ -56,10 +73,52 @@ def make_inputs(b: int, h: int, lq: int, lk: int, d: int, kind: str, seed: int =
     return q.bfloat16(), k.bfloat16(), v.bfloat16()
 
 
+def _comfy_kitchen_int8():
+    """comfy_kitchen.int8_attention on [B, H, L, D] (last dim contiguous), default scale 1/sqrt(D)."""
+    try:
+        import comfy_kitchen
+    except Exception as exc:  # ImportError, or its CUDA extension failing to load
+        raise BackendUnavailable(f"comfy_kitchen does not import: {type(exc).__name__}: {exc}"[:300]) from exc
+    if not hasattr(comfy_kitchen, "int8_attention"):
+        raise BackendUnavailable(f"comfy_kitchen {getattr(comfy_kitchen, '__version__', '?')} has no int8_attention")
+    if not comfy_kitchen.int8_attention_is_available():
+        raise BackendUnavailable("comfy_kitchen.int8_attention_is_available() is False on this GPU")
+    return lambda q, k, v: comfy_kitchen.int8_attention(q, k, v)
+
+
+def _sdpa_fp8():
+    """torch's experimental fp8 SDPA (per-head descales; the quantization to e4m3 in torch is timed with it)."""
+    try:
+        from torch.nn.attention.experimental._scaled_dot_product_attention_quantized import (
+            _scaled_dot_product_attention_quantized as sdpa_quantized,
+        )
+    except ImportError as exc:
+        raise BackendUnavailable(f"torch {torch.__version__} has no fp8 SDPA API: {exc}"[:300]) from exc
+
+    def to_fp8(x):
+        descale = x.abs().amax(dim=(2, 3)).float().clamp_min(1e-6) / 448.0  # [B, H]
+        return (x / descale[:, :, None, None].to(x.dtype)).to(torch.float8_e4m3fn), descale
+
+    def run(q, k, v):
+        (q8, qd), (k8, kd), (v8, vd) = to_fp8(q), to_fp8(k), to_fp8(v)
+        return sdpa_quantized(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    try:  # probe once: the API exists in torch builds whose fp8 kernels (FA3 / cuDNN) are not there
+        run(*(torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)))
+        torch.cuda.synchronize()
+    except Exception as exc:  # any failure of the probe is the reason this row is skipped
+        raise BackendUnavailable(f"fp8 SDPA does not run here: {type(exc).__name__}: {exc}"[:300]) from exc
+    return run
+
+
 def backend_fn(name: str, config: dict | None = None):
-    """callable(q, k, v) -> out for a backend name."""
+    """callable(q, k, v) -> out for a backend name (BackendUnavailable when it cannot run here)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if name == "comfy_kitchen_int8":
+        return _comfy_kitchen_int8()
+    if name == "sdpa_fp8":
+        return _sdpa_fp8()
     if name in ("sdpa_cudnn", "sdpa_flash"):
         which = SDPBackend.CUDNN_ATTENTION if name == "sdpa_cudnn" else SDPBackend.FLASH_ATTENTION
 
@@ -105,17 +164,19 @@ def measure(name: str, shape: tuple[int, ...], repeats: int, warmup: int, config
             if errors:
                 row.update(rel_errors(fn, shape))
         q = k = v = None  # free the inputs before empty_cache (the lambda above is done with them)
+    except BackendUnavailable as exc:
+        row["skipped"] = str(exc)
     except Exception as exc:  # a backend that cannot run here is a result, not a crash
         row["error"] = f"{type(exc).__name__}: {exc}"[:500]
     torch.cuda.empty_cache()
     return row
 
 
-def check_correctness() -> list[dict]:
-    """Small shapes first, so a broken kernel shows up before the long timings."""
+def check_correctness(names: list[str] | None = None) -> list[dict]:
+    """Small shapes first, so a broken kernel shows up before the long timings (our formats among names)."""
     rows = []
     for shape in [(1, 2, 1, 1, 128), (2, 3, 77, 513, 64), (1, 4, 1000, 512, 128), (2, 2, 4097, 4097, 128)]:
-        for name in OURS:
+        for name in (n for n in OURS if names is None or n in names):
             qk, pv = OURS[name]
             row = {"shape": list(shape), "backend": name}
             try:
@@ -130,6 +191,62 @@ def check_correctness() -> list[dict]:
                                                             for k, v in row.items() if k not in ("shape", "backend")))
             rows.append(row)
     return rows
+
+
+def family_backends(names: tuple[str, ...]) -> tuple[dict, dict[str, str]]:
+    """({name: callable} for the backends that run here, {name: why not} for the others)."""
+    fns, skipped = {}, {}
+    for name in names:
+        try:
+            fns[name] = backend_fn(name)
+        except BackendUnavailable as exc:
+            skipped[name] = str(exc)
+    return fns, skipped
+
+
+def family_errors(shape_name: str, shape: tuple[int, ...], fns: dict, skipped: dict[str, str],
+                  families: list[str], device: str = "cuda") -> list[dict]:
+    """Error vs fp32 of each backend on each input family at a shape's sequence lengths, FAMILY_HEADS heads."""
+    b, _, lq, lk, d = shape
+    rows = []
+    for family in families:
+        row: dict = {"shape_name": shape_name, "family": family, "errors": {}, "notes": dict(skipped)}
+        try:
+            q, k, v = AF.make_family(family, b, FAMILY_HEADS, lq, lk, d, seed=7, device=device)
+            row["logit_std"] = [round(x, 2) for x in AF.logit_std(q, k)[0].tolist()]
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+            for name, fn in fns.items():
+                try:
+                    row["errors"][name] = A.relative_error(fn(q, k, v), ref)
+                except Exception as exc:  # one backend failing on one family is a result
+                    row["notes"][name] = f"{type(exc).__name__}: {exc}"[:300]
+            del q, k, v, ref
+        except Exception as exc:  # e.g. out of memory building a family: record it, keep going
+            row["notes"]["family"] = f"{type(exc).__name__}: {exc}"[:300]
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        say(f"  {shape_name} {family:20s} " + " ".join(f"{n}={e:.4f}" for n, e in row["errors"].items()))
+        rows.append(row)
+    return rows
+
+
+def families_markdown(rows: list[dict], backends: tuple[str, ...]) -> list[str]:
+    """One table per shape: family x backend error, over-budget cells in bold."""
+    title = (f"## Error vs fp32 per input family ({FAMILY_HEADS} heads; budget {ERROR_BUDGET:.0%}; "
+             "families: benchmarks/attention_families.py)")
+    lines = ["", title, ""]
+    for shape_name in dict.fromkeys(r["shape_name"] for r in rows):
+        shown = [n for n in backends if any(n in r["errors"] for r in rows if r["shape_name"] == shape_name)]
+        lines += [f"### {shape_name} {SHAPES[shape_name]}", "",
+                  "| family | logit std per head | " + " | ".join(shown) + " |",
+                  "|---|---|" + "---|" * len(shown)]
+        for r in (r for r in rows if r["shape_name"] == shape_name):
+            cells = [f"**{r['errors'][n]:.2%}**" if r["errors"].get(n, 0) > ERROR_BUDGET
+                     else (f"{r['errors'][n]:.2%}" if n in r["errors"] else "—") for n in shown]
+            lines.append(f"| {r['family']} | {r.get('logit_std', '—')} | " + " | ".join(cells) + " |")
+        notes = {n: t for r in rows if r["shape_name"] == shape_name for n, t in r["notes"].items()}
+        lines += ["", *[f"- {n}: {t}" for n, t in notes.items()], ""]
+    return lines
 
 
 # Kernel variants timed at Wan 480p (flags of attention_int8_triton.attn_fwd_kernel): PV_ACC 0 = round-1 kernel
@@ -191,9 +308,10 @@ def to_markdown(report: dict) -> str:
               "first call s | note |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         f = lambda key, fmt: (fmt.format(r[key]) if isinstance(r.get(key), (int, float)) else "—")  # noqa: E731
+        note = r.get("error") or (f"skipped: {r['skipped']}" if r.get("skipped") else "")
         lines.append(f"| {r['shape_name']} | {r['backend']} | {f('time_ms', '{:.2f}')} | {f('tflops', '{:.0f}')} | "
                      f"{f('speedup_vs_cudnn', '{:.2f}x')} | {f('err_gauss', '{:.4f}')} | {f('err_outlier', '{:.4f}')} | "
-                     f"{f('first_call_s', '{:.1f}')} | {r.get('error', '')[:120]} |")
+                     f"{f('first_call_s', '{:.1f}')} | {note[:160]} |")
     if report.get("sweep"):
         cudnn = next((r.get("time_ms") for r in report["rows"]
                       if r["shape_name"] == "wan14b_480p_self" and r["backend"] == "sdpa_cudnn"), None)
@@ -206,48 +324,45 @@ def to_markdown(report: dict) -> str:
             lines.append(f"| {r['backend']} | {r.get('variant', '')} | {r['config']} | {ms:.2f} | "
                          f"{r.get('tflops', float('nan')):.0f} | {vs} | {r.get('err_outlier', float('nan')):.4f} | "
                          f"{r.get('err_gauss', float('nan')):.4f} | {r.get('error', '')[:100]} |")
+    if report.get("families"):
+        lines += families_markdown(report["families"], FAMILY_BACKENDS)
     lines += ["", "## Autotuner picks", "", "```", json.dumps(report["autotune"], indent=1), "```", ""]
     lines += ["## Correctness checks (outlier inputs)", "", "```",
               *[json.dumps(r) for r in report["checks"]], "```", ""]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command line; --shapes, --backends and --families names are checked against the known ones."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="correctness + Wan 480p self/cross only")
     parser.add_argument("--no-sweep", action="store_true", help="skip the fixed-config sweep")
+    parser.add_argument("--no-checks", action="store_true", help="skip the small-shape correctness checks")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
+                        help="time these shapes (default: all, or the --quick ones)")
+    parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS),
+                        help="timed rows per shape (default: all)")
+    parser.add_argument("--families", nargs="*", choices=list(AF.FAMILIES), default=None,
+                        help="also measure each kernel's error on these input families at every timed shape "
+                             "(no names: all of them)")
     parser.add_argument("--variants", nargs="*", default=None,
                         help="time only these sweep variants (exact labels, e.g. \"PV_ACC=1 EXP_EMU=3\")")
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        say("bench_attention_int8: needs a CUDA GPU")
-        return 2
-    dev = torch.device("cuda")
-    env = {**harness.parent_environment(argv if argv is not None else sys.argv), **harness.child_environment(dev)}
-    try:
-        import triton
+    return parser.parse_args(argv)
 
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    env["formats_auto"] = list(A.resolve_formats(dev)) if A.is_supported(dev, torch.bfloat16, 128) else None
-    say(f"device {env.get('device_name')} (sm{env.get('compute_capability')}), torch {env['torch']}, "
-        f"triton {env['triton']}, auto formats {env['formats_auto']}")
 
-    say("correctness:")
-    checks = check_correctness()
-    names = ["sdpa_cudnn", "sdpa_flash", *OURS, "prologue"]
+def time_shapes(shape_names: list[str], names: list[str], repeats: int) -> list[dict]:
+    """The timed rows: every backend at every shape, with its speed-up over cuDNN."""
     rows = []
-    for shape_name in (QUICK_SHAPES if args.quick else SHAPES):
+    for shape_name in shape_names:
         shape = SHAPES[shape_name]
         say(f"{shape_name} {shape}:")
-        repeats = args.repeats if shape[2] * shape[3] < 2e9 else max(3, args.repeats // 2)
+        reps = repeats if shape[2] * shape[3] < 2e9 else max(3, repeats // 2)
         cudnn_ms = None
         for name in names:
-            row = measure(name, shape, repeats, 2)
+            row = measure(name, shape, reps, 2)
             row["shape_name"] = shape_name
             if name == "sdpa_cudnn":
                 cudnn_ms = row.get("time_ms")
@@ -256,15 +371,52 @@ def main(argv: list[str] | None = None) -> int:
             say(f"  {name:10s} " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in row.items() if k not in ("shape", "shape_name", "backend")))
             rows.append(row)
-    sweep = [] if args.no_sweep else (say("kernel variants, Wan 480p self-attention:") or sweep_configs(
-        SHAPES["wan14b_480p_self"], max(3, args.repeats // 2), quick=args.quick, only=args.variants))
-    report = {"bench": "bench_attention_int8", "env": env, "rows": rows, "sweep": sweep,
-              "autotune": A.chosen_configs(), "checks": checks}
-    say(f"autotuner picks: {json.dumps(report['autotune'], indent=1)}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        say("bench_attention_int8: needs a CUDA GPU")
+        return 2
+    dev = torch.device("cuda")
+    env = {**harness.parent_environment(argv if argv is not None else sys.argv), **harness.child_environment(dev)}
+    for dist in ("triton", "comfy-kitchen"):
+        try:
+            env[dist.replace("-", "_")] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:  # the rows that need it say why
+            env[dist.replace("-", "_")] = None
+    env["formats_auto"] = list(A.resolve_formats(dev)) if A.is_supported(dev, torch.bfloat16, 128) else None
+    say(f"device {env.get('device_name')} (sm{env.get('compute_capability')}), torch {env['torch']}, "
+        f"triton {env['triton']}, comfy_kitchen {env['comfy_kitchen']}, auto formats {env['formats_auto']}")
+
     stem = "bench_attention_int8" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
-    (args.out / f"{stem}.md").write_text(to_markdown(report), encoding="utf-8")
+    report = {"bench": "bench_attention_int8", "env": env, "rows": [], "sweep": [], "families": [],
+              "autotune": {}, "checks": []}
+
+    def write() -> None:  # after every stage, so a run cut short still leaves what it measured
+        report["autotune"] = A.chosen_configs()
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+        (args.out / f"{stem}.md").write_text(to_markdown(report), encoding="utf-8")
+
+    report["checks"] = [] if args.no_checks else (say("correctness:") or check_correctness(args.backends))
+    shape_names = args.shapes or list(QUICK_SHAPES if args.quick else SHAPES)
+    report["rows"] = time_shapes(shape_names, args.backends, args.repeats)
+    write()
+    if args.families is not None:
+        say(f"error per input family ({FAMILY_HEADS} heads):")
+        fns, skipped = family_backends(FAMILY_BACKENDS)
+        for shape_name in shape_names:
+            report["families"] += family_errors(shape_name, SHAPES[shape_name], fns, skipped,
+                                                args.families or list(AF.FAMILIES))
+            write()
+    if not args.no_sweep:
+        say("kernel variants, Wan 480p self-attention:")
+        report["sweep"] = sweep_configs(SHAPES["wan14b_480p_self"], max(3, args.repeats // 2), quick=args.quick,
+                                        only=args.variants)
+    write()
+    say(f"autotuner picks: {json.dumps(report['autotune'], indent=1)}")
     say(f"wrote {args.out / stem}.json and .md")
     return 0
 

@@ -8,8 +8,11 @@ at twice the bf16 rate.
 The algorithm (kernels/attention_int8_triton.py has the kernels, `attention_int8_reference` the same math in
 fp32 torch):
 - prologue, memory-bound: K mean and V per-channel amax (two torch reductions), then one Triton pass per
-  tensor: Q -> int8 with a per-token scale (sm_scale·log2e folded in), K - mean -> int8 with one scale per
-  128 tokens, V - mean -> fp8 e4m3 scaled per channel and transposed to [D, L]. Sequences are zero-padded to 128.
+  tensor: Q·R -> int8 with a per-token scale (sm_scale·log2e/D folded in), (K - mean)·R -> int8 with one scale
+  per 128 tokens, V - mean -> fp8 e4m3 scaled per channel and transposed to [D, L]. R is a fixed signed
+  Hadamard matrix (±1, R·Rᵀ = D·I): it leaves Q·Kᵀ unchanged (times D) and spreads outlier channels over
+  all D channels, so a few 10-100x channels no longer set every token's int8 step. Sequences are zero-padded
+  to 128.
 - main loop: scores = int8 dot * q_scale * k_scale in the log2 domain; P = exp2(s - m + 8) in fp8;
   P·V per tile in fp8, summed into an fp32 accumulator; out = acc / l * v_scale + v_mean.
 
@@ -35,6 +38,12 @@ LOG2E = 1.4426950408889634
 # Q·Kᵀ format that "auto" picks. int8 keeps 7 bits where e4m3 keeps 3. H200 Wan 480p (notes/int8_bench.log):
 # int8 33.3 ms, err 1.3% on outlier inputs; fp8 32.0 ms (4% faster) but 2.9% > the 2% budget. So int8.
 DEFAULT_QK_FORMAT: Literal["int8", "fp8"] = "int8"
+# P·V format that "auto" picks on sm89+ (sm80 has no fp8 tensor cores, so it always gets fp16). e4m3 keeps 3
+# mantissa bits of P and V: where the output is averaged zero-mean V noise or a few huge V tokens, that rounding
+# does not average out (tests/test_attention_families.py: gauss 3.8 %, token_outliers 2.3 %, wan_like 2.1 % vs
+# 1.1 / 1.3 / 0.4 % with fp16), while fp16 P·V ran 15 % slower at Wan 480p on an H100
+# (results/bench_attention_int8.md).
+DEFAULT_PV_FORMAT: Literal["fp8", "fp16"] = "fp8"
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 # Floor on every amax, so all-zero rows/blocks (padding, Lk=1 after smoothing) quantize to 0 without 0/0.
@@ -42,6 +51,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 AMAX_EPS = 1e-6
 KBLK = 128  # K tokens per scale (mirrors attention_int8_triton.KBLK; the reference must not need Triton)
 PAD = 128  # sequence padding of the quantized buffers
+ROTATION_SIGN_SEED = 0x2545F4914F6CDD1D  # fixed: the kernel and the reference must build the same rotation
 P_LOG2_OFFSET = 8.0  # P = exp2(s - m + 8) in (0, 256], inside e4m3's 448
 
 
@@ -81,7 +91,7 @@ def resolve_formats(device: torch.device, qk_format: QkFormat = "auto",
         cap = (9, 0)
     has_fp8 = cap >= (8, 9)
     qk = DEFAULT_QK_FORMAT if qk_format == "auto" else qk_format
-    pv = ("fp8" if has_fp8 else "fp16") if pv_format == "auto" else pv_format
+    pv = (DEFAULT_PV_FORMAT if has_fp8 else "fp16") if pv_format == "auto" else pv_format
     if qk not in ("int8", "fp8") or pv not in ("fp8", "fp16"):
         raise ValueError(f"attention_int8: qk_format={qk_format!r}, pv_format={pv_format!r}; "
                          "use qk_format in {'auto','int8','fp8'} and pv_format in {'auto','fp8','fp16'}")
@@ -117,6 +127,30 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"attention_int8: head dim {d} unsupported; supported: {SUPPORTED_HEAD_DIMS}")
 
 
+def _rotation_signs(d: int) -> list[float]:
+    """d pseudo-random ±1 from a 64-bit LCG (the same on every machine and torch version)."""
+    x, signs = ROTATION_SIGN_SEED, []
+    for _ in range(d):
+        x = (x * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        signs.append(1.0 if x >> 63 else -1.0)
+    return signs
+
+
+@functools.lru_cache(maxsize=16)
+def rotation(d: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
+    """The signed Hadamard matrix diag(s)·H_d [D, D] with entries ±1 (R·Rᵀ = D·I), exact in any float dtype.
+
+    Random signs keep structured inputs (a constant offset, a RoPE pattern) from lining up with one
+    Walsh function, which would turn them into a new outlier channel.
+    """
+    if d & (d - 1):
+        raise ValueError(f"attention_int8: the rotation needs a power-of-two head dim, got {d}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (torch.tensor(_rotation_signs(d))[:, None] * h).to(device=device, dtype=dtype)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Triton path
 
@@ -126,8 +160,8 @@ class QuantizedQKV:
     """Output of the prologue: padded 8-bit operands and their fp32 scales (see the module docstring)."""
 
     q8: torch.Tensor  # [B*H, Lq_pad, D] int8 / fp8
-    q_scale: torch.Tensor  # [B*H, Lq_pad] fp32, includes sm_scale * log2(e)
-    k8: torch.Tensor  # [B*H, Lk_pad, D] int8 / fp8, mean-smoothed
+    q_scale: torch.Tensor  # [B*H, Lq_pad] fp32, includes sm_scale * log2(e) / D
+    k8: torch.Tensor  # [B*H, Lk_pad, D] int8 / fp8, mean-smoothed and rotated like q8
     k_scale: torch.Tensor  # [B*H, Lk_pad // KBLK] fp32
     vt: torch.Tensor  # [B*H, D, Lk_pad] fp8 / fp16, scaled per channel
     v_scale: torch.Tensor  # [B*H, D] fp32 (amax / 448)
@@ -142,7 +176,10 @@ def _pad(n: int) -> int:
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_format: str = "int8",
                  pv_format: str = "fp8", sm_scale: float | None = None) -> QuantizedQKV:
-    """The fused prologue on [B, H, L, D] views (any strides): two reductions + three Triton passes."""
+    """The fused prologue on [B, H, L, D] views (any strides): two reductions + three Triton passes.
+
+    Q and K are rotated by `rotation(D)` on the way (see the module docstring).
+    """
     tk = _triton_module()
     if tk is None:
         raise RuntimeError("attention_int8: Triton is not importable; install triton or use another backend")
@@ -155,7 +192,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_format
     qk_dtype = torch.float8_e4m3fn if qk_format == "fp8" else torch.int8
     pv_dtype = torch.float8_e4m3fn if pv_format == "fp8" else torch.float16
     # Reductions over the sequence: torch reads each tensor once without materialising fp32 copies.
-    k_mean = k.mean(dim=2, dtype=torch.float32).reshape(bh, d).contiguous()
+    rot = rotation(d, torch.float32, str(dev))
+    k_mean_rot = k.mean(dim=2, dtype=torch.float32).reshape(bh, d) @ rot
     v_mean = v.mean(dim=2, dtype=torch.float32).reshape(bh, d).contiguous()
     # Bound on amax|V - mean| without a second pass; fp8 is floating point, so the slack costs no precision.
     v_amax = torch.linalg.vector_norm(v, ord=math.inf, dim=2, dtype=torch.float32).reshape(bh, d) + v_mean.abs()
@@ -166,12 +204,12 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_format
     k_scale = torch.empty(bh, lk_pad // KBLK, device=dev, dtype=torch.float32)
     vt = torch.empty(bh, d, lk_pad, device=dev, dtype=pv_dtype)
     to_fp8 = qk_format == "fp8"
-    blk_q = 64
-    tk.quantize_q_kernel[(lq_pad // blk_q, bh)](
-        q, q8, q_scale, *q.stride(), h, lq, lq_pad, sm_scale * LOG2E, AMAX_EPS,
-        HEAD_DIM=d, BLOCK=blk_q, TO_FP8=to_fp8, num_warps=4)
+    # 128 tokens per program: each program reads the [D, D] fp32 rotation (64 KB at D=128) from L2 once
+    tk.quantize_q_kernel[(lq_pad // PAD, bh)](
+        q, rot, q8, q_scale, *q.stride(), h, lq, lq_pad, sm_scale * LOG2E / d, AMAX_EPS,
+        HEAD_DIM=d, BLOCK=PAD, TO_FP8=to_fp8, num_warps=8)
     tk.quantize_k_kernel[(lk_pad // KBLK, bh)](
-        k, k_mean, k8, k_scale, *k.stride(), h, lk, lk_pad, AMAX_EPS,
+        k, rot, k_mean_rot.contiguous(), k8, k_scale, *k.stride(), h, lk, lk_pad, AMAX_EPS,
         HEAD_DIM=d, BLOCK=KBLK, TO_FP8=to_fp8, num_warps=8)
     blk_v = 64
     tk.quantize_v_kernel[(lk_pad // blk_v, bh)](
@@ -261,7 +299,8 @@ def quantize_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prologue in fp32 on [B, H, L, D]: (q_q, q_scale[B,H,Lq], k_q, k_scale[B,H,nblk], v_q, v_scale, v_mean).
 
-    Quantized values are returned as fp32 holding the exact int8 / fp8 / fp16 values, unpadded.
+    Quantized values are returned as fp32 holding the exact int8 / fp8 / fp16 values, unpadded; q_q and k_q
+    are the rotated Q·R and (K - mean)·R, so q_q·k_qᵀ·q_scale·k_scale is Q·Kᵀ·sm_scale·log2(e).
     """
     d = q.shape[-1]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -272,13 +311,13 @@ def quantize_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_
             return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
         return _round_half_away(x)
 
-    q32 = q.float()
+    rot = rotation(d, torch.float32, str(q.device))
+    q32 = q.float() @ rot
     q_amax = q32.abs().amax(dim=-1).clamp_min(AMAX_EPS)
     q_q = to_qk(q32 * (qmax / q_amax)[..., None])
-    q_scale = q_amax / qmax * (sm_scale * LOG2E)
+    q_scale = q_amax / qmax * (sm_scale * LOG2E / d)
 
-    k32 = k.float()
-    k32 = k32 - k32.mean(dim=2, keepdim=True)
+    k32 = k.float() @ rot - k.float().mean(dim=2, keepdim=True) @ rot  # the kernel's order: rotate, then centre
     b, h, lk, _ = k32.shape
     nblk = -(-lk // KBLK)
     k_pad = torch.zeros(b, h, nblk * KBLK, d, dtype=torch.float32, device=k.device)

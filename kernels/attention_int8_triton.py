@@ -3,10 +3,14 @@
 Only imported when Triton is importable (kernels.attention_int8 guards the import). The algorithm, which
 ``attention_int8_reference`` emulates in fp32, is:
 
-- Q: per-token scale, Q·Kᵀ operands in int8 (or fp8 e4m3). The token's scale also carries sm_scale·log2(e),
+- Q and K are first rotated by the same signed Hadamard matrix R (entries ±1, R·Rᵀ = D·I), so
+  (Q·R)·(K·R)ᵀ = D·Q·Kᵀ: a few outlier channels are spread over all D channels before the 8-bit scales are
+  taken (one tensor-core product per tile here, nothing in the main loop).
+- Q: per-token scale, Q·Kᵀ operands in int8 (or fp8 e4m3). The token's scale also carries sm_scale·log2(e)/D,
   so scores come out in the log2 domain and the softmax uses exp2 with no extra multiply.
 - K: smoothed by its per-channel mean over the sequence (softmax is invariant to it: it shifts a query's
-  scores by the constant q·mean), then one scale per KBLK-token block.
+  scores by the constant q·mean; the rotated mean mean·R is subtracted from K·R), then one scale per
+  KBLK-token block.
 - V: minus its per-channel mean (added back after the softmax), per-channel scale over the sequence
   ((amax|V| + |mean|)/448, a bound on the centred amax: fp8 loses nothing to the slack), stored transposed ([D, L], tokens contiguous) because
   Hopper's fp8/int8 wgmma wants both operands K-major.
@@ -37,21 +41,33 @@ def _round_half_away(x):
 
 
 @triton.jit
+def _rotate(X, Rot, b, h, offs_l, offs_d, stride_b, stride_h, stride_l, stride_d, L, HEAD_DIM: tl.constexpr):
+    """Rows of X (zero past L) times the ±1 rotation [D, D] (fp32), in fp32.
+
+    tf32 keeps 10 mantissa bits, which holds every bf16 and fp16 value and ±1 exactly, so the tensor-core
+    product is exact up to fp32 summation.
+    """
+    x = tl.load(X + b * stride_b + h * stride_h + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d,
+                mask=offs_l[:, None] < L, other=0.0).to(tl.float32)
+    rot = tl.load(Rot + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
+    return tl.dot(x, rot, input_precision="tf32")
+
+
+@triton.jit
 def quantize_q_kernel(
-    X, Out, Scale,
+    X, Rot, Out, Scale,
     stride_b, stride_h, stride_l, stride_d,
     H, L, L_pad, scale_mult, eps,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr,
 ):
-    """Q -> int8/fp8 [BH, L_pad, D] with one fp32 scale per token (times sm_scale*log2e) in [BH, L_pad]."""
+    """Q·R -> int8/fp8 [BH, L_pad, D] with one fp32 scale per token (times scale_mult) in [BH, L_pad]."""
     pid_l = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     offs_l = pid_l * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
-    x = tl.load(X + b * stride_b + h * stride_h + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d,
-                mask=offs_l[:, None] < L, other=0.0).to(tl.float32)
+    x = _rotate(X, Rot, b, h, offs_l, offs_d, stride_b, stride_h, stride_l, stride_d, L, HEAD_DIM)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
     if TO_FP8:
         y = x * (448.0 / amax)[:, None]
@@ -67,23 +83,21 @@ def quantize_q_kernel(
 
 @triton.jit
 def quantize_k_kernel(
-    X, Mean, Out, Scale,
+    X, Rot, MeanRot, Out, Scale,
     stride_b, stride_h, stride_l, stride_d,
     H, L, L_pad, eps,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr,
 ):
-    """K - mean(K) -> int8/fp8 [BH, L_pad, D] with one fp32 scale per BLOCK tokens in [BH, L_pad // BLOCK]."""
+    """K·R - mean(K)·R -> int8/fp8 [BH, L_pad, D] with one fp32 scale per BLOCK tokens in [BH, L_pad // BLOCK]."""
     pid_l = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     offs_l = pid_l * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
-    valid = offs_l[:, None] < L
-    x = tl.load(X + b * stride_b + h * stride_h + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d,
-                mask=valid, other=0.0).to(tl.float32)
-    mean = tl.load(Mean + pid_bh * HEAD_DIM + offs_d)
-    x = tl.where(valid, x - mean[None, :], 0.0)  # padded keys stay exactly zero
+    x = _rotate(X, Rot, b, h, offs_l, offs_d, stride_b, stride_h, stride_l, stride_d, L, HEAD_DIM)
+    mean = tl.load(MeanRot + pid_bh * HEAD_DIM + offs_d)
+    x = tl.where(offs_l[:, None] < L, x - mean[None, :], 0.0)  # padded keys stay exactly zero
     amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), eps)
     if TO_FP8:
         y = (x * (448.0 / amax)).to(tl.float8e4nv)  # |y| <= 448 up to rounding; the cast saturates on GPU

@@ -53,19 +53,43 @@ def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 # CPU: quantization math and the fp32 emulation
 
 
+def test_rotation_is_a_fixed_signed_hadamard() -> None:
+    for d in (64, 128):
+        r = A.rotation(d)
+        assert set(r.unique().tolist()) == {-1.0, 1.0}
+        assert torch.equal(r @ r.T, d * torch.eye(d))  # Q·R·(K·R)ᵀ = D·Q·Kᵀ exactly
+        assert torch.equal(r, A.rotation(d, torch.bfloat16).float())  # ±1 is exact in the kernels' dtypes
+        assert 0 < int((r[:, 0] < 0).sum()) < d  # the signs are mixed: first column is not the constant one
+    assert A._rotation_signs(128) == A._rotation_signs(128)
+    with pytest.raises(ValueError, match="power-of-two"):
+        A.rotation(96)
+
+
+def test_rotation_spreads_a_channel_outlier() -> None:
+    """One channel 100x: without the rotation it sets every token's int8 step; rotated, amax/rms is Gaussian-like."""
+    q = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
+    q[:, 7] *= 100
+
+    def amax_over_rms(x: torch.Tensor) -> float:
+        return float((x.abs().amax(-1) / x.pow(2).mean(-1).sqrt()).median())
+
+    assert amax_over_rms(q) > 10 and amax_over_rms(q @ A.rotation(128)) < 4
+
+
 def test_quantize_reference_ranges_scales_and_smoothing() -> None:
     q, k, v = make_qkv(2, 3, 77, 129, 64, "outlier")
     q_q, q_scale, k_q, k_scale, v_q, v_scale, v_mean = A.quantize_reference(q, k, v)
     for t in (q_q, k_q):  # int8 values, full range used
         assert torch.equal(t, t.round()) and t.abs().max() == 127
     assert q_scale.shape == (2, 3, 77) and k_scale.shape == (2, 3, 2)  # 129 keys -> 2 blocks of 128
-    # Q: dequantized within half a step of the input (q_scale carries sm_scale*log2e)
-    step = q_scale / (64 ** -0.5 * A.LOG2E)
-    assert ((q_q * step[..., None] - q.float()).abs() <= step[..., None] * 0.5001).all()
-    # K: mean removed, then per 128-token block
-    k_c = k.float() - k.float().mean(dim=2, keepdim=True)
+    # Q: dequantized within half a step of the rotated input (q_scale carries sm_scale*log2e/D)
+    rot = A.rotation(64)
+    step = q_scale / (64 ** -0.5 * A.LOG2E / 64)
+    assert ((q_q * step[..., None] - q.float() @ rot).abs() <= step[..., None] * 0.5001).all()
+    # K: mean removed and rotated, then per 128-token block
+    k_c = (k.float() - k.float().mean(dim=2, keepdim=True)) @ rot
     k_step = k_scale.repeat_interleave(128, dim=2)[:, :, :129]
-    assert ((k_q * k_step[..., None] - k_c).abs() <= k_step[..., None] * 0.5001).all()
+    assert ((k_q * k_step[..., None] - k_c).abs() <= k_step[..., None] * 0.5001 + 1e-5).all()
     # V: fp8 values of (v - mean) within e4m3's relative rounding (2^-4)
     assert torch.allclose(v_mean, v.float().mean(dim=2))
     v_c = v.float() - v_mean[:, :, None]
