@@ -23,7 +23,8 @@ Per variant, the first step (wall time, synchronised) and what is inside it:
   the 8-bit kernel, compiling each on its first launch);
 - ``fp8_choice_s``: the fp8 scale chooser timing per-token against per-call scales per GEMM shape;
 - ``triton_jit_s``: Triton compiles in this process (``triton.knobs.compilation.listener``; Inductor's own kernels
-  compile in its worker processes and count in ``inductor_s``);
+  compile in its worker processes and count in ``inductor_s``); it overlaps ``attention_s`` (the 8-bit kernel's
+  configs compile during its autotune) and ``fp8_choice_s``, so it is not added into ``rest_s``;
 - ``rest_s``: the first step minus Dynamo, the backend, attention decisions and fp8 choices: running the graphs and
   eager code, guards, Python. Decisions are timed with a CUDA sync on both sides.
 - graphs compiled, graph breaks (with reasons), each frame's compile time and recompile reason. Mode default records
@@ -314,7 +315,9 @@ def summary(results: list[dict], env: dict) -> str:
     lines = [f"# {BENCH}: the first compiled step, split", ""]
     lines += [f"- {k}: {env[k]}" for k in ("device_name", "torch", "comfyui_version", "git_sha", "timestamp")
               if env.get(k)]
-    lines += [f"- command: `{env.get('command', '')}`", "- seconds unless named; decisions include their CUDA syncs",
+    lines += [f"- command: `{env.get('command', '')}`", "- seconds unless named; decisions include their CUDA syncs; Triton JIT overlaps the "
+              "decisions (the 8-bit kernel compiles while it autotunes); rest = first step - Dynamo - "
+              "AOT+Inductor - attention decisions - fp8 choice",
               "", "| variant | caches | first step | Dynamo | AOT+Inductor | of it Inductor | attention decisions | "
               "of it autotune | fp8 choice | Triton JIT here | rest | graphs | breaks | steady s/step | new graphs "
               "in steady steps | rel. error vs eager |", "|" + "---|" * 16]
