@@ -189,6 +189,17 @@ class GraphOutputsCloned(torch.nn.Module):
         return tree_map_only(torch.Tensor, torch.Tensor.clone, self.compiled(*args, **kwargs))
 
 
+def contiguous_hidden_states(module: Any, args: tuple) -> Optional[tuple]:
+    """Forward pre-hook of a compiled block: its first argument (the hidden states) made contiguous.
+
+    Dynamo guards on strides. Block 0 gets the patch embedding's transposed view, every later block the previous
+    block's contiguous output, so without the copy block 0 compiles a graph of its own: a second full compile in
+    the first step. One copy of the hidden states per step."""
+    if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
+        return (args[0].contiguous(), *args[1:])
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- regions
 
 
@@ -339,6 +350,8 @@ class CompiledRegions:
         if key not in self._compiled:
             module = get_submodule(root, path)
             compiled = self.compile_fn(module, **compile_kwargs(config, self.guard_filter_fn))
+            if isinstance(compiled, torch.nn.Module):  # runs eagerly, before Dynamo's frame
+                compiled.register_forward_pre_hook(contiguous_hidden_states)
             self._compiled[key] = GraphOutputsCloned(compiled) if config.uses_cuda_graphs else compiled
         return self._compiled[key]
 

@@ -16,6 +16,7 @@ import torch
 from comfy_api.latest import io
 
 from ..kernels import attention as attention_kernels
+from ..kernels import opaque_ops
 from .glue.common import CATEGORY_PATCHES, display_name, node_id
 from .glue.seams import PASS_THROUGH
 
@@ -131,6 +132,7 @@ class AttentionOverride:
     def __init__(self, backend: str, host: Optional[attention_kernels.HostAttention] = None) -> None:
         self.backend = backend
         self.host = host  # ComfyUI's own backends: auto measures them with ours
+        self.host_name = opaque_ops.register_host(host)  # how the compiled graph's attention op names it
 
     def __repr__(self) -> str:
         return f"AttentionOverride({self.backend!r})"
@@ -155,7 +157,7 @@ class AttentionOverride:
                 mask = mask.unsqueeze(0)
             if mask.ndim == 3:
                 mask = mask.unsqueeze(1)
-        out = attention_kernels.SELECTOR.run(qh, kh, vh, mask, self.backend, self.host)
+        out = opaque_ops.selected_attention(qh, kh, vh, mask, self.backend, self.host, self.host_name)
         if a.get("skip_output_reshape", False):
             return out
         return out.transpose(1, 2).reshape(b, -1, heads * out.shape[-1])

@@ -157,6 +157,41 @@ def test_compile_node_regional_sampling_and_state_dict(tiny_wan: Any) -> None:
     assert all(type(b).__name__ == "WanAttentionBlock" for b in m.model.diffusion_model.blocks)
 
 
+@pytest.mark.parametrize("opaque", [True, False])
+def test_attention_auto_and_compile_trace_one_graph(tiny_wan: Any, opaque: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """KSampler's path with Attention auto + Torch Compile, one backend for every block (as inductor): the selector
+    decides inside the attention op and block 0's transposed input is made contiguous, so one graph serves both
+    blocks and both steps. The traced selector (the older path) breaks the graph at its first decisions."""
+    from comfyui_lowvram_dit.kernels import attention as ak
+    from comfyui_lowvram_dit.kernels import opaque_ops
+    from comfyui_lowvram_dit.kernels.compile import CompileConfig
+    from comfyui_lowvram_dit.nodes.attention import apply_attention
+    from comfyui_lowvram_dit.nodes.compile import apply_compile
+
+    monkeypatch.setattr(opaque_ops, "OPAQUE_UNDER_COMPILE", opaque)
+    torch._dynamo.reset()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    def compile_fn(module: torch.nn.Module, **kw: Any) -> Any:
+        return torch.compile(module, backend=backend, options={"guard_filter_fn": kw["options"]["guard_filter_fn"]})
+
+    with ak.isolated_selector() as sel:
+        base = _sample(tiny_wan, seed=5)
+        sel.clear()  # the compiled run makes the first decisions itself
+        m = apply_compile(apply_attention(tiny_wan, "auto"), CompileConfig(), "blocks", compile_fn=compile_fn)
+        out = _sample(m, seed=5)
+        first = len(graphs)
+        _sample(m, seed=6)  # new sigmas and noise
+    torch.testing.assert_close(out, base, rtol=1e-4, atol=1e-4)
+    assert len(graphs) == first, "recompiled on a second run with the same shapes"
+    assert (first == 1) if opaque else (first > 1), f"{first} graphs"
+
+
 def test_compile_node_oom_fallback_in_sampler(tiny_wan: Any, caplog: pytest.LogCaptureFixture) -> None:
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
     from comfyui_lowvram_dit.nodes.compile import COMPILE_KEY, apply_compile

@@ -210,6 +210,44 @@ def test_without_guard_filter_every_block_recompiles() -> None:
     assert counter.frame_count > 1
 
 
+class ContiguousOutBlock(TinyWanBlock):
+    """Returns contiguous hidden states whatever its input's layout, as Wan's blocks do."""
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor, transformer_options: dict = {}) -> torch.Tensor:  # noqa: B006
+        return super().forward(x, e, transformer_options).contiguous()
+
+
+class TransposedEmbedWan(TinyWan):
+    """Wan's patch embedding hands block 0 a transposed view ([B, C, L] -> [B, L, C]); later blocks get block
+    outputs, which are contiguous."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__(blocks)
+        self.blocks = nn.ModuleList(ContiguousOutBlock() for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, transformer_options: dict | None = None) -> torch.Tensor:
+        h = self.patch_embedding(x).transpose(1, 2).contiguous().transpose(1, 2)
+        e = t.float().view(-1, 1, 1).expand(-1, 6, DIM)
+        for i, block in enumerate(self.blocks):
+            h = block(h, e, transformer_options={"block_index": i})
+        return self.head(h)
+
+
+@pytest.mark.parametrize("hook", [True, False])
+def test_block_zero_transposed_input_shares_the_graph(hook: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo guards on strides: without the contiguous copy, block 0 compiles a graph of its own."""
+    if not hook:
+        monkeypatch.setattr(cmp, "contiguous_hidden_states", lambda module, args: None)
+    model = TransposedEmbedWan(blocks=3)
+    eager = model(*_inputs())
+    counter = CompileCounter()
+    regions = CompiledRegions(CompileConfig(), cmp.find_block_lists(model), guard_filter_fn=cmp.transformer_options_guard_filter,
+                              compile_fn=lambda m, **kw: torch.compile(m, backend=counter, options=kw.get("options")))
+    torch.testing.assert_close(_run(regions, model), eager)
+    assert counter.frame_count == (1 if hook else 2)
+    assert all(type(b) is ContiguousOutBlock for b in model.blocks)
+
+
 def test_streamed_weights_do_not_recompile() -> None:
     model = TinyWan(blocks=3)
     counter = CompileCounter()

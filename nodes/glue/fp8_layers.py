@@ -16,7 +16,7 @@ import comfy.ops
 import torch
 
 from ...kernels import fp8 as fp8_math
-from ...kernels.fp8_choice import CHOOSER
+from ...kernels import opaque_ops
 from .fp8_ops import FP8_DTYPES, IGNORED_KEYS, Fp8OpsConfig
 
 
@@ -99,9 +99,8 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             if not self.is_fp8:
                 return super().forward_comfy_cast_weights(input, *args, **kwargs)
             if (self.weight.device == input.device and not self.weight_function and not self.bias_function):
-                path = CHOOSER.choose(input, self.weight, self.weight_scale, self.bias, self._path(input.device))
-                return fp8_math.fp8_linear(input, self.weight, self.weight_scale, self.bias,
-                                           block_size=self._block_size(), path=path, out_dtype=input.dtype)
+                return opaque_ops.fp8_linear(input, self.weight, self.weight_scale, self.bias, self._block_size(),
+                                             self._path(input.device))
             return self.forward_comfy_cast_weights(input)
 
         def forward_comfy_cast_weights(self, input):  # noqa: ANN001, ANN201
@@ -128,9 +127,7 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
                     wd = f(wd)
                 out = torch.nn.functional.linear(input, wd.to(input.dtype), b)
             else:
-                path = CHOOSER.choose(input, w, s, b, self._path(device))
-                out = fp8_math.fp8_linear(input, w, s, b, block_size=self._block_size(), path=path,
-                                          out_dtype=input.dtype)
+                out = opaque_ops.fp8_linear(input, w, s, b, self._block_size(), self._path(device))
             comfy.ops.uncast_bias_weight(self, w, b, (stream, w, b))
             return out
 
