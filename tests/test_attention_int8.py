@@ -329,6 +329,20 @@ def test_autotune_tiles_test_covers_every_config() -> None:
     assert {c[:4] for c in tk.ATTN_CONFIGS} == set(AUTOTUNE_TILES)
 
 
+def test_hopper_tries_only_the_configs_that_won_there() -> None:
+    tk = pytest.importorskip("comfyui_lowvram_dit.kernels.attention_int8_triton", reason="needs triton")
+    every = list(tk.ATTN_CONFIGS)
+    long = tk.pruned_configs(every, (9, 0), 32768)
+    assert set(long) == {(128, 128, 8, 4, 0), (128, 64, 4, 4, 0), (64, 128, 4, 3, 0)}  # 64/64: short sequences only
+    assert (64, 64, 4, 3, 0) in tk.pruned_configs(every, (9, 0), 1024)
+    assert set(long) <= set(every) and len(long) < len(every)
+    for cap in [(8, 9), (8, 6), (12, 0), None]:  # nothing measured there: the whole set
+        assert tk.pruned_configs(every, cap, 32768) == every
+    assert tk.pruned_configs([(64, 64, 4, 3, 0)], (9, 0), 32768) == [(64, 64, 4, 3, 0)]  # never empty
+    configs = tk.attn_configs()  # the hook maps triton.Config objects through the same rule
+    assert [tk._config_tuple(c) for c in configs] == every
+
+
 @pytest.mark.cuda
 def test_cuda_fp8_qk_variant_runs() -> None:
     if A.resolve_formats(torch.device("cuda"))[1] != "fp8":
