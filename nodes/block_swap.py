@@ -351,8 +351,11 @@ class BlockSwapMixin:
                          "no budget set on a CPU device" if torch.device(device_to).type == "cpu" else "budget")
             return super().load(device_to, lowvram_model_memory, force_patch_weights, full_load)
         # The stock loader handles every resident module (LoRA baking, pinning, partial loading if VRAM is short),
-        # but must never `model.to(device)` (full_load) since that would move the streamed blocks too.
-        weights = 1e32 if (full_load or lowvram_model_memory <= 0) else lowvram_model_memory - ctl.plan.ring_bytes
+        # but must never `model.to(device)` (full_load) since that would move the streamed blocks too. When the plan
+        # fits what ComfyUI offered it gets no budget to split: its per-module offload reserve (larger for patched
+        # weights) would otherwise leave some resident layers on the CPU, cast and LoRA-patched on every call.
+        fits = full_load or lowvram_model_memory <= 0 or ctl.gpu_bytes(ctl.plan) <= lowvram_model_memory
+        weights = 1e32 if fits else lowvram_model_memory - ctl.plan.ring_bytes
         if ctl.active:
             self.model.model_loaded_weight_memory -= ctl._extra_loaded
         super().load(device_to, lowvram_model_memory=max(weights, 0.1), force_patch_weights=force_patch_weights,

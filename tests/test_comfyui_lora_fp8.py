@@ -310,3 +310,98 @@ def test_qwen_image_streamed_blocks_hold_comfyui_merge(tmp_path: Path, monkeypat
     got = model.model.state_dict()
     assert all(_same_bytes(got[k], ref[k]) for k in model.patches)
     mm.unload_all_models()
+
+
+class _LinearCalls:
+    """Per fp8 Linear of ``patcher``: what each call did (per-call patch/cast state, fp8 path and weight layout)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, patcher: Any) -> None:
+        from comfyui_lowvram_dit.kernels import opaque_ops
+        from comfyui_lowvram_dit.nodes.glue.fp8_layers import LowVramFp8Ops
+
+        self.calls: dict[str, set[tuple]] = {}
+        names = {id(m): n for n, m in patcher.model.named_modules()}
+        linear, fp8_linear, current = LowVramFp8Ops.Linear, opaque_ops.fp8_linear, [""]
+        forward, cast_forward = linear.forward, linear.forward_comfy_cast_weights
+
+        def spy_forward(mod: Any, x: torch.Tensor, *a: Any, **k: Any) -> Any:
+            current[0] = names[id(mod)]
+            self._add(("on input device", mod.weight.device == x.device, "functions", len(mod.weight_function),
+                       len(mod.bias_function), "lowvram", hasattr(mod, "prev_comfy_cast_weights")))
+            return forward(mod, x, *a, **k)
+
+        def spy_cast(mod: Any, x: torch.Tensor) -> Any:
+            self._add(("per-call cast",))
+            return cast_forward(mod, x)
+
+        def spy_fp8(x: Any, w: torch.Tensor, s: torch.Tensor, b: Any, block_size: Any, path: str) -> Any:
+            self._add(("fp8", path, block_size, w.dtype, tuple(w.shape), tuple(s.shape), s.dtype))
+            return fp8_linear(x, w, s, b, block_size, path)
+
+        self._current = current
+        monkeypatch.setattr(linear, "forward", spy_forward)
+        monkeypatch.setattr(linear, "forward_comfy_cast_weights", spy_cast)
+        monkeypatch.setattr(opaque_ops, "fp8_linear", spy_fp8)
+
+    def _add(self, what: tuple) -> None:
+        self.calls.setdefault(self._current[0], set()).add(what)
+
+
+def _offer_exactly_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ComfyUI offers (as on a GPU) exactly the VRAM Block Swap's plan needs: no slack for its offload reserve."""
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY
+
+    model_load = mm.LoadedModel.model_load
+
+    def tight(self: Any, lowvram_model_memory: float = 0, force_patch_weights: bool = False) -> Any:
+        ctl = self.model.attachments[SWAP_KEY]
+        return model_load(self, ctl.gpu_bytes(ctl.make_plan(None)), force_patch_weights)
+
+    monkeypatch.setattr(mm.LoadedModel, "model_load", tight)
+
+
+def test_qwen_image_lora_adds_no_per_call_work_on_streamed_or_resident_layers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain fp8 Qwen-Image (kept as stored, scale 1) under a budget that fits the plan exactly: with a merged LoRA
+    every resident and streamed fp8 Linear takes the same fp8 path on its own device as without one, with no per-call
+    patch or cast, and each LoRA patch is applied exactly once (ComfyUI's offload reserve, larger for patched
+    weights, left resident layers on the CPU with a per-call LowVramPatch)."""
+    comfyui_in_process_or_skip()
+    import comfy.model_management as mm
+    import comfy.sample
+    from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
+    from safetensors.torch import load_file
+
+    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY
+    from comfyui_lowvram_dit.nodes.qwen_staged import load_transformer
+
+    path = tmp_path / "qwen_image_fp8_e4m3fn.safetensors"
+    synth.write_synthetic("qwen_image", path, "tiny", "fp8", seed=3, num_layers=4)
+    lora = qwen_lora(load_file(str(path)))
+    _offer_exactly_the_plan(monkeypatch)
+    seen = {}
+    for with_lora in (False, True):
+        model = _swapped(load_transformer(path, "fp8 per-tensor", 128, "auto"), blocks=2)
+        model.model.manual_cast_dtype = torch.bfloat16  # what a GPU gets: every fp8 weight costs a bf16 cast
+        if with_lora:
+            model = _with_lora(model, lora)
+        model = ModelSamplingAuraFlow().patch_aura(model, 3.1)[0]
+        g = torch.Generator().manual_seed(0)
+        latent = torch.zeros(1, 16, 1, 8, 8)
+        cond = [[torch.randn(1, 7, 128, generator=g), {}]]
+        with pytest.MonkeyPatch.context() as spies:
+            spy, calculated = _LinearCalls(spies, model), _CountCalculate(spies)
+            comfy.sample.sample(model, torch.randn(latent.shape, generator=g), 2, 1.0, "euler", "simple", cond, cond,
+                                latent, seed=0, disable_pbar=True)
+        ctl = model.attachments[SWAP_KEY]
+        assert ctl.plan.streamed and not model.model.model_lowvram, "the plan fits: nothing may load partially"
+        assert calculated.n == len(model.patches) == (len(lora) // 2 if with_lora else 0)
+        seen[with_lora], streamed = spy.calls, [f"diffusion_model.transformer_blocks.{i}." for i in ctl.plan.streamed]
+        mm.unload_all_models()
+    assert seen[True] == seen[False]
+    assert any(n.startswith(tuple(streamed)) for n in seen[True]) and len(seen[True]) > 4 * 14
+    for name, calls in seen[True].items():
+        assert ("per-call cast",) not in calls, name
+        assert ("on input device", True, "functions", 0, 0, "lowvram", False) in calls and len(calls) == 2, (name, calls)
