@@ -41,11 +41,10 @@ RUNNER_TEMPLATES = [("video_wan2_2_14B_t2v", []), ("video_wan2_2_14B_t2v", [TURB
                     ("video_wan2_2_14B_i2v", [TURBO]), ("video_wan2_2_5B_ti2v", []), ("image_qwen_image", [TURBO])]
 STOCK_TEXT_TEMPLATES = [("video_wan2_2_14B_t2v", False), ("video_wan2_2_14B_i2v", False),
                         ("video_wan2_2_5B_ti2v", False)]
-# Templates whose Qwen-Image transformer stays on stock UNETLoader (unconverted Qwen-Image; the Edit templates, whose
-# loaders convert leaves stock): ComfyUI builds it at full width, the tiny synthetic file is narrow.
+# Templates whose Qwen-Image transformer stays on stock UNETLoader (the unconverted Qwen-Image ones): ComfyUI builds it
+# at full width, the tiny synthetic file is narrow.
 STOCK_QWEN_TEMPLATES = [("image_qwen_image", False), ("image_qwen_image_edit_2509", False),
-                        ("image_qwen_image_edit_2511", False), ("image_qwen_image_edit_2509", True),
-                        ("image_qwen_image_edit_2511", True)]
+                        ("image_qwen_image_edit_2511", False)]
 
 
 @pytest.fixture(scope="module")
