@@ -10,10 +10,11 @@ tower ComfyUI builds, with zero (sparse) blocks, so each prompt's CPU encode of 
 The text encoder problem, and what these tests do about it: a template that keeps ComfyUI's stock ``CLIPLoader``
 (every unconverted template) builds umT5-XXL / Qwen2.5-VL-7B from ComfyUI's fixed full-size configs, so a tiny
 encoder file does not load and a full-size one is 6.7 / 8.3 GB (over the suite's 2 GB disk budget, and minutes per
-encode on CI's 2 cores). Those runs swap each ``CLIPLoader`` for ``LowVRAMTest_StreamedCLIPLoader`` (tests/fixture_nodes: same
-inputs and CLIP output, ComfyUI's own encoder classes sized from the file by the pack's streaming builder) and
-keep every other node of the template as shipped. So they test the template's graph, LoRAs, samplers, switches
-and VAE with the stock nodes, and the converted graph around the stock text encoder, but not CLIPLoader itself.
+encode on CI's 2 cores). Those runs swap each ``CLIPLoader`` for ``LowVRAMTest_StreamedCLIPLoader``
+(tests/fixture_nodes: same inputs and CLIP output, ComfyUI's own encoder classes sized from the file by the pack's
+streaming builder) and keep every other node of the template as shipped. So they test the template's graph, LoRAs,
+samplers, switches and VAE with the stock nodes, and the converted graph around the stock text encoder, but not
+CLIPLoader itself.
 
 A template that needs a node the host lacks (``ComfyMathExpression`` is newer than ComfyUI 0.8.0) makes the
 runner stop before queueing with a message naming the node and the host's version; the test skips with it.

@@ -349,7 +349,7 @@ def _keep_qwen_loader(graph: Graph, unet: dict, why: str, report: Report) -> Non
 
 
 def _convert_qwen(wf: Workflow, graph: Graph, unet: dict, opts: ConvertOptions, report: Report) -> None:
-    """Qwen-Image text-to-image / Edit -> the staged loaders; any other Qwen-Image graph keeps its loader + Attention."""
+    """Qwen-Image text-to-image / Edit -> the staged loaders; other Qwen-Image graphs keep the loader + Attention."""
     clip_loader = _find_one(graph, "CLIPLoader", 1, "qwen_image")
     vae_loaders = [n for n in graph.nodes if _active(n, "VAELoader")]
     edit = _edit_pair(graph, clip_loader) if clip_loader else None
