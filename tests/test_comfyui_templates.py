@@ -5,7 +5,8 @@ writes the tiny models, the synthetic 4-step / 8-step LoRAs under the official n
 ComfyUI, converts subgraphs to an API prompt with comfy-cli and queues it. The Wan 14B ones also run with the
 template's "enable turbo mode" switch on, so the 4-step LoRAs patch the pack's fp8 weights. The converted
 Qwen-Image-Edit ones run with it on (4 steps instead of 40 for 2511); their encoder carries the full-size vision
-tower ComfyUI builds, with zero (sparse) blocks, so each prompt's CPU encode of each image is the slow part.
+tower ComfyUI builds, with zero (sparse) blocks: its CPU run over each reference image and the first sampler step
+over the 1024x1024 reference latents (Attention auto timing its candidates) are the slow part.
 
 The text encoder problem, and what these tests do about it: a template that keeps ComfyUI's stock ``CLIPLoader``
 (every unconverted template) builds umT5-XXL / Qwen2.5-VL-7B from ComfyUI's fixed full-size configs, so a tiny
@@ -116,8 +117,8 @@ def test_converted_edit_template_runs_through_the_runner(name: str, synthetic_ca
     te = synthetic_cache / "synthetic" / "tiny" / "text_encoders" / "qwen_2.5_vl_7b_fp8_scaled.safetensors"
     assert run_models.vision_text_encoder_files(workflow) == {te.name} and run_models._has_vision_tower(te)
     assert runner._layer_count(te) == runner.TINY_TE_LAYERS
-    lo, hi = zip(*Image.open(out).convert("RGB").getextrema())
-    assert max(hi) > min(lo), (lo, hi)
+    extrema = Image.open(out).convert("RGB").getextrema()
+    assert any(lo < hi for lo, hi in extrema), extrema
 
 
 def _stand_in_text_encoders(workflow: dict) -> int:
