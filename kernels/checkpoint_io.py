@@ -437,9 +437,19 @@ class StreamingSafetensorsWriter:
             raise
         self._next += 1
 
+    def write_zeros(self, name: str) -> None:
+        """Declare the next tensor all zeros without writing it: the file position skips over its bytes, so on
+        file systems with sparse files (Linux, macOS) it takes no disk space; reads return zeros."""
+        if self._next >= len(self._order) or self._order[self._next][0] != name:
+            expected = self._order[self._next][0] if self._next < len(self._order) else "no more tensors"
+            raise ValueError(f"{self.path.name}: expected {expected!r}, got zeros for {name!r}")
+        self._f.seek(self._order[self._next][3], os.SEEK_CUR)
+        self._next += 1
+
     def close(self) -> Path:
         """Finish the file (all declared tensors must have been written) and move it into place."""
         try:
+            self._f.truncate()  # sets the size when the last tensors were skipped zeros (a no-op otherwise)
             self._f.close()  # flushes: a full disk can fail here
             if self._next != len(self._order):
                 raise ValueError(f"{self.path.name}: {len(self._order) - self._next} declared tensors were not written")

@@ -12,9 +12,11 @@ them:
   or from the Qwen2.5-VL encoder streamed onto the CPU (vision tower included; nodes/glue/text_encoders.py), built
   on the first miss. The node runs twice per prompt: without the VAE first (text + vision only), then the encoder is
   freed, then with the VAE, its encodes answered from the first pass, so the encoder and the VAE encode never hold
-  memory at the same time. The cache key holds the full text, the tokenizer arguments, a content hash of every
-  image the vision tower sees and the encoder identity (file fingerprint, format, dtype, config, ComfyUI version).
-  Only the embeddings and reference latents go to the GPU.
+  memory at the same time. The prompts share their images, so the vision tower runs once per distinct image and the
+  VAE encodes each reference image once (both deterministic: the same result as a run per prompt). The cache key
+  holds the full text, the tokenizer arguments, a content hash of every image the vision tower sees and the encoder
+  identity (file fingerprint, format, dtype, config, ComfyUI version). Only the embeddings and reference latents go
+  to the GPU.
 - Stage 2: the fp8 transformer with Block Swap (nodes/qwen_staged.py). A 2511 file's ``__index_timestep_zero__``
   marker is kept, so ComfyUI picks that reference method as it does for UNETLoader.
 """
@@ -71,6 +73,41 @@ def request_key(request: EncodeRequest, identity: dict) -> str:
     return embedding_cache_key(request.text, template, identity)
 
 
+def reuse_vision_features(visual: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Make the vision tower run once per distinct input: the positive and negative prompts carry the same images,
+    and its output depends on the pixels and the patch grid only. Returns the memo (freed with the encoder)."""
+    forward = visual.forward
+    memo: dict[str, torch.Tensor] = {}
+
+    def once(*args: Any, **kwargs: Any) -> Any:
+        key = json.dumps(_key_part([list(args), kwargs]), sort_keys=True)
+        if key not in memo:
+            memo[key] = forward(*args, **kwargs)
+        out = memo[key]
+        return out.clone() if isinstance(out, torch.Tensor) else out  # each caller owns its copy, as with a new run
+
+    visual.forward = once
+    return memo
+
+
+class ReusedVAEEncodes:
+    """The VAE handed to TextEncodeQwenImageEditPlus's second pass: ``encode`` runs once per distinct image (both
+    prompts carry the same reference images); every other attribute is the VAE's own."""
+
+    def __init__(self, vae: Any) -> None:
+        self._vae = vae
+        self._done: dict[str, torch.Tensor] = {}
+
+    def encode(self, pixels: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        key = json.dumps(_key_part([pixels, list(args), kwargs]), sort_keys=True)
+        if key not in self._done:
+            self._done[key] = self._vae.encode(pixels, *args, **kwargs)
+        return self._done[key].clone()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._vae, name)
+
+
 class StagedEditEncoder:
     """The encoding behind the stand-in ``clip``: cache first, else the streamed CPU encoder (built once)."""
 
@@ -108,6 +145,10 @@ class StagedEditEncoder:
             bar = comfy.utils.ProgressBar(1000)
             self.clip = text_encoders.build_streaming(QWEN25_VL_EDIT, self.te_path,
                                                       lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))))
+            csm = self.clip.cond_stage_model
+            visual = getattr(getattr(csm, csm.clip).transformer, "visual", None)
+            if isinstance(visual, torch.nn.Module):
+                reuse_vision_features(visual)
         out = self.clip.encode_from_tokens_scheduled(self.clip.tokenize(request.text, **request.kwargs), **kwargs)
         if key is not None and self.cache is not None:
             self.cache.put(key, out, info={"encoder": self.te_path.name, "images": "edit"})
@@ -172,7 +213,8 @@ def encode_edit_prompts(te_path: str | Path, prompts: list[str], images: list[to
             loaded = encoder.clip is not None
             encoder.close()
         if vae is not None:  # the node again, its encodes served from this run's results: VAE + reference_latents
-            out = [node.execute(clip, p, vae, *images).args[0] for p in prompts]
+            once = ReusedVAEEncodes(vae)
+            out = [node.execute(clip, p, once, *images).args[0] for p in prompts]
             stage_meter.release_host_memory()
         n_img = sum(i is not None for i in images)
         meter.report.notes.append(f"{encoder.hits} of {encoder.hits + encoder.misses} prompts from the embedding "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,30 @@ def test_writer_rejects_out_of_order_and_leaves_no_file(tmp_path: Path) -> None:
         w.write("b", torch.zeros(2))
     w.abort()
     assert not path.exists() and not path.with_name("x.safetensors.partial").exists()
+
+
+def test_write_zeros_reads_back_as_zeros_and_takes_no_disk(tmp_path: Path) -> None:
+    """Zero tensors skipped in the middle and at the end: same bytes as written zeros, a sparse file on Linux."""
+    big = (1024, 2048)  # 8 MiB of fp32 zeros
+    layout = [("z.first", big, torch.float32), ("a.weight", (4, 8), torch.bfloat16), ("z.last", big, torch.float32)]
+    path = tmp_path / "sparse.safetensors"
+    a = torch.randn(4, 8, dtype=torch.bfloat16)
+    with StreamingSafetensorsWriter(path, layout) as w:
+        w.write_zeros("z.first")
+        w.write("a.weight", a)
+        with pytest.raises(ValueError, match="expected 'z.last', got zeros for 'nope'"):
+            w.write_zeros("nope")
+        w.write_zeros("z.last")
+    loaded = load_file(str(path))
+    assert torch.equal(loaded["a.weight"], a)
+    assert all(torch.equal(loaded[k], torch.zeros(big)) for k in ("z.first", "z.last"))
+    dense = tmp_path / "dense.safetensors"
+    with StreamingSafetensorsWriter(dense, layout) as w:
+        for name, shape, dtype in layout:
+            w.write(name, a if name == "a.weight" else torch.zeros(shape, dtype=dtype))
+    assert path.stat().st_size == dense.stat().st_size and path.read_bytes() == dense.read_bytes()
+    if sys.platform.startswith("linux"):
+        assert path.stat().st_blocks * 512 < 1 << 20 < dense.stat().st_blocks * 512
 
 
 def test_truncated_file_is_named(tmp_path: Path) -> None:

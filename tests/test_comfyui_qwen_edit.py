@@ -207,3 +207,37 @@ def test_edit_loader_through_the_server(comfy_server: ComfyServer, files: dict[s
     assert "2 of 2 prompts from the embedding cache, 1 reference image(s), encoder not loaded" in _stage1(log2)[3]
     assert "streamed to the CPU" not in log2
     assert entry2["outputs"]["7"]["conditioning_stats"] == entry["outputs"]["7"]["conditioning_stats"]
+
+
+def test_shared_images_run_the_vision_tower_and_the_vae_once() -> None:
+    """Both prompts carry the same images: the vision tower and the VAE encode run once per distinct input, and each
+    caller gets its own copy of the same values; another input runs again."""
+    comfyui_in_process_or_skip()
+    import torch
+    from comfyui_lowvram_dit.nodes import qwen_edit
+
+    calls: list[str] = []
+
+    class Tower(torch.nn.Module):
+        def forward(self, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+            calls.append("tower")
+            return pixels.sum(-1, keepdim=True) * grid.sum()
+
+    class Vae:
+        downscale_ratio = 8
+
+        def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+            calls.append("vae")
+            return pixels.mean(-1)
+
+    tower, pixels, grid = Tower(), torch.rand(4, 6), torch.tensor([[1, 2, 2]])
+    qwen_edit.reuse_vision_features(tower)
+    first, again = tower(pixels, grid), tower(pixels.clone(), grid)
+    assert torch.equal(first, again) and first.data_ptr() != again.data_ptr()
+    assert not torch.equal(tower(pixels + 1, grid), first) and not torch.equal(tower(pixels, grid * 2), first)
+    assert calls == ["tower"] * 3
+    vae = qwen_edit.ReusedVAEEncodes(Vae())
+    image = torch.rand(1, 8, 8, 3)
+    latents = [vae.encode(image), vae.encode(image.clone()), vae.encode(image * 0.5)]
+    assert calls.count("vae") == 2 and torch.equal(latents[0], latents[1]) and not torch.equal(latents[0], latents[2])
+    assert vae.downscale_ratio == 8  # everything else is the VAE's own

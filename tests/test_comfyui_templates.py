@@ -3,16 +3,19 @@
 Converted (``convert``) templates run through ``python -m comfyui_lowvram_dit run`` itself (``runner.cli``): it
 writes the tiny models, the synthetic 4-step / 8-step LoRAs under the official names the templates wire, starts
 ComfyUI, converts subgraphs to an API prompt with comfy-cli and queues it. The Wan 14B ones also run with the
-template's "enable turbo mode" switch on, so the 4-step LoRAs patch the pack's fp8 weights.
+template's "enable turbo mode" switch on, so the 4-step LoRAs patch the pack's fp8 weights. The converted
+Qwen-Image-Edit ones run with it on (4 steps instead of 40 for 2511); their encoder carries the full-size vision
+tower ComfyUI builds, with zero (sparse) blocks: its CPU run over each reference image and the first sampler step
+over the 1024x1024 reference latents (Attention auto timing its candidates) are the slow part.
 
 The text encoder problem, and what these tests do about it: a template that keeps ComfyUI's stock ``CLIPLoader``
-(every unconverted template, and the converted Qwen-Image-Edit ones, whose ``TextEncodeQwenImageEditPlus`` needs
-the stock CLIP) builds umT5-XXL / Qwen2.5-VL-7B from ComfyUI's fixed full-size configs, so a tiny encoder file does
-not load and a full-size one is 6.7 / 8.3 GB (over the suite's 2 GB disk budget, and minutes per encode on CI's
-2 cores). Those runs swap each ``CLIPLoader`` for ``LowVRAMTest_StreamedCLIPLoader`` (tests/fixture_nodes: same
-inputs and CLIP output, ComfyUI's own encoder classes sized from the file by the pack's streaming builder) and
-keep every other node of the template as shipped. So they test the template's graph, LoRAs, samplers, switches
-and VAE with the stock nodes, and the converted graph around the stock text encoder, but not CLIPLoader itself.
+(every unconverted template) builds umT5-XXL / Qwen2.5-VL-7B from ComfyUI's fixed full-size configs, so a tiny
+encoder file does not load and a full-size one is 6.7 / 8.3 GB (over the suite's 2 GB disk budget, and minutes per
+encode on CI's 2 cores). Those runs swap each ``CLIPLoader`` for ``LowVRAMTest_StreamedCLIPLoader``
+(tests/fixture_nodes: same inputs and CLIP output, ComfyUI's own encoder classes sized from the file by the pack's
+streaming builder) and keep every other node of the template as shipped. So they test the template's graph, LoRAs,
+samplers, switches and VAE with the stock nodes, and the converted graph around the stock text encoder, but not
+CLIPLoader itself.
 
 A template that needs a node the host lacks (``ComfyMathExpression`` is newer than ComfyUI 0.8.0) makes the
 runner stop before queueing with a message naming the node and the host's version; the test skips with it.
@@ -39,13 +42,16 @@ STAND_IN = "LowVRAMTest_StreamedCLIPLoader"
 TURBO = "PrimitiveBoolean.value=true"  # the Wan 14B templates' "enable turbo mode" (4-step LoRAs)
 RUNNER_TEMPLATES = [("video_wan2_2_14B_t2v", []), ("video_wan2_2_14B_t2v", [TURBO]), ("video_wan2_2_14B_i2v", []),
                     ("video_wan2_2_14B_i2v", [TURBO]), ("video_wan2_2_5B_ti2v", []), ("image_qwen_image", [TURBO])]
+EDIT_TEMPLATES = ["image_qwen_image_edit_2509", "image_qwen_image_edit_2511"]
+# The Edit encoder's vision tower (ComfyUI's fixed 32 blocks of width 1280) on the CPU: in fp32 about twice as fast as
+# ComfyUI's default fp16 text encoder on CPUs without native half-precision matmul, such as CI's.
+EDIT_RUN_ARGS = ["--comfyui-arg=--fp32-text-enc"]
 STOCK_TEXT_TEMPLATES = [("video_wan2_2_14B_t2v", False), ("video_wan2_2_14B_i2v", False),
                         ("video_wan2_2_5B_ti2v", False)]
-# Templates whose Qwen-Image transformer stays on stock UNETLoader (unconverted Qwen-Image; the Edit templates, whose
-# loaders convert leaves stock): ComfyUI builds it at full width, the tiny synthetic file is narrow.
+# Templates whose Qwen-Image transformer stays on stock UNETLoader (the unconverted Qwen-Image ones): ComfyUI builds it
+# at full width, the tiny synthetic file is narrow.
 STOCK_QWEN_TEMPLATES = [("image_qwen_image", False), ("image_qwen_image_edit_2509", False),
-                        ("image_qwen_image_edit_2511", False), ("image_qwen_image_edit_2509", True),
-                        ("image_qwen_image_edit_2511", True)]
+                        ("image_qwen_image_edit_2511", False)]
 
 
 @pytest.fixture(scope="module")
@@ -66,28 +72,53 @@ def _outputs(text: str) -> list[Path]:
     return [Path(ln.removeprefix("output: ")) for ln in text.splitlines() if ln.startswith("output: ")]
 
 
-@pytest.mark.parametrize("name, extra", RUNNER_TEMPLATES)
-def test_converted_template_runs_through_the_runner(name: str, extra: list[str], synthetic_cache: Path,
-                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def _run_converted(name: str, args: list[str], cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                   capsys: pytest.CaptureFixture[str], timeout: int = 600) -> tuple[dict, Path]:
+    """Convert template ``name`` and run it through ``runner.cli`` on tiny models; (converted workflow, output)."""
     workflow = load_template(name)
     convert.convert_workflow(workflow, convert.ConvertOptions(vram_gb=8), name)
     path = tmp_path / f"{name}_lowvram.json"
     path.write_text(json.dumps(workflow))
-    monkeypatch.setenv("LOWVRAM_DIT_CACHE", str(synthetic_cache))
-    args = [str(path), "--synthetic", "tiny", "--cpu", "--comfyui", os.environ["COMFYUI_PATH"],
-            "--output", str(tmp_path / "out"), "--timeout", "600", *(a for x in extra for a in ("--set", x))]
-    rc = runner.cli(args)
+    monkeypatch.setenv("LOWVRAM_DIT_CACHE", str(cache))
+    rc = runner.cli([str(path), "--synthetic", "tiny", "--cpu", "--comfyui", os.environ["COMFYUI_PATH"],
+                     "--output", str(tmp_path / "out"), "--timeout", str(timeout), *args])
     text = capsys.readouterr()
     _skip_if_host_lacks_a_node(text.err, name)
     assert rc == 0, text.out[-3000:] + text.err[-3000:]
     files = _outputs(text.out)
     assert len(files) == 1 and files[0].is_file() and files[0].stat().st_size > 0, text.out
+    return workflow, files[0]
+
+
+@pytest.mark.parametrize("name, extra", RUNNER_TEMPLATES)
+def test_converted_template_runs_through_the_runner(name: str, extra: list[str], synthetic_cache: Path,
+                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    args = [a for x in extra for a in ("--set", x)]
+    workflow, _ = _run_converted(name, args, synthetic_cache, tmp_path, monkeypatch, capsys)
     loras = run_models.referenced_model_files(workflow) & KNOWN_LORA_FILES.keys()
     assert bool(loras) == (name != "video_wan2_2_5B_ti2v")  # the TI2V-5B template wires no LoRA
     assert all((synthetic_cache / "synthetic" / "tiny" / "loras" / n).is_file() for n in loras)
     tes = list((synthetic_cache / "synthetic" / "tiny" / "text_encoders").iterdir())
     assert tes and all(runner._layer_count(p) == runner.TINY_TE_LAYERS for p in tes)  # staged text: 2 layers
+
+
+@pytest.mark.parametrize("name", EDIT_TEMPLATES)
+def test_converted_edit_template_runs_through_the_runner(name: str, synthetic_cache: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The Edit Staged Loader in the template's graph: LoadImage -> FluxKontextImageScale -> the loader's image
+    inputs (vision tower on the CPU, reference latents from its VAE), its VAE -> VAEEncode / VAEDecode, the 4-step
+    LoRA on (fewer steps, LoRA used). The picture varies: not a constant from a dead conditioning or model path."""
+    from PIL import Image
+
+    workflow, out = _run_converted(name, ["--set", TURBO, *EDIT_RUN_ARGS], synthetic_cache, tmp_path, monkeypatch,
+                                   capsys, timeout=1800)
+    te = synthetic_cache / "synthetic" / "tiny" / "text_encoders" / "qwen_2.5_vl_7b_fp8_scaled.safetensors"
+    assert run_models.vision_text_encoder_files(workflow) == {te.name} and run_models._has_vision_tower(te)
+    assert runner._layer_count(te) == runner.TINY_TE_LAYERS
+    extrema = Image.open(out).convert("RGB").getextrema()
+    assert any(lo < hi for lo, hi in extrema), extrema
 
 
 def _stand_in_text_encoders(workflow: dict) -> int:

@@ -16,7 +16,8 @@ import pytest
 from comfyui_lowvram_dit.tools import convert
 from template_files import QWEN_TEMPLATES, TEMPLATES, WAN_TEMPLATES, graphs, link_problems, links_of, load_template
 
-REPLACED = {"UNETLoader", "CLIPLoader", "CLIPTextEncode"}
+REPLACED = {"UNETLoader", "CLIPLoader", "CLIPTextEncode", "TextEncodeQwenImageEditPlus", "VAELoader"}
+EDIT_TEMPLATES = [n for n in QWEN_TEMPLATES if "edit" in n]
 
 
 def _converted(name: str, **opts: object) -> tuple[dict, dict, convert.Report]:
@@ -108,10 +109,15 @@ def test_every_other_node_and_link_is_kept(name: str) -> None:
     original, work, report = _converted(name, vram_gb=12)
     before, after = _nodes(original), _nodes(work)
     replaced = {i for i, (n, _) in before.items() if n["type"] in REPLACED and (i not in after or after[i][0] != n)}
-    for nid, (node, _) in before.items():
-        if nid in replaced or node["type"] in REPLACED:
+    for nid, (node, old_graph) in before.items():
+        if nid in replaced:
             continue
         kept, old = copy.deepcopy(after[nid][0]), copy.deepcopy(node)
+        for new_out, old_out in zip(kept.get("outputs") or [], old.get("outputs") or [], strict=True):
+            # a link may go only where it ended at a replaced node (an Edit encoder's duplicate image link)
+            old_ids, new_ids = set(old_out.pop("links", None) or []), set(new_out.pop("links", None) or [])
+            assert new_ids <= old_ids, (nid, new_ids - old_ids)
+            assert all(links_of(old_graph)[i]["target_id"] in replaced for i in old_ids - new_ids), nid
         new_proxies = kept.get("properties", {}).pop("proxyWidgets", None)
         old_proxies = old.get("properties", {}).pop("proxyWidgets", None)
         assert kept == old, f"node {nid} {node['type']} changed"
@@ -153,14 +159,122 @@ def test_qwen_image_t2i_becomes_the_staged_loader() -> None:
         n["id"] for n in graph["nodes"] if n["type"] == "KSampler"}
 
 
-@pytest.mark.parametrize("name", [n for n in QWEN_TEMPLATES if "edit" in n])
-def test_qwen_image_edit_keeps_its_loader_and_gets_attention(name: str) -> None:
-    original, work, report = _converted(name)
-    before, after = _nodes(original), _nodes(work)
-    (uid, (unet, graph)), = [(i, v) for i, v in after.items() if v[0]["type"] == "UNETLoader"]
-    attn = _chain(graph, uid, ["LowVRAM_Attention"])
-    assert _consumers(graph, attn) == _consumers(before[uid][1], uid)
-    assert any("TextEncodeQwenImageEditPlus" in n or "only Attention" in n for n in report.notes)
+def _edit_template_parts(workflow: dict) -> tuple[dict, dict, dict, dict, dict, dict]:
+    """The Edit template's subgraph and its UNETLoader, CLIPLoader, VAELoader, positive and negative encoders."""
+    (graph,) = [g for _, g in graphs(workflow) if any(n["type"] == "UNETLoader" for n in g["nodes"])]
+    one = {t: [n for n in graph["nodes"] if n["type"] == t] for t in ("UNETLoader", "CLIPLoader", "VAELoader")}
+    assert all(len(v) == 1 for v in one.values())
+    encoders = [n for n in graph["nodes"] if n["type"] == "TextEncodeQwenImageEditPlus"]
+    pos, neg = sorted(encoders, key=lambda n: n["widgets_values"][0] == "")  # the negative prompt is empty
+    return graph, one["UNETLoader"][0], one["CLIPLoader"][0], one["VAELoader"][0], pos, neg
+
+
+@pytest.mark.parametrize("name", EDIT_TEMPLATES)
+def test_qwen_image_edit_becomes_the_edit_staged_loader(name: str) -> None:
+    """One Edit staged loader (the UNETLoader's id) + Attention: the encoders' image links and prompts go in, its
+    positive / negative / VAE outputs reach what the encoders and the VAE Loader fed; every other node stays."""
+    original, work, report = _converted(name, vram_gb=10)
+    old_graph, unet, clip, vae, pos, neg = _edit_template_parts(original)
+    (graph,) = [g for _, g in graphs(work) if g.get("id") == old_graph.get("id")]
+    nodes = {n["id"]: n for n in graph["nodes"]}
+    loader = nodes[unet["id"]]
+    assert loader["type"] == "LowVRAM_QwenImageEditStagedLoader"
+    assert {clip["id"], vae["id"], pos["id"], neg["id"]}.isdisjoint(nodes)
+    assert loader["widgets_values"] == [unet["widgets_values"][0], clip["widgets_values"][0], vae["widgets_values"][0],
+                                        pos["widgets_values"][0], neg["widgets_values"][0], "fp8 per-tensor", 8.0, -1,
+                                        True, "auto"]
+    old_links, new_links = links_of(old_graph), links_of(graph)
+    held = {i["name"]: i["link"] for i in loader["inputs"]}
+    for name_in in ("image1", "image2", "image3"):
+        old = next(i["link"] for i in pos["inputs"] if i["name"] == name_in)
+        assert (old is None) == (held[name_in] is None)
+        if old is not None:  # the same origin as before (a LoadImage / scale node, or the subgraph's input side)
+            assert (new_links[held[name_in]]["origin_id"], new_links[held[name_in]]["origin_slot"]) == (
+                old_links[old]["origin_id"], old_links[old]["origin_slot"])
+    for slot, old_id, old_slot in ((0, unet["id"], 0), (1, pos["id"], 0), (2, neg["id"], 0), (3, vae["id"], 0)):
+        want = _consumers(old_graph, old_id, old_slot) - {(pos["id"], s) for s in range(6)} - {
+            (neg["id"], s) for s in range(6)}
+        got = _consumers(graph, unet["id"], slot)
+        if slot == 0:
+            got = _consumers(graph, _chain(graph, unet["id"], ["LowVRAM_Attention"]))
+        assert got == want, (slot, got, want)
+    assert {n["type"] for n in graph["nodes"]} >= {"KSampler", "VAEEncode", "VAEDecode", "LoraLoaderModelOnly",
+                                                   "FluxKontextImageScale", "ModelSamplingAuraFlow", "CFGNorm"}
+    proxies = [tuple(p) for _, g in graphs(work) for n in g["nodes"] for p in
+               (n.get("properties") or {}).get("proxyWidgets") or []]
+    moved = {(str(unet["id"]), w) for w in ("positive", "negative", "clip_name", "vae_name", "unet_name")}
+    assert moved <= set(proxies) and not {p for p in proxies if p[0] in {str(clip["id"]), str(vae["id"])}}
+    assert any("LowVRAM_QwenImageEditStagedLoader" in c for c in report.changes) and not report.notes
+
+
+def _edit_link(graph: dict, node: dict, input_name: str) -> dict:
+    return next(lk for lk in graph["links"] if lk["id"] == next(
+        i["link"] for i in node["inputs"] if i["name"] == input_name))
+
+
+def _other_image(graph: dict, neg: dict) -> None:
+    """Feed the negative encoder's image1 straight from the subgraph's first input (the positive's goes through
+    FluxKontextImageScale): the two encoders then see different images."""
+    link = _edit_link(graph, neg, "image1")
+    origin = next(n for n in graph["nodes"] if n["id"] == link["origin_id"])
+    assert origin["type"] == "FluxKontextImageScale"
+    origin["outputs"][0]["links"].remove(link["id"])
+    link["origin_id"], link["origin_slot"] = -10, 0
+    graph["inputs"][0]["linkIds"].append(link["id"])
+
+
+def _negative_without_vae(graph: dict, neg: dict) -> None:
+    """Unplug the negative encoder's vae: it then makes no reference latents, which the staged loader always does."""
+    link = _edit_link(graph, neg, "vae")
+    graph["links"].remove(link)
+    vae = next(n for n in graph["nodes"] if n["id"] == link["origin_id"])
+    vae["outputs"][0]["links"].remove(link["id"])
+    next(i for i in neg["inputs"] if i["name"] == "vae")["link"] = None
+
+
+@pytest.mark.parametrize("change, words", [(_other_image, "different image1 inputs"),
+                                           (_negative_without_vae, "does not take its vae")])
+@pytest.mark.parametrize("name", EDIT_TEMPLATES)
+def test_qwen_image_edit_that_does_not_fit_keeps_stock(name: str, change: object, words: str) -> None:
+    """Encoders with different images, or one without the VAE: the stock nodes stay, Attention follows the
+    UNETLoader and the summary says why; converting again changes nothing."""
+    work = load_template(name)
+    graph, unet, *_, neg = _edit_template_parts(work)
+    change(graph, neg)  # type: ignore[operator]
+    assert link_problems(work) == []
+    before = copy.deepcopy(work)
+    report = convert.convert_workflow(work, convert.ConvertOptions(), name)
+    assert any(words in n and f"UNETLoader {unet['id']}" in n for n in report.notes), report.lines()
+    types = [n["type"] for _, g in graphs(work) for n in g["nodes"]]
+    assert types.count("TextEncodeQwenImageEditPlus") == 2 and "LowVRAM_QwenImageEditStagedLoader" not in types
+    (g,) = [g for _, g in graphs(work) if g.get("id") == graph.get("id")]
+    assert _consumers(g, _chain(g, unet["id"], ["LowVRAM_Attention"])) == _consumers(
+        [gg for _, gg in graphs(before) if gg.get("id") == graph.get("id")][0], unet["id"])
+    assert link_problems(work) == []
+    once = copy.deepcopy(work)
+    assert convert.convert_workflow(work, convert.ConvertOptions(), name).changes == [] and work == once
+
+
+def test_clip_feeding_a_third_node_keeps_the_edit_graph_stock() -> None:
+    """A CLIPLoader that also feeds another node is left alone (with its encoders and the UNETLoader)."""
+    work = load_template("image_qwen_image_edit_2511")
+    graph, unet, clip, _, pos, _ = _edit_template_parts(work)
+    extra = copy.deepcopy(pos)
+    extra["id"] = 9000
+    for inp in extra["inputs"]:
+        inp["link"] = None
+    extra["outputs"][0]["links"] = None
+    graph["nodes"].append(extra)
+    graph["links"].append({"id": 9001, "origin_id": clip["id"], "origin_slot": 0, "target_id": 9000,
+                           "target_slot": 0, "type": "CLIP"})
+    clip["outputs"][0]["links"].append(9001)
+    extra["inputs"][0]["link"] = 9001
+    assert link_problems(work) == []
+    report = convert.convert_workflow(work, convert.ConvertOptions(), "edited")
+    types = [n["type"] for _, g in graphs(work) for n in g["nodes"]]
+    assert "CLIPLoader" in types and "UNETLoader" in types and types.count("TextEncodeQwenImageEditPlus") == 3
+    assert any(f"UNETLoader {unet['id']}" in n and "kept" in n for n in report.notes)
+    assert link_problems(work) == []
 
 
 @pytest.mark.parametrize("vram, budget", [(None, 0.0), (8, 6.0), (12, 10.0), (2.5, 1.0)])

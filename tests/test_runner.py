@@ -119,6 +119,36 @@ def test_cached_synthetic_models_are_kept_without_a_word(tmp_path: Path, capsys:
     assert runner._layer_count(tmp_path / "text_encoders" / "umt5_xxl_fp8_e4m3fn_scaled.safetensors") == 2
 
 
+def test_edit_templates_get_a_tiny_encoder_with_a_sparse_vision_tower(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """A converted Qwen-Image-Edit template's encoder: 2 narrow layers plus the vision tower at ComfyUI's fixed size,
+    its blocks zeros that take no disk; the same name for a text-only staged loader is written again without it."""
+    from comfyui_lowvram_dit.kernels.checkpoint_io import iter_tensors, read_header
+    from comfyui_lowvram_dit.tools import convert
+    from template_files import load_template
+
+    workflow = load_template("image_qwen_image_edit_2511")
+    convert.convert_workflow(workflow, convert.ConvertOptions(), "2511")
+    te = "qwen_2.5_vl_7b_fp8_scaled.safetensors"
+    assert runner.vision_text_encoder_files(workflow) == {te} and te in runner.staged_text_encoder_files(workflow)
+    assert not run_models.stock_loaded_qwen_image_files(workflow)
+    (path,) = runner.write_synthetic_models({te}, tmp_path, "tiny", {te}, {te})
+    assert "2-layer (vision tower blocks zero, sparse) qwen25_vl_7b" in capsys.readouterr().out
+    header = read_header(path)
+    assert runner._layer_count(path) == run_models.TINY_TE_LAYERS
+    assert len({k.split(".")[2] for k in header.tensors if k.startswith("visual.blocks.")}) == 32  # as ComfyUI builds
+    assert header.tensors["visual.merger.mlp.2.weight"].shape == (run_models.tiny_text_encoder_config(
+        "qwen25_vl_7b").hidden, 5120)  # the merger projects to the narrow language model
+    block = [k for k in header.tensors if k.startswith("visual.blocks.31.") and not k.endswith(".scale_weight")]
+    assert all(not t.float().any() for _, t in iter_tensors(header, block))
+    rest = ["visual.patch_embed.proj.weight", "visual.merger.mlp.0.weight", "model.embed_tokens.weight"]
+    assert all(t.float().abs().sum() > 0 for _, t in iter_tensors(header, rest))
+    on_disk = path.stat().st_blocks * 512 if sys.platform.startswith("linux") else path.stat().st_size
+    assert path.stat().st_size > 600e6 and on_disk < 100e6, (path.stat().st_size, on_disk)
+    runner.write_synthetic_models({te}, tmp_path, "tiny", {te})  # a text-only staged loader: no vision tower
+    assert not run_models._has_vision_tower(path) and path.stat().st_size < 50e6
+
+
 def test_a_cached_run_does_not_import_torch(tmp_path: Path) -> None:
     """The cache check and the GPU check of a CPU machine are header reads, not a torch import (seconds)."""
     names = {"wan_2.1_vae.safetensors", "umt5_xxl_fp8_e4m3fn_scaled.safetensors"}

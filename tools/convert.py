@@ -9,8 +9,14 @@ UI-format workflow and changes only what it recognises, in every graph:
 - Qwen-Image text-to-image (``UNETLoader`` + ``CLIPLoader`` type qwen_image + two ``CLIPTextEncode``) -> the
   **Qwen-Image Staged Loader** (text on the CPU, fp8, Block Swap under the budget) followed by **Attention** auto;
   the VAE Loader stays.
-- Any other Qwen-Image diffusion model (e.g. Qwen-Image-Edit, whose ``TextEncodeQwenImageEditPlus`` needs the stock
-  CLIP): the loader is kept and **Attention** auto follows it.
+- Qwen-Image-Edit (``UNETLoader`` + ``CLIPLoader`` type qwen_image + one ``VAELoader`` + a positive and a negative
+  ``TextEncodeQwenImageEditPlus`` with the same images) -> one **Qwen-Image-Edit Staged Loader** (text and vision
+  on the CPU, reference latents from its VAE, fp8, Block Swap) followed by **Attention** auto: it takes the
+  encoders' image links and prompts, and the VAE Loader's other links move to its VAE output. The role of an
+  encoder is the ``positive`` / ``negative`` input its conditioning reaches, through nodes that pass conditioning
+  on (FluxKontextMultiReferenceLatentMethod).
+- Any other Qwen-Image graph (e.g. Edit encoders with different images, a CLIP or VAE used elsewhere): the loader is
+  kept, **Attention** auto follows it, and the summary says why.
 Everything else (samplers, LoRA loaders, switches, math nodes, notes, groups) is kept as it is. Converting a
 converted workflow changes nothing. The input file is never written.
 """
@@ -41,6 +47,10 @@ QWEN_STAGED_INPUTS = [("unet_name", "COMBO", True), ("clip_name", "COMBO", True)
                       ("positive", "STRING", True), ("negative", "STRING", True), ("quantization", "COMBO", True),
                       ("vram_budget_gb", "FLOAT", True), ("blocks_to_swap", "INT", True),
                       ("cache_embeddings", "BOOLEAN", True), ("compute", "COMBO", True)]
+EDIT_ENCODER = "TextEncodeQwenImageEditPlus"
+EDIT_IMAGES = ("image1", "image2", "image3")
+QWEN_EDIT_INPUTS = QWEN_STAGED_INPUTS + [(name, "IMAGE", False) for name in EDIT_IMAGES]
+STAGED_OUTPUTS = [("MODEL", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"), ("VAE", "VAE")]
 INSERT_OFFSET = (40.0, 140.0)  # where an inserted node goes, relative to the node it follows
 WAN_FILE = re.compile(r"wan2[._][12][_-](t2v|i2v|ti2v)[_-]")  # official Wan 2.1 / 2.2 T2V, I2V, TI2V file names
 
@@ -197,7 +207,7 @@ def _absorb_prompts(wf: Workflow, graph: Graph, target: dict, clip_loader: dict,
     spec = WAN_TEXT_INPUTS if target["type"] == "LowVRAM_WanTextEncode" else QWEN_STAGED_INPUTS
     _set_inputs(graph, target, spec, moved)
     outputs = ([("positive", "CONDITIONING"), ("negative", "CONDITIONING")] if slots == (0, 1) else
-               [("MODEL", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"), ("VAE", "VAE")])
+               STAGED_OUTPUTS)
     _set_outputs(graph, target, outputs)
     for lk, slot in [*((lk, slots[0]) for lk in pos_out), *((lk, slots[1]) for lk in neg_out)]:
         if (lk["origin_id"], lk["origin_slot"]) != (target["id"], slot):
@@ -251,17 +261,110 @@ def _find_one(graph: Graph, node_type: str, widget_index: int, value: str) -> di
     return found[0] if len(found) == 1 else None
 
 
+def _conditioning_role(graph: Graph, encoder: dict) -> str | None:
+    """``positive`` or ``negative``: the name of every such input the encoder's conditioning reaches, following
+    nodes that pass CONDITIONING on (FluxKontextMultiReferenceLatentMethod...); None when mixed or unknown."""
+    roles: set[str | None] = set()
+    seen, todo = {encoder["id"]}, [encoder]
+    while todo:
+        node = todo.pop()
+        for slot, out in enumerate(node.get("outputs") or []):
+            if out.get("type") != "CONDITIONING":
+                continue
+            for lk in graph.out_links(node, slot):
+                name, target = graph.target_input_name(lk), graph.node(lk["target_id"])
+                if name in ("positive", "negative") or target is None:  # None: leaves the subgraph
+                    roles.add(name if target is not None else None)
+                elif target["id"] not in seen:
+                    seen.add(target["id"])
+                    todo.append(target)
+    return next(iter(roles)) if len(roles) == 1 else None
+
+
+def _edit_pair(graph: Graph, clip_loader: dict) -> tuple[dict, dict] | None:
+    """The (positive, negative) TextEncodeQwenImageEditPlus a CLIPLoader feeds, or None when it feeds anything
+    else (or not exactly one encoder of each role)."""
+    roles: dict[str, dict] = {}
+    for lk in graph.out_links(clip_loader, 0):
+        enc = graph.node(lk["target_id"])
+        if enc is None or not _active(enc, EDIT_ENCODER) or graph.target_input_name(lk) != "clip":
+            return None
+        role = _conditioning_role(graph, enc)
+        if role is None or role in roles:
+            return None
+        roles[role] = enc
+    return (roles["positive"], roles["negative"]) if len(roles) == 2 else None
+
+
+def _origin(link: dict | None) -> tuple[int, int] | None:
+    return None if link is None else (link["origin_id"], link["origin_slot"])
+
+
+def _edit_problem(graph: Graph, pos: dict, neg: dict, vae_loader: dict) -> str:
+    """Why this Edit graph cannot become the staged loader ("" when it can)."""
+    for name in EDIT_IMAGES:
+        if _origin(graph.input_link(pos, name)) != _origin(graph.input_link(neg, name)):
+            return f"the positive and negative {EDIT_ENCODER} get different {name} inputs"
+    for enc in (pos, neg):
+        if _origin(graph.input_link(enc, "vae")) != (vae_loader["id"], 0):
+            return f"{EDIT_ENCODER} {enc['id']} does not take its vae from VAE Loader {vae_loader['id']}"
+    return ""
+
+
+def _convert_qwen_edit(wf: Workflow, graph: Graph, unet: dict, clip_loader: dict, pair: tuple[dict, dict],
+                       vae_loader: dict, opts: ConvertOptions, report: Report) -> None:
+    """UNETLoader + CLIPLoader + VAELoader + the two Edit encoders -> the Edit staged loader (``unet``'s id)."""
+    pos, neg = pair  # the negative's image links duplicate the positive's (_edit_problem): they go with it
+    moved = {"unet_name": graph.input_link(unet, "unet_name"), "clip_name": graph.input_link(clip_loader, "clip_name"),
+             "vae_name": graph.input_link(vae_loader, "vae_name"), "positive": graph.input_link(pos, "prompt"),
+             "negative": graph.input_link(neg, "prompt"), **{n: graph.input_link(pos, n) for n in EDIT_IMAGES}}
+    outs = {1: graph.out_links(pos, 0), 2: graph.out_links(neg, 0),
+            3: [lk for lk in graph.out_links(vae_loader, 0) if lk["target_id"] not in (pos["id"], neg["id"])]}
+    widgets = [_widget(unet, 0), _widget(clip_loader, 0), _widget(vae_loader, 0), _widget(pos, 0) or "",
+               _widget(neg, 0) or "", FP8_CHOICES[opts.fp8], opts.budget_gb, -1, True, "auto"]
+    _retype(unet, "LowVRAM_QwenImageEditStagedLoader", widgets)
+    _set_inputs(graph, unet, QWEN_EDIT_INPUTS, moved)
+    _set_outputs(graph, unet, STAGED_OUTPUTS)
+    for slot, links in outs.items():
+        for lk in links:
+            graph.set_origin(lk, unet, slot)
+    for old in (clip_loader, pos, neg, vae_loader):
+        graph.remove_node(old)
+    for old, widget, new in ((clip_loader, "clip_name", "clip_name"), (vae_loader, "vae_name", "vae_name"),
+                             (pos, "prompt", "positive"), (neg, "prompt", "negative")):
+        wf.rename_proxy_widget((old["id"], widget), (unet["id"], new))
+    report.changes.append(f"{graph.name}: replaced UNETLoader {unet['id']} + CLIPLoader {clip_loader['id']} + "
+                          f"VAELoader {vae_loader['id']} + {EDIT_ENCODER} {pos['id']}, {neg['id']} -> node "
+                          f"{unet['id']} LowVRAM_QwenImageEditStagedLoader ({FP8_CHOICES[opts.fp8]}, vram_budget_gb "
+                          f"{opts.budget_gb:g}; text and images encoded on the CPU)")
+    _insert_after(graph, unet, "LowVRAM_Attention", ["auto"], report, "backend auto")
+
+
+def _keep_qwen_loader(graph: Graph, unet: dict, why: str, report: Report) -> None:
+    """Leave a Qwen-Image UNETLoader stock (once) with a note, and put Attention auto after it."""
+    if not _followed_by_attention(graph, unet):
+        report.notes.append(f"{graph.name}: UNETLoader {unet['id']} ({_widget(unet, 0)}) kept: {why}, so only "
+                            "Attention auto is added")
+        _insert_after(graph, unet, "LowVRAM_Attention", ["auto"], report, "backend auto")
+
+
 def _convert_qwen(wf: Workflow, graph: Graph, unet: dict, opts: ConvertOptions, report: Report) -> None:
-    """Qwen-Image text-to-image -> the staged loader; any other Qwen-Image model keeps its loader + Attention."""
+    """Qwen-Image text-to-image / Edit -> the staged loaders; other Qwen-Image graphs keep the loader + Attention."""
     clip_loader = _find_one(graph, "CLIPLoader", 1, "qwen_image")
-    pair = _prompt_pair(graph, clip_loader) if clip_loader else None
     vae_loaders = [n for n in graph.nodes if _active(n, "VAELoader")]
+    edit = _edit_pair(graph, clip_loader) if clip_loader else None
+    if edit is not None and len(vae_loaders) == 1:
+        problem = _edit_problem(graph, *edit, vae_loaders[0])
+        if problem:
+            _keep_qwen_loader(graph, unet, problem, report)
+        else:
+            _convert_qwen_edit(wf, graph, unet, clip_loader, edit, vae_loaders[0], opts, report)
+        return
+    pair = _prompt_pair(graph, clip_loader) if clip_loader else None
     if pair is None or len(vae_loaders) != 1:
-        if not _followed_by_attention(graph, unet):
-            report.notes.append(f"{graph.name}: UNETLoader {unet['id']} ({_widget(unet, 0)}) kept: its text "
-                                "encoding is not a CLIPLoader + positive/negative CLIPTextEncode pair (the "
-                                "pack's Qwen-Image loader is the staged one), so only Attention auto is added")
-            _insert_after(graph, unet, "LowVRAM_Attention", ["auto"], report, "backend auto")
+        _keep_qwen_loader(graph, unet, "its text encoding is not a CLIPLoader + positive/negative CLIPTextEncode "
+                          f"pair or {EDIT_ENCODER} pair (with one VAE Loader), which the pack's staged loaders "
+                          "replace", report)
         return
     pos, neg = pair
     unet_link = graph.input_link(unet, "unet_name")

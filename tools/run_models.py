@@ -44,8 +44,15 @@ MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "vae_approx", "lora
 # Nodes that stream their text encoder and read its layer count and widths from the file: for them --synthetic
 # tiny writes a 2-layer encoder (seconds to write and encode) instead of ComfyUI's fixed full-size config, which
 # stock CLIPLoader needs (6.7 GB umT5 / 8.3 GB Qwen2.5-VL fp8, >10 min on a 2-core CPU).
-STAGED_TEXT_NODES = ("LowVRAM_WanTextEncode", "LowVRAM_QwenImageStagedLoader")
+STAGED_TEXT_NODES = ("LowVRAM_WanTextEncode", "LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageEditStagedLoader")
 TINY_TE_LAYERS = 2
+# Staged nodes that also run the Qwen2.5-VL vision tower (image prompts): their tiny encoder carries it at the size
+# ComfyUI always builds (32 blocks of width 1280). Its blocks are written as zeros (TINY_ZERO_PREFIXES), a sparse
+# file: a residual block with zero weights passes its input through, so the image still reaches the language model
+# through the random patch embedding and merger.
+VISION_TEXT_NODES = ("LowVRAM_QwenImageEditStagedLoader",)
+TINY_ZERO_PREFIXES = ("visual.blocks.",)
+VISION_KEY = "visual.merger.mlp.2.weight"  # present in a text encoder file with the vision tower
 
 # VAEs that ComfyUI builds at full size whatever the file holds (the Wan 2.2 VAE's widths are fixed in comfy/sd.py:
 # 1.4 GB even for random weights): --synthetic tiny loads the tiny autoencoder of the same latent space instead,
@@ -98,6 +105,12 @@ def staged_text_encoder_files(workflow: dict) -> set[str]:
 QWEN_IMAGE_NODES = ("LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageEditStagedLoader")
 
 
+def vision_text_encoder_files(workflow: dict) -> set[str]:
+    """Known text encoder file names a node that runs the vision tower (VISION_TEXT_NODES) uses."""
+    return {n for node_type, names in _node_strings(workflow) if node_type in VISION_TEXT_NODES for n in names
+            if KNOWN_MODEL_FILES.get(n, ("",))[0] == "text_encoders"}
+
+
 def stock_loaded_qwen_image_files(workflow: dict) -> set[str]:
     """Qwen-Image transformer files a node other than the pack's Qwen-Image loaders loads (e.g. stock UNETLoader).
 
@@ -107,7 +120,7 @@ def stock_loaded_qwen_image_files(workflow: dict) -> set[str]:
             for n in names if KNOWN_MODEL_FILES.get(n, ("", ""))[1] == "qwen_image"}
 
 
-def tiny_text_encoder_config(model: str) -> object | None:
+def tiny_text_encoder_config(model: str, vision: bool = False) -> object | None:
     """The reduced config --synthetic tiny uses for a text encoder loaded by a staged node (None: not a TE).
 
     umT5: 2 layers, d_model 4096 (Wan's text_dim), 2 heads, d_ff 256, vocab 512 (the synthetic tokenizer's ids
@@ -115,6 +128,8 @@ def tiny_text_encoder_config(model: str) -> object | None:
     from the files), 4 query and 4 key/value heads of 128 (ComfyUI detects a 7B by its 512-wide k_proj bias),
     narrow MLP, the full vocabulary (ComfyUI's bundled tokenizer emits ids up to 151k) and no vision tower: text
     prompts never run it, and the staged loader only warns that its weights are missing (load_clip does too).
+    ``vision``: Qwen2.5-VL with the full-size vision tower, for the Edit loader (ComfyUI builds the tower at fixed
+    sizes; its merger projects to the file's hidden size, so the language model stays as narrow).
     """
     from .model_specs import QWEN_TINY_JOINT_DIM, Qwen25VLConfig, UMT5Config
 
@@ -122,7 +137,7 @@ def tiny_text_encoder_config(model: str) -> object | None:
         return UMT5Config(num_layers=TINY_TE_LAYERS, d_ff=256, num_heads=2, vocab_size=512)
     if model == "qwen25_vl_7b":
         return Qwen25VLConfig(num_layers=TINY_TE_LAYERS, hidden=QWEN_TINY_JOINT_DIM, num_heads=4, intermediate=256,
-                              vision_tower=False)
+                              vision_tower=vision)
     return None
 
 
@@ -163,6 +178,10 @@ def _stale_tiny_file(path: Path) -> bool:
         and meta.get("tiny_layout") != TINY_LAYOUT
 
 
+def _has_vision_tower(path: Path) -> bool:
+    return VISION_KEY in _header(path)
+
+
 def _layer_count(path: Path) -> int | None:
     """Blocks/layers of an existing text encoder file (None when unreadable)."""
     keys = _header(path)
@@ -173,11 +192,13 @@ def _layer_count(path: Path) -> int | None:
 
 
 def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny",
-                           reduced_text_encoders: set[str] = frozenset()) -> list[Path]:
+                           reduced_text_encoders: set[str] = frozenset(),
+                           vision_text_encoders: set[str] = frozenset()) -> list[Path]:
     """Write a synthetic model under each known file name (cached: an existing file of the right kind is kept).
 
-    Names in ``reduced_text_encoders`` get a 2-layer encoder (tiny_text_encoder_config); other text encoders
-    keep ComfyUI's full config (stock loaders cannot read anything else). ``size="full"`` writes the real
+    Names in ``reduced_text_encoders`` get a 2-layer encoder (tiny_text_encoder_config), with the vision tower
+    when they are also in ``vision_text_encoders``; other text encoders keep ComfyUI's full config (stock loaders
+    cannot read anything else). ``size="full"`` writes the real
     sizes (a 14B fp8 expert is ~14 GB), generated on the GPU when there is one. Prints one line per file it
     writes and nothing when every file is cached.
     """
@@ -189,18 +210,21 @@ def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny"
             f"--synthetic cannot make {', '.join(unknown)}: not an official file name this runner knows "
             f"({', '.join(sorted({*KNOWN_MODEL_FILES, *KNOWN_LORA_FILES}))}); give real files with --models instead"
         )
-    todo: list[tuple[Path, str, str, bool]] = []
+    todo: list[tuple[Path, str, str, bool, bool]] = []
     paths = []
     for name in sorted(names):
         folder, model, fmt = KNOWN_MODEL_FILES[name]
         path = models_dir / folder / name
         reduced = size == "tiny" and name in reduced_text_encoders and folder == "text_encoders"
+        vision = reduced and name in vision_text_encoders
         if path.exists() and folder == "text_encoders" and (_layer_count(path) == TINY_TE_LAYERS) != reduced:
             path.unlink()  # cached for the other kind of loader (staged vs stock)
+        elif path.exists() and reduced and _has_vision_tower(path) != vision:
+            path.unlink()  # cached for the other kind of staged node (text only vs image prompts)
         elif path.exists() and size == "tiny" and _stale_tiny_file(path):
             path.unlink()
         if not path.exists():
-            todo.append((path, model, fmt, reduced))
+            todo.append((path, model, fmt, reduced, vision))
         paths.append(path)
     if todo:  # torch is imported only here: a cached run starts ComfyUI seconds sooner
         from .synth import write_synthetic
@@ -211,12 +235,14 @@ def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny"
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
         print(f"writing {len(todo)} synthetic {size} model file(s) (random weights) to {models_dir}", flush=True)
-        for path, model, fmt, reduced in todo:
-            config = tiny_text_encoder_config(model) if reduced else None
+        for path, model, fmt, reduced, vision in todo:
+            config = tiny_text_encoder_config(model, vision) if reduced else None
             what = f"{TINY_TE_LAYERS}-layer " if config is not None else ""
+            what += "(vision tower blocks zero, sparse) " if vision else ""
             print(f"  {what}{model} ({fmt}) -> {path.relative_to(models_dir)}", flush=True)
             write_synthetic(model, path, size=size, fmt=fmt, config=config, device=device,
-                            metadata={"tiny_layout": TINY_LAYOUT} if size == "tiny" else None)
+                            metadata={"tiny_layout": TINY_LAYOUT} if size == "tiny" else None,
+                            zeros=TINY_ZERO_PREFIXES if vision else ())
     return paths + write_synthetic_loras(loras, models_dir, size)
 
 

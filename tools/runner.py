@@ -41,6 +41,7 @@ from .run_models import (  # noqa: F401 - re-exported: part of the runner's inte
     stock_loaded_qwen_image_files,
     swap_tiny_vaes,
     tiny_text_encoder_config,
+    vision_text_encoder_files,
     write_synthetic_models,
 )
 from .ui_graph import BYPASSED_MODES, FRONTEND_ONLY, all_nodes
@@ -507,7 +508,7 @@ def _run_started(args: argparse.Namespace, workflow: dict, wf_path: Path, output
             check_node_types(server, workflow, object_info)
             if args.synthetic:
                 write_synthetic_models(referenced_model_files(workflow), models_dir, args.synthetic,
-                                       staged_text_encoder_files(workflow))
+                                       staged_text_encoder_files(workflow), vision_text_encoder_files(workflow))
             with MemoryWatch(server.process.pid) as watch:
                 start = time.monotonic()
                 files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout,

@@ -282,14 +282,19 @@ def file_layout(model: str, size: str = "tiny", fmt: str = "bf16", num_layers: i
 
 def _make_group(
     model: str, fmt: str, src: tuple[str, tuple, torch.dtype, int], seed: int, device: torch.device,
-    pool: ThreadPoolExecutor | None,
+    pool: ThreadPoolExecutor | None, zeros: tuple[str, ...] = (),
 ) -> Group:
+    """The file entries of one source tensor; a tensor named by ``zeros`` is a meta tensor (shape and dtype, no
+    data) that the writer stores as zeros without writing them."""
     name, shape, dtype, _ = src
     if name == "scaled_fp8":
         return [(name, torch.empty(0, dtype=FP8, device=device))]
     if name == "spiece_model":
         return [(name, torch.frombuffer(bytearray(umt5_tokenizer_bytes()), dtype=torch.uint8).to(device))]
-    w = synthetic_tensor(name, shape, dtype, seed, device, pool)
+    if zeros and name.startswith(zeros):
+        w = torch.empty(shape, dtype=dtype, device="meta")
+    else:
+        w = synthetic_tensor(name, shape, dtype, seed, device, pool)
     linear = is_linear_weight(model, name, shape)
     if fmt == "bf16":
         return [(name, w)]
@@ -297,7 +302,10 @@ def _make_group(
         return [(name, w.to(torch.float16))]
     if fmt == "fp8":
         return [(name, w.to(FP8) if linear else w)]
-    q, scale = quantize_fp8_scaled(w)
+    if w.is_meta:  # zeros: any scale dequantizes them to zeros; 1 keeps the layer's arithmetic ordinary
+        q, scale = w.to(FP8), torch.ones((), dtype=torch.float32, device=device)
+    else:
+        q, scale = quantize_fp8_scaled(w)
     layer = name[: -len(".weight")]
     group = [(name, q), (f"{layer}.scale_weight", scale)]
     if model in _DIFFUSION:
@@ -307,12 +315,12 @@ def _make_group(
 
 def _iter_groups(
     model: str, size: str, fmt: str, seed: int, device: str | torch.device, num_layers: int | None,
-    pool: ThreadPoolExecutor | None, config: ModelConfig | None = None,
+    pool: ThreadPoolExecutor | None, config: ModelConfig | None = None, zeros: tuple[str, ...] = (),
 ) -> Iterator[Group]:
     _, groups = _plan(model, size, fmt, num_layers, config)
     dev = torch.device(device)
     for src in groups:
-        yield _make_group(model, fmt, src, seed, dev, pool)
+        yield _make_group(model, fmt, src, seed, dev, pool, zeros)
 
 
 def synthetic_state_dict(
@@ -390,13 +398,15 @@ def write_synthetic(
     threads: int | None = None,
     config: ModelConfig | None = None,
     metadata: dict[str, str] | None = None,
+    zeros: tuple[str, ...] = (),
 ) -> Path:
     """Write a synthetic checkpoint tensor by tensor (RAM ~ a few tensors, never the model); returns the path.
 
     Generation runs on `device` ("cuda" is fastest) with `threads` CPU workers per tensor (default: all
     cores) while a writer thread drains finished tensors to disk, at most two tensors ahead. `config` (a
     UMT5Config / Qwen25VLConfig / QwenImageConfig) writes a file with other sizes, e.g. 2 layers for fast tests.
-    ``metadata``: more header metadata entries (the runner stamps its tiny layout version).
+    ``metadata``: more header metadata entries (the runner stamps its tiny layout version). ``zeros``: name
+    prefixes of tensors that are all zeros, skipped over rather than written (a sparse file: no disk space).
     """
     layout, _ = _plan(model, size, fmt, num_layers, config)
     metadata = {**(metadata or {}), "synthetic": "comfyui_lowvram_dit", "model": model, "size": size, "format": fmt,
@@ -411,7 +421,10 @@ def write_synthetic(
         try:
             while (group := todo.get()) is not None:
                 for name, t in group:
-                    writer.write(name, t)
+                    if t.is_meta:
+                        writer.write_zeros(name)
+                    else:
+                        writer.write(name, t)
                     bar.update(t.numel() * t.element_size())
         except BaseException as exc:  # noqa: BLE001 - re-raised in the producer
             failure.append(exc)
@@ -424,10 +437,10 @@ def write_synthetic(
     ok = False
     try:
         with ThreadPoolExecutor(max_workers=n_threads) if n_threads > 1 else _NoPool() as pool:
-            for group in _iter_groups(model, size, fmt, seed, dev, num_layers, pool, config):
+            for group in _iter_groups(model, size, fmt, seed, dev, num_layers, pool, config, zeros):
                 if failure:
                     break
-                todo.put([(n, t.to("cpu")) for n, t in group])
+                todo.put([(n, t if t.is_meta else t.to("cpu")) for n, t in group])
         ok = not failure
     finally:
         todo.put(None)
