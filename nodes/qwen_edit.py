@@ -73,20 +73,22 @@ def request_key(request: EncodeRequest, identity: dict) -> str:
     return embedding_cache_key(request.text, template, identity)
 
 
+def _call_once(memo: dict[str, Any], fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, computed once per distinct arguments (tensors by content) and kept in ``memo``; a
+    tensor result is cloned, so each caller owns its copy, as with a new run."""
+    key = json.dumps(_key_part([list(args), kwargs]), sort_keys=True)
+    if key not in memo:
+        memo[key] = fn(*args, **kwargs)
+    out = memo[key]
+    return out.clone() if isinstance(out, torch.Tensor) else out
+
+
 def reuse_vision_features(visual: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Make the vision tower run once per distinct input: the positive and negative prompts carry the same images,
     and its output depends on the pixels and the patch grid only. Returns the memo (freed with the encoder)."""
     forward = visual.forward
     memo: dict[str, torch.Tensor] = {}
-
-    def once(*args: Any, **kwargs: Any) -> Any:
-        key = json.dumps(_key_part([list(args), kwargs]), sort_keys=True)
-        if key not in memo:
-            memo[key] = forward(*args, **kwargs)
-        out = memo[key]
-        return out.clone() if isinstance(out, torch.Tensor) else out  # each caller owns its copy, as with a new run
-
-    visual.forward = once
+    visual.forward = lambda *args, **kwargs: _call_once(memo, forward, *args, **kwargs)
     return memo
 
 
@@ -99,10 +101,7 @@ class ReusedVAEEncodes:
         self._done: dict[str, torch.Tensor] = {}
 
     def encode(self, pixels: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        key = json.dumps(_key_part([pixels, list(args), kwargs]), sort_keys=True)
-        if key not in self._done:
-            self._done[key] = self._vae.encode(pixels, *args, **kwargs)
-        return self._done[key].clone()
+        return _call_once(self._done, self._vae.encode, pixels, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._vae, name)
