@@ -22,13 +22,19 @@ fp32 torch):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import os
+import threading
+import time
 from typing import Literal
 
 import torch
+
+log = logging.getLogger("comfyui_lowvram_dit")
 
 QkFormat = Literal["auto", "int8", "fp8"]
 PvFormat = Literal["auto", "fp8", "fp16"]
@@ -231,11 +237,12 @@ def _autotuned_kernel():
 
 
 def attention_from_quantized(qq: QuantizedQKV, out: torch.Tensor, lq: int, lk: int,
-                             config: dict | None = None) -> torch.Tensor:
+                             config: dict | None = None, compile_only: bool = False) -> torch.Tensor:
     """Main loop on prologue output; out is a [B, H, Lq, D] view (any strides) written in place.
 
     config (None = autotune): BLOCK_M, BLOCK_N, num_warps, num_stages, and optionally the kernel variant flags
-    PV_ACC (0/1/2) and EXP_EMU (0/1/2) documented in attention_int8_triton.attn_fwd_kernel.
+    PV_ACC (0/1/2) and EXP_EMU (0/1/2) documented in attention_int8_triton.attn_fwd_kernel. compile_only (autotune
+    only): compile every config the autotuner would time for these arguments, run and time none (out untouched).
     """
     tk = _triton_module()
     b, h, _, d = out.shape
@@ -253,6 +260,8 @@ def attention_from_quantized(qq: QuantizedQKV, out: torch.Tensor, lq: int, lk: i
         tk.attn_fwd_kernel[(triton_cdiv(lq, bm), b * h)](
             *args, **flags, **variant, BLOCK_M=bm, BLOCK_N=bn,
             num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3))
+    elif compile_only:
+        _autotuned_kernel().warmup(*args, grid=(1, 1), **flags)
     else:
         _autotuned_kernel()[lambda meta: (triton_cdiv(lq, meta["BLOCK_M"]), b * h)](*args, **flags)
     return out
@@ -280,10 +289,80 @@ def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
         raise ValueError(f"attention_int8: tensors are on {q.device}; this kernel needs a CUDA GPU "
                          "(check kernels.attention_int8.is_supported first)")
     qk, pv = resolve_formats(q.device, qk_format, pv_format)
+    wait_for_warmup()
     qq = quantize_qkv(qb, kb, vb, qk_format=qk, pv_format=pv, sm_scale=sm_scale)
     out = torch.empty_like(q)  # same layout as q; kernels write through strides
     attention_from_quantized(qq, _as_bhld(out, layout), qb.shape[2], kb.shape[2], config)
     return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Compiling ahead: the kernels built in a background thread before the first sampler step needs them
+
+# Sequence lengths the warm-up runs: Triton specialises integer arguments on divisibility by 16, so one length of
+# each kind compiles every variant a real call can need (Wan's 32,760 video tokens are not a multiple of 16, its
+# 512 text tokens are). Every autotune config is compiled at the short lengths: a superset of the long-sequence set.
+WARMUP_LENGTHS = (256, 264)
+_WARMUPS: dict[tuple, threading.Thread] = {}
+_WARMUP_LOCK = threading.Lock()
+
+
+def start_warmup(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, heads: int = 24,
+                 head_dim: int = 128) -> threading.Thread | None:
+    """Compile the quantizers and every autotune config of the 8-bit kernel for (device, dtype, head_dim) in a
+    daemon thread.
+
+    On a cold Triton cache these compiles take seconds (an H100: ~1.5 s per config, ~14 s in all); started when a
+    model gets the 8-bit backend, they run while ComfyUI loads the model and torch.compile traces it instead of
+    inside the first sampler step. ``heads`` only matters through its divisibility by 16 (Triton's
+    specialisation). The first real call waits for a warm-up still running (the autotuner is not thread-safe).
+    Returns the thread, or None where the kernel cannot run here.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    if _interpreting() or not is_supported(device, dtype, head_dim):
+        return None
+    key = (str(device), dtype, heads % 16 == 0, head_dim)
+    with _WARMUP_LOCK:
+        if key not in _WARMUPS:
+            _WARMUPS[key] = threading.Thread(target=_warm, args=(device, dtype, heads, head_dim), daemon=True,
+                                             name=f"lowvram-dit 8-bit attention warm-up {key}")
+            _WARMUPS[key].start()
+        return _WARMUPS[key]
+
+
+def _warm(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int) -> None:
+    t0 = time.perf_counter()
+    try:
+        cuda = device.type == "cuda"
+        # its own stream: the warm-up's launches and the autotuner's syncs never wait on the loader's copies
+        with torch.cuda.device(device) if cuda else contextlib.nullcontext(), \
+                torch.cuda.stream(torch.cuda.Stream(device)) if cuda else contextlib.nullcontext():
+            qk, pv = resolve_formats(device)
+            for length in WARMUP_LENGTHS:
+                # [B, H, L, D] views of [B, L, H, D] memory, as models call it; the quantizers run (tiny), the
+                # main loop's configs are compiled without the autotuner's timing runs
+                x = torch.randn(1, length, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
+                qq = quantize_qkv(x, x, x, qk_format=qk, pv_format=pv)
+                attention_from_quantized(qq, torch.empty_like(x), length, length, compile_only=True)
+            if cuda:
+                torch.cuda.current_stream().synchronize()
+    except Exception as exc:  # noqa: BLE001 - the first real call compiles instead; never take the server down
+        log.info("lowvram_dit 8-bit attention: compiling ahead failed (%s: %s); the first call compiles instead",
+                 type(exc).__name__, exc)
+        return
+    log.info("lowvram_dit 8-bit attention: kernels for %s %s, head dim %d compiled ahead in %.1f s", device,
+             str(dtype).removeprefix("torch."), head_dim, time.perf_counter() - t0)
+
+
+@torch.compiler.disable
+def wait_for_warmup() -> None:
+    """Block until every warm-up thread has finished (at once when none runs); warm-up threads never wait."""
+    me = threading.current_thread()
+    for thread in list(_WARMUPS.values()):
+        if thread is not me and thread.is_alive():
+            thread.join()
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -175,10 +175,43 @@ def apply_attention(model: Any, backend_label: str) -> Any:
         opts.pop(OVERRIDE_KEY, None)
     else:
         opts[OVERRIDE_KEY] = AttentionOverride(name, core_attention() if name == "auto" else None)
+    if name == "int8":
+        warm_int8_kernels(m)
     if previous is not None and not isinstance(previous, AttentionOverride):
         log.warning("lowvram_dit attention: replaced another node's attention override (%r) on this model", previous)
     log.info("lowvram_dit attention: model uses %s", backend_label)
     return m
+
+
+def _attention_geometry(diffusion_model: Any) -> tuple[Optional[int], Optional[int]]:
+    """(heads, head dim) of a diffusion model: Wan keeps ``num_heads`` and ``dim`` on the model, Qwen-Image
+    ``heads`` and ``inner_dim`` on each attention module; (None, None) when neither is found."""
+    heads, width = getattr(diffusion_model, "num_heads", None), getattr(diffusion_model, "dim", None)
+    if not isinstance(heads, int):
+        module = next((mod for mod in diffusion_model.modules() if isinstance(getattr(mod, "heads", None), int)),
+                      None)
+        heads, width = (module.heads, getattr(module, "inner_dim", None)) if module is not None else (None, None)
+    if not isinstance(heads, int) or heads <= 0:
+        return None, None
+    return heads, width // heads if isinstance(width, int) and width % heads == 0 else None
+
+
+def warm_int8_kernels(model: Any) -> None:
+    """Start compiling the 8-bit attention kernels for this model's GPU, dtype and head size in the background
+    (kernels.attention_int8.start_warmup), so the first sampler step does not compile them; best effort."""
+    from ..kernels import attention_int8
+
+    try:
+        device = torch.device(model.load_device)
+        base = model.model
+        dtype = getattr(base, "manual_cast_dtype", None) or base.get_dtype()
+        heads, head_dim = _attention_geometry(base.diffusion_model)
+    except (AttributeError, TypeError, RuntimeError) as exc:  # not a ComfyUI model we know: the first call compiles
+        log.debug("lowvram_dit attention: no 8-bit warm-up for this model (%s)", exc)
+        return
+    if dtype not in attention_int8.SUPPORTED_DTYPES:
+        dtype = torch.bfloat16
+    attention_int8.start_warmup(device, dtype, heads or 24, head_dim or 128)
 
 
 def describe_availability(device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str:

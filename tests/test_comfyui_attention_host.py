@@ -235,3 +235,53 @@ def test_host_without_registry(core: Any, tiny_wan: Any, monkeypatch: pytest.Mon
     out, sel = _run_auto(tiny_wan, seed=8)
     torch.testing.assert_close(out, base, rtol=1e-4, atol=1e-4)
     assert len(sel.decisions) == 2
+
+
+# ------------------------------------------------------------------------------------------------ 8-bit warm-up
+
+
+@pytest.fixture
+def warmups(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Record kernels.attention_int8.start_warmup calls instead of starting threads."""
+    from comfyui_lowvram_dit.kernels import attention_int8
+
+    calls: list = []
+    monkeypatch.setattr(attention_int8, "start_warmup", lambda *args: calls.append(args))
+    return calls
+
+
+def test_8bit_backend_warms_its_kernels_for_the_models_geometry(tiny_wan: Any, warmups: list) -> None:
+    from comfyui_lowvram_dit.nodes.attention import apply_attention
+
+    dm = tiny_wan.model.diffusion_model
+    apply_attention(tiny_wan, "auto")
+    assert warmups == []  # auto never runs the 8-bit kernel
+    apply_attention(tiny_wan, "lowvram 8-bit")
+    (device, dtype, heads, head_dim), = warmups
+    assert device == torch.device(tiny_wan.load_device)
+    assert (heads, head_dim) == (dm.num_heads, dm.dim // dm.num_heads)
+    model_dtype = getattr(tiny_wan.model, "manual_cast_dtype", None) or tiny_wan.model.get_dtype()
+    assert dtype == (model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
+
+
+def test_8bit_warmup_reads_qwen_image_heads(core: Any, warmups: list, tmp_path: Any) -> None:
+    synth = pytest.importorskip("comfyui_lowvram_dit.tools.synth")
+    from comfyui_lowvram_dit.nodes.attention import apply_attention
+    from comfyui_lowvram_dit.nodes.qwen_staged import load_transformer
+
+    path = tmp_path / "qwen_bf16.safetensors"
+    synth.write_synthetic("qwen_image", path, "tiny", "bf16", seed=3)
+    qwen = load_transformer(path, "fp8 per-tensor", 128, "auto")
+    attn = next(m for m in qwen.model.diffusion_model.modules() if isinstance(getattr(m, "heads", None), int))
+    apply_attention(qwen, "lowvram 8-bit")
+    assert warmups[0][2:] == (attn.heads, attn.inner_dim // attn.heads)
+
+
+def test_8bit_warmup_skips_models_it_cannot_read(warmups: list) -> None:
+    from comfyui_lowvram_dit.nodes.attention import warm_int8_kernels
+
+    class Bare:
+        load_device = "cpu"
+
+    warm_int8_kernels(Bare())  # no .model: nothing to warm, nothing raised
+    assert warmups == []
