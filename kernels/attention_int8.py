@@ -301,8 +301,9 @@ def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
 
 # Sequence lengths the warm-up runs: Triton specialises integer arguments on divisibility by 16, so one length of
 # each kind compiles every variant a real call can need (Wan's 32,760 video tokens are not a multiple of 16, its
-# 512 text tokens are). Every autotune config is compiled at the short lengths: a superset of the long-sequence set.
-WARMUP_LENGTHS = (256, 264)
+# 512 text tokens are).
+WARMUP_LENGTHS = (264, 256)  # Wan's video-token kind first
+WARMUP_AUTOTUNE_LENGTH = 32_768  # the autotuner's config set for long sequences (>= 8192 tokens)
 _WARMUPS: dict[tuple, threading.Thread] = {}
 _WARMUP_LOCK = threading.Lock()
 
@@ -341,11 +342,15 @@ def _warm(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int) -
                 torch.cuda.stream(torch.cuda.Stream(device)) if cuda else contextlib.nullcontext():
             qk, pv = resolve_formats(device)
             for length in WARMUP_LENGTHS:
-                # [B, H, L, D] views of [B, L, H, D] memory, as models call it; the quantizers run (tiny), the
-                # main loop's configs are compiled without the autotuner's timing runs
+                # [B, H, L, D] views of [B, L, H, D] memory, as models call it; the quantizers run (tiny)
                 x = torch.randn(1, length, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
                 qq = quantize_qkv(x, x, x, qk_format=qk, pv_format=pv)
-                attention_from_quantized(qq, torch.empty_like(x), length, length, compile_only=True)
+                # The main loop's configs are compiled, never run or timed. Sequence lengths only reach the kernel
+                # as unspecialised integers, so the configs the autotuner keeps for long sequences (where the
+                # 8-bit kernel is used: Wan video) are picked by passing a long length; shorter sequences compile
+                # their extra configs on their first call.
+                long = WARMUP_AUTOTUNE_LENGTH
+                attention_from_quantized(qq, torch.empty_like(x), long, long, compile_only=True)
             if cuda:
                 torch.cuda.current_stream().synchronize()
     except Exception as exc:  # noqa: BLE001 - the first real call compiles instead; never take the server down

@@ -60,12 +60,14 @@ def test_warmup_compiles_both_length_kinds_in_a_thread(recorder: list) -> None:
     assert not thread.is_alive()
     quant = [c for c in recorder if c[0] == "quantize"]
     main = [c for c in recorder if c[0] == "main"]
-    assert [c[1] for c in quant] == [(1, 40, 256, 128), (1, 40, 264, 128)]
+    # one length of each divisibility-by-16 kind, Wan's video kind (32,760 % 16 == 8) first
+    assert [c[1] for c in quant] == [(1, 40, 264, 128), (1, 40, 256, 128)]
     # [B, H, L, D] views of [B, L, H, D] memory, as Wan calls it, so the strides specialise like a real call
-    assert quant[0][2] == (256 * 40 * 128, 128, 40 * 128, 1)
+    assert quant[0][2] == (264 * 40 * 128, 128, 40 * 128, 1)
     assert all(c[3] == torch.float16 and c[4:6] == ("int8", "fp8") for c in quant)
     assert all(c[6] == thread.name for c in quant)
-    assert [(c[2], c[3], c[4]) for c in main] == [(256, 256, True), (264, 264, True)]  # compiled, never timed
+    # the main loop compiled (never run or timed) for the autotuner's long-sequence config set
+    assert [(c[2], c[3], c[4]) for c in main] == [(32768, 32768, True)] * 2
 
 
 def test_heads_divisible_by_16_get_their_own_warmup(recorder: list) -> None:
@@ -98,7 +100,8 @@ def test_failed_warmup_is_logged_not_raised(recorder: list, monkeypatch: pytest.
 
 def warmup_probe(warm: bool) -> dict:
     """In a fresh interpreter with an empty Triton cache: optionally warm up, then one Wan-shaped self-attention
-    (1,000 tokens, not a multiple of 16) and one cross-attention (512 text tokens) call; Triton compiles counted."""
+    (8,200 tokens: long, and not a multiple of 16) and one cross-attention (512 text tokens) call; Triton compiles
+    counted."""
     import triton
 
     compiled: list[str] = []
@@ -108,7 +111,7 @@ def warmup_probe(warm: bool) -> dict:
     if warm:
         ai.start_warmup("cuda", torch.bfloat16, 40, 128).join()
     warm_compiles, t1 = len(compiled), time.perf_counter()
-    x = torch.randn(2, 1000, 40, 128, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 8200, 40, 128, device="cuda", dtype=torch.bfloat16)
     ctx = torch.randn(2, 512, 40, 128, device="cuda", dtype=torch.bfloat16)
     for k in (x, ctx):
         ai.attention_int8(x, k, k, layout="BLHD")

@@ -31,6 +31,19 @@ def test_old_path_switches_both_changes_off(monkeypatch: pytest.MonkeyPatch) -> 
         bfs.use_path("older")
 
 
+def test_nowarm_path_turns_the_8bit_warmup_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from comfyui_lowvram_dit.kernels import attention_int8
+
+    real = attention_int8.start_warmup
+    monkeypatch.setattr(attention_int8, "start_warmup", real)
+    monkeypatch.setattr(attention_int8, "is_supported", lambda *args: True)
+    monkeypatch.setattr(attention_int8, "_WARMUPS", {})
+    bfs.use_path("new_nowarm")
+    assert attention_int8.start_warmup is not real
+    assert attention_int8.start_warmup("cpu", torch.bfloat16, 40, 128) is None and attention_int8._WARMUPS == {}
+    assert bfs.VARIANTS["nowarm_cold"] == ("new_nowarm", True, "nowarm")
+
+
 def test_decision_timer_counts_the_selectors_first_decision_only(monkeypatch: pytest.MonkeyPatch) -> None:
     with attn.isolated_selector() as sel:
         timer = bfs.DecisionTimer(cuda=False)
