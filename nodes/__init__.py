@@ -58,6 +58,14 @@ def make_extension():  # noqa: ANN201 - comfy_api.latest.ComfyExtension
 
     class LowVramDitExtension(ComfyExtension):
         async def get_node_list(self) -> list[type]:
+            # Called once when ComfyUI loads the pack (0.8.0 has no on_load): the 8-bit attention warm-up hooks
+            # into queued prompts here, never at import.
+            try:
+                from .attention import register_prompt_warmup
+
+                register_prompt_warmup()
+            except Exception as exc:  # noqa: BLE001 - the nodes load without it (load_node_classes says why)
+                logging.getLogger("comfyui_lowvram_dit").debug("lowvram_dit: no prompt warm-up hook (%s)", exc)
             return load_node_classes()
 
     return LowVramDitExtension()

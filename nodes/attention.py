@@ -214,6 +214,44 @@ def warm_int8_kernels(model: Any) -> None:
     attention_int8.start_warmup(device, dtype, heads or 24, head_dim or 128)
 
 
+def warm_int8_for_prompt(json_data: Any) -> Any:
+    """ComfyUI on-prompt handler: a queued prompt that sets an Attention node to "lowvram 8-bit" starts the 8-bit
+    kernels' warm-up at once (bf16, head dim 128: Wan and Qwen-Image), so text encoding and model loading hide it;
+    the node's own warm-up for the loaded model then finds it running or done. Returns the prompt unchanged."""
+    try:
+        prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
+        wanted = node_id("Attention")
+        if isinstance(prompt, dict) and any(
+                isinstance(n, dict) and n.get("class_type") == wanted and isinstance(n.get("inputs"), dict)
+                and n["inputs"].get("backend") == "lowvram 8-bit" for n in prompt.values()):
+            import comfy.model_management
+
+            from ..kernels import attention_int8
+
+            attention_int8.start_warmup(comfy.model_management.get_torch_device(), torch.bfloat16, 24, 128)
+    except Exception as exc:  # noqa: BLE001 - a prompt must never fail because of a warm-up
+        log.debug("lowvram_dit attention: no warm-up for this prompt (%s)", exc)
+    return json_data
+
+
+def register_prompt_warmup(prompt_server: Any = None) -> bool:
+    """Add ``warm_int8_for_prompt`` to the server's on-prompt handlers once; False without a running server."""
+    if prompt_server is None:
+        try:
+            from server import PromptServer
+
+            prompt_server = PromptServer.instance
+        except (ImportError, AttributeError):  # no server (a script, the tests): nodes still warm up on use
+            return False
+    handlers = getattr(prompt_server, "on_prompt_handlers", None)
+    if not isinstance(handlers, list):
+        return False
+    if not any(getattr(h, "__qualname__", "") == warm_int8_for_prompt.__qualname__
+               and getattr(h, "__module__", "") == warm_int8_for_prompt.__module__ for h in handlers):
+        prompt_server.add_on_prompt_handler(warm_int8_for_prompt)
+    return True
+
+
 def describe_availability(device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str:
     """One line per backend: available, or why not (for tooltips, the doctor node and logs)."""
     lines = []

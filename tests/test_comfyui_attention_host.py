@@ -285,3 +285,38 @@ def test_8bit_warmup_skips_models_it_cannot_read(warmups: list) -> None:
 
     warm_int8_kernels(Bare())  # no .model: nothing to warm, nothing raised
     assert warmups == []
+
+
+def _prompt(backend: str) -> dict:
+    return {"prompt": {"3": {"class_type": "KSampler", "inputs": {"seed": 1}},
+                       "7": {"class_type": "LowVRAM_Attention", "inputs": {"model": ["5", 0], "backend": backend}}},
+            "client_id": "x"}
+
+
+def test_queued_8bit_prompt_starts_the_warmup_at_once(core: Any, warmups: list) -> None:
+    import comfy.model_management
+
+    from comfyui_lowvram_dit.nodes.attention import warm_int8_for_prompt
+
+    data = _prompt("lowvram 8-bit")
+    assert warm_int8_for_prompt(data) is data  # the prompt passes through untouched
+    assert warmups == [(comfy.model_management.get_torch_device(), torch.bfloat16, 24, 128)]
+    for other in (_prompt("auto"), {"prompt": "not a graph"}, None, {"prompt": {"1": None}}):
+        assert warm_int8_for_prompt(other) is other
+    assert len(warmups) == 1
+
+
+def test_prompt_warmup_registers_once(core: Any) -> None:
+    from comfyui_lowvram_dit.nodes.attention import register_prompt_warmup, warm_int8_for_prompt
+
+    class Server:
+        def __init__(self) -> None:
+            self.on_prompt_handlers: list = []
+
+        def add_on_prompt_handler(self, handler: Any) -> None:
+            self.on_prompt_handlers.append(handler)
+
+    server = Server()
+    assert register_prompt_warmup(server) and register_prompt_warmup(server)
+    assert server.on_prompt_handlers == [warm_int8_for_prompt]
+    assert not register_prompt_warmup(object())  # no handler list: nothing to hook
