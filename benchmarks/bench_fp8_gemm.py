@@ -193,14 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         say("bench_fp8_gemm needs a CUDA GPU")
         return 2
-    env = harness.parent_environment(sys.argv if argv is None else ["bench_fp8_gemm", *argv])
-    env.update({k: v for k, v in harness.child_environment(torch.device("cuda")).items() if k not in env})
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
+    env = harness.gpu_script_environment("bench_fp8_gemm", argv, torch.device("cuda"))
     say(f"{env.get('device_name')} torch {torch.__version__} triton {env['triton']}")
     rows: list[dict] = []
     for name in QUICK if args.quick else SHAPES:

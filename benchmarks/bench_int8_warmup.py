@@ -129,11 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_int8_warmup needs a CUDA GPU")
         return 2
-    env = harness.parent_environment(sys.argv if argv is None else ["bench_int8_warmup", *argv])
-    env.update({k: v for k, v in harness.child_environment(torch.device("cuda")).items() if k not in env})
-    import triton
-
-    env["triton"] = triton.__version__
+    env = harness.gpu_script_environment("bench_int8_warmup", argv, torch.device("cuda"))
     rows = []
     for mode in args.modes:
         rows.append(run_mode(mode))

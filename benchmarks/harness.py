@@ -167,6 +167,21 @@ def child_environment(device: Any) -> dict:
     return env
 
 
+def gpu_script_environment(script: str, argv: list[str] | None, device: Any) -> dict:
+    """The environment of a benchmark that runs on the GPU in its own process: ``parent_environment`` (its
+    command is ``script`` plus ``argv``, or ``sys.argv`` when ``argv`` is None), the facts of ``device`` not
+    already there, and the Triton version (None without Triton)."""
+    env = parent_environment(sys.argv if argv is None else [script, *argv])
+    env.update({k: v for k, v in child_environment(device).items() if k not in env})
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
 # --------------------------------------------------------------------------------------------------
 # Child side
 # --------------------------------------------------------------------------------------------------

@@ -423,9 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         say("profile_fp8_linear needs a CUDA GPU and Triton")
         return 2
     device = torch.device("cuda")
-    env = harness.parent_environment(sys.argv if argv is None else ["profile_fp8_linear", *argv])
-    env.update({k: v for k, v in harness.child_environment(device).items() if k not in env})
-    env["triton"] = triton.__version__
+    env = harness.gpu_script_environment("profile_fp8_linear", argv, device)
     say(f"{env.get('device_name')} torch {torch.__version__} triton {env['triton']}")
     groups = make_block(device)
     for g in groups:  # the delayed candidate runs in its steady state: one calibration call first

@@ -310,12 +310,12 @@ _WARMUP_LOCK = threading.Lock()
 
 def start_warmup(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, heads: int = 24,
                  head_dim: int = 128) -> threading.Thread | None:
-    """Compile the quantizers and every autotune config of the 8-bit kernel for (device, dtype, head_dim) in a
-    daemon thread.
+    """Compile the quantizers and the autotuner's long-sequence configs of the 8-bit kernel for (device, dtype,
+    head_dim) in a daemon thread.
 
-    On a cold Triton cache these compiles take seconds (an H100: ~1.5 s per config, ~14 s in all); started when a
-    model gets the 8-bit backend, they run while ComfyUI loads the model and torch.compile traces it instead of
-    inside the first sampler step. ``heads`` only matters through its divisibility by 16 (Triton's
+    On a cold Triton cache these compiles take seconds (an H100: ~1.5 s per config, ~10 s in all); started when a
+    prompt using the 8-bit backend is queued or a model gets it, they run while ComfyUI encodes text, loads the
+    model and torch.compile traces it, instead of inside the first sampler step. ``heads`` only matters through its divisibility by 16 (Triton's
     specialisation). The first real call waits for a warm-up still running (the autotuner is not thread-safe).
     Returns the thread, or None where the kernel cannot run here.
     """

@@ -202,3 +202,13 @@ def test_recorded_commands_name_no_machine_path(tmp_path: Path, monkeypatch: pyt
     command = harness.parent_environment(argv)["command"]
     assert command == "python3 benchmarks/bench_server.py --out $OUT/x --work ~/w --py python3 --comfyui /srv/ComfyUI"
     assert "cwd" not in harness.parent_environment(argv)
+
+
+def test_gpu_script_environment_names_script_device_and_triton() -> None:
+    import torch
+
+    env = harness.gpu_script_environment("bench_x", ["--quick", "--out-dir", "$OUT"], torch.device("cpu"))
+    assert env["command"].endswith("python3 bench_x --quick --out-dir $OUT")
+    assert env["device_type"] == "cpu" and env["device_name"].startswith("CPU (")
+    assert env["torch"] == torch.__version__
+    assert "triton" in env  # a version, or None where Triton is not installed
