@@ -1,4 +1,4 @@
-"""The 8-bit attention's first calls with and without its kernels compiled ahead (issue 17, first compiled step).
+"""The 8-bit attention's first calls with and without its kernels compiled ahead (the first compiled step).
 
     python -m comfyui_lowvram_dit.benchmarks.bench_int8_warmup [--out-dir DIR]
 

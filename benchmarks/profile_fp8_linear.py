@@ -1,4 +1,4 @@
-"""Where a Wan 14B block's fp8 linears spend their time, against native ComfyUI's `fp8_e4m3fn_fast` (issue 17).
+"""Where a Wan 14B block's fp8 linears spend their time, against native ComfyUI's `fp8_e4m3fn_fast`.
 
     python -m comfyui_lowvram_dit.benchmarks.profile_fp8_linear [--out-dir DIR] [--repeats N]
 
