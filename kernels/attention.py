@@ -8,7 +8,7 @@ SageAttention, xformers, our 8-bit kernel) are imported on first use; a missing 
 real, and its output is compared with an fp32 reference on a slice of query rows (attention rows are
 independent, so the slice needs the full K/V but only a few queries). NaN/Inf or a large error means fall
 back to the next backend and say so once. ``auto`` times every candidate that passes on the real inputs,
-once per (shape, dtype, device), and caches the fastest: the ranking differs by GPU and torch version
+once per (per-sample shape, dtype, kind of GPU), and caches the fastest: the ranking differs by GPU and torch version
 (benchmarks/results/bench_attention_partial.md). ``HostAttention`` adds the host's own backends to it.
 
 Never imports ComfyUI; the ComfyUI call contract (layouts, heads, ``_inside_attn_wrapper``) lives in
@@ -21,12 +21,13 @@ import contextlib
 import importlib
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from .decisions import DECIDING, describe_kind, device_kind, time_call
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -307,26 +308,6 @@ def check_output(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: T
 # ------------------------------------------------------------------------------------------------ timing
 
 
-def time_call(fn: Callable[[], Tensor], device: torch.device, repeats: int = 3, warmup: int = 1) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events on a GPU, perf_counter elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def attention_tflops(b: int, h: int, lq: int, lk: int, d: int, ms: float) -> float:
     """TFLOP/s of non-causal attention (4·B·H·Lq·Lk·D flops: two matmuls)."""
     return 4.0 * b * h * lq * lk * d / (ms * 1e-3) / 1e12
@@ -376,20 +357,18 @@ class Decision:
 
 
 def _key(requested: str, q: Tensor, k: Tensor, mask: Optional[Tensor], host: Optional[HostAttention] = None) -> tuple:
-    b, h, lq, d = q.shape
+    """Per-sample shape and device kind, never the batch size or the GPU's index (kernels/decisions.py)."""
+    _, h, lq, d = q.shape
     mask_kind = "none" if mask is None else ("bool" if mask.dtype == torch.bool else "float")
-    return (requested, b, h, lq, k.shape[2], d, q.dtype, q.device.type, q.device.index, mask_kind,
+    return (requested, h, lq, k.shape[2], d, q.dtype, device_kind(q.device), mask_kind,
             "" if host is None else host.tag)
 
 
 def describe_key(key: tuple) -> str:
-    """Human form of a cache key: 'B1 H40 L32760/32760 D128 bfloat16 cuda:0'."""
-    _, b, h, lq, lk, d, dtype, dev, idx, mask_kind = key[:10]
-    dev_s = dev if idx is None else f"{dev}:{idx}"
-    if dev == "cuda" and idx is not None:
-        dev_s += f" {torch.cuda.get_device_name(idx)}"
+    """Human form of a cache key: 'H40 L32760/32760 D128 bfloat16 cuda NVIDIA H100 (SM 9.0)'."""
+    _, h, lq, lk, d, dtype, kind, mask_kind = key[:8]
     masked = "" if mask_kind == "none" else f" {mask_kind}-mask"
-    return f"B{b} H{h} L{lq}/{lk} D{d} {str(dtype).replace('torch.', '')} {dev_s}{masked}"
+    return f"H{h} L{lq}/{lk} D{d} {str(dtype).replace('torch.', '')} {describe_kind(kind)}{masked}"
 
 
 class AttentionSelector:
@@ -437,8 +416,13 @@ class AttentionSelector:
     def _decide_and_run(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], backend: str,
                         host: Optional[HostAttention]) -> Tensor:
         key = _key(backend, q, k, mask, host)
-        if (known := self.decisions.get(key)) is not None:  # a graph traced before the decision lands here
-            return self.backend(known).call(q, k, v, mask)
+        with DECIDING:  # another GPU deciding the same key: wait, then use its choice
+            if (known := self.decisions.get(key)) is not None:  # also a graph traced before the decision landed
+                return self.backend(known).call(q, k, v, mask)
+            return self._decide(key, q, k, v, mask, backend, host)
+
+    def _decide(self, key: tuple, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], backend: str,
+                host: Optional[HostAttention]) -> Tensor:
         decision = Decision(backend="sdpa_math", requested=backend)
         exact, quantized = self._candidates(backend, host, decision)
         result = self._first_or_fastest(exact, q, k, v, mask, decision, key)

@@ -290,9 +290,14 @@ def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
                          "(check kernels.attention_int8.is_supported first)")
     qk, pv = resolve_formats(q.device, qk_format, pv_format)
     wait_for_warmup()
-    qq = quantize_qkv(qb, kb, vb, qk_format=qk, pv_format=pv, sm_scale=sm_scale)
     out = torch.empty_like(q)  # same layout as q; kernels write through strides
-    attention_from_quantized(qq, _as_bhld(out, layout), qb.shape[2], kb.shape[2], config)
+    ob = _as_bhld(out, layout)
+    # One sample at a time: the prologue's per-head reductions and its small rotation GEMM round differently for
+    # another batch size, so cond and uncond batched on one GPU would not match one each on two (ComfyUI's
+    # MultiGPU split). Each sample still fills the GPU (L/128 x H programs).
+    for i in range(qb.shape[0]):
+        qq = quantize_qkv(qb[i:i + 1], kb[i:i + 1], vb[i:i + 1], qk_format=qk, pv_format=pv, sm_scale=sm_scale)
+        attention_from_quantized(qq, ob[i:i + 1], qb.shape[2], kb.shape[2], config)
     return out
 
 

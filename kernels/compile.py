@@ -26,12 +26,14 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 from torch.utils._pytree import tree_map_only
 
+from .compile_gate import GATE, input_signature
 from .hooks import BLOCK_LISTS, HookRegistry, ModelHook
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -228,19 +230,52 @@ def set_submodule(root: torch.nn.Module, path: str, module: torch.nn.Module) -> 
     setattr(parent, leaf, module)
 
 
-@contextlib.contextmanager
-def _recompile_limit(limit: int) -> Iterator[None]:
-    """Scope dynamo's recompile limit to one call: per model, never a permanent global flip."""
-    import torch._dynamo.config as dcfg
+class _RecompileLimit:
+    """Dynamo's recompile limit raised while any compiled call runs, restored when the last one ends.
 
-    name = "recompile_limit" if hasattr(dcfg, "recompile_limit") else "cache_size_limit"
-    acc = "accumulated_recompile_limit" if hasattr(dcfg, "accumulated_recompile_limit") else \
-        "accumulated_cache_size_limit"
-    patch = {name: limit}
-    if hasattr(dcfg, acc):
-        patch[acc] = max(getattr(dcfg, acc), limit * 8)
-    with dcfg.patch(**patch):
-        yield
+    The limit is process-wide and ComfyUI's MultiGPU split runs one compiled model per GPU in threads at once: a
+    plain ``dcfg.patch`` per call would let the first call to finish restore the default under the other, whose
+    next recompile could then give up and run eagerly (other rounding)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.saved: dict[str, int] = {}
+        self.limit = 0
+
+    @contextlib.contextmanager
+    def scope(self, limit: int) -> Iterator[None]:
+        """Raise the limit to at least ``limit`` for the duration of one call."""
+        import torch._dynamo.config as dcfg
+
+        name = "recompile_limit" if hasattr(dcfg, "recompile_limit") else "cache_size_limit"
+        acc = "accumulated_recompile_limit" if hasattr(dcfg, "accumulated_recompile_limit") else \
+            "accumulated_cache_size_limit"
+        with self.lock:
+            if self.users == 0:
+                self.saved = {n: getattr(dcfg, n) for n in (name, acc) if hasattr(dcfg, n)}
+                self.limit = 0
+            self.users += 1
+            self.limit = max(self.limit, limit)
+            setattr(dcfg, name, self.limit)
+            if acc in self.saved:
+                setattr(dcfg, acc, max(self.saved[acc], self.limit * 8))
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.users -= 1
+                if self.users == 0:
+                    for n, value in self.saved.items():
+                        setattr(dcfg, n, value)
+
+
+_RECOMPILE_LIMIT = _RecompileLimit()
+
+
+def _recompile_limit(limit: int) -> contextlib.AbstractContextManager[None]:
+    """Scope dynamo's recompile limit to the calls that run compiled: never a permanent global flip."""
+    return _RECOMPILE_LIMIT.scope(limit)
 
 
 def free_compiler_memory(used_cuda_graphs: bool) -> None:
@@ -278,6 +313,7 @@ class CompiledRegions:
         self.streaming_adjusted = False
         self._compiled: dict[tuple[int, str], Any] = {}  # (id(root), path) -> compiled module
         self._verified: set[int] = set()  # roots whose first compiled run at the current level succeeded
+        self._seen: set[tuple] = set()  # (id(root), input signature, level) that ran compiled already
         self.calls = 0
         self._graphs_after_warmup: Optional[int] = None
         self._recompile_warned = False
@@ -308,10 +344,21 @@ class CompiledRegions:
                     "stream (block swap / partial load), so using %s instead", self.requested.describe(),
                     fixed.describe())
 
-    def run(self, root: torch.nn.Module, call: Callable[[], T], *, streaming: bool = False) -> T:
-        """Run ``call()`` with the regions of ``root`` compiled; on compile failure or OOM step down and retry."""
+    def run(self, root: torch.nn.Module, call: Callable[[], T], *, streaming: bool = False,
+            signature: tuple = ()) -> T:
+        """Run ``call()`` with the regions of ``root`` compiled; on compile failure or OOM step down and retry.
+
+        ``signature`` (``compile_gate.input_signature`` of the model call): a call of one not seen yet for this
+        root may compile, so it runs alone (``compile_gate.GATE``); others run beside other threads' calls."""
         if streaming:
             self.adapt_to_streaming()
+        seen = (id(root), signature, self.level)
+        with GATE.call(may_compile=seen not in self._seen or id(root) not in self._verified):
+            result = self._run(root, call)
+        self._seen.add((id(root), signature, self.level))
+        return result
+
+    def _run(self, root: torch.nn.Module, call: Callable[[], T]) -> T:
         while True:
             config = self.current
             if config is None:
@@ -396,7 +443,7 @@ class CompileHook(ModelHook):
     def wrap_forward(self, module: Any, call: Callable[[], T], registry: HookRegistry) -> T:
         """Run ``call`` with ``module``'s regions compiled; log the mode in use whenever it changes."""
         streaming = registry.moves_weights() or bool(self.partial_load(module))
-        out = self.regions.run(module, call, streaming=streaming)
+        out = self.regions.run(module, call, streaming=streaming, signature=input_signature(*registry.call_inputs()))
         status = self.regions.status()
         if status != self._last_status:
             self._last_status = status

@@ -8,7 +8,7 @@ pass (Triton, see fp8_triton.py), because an eager amax + divide + cast erases t
 
 Paths (`Fp8Path`), picked by `select_path` and overridable:
 - "scaled_mm_rowwise": per-tensor weight, one activation scale per token, `torch._scaled_mm` (SM89/SM90).
-- "scaled_mm_tensorwise": per-tensor weight, one activation scale per call, `torch._scaled_mm` (SM89+).
+- "scaled_mm_tensorwise": per-tensor weight, one activation scale per batch sample, `torch._scaled_mm` (SM89+).
 - "scaled_mm_blockwise": 128x128 weight blocks, 1x128 activation groups, `F.scaled_mm` (SM90, torch >= 2.10).
   Block-wise weights on other GPUs dequantize (no Triton block-scaled GEMM ships yet).
 - "dequantize": weight -> compute dtype, then `F.linear` (CPU, pre-Ada GPUs, odd shapes, fp32 activations).
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fp8_triton
+from .decisions import samples_of
 
 log = logging.getLogger("comfyui_lowvram_dit")
 FP8_DTYPE = torch.float8_e4m3fn
@@ -41,8 +42,8 @@ FP8_PATHS: tuple[str, ...] = get_args(Fp8Path)
 FP8_COMPUTE: tuple[str, ...] = get_args(Fp8Compute)
 
 # How per-tensor fp8 weights scale their activations on GPUs that can do both (SM89/SM90): one scale per
-# token ("scaled_mm_rowwise", robust to outlier tokens) or one per call ("scaled_mm_tensorwise", needs a
-# global amax). The one-line switch; chosen by benchmarks/bench_fp8_gemm.py on an H100.
+# token ("scaled_mm_rowwise", robust to outlier tokens) or one per batch sample ("scaled_mm_tensorwise", needs an
+# amax per sample). The one-line switch; chosen by benchmarks/bench_fp8_gemm.py on an H100.
 PER_TENSOR_DEFAULT_PATH: Fp8Path = "scaled_mm_rowwise"
 
 # Paths whose GEMM adds the bias in its epilogue (torch requires bias dtype == output dtype there).
@@ -302,26 +303,41 @@ def _blockwise_weight_scale(weight_scale: torch.Tensor) -> torch.Tensor:
     return s.t()
 
 
+def _linear_per_sample(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None, path: Fp8Path, out_dtype: torch.dtype, samples: int) -> torch.Tensor:
+    """One fp8 GEMM per batch sample, so a sample's output never depends on what it is batched with.
+
+    cond and uncond share one call on one GPU but run one each on two under ComfyUI's MultiGPU split: a per-call
+    activation scale over both, or a GEMM kernel that cuBLASLt picks for twice the rows (another split of the
+    reduction), would give the two a different picture. Each sample's rows are a contiguous block of ``x2``."""
+    if samples == 1:
+        return _linear_scaled_mm(x2, weight, weight_scale, bias, path, out_dtype)
+    out = torch.empty((x2.shape[0], weight.shape[0]), dtype=out_dtype, device=x2.device)
+    for rows, dest in zip(x2.chunk(samples), out.chunk(samples)):
+        _linear_scaled_mm(rows, weight, weight_scale, bias, path, out_dtype, out=dest)
+    return out
+
+
 def _linear_scaled_mm(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                      path: Fp8Path, out_dtype: torch.dtype) -> torch.Tensor:
+                      path: Fp8Path, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One fp8 GEMM on [M, K] rows (written into ``out`` when given)."""
     n = weight.shape[0]
-    if path == "scaled_mm_rowwise":
-        xq, xs = quantize_activation(x2, "row")
-        return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=_weight_scale_row(weight_scale, n),
-                                bias=bias, out_dtype=out_dtype)
-    if path == "scaled_mm_tensorwise":
-        xq, xs = quantize_activation(x2, "tensor")
-        return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.float(), bias=bias,
-                                out_dtype=out_dtype)
+    if path in ("scaled_mm_rowwise", "scaled_mm_tensorwise"):
+        row = path == "scaled_mm_rowwise"
+        xq, xs = quantize_activation(x2, "row" if row else "tensor")
+        ws = _weight_scale_row(weight_scale, n) if row else weight_scale.float()
+        kwargs = {} if out is None else {"out": out}
+        return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=out_dtype, **kwargs)
     # scaled_mm_blockwise
     m = x2.shape[0]
     xq, xs = quantize_activation(x2, "group", 128, pad_rows_to=4)
     ws = _blockwise_weight_scale(weight_scale)
     if torch.compiler.is_compiling() and _BLOCKWISE_OP is not None:
-        out = _BLOCKWISE_OP(xq, weight, xs, ws, bias, out_dtype)
+        y = _BLOCKWISE_OP(xq, weight, xs, ws, bias, out_dtype)
     else:  # eager: call it directly, skipping the custom op's extra Python dispatch
-        out = _scaled_mm_blockwise(xq, weight, xs, ws, bias, out_dtype)
-    return out[:m] if out.shape[0] != m else out
+        y = _scaled_mm_blockwise(xq, weight, xs, ws, bias, out_dtype)
+    y = y[:m] if y.shape[0] != m else y
+    return y if out is None else out.copy_(y)
 
 
 def _scaled_mm_blockwise(xq: torch.Tensor, weight: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor,
@@ -415,8 +431,8 @@ def fp8_linear(
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         b = bias.to(out_dtype) if bias is not None else None
-        out = _linear_scaled_mm(x2, weight_fp8, weight_scale, b if path in _EPILOGUE_BIAS_PATHS else None,
-                                path, out_dtype)
+        out = _linear_per_sample(x2, weight_fp8, weight_scale, b if path in _EPILOGUE_BIAS_PATHS else None,
+                                 path, out_dtype, samples_of(x))
         if b is not None and path not in _EPILOGUE_BIAS_PATHS:
             out = out + b
     return out.reshape(*lead, n)
@@ -448,9 +464,8 @@ def fp8_linear_reference(
         if path == "scaled_mm_rowwise":
             xq, xs = quantize_rowwise_torch(x2)
             a32 = xq.float() * xs
-        elif path == "scaled_mm_tensorwise":
-            xq, xs = quantize_tensorwise_torch(x2)
-            a32 = xq.float() * xs
+        elif path == "scaled_mm_tensorwise":  # one scale per batch sample, as fp8_linear
+            a32 = torch.cat([q.float() * s for q, s in map(quantize_tensorwise_torch, x2.chunk(samples_of(x)))])
         else:  # block-wise paths: activation groups of 128 (cuBLASLt) or of block_size (Triton)
             g = 128 if path == "scaled_mm_blockwise" else block_size
             xq, xs = quantize_groupwise_torch(x2, g)
@@ -467,7 +482,7 @@ def describe_path(path: Fp8Path) -> str:
     """One-line human description of a path, for logs and the doctor node."""
     return {
         "scaled_mm_rowwise": "fp8 matmul, per-token activation scales (torch._scaled_mm row-wise)",
-        "scaled_mm_tensorwise": "fp8 matmul, per-tensor activation scale (torch._scaled_mm)",
+        "scaled_mm_tensorwise": "fp8 matmul, one activation scale per batch sample (torch._scaled_mm)",
         "scaled_mm_blockwise": "fp8 matmul, 1x128 activation / 128x128 weight blocks (F.scaled_mm)",
         "dequantize": "weights dequantized to the compute dtype, bf16/fp16 matmul",
     }[path]

@@ -1,10 +1,12 @@
 """Per-tensor fp8 linears: per-token or per-call activation scales, chosen per GEMM shape by timing both once.
 
 On GPUs with both `torch._scaled_mm` variants (SM89/SM90) neither is faster everywhere: which cuBLASLt kernel a
-shape gets decides it, and that changes with the row count (tokens x batch) and the GPU. So the first call of each
-shape, bucketed by its row count (next power of two), runs both paths on its real input, keeps the faster one and
-says so once in the log; later calls of that shape look the choice up. Per-token scales are a little more accurate
-on outlier tokens, per-call scales cost one extra amax pass but run the plain per-tensor GEMM.
+shape gets decides it, and that changes with the row count and the GPU. So the first call of each shape, bucketed
+by its rows per batch sample (next power of two), runs both paths on its real input, keeps the faster one and says
+so once in the log; later calls of that shape look the choice up. Per-token scales are a little more accurate on
+outlier tokens, per-call scales (one per batch sample, see kernels/fp8.py) cost one extra amax pass but run the
+plain per-tensor GEMM. The two round differently, so the choice is keyed by the kind of GPU and the per-sample
+shape and made once (kernels/decisions.py): every GPU of one kind, and a batch of one or of two, get the same.
 
 Under torch.compile the lookup is a dict read (dynamo guards on it); a miss leaves the graph for the timing
 (``torch.compiler.disable``), as the attention selector does.
@@ -17,7 +19,7 @@ import logging
 import torch
 
 from . import fp8
-from .attention import time_call
+from .decisions import DECIDING, describe_kind, device_kind, samples_of, time_call
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -42,16 +44,22 @@ class ScaleChooser:
         """The path for this call: ``path`` unless it is per-token scaling and timing both says otherwise."""
         if path != CANDIDATES[0] or not TIME_PER_SHAPE or x.device.type != "cuda":
             return path
-        rows = int(x.numel() // x.shape[-1]) if x.shape[-1] else 0  # int(): a compiled graph specializes on it
-        key = (x.device.index, row_bucket(rows), *weight.shape, x.dtype)
+        # int(): a compiled graph specializes on it
+        rows = int(x.numel() // (x.shape[-1] * samples_of(x))) if x.shape[-1] else 0
+        key = (device_kind(x.device), row_bucket(rows), *weight.shape, x.dtype)
         found = self.decisions.get(key)
         return found if found is not None else self._decide(key, x, weight, weight_scale, bias)
 
     @torch.compiler.disable
     def _decide(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None) -> str:
-        if (known := self.decisions.get(key)) is not None:  # a graph traced before the decision lands here
-            return known
+        with DECIDING:  # another GPU deciding the same key: wait, then use its choice
+            if (known := self.decisions.get(key)) is not None:  # also a graph traced before the decision landed
+                return known
+            return self._time_both(key, x, weight, weight_scale, bias)
+
+    def _time_both(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None) -> str:
         times: dict[str, float] = {}
         try:
             with torch.no_grad():
@@ -73,8 +81,9 @@ class ScaleChooser:
     @staticmethod
     def describe(key: tuple) -> str:
         """A decision key as a log phrase: rows bucket and the weight's shape."""
-        _, rows, n, k, dtype = key
-        return f"linear {k}->{n} at <= {rows} rows ({str(dtype).removeprefix('torch.')})"
+        kind, rows, n, k, dtype = key
+        return (f"linear {k}->{n} at <= {rows} rows per sample ({str(dtype).removeprefix('torch.')}, "
+                f"{describe_kind(kind)})")
 
     def report(self) -> list[str]:
         """Every choice with its timings, for the Doctor and benchmarks."""

@@ -11,6 +11,8 @@ Plain torch, no ComfyUI import.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -62,8 +64,56 @@ class ModelHook:
         self.pre_block(index, inputs)
         return self.post_block(index, call(inputs))
 
+    def for_model(self, module: Any) -> ModelHook:
+        """The hook that serves ``module``'s forward: this one, unless the hook keeps state per model."""
+        return self
+
     def __deepcopy__(self, memo: dict) -> ModelHook:
         return self  # hosts deep-copy model options on clone: every clone keeps sharing the hook's state
+
+
+class PerModel:
+    """Which instance of a hook serves which model, for hooks whose state belongs to one model.
+
+    ComfyUI's MultiGPU split deep-clones a model per extra GPU and runs every copy through the wrappers of the
+    first, in one thread per GPU: a hook with per-model or per-forward state (a GPU ring, a NaN record) must not
+    serve two models. The first model served keeps the original instance; another gets the one bound to it
+    (``bind``) or, failing that, a new one from ``make``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._first: weakref.ref | None = None
+        self._others: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def bind(self, module: Any, hook: ModelHook) -> None:
+        """Serve ``module`` with ``hook`` from now on."""
+        with self._lock:
+            self._others[module] = hook
+
+    def others(self) -> list[ModelHook]:
+        """The instances serving models other than the first."""
+        with self._lock:
+            return list(self._others.values())
+
+    def get(self, module: Any, original: ModelHook, make: Callable[[], ModelHook] | None = None) -> ModelHook:
+        """The instance for ``module``: bound, else ``original`` for the first model, else ``make()`` (or
+        ``original`` without ``make``)."""
+        try:
+            weakref.ref(module)
+        except TypeError:  # not a model object (a bare call in a test or a script): nothing to keep apart
+            return original
+        with self._lock:
+            found = self._others.get(module)
+            if found is not None:
+                return found
+            first = self._first() if self._first is not None else None
+            if first is None:
+                self._first, first = weakref.ref(module), module
+            if first is module or make is None:
+                return original
+            self._others[module] = made = make()
+            return made
 
 
 class HookRegistry:
@@ -73,6 +123,7 @@ class HookRegistry:
         self._hooks: dict[str, ModelHook] = dict(hooks or {})
         self._chain: list[ModelHook] = []
         self._block_chain: list[ModelHook] = []
+        self._local = threading.local()  # the chain serving the forward that runs in this thread
         self._sort()
 
     def _sort(self) -> None:
@@ -121,23 +172,36 @@ class HookRegistry:
         """True when a hook streams weights between calls (compiled CUDA graphs would replay stale addresses)."""
         return any(h.MOVES_WEIGHTS for h in self._chain)
 
-    def run_forward(self, module: Any, call: Callable[[], Any]) -> Any:
-        """Run ``call()`` (the model's forward) inside every hook's ``wrap_forward``, outermost first."""
-        return self._forward(0, module, call)
+    def run_forward(self, module: Any, call: Callable[[], Any], inputs: tuple = ((), {})) -> Any:
+        """Run ``call()`` (the model's forward) inside every hook's ``wrap_forward``, outermost first; the blocks
+        it runs in this thread go through the same model's hooks (``ModelHook.for_model``). ``inputs``: the
+        call's (args, kwargs), which hooks read with ``call_inputs``."""
+        chain = [h.for_model(module) for h in self._chain]
+        outer = getattr(self._local, "block_chain", None), getattr(self._local, "inputs", ((), {}))
+        self._local.block_chain, self._local.inputs = [h for h in chain if h.PER_BLOCK], inputs
+        try:
+            return self._forward(chain, 0, module, call)
+        finally:
+            self._local.block_chain, self._local.inputs = outer
 
-    def _forward(self, k: int, module: Any, call: Callable[[], Any]) -> Any:
-        if k == len(self._chain):
+    def call_inputs(self) -> tuple:
+        """(args, kwargs) of the forward running in this thread (empty outside one)."""
+        return getattr(self._local, "inputs", ((), {}))
+
+    def _forward(self, chain: list[ModelHook], k: int, module: Any, call: Callable[[], Any]) -> Any:
+        if k == len(chain):
             return call()
-        return self._chain[k].wrap_forward(module, lambda: self._forward(k + 1, module, call), self)
+        return chain[k].wrap_forward(module, lambda: self._forward(chain, k + 1, module, call), self)
 
     def run_block(self, index: int, inputs: Any, call: Callable[[Any], Any]) -> Any:
         """Run ``call(inputs)`` (block ``index``) inside every per-block hook's ``wrap_block``, outermost first."""
-        return self._block(0, index, inputs, call)
+        chain = getattr(self._local, "block_chain", None)
+        return self._block(self._block_chain if chain is None else chain, 0, index, inputs, call)
 
-    def _block(self, k: int, index: int, inputs: Any, call: Callable[[Any], Any]) -> Any:
-        if k == len(self._block_chain):
+    def _block(self, chain: list[ModelHook], k: int, index: int, inputs: Any, call: Callable[[Any], Any]) -> Any:
+        if k == len(chain):
             return call(inputs)
-        return self._block_chain[k].wrap_block(index, inputs, lambda a: self._block(k + 1, index, a, call))
+        return chain[k].wrap_block(index, inputs, lambda a: self._block(chain, k + 1, index, a, call))
 
     def __deepcopy__(self, memo: dict) -> HookRegistry:
         return self  # never changed after installation (changes go to a copy): clones may share it

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .hooks import HookRegistry, ModelHook
+from .hooks import HookRegistry, ModelHook, PerModel
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -147,6 +147,13 @@ class NanGuardHook(ModelHook):
         self.attention_override = False
         self.warned: set[int] = set()
         self.last: NanReport | None = None
+        self.models = PerModel()
+
+    def for_model(self, module: Any) -> NanGuardHook:
+        """Each model keeps its own record: MultiGPU clones run their forwards at the same time."""
+        return self.models.get(module, self, lambda: NanGuardHook(
+            self.tracker.list_name, self.action, fp8_weights=self.fp8_weights, global_sage=self.global_sage,
+            attention_override=self.attention_override_of))
 
     def pre_block(self, index: int, inputs: Any) -> None:
         """Block 0 also records the model's input and the sigma of this step."""

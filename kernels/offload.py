@@ -30,7 +30,7 @@ from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 
-from .hooks import HookRegistry, ModelHook
+from .hooks import HookRegistry, ModelHook, PerModel
 from .host_memory import HostArena, file_backed_ranges, is_file_backed, page_out
 from .swap_plan import ALIGN, SwapPlan, aligned, prefetch_targets
 from .swap_verdict import CallTimer, StreamStats, format_stats
@@ -526,6 +526,15 @@ class StreamHook(ModelHook):
 
     def __init__(self, owner: StreamOwner) -> None:
         self.owner = owner
+        self.models = PerModel()
+
+    def serve(self, module: Any, owner: StreamOwner) -> None:
+        """Stream ``module``'s blocks through ``owner`` (a MultiGPU clone's own ring on its own GPU)."""
+        self.models.bind(module, StreamHook(owner))
+
+    def for_model(self, module: Any) -> StreamHook:
+        """The hook of ``module``'s owner; the model the hook was made for keeps this one."""
+        return self.models.get(module, self)
 
     def wrap_block(self, index: int, inputs: Any, call: Callable[[Any], Any]) -> Any:
         """Bind block ``index``'s streamed weights around ``call`` (its slot is released even when it raises)."""

@@ -89,6 +89,7 @@ class SwapController:
                                  if n != self.list_name and any(True for _ in m.parameters()))
         self.embed_bytes = sum(_module_bytes(getattr(dm, n.split(".", 1)[1])) for n in self.embed_names)
         self.full_bytes = _module_bytes(base_model)
+        self.model_ref = weakref.ref(base_model)
         self.activation_bytes = 0  # ComfyUI's own estimate at the current resolution (PREPARE_SAMPLING wrapper)
         self.plan: SwapPlan | None = None
         self.streamer: BlockStreamer | None = None
@@ -391,8 +392,8 @@ def _swap_class(base: type) -> type:
 class _SwapPrepare:
     """PREPARE_SAMPLING wrapper: record ComfyUI's activation estimate at this resolution before the load."""
 
-    def __init__(self, ctl: SwapController) -> None:
-        self.ctl = ctl
+    def __init__(self, ctl: SwapController, hook: StreamHook | None = None) -> None:
+        self.ctl, self.hook = ctl, hook
 
     def __deepcopy__(self, memo: dict) -> "_SwapPrepare":
         return self
@@ -401,10 +402,40 @@ class _SwapPrepare:
         import comfy.sampler_helpers
 
         try:
-            self.ctl.activation_bytes = int(comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)[0])
+            estimate = int(comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)[0])
+            self.ctl.activation_bytes = estimate
+            for other in self.hook.models.others() if self.hook is not None else ():  # MultiGPU copies
+                other.owner.activation_bytes = estimate
         except Exception as exc:  # an estimate must never break sampling
             log.debug("lowvram_dit Block Swap: no activation estimate (%s)", exc)
         return executor(model, noise_shape, conds, *args, **kwargs)
+
+
+# ComfyUI's MultiGPU split (0.23+) calls these on every model copy it makes for another GPU.
+MULTIGPU_CALLBACKS = ("ON_DEEPCLONE_MULTIGPU", "ON_MATCH_MULTIGPU_CLONES")
+
+
+class _SwapPerDevice:
+    """MultiGPU clone callback: a copy of the model on another GPU streams its own blocks through its own ring.
+
+    The copy's patcher shares the first model's attachments and forward wrappers; its controller (plan, ring,
+    arena) is rebuilt for its own model, and the shared stream hook hands that model's forwards to it."""
+
+    def __init__(self, hook: StreamHook, ctl: SwapController) -> None:
+        self.hook, self.ctl = hook, ctl
+
+    def __deepcopy__(self, memo: dict) -> "_SwapPerDevice":
+        return self
+
+    def __call__(self, parent, clone) -> None:  # noqa: ANN001 - ModelPatcher, ModelPatcher
+        if clone.model is self.ctl.model_ref():
+            return
+        own = self.hook.for_model(clone.model)
+        ctl = own.owner if own is not self.hook else SwapController(self.ctl.config, clone.model)
+        ctl.activation_bytes = self.ctl.activation_bytes
+        clone.set_attachments(SWAP_KEY, ctl)
+        self.hook.serve(clone.model, ctl)
+        log.info("lowvram_dit Block Swap: the model copy for %s streams its own blocks", clone.load_device)
 
 
 BUDGET_MAX_GB = 1024.0
@@ -443,8 +474,12 @@ def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - Model
     m.patches_uuid = uuid.uuid4()  # a plain clone of the same weights must reload after us, and vice versa
     ctl = SwapController(config, m.model)
     m.set_attachments(SWAP_KEY, ctl)
-    register_hook(m, SWAP_KEY, StreamHook(ctl))
-    m.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, SWAP_KEY, _SwapPrepare(ctl))
+    hook = StreamHook(ctl)
+    register_hook(m, SWAP_KEY, hook)
+    m.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, SWAP_KEY, _SwapPrepare(ctl, hook))
+    for kind in MULTIGPU_CALLBACKS:
+        if hasattr(pe.CallbacksMP, kind):
+            m.add_callback_with_key(getattr(pe.CallbacksMP, kind), SWAP_KEY, _SwapPerDevice(hook, ctl))
     if model.load_device.type == "cpu" and config.blocks_to_swap < 0 and config.vram_budget_gb <= 0:
         log.info("lowvram_dit Block Swap: load device is the CPU and no budget/blocks are set: nothing to swap to, "
                  "the model passes through unchanged")

@@ -73,7 +73,7 @@ def test_auto_measures_host_backends_with_ours(ours, core_faster: bool, caplog: 
     lines = [r.getMessage() for r in caplog.records if "core would use" in r.getMessage()]
     assert len(lines) == 1, lines  # once per shape, not per call
     chosen = "CORE:PYTORCH" if core_faster else "MINE"
-    assert lines[0].startswith("lowvram_dit attention auto for B1 H4 L64/64 D32 float32 cpu: "
+    assert lines[0].startswith("lowvram_dit attention auto for H4 L64/64 D32 float32 cpu: "
                                f"core would use core's core:pytorch; chose {chosen} (")
     fast, slow = sorted(detail.timings_ms.values())
     core_ms = fast if core_faster else slow  # the second number is always what core's own choice took

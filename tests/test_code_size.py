@@ -12,8 +12,9 @@ SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", "node_modules", "build", "d
 
 
 def python_files(root: Path) -> list[Path]:
-    """Every tracked-looking ``*.py`` under ``root`` (virtual environments and caches left out)."""
-    return sorted(p for p in root.rglob("*.py") if not SKIP_DIRS.intersection(p.relative_to(root).parts))
+    """Every tracked-looking ``*.py`` under ``root`` (virtual environments, caches and hidden folders left out)."""
+    return sorted(p for p in root.rglob("*.py") if not SKIP_DIRS.intersection(p.relative_to(root).parts)
+                  and not any(part.startswith(".") for part in p.relative_to(root).parts[:-1]))
 
 
 def oversized(root: Path) -> list[str]:

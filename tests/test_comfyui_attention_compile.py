@@ -83,7 +83,7 @@ def test_attention_node_is_per_model_and_samples(tiny_wan: Any, caplog: pytest.L
     assert "optimized_attention_override" not in tiny_wan.model_options["transformer_options"]  # per model
     torch.testing.assert_close(out, base, rtol=1e-4, atol=1e-4)
     # Wan self-attention (L = 16 tokens) and cross-attention (12 text tokens) both went through the selector
-    lk = sorted(key[4] for key in sel.decisions)
+    lk = sorted(key[3] for key in sel.decisions)  # (request, heads, Lq, Lk, ...)
     assert lk == [12, 16], sel.report()
     assert all(name == "sdpa_math" for name in sel.decisions.values())
     assert any("SDPA math" in r.getMessage() for r in caplog.records)

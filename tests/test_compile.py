@@ -334,6 +334,38 @@ def test_recompile_limit_is_scoped() -> None:
     assert seen == [123] and dcfg.recompile_limit == before
 
 
+def test_recompile_limit_holds_while_another_thread_still_runs() -> None:
+    """Two compiled models on two GPUs (MultiGPU split threads): the first to finish must not lower the limit
+    under the other; the last one restores it."""
+    import threading
+
+    import torch._dynamo.config as dcfg
+
+    before = dcfg.recompile_limit
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, int] = {}
+
+    def first() -> None:
+        with cmp._recompile_limit(64):
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def second() -> None:
+        a_in.wait(5)
+        with cmp._recompile_limit(32):
+            b_in.set()
+            a_out.wait(5)
+            seen["after_first_left"] = dcfg.recompile_limit
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == {"after_first_left": 64} and dcfg.recompile_limit == before
+
+
 def test_find_block_lists() -> None:
     assert cmp.find_block_lists(TinyWan(blocks=2)) == ["blocks.0", "blocks.1"]
     wrapper = nn.Module()
@@ -417,3 +449,39 @@ def test_cuda_real_reduce_overhead_matches_eager_over_steps() -> None:
             torch.testing.assert_close(regions.run(model, lambda: model(x, t)), model(x, t), rtol=2e-3, atol=2e-3)
     assert regions.current == CompileConfig(mode="reduce-overhead"), regions.status()
     _assert_clean(model)
+
+
+def test_a_call_that_may_compile_runs_alone_and_known_calls_run_side_by_side() -> None:
+    """Dynamo's tracing patches nn.Module.__call__ process-wide: under ComfyUI's MultiGPU split (a model copy per
+    GPU, one thread each) a compiling call must not overlap another thread's call; reusing calls may overlap."""
+    import threading
+    import time
+
+    from comfyui_lowvram_dit.kernels.compile_gate import CompileGate
+
+    gate, log, lock = CompileGate(), [], threading.Lock()
+
+    def call(name: str, may_compile: bool) -> None:
+        with gate.call(may_compile):
+            with lock:
+                log.append(f"{name}>")
+            time.sleep(0.05)
+            with lock:
+                log.append(f"<{name}")
+
+    def run(*calls: tuple[str, bool]) -> list[str]:
+        log.clear()
+        threads = [threading.Thread(target=call, args=c) for c in calls]
+        for t in threads:
+            t.start()
+            time.sleep(0.01)
+        for t in threads:
+            t.join(5)
+        return list(log)
+
+    assert run(("a", False), ("b", False))[:2] == ["a>", "b>"]  # both in flight at once
+    for order in (run(("c", True), ("d", False)), run(("e", False), ("f", True))):
+        assert order[1].startswith("<")  # the first call ended before the second began
+    with gate.call(True):
+        with gate.call(True):  # nested in the compiling call of the same thread: no deadlock
+            pass

@@ -340,6 +340,24 @@ def test_fp8_linear_matches_reference_on_cpu(path, dtype):
     assert _rel(y, exact) < 0.06  # fp8 W8A8 error on Gaussian data is ~3-4% (research notes)
 
 
+@pytest.mark.parametrize("path", ["scaled_mm_rowwise", "scaled_mm_tensorwise", "dequantize"])
+def test_a_sample_computes_the_same_in_any_batch(path):
+    """cond and uncond batched on one GPU, or one each on two GPUs (ComfyUI's MultiGPU split): a sample's output
+    must not depend on what it is batched with. A per-call activation scale over the whole batch would."""
+    _skip_unless_cpu_supports(path)
+    w = _weight(192, 256, (7,))
+    q, s = fp8.quantize_per_tensor(w)
+    x = torch.randn(2, 9, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    x[1] *= 40  # the other sample's activations are much larger: a shared scale would coarsen sample 0
+    both = fp8.fp8_linear(x, q, s, None, path=path)
+    for i in range(2):
+        alone = fp8.fp8_linear(x[i:i + 1], q, s, None, path=path)
+        assert torch.equal(both[i:i + 1], alone)
+        ref_both = fp8.fp8_linear_reference(x, q, s, None, path=path)[i:i + 1]
+        # the fp32 emulation's GEMM blocks differently per batch size; its bf16 output then rounds by an ulp
+        assert _rel(ref_both, fp8.fp8_linear_reference(x[i:i + 1], q, s, None, path=path)) < 2e-3
+
+
 def test_fp8_linear_auto_on_cpu_dequantizes_any_dtype():
     w = _weight(100, 36)  # odd shape
     for bs, (q, s) in ((None, fp8.quantize_per_tensor(w)), (64, fp8.quantize_blockwise(w, 64))):

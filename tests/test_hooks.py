@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from comfyui_lowvram_dit.kernels.compile import CompileConfig, CompiledRegions, CompileHook
-from comfyui_lowvram_dit.kernels.hooks import HookRegistry, ModelHook, find_blocks
+from comfyui_lowvram_dit.kernels.hooks import HookRegistry, ModelHook, PerModel, find_blocks
 from comfyui_lowvram_dit.kernels.nan_guard import NanGuardHook, NonFiniteError
 
 
@@ -112,3 +112,43 @@ def test_find_blocks_names_the_caller_when_there_is_no_block_list() -> None:
     assert find_blocks(model, "X")[0] == "transformer_blocks"
     with pytest.raises(ValueError, match="^Block Swap: Module has no `blocks`/`transformer_blocks` list"):
         find_blocks(torch.nn.Module(), "Block Swap")
+
+
+class PerModelRecorder(Recorder):
+    """A Recorder whose every model gets its own instance (tagged with the model's name)."""
+
+    def __init__(self, tag: str, seen: list) -> None:
+        super().__init__(tag, seen)
+        self.models = PerModel()
+
+    def for_model(self, module: Any) -> ModelHook:
+        return self.models.get(module, self, lambda: PerModelRecorder(f"{self.tag}:{module.name}", self.seen))
+
+
+def test_two_models_in_two_threads_each_run_their_own_hook_instance() -> None:
+    """ComfyUI's MultiGPU split: one registry (the first model's wrappers) serves a model copy per GPU, each in
+    its own thread at the same time; blocks must reach the hook instance of the forward that runs them."""
+    import threading
+
+    seen: list[str] = []
+    reg = HookRegistry()
+    reg.register("r", PerModelRecorder("r", seen))
+    models = [torch.nn.Module(), torch.nn.Module()]
+    models[0].name, models[1].name = "a", "b"
+    inside = threading.Barrier(2)
+
+    def forward(model: torch.nn.Module) -> None:
+        def call() -> int:
+            inside.wait(5)  # both forwards are in flight before either runs its block
+            reg.run_block(0, 1, lambda x: x)
+            return 0
+        reg.run_forward(model, call)
+
+    threads = [threading.Thread(target=forward, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    forwards = {x[:-1] for x in seen if x.endswith(">") and not x.endswith("0>")}
+    blocks = {x[:-2] for x in seen if x.endswith("0>")}
+    assert len(forwards) == 2 and blocks == forwards  # each forward's block ran through that forward's instance

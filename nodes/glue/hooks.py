@@ -26,7 +26,7 @@ class _HookedForward:
         return self
 
     def __call__(self, executor: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.registry.run_forward(executor.class_obj, lambda: executor(*args, **kwargs))
+        return self.registry.run_forward(executor.class_obj, lambda: executor(*args, **kwargs), (args, kwargs))
 
 
 class _HookedBlock:

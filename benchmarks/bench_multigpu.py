@@ -1,0 +1,273 @@
+"""ComfyUI's MultiGPU CFG split with the pack's nodes: split vs one GPU, output and seconds per step, per node.
+
+Each row runs in a fresh process (``--child``) so ComfyUI's launch flags (``--use-ck-attention`` for native's
+best) and loaded models never leak between rows. A row loads its MODEL, samples ``--steps`` steps on one GPU
+(cond + uncond batched), then the same graph through ``comfy.multigpu.create_multigpu_deepclones`` (what the
+"MultiGPU CFG Split" node does: cond on one GPU, uncond on the other) and reports the relative difference of the
+two final latents and the median step time after the first step of each. One 1-step run before each makes the
+first-call choices (kernels, autotune, compiles), so the compared runs are warm. ``--experts`` instead times Wan 2.2
+A14B's two experts placed one per GPU (``SelectModelDevice``) against both on one GPU with Block Swap.
+
+    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_multigpu --out DIR
+    COMFYUI_PATH=... python -m comfyui_lowvram_dit.benchmarks.bench_multigpu --layers 4 --frames 9   # quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROWS: dict[str, str] = {
+    "native_best": "UNETLoader fp8_e4m3fn_fast + --use-ck-attention",
+    "native_default": "UNETLoader default",
+    "pack_fp8": "Wan Loader fp8 per-tensor",
+    "pack_fp8_blockwise": "Wan Loader fp8 block-wise",
+    "pack_attn_auto": "Wan Loader fp8 per-tensor + Attention auto",
+    "pack_attn_cudnn": "Wan Loader fp8 per-tensor + Attention SDPA cuDNN",
+    "pack_int8": "Wan Loader fp8 per-tensor + Attention lowvram 8-bit",
+    "pack_nan_guard": "Wan Loader fp8 per-tensor + NaN Guard",
+    "pack_block_swap": "Wan Loader fp8 per-tensor + Block Swap (4 blocks)",
+    "pack_stack": "Wan Loader fp8 per-tensor + Attention lowvram 8-bit + Torch Compile",
+    "pack_stack_dynamic": "Wan Loader fp8 per-tensor + Attention lowvram 8-bit + Torch Compile dynamic=true",
+}
+CK_ROWS = ("native_best",)
+
+
+def _import_comfy(ck: bool) -> None:
+    root = os.environ["COMFYUI_PATH"]
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from comfy.cli_args import args
+
+    args.use_ck_attention = ck  # read when comfy.ldm.modules.attention is imported
+
+
+def _loaders(path: str) -> dict[str, Callable[[], Any]]:
+    import comfy.sd
+
+    from ..kernels.compile import CompileConfig
+    from ..kernels.swap_plan import SwapConfig
+    from ..nodes.attention import apply_attention
+    from ..nodes.block_swap import apply_block_swap
+    from ..nodes.compile import apply_compile
+    from ..nodes.nan_guard import apply_nan_guard
+    from ..nodes.wan_loader import load_wan_model
+
+    def fp8() -> Any:
+        return load_wan_model(path, "fp8 per-tensor", 128, "auto")
+
+    return {
+        "native_best": lambda: comfy.sd.load_diffusion_model(
+            path, model_options={"dtype": torch.float8_e4m3fn, "fp8_optimizations": True}),
+        "native_default": lambda: comfy.sd.load_diffusion_model(path),
+        "pack_fp8": fp8,
+        "pack_fp8_blockwise": lambda: load_wan_model(path, "fp8 block-wise", 128, "auto"),
+        "pack_attn_auto": lambda: apply_attention(fp8(), "auto"),
+        "pack_attn_cudnn": lambda: apply_attention(fp8(), "SDPA cuDNN"),
+        "pack_int8": lambda: apply_attention(fp8(), "lowvram 8-bit"),
+        "pack_nan_guard": lambda: apply_nan_guard(fp8(), "warn"),
+        "pack_block_swap": lambda: apply_block_swap(fp8(), SwapConfig(blocks_to_swap=4)),
+        "pack_stack": lambda: apply_compile(apply_attention(fp8(), "lowvram 8-bit"), CompileConfig()),
+        "pack_stack_dynamic": lambda: apply_compile(apply_attention(fp8(), "lowvram 8-bit"),
+                                                    CompileConfig(dynamic=True)),
+    }
+
+
+def _conds(seed: int = 1) -> tuple[list, list]:
+    g = torch.Generator().manual_seed(seed)
+    return ([[torch.randn(1, 512, 4096, generator=g) * 0.2, {}]],
+            [[torch.randn(1, 512, 4096, generator=g) * 0.2, {}]])
+
+
+def sample_timed(model: Any, frames: int, height: int, width: int, steps: int, cfg: float,
+                 start: int | None = None, last: int | None = None, latent: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, list[float]]:
+    """``comfy.sample.sample`` (euler, simple) on a Wan 2.2 14B latent; returns it and each step's seconds."""
+    import comfy.sample
+
+    if latent is None:
+        latent = torch.zeros(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
+    noise = comfy.sample.prepare_noise(latent, 0)
+    pos, neg = _conds()
+    marks: list[float] = []
+
+    def tick(*_: Any) -> None:
+        torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", pos, neg, latent, seed=0,
+                              callback=tick, disable_pbar=True, start_step=start, last_step=last,
+                              disable_noise=start not in (None, 0), force_full_denoise=last is None)
+    stamps = [t0, *marks]
+    return out.float().cpu(), [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def _median_after_first(times: list[float]) -> float | None:
+    rest = sorted(times[1:])
+    return rest[len(rest) // 2] if rest else None
+
+
+def child(row: str, args: argparse.Namespace) -> dict:
+    """One row in this process: one GPU, then the split; latents compared, steps timed."""
+    _import_comfy(row in CK_ROWS)
+    import comfy.model_management as mm
+    import comfy.multigpu
+
+    shape = (args.frames, args.height, args.width, args.steps, args.cfg)
+    warm = (args.frames, args.height, args.width, 1, args.cfg)  # first calls: kernel choices, compiles, autotune
+    model = _loaders(args.model)[row]()
+    sample_timed(model, *warm)
+    alone, t_alone = sample_timed(model, *shape)
+    split = comfy.multigpu.create_multigpu_deepclones(model, 2, reuse_loaded=True)
+    sample_timed(split, *warm)
+    together, t_split = sample_timed(split, *shape)
+    again = sample_timed(split, *shape)[0] if args.repeat else together
+    mm.unload_all_models()
+    one, two = _median_after_first(t_alone), _median_after_first(t_split)
+    return {"row": row, "graph": ROWS[row], "s_per_step_1gpu": one, "s_per_step_split": two,
+            "speedup": one / two if one and two else None, "steps_1gpu": t_alone, "steps_split": t_split,
+            "split_vs_1gpu_rel": float((together - alone).norm() / alone.norm()),
+            "split_repeat_rel": float((again - together).norm() / together.norm()) if args.repeat else None,
+            "identical": bool(torch.equal(together, alone))}
+
+
+def _on_device(model: Any, option: str) -> Any:
+    """ComfyUI's SelectModelDevice node on ``model`` (``gpu:N``)."""
+    from comfy_extras.nodes_multigpu import SelectModelDeviceNode
+
+    out = SelectModelDeviceNode.execute(model, option)
+    return (out.result if hasattr(out, "result") else out)[0]
+
+
+def experts_child(row: str, args: argparse.Namespace) -> dict:
+    """Wan 2.2 A14B, high-noise expert for the first half of the steps, low-noise for the rest, run twice."""
+    _import_comfy(False)
+    from ..kernels.swap_plan import SwapConfig
+    from ..nodes.block_swap import apply_block_swap
+    from ..nodes.wan_loader import load_wan_model
+
+    high = load_wan_model(args.model, "fp8 per-tensor", 128, "auto")
+    low = load_wan_model(args.model_low, "fp8 per-tensor", 128, "auto")
+    if row == "experts_per_gpu":
+        high, low = _on_device(high, "gpu:0"), _on_device(low, "gpu:1")
+    else:
+        swap = SwapConfig(vram_budget_gb=args.swap_budget_gb)
+        high, low = apply_block_swap(high, swap), apply_block_swap(low, swap)
+    shape = (args.frames, args.height, args.width, args.steps, args.cfg)
+    runs = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        mid, t_high = sample_timed(high, *shape, start=0, last=args.steps // 2)
+        out, t_low = sample_timed(low, *shape, start=args.steps // 2, last=None, latent=mid)
+        runs.append({"seconds": time.perf_counter() - t0, "steps_high": t_high, "steps_low": t_low})
+    graph = ("SelectModelDevice high -> gpu:0, low -> gpu:1" if row == "experts_per_gpu"
+             else f"both experts on gpu:0, Block Swap vram_budget_gb {args.swap_budget_gb:g}")
+    return {"row": row, "graph": graph, "first_run_s": runs[0]["seconds"], "second_run_s": runs[1]["seconds"],
+            "runs": runs}
+
+
+def _environment(args: argparse.Namespace) -> dict:
+    root = Path(os.environ["COMFYUI_PATH"])
+    version = (root / "comfyui_version.py").read_text().split('"')[1] if (root / "comfyui_version.py").exists() \
+        else "?"
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"gpus": gpus, "torch": torch.__version__, "comfyui": version, "command": " ".join(sys.argv),
+            "shape": f"{args.width}x{args.height}x{args.frames}, cfg {args.cfg}, {args.steps} steps",
+            "layers": args.layers}
+
+
+def _ensure_model(path: Path, layers: int, seed: int) -> None:
+    from ..tools.synth import write_synthetic
+
+    if not path.exists():
+        write_synthetic("wan22_t2v_14B", path, size="full", fmt="bf16", device="cuda", num_layers=layers, seed=seed)
+
+
+def _run_child(row: str, argv: list[str], flag: str) -> dict:
+    cmd = [sys.executable, "-m", __spec__.name if __spec__ else "bench_multigpu", flag, row, *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"row": row, "error": f"rc {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+
+
+def report(result: dict) -> str:
+    """The markdown table of a run."""
+    env = result["environment"]
+    lines = [f"# ComfyUI MultiGPU CFG split, {env['shape']} ({env['layers']} blocks)", "",
+             f"{', '.join(env['gpus'])}; torch {env['torch']}; ComfyUI {env['comfyui']}; `{env['command']}`", "",
+             "| graph | 1 GPU s/step | split s/step | speed-up | split vs 1 GPU | split run to run |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['row']} | error: {r['error']} | | | | |")
+        elif "first_run_s" in r:
+            lines.append(f"| {r['graph']} | end to end {r['first_run_s']:.1f} s (cold), {r['second_run_s']:.1f} s "
+                         "(warm) | | | | |")
+        else:
+            same = "identical" if r["identical"] else f"{100 * r['split_vs_1gpu_rel']:.3f} %"
+            again = "-" if r["split_repeat_rel"] is None else f"{100 * r['split_repeat_rel']:.3f} %"
+            lines.append(f"| {r['graph']} | {r['s_per_step_1gpu']:.3f} | {r['s_per_step_split']:.3f} | "
+                         f"{r['speedup']:.2f}x | {same} | {again} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the rows (each in a fresh process) and write ``multigpu.json`` / ``.md`` under ``--out``."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", nargs="+", default=["native_best", "pack_attn_auto", "pack_stack"])
+    p.add_argument("--experts", action="store_true", help="time the expert-per-GPU rows instead")
+    p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--frames", type=int, default=81)
+    p.add_argument("--height", type=int, default=480)
+    p.add_argument("--width", type=int, default=832)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--cfg", type=float, default=3.5)
+    p.add_argument("--swap-budget-gb", type=float, default=20.0)
+    p.add_argument("--repeat", action="store_true", help="sample the split twice and compare the two")
+    p.add_argument("--model", default="")
+    p.add_argument("--model-low", default="")
+    p.add_argument("--out", default=".")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--experts-child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child or args.experts_child:
+        res = child(args.child, args) if args.child else experts_child(args.experts_child, args)
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(os.environ.get("BENCH_WORK", "/tmp"))
+    args.model = args.model or str(work / f"wan22_14b_high_{args.layers}l.safetensors")
+    args.model_low = args.model_low or str(work / f"wan22_14b_low_{args.layers}l.safetensors")
+    _ensure_model(Path(args.model), args.layers, 0)
+    if args.experts:
+        _ensure_model(Path(args.model_low), args.layers, 1)
+    shared = ["--layers", str(args.layers), "--frames", str(args.frames), "--height", str(args.height), "--width",
+              str(args.width), "--steps", str(args.steps), "--cfg", str(args.cfg), "--swap-budget-gb",
+              str(args.swap_budget_gb), "--model", args.model, "--model-low", args.model_low,
+              *(["--repeat"] if args.repeat else [])]
+    rows = ["experts_per_gpu", "experts_one_gpu_block_swap"] if args.experts else args.rows
+    result: dict = {"environment": _environment(args), "rows": []}
+    name = "multigpu_experts" if args.experts else "multigpu"
+    for row in rows:
+        result["rows"].append(_run_child(row, shared, "--experts-child" if args.experts else "--child"))
+        print(json.dumps(result["rows"][-1])[:2000], flush=True)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{name}.md").write_text(report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
