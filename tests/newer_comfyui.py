@@ -1,0 +1,66 @@
+"""Behaviours of ComfyUI releases after 0.33 that cannot run here, re-created on the ComfyUI under test.
+
+Each helper reproduces one behaviour read from the newer source (written here from its description, not copied),
+so a test can show what the pack does when it meets it. Import inside a test, after ComfyUI is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+_EAGER_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+}
+
+
+def fp16_accumulation_linear_input_act(linear: Any, x: torch.Tensor, input_act: str, *args: Any,
+                                       **kwargs: Any) -> torch.Tensor:
+    """``comfy.ops.linear_input_act`` as newer ComfyUI runs it with ``--fast fp16_accumulation`` and fp16
+    activations (the condition is taken as met, so it runs on the CPU in any dtype).
+
+    A layer whose weight is not a ``QuantizedTensor`` and that does not set ``_full_precision_mm`` is not called:
+    its weight comes from ``comfy.ops.cast_bias_weight`` (cast to the activation dtype) and goes into a plain
+    GEMM. Every other layer is called as ``linear(act(x))``.
+    """
+    import comfy.model_management as mm
+    import comfy.ops
+
+    act = _EAGER_ACTS[input_act]
+    quantized = type(linear.weight).__name__ == "QuantizedTensor"
+    if getattr(mm, "in_training", False) or quantized or getattr(linear, "_full_precision_mm", False):
+        return linear(act(x))
+    weight, bias, stream = comfy.ops.cast_bias_weight(linear, x, offloadable=True)
+    try:
+        return torch.nn.functional.linear(act(x), weight, bias)
+    finally:
+        comfy.ops.uncast_bias_weight(linear, weight, bias, stream)
+
+
+class FakeMallocGraph:
+    """Newer ComfyUI's per-thread allocation recorder (``comfy.model_prefetch``): between ``malloc_graph_begin``
+    and ``malloc_graph_end`` every allocation is planned for replay in the next step unless the recording is
+    paused (``pause_malloc_graph``). Records which allocations were made while recording."""
+
+    def __init__(self) -> None:
+        self.recording = False
+        self.paused = 0
+        self.recorded: list[str] = []
+
+    @contextlib.contextmanager
+    def pause(self, sync: bool = False) -> Iterator[None]:
+        """What ``comfy.model_prefetch.pause_malloc_graph(sync)`` returns."""
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+    def note(self, what: str) -> None:
+        """Called where an allocation happens: kept when it would be recorded into the graph."""
+        if self.recording and not self.paused and threading.current_thread() is threading.main_thread():
+            self.recorded.append(what)
