@@ -333,9 +333,10 @@ class BlockSwapMixin:
     def get_ram_usage(self) -> int:
         return self._swap.full_bytes
 
-    def _load_list(self):  # noqa: ANN202
+    def _load_list(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - whatever the host's _load_list takes
         ctl = self._swap
-        return [x for x in super()._load_list() if not ctl.is_swapped_module(x[2])]
+        # entries end with (name, module, params); the sort keys in front of them differ between load modes
+        return [x for x in super()._load_list(*args, **kwargs) if not ctl.is_swapped_module(x[-3])]
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):  # noqa: ANN001
         ctl = self._swap
