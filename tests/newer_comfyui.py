@@ -64,3 +64,21 @@ class FakeMallocGraph:
         """Called where an allocation happens: kept when it would be recorded into the graph."""
         if self.recording and not self.paused and threading.current_thread() is threading.main_thread():
             self.recorded.append(what)
+
+
+def budgeted_pin_memory(tensor: torch.Tensor, evict_active: bool = True) -> bool:
+    """``comfy.model_management.pin_memory`` as newer ComfyUI runs it: False, pinning nothing, when its
+    pinned-memory account has no room for the tensor even after evicting what it may evict."""
+    import comfy.model_management as mm
+
+    if mm.MAX_PINNED_MEMORY <= 0 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return False
+    size = tensor.nbytes
+    ensure = getattr(mm, "ensure_pin_registerable", None)
+    room = ensure(size, evict_active=evict_active) if callable(ensure) else \
+        mm.TOTAL_PINNED_MEMORY + size <= mm.MAX_PINNED_MEMORY
+    if not room or torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), size, 1) != 0:
+        return False
+    mm.PINNED_MEMORY[tensor.data_ptr()] = size
+    mm.TOTAL_PINNED_MEMORY += size
+    return True
