@@ -7,7 +7,6 @@ so a test can show what the pack does when it meets it. Import inside a test, af
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,14 +41,12 @@ def fp16_accumulation_linear_input_act(linear: Any, x: torch.Tensor, input_act: 
 
 
 class FakeMallocGraph:
-    """Newer ComfyUI's per-thread allocation recorder (``comfy.model_prefetch``): between ``malloc_graph_begin``
-    and ``malloc_graph_end`` every allocation is planned for replay in the next step unless the recording is
-    paused (``pause_malloc_graph``). Records which allocations were made while recording."""
+    """Newer ComfyUI's allocation-graph recorder (``comfy.model_prefetch``) as far as custom code sees it:
+    ``pause_malloc_graph(sync)`` returns a context inside which allocations are not recorded. ``paused`` counts
+    the pauses open now, so a probe can tell where an allocation would have gone."""
 
     def __init__(self) -> None:
-        self.recording = False
         self.paused = 0
-        self.recorded: list[str] = []
 
     @contextlib.contextmanager
     def pause(self, sync: bool = False) -> Iterator[None]:
@@ -59,11 +56,6 @@ class FakeMallocGraph:
             yield
         finally:
             self.paused -= 1
-
-    def note(self, what: str) -> None:
-        """Called where an allocation happens: kept when it would be recorded into the graph."""
-        if self.recording and not self.paused and threading.current_thread() is threading.main_thread():
-            self.recorded.append(what)
 
 
 def budgeted_pin_memory(tensor: torch.Tensor, evict_active: bool = True) -> bool:
