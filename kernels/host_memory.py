@@ -8,7 +8,7 @@ RAM, so an idle model can go back to it.
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Iterable, Protocol
 
 import torch
 
@@ -55,12 +55,28 @@ def is_file_backed(t: torch.Tensor, ranges: list[tuple[int, int]] | None = None)
     return any(lo <= ptr < hi for lo, hi in (ranges if ranges is not None else file_backed_ranges()))
 
 
-class HostArena:
-    """One exact-size host buffer, optionally pinned with cudaHostRegister (about 10x faster than pin_memory)."""
+class PinBudget(Protocol):
+    """The host application's account of page-locked RAM, shared with the memory it pins itself."""
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
+    def reserve(self, nbytes: int) -> bool:
+        """Count ``nbytes`` about to be registered; False when the account has no room (nothing counted)."""
+
+    def release(self, nbytes: int) -> None:
+        """Stop counting ``nbytes`` that were unregistered."""
+
+
+class HostArena:
+    """One exact-size host buffer, optionally pinned with cudaHostRegister (about 10x faster than pin_memory).
+
+    With a ``budget`` the registration is counted in the host's pinned-memory account while it lasts, and the
+    arena stays pageable (synchronous copies) when that account has no room.
+    """
+
+    def __init__(self, nbytes: int, pin: bool, budget: PinBudget | None = None) -> None:
         self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         self.pinned = False
+        self.budget = budget
+        self.refused = False  # the budget said no the last time pin() asked
         self.last_copy = None  # event after the latest H2D copy out of the buffer (one copy stream: in order)
         if pin:
             self.pin()
@@ -69,11 +85,22 @@ class HostArena:
         """Page-lock the buffer so H2D copies are asynchronous DMA; False (with a log line) when it cannot."""
         if self.pinned or not torch.cuda.is_available():
             return self.pinned
-        err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
+        nbytes = self.buffer.numel()
+        if self.budget is not None and not self.budget.reserve(nbytes):
+            if not self.refused:  # once per arena, not on every re-load
+                log.warning("lowvram_dit block swap: the host's pinned-memory budget has no room for %.2f GB; "
+                            "copies will be synchronous. Unload other models, free RAM or turn `pinned` off.",
+                            nbytes / 1e9)
+            self.refused = True
+            return False
+        self.refused = False
+        err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
         self.pinned = err == 0  # cudaError_t cudaSuccess (compared as ComfyUI's pin_memory does)
         if not self.pinned:
+            if self.budget is not None:
+                self.budget.release(nbytes)
             log.warning("lowvram_dit block swap: cudaHostRegister of %.2f GB failed (%s); copies will be "
-                        "synchronous. Free RAM or turn `pinned` off.", self.buffer.numel() / 1e9, err)
+                        "synchronous. Free RAM or turn `pinned` off.", nbytes / 1e9, err)
         return self.pinned
 
     def unpin(self) -> None:
@@ -84,7 +111,9 @@ class HostArena:
             self.last_copy.synchronize()
         err = torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
         self.pinned = False
-        if err != 0:
+        if err == 0 and self.budget is not None:
+            self.budget.release(self.buffer.numel())
+        if err != 0:  # still page-locked: it stays in the budget too
             # Freeing it now would leave a stale registration behind: keep the buffer for the process's life.
             _UNFREED.append(self.buffer)
             log.warning("lowvram_dit block swap: cudaHostUnregister of %.2f GB failed (%s); that RAM stays "

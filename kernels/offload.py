@@ -31,7 +31,7 @@ from typing import Any, Iterable, Protocol, Sequence
 import torch
 
 from .hooks import HookRegistry, ModelHook, PerModel
-from .host_memory import HostArena, file_backed_ranges, is_file_backed, page_out
+from .host_memory import HostArena, PinBudget, file_backed_ranges, is_file_backed, page_out
 from .swap_plan import ALIGN, SwapPlan, aligned, prefetch_targets
 from .swap_verdict import CallTimer, StreamStats, format_stats
 
@@ -168,13 +168,14 @@ class BlockStreamer:
     """
 
     def __init__(self, blocks: Sequence[torch.nn.Module], plan: SwapPlan, device: torch.device | str,
-                 *, pinned: bool = True, debug: bool = False) -> None:
+                 *, pinned: bool = True, debug: bool = False, pin_budget: PinBudget | None = None) -> None:
         if len(blocks) != plan.num_blocks:
             raise ValueError(f"plan is for {plan.num_blocks} blocks, model has {len(blocks)}")
         self.blocks = list(blocks)
         self.plan = plan
         self.device = torch.device(device)
         self.pinned = pinned
+        self.pin_budget = pin_budget  # the host's pinned-memory account the arena is counted in
         self.debug = debug or os.environ.get("LOWVRAM_DIT_SWAP_DEBUG") == "1"
         self.ordinal = {b: j for j, b in enumerate(plan.streamed)}
         self.active = False
@@ -287,7 +288,7 @@ class BlockStreamer:
             total += self._layout(b)[1]
         if self.arena is not None:
             self.arena.unpin()  # the old buffer is freed below (its views are rebound to the new one)
-        self.arena = HostArena(total, pin=False)
+        self.arena = HostArena(total, pin=False, budget=self.pin_budget)
         maps = file_backed_ranges()
         self.originals.clear()
         mapped = 0

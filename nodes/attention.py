@@ -18,6 +18,7 @@ from comfy_api.latest import io
 from ..kernels import attention as attention_kernels
 from ..kernels import opaque_ops
 from .glue.common import CATEGORY_PATCHES, display_name, node_id
+from .glue.host_compiler import outside_allocation_graph
 from .glue.seams import PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -138,6 +139,12 @@ class AttentionOverride:
         return f"AttentionOverride({self.backend!r})"
 
     def __call__(self, func: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the compiled region's own memory plan; no host calls traced
+            return self._attend(func, args, kwargs)
+        with outside_allocation_graph():  # cached rotations and fused kernels outlive ComfyUI's recorded step
+            return self._attend(func, args, kwargs)
+
+    def _attend(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         a = _bind(args, kwargs)
         q, k, v, heads = a["q"], a["k"], a["v"], a["heads"]
         if a.get("skip_reshape", False):

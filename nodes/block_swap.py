@@ -12,6 +12,8 @@ How it cooperates with ComfyUI (v0.8.0, comfy/model_patcher.py + comfy/model_man
 - Prefetch/wait logic is a kernels/offload.py ``StreamHook`` installed by nodes/glue/hooks.py (per-block replace
   patches and the forward chain), outside the block forward: a compiled block stays compiled; swapped weights
   keep shape/dtype/device.
+- The pinned host arena is counted in ComfyUI's pinned-memory account while it is registered, and stays pageable
+  when that account has no room (nodes/glue/pin_budget.py), so ComfyUI's own pins never push past its cap.
 - LoRA on streamed blocks is merged once per load into their host arena (nodes/glue/lora_merge.py: ComfyUI's own
   convert / calculate_weight / set steps, so fp8 layers re-quantize with their own scales) and restored exactly on
   unload; every step streams the merged bytes. Offloaded embeddings keep ComfyUI's ``LowVramPatch`` (per call).
@@ -49,6 +51,7 @@ from ..kernels.swap_verdict import StreamStats, SwapSetup, swap_verdict
 from .glue.common import CATEGORY_PATCHES, display_name, dynamic_vram_manages, mixed_class, node_id, say_once
 from .glue.hooks import register_hook
 from .glue.lora_merge import StreamedMerge
+from .glue.pin_budget import ComfyPinBudget
 from .glue.seams import BLOCK_SWAP_SEAMS, PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -158,7 +161,7 @@ class SwapController:
                     self.lora.restore(arena_dropped=self.streamer.drops_arena_on_release())
                     self.streamer.deactivate(release_host=True)
                 self.streamer = BlockStreamer(self.blocks, plan, device, pinned=self.config.pinned,
-                                              debug=self.config.debug)
+                                              debug=self.config.debug, pin_budget=ComfyPinBudget())
             self.streamer.activate()
             self._merge_lora(patcher, device)
         model = patcher.model
@@ -334,9 +337,10 @@ class BlockSwapMixin:
     def get_ram_usage(self) -> int:
         return self._swap.full_bytes
 
-    def _load_list(self):  # noqa: ANN202
+    def _load_list(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - whatever the host's _load_list takes
         ctl = self._swap
-        return [x for x in super()._load_list() if not ctl.is_swapped_module(x[2])]
+        # entries end with (name, module, params); the sort keys in front of them differ between load modes
+        return [x for x in super()._load_list(*args, **kwargs) if not ctl.is_swapped_module(x[-3])]
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):  # noqa: ANN001
         ctl = self._swap

@@ -6,7 +6,7 @@ import sys
 
 from comfy_api.latest import io, ui
 
-from ..tools import doctor
+from ..tools import doctor, doctor_host
 from .glue.common import CATEGORY_UTILS, display_name, node_id
 from .glue.seams import seam_status
 
@@ -28,10 +28,26 @@ def comfyui_host_info() -> tuple[str | None, dict]:
         host["attention_flags"] = [f for f in ("use_sage_attention", "use_flash_attention", "use_pytorch_cross_attention",
                                                "use_split_cross_attention", "disable_xformers") if getattr(args, f, False)]
         host["disable_pinned_memory"] = bool(getattr(args, "disable_pinned_memory", False))
-        host["fast"] = sorted(str(f) for f in (getattr(args, "fast", None) or []))
     except Exception as exc:  # the report must still come out if a ComfyUI internal moved
         host["error"] = f"{type(exc).__name__}: {exc}"
+    host.update(comfyui_engine_settings())
     return version, host
+
+
+def comfyui_engine_settings() -> dict[str, str]:
+    """The running ComfyUI's compiler, CUDA-graph, ``--fast`` and pinned-memory settings (tools/doctor_host.py)."""
+    try:
+        import comfy.model_management as mm
+        import torch
+        from comfy.cli_args import args
+
+        from .glue.pin_budget import pinned_by_pack
+
+        accumulate = getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", None)
+        return doctor_host.engine_settings(args, mm, sys.modules.get("comfy.model_prefetch"), mm.get_torch_device(),
+                                           pinned_by_pack(), accumulate)
+    except Exception as exc:  # noqa: BLE001 - one missing line, never a missing report
+        return {"engine_settings_error": f"{type(exc).__name__}: {exc}"}
 
 
 def block_swap_verdicts() -> list[str] | None:

@@ -39,6 +39,18 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
         def is_fp8(self) -> bool:
             return self.weight is not None and self.weight.dtype in FP8_DTYPES
 
+        @property
+        def _full_precision_mm(self) -> bool:
+            """True while the weight is fp8: ComfyUI's fused paths that bypass ``forward`` (the fp16-accumulation
+            GEMM in ``comfy.ops.linear_input_act``) would take the raw fp8 codes from ``cast_bias_weight``
+            without this layer's scale; this flag makes them call the layer instead."""
+            return self.is_fp8 or self.__dict__.get("_full_precision_mm_requested", False)
+
+        @_full_precision_mm.setter
+        def _full_precision_mm(self, value: bool) -> None:
+            # a host that switches the flag per layer may turn it on; an fp8 weight keeps it on regardless
+            self.__dict__["_full_precision_mm_requested"] = bool(value)
+
         def _block_size(self) -> int | None:
             return None if self.weight_scale is None or self.weight_scale.ndim == 0 else self.fp8_config.block_size
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...kernels.hooks import HookRegistry, ModelHook, find_blocks
+from .host_compiler import outside_allocation_graph
 
 HOOKS_KEY = "lowvram_dit_hooks"
 
@@ -41,7 +42,8 @@ class _HookedBlock:
     def __call__(self, args: dict, extra: dict) -> dict:
         inner = self.inner
         run = (lambda a: inner(a, extra)) if inner is not None else extra["original_block"]
-        return self.registry.run_block(self.index, args, run)
+        with outside_allocation_graph():  # the chain keeps allocations across steps (compile, swap, attention)
+            return self.registry.run_block(self.index, args, run)
 
 
 def hook_registry(patcher: Any) -> HookRegistry:
