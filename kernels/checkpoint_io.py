@@ -37,6 +37,8 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+if hasattr(torch, "float8_e8m0fnu"):  # mxfp8 block scales (ComfyUI's mxfp8 layout); torch >= 2.7
+    SAFETENSORS_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
@@ -215,7 +217,10 @@ def check_quantization(header: SafetensorsHeader) -> dict[str, dict[str, Any]]:
     """Validate a file's quantization data before any weight is read: ``quant_layer_configs`` plus
     ``check_weight_scales`` over its scale tensors (read here; loaders with per-layer scalars use this)."""
     layers = quant_layer_configs(header)
-    check_weight_scales(header, iter_tensors(header, [n for n in header.tensors if n.endswith(WEIGHT_SCALE_SUFFIXES)]))
+    # fp8 / e8m0 block scales of ComfyUI's other layouts (mxfp8, nvfp4, ...) are ComfyUI's to check
+    other = {layer for layer, conf in layers.items() if conf.get("format") not in ("float8_e4m3fn", "float8_e5m2")}
+    names = [n for n in header.tensors if n.endswith(WEIGHT_SCALE_SUFFIXES) and n.rpartition(".")[0] not in other]
+    check_weight_scales(header, iter_tensors(header, names))
     return layers
 
 

@@ -30,6 +30,7 @@ SourceFormat = Literal[
     "fp8_plain",  # fp8 cast without any scale
     "musubi_fp8",  # musubi-tuner: <layer>.scale_weight [1] / [N,1] / [N,K/bs,1] (+ .scale_weight_tensor)
     "lowvram_fp8",  # this pack's own saved files
+    "core_quant",  # comfy_quant with a layout other than fp8 e4m3/e5m2: ComfyUI's own layers build it (core_quant.py)
 ]
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")  # ComfyUI per-layer quant formats this normaliser reads

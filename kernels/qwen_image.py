@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .checkpoint_io import CheckpointError, SafetensorsHeader, check_ranks, read_header
+from .checkpoint_io import CheckpointError, SafetensorsHeader, check_ranks, quant_layer_configs, read_header
+from .core_quant import core_layouts, read_core_state_dict
 from .fp8_state import FP8_DTYPES, Fp8Plan, QuantMode, SourceFormat, read_fp8_state_dict
 from .streaming import ProgressFn
 
@@ -30,9 +31,10 @@ class QwenImageInfo:
     path: Path
     prefix: str
     num_blocks: int
-    format: SourceFormat  # "high_precision" | "fp8_plain" | "comfy_fp8_scaled" | "comfy_quant"
+    format: SourceFormat  # "high_precision" | "fp8_plain" | "comfy_fp8_scaled" | "comfy_quant" | "core_quant"
     weight_dtype: torch.dtype  # dtype of the block Linear weights in the file
     widths: dict[str, int]  # qwen_image_widths: sizes ComfyUI's model config does not read from the weights
+    layers: dict[str, dict] = field(default_factory=dict, compare=False)  # ComfyUI per-layer quant configs
 
 
 def is_qwen_fp8_target(key: str, shape: tuple[int, ...]) -> bool:
@@ -61,7 +63,11 @@ def inspect_qwen_image(header: SafetensorsHeader) -> QwenImageInfo:
         raise CheckpointError(f"{header.path.name}: transformer_blocks are not numbered 0..{len(blocks) - 1}")
     lin = [i for k, i in t.items() if is_qwen_fp8_target(k, i.shape)]
     weight_dtype = max({i.dtype for i in lin}, key=lambda d: sum(i.nbytes for i in lin if i.dtype == d))
-    if "_quantization_metadata" in header.metadata or any(k.endswith(".comfy_quant") for k in t):
+    has_configs = "_quantization_metadata" in header.metadata or any(k.endswith(".comfy_quant") for k in t)
+    layers = quant_layer_configs(header) if has_configs else {}
+    if core_layouts(layers):
+        fmt = "core_quant"
+    elif has_configs:
         fmt = "comfy_quant"
     elif "scaled_fp8" in t:
         fmt = "comfy_fp8_scaled"
@@ -69,7 +75,8 @@ def inspect_qwen_image(header: SafetensorsHeader) -> QwenImageInfo:
         fmt = "fp8_plain"
     else:
         fmt = "high_precision"
-    return QwenImageInfo(header.path, prefix, len(blocks), fmt, weight_dtype, qwen_image_widths(header, prefix))
+    return QwenImageInfo(header.path, prefix, len(blocks), fmt, weight_dtype, qwen_image_widths(header, prefix),
+                         layers)
 
 
 QWEN_ROPE_HEAD_DIM = 128  # ComfyUI's rotary axes (16, 56, 56) add up to this attention head size
@@ -116,7 +123,8 @@ def load_qwen_image_state_dict(
     """Read a Qwen-Image file tensor by tensor into the in-memory fp8 form (kernels/fp8_state.py).
 
     High-precision files: block Linear weights are quantized to ``mode`` while streaming (on ``device``,
-    e.g. the GPU), everything else is kept. fp8 files keep their per-tensor quantization. Returns (state dict
+    e.g. the GPU), everything else is kept. fp8 files keep their per-tensor quantization; files in ComfyUI's other
+    quantized layouts are read as stored (kernels/core_quant.py) for ComfyUI's own layers. Returns (state dict
     without the key prefix, file info, the quantization now in the dict). ``mmap``: an fp8 file's tensors are
     zero-copy views of the file (page cache, not RSS); a file quantized here is read as usual.
     """
@@ -124,6 +132,8 @@ def load_qwen_image_state_dict(
         raise ValueError(f"quantization mode must be none, per_tensor or blockwise, got {mode!r}")
     header = read_header(path)
     info = inspect_qwen_image(header)
+    if info.format == "core_quant":  # ComfyUI's own layers build it: every tensor as stored
+        return read_core_state_dict(header, info.prefix, info.layers, mmap=mmap, progress=progress), info, "none"
     plan = Fp8Plan(info.format, info.prefix, is_qwen_fp8_target, mode, block_size)
     sd, notes = read_fp8_state_dict(header, plan, device=device, mmap=mmap, progress=progress)
     for note in notes:

@@ -9,6 +9,7 @@ musubi-tuner's Wan fp8 loader).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_io import CheckpointError, SafetensorsHeader, StreamingSafetensorsWriter, check_ranks, read_header
+from .checkpoint_io import (CheckpointError, SafetensorsHeader, StreamingSafetensorsWriter, check_ranks,
+                            quant_layer_configs, read_header)
+from .core_quant import core_layouts, read_core_state_dict
 from .fp8_state import FP8_DTYPES, Fp8Plan, QuantMode, SourceFormat, quantize_weight, read_fp8_state_dict
 from .streaming import ProgressFn
 
@@ -57,6 +60,7 @@ class WanCheckpointInfo:
     weight_dtype: torch.dtype  # dtype of the block Linear weights in the file
     mode: QuantMode = "none"  # for pre-quantized files: how they are quantized
     block_size: int | None = None
+    layers: dict[str, dict] = field(default_factory=dict, compare=False)  # ComfyUI per-layer quant configs
 
 
 @dataclass
@@ -72,8 +76,14 @@ class LoadedWan:
 
     @property
     def fp8_layers(self) -> int:
-        """Number of fp8 Linear weights in the state dict."""
+        """Number of fp8 Linear weights in the state dict for the pack's fp8 layers (0 for ComfyUI's own layouts)."""
+        if self.info.format == "core_quant":
+            return 0
         return sum(1 for k in self.state_dict if k.endswith(".weight_scale"))
+
+
+def _has_quant_configs(header: SafetensorsHeader) -> bool:
+    return "_quantization_metadata" in header.metadata or any(k.endswith(".comfy_quant") for k in header.tensors)
 
 
 def is_fp8_target(key: str, shape: tuple[int, ...]) -> bool:
@@ -166,7 +176,11 @@ def inspect_checkpoint(path: str | Path, header: SafetensorsHeader | None = None
         if lost:
             raise CheckpointError(f"{p.name}: Wan block {i} is incomplete (missing blocks.{i}.{lost[0]}); the file is damaged")
     rules = _expected_shapes(dim, ffn, in_dim, out_dim)
+    layers = quant_layer_configs(header) if _has_quant_configs(header) else {}
+    packed = {layer[len(prefix):] + ".weight" for layer in itertools.chain(*core_layouts(layers).values())}
     for k, info in t.items():
+        if k in packed:
+            continue  # packed / padded by its layout (nvfp4, w4a8): ComfyUI checks it when it builds the layer
         for pat, shape in rules:
             if pat.fullmatch(k):
                 if info.shape != shape:
@@ -178,11 +192,22 @@ def inspect_checkpoint(path: str | Path, header: SafetensorsHeader | None = None
 
     lin = [t[k] for k in t if is_fp8_target(k, t[k].shape)]
     weight_dtype = max({i.dtype for i in lin}, key=lambda d: sum(i.nbytes for i in lin if i.dtype == d))
-    meta = header.metadata
+    fmt, mode, block_size = _file_format(header, t, weight_dtype, layers)
+    variant = _variant(dim, in_dim, out_dim, "img_emb.proj.0.bias" in t, num_layers)
+    return WanCheckpointInfo(p, fmt, variant, dim, ffn, num_layers, in_dim, out_dim, prefix, weight_dtype, mode,
+                             block_size, layers)
+
+
+def _file_format(header: SafetensorsHeader, t: dict, weight_dtype: torch.dtype,
+                 layers: dict[str, dict]) -> tuple[SourceFormat, QuantMode, int | None]:
+    """(file convention, quantization, block size) of a Wan file from its metadata and key names."""
+    p, meta = header.path, header.metadata
     mode: QuantMode = "none"
     block_size: int | None = None
     fmt: SourceFormat
-    if META_FORMAT in meta:
+    if core_layouts(layers):
+        fmt = "core_quant"
+    elif META_FORMAT in meta:
         if meta[META_FORMAT] != FORMAT_TAG:
             raise CheckpointError(f"{p.name}: saved by a newer version ({meta[META_FORMAT]}); update the pack")
         fmt, mode = "lowvram_fp8", meta.get(META_MODE, "per_tensor")  # type: ignore[assignment]
@@ -190,7 +215,7 @@ def inspect_checkpoint(path: str | Path, header: SafetensorsHeader | None = None
             raise CheckpointError(f"{p.name}: damaged metadata ({META_BLOCK}={meta.get(META_BLOCK)!r}); "
                                   "delete the file and quantize again")
         block_size = int(meta[META_BLOCK]) if mode == "blockwise" else None
-    elif "_quantization_metadata" in meta or any(k.endswith(".comfy_quant") for k in t):
+    elif _has_quant_configs(header):
         fmt, mode = "comfy_quant", "per_tensor"
     elif "scaled_fp8" in t:
         fmt, mode = "comfy_fp8_scaled", "per_tensor"
@@ -202,8 +227,7 @@ def inspect_checkpoint(path: str | Path, header: SafetensorsHeader | None = None
         fmt, mode = "fp8_plain", "per_tensor"
     else:
         fmt = "high_precision"
-    variant = _variant(dim, in_dim, out_dim, "img_emb.proj.0.bias" in t, num_layers)
-    return WanCheckpointInfo(p, fmt, variant, dim, ffn, num_layers, in_dim, out_dim, prefix, weight_dtype, mode, block_size)
+    return fmt, mode, block_size
 
 
 def quantize_state_dict(
@@ -252,7 +276,8 @@ def load_wan_state_dict(
     progress: ProgressFn | None = None,
     mmap: bool = False,
 ) -> LoadedWan:
-    """Read a Wan file one tensor at a time into the in-memory fp8 form (kernels/fp8_state.py).
+    """Read a Wan file one tensor at a time into the in-memory fp8 form (kernels/fp8_state.py), or, for a file
+    in ComfyUI's other quantized layouts, as stored (kernels/core_quant.py; ``mode`` does not apply).
 
     High-precision files are quantized to ``mode`` while streaming (on ``device``, e.g. the GPU, when
     given). Pre-quantized files keep their own per-tensor quantization (re-quantizing fp8 codes only adds
@@ -268,6 +293,9 @@ def load_wan_state_dict(
         raise ValueError(f"block_size must be 64 or 128 (the GEMM scale granularities), got {block_size}")
     header = read_header(path)
     info = inspect_checkpoint(path, header)
+    if info.format == "core_quant":  # ComfyUI's own layers build it: every tensor as stored
+        sd = read_core_state_dict(header, info.prefix, info.layers, mmap=mmap, progress=progress)
+        return LoadedWan(sd, info, "none", None, False)
     out_mode, out_bs, notes = _output_quantization(info, mode, block_size)
     plan = Fp8Plan(info.format, info.prefix, is_fp8_target, out_mode, block_size,
                    saved_block=out_bs if info.format == "lowvram_fp8" and out_mode == "blockwise" else None)

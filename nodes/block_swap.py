@@ -49,6 +49,7 @@ from ..kernels.offload import BlockStreamer, StreamHook
 from ..kernels.swap_plan import SwapConfig, SwapPlan
 from ..kernels.swap_verdict import StreamStats, SwapSetup, swap_verdict
 from .glue.common import CATEGORY_PATCHES, display_name, dynamic_vram_manages, mixed_class, node_id, say_once
+from .glue.core_quant import model_layouts
 from .glue.hooks import register_hook
 from .glue.lora_merge import StreamedMerge
 from .glue.pin_budget import ComfyPinBudget
@@ -470,6 +471,12 @@ def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - Model
         say_once(log, "lowvram_dit Block Swap steps aside: ComfyUI's DynamicVRAM already streams this model's "
                       "weights to the GPU on demand, and two managers of one model's VRAM would fight. To use Block "
                       "Swap instead, start ComfyUI with --disable-dynamic-vram.")
+        return model
+    layouts = model_layouts(model)
+    if layouts:
+        log.warning("lowvram_dit Block Swap: this model's layers are ComfyUI's quantized layouts (%s), which Block Swap "
+                    "cannot stream (it streams plain tensors); the model passes through unchanged and ComfyUI's own "
+                    "partial loading offloads it", ", ".join(layouts))
         return model
     m = model.clone()
     if SWAP_KEY in m.attachments:  # Block Swap applied twice: the last one wins (its hook is replaced below)

@@ -42,6 +42,7 @@ from .glue import text_encoders
 from .glue.graph_checks import WAN_VAE_KEY
 from .glue.common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, file_fingerprint, load_diffusion_model,
                           node_id, use_mmap)
+from .glue.core_quant import announce, check_host_reads
 from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 from .glue.mapped_weights import keep_file_backed
 from .glue.seams import BLOCK_SWAP_SEAMS, DISABLE
@@ -50,6 +51,7 @@ log = logging.getLogger("comfyui_lowvram_dit")
 
 QUANTIZATION = {"fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise", "none": "none"}
 COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "dequantize": "dequantize"}
+LOADER = "Qwen-Image staged loader"  # the Staged and the Edit Staged Loader share this transformer load
 
 
 def _log_stage(report: StageReport) -> None:
@@ -137,12 +139,15 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
 
     mode = QUANTIZATION[quantization]
     check_quantization(read_header(unet_path))  # malformed configs / bad scales: named before any weight is read
+    check_host_reads(unet_path, LOADER)  # layouts this ComfyUI cannot build, likewise
     dev = _compute_device()
     bar = _bar(1000)
     sd, info, out_mode = qwen_image.load_qwen_image_state_dict(
         unet_path, mode, block_size, device=dev if dev.type == "cuda" else None, mmap=use_mmap(),
         progress=lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))))
-    if mode != "none" and info.format != "high_precision":
+    if info.format == "core_quant":
+        announce(Path(unet_path).name, info.layers, LOADER)
+    elif mode != "none" and info.format != "high_precision":
         log.info("lowvram_dit: %s is already %s fp8; kept as stored", Path(unet_path).name, info.format)
     if out_mode == "none":
         opts: dict = {}  # exactly UNETLoader(weight_dtype="default")
@@ -287,6 +292,7 @@ def prepare_files(unet_name: str, clip_name: str, vae_name: str, vram_budget_gb:
     te = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
     vae_path = folder_paths.get_full_path_or_raise("vae", vae_name)
     check_vae_fits(vae_path, unet)
+    check_host_reads(unet, LOADER)  # before the long text stage, as the VAE check
     # A previous run's transformer (dropped from ComfyUI's cache when the inputs changed) must be gone before the
     # encoder loads: the two do not fit in RAM together on the machines these nodes are for.
     mm.cleanup_models_gc()

@@ -20,6 +20,7 @@ from .glue.common import (
     node_id,
     use_mmap,
 )
+from .glue.core_quant import announce, check_host_reads
 from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 from .glue.mapped_weights import keep_file_backed
 from .glue.seams import DISABLE
@@ -28,6 +29,7 @@ log = logging.getLogger("comfyui_lowvram_dit")
 
 QUANTIZATION = {"none": "none", "fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise"}
 COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "dequantize": "dequantize"}
+LOADER = "Wan Loader"
 
 
 def _quantize_device() -> torch.device:
@@ -54,6 +56,7 @@ def load_wan_model(
 
     mode = QUANTIZATION[quantization]
     source = Path(path)
+    check_host_reads(source, LOADER)  # a layout this ComfyUI cannot build: refused before any weight is read
     saved = wc.find_quantized(source, mode, block_size)
     read_from = saved or source
     if saved is not None:
@@ -85,7 +88,10 @@ def load_wan_model(
             log.warning("lowvram_dit: could not save %s: %s", dest.name, exc)
 
     reload = (load_wan_model, (path, quantization, block_size, compute))
-    if loaded.fp8_layers == 0:
+    if loaded.info.format == "core_quant":
+        announce(source.name, loaded.info.layers, LOADER)
+        model = load_diffusion_model(loaded.state_dict, {}, reload, disable_dynamic)  # exactly as UNETLoader
+    elif loaded.fp8_layers == 0:
         # Nothing quantized: exactly what UNETLoader(weight_dtype="default") builds.
         model = load_diffusion_model(loaded.state_dict, {}, reload, disable_dynamic)
     else:

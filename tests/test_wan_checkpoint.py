@@ -199,11 +199,28 @@ def test_comfy_quant_files_keep_codes_and_scales(tmp_path: Path, bf16_sd: dict, 
         assert torch.equal(loaded.state_dict[k[:-6] + "weight_scale"], sd[k[:-6] + "weight_scale"])
 
 
-def test_comfy_quant_nvfp4_layer_is_refused_with_the_file_name(tmp_path: Path, bf16_sd: dict) -> None:
+def test_comfy_quant_file_with_another_layout_is_read_as_stored(tmp_path: Path, bf16_sd: dict) -> None:
+    """A layer in a layout other than fp8 (here nvfp4, packed to half width) makes the file ComfyUI's to build:
+    every tensor as stored, each layer's config kept, nothing quantized or re-scaled."""
     sd = _comfy_quant_sd(bf16_sd)
+    n, k = sd["blocks.0.ffn.0.weight"].shape
+    sd["blocks.0.ffn.0.weight"] = torch.zeros(n, k // 2, dtype=torch.uint8)
+    sd["blocks.0.ffn.0.weight_scale"] = torch.ones(n, k // 16).to(torch.float8_e4m3fn)
+    sd["blocks.0.ffn.0.weight_scale_2"] = torch.tensor(0.5)
     sd["blocks.0.ffn.0.comfy_quant"] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
-    with pytest.raises(CheckpointError, match=r"nv\.safetensors.*nvfp4.*UNETLoader"):
-        wc.load_wan_state_dict(_save(tmp_path / "nv.safetensors", sd), "per_tensor")
+    loaded = wc.load_wan_state_dict(_save(tmp_path / "nv.safetensors", sd), "per_tensor")
+    assert loaded.info.format == "core_quant" and loaded.fp8_layers == 0 and not loaded.quantized_here
+    assert sorted(loaded.state_dict) == sorted(sd)
+    assert all(_same(loaded.state_dict[key], v) for key, v in sd.items())
+
+
+def test_comfy_quant_other_layout_with_nan_scale_is_refused(tmp_path: Path, bf16_sd: dict) -> None:
+    sd = _comfy_quant_sd(bf16_sd)
+    sd["blocks.0.ffn.0.weight"] = sd["blocks.0.ffn.0.weight"].view(torch.int8)
+    sd["blocks.0.ffn.0.weight_scale"] = torch.tensor(float("nan"))
+    sd["blocks.0.ffn.0.comfy_quant"] = torch.tensor(list(b'{"format": "int8_tensorwise"}'), dtype=torch.uint8)
+    with pytest.raises(CheckpointError, match=r"bad\.safetensors.*blocks\.0\.ffn\.0\.weight_scale.*NaN"):
+        wc.load_wan_state_dict(_save(tmp_path / "bad.safetensors", sd), "per_tensor")
 
 
 def test_plain_fp8_cast_gets_unit_scales(tmp_path: Path) -> None:

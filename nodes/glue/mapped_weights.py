@@ -202,7 +202,8 @@ def keep_file_backed(patcher):  # noqa: ANN001, ANN201 - ModelPatcher in, the sa
     views = {}
     for owner_name, module in patcher.model.named_modules():
         for attr, p in module.named_parameters(recurse=False):
-            if is_file_backed(p, ranges):
+            # ComfyUI's quantized layouts (QuantizedTensor) keep their own storage: ComfyUI moves them as it would
+            if type(p.data) is torch.Tensor and is_file_backed(p, ranges):
                 key = f"{owner_name}.{attr}" if owner_name else attr
                 views[key] = FileView(p.data, weakref.ref(module))
     if not views:
