@@ -94,16 +94,14 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         raise CheckpointError(f"{p.name}: {size} bytes is too small to be a safetensors file (truncated?)")
     with p.open("rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len <= 0 or header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
-            raise CheckpointError(
-                f"{p.name}: corrupt safetensors header (declared length {header_len} bytes, file {size} bytes); "
-                "the file is truncated or not a safetensors file"
-            )
+        _check_header_start(p, header_len, size)
         raw = f.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: deep nesting
-        raise CheckpointError(f"{p.name}: corrupt safetensors header ({type(exc).__name__}: {exc})") from None
+        # the exception's text quotes bytes of the file (UnicodeDecodeError): only its kind is named
+        raise CheckpointError(f"{p.name}: corrupt safetensors header ({type(exc).__name__}); the file is damaged "
+                              "or not a safetensors file") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{p.name}: corrupt safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
@@ -141,6 +139,19 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         tensors[name] = TensorInfo(name, dtype, shape_t, data_offset + begin, data_offset + end)
     _check_no_overlap(p, tensors)
     return SafetensorsHeader(p, tensors, {str(k): str(v) for k, v in metadata.items()}, data_offset, size)
+
+
+def _check_header_start(p: Path, header_len: int, size: int) -> None:
+    """CheckpointError unless the first 8 bytes are a plausible safetensors header length for this file.
+
+    The declared length is never put in the message: for a file of another kind it is that file's first bytes.
+    """
+    if header_len <= 0 or header_len > _MAX_HEADER_BYTES:
+        raise CheckpointError(f"{p.name}: not a safetensors file (corrupt safetensors header: its first bytes are not "
+                              "a header length); pick the model's .safetensors file, or download it again")
+    if 8 + header_len > size:
+        raise CheckpointError(f"{p.name}: truncated safetensors file (its header runs past the end of the file's "
+                              f"{size} bytes); download it again")
 
 
 def _check_no_overlap(p: Path, tensors: dict[str, TensorInfo]) -> None:
