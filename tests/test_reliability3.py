@@ -5,12 +5,18 @@ and embedding-cache write failures warned once per kind.
 
 from __future__ import annotations
 
+import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from comfyui_lowvram_dit.kernels.checkpoint_io import CheckpointError, read_header
+from comfyui_lowvram_dit.tools import doctor
 
 # ----------------------------------------------------------------------------------------------------------
 # header errors never echo the file's bytes
@@ -35,3 +41,42 @@ def test_a_truncated_safetensors_file_still_says_truncated(tmp_path: Path) -> No
     path.write_bytes(struct.pack("<Q", 4096) + b'{"a": {"dtype": "F32", ')
     with pytest.raises(CheckpointError, match="truncated"):
         read_header(path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the Doctor and an optional dependency that raises SystemExit
+
+
+def _exiting_module(root: Path, name: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"{name}.py").write_text("raise SystemExit(3)\n", encoding="utf-8")
+    return root
+
+
+def test_doctor_reports_a_dependency_that_raises_system_exit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(_exiting_module(tmp_path / "fake", "triton")))
+    monkeypatch.delitem(sys.modules, "triton", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    report = doctor.collect()
+    assert report["versions"]["triton_import_error"].startswith("SystemExit")
+    assert "Recommendation" in doctor.format_report(report)
+
+
+def test_doctor_cli_survives_a_dependency_that_raises_system_exit(tmp_path: Path) -> None:
+    fake = _exiting_module(tmp_path / "fake", "triton")
+    pack_parent = Path(__import__("comfyui_lowvram_dit").__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), str(pack_parent)]), "CUDA_VISIBLE_DEVICES": ""}
+    run = [sys.executable, "-m", "comfyui_lowvram_dit", "doctor", "--no-gpu-probes", "--json"]
+    proc = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["versions"]["triton_import_error"].startswith("SystemExit")
+    assert "Recommendation" in doctor.format_report(report)
+
+
+def test_an_attention_library_that_raises_system_exit_counts_as_missing(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from comfyui_lowvram_dit.kernels import attention
+
+    monkeypatch.syspath_prepend(str(_exiting_module(tmp_path / "fake", "exiting_attention_lib")))
+    assert attention._optional_module("exiting_attention_lib") is None
