@@ -139,6 +139,12 @@ def _warn_once(topic: str, msg: str, *args: object) -> None:
     log.log(level, msg, *args)
 
 
+def _failure_kind(exc: BaseException) -> str:
+    """What kind of failure ``exc`` is (its type and errno): a read-only folder and, later, a full disk are two
+    kinds, each warned about once."""
+    return f"{type(exc).__name__}:{getattr(exc, 'errno', None)}"
+
+
 def _remove(path: Path) -> None:
     """Delete a cache entry of any kind (file, link, directory); a failure to delete is not an error."""
     try:
@@ -156,7 +162,8 @@ class EmbeddingCache:
     The cache is an optimisation only: it never fails a prompt. An entry that cannot be read or does not
     validate (dtype, shape, finite values, metadata types) is dropped and counts as a miss; a write that fails
     (read-only or full disk, a directory in the way) leaves no temp file and no open handle behind, and the
-    prompt runs uncached. Each problem is logged as a warning once, naming the file or folder. Writes are
+    prompt runs uncached. Each problem is logged as a warning once (a write failure once per folder and kind of
+    failure), naming the file or folder. Writes are
     atomic (temp file in the same folder + fsync + ``os.replace``). ``max_entries`` bounds the folder (oldest
     by mtime go first).
     """
@@ -222,8 +229,8 @@ class EmbeddingCache:
                 _remove(junk)
             if not isinstance(exc, Exception):
                 raise
-            _warn_once(f"write:{self.root}", "lowvram_dit: cannot write the embedding cache in %s (%s: %s); prompts "
-                       "run without caching", self.root, type(exc).__name__, exc)
+            _warn_once(f"write:{self.root}:{_failure_kind(exc)}", "lowvram_dit: cannot write the embedding cache in "
+                       "%s (%s: %s); prompts run without caching", self.root, type(exc).__name__, exc)
             return None
         self.prune()
         return path

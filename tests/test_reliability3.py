@@ -5,7 +5,9 @@ and embedding-cache write failures warned once per kind.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import struct
 import subprocess
@@ -15,8 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from comfyui_lowvram_dit.kernels import embedding_cache as ec
 from comfyui_lowvram_dit.kernels.checkpoint_io import CheckpointError, read_header
 from comfyui_lowvram_dit.tools import doctor
+
+ENC = {"sha256": "b" * 64, "format": "bfloat16", "dtype": "bfloat16", "config": {"hidden_size": 8}}
+
+
+def _cond() -> list:
+    return [[torch.randn(1, 3, 8), {"pooled_output": None}]]
+
 
 # ----------------------------------------------------------------------------------------------------------
 # header errors never echo the file's bytes
@@ -80,3 +90,28 @@ def test_an_attention_library_that_raises_system_exit_counts_as_missing(tmp_path
 
     monkeypatch.syspath_prepend(str(_exiting_module(tmp_path / "fake", "exiting_attention_lib")))
     assert attention._optional_module("exiting_attention_lib") is None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# embedding-cache write failures: one warning per kind of failure
+
+
+def test_each_kind_of_cache_write_failure_is_warned_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(ec, "_WARNED", set())
+    failure = [OSError(errno.EROFS, "Read-only file system")]
+
+    def failing_writer(*args: object, **kwargs: object) -> None:
+        raise failure[0]
+
+    monkeypatch.setattr(ec, "StreamingSafetensorsWriter", failing_writer)
+    cache = ec.EmbeddingCache(tmp_path / "cache")
+    with caplog.at_level(logging.DEBUG, logger="comfyui_lowvram_dit"):
+        for n, exc in enumerate([OSError(errno.EROFS, "Read-only file system")] * 2
+                                + [OSError(errno.ENOSPC, "No space left on device")] * 2):
+            failure[0] = exc
+            assert cache.put(ec.embedding_cache_key(f"p{n}", "t", ENC), _cond()) is None
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2, warned
+    assert "Read-only" in warned[0] and "No space left" in warned[1]
+    assert all(str(tmp_path / "cache") in w for w in warned)
