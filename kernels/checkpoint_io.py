@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from . import safe_write
+
 # safetensors dtype strings <-> torch dtypes (the subset diffusion checkpoints use).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -72,6 +74,20 @@ class SafetensorsHeader:
     metadata: dict[str, str]
     data_offset: int
     file_size: int
+
+
+def written_with(key: str, value: str | None = None) -> safe_write.Owned:
+    """Proof that a safetensors file is the pack's (for StreamingSafetensorsWriter's ``owned``): its header
+    metadata holds ``key`` (equal to ``value`` when given); a file that is not safetensors proves nothing."""
+
+    def owned(path: Path) -> bool:
+        try:
+            meta = read_header(path).metadata
+        except CheckpointError:
+            return False
+        return key in meta and (value is None or meta[key] == value)
+
+    return owned
 
 
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
@@ -392,8 +408,10 @@ class StreamingSafetensorsWriter:
     """Write a safetensors file tensor by tensor when every name, shape and dtype is known up front.
 
     The header is written first; ``write(name, tensor)`` must then be called in the declared order.
-    The file is written to ``<path>.partial`` and renamed on ``close()``, so a crash never leaves a
-    file that looks complete.
+    The file is written to a new hidden temp file beside ``path`` and renamed on ``close()`` (kernels.safe_write),
+    so a crash never leaves a file that looks complete and no write follows a link. An existing ``path`` is
+    replaced only when ``owned(path)`` proves the pack wrote it (see written_with); otherwise the constructor
+    raises safe_write.UnsafeTargetError before anything is written.
     """
 
     def __init__(
@@ -401,9 +419,10 @@ class StreamingSafetensorsWriter:
         path: str | os.PathLike[str],
         layout: list[tuple[str, tuple[int, ...], torch.dtype]],
         metadata: dict[str, str] | None = None,
+        owned: safe_write.Owned | None = None,
     ) -> None:
         self.path = Path(path)
-        self._tmp = self.path.with_name(self.path.name + ".partial")
+        self._owned = owned
         header: dict[str, object] = {}
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -421,8 +440,9 @@ class StreamingSafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-(len(raw)) % _ALIGN)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        safe_write.refuse_unowned(self.path, owned)
         self._next = 0
-        self._f = self._tmp.open("wb")
+        self._tmp, self._f = safe_write.temp_beside(self.path)
         try:
             self._f.write(struct.pack("<Q", len(raw)))
             self._f.write(raw)
@@ -461,10 +481,12 @@ class StreamingSafetensorsWriter:
         """Finish the file (all declared tensors must have been written) and move it into place."""
         try:
             self._f.truncate()  # sets the size when the last tensors were skipped zeros (a no-op otherwise)
-            self._f.close()  # flushes: a full disk can fail here
+            self._f.flush()  # a full disk can fail here
+            os.fsync(self._f.fileno())
+            self._f.close()
             if self._next != len(self._order):
                 raise ValueError(f"{self.path.name}: {len(self._order) - self._next} declared tensors were not written")
-            os.replace(self._tmp, self.path)
+            safe_write.commit(self._tmp, self.path, self._owned)
         except BaseException:
             self.abort()
             raise
@@ -476,10 +498,7 @@ class StreamingSafetensorsWriter:
             self._f.close()
         except OSError:  # the failed flush of a full disk: CPython closes the descriptor anyway
             pass
-        try:
-            self._tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+        safe_write.discard(self._tmp)
 
     def __enter__(self) -> StreamingSafetensorsWriter:
         return self

@@ -9,6 +9,7 @@ import errno
 import json
 import logging
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -18,8 +19,12 @@ import pytest
 import torch
 
 from comfyui_lowvram_dit.kernels import embedding_cache as ec
+from comfyui_lowvram_dit.kernels import safe_write
+from comfyui_lowvram_dit.kernels import wan_checkpoint as wc
 from comfyui_lowvram_dit.kernels.checkpoint_io import CheckpointError, read_header
-from comfyui_lowvram_dit.tools import doctor
+from comfyui_lowvram_dit.tools import doctor, synth
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ENC = {"sha256": "b" * 64, "format": "bfloat16", "dtype": "bfloat16", "config": {"hidden_size": 8}}
 
@@ -115,3 +120,120 @@ def test_each_kind_of_cache_write_failure_is_warned_once(tmp_path: Path, monkeyp
     assert len(warned) == 2, warned
     assert "Read-only" in warned[0] and "No space left" in warned[1]
     assert all(str(tmp_path / "cache") in w for w in warned)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# no write follows a link or replaces a file the pack did not write
+
+
+@pytest.fixture(scope="module")
+def wan_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("wan")
+    return synth.write_synthetic("wan21_t2v_1_3B", root / "wan.safetensors", size="tiny", fmt="bf16", seed=3)
+
+
+def _plant(path: Path, kind: str, outside: Path) -> None:
+    """Something of the user's at ``path``: a link to ``outside``, a dangling link, or a regular file."""
+    if kind == "link":
+        path.symlink_to(outside)
+    elif kind == "dangling":
+        path.symlink_to(outside.with_name("nowhere"))
+    else:
+        path.write_bytes(b"the user's own file")
+
+
+@pytest.mark.parametrize("kind", ["link", "dangling", "file"])
+def test_save_quantized_never_writes_through_what_sits_at_its_temp_name(wan_source: Path, tmp_path: Path,
+                                                                       kind: str) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"a file outside the models folder")
+    dest = wc.quantized_path_for(models / wan_source.name, "per_tensor")
+    planted = dest.with_name(dest.name + ".partial")  # the temp name earlier versions used
+    _plant(planted, kind, outside)
+    wc.save_quantized(wc.load_wan_state_dict(wan_source, "per_tensor"), dest, wan_source)
+    assert outside.read_bytes() == b"a file outside the models folder"
+    assert not dest.is_symlink() and read_header(dest).metadata[wc.META_FORMAT] == wc.FORMAT_TAG
+    assert planted.is_symlink() == (kind != "file")
+    assert kind != "file" or planted.read_bytes() == b"the user's own file"
+    assert [p.name for p in models.iterdir() if p.name.endswith(".tmp")] == []
+
+
+@pytest.mark.parametrize("kind", ["link", "dangling", "file"])
+def test_synthetic_models_never_replace_a_users_file_or_link(tmp_path: Path, kind: str) -> None:
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"keep me")
+    dest = tmp_path / "synth.safetensors"
+    _plant(dest, kind, outside)
+    before = os.readlink(dest) if dest.is_symlink() else dest.read_bytes()
+    with pytest.raises(safe_write.UnsafeTargetError, match="synth.safetensors"):
+        synth.write_synthetic("wan21_t2v_1_3B", dest, size="tiny", fmt="bf16")
+    assert (os.readlink(dest) if dest.is_symlink() else dest.read_bytes()) == before
+    assert outside.read_bytes() == b"keep me" and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["outside.txt", "synth.safetensors"])
+
+
+def test_a_synthetic_model_is_rewritten_over_its_own_earlier_copy(tmp_path: Path) -> None:
+    dest = tmp_path / "synth.safetensors"
+    synth.write_synthetic("wan21_t2v_1_3B", dest, size="tiny", fmt="bf16", seed=1)
+    synth.write_synthetic("wan21_t2v_1_3B", dest, size="tiny", fmt="bf16", seed=2)
+    assert read_header(dest).metadata["seed"] == "2"
+
+
+def test_the_cache_never_replaces_a_link_in_place_of_an_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ec, "_WARNED", set())
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"keep me")
+    cache = ec.EmbeddingCache(tmp_path / "cache")
+    key = ec.embedding_cache_key("p", "t", ENC)
+    cache.path_for(key).parent.mkdir(parents=True)
+    cache.path_for(key).symlink_to(outside)
+    assert cache.put(key, _cond()) is None
+    assert cache.path_for(key).is_symlink() and outside.read_bytes() == b"keep me"
+
+
+@pytest.mark.parametrize("kind", ["link", "dangling", "file", "folder"])
+def test_write_atomic_refuses_what_it_cannot_prove_it_wrote(tmp_path: Path, kind: str) -> None:
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"keep me")
+    dest = tmp_path / "report.json"
+    if kind == "folder":
+        dest.mkdir()
+    else:
+        _plant(dest, kind, outside)
+    with pytest.raises(safe_write.UnsafeTargetError, match="report.json"):
+        safe_write.write_report(dest, '{"report": 1}')
+    assert outside.read_bytes() == b"keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outside.txt", "report.json"]
+
+
+def test_write_report_replaces_its_own_earlier_report_atomically(tmp_path: Path) -> None:
+    dest = tmp_path / "bench.md"
+    safe_write.write_report(dest, "# bench_attention: results\n\nold\n")
+    safe_write.write_report(dest, "# bench_attention: results\n\nnew\n")
+    assert dest.read_text() == "# bench_attention: results\n\nnew\n"
+
+    def fail(f: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        safe_write.write_atomic(dest, fail, safe_write.starts_with("# bench_attention"))
+    assert dest.read_text().endswith("new\n") and sorted(p.name for p in tmp_path.iterdir()) == ["bench.md"]
+
+
+WRITE_CALLS = re.compile(r"""\.write_text\(|\.write_bytes\(|save_file\(|torch\.save\(|json\.dump\(|shutil\.copy"""
+                         r"""|\bopen\([^)]*["'][wax]b?\+?["']|\.open\(["'][wax]|\.save\((?!.*format=)""")
+
+
+def test_every_file_the_pack_writes_goes_through_safe_write() -> None:
+    offenders = []
+    for folder in ("kernels", "nodes", "tools", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name == "safe_write.py":
+                continue
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                code = line.split("#")[0]
+                if WRITE_CALLS.search(code) and "write_atomic(" not in code:  # a writer handed to write_atomic
+                    offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert offenders == [], "write these through kernels.safe_write:\n" + "\n".join(offenders)
