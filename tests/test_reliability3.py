@@ -237,3 +237,39 @@ def test_every_file_the_pack_writes_goes_through_safe_write() -> None:
                 if WRITE_CALLS.search(code) and "write_atomic(" not in code:  # a writer handed to write_atomic
                     offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert offenders == [], "write these through kernels.safe_write:\n" + "\n".join(offenders)
+
+
+def test_the_runner_log_never_follows_a_link_and_replaces_only_its_own_log(tmp_path: Path) -> None:
+    from comfyui_lowvram_dit.tools import runner
+
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"keep me")
+    log = tmp_path / "comfyui.log"
+    log.symlink_to(outside)
+    with pytest.raises(safe_write.UnsafeTargetError, match="comfyui.log"):
+        runner.open_log(log, ["python", "main.py"])
+    log.unlink()
+    for run in range(2):  # the second run replaces the first run's log
+        with runner.open_log(log, ["python", "main.py", f"--run={run}"]) as f:
+            f.write(b"ComfyUI says hello\n")
+        assert log.read_bytes().endswith(f"--run={run}\nComfyUI says hello\n".encode())
+    assert outside.read_bytes() == b"keep me" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "comfyui.log", "outside.txt"]
+
+
+def test_convert_force_replaces_a_file_but_never_a_link(tmp_path: Path) -> None:
+    from comfyui_lowvram_dit.tools import convert
+
+    src = tmp_path / "in.json"
+    src.write_text('{"nodes": [], "links": []}', encoding="utf-8")
+    outside = tmp_path / "outside.json"
+    outside.write_text("keep me", encoding="utf-8")
+    dst = tmp_path / "out.json"
+    dst.symlink_to(outside)
+    with pytest.raises(convert.ConvertError, match="symbolic link"):
+        convert.convert_file(src, dst, force=True)
+    assert dst.is_symlink() and outside.read_text(encoding="utf-8") == "keep me"
+    dst.unlink()
+    dst.write_text("an older output", encoding="utf-8")
+    convert.convert_file(src, dst, force=True)
+    assert not dst.is_symlink() and json.loads(dst.read_text(encoding="utf-8"))["nodes"] == []
