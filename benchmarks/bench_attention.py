@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from comfyui_lowvram_dit.kernels.safe_write import write_report
 
 try:
     from . import harness
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                                     warmup=args.warmup, out_dir=args.out_dir, fresh_process=not args.in_process,
                                     force_cpu=args.smoke, argv=["-m", MODULE, *(sys.argv[1:] if argv is None else argv)])
     text = summary(results)
-    (Path(args.out_dir) / f"{bench}_summary.md").write_text(text + "\n", encoding="utf-8")
+    write_report((Path(args.out_dir) / f"{bench}_summary.md"), text + "\n")
     print(text)
     return 0 if any(r.get("status") == "ok" for r in results) else 1
 

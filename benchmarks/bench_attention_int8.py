@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from comfyui_lowvram_dit.benchmarks import attention_families as AF
 from comfyui_lowvram_dit.benchmarks import harness
 from comfyui_lowvram_dit.kernels import attention_int8 as A
+from comfyui_lowvram_dit.kernels.safe_write import write_report
 
 # (B, H, Lq, Lk, D); token counts from shared/research/model-facts-wan22-qwenimage.md
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
@@ -397,8 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     def write() -> None:  # after every stage, so a run cut short still leaves what it measured
         report["autotune"] = A.chosen_configs()
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
-        (args.out / f"{stem}.md").write_text(to_markdown(report), encoding="utf-8")
+        write_report((args.out / f"{stem}.json"), json.dumps(report, indent=1, default=str))
+        write_report((args.out / f"{stem}.md"), to_markdown(report))
 
     report["checks"] = [] if args.no_checks else (say("correctness:") or check_correctness(args.backends))
     shape_names = args.shapes or list(QUICK_SHAPES if args.quick else SHAPES)

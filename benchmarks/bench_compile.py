@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from comfyui_lowvram_dit.kernels.safe_write import starts_with, write_atomic, write_report
 
 try:
     from . import harness
@@ -198,7 +199,8 @@ class _GraphWatch:
 
     def _write(self) -> None:
         if self.path is not None:
-            self.path.write_text(json.dumps({"graphs": self.graphs, "untimed_calls": self.untimed}), encoding="utf-8")
+            write_atomic(self.path, json.dumps({"graphs": self.graphs, "untimed_calls": self.untimed}),
+                         starts_with('{"graphs": ', 11))
 
 
 def _fp8_options(model: str, sd: dict, mode: str) -> dict:
@@ -541,7 +543,7 @@ def run(bench: str, vs: list[harness.Variant], *, repeats: int, warmup: int, out
             last = i == len(vs) - 1
             harness.write_reports(bench, results, env, out_dir=out_dir, plot="time_ms" if last else None,
                                   settings=settings)
-            (out_dir / f"{bench}_summary.md").write_text(summary(results) + "\n", encoding="utf-8")
+            write_report((out_dir / f"{bench}_summary.md"), summary(results) + "\n")
             print(f"[{time.perf_counter() - start:.0f} s] {v.name}: {results[-1].get('status')} "
                   f"{results[-1].get('time_ms') or ''}", file=sys.stderr, flush=True)
     return results

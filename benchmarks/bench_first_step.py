@@ -53,6 +53,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
+from comfyui_lowvram_dit.kernels.safe_write import TORCH_ARCHIVE, starts_with, write_atomic, write_report
 
 try:
     from . import harness
@@ -255,7 +256,8 @@ def first_step_case(ctx: harness.BenchContext, path: str, compiled: bool, size: 
     if tuple(out.shape) != tuple(inputs["x"].shape) or not bool(torch.isfinite(out).all()):
         raise RuntimeError(f"first step gave shape {tuple(out.shape)} or non-finite values")
     if save_output:
-        torch.save(out.detach().to("cpu", torch.bfloat16).clone(), save_output)
+        ref = out.detach().to("cpu", torch.bfloat16).clone()
+        write_atomic(save_output, lambda f: torch.save(ref, f), starts_with(TORCH_ARCHIVE, 4))
     del out
     split, decided = dynamo_split(), timer.snapshot()
     accounted = split["dynamo_s"] + split["backend_s"] + decided.get("attention_s", 0.0) + \
@@ -420,7 +422,7 @@ def run(vs: list[harness.Variant], *, out_dir: Path, smoke: bool, argv: list[str
                 r["first_step_s"] = (r.get("metrics") or {}).get("first_step_s")
             harness.write_reports(BENCH, results, env, out_dir=out_dir, plot="first_step_s" if i == len(vs) - 1
                                   else None, settings={"repeats": 0, "warmup": 0, "fresh_process": True})
-            (out_dir / f"{BENCH}_summary.md").write_text(summary(results, env), encoding="utf-8")
+            write_report((out_dir / f"{BENCH}_summary.md"), summary(results, env))
             print(f"[{time.perf_counter() - start:.0f} s] {v.name}: {results[-1].get('status')} "
                   f"first step {results[-1].get('first_step_s')}", file=sys.stderr, flush=True)
     return results

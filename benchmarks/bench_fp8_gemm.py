@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from comfyui_lowvram_dit.benchmarks import harness
 from comfyui_lowvram_dit.kernels import fp8, fp8_triton
+from comfyui_lowvram_dit.kernels.safe_write import write_report
 
 # (M tokens, K in, N out). Tokens: Wan 14B 832x480x81 -> 21x30x52 = 32,760; Wan 5B 1280x704x121 -> 31x22x40 =
 # 27,280; Qwen-Image 1328x1328 -> 83x83 = 6,889 image tokens (shared/research/model-facts-wan22-qwenimage.md).
@@ -203,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         say(line)
     stem = "bench_fp8_gemm_quick" if args.quick else "bench_fp8_gemm"
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1, default=str))
-    (args.out_dir / f"{stem}.md").write_text(markdown(rows, env, summary))
+    write_report((args.out_dir / f"{stem}.json"), json.dumps({"env": env, "rows": rows}, indent=1, default=str))
+    write_report((args.out_dir / f"{stem}.md"), markdown(rows, env, summary))
     say(f"wrote {args.out_dir / stem}.json and .md")
     return 0
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from comfyui_lowvram_dit.benchmarks import harness
+from comfyui_lowvram_dit.kernels.safe_write import write_report
 
 MODES = ("cold", "ahead", "ahead_idle")
 B, H, D, L_SELF, L_TEXT = 2, 40, 128, 32_760, 512
@@ -136,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows[-1])[:600], flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / "bench_int8_warmup"
-    stem.with_suffix(".json").write_text(json.dumps({"env": env, "rows": rows}, indent=1, default=str))
-    stem.with_suffix(".md").write_text(markdown(rows, env))
+    write_report(stem.with_suffix(".json"), json.dumps({"env": env, "rows": rows}, indent=1, default=str))
+    write_report(stem.with_suffix(".md"), markdown(rows, env))
     plot = harness.write_plot(stem.with_suffix(".png"), "bench_int8_warmup",
                               [{"name": r["mode"], "status": r.get("status"), "total_s": r.get("total_s")}
                                for r in rows], "total_s", env)

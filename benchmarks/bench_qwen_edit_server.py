@@ -25,6 +25,7 @@ the native row is skipped there: stock CLIPLoader needs the full-size encoder)::
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import shutil
 import sys
@@ -37,6 +38,7 @@ from . import bench_server as bs
 from . import bench_server_run as run
 from . import harness
 from .bench_server_env import gpu_facts, software_facts
+from ..kernels.safe_write import same_content, write_atomic, write_report
 
 UNET = "qwen_image_edit_2509_fp8_e4m3fn.safetensors"  # the 2509 template's file
 TEXT_ENCODER = "qwen_2.5_vl_7b.safetensors"  # bf16: the RSS goal is stated for it
@@ -107,7 +109,9 @@ def write_input_image(folder: Path, width: int, height: int) -> Path:
     y, x = np.mgrid[0:height, 0:width]
     rgb = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], -1)
     folder.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(rgb.astype(np.uint8)).save(folder / IMAGE)
+    png = io.BytesIO()
+    Image.fromarray(rgb.astype(np.uint8)).save(png, format="PNG")
+    write_atomic(folder / IMAGE, png.getvalue(), same_content(png.getvalue()))
     return folder / IMAGE
 
 
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result["goals"]))
     if opts.out is not None:
         opts.out.parent.mkdir(parents=True, exist_ok=True)
-        opts.out.write_text(json.dumps(result, indent=1, default=str))
+        write_report(opts.out, json.dumps(result, indent=1, default=str))
     if own_work and not opts.keep_logs:
         shutil.rmtree(opts.work, ignore_errors=True)
     return 0 if rows and all(r["status"] in ("ok", "skipped") for r in rows) and any(r["status"] == "ok" for r in rows) \

@@ -40,6 +40,7 @@ from . import bench_server_report as report
 from . import bench_server_run as run
 from . import harness
 from .bench_server_env import gpu_facts, model_file_sizes, software_facts, write_models
+from ..kernels import safe_write
 
 RESULTS = run.PACK_ROOT / "benchmarks" / "results" / "qwen_image_0.33"
 BENCH = "qwen_t2i_4step_8gb"
@@ -216,8 +217,8 @@ def write_report(out: Path, stem: str, results: list[dict], env: dict, settings:
     paths += [out / f"{stem}.png"] if note is None else []
     doc = {"bench": stem, "env": env, "settings": settings, "ratios": report.ratios(results),
            "notes": [note] if note else [], "variants": results}
-    paths[0].write_text(json.dumps(doc, indent=1, default=str), encoding="utf-8")
-    paths[1].write_text(markdown(results, env, settings), encoding="utf-8")
+    safe_write.write_report(paths[0], json.dumps(doc, indent=1, default=str))
+    safe_write.write_report(paths[1], markdown(results, env, settings))
     return paths
 
 

@@ -10,6 +10,7 @@ import json
 import statistics
 from pathlib import Path
 from typing import Any
+from comfyui_lowvram_dit.kernels.safe_write import write_report
 
 # Goals: whole GPU, pack stack vs native; 8 GB card, pack vs native DynamicVRAM.
 GOAL_VS_DEFAULT = 1.6
@@ -200,6 +201,6 @@ def write(out_dir: Path, stem: str, results: list[dict], env: dict, settings: di
         paths.append(out_dir / f"{stem}.png")
     doc = {"bench": stem, "env": env, "settings": settings, "ratios": ratios(results), "goals": goals(results),
            "notes": [note] if note else [], "variants": results}
-    paths[0].write_text(json.dumps(doc, indent=1), encoding="utf-8")
-    paths[1].write_text(markdown(results, env, settings), encoding="utf-8")
+    write_report(paths[0], json.dumps(doc, indent=1))
+    write_report(paths[1], markdown(results, env, settings))
     return paths

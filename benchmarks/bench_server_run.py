@@ -33,6 +33,7 @@ from typing import Any, Protocol, Self, TypeVar
 from ..tools import runner
 from ..tools.memwatch import MemoryWatch
 from . import server_probe
+from ..kernels.safe_write import write_report
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
 GIB = float(1 << 30)
@@ -306,7 +307,7 @@ def run_row(setup: ServerSetup, row: ServerRow, graph: dict, total_vram_gib: flo
     record["log"] = log_digest(log)
     record["lora_keys_not_loaded"] = log.count(LORA_KEY_MISSED)  # > 0: a LoRA row ran partly without its LoRA
     if setup.keep_logs:
-        (setup.work / f"{row.name}.log").write_text(log, errors="replace")
+        write_report((setup.work / f"{row.name}.log"), log)
     shutil.rmtree(base, ignore_errors=True)
     return record
 

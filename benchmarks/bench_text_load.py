@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from comfyui_lowvram_dit.kernels.safe_write import write_report
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = ["a red fox running through fresh snow at golden hour, cinematic lighting", ""]
@@ -113,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio = best["native"]["load_s"] / b["load_s"] if best["native"] else float("nan")
         lines.append(f"| {k} | {b['load_s']:.2f} | {ratio:.2f}x | {b['encode_s']:.2f} | {b['peak_rss_gib']:.2f} |")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "text_encoder_load_cpu.json").write_text(json.dumps({"env": env, "runs": runs}, indent=1))
-    (args.out_dir / "text_encoder_load_cpu.md").write_text("\n".join(lines) + "\n")
+    write_report((args.out_dir / "text_encoder_load_cpu.json"), json.dumps({"env": env, "runs": runs}, indent=1))
+    write_report((args.out_dir / "text_encoder_load_cpu.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

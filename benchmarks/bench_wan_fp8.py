@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from comfyui_lowvram_dit.kernels.safe_write import TORCH_ARCHIVE, starts_with, write_atomic
+
 try:
     from . import harness
 except ImportError:  # run as a file: python benchmarks/bench_wan_fp8.py
@@ -58,7 +60,8 @@ def _rel_error(out, ref_path: Path | None, save: bool) -> dict:  # noqa: ANN001 
         return {}
     if save:
         ref_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(out.detach().to("cpu", torch.bfloat16), ref_path)
+        ref = out.detach().to("cpu", torch.bfloat16)
+        write_atomic(ref_path, lambda f: torch.save(ref, f), starts_with(TORCH_ARCHIVE, 4))
         return {"rel_error_vs_bf16": 0.0}
     if not ref_path.is_file():
         return {"rel_error_vs_bf16": None, "note": f"no reference output {ref_path.name}: run native_bf16 first"}

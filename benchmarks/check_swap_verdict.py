@@ -38,6 +38,7 @@ from comfyui_lowvram_dit.kernels.swap_verdict import (
     SwapVerdict,
     swap_verdict,
 )
+from comfyui_lowvram_dit.kernels.safe_write import write_report
 
 FULL = {"d": 5120, "ffn": 13824, "heads": 40, "ctx": 512, "blocks": 20}
 SMOKE = {"d": 64, "ffn": 128, "heads": 2, "ctx": 8, "blocks": 6}
@@ -223,8 +224,7 @@ def _fmt(value: float | None) -> str:
 
 def write(out_dir: Path, env: dict, rows: list[dict]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "check_swap_verdict.json").write_text(json.dumps({"env": env, "regimes": rows}, indent=1),
-                                                     encoding="utf-8")
+    write_report((out_dir / "check_swap_verdict.json"), json.dumps({"env": env, "regimes": rows}, indent=1))
     md = ["# check_swap_verdict", ""] + [f"- {k}: {v}" for k, v in env.items()] + [
         "", "| regime | resident ms | streamed ms | verdict | copy ms / alone | compute ms/block | stall ms | checks |",
         "|---|---|---|---|---|---|---|---|"]
@@ -235,7 +235,7 @@ def write(out_dir: Path, env: dict, rows: list[dict]) -> None:
                   f"{_fmt(v['copy_ms'])} / {_fmt(r['isolated_copy_ms'])} | {_fmt(v['compute_ms'])} | "
                   f"{_fmt(v['stall_ms'])} | {'FAIL: ' + ', '.join(bad) if bad else 'pass'} |")
     md += ["", "Verdict lines:", ""] + [f"- {r['regime']}: {r['verdict']['text']}" for r in rows]
-    (out_dir / "check_swap_verdict.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    write_report((out_dir / "check_swap_verdict.md"), "\n".join(md) + "\n")
 
 
 def main(argv: list[str]) -> int:

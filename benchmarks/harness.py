@@ -40,6 +40,7 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
+from comfyui_lowvram_dit.kernels.safe_write import write_report
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -342,7 +343,7 @@ def child_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     spec = json.loads(Path(args.child[0]).read_text(encoding="utf-8"))
     result = run_variant(spec)
-    Path(args.child[1]).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    write_report(Path(args.child[1]), json.dumps(result, indent=1))
     return 0
 
 
@@ -367,7 +368,7 @@ def _child_env(shim: Path) -> dict:
 
 def _run_in_child(spec: dict, shim: Path, workdir: Path, timeout_s: float | None) -> dict:
     spec_path, result_path = workdir / f"{spec['index']}_spec.json", workdir / f"{spec['index']}_result.json"
-    spec_path.write_text(json.dumps(spec), encoding="utf-8")
+    write_report(spec_path, json.dumps(spec))
     cmd = [sys.executable, "-m", CHILD_MODULE, "--child", str(spec_path), str(result_path)]
     record: dict = {"name": spec["name"], "target": spec["target"], "kwargs": spec["kwargs"],
                     "child_command": shlex.join(cmd)}
@@ -526,9 +527,9 @@ def write_reports(bench: str, results: list[dict], env: dict, *, out_dir: Path =
             notes.append(note)
         else:
             paths["png"] = png
-    paths["json"].write_text(json.dumps({"bench": bench, "env": env, "settings": settings, "notes": notes,
-                                         "variants": results}, indent=1), encoding="utf-8")
-    paths["md"].write_text(markdown_table(bench, results, env, settings, notes), encoding="utf-8")
+    write_report(paths["json"], json.dumps({"bench": bench, "env": env, "settings": settings, "notes": notes,
+                                         "variants": results}, indent=1))
+    write_report(paths["md"], markdown_table(bench, results, env, settings, notes))
     return paths
 
 

@@ -40,6 +40,7 @@ except ImportError:
 from comfyui_lowvram_dit.benchmarks import harness
 from comfyui_lowvram_dit.benchmarks.bench_fp8_gemm import make_operands
 from comfyui_lowvram_dit.kernels import fp8
+from comfyui_lowvram_dit.kernels.safe_write import write_report
 
 TOKENS = 32_760  # Wan 14B, 832x480x81: 21 latent frames x 30 x 52 patches
 # (name, in_features, out_features, linears sharing one input)
@@ -438,9 +439,9 @@ def main(argv: list[str] | None = None) -> int:
         say(line)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / "profile_fp8_linear"
-    stem.with_suffix(".json").write_text(json.dumps({"env": env, "rows": rows, "growth": growth, "operand_ab": ab,
+    write_report(stem.with_suffix(".json"), json.dumps({"env": env, "rows": rows, "growth": growth, "operand_ab": ab,
                                                      "summary": summary}, indent=1, default=str))
-    stem.with_suffix(".md").write_text(markdown(rows, growth, ab, env, summary))
+    write_report(stem.with_suffix(".md"), markdown(rows, growth, ab, env, summary))
     write_plot(stem.with_suffix(".png"), rows, env)
     say(f"wrote {stem}.json, .md and .png")
     return 0

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from comfyui_lowvram_dit.kernels.safe_write import write_report
 
 try:
     from . import comfy_native, harness
@@ -165,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         rows[-1]["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "top"}), flush=True)
     opts.out.mkdir(parents=True, exist_ok=True)
-    (opts.out / "profile_wan_step.json").write_text(json.dumps({"env": env, "variants": rows}, indent=1))
-    (opts.out / "profile_wan_step.md").write_text(markdown(rows, env))
+    write_report((opts.out / "profile_wan_step.json"), json.dumps({"env": env, "variants": rows}, indent=1))
+    write_report((opts.out / "profile_wan_step.md"), markdown(rows, env))
     note = write_plot(rows, env, opts.out / "profile_wan_step.png")
     if note:
         print(note)

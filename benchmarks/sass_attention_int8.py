@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 KERNEL_FILE = Path(__file__).resolve().parents[1] / "kernels" / "attention_int8_triton.py"
+SAFE_WRITE_FILE = KERNEL_FILE.with_name("safe_write.py")
 SM_REGS, SM_SMEM, SM_WARPS = 65536, 227 * 1024, 64  # sm80/sm89/sm90 per-SM limits (sm90/sm80 smem; sm89 has 99 KB)
 POINTERS = ("Q8", "QScale", "K8", "KScale", "VT", "VScale", "VMean", "Out")
 DIV16_INTS = ("stride_ob", "stride_oh", "stride_om", "Lq_pad", "Lk_pad")
@@ -30,8 +31,9 @@ WATCH = ("MUFU", "F2FP", "I2F", "IGMMA", "QGMMA", "HGMMA", "LDGSTS", "UTMALDG", 
          "STL", "BAR", "SYNCS", "SHFL")
 
 
-def _load_kernel_module():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("attention_int8_triton_aot", KERNEL_FILE)
+def _load_kernel_module(name: str = "attention_int8_triton_aot", path: Path = KERNEL_FILE):  # noqa: ANN202
+    """A kernels/ file loaded by path (no torch, no package import)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -90,7 +92,7 @@ def profile(kernel, warps: int) -> dict:  # noqa: ANN001
     """Registers, shared memory, CTAs per SM and the main loop's instruction mix of a compiled kernel."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
-        Path(cubin).write_bytes(kernel.asm["cubin"])
+        _load_kernel_module("lowvram_safe_write", SAFE_WRITE_FILE).write_atomic(cubin, kernel.asm["cubin"])
         sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
         res = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
                              check=True).stdout

@@ -90,7 +90,7 @@ def _sm(device: torch.device) -> tuple[int, int]:
 def _optional_module(name: str):  # noqa: ANN202 - a module or None
     try:
         return importlib.import_module(name)
-    except Exception:  # a broken install (ABI mismatch) is as good as missing here
+    except (Exception, SystemExit):  # a broken install (ABI mismatch, a sys.exit on import) is as good as missing
         return None
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from . import safe_write
+
 # safetensors dtype strings <-> torch dtypes (the subset diffusion checkpoints use).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -76,6 +78,20 @@ class SafetensorsHeader:
     file_size: int
 
 
+def written_with(key: str, value: str | None = None) -> safe_write.Owned:
+    """Proof that a safetensors file is the pack's (for StreamingSafetensorsWriter's ``owned``): its header
+    metadata holds ``key`` (equal to ``value`` when given); a file that is not safetensors proves nothing."""
+
+    def owned(path: Path) -> bool:
+        try:
+            meta = read_header(path).metadata
+        except CheckpointError:
+            return False
+        return key in meta and (value is None or meta[key] == value)
+
+    return owned
+
+
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """Read and validate a safetensors header without touching tensor data.
 
@@ -96,16 +112,14 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         raise CheckpointError(f"{p.name}: {size} bytes is too small to be a safetensors file (truncated?)")
     with p.open("rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len <= 0 or header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
-            raise CheckpointError(
-                f"{p.name}: corrupt safetensors header (declared length {header_len} bytes, file {size} bytes); "
-                "the file is truncated or not a safetensors file"
-            )
+        _check_header_start(p, header_len, size)
         raw = f.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: deep nesting
-        raise CheckpointError(f"{p.name}: corrupt safetensors header ({type(exc).__name__}: {exc})") from None
+        # the exception's text quotes bytes of the file (UnicodeDecodeError): only its kind is named
+        raise CheckpointError(f"{p.name}: corrupt safetensors header ({type(exc).__name__}); the file is damaged "
+                              "or not a safetensors file") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{p.name}: corrupt safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
@@ -143,6 +157,19 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         tensors[name] = TensorInfo(name, dtype, shape_t, data_offset + begin, data_offset + end)
     _check_no_overlap(p, tensors)
     return SafetensorsHeader(p, tensors, {str(k): str(v) for k, v in metadata.items()}, data_offset, size)
+
+
+def _check_header_start(p: Path, header_len: int, size: int) -> None:
+    """CheckpointError unless the first 8 bytes are a plausible safetensors header length for this file.
+
+    The declared length is never put in the message: for a file of another kind it is that file's first bytes.
+    """
+    if header_len <= 0 or header_len > _MAX_HEADER_BYTES:
+        raise CheckpointError(f"{p.name}: not a safetensors file (corrupt safetensors header: its first bytes are not "
+                              "a header length); pick the model's .safetensors file, or download it again")
+    if 8 + header_len > size:
+        raise CheckpointError(f"{p.name}: truncated safetensors file (its header runs past the end of the file's "
+                              f"{size} bytes); download it again")
 
 
 def _check_no_overlap(p: Path, tensors: dict[str, TensorInfo]) -> None:
@@ -386,8 +413,10 @@ class StreamingSafetensorsWriter:
     """Write a safetensors file tensor by tensor when every name, shape and dtype is known up front.
 
     The header is written first; ``write(name, tensor)`` must then be called in the declared order.
-    The file is written to ``<path>.partial`` and renamed on ``close()``, so a crash never leaves a
-    file that looks complete.
+    The file is written to a new hidden temp file beside ``path`` and renamed on ``close()`` (kernels.safe_write),
+    so a crash never leaves a file that looks complete and no write follows a link. An existing ``path`` is
+    replaced only when ``owned(path)`` proves the pack wrote it (see written_with); otherwise the constructor
+    raises safe_write.UnsafeTargetError before anything is written.
     """
 
     def __init__(
@@ -395,9 +424,10 @@ class StreamingSafetensorsWriter:
         path: str | os.PathLike[str],
         layout: list[tuple[str, tuple[int, ...], torch.dtype]],
         metadata: dict[str, str] | None = None,
+        owned: safe_write.Owned | None = None,
     ) -> None:
         self.path = Path(path)
-        self._tmp = self.path.with_name(self.path.name + ".partial")
+        self._owned = owned
         header: dict[str, object] = {}
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -415,8 +445,9 @@ class StreamingSafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-(len(raw)) % _ALIGN)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        safe_write.refuse_unowned(self.path, owned)
         self._next = 0
-        self._f = self._tmp.open("wb")
+        self._tmp, self._f = safe_write.temp_beside(self.path)
         try:
             self._f.write(struct.pack("<Q", len(raw)))
             self._f.write(raw)
@@ -455,10 +486,12 @@ class StreamingSafetensorsWriter:
         """Finish the file (all declared tensors must have been written) and move it into place."""
         try:
             self._f.truncate()  # sets the size when the last tensors were skipped zeros (a no-op otherwise)
-            self._f.close()  # flushes: a full disk can fail here
+            self._f.flush()  # a full disk can fail here
+            os.fsync(self._f.fileno())
+            self._f.close()
             if self._next != len(self._order):
                 raise ValueError(f"{self.path.name}: {len(self._order) - self._next} declared tensors were not written")
-            os.replace(self._tmp, self.path)
+            safe_write.commit(self._tmp, self.path, self._owned)
         except BaseException:
             self.abort()
             raise
@@ -470,10 +503,7 @@ class StreamingSafetensorsWriter:
             self._f.close()
         except OSError:  # the failed flush of a full disk: CPython closes the descriptor anyway
             pass
-        try:
-            self._tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+        safe_write.discard(self._tmp)
 
     def __enter__(self) -> StreamingSafetensorsWriter:
         return self

@@ -12,13 +12,12 @@ import os
 import re
 import shutil
 import stat
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .checkpoint_io import StreamingSafetensorsWriter, iter_tensors, read_header
+from .checkpoint_io import StreamingSafetensorsWriter, iter_tensors, read_header, written_with
 from .wan_checkpoint import source_fingerprint
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -139,6 +138,12 @@ def _warn_once(topic: str, msg: str, *args: object) -> None:
     log.log(level, msg, *args)
 
 
+def _failure_kind(exc: BaseException) -> str:
+    """What kind of failure ``exc`` is (its type and errno): a read-only folder and, later, a full disk are two
+    kinds, each warned about once."""
+    return f"{type(exc).__name__}:{getattr(exc, 'errno', None)}"
+
+
 def _remove(path: Path) -> None:
     """Delete a cache entry of any kind (file, link, directory); a failure to delete is not an error."""
     try:
@@ -156,8 +161,9 @@ class EmbeddingCache:
     The cache is an optimisation only: it never fails a prompt. An entry that cannot be read or does not
     validate (dtype, shape, finite values, metadata types) is dropped and counts as a miss; a write that fails
     (read-only or full disk, a directory in the way) leaves no temp file and no open handle behind, and the
-    prompt runs uncached. Each problem is logged as a warning once, naming the file or folder. Writes are
-    atomic (temp file in the same folder + fsync + ``os.replace``). ``max_entries`` bounds the folder (oldest
+    prompt runs uncached. Each problem is logged as a warning once (a write failure once per folder and kind of
+    failure), naming the file or folder. Writes are
+    atomic and never follow a link (kernels.safe_write). ``max_entries`` bounds the folder (oldest
     by mtime go first).
     """
 
@@ -203,27 +209,22 @@ class EmbeddingCache:
         path = self.path_for(key)
         meta = {_META_KEY: json.dumps({"version": CACHE_VERSION, "key": key, "entries": entries,
                                         "info": info or {}}, default=str)}
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         layout = [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
         writer: StreamingSafetensorsWriter | None = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            writer = StreamingSafetensorsWriter(tmp, layout, meta)
+            # an entry is replaced only when it is one (its metadata key); a link or a user's file is not
+            writer = StreamingSafetensorsWriter(path, layout, meta, owned=written_with(_META_KEY))
             for k, v in tensors.items():
                 writer.write(k, v)
-            writer.close()  # writes <tmp>.partial, renames it to tmp
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            writer.close()  # a hidden temp file beside the entry, fsynced, renamed onto it
         except BaseException as exc:
             if writer is not None:
                 writer.abort()  # closes the handle: an open deleted file would keep a full disk full
-            for junk in (tmp, tmp.with_name(tmp.name + ".partial")):
-                _remove(junk)
             if not isinstance(exc, Exception):
                 raise
-            _warn_once(f"write:{self.root}", "lowvram_dit: cannot write the embedding cache in %s (%s: %s); prompts "
-                       "run without caching", self.root, type(exc).__name__, exc)
+            _warn_once(f"write:{self.root}:{_failure_kind(exc)}", "lowvram_dit: cannot write the embedding cache in "
+                       "%s (%s: %s); prompts run without caching", self.root, type(exc).__name__, exc)
             return None
         self.prune()
         return path

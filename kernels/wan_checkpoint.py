@@ -12,13 +12,13 @@ import hashlib
 import itertools
 import logging
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from . import safe_write
 from .checkpoint_io import (CheckpointError, SafetensorsHeader, StreamingSafetensorsWriter, check_ranks,
                             quant_layer_configs, read_header)
 from .core_quant import core_layouts, read_core_state_dict
@@ -353,18 +353,23 @@ def find_quantized(source: str | Path, mode: QuantMode, block_size: int = 128) -
     return cand
 
 
+def _ours(path: Path) -> bool:
+    """Whether ``path`` is a quantized copy this pack wrote (its format tag)."""
+    try:
+        return read_header(path).metadata.get(META_FORMAT) == FORMAT_TAG
+    except CheckpointError:
+        return False
+
+
 def _refuse_foreign(dest: Path) -> None:
     """CheckpointError unless ``dest`` is absent or a regular file this pack wrote (its format tag): a user's own
-    file that happens to have the target name is never replaced."""
-    if not os.path.lexists(dest):
-        return
+    file, a link or a folder that happens to have the target name is never replaced (kernels.safe_write)."""
     try:
-        ours = dest.is_file() and not dest.is_symlink() and read_header(dest).metadata.get(META_FORMAT) == FORMAT_TAG
-    except CheckpointError:
-        ours = False
-    if not ours:
+        safe_write.refuse_unowned(dest, _ours)
+    except safe_write.UnsafeTargetError:
         raise CheckpointError(f"{dest.name}: a file of that name exists and was not written by this pack; it is "
-                              "left untouched and the quantized copy is not saved (rename or move that file to save it)")
+                              "left untouched and the quantized copy is not saved (rename or move that file to save "
+                              "it)") from None
 
 
 def save_quantized(loaded: LoadedWan, dest: str | Path, source: str | Path, progress: ProgressFn | None = None) -> Path:
@@ -388,7 +393,7 @@ def save_quantized(loaded: LoadedWan, dest: str | Path, source: str | Path, prog
     layout = [(k, tuple(v.shape), v.dtype) for k, v in sd.items()]
     total = sum(v.numel() * v.element_size() for v in sd.values())
     done = 0
-    w = StreamingSafetensorsWriter(dest, layout, meta)
+    w = StreamingSafetensorsWriter(dest, layout, meta, owned=_ours)
     try:
         for k, v in sd.items():
             w.write(k, v)

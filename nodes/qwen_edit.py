@@ -286,7 +286,8 @@ class QwenImageEditStagedLoader(io.ComfyNode):
                 quantization: str, vram_budget_gb: float, blocks_to_swap: int, cache_embeddings: bool,
                 compute: str = "auto", image1: torch.Tensor | None = None, image2: torch.Tensor | None = None,
                 image3: torch.Tensor | None = None) -> io.NodeOutput:
-        unet, te, vae_path = qwen_staged.prepare_files(unet_name, clip_name, vae_name, vram_budget_gb)
+        unet, te, vae_path = qwen_staged.prepare_files(unet_name, clip_name, vae_name, vram_budget_gb,
+                                                       "Qwen-Image-Edit Staged Loader", QWEN25_VL_EDIT)
         vae = qwen_staged.load_vae(vae_path)
         (pos, neg), _ = encode_edit_prompts(te, [positive, negative], [image1, image2, image3], vae,
                                             use_cache=cache_embeddings)

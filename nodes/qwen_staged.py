@@ -40,8 +40,8 @@ from ..kernels.text_encoders import qwen25_vl_config_from_header
 from .block_swap import apply_block_swap, budget_problem, check_budget
 from .glue import text_encoders
 from .glue.graph_checks import WAN_VAE_KEY
-from .glue.common import (CATEGORY_LOADERS, CATEGORY_UTILS, display_name, file_fingerprint, load_diffusion_model,
-                          node_id, use_mmap)
+from .glue.common import (CATEGORY_LOADERS, CATEGORY_UTILS, checked_input, display_name, file_fingerprint,
+                          load_diffusion_model, node_id, use_mmap)
 from .glue.core_quant import announce, check_host_reads
 from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
 from .glue.mapped_weights import keep_file_backed
@@ -173,9 +173,7 @@ def check_vae_fits(vae_path: str | Path, unet_path: str | Path) -> None:
     """Before stage 1 (minutes of text encoding): the VAE file reads, is a Qwen-Image (Wan 2.1-style) VAE, and its
     latent channels are what the transformer takes; CheckpointError naming both files otherwise."""
     vae, unet = Path(vae_path), Path(unet_path)
-    if vae.suffix.lower() not in (".safetensors", ".sft"):
-        return  # other formats are ComfyUI's to read (VAELoader accepts them)
-    t = read_header(vae).tensors
+    t = read_header(vae).tensors  # a pickle (.pt, .ckpt) VAE is refused here, by name
     if WAN_VAE_KEY not in t:
         raise CheckpointError(f"{vae.name}: not a Qwen-Image VAE (no decoder.middle.0.residual.0.gamma); select "
                               "qwen_image_vae.safetensors as vae_name")
@@ -281,9 +279,12 @@ class QwenImageStagedLoader(io.ComfyNode):
         return io.NodeOutput(model, pos, neg, vae)
 
 
-def prepare_files(unet_name: str, clip_name: str, vae_name: str, vram_budget_gb: float) -> tuple[str, str, str]:
-    """The opening of a staged Qwen-Image loader: the budget checked, the three files' paths, the VAE checked
-    against the transformer (a wrong VAE fails now, not after the long text stage) and RAM freed."""
+def prepare_files(unet_name: str, clip_name: str, vae_name: str, vram_budget_gb: float,
+                  node: str = "Qwen-Image Staged Loader",
+                  encoder: text_encoders.StreamedTextEncoder | None = None) -> tuple[str, str, str]:
+    """The opening of a staged Qwen-Image loader: the budget checked, the three files' paths, each file checked
+    (transformer, text encoder, the VAE against the transformer; a wrong file fails now, naming ``node``, the input
+    and the file, not after the long text stage) and RAM freed."""
     import comfy.model_management as mm
     import folder_paths
 
@@ -291,8 +292,14 @@ def prepare_files(unet_name: str, clip_name: str, vae_name: str, vram_budget_gb:
     unet = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
     te = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
     vae_path = folder_paths.get_full_path_or_raise("vae", vae_name)
-    check_vae_fits(vae_path, unet)
-    check_host_reads(unet, LOADER)  # before the long text stage, as the VAE check
+    node = display_name(node)
+    with checked_input(node, "unet_name"):
+        qwen_image.inspect_qwen_image(read_header(unet))
+        check_host_reads(unet, LOADER)  # before the long text stage, as the VAE check
+    with checked_input(node, "clip_name"):
+        text_encoders.check_file(encoder or QWEN25_VL, te)
+    with checked_input(node, "vae_name"):
+        check_vae_fits(vae_path, unet)
     # A previous run's transformer (dropped from ComfyUI's cache when the inputs changed) must be gone before the
     # encoder loads: the two do not fit in RAM together on the machines these nodes are for.
     mm.cleanup_models_gc()

@@ -26,7 +26,7 @@ from ..kernels.stage_meter import StageReport
 from ..kernels.streaming import ProgressFn
 from ..kernels.text_encoders import umt5_config_from_header
 from .glue import text_encoders
-from .glue.common import CATEGORY_LOADERS, display_name, file_fingerprint, node_id
+from .glue.common import CATEGORY_LOADERS, checked_input, display_name, file_fingerprint, node_id
 from .glue.seams import DISABLE
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -135,6 +135,8 @@ class WanTextEncode(io.ComfyNode):
         import folder_paths
 
         te = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+        with checked_input(display_name("Wan Text Encode"), "clip_name"):
+            text_encoders.check_file(UMT5_XXL, te)  # the same message with the cache on or off
         (pos, neg), _ = encode_wan_prompts(te, [positive, negative], use_cache=cache_embeddings)
         return io.NodeOutput(pos, neg)
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from comfyui_lowvram_dit.kernels import embedding_cache as ec
+from comfyui_lowvram_dit.kernels import safe_write
 from comfyui_lowvram_dit.kernels.checkpoint_io import StreamingSafetensorsWriter
 
 ENC = {"sha256": "a" * 64, "format": "bfloat16", "dtype": "bfloat16", "config": {"hidden_size": 64}}
@@ -186,7 +187,16 @@ def full_disk(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict]:
             return _FullDisk(f, state["budget"])
         return f
 
+    real_exclusive = safe_write._open_exclusive
+
+    def fake_exclusive(path: Path):  # noqa: ANN202 - the pack's writes open their temp files here
+        f = real_exclusive(path)
+        if state["root"] is not None and str(path).startswith(str(state["root"])):
+            return _FullDisk(f, state["budget"])
+        return f
+
     monkeypatch.setattr(pathlib.Path, "open", fake_open)
+    monkeypatch.setattr(safe_write, "_open_exclusive", fake_exclusive)
     yield state
 
 

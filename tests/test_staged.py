@@ -51,7 +51,8 @@ def write_small_text_encoder(path: Path, fmt: str = "bf16", seed: int = 0, cfg: 
             layout.append((name, shape, torch.float16 if fmt == "fp8_scaled" else dtype))
     if fmt == "fp8_scaled":
         layout.append(("scaled_fp8", (0,), torch.float8_e4m3fn))
-    with StreamingSafetensorsWriter(path, layout) as w:
+    # tests swap the encoder in place under the same name: this helper's own earlier file is replaced
+    with StreamingSafetensorsWriter(path, layout, owned=lambda _p: True) as w:
         for name, shape, dtype in spec:
             if name.endswith("norm.weight") or ".norm" in name:
                 t = 1.0 + 0.05 * torch.randn(shape, generator=gen)

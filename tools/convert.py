@@ -31,6 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..kernels.safe_write import UnsafeTargetError, write_atomic
 from .ui_graph import BYPASSED_MODES, FRONTEND_ONLY, Graph, GraphError, Workflow
 
 PACK_CNR_ID = "comfyui-lowvram-dit"
@@ -437,9 +438,13 @@ def convert_file(src: Path, dst: Path | None = None, opts: ConvertOptions = Conv
         raise ConvertError(f"{src}: not a JSON file ({exc})") from None
     report = convert_workflow(workflow, opts, str(src))
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(dst.name + ".tmp")
-    tmp.write_text(json.dumps(workflow, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    tmp.replace(dst)  # a half-written file never takes the output's name
+    # a half-written file never takes the output's name; --force is the user's leave to replace a regular file,
+    # never a link or a folder
+    text = json.dumps(workflow, indent=2, ensure_ascii=False) + "\n"
+    try:
+        write_atomic(dst, text, (lambda _p: True) if force else None)
+    except UnsafeTargetError as exc:
+        raise ConvertError(str(exc)) from None
     return dst, report
 
 

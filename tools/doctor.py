@@ -52,10 +52,16 @@ COMFY_PIN_FRACTION = {"linux": 0.95, "windows": 0.45}
 
 
 def _guard(fn: Callable[[], Any], default: Any = None) -> tuple[Any, str | None]:
-    """Run a probe; return (value, None) or (default, "ExcType: message")."""
+    """Run a probe; return (value, None) or (default, "ExcType: message").
+
+    Anything short of KeyboardInterrupt is a finding: an optional library whose import calls ``sys.exit()`` (a
+    SystemExit) is reported as broken and the report goes on.
+    """
     try:
         return fn(), None
-    except Exception as exc:  # a probe's failure is a finding, never a crash
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a probe's failure is a finding, never a crash
         return default, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 

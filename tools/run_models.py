@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .synth_lora import KNOWN_LORA_FILES, write_synthetic_loras
 from .ui_graph import all_nodes
+from ..kernels.safe_write import write_report
 
 # Official ComfyUI repackaged file names -> (model folder, synthetic model, synthetic format).
 KNOWN_MODEL_FILES: dict[str, tuple[str, str, str]] = {
@@ -250,5 +251,5 @@ def extra_model_paths_yaml(models_dir: Path, path: Path) -> Path:
     """An extra_model_paths.yaml that adds ``models_dir/<folder>`` for every model folder."""
     lines = ["lowvram_dit_models:", f"    base_path: {json.dumps(str(models_dir))}"]
     lines += [f"    {folder}: {folder}/" for folder in MODEL_FOLDERS]
-    path.write_text("\n".join(lines) + "\n")
+    write_report(path, "\n".join(lines) + "\n")
     return path

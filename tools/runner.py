@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from .memwatch import MemoryWatch
 from .run_models import (  # noqa: F401 - re-exported: part of the runner's interface
@@ -45,6 +47,8 @@ from .run_models import (  # noqa: F401 - re-exported: part of the runner's inte
     write_synthetic_models,
 )
 from .ui_graph import BYPASSED_MODES, FRONTEND_ONLY, all_nodes
+from ..kernels import safe_write
+from ..kernels.safe_write import commit, starts_with, temp_beside, write_atomic
 
 PACK_DIR = Path(__file__).resolve().parent.parent  # the repository root is the pack
 WORKFLOWS_DIR = PACK_DIR / "workflows"
@@ -139,6 +143,9 @@ def stop_process(proc: subprocess.Popen) -> None:
             proc.wait(timeout=30)
 
 
+LOG_MARKER = b"# comfyui_lowvram_dit: ComfyUI log: "
+
+
 def prepare_base_dir(base: Path, extra_custom_nodes: dict[str, Path] | None = None) -> None:
     """Make a hermetic ComfyUI base directory with this pack linked into ``custom_nodes``."""
     for sub in ("custom_nodes", "input", "output", "user", "temp", *(f"models/{f}" for f in MODEL_FOLDERS)):
@@ -148,6 +155,20 @@ def prepare_base_dir(base: Path, extra_custom_nodes: dict[str, Path] | None = No
         link = base / "custom_nodes" / name
         if not link.exists():
             link.symlink_to(target, target_is_directory=True)
+
+
+def open_log(log_path: Path, cmd: list[str]) -> BinaryIO:
+    """ComfyUI's log file, new and open for writing; it starts with a marker line, the proof that lets a later run
+    replace it (kernels.safe_write: a link or a file of the user's at that name is refused)."""
+    tmp, logf = temp_beside(log_path)
+    try:
+        logf.write(LOG_MARKER + shlex.join(cmd).encode("utf-8", "replace") + b"\n")
+        logf.flush()
+        commit(tmp, log_path, starts_with(LOG_MARKER, len(LOG_MARKER)))
+    except BaseException:
+        logf.close()
+        raise
+    return logf
 
 
 @contextmanager
@@ -181,7 +202,7 @@ def start_comfyui(
         "--disable-api-nodes", *front, *(["--cpu"] if cpu else []), *(extra_args or []),
     ]  # fmt: skip
     log_path = base_dir / "comfyui.log"
-    logf = log_path.open("w")
+    logf = open_log(log_path, cmd)
     proc = subprocess.Popen(
         cmd, cwd=comfyui_path, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
@@ -332,23 +353,32 @@ def ensure_input_images(workflow: dict, input_dir: Path, synthetic: bool, search
     placed = []
     for name in names:
         dst = input_dir / name
-        if dst.exists():
+        if dst.exists():  # a file of the user's (or a link to one) is used as it is
             continue
         src = next((d / name for d in search if (d / name).is_file()), None)
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src is not None:
-            shutil.copyfile(src, dst)
+            write_atomic(dst, src.read_bytes())  # a link or folder at dst is refused, never written through
         elif synthetic:
-            from PIL import Image
-
-            img = Image.new("RGB", (256, 256))
-            img.putdata([(x, y, (x + y) // 2) for y in range(256) for x in range(256)])
-            img.save(dst)
+            write_atomic(dst, gradient_png())
         else:
             raise RunError(f"LoadImage wants {name!r}: put it in the current directory (or next to the workflow), "
                            "or use --set NODE.image=FILE with a file that is there")
         placed.append(dst)
     return placed
+
+
+def gradient_png() -> bytes:
+    """The 256x256 gradient PNG a --synthetic run draws for a missing LoadImage file."""
+    import io
+
+    from PIL import Image
+
+    img = Image.new("RGB", (256, 256))
+    img.putdata([(x, y, (x + y) // 2) for y in range(256) for x in range(256)])
+    out = io.BytesIO()
+    img.save(out, format="PNG")
+    return out.getvalue()
 
 
 def output_files(entry: dict, output_dir: Path) -> list[Path]:
@@ -411,7 +441,7 @@ def write_report(path: Path, args: argparse.Namespace, wall_s: float, summary: d
               "marks": watch.marks, "timeline": watch.samples, "outputs": [str(f) for f in files],
               "comfyui_log_tail": log[-20000:]}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1), encoding="utf-8")
+    safe_write.write_report(path, json.dumps(report, indent=1))
     print(f"report: {path}", flush=True)
 
 

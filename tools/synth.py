@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.checkpoint_io import StreamingSafetensorsWriter
+from ..kernels.checkpoint_io import StreamingSafetensorsWriter, written_with
 from .model_specs import (
     MODEL_FOLDER,
     MODELS,
@@ -431,7 +431,8 @@ def write_synthetic(
             while todo.get() is not None:  # unblock the producer
                 pass
 
-    writer = StreamingSafetensorsWriter(path, layout, metadata)
+    # an earlier synthetic file is replaced; a user's file or a link at that name is not
+    writer = StreamingSafetensorsWriter(path, layout, metadata, owned=written_with("synthetic", "comfyui_lowvram_dit"))
     thread = threading.Thread(target=drain, args=(writer,), name="synth-writer", daemon=True)
     thread.start()
     ok = False

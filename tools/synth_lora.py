@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..kernels.safe_write import write_atomic
+
 # Official LoRA file name -> (synthetic model it patches, key prefix, dtype name).
 KNOWN_LORA_FILES: dict[str, tuple[str, str, str]] = {
     "wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors": ("wan22_t2v_14B", "diffusion_model.", "float32"),
@@ -72,14 +74,12 @@ def write_synthetic_loras(names: set[str], models_dir: Path, size: str = "tiny")
     paths = []
     for name in sorted(names):
         path = models_dir / "loras" / name
-        if not path.exists():
-            from safetensors.torch import save_file
+        if not path.exists():  # a dangling link there is refused by write_atomic, never written through
+            from safetensors.torch import save
 
             path.parent.mkdir(parents=True, exist_ok=True)
             print(f"  synthetic LoRA ({KNOWN_LORA_FILES[name][0]} {size}) -> loras/{name}", flush=True)
-            tmp = path.with_name(path.name + ".tmp")
             rank = FULL_RANK if size == "full" else LORA_RANK
-            save_file(synthetic_lora(name, size, rank), str(tmp), metadata={"synthetic": "comfyui_lowvram_dit"})
-            tmp.replace(path)
+            write_atomic(path, save(synthetic_lora(name, size, rank), metadata={"synthetic": "comfyui_lowvram_dit"}))
         paths.append(path)
     return paths

@@ -46,8 +46,13 @@ def set_fp8_path(path: str) -> list[str]:
 
 def _kernel_groups() -> ModuleType:
     """benchmarks/kernel_groups.py, loaded by path: ComfyUI imports this folder as a top-level package."""
-    path = Path(__file__).resolve().parent.parent / "kernel_groups.py"
-    spec = importlib.util.spec_from_file_location("lowvram_bench_kernel_groups", path)
+    return _pack_file("lowvram_bench_kernel_groups", "benchmarks/kernel_groups.py")
+
+
+def _pack_file(name: str, rel: str) -> ModuleType:
+    """A plain-Python file of the pack (``rel`` from its root), loaded by path under ``name``."""
+    path = Path(__file__).resolve().parents[2] / rel
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
@@ -59,6 +64,7 @@ def make_wrapper(label: str, profile_call: int, out_path: Path, top: int = 25) -
     """An APPLY_MODEL wrapper: times each call, profiles call number ``profile_call`` (0-based; -1: none)."""
     import torch
 
+    safe_write = _pack_file("lowvram_safe_write", "kernels/safe_write.py")
     calls: list[float] = []
     state: dict[str, Any] = {"label": label, "call_s": calls, "profiled_call": profile_call, "profile": None}
     cuda = torch.cuda.is_available()
@@ -81,7 +87,7 @@ def make_wrapper(label: str, profile_call: int, out_path: Path, top: int = 25) -
             sync()
         calls.append(round(time.perf_counter() - t0, 4))
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(state), encoding="utf-8")
+        safe_write.write_report(out_path, json.dumps(state))
         return out
 
     return wrapper

@@ -24,6 +24,17 @@ def display_name(name: str) -> str:
     return f"{name} (LowVRAM)"
 
 
+@contextmanager
+def checked_input(node: str, option: str) -> Iterator[None]:
+    """Re-raise a CheckpointError (a file refused) as one that starts with the node and the input it came from."""
+    from ...kernels.checkpoint_io import CheckpointError
+
+    try:
+        yield
+    except CheckpointError as exc:
+        raise CheckpointError(f"{node}, {option}: {exc}") from None
+
+
 # The staged text nodes (Wan Text Encode, Qwen-Image Staged Loader) share one embedding cache and one key recipe.
 EMBEDDING_CACHE_FOLDER = ("comfyui-lowvram-dit", "embeddings")
 

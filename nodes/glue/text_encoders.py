@@ -46,13 +46,24 @@ class StreamedTextEncoder:
     check: Callable[[SafetensorsHeader, dict[str, int]], None] | None = None  # encoder-specific file checks
 
 
+def check_file(enc: StreamedTextEncoder, te_path: str | Path) -> tuple[SafetensorsHeader, dict[str, int]]:
+    """The encoder file's header and sizes, checked before any stage runs (a file of another architecture, bad
+    ranks, encoder-specific checks); CheckpointError naming the file otherwise."""
+    header = read_header(te_path)
+    cfg = enc.config_from_header(header)
+    if enc.check is not None:
+        enc.check(header, cfg)
+    if enc.norm_key not in header.tensors:
+        raise CheckpointError(f"{header.path.name}: not a {enc.kind} text encoder (missing {enc.norm_key})")
+    return header, cfg
+
+
 def encoder_identity(enc: StreamedTextEncoder, te_path: str | Path) -> dict:
     """Everything about the encoder file that changes embeddings, readable without loading it (cache key part)."""
-    header = read_header(te_path)
+    header, cfg = check_file(enc, te_path)
     return {"sha256": file_identity(te_path), "format": text_encoder_format(header),
             "dtype": str(header.tensors[enc.norm_key].dtype).removeprefix("torch."),
-            "config": enc.config_from_header(header), "device": "cpu", "comfyui": comfyui_version(),
-            "file": Path(te_path).name}
+            "config": cfg, "device": "cpu", "comfyui": comfyui_version(), "file": Path(te_path).name}
 
 
 def build_streaming(enc: StreamedTextEncoder, te_path: str | Path,
@@ -63,11 +74,8 @@ def build_streaming(enc: StreamedTextEncoder, te_path: str | Path,
     import folder_paths
 
     name = Path(te_path).name
-    header = read_header(te_path)
+    header, cfg = check_file(enc, te_path)
     check_quantization(header)  # ComfyUI would parse it later, without naming the file
-    cfg = enc.config_from_header(header)
-    if enc.check is not None:
-        enc.check(header, cfg)
     is_tokenizer = lambda n: n == enc.tokenizer_key  # noqa: E731
     small_names = [n for n in streaming.small_tensor_names(header) if not is_tokenizer(n)]
     # ComfyUI's own legacy scaled-fp8 conversion (scale_weight -> weight_scale + comfy_quant), on small tensors only.
