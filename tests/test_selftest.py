@@ -103,6 +103,21 @@ def test_a_broken_node_fails_and_exits_non_zero(key: str, module: str, function:
 
 
 @pytest.mark.comfyui
+def test_doctor_node_appends_the_selftest(monkeypatch: pytest.MonkeyPatch) -> None:
+    from comfy_server import comfyui_in_process_or_skip
+
+    comfyui_in_process_or_skip()
+    from comfyui_lowvram_dit.nodes import doctor as doctor_node
+
+    only_nan_guard = [c for c in selftest.all_checks() if c.key == "nan_guard"]
+    monkeypatch.setattr(selftest, "all_checks", lambda: only_nan_guard)
+    text = doctor_node.Doctor.execute(gpu_probes=False, run_selftest=True).result[0]
+    assert "\nSelf-test (each node vs its stock ComfyUI equivalent" in text
+    assert "\nPASS  NaN Guard: identical to the same model without NaN Guard" in text and "1 PASS, 0 FAIL" in text
+    assert "Self-test" not in doctor_node.Doctor.execute(gpu_probes=False).result[0]
+
+
+@pytest.mark.comfyui
 def test_selftest_passes_on_this_comfyui(tmp_path: Path) -> None:
     """The whole selftest in its own process, as a user runs it: every line PASS or SKIP with a reason."""
     from comfy_server import comfyui_path_or_reason
