@@ -86,7 +86,7 @@ def _noisy(fn: Any, scale: float) -> Any:
 @pytest.mark.comfyui
 @pytest.mark.parametrize(("key", "module", "function", "failing"), [
     ("nan_guard", "nan_guard", "apply_nan_guard", "NaN Guard: differs from"),
-    ("wan_loader", "wan_loader", "load_wan_model", "Wan Loader [fp8 per-tensor]: relative difference"),
+    ("wan_loader", "wan_loader", "load_wan_model", "Wan Loader [fp8 per-tensor, dequantize]: relative difference"),
 ])
 def test_a_broken_node_fails_and_exits_non_zero(key: str, module: str, function: str, failing: str,
                                                 monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from .doctor import FP8_TOLERANCE
 from .selftest import Check, Verdict
 from .selftest_env import QWEN_LATENT, SEED, SelfTestEnv, comfy_nodes, compare, compare_conditioning
+from .selftest_wan import fp8_tolerance
 
 PROMPTS = ("a red fox runs through fresh snow, golden hour", "blurry, low quality")
 EDIT_PROMPTS = ("Replace the fox with a dalmatian", "")
@@ -126,16 +126,19 @@ def check_qwen_staged(env: SelfTestEnv) -> Iterator[Verdict]:
     clip = stock_clip(te, "QWEN_IMAGE", "qwen25_7b_model_config", _qwen_te_config(te))
     stock = [clip.encode_from_tokens_scheduled(clip.tokenize(p)) for p in PROMPTS]
     ref = {"none": env.sample(stock_qwen_model(unet), *stock, latent=QWEN_LATENT)}
-    for mode, versus, tolerance in (("none", "UNETLoader (default)", 0.0), ("fp8 per-tensor", "fp32", FP8_TOLERANCE)):
+    for mode, versus in (("none", "UNETLoader (default)"), ("fp8 per-tensor", "fp32")):
         model, pos, neg, _ = QwenImageStagedLoader.execute(
             unet_name=unet, clip_name=te, vae_name=vae, positive=PROMPTS[0], negative=PROMPTS[1],
             quantization=mode, vram_budget_gb=0.0, blocks_to_swap=-1, cache_embeddings=False, compute="auto").args
+        tolerance, label = 0.0, mode
         if mode == "none":
-            for label, got, want in (("positive", pos, stock[0]), ("negative", neg, stock[1])):
-                yield compare_conditioning(f"Qwen-Image Staged Loader [{label}]", got, want, STOCK_TEXT)
+            for which, got, want in (("positive", pos, stock[0]), ("negative", neg, stock[1])):
+                yield compare_conditioning(f"Qwen-Image Staged Loader [{which}]", got, want, STOCK_TEXT)
         else:
             ref[mode] = env.sample(stock_qwen_model(unet, torch.float32), *stock, latent=QWEN_LATENT)
-        yield compare(f"Qwen-Image Staged Loader [{mode}, one step]", env.sample(model, pos, neg, latent=QWEN_LATENT),
+            tolerance, path = fp8_tolerance(env, model, mode)
+            label = f"{mode}, {path}"
+        yield compare(f"Qwen-Image Staged Loader [{label}, one step]", env.sample(model, pos, neg, latent=QWEN_LATENT),
                       ref[mode], tolerance, f"ComfyUI's {versus} model with the stock conditioning")
 
 
