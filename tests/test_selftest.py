@@ -139,3 +139,9 @@ def test_selftest_passes_on_this_comfyui(tmp_path: Path) -> None:
     assert {m.group(2) for m in lines} == NODES, report
     assert {m.group(2) for m in lines if m.group(1) == PASS} >= NODES - {"Torch Compile"}, report
     assert re.search(r"^selftest: \d+ PASS, 0 FAIL, \d+ SKIP in \d+ s$", run.stdout, re.M), report
+
+
+def test_unknown_check_is_refused_by_name(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        selftest.cli(["--comfyui", "/nowhere", "--only", "nan_guard", "--only", "warp_drive"])
+    assert exc.value.code == 2 and "--only warp_drive: no such check" in capsys.readouterr().err

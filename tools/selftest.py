@@ -132,6 +132,9 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--only", action="append", default=[], metavar="KEY",
                         help="run only this check (repeatable): " + ", ".join(c.key for c in all_checks()))
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.only) - {c.key for c in all_checks()})
+    if unknown:
+        parser.error(f"--only {', '.join(unknown)}: no such check")
     import_comfyui(args.comfyui.expanduser().resolve(), args.cpu)
     t0 = time.perf_counter()
     verdicts = run_selftest(args.only, emit=lambda line: print(line, flush=True))

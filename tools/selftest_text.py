@@ -151,7 +151,7 @@ def check_qwen_edit(env: SelfTestEnv) -> Iterator[Verdict]:
 
     unet, te, vae_name = _qwen_files(env, vision=True)
     # A reference image costs a 32-block vision tower pass (on the CPU, where both encoders run) and a 1024x1024
-    # VAE encode per prompt: minutes on a CPU-only ComfyUI, seconds where the VAE has a GPU and the CPU many cores.
+    # VAE encode per prompt and side: far past the selftest's minute where the VAE has no GPU either.
     image = torch.rand(1, 40, 56, 3, generator=torch.Generator().manual_seed(SEED)) \
         if env.device.type == "cuda" else None
     what = "+ image" if image is not None else "text only: image prompts take minutes on a CPU-only ComfyUI"
