@@ -75,22 +75,38 @@ class Doctor(io.ComfyNode):
                 io.Boolean.Input("gpu_probes", default=True,
                                  tooltip="Run tiny fp8 matmul, attention and pinned-copy tests on the GPU "
                                          "(well under a second). Off: report versions and hardware only."),
+                io.Boolean.Input("run_selftest", default=False,
+                                 tooltip="Also run every pack node next to its stock ComfyUI equivalent on tiny "
+                                         "synthetic models in this server (about a minute; more on a CPU) and "
+                                         "list PASS / FAIL / SKIP per node (python -m comfyui_lowvram_dit "
+                                         "selftest does the same from a shell)."),
             ],
             outputs=[io.String.Output(display_name="report", tooltip="The report as text.")],
             is_output_node=True,
         )
 
     @classmethod
-    def fingerprint_inputs(cls, gpu_probes: bool = True) -> float:
+    def fingerprint_inputs(cls, gpu_probes: bool = True, run_selftest: bool = False) -> float:
         return float("nan")  # NaN never equals itself: re-run every time (free VRAM, loaded libraries change)
 
     @classmethod
-    def execute(cls, gpu_probes: bool = True) -> io.NodeOutput:
+    def execute(cls, gpu_probes: bool = True, run_selftest: bool = False) -> io.NodeOutput:
         version, host = comfyui_host_info()
         report = doctor.collect(comfyui_version=version, gpu_probes=gpu_probes, host=host, seams=seam_status(),
                                 swap_measured=block_swap_verdicts())
         text = doctor.format_report(report)
+        if run_selftest:
+            text += "\n\n" + selftest_report()
         return io.NodeOutput(text, ui=ui.PreviewText(text))
+
+
+def selftest_report() -> str:
+    """The selftest's verdict lines, run in this server on its device (tools/selftest.py)."""
+    from ..tools import selftest  # imported on use only: the checks import the node modules themselves
+
+    lines = ["Self-test (each node vs its stock ComfyUI equivalent, tiny synthetic models)"]
+    verdicts = selftest.run_selftest(emit=lines.append)
+    return "\n".join(lines + [selftest.summary(verdicts)])
 
 
 NODES = [Doctor]

@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "synth": (".synth", "write synthetic checkpoints (real key names and shapes, random weights)"),
     "run": (".runner", "run a shipped workflow headless in ComfyUI"),
     "convert": (".convert", "rewrite a workflow (e.g. an official template) to use this pack's nodes"),
+    "selftest": (".selftest", "check each node against its stock ComfyUI equivalent inside a given ComfyUI"),
 }
 
 
