@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..kernels.safe_write import write_report
+
 ROWS: dict[str, str] = {
     "native_best": "UNETLoader fp8_e4m3fn_fast + --use-ck-attention",
     "native_default": "UNETLoader default",
@@ -264,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         result["rows"].append(_run_child(row, shared, "--experts-child" if args.experts else "--child"))
         print(json.dumps(result["rows"][-1])[:2000], flush=True)
-        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-        (out / f"{name}.md").write_text(report(result))
+        write_report(out / f"{name}.json", json.dumps(result, indent=1))
+        write_report(out / f"{name}.md", report(result))
     return 0
 
 
