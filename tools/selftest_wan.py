@@ -149,12 +149,14 @@ def check_nan_guard(env: SelfTestEnv) -> Iterator[Verdict]:
 
 
 def _write_lora(path: Path) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
+    from ..kernels.safe_write import write_atomic
     from .synth_lora import synthetic_lora
 
     sd = synthetic_lora(LORA_SOURCE, "tiny", seed=SEED)
-    save_file({k: v * LORA_GAIN if k.endswith("lora_up.weight") else v for k, v in sd.items()}, str(path))
+    sd = {k: v * LORA_GAIN if k.endswith("lora_up.weight") else v for k, v in sd.items()}
+    write_atomic(path, save(sd, metadata={"synthetic": "comfyui_lowvram_dit"}))
 
 
 def check_lora(env: SelfTestEnv) -> Iterator[Verdict]:
