@@ -433,6 +433,10 @@ class CompileHook(ModelHook):
     """Runs every model call through ``CompiledRegions``; CUDA-graph modes give way while weights stream."""
 
     ORDER = 0  # outermost: a retry after a failed compile re-runs every other hook's forward
+    # Inductor's kernels for a batch of 1 and of 2 round differently, and ComfyUI's MultiGPU split runs cond and
+    # uncond one sample per GPU where one GPU runs them as a batch of 2: every sample goes through the batch-1
+    # graph instead, so a compiled model gives the same result split or not.
+    PER_SAMPLE = True
 
     def __init__(self, regions: CompiledRegions,
                  partial_load: Callable[[Any], bool] = lambda module: False) -> None:

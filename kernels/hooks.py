@@ -39,6 +39,8 @@ class ModelHook:
     ORDER: ClassVar[int] = 50  # position in the chain: a smaller ORDER runs outside a larger one
     PER_BLOCK: ClassVar[bool] = False  # True when the block methods do something (the installer skips them else)
     MOVES_WEIGHTS: ClassVar[bool] = False  # True when weights change address between calls (no CUDA graphs)
+    PER_SAMPLE: ClassVar[bool] = False  # True when every model call must run one sample at a time (the installer
+    # splits a batch of B into B calls): results then do not depend on how samples were batched
 
     def pre_forward(self, module: Any) -> None:
         """Before the model's forward runs."""
@@ -167,6 +169,11 @@ class HookRegistry:
     def per_block(self) -> bool:
         """True when any hook acts around blocks (the installer then wraps every block)."""
         return bool(self._block_chain)
+
+    @property
+    def per_sample(self) -> bool:
+        """True when any hook needs every model call to run one sample at a time (``ModelHook.PER_SAMPLE``)."""
+        return any(h.PER_SAMPLE for h in self._chain)
 
     def moves_weights(self) -> bool:
         """True when a hook streams weights between calls (compiled CUDA graphs would replay stale addresses)."""

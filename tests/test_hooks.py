@@ -152,3 +152,42 @@ def test_two_models_in_two_threads_each_run_their_own_hook_instance() -> None:
     forwards = {x[:-1] for x in seen if x.endswith(">") and not x.endswith("0>")}
     blocks = {x[:-2] for x in seen if x.endswith("0>")}
     assert len(forwards) == 2 and blocks == forwards  # each forward's block ran through that forward's instance
+
+
+def test_only_a_per_sample_hook_makes_the_registry_per_sample() -> None:
+    regions = CompiledRegions(CompileConfig(), ["blocks.0"], compile_fn=lambda m, **k: m)
+    assert not HookRegistry({"r": Recorder("r", [])}).per_sample
+    assert HookRegistry({"r": Recorder("r", []), "compile": CompileHook(regions)}).per_sample
+
+
+def test_split_per_sample_slices_batched_tensors_and_per_chunk_options() -> None:
+    from comfyui_lowvram_dit.nodes.glue.hooks import split_per_sample
+
+    x, t, context, shared = torch.randn(2, 3), torch.tensor([5.0, 5.0]), torch.randn(2, 4, 8), torch.randn(1, 7)
+    refs = [torch.randn(2, 3), torch.randn(2, 5)]
+    sigmas = torch.tensor([5.0])
+    options = {"cond_or_uncond": [0, 1], "uuids": ["c", "u"], "sigmas": sigmas, "patches": {"p": [1]}}
+    calls = split_per_sample((x, t, None, context, None, options), {"ref_latents": refs, "clip": shared, "n": 2})
+    assert calls is not None and len(calls) == 2
+    for i, (args, kwargs) in enumerate(calls):
+        assert torch.equal(args[0], x[i:i + 1]) and torch.equal(args[1], t[i:i + 1])
+        assert args[2] is None and torch.equal(args[3], context[i:i + 1]) and args[4] is None
+        assert args[5]["cond_or_uncond"] == [i] and args[5]["uuids"] == ["cu"[i]]
+        assert args[5]["sigmas"] is sigmas and args[5]["patches"] is options["patches"]
+        assert [r.shape[0] for r in kwargs["ref_latents"]] == [1, 1]
+        assert torch.equal(kwargs["ref_latents"][1], refs[1][i:i + 1])
+        assert kwargs["clip"] is shared and kwargs["n"] == 2  # a leading 1 broadcasts; non-tensors pass
+    assert options["cond_or_uncond"] == [0, 1]  # the caller's options are left as they were
+
+
+def test_split_per_sample_maps_samples_to_their_chunk_and_leaves_what_it_cannot_split() -> None:
+    from comfyui_lowvram_dit.nodes.glue.hooks import split_per_sample
+
+    x, t = torch.randn(4, 3), torch.zeros(4)
+    calls = split_per_sample((x, t), {"transformer_options": {"cond_or_uncond": [1, 0]}})
+    assert calls is not None and [k["transformer_options"]["cond_or_uncond"] for _, k in calls] == [[1], [1], [0], [0]]
+    assert split_per_sample((x[:1], t[:1]), {}) is None  # a batch of one
+    assert split_per_sample((x, t, None, None, object(), {}), {}) is None  # a ControlNet, positional
+    assert split_per_sample((x, t), {"control": {"output": []}}) is None  # a ControlNet, keyword
+    assert split_per_sample((x, t), {"odd": torch.zeros(3, 2)}) is None  # a leading dim that is not the batch
+    assert split_per_sample((x, t), {"transformer_options": {"uuids": ["a", "b", "c"]}}) is None
