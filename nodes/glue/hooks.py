@@ -10,7 +10,7 @@ hook restores the patches that were there before.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -59,7 +59,7 @@ def _sample_options(options: Any, i: int, batch: int) -> Any:
     return mine
 
 
-def split_per_sample(args: tuple, kwargs: dict) -> Optional[list[tuple[tuple, dict]]]:
+def split_per_sample(args: tuple, kwargs: dict) -> list[tuple[tuple, dict]] | None:
     """``apply_model``'s (args, kwargs) as one (args, kwargs) per sample, or None when the call stays batched.
 
     Hooks with ``PER_SAMPLE`` (Torch Compile) need it: ComfyUI's MultiGPU split runs cond and uncond as a batch
