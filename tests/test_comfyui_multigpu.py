@@ -73,9 +73,11 @@ def _fp8(path: Path):  # noqa: ANN202
 def _variants(path: Path) -> dict:
     import comfy.sd
 
+    from comfyui_lowvram_dit.kernels.compile import CompileConfig
     from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig
     from comfyui_lowvram_dit.nodes.attention import apply_attention
     from comfyui_lowvram_dit.nodes.block_swap import apply_block_swap
+    from comfyui_lowvram_dit.nodes.compile import apply_compile
     from comfyui_lowvram_dit.nodes.nan_guard import apply_nan_guard
     from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
 
@@ -87,11 +89,12 @@ def _variants(path: Path) -> dict:
         "attention_math": lambda: apply_attention(_fp8(path), "SDPA math"),
         "nan_guard": lambda: apply_nan_guard(_fp8(path), "raise"),
         "block_swap": lambda: apply_block_swap(_fp8(path), SwapConfig(blocks_to_swap=2, prefetch=1)),
+        "compile": lambda: apply_compile(_fp8(path), CompileConfig(), compile_fn=lambda module, **kw: module),
     }
 
 
 @pytest.mark.parametrize("variant", ["native", "wan_loader_fp8", "wan_loader_blockwise", "attention_auto",
-                                     "attention_math", "nan_guard", "block_swap"])
+                                     "attention_math", "nan_guard", "block_swap", "compile"])
 def test_split_equals_one_device(two_devices: None, wan_file: Path, variant: str) -> None:
     model = _variants(wan_file)[variant]()
     alone = _sample(model)
@@ -122,3 +125,18 @@ def test_nan_guard_keeps_a_record_per_model_copy(two_devices: None, wan_file: Pa
     guard = split.attachments[GUARD_KEY]
     served = {guard.for_model(split.model), guard.for_model(copy.model)}
     assert len(served) == 2 and all(g.tracker.pending == 0 for g in served)
+
+
+def test_compiled_native_model_split_equals_one_device_exactly(two_devices: None, wan_file: Path) -> None:
+    """Torch Compile runs every sample alone (batch-invariance), so even native's GEMMs, which round a batch of
+    one and of two differently, give the split and the one-device run bit for bit."""
+    import comfy.sd
+
+    from comfyui_lowvram_dit.kernels.compile import CompileConfig
+    from comfyui_lowvram_dit.nodes.compile import apply_compile
+
+    model = apply_compile(comfy.sd.load_diffusion_model(str(wan_file)), CompileConfig(),
+                          compile_fn=lambda module, **kw: module)
+    alone = _sample(model)
+    split, _ = _split(model)
+    assert torch.equal(_sample(split), alone)
