@@ -75,7 +75,7 @@ class Doctor(io.ComfyNode):
                 io.Boolean.Input("gpu_probes", default=True,
                                  tooltip="Run tiny fp8 matmul, attention and pinned-copy tests on the GPU "
                                          "(well under a second). Off: report versions and hardware only."),
-                io.Boolean.Input("run_selftest", default=False,
+                io.Boolean.Input("run_selftest", default=False, optional=True,
                                  tooltip="Also run every pack node next to its stock ComfyUI equivalent on tiny "
                                          "synthetic models in this server (about a minute; more on a CPU) and "
                                          "list PASS / FAIL / SKIP per node (python -m comfyui_lowvram_dit "
