@@ -426,18 +426,19 @@ class _SwapPerDevice:
     The copy's patcher shares the first model's attachments and forward wrappers; its controller (plan, ring,
     arena) is rebuilt for its own model, and the shared stream hook hands that model's forwards to it."""
 
-    def __init__(self, hook: StreamHook, ctl: SwapController) -> None:
-        self.hook, self.ctl = hook, ctl
+    def __init__(self, hook: StreamHook) -> None:
+        self.hook = hook  # its owner is the first model's controller
 
     def __deepcopy__(self, memo: dict) -> "_SwapPerDevice":
         return self
 
     def __call__(self, parent, clone) -> None:  # noqa: ANN001 - ModelPatcher, ModelPatcher
-        if clone.model is self.ctl.model_ref():
+        first = self.hook.owner
+        if clone.model is first.model_ref():
             return
         own = self.hook.for_model(clone.model)
-        ctl = own.owner if own is not self.hook else SwapController(self.ctl.config, clone.model)
-        ctl.activation_bytes = self.ctl.activation_bytes
+        ctl = own.owner if own is not self.hook else SwapController(first.config, clone.model)
+        ctl.activation_bytes = first.activation_bytes
         clone.set_attachments(SWAP_KEY, ctl)
         self.hook.serve(clone.model, ctl)
         log.info("lowvram_dit Block Swap: the model copy for %s streams its own blocks", clone.load_device)
@@ -490,7 +491,7 @@ def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - Model
     m.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, SWAP_KEY, _SwapPrepare(ctl, hook))
     for kind in MULTIGPU_CALLBACKS:
         if hasattr(pe.CallbacksMP, kind):
-            m.add_callback_with_key(getattr(pe.CallbacksMP, kind), SWAP_KEY, _SwapPerDevice(hook, ctl))
+            m.add_callback_with_key(getattr(pe.CallbacksMP, kind), SWAP_KEY, _SwapPerDevice(hook))
     if model.load_device.type == "cpu" and config.blocks_to_swap < 0 and config.vram_budget_gb <= 0:
         log.info("lowvram_dit Block Swap: load device is the CPU and no budget/blocks are set: nothing to swap to, "
                  "the model passes through unchanged")
