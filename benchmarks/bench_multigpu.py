@@ -39,7 +39,11 @@ ROWS: dict[str, str] = {
     "pack_block_swap": "Wan Loader fp8 per-tensor + Block Swap (4 blocks)",
     "pack_stack": "Wan Loader fp8 per-tensor + Attention lowvram 8-bit + Torch Compile",
     "pack_stack_dynamic": "Wan Loader fp8 per-tensor + Attention lowvram 8-bit + Torch Compile dynamic=true",
+    "pack_lora": "Wan Loader fp8 per-tensor + stock LoraLoaderModelOnly (rank 64, every block Linear)",
+    "qwen_native": "Qwen-Image UNETLoader default",
+    "qwen_staged": "Qwen-Image Staged transformer (fp8, Block Swap budget 0) + Attention auto",
 }
+QWEN_SIZE = (1024, 1024)  # Qwen-Image rows sample one 1024x1024 image (4-D latent, as EmptySD3LatentImage gives)
 CK_ROWS = ("native_best",)
 
 
@@ -52,7 +56,17 @@ def _import_comfy(ck: bool) -> None:
     args.use_ck_attention = ck  # read when comfy.ldm.modules.attention is imported
 
 
-def _loaders(path: str) -> dict[str, Callable[[], Any]]:
+def _with_lora(model: Any) -> Any:
+    """The stock LoRA loader (``comfy.sd.load_lora_for_models``) with a full-rank synthetic lightx2v LoRA."""
+    import comfy.sd
+
+    from ..tools.synth_lora import FULL_RANK, synthetic_lora
+
+    lora = synthetic_lora("wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors", "full", FULL_RANK)
+    return comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0.0)[0]
+
+
+def _loaders(path: str, qwen_path: str) -> dict[str, Callable[[], Any]]:
     import comfy.sd
 
     from ..kernels.compile import CompileConfig
@@ -61,6 +75,7 @@ def _loaders(path: str) -> dict[str, Callable[[], Any]]:
     from ..nodes.block_swap import apply_block_swap
     from ..nodes.compile import apply_compile
     from ..nodes.nan_guard import apply_nan_guard
+    from ..nodes.qwen_staged import load_staged_model
     from ..nodes.wan_loader import load_wan_model
 
     def fp8() -> Any:
@@ -80,13 +95,16 @@ def _loaders(path: str) -> dict[str, Callable[[], Any]]:
         "pack_stack": lambda: apply_compile(apply_attention(fp8(), "lowvram 8-bit"), CompileConfig()),
         "pack_stack_dynamic": lambda: apply_compile(apply_attention(fp8(), "lowvram 8-bit"),
                                                     CompileConfig(dynamic=True)),
+        "pack_lora": lambda: _with_lora(fp8()),
+        "qwen_native": lambda: comfy.sd.load_diffusion_model(qwen_path),
+        "qwen_staged": lambda: apply_attention(load_staged_model(qwen_path, "fp8 per-tensor")[0], "auto"),
     }
 
 
-def _conds(seed: int = 1) -> tuple[list, list]:
+def _conds(seed: int = 1, tokens: int = 512, width: int = 4096) -> tuple[list, list]:
     g = torch.Generator().manual_seed(seed)
-    return ([[torch.randn(1, 512, 4096, generator=g) * 0.2, {}]],
-            [[torch.randn(1, 512, 4096, generator=g) * 0.2, {}]])
+    return ([[torch.randn(1, tokens, width, generator=g) * 0.2, {}]],
+            [[torch.randn(1, tokens, width, generator=g) * 0.2, {}]])
 
 
 def sample_timed(model: Any, frames: int, height: int, width: int, steps: int, cfg: float,
@@ -98,7 +116,7 @@ def sample_timed(model: Any, frames: int, height: int, width: int, steps: int, c
     if latent is None:
         latent = torch.zeros(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
     noise = comfy.sample.prepare_noise(latent, 0)
-    pos, neg = _conds()
+    pos, neg = _conds() if latent.ndim == 5 else _conds(tokens=128, width=3584)  # Wan's umT5 / Qwen2.5-VL
     marks: list[float] = []
 
     def tick(*_: Any) -> None:
@@ -127,13 +145,16 @@ def child(row: str, args: argparse.Namespace) -> dict:
 
     shape = (args.frames, args.height, args.width, args.steps, args.cfg)
     warm = (args.frames, args.height, args.width, 1, args.cfg)  # first calls: kernel choices, compiles, autotune
-    model = _loaders(args.model)[row]()
-    sample_timed(model, *warm)
-    alone, t_alone = sample_timed(model, *shape)
+    latent = None
+    if row.startswith("qwen_"):
+        latent = torch.zeros(1, 16, QWEN_SIZE[1] // 8, QWEN_SIZE[0] // 8)
+    model = _loaders(args.model, args.model_qwen)[row]()
+    sample_timed(model, *warm, latent=latent)
+    alone, t_alone = sample_timed(model, *shape, latent=latent)
     split = comfy.multigpu.create_multigpu_deepclones(model, 2, reuse_loaded=True)
-    sample_timed(split, *warm)
-    together, t_split = sample_timed(split, *shape)
-    again = sample_timed(split, *shape)[0] if args.repeat else together
+    sample_timed(split, *warm, latent=latent)
+    together, t_split = sample_timed(split, *shape, latent=latent)
+    again = sample_timed(split, *shape, latent=latent)[0] if args.repeat else together
     mm.unload_all_models()
     one, two = _median_after_first(t_alone), _median_after_first(t_split)
     return {"row": row, "graph": ROWS[row], "s_per_step_1gpu": one, "s_per_step_split": two,
@@ -188,11 +209,11 @@ def _environment(args: argparse.Namespace) -> dict:
             "layers": args.layers}
 
 
-def _ensure_model(path: Path, layers: int, seed: int) -> None:
+def _ensure_model(path: Path, layers: int, seed: int, model: str = "wan22_t2v_14B") -> None:
     from ..tools.synth import write_synthetic
 
     if not path.exists():
-        write_synthetic("wan22_t2v_14B", path, size="full", fmt="bf16", device="cuda", num_layers=layers, seed=seed)
+        write_synthetic(model, path, size="full", fmt="bf16", device="cuda", num_layers=layers, seed=seed)
 
 
 def _run_child(row: str, argv: list[str], flag: str) -> dict:
@@ -240,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", action="store_true", help="sample the split twice and compare the two")
     p.add_argument("--model", default="")
     p.add_argument("--model-low", default="")
+    p.add_argument("--model-qwen", default="")
     p.add_argument("--out", default=".")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--experts-child", default=None, help=argparse.SUPPRESS)
@@ -253,12 +275,16 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(os.environ.get("BENCH_WORK", "/tmp"))
     args.model = args.model or str(work / f"wan22_14b_high_{args.layers}l.safetensors")
     args.model_low = args.model_low or str(work / f"wan22_14b_low_{args.layers}l.safetensors")
+    args.model_qwen = args.model_qwen or str(work / f"qwen_image_{args.layers}l.safetensors")
     _ensure_model(Path(args.model), args.layers, 0)
+    if any(row.startswith("qwen_") for row in args.rows) and not args.experts:
+        _ensure_model(Path(args.model_qwen), args.layers, 2, "qwen_image")
     if args.experts:
         _ensure_model(Path(args.model_low), args.layers, 1)
     shared = ["--layers", str(args.layers), "--frames", str(args.frames), "--height", str(args.height), "--width",
               str(args.width), "--steps", str(args.steps), "--cfg", str(args.cfg), "--swap-budget-gb",
               str(args.swap_budget_gb), "--model", args.model, "--model-low", args.model_low,
+              "--model-qwen", args.model_qwen,
               *(["--repeat"] if args.repeat else [])]
     rows = ["experts_per_gpu", "experts_one_gpu_block_swap"] if args.experts else args.rows
     result: dict = {"environment": _environment(args), "rows": []}

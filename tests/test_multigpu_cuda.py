@@ -17,7 +17,7 @@ import torch
 pytestmark = [pytest.mark.cuda, pytest.mark.comfyui]
 SPLIT_TOLERANCE = 0.005  # relative difference of the final latent, split vs one GPU
 ROWS = ["native_default", "pack_fp8", "pack_fp8_blockwise", "pack_attn_auto", "pack_attn_cudnn", "pack_int8",
-        "pack_nan_guard", "pack_block_swap", "pack_stack"]
+        "pack_nan_guard", "pack_block_swap", "pack_stack", "pack_lora", "qwen_native", "qwen_staged"]
 
 
 @pytest.fixture(scope="module")
