@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from comfyui_lowvram_dit.kernels.safe_write import write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 try:
     from . import harness

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from comfyui_lowvram_dit.benchmarks import attention_families as AF
 from comfyui_lowvram_dit.benchmarks import harness
 from comfyui_lowvram_dit.kernels import attention_int8 as A
-from comfyui_lowvram_dit.kernels.safe_write import write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 # (B, H, Lq, Lk, D); token counts from shared/research/model-facts-wan22-qwenimage.md
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {

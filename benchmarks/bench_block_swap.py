@@ -5,7 +5,7 @@ Per (resolution, cap) three variants, each in a fresh process (benchmarks/harnes
   layers that do not fit, dequantized to bf16);
 - ``native_bf16``: UNETLoader ``default`` on the bf16 source (what a user with the bf16/fp16 file gets natively);
 - ``swap``: the same native fp8 MODEL through Block Swap (auto budget = what ComfyUI offers under the cap);
-- ``swap_b2``: our fp8 layers (nodes/glue/fp8_ops.py, per-tensor scales, fp8 matmul kept for streamed blocks) + Block
+- ``swap_b2``: our fp8 layers (host/fp8_ops.py, per-tensor scales, fp8 matmul kept for streamed blocks) + Block
   Swap.
 Caps: none / 16 / 12 / 8 / 6 GiB, enforced in-process by comfy_native.apply_vram_cap (ComfyUI's reserve + a hard
 ``set_per_process_memory_fraction``). Metrics: time per forward (CUDA events, median), peak VRAM, peak RSS, and
@@ -47,9 +47,9 @@ def swap_forward(ctx: harness.BenchContext, kind: str = "swap", model: str = MOD
     import torch
 
     from . import comfy_native
-    from ..kernels.swap_plan import SwapConfig
-    from ..kernels.offload import format_stats
-    from ..tools.synth import synthetic_state_dict
+    from ..offload.plan import SwapConfig
+    from ..offload.engine import format_stats
+    from ..synthetic.checkpoints import synthetic_state_dict
 
     comfy = comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
     mm = comfy.model_management
@@ -65,8 +65,8 @@ def swap_forward(ctx: harness.BenchContext, kind: str = "swap", model: str = MOD
         from ..nodes.block_swap import SWAP_KEY, apply_block_swap
 
         if kind == "swap_b2":
-            from ..kernels.wan_checkpoint import quantize_state_dict
-            from ..nodes.glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
+            from ..checkpoints.wan import quantize_state_dict
+            from ..host.fp8_ops import Fp8OpsConfig, make_fp8_ops
 
             sd = quantize_state_dict(sd, "per_tensor")
             options = {"custom_operations": make_fp8_ops(Fp8OpsConfig()), "dtype": torch.bfloat16}

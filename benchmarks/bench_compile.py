@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from comfyui_lowvram_dit.kernels.safe_write import starts_with, write_atomic, write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import starts_with, write_atomic, write_report
 
 try:
     from . import harness
@@ -211,9 +211,9 @@ def _fp8_options(model: str, sd: dict, mode: str) -> dict:
         return quantize_for_ours(sd, mode, 128)
     import torch
 
-    from ..kernels import wan_checkpoint as wc
-    from ..kernels.qwen_image import is_qwen_fp8_target
-    from ..nodes.glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
+    from ..checkpoints import wan as wc
+    from ..checkpoints.qwen_image import is_qwen_fp8_target
+    from ..host.fp8_ops import Fp8OpsConfig, make_fp8_ops
 
     for k in [k for k, v in sd.items() if is_qwen_fp8_target(k, tuple(v.shape))]:
         q, s = wc.quantize_weight(sd.pop(k), mode, 128)  # bf16 freed as we go: peak ~ the bf16 model
@@ -254,7 +254,7 @@ def _build(ctx: harness.BenchContext, size: str, num_layers: int | None, width: 
            fp8: str | None = None, model: str = MODEL, weight_dtype: str = "default", attention: str | None = None):
     import torch
 
-    from ..tools.synth import synthetic_state_dict
+    from ..synthetic.checkpoints import synthetic_state_dict
     from . import comfy_native
 
     comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
@@ -357,9 +357,9 @@ def swap_case(ctx: harness.BenchContext, how: str, mode: str = "default", size: 
     Graph order as a user wires it: loader -> Block Swap -> Torch Compile; loaded by ``load_models_gpu`` with
     KSampler's memory estimate (as bench_block_swap.swap_forward does), run through ``apply_model``.
     """
-    from ..kernels.swap_plan import SwapConfig
-    from ..kernels.offload import format_stats
-    from ..tools.synth import synthetic_state_dict
+    from ..offload.plan import SwapConfig
+    from ..offload.engine import format_stats
+    from ..synthetic.checkpoints import synthetic_state_dict
     from . import comfy_native
 
     comfy = comfy_native.import_comfy(cpu=ctx.device.type == "cpu")

@@ -53,7 +53,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
-from comfyui_lowvram_dit.kernels.safe_write import TORCH_ARCHIVE, starts_with, write_atomic, write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import TORCH_ARCHIVE, starts_with, write_atomic, write_report
 
 try:
     from . import harness

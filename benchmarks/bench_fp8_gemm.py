@@ -4,7 +4,7 @@ Run on the GPU box from the repo root (about 1-2 minutes on an H100; --quick: Wa
     python -m comfyui_lowvram_dit.benchmarks.bench_fp8_gemm [--quick]
 Per layer shape (M tokens x K in -> N out, with bias, bf16 activations) and variant: median ms (CUDA events via
 benchmarks/harness.time_fn), TFLOP/s = 2*M*N*K / t, speedup vs bf16 F.linear, and relative error vs fp32 on
-activations with outlier channels (weights with outlier input channels, as tools/synth.py makes them).
+activations with outlier channels (weights with outlier input channels, as synthetic/checkpoints.py makes them).
 Runs in-process (one CUDA context; GEMMs need no fresh process) and writes
 benchmarks/results/bench_fp8_gemm[_quick].json and .md with device, torch version and the command.
 The "rowwise vs tensorwise" lines at the end choose kernels.fp8.PER_TENSOR_DEFAULT_PATH.
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from comfyui_lowvram_dit.benchmarks import harness
 from comfyui_lowvram_dit.kernels import fp8, fp8_triton
-from comfyui_lowvram_dit.kernels.safe_write import write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 # (M tokens, K in, N out). Tokens: Wan 14B 832x480x81 -> 21x30x52 = 32,760; Wan 5B 1280x704x121 -> 31x22x40 =
 # 27,280; Qwen-Image 1328x1328 -> 83x83 = 6,889 image tokens (shared/research/model-facts-wan22-qwenimage.md).
@@ -48,7 +48,7 @@ def say(msg: str) -> None:
 
 def make_operands(m: int, k: int, n: int, seed: int = 0):
     """bf16 activations [M, K] with 4 outlier channels (20-50x), bf16 weight [N, K] with outlier input
-    channels (8-20x, one per 512 inputs, as tools/synth.py), bf16 bias."""
+    channels (8-20x, one per 512 inputs, as synthetic/checkpoints.py), bf16 bias."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, device="cuda", generator=g)
     x[:, torch.randperm(k, device="cuda", generator=g)[:4]] *= torch.tensor([20.0, 30.0, 40.0, 50.0], device="cuda")

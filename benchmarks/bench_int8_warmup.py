@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from comfyui_lowvram_dit.benchmarks import harness
-from comfyui_lowvram_dit.kernels.safe_write import write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 MODES = ("cold", "ahead", "ahead_idle")
 B, H, D, L_SELF, L_TEXT = 2, 40, 128, 32_760, 512

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..kernels.safe_write import write_report
+from ..checkpoints.safe_write import write_report
 
 ROWS: dict[str, str] = {
     "native_best": "UNETLoader fp8_e4m3fn_fast + --use-ck-attention",
@@ -60,7 +60,7 @@ def _with_lora(model: Any) -> Any:
     """The stock LoRA loader (``comfy.sd.load_lora_for_models``) with a full-rank synthetic lightx2v LoRA."""
     import comfy.sd
 
-    from ..tools.synth_lora import FULL_RANK, synthetic_lora
+    from ..synthetic.lora import FULL_RANK, synthetic_lora
 
     lora = synthetic_lora("wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors", "full", FULL_RANK)
     return comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0.0)[0]
@@ -70,7 +70,7 @@ def _loaders(path: str, qwen_path: str) -> dict[str, Callable[[], Any]]:
     import comfy.sd
 
     from ..kernels.compile import CompileConfig
-    from ..kernels.swap_plan import SwapConfig
+    from ..offload.plan import SwapConfig
     from ..nodes.attention import apply_attention
     from ..nodes.block_swap import apply_block_swap
     from ..nodes.compile import apply_compile
@@ -175,7 +175,7 @@ def _on_device(model: Any, option: str) -> Any:
 def experts_child(row: str, args: argparse.Namespace) -> dict:
     """Wan 2.2 A14B, high-noise expert for the first half of the steps, low-noise for the rest, run twice."""
     _import_comfy(False)
-    from ..kernels.swap_plan import SwapConfig
+    from ..offload.plan import SwapConfig
     from ..nodes.block_swap import apply_block_swap
     from ..nodes.wan_loader import load_wan_model
 
@@ -210,7 +210,7 @@ def _environment(args: argparse.Namespace) -> dict:
 
 
 def _ensure_model(path: Path, layers: int, seed: int, model: str = "wan22_t2v_14B") -> None:
-    from ..tools.synth import write_synthetic
+    from ..synthetic.checkpoints import write_synthetic
 
     if not path.exists():
         write_synthetic(model, path, size="full", fmt="bf16", device="cuda", num_layers=layers, seed=seed)

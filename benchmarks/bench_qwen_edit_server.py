@@ -38,7 +38,7 @@ from . import bench_server as bs
 from . import bench_server_run as run
 from . import harness
 from .bench_server_env import gpu_facts, software_facts
-from ..kernels.safe_write import same_content, write_atomic, write_report
+from ..checkpoints.safe_write import same_content, write_atomic, write_report
 
 UNET = "qwen_image_edit_2509_fp8_e4m3fn.safetensors"  # the 2509 template's file
 TEXT_ENCODER = "qwen_2.5_vl_7b.safetensors"  # bf16: the RSS goal is stated for it
@@ -120,8 +120,8 @@ def write_smoke_models(models: Path) -> None:
     the tiny transformer takes the encoder's width as its joint dim: the vision merger projects to it)."""
     from dataclasses import replace
 
-    from ..tools import synth
-    from ..tools.model_specs import Qwen25VLConfig, model_config
+    from ..synthetic import checkpoints as synth
+    from ..synthetic.specs import Qwen25VLConfig, model_config
     from .bench_qwen_staged import _write_small_te
 
     dit = replace(model_config("qwen_image", "tiny"), joint_dim=Qwen25VLConfig().hidden)

@@ -86,7 +86,7 @@ def ours(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: i
     _setup(ctx, user_dir)
     import comfy.model_management as mm
     from ..nodes import qwen_staged
-    from ..nodes.glue.common import EMBEDDING_CACHE_FOLDER
+    from ..host.common import EMBEDDING_CACHE_FOLDER
 
     f = Path(files)
     if clear_cache:
@@ -120,7 +120,8 @@ def native(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width:
     import comfy.model_management as mm
     import comfy.utils
 
-    from ..kernels import checkpoint_io, stage_meter, text_encoders
+    from ..checkpoints import safetensors_io as checkpoint_io, text_encoders
+    from ..offload import stage_meter
 
     f = Path(files)
     cpu = torch.device("cpu")
@@ -153,7 +154,7 @@ def write_files(files: Path, te_formats: list[str], smoke: bool) -> None:
     """Write the synthetic files once (skipped when present); full size on the GPU when there is one."""
     import torch
 
-    from ..tools import synth
+    from ..synthetic import checkpoints as synth
 
     files.mkdir(parents=True, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -178,9 +179,9 @@ def _write_small_te(path: Path, fmt: str) -> None:
     """Qwen2.5-VL with ComfyUI's widths but 2 narrow layers (smoke only; ComfyUI needs the config override)."""
     import torch
 
-    from ..tools import synth
-    from ..kernels.checkpoint_io import StreamingSafetensorsWriter
-    from ..tools.model_specs import Qwen25VLConfig, is_linear_weight, qwen25_vl_spec
+    from ..synthetic import checkpoints as synth
+    from ..checkpoints.safetensors_io import StreamingSafetensorsWriter
+    from ..synthetic.specs import Qwen25VLConfig, is_linear_weight, qwen25_vl_spec
 
     spec = qwen25_vl_spec(Qwen25VLConfig(num_layers=SMOKE_TE_LAYERS, intermediate=SMOKE_TE_MLP))
     fp8 = fmt == "fp8_scaled"

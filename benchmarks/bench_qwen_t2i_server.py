@@ -40,7 +40,7 @@ from . import bench_server_report as report
 from . import bench_server_run as run
 from . import harness
 from .bench_server_env import gpu_facts, model_file_sizes, software_facts, write_models
-from ..kernels import safe_write
+from ..checkpoints import safe_write
 
 RESULTS = run.PACK_ROOT / "benchmarks" / "results" / "qwen_image_0.33"
 BENCH = "qwen_t2i_4step_8gb"
@@ -163,7 +163,7 @@ def model_files(rows: list[QwenRow], unet: str = UNET, te: str = TEXT_ENCODER, v
 
 def write_smoke_models(models: Path, names: tuple[str, ...], te: str) -> None:
     """Tiny synthetic files under ``names`` (the runner's: the encoder 2 layers deep, as the staged loader reads it)."""
-    from ..tools import runner
+    from ..cli import runner
 
     runner.write_synthetic_models(set(names), models, "tiny", reduced_text_encoders={te})
 

@@ -34,13 +34,7 @@ from typing import Any
 
 from . import bench_server_run as run
 from . import harness
-from .bench_server_env import (
-    gpu_facts,
-    merged_rows,
-    model_file_sizes,
-    software_facts,
-    write_models,
-)
+from .bench_server_env import gpu_facts, merged_rows, model_file_sizes, software_facts, write_models
 from .bench_server_run import PROBE_CALL, PROBE_NODE
 
 RESULTS = run.PACK_ROOT / "benchmarks" / "results" / "server_0.33"

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..tools import runner
+from ..cli import runner
 
 
 def gpu_facts() -> dict:
@@ -44,7 +44,7 @@ def write_models(models: Path, names: Iterable[str]) -> dict[str, float]:
     """Write the full-size synthetic files ``names`` (missing ones only); seconds per file (about 0 for one already there).
 
     A name the runner has no synthetic writer for is reported and left out: its real file must be in ``models``."""
-    from ..tools.synth_lora import KNOWN_LORA_FILES
+    from ..synthetic.lora import KNOWN_LORA_FILES
 
     took = {}
     for name in names:

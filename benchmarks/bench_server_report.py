@@ -10,7 +10,7 @@ import json
 import statistics
 from pathlib import Path
 from typing import Any
-from comfyui_lowvram_dit.kernels.safe_write import write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 # Goals: whole GPU, pack stack vs native; 8 GB card, pack vs native DynamicVRAM.
 GOAL_VS_DEFAULT = 1.6

@@ -30,10 +30,10 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar
 
-from ..tools import runner
-from ..tools.memwatch import MemoryWatch
+from ..cli import runner
+from ..cli.memwatch import MemoryWatch
 from . import server_probe
-from ..kernels.safe_write import write_report
+from ..checkpoints.safe_write import write_report
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
 GIB = float(1 << 30)

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from comfyui_lowvram_dit.kernels.safe_write import write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = ["a red fox running through fresh snow at golden hour, cinematic lighting", ""]
@@ -35,7 +35,7 @@ def child(kind: str, te: str) -> dict:
     import comfy.sd
     import torch
 
-    from ..kernels import checkpoint_io, text_encoders
+    from ..checkpoints import safetensors_io as checkpoint_io, text_encoders
     from ..nodes import qwen_staged
 
     if kind == "ours_copying":
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(*args.child)))
         return 0
-    from ..tools import synth
-    from ..tools.model_specs import Qwen25VLConfig
+    from ..synthetic import checkpoints as synth
+    from ..synthetic.specs import Qwen25VLConfig
 
     te = args.files / f"qwen25_vl_{args.layers}l_bf16.safetensors"
     if not te.is_file():

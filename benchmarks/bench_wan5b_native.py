@@ -43,7 +43,7 @@ def native_forward(ctx: harness.BenchContext, model: str = MODEL, size: str = "f
     import torch
 
     from . import comfy_native
-    from ..tools.synth import synthetic_state_dict
+    from ..synthetic.checkpoints import synthetic_state_dict
 
     comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
     options = dict(model_options or {})

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from comfyui_lowvram_dit.kernels.safe_write import TORCH_ARCHIVE, starts_with, write_atomic
+from comfyui_lowvram_dit.checkpoints.safe_write import TORCH_ARCHIVE, starts_with, write_atomic
 
 try:
     from . import harness
@@ -73,8 +73,8 @@ def quantize_for_ours(sd: dict, mode: str, block_size: int, compute: str = "auto
     """Quantize ``sd``'s block Linear weights in place (our fp8 format); returns the model_options for our ops."""
     import torch
 
-    from ..kernels import wan_checkpoint as wc
-    from ..nodes.glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
+    from ..checkpoints import wan as wc
+    from ..host.fp8_ops import Fp8OpsConfig, make_fp8_ops
 
     for k in [k for k, v in sd.items() if wc.is_fp8_target(k, tuple(v.shape))]:
         q, s = wc.quantize_weight(sd.pop(k), mode, block_size)  # bf16 freed as we go: peak ~ bf16 model
@@ -90,8 +90,8 @@ def wan_forward(ctx: harness.BenchContext, kind: str, size: str = "full", width:
     """Harness target: build one variant's MODEL from synthetic weights generated on the device; time a forward."""
     import torch
 
-    from ..kernels import wan_checkpoint as wc
-    from ..tools.synth import synthetic_state_dict
+    from ..checkpoints import wan as wc
+    from ..synthetic.checkpoints import synthetic_state_dict
     from . import comfy_native
 
     comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
@@ -127,8 +127,8 @@ def quantize_on_load(ctx: harness.BenchContext, path: str, size: str = "full", m
     """Harness target: stream a bf16 Wan file into fp8 (quantized on ctx.device); GB/s and RSS (no ``fn``)."""
     import resource
 
-    from ..kernels import wan_checkpoint as wc
-    from ..tools.synth import write_synthetic
+    from ..checkpoints import wan as wc
+    from ..synthetic.checkpoints import write_synthetic
 
     p = Path(path)
     if not p.is_file():

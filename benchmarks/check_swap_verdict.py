@@ -1,10 +1,10 @@
-"""Block Swap's once-per-load verdict (kernels/swap_verdict.py) checked against independent timings on a GPU.
+"""Block Swap's once-per-load verdict (offload/verdict.py) checked against independent timings on a GPU.
 
 Run on the GPU box from the repo root (about 2 minutes on an H100, ~16 GB of GPU memory, ~30 GB of RAM):
     python -m comfyui_lowvram_dit.benchmarks.check_swap_verdict --out-dir $OUT
     python -m comfyui_lowvram_dit.benchmarks.check_swap_verdict --smoke --out-dir DIR   # CPU, tiny: plumbing only
 No ComfyUI: 20 Wan-14B-sized blocks (d 5120, FFN 13824, 40 heads, 512 context tokens; fp8 weights cast to bf16 per
-call, or bf16 weights), streamed by kernels/offload.py's BlockStreamer through its StreamHook as the Block Swap
+call, or bf16 weights), streamed by offload/engine.py's BlockStreamer through its StreamHook as the Block Swap
 node does (the first forward untimed, the next two timed with CUDA events, handed over once). Per regime (tokens,
 source dtype, streamed blocks, prefetch) it prints the verdict line the node would log and checks it against:
 - the same blocks all resident (median forward) and the streamed run's untimed forwards after the timed ones: the
@@ -29,16 +29,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from comfyui_lowvram_dit.benchmarks import harness
-from comfyui_lowvram_dit.kernels import offload
-from comfyui_lowvram_dit.kernels.offload import BlockStreamer, StreamHook
-from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig, plan_swap
-from comfyui_lowvram_dit.kernels.swap_verdict import (
-    StreamStats,
-    SwapSetup,
-    SwapVerdict,
-    swap_verdict,
-)
-from comfyui_lowvram_dit.kernels.safe_write import write_report
+from comfyui_lowvram_dit.offload import engine as offload
+from comfyui_lowvram_dit.offload.engine import BlockStreamer, StreamHook
+from comfyui_lowvram_dit.offload.plan import SwapConfig, plan_swap
+from comfyui_lowvram_dit.offload.verdict import StreamStats, SwapSetup, SwapVerdict, swap_verdict
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 FULL = {"d": 5120, "ffn": 13824, "heads": 40, "ctx": 512, "blocks": 20}
 SMOKE = {"d": 64, "ffn": 128, "heads": 2, "ctx": 8, "blocks": 6}
@@ -110,7 +105,7 @@ class Owner:
 
 
 def forward(blocks: list[Block], x: torch.Tensor, ctx: torch.Tensor, hook: StreamHook | None = None) -> torch.Tensor:
-    """One model forward; with ``hook``, through the StreamHook as nodes/glue/hooks.py installs it."""
+    """One model forward; with ``hook``, through the StreamHook as host/hooks.py installs it."""
     def body() -> torch.Tensor:
         h = x
         for i, b in enumerate(blocks):

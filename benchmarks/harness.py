@@ -40,7 +40,7 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
-from comfyui_lowvram_dit.kernels.safe_write import write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -204,7 +204,7 @@ def peak_rss_bytes() -> int:
     Elsewhere ``ru_maxrss`` (bytes on macOS), or psutil's peak working set on Windows."""
     if sys.platform.startswith("linux"):
         try:
-            from comfyui_lowvram_dit.tools.memwatch import proc_status
+            from comfyui_lowvram_dit.cli.memwatch import proc_status
         except ImportError:  # run as a file without the pack installed: ru_maxrss below
             proc_status = None
         hwm = proc_status(os.getpid()).get("VmHWM") if proc_status else None
@@ -330,7 +330,7 @@ def _self_watch():  # noqa: ANN202 - memwatch.MemoryWatch | None
     if not sys.platform.startswith("linux"):
         return None
     try:
-        from comfyui_lowvram_dit.tools.memwatch import MemoryWatch
+        from comfyui_lowvram_dit.cli.memwatch import MemoryWatch
     except ImportError:
         return None
     return MemoryWatch(os.getpid(), interval=0.1, gpu=False).__enter__()  # GPU memory: torch's own counters

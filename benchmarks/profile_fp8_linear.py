@@ -40,7 +40,7 @@ except ImportError:
 from comfyui_lowvram_dit.benchmarks import harness
 from comfyui_lowvram_dit.benchmarks.bench_fp8_gemm import make_operands
 from comfyui_lowvram_dit.kernels import fp8
-from comfyui_lowvram_dit.kernels.safe_write import write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 TOKENS = 32_760  # Wan 14B, 832x480x81: 21 latent frames x 30 x 52 patches
 # (name, in_features, out_features, linears sharing one input)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from comfyui_lowvram_dit.kernels.safe_write import write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 try:
     from . import comfy_native, harness

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 KERNEL_FILE = Path(__file__).resolve().parents[1] / "kernels" / "attention_int8_triton.py"
-SAFE_WRITE_FILE = KERNEL_FILE.with_name("safe_write.py")
+SAFE_WRITE_FILE = KERNEL_FILE.parents[1] / "checkpoints" / "safe_write.py"
 SM_REGS, SM_SMEM, SM_WARPS = 65536, 227 * 1024, 64  # sm80/sm89/sm90 per-SM limits (sm90/sm80 smem; sm89 has 99 KB)
 POINTERS = ("Q8", "QScale", "K8", "KScale", "VT", "VScale", "VMean", "Out")
 DIV16_INTS = ("stride_ob", "stride_oh", "stride_om", "Lq_pad", "Lk_pad")

@@ -46,7 +46,7 @@ LOG2E = 1.4426950408889634
 DEFAULT_QK_FORMAT: Literal["int8", "fp8"] = "int8"
 # P·V format that "auto" picks on sm89+ (sm80 has no fp8 tensor cores, so it always gets fp16). e4m3 keeps 3
 # mantissa bits of P and V: where the output is averaged zero-mean V noise or a few huge V tokens, that rounding
-# does not average out (tests/test_attention_families.py: gauss 3.8 %, token_outliers 2.3 %, wan_like 2.1 % vs
+# does not average out (tests/unit/test_attention_families.py: gauss 3.8 %, token_outliers 2.3 %, wan_like 2.1 % vs
 # 1.1 / 1.3 / 0.4 % with fp16), while fp16 P·V ran 15 % slower at Wan 480p on an H100
 # (results/bench_attention_int8.md).
 DEFAULT_PV_FORMAT: Literal["fp8", "fp16"] = "fp8"

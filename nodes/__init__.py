@@ -3,7 +3,7 @@
 Imported only by ``comfy_entrypoint`` inside a running ComfyUI. A module that fails to import (a
 ComfyUI seam that moved, a missing optional library) disables its own nodes and logs why; the
 rest of the pack and ComfyUI's startup keep working. Each node class then declares the ComfyUI
-seams it uses (``COMFY_SEAMS``); nodes/glue/seams.py leaves out, or turns into a pass-through, a node
+seams it uses (``COMFY_SEAMS``); host/seams.py leaves out, or turns into a pass-through, a node
 whose seams this ComfyUI lacks, with one warning naming the node, the seam and the ComfyUI version.
 """
 
@@ -44,7 +44,7 @@ def load_node_classes() -> list[type]:
             continue
         classes.extend(getattr(module, "NODES", ()))
     try:
-        from .glue.seams import guard_nodes
+        from ..host.seams import guard_nodes
     except Exception as exc:  # the seam check itself must not cost the user every node
         log.warning("lowvram_dit: ComfyUI seam check unavailable (%s: %s); nodes registered unchecked",
                     type(exc).__name__, exc)

@@ -17,9 +17,9 @@ from comfy_api.latest import io
 
 from ..kernels import attention as attention_kernels
 from ..kernels import opaque_ops
-from .glue.common import CATEGORY_PATCHES, display_name, node_id
-from .glue.host_compiler import outside_allocation_graph
-from .glue.seams import PASS_THROUGH
+from ..host.common import CATEGORY_PATCHES, display_name, node_id
+from ..host.compiler import outside_allocation_graph
+from ..host.seams import PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

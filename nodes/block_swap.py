@@ -9,16 +9,16 @@ How it cooperates with ComfyUI (v0.8.0, comfy/model_patcher.py + comfy/model_man
 - ``unpatch_model``/``detach`` (unload, model switch, another clone taking over) free the ring and put every
   streamed block back on its CPU master. The clone gets its own ``patches_uuid``, so a plain clone of the same
   weights reloads cleanly after us.
-- Prefetch/wait logic is a kernels/offload.py ``StreamHook`` installed by nodes/glue/hooks.py (per-block replace
+- Prefetch/wait logic is a offload/engine.py ``StreamHook`` installed by host/hooks.py (per-block replace
   patches and the forward chain), outside the block forward: a compiled block stays compiled; swapped weights
   keep shape/dtype/device.
 - The pinned host arena is counted in ComfyUI's pinned-memory account while it is registered, and stays pageable
-  when that account has no room (nodes/glue/pin_budget.py), so ComfyUI's own pins never push past its cap.
-- LoRA on streamed blocks is merged once per load into their host arena (nodes/glue/lora_merge.py: ComfyUI's own
+  when that account has no room (host/pin_budget.py), so ComfyUI's own pins never push past its cap.
+- LoRA on streamed blocks is merged once per load into their host arena (host/lora_merge.py: ComfyUI's own
   convert / calculate_weight / set steps, so fp8 layers re-quantize with their own scales) and restored exactly on
   unload; every step streams the merged bytes. Offloaded embeddings keep ComfyUI's ``LowVramPatch`` (per call).
 - Once per load, after its first model calls, one log line says whether compute hid the copies or by how much
-  they stalled it and what would help (kernels/swap_verdict.py, from the engine's CUDA-event timings); the Doctor
+  they stalled it and what would help (offload/verdict.py, from the engine's CUDA-event timings); the Doctor
   node shows the latest line of each model. A CPU run times nothing and says nothing.
 
 Two-expert Wan 2.2 A14B (RAM): only the loaded expert's streamed blocks sit in the pinned host arena. When an
@@ -43,17 +43,17 @@ import weakref
 import torch
 from comfy_api.latest import io
 
-from ..kernels import offload, swap_plan
+from ..offload import engine as offload, plan as swap_plan
 from ..kernels.hooks import find_blocks
-from ..kernels.offload import BlockStreamer, StreamHook
-from ..kernels.swap_plan import SwapConfig, SwapPlan
-from ..kernels.swap_verdict import StreamStats, SwapSetup, swap_verdict
-from .glue.common import CATEGORY_PATCHES, display_name, dynamic_vram_manages, mixed_class, node_id, say_once
-from .glue.core_quant import model_layouts
-from .glue.hooks import register_hook
-from .glue.lora_merge import StreamedMerge
-from .glue.pin_budget import ComfyPinBudget
-from .glue.seams import BLOCK_SWAP_SEAMS, PASS_THROUGH
+from ..offload.engine import BlockStreamer, StreamHook
+from ..offload.plan import SwapConfig, SwapPlan
+from ..offload.verdict import StreamStats, SwapSetup, swap_verdict
+from ..host.common import CATEGORY_PATCHES, display_name, dynamic_vram_manages, mixed_class, node_id, say_once
+from ..host.core_quant import model_layouts
+from ..host.hooks import register_hook
+from ..host.lora_merge import StreamedMerge
+from ..host.pin_budget import ComfyPinBudget
+from ..host.seams import BLOCK_SWAP_SEAMS, PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -276,7 +276,7 @@ class SwapController:
         self.activate(patcher, self.device)
         return bool(self.plan.streamed)
 
-    # -- what the StreamHook asks (kernels/offload.py StreamOwner) -----------------------------------------
+    # -- what the StreamHook asks (offload/engine.py StreamOwner) -----------------------------------------
 
     @property
     def debug(self) -> bool:
@@ -297,7 +297,7 @@ class SwapController:
                                     self.embed_bytes)
 
     def swap_setup(self) -> SwapSetup:
-        """The shape of the active load, for kernels/swap_verdict.py."""
+        """The shape of the active load, for offload/verdict.py."""
         plan, st = self.plan, self.streamer
         streamed = len(plan.streamed)
         return SwapSetup(model=self.model_name, num_blocks=plan.num_blocks, streamed=streamed,

@@ -1,7 +1,7 @@
 """Torch Compile node: regional compile of the transformer blocks, with an OOM-safe fallback chain.
 
 Built on the same seam as ComfyUI's ``set_torch_compile_wrapper`` (comfy_api/torch_helpers/torch_compile.py):
-the pack's ``APPLY_MODEL`` hook chain (nodes/glue/hooks.py) runs a ``CompileHook`` that puts compiled modules
+the pack's ``APPLY_MODEL`` hook chain (host/hooks.py) runs a ``CompileHook`` that puts compiled modules
 into the BaseModel only while ``apply_model`` runs, so weight patching, LoRA and saving see the original
 modules (no ``_orig_mod.`` keys). Differences: mode,
 dynamic, fullgraph and a per-model recompile limit; blocks compiled as regions (one trace serves all blocks);
@@ -18,16 +18,11 @@ import torch
 from comfy_api.latest import io
 
 from ..kernels.compile import (
-    MODES,
-    CompileConfig,
-    CompiledRegions,
-    CompileHook,
-    find_block_lists,
-    transformer_options_guard_filter,
+    MODES, CompileConfig, CompiledRegions, CompileHook, find_block_lists, transformer_options_guard_filter,
 )
-from .glue.common import CATEGORY_PATCHES, display_name, node_id
-from .glue.hooks import register_hook
-from .glue.seams import PASS_THROUGH
+from ..host.common import CATEGORY_PATCHES, display_name, node_id
+from ..host.hooks import register_hook
+from ..host.seams import PASS_THROUGH
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

@@ -6,9 +6,9 @@ import sys
 
 from comfy_api.latest import io, ui
 
-from ..tools import doctor, doctor_host
-from .glue.common import CATEGORY_UTILS, display_name, node_id
-from .glue.seams import seam_status
+from ..doctor import report as doctor, host as doctor_host
+from ..host.common import CATEGORY_UTILS, display_name, node_id
+from ..host.seams import seam_status
 
 
 def comfyui_host_info() -> tuple[str | None, dict]:
@@ -35,13 +35,13 @@ def comfyui_host_info() -> tuple[str | None, dict]:
 
 
 def comfyui_engine_settings() -> dict[str, str]:
-    """The running ComfyUI's compiler, CUDA-graph, ``--fast`` and pinned-memory settings (tools/doctor_host.py)."""
+    """The running ComfyUI's compiler, CUDA-graph, ``--fast`` and pinned-memory settings (doctor/host.py)."""
     try:
         import comfy.model_management as mm
         import torch
         from comfy.cli_args import args
 
-        from .glue.pin_budget import pinned_by_pack
+        from ..host.pin_budget import pinned_by_pack
 
         accumulate = getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", None)
         return doctor_host.engine_settings(args, mm, sys.modules.get("comfy.model_prefetch"), mm.get_torch_device(),
@@ -101,8 +101,8 @@ class Doctor(io.ComfyNode):
 
 
 def selftest_report() -> str:
-    """The selftest's verdict lines, run in this server on its device (tools/selftest.py)."""
-    from ..tools import selftest  # imported on use only: the checks import the node modules themselves
+    """The selftest's verdict lines, run in this server on its device (doctor/selftest.py)."""
+    from ..doctor import selftest  # imported on use only: the checks import the node modules themselves
 
     lines = ["Self-test (each node vs its stock ComfyUI equivalent, tiny synthetic models)"]
     verdicts = selftest.run_selftest(emit=lines.append)

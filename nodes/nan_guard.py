@@ -1,6 +1,6 @@
 """NaN Guard node: name the first transformer block that produced NaN/inf, and the likely cause.
 
-The guard is a kernels/nan_guard.py ``NanGuardHook`` installed through nodes/glue/hooks.py: one device flag per
+The guard is a kernels/nan_guard.py ``NanGuardHook`` installed through host/hooks.py: one device flag per
 block output, read once at the end of each model call. Wan (``blocks``) and Qwen-Image (``transformer_blocks``:
 both its image and text streams are checked).
 """
@@ -12,9 +12,9 @@ from comfy_api.latest import io
 
 from ..kernels.hooks import find_blocks
 from ..kernels.nan_guard import ACTIONS, NanGuardHook
-from .glue.common import CATEGORY_PATCHES, display_name, node_id
-from .glue.hooks import register_hook
-from .glue.seams import PASS_THROUGH
+from ..host.common import CATEGORY_PATCHES, display_name, node_id
+from ..host.hooks import register_hook
+from ..host.seams import PASS_THROUGH
 
 GUARD_KEY = "lowvram_dit_nan_guard"
 

@@ -9,7 +9,7 @@ them:
 - Stage 1, text + images: ComfyUI's own ``TextEncodeQwenImageEditPlus.execute`` runs for each prompt (image resizing,
   "Picture N:" prefix, edit template, VAE-encoded reference latents, ``conditioning_set_values``). Its ``clip`` is a
   stand-in: ``tokenize`` records the request, ``encode_from_tokens_scheduled`` answers it from the embedding cache
-  or from the Qwen2.5-VL encoder streamed onto the CPU (vision tower included; nodes/glue/text_encoders.py), built
+  or from the Qwen2.5-VL encoder streamed onto the CPU (vision tower included; host/text_encoders.py), built
   on the first miss. The node runs twice per prompt: without the VAE first (text + vision only), then the encoder is
   freed, then with the VAE, its encodes answered from the first pass, so the encoder and the VAE encode never hold
   memory at the same time. The prompts share their images, so the vision tower runs once per distinct image and the
@@ -32,12 +32,12 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
-from ..kernels import stage_meter
-from ..kernels.embedding_cache import embedding_cache_key, tensor_digest
-from ..kernels.stage_meter import StageReport
+from ..offload import stage_meter
+from ..checkpoints.embedding_cache import embedding_cache_key, tensor_digest
+from ..offload.stage_meter import StageReport
 from . import qwen_staged
-from .glue import text_encoders
-from .glue.common import CATEGORY_LOADERS, display_name, embedding_cache, node_id
+from ..host import text_encoders
+from ..host.common import CATEGORY_LOADERS, display_name, embedding_cache, node_id
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

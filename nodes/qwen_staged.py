@@ -5,7 +5,7 @@ LoRA and ModelSampling nodes work on them):
 - Stage 1, text. The Qwen2.5-VL encoder is built on the CPU with ComfyUI's own classes (the QWEN25_7B
   detection, ``llama_detect``, ``convert_old_quants``, ``qwen_image.te``, ``QwenImageTokenizer`` and
   ``comfy.sd.CLIP``: what ``load_text_encoder_state_dicts(clip_type=QWEN_IMAGE)`` dispatches to) but with an empty
-  state dict; its weights are then streamed from the file one module at a time (nodes/glue/text_encoders.py). ComfyUI's
+  state dict; its weights are then streamed from the file one module at a time (host/text_encoders.py). ComfyUI's
   ``load_clip`` maps the whole file and copies it into the model, so the bf16 encoder briefly costs 2 x 15 GB of
   RSS; streaming costs the model plus one module.
   Prompts are encoded exactly as CLIPTextEncode does, the encoder is freed (RSS falls back) and only the
@@ -13,7 +13,7 @@ LoRA and ModelSampling nodes work on them):
   template and encoder identity (content fingerprint, format, dtype, config, ComfyUI version); an unchanged
   prompt skips stage 1 entirely.
 - Stage 2, transformer: read tensor by tensor, block Linear weights quantized to fp8 (block-wise or per-tensor)
-  while streaming (on the GPU when there is one), built with nodes/glue/fp8_ops.py's custom operations, then
+  while streaming (on the GPU when there is one), built with host/fp8_ops.py's custom operations, then
   wrapped by the Block Swap node's ``apply_block_swap`` under the VRAM budget.
 - VAE: loaded as VAELoader does.
 
@@ -32,20 +32,23 @@ from pathlib import Path
 import torch
 from comfy_api.latest import io
 
-from ..kernels import qwen_image, stage_meter
-from ..kernels.checkpoint_io import CheckpointError, check_quantization, read_header
-from ..kernels.stage_meter import StageReport
-from ..kernels.swap_plan import SwapConfig
-from ..kernels.text_encoders import qwen25_vl_config_from_header
+from ..checkpoints import qwen_image
+from ..offload import stage_meter
+from ..checkpoints.safetensors_io import CheckpointError, check_quantization, read_header
+from ..offload.stage_meter import StageReport
+from ..offload.plan import SwapConfig
+from ..checkpoints.text_encoders import qwen25_vl_config_from_header
 from .block_swap import apply_block_swap, budget_problem, check_budget
-from .glue import text_encoders
-from .glue.graph_checks import WAN_VAE_KEY
-from .glue.common import (CATEGORY_LOADERS, CATEGORY_UTILS, checked_input, display_name, file_fingerprint,
-                          load_diffusion_model, node_id, use_mmap)
-from .glue.core_quant import announce, check_host_reads
-from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
-from .glue.mapped_weights import keep_file_backed
-from .glue.seams import BLOCK_SWAP_SEAMS, DISABLE
+from ..host import text_encoders
+from ..host.graph_checks import WAN_VAE_KEY
+from ..host.common import (
+    CATEGORY_LOADERS, CATEGORY_UTILS, checked_input, display_name, file_fingerprint, load_diffusion_model, node_id,
+    use_mmap,
+)
+from ..host.core_quant import announce, check_host_reads
+from ..host.fp8_ops import Fp8OpsConfig, make_fp8_ops
+from ..host.mapped_weights import keep_file_backed
+from ..host.seams import BLOCK_SWAP_SEAMS, DISABLE
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

@@ -10,20 +10,13 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
-from ..kernels import wan_checkpoint as wc
-from .glue import graph_checks
-from .glue.common import (
-    CATEGORY_LOADERS,
-    display_name,
-    file_fingerprint,
-    load_diffusion_model,
-    node_id,
-    use_mmap,
-)
-from .glue.core_quant import announce, check_host_reads
-from .glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
-from .glue.mapped_weights import keep_file_backed
-from .glue.seams import DISABLE
+from ..checkpoints import wan as wc
+from ..host import graph_checks
+from ..host.common import CATEGORY_LOADERS, display_name, file_fingerprint, load_diffusion_model, node_id, use_mmap
+from ..host.core_quant import announce, check_host_reads
+from ..host.fp8_ops import Fp8OpsConfig, make_fp8_ops
+from ..host.mapped_weights import keep_file_backed
+from ..host.seams import DISABLE
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

@@ -5,7 +5,7 @@
 tokenizer), but:
 - the encoder is built with ComfyUI's own classes (``comfy.text_encoders.wan.te``, ``WanT5Tokenizer``,
   ``sd3_clip.t5_xxl_detect``, ``convert_old_quants``, ``comfy.sd.CLIP``) with an empty state dict, and its weights
-  are streamed from the file one module at a time (nodes/glue/text_encoders.py): ``load_clip`` maps the whole file and
+  are streamed from the file one module at a time (host/text_encoders.py): ``load_clip`` maps the whole file and
   copies it into the model, so the fp16 encoder (11.4 GB) briefly costs twice that in RSS;
 - it runs on the CPU and never takes VRAM; it is freed as soon as the prompts are encoded;
 - embeddings are cached on disk (user directory), keyed by prompt, tokenizer and encoder identity (content
@@ -21,13 +21,13 @@ from pathlib import Path
 
 from comfy_api.latest import io
 
-from ..kernels.checkpoint_io import CheckpointError, SafetensorsHeader
-from ..kernels.stage_meter import StageReport
-from ..kernels.streaming import ProgressFn
-from ..kernels.text_encoders import umt5_config_from_header
-from .glue import text_encoders
-from .glue.common import CATEGORY_LOADERS, checked_input, display_name, file_fingerprint, node_id
-from .glue.seams import DISABLE
+from ..checkpoints.safetensors_io import CheckpointError, SafetensorsHeader
+from ..offload.stage_meter import StageReport
+from ..checkpoints.streaming import ProgressFn
+from ..checkpoints.text_encoders import umt5_config_from_header
+from ..host import text_encoders
+from ..host.common import CATEGORY_LOADERS, checked_input, display_name, file_fingerprint, node_id
+from ..host.seams import DISABLE
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from comfyui_lowvram_dit.tools.runner import free_port, pack_import_problems, stop_process  # noqa: F401
+from comfyui_lowvram_dit.cli.runner import free_port, pack_import_problems, stop_process  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_NODES = Path(__file__).resolve().parent / "fixture_nodes"

@@ -64,7 +64,7 @@ def make_wrapper(label: str, profile_call: int, out_path: Path, top: int = 25) -
     """An APPLY_MODEL wrapper: times each call, profiles call number ``profile_call`` (0-based; -1: none)."""
     import torch
 
-    safe_write = _pack_file("lowvram_safe_write", "kernels/safe_write.py")
+    safe_write = _pack_file("lowvram_safe_write", "checkpoints/safe_write.py")
     calls: list[float] = []
     state: dict[str, Any] = {"label": label, "call_s": calls, "profiled_call": profile_call, "profile": None}
     cuda = torch.cuda.is_available()

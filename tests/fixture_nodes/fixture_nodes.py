@@ -188,7 +188,7 @@ class StreamedCLIPLoader(io.ComfyNode):
     same ComfyUI classes (``comfy.sd.CLIP`` with ComfyUI's own tokenizer and encoder) with the sizes read from the
     file, through the pack's streaming builders, so the rest of an official template (CLIPTextEncode,
     TextEncodeQwenImageEditPlus, samplers, LoRAs, VAE) runs as shipped. Used only by
-    tests/test_comfyui_templates.py on templates that use the stock text encoder.
+    tests/comfyui/test_comfyui_templates.py on templates that use the stock text encoder.
     """
 
     @classmethod
