@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from ..checkpoints.safe_write import write_report
+from ..host.version import comfyui_version
 
 ROWS: dict[str, str] = {
     "native_best": "UNETLoader fp8_e4m3fn_fast + --use-ck-attention",
@@ -201,8 +202,7 @@ def experts_child(row: str, args: argparse.Namespace) -> dict:
 
 def _environment(args: argparse.Namespace) -> dict:
     root = Path(os.environ["COMFYUI_PATH"])
-    version = (root / "comfyui_version.py").read_text().split('"')[1] if (root / "comfyui_version.py").exists() \
-        else "?"
+    version = comfyui_version(root) or "?"
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {"gpus": gpus, "torch": torch.__version__, "comfyui": version, "command": " ".join(sys.argv),
             "shape": f"{args.width}x{args.height}x{args.frames}, cfg {args.cfg}, {args.steps} steps",

@@ -41,6 +41,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
+from comfyui_lowvram_dit.host.version import comfyui_version
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -96,19 +97,6 @@ def git_sha(repo: Path = PACK_ROOT) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{sha}-dirty" if dirty else sha
-
-
-def comfyui_version(comfyui_path: str | os.PathLike | None = None) -> str | None:
-    """ComfyUI's version read from ``comfyui_version.py`` (``COMFYUI_PATH`` by default), without importing it."""
-    root = comfyui_path or os.environ.get("COMFYUI_PATH")
-    if not root:
-        return None
-    try:
-        text = (Path(root) / "comfyui_version.py").read_text(encoding="utf-8")
-    except OSError:
-        return None
-    match = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", text)
-    return match.group(1) if match else None
 
 
 def public_path(arg: str) -> str:

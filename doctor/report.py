@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..host.version import comfyui_version as read_comfyui_version
 from .advice import (
     COMFY_MIN_INFERENCE_GIB, COMFY_RESERVED_GIB, SWAP_MODELS, _os_kind, _version_tuple, format_report, known_issues,
     no_gpu_detail, recommend,
@@ -73,18 +74,6 @@ def dist_version(*names: str) -> str | None:
         except Exception:  # a broken dist-info must not break the report
             continue
     return None
-
-
-def read_comfyui_version(comfyui_path: str | os.PathLike | None) -> str | None:
-    """``__version__`` from ``<comfyui_path>/comfyui_version.py``, read as text (ComfyUI is never imported)."""
-    if not comfyui_path:
-        return None
-    try:
-        text = (Path(comfyui_path) / "comfyui_version.py").read_text(encoding="utf-8")
-    except OSError:
-        return None
-    match = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", text)
-    return match.group(1) if match else None
 
 
 COMFYUI_HINT = ("ComfyUI not found: run the Doctor from ComfyUI/custom_nodes/<this pack>, set "
@@ -139,7 +128,7 @@ def collect_versions(comfyui_version: str | None, comfyui_path: str | None) -> d
         "safetensors": dist_version("safetensors"),
         "triton": dist_version("triton", "triton-windows", "pytorch-triton"),
         "triton_import_error": import_error("triton"),
-        "comfyui": comfyui_version or read_comfyui_version(comfyui_path),
+        "comfyui": comfyui_version or (read_comfyui_version(comfyui_path) if comfyui_path else None),
         "comfyui_path": str(comfyui_path) if comfyui_path else None,
         "comfy_kitchen": dist_version("comfy-kitchen", "comfy_kitchen"),
         "flash_attn": dist_version("flash-attn", "flash_attn"),

@@ -135,11 +135,11 @@ class SelfTestEnv:
 
     def describe(self) -> str:
         """``ComfyUI 0.33.0, torch 2.9.1, cpu``."""
-        from ..host.common import comfyui_version
+        from ..host.version import comfyui_version
 
         dev = self.device
         name = f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""
-        return f"ComfyUI {comfyui_version()}, torch {torch.__version__}, {dev}{name}"
+        return f"ComfyUI {comfyui_version() or 'unknown'}, torch {torch.__version__}, {dev}{name}"
 
     def file(self, folder: str, name: str, write: Callable[[Path], object]) -> str:
         """The name of a file in model folder ``folder``, written by ``write(path)`` the first time it is asked."""

@@ -39,16 +39,6 @@ def checked_input(node: str, option: str) -> Iterator[None]:
 EMBEDDING_CACHE_FOLDER = ("comfyui-lowvram-dit", "embeddings")
 
 
-def comfyui_version() -> str:
-    """The running ComfyUI's version ("unknown" outside ComfyUI)."""
-    try:
-        import comfyui_version
-
-        return str(comfyui_version.__version__)
-    except ImportError:
-        return "unknown"
-
-
 def file_fingerprint(folder: str, name: str) -> str:
     """``name:size:mtime_ns`` of a model file in a ComfyUI folder (``name:missing`` when absent): a node's
     ``fingerprint_inputs`` so it re-runs when the file changes on disk under the same name."""

@@ -17,7 +17,8 @@ from typing import Any
 
 from ..checkpoints.safetensors_io import quant_layer_configs, read_header
 from ..checkpoints.core_quant import core_layouts, describe_layouts, layout_name
-from .common import comfyui_version
+
+from .version import comfyui_version
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -63,7 +64,7 @@ def refusal(file_name: str, loader: str, missing: dict[str, list[str]]) -> str:
     where = ("on ComfyUI 0.33 or newer (its comfy/quant_ops.py reads " + ", ".join(READ_BY_0_33) + ")") if newer \
         else "on a ComfyUI whose comfy/quant_ops.py lists " + " and ".join(names)
     return (f"{file_name}: {describe_layouts(missing)} in ComfyUI's quantized layout{'s' * (len(names) > 1)} "
-            f"{', '.join(names)}, which this ComfyUI ({comfyui_version()}) cannot build, so the {loader} does not "
+            f"{', '.join(names)}, which this ComfyUI ({comfyui_version() or 'unknown'}) cannot build, so the {loader} does not "
             f"take this file here. Load it with the stock UNETLoader (Load Diffusion Model) {where}, or pick a "
             "bf16 / fp8 file of the model for this loader")
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import behaviour
-from .common import comfyui_version, say_once
+from .version import comfyui_version
+from .common import say_once
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -176,7 +177,7 @@ def seam_problem(node_name: str, names: tuple[str, ...] | list[str], action: str
     gaps = [g for n in names for g in missing_probes(n)]
     if not gaps:
         return None
-    version = comfyui_version()
+    version = (comfyui_version() or "unknown")
     what = ", ".join(gaps[:3]) + (f" (and {len(gaps) - 3} more)" if len(gaps) > 3 else "")
     message = f"{node_name} {action}: this ComfyUI ({version}) lacks {what}; "
     v = _version_tuple(version)

@@ -26,7 +26,8 @@ from ..checkpoints.safetensors_io import (
 )
 from ..checkpoints.embedding_cache import embedding_cache_key, file_identity
 from ..checkpoints.text_encoders import text_encoder_format
-from .common import comfyui_version, embedding_cache, use_mmap
+from .version import comfyui_version
+from .common import embedding_cache, use_mmap
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -66,7 +67,7 @@ def encoder_identity(enc: StreamedTextEncoder, te_path: str | Path) -> dict:
     header, cfg = check_file(enc, te_path)
     return {"sha256": file_identity(te_path), "format": text_encoder_format(header),
             "dtype": str(header.tensors[enc.norm_key].dtype).removeprefix("torch."),
-            "config": cfg, "device": "cpu", "comfyui": comfyui_version(), "file": Path(te_path).name}
+            "config": cfg, "device": "cpu", "comfyui": (comfyui_version() or "unknown"), "file": Path(te_path).name}
 
 
 def build_streaming(enc: StreamedTextEncoder, te_path: str | Path,

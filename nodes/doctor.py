@@ -9,15 +9,12 @@ from comfy_api.latest import io, ui
 from ..doctor import report as doctor, host as doctor_host
 from ..host.common import CATEGORY_UTILS, display_name, node_id
 from ..host.seams import seam_status
+from ..host.version import comfyui_version
 
 
 def comfyui_host_info() -> tuple[str | None, dict]:
     """ComfyUI's version and the settings of the running server that the report should show."""
-    version = None
-    try:
-        from comfyui_version import __version__ as version  # top-level module of the running ComfyUI
-    except ImportError:
-        pass
+    version = comfyui_version()
     host: dict = {}
     try:
         import comfy.model_management as mm

@@ -167,7 +167,7 @@ def test_loaders_refuse_a_layout_the_host_cannot_build(comfy: Any, tmp_path: Pat
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from comfyui_lowvram_dit.checkpoints import safetensors_io as checkpoint_io, core_quant, wan as wan_checkpoint
     from comfyui_lowvram_dit.nodes import qwen_staged
-    from comfyui_lowvram_dit.host.common import comfyui_version
+    from comfyui_lowvram_dit.host.version import comfyui_version
     from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
 
     wan, qwen = _wan_file(tmp_path, layout), _qwen_file(tmp_path, layout)

@@ -106,8 +106,8 @@ def test_cli_json_is_strict_and_text_mode_prints_the_report(capsys: pytest.Captu
 def test_comfyui_version_is_read_from_comfyui_path_without_importing(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "comfyui_version.py").write_text('# generated\n__version__ = "0.8.0"\n', encoding="utf-8")
-    assert doctor.read_comfyui_version(tmp_path) == "0.8.0"
-    assert doctor.read_comfyui_version(tmp_path / "missing") is None
+    assert comfyui_version(tmp_path) == "0.8.0"
+    assert comfyui_version(tmp_path / "missing") is None
     monkeypatch.setenv("COMFYUI_PATH", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert doctor.collect(gpu_probes=False)["versions"]["comfyui"] == "0.8.0"
@@ -258,7 +258,7 @@ def test_node_schema_is_valid_and_execute_returns_text_and_ui() -> None:
     assert all(getattr(i, "tooltip", None) for i in schema.inputs)
     out = doctor_node.Doctor.execute(gpu_probes=False)
     text = out.result[0]
-    from comfyui_lowvram_dit.host.common import comfyui_version
+    from comfyui_lowvram_dit.host.version import comfyui_version
 
     assert "Recommendation" in text and f"comfyui        {comfyui_version()}" in text
     assert "\nComfyUI seams (host/seams.py)\n" in text and "dit.block_replace         ok" in text
