@@ -137,7 +137,7 @@ def parent_environment(argv: list[str] | None = None) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "comfyui_path": public_path(comfy) if comfy else None,
-        "comfyui_version": comfyui_version(),
+        "comfyui_version": comfyui_version(os.environ.get("COMFYUI_PATH")),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 

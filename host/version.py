@@ -4,30 +4,23 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from pathlib import Path
 
 _VERSION = re.compile(r"""__version__\s*=\s*["']([^"']+)["']""")
 
 
 def comfyui_version(comfyui_path: str | os.PathLike | None = None) -> str | None:
-    """ComfyUI's version, or None when no ComfyUI is found.
+    """ComfyUI's version, None when unknown.
 
-    With ``comfyui_path`` (or, inside no ComfyUI, ``COMFYUI_PATH``) it reads that checkout's ``comfyui_version.py``
-    as text, never importing ComfyUI. Without a path it asks the ComfyUI this process runs in.
+    With ``comfyui_path``: that checkout's ``comfyui_version.py``, read as text (ComfyUI is never imported).
+    Without: the ComfyUI this process runs in (its top-level ``comfyui_version`` module).
     """
     if comfyui_path is None:
-        running = sys.modules.get("comfyui_version")
-        if running is None and "comfy" in sys.modules:  # inside ComfyUI: its top-level module is importable
-            try:
-                import comfyui_version as running
-            except ImportError:
-                running = None
-        if running is not None:
-            return str(running.__version__)
-        comfyui_path = os.environ.get("COMFYUI_PATH")
-    if not comfyui_path:
-        return None
+        try:
+            import comfyui_version
+        except ImportError:
+            return None
+        return str(comfyui_version.__version__)
     try:
         text = (Path(comfyui_path) / "comfyui_version.py").read_text(encoding="utf-8")
     except OSError:

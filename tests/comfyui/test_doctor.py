@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from comfyui_lowvram_dit.doctor import report as doctor
+from comfyui_lowvram_dit.host.version import comfyui_version
 
 SECTIONS = ("versions", "gpu", "memory", "fp8", "attention", "known_issues", "recommendation", "skipped")
 

@@ -362,7 +362,7 @@ for pkg in (k, n):
             failed[name] = f"{type(exc).__name__}: {exc}"
 import torch
 from comfyui_lowvram_dit.kernels import attention, attention_int8, fp8_triton
-from comfyui_lowvram_dit.cli import doctor
+from comfyui_lowvram_dit.doctor import report as doctor
 classes = n.load_node_classes()
 report = doctor.collect(gpu_probes=False)
 print(json.dumps({
