@@ -18,10 +18,7 @@ import sys
 from pathlib import Path
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
-try:
-    from . import harness
-except ImportError:  # run as a file
-    import harness  # type: ignore[no-redef]
+from comfyui_lowvram_dit.benchmarks import harness
 
 MODULE = "comfyui_lowvram_dit.benchmarks.bench_attention"
 # (B, H, Lq, Lk, D). Tokens from shared/research/offload-fp8-compile.md §0 and model-facts-wan22-qwenimage.md.
@@ -112,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--in-process", action="store_true", help="all variants in this process (faster)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS)
+    parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     shapes = SMOKE_SHAPES if args.smoke else {s: SHAPES[s] for s in args.shapes}
     bench = "bench_attention_smoke" if args.smoke else "bench_attention"
@@ -126,6 +123,3 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     return 0 if any(r.get("status") == "ok" for r in results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -421,6 +421,3 @@ def main(argv: list[str] | None = None) -> int:
     say(f"wrote {args.out / stem}.json and .md")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

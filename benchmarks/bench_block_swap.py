@@ -24,10 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
-try:
-    from . import harness
-except ImportError:  # run as a file: python benchmarks/bench_block_swap.py
-    import harness  # type: ignore[no-redef]
+from comfyui_lowvram_dit.benchmarks import harness
 
 TARGET = "comfyui_lowvram_dit.benchmarks.bench_block_swap:swap_forward"
 MODEL = "wan22_t2v_14B"
@@ -131,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, no caps (checks the flow only)")
     p.add_argument("--tag", default="", help="suffix for the result files (keeps an earlier run's files)")
-    p.add_argument("--out-dir", type=Path, default=harness.RESULTS)
+    p.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
     args = p.parse_args(argv)
     caps = [None if c == "none" else float(c) for c in args.caps]
     results = []
@@ -146,6 +143,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['name']}: {r['status']}: {r.get('error', '')[:500]}", file=sys.stderr)
     return 1 if failed and args.smoke else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -54,10 +54,7 @@ from pathlib import Path
 from typing import Any
 from comfyui_lowvram_dit.checkpoints.safe_write import starts_with, write_atomic, write_report
 
-try:
-    from . import harness
-except ImportError:  # run as a file
-    import harness  # type: ignore[no-redef]
+from comfyui_lowvram_dit.benchmarks import harness
 
 MODULE = "comfyui_lowvram_dit.benchmarks.bench_compile"
 MODEL = "wan22_t2v_14B"
@@ -561,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-budget-s", type=float, default=None,
                         help=f"skip variants that would end past this (presets: {PRESET_BUDGET_S:g}; 0 = no limit)")
     parser.add_argument("--smoke", action="store_true", help="tiny models, 64x64(x5), on the CPU")
-    parser.add_argument("--out-dir", type=Path, default=None,
+    parser.add_argument("--out-dir", "--out", type=Path, default=None,
                         help="report folder (default benchmarks/results, or a temp folder with --smoke)")
     args = parser.parse_args(argv)
     if args.preset and args.variants:
@@ -595,6 +592,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"reports: {out_dir / bench}.md, {bench}_summary.md", file=sys.stderr)
     return 0 if any(r.get("status") == "ok" for r in results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -55,10 +55,7 @@ from pathlib import Path
 from typing import Any
 from comfyui_lowvram_dit.checkpoints.safe_write import TORCH_ARCHIVE, starts_with, write_atomic, write_report
 
-try:
-    from . import harness
-except ImportError:  # run as a file
-    import harness  # type: ignore[no-redef]
+from comfyui_lowvram_dit.benchmarks import harness
 
 MODULE = "comfyui_lowvram_dit.benchmarks.bench_first_step"
 BENCH = "bench_first_step"
@@ -436,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-budget-s", type=float, default=None,
                         help=f"skip variants that would end past this (default {BUDGET_S:g}; 0 = no limit)")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 64x64x5, on the CPU")
-    parser.add_argument("--out-dir", type=Path, default=None,
+    parser.add_argument("--out-dir", "--out", type=Path, default=None,
                         help="report folder (default benchmarks/results, or a temp folder with --smoke)")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -455,6 +452,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"reports: {out_dir / BENCH}.md, {BENCH}_summary.md, {BENCH}.json", file=sys.stderr)
     return 0 if any(r.get("status") == "ok" for r in results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="Wan 14B shapes only")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS)
+    parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         say("bench_fp8_gemm needs a CUDA GPU")
@@ -209,6 +209,3 @@ def main(argv: list[str] | None = None) -> int:
     say(f"wrote {args.out_dir / stem}.json and .md")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -296,6 +296,3 @@ def main(argv: list[str] | None = None) -> int:
         write_report(out / f"{name}.md", report(result))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

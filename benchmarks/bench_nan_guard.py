@@ -17,10 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-try:
-    from . import harness
-except ImportError:  # run as a file
-    import harness  # type: ignore[no-redef]
+from comfyui_lowvram_dit.benchmarks import harness
 
 TARGET = "comfyui_lowvram_dit.benchmarks.bench_nan_guard:guard_case"
 RESOLUTIONS = {"480p81": (832, 480, 81), "480p17": (832, 480, 17)}
@@ -54,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the flow only)")
-    p.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results (smoke: a temp dir)")
+    p.add_argument("--out-dir", "--out", type=Path, default=None, help="default: benchmarks/results (smoke: a temp dir)")
     args = p.parse_args(argv)
     out_dir = args.out_dir or (Path("/tmp/lowvram_dit_bench_smoke") if args.smoke else harness.RESULTS)
     variants = []
@@ -80,6 +77,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['name']}: {r['status']}: {r.get('error', '')[:500]}", file=sys.stderr)
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,10 +26,7 @@ import shutil
 import sys
 from pathlib import Path
 
-try:
-    from . import harness
-except ImportError:  # run as a file
-    import harness  # type: ignore[no-redef]
+from comfyui_lowvram_dit.benchmarks import harness
 
 MODULE = "comfyui_lowvram_dit.benchmarks.bench_qwen_staged"
 PROMPT = ("A coffee shop entrance features a chalkboard sign reading \"Qwen Coffee 2 dollars\", with a neon light "
@@ -216,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--skip-native", action="store_true")
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS)
+    parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
     parser.add_argument("--smoke", action="store_true", help="tiny transformer/VAE, 64x64, CPU, no cap")
     args = parser.parse_args(argv)
     write_files(args.files, args.te, args.smoke)
@@ -246,6 +243,3 @@ def main(argv: list[str] | None = None) -> int:
     print((Path(args.out_dir) / f"{bench}.md").read_text(encoding="utf-8"))
     return 0 if all(r.get("status") == "ok" for r in results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

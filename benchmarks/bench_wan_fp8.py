@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS)
+    parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
     parser.add_argument("--load-file", type=Path, default=DEFAULT_LOAD_FILE,
                         help="bf16 file for quantize_on_load (written once if missing, 28.6 GB)")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 64x64x5, on the CPU")
@@ -186,6 +186,3 @@ def main(argv: list[str] | None = None) -> int:
     print((Path(args.out_dir) / f"{bench}.md").read_text(encoding="utf-8"))
     return 0 if any(r.get("status") == "ok" for r in results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())
