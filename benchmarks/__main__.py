@@ -99,4 +99,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.argv[:1] = ["-m", PKG]  # results record the command as it was typed: python3 -m PKG SCENARIO ...
+    sys.exit(main(sys.argv[2:]))

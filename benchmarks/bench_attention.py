@@ -1,15 +1,4 @@
-"""Every attention backend of kernels/attention.py at Wan 2.2 and Qwen-Image shapes: time, TFLOP/s, error.
-
-Run on the GPU box from the repo root (about 5-10 minutes; the 720p shape dominates):
-    python -m comfyui_lowvram_dit.benchmarks.bench_attention
-    ... --shapes wan14b_480p_self qwen_image_1328   (a subset)   ... --in-process   (faster, shared allocator)
-CPU smoke test of the flow (tiny shapes, CPU backends only):
-    python -m comfyui_lowvram_dit.benchmarks.bench_attention --smoke
-Per (shape, backend): median ms by CUDA events (harness), TFLOP/s = 4*B*H*Lq*Lk*D / t, relative and max
-absolute error vs the fp32 reference on a 2-head x 256-query slice. The "auto" row runs the selector as
-the Attention node does and names its pick. Backends this GPU cannot run are recorded with the reason.
-Writes benchmarks/results/bench_attention[_smoke].json/.md/.png.
-"""
+"""Scenario ``attention``: every backend of kernels/attention.py at Wan 2.2 and Qwen-Image shapes (README)."""
 
 from __future__ import annotations
 

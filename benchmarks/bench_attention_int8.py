@@ -1,17 +1,4 @@
-"""8-bit attention (kernels/attention_int8.py) vs torch SDPA cuDNN / flash, comfy-kitchen's int8 attention and
-torch's fp8 SDPA at Wan 2.2 and Qwen-Image shapes.
-
-Run on the GPU box from the repo root (about 2 minutes; --quick about 1):
-    python -m comfyui_lowvram_dit.benchmarks.bench_attention_int8 [--quick] [--no-sweep]
-        [--shapes NAME ...] [--backends NAME ...] [--families [NAME ...]] [--no-checks] [--out DIR]
-Per shape and backend: median ms (CUDA events, via benchmarks/harness.time_fn), TFLOP/s = 4*B*H*Lq*Lk*D / t,
-speedup vs cuDNN, relative error vs fp32 math on a 2-head slice for Gaussian and outlier-heavy inputs; the
-prologue (quantization) alone; the configs the autotuner chose; and (default) a sweep of fixed tile configs
-at Wan 480p. --families adds, per shape, the error of each kernel vs fp32 on the outlier input families of
-benchmarks/attention_families.py (FAMILY_HEADS heads at the shape's sequence lengths). comfy_kitchen_int8 and
-sdpa_fp8 rows say why they were skipped when comfy-kitchen or torch's experimental fp8 SDPA cannot run.
-Writes benchmarks/results/bench_attention_int8[_quick][_TAG].json and .md (or under --out).
-"""
+"""Scenario ``attention_int8``: the 8-bit attention kernel vs cuDNN, flash, comfy-kitchen int8 and fp8 SDPA (README)."""
 
 from __future__ import annotations
 

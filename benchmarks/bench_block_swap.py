@@ -1,21 +1,5 @@
-"""Block Swap vs ComfyUI v0.8.0 native partial loading: full-size synthetic Wan 2.2 14B, one forward, VRAM caps.
-
-Per (resolution, cap) three variants, each in a fresh process (benchmarks/harness.py):
-- ``native``: UNETLoader ``fp8_e4m3fn`` storage placed by ``load_models_gpu`` under the cap (ComfyUI streams the
-  layers that do not fit, dequantized to bf16);
-- ``native_bf16``: UNETLoader ``default`` on the bf16 source (what a user with the bf16/fp16 file gets natively);
-- ``swap``: the same native fp8 MODEL through Block Swap (auto budget = what ComfyUI offers under the cap);
-- ``swap_b2``: our fp8 layers (host/fp8_ops.py, per-tensor scales, fp8 matmul kept for streamed blocks) + Block
-  Swap.
-Caps: none / 16 / 12 / 8 / 6 GiB, enforced in-process by comfy_native.apply_vram_cap (ComfyUI's reserve + a hard
-``set_per_process_memory_fraction``). Metrics: time per forward (CUDA events, median), peak VRAM, peak RSS, and
-for swap variants the blocks streamed, ring size, transfer/stall ms and overlap % from one debug forward.
-
-GPU (the lead runs this on an H100/H200):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_block_swap
-    ... --res 480p17 --caps 8 6 --kinds native swap          (a subset)
-CPU smoke test of the whole flow (tiny model, tiny resolution, no caps):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_block_swap --smoke
+"""Scenarios ``wan14b_480p81``/``_480p17``/``_720p81``/``block_swap``: Block Swap vs native partial loading on
+Wan 2.2 14B under VRAM caps (README).
 """
 
 from __future__ import annotations

@@ -1,15 +1,4 @@
-"""NaN Guard's cost: Wan 2.2 14B with our fp8 layers, one forward through ``apply_model``, with and without the guard.
-
-The guard must be cheap: one ``isfinite`` reduction per block output, kept on the GPU and read once
-per model call. Variants (fresh process each; weights generated on the GPU): ``plain`` and ``guard`` (action warn)
-at 832x480x81 (compute-bound, 32,760 tokens) and 832x480x17 (7,800 tokens, where a per-block cost shows most).
-The report's ratio column is vs the first row; the summary line prints guard/plain per resolution.
-
-GPU (the lead runs this on an H100/H200; ~3 min):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_nan_guard --out-dir DIR
-CPU smoke test of the flow (tiny model, 64x64x5):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_nan_guard --smoke
-"""
+"""Scenario ``nan_guard``: our fp8 Wan 2.2 14B through ``apply_model`` with and without NaN Guard (README)."""
 
 from __future__ import annotations
 

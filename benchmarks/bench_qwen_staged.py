@@ -1,23 +1,4 @@
-"""Qwen-Image staged pipeline vs ComfyUI v0.8.0 native, per stage: time, peak VRAM, peak RSS.
-
-Full-size synthetic files (tools.synth: real key names and shapes, random values) written once to ``--files``:
-the transformer as plain fp8 e4m3fn (20.4 GB, like Comfy-Org's qwen_image_fp8_e4m3fn.safetensors; a bf16 file
-would not fit the GPU box's 64 GB disk next to the encoders), the Qwen2.5-VL encoder as bf16 (16.6 GB) and,
-with ``--te fp8_scaled``, as ComfyUI fp8_scaled, and the Wan 2.1 VAE.
-
-Variants, each in a fresh process (benchmarks/harness.py), in this order:
-- ``ours cold``: LowVRAM staged loader with an empty embedding cache, block swap under the cap, staged decode;
-- ``ours cached``: the same with the cache filled by ``ours cold`` (stage 1 skips the encoder);
-- ``ours resident``: no cap, no swap (the 1.15x goal compares ``ours cold`` time_ms against this);
-- ``native`` (last: its CPU text stage is the slowest part): CLIPLoader(device=cpu) + CLIPTextEncode,
-  UNETLoader(default) with ComfyUI's memory management under the VRAM cap, VAEDecode (tiles on OOM).
-``time_ms`` is one transformer forward at 1328x1328 (6889 image tokens, batch 1); stage metrics are extra columns.
-
-GPU (lead):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_qwen_staged --files /data/qwen_synth
-CPU smoke test of the flow (tiny transformer, 64x64, no cap):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_qwen_staged --smoke --files /tmp/q
-"""
+"""Scenario ``qwen_image``: the Qwen-Image staged pipeline vs native, per stage (README)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,4 @@
-"""Wan 2.2 14B (one expert), one forward at 832x480x81 (32,760 tokens): native bf16 / fp8 vs our fp8 loader.
-
-Variants (each in a fresh process, same synthetic weights and inputs, ComfyUI's default attention for all):
-- native_bf16: UNETLoader default + dtype bf16 (= --bf16-unet), resident;
-- native_fp8_e4m3fn / native_fp8_e4m3fn_fast: UNETLoader's unscaled fp8 casts (fp16 compute, ComfyUI's pick);
-- native_fp8_scaled: a Comfy-Org style ``*_fp8_scaled`` state dict (legacy scale_weight + scaled_fp8), which
-  ComfyUI runs through MixedPrecisionOps (``_scaled_mm`` per-tensor on SM >= 8.9);
-- ours_per_tensor / ours_blockwise128 / ours_blockwise64: kernels.wan_checkpoint quantization (on the GPU) +
-  nodes.fp8_ops custom_operations, bf16 compute.
-Metrics: forward time (CUDA events, median), peak VRAM, and the output's relative L2 error vs native_bf16
-(the bf16 variant saves its output; run it first). Plus ``quantize_on_load``: streaming a full-size bf16
-file from disk (written once with tools.synth; read back from the page cache when RAM allows) into block-wise
-fp8 on the GPU: GB/s and peak RSS (goal: >= 1 GB/s, peak RSS <= fp8 bytes + 2 GB).
-
-GPU (the lead runs this on an H100/H200; ~6-8 min, 30 GB free disk for the load test):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_wan_fp8
-    ... --variants native_bf16 ours_blockwise128        (a subset; keep native_bf16 first for the error column)
-    ... --load-file /fast/disk/wan14b_bf16.safetensors  (where the 28.6 GB test file goes; kept for reruns)
-CPU smoke test of the whole flow (tiny model, 64x64x5):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_wan_fp8 --smoke
-"""
+"""Scenario ``wan14b_fp8``: Wan 2.2 14B, one forward: native bf16 / fp8 vs our fp8 layers, error vs bf16 (README)."""
 
 from __future__ import annotations
 
