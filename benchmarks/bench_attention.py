@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
@@ -106,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         bench += "_partial"
     results = harness.run_benchmark(bench, variants(shapes, tuple(args.backends)), repeats=args.repeats,
                                     warmup=args.warmup, out_dir=args.out_dir, fresh_process=not args.in_process,
-                                    force_cpu=args.smoke, argv=["-m", MODULE, *(sys.argv[1:] if argv is None else argv)])
+                                    force_cpu=args.smoke, argv=harness.command_argv(MODULE, argv))
     text = summary(results)
     write_report((Path(args.out_dir) / f"{bench}_summary.md"), text + "\n")
     print(text)

@@ -6,7 +6,6 @@ import argparse
 import importlib.metadata
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -368,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         say("bench_attention_int8: needs a CUDA GPU")
         return 2
     dev = torch.device("cuda")
-    env = {**harness.parent_environment(argv if argv is not None else sys.argv), **harness.child_environment(dev)}
+    command = harness.command_argv(f"{harness.SUITE}.bench_attention_int8", argv)
+    env = {**harness.parent_environment(command), **harness.child_environment(dev)}
     for dist in ("triton", "comfy-kitchen"):
         try:
             env[dist.replace("-", "_")] = importlib.metadata.version(dist)

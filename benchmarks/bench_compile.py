@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run(bench, variants(names, args.smoke, args.cap_gb, Path(watch),
                                       timeout_s=300 if args.preset else 1800),
                       repeats=repeats, warmup=warmup, out_dir=out_dir, smoke=args.smoke,
-                      argv=["-m", MODULE, *(sys.argv[1:] if argv is None else argv)], watch_dir=Path(watch),
+                      argv=harness.command_argv(MODULE, argv), watch_dir=Path(watch),
                       budget_s=budget or None)
     print(summary(results))
     print(f"reports: {out_dir / bench}.md, {bench}_summary.md", file=sys.stderr)

@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         caches, outputs = Path(tmp) / "caches", Path(tmp) / "outputs"
         outputs.mkdir(parents=True)
         results = run(variants(args.variants, args.smoke, outputs, args.steps), out_dir=out_dir, smoke=args.smoke,
-                      argv=["-m", MODULE, *(sys.argv[1:] if argv is None else argv)], budget_s=budget or None,
+                      argv=harness.command_argv(MODULE, argv), budget_s=budget or None,
                       caches=caches, outputs=outputs)
     print((out_dir / f"{BENCH}_summary.md").read_text(encoding="utf-8"))
     print(f"reports: {out_dir / BENCH}.md, {BENCH}_summary.md, {BENCH}.json", file=sys.stderr)

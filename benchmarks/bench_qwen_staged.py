@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                                     {**common, "te": f"te_{args.te[0]}.safetensors", "vram_cap_gb": None}))
     variants += natives
     bench = "qwen_staged_smoke" if args.smoke else f"qwen_staged_{width}x{height}_cap{args.vram_gb:g}gb"
-    argv_used = ["-m", MODULE, *(argv if argv is not None else sys.argv[1:])]
+    argv_used = harness.command_argv(MODULE, argv)
     results = harness.run_benchmark(bench, variants, repeats=min(args.repeats, 2) if args.smoke else args.repeats,
                                     warmup=args.warmup, out_dir=args.out_dir, force_cpu=args.smoke, argv=argv_used)
     print((Path(args.out_dir) / f"{bench}.md").read_text(encoding="utf-8"))

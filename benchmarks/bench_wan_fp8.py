@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -70,7 +69,6 @@ def wan_forward(ctx: harness.BenchContext, kind: str, size: str = "full", width:
     """Harness target: build one variant's MODEL from synthetic weights generated on the device; time a forward."""
     import torch
 
-    from ..checkpoints import wan as wc
     from ..synthetic.checkpoints import synthetic_state_dict
     from . import comfy_native
 
@@ -156,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="bf16 file for quantize_on_load (written once if missing, 28.6 GB)")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 64x64x5, on the CPU")
     args = parser.parse_args(argv)
-    argv_used = ["-m", MODULE, *(sys.argv[1:] if argv is None else argv)]
+    argv_used = harness.command_argv(MODULE, argv)
     bench = "wan_fp8_smoke" if args.smoke else "wan_fp8"
     if not args.smoke and args.variants != list(VARIANTS):
         bench += "_partial"  # a subset must not overwrite the full table

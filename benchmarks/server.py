@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, Protocol, Self, TypeVar
+from typing import Any, Self, TypeVar
 
 from comfyui_lowvram_dit.benchmarks import harness, server_probe
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
@@ -52,14 +52,6 @@ GOAL_VS_DEFAULT, GOAL_VS_BEST, GOAL_CAPPED = 1.6, 1.3, 1.0
 NATIVE_DEFAULT = {None: "native_default", 8.0: "native_default_8gb"}
 NATIVE_DYNAMIC_8GB = ("native_fp8fast_8gb", "native_default_8gb")
 R = TypeVar("R")
-
-
-class ServerRow(Protocol):
-    """What ``run_row`` needs of a row: its name and its server flags on a GPU of some size."""
-
-    name: str
-
-    def server_args(self, total_vram_gib: float) -> list[str]: ...
 
 
 @dataclass(frozen=True)
@@ -322,7 +314,7 @@ def _serve(setup: ServerSetup, base: Path, flags: list[str], record: dict, graph
         record.update(measure(server, graph, setup.timeout, sampler_nodes, probe_dir))
 
 
-def run_row(setup: ServerSetup, row: ServerRow, graph: dict, total_vram_gib: float, record: dict, *,
+def run_row(setup: ServerSetup, row: Row, graph: dict, total_vram_gib: float, record: dict, *,
             sampler_nodes: tuple[str, ...], probe: bool = False, own_user_dir: bool = False,
             prepare_input: Callable[[Path], object] | None = None) -> dict:
     """One fresh server with ``row``'s flags, one graph; the measurements are added to ``record`` and returned.
