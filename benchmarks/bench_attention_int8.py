@@ -251,7 +251,7 @@ VARIANTS: list[tuple[str, dict]] = [
     ("PV_ACC=2", {**BEST_TILE, "num_stages": 4, "PV_ACC": 2}),
     ("PV_ACC=2 EXP_EMU=1", {**BEST_TILE, "num_stages": 4, "PV_ACC": 2, "EXP_EMU": 1}),
     ("PV_ACC=1 128x64 w4", {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "PV_ACC": 1}),
-    # one warpgroup per CTA, two CTAs per SM (benchmarks/sass_attention_int8.py): no shared per-tile barrier
+    # one warpgroup per CTA, two CTAs per SM (docs/benchmarks.md, static profile): no shared per-tile barrier
     ("PV_ACC=1 64x128 w4 st2", {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PV_ACC": 1}),
     ("PV_ACC=1 64x128 w4 st3", {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "PV_ACC": 1}),
     ("PV_ACC=2 64x128 w4 st2", {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PV_ACC": 2}),

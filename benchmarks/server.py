@@ -715,8 +715,9 @@ def main(scenario: ServerScenario, argv: list[str] | None = None) -> int:
     files = scenario.files(rows, opts)
     if opts.smoke:
         scenario.smoke(opts, files)
-    settings = {k: v for k, v in vars(opts).items() if k in ("steps", "width", "height", "frames", "edit", "decode",
-                                                             "smoke", "kernel_profile", "image_size")}
+    keys = ("steps", "width", "height", "frames", "decode", "smoke", "kernel_profile",
+            *(("edit", "image_size", "empty_image") if scenario.prepare_input else ()))
+    settings = {k: v for k, v in vars(opts).items() if k in keys and v is not None}
     settings.update({k: v for k, v in scenario.defaults.items() if k in ("cfg", "shift", "cfg_4step", "shift_4step")})
     settings["variants"] = [r.name for r in rows]
     if opts.write_models:

@@ -59,7 +59,7 @@ def test_pack_rows_are_the_shipped_4step_workflow() -> None:
         assert not {"UNETLoader", "CLIPLoader", "CLIPTextEncode"} & set(t)
         assert g[bq.SAMPLER]["inputs"]["positive"] == ["2", 1] and g[bq.SAMPLER]["inputs"]["negative"] == ["2", 2]
         assert ("LowVRAM_Attention" in t) == (row.attention is not None)
-    # the LoRA sits right after the loader, the Attention node (when there) after the LoRA, as in bench_server
+    # the LoRA sits right after the loader, the Attention node (when there) after the LoRA, as in server_wan
     g = bq.build_graph(bq.ROWS["pack_staged_attn_8gb_lora4"])
     assert g["73"]["inputs"]["model"] == ["2", 0] and g["74"]["inputs"]["model"] == ["73", 0]
     assert g["66"]["inputs"]["model"] == ["74", 0] and g[bq.SAMPLER]["inputs"]["model"] == ["66", 0]

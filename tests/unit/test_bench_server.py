@@ -385,7 +385,7 @@ def test_cli_keeps_its_flags() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the shared row runner (bench_server_run.run_row) with a stand-in for ComfyUI
+# the shared row runner (server.run_row) with a stand-in for ComfyUI
 
 
 class FakeServer:
