@@ -1,5 +1,5 @@
-"""The server scenarios on CPU, without ComfyUI (benchmarks/server.py, server_wan.py): graphs, server flags, step
-timing from websocket events and the log, ratios against named native rows, goals and report files."""
+"""The server scenarios on CPU, without ComfyUI (benchmarks/server.py, server_report.py, server_wan.py): graphs,
+server flags, step timing from websocket events and the log, ratios against named native rows, goals, reports."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from comfyui_lowvram_dit.benchmarks import server as run
-from comfyui_lowvram_dit.benchmarks import server as rep
+from comfyui_lowvram_dit.benchmarks import server_report as rep
 from comfyui_lowvram_dit.benchmarks import server_wan as bs
 
 TESTS = Path(__file__).resolve().parents[1]
