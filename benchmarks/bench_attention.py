@@ -1,27 +1,12 @@
-"""Every attention backend of kernels/attention.py at Wan 2.2 and Qwen-Image shapes: time, TFLOP/s, error.
-
-Run on the GPU box from the repo root (about 5-10 minutes; the 720p shape dominates):
-    python -m comfyui_lowvram_dit.benchmarks.bench_attention
-    ... --shapes wan14b_480p_self qwen_image_1328   (a subset)   ... --in-process   (faster, shared allocator)
-CPU smoke test of the flow (tiny shapes, CPU backends only):
-    python -m comfyui_lowvram_dit.benchmarks.bench_attention --smoke
-Per (shape, backend): median ms by CUDA events (harness), TFLOP/s = 4*B*H*Lq*Lk*D / t, relative and max
-absolute error vs the fp32 reference on a 2-head x 256-query slice. The "auto" row runs the selector as
-the Attention node does and names its pick. Backends this GPU cannot run are recorded with the reason.
-Writes benchmarks/results/bench_attention[_smoke].json/.md/.png.
-"""
+"""Scenario ``attention``: every backend of kernels/attention.py at Wan 2.2 and Qwen-Image shapes (README)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
-try:
-    from . import harness
-except ImportError:  # run as a file
-    import harness  # type: ignore[no-redef]
+from comfyui_lowvram_dit.benchmarks import harness
 
 MODULE = "comfyui_lowvram_dit.benchmarks.bench_attention"
 # (B, H, Lq, Lk, D). Tokens from shared/research/offload-fp8-compile.md §0 and model-facts-wan22-qwenimage.md.
@@ -112,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--in-process", action="store_true", help="all variants in this process (faster)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS)
+    parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     shapes = SMOKE_SHAPES if args.smoke else {s: SHAPES[s] for s in args.shapes}
     bench = "bench_attention_smoke" if args.smoke else "bench_attention"
@@ -120,12 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         bench += "_partial"
     results = harness.run_benchmark(bench, variants(shapes, tuple(args.backends)), repeats=args.repeats,
                                     warmup=args.warmup, out_dir=args.out_dir, fresh_process=not args.in_process,
-                                    force_cpu=args.smoke, argv=["-m", MODULE, *(sys.argv[1:] if argv is None else argv)])
+                                    force_cpu=args.smoke, argv=harness.command_argv(MODULE, argv))
     text = summary(results)
     write_report((Path(args.out_dir) / f"{bench}_summary.md"), text + "\n")
     print(text)
     return 0 if any(r.get("status") == "ok" for r in results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,17 +1,4 @@
-"""8-bit attention (kernels/attention_int8.py) vs torch SDPA cuDNN / flash, comfy-kitchen's int8 attention and
-torch's fp8 SDPA at Wan 2.2 and Qwen-Image shapes.
-
-Run on the GPU box from the repo root (about 2 minutes; --quick about 1):
-    python -m comfyui_lowvram_dit.benchmarks.bench_attention_int8 [--quick] [--no-sweep]
-        [--shapes NAME ...] [--backends NAME ...] [--families [NAME ...]] [--no-checks] [--out DIR]
-Per shape and backend: median ms (CUDA events, via benchmarks/harness.time_fn), TFLOP/s = 4*B*H*Lq*Lk*D / t,
-speedup vs cuDNN, relative error vs fp32 math on a 2-head slice for Gaussian and outlier-heavy inputs; the
-prologue (quantization) alone; the configs the autotuner chose; and (default) a sweep of fixed tile configs
-at Wan 480p. --families adds, per shape, the error of each kernel vs fp32 on the outlier input families of
-benchmarks/attention_families.py (FAMILY_HEADS heads at the shape's sequence lengths). comfy_kitchen_int8 and
-sdpa_fp8 rows say why they were skipped when comfy-kitchen or torch's experimental fp8 SDPA cannot run.
-Writes benchmarks/results/bench_attention_int8[_quick][_TAG].json and .md (or under --out).
-"""
+"""Scenario ``attention_int8``: the 8-bit attention kernel vs cuDNN, flash, comfy-kitchen int8 and fp8 SDPA (README)."""
 
 from __future__ import annotations
 
@@ -19,7 +6,6 @@ import argparse
 import importlib.metadata
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -265,7 +251,7 @@ VARIANTS: list[tuple[str, dict]] = [
     ("PV_ACC=2", {**BEST_TILE, "num_stages": 4, "PV_ACC": 2}),
     ("PV_ACC=2 EXP_EMU=1", {**BEST_TILE, "num_stages": 4, "PV_ACC": 2, "EXP_EMU": 1}),
     ("PV_ACC=1 128x64 w4", {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "PV_ACC": 1}),
-    # one warpgroup per CTA, two CTAs per SM (benchmarks/sass_attention_int8.py): no shared per-tile barrier
+    # one warpgroup per CTA, two CTAs per SM (docs/benchmarks.md, static profile): no shared per-tile barrier
     ("PV_ACC=1 64x128 w4 st2", {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PV_ACC": 1}),
     ("PV_ACC=1 64x128 w4 st3", {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "PV_ACC": 1}),
     ("PV_ACC=2 64x128 w4 st2", {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PV_ACC": 2}),
@@ -381,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         say("bench_attention_int8: needs a CUDA GPU")
         return 2
     dev = torch.device("cuda")
-    env = {**harness.parent_environment(argv if argv is not None else sys.argv), **harness.child_environment(dev)}
+    command = harness.command_argv(f"{harness.SUITE}.bench_attention_int8", argv)
+    env = {**harness.parent_environment(command), **harness.child_environment(dev)}
     for dist in ("triton", "comfy-kitchen"):
         try:
             env[dist.replace("-", "_")] = importlib.metadata.version(dist)
@@ -421,6 +408,3 @@ def main(argv: list[str] | None = None) -> int:
     say(f"wrote {args.out / stem}.json and .md")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,21 +1,5 @@
-"""Block Swap vs ComfyUI v0.8.0 native partial loading: full-size synthetic Wan 2.2 14B, one forward, VRAM caps.
-
-Per (resolution, cap) three variants, each in a fresh process (benchmarks/harness.py):
-- ``native``: UNETLoader ``fp8_e4m3fn`` storage placed by ``load_models_gpu`` under the cap (ComfyUI streams the
-  layers that do not fit, dequantized to bf16);
-- ``native_bf16``: UNETLoader ``default`` on the bf16 source (what a user with the bf16/fp16 file gets natively);
-- ``swap``: the same native fp8 MODEL through Block Swap (auto budget = what ComfyUI offers under the cap);
-- ``swap_b2``: our fp8 layers (host/fp8_ops.py, per-tensor scales, fp8 matmul kept for streamed blocks) + Block
-  Swap.
-Caps: none / 16 / 12 / 8 / 6 GiB, enforced in-process by comfy_native.apply_vram_cap (ComfyUI's reserve + a hard
-``set_per_process_memory_fraction``). Metrics: time per forward (CUDA events, median), peak VRAM, peak RSS, and
-for swap variants the blocks streamed, ring size, transfer/stall ms and overlap % from one debug forward.
-
-GPU (the lead runs this on an H100/H200):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_block_swap
-    ... --res 480p17 --caps 8 6 --kinds native swap          (a subset)
-CPU smoke test of the whole flow (tiny model, tiny resolution, no caps):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_block_swap --smoke
+"""Scenarios ``wan14b_480p81``/``_480p17``/``_720p81``/``block_swap``: Block Swap vs native partial loading on
+Wan 2.2 14B under VRAM caps (README).
 """
 
 from __future__ import annotations
@@ -24,10 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-try:
-    from . import harness
-except ImportError:  # run as a file: python benchmarks/bench_block_swap.py
-    import harness  # type: ignore[no-redef]
+from comfyui_lowvram_dit.benchmarks import harness
 
 TARGET = "comfyui_lowvram_dit.benchmarks.bench_block_swap:swap_forward"
 MODEL = "wan22_t2v_14B"
@@ -131,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, no caps (checks the flow only)")
     p.add_argument("--tag", default="", help="suffix for the result files (keeps an earlier run's files)")
-    p.add_argument("--out-dir", type=Path, default=harness.RESULTS)
+    p.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
     args = p.parse_args(argv)
     caps = [None if c == "none" else float(c) for c in args.caps]
     results = []
@@ -146,6 +127,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['name']}: {r['status']}: {r.get('error', '')[:500]}", file=sys.stderr)
     return 1 if failed and args.smoke else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,43 +1,5 @@
-"""torch.compile benchmarks: our Torch Compile node vs eager vs ComfyUI's TorchCompileModel, per model and with swap.
-
-Variants (fresh process each, synthetic weights generated on the GPU, ComfyUI's default attention), by group:
-- block: one Wan 14B WanAttentionBlock (a 1-layer model) with the inputs a real forward hands block 0;
-- 14B bf16 (``model_*``, ``native_torchcompilemodel``): Wan 2.2 14B at 832x480x81 through ``apply_model`` (APPLY_MODEL
-  wrappers apply, as in KSampler): eager, ours in default / max-autotune-no-cudagraphs / reduce-overhead /
-  max-autotune (regional), ours whole-model default, ComfyUI's TorchCompileModel (set_torch_compile_wrapper + its
-  guard filter);
-- 14B stack (``model_fp8_*``): our fp8 layers (per-tensor) eager vs regionally compiled (activation quantization
-  fused), against native bf16 ``model_eager``;
-- 5B 480p (``wan5b_fp8_*``): Wan 2.2 TI2V-5B at 832x480x81 = 8,190 tokens, the small-token case where compile
-  must pay (goal >= 1.15x over our fp8 eager; native bf16 in results/wan5b_native_480p.md);
-- Qwen 1024 (``qwen_fp8_*``): Qwen-Image at 1024x1024 = 4,096 image + 100 text tokens, our fp8 layers (per-tensor,
-  the staged loader's default quantization) eager vs compiled;
-- 14B swap (``swap_fp8_*``): Wan 14B our fp8 + Block Swap under an 8 GiB cap (comfy_native.apply_vram_cap, as
-  bench_block_swap does; 37 of 40 blocks streamed there) eager vs compiled: compile composes with swap when
-  streamed weights cause no recompiles after the first call;
-- ``oom_fallback``: reduce-overhead under a VRAM cap (``--cap-gb``, default: eager peak + 1 GiB) to show the
-  fallback chain at work; the mode in use and the log line are recorded (if the cap does not bite, it says so).
-Metrics: steady time (harness, CUDA events), first call incl. compile (s), peak VRAM, mode in use, and dynamo's
-unique-graph count after the first call and after every later call (``graphs`` column: first -> last; growth after
-the first call = recompiles step after step). The summary adds speedup vs each group's baseline(s) and extra VRAM.
-Measured numbers: results/bench_compile_*.md.
-
-Presets (``--preset``, one flag = one fixed set, written as ``bench_compile_<preset>``; each variant is its own
-harness run, so the combined report is rewritten after every variant and survives a run that is cut short; a
-variant whose estimated cost no longer fits ``--time-budget-s`` is recorded as skipped instead of started):
-- ``session2`` (~8 min on an H200): 5B pair, Qwen pair, 14B stack vs native bf16, swap pair, oom_fallback;
-- ``stack14b`` (~2.5 min): native bf16 eager, our fp8 eager, our fp8 + compile default;
-- ``stack_int8`` (~4 min): the whole int8-attention stack: native bf16 eager, native fp8_e4m3fn_fast, our fp8 eager, our
-  fp8 + 8-bit attention eager and + regional compile (goals: >= 1.6x vs native bf16, >= 1.3x vs fp8_fast);
-- ``modes`` (~8 min): compile modes at a small token count (Wan 5B 480p81, our fp8: reduce-overhead, where CUDA
-  graphs remove launch overhead, and max-autotune-no-cudagraphs) and on the 14B bf16 model, plus the OOM fallback
-  under a cap.
-
-GPU (an H100/H200 with torch >= 2.11):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_compile --preset session2
-    ... --variants model_eager model_ours_default native_torchcompilemodel      (a subset, bench_compile_partial)
-CPU smoke test of every code path (tiny models, 64x64(x5), eager/cudagraphs backends; reports go to a temp dir):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_compile --smoke [--preset session2]
+"""Scenarios ``wan14b_stack``, ``compile``, ``compile_modes``, ``compile_graphs``: eager vs our Torch Compile node vs
+ComfyUI's TorchCompileModel, per model, with the 8-bit attention and with Block Swap (README).
 """
 
 from __future__ import annotations
@@ -54,10 +16,7 @@ from pathlib import Path
 from typing import Any
 from comfyui_lowvram_dit.checkpoints.safe_write import starts_with, write_atomic, write_report
 
-try:
-    from . import harness
-except ImportError:  # run as a file
-    import harness  # type: ignore[no-redef]
+from comfyui_lowvram_dit.benchmarks import harness
 
 MODULE = "comfyui_lowvram_dit.benchmarks.bench_compile"
 MODEL = "wan22_t2v_14B"
@@ -561,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-budget-s", type=float, default=None,
                         help=f"skip variants that would end past this (presets: {PRESET_BUDGET_S:g}; 0 = no limit)")
     parser.add_argument("--smoke", action="store_true", help="tiny models, 64x64(x5), on the CPU")
-    parser.add_argument("--out-dir", type=Path, default=None,
+    parser.add_argument("--out-dir", "--out", type=Path, default=None,
                         help="report folder (default benchmarks/results, or a temp folder with --smoke)")
     args = parser.parse_args(argv)
     if args.preset and args.variants:
@@ -589,12 +548,9 @@ def main(argv: list[str] | None = None) -> int:
         results = run(bench, variants(names, args.smoke, args.cap_gb, Path(watch),
                                       timeout_s=300 if args.preset else 1800),
                       repeats=repeats, warmup=warmup, out_dir=out_dir, smoke=args.smoke,
-                      argv=["-m", MODULE, *(sys.argv[1:] if argv is None else argv)], watch_dir=Path(watch),
+                      argv=harness.command_argv(MODULE, argv), watch_dir=Path(watch),
                       budget_s=budget or None)
     print(summary(results))
     print(f"reports: {out_dir / bench}.md, {bench}_summary.md", file=sys.stderr)
     return 0 if any(r.get("status") == "ok" for r in results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,43 +1,9 @@
-"""The first compiled sampler step, split into its parts: older (traced) path vs the opaque-op path, one run.
+"""Scenario ``first_step``: the first compiled sampler step of Wan 14B split into its parts (README).
 
-Model: Wan 2.2 T2V 14B at full size (40 blocks, synthetic weights generated on the GPU, the pack's fp8 per-tensor
-layers), Attention "lowvram 8-bit", the Torch Compile node (inductor, mode default, regions per block), 832x480x81
-at batch 2 (cfg's cond + uncond in one forward, as KSampler runs it), through ``apply_model``.
-
-Variants (each in a fresh process, in this order; one whose estimated time no longer fits ``--time-budget-s`` is
-recorded as skipped):
-- ``old_cold``: the traced path (``opaque_ops.OPAQUE_UNDER_COMPILE = False``, and block 0's transposed input is
-  not made contiguous), with empty Inductor and Triton caches (``TORCHINDUCTOR_CACHE_DIR``/``TRITON_CACHE_DIR``
-  point at a new folder): a user's first run.
-- ``new_cold``: this checkout's path (attention and per-tensor fp8 linears as opaque ops), empty caches.
-- ``new_warm``: as ``new_cold``, with the caches ``new_cold`` left (ComfyUI started again).
-- ``eager``: no compile; its first step still holds the attention and fp8 decisions, autotuning and Triton JITs.
-- ``old_warm`` (only when asked for): as ``old_cold`` with ``old_cold``'s caches.
-
-Per variant, the first step (wall time, synchronised) and what is inside it:
-- ``dynamo_s``: Dynamo's tracing, per compiled frame ``entire_frame_compile_time_s - backend_compile_time_s``
-  (``torch._dynamo.utils.get_compilation_metrics``); ``backend_s``: AOTAutograd + Inductor
-  (``backend_compile_time_s``), of it ``inductor_s`` (``inductor_compile_time_s``);
-- ``attention_s``: the attention selector's first decisions (its checks, the timing of candidates, the 8-bit
-  kernel's first runs: Triton JIT + autotune), of it ``autotune_s`` (Triton's autotuner benchmarking each config of
-  the 8-bit kernel, compiling each on its first launch);
-- ``fp8_choice_s``: the fp8 scale chooser timing per-token against per-call scales per GEMM shape;
-- ``triton_jit_s``: Triton compiles in this process (``triton.knobs.compilation.listener``; Inductor's own kernels
-  compile in its worker processes and count in ``inductor_s``); it overlaps ``attention_s`` (the 8-bit kernel's
-  configs compile during its autotune) and ``fp8_choice_s``, so it is not added into ``rest_s``;
-- ``rest_s``: the first step minus Dynamo, the backend, attention decisions and fp8 choices: running the graphs and
-  eager code, guards, Python. Decisions are timed with a CUDA sync on both sides.
-- graphs compiled, graph breaks (with reasons), each frame's compile time and recompile reason. Mode default records
-  no CUDA graphs (``runtime_cudagraphify_time_us`` is in the metrics when another mode is asked for).
-Then ``--steps`` steady steps, each with a new sigma (a sampler's next steps): s/step (CUDA events) and new graphs.
-The first step's output of every variant is compared with ``eager``'s (max |diff|, relative Frobenius error).
-
-GPU (H100, torch >= 2.9, about 7 minutes for the default variants):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_first_step --out-dir $OUT
-writes ``bench_first_step.{json,md,png}`` (harness report, every metric) and ``bench_first_step_summary.md`` (the
-split table, graph-break and recompile reasons, per-frame compile times).
-CPU smoke test of the plumbing (tiny model, 64x64x5, the cudagraphs backend, which on CPU runs the AOT graph):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_first_step --smoke
+``dynamo_s`` is Dynamo's tracing (``entire_frame_compile_time_s - backend_compile_time_s`` per frame);
+``backend_s`` AOTAutograd + Inductor, of it ``inductor_s``; ``attention_s`` the selector's first decisions, of it
+``autotune_s``; ``fp8_choice_s`` the fp8 scale chooser; ``triton_jit_s`` Triton compiles in this process (it
+overlaps the two before, so it is not added into ``rest_s``); ``rest_s`` the first step minus the others.
 """
 
 from __future__ import annotations
@@ -55,10 +21,7 @@ from pathlib import Path
 from typing import Any
 from comfyui_lowvram_dit.checkpoints.safe_write import TORCH_ARCHIVE, starts_with, write_atomic, write_report
 
-try:
-    from . import harness
-except ImportError:  # run as a file
-    import harness  # type: ignore[no-redef]
+from comfyui_lowvram_dit.benchmarks import harness
 
 MODULE = "comfyui_lowvram_dit.benchmarks.bench_first_step"
 BENCH = "bench_first_step"
@@ -436,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-budget-s", type=float, default=None,
                         help=f"skip variants that would end past this (default {BUDGET_S:g}; 0 = no limit)")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 64x64x5, on the CPU")
-    parser.add_argument("--out-dir", type=Path, default=None,
+    parser.add_argument("--out-dir", "--out", type=Path, default=None,
                         help="report folder (default benchmarks/results, or a temp folder with --smoke)")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -449,12 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         caches, outputs = Path(tmp) / "caches", Path(tmp) / "outputs"
         outputs.mkdir(parents=True)
         results = run(variants(args.variants, args.smoke, outputs, args.steps), out_dir=out_dir, smoke=args.smoke,
-                      argv=["-m", MODULE, *(sys.argv[1:] if argv is None else argv)], budget_s=budget or None,
+                      argv=harness.command_argv(MODULE, argv), budget_s=budget or None,
                       caches=caches, outputs=outputs)
     print((out_dir / f"{BENCH}_summary.md").read_text(encoding="utf-8"))
     print(f"reports: {out_dir / BENCH}.md, {BENCH}_summary.md, {BENCH}.json", file=sys.stderr)
     return 0 if any(r.get("status") == "ok" for r in results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

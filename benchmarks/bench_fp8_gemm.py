@@ -1,13 +1,5 @@
-"""fp8 linear layers (kernels/fp8.py) vs bf16 and ComfyUI's native fp8 at Wan 2.2 / Qwen-Image GEMM shapes.
-
-Run on the GPU box from the repo root (about 1-2 minutes on an H100; --quick: Wan 14B shapes only):
-    python -m comfyui_lowvram_dit.benchmarks.bench_fp8_gemm [--quick]
-Per layer shape (M tokens x K in -> N out, with bias, bf16 activations) and variant: median ms (CUDA events via
-benchmarks/harness.time_fn), TFLOP/s = 2*M*N*K / t, speedup vs bf16 F.linear, and relative error vs fp32 on
-activations with outlier channels (weights with outlier input channels, as synthetic/checkpoints.py makes them).
-Runs in-process (one CUDA context; GEMMs need no fresh process) and writes
-benchmarks/results/bench_fp8_gemm[_quick].json and .md with device, torch version and the command.
-The "rowwise vs tensorwise" lines at the end choose kernels.fp8.PER_TENSOR_DEFAULT_PATH.
+"""Scenario ``fp8_gemm``: our fp8 linears (kernels/fp8.py) vs bf16 and native fp8 at Wan 2.2 / Qwen-Image GEMM
+shapes, in one process (README).
 """
 
 from __future__ import annotations
@@ -15,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -189,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="Wan 14B shapes only")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS)
+    parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         say("bench_fp8_gemm needs a CUDA GPU")
@@ -209,6 +200,3 @@ def main(argv: list[str] | None = None) -> int:
     say(f"wrote {args.out_dir / stem}.json and .md")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

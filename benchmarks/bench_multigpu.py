@@ -1,15 +1,7 @@
-"""ComfyUI's MultiGPU CFG split with the pack's nodes: split vs one GPU, output and seconds per step, per node.
+"""Scenario ``multigpu``: ComfyUI's MultiGPU CFG split with the pack's nodes, split vs one GPU (README).
 
-Each row runs in a fresh process (``--child``) so ComfyUI's launch flags (``--use-ck-attention`` for native's
-best) and loaded models never leak between rows. A row loads its MODEL, samples ``--steps`` steps on one GPU
-(cond + uncond batched), then the same graph through ``comfy.multigpu.create_multigpu_deepclones`` (what the
-"MultiGPU CFG Split" node does: cond on one GPU, uncond on the other) and reports the relative difference of the
-two final latents and the median step time after the first step of each. One 1-step run before each makes the
-first-call choices (kernels, autotune, compiles), so the compared runs are warm. ``--experts`` instead times Wan 2.2
-A14B's two experts placed one per GPU (``SelectModelDevice``) against both on one GPU with Block Swap.
-
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_multigpu --out DIR
-    COMFYUI_PATH=... python -m comfyui_lowvram_dit.benchmarks.bench_multigpu --layers 4 --frames 9   # quick check
+Each row runs in a fresh process (``--child``), so ComfyUI's launch flags and loaded models never leak between
+rows; a 1-step run before each makes the first-call choices, so the compared runs are warm.
 """
 
 from __future__ import annotations
@@ -297,5 +289,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+
+if __name__ == "__main__":  # the rows' children (--child / --experts-child); the suite runs main() directly
     sys.exit(main())

@@ -1,15 +1,4 @@
-"""NaN Guard's cost: Wan 2.2 14B with our fp8 layers, one forward through ``apply_model``, with and without the guard.
-
-The guard must be cheap: one ``isfinite`` reduction per block output, kept on the GPU and read once
-per model call. Variants (fresh process each; weights generated on the GPU): ``plain`` and ``guard`` (action warn)
-at 832x480x81 (compute-bound, 32,760 tokens) and 832x480x17 (7,800 tokens, where a per-block cost shows most).
-The report's ratio column is vs the first row; the summary line prints guard/plain per resolution.
-
-GPU (the lead runs this on an H100/H200; ~3 min):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_nan_guard --out-dir DIR
-CPU smoke test of the flow (tiny model, 64x64x5):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_nan_guard --smoke
-"""
+"""Scenario ``nan_guard``: our fp8 Wan 2.2 14B through ``apply_model`` with and without NaN Guard (README)."""
 
 from __future__ import annotations
 
@@ -17,10 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-try:
-    from . import harness
-except ImportError:  # run as a file
-    import harness  # type: ignore[no-redef]
+from comfyui_lowvram_dit.benchmarks import harness
 
 TARGET = "comfyui_lowvram_dit.benchmarks.bench_nan_guard:guard_case"
 RESOLUTIONS = {"480p81": (832, 480, 81), "480p17": (832, 480, 17)}
@@ -54,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the flow only)")
-    p.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results (smoke: a temp dir)")
+    p.add_argument("--out-dir", "--out", type=Path, default=None, help="default: benchmarks/results (smoke: a temp dir)")
     args = p.parse_args(argv)
     out_dir = args.out_dir or (Path("/tmp/lowvram_dit_bench_smoke") if args.smoke else harness.RESULTS)
     variants = []
@@ -80,6 +66,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['name']}: {r['status']}: {r.get('error', '')[:500]}", file=sys.stderr)
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,23 +1,4 @@
-"""Qwen-Image staged pipeline vs ComfyUI v0.8.0 native, per stage: time, peak VRAM, peak RSS.
-
-Full-size synthetic files (tools.synth: real key names and shapes, random values) written once to ``--files``:
-the transformer as plain fp8 e4m3fn (20.4 GB, like Comfy-Org's qwen_image_fp8_e4m3fn.safetensors; a bf16 file
-would not fit the GPU box's 64 GB disk next to the encoders), the Qwen2.5-VL encoder as bf16 (16.6 GB) and,
-with ``--te fp8_scaled``, as ComfyUI fp8_scaled, and the Wan 2.1 VAE.
-
-Variants, each in a fresh process (benchmarks/harness.py), in this order:
-- ``ours cold``: LowVRAM staged loader with an empty embedding cache, block swap under the cap, staged decode;
-- ``ours cached``: the same with the cache filled by ``ours cold`` (stage 1 skips the encoder);
-- ``ours resident``: no cap, no swap (the 1.15x goal compares ``ours cold`` time_ms against this);
-- ``native`` (last: its CPU text stage is the slowest part): CLIPLoader(device=cpu) + CLIPTextEncode,
-  UNETLoader(default) with ComfyUI's memory management under the VRAM cap, VAEDecode (tiles on OOM).
-``time_ms`` is one transformer forward at 1328x1328 (6889 image tokens, batch 1); stage metrics are extra columns.
-
-GPU (lead):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_qwen_staged --files /data/qwen_synth
-CPU smoke test of the flow (tiny transformer, 64x64, no cap):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_qwen_staged --smoke --files /tmp/q
-"""
+"""Scenario ``qwen_image``: the Qwen-Image staged pipeline vs native, per stage (README)."""
 
 from __future__ import annotations
 
@@ -26,10 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
-try:
-    from . import harness
-except ImportError:  # run as a file
-    import harness  # type: ignore[no-redef]
+from comfyui_lowvram_dit.benchmarks import harness
 
 MODULE = "comfyui_lowvram_dit.benchmarks.bench_qwen_staged"
 PROMPT = ("A coffee shop entrance features a chalkboard sign reading \"Qwen Coffee 2 dollars\", with a neon light "
@@ -216,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--skip-native", action="store_true")
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS)
+    parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
     parser.add_argument("--smoke", action="store_true", help="tiny transformer/VAE, 64x64, CPU, no cap")
     args = parser.parse_args(argv)
     write_files(args.files, args.te, args.smoke)
@@ -240,12 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                                     {**common, "te": f"te_{args.te[0]}.safetensors", "vram_cap_gb": None}))
     variants += natives
     bench = "qwen_staged_smoke" if args.smoke else f"qwen_staged_{width}x{height}_cap{args.vram_gb:g}gb"
-    argv_used = ["-m", MODULE, *(argv if argv is not None else sys.argv[1:])]
+    argv_used = harness.command_argv(MODULE, argv)
     results = harness.run_benchmark(bench, variants, repeats=min(args.repeats, 2) if args.smoke else args.repeats,
                                     warmup=args.warmup, out_dir=args.out_dir, force_cpu=args.smoke, argv=argv_used)
     print((Path(args.out_dir) / f"{bench}.md").read_text(encoding="utf-8"))
     return 0 if all(r.get("status") == "ok" for r in results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,29 +1,8 @@
-"""Wan 2.2 14B (one expert), one forward at 832x480x81 (32,760 tokens): native bf16 / fp8 vs our fp8 loader.
-
-Variants (each in a fresh process, same synthetic weights and inputs, ComfyUI's default attention for all):
-- native_bf16: UNETLoader default + dtype bf16 (= --bf16-unet), resident;
-- native_fp8_e4m3fn / native_fp8_e4m3fn_fast: UNETLoader's unscaled fp8 casts (fp16 compute, ComfyUI's pick);
-- native_fp8_scaled: a Comfy-Org style ``*_fp8_scaled`` state dict (legacy scale_weight + scaled_fp8), which
-  ComfyUI runs through MixedPrecisionOps (``_scaled_mm`` per-tensor on SM >= 8.9);
-- ours_per_tensor / ours_blockwise128 / ours_blockwise64: kernels.wan_checkpoint quantization (on the GPU) +
-  nodes.fp8_ops custom_operations, bf16 compute.
-Metrics: forward time (CUDA events, median), peak VRAM, and the output's relative L2 error vs native_bf16
-(the bf16 variant saves its output; run it first). Plus ``quantize_on_load``: streaming a full-size bf16
-file from disk (written once with tools.synth; read back from the page cache when RAM allows) into block-wise
-fp8 on the GPU: GB/s and peak RSS (goal: >= 1 GB/s, peak RSS <= fp8 bytes + 2 GB).
-
-GPU (the lead runs this on an H100/H200; ~6-8 min, 30 GB free disk for the load test):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_wan_fp8
-    ... --variants native_bf16 ours_blockwise128        (a subset; keep native_bf16 first for the error column)
-    ... --load-file /fast/disk/wan14b_bf16.safetensors  (where the 28.6 GB test file goes; kept for reruns)
-CPU smoke test of the whole flow (tiny model, 64x64x5):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_wan_fp8 --smoke
-"""
+"""Scenario ``wan14b_fp8``: Wan 2.2 14B, one forward: native bf16 / fp8 vs our fp8 layers, error vs bf16 (README)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -90,7 +69,6 @@ def wan_forward(ctx: harness.BenchContext, kind: str, size: str = "full", width:
     """Harness target: build one variant's MODEL from synthetic weights generated on the device; time a forward."""
     import torch
 
-    from ..checkpoints import wan as wc
     from ..synthetic.checkpoints import synthetic_state_dict
     from . import comfy_native
 
@@ -171,12 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS)
+    parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
     parser.add_argument("--load-file", type=Path, default=DEFAULT_LOAD_FILE,
                         help="bf16 file for quantize_on_load (written once if missing, 28.6 GB)")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 64x64x5, on the CPU")
     args = parser.parse_args(argv)
-    argv_used = ["-m", MODULE, *(sys.argv[1:] if argv is None else argv)]
+    argv_used = harness.command_argv(MODULE, argv)
     bench = "wan_fp8_smoke" if args.smoke else "wan_fp8"
     if not args.smoke and args.variants != list(VARIANTS):
         bench += "_partial"  # a subset must not overwrite the full table
@@ -186,6 +164,3 @@ def main(argv: list[str] | None = None) -> int:
     print((Path(args.out_dir) / f"{bench}.md").read_text(encoding="utf-8"))
     return 0 if any(r.get("status") == "ok" for r in results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,23 +1,9 @@
-"""One benchmark runner for every capability: each variant in a fresh process, honest peaks, one report.
+"""The in-process scenarios' runner: each variant in a fresh process, honest peaks, one report (README.md).
 
-A benchmark is a name plus a list of ``Variant``s. Each variant names a target ``"module:function"``
-that the child process imports and calls as ``target(ctx, **kwargs)``. The target does its setup
-(build a model, move it to the GPU) and returns ``{"fn": callable, ...extra metrics}``; the child then
-times ``fn()`` with CUDA events (``time.perf_counter`` on CPU): ``warmup`` untimed calls, then the
-median of ``repeats`` timed calls. A target may instead return a plain metrics dict (no timing).
-
-Per variant the child records: timings, ``torch.cuda.max_memory_allocated/reserved`` of the timed
-phase (peaks are reset after setup) and of the setup, peak RSS of the child process
-(``getrusage(RUSAGE_SELF).ru_maxrss``, which covers the whole process life), device name, torch version.
-A variant that fails (OOM, exception, crash, timeout) is recorded with its error; the others still run.
-
-The parent writes ``<bench>.json``, ``<bench>.md`` and ``<bench>.png`` (matplotlib, Agg; skipped with
-a note when matplotlib is missing) with the environment: device, torch, ComfyUI version (when
-``COMFYUI_PATH`` is set), git sha, and the exact command.
-
-Child invocation: ``python -m comfyui_lowvram_dit.benchmarks.harness --child SPEC.json RESULT.json``.
-This module imports only the standard library at module level (torch inside functions) and uses no
-relative imports, so bench scripts can also load it as a plain file.
+A variant's target ``"module:function"`` is imported in the child and called as ``target(ctx, **kwargs)``; it
+returns ``{"fn": callable, ...metrics}`` (``fn`` is timed: ``warmup`` calls, then the median of ``repeats``) or a
+plain metrics dict. Child: ``python -m comfyui_lowvram_dit.benchmarks.harness --child SPEC.json RESULT.json``.
+Only the standard library at module level (torch inside functions).
 """
 
 from __future__ import annotations
@@ -123,6 +109,17 @@ def public_path(arg: str) -> str:
             return str(rel)
         return name if str(rel) == "." else f"{name}/{rel}"
     return arg
+
+
+SUITE = f"{PACKAGE}.benchmarks"
+
+
+def command_argv(module: str, argv: list[str] | None) -> list[str]:
+    """The command line a report records: the suite's as typed (``-m PKG SCENARIO ...``) when run through it, else
+    ``-m module`` plus ``argv`` (a scenario's ``main`` called directly)."""
+    if sys.argv[:2] == ["-m", SUITE]:
+        return list(sys.argv)
+    return ["-m", module, *(sys.argv[1:] if argv is None else argv)]
 
 
 def parent_environment(argv: list[str] | None = None) -> dict:

@@ -1,13 +1,12 @@
-"""The server benches' API graphs against a real ComfyUI's /object_info (the unit tests check them against the
+"""The server scenarios' API graphs against a real ComfyUI's /object_info (the unit tests check them against the
 0.8.0 schema snapshot): every node, input, option and link type the running version would validate."""
 
 from __future__ import annotations
 
 import pytest
 from comfy_server import ComfyServer
-from comfyui_lowvram_dit.benchmarks import bench_qwen_edit_server as be
-from comfyui_lowvram_dit.benchmarks import bench_qwen_t2i_server as bq
-from comfyui_lowvram_dit.benchmarks import bench_server as bs
+from comfyui_lowvram_dit.benchmarks import server_qwen as bq
+from comfyui_lowvram_dit.benchmarks import server_wan as bs
 from test_bench_server import _problems
 
 pytestmark = pytest.mark.comfyui
@@ -36,5 +35,6 @@ def test_wan_4step_rows_validate(object_info: dict) -> None:
 @pytest.mark.parametrize("edit", ["2509", "2511"])
 def test_qwen_edit_rows_validate(object_info: dict, edit: str) -> None:
     for kind in ("native", "pack"):
-        graph = be.build_graph(kind, be.UNET, be.TEXT_ENCODER, be.VAE, 4, edit, 8.0, empty_image=(1024, 1024))
+        graph = bq.build_edit_graph(kind, bq.EDIT_UNET, bq.EDIT_TEXT_ENCODER, bq.VAE, 4, edit, 8.0,
+                                    empty_image=(1024, 1024))
         assert _problems(graph, object_info) == [], kind

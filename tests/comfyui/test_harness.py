@@ -197,10 +197,10 @@ def test_recorded_commands_name_no_machine_path(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("OUT", str(out))
     monkeypatch.delenv("COMFYUI_PATH", raising=False)
     repo = Path(harness.__file__).resolve().parent.parent
-    argv = [str(repo / "benchmarks" / "bench_server.py"), "--out", str(out / "x"), "--work", str(Path.home() / "w"),
+    argv = [str(repo / "benchmarks" / "server.py"), "--out", str(out / "x"), "--work", str(Path.home() / "w"),
             "--py", sys.executable, "--comfyui", "/srv/ComfyUI"]
     command = harness.parent_environment(argv)["command"]
-    assert command == "python3 benchmarks/bench_server.py --out $OUT/x --work ~/w --py python3 --comfyui /srv/ComfyUI"
+    assert command == "python3 benchmarks/server.py --out $OUT/x --work ~/w --py python3 --comfyui /srv/ComfyUI"
     assert "cwd" not in harness.parent_environment(argv)
 
 

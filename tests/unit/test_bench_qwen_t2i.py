@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from comfyui_lowvram_dit.benchmarks import bench_qwen_t2i_server as bq
-from comfyui_lowvram_dit.benchmarks import bench_server_run as run
+from comfyui_lowvram_dit.benchmarks import server as run
+from comfyui_lowvram_dit.benchmarks import server_qwen as bq
 from comfyui_lowvram_dit.synthetic import run_models, lora as synth_lora
 from template_files import graphs, load_template
 from test_bench_server import _measured, _problems, fake_start
@@ -59,7 +59,7 @@ def test_pack_rows_are_the_shipped_4step_workflow() -> None:
         assert not {"UNETLoader", "CLIPLoader", "CLIPTextEncode"} & set(t)
         assert g[bq.SAMPLER]["inputs"]["positive"] == ["2", 1] and g[bq.SAMPLER]["inputs"]["negative"] == ["2", 2]
         assert ("LowVRAM_Attention" in t) == (row.attention is not None)
-    # the LoRA sits right after the loader, the Attention node (when there) after the LoRA, as in bench_server
+    # the LoRA sits right after the loader, the Attention node (when there) after the LoRA, as in server_wan
     g = bq.build_graph(bq.ROWS["pack_staged_attn_8gb_lora4"])
     assert g["73"]["inputs"]["model"] == ["2", 0] and g["74"]["inputs"]["model"] == ["73", 0]
     assert g["66"]["inputs"]["model"] == ["74", 0] and g[bq.SAMPLER]["inputs"]["model"] == ["66", 0]
@@ -120,15 +120,15 @@ def test_write_models_knows_every_file_the_rows_load() -> None:
 
 
 def test_cli(tmp_path: Path) -> None:
-    opts = bq._parser().parse_args(["--comfyui", "c", "--models", "m"])
-    assert (opts.variants, opts.steps, opts.width, opts.height, opts.out) == ("default", 4, 1328, 1328, bq.RESULTS)
+    opts = run.parser(bq.SCENARIO).parse_args(["--comfyui", "c", "--models", "m"])
+    assert (opts.variants, opts.steps, opts.width, opts.height, opts.out) == ("default", 4, 1328, 1328, bq.SCENARIO.out)
     assert [r.name for r in run.pick_rows("default", bq.ROWS, bq.GROUPS)] == bq.DEFAULT_ROWS
     assert [r.name for r in run.pick_rows("pack,native_fp8fast_ck_8gb_4step", bq.ROWS, bq.GROUPS)] == [
         "pack_staged_8gb_4step", "pack_staged_8gb_lora4", "pack_staged_attn_8gb_lora4", "native_fp8fast_ck_8gb_4step"]
     with pytest.raises(SystemExit, match="unknown 'nope'"):
         run.pick_rows("nope", bq.ROWS, bq.GROUPS)
     with pytest.raises(SystemExit, match="pick one"):
-        bq.main(["--comfyui", str(tmp_path), "--models", str(tmp_path), "--smoke", "--write-models"])
+        run.main(bq.SCENARIO, ["--comfyui", str(tmp_path), "--models", str(tmp_path), "--smoke", "--write-models"])
 
 
 def test_main_writes_the_report_with_ratios_naming_the_native_rows(tmp_path: Path,
@@ -138,7 +138,7 @@ def test_main_writes_the_report_with_ratios_naming_the_native_rows(tmp_path: Pat
              "pack_staged_8gb_lora4": 1.0}
     starts = fake_start(monkeypatch, lambda base: ("lora key not loaded: transformer_blocks.0.attn.to_q\n" * 2
                                                    if "lora4" in base.name else "") + "Prompt executed in 3.00 s\n")
-    monkeypatch.setattr(bq, "gpu_facts", lambda: {"device_name": "GPU", "vram_total_gib": 79.65})
+    monkeypatch.setattr(run, "gpu_facts", lambda: {"device_name": "GPU", "vram_total_gib": 79.65})
     names: list[str] = []
 
     def measured(server: object, graph: dict, timeout: float, sampler_nodes: tuple, probe_dir: object = None) -> dict:
@@ -147,7 +147,7 @@ def test_main_writes_the_report_with_ratios_naming_the_native_rows(tmp_path: Pat
 
     monkeypatch.setattr(run, "measure", measured)
     out = tmp_path / "out"
-    assert bq.main(["--comfyui", str(tmp_path), "--models", str(tmp_path), "--out", str(out), "--stem", "q",
+    assert run.main(bq.SCENARIO, ["--comfyui", str(tmp_path), "--models", str(tmp_path), "--out", str(out), "--stem", "q",
                     "--work", str(tmp_path / "w")]) == 0
     assert names == bq.DEFAULT_ROWS and len(starts) == 4
     assert all(s["args"][-1] == "--reserve-vram=71.65" for s in starts)
@@ -167,10 +167,10 @@ def test_smoke_skips_the_native_rows_and_runs_the_pack_uncapped(tmp_path: Path,
     starts = fake_start(monkeypatch, lambda base: "")
     monkeypatch.setattr(run, "measure", _measured)
     out = tmp_path / "out"
-    assert bq.main(["--comfyui", str(tmp_path), "--models", str(tmp_path), "--smoke", "--out", str(out),
+    assert run.main(bq.SCENARIO, ["--comfyui", str(tmp_path), "--models", str(tmp_path), "--smoke", "--out", str(out),
                     "--variants", "native_fp8fast_ck_8gb_lora4,pack_staged_8gb_lora4"]) == 0
     assert written == [((bq.UNET, bq.TEXT_ENCODER, bq.VAE, bq.LORA), bq.TEXT_ENCODER)]
-    doc = json.loads((out / f"{bq.BENCH}.json").read_text())
+    doc = json.loads((out / f"{bq.SCENARIO.name}.json").read_text())
     assert [(r["name"], r["status"]) for r in doc["variants"]] == [("native_fp8fast_ck_8gb_lora4", "skipped"),
                                                                    ("pack_staged_8gb_lora4", "ok")]
     assert starts[0]["cpu"] and not any(a.startswith("--reserve-vram") for a in starts[0]["args"])

@@ -1,5 +1,5 @@
-"""The server benchmark on CPU, without ComfyUI: graphs, server flags, step timing from websocket events and the
-log, ratios against named native rows, goals and report files."""
+"""The server scenarios on CPU, without ComfyUI (benchmarks/server.py, server_report.py, server_wan.py): graphs,
+server flags, step timing from websocket events and the log, ratios against named native rows, goals, reports."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import sys
 import time
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from comfyui_lowvram_dit.benchmarks import bench_server as bs
-from comfyui_lowvram_dit.benchmarks import bench_server_report as rep
-from comfyui_lowvram_dit.benchmarks import bench_server_run as run
+from comfyui_lowvram_dit.benchmarks import server as run
+from comfyui_lowvram_dit.benchmarks import server_report as rep
+from comfyui_lowvram_dit.benchmarks import server_wan as bs
 
 TESTS = Path(__file__).resolve().parents[1]
 OBJECT_INFO = {**json.loads((TESTS / "object_info-0.8.0.schema.json").read_text()),
@@ -59,7 +59,7 @@ def test_every_variant_graph_validates(name: str, decode: bool, monkeypatch: pyt
     variant = bs.VARIANTS[name]
     probe = variant.fp8_path != "default"  # the fp8 path is set by the Kernel Profile node
     if probe:
-        monkeypatch.setitem(OBJECT_INFO, bs.PROBE_NODE, PROBE_INFO[bs.PROBE_NODE])
+        monkeypatch.setitem(OBJECT_INFO, run.PROBE_NODE, PROBE_INFO[run.PROBE_NODE])
         with pytest.raises(ValueError, match="--kernel-profile"):
             bs.build_graph(variant, 2, decode=decode)
     graph = bs.build_graph(variant, 2, decode=decode, probe=probe)
@@ -99,12 +99,12 @@ def test_lora_rows_pair_with_the_same_graph_without_the_loras() -> None:
         assert set(loras) == (set(bs.LORA_FILES) if v.lora else set()), name
         loaders = {"UNETLoader", "LowVRAM_WanLoader"}
         assert all(g[src[0]]["class_type"] in loaders for src in loras.values()), name
-        assert {g[s]["inputs"]["cfg"] for s in bs.SAMPLER_NODES} == {1.0} and v.card_gib == bs.CARD_GIB
+        assert {g[s]["inputs"]["cfg"] for s in bs.SAMPLER_NODES} == {1.0} and v.card_gib == run.CARD_GIB
         assert {n["inputs"]["shift"] for n in g.values() if n["class_type"] == "ModelSamplingSD3"} == {5.0}
         if v.lora:
             twin = [w for w in bs.LORA_ROWS if bs.VARIANTS[w] == replace(v, name=w, lora=False)]
             assert twin or name == "pack_8gb_lora4", name
-    assert bs.VARIANTS["pack"].cfg == bs.CFG and [v.name for v in bs.pick_variants("lora")] == bs.LORA_ROWS
+    assert bs.cfg_of(bs.VARIANTS["pack"]) == bs.CFG and [v.name for v in bs.pick_variants("lora")] == bs.LORA_ROWS
     wf = json.loads((TESTS.parent / "workflows" / "wan22_t2v_a14b_4step.json").read_text())
     assert {n["widgets_values"][0] for n in wf["nodes"] if n["type"] == "LoraLoaderModelOnly"} == set(bs.LORA_FILES)
     assert {n["widgets_values"][4] for n in wf["nodes"] if n["type"] == "KSamplerAdvanced"} == {bs.LORA_CFG}
@@ -201,7 +201,7 @@ def test_log_digest_drops_colours_and_bars() -> None:
 
 def _row(name: str, sps: float | None, rss: float = 10.0, status: str = "ok") -> dict:
     v = bs.VARIANTS[name]
-    return {"name": name, "what": v.describe(), "variant": bs.asdict(v), "status": status, "s_per_step": sps,
+    return {"name": name, "what": bs.describe(v), "variant": asdict(v), "status": status, "s_per_step": sps,
             "peak_rss_hwm_gib": rss, "peak_gpu_gib": 7.5, "first_step_s": [9.0, 8.0], "tqdm": []}
 
 
@@ -244,7 +244,7 @@ def test_merged_rows(tmp_path: Path) -> None:
                                                                         "status": "skipped"}]
     path = tmp_path / "natives.json"
     path.write_text(json.dumps({"variants": rows}))
-    got = bs.merged_rows([path], {"native_fp8fast"})
+    got = run.merged_rows([path], {"native_fp8fast"})
     assert [(r["name"], r["source"]) for r in got] == [("native_default", "natives.json")]
     md = rep.markdown(got, {}, {"steps_per_expert": 2, "width": 1, "height": 1, "frames": 1, "cfg": 1, "decode": False})
     assert "(from natives.json)" in md
@@ -253,8 +253,7 @@ def test_merged_rows(tmp_path: Path) -> None:
 def test_profile_groups_kernels_by_name_and_sums_them() -> None:
     from types import SimpleNamespace
 
-    from comfyui_lowvram_dit.benchmarks import kernel_groups as kg
-    from comfyui_lowvram_dit.benchmarks import profile_wan_step as pw
+    from comfyui_lowvram_dit.benchmarks import server_probe as kg
 
     assert kg.group_of("sm90_xmma_gemm_e4m3bf16_e4m3f32") == "matmul"
     assert kg.group_of("flash_fwd_kernel<Flash_fwd_kernel_traits>") == "attention"
@@ -269,11 +268,9 @@ def test_profile_groups_kernels_by_name_and_sums_them() -> None:
     table = kg.kernel_table(SimpleNamespace(key_averages=lambda: events), top=5)
     assert table["groups_ms"] == {"matmul": 3.0, "attention": 5.0} and table["total_ms"] == 8.0
     assert [k["kernel"] for k in table["top"]] == ["flash_fwd_kernel", "sm90_xmma_gemm_x"]
-    md = pw.markdown([{"name": "native", "forward_s": 1.5, **table}], {"device_name": "GPU", "command": "x"})
-    assert "| native | 1.5 |" in md and "`flash_fwd_kernel`" in md
 
 
-PROBE_INFO = {bs.PROBE_NODE: {"input": {"required": {"model": ["MODEL"], "label": ["STRING", {}],
+PROBE_INFO = {run.PROBE_NODE: {"input": {"required": {"model": ["MODEL"], "label": ["STRING", {}],
                                                      "profile_call": ["INT", {}]},
                                         "optional": {"fp8_path": [["default", "scaled_mm_rowwise",
                                                                    "scaled_mm_tensorwise"]]}},
@@ -306,16 +303,16 @@ def test_probe_sets_the_fp8_path_of_the_loaded_pack(monkeypatch: pytest.MonkeyPa
 def test_probe_sits_between_each_expert_and_its_sampler(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from comfyui_lowvram_dit.benchmarks import server_probe
 
-    monkeypatch.setitem(OBJECT_INFO, bs.PROBE_NODE, PROBE_INFO[bs.PROBE_NODE])
+    monkeypatch.setitem(OBJECT_INFO, run.PROBE_NODE, PROBE_INFO[run.PROBE_NODE])
     required = server_probe.KernelProfile.INPUT_TYPES()["required"]
-    assert set(required) == set(PROBE_INFO[bs.PROBE_NODE]["input"]["required"])
-    assert server_probe.NODE_CLASS_MAPPINGS[bs.PROBE_NODE] is server_probe.KernelProfile
+    assert set(required) == set(PROBE_INFO[run.PROBE_NODE]["input"]["required"])
+    assert server_probe.NODE_CLASS_MAPPINGS[run.PROBE_NODE] is server_probe.KernelProfile
     graph = bs.build_graph(bs.VARIANTS[name], 3, probe=True)
     assert _problems(graph) == []
-    probes = {nid: n for nid, n in graph.items() if n["class_type"] == bs.PROBE_NODE}
+    probes = {nid: n for nid, n in graph.items() if n["class_type"] == run.PROBE_NODE}
     assert {n["inputs"]["label"] for n in probes.values()} == {"high", "low"}
     assert {graph[s]["inputs"]["model"][0] for s in bs.SAMPLER_NODES} == set(probes)
-    assert bs.PROBE_NODE not in {n["class_type"] for n in bs.build_graph(bs.VARIANTS[name], 3).values()}
+    assert run.PROBE_NODE not in {n["class_type"] for n in bs.build_graph(bs.VARIANTS[name], 3).values()}
 
 
 def test_probe_wrapper_times_every_call_and_profiles_one(tmp_path: Path) -> None:
@@ -352,7 +349,7 @@ def test_probe_results_leave_the_profiled_step_out_and_reach_the_report(tmp_path
     assert "| pack | high | 4.100 | 4 | 5.500 | 4000.0 | 3000.0 | 1000.0 |" in md and "`cudnn_sdpa_fprop`" in md
     assert rep.probe_lines([{"name": "pack"}]) == []
     per_node = [{"first_s": 9.0, "steps_s": [5.5, 4.0, 4.2]}, {"first_s": 3.0, "steps_s": [6.0, 4.4, 4.6]}]
-    server_probe.drop_profiled_steps(per_node, bs.PROBE_CALL)
+    server_probe.drop_profiled_steps(per_node, run.PROBE_CALL)
     assert [d["steps_s"] for d in per_node] == [[4.0, 4.2], [4.4, 4.6]]
     assert [d["profiled_step_s"] for d in per_node] == [[5.5], [6.0]]
     assert run.summarize_steps(per_node)["s_per_step"] == 4.3
@@ -365,7 +362,7 @@ def test_native_ck_rows_with_the_4step_loras() -> None:
     for name, twin in (("native_fp8fast_ck_8gb_4step", "native_fp8fast_8gb_4step"),
                        ("native_fp8fast_ck_8gb_lora4", "native_fp8fast_8gb_lora4")):
         row = v[name]
-        assert name in bs.LORA_ROWS and row.baseline and row.four_step and row.card_gib == bs.CARD_GIB
+        assert name in bs.LORA_ROWS and row.baseline and row.four_step and row.card_gib == run.CARD_GIB
         assert row == replace(v[twin], name=name, ck_attention=True)
         same, other = bs.build_graph(row, 3), bs.build_graph(v[twin], 3)
         assert {k: n for k, n in same.items() if k != "19"} == {k: n for k, n in other.items() if k != "19"}
@@ -380,7 +377,7 @@ def test_native_ck_rows_with_the_4step_loras() -> None:
 
 
 def test_cli_keeps_its_flags() -> None:
-    opts = bs._parser().parse_args(["--comfyui", "c", "--models", "m", "--variants", "lora", "--keep-logs",
+    opts = run.parser(bs.SCENARIO).parse_args(["--comfyui", "c", "--models", "m", "--variants", "lora", "--keep-logs",
                                     "--list-nodes", "--deadline", "500", "--merge", "a.json", "--write-models"])
     assert (opts.keep_logs, opts.list_nodes, opts.deadline, opts.merge, opts.write_models) == (
         True, True, 500.0, [Path("a.json")], True)
@@ -388,7 +385,7 @@ def test_cli_keeps_its_flags() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the shared row runner (bench_server_run.run_row) with a stand-in for ComfyUI
+# the shared row runner (server.run_row) with a stand-in for ComfyUI
 
 
 class FakeServer:
@@ -470,10 +467,10 @@ def test_run_row_records_a_pack_that_failed_to_import_and_a_gpu_too_small(tmp_pa
 def test_run_rows_skips_what_the_deadline_leaves_no_time_for(monkeypatch: pytest.MonkeyPatch) -> None:
     rows = [bs.VARIANTS["native_fp8fast_ck_8gb_4step"], bs.VARIANTS["pack_blockswap_8gb_4step"]]
     written: list[int] = []
-    done = run.run_rows(rows, lambda v: {"name": v.name, "status": "ok"}, bs._head,
+    done = run.run_rows(rows, lambda v: {"name": v.name, "status": "ok"}, lambda row: run.head(bs.SCENARIO, row),
                         lambda res: written.append(len(res)), [], time.monotonic())
     assert [r["status"] for r in done] == ["ok", "ok"] and written == [1, 2]
-    done = run.run_rows(rows, lambda v: pytest.fail("started past the deadline"), bs._head, written.append,
+    done = run.run_rows(rows, lambda v: pytest.fail("started past the deadline"), lambda row: run.head(bs.SCENARIO, row), written.append,
                         [{"name": "merged"}], time.monotonic() - 100, deadline=150, reserve_estimate=60)
     assert [(r["name"], r["status"]) for r in done[1:]] == [(v.name, "skipped") for v in rows]
-    assert done[1]["variant"]["ck_attention"] is True and done[1]["what"] == rows[0].describe()
+    assert done[1]["variant"]["ck_attention"] is True and done[1]["what"] == bs.describe(rows[0])

@@ -1,6 +1,9 @@
 """Static profile of the 8-bit attention kernel: compile it for a GPU target without a GPU, count its SASS.
 
-    python benchmarks/sass_attention_int8.py [--arch 90] [--config BLOCK_M BLOCK_N WARPS STAGES] ...
+A helper of tests/unit/test_attention_int8.py (the shipped tile must not spill), and the tool behind
+benchmarks/results/attention_int8_profile.md (was benchmarks/sass_attention_int8.py until 3c8e1e2).
+
+    python tests/unit/sass_attention_int8.py [--arch 90] [--config BLOCK_M BLOCK_N WARPS STAGES] ...
 
 Needs only Triton (its bundled ptxas / nvdisasm / cuobjdump); the kernel file is loaded by path, so no torch and
 no GPU. The launch is specialised the way Triton's JIT specialises the real call (16-byte aligned pointers,
@@ -22,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-KERNEL_FILE = Path(__file__).resolve().parents[1] / "kernels" / "attention_int8_triton.py"
+KERNEL_FILE = Path(__file__).resolve().parents[2] / "kernels" / "attention_int8_triton.py"
 SAFE_WRITE_FILE = KERNEL_FILE.parents[1] / "checkpoints" / "safe_write.py"
 SM_REGS, SM_SMEM, SM_WARPS = 65536, 227 * 1024, 64  # sm80/sm89/sm90 per-SM limits (sm90/sm80 smem; sm89 has 99 KB)
 POINTERS = ("Q8", "QScale", "K8", "KScale", "VT", "VScale", "VMean", "Out")
