@@ -115,8 +115,10 @@ def sample_timed(model: Any, frames: int, height: int, width: int, steps: int, c
 
     if latent is None:
         latent = torch.zeros(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
-    noise = comfy.sample.prepare_noise(latent, 0)
     pos, neg = _conds() if latent.ndim == 5 else _conds(tokens=128, width=3584)  # Wan's umT5 / Qwen2.5-VL
+    if latent.ndim == 4:  # as KSampler's fix_empty_latent_channels: Qwen-Image's latent format has t = 1
+        latent = latent.unsqueeze(2)
+    noise = comfy.sample.prepare_noise(latent, 0)
     marks: list[float] = []
 
     def tick(*_: Any) -> None:
