@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from ..kernels.safe_write import write_report
+from .harness import public_path
 
 ROWS: dict[str, str] = {
     "native_best": "UNETLoader fp8_e4m3fn_fast + --use-ck-attention",
@@ -206,7 +207,8 @@ def _environment(args: argparse.Namespace) -> dict:
     version = (root / "comfyui_version.py").read_text().split('"')[1] if (root / "comfyui_version.py").exists() \
         else "?"
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"gpus": gpus, "torch": torch.__version__, "comfyui": version, "command": " ".join(sys.argv),
+    command = ["python3", "-m", "comfyui_lowvram_dit.benchmarks.bench_multigpu", *map(public_path, sys.argv[1:])]
+    return {"gpus": gpus, "torch": torch.__version__, "comfyui": version, "command": " ".join(command),
             "shape": f"{args.width}x{args.height}x{args.frames}, cfg {args.cfg}, {args.steps} steps",
             "layers": args.layers}
 
@@ -224,7 +226,16 @@ def _run_child(row: str, argv: list[str], flag: str) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    return {"row": row, "error": f"rc {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+    return {"row": row, "error": f"rc {proc.returncode}", "stderr_tail": _public_text(proc.stderr[-3000:])}
+
+
+def _public_text(text: str) -> str:
+    """A traceback as results may show it: the pack's and ComfyUI's folders relative, no machine paths."""
+    for root, name in ((os.environ.get("COMFYUI_PATH"), "ComfyUI/"), (os.environ.get("OUT"), "$OUT/"),
+                       (Path(__file__).parents[1], ""), (Path(__file__).resolve().parents[1], "")):
+        if root:
+            text = text.replace(str(Path(root)) + os.sep, name)
+    return text
 
 
 def report(result: dict) -> str:
