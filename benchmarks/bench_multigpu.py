@@ -19,6 +19,7 @@ import torch
 
 from ..checkpoints.safe_write import write_report
 from ..host.version import comfyui_version
+from .harness import public_path
 
 ROWS: dict[str, str] = {
     "native_best": "UNETLoader fp8_e4m3fn_fast + --use-ck-attention",
@@ -108,8 +109,10 @@ def sample_timed(model: Any, frames: int, height: int, width: int, steps: int, c
 
     if latent is None:
         latent = torch.zeros(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
-    noise = comfy.sample.prepare_noise(latent, 0)
     pos, neg = _conds() if latent.ndim == 5 else _conds(tokens=128, width=3584)  # Wan's umT5 / Qwen2.5-VL
+    if latent.ndim == 4:  # as KSampler's fix_empty_latent_channels: Qwen-Image's latent format has t = 1
+        latent = latent.unsqueeze(2)
+    noise = comfy.sample.prepare_noise(latent, 0)
     marks: list[float] = []
 
     def tick(*_: Any) -> None:
@@ -196,7 +199,8 @@ def _environment(args: argparse.Namespace) -> dict:
     root = Path(os.environ["COMFYUI_PATH"])
     version = comfyui_version(root) or "?"
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"gpus": gpus, "torch": torch.__version__, "comfyui": version, "command": " ".join(sys.argv),
+    command = ["python3", "-m", "comfyui_lowvram_dit.benchmarks.bench_multigpu", *map(public_path, sys.argv[1:])]
+    return {"gpus": gpus, "torch": torch.__version__, "comfyui": version, "command": " ".join(command),
             "shape": f"{args.width}x{args.height}x{args.frames}, cfg {args.cfg}, {args.steps} steps",
             "layers": args.layers}
 
@@ -214,7 +218,16 @@ def _run_child(row: str, argv: list[str], flag: str) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    return {"row": row, "error": f"rc {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+    return {"row": row, "error": f"rc {proc.returncode}", "stderr_tail": _public_text(proc.stderr[-3000:])}
+
+
+def _public_text(text: str) -> str:
+    """A traceback as results may show it: the pack's and ComfyUI's folders relative, no machine paths."""
+    for root, name in ((os.environ.get("COMFYUI_PATH"), "ComfyUI/"), (os.environ.get("OUT"), "$OUT/"),
+                       (Path(__file__).parents[1], ""), (Path(__file__).resolve().parents[1], "")):
+        if root:
+            text = text.replace(str(Path(root)) + os.sep, name)
+    return text
 
 
 def report(result: dict) -> str:

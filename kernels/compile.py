@@ -54,6 +54,9 @@ class CompileConfig:
     fullgraph: bool = False
     cache_size_limit: int = 64  # dynamo's default 8 is too few for cond/uncond x resolutions x 2 experts
     fallback: bool = True
+    # Inductor picks its reduction configs without timing them on the GPU: timed choices differ between GPUs and
+    # runs, so a model copy on a second GPU (MultiGPU CFG split) would round differently from the first.
+    deterministic: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -109,15 +112,31 @@ def compile_kwargs(config: CompileConfig, guard_filter_fn: Optional[Callable] = 
         if guard_filter_fn is not None:
             kwargs["options"] = {"guard_filter_fn": guard_filter_fn}
         return kwargs
-    if guard_filter_fn is None:
+    deterministic = inductor_deterministic(config)
+    if guard_filter_fn is None and not deterministic:
         kwargs["mode"] = config.mode
         return kwargs
     import torch._inductor
 
     options = dict(torch._inductor.list_mode_options(config.mode))
-    options["guard_filter_fn"] = guard_filter_fn
+    if guard_filter_fn is not None:
+        options["guard_filter_fn"] = guard_filter_fn
+    if deterministic:
+        options["deterministic"] = True
     kwargs["options"] = options
     return kwargs
+
+
+def inductor_deterministic(config: CompileConfig) -> bool:
+    """Whether to compile in Inductor's deterministic mode: asked for, known to this torch (2.10+), and not a
+    max-autotune mode (whose point is timing kernels on the GPU)."""
+    if not config.deterministic or config.backend != "inductor" or config.mode.startswith("max-autotune"):
+        return False
+    try:
+        import torch._inductor.config as inductor_config
+    except ImportError:
+        return False
+    return hasattr(inductor_config, "deterministic")
 
 
 def transformer_options_guard_filter(guard_entries: list[Any]) -> list[bool]:

@@ -56,13 +56,16 @@ def test_pack_object_info_snapshot_matches_live(comfy_server: ComfyServer) -> No
 
 @pytest.mark.parametrize("name, suffix", [("wan22_t2v_a14b", ".webp"), ("wan22_i2v_a14b", ".webp"),
                                           ("wan22_ti2v_5b", ".webp"), ("qwen_image_t2i", ".png"),
-                                          ("wan22_t2v_a14b_4step", ".webp"), ("qwen_image_t2i_4step", ".png")])
+                                          ("wan22_t2v_a14b_4step", ".webp"), ("qwen_image_t2i_4step", ".png"),
+                                          ("wan22_t2v_a14b_2gpu", ".webp")])
 def test_workflow_runs_with_synthetic_tiny_models(name: str, suffix: str, synthetic_cache: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     from PIL import Image
 
     comfy = os.environ.get("COMFYUI_PATH")
+    if name.endswith("_2gpu") and not (Path(str(comfy)) / "comfy_extras" / "nodes_multigpu.py").is_file():
+        pytest.skip("Select Model Device is in ComfyUI 0.23+; on one device it passes the model through")
     monkeypatch.setenv("LOWVRAM_DIT_CACHE", str(synthetic_cache))
     out = tmp_path / "out"
     rc = runner.cli([name, "--synthetic", "tiny", "--cpu", "--comfyui", str(comfy), "--output", str(out),

@@ -2,7 +2,8 @@
 
 Runs ``benchmarks/bench_multigpu.py`` on a short Wan 2.2 14B (full width, 2 blocks, 832x480x81): each row in a
 fresh process samples on one GPU (cond + uncond batched), then split over two (one each), and compares the final
-latents. Native ComfyUI is bit-identical there; the pack's rows must be within 0.5 % (the goal is identical).
+latents. Native ComfyUI's Wan is bit-identical there (its Qwen-Image is not: recorded, not checked); the pack's rows must
+be within 0.5 % (the goal is identical).
 Needs two CUDA GPUs and COMFYUI_PATH (ComfyUI with comfy/multigpu.py, 0.23+).
 """
 
@@ -42,6 +43,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_split_matches_one_gpu(results: dict, row: str) -> None:
     r = results[row]
     assert "error" not in r, r
+    if row == "qwen_native":  # recorded only: native's own Qwen-Image split is not identical (1.26 % at 2 blocks)
+        return
     limit = 0.0 if row.startswith("native") else SPLIT_TOLERANCE
     assert r["split_vs_1gpu_rel"] <= limit, r
     assert r["split_repeat_rel"] == 0.0, r

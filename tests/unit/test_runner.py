@@ -26,7 +26,7 @@ TINY_BUDGET = 200e6  # bytes the tiny models of all four shipped workflows may t
 
 def test_shipped_workflows_resolve_by_name_from_the_pack_root() -> None:
     assert (runner.PACK_DIR / "__init__.py").is_file() and (runner.PACK_DIR / "workflows").is_dir()
-    assert len(SHIPPED) == 6
+    assert len(SHIPPED) == 7
     for name in SHIPPED:
         assert runner.resolve_workflow(name) == REPO / "workflows" / f"{name}.json"
     with pytest.raises(runner.RunError, match="shipped workflows: qwen_image_t2i, qwen_image_t2i_4step, wan22_i2v_a14b"):

@@ -1,8 +1,10 @@
 """The shipped workflows (workflows/*.json) validated offline, without ComfyUI.
 
 Schemas: tests/object_info-0.8.0.schema.json (stock ComfyUI v0.8.0 /object_info, copied from the team's shared
-capture) + tests/pack_object_info.json (this pack's nodes as the live /object_info lists them; the comfyui-marked
-tests/comfyui/test_comfyui_workflows.py checks it still matches). Every node must exist, its widget values must fit its
+capture), tests/object_info-0.33.0-multigpu.schema.json (core's Select Model Device as 0.33.0 lists it on a
+machine with two GPUs: its device options are the machine's GPUs) + tests/pack_object_info.json (this pack's
+nodes as the live /object_info lists them; the comfyui-marked tests/comfyui/test_comfyui_workflows.py checks it
+still matches). Every node must exist, its widget values must fit its
 inputs (count, combo options, numeric ranges), every link must join matching types, every required input must be
 connected, model files must be official names the runner knows (in the right folder), and comfy-cli's
 convert_ui_to_api must turn each workflow into a complete API prompt.
@@ -20,7 +22,7 @@ from comfyui_lowvram_dit.synthetic.lora import KNOWN_LORA_FILES
 TESTS = Path(__file__).resolve().parents[1]
 WORKFLOWS = sorted((TESTS.parent / "workflows").glob("*.json"))
 EXPECTED = {"wan22_t2v_a14b", "wan22_i2v_a14b", "wan22_ti2v_5b", "qwen_image_t2i", "wan22_t2v_a14b_4step",
-            "qwen_image_t2i_4step"}
+            "qwen_image_t2i_4step", "wan22_t2v_a14b_2gpu"}
 # The 4-step LoRAs under the names ComfyUI's official templates use (Wan 2.2 T2V, Qwen-Image controlnet templates).
 OFFICIAL_LORAS = {"wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors",
                   "wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.safetensors",
@@ -35,7 +37,8 @@ def _load(name: str) -> dict:
     return json.loads((TESTS / name).read_text())
 
 
-OBJECT_INFO = {**_load("object_info-0.8.0.schema.json"), **_load("pack_object_info.json")}
+OBJECT_INFO = {**_load("object_info-0.8.0.schema.json"), **_load("object_info-0.33.0-multigpu.schema.json"),
+               **_load("pack_object_info.json")}
 
 
 def _workflow(path: Path) -> dict:
