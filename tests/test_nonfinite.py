@@ -1,0 +1,96 @@
+"""Non-finite values are never erased (benchmarks/results/gpu_hostile.md, findings 1-4).
+
+Rule: NaN in -> NaN out; +inf / -inf in -> a non-finite output. The torch quantizers (CPU fallback and reference)
+follow it through amax and clamp; the Triton quantizers of fp8 linears and of the 8-bit attention follow it since
+they count NaNs (cuda tests below: the Triton interpreter cannot show the bug, its numpy max propagates NaN).
+A bf16 file whose weight quantizes to a non-finite scale is refused by name, and a LoRA that is clipped to the
+fp8 range says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from comfyui_lowvram_dit.kernels import fp8
+from comfyui_lowvram_dit.kernels import wan_checkpoint as wc
+from comfyui_lowvram_dit.kernels.checkpoint_io import CheckpointError
+from comfyui_lowvram_dit.tools import synth
+
+BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+WEIGHT = "blocks.0.ffn.0.weight"  # a quantized block Linear of the tiny Wan file
+
+
+def _poisoned_rows(k: int = 256, m: int = 8) -> tuple[torch.Tensor, dict[str, int]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    rows = {"nan": 1, "inf": 3, "-inf": 6}
+    for label, r in rows.items():
+        x[r, 17] = BAD[label]
+    return x, rows
+
+
+# ---- torch quantizers (CPU): the rule the Triton kernels must follow ----------------------------------------
+
+
+def test_torch_activation_quantizers_keep_nan_and_inf_non_finite() -> None:
+    x, rows = _poisoned_rows()
+    q, s = fp8.quantize_rowwise_torch(x)
+    for label, r in rows.items():
+        assert not torch.isfinite(s[r]).all() or not torch.isfinite(q[r].float()).all(), label
+        assert not torch.isfinite(q[r].float() * s[r]).all(), label  # what the GEMM sees
+    assert torch.isnan(s[rows["nan"]]).all() and torch.isnan(q[rows["nan"]].float()).all()
+    clean = [r for r in range(x.shape[0]) if r not in rows.values()]
+    assert torch.isfinite(q.float()[clean]).all() and torch.isfinite(s[clean]).all()
+    q, s = fp8.quantize_groupwise_torch(x, 128, 4)
+    a = q.float()[: x.shape[0]] * s[: x.shape[0]].repeat_interleave(128, 1)
+    for label, r in rows.items():
+        assert not torch.isfinite(a[r]).all(), label
+    for label, r in rows.items():
+        q, s = fp8.quantize_tensorwise_torch(x[r:r + 1])
+        assert not torch.isfinite(q.float() * s).all(), label
+
+
+@pytest.mark.parametrize("path", ["dequantize"])
+def test_fp8_linear_on_cpu_keeps_bad_rows_non_finite(path: str) -> None:
+    x, rows = _poisoned_rows()
+    w, ws = fp8.quantize_per_tensor(torch.randn(64, 256))
+    out = fp8.fp8_linear(x, w, ws, path=path)
+    bad = ~torch.isfinite(out).all(dim=-1)
+    assert sorted(torch.nonzero(bad).flatten().tolist()) == sorted(rows.values())
+
+
+# ---- finding 3: a bf16 file quantized at load -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bf16_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("nonfinite")
+    return synth.write_synthetic("wan21_t2v_1_3B", root / "wan_bf16.safetensors", size="tiny", fmt="bf16", seed=1)
+
+
+@pytest.mark.parametrize("mode", ["per_tensor", "blockwise"])
+@pytest.mark.parametrize("label", list(BAD))
+def test_a_bf16_file_with_non_finite_weights_is_refused_by_name(bf16_file: Path, tmp_path: Path, mode: str,
+                                                                label: str) -> None:
+    sd = load_file(str(bf16_file))
+    key = next(k for k in sd if k.endswith(WEIGHT))
+    w = sd[key].clone()
+    w.view(-1)[[3, 70, 500]] = BAD[label]
+    path = tmp_path / f"poisoned_{label}.safetensors"
+    save_file({**sd, key: w}, str(path))
+    with pytest.raises(CheckpointError) as err:
+        wc.load_wan_state_dict(path, mode, 64)
+    msg = str(err.value)
+    assert msg.startswith(f"{path.name}: ") and repr(key) in msg, msg
+    assert "NaN or infinite" in msg and "download it again" in msg and "converted wrongly" in msg, msg
+
+
+def test_the_clean_bf16_file_still_loads(bf16_file: Path) -> None:
+    loaded = wc.load_wan_state_dict(bf16_file, "per_tensor")
+    assert loaded.fp8_layers > 0
