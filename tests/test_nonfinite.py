@@ -94,3 +94,49 @@ def test_a_bf16_file_with_non_finite_weights_is_refused_by_name(bf16_file: Path,
 def test_the_clean_bf16_file_still_loads(bf16_file: Path) -> None:
     loaded = wc.load_wan_state_dict(bf16_file, "per_tensor")
     assert loaded.fp8_layers > 0
+
+
+# ---- finding 4: a LoRA clipped to the fp8 range warns -----------------------------------------------------
+
+
+@pytest.mark.comfyui
+def test_a_lora_past_the_fp8_range_warns_once_per_merge(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    from comfy_server import comfyui_in_process_or_skip
+
+    comfyui_in_process_or_skip()
+    from comfyui_lowvram_dit.nodes.glue import fp8_layers
+    from comfyui_lowvram_dit.nodes.glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
+
+    monkeypatch.setattr(fp8_layers, "_clip_warned_at", [-math.inf])
+    clock = [1000.0]
+    monkeypatch.setattr(fp8_layers.time, "monotonic", lambda: clock[0])
+    ops = make_fp8_ops(Fp8OpsConfig())
+    g = torch.Generator().manual_seed(0)
+    q, s = fp8.quantize_per_tensor(torch.randn(32, 64, generator=g))
+    layer = ops.Linear(64, 32, bias=False, device="meta")
+    layer.load_state_dict({"weight": q, "weight_scale": s}, assign=True)
+    caplog.set_level(logging.WARNING, logger="comfyui_lowvram_dit")
+
+    def clip_lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "clipped" in r.getMessage()]
+
+    real = layer.convert_weight(q.float())
+    same = layer.set_weight(real + 0.01 * torch.randn(32, 64, generator=g), return_weight=True)  # in range
+    assert same.dtype == q.dtype and not clip_lines()
+    big = real.clone()
+    big[0, :5] = s * 448 * 1e6  # 5 values a million times past the range
+    new = layer.set_weight(big, return_weight=True)
+    assert new.float()[0, :5].eq(448).all()  # still clipped, as before
+    (line,) = clip_lines()
+    assert "5 values" in line and "[32, 64]" in line and "1e+06 times" in line and "alpha/strength" in line, line
+    layer.set_weight(big, return_weight=True)  # the next layer of the same merge: not listed again
+    assert len(clip_lines()) == 1
+    clock[0] += fp8_layers.CLIP_WARNING_QUIET_S + 1  # a later merge (another load) warns again
+    layer.set_weight(big, return_weight=True)
+    assert len(clip_lines()) == 2
+    nan = real.clone()
+    nan[1, 1] = math.nan
+    clock[0] += fp8_layers.CLIP_WARNING_QUIET_S + 1
+    assert layer.set_weight(nan, return_weight=True).float()[1, 1].isnan()  # NaN stays NaN, not a clip
+    assert len(clip_lines()) == 2

@@ -8,6 +8,9 @@ running ComfyUI. What the Linear does is described there.
 from __future__ import annotations
 
 import json
+import logging
+import math
+import time
 from typing import ClassVar
 
 import comfy.float
@@ -18,6 +21,8 @@ import torch
 from ...kernels import fp8 as fp8_math
 from ...kernels import opaque_ops
 from .fp8_ops import FP8_DTYPES, IGNORED_KEYS, Fp8OpsConfig
+
+log = logging.getLogger("comfyui_lowvram_dit")
 
 
 class LowVramFp8Ops(comfy.ops.manual_cast):
@@ -155,7 +160,9 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             """Store a patched weight: re-quantized with this layer's scale (fp8) or rounded (others)."""
             if self.is_fp8:
                 scale = _expand_scale(self.weight_scale, tuple(weight.shape), self.fp8_config.block_size, weight.device)
-                new = (weight.float() / scale).clamp(-fp8_math.FP8_MAX, fp8_math.FP8_MAX).to(self.weight.dtype)
+                codes = weight.float() / scale
+                _warn_if_clipped(codes, tuple(self.weight.shape))
+                new = codes.clamp_(-fp8_math.FP8_MAX, fp8_math.FP8_MAX).to(self.weight.dtype)
             else:
                 new = comfy.float.stochastic_rounding(weight, self.weight.dtype, seed=seed or 0)
             if return_weight:
@@ -180,6 +187,35 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
                     self._buffers[key] = fn(buf)
             self._fp8_path = None
             return self
+
+
+# A merge that clips warns once: further clipped layers within this many seconds of the last one belong to the same
+# LoRA merge (ComfyUI merges every patched layer of a model in one go at load) and are not listed again.
+CLIP_WARNING_QUIET_S = 60.0
+_clip_warned_at = [-math.inf]
+
+
+def _warn_if_clipped(codes: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Warn when a patched weight, divided by the layer's own scale, goes past fp8's range (it is then clipped).
+
+    Re-quantizing with the layer's scale keeps the merge exact for every LoRA that stays in range; one that does
+    not (an extreme alpha or strength) is clipped to +-448 codes. Counting costs one GPU->CPU sync per patched layer,
+    at the LoRA merge (once per load), never per step; the peak is read only for a layer that clips. NaN is not
+    counted (the clamp keeps it NaN, and NaN Guard sees it at the next fp8 GEMM)."""
+    mag = codes.abs()
+    over = mag > fp8_math.FP8_MAX
+    n = int(over.sum())
+    if not n:
+        return
+    now = time.monotonic()
+    quiet = now - _clip_warned_at[0] < CLIP_WARNING_QUIET_S
+    _clip_warned_at[0] = now
+    if quiet:
+        return
+    peak = float(torch.where(over, mag, 0.0).amax()) / fp8_math.FP8_MAX
+    log.warning("lowvram_dit: a LoRA pushes %d values of an fp8 Linear %s up to %.3g times past its fp8 scale's range; "
+                "they are clipped - check the LoRA's alpha/strength (other layers this merge clips are not listed)",
+                n, list(shape), peak)
 
 
 def _expand_scale(scale: torch.Tensor, shape: tuple[int, int], block_size: int, device: torch.device) -> torch.Tensor:
