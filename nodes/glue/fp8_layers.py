@@ -189,32 +189,34 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             return self
 
 
-# A merge that clips warns once: further clipped layers within this many seconds of the last one belong to the same
-# LoRA merge (ComfyUI merges every patched layer of a model in one go at load) and are not listed again.
-CLIP_WARNING_QUIET_S = 60.0
+# Values a little past the range are normal: a small LoRA delta on the layer's largest weight (its code is 448 by
+# construction of a per-tensor scale) lands just beyond it and loses that sliver to the clamp, as it always did.
+# Only a peak past CLIP_WARN_FACTOR x the range warns (an extreme alpha or strength).
+CLIP_WARN_FACTOR = 1.25
+# At most one clipping warning per this many seconds: ComfyUI merges every patched layer of a model in one go at
+# load, so the other layers of the same merge are not listed one by one.
+CLIP_WARNING_QUIET_S = 30.0
 _clip_warned_at = [-math.inf]
 
 
 def _warn_if_clipped(codes: torch.Tensor, shape: tuple[int, ...]) -> None:
-    """Warn when a patched weight, divided by the layer's own scale, goes past fp8's range (it is then clipped).
+    """Warn when a patched weight, divided by the layer's own scale, goes far past fp8's range (it is clipped).
 
     Re-quantizing with the layer's scale keeps the merge exact for every LoRA that stays in range; one that does
-    not (an extreme alpha or strength) is clipped to +-448 codes. Counting costs one GPU->CPU sync per patched layer,
-    at the LoRA merge (once per load), never per step; the peak is read only for a layer that clips. NaN is not
+    not (an extreme alpha or strength) is clipped to +-448 codes. Checking costs one GPU->CPU sync per patched layer,
+    at the LoRA merge (once per load), never per step; the count is read only for a layer that warns. NaN is not
     counted (the clamp keeps it NaN, and NaN Guard sees it at the next fp8 GEMM)."""
     mag = codes.abs()
-    over = mag > fp8_math.FP8_MAX
-    n = int(over.sum())
-    if not n:
+    peak = float(torch.where(mag > fp8_math.FP8_MAX, mag, 0.0).amax()) / fp8_math.FP8_MAX if mag.numel() else 0.0
+    if not peak > CLIP_WARN_FACTOR:
         return
     now = time.monotonic()
-    quiet = now - _clip_warned_at[0] < CLIP_WARNING_QUIET_S
-    _clip_warned_at[0] = now
-    if quiet:
+    if now - _clip_warned_at[0] < CLIP_WARNING_QUIET_S:
         return
-    peak = float(torch.where(over, mag, 0.0).amax()) / fp8_math.FP8_MAX
+    _clip_warned_at[0] = now
+    n = int((mag > fp8_math.FP8_MAX).sum())
     log.warning("lowvram_dit: a LoRA pushes %d values of an fp8 Linear %s up to %.3g times past its fp8 scale's range; "
-                "they are clipped - check the LoRA's alpha/strength (other layers this merge clips are not listed)",
+                "they are clipped - check the LoRA's alpha/strength (other layers of this merge are not listed)",
                 n, list(shape), peak)
 
 
