@@ -124,6 +124,9 @@ def test_a_lora_past_the_fp8_range_warns_once_per_merge(monkeypatch: pytest.Monk
     real = layer.convert_weight(q.float())
     same = layer.set_weight(real + 0.01 * torch.randn(32, 64, generator=g), return_weight=True)  # in range
     assert same.dtype == q.dtype and not clip_lines()
+    edge = real.clone()
+    edge[0, 0] = s * 449  # a normal LoRA's sliver past the largest weight: clipped silently, as always
+    assert layer.set_weight(edge, return_weight=True).float()[0, 0] == 448 and not clip_lines()
     big = real.clone()
     big[0, :5] = s * 448 * 1e6  # 5 values a million times past the range
     new = layer.set_weight(big, return_weight=True)
@@ -140,3 +143,79 @@ def test_a_lora_past_the_fp8_range_warns_once_per_merge(monkeypatch: pytest.Monk
     clock[0] += fp8_layers.CLIP_WARNING_QUIET_S + 1
     assert layer.set_weight(nan, return_weight=True).float()[1, 1].isnan()  # NaN stays NaN, not a clip
     assert len(clip_lines()) == 2
+
+
+# ---- findings 1 and 2 on the GPU: the Triton quantizers ---------------------------------------------------
+
+cuda = pytest.mark.cuda
+
+
+def _bad_rows_of(out: torch.Tensor) -> list[int]:
+    return torch.nonzero(~torch.isfinite(out.float()).all(dim=-1)).flatten().tolist()
+
+
+@cuda
+def test_triton_fp8_quantizers_give_nan_scales_and_codes() -> None:
+    from comfyui_lowvram_dit.kernels import fp8_triton as ft
+
+    if not ft.TRITON_AVAILABLE:
+        pytest.skip("no Triton")
+    x, rows = _poisoned_rows(k=3000, m=37)  # K past one row-kernel chunk (1024)
+    x = x.cuda()
+    q, s = ft.quantize_rowwise(x)
+    qr, sr = fp8.quantize_rowwise_torch(x)
+    assert torch.equal(s.isnan(), sr.isnan()) and torch.equal(s.isinf(), sr.isinf())
+    assert torch.equal(q.float().isnan(), qr.float().isnan())  # the same NaN codes as torch
+    assert torch.isnan(s[rows["nan"]]).all() and torch.isnan(q[rows["nan"]].float()).all()
+    for g in (128, 64):
+        q, s = ft.quantize_groupwise(x, g, 4)
+        qr, sr = fp8.quantize_groupwise_torch(x, g, 4)
+        assert torch.equal(s.isnan(), sr.isnan()) and torch.equal(s.isinf(), sr.isinf()), g
+        assert torch.equal(q.float().isnan(), qr.float().isnan()), g
+    for label, r in rows.items():
+        q, s = ft.quantize_tensorwise(x[r:r + 1].contiguous())
+        qr, sr = fp8.quantize_tensorwise_torch(x[r:r + 1])
+        assert torch.equal(s.isnan(), sr.isnan()) and torch.equal(q.float().isnan(), qr.float().isnan()), label
+    clean = torch.randn(64, 3000, device="cuda").to(torch.bfloat16)  # clean input: unchanged bits
+    for (qa, sa), (qb, sb) in ((ft.quantize_rowwise(clean), fp8.quantize_rowwise_torch(clean)),
+                               (ft.quantize_groupwise(clean, 128, 4), fp8.quantize_groupwise_torch(clean, 128, 4))):
+        assert torch.equal(sa, sb) and torch.equal(qa.view(torch.uint8), qb.view(torch.uint8))
+
+
+@cuda
+@pytest.mark.parametrize("path,block", [("scaled_mm_rowwise", None), ("scaled_mm_tensorwise", None),
+                                        ("scaled_mm_blockwise", 128), ("dequantize", None)])
+def test_fp8_linear_on_the_gpu_keeps_bad_rows_non_finite(path: str, block: int | None) -> None:
+    if fp8.device_capability("cuda") is None or fp8.device_capability("cuda") < (8, 9):
+        pytest.skip("no fp8 matmul on this GPU")
+    if path == "scaled_mm_blockwise" and not fp8.has_blockwise_scaled_mm():
+        pytest.skip("no block-wise scaled_mm in this torch")
+    x, rows = _poisoned_rows(k=256, m=64)
+    w32 = torch.randn(128, 256)
+    w, ws = fp8.quantize_blockwise(w32, 128) if block else fp8.quantize_per_tensor(w32)
+    out = fp8.fp8_linear(x.cuda(), w.cuda(), ws.cuda(), block_size=block, path=path)
+    if path == "scaled_mm_tensorwise":  # one scale for the call: every row may go non-finite, but these must
+        assert set(rows.values()) <= set(_bad_rows_of(out))
+    else:
+        assert _bad_rows_of(out) == sorted(rows.values())
+
+
+@cuda
+@pytest.mark.parametrize("which,value", [("q", math.nan), ("q", math.inf), ("k", math.nan), ("k", -math.inf)])
+def test_int8_attention_keeps_nan_and_inf_of_q_and_k(which: str, value: float) -> None:
+    import torch.nn.functional as F
+
+    from comfyui_lowvram_dit.kernels import attention_int8
+
+    if not attention_int8.is_supported("cuda", torch.bfloat16, 128):
+        pytest.skip("8-bit attention not supported on this GPU")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 300, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    (q if which == "q" else k)[0, 2, 17, 5] = value
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    out = attention_int8.attention_int8(q, k, v)
+    exact_bad = ~torch.isfinite(exact).all(dim=-1)
+    out_bad = ~torch.isfinite(out).all(dim=-1)
+    assert exact_bad.any()
+    assert not (exact_bad & ~out_bad).any(), f"{int((exact_bad & ~out_bad).sum())} rows silently finite"
+    assert not out_bad[:, [0, 1, 3]].any()  # other heads untouched
