@@ -11,8 +11,9 @@ approximate div.full.f32), so the GPU bits match the torch reference on CPU and 
 Non-finite values behave as in torch, whose amax and clamp propagate NaN: a NaN in a row (group, tensor) makes its
 scale NaN and every code of it NaN; an inf makes the scale inf, the inf itself a NaN code (inf / inf) and the row's
 GEMM output non-finite. Triton's tl.max / tl.maximum / tl.clamp drop NaN by default (max.f32 returns the other
-operand), so the kernels count NaNs per row with one integer add per element (no extra pass or launch) and clamp
-with propagate_nan=ALL; without that a NaN activation got a finite scale and finite codes, and NaN Guard never saw
+operand), so the row kernel keeps NaN in its per-lane amax (propagate_nan=ALL, the same max instruction) and the
+group kernel counts NaNs per row (one integer add per element); neither adds a pass or a launch. Clamps use
+propagate_nan=ALL; without that a NaN activation got a finite scale and finite codes, and NaN Guard never saw
 it (benchmarks/results/gpu_hostile.md, finding 1). Kernel constants are tl.constexpr, never Python-float kernel arguments: under inductor a float argument becomes
 fp64 and Triton rejects it ("Expected dtype ['fp32'] but got fp64", torch 2.11).
 Importing this module without Triton is fine: TRITON_AVAILABLE is False and nothing is registered.
@@ -42,19 +43,18 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
-        """One program per row: pass 1 finds the row amax (and counts NaNs), pass 2 scales, saturates and casts."""
+        """One program per row: pass 1 finds the row amax (NaN kept per lane), pass 2 scales, saturates and casts."""
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_xm
         q_row = q_ptr + row * stride_qm
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        nans = tl.zeros([BLOCK_K], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
             v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(v))
-            nans += (v != v).to(tl.int32)
+            amax = tl.maximum(amax, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)  # a NaN lane stays NaN
         scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), _SCALE_MIN_C)
-        scale = tl.where(tl.sum(nans, axis=0) > 0, float("nan"), scale)  # NaN in -> NaN scale -> NaN out
+        # tl.max's reduction drops NaN lanes; their sum does not (NaN in -> NaN scale -> NaN out)
+        scale = tl.where(tl.sum(amax, axis=0) != tl.sum(amax, axis=0), float("nan"), scale)
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
             v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
