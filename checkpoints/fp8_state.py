@@ -121,7 +121,13 @@ class Fp8Normaliser:
 
     def _quantized(self, key: str, w: torch.Tensor, mode: QuantMode) -> None:
         q, s = quantize_weight(w, mode, self.plan.block_size)
-        self.sd[key], self.sd[key[: -len("weight")] + "weight_scale"] = q.cpu(), s.cpu()
+        s = s.cpu()
+        # A NaN or inf in the weight makes its scale NaN / inf (amax propagates both): refuse it here, as
+        # check_weight_scales refuses such a scale read from a pre-quantized file (one isfinite on the small scale).
+        if not bool(torch.isfinite(s).all()):
+            raise CheckpointError(f"{self.name}: weight {self.plan.prefix + key!r} holds NaN or infinite values; the "
+                                  "file is damaged (download it again) or was converted wrongly")
+        self.sd[key], self.sd[key[: -len("weight")] + "weight_scale"] = q.cpu(), s
 
     def _scale(self, key: str, base: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """An fp8 weight's scale in whichever convention the file uses (and musubi's extra tensor scale)."""

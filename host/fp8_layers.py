@@ -8,6 +8,9 @@ running ComfyUI. What the Linear does is described there.
 from __future__ import annotations
 
 import json
+import logging
+import math
+import time
 from typing import ClassVar
 
 import comfy.float
@@ -18,6 +21,8 @@ import torch
 from ..kernels import fp8 as fp8_math
 from ..kernels import opaque_ops
 from .fp8_ops import FP8_DTYPES, IGNORED_KEYS, Fp8OpsConfig
+
+log = logging.getLogger("comfyui_lowvram_dit")
 
 
 class LowVramFp8Ops(comfy.ops.manual_cast):
@@ -155,7 +160,9 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             """Store a patched weight: re-quantized with this layer's scale (fp8) or rounded (others)."""
             if self.is_fp8:
                 scale = _expand_scale(self.weight_scale, tuple(weight.shape), self.fp8_config.block_size, weight.device)
-                new = (weight.float() / scale).clamp(-fp8_math.FP8_MAX, fp8_math.FP8_MAX).to(self.weight.dtype)
+                codes = weight.float() / scale
+                _warn_if_clipped(codes, tuple(self.weight.shape))
+                new = codes.clamp_(-fp8_math.FP8_MAX, fp8_math.FP8_MAX).to(self.weight.dtype)
             else:
                 new = comfy.float.stochastic_rounding(weight, self.weight.dtype, seed=seed or 0)
             if return_weight:
@@ -180,6 +187,37 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
                     self._buffers[key] = fn(buf)
             self._fp8_path = None
             return self
+
+
+# Values a little past the range are normal: a small LoRA delta on the layer's largest weight (its code is 448 by
+# construction of a per-tensor scale) lands just beyond it and loses that sliver to the clamp, as it always did.
+# Only a peak past CLIP_WARN_FACTOR x the range warns (an extreme alpha or strength).
+CLIP_WARN_FACTOR = 1.25
+# At most one clipping warning per this many seconds: ComfyUI merges every patched layer of a model in one go at
+# load, so the other layers of the same merge are not listed one by one.
+CLIP_WARNING_QUIET_S = 30.0
+_clip_warned_at = [-math.inf]
+
+
+def _warn_if_clipped(codes: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Warn when a patched weight, divided by the layer's own scale, goes far past fp8's range (it is clipped).
+
+    Re-quantizing with the layer's scale keeps the merge exact for every LoRA that stays in range; one that does
+    not (an extreme alpha or strength) is clipped to +-448 codes. Checking costs one GPU->CPU sync per patched layer,
+    at the LoRA merge (once per load), never per step; the count is read only for a layer that warns. NaN is not
+    counted (the clamp keeps it NaN, and NaN Guard sees it at the next fp8 GEMM)."""
+    mag = codes.abs()
+    peak = float(torch.where(mag > fp8_math.FP8_MAX, mag, 0.0).amax()) / fp8_math.FP8_MAX if mag.numel() else 0.0
+    if not peak > CLIP_WARN_FACTOR:
+        return
+    now = time.monotonic()
+    if now - _clip_warned_at[0] < CLIP_WARNING_QUIET_S:
+        return
+    _clip_warned_at[0] = now
+    n = int((mag > fp8_math.FP8_MAX).sum())
+    log.warning("lowvram_dit: a LoRA pushes %d values of an fp8 Linear %s up to %.3g times past its fp8 scale's range; "
+                "they are clipped - check the LoRA's alpha/strength (other layers of this merge are not listed)",
+                n, list(shape), peak)
 
 
 def _expand_scale(scale: torch.Tensor, shape: tuple[int, int], block_size: int, device: torch.device) -> torch.Tensor:

@@ -15,6 +15,11 @@ Only imported when Triton is importable (kernels.attention_int8 guards the impor
   ((amax|V| + |mean|)/448, a bound on the centred amax: fp8 loses nothing to the slack), stored transposed ([D, L], tokens contiguous) because
   Hopper's fp8/int8 wgmma wants both operands K-major.
 - P: exp2(s - m + 8) lies in (0, 256], exactly inside e4m3's range; the 2^8 cancels in acc / l.
+- Non-finite input: tl.max and tl.maximum drop NaN (max.f32 returns the other operand), so the Q and K
+  quantizers count NaNs per token / block and give those a NaN scale; the 8-bit codes cannot hold NaN, the scale
+  carries it into every score of that query (Q) or of every query (K block), and the softmax makes those output
+  rows NaN, as exact attention does. An inf gives an inf scale and NaN scores (0·inf or inf - inf). NaN or inf in V
+  reaches the output through v_scale and v_mean (torch reductions, which propagate NaN).
 - P·V runs per BLOCK_N tile at fp8 speed and is added to the fp32 accumulator outside the tensor core
   (Hopper's fp8 wgmma accumulates with ~14 mantissa bits; long sequences would drift).
 """
@@ -69,6 +74,8 @@ def quantize_q_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     x = _rotate(X, Rot, b, h, offs_l, offs_d, stride_b, stride_h, stride_l, stride_d, L, HEAD_DIM)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
+    # tl.max / tl.maximum drop NaN: a token holding one gets a NaN scale, which makes its scores NaN (see module doc)
+    amax = tl.where(tl.sum((x != x).to(tl.int32), axis=1) > 0, float("nan"), amax)
     if TO_FP8:
         y = x * (448.0 / amax)[:, None]
         y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
@@ -99,6 +106,7 @@ def quantize_k_kernel(
     mean = tl.load(MeanRot + pid_bh * HEAD_DIM + offs_d)
     x = tl.where(offs_l[:, None] < L, x - mean[None, :], 0.0)  # padded keys stay exactly zero
     amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), eps)
+    amax = tl.where(tl.sum(tl.sum((x != x).to(tl.int32), axis=1), axis=0) > 0, float("nan"), amax)  # as in Q
     if TO_FP8:
         y = (x * (448.0 / amax)).to(tl.float8e4nv)  # |y| <= 448 up to rounding; the cast saturates on GPU
         s = amax / 448.0

@@ -7,7 +7,14 @@ and inductor sees the Triton kernel itself.
 
 The math is exactly kernels/fp8.py's torch versions: scale = max(amax / 448, SCALE_MIN) and
 q = e4m3fn(clamp(x / scale, ±448)), both divisions IEEE-rounded (tl.math.div_rn; Triton's plain `/` on fp32 is the
-approximate div.full.f32), so the GPU bits match the torch reference on CPU and on CUDA. Kernel constants are tl.constexpr, never Python-float kernel arguments: under inductor a float argument becomes
+approximate div.full.f32), so the GPU bits match the torch reference on CPU and on CUDA.
+Non-finite values behave as in torch, whose amax and clamp propagate NaN: a NaN in a row (group, tensor) makes its
+scale NaN and every code of it NaN; an inf makes the scale inf, the inf itself a NaN code (inf / inf) and the row's
+GEMM output non-finite. Triton's tl.max / tl.maximum / tl.clamp drop NaN by default (max.f32 returns the other
+operand), so the row kernel keeps NaN in its per-lane amax (propagate_nan=ALL, the same max instruction) and the
+group kernel counts NaNs per row (one integer add per element); neither adds a pass or a launch. Clamps use
+propagate_nan=ALL; without that a NaN activation got a finite scale and finite codes, and NaN Guard never saw
+it (benchmarks/results/gpu_hostile.md, finding 1). Kernel constants are tl.constexpr, never Python-float kernel arguments: under inductor a float argument becomes
 fp64 and Triton rejects it ("Expected dtype ['fp32'] but got fp64", torch 2.11).
 Importing this module without Triton is fine: TRITON_AVAILABLE is False and nothing is registered.
 """
@@ -36,7 +43,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
-        """One program per row: pass 1 finds the row amax, pass 2 scales, saturates and casts."""
+        """One program per row: pass 1 finds the row amax (NaN kept per lane), pass 2 scales, saturates and casts."""
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_xm
         q_row = q_ptr + row * stride_qm
@@ -44,12 +51,14 @@ if TRITON_AVAILABLE:
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
             v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(v))
+            amax = tl.maximum(amax, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)  # a NaN lane stays NaN
         scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), _SCALE_MIN_C)
+        # tl.max's reduction drops NaN lanes; their sum does not (NaN in -> NaN scale -> NaN out)
+        scale = tl.where(tl.sum(amax, axis=0) != tl.sum(amax, axis=0), float("nan"), scale)
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
             v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0)
+            q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
             tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
         tl.store(s_ptr + row, scale)
 
@@ -64,7 +73,8 @@ if TRITON_AVAILABLE:
         v = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=(rows[:, None] < M) & col_ok,
                     other=0.0).to(tl.float32)
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), 448.0), _SCALE_MIN_C)
-        q = tl.clamp(tl.math.div_rn(v, scale[:, None]), -448.0, 448.0)
+        scale = tl.where(tl.sum((v != v).to(tl.int32), axis=1) > 0, float("nan"), scale)
+        q = tl.clamp(tl.math.div_rn(v, scale[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
                  mask=(rows[:, None] < Mp) & col_ok)
         tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale, mask=rows < Mp)
@@ -73,10 +83,11 @@ if TRITON_AVAILABLE:
     def _quant_scalar_kernel(x_ptr, q_ptr, amax_ptr, s_ptr, N, BLOCK: tl.constexpr):
         """Scale from a precomputed amax (one torch reduction before this), then cast; program 0 stores the scale."""
         pid = tl.program_id(0)
-        scale = tl.maximum(tl.math.div_rn(tl.load(amax_ptr).to(tl.float32), 448.0), _SCALE_MIN_C)
+        scale = tl.maximum(tl.math.div_rn(tl.load(amax_ptr).to(tl.float32), 448.0), _SCALE_MIN_C,
+                           propagate_nan=tl.PropagateNan.ALL)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0)
+        q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=offs < N)
         if pid == 0:
             tl.store(s_ptr, scale)
