@@ -54,7 +54,7 @@ from typing import Any
 import pytest
 from comfy_server import ComfyServer, comfy_server_session, comfyui_path_or_reason, loader_swap_nodes, sample_nodes
 
-from comfyui_lowvram_dit.tools.memwatch import proc_status
+from comfyui_lowvram_dit.cli.memwatch import proc_status
 
 pytestmark = [pytest.mark.cuda, pytest.mark.comfyui]
 
@@ -129,7 +129,7 @@ def _write_report() -> None:
     dest = os.environ.get("GPU_HOSTILE_REPORT", "").strip()
     if not dest:
         return
-    from comfyui_lowvram_dit.kernels.safe_write import write_report
+    from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
     base = Path(dest)
     base.parent.mkdir(parents=True, exist_ok=True)
@@ -248,7 +248,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def base_file(comfy_gpu: Any, work: Path) -> Path:
-    from comfyui_lowvram_dit.tools import synth
+    from comfyui_lowvram_dit.synthetic import checkpoints as synth
 
     return synth.write_synthetic(MODEL, work / "hostile_base.safetensors", size="full", fmt="bf16", seed=0,
                                  device="cuda", num_layers=LAYERS)
@@ -259,8 +259,8 @@ def _here() -> dict[str, Any]:
     import comfy.model_management as mm
     import torch
 
-    from comfyui_lowvram_dit.kernels import host_memory
-    from comfyui_lowvram_dit.nodes.glue.pin_budget import pinned_by_pack
+    from comfyui_lowvram_dit.offload import host_memory
+    from comfyui_lowvram_dit.host.pin_budget import pinned_by_pack
 
     st = proc_status(os.getpid())
     return {"torch_allocated": torch.cuda.memory_allocated(), "torch_reserved": torch.cuda.memory_reserved(),
@@ -357,7 +357,7 @@ def unswapped_ref(comfy_gpu: Any, base_file: Path) -> Any:
 
 @pytest.mark.parametrize("label", list(SWAP_SETTINGS))
 def test_1_block_swap_hostile_settings(comfy_gpu: Any, base_file: Path, unswapped_ref: Any, label: str) -> None:
-    from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig
+    from comfyui_lowvram_dit.offload.plan import SwapConfig
     from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
 
     with case_here("1 Block Swap", label) as entry:
@@ -536,7 +536,7 @@ def test_2c_weight_file_with_non_finite_values(comfy_gpu: Any, base_file: Path, 
                                                label: str) -> None:
     from comfyui_lowvram_dit.kernels.nan_guard import NonFiniteError
     from comfyui_lowvram_dit.nodes.nan_guard import apply_nan_guard
-    from comfyui_lowvram_dit.tools import synth
+    from comfyui_lowvram_dit.synthetic import checkpoints as synth
 
     fmt, suffix, value = POISONED_WEIGHTS[label]
     with case_here("2 fp8 GEMMs", label) as entry:
@@ -596,8 +596,8 @@ def _lora(kind: str, streamed: list[int]) -> tuple[dict, str]:
     depth: same key names, other widths) and the block it poisons (the last streamed one)."""
     import torch
 
-    from comfyui_lowvram_dit.tools.model_specs import model_spec
-    from comfyui_lowvram_dit.tools.synth_lora import LORA_ALPHA
+    from comfyui_lowvram_dit.synthetic.specs import model_spec
+    from comfyui_lowvram_dit.synthetic.lora import LORA_ALPHA
 
     rank = 4
     size_model = "wan21_t2v_1_3B" if kind == "wrong shapes" else MODEL
@@ -624,7 +624,7 @@ def test_3_lora_merged_into_the_arena(comfy_gpu: Any, base_file: Path, kind: str
     import comfy.sd
 
     from comfyui_lowvram_dit.kernels.nan_guard import NonFiniteError
-    from comfyui_lowvram_dit.kernels.swap_plan import SwapConfig, streamed_block_indices
+    from comfyui_lowvram_dit.offload.plan import SwapConfig, streamed_block_indices
     from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
     from comfyui_lowvram_dit.nodes.nan_guard import apply_nan_guard
 
@@ -918,7 +918,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
 
 
 def _write_server_model(server: ComfyServer, prefix: str, fmt: str, seed: int) -> str:
-    from comfyui_lowvram_dit.tools import synth
+    from comfyui_lowvram_dit.synthetic import checkpoints as synth
 
     name = f"{prefix}_{uuid.uuid4().hex[:6]}.safetensors"
     synth.write_synthetic(MODEL, server.base_dir / "models" / "diffusion_models" / name, size="full", fmt=fmt,

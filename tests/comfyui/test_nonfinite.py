@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from comfyui_lowvram_dit.kernels import fp8
-from comfyui_lowvram_dit.kernels import wan_checkpoint as wc
-from comfyui_lowvram_dit.kernels.checkpoint_io import CheckpointError
-from comfyui_lowvram_dit.tools import synth
+from comfyui_lowvram_dit.checkpoints import wan as wc
+from comfyui_lowvram_dit.checkpoints.safetensors_io import CheckpointError
+from comfyui_lowvram_dit.synthetic import checkpoints as synth
 
 BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 WEIGHT = "blocks.0.ffn.0.weight"  # a quantized block Linear of the tiny Wan file
@@ -105,8 +105,8 @@ def test_a_lora_past_the_fp8_range_warns_once_per_merge(monkeypatch: pytest.Monk
     from comfy_server import comfyui_in_process_or_skip
 
     comfyui_in_process_or_skip()
-    from comfyui_lowvram_dit.nodes.glue import fp8_layers
-    from comfyui_lowvram_dit.nodes.glue.fp8_ops import Fp8OpsConfig, make_fp8_ops
+    from comfyui_lowvram_dit.host import fp8_layers
+    from comfyui_lowvram_dit.host.fp8_ops import Fp8OpsConfig, make_fp8_ops
 
     monkeypatch.setattr(fp8_layers, "_clip_warned_at", [-math.inf])
     clock = [1000.0]
