@@ -284,6 +284,7 @@ def run_variant(spec: dict) -> dict:
             raise TypeError(f"target {spec['target']} returned {type(out).__name__}; expected a dict "
                             "({'fn': callable, ...metrics} or a metrics dict)")
         fn = out.pop("fn", None)
+        after = out.pop("after", None)  # metrics read after the timed calls (e.g. recompiles during them)
         result["metrics"] = _jsonable(out)
         if fn is not None:
             phase = "run"
@@ -295,6 +296,8 @@ def run_variant(spec: dict) -> dict:
             if cuda:
                 result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
                 result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        if after is not None:
+            result["metrics"].update(_jsonable(after()))
         result["status"] = "ok"
     except Exception as exc:  # the variant's failure is data, not a crash of the benchmark
         oom = isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in str(exc).lower()
