@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import statistics
 import time
@@ -16,7 +15,7 @@ from comfyui_lowvram_dit.benchmarks import harness
 from comfyui_lowvram_dit.kernels import attention_int8 as A
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
-# (B, H, Lq, Lk, D); token counts from shared/research/model-facts-wan22-qwenimage.md
+# (B, H, Lq, Lk, D): the token counts of Wan 2.2 and Qwen-Image at these resolutions
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "wan14b_480p_self": (1, 40, 32760, 32760, 128),  # 832x480x81 -> 21 x 60 x 104 / (1x2x2) patches
     "wan14b_480p_cross": (1, 40, 32760, 512, 128),  # umT5 text context, 512 tokens
@@ -270,13 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         say("bench_attention_int8: needs a CUDA GPU")
         return 2
     dev = torch.device("cuda")
-    command = harness.command_argv(f"{harness.SUITE}.bench_attention_int8", argv)
-    env = {**harness.parent_environment(command), **harness.child_environment(dev)}
-    for dist in ("triton", "comfy-kitchen"):
-        try:
-            env[dist.replace("-", "_")] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:  # the rows that need it say why
-            env[dist.replace("-", "_")] = None
+    env = harness.gpu_script_environment(f"{harness.SUITE}.bench_attention_int8", argv, dev)  # comfy_kitchen: None
     env["formats_auto"] = list(A.resolve_formats(dev)) if A.is_supported(dev, torch.bfloat16, 128) else None
     say(f"device {env.get('device_name')} (sm{env.get('compute_capability')}), torch {env['torch']}, "
         f"triton {env['triton']}, comfy_kitchen {env['comfy_kitchen']}, auto formats {env['formats_auto']}")

@@ -4,7 +4,7 @@
 ``model_options`` per ``weight_dtype``, then ``comfy.sd.load_diffusion_model_state_dict``) and places it
 with ``comfy.model_management.load_models_gpu``, the call KSampler makes (optionally under a VRAM cap
 applied as a user would: ComfyUI's reserved VRAM set so only the cap is free, plus a hard
-``torch.cuda.set_per_process_memory_fraction``; see shared/research/measured-h200-2026-11-21.md).
+``torch.cuda.set_per_process_memory_fraction``).
 ``wan_inputs`` + ``forward`` run one forward of the Wan diffusion model.
 
 Benchmark-only code: ComfyUI global state (the VRAM cap, loaded models) is changed for the whole

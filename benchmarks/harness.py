@@ -153,19 +153,25 @@ def child_environment(device: Any) -> dict:
     return env
 
 
-def gpu_script_environment(script: str, argv: list[str] | None, device: Any) -> dict:
-    """The environment of a benchmark that runs on the GPU in its own process: ``parent_environment`` (its
-    command is ``script`` plus ``argv``, or ``sys.argv`` when ``argv`` is None), the facts of ``device`` not
-    already there, and the Triton version (None without Triton)."""
-    env = parent_environment(sys.argv if argv is None else [script, *argv])
+def gpu_script_environment(module: str, argv: list[str] | None, device: Any) -> dict:
+    """The environment of a scenario that runs on the GPU in its own process: ``parent_environment`` (its command
+    as ``command_argv`` records it), the facts of ``device`` and the versions of ``software_facts``."""
+    env = parent_environment(command_argv(module, argv))
     env.update({k: v for k, v in child_environment(device).items() if k not in env})
-    try:
-        import triton
+    return {**software_facts(), **env}  # the imported torch's own version string wins
 
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    return env
+
+def software_facts() -> dict:
+    """Versions of torch, Triton, comfy-kitchen and comfy-aimdo in this Python (read without importing them)."""
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "triton", "comfy-kitchen", "comfy-aimdo"):
+        try:
+            out[dist.replace("-", "_")] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist.replace("-", "_")] = None
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
