@@ -29,9 +29,7 @@ from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 from comfyui_lowvram_dit.cli import runner
 from comfyui_lowvram_dit.cli.memwatch import MemoryWatch
 
-PACK_ROOT = Path(__file__).resolve().parents[1]
-RESULTS = PACK_ROOT / "benchmarks" / "results"
-GIB = float(1 << 30)
+PACK_ROOT, RESULTS, GIB = harness.PACK_ROOT, harness.RESULTS, harness.GIB
 CARD_GIB = 8.0
 PROBE_NODE = "LowVRAMBench_KernelProfile"
 PROBE_CALL = 1  # the second model call of each expert = its second step (cfg batched: one call per step)
