@@ -194,11 +194,9 @@ def peak_rss_bytes() -> int:
     carries that across fork + exec, so a child started by a parent holding 6 GB would report the parent's 6 GB.
     Elsewhere ``ru_maxrss`` (bytes on macOS), or psutil's peak working set on Windows."""
     if sys.platform.startswith("linux"):
-        try:
-            from comfyui_lowvram_dit.cli.memwatch import proc_status
-        except ImportError:  # run as a file without the pack installed: ru_maxrss below
-            proc_status = None
-        hwm = proc_status(os.getpid()).get("VmHWM") if proc_status else None
+        from comfyui_lowvram_dit.cli.memwatch import proc_status
+
+        hwm = proc_status(os.getpid()).get("VmHWM")
         if hwm:
             return hwm
     try:
@@ -320,13 +318,11 @@ def run_variant(spec: dict) -> dict:
 
 
 def _self_watch():  # noqa: ANN202 - memwatch.MemoryWatch | None
-    """Sample this process's anonymous vs file-backed RSS (Linux; None elsewhere or if the pack is not importable)."""
+    """Sample this process's anonymous vs file-backed RSS (Linux; None elsewhere)."""
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        from comfyui_lowvram_dit.cli.memwatch import MemoryWatch
-    except ImportError:
-        return None
+    from comfyui_lowvram_dit.cli.memwatch import MemoryWatch
+
     return MemoryWatch(os.getpid(), interval=0.1, gpu=False).__enter__()  # GPU memory: torch's own counters
 
 
