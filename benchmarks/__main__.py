@@ -43,7 +43,7 @@ SCENARIOS: dict[str, Scenario] = {
     "attention": Scenario("attention backends at Wan / Qwen-Image shapes (SDPA cuDNN, flash, memory-efficient, "
                           "8-bit)", "bench_attention"),
     "attention_int8": Scenario("the 8-bit attention kernel vs cuDNN and comfy-kitchen: time, TFLOP/s, error "
-                               "(--quick, --families, --variants)", "bench_attention_int8"),
+                               "and the autotune tile sweep (--quick, --no-sweep)", "bench_attention_int8"),
     "fp8_gemm": Scenario("fp8 GEMMs at Wan 14B shapes: native fp8_e4m3fn_fast vs ours per-tensor / block-wise",
                          "bench_fp8_gemm"),
     "block_swap": Scenario("Block Swap on Wan 14B: every resolution x cap x kind (ComfyUI)", "bench_wan"),
