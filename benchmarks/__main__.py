@@ -28,24 +28,13 @@ class Scenario:
 SCENARIOS: dict[str, Scenario] = {
     # whole models in one process (ComfyUI imported in the child; COMFYUI_PATH)
     "wan14b_480p81": Scenario("Wan 2.2 14B fp8 832x480x81 under VRAM caps: native partial loading vs Block Swap",
-                              "bench_block_swap", ("--res", "480p81")),
-    "wan14b_480p17": Scenario("Wan 2.2 14B fp8 832x480x17 (transfer-bound) under VRAM caps", "bench_block_swap",
-                              ("--res", "480p17")),
-    "wan14b_720p81": Scenario("Wan 2.2 14B fp8 1280x720x81 under VRAM caps", "bench_block_swap",
+                              "bench_wan", ("--res", "480p81")),
+    "wan14b_720p81": Scenario("Wan 2.2 14B fp8 1280x720x81 under VRAM caps", "bench_wan",
                               ("--res", "720p81", "--caps", "none", "16", "8")),
     "wan14b_fp8": Scenario("Wan 2.2 14B one forward: native bf16 / fp8 / *_fp8_scaled vs ours per-tensor and "
-                           "block-wise, output error vs bf16", "bench_wan_fp8"),
+                           "block-wise, output error vs bf16", "bench_wan", ("--preset", "fp8")),
     "wan14b_stack": Scenario("Wan 2.2 14B whole stack: fp8 + 8-bit attention + Torch Compile vs native bf16 and "
-                             "fp8_e4m3fn_fast", "bench_compile", ("--preset", "stack_int8")),
-    "compile": Scenario("Torch Compile on Wan 5B, Qwen-Image 1024, Wan 14B stack, with Block Swap, OOM fallback",
-                        "bench_compile", ("--preset", "session2")),
-    "compile_modes": Scenario("Torch Compile modes (reduce-overhead, max-autotune-no-cudagraphs) on Wan 5B and 14B",
-                              "bench_compile", ("--preset", "modes")),
-    "compile_graphs": Scenario("Torch Compile default vs reduce-overhead (CUDA graphs) on Wan 5B fp8 and 14B bf16",
-                               "bench_compile", ("--preset", "graphs")),
-    "first_step": Scenario("the first compiled step of Wan 14B (8-bit attention + Torch Compile, batch 2) split "
-                           "into Dynamo, Inductor, attention decisions, fp8 timing; cold and warm caches, vs eager",
-                           "bench_first_step"),
+                             "fp8_e4m3fn_fast", "bench_wan", ("--preset", "stack")),
     "qwen_image": Scenario("Qwen-Image 1328x1328 staged pipeline per stage at an 8 GB cap vs native",
                            "bench_qwen_staged"),
     "multigpu": Scenario("ComfyUI's MultiGPU CFG split: every row on one GPU and split over two, outputs compared",
@@ -54,11 +43,11 @@ SCENARIOS: dict[str, Scenario] = {
     "attention": Scenario("attention backends at Wan / Qwen-Image shapes (SDPA cuDNN, flash, memory-efficient, "
                           "8-bit)", "bench_attention"),
     "attention_int8": Scenario("the 8-bit attention kernel vs cuDNN and comfy-kitchen: time, TFLOP/s, error "
-                               "(--quick, --families, --variants)", "bench_attention_int8"),
+                               "and the autotune tile sweep (--quick, --no-sweep)", "bench_attention_int8"),
     "fp8_gemm": Scenario("fp8 GEMMs at Wan 14B shapes: native fp8_e4m3fn_fast vs ours per-tensor / block-wise",
                          "bench_fp8_gemm"),
-    "block_swap": Scenario("Block Swap on Wan 14B: every resolution x cap x kind (ComfyUI)", "bench_block_swap"),
-    "nan_guard": Scenario("NaN Guard on vs off on Wan 14B (ComfyUI)", "bench_nan_guard"),
+    "block_swap": Scenario("Block Swap on Wan 14B: every resolution x cap x kind (ComfyUI)", "bench_wan"),
+    "nan_guard": Scenario("NaN Guard on vs off on Wan 14B (ComfyUI)", "bench_wan", ("--preset", "nan_guard")),
     # through a real ComfyUI server, one fresh server per row
     "server_wan14b": Scenario("Wan 2.2 T2V-A14B through a server: native nodes vs the pack's, whole GPU and 8 GB card",
                               "server_wan", server="SCENARIO"),

@@ -9,7 +9,7 @@ from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 from comfyui_lowvram_dit.benchmarks import harness
 
 MODULE = "comfyui_lowvram_dit.benchmarks.bench_attention"
-# (B, H, Lq, Lk, D). Tokens from shared/research/offload-fp8-compile.md §0 and model-facts-wan22-qwenimage.md.
+# (B, H, Lq, Lk, D): the token counts of Wan 2.2 and Qwen-Image at these resolutions.
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "wan14b_480p_self": (1, 40, 32760, 32760, 128),  # 832x480x81 -> 21x30x52
     "wan14b_480p_cross": (1, 40, 32760, 512, 128),  # umT5 context, 512 tokens

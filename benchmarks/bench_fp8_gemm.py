@@ -17,7 +17,7 @@ from comfyui_lowvram_dit.kernels import fp8, fp8_triton
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 # (M tokens, K in, N out). Tokens: Wan 14B 832x480x81 -> 21x30x52 = 32,760; Wan 5B 1280x704x121 -> 31x22x40 =
-# 27,280; Qwen-Image 1328x1328 -> 83x83 = 6,889 image tokens (shared/research/model-facts-wan22-qwenimage.md).
+# 27,280; Qwen-Image 1328x1328 -> 83x83 = 6,889 image tokens.
 SHAPES: dict[str, tuple[int, int, int]] = {
     "wan14b_qkvo": (32760, 5120, 5120),
     "wan14b_ffn_up": (32760, 5120, 13824),
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         say("bench_fp8_gemm needs a CUDA GPU")
         return 2
-    env = harness.gpu_script_environment("bench_fp8_gemm", argv, torch.device("cuda"))
+    env = harness.gpu_script_environment(f"{harness.SUITE}.bench_fp8_gemm", argv, torch.device("cuda"))
     say(f"{env.get('device_name')} torch {torch.__version__} triton {env['triton']}")
     rows: list[dict] = []
     for name in QUICK if args.quick else SHAPES:

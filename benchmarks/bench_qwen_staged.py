@@ -90,7 +90,7 @@ def ours(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: i
 
 
 def native(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: int, height: int,
-           vram_cap_gb: float | None, smoke: bool = False) -> dict:
+           vram_cap_gb: float | None) -> dict:
     """Harness target: CLIPLoader(cpu) + encode, UNETLoader(default), VAEDecode, as stock v0.8.0 does them."""
     import torch
 
@@ -98,7 +98,6 @@ def native(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width:
     import comfy.model_management as mm
     import comfy.utils
 
-    from ..checkpoints import safetensors_io as checkpoint_io, text_encoders
     from ..offload import stage_meter
 
     f = Path(files)
@@ -106,8 +105,6 @@ def native(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width:
     reset = ctx.device.type == "cuda"
     with stage_meter.StageMeter("stage 1 (native CLIPLoader cpu)", reset_cuda_peak=reset) as m1:
         options = {"load_device": cpu, "offload_device": cpu}
-        if smoke:  # the smoke encoder is smaller than ComfyUI's fixed 7B config
-            options["qwen25_7b_model_config"] = text_encoders.qwen25_vl_config_from_header(checkpoint_io.read_header(f / te))
         clip = comfy.sd.load_clip([str(f / te)], clip_type=comfy.sd.CLIPType.QWEN_IMAGE, model_options=options)
         with torch.inference_mode():
             pos = clip.encode_from_tokens_scheduled(clip.tokenize(PROMPT))
@@ -129,10 +126,13 @@ def native(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width:
 
 
 def write_files(files: Path, te_formats: list[str], smoke: bool) -> None:
-    """Write the synthetic files once (skipped when present); full size on the GPU when there is one."""
+    """Write the synthetic files once (skipped when present); full size on the GPU when there is one. Smoke files
+    are the runner's tiny ones: a narrow transformer and a 2-layer encoder of its width (the pack's loaders read
+    both widths from the files)."""
     import torch
 
     from ..synthetic import checkpoints as synth
+    from ..synthetic.run_models import TINY_LAYOUT, tiny_text_encoder_config
 
     files.mkdir(parents=True, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -144,44 +144,9 @@ def write_files(files: Path, te_formats: list[str], smoke: bool) -> None:
         if path.is_file():
             continue
         print(f"writing {path} ({model}, {size}, {fmt})", file=sys.stderr)
-        if smoke and model == "qwen25_vl_7b":
-            _write_small_te(path, fmt)
-        else:
-            synth.write_synthetic(model, path, size, fmt, seed=0, device=dev, progress=True)
-
-
-SMOKE_TE_LAYERS, SMOKE_TE_MLP = 2, 256  # the 7B encoder is 16.6 GB even "tiny": smoke runs use 2 narrow layers
-
-
-def _write_small_te(path: Path, fmt: str) -> None:
-    """Qwen2.5-VL with ComfyUI's widths but 2 narrow layers (smoke only; ComfyUI needs the config override)."""
-    import torch
-
-    from ..synthetic import checkpoints as synth
-    from ..checkpoints.safetensors_io import StreamingSafetensorsWriter
-    from ..synthetic.specs import Qwen25VLConfig, is_linear_weight, qwen25_vl_spec
-
-    spec = qwen25_vl_spec(Qwen25VLConfig(num_layers=SMOKE_TE_LAYERS, intermediate=SMOKE_TE_MLP))
-    fp8 = fmt == "fp8_scaled"
-    layout: list = []
-    for n, shape, dt in spec:
-        if fp8 and is_linear_weight("qwen25_vl_7b", n, shape):
-            layout += [(n, shape, torch.float8_e4m3fn), (n[: -len("weight")] + "scale_weight", (), torch.float32)]
-        else:
-            layout.append((n, shape, torch.float16 if fp8 else dt))
-    if fp8:
-        layout.append(("scaled_fp8", (0,), torch.float8_e4m3fn))
-    with StreamingSafetensorsWriter(path, layout) as w:
-        for n, shape, dt in spec:
-            t = synth.synthetic_tensor(n, shape, dt, 0)
-            if fp8 and is_linear_weight("qwen25_vl_7b", n, shape):
-                q, scale = synth.quantize_fp8_scaled(t)
-                w.write(n, q)
-                w.write(n[: -len("weight")] + "scale_weight", scale)
-            else:
-                w.write(n, t.to(torch.float16) if fp8 else t)
-        if fp8:
-            w.write("scaled_fp8", torch.empty(0, dtype=torch.float8_e4m3fn))
+        synth.write_synthetic(model, path, size, fmt, seed=0, device=dev, progress=True,
+                              config=tiny_text_encoder_config(model) if smoke else None,
+                              metadata={"tiny_layout": TINY_LAYOUT} if smoke else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--skip-native", action="store_true")
     parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
-    parser.add_argument("--smoke", action="store_true", help="tiny transformer/VAE, 64x64, CPU, no cap")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny files, 64x64, CPU, no cap, no native rows (stock loaders cannot read tiny widths)")
     args = parser.parse_args(argv)
     write_files(args.files, args.te, args.smoke)
     width, height = (64, 64) if args.smoke else tuple(args.size)
@@ -205,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     variants, natives = [], []
     for te in args.te:
         te_file = f"te_{te}.safetensors"
-        if not args.skip_native:  # run last: stock CLIPLoader on the CPU is the slow part of the whole bench
+        if not (args.skip_native or args.smoke):  # last: stock CLIPLoader on the CPU is the slow part of the bench
             natives.append(harness.Variant(f"native te={te} cap={cap}", f"{MODULE}:native",
-                                           {**common, "te": te_file, "vram_cap_gb": cap, "smoke": args.smoke}))
+                                           {**common, "te": te_file, "vram_cap_gb": cap}))
         variants += [
             harness.Variant(f"ours cold te={te} cap={cap}", f"{MODULE}:ours",
                             {**common, "te": te_file, "vram_cap_gb": cap, "clear_cache": True}),

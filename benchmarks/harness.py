@@ -153,19 +153,25 @@ def child_environment(device: Any) -> dict:
     return env
 
 
-def gpu_script_environment(script: str, argv: list[str] | None, device: Any) -> dict:
-    """The environment of a benchmark that runs on the GPU in its own process: ``parent_environment`` (its
-    command is ``script`` plus ``argv``, or ``sys.argv`` when ``argv`` is None), the facts of ``device`` not
-    already there, and the Triton version (None without Triton)."""
-    env = parent_environment(sys.argv if argv is None else [script, *argv])
+def gpu_script_environment(module: str, argv: list[str] | None, device: Any) -> dict:
+    """The environment of a scenario that runs on the GPU in its own process: ``parent_environment`` (its command
+    as ``command_argv`` records it), the facts of ``device`` and the versions of ``software_facts``."""
+    env = parent_environment(command_argv(module, argv))
     env.update({k: v for k, v in child_environment(device).items() if k not in env})
-    try:
-        import triton
+    return {**software_facts(), **env}  # the imported torch's own version string wins
 
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    return env
+
+def software_facts() -> dict:
+    """Versions of torch, Triton, comfy-kitchen and comfy-aimdo in this Python (read without importing them)."""
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "triton", "comfy-kitchen", "comfy-aimdo"):
+        try:
+            out[dist.replace("-", "_")] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist.replace("-", "_")] = None
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,11 +194,9 @@ def peak_rss_bytes() -> int:
     carries that across fork + exec, so a child started by a parent holding 6 GB would report the parent's 6 GB.
     Elsewhere ``ru_maxrss`` (bytes on macOS), or psutil's peak working set on Windows."""
     if sys.platform.startswith("linux"):
-        try:
-            from comfyui_lowvram_dit.cli.memwatch import proc_status
-        except ImportError:  # run as a file without the pack installed: ru_maxrss below
-            proc_status = None
-        hwm = proc_status(os.getpid()).get("VmHWM") if proc_status else None
+        from comfyui_lowvram_dit.cli.memwatch import proc_status
+
+        hwm = proc_status(os.getpid()).get("VmHWM")
         if hwm:
             return hwm
     try:
@@ -284,6 +288,7 @@ def run_variant(spec: dict) -> dict:
             raise TypeError(f"target {spec['target']} returned {type(out).__name__}; expected a dict "
                             "({'fn': callable, ...metrics} or a metrics dict)")
         fn = out.pop("fn", None)
+        after = out.pop("after", None)  # metrics read after the timed calls (e.g. recompiles during them)
         result["metrics"] = _jsonable(out)
         if fn is not None:
             phase = "run"
@@ -295,6 +300,8 @@ def run_variant(spec: dict) -> dict:
             if cuda:
                 result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
                 result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        if after is not None:
+            result["metrics"].update(_jsonable(after()))
         result["status"] = "ok"
     except Exception as exc:  # the variant's failure is data, not a crash of the benchmark
         oom = isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in str(exc).lower()
@@ -311,13 +318,11 @@ def run_variant(spec: dict) -> dict:
 
 
 def _self_watch():  # noqa: ANN202 - memwatch.MemoryWatch | None
-    """Sample this process's anonymous vs file-backed RSS (Linux; None elsewhere or if the pack is not importable)."""
+    """Sample this process's anonymous vs file-backed RSS (Linux; None elsewhere)."""
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        from comfyui_lowvram_dit.cli.memwatch import MemoryWatch
-    except ImportError:
-        return None
+    from comfyui_lowvram_dit.cli.memwatch import MemoryWatch
+
     return MemoryWatch(os.getpid(), interval=0.1, gpu=False).__enter__()  # GPU memory: torch's own counters
 
 

@@ -1,17 +1,7 @@
 """The server scenarios' runner: one API graph per row, each row in a fresh ComfyUI server, one report per run.
 
-A scenario (``ServerScenario``, defined as data in server_wan / server_qwen / server_qwen_edit) names its rows, the
-graph each row runs, the model files, the sampler nodes to time and its CLI defaults; everything else is here.
-
-Each row starts ComfyUI as users start it (``cli.runner.start_comfyui``: ``main.py``, a hermetic base directory with
-this pack in custom_nodes, ``--front-end-root`` on an empty folder), checks that the pack imported, queues the graph
-and measures it. An "8 GB card" is ComfyUI's own ``--reserve-vram`` = the GPU's total minus 8 GiB.
-Step time: the websocket sends a ``progress`` message after every sampler step; the interval between two messages
-of one node is one step. A node's first step also holds loading, compiles and attention timing, so it is reported
-apart; the headline is the median of the later steps. ComfyUI's tqdm lines in the log give an independent check.
-Memory: ``cli.memwatch`` samples the server process every 0.5 s (VmHWM, RssAnon/RssFile, GPU per nvidia-smi).
-A failure is recorded in its row with its reason and the server log digest, never raised; reports are rewritten
-after every row, so a run cut short keeps its numbers.
+A scenario (``ServerScenario``, data in server_wan / server_qwen) names its rows, the graph each row runs, the model
+files, the sampler nodes to time and its CLI defaults; README.md says how rows are started, timed and recorded.
 """
 
 from __future__ import annotations
@@ -39,9 +29,7 @@ from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 from comfyui_lowvram_dit.cli import runner
 from comfyui_lowvram_dit.cli.memwatch import MemoryWatch
 
-PACK_ROOT = Path(__file__).resolve().parents[1]
-RESULTS = PACK_ROOT / "benchmarks" / "results"
-GIB = float(1 << 30)
+PACK_ROOT, RESULTS, GIB = harness.PACK_ROOT, harness.RESULTS, harness.GIB
 CARD_GIB = 8.0
 PROBE_NODE = "LowVRAMBench_KernelProfile"
 PROBE_CALL = 1  # the second model call of each expert = its second step (cfg batched: one call per step)
@@ -397,19 +385,6 @@ def gpu_facts() -> dict:
     return {"device_name": fields[0], "vram_total_gib": round(int(fields[1]) / 1024, 2), "driver": fields[2]}
 
 
-def software_facts() -> dict:
-    """Versions of torch, Triton, comfy-kitchen and comfy-aimdo in this Python (read without importing them)."""
-    from importlib import metadata
-
-    out = {}
-    for dist in ("torch", "triton", "comfy-kitchen", "comfy-aimdo"):
-        try:
-            out[dist.replace("-", "_")] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist.replace("-", "_")] = None
-    return out
-
-
 def write_models(models: Path, names: Iterable[str]) -> dict[str, float]:
     """Write the full-size synthetic files ``names`` (missing ones only); seconds per file. A name the runner has no
     synthetic writer for is reported and left out: its real file must be in ``models``."""
@@ -521,7 +496,7 @@ def main(scenario: ServerScenario, argv: list[str] | None = None) -> int:
         raise SystemExit(f"--variants {','.join(need)}: the Kernel Profile node sets their fp8 path; add --kernel-profile")
     own_work = opts.work is None  # a temp folder of this run: removed at the end unless --keep-logs
     opts.work = (opts.work or Path(tempfile.mkdtemp(prefix=f"bench_{scenario.name}_"))).resolve()
-    env = {**harness.parent_environment(), **gpu_facts(), **software_facts(),
+    env = {**harness.parent_environment(), **gpu_facts(), **harness.software_facts(),
            "comfyui_version": harness.comfyui_version(opts.comfyui)}
     env["git_sha"] = opts.git_sha or env.get("git_sha")
     env["git_status"] = opts.git_status

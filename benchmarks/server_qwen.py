@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import io
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -218,22 +217,12 @@ def write_input_image(folder: Path, width: int, height: int) -> Path:
 
 
 def write_edit_smoke_models(models: Path, unet: str, te: str, vae: str) -> None:
-    """Tiny synthetic files (the small encoder keeps ComfyUI's widths and vision tower, so the tiny transformer takes
-    the encoder's width as its joint dim: the vision merger projects to it)."""
-    from comfyui_lowvram_dit.benchmarks.bench_qwen_staged import _write_small_te
-    from comfyui_lowvram_dit.synthetic import checkpoints as synth
-    from comfyui_lowvram_dit.synthetic.specs import Qwen25VLConfig, model_config
+    """The runner's tiny files: a narrow transformer, and a 2-layer encoder of its width with the full-size vision
+    tower (its merger projects to the encoder's width), as the runner writes them for the Edit loader."""
+    from comfyui_lowvram_dit.cli import runner
 
-    dit = replace(model_config("qwen_image", "tiny"), joint_dim=Qwen25VLConfig().hidden)
-    jobs = [("diffusion_models", unet, lambda p: synth.write_synthetic("qwen_image", p, "tiny", "bf16", seed=0,
-                                                                     config=dit)),
-            ("text_encoders", te, lambda p: _write_small_te(p, "bf16")),
-            ("vae", vae, lambda p: synth.write_synthetic("wan21_vae", p, "tiny", "bf16", seed=0))]
-    for folder, name, write in jobs:
-        path = models / folder / name
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write(path)
+    runner.write_synthetic_models({unet, te, vae}, models, "tiny", reduced_text_encoders={te},
+                                  vision_text_encoders={te})
 
 
 def summary(rows: list[dict]) -> dict:

@@ -50,6 +50,10 @@ TARGETS = textwrap.dedent('''
         def fn():
             clock[0] += next(it)
         return {"fn": fn}
+
+    def counted_after(ctx):
+        calls = []
+        return {"fn": lambda: calls.append(1), "before": len(calls), "after": lambda: {"calls_timed": len(calls)}}
 ''')
 
 
@@ -139,6 +143,13 @@ def test_time_is_the_median_after_warmup(targets: str, tmp_path: Path, monkeypat
     assert r["time_ms"] == pytest.approx(3.0) and r["time_ms_min"] == pytest.approx(1.0)
 
 
+def test_after_metrics_are_read_once_the_timed_calls_are_done(targets: str, tmp_path: Path) -> None:
+    (r,) = harness.run_benchmark("after", [Variant("a", f"{targets}:counted_after")], repeats=3, warmup=1,
+                                 out_dir=tmp_path, fresh_process=False, force_cpu=True, plot=None)
+    assert r["status"] == "ok", r
+    assert r["metrics"] == {"before": 0, "calls_timed": 4}
+
+
 def test_oom_and_import_errors_are_recorded_in_process(targets: str, tmp_path: Path) -> None:
     variants = [Variant("oom", f"{targets}:oom"), Variant("bad target", "no_such_module_xyz:fn"),
                 Variant("ok", f"{targets}:counting")]
@@ -174,7 +185,14 @@ def test_native_wan_model_loads_as_unetloader_would_and_runs_a_forward(weight_dt
     sd = synthetic_state_dict("wan22_ti2v_5B", size="tiny")
     shape = cn.wan_latent_shape(sd["head.head.weight"].shape[0] // 4, 64, 64, 5)
     assert shape == (1, 48, 2, 4, 4) and cn.wan_tokens(shape) == 8
-    patcher = cn.load_native_model(sd, weight_dtype, latent_shape=shape)
+    wrapped: list = []
+
+    def wrap(model, memory_required):  # noqa: ANN001, ANN202 - the nodes a user wires before KSampler
+        wrapped.append(memory_required)
+        return model.clone()
+
+    patcher = cn.load_native_model(sd, weight_dtype, latent_shape=shape, wrap=wrap)
+    assert len(wrapped) == 1 and wrapped[0] > 0  # KSampler's estimate for the cond + uncond batch
     assert not sd  # consumed, so on-GPU synthetic tensors are freed before measuring
     info = cn.describe(patcher)
     assert info["model_class"] == "WAN22"
@@ -208,7 +226,7 @@ def test_gpu_script_environment_names_script_device_and_triton() -> None:
     import torch
 
     env = harness.gpu_script_environment("bench_x", ["--quick", "--out-dir", "$OUT"], torch.device("cpu"))
-    assert env["command"].endswith("python3 bench_x --quick --out-dir $OUT")
+    assert env["command"].endswith("python3 -m bench_x --quick --out-dir $OUT")
     assert env["device_type"] == "cpu" and env["device_name"].startswith("CPU (")
     assert env["torch"] == torch.__version__
-    assert "triton" in env  # a version, or None where Triton is not installed
+    assert "triton" in env and "comfy_kitchen" in env  # a version, or None where not installed
