@@ -1,4 +1,4 @@
-"""The 8-bit attention's 2 % error budget on every outlier-heavy input family (benchmarks/attention_families.py).
+"""The 8-bit attention's 2 % error budget on every outlier-heavy input family (tests/unit/attention_families.py).
 
 CPU: attention_int8_reference, the fp32 emulation of the kernel's exact scheme (rotation, per-token / per-block
 scales, K and V mean smoothing, tile-wise fp8 P), on each family at small L; the interpreter test runs the Triton
@@ -17,7 +17,8 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from comfyui_lowvram_dit.benchmarks import attention_families as AF
+
+import attention_families as AF  # tests/unit/attention_families.py
 from comfyui_lowvram_dit.kernels import attention_int8 as A
 from triton_interpreter import interpreter_problem
 
@@ -126,7 +127,8 @@ def test_k_token_outliers_attention_is_near_one_hot() -> None:
 _INTERPRETER_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     import torch.nn.functional as F
-    from comfyui_lowvram_dit.benchmarks import attention_families as AF
+    sys.path.insert(0, sys.argv[2])
+    import attention_families as AF
     from comfyui_lowvram_dit.kernels import attention_int8 as A
     rows = []
     for name in json.loads(sys.argv[1]):
@@ -146,7 +148,7 @@ def test_triton_kernels_on_outlier_channel_families_under_interpreter() -> None:
         pytest.skip(problem)
     families = ["k_channel_outliers", "wan_like"]
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT, json.dumps(families)],
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT, json.dumps(families), os.path.dirname(__file__)],
                           check=False, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for row in json.loads(proc.stdout.split("RESULT", 1)[1]):
