@@ -38,7 +38,7 @@ def _write_umt5(path: Path) -> None:
 
 
 def _write_qwen_te(path: Path, vision: bool) -> None:
-    from ..synthetic.run_models import TINY_ZERO_PREFIXES, tiny_text_encoder_config
+    from ..synthetic.tiny import TINY_ZERO_PREFIXES, tiny_text_encoder_config
     from ..synthetic.checkpoints import write_synthetic
 
     write_synthetic("qwen25_vl_7b", path, "tiny", "bf16", seed=SEED,

@@ -465,7 +465,7 @@ def _describe() -> str:
         full = spec_nbytes(file_layout(m, "full", "bf16")) / 1e9
         tiny = spec_nbytes(file_layout(m, "tiny", "bf16")) / 1e6
         lines.append(f"{m:16} {MODEL_FOLDER[m]:17} {full:15.2f} {tiny:15.1f}")
-    from .run_models import tiny_text_encoder_config
+    from .tiny import tiny_text_encoder_config
 
     reduced = []
     for m in ("umt5_xxl_enc", "qwen25_vl_7b"):
