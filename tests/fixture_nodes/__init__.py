@@ -11,6 +11,6 @@ from __future__ import annotations
 
 async def comfy_entrypoint():  # noqa: ANN201 - returns comfy_api.latest.ComfyExtension
     """ComfyUI V3 entry point: the extension listing the fixture nodes."""
-    from comfyui_lowvram_dit.tests.fixture_nodes.fixture_nodes import make_extension
+    from .fixture_nodes import make_extension
 
     return make_extension()
