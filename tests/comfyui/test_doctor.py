@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from comfyui_lowvram_dit.doctor import advice, report as doctor
+from comfyui_lowvram_dit.host.version import comfyui_version
 
 SECTIONS = ("versions", "gpu", "memory", "fp8", "attention", "known_issues", "recommendation", "skipped")
 
@@ -258,7 +259,6 @@ def test_node_schema_is_valid_and_execute_returns_text_and_ui() -> None:
     assert all(getattr(i, "tooltip", None) for i in schema.inputs)
     out = doctor_node.Doctor.execute(gpu_probes=False)
     text = out.result[0]
-    from comfyui_lowvram_dit.host.version import comfyui_version
 
     assert "Recommendation" in text and f"comfyui        {comfyui_version()}" in text
     assert "\nComfyUI seams (host/seams.py)\n" in text and "dit.block_replace         ok" in text
