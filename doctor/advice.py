@@ -46,7 +46,6 @@ def _version_tuple(version: str | None) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
-# --------------------------------------------------------------------------------------------------
 # Known-bad combinations (sourced only) and the recommendation
 
 
@@ -177,7 +176,6 @@ def recommend(report: dict) -> dict:
     return rec
 
 
-# --------------------------------------------------------------------------------------------------
 # Report text
 
 

@@ -49,7 +49,6 @@ def _guard(fn: Callable[[], Any], default: Any = None) -> tuple[Any, str | None]
         return default, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 
-# --------------------------------------------------------------------------------------------------
 # Versions
 
 
@@ -124,7 +123,6 @@ def collect_versions(comfyui_version: str | None, comfyui_path: str | None) -> d
     }
 
 
-# --------------------------------------------------------------------------------------------------
 # GPU and memory
 
 
@@ -215,7 +213,6 @@ def collect_memory(gpu: dict, pin_test: bool = True) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------------------------------
 # fp8
 
 
@@ -330,7 +327,6 @@ def collect_fp8(device: Any) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------------------------------
 # Attention
 
 
@@ -378,8 +374,14 @@ def collect_attention(device: Any) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------------------------------
 # Report
+
+
+def _section(report: dict, key: str, fn: Callable[[], dict], default: dict, error_key: str = "error") -> None:
+    """``report[key] = fn()``; a failure leaves ``default`` with the error under ``error_key``."""
+    report[key], err = _guard(fn, default)
+    if err:
+        report[key][error_key] = err
 
 
 def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike | None = None,
@@ -405,18 +407,12 @@ def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike 
     if swap_measured is not None:
         report["block_swap_measured"] = list(swap_measured)
     say("Doctor: reading versions ...")
-    report["versions"], err = _guard(lambda: collect_versions(comfyui_version, comfyui_path), {})
-    if err:
-        report["versions"]["error"] = err
+    _section(report, "versions", lambda: collect_versions(comfyui_version, comfyui_path), {})
     say("Doctor: looking for a GPU ...")
-    report["gpu"], err = _guard(collect_gpu, {"available": False})
-    if err:
-        report["gpu"]["reason"] = err
+    _section(report, "gpu", collect_gpu, {"available": False}, "reason")
     if not report["gpu"].get("available"):
         report["skipped"].append(f"GPU probes: {report['gpu'].get('reason', 'no CUDA GPU')}")
-    report["memory"], err = _guard(lambda: collect_memory(report["gpu"], pin_test=gpu_probes), {})
-    if err:
-        report["memory"]["error"] = err
+    _section(report, "memory", lambda: collect_memory(report["gpu"], pin_test=gpu_probes), {})
     import torch
 
     on_gpu = bool(report["gpu"].get("available")) and gpu_probes
@@ -424,13 +420,9 @@ def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike 
     if report["gpu"].get("available") and not gpu_probes:
         report["skipped"].append("GPU fp8/attention/pinned-memory probes: disabled (--no-gpu-probes)")
     say(f"Doctor: probing fp8 matmul paths on {device} ...")
-    report["fp8"], err = _guard(lambda: collect_fp8(device), {"probes": []})
-    if err:
-        report["fp8"]["error"] = err
+    _section(report, "fp8", lambda: collect_fp8(device), {"probes": []})
     say(f"Doctor: probing attention backends on {device} ...")
-    report["attention"], err = _guard(lambda: collect_attention(device), {"probes": []})
-    if err:
-        report["attention"]["error"] = err
+    _section(report, "attention", lambda: collect_attention(device), {"probes": []})
     for section in ("fp8", "attention"):
         for p in report[section].get("probes", []):
             if p.get("status") == "skip":

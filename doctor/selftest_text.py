@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from .selftest import Check, Verdict
-from .selftest_env import QWEN_LATENT, SEED, SelfTestEnv, comfy_nodes, compare, compare_conditioning
+from .selftest_env import QWEN_LATENT, SEED, Check, SelfTestEnv, Verdict, comfy_nodes, compare, compare_conditioning
 from .selftest_wan import fp8_tolerance
 
 PROMPTS = ("a red fox runs through fresh snow, golden hour", "blurry, low quality")

@@ -55,7 +55,6 @@ _DIFFUSION = {m for m, folder in MODEL_FOLDER.items() if folder == "diffusion_mo
 Group = list[tuple[str, torch.Tensor]]
 
 
-# ----------------------------------------------------------------------------------------------------------
 # values
 
 
@@ -149,7 +148,6 @@ def synthetic_tensor(
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
 # fp8 helpers and the umT5 tokenizer
 
 
@@ -203,7 +201,6 @@ def umt5_tokenizer_bytes() -> bytes:
     return body + _pb_bytes(2, trainer) + _pb_bytes(3, normalizer)
 
 
-# ----------------------------------------------------------------------------------------------------------
 # file layouts
 
 
@@ -308,7 +305,6 @@ def synthetic_state_dict(
     return sd
 
 
-# ----------------------------------------------------------------------------------------------------------
 # streaming writer
 
 
@@ -426,7 +422,6 @@ def write_synthetic(
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
 # CLI
 
 

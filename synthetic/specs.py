@@ -48,7 +48,6 @@ BF16 = torch.bfloat16
 F32 = torch.float32
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Wan 2.1 / 2.2 DiT (original Wan key names, as ComfyUI loads them prefix-less)
 
 
@@ -122,7 +121,6 @@ def wan_spec(c: WanConfig) -> Spec:
     return spec
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Qwen-Image 20B MMDiT (diffusers == ComfyUI key names)
 
 
@@ -170,7 +168,6 @@ def qwen_image_spec(c: QwenImageConfig) -> Spec:
     return spec
 
 
-# ----------------------------------------------------------------------------------------------------------
 # umT5-XXL encoder (HF T5 key names, as ComfyUI's umt5_config_xxl.json builds it)
 
 
@@ -208,7 +205,6 @@ def umt5_spec(c: UMT5Config) -> Spec:
     return spec
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Qwen2.5-VL-7B (LM + vision tower, no lm_head; ComfyUI comfy/text_encoders/llama.py Qwen25_7BVLI_Config)
 
 
@@ -261,7 +257,6 @@ def qwen25_vl_spec(c: Qwen25VLConfig) -> Spec:
     return spec
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Wan VAEs (ComfyUI comfy/ldm/wan/vae.py and vae2_2.py; all fp32)
 
 
@@ -365,7 +360,6 @@ def wan_vae_spec(c: WanVAEConfig) -> Spec:
     return spec
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Tiny video autoencoders (TAEHV / lighttae: madebyollin/taehv; ComfyUI comfy/taesd/taehv.py, hard-coded widths)
 
 
@@ -420,7 +414,6 @@ def taehv_spec(c: TAEHVConfig) -> Spec:
     return spec + _tae_conv("decoder.22", image, n[3])
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Public entry points
 
 
