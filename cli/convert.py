@@ -1,24 +1,11 @@
 """Rewrite a ComfyUI workflow to use this pack: ``python -m comfyui_lowvram_dit convert WORKFLOW.json``.
 
 Made for ComfyUI's official Wan 2.2 and Qwen-Image templates (UI format, subgraphs included), it works on any
-UI-format workflow and changes only what it recognises, in every graph:
-- ``UNETLoader`` of a Wan file -> **Wan 2.2 Loader** (fp8), followed by **Block Swap** (budget from ``--vram``)
-  and **Attention** auto; the loader keeps its node id, so links, promoted subgraph widgets and LoRA chains stay.
-- ``CLIPLoader`` (type wan) + its positive/negative ``CLIPTextEncode`` -> one **Wan Text Encode** (umT5 on the CPU,
-  embeddings cached), whose two outputs take over the encoders' links.
-- Qwen-Image text-to-image (``UNETLoader`` + ``CLIPLoader`` type qwen_image + two ``CLIPTextEncode``) -> the
-  **Qwen-Image Staged Loader** (text on the CPU, fp8, Block Swap under the budget) followed by **Attention** auto;
-  the VAE Loader stays.
-- Qwen-Image-Edit (``UNETLoader`` + ``CLIPLoader`` type qwen_image + one ``VAELoader`` + a positive and a negative
-  ``TextEncodeQwenImageEditPlus`` with the same images) -> one **Qwen-Image-Edit Staged Loader** (text and vision
-  on the CPU, reference latents from its VAE, fp8, Block Swap) followed by **Attention** auto: it takes the
-  encoders' image links and prompts, and the VAE Loader's other links move to its VAE output. The role of an
-  encoder is the ``positive`` / ``negative`` input its conditioning reaches, through nodes that pass conditioning
-  on (FluxKontextMultiReferenceLatentMethod).
-- Any other Qwen-Image graph (e.g. Edit encoders with different images, a CLIP or VAE used elsewhere): the loader is
-  kept, **Attention** auto follows it, and the summary says why.
-Everything else (samplers, LoRA loaders, switches, math nodes, notes, groups) is kept as it is. Converting a
-converted workflow changes nothing. The input file is never written.
+UI-format workflow and changes only what it recognises, in every graph (the table is in docs/convert.md): stock Wan
+loaders become the Wan Loader + Block Swap + Attention, Wan CLIPLoader + prompt encoders one Wan Text Encode, Qwen-Image
+(Edit) loaders and encoders the staged loaders + Attention. A rewritten node keeps its id, so links, promoted
+subgraph widgets and LoRA chains stay; a graph it cannot rewrite is kept and the summary says why. Everything else
+is kept as it is; converting a converted workflow changes nothing, and the input file is never written.
 """
 
 from __future__ import annotations

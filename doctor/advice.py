@@ -11,8 +11,8 @@ import sys
 from typing import Any
 
 GIB = float(1 << 30)
-# Weight bytes per model (GB = 1e9; model-facts-wan22-qwenimage.md §5.1) and the B=1 activation working set at
-# the named size (§5.2, FFN phase). Used only for the starting-point swap recommendation.
+# Weight bytes per model (GB = 1e9) and the B=1 activation working set at the named size (FFN phase), for the
+# starting-point swap recommendation.
 SWAP_MODELS: dict[str, dict[str, Any]] = {
     "wan22_14B (one expert), 832x480x81": {"blocks": 40, "block_gb": {"bf16": 0.703, "fp8": 0.352},
                                             "nonblock_gb": 0.465, "activations_gib": 2.6},
@@ -21,24 +21,18 @@ SWAP_MODELS: dict[str, dict[str, Any]] = {
     "qwen_image, 1328x1328": {"blocks": 60, "block_gb": {"bf16": 0.680, "fp8": 0.340},
                               "nonblock_gb": 0.081, "activations_gib": 0.44},
 }
-# ComfyUI v0.8.0 model_management: EXTRA_RESERVED_VRAM 400 MB (600 MB Windows) + minimum_inference_memory 0.8 GiB.
+# ComfyUI's model_management: EXTRA_RESERVED_VRAM 400 MB (600 MB Windows) + minimum_inference_memory 0.8 GiB.
 COMFY_RESERVED_GIB = {"linux": 0.4 * 1e9 / GIB, "windows": 0.6 * 1e9 / GIB}
 COMFY_MIN_INFERENCE_GIB = 0.8
 
 COMFYUI_REPO = "comfyanonymous/ComfyUI"
 WRAPPER_REPO = "kijai/ComfyUI-WanVideoWrapper"
-
-
 SUPPORTED_COMFYUI = ((0, 8, 0), (0, 33, 0))  # oldest and newest ComfyUI the pack is tested on
+
 
 def _gh(repo: str, *numbers: int) -> str:
     """Public GitHub links to issues/PRs (GitHub redirects an issue link to the PR of the same number)."""
     return " ".join(f"https://github.com/{repo}/issues/{n}" for n in numbers)
-
-
-def _repo_file(path: str) -> str:
-    """The public source for a rule kept in this pack's ``path``: none while the pack has no public URL."""
-    return ""
 
 
 def _os_kind() -> str:
@@ -52,7 +46,6 @@ def _version_tuple(version: str | None) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
-# --------------------------------------------------------------------------------------------------
 # Known-bad combinations (sourced only) and the recommendation
 
 
@@ -63,22 +56,21 @@ def known_issues(report: dict) -> list[dict]:
     torch_v, cuda_v = _version_tuple(v.get("torch")), _version_tuple(v.get("torch_cuda"))
     issues: list[dict] = []
 
-    def add(issue_id: str, severity: str, message: str, source: str) -> None:
+    def add(issue_id: str, severity: str, message: str, source: str = "") -> None:
         issues.append({"id": issue_id, "severity": severity, "message": message, "source": source})
 
     missing = {name: s for name, s in (report.get("seams") or {}).items() if s != "ok"}
     if missing:
         add("comfyui_seams_missing", "error", f"This ComfyUI ({v.get('comfyui') or 'unknown version'}) lacks "
             f"{len(missing)} seam(s) the pack uses ({', '.join(missing)}): the nodes that need them are left out or "
-            "pass the model through (see 'ComfyUI seams' and the startup log).", _repo_file("host/seams.py"))
+            "pass the model through (see 'ComfyUI seams' and the startup log).")
     comfy_v = _version_tuple(v.get("comfyui"))
     if comfy_v and comfy_v < SUPPORTED_COMFYUI[0]:
         add("comfyui_too_old", "error", f"ComfyUI {v['comfyui']} is older than 0.8.0, which this pack requires "
-            "(V3 node API, mixed-precision fp8 ops). Update ComfyUI.", _repo_file("pyproject.toml"))
+            "(V3 node API, mixed-precision fp8 ops). Update ComfyUI.")
     elif comfy_v and comfy_v > SUPPORTED_COMFYUI[1]:
         add("comfyui_newer_than_tested", "info", f"ComfyUI {v['comfyui']} is newer than 0.33.0, the newest the "
-            "pack was tested on; the seam check above says whether everything it uses is still there.",
-            _repo_file("pyproject.toml"))
+            "pack was tested on; the seam check above says whether everything it uses is still there.")
     if cap and gpu.get("arch_list"):
         arch = f"sm_{cap[0]}{cap[1]}"
         ptx_ok = any(a.startswith("compute_") and _version_tuple(a[8:]) and int(a[8:]) <= cap[0] * 10 + cap[1]
@@ -87,8 +79,7 @@ def known_issues(report: dict) -> list[dict]:
             add("gpu_arch_not_in_torch_build", "error",
                 f"This torch build has kernels for {', '.join(gpu['arch_list'])} but not {arch} ({gpu.get('name')}): "
                 "GPU kernels fail with 'no kernel image is available'. Install a torch build for this GPU "
-                "(RTX 50xx / sm_120 needs a CUDA >= 12.8 build).",
-                "")
+                "(RTX 50xx / sm_120 needs a CUDA >= 12.8 build).")
     if cap and cap[0] == 9 and torch_v >= (2, 10) and cuda_v and cuda_v < (12, 9):
         add("blockwise_fp8_needs_cuda_12_9", "warn",
             f"torch {v['torch']} is built with CUDA {v['torch_cuda']}: block-wise fp8 F.scaled_mm needs cuBLASLt "
@@ -116,7 +107,7 @@ def known_issues(report: dict) -> list[dict]:
         add("triton_broken", "warn", f"Triton {v['triton']} is installed but does not import "
             f"({v['triton_import_error']}): torch.compile, the fused fp8 activation quantization and the 8-bit "
             "attention kernel are unavailable (the pack falls back to eager/dequantize/SDPA). Reinstall a triton "
-            "matching this torch.", "")
+            "matching this torch.")
     if not v.get("triton"):
         if _os_kind() == "windows":
             add("triton_missing_windows", "warn", "Triton is not installed: torch.compile, SageAttention and the "
@@ -124,14 +115,10 @@ def known_issues(report: dict) -> list[dict]:
                 _gh(COMFYUI_REPO, 9826, 7484) + " " + _gh(WRAPPER_REPO, 1400))
         elif gpu.get("available"):
             add("triton_missing", "info", "Triton is not installed: torch.compile, the fused fp8 activation "
-                "quantization and Triton block-wise fp8 / 8-bit attention kernels are unavailable.",
-                "")
+                "quantization and Triton block-wise fp8 / 8-bit attention kernels are unavailable.")
     if _os_kind() == "windows" and "dev" in (v.get("torch") or "") and torch_v[:2] == (2, 10):
         add("sage_build_torch_2_10_dev_windows", "info", "Building SageAttention from source failed on Windows "
-            "with a PyTorch 2.10 nightly (compiled_autograd.h); use a release torch or a prebuilt wheel.",
-            "")
-    # Not listed on purpose: the NumPy 2.x NaN claim in seeds/001 concerns musubi-tuner commit e7adb86,
-    # not ComfyUI >= 0.8 (which requires numpy >= 1.25) or this pack, and is unverified there.
+            "with a PyTorch 2.10 nightly (compiled_autograd.h); use a release torch or a prebuilt wheel.")
     return issues
 
 
@@ -150,8 +137,8 @@ def recommend(report: dict) -> dict:
         if path in fp8_ok:
             block = path == "scaled_mm_blockwise"
             rec["fp8"] = {"path": path, "weights": "fp8 block-wise 128" if block else "fp8 per-tensor scaled",
-                          "why": "fp8 matmul passed its numerics check here (H200: per-tensor 1.38-1.62x bf16 per "
-                                 "Wan 14B GEMM, 1.14x per whole forward; benchmarks/results/bench_fp8_gemm.md)"}
+                          "why": "fp8 matmul passed its numerics check here (faster than bf16 per GEMM: "
+                                 "docs/benchmarks.md)"}
             break
     else:
         rec["fp8"] = {"path": "dequantize", "weights": "fp8 storage only" if gpu.get("available") else "bf16",
@@ -162,8 +149,7 @@ def recommend(report: dict) -> dict:
                                        "sageattention", "sage", "xformers", "sdpa_efficient", "sdpa", "sdpa_math"]
     best = next((b for b in order if b in attn_ok), None)
     rec["attention"] = {"backend": best, "device": attn.get("device"), "passing": attn_ok,
-                        "why": "first passing backend in speed order (H200 B1 H40 L32760 D128: cuDNN 38 ms, "
-                               "sage 50 ms, flash 61 ms, mem-efficient 122 ms, measured on an H200)"}
+                        "why": "first passing backend in speed order (docs/benchmarks.md)"}
     if "sage" in attn_ok or "sageattention" in attn_ok:
         rec["attention"]["note"] = "SageAttention passes but changes numerics (8-bit); see known issues with fp8."
     if not gpu.get("available"):
@@ -190,8 +176,6 @@ def recommend(report: dict) -> dict:
     return rec
 
 
-
-# --------------------------------------------------------------------------------------------------
 # Report text
 
 
@@ -205,7 +189,7 @@ def _probe_line(p: dict, key: str) -> str:
 
 def no_gpu_detail(probe: dict) -> bool:
     """True for a probe skipped only because there is no CUDA GPU."""
-    return probe.get("status") == "skip" and "CUDA" in str(probe.get("detail", ""))
+    return probe.get("status") == "skip" and "CUDA" in str(probe.get("detail"))
 
 
 def _probe_lines(probes: list[dict], key: str, no_gpu: bool) -> list[str]:

@@ -1,14 +1,12 @@
 """The Doctor: what this machine has, which fast paths really work here, and what to use.
 
-One report: versions (Python, torch, CUDA, numpy, safetensors, triton, ComfyUI, optional attention
-libraries), the GPU (name, compute capability, VRAM), system and pinnable RAM, which fp8 matmul paths
-run AND match their fp32 emulation on a tiny GEMM, which attention backends import AND match an fp32
-reference on a tiny call, known-bad version combinations (only sourced ones), and a recommendation
-(fp8 path, attention backend, blocks to swap per model). Every probe is guarded: without a GPU (or with
-a broken library) the report says what was skipped or failed, and ``collect`` never raises.
+One report: versions, the GPU, system and pinnable RAM, which fp8 matmul paths run AND match their fp32 emulation
+on a tiny GEMM, which attention backends import AND match an fp32 reference on a tiny call, known-bad version
+combinations and a recommendation (doctor/advice.py). Every probe is guarded: without a GPU (or with a broken
+library) the report says what was skipped or failed, and ``collect`` never raises.
 
-Plain torch; never imports ComfyUI (its version is read from ``comfyui_version.py`` or passed in by the
-node). ``cli(argv)`` backs ``python -m comfyui_lowvram_dit doctor [--json]``.
+Plain torch; never imports ComfyUI (its version is read from ``comfyui_version.py`` or passed in by the node).
+``cli(argv)`` backs ``python -m comfyui_lowvram_dit doctor [--json]``.
 """
 
 from __future__ import annotations
@@ -20,29 +18,21 @@ import json
 import math
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from ..host.version import comfyui_version as read_comfyui_version
-from .advice import (
-    COMFY_MIN_INFERENCE_GIB, COMFY_RESERVED_GIB, SWAP_MODELS, _os_kind, _version_tuple, format_report, known_issues,
-    no_gpu_detail, recommend,
-)
+from .advice import _os_kind, format_report, known_issues, recommend
 
 GIB = float(1 << 30)
-# Tolerances vs an fp32 reference. fp8 paths are compared with kernels.fp8's exact emulation of the same
-# quantization, so only output rounding (bf16: 2^-8) remains; attention tolerances come from kernels.attention.
+# fp8 paths are compared with kernels.fp8's exact emulation of the same quantization, so only output rounding
+# (bf16: 2^-8) remains.
 FP8_TOLERANCE = 0.02
-ATTN_EXACT_TOLERANCE = 0.03  # bf16 kernels ~0.4 % (measured-h200-2026-11-21.md)
-ATTN_QUANT_TOLERANCE = 0.08  # SageAttention 1: 1.4 % (same source)
-PIN_TEST_MIB = 256  # bounded pinned-allocation + H2D copy test: ~5 ms of PCIe time on a Gen4/Gen5 host
-
-# ComfyUI v0.8.0 MAX_PINNED_MEMORY: 95 % of RAM on Linux, 45 % on Windows (comfyui-core-0.8.md §4.1).
+PIN_TEST_MIB = 256  # bounded pinned-allocation + H2D copy test: milliseconds of PCIe time
+# ComfyUI's MAX_PINNED_MEMORY: 95 % of RAM on Linux, 45 % on Windows (comfy/model_management.py).
 COMFY_PIN_FRACTION = {"linux": 0.95, "windows": 0.45}
-
 
 
 def _guard(fn: Callable[[], Any], default: Any = None) -> tuple[Any, str | None]:
@@ -59,8 +49,6 @@ def _guard(fn: Callable[[], Any], default: Any = None) -> tuple[Any, str | None]
         return default, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 
-
-# --------------------------------------------------------------------------------------------------
 # Versions
 
 
@@ -69,9 +57,7 @@ def dist_version(*names: str) -> str | None:
     for name in names:
         try:
             return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        except Exception:  # a broken dist-info must not break the report
+        except Exception:  # not installed, or a broken dist-info: the report goes on
             continue
     return None
 
@@ -137,7 +123,6 @@ def collect_versions(comfyui_version: str | None, comfyui_path: str | None) -> d
     }
 
 
-# --------------------------------------------------------------------------------------------------
 # GPU and memory
 
 
@@ -228,7 +213,6 @@ def collect_memory(gpu: dict, pin_test: bool = True) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------------------------------
 # fp8
 
 
@@ -239,12 +223,20 @@ def _rel_err(got: Any, ref: Any) -> float:
     return float((got - ref).norm() / ref.norm().clamp_min(1e-12))
 
 
-def _checked(kind: str, name: str, call: Callable[[], Any], ref: Any, tol: float) -> dict:
-    """Run one numerics probe against ``ref``: {kind: name, status ok|fail, rel_err, detail}."""
-    err, exc = _guard(lambda: _rel_err(call(), ref))
-    ok = exc is None and err <= tol
-    return {kind: name, "status": "ok" if ok else "fail", "rel_err": err,
-            "detail": exc or ("" if ok else f"relative error {err:.3g} > {tol:g}")}
+def _checked(kind: str, name: str, measure: Callable[[], float], tol: float, **extra: Any) -> dict:
+    """Run one numerics probe (``measure`` returns its relative error): {kind: name, status ok|fail, rel_err,
+    detail, **extra}."""
+    err, exc = _guard(measure)
+    if exc is not None:
+        return {kind: name, **extra, "status": "fail", "detail": exc}
+    ok = err <= tol
+    return {kind: name, **extra, "status": "ok" if ok else "fail", "rel_err": err,
+            "detail": "" if ok else f"relative error {err:.3g} > {tol:g}"}
+
+
+FP8_LABELS = {"scaled_mm_rowwise": "per-tensor weight, row-wise act. (torch._scaled_mm)",
+              "scaled_mm_tensorwise": "per-tensor (torch._scaled_mm)",
+              "scaled_mm_blockwise": "block-wise 128 (F.scaled_mm)", "dequantize": "dequantize + bf16 matmul"}
 
 
 def _probe_fp8_with_pack(device: Any) -> list[dict]:
@@ -254,18 +246,12 @@ def _probe_fp8_with_pack(device: Any) -> list[dict]:
     from ..kernels import fp8
 
     torch.manual_seed(0)
-    m, n, k = 64, 256, 256
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=device, dtype=torch.float32) * 0.02
+    x = torch.randn(64, 256, device=device, dtype=torch.bfloat16)
+    w = torch.randn(256, 256, device=device, dtype=torch.float32) * 0.02
     probes = []
     for path in fp8.FP8_PATHS:
-        block = None if path in ("scaled_mm_rowwise", "scaled_mm_tensorwise") else 128
-        if path == "dequantize":
-            block = None
-        label = {"scaled_mm_rowwise": "per-tensor weight, row-wise act. (torch._scaled_mm)",
-                 "scaled_mm_tensorwise": "per-tensor (torch._scaled_mm)",
-                 "scaled_mm_blockwise": "block-wise 128 (F.scaled_mm)",
-                 "dequantize": "dequantize + bf16 matmul"}.get(path, path)
+        block = 128 if path == "scaled_mm_blockwise" else None
+        label = FP8_LABELS.get(path, path)
         if device.type != "cuda" and path != "dequantize":
             probes.append({"path": path, "label": label, "status": "skip", "detail": "no CUDA GPU"})
             continue
@@ -278,13 +264,7 @@ def _probe_fp8_with_pack(device: Any) -> list[dict]:
                 torch.cuda.synchronize(device)
             return _rel_err(got, ref)
 
-        err, exc = _guard(run)
-        if exc is not None:
-            probes.append({"path": path, "label": label, "status": "fail", "detail": exc})
-        else:
-            ok = err <= FP8_TOLERANCE
-            probes.append({"path": path, "label": label, "status": "ok" if ok else "fail", "rel_err": err,
-                           "detail": "" if ok else f"relative error {err:.3g} > {FP8_TOLERANCE}"})
+        probes.append(_checked("path", path, run, FP8_TOLERANCE, label=label))
     return probes
 
 
@@ -310,8 +290,7 @@ def _probe_fp8_direct(device: Any) -> list[dict]:
                                                       out_dtype=torch.bfloat16),
     }
     if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
-        # Activation scale (M, K/128) column-major; weight scale (N/128, K/128) passed transposed
-        # (measured-h200-2026-11-21.md).
+        # Activation scale (M, K/128) column-major; weight scale (N/128, K/128) passed transposed.
         sa = torch.ones(k // 128, m, device=device).t()
         sb = torch.ones(n // 128, k // 128, device=device).t()
         calls["scaled_mm_blockwise"] = lambda: F.scaled_mm(a, b.t(), sa, F.ScalingType.BlockWise1x128, sb,
@@ -324,7 +303,7 @@ def _probe_fp8_direct(device: Any) -> list[dict]:
         if device.type != "cuda":
             probes.append({"path": path, "status": "skip", "detail": "no CUDA GPU"})
             continue
-        probes.append(_checked("path", path, call, ref, FP8_TOLERANCE))
+        probes.append(_checked("path", path, lambda call=call: _rel_err(call(), ref), FP8_TOLERANCE))
     return probes
 
 
@@ -348,7 +327,6 @@ def collect_fp8(device: Any) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------------------------------
 # Attention
 
 
@@ -382,78 +360,28 @@ def _probe_attention_with_pack(device: Any, dtype: Any) -> list[dict]:
     return probes
 
 
-def _probe_attention_direct(device: Any, dtype: Any) -> list[dict]:
-    """Without kernels.attention: SDPA backends, flash_attn, sageattention, xformers vs fp32 math."""
-    import torch
-    import torch.nn.functional as F
-
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 4, 256, 128, device=device, dtype=dtype) for _ in range(3))
-    ref = torch.softmax((q.float() @ k.float().transpose(-1, -2)) / math.sqrt(128), -1) @ v.float()
-    cuda_only = device.type != "cuda"
-    calls: list[tuple[str, float, Callable[[], Any] | None, str]] = []
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:
-        SDPBackend = sdpa_kernel = None  # noqa: N806 - torch < 2.3
-    for name, kind in (("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_flash", "FLASH_ATTENTION"),
-                       ("sdpa_efficient", "EFFICIENT_ATTENTION"), ("sdpa_math", "MATH")):
-        backend = getattr(SDPBackend, kind, None) if SDPBackend is not None else None
-        if backend is None:
-            calls.append((name, ATTN_EXACT_TOLERANCE, None, f"SDPBackend.{kind} not in torch {torch.__version__}"))
-            continue
-
-        def sdpa(backend: Any = backend) -> Any:
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v)
-
-        calls.append((name, ATTN_EXACT_TOLERANCE, sdpa, ""))
-    blhd = lambda t: t.transpose(1, 2).contiguous()  # noqa: E731 - [B,H,L,D] -> [B,L,H,D]
-    libs = (("flash_attn", "flash_attn", lambda m: blhd(m.flash_attn_func(blhd(q), blhd(k), blhd(v))),
-             ATTN_EXACT_TOLERANCE),
-            ("sageattention", "sageattention", lambda m: m.sageattn(q, k, v, tensor_layout="HND", is_causal=False),
-             ATTN_QUANT_TOLERANCE),
-            ("xformers", "xformers.ops",
-             lambda m: blhd(m.memory_efficient_attention(blhd(q), blhd(k), blhd(v))), ATTN_EXACT_TOLERANCE))
-    for name, module, fn, tol in libs:
-        if cuda_only:
-            calls.append((name, tol, None, "no CUDA GPU"))
-            continue
-        mod, exc = _guard(lambda module=module: importlib.import_module(module))
-        calls.append((name, tol, (lambda fn=fn, mod=mod: fn(mod)) if mod is not None else None,
-                      "" if mod is not None else f"not importable ({exc})"))
-    probes = []
-    for name, tol, call, why in calls:
-        if call is None:
-            probes.append({"backend": name, "status": "skip", "detail": why})
-            continue
-        probes.append(_checked("backend", name, call, ref, tol))
-    return probes
-
-
 def collect_attention(device: Any) -> dict:
     """Which attention backends import and pass a tiny numerics check on ``device`` (bf16, head_dim 128)."""
     import torch
 
-    dtype = torch.bfloat16
-    attn_mod, import_err = _guard(lambda: importlib.import_module("..kernels.attention", __package__))
-    if attn_mod is not None:
-        probes, err = _guard(lambda: _probe_attention_with_pack(device, dtype), [])
-        source = "kernels.attention"
-    else:
-        probes, err = _guard(lambda: _probe_attention_direct(device, dtype), [])
-        source = f"direct probes (kernels.attention not importable: {import_err})"
-    out = {"source": source, "device": str(device), "probes": probes}
-    if attn_mod is not None:
-        out["preference"] = list(getattr(attn_mod, "FALLBACK_ORDER", ()))
+    from ..kernels import attention
+
+    probes, err = _guard(lambda: _probe_attention_with_pack(device, torch.bfloat16), [])
+    out = {"source": "kernels.attention", "device": str(device), "probes": probes,
+           "preference": list(attention.FALLBACK_ORDER)}
     if err:
         out["error"] = err
     return out
 
 
-
-# --------------------------------------------------------------------------------------------------
 # Report
+
+
+def _section(report: dict, key: str, fn: Callable[[], dict], default: dict, error_key: str = "error") -> None:
+    """``report[key] = fn()``; a failure leaves ``default`` with the error under ``error_key``."""
+    report[key], err = _guard(fn, default)
+    if err:
+        report[key][error_key] = err
 
 
 def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike | None = None,
@@ -479,18 +407,12 @@ def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike 
     if swap_measured is not None:
         report["block_swap_measured"] = list(swap_measured)
     say("Doctor: reading versions ...")
-    report["versions"], err = _guard(lambda: collect_versions(comfyui_version, comfyui_path), {})
-    if err:
-        report["versions"]["error"] = err
+    _section(report, "versions", lambda: collect_versions(comfyui_version, comfyui_path), {})
     say("Doctor: looking for a GPU ...")
-    report["gpu"], err = _guard(collect_gpu, {"available": False})
-    if err:
-        report["gpu"]["reason"] = err
+    _section(report, "gpu", collect_gpu, {"available": False}, "reason")
     if not report["gpu"].get("available"):
         report["skipped"].append(f"GPU probes: {report['gpu'].get('reason', 'no CUDA GPU')}")
-    report["memory"], err = _guard(lambda: collect_memory(report["gpu"], pin_test=gpu_probes), {})
-    if err:
-        report["memory"]["error"] = err
+    _section(report, "memory", lambda: collect_memory(report["gpu"], pin_test=gpu_probes), {})
     import torch
 
     on_gpu = bool(report["gpu"].get("available")) and gpu_probes
@@ -498,13 +420,9 @@ def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike 
     if report["gpu"].get("available") and not gpu_probes:
         report["skipped"].append("GPU fp8/attention/pinned-memory probes: disabled (--no-gpu-probes)")
     say(f"Doctor: probing fp8 matmul paths on {device} ...")
-    report["fp8"], err = _guard(lambda: collect_fp8(device), {"probes": []})
-    if err:
-        report["fp8"]["error"] = err
+    _section(report, "fp8", lambda: collect_fp8(device), {"probes": []})
     say(f"Doctor: probing attention backends on {device} ...")
-    report["attention"], err = _guard(lambda: collect_attention(device), {"probes": []})
-    if err:
-        report["attention"]["error"] = err
+    _section(report, "attention", lambda: collect_attention(device), {"probes": []})
     for section in ("fp8", "attention"):
         for p in report[section].get("probes", []):
             if p.get("status") == "skip":

@@ -18,36 +18,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The outcome of one comparison: PASS / FAIL / SKIP, and what was measured or why it did not run."""
-
-    node: str
-    status: str
-    detail: str
-    seconds: float = 0.0
-
-    def line(self) -> str:
-        """``PASS  Wan Loader [none]: identical to UNETLoader (0.4 s)``."""
-        took = f" ({self.seconds:.1f} s)" if self.seconds else ""
-        return f"{self.status}  {self.node}: {self.detail}{took}"
-
-
-@dataclass(frozen=True)
-class Check:
-    """One node's comparisons: ``run(env)`` yields a Verdict per variant (backend, quantization, ...)."""
-
-    key: str  # what ``--only`` selects
-    node: str  # the node's display name, used when the check cannot start
-    node_class: tuple[str, str]  # (module under nodes/, class): its COMFY_SEAMS must exist on this ComfyUI
-    run: Callable[..., Iterable[Verdict]]
-
+from .selftest_env import FAIL, PASS, SKIP, Check, SelfTestEnv, Verdict
 
 def all_checks() -> list[Check]:
     """Every check, cheapest first (torch.compile last: it compiles for tens of seconds on a CPU)."""
@@ -88,8 +61,6 @@ def run_check(check: Check, env: object) -> Iterator[Verdict]:
 def run_selftest(only: Iterable[str] = (), emit: Callable[[str], None] = print,
                  workdir: Path | None = None) -> list[Verdict]:
     """Run the checks (``only``: their keys) in this process, where ComfyUI is importable; emits each line."""
-    from .selftest_env import SelfTestEnv
-
     checks = all_checks()
     wanted = set(only)
     unknown = wanted - {c.key for c in checks}

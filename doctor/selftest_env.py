@@ -8,14 +8,41 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from .selftest import FAIL, PASS, Verdict
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one comparison: PASS / FAIL / SKIP, and what was measured or why it did not run."""
+
+    node: str
+    status: str
+    detail: str
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        """``PASS  Wan Loader [none]: identical to UNETLoader (0.4 s)``."""
+        took = f" ({self.seconds:.1f} s)" if self.seconds else ""
+        return f"{self.status}  {self.node}: {self.detail}{took}"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One node's comparisons: ``run(env)`` yields a Verdict per variant (backend, quantization, ...)."""
+
+    key: str  # what ``--only`` selects
+    node: str  # the node's display name, used when the check cannot start
+    node_class: tuple[str, str]  # (module under nodes/, class): its COMFY_SEAMS must exist on this ComfyUI
+    run: Callable[..., Iterable[Verdict]]
+
 
 MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras")
 SEED = 1234

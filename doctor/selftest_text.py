@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from .selftest import Check, Verdict
-from .selftest_env import QWEN_LATENT, SEED, SelfTestEnv, comfy_nodes, compare, compare_conditioning
+from .selftest_env import QWEN_LATENT, SEED, Check, SelfTestEnv, Verdict, comfy_nodes, compare, compare_conditioning
 from .selftest_wan import fp8_tolerance
 
 PROMPTS = ("a red fox runs through fresh snow, golden hour", "blurry, low quality")
@@ -38,7 +37,7 @@ def _write_umt5(path: Path) -> None:
 
 
 def _write_qwen_te(path: Path, vision: bool) -> None:
-    from ..synthetic.run_models import TINY_ZERO_PREFIXES, tiny_text_encoder_config
+    from ..synthetic.tiny import TINY_ZERO_PREFIXES, tiny_text_encoder_config
     from ..synthetic.checkpoints import write_synthetic
 
     write_synthetic("qwen25_vl_7b", path, "tiny", "bf16", seed=SEED,

@@ -15,8 +15,7 @@ import torch
 
 from ..kernels import attention as attention_kernels
 from .report import FP8_TOLERANCE
-from .selftest import FAIL, SKIP, Check, Verdict
-from .selftest_env import SEED, SelfTestEnv, comfy_nodes, compare, relative_difference
+from .selftest_env import FAIL, SKIP, SEED, Check, SelfTestEnv, Verdict, comfy_nodes, compare, relative_difference
 
 WAN_FILE = "lowvram_selftest_wan22_t2v_tiny_bf16.safetensors"
 LORA_FILE = "lowvram_selftest_wan22_lora.safetensors"

@@ -7,7 +7,7 @@ chunks of rows, each from its own generator seeded by (seed, tensor name, chunk 
 depend on the order tensors are made in or on the thread count; they do depend on the device type (CPU and
 CUDA generators differ). Outlier channels are always drawn on the CPU, so they are the same on both.
 
-Formats (what the Comfy-Org repackaged files look like, model-facts-wan22-qwenimage.md section 4):
+Formats (as the Comfy-Org repackaged files store them):
 - "bf16": the dtypes of `model_spec` (bf16; Wan patch_embedding and VAEs fp32).
 - "fp16": every floating tensor fp16 (the `_fp16` releases).
 - "fp8": nn.Linear weights plainly cast to float8_e4m3fn, no scales (like `qwen_image_fp8_e4m3fn`); the rest
@@ -22,6 +22,7 @@ a small character-level unigram model built here (real umT5 ids differ; the embe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import math
 import queue
@@ -37,8 +38,8 @@ import torch
 
 from ..checkpoints.safetensors_io import StreamingSafetensorsWriter, written_with
 from .specs import (
-    MODEL_FOLDER, MODELS, SIZES, Qwen25VLConfig, QwenImageConfig, Spec, UMT5Config, is_linear_weight, model_spec,
-    qwen25_vl_spec, qwen_image_spec, spec_nbytes, umt5_spec,
+    MODEL_FOLDER, MODELS, SIZES, Qwen25VLConfig, QwenImageConfig, Spec, UMT5Config, config_spec, is_linear_weight,
+    model_config, model_spec, spec_nbytes,
 )
 
 ModelConfig = UMT5Config | Qwen25VLConfig | QwenImageConfig  # explicit configs write files of other sizes
@@ -54,7 +55,6 @@ _DIFFUSION = {m for m, folder in MODEL_FOLDER.items() if folder == "diffusion_mo
 Group = list[tuple[str, torch.Tensor]]
 
 
-# ----------------------------------------------------------------------------------------------------------
 # values
 
 
@@ -148,7 +148,6 @@ def synthetic_tensor(
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
 # fp8 helpers and the umT5 tokenizer
 
 
@@ -202,7 +201,6 @@ def umt5_tokenizer_bytes() -> bytes:
     return body + _pb_bytes(2, trainer) + _pb_bytes(3, normalizer)
 
 
-# ----------------------------------------------------------------------------------------------------------
 # file layouts
 
 
@@ -219,49 +217,40 @@ def _check_args(model: str, size: str, fmt: str) -> None:
 
 
 def _spec(model: str, size: str, num_layers: int | None, config: ModelConfig | None) -> Spec:
-    """model_spec, or a text encoder's layout from an explicit (e.g. reduced-layer) config."""
+    """model_spec, or the layout of an explicit (e.g. reduced-layer) config."""
     if config is None:
         return model_spec(model, size, num_layers)
-    if model == "umt5_xxl_enc" and isinstance(config, UMT5Config):
-        return umt5_spec(config)
-    if model == "qwen25_vl_7b" and isinstance(config, Qwen25VLConfig):
-        return qwen25_vl_spec(config)
-    if model == "qwen_image" and isinstance(config, QwenImageConfig):
-        return qwen_image_spec(config)
+    if isinstance(config, type(model_config(model))):
+        return config_spec(config)
     raise ValueError(f"config {type(config).__name__} does not apply to {model!r}")
 
 
+def _entries(model: str, fmt: str, name: str, shape: tuple, dtype: torch.dtype) -> Spec:
+    """The file entries (name, shape, dtype) of one source tensor in format ``fmt``."""
+    linear = is_linear_weight(model, name, shape)
+    if fmt == "bf16":
+        return [(name, shape, dtype)]
+    if fmt == "fp8":
+        return [(name, shape, FP8 if linear else dtype)]
+    if fmt == "fp16" or not linear:
+        return [(name, shape, torch.float16)]
+    layer = name[: -len(".weight")]
+    entries = [(name, shape, FP8), (f"{layer}.scale_weight", (), torch.float32)]
+    if model in _DIFFUSION:
+        entries.append((f"{layer}.scale_input", (), torch.float32))
+    return entries
+
+
 def _plan(model: str, size: str, fmt: str, num_layers: int | None,
-          config: ModelConfig | None = None) -> tuple[Spec, list[tuple[str, tuple, torch.dtype, int]]]:
-    """(file layout, groups): each group = (source name, shape, source dtype, number of file entries)."""
+          config: ModelConfig | None = None) -> tuple[Spec, Spec]:
+    """(file layout, source tensors): each source tensor becomes one or more file entries (_entries)."""
     _check_args(model, size, fmt)
-    layout: Spec = []
-    groups = []
-    for name, shape, dtype in _spec(model, size, num_layers, config):
-        linear = is_linear_weight(model, name, shape)
-        if fmt == "bf16":
-            entries = [(name, shape, dtype)]
-        elif fmt == "fp16":
-            entries = [(name, shape, torch.float16)]
-        elif fmt == "fp8":
-            entries = [(name, shape, FP8 if linear else dtype)]
-        elif linear:  # fp8_scaled
-            layer = name[: -len(".weight")]
-            entries = [(name, shape, FP8), (f"{layer}.scale_weight", (), torch.float32)]
-            if model in _DIFFUSION:
-                entries.append((f"{layer}.scale_input", (), torch.float32))
-        else:
-            entries = [(name, shape, torch.float16)]
-        layout += entries
-        groups.append((name, shape, dtype, len(entries)))
-    if fmt == "fp8_scaled":
-        layout.append(("scaled_fp8", (0,), FP8))
-        groups.append(("scaled_fp8", (0,), FP8, 1))
+    sources = list(_spec(model, size, num_layers, config))
+    layout = [e for name, shape, dtype in sources for e in _entries(model, fmt, name, shape, dtype)]
+    extras: Spec = [("scaled_fp8", (0,), FP8)] if fmt == "fp8_scaled" else []
     if model == "umt5_xxl_enc":
-        spiece = umt5_tokenizer_bytes()
-        layout.append(("spiece_model", (len(spiece),), torch.uint8))
-        groups.append(("spiece_model", (len(spiece),), torch.uint8, 1))
-    return layout, groups
+        extras.append(("spiece_model", (len(umt5_tokenizer_bytes()),), torch.uint8))
+    return layout + extras, sources + extras
 
 
 def file_layout(model: str, size: str = "tiny", fmt: str = "bf16", num_layers: int | None = None) -> Spec:
@@ -269,13 +258,11 @@ def file_layout(model: str, size: str = "tiny", fmt: str = "bf16", num_layers: i
     return _plan(model, size, fmt, num_layers)[0]
 
 
-def _make_group(
-    model: str, fmt: str, src: tuple[str, tuple, torch.dtype, int], seed: int, device: torch.device,
-    pool: ThreadPoolExecutor | None, zeros: tuple[str, ...] = (),
-) -> Group:
+def _make_group(model: str, fmt: str, src: tuple[str, tuple, torch.dtype], seed: int, device: torch.device,
+                pool: ThreadPoolExecutor | None, zeros: tuple[str, ...] = ()) -> Group:
     """The file entries of one source tensor; a tensor named by ``zeros`` is a meta tensor (shape and dtype, no
     data) that the writer stores as zeros without writing them."""
-    name, shape, dtype, _ = src
+    name, shape, dtype = src
     if name == "scaled_fp8":
         return [(name, torch.empty(0, dtype=FP8, device=device))]
     if name == "spiece_model":
@@ -284,31 +271,22 @@ def _make_group(
         w = torch.empty(shape, dtype=dtype, device="meta")
     else:
         w = synthetic_tensor(name, shape, dtype, seed, device, pool)
-    linear = is_linear_weight(model, name, shape)
-    if fmt == "bf16":
-        return [(name, w)]
-    if fmt == "fp16" or (fmt == "fp8_scaled" and not linear):
-        return [(name, w.to(torch.float16))]
-    if fmt == "fp8":
-        return [(name, w.to(FP8) if linear else w)]
-    if w.is_meta:  # zeros: any scale dequantizes them to zeros; 1 keeps the layer's arithmetic ordinary
-        q, scale = w.to(FP8), torch.ones((), dtype=torch.float32, device=device)
-    else:
-        q, scale = quantize_fp8_scaled(w)
-    layer = name[: -len(".weight")]
-    group = [(name, q), (f"{layer}.scale_weight", scale)]
-    if model in _DIFFUSION:
-        group.append((f"{layer}.scale_input", torch.ones((), dtype=torch.float32, device=device)))
-    return group
+    entries = _entries(model, fmt, name, shape, dtype)
+    if len(entries) == 1:
+        return [(name, w.to(entries[0][2]))]
+    one = torch.ones((), dtype=torch.float32, device=device)
+    # zeros: any scale dequantizes them to zeros; 1 keeps the layer's arithmetic ordinary
+    q, scale = (w.to(FP8), one) if w.is_meta else quantize_fp8_scaled(w)
+    return [(name, q), (entries[1][0], scale), *((e[0], one) for e in entries[2:])]
 
 
 def _iter_groups(
     model: str, size: str, fmt: str, seed: int, device: str | torch.device, num_layers: int | None,
     pool: ThreadPoolExecutor | None, config: ModelConfig | None = None, zeros: tuple[str, ...] = (),
 ) -> Iterator[Group]:
-    _, groups = _plan(model, size, fmt, num_layers, config)
+    _, sources = _plan(model, size, fmt, num_layers, config)
     dev = torch.device(device)
-    for src in groups:
+    for src in sources:
         yield _make_group(model, fmt, src, seed, dev, pool, zeros)
 
 
@@ -327,7 +305,6 @@ def synthetic_state_dict(
     return sd
 
 
-# ----------------------------------------------------------------------------------------------------------
 # streaming writer
 
 
@@ -426,7 +403,7 @@ def write_synthetic(
     thread.start()
     ok = False
     try:
-        with ThreadPoolExecutor(max_workers=n_threads) if n_threads > 1 else _NoPool() as pool:
+        with ThreadPoolExecutor(max_workers=n_threads) if n_threads > 1 else contextlib.nullcontext() as pool:
             for group in _iter_groups(model, size, fmt, seed, dev, num_layers, pool, config, zeros):
                 if failure:
                     break
@@ -445,17 +422,6 @@ def write_synthetic(
     return out
 
 
-class _NoPool:
-    """Stand-in for a one-thread pool (generate serially)."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-# ----------------------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -465,7 +431,7 @@ def _describe() -> str:
         full = spec_nbytes(file_layout(m, "full", "bf16")) / 1e9
         tiny = spec_nbytes(file_layout(m, "tiny", "bf16")) / 1e6
         lines.append(f"{m:16} {MODEL_FOLDER[m]:17} {full:15.2f} {tiny:15.1f}")
-    from .run_models import tiny_text_encoder_config
+    from .tiny import tiny_text_encoder_config
 
     reduced = []
     for m in ("umt5_xxl_enc", "qwen25_vl_7b"):

@@ -1,53 +1,30 @@
 """Tensor layouts (name, shape, dtype, file order) of the models this pack serves, generated from each config.
 
-The layouts are built from the architecture configs below, never read from a manifest, so a test can
-compare them with the manifests measured from ComfyUI v0.8.0's own modules (`tests/shapes/`).
-Dtypes are those of the bf16 releases as ComfyUI instantiates them: bf16 everywhere, Wan
-`patch_embedding` fp32, VAEs fp32.
+The layouts are built from the architecture configs below, never read from a manifest, so a test can compare them
+with the manifests measured from ComfyUI's own modules (`tests/shapes/`). Dtypes are those of the bf16 releases as
+ComfyUI instantiates them: bf16 everywhere, Wan `patch_embedding` fp32, VAEs fp32.
 
 "tiny" layouts keep every key pattern and every size that ComfyUI (0.8.0 to 0.33.0) hard-codes, and shrink the rest:
 - Wan DiTs: dim 256 (ComfyUI derives num_heads = dim // 128), ffn 512, 2 blocks; text_dim 4096, freq_dim 256,
   in/out channels and the CLIP-image width 1280 stay (comfy/model_detection.py, comfy/ldm/wan/model.py).
 - Qwen-Image: 1 block, 2 heads of 128, joint dim 128. ComfyUI's detection reads only in_channels and the block
-  count (width 3072 / 24 heads / joint dim 3584 are defaults), so stock UNETLoader needs the full width; the
-  pack's Staged Loader reads the widths from the file (checkpoints/qwen_image.py), which is what the tiny file is for.
-  Its head size stays 128 (ComfyUI's rotary axes add up to it).
-- Wan 2.1 VAE: ComfyUI reads `dim` from `decoder.head.0.gamma` -> tiny dim 16. Wan 2.2 VAE: dim 160 /
-  dec_dim 256 are hard-coded in comfy/sd.py -> tiny == full (705 M params); `run --synthetic tiny` loads the
-  tiny autoencoder of its latent space instead (TAEHV, the lighttaew2_2 layout: all widths fixed, tiny == full).
-- umT5-XXL and Qwen2.5-VL-7B: ComfyUI's stock loaders build them from fixed configs (umt5_config_xxl.json,
-  llama.Qwen25_7BVLI_Config) -> tiny == full. The pack's streaming text nodes read the sizes from the file,
-  so `run --synthetic tiny` writes 2-layer encoders for them (synthetic/run_models.py): umT5 at d_model 4096, and
-  Qwen2.5-VL at hidden 128 (the tiny Qwen-Image's joint dim) with its 152k vocabulary (ComfyUI's tokenizer emits
-  ids up to 151k) and without the vision tower (text prompts never run it).
-File sizes of "tiny" (`python -m comfyui_lowvram_dit synth --list`): Wan DiTs 6.6 MB bf16 (Wan 2.1 I2V 11 MB),
-Qwen-Image 5.4 MB bf16, Wan 2.1 VAE 14 MB fp32 / 7 MB fp16, TAEHV 46 MB fp32 / 23 MB fp16; fixed by ComfyUI: Wan 2.2
-VAE 2.8 GB fp32 / 1.4 GB fp16, umT5 11.4 GB bf16, Qwen2.5-VL 15.5 GB bf16. The runner's 2-layer fp8_scaled encoders: umT5
-15 MB, Qwen2.5-VL 40 MB (fp8_scaled). All tiny files of the four shipped workflows together: about 115 MB.
+  count, so stock UNETLoader needs the full width; the pack's Staged Loader reads the widths from the file
+  (checkpoints/qwen_image.py), which is what the tiny file is for. Its head size stays 128 (ComfyUI's rotary axes).
+- Wan 2.1 VAE: ComfyUI reads `dim` from `decoder.head.0.gamma` -> tiny dim 16. Wan 2.2 VAE, TAEHV, umT5-XXL and
+  Qwen2.5-VL-7B: ComfyUI builds them at fixed sizes -> tiny == full (`run --synthetic tiny` swaps the Wan 2.2 VAE
+  for TAEHV and writes 2-layer encoders for the pack's streaming text nodes: synthetic/tiny.py).
+`python -m comfyui_lowvram_dit synth --list` prints every file size.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
 Spec = list[tuple[str, tuple[int, ...], torch.dtype]]
 
-MODELS: tuple[str, ...] = (
-    "wan22_t2v_14B",
-    "wan22_i2v_14B",
-    "wan22_ti2v_5B",
-    "wan21_t2v_1_3B",
-    "wan21_i2v_14B",
-    "qwen_image",
-    "umt5_xxl_enc",
-    "qwen25_vl_7b",
-    "wan21_vae",
-    "wan22_vae",
-    "wan21_tae",
-    "wan22_tae",
-)
 SIZES: tuple[str, ...] = ("full", "tiny")
 
 # Which ComfyUI model folder each model's file belongs in (the stock loader that reads it).
@@ -65,12 +42,12 @@ MODEL_FOLDER: dict[str, str] = {
     "wan21_tae": "vae_approx",  # stock VAELoader looks for lighttaew2_1 / lighttaew2_2 there
     "wan22_tae": "vae_approx",
 }
+MODELS: tuple[str, ...] = tuple(MODEL_FOLDER)
 
 BF16 = torch.bfloat16
 F32 = torch.float32
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Wan 2.1 / 2.2 DiT (original Wan key names, as ComfyUI loads them prefix-less)
 
 
@@ -144,7 +121,6 @@ def wan_spec(c: WanConfig) -> Spec:
     return spec
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Qwen-Image 20B MMDiT (diffusers == ComfyUI key names)
 
 
@@ -165,7 +141,7 @@ class QwenImageConfig:
 
 # The staged loader reads heads, joint dim and output channels from the file (checkpoints/qwen_image.py), so tiny is
 # narrow: 2 heads of 128 (ComfyUI's rotary axes need 128) and a joint dim equal to the hidden size of the tiny
-# Qwen2.5-VL the runner writes for it (synthetic/run_models.py).
+# Qwen2.5-VL written for it (synthetic/tiny.py).
 QWEN_TINY_JOINT_DIM = 128
 QWEN_IMAGE_TINY = {"num_layers": 1, "dim": 256, "joint_dim": QWEN_TINY_JOINT_DIM}
 
@@ -192,7 +168,6 @@ def qwen_image_spec(c: QwenImageConfig) -> Spec:
     return spec
 
 
-# ----------------------------------------------------------------------------------------------------------
 # umT5-XXL encoder (HF T5 key names, as ComfyUI's umt5_config_xxl.json builds it)
 
 
@@ -230,7 +205,6 @@ def umt5_spec(c: UMT5Config) -> Spec:
     return spec
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Qwen2.5-VL-7B (LM + vision tower, no lm_head; ComfyUI comfy/text_encoders/llama.py Qwen25_7BVLI_Config)
 
 
@@ -283,7 +257,6 @@ def qwen25_vl_spec(c: Qwen25VLConfig) -> Spec:
     return spec
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Wan VAEs (ComfyUI comfy/ldm/wan/vae.py and vae2_2.py; all fp32)
 
 
@@ -387,7 +360,6 @@ def wan_vae_spec(c: WanVAEConfig) -> Spec:
     return spec
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Tiny video autoencoders (TAEHV / lighttae: madebyollin/taehv; ComfyUI comfy/taesd/taehv.py, hard-coded widths)
 
 
@@ -442,7 +414,6 @@ def taehv_spec(c: TAEHVConfig) -> Spec:
     return spec + _tae_conv("decoder.22", image, n[3])
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Public entry points
 
 
@@ -478,21 +449,16 @@ def model_config(model: str, size: str = "full", num_layers: int | None = None) 
     return cfg
 
 
+def config_spec(cfg: object) -> Spec:
+    """The layout a config describes (any config dataclass of this module)."""
+    spec_fn = {WanConfig: wan_spec, QwenImageConfig: qwen_image_spec, UMT5Config: umt5_spec,
+               Qwen25VLConfig: qwen25_vl_spec, TAEHVConfig: taehv_spec, WanVAEConfig: wan_vae_spec}[type(cfg)]
+    return spec_fn(cfg)
+
+
 def model_spec(model: str, size: str = "full", num_layers: int | None = None) -> Spec:
     """(name, shape, dtype) of every tensor of `model` in file order; size "full" or "tiny" (see module doc)."""
-    cfg = model_config(model, size, num_layers)
-    if isinstance(cfg, WanConfig):
-        return wan_spec(cfg)
-    if isinstance(cfg, QwenImageConfig):
-        return qwen_image_spec(cfg)
-    if isinstance(cfg, UMT5Config):
-        return umt5_spec(cfg)
-    if isinstance(cfg, Qwen25VLConfig):
-        return qwen25_vl_spec(cfg)
-    if isinstance(cfg, TAEHVConfig):
-        return taehv_spec(cfg)
-    assert isinstance(cfg, WanVAEConfig)
-    return wan_vae_spec(cfg)
+    return config_spec(model_config(model, size, num_layers))
 
 
 # Embedding tables and relative-position tables are lookups, not matmuls: never quantized.
@@ -508,10 +474,4 @@ def is_linear_weight(model: str, name: str, shape: tuple[int, ...]) -> bool:
 
 def spec_nbytes(spec: Spec) -> int:
     """Total bytes of the tensors in a spec."""
-    total = 0
-    for _, shape, dtype in spec:
-        n = 1
-        for s in shape:
-            n *= s
-        total += n * dtype.itemsize
-    return total
+    return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in spec)

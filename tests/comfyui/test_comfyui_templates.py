@@ -32,8 +32,11 @@ from pathlib import Path
 
 import pytest
 from comfy_server import ComfyServer
-from comfyui_lowvram_dit.cli import convert, runner
-from comfyui_lowvram_dit.synthetic import run_models, lora as synth_lora
+from comfyui_lowvram_dit.cli import convert, runner, workflow_models
+from comfyui_lowvram_dit.cli.server import RunError
+from comfyui_lowvram_dit.cli.workflow import ensure_input_images
+from comfyui_lowvram_dit.synthetic import lora as synth_lora
+from comfyui_lowvram_dit.synthetic.tiny import TINY_TE_LAYERS
 from comfyui_lowvram_dit.synthetic.lora import KNOWN_LORA_FILES
 from comfyui_lowvram_dit.cli.ui_graph import all_nodes
 from template_files import load_template
@@ -97,11 +100,11 @@ def test_converted_template_runs_through_the_runner(name: str, extra: list[str],
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     args = [a for x in extra for a in ("--set", x)]
     workflow, _ = _run_converted(name, args, synthetic_cache, tmp_path, monkeypatch, capsys)
-    loras = run_models.referenced_model_files(workflow) & KNOWN_LORA_FILES.keys()
+    loras = workflow_models.referenced_model_files(workflow) & KNOWN_LORA_FILES.keys()
     assert bool(loras) == (name != "video_wan2_2_5B_ti2v")  # the TI2V-5B template wires no LoRA
     assert all((synthetic_cache / "synthetic" / "tiny" / "loras" / n).is_file() for n in loras)
     tes = list((synthetic_cache / "synthetic" / "tiny" / "text_encoders").iterdir())
-    assert tes and all(runner._layer_count(p) == runner.TINY_TE_LAYERS for p in tes)  # staged text: 2 layers
+    assert tes and all(workflow_models._layer_count(p) == TINY_TE_LAYERS for p in tes)  # staged text: 2 layers
 
 
 @pytest.mark.parametrize("name", EDIT_TEMPLATES)
@@ -116,8 +119,8 @@ def test_converted_edit_template_runs_through_the_runner(name: str, synthetic_ca
     workflow, out = _run_converted(name, ["--set", TURBO, *EDIT_RUN_ARGS], synthetic_cache, tmp_path, monkeypatch,
                                    capsys, timeout=1800)
     te = synthetic_cache / "synthetic" / "tiny" / "text_encoders" / "qwen_2.5_vl_7b_fp8_scaled.safetensors"
-    assert run_models.vision_text_encoder_files(workflow) == {te.name} and run_models._has_vision_tower(te)
-    assert runner._layer_count(te) == runner.TINY_TE_LAYERS
+    assert workflow_models.vision_text_encoder_files(workflow) == {te.name} and workflow_models._has_vision_tower(te)
+    assert workflow_models._layer_count(te) == TINY_TE_LAYERS
     extrema = Image.open(out).convert("RGB").getextrema()
     assert any(lo < hi for lo, hi in extrema), extrema
 
@@ -151,17 +154,17 @@ def test_template_with_stock_text_encoder_runs(name: str, converted: bool, synth
     if converted:
         convert.convert_workflow(workflow, convert.ConvertOptions(vram_gb=8), name)
     assert _stand_in_text_encoders(workflow) == 1
-    monkeypatch.setattr(run_models, "STAGED_TEXT_NODES", (*run_models.STAGED_TEXT_NODES, STAND_IN))
+    monkeypatch.setattr(workflow_models, "STAGED_TEXT_NODES", (*workflow_models.STAGED_TEXT_NODES, STAND_IN))
     models = synthetic_cache / "synthetic" / "tiny"
-    run_models.write_synthetic_models(run_models.referenced_model_files(workflow), models, "tiny",
-                                      run_models.staged_text_encoder_files(workflow))
+    workflow_models.write_synthetic_models(workflow_models.referenced_model_files(workflow), models, "tiny",
+                                      workflow_models.staged_text_encoder_files(workflow))
     links = _link_models(synthetic_cache, comfy_server)
-    placed = runner.ensure_input_images(workflow, comfy_server.base_dir / "input", True, [])
+    placed = ensure_input_images(workflow, comfy_server.base_dir / "input", True, [])
     try:
-        server = runner.ComfyServer(comfy_server.url)
+        server = ComfyServer(comfy_server.url)
         turbo = [] if name == "video_wan2_2_5B_ti2v" else [TURBO]  # 4-step LoRAs on: fewer steps, LoRAs used
         files = runner.run_workflow(server, workflow, turbo, comfy_server.base_dir / "output", 1800, tiny=True)
-    except runner.RunError as err:
+    except RunError as err:
         _skip_if_host_lacks_a_node(str(err), name)
         raise AssertionError(f"{name}: {err}\n{comfy_server.log_text()[-3000:]}") from None
     finally:
@@ -180,8 +183,8 @@ def test_tiny_run_refuses_a_stock_loaded_qwen_image(name: str, converted: bool, 
     workflow = load_template(name)
     if converted:
         convert.convert_workflow(workflow, convert.ConvertOptions(vram_gb=8), name)
-    stock = run_models.stock_loaded_qwen_image_files(workflow)
-    assert stock and all(run_models.KNOWN_MODEL_FILES[f][1] == "qwen_image" for f in stock)
+    stock = workflow_models.stock_loaded_qwen_image_files(workflow)
+    assert stock and all(workflow_models.KNOWN_MODEL_FILES[f][1] == "qwen_image" for f in stock)
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(workflow))
     monkeypatch.setenv("LOWVRAM_DIT_CACHE", str(tmp_path / "cache"))

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 from comfy_server import ComfyServer
-from comfyui_lowvram_dit.cli import runner
+from comfyui_lowvram_dit.cli import runner, workflow_models
+from comfyui_lowvram_dit.synthetic import tiny
 
 pytestmark = pytest.mark.comfyui
 TESTS = Path(__file__).resolve().parents[1]
 FILE_INPUTS = ("unet_name", "clip_name", "vae_name")
-VIDEO_FRAMES = 5  # runner.TINY_OVERRIDES length
+VIDEO_FRAMES = 5  # workflow.TINY_OVERRIDES length
 
 
 @pytest.fixture(scope="module")
@@ -81,4 +82,4 @@ def test_workflow_runs_with_synthetic_tiny_models(name: str, suffix: str, synthe
     assert "ComfyUI ready in" in text.out  # the start is shown, not seconds of silence
     assert text.out.splitlines()[-1] == runner.SYNTHETIC_NOTE  # last word: the output is noise
     tes = [p for p in (synthetic_cache / "synthetic" / "tiny" / "text_encoders").iterdir()]
-    assert tes and all(runner._layer_count(p) == runner.TINY_TE_LAYERS for p in tes)
+    assert tes and all(workflow_models._layer_count(p) == tiny.TINY_TE_LAYERS for p in tes)

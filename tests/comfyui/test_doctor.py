@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfyui_lowvram_dit.doctor import report as doctor
+from comfyui_lowvram_dit.doctor import advice, report as doctor
 from comfyui_lowvram_dit.host.version import comfyui_version
 
 SECTIONS = ("versions", "gpu", "memory", "fp8", "attention", "known_issues", "recommendation", "skipped")
@@ -138,7 +138,7 @@ def _fake_report(cpu_report: dict, *, name: str, cap: tuple[int, int], vram: flo
 
 
 def _ids(report: dict) -> set[str]:
-    return {i["id"] for i in doctor.known_issues(report)}
+    return {i["id"] for i in advice.known_issues(report)}
 
 
 def test_known_issues_fire_only_for_their_sourced_combinations(cpu_report: dict) -> None:
@@ -158,10 +158,10 @@ def test_known_issues_fire_only_for_their_sourced_combinations(cpu_report: dict)
     assert "gpu_arch_not_in_torch_build" not in ids and "no_rowwise_scaled_mm" in ids
     rtx50["gpu"]["arch_list"] = ["sm_50", "sm_80", "sm_90"]
     assert "gpu_arch_not_in_torch_build" in _ids(rtx50)
-    for issue in doctor.known_issues(cu128) + doctor.known_issues(rtx50):
+    for issue in advice.known_issues(cu128) + advice.known_issues(rtx50):
         assert issue["severity"] in ("error", "warn", "info")
         assert issue["source"] == "" or all(u.startswith("https://") for u in issue["source"].split()), issue
-    rtx50["known_issues"], cu128["known_issues"] = doctor.known_issues(rtx50), doctor.known_issues(cu128)
+    rtx50["known_issues"], cu128["known_issues"] = advice.known_issues(rtx50), advice.known_issues(cu128)
     text = doctor.format_report(rtx50) + doctor.format_report(cu128)
     assert "source: https://github.com/" in text and "/work/" not in text
     assert all(".md" not in line for line in text.splitlines() if "source:" in line)
@@ -174,7 +174,7 @@ def test_broken_triton_and_missing_seams_are_reported(cpu_report: dict) -> None:
     r["versions"]["triton_import_error"] = "ImportError: libcuda.so.1: cannot open shared object file"
     r["seams"] = {"wrappers.apply_model": "ok",
                   "wrappers.diffusion_model": "missing: comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL"}
-    issues = {i["id"]: i for i in doctor.known_issues(r)}
+    issues = {i["id"]: i for i in advice.known_issues(r)}
     assert "Triton 3.6.0 is installed but does not import (ImportError: libcuda" in issues["triton_broken"]["message"]
     seams = issues["comfyui_seams_missing"]
     assert seams["severity"] == "error" and "ComfyUI (0.9.0) lacks 1 seam(s)" in seams["message"]
@@ -207,10 +207,10 @@ def test_swap_advice_follows_vram(cpu_report: dict) -> None:
     for vram in (8.0, 16.0, 24.0, 80.0):
         r = _fake_report(cpu_report, name="GPU", cap=(8, 9), vram=vram, torch_v="2.11.0+cu130", cuda="13.0",
                          arch=["sm_89"])
-        models = doctor.recommend(r)["swap"]["models"]
+        models = advice.recommend(r)["swap"]["models"]
         swaps[vram] = {m: e["blocks_to_swap"] for m, e in models.items()}
         for m, e in models.items():
-            block_gib = doctor.SWAP_MODELS[m]["block_gb"]["fp8"] * 1e9 / 2**30
+            block_gib = advice.SWAP_MODELS[m]["block_gb"]["fp8"] * 1e9 / 2**30
             assert e["pinned_needed_gib"] == pytest.approx(e["blocks_to_swap"] * block_gib, abs=0.01)
     wan14 = "wan22_14B (one expert), 832x480x81"
     assert swaps[8.0][wan14] > swaps[16.0][wan14] > swaps[24.0][wan14] >= swaps[80.0][wan14] == 0
@@ -227,7 +227,7 @@ def test_recommendation_prefers_a_passing_fp8_matmul(cpu_report: dict) -> None:
         {"path": "scaled_mm_rowwise", "status": "ok"}, {"path": "dequantize", "status": "ok"}]}
     r["attention"] = {"probes": [{"backend": "sdpa_flash", "status": "ok"}, {"backend": "sdpa_cudnn", "status": "fail"}],
                       "preference": ["sdpa_cudnn", "sdpa_flash"]}
-    rec = doctor.recommend(r)
+    rec = advice.recommend(r)
     assert rec["fp8"]["path"] == "scaled_mm_rowwise" and rec["attention"]["backend"] == "sdpa_flash"
 
 
@@ -259,7 +259,6 @@ def test_node_schema_is_valid_and_execute_returns_text_and_ui() -> None:
     assert all(getattr(i, "tooltip", None) for i in schema.inputs)
     out = doctor_node.Doctor.execute(gpu_probes=False)
     text = out.result[0]
-    from comfyui_lowvram_dit.host.version import comfyui_version
 
     assert "Recommendation" in text and f"comfyui        {comfyui_version()}" in text
     assert "\nComfyUI seams (host/seams.py)\n" in text and "dit.block_replace         ok" in text

@@ -1,7 +1,7 @@
 """The pack makes no network calls at run time.
 
 - Static: no module that runs inside ComfyUI (``__init__.py``, ``kernels/``, ``nodes/``) imports a network library.
-  ``runner.py`` is the command-line runner: it talks HTTP to the local ComfyUI it starts, outside ComfyUI.
+  ``cli/server.py`` is the command-line runner's client: it talks HTTP to the local ComfyUI it starts, outside ComfyUI.
 - In process (needs COMFYUI_PATH): with every socket connect and name lookup refused, the Wan path runs end to end
   (loader quantizing a file, Attention auto, Block Swap, KSampler's sampling path) and the Wan Text Encode path
   encodes and caches prompts (the tokenizer comes from the file, nothing is downloaded).
@@ -43,8 +43,8 @@ def test_no_runtime_module_imports_a_network_library() -> None:
 
 
 def test_the_static_check_sees_imports() -> None:
-    """The scan is not vacuous: it finds runner.py's HTTP client."""
-    assert {"socket", "urllib"} <= _imported_roots(PACK / "cli" / "runner.py")
+    """The scan is not vacuous: it finds the runner's HTTP client."""
+    assert {"socket", "urllib"} <= _imported_roots(PACK / "cli" / "server.py")
 
 
 @pytest.fixture

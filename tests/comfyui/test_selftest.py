@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from comfyui_lowvram_dit.doctor import selftest
-from comfyui_lowvram_dit.doctor.selftest import FAIL, PASS, SKIP, Check, Verdict
-from comfyui_lowvram_dit.doctor.selftest_env import compare
+from comfyui_lowvram_dit.doctor.selftest_env import FAIL, PASS, SKIP, Check, Verdict, compare
 
 VERDICT = re.compile(r"^(PASS|FAIL|SKIP)  ([^:\[]+?)(?: \[[^\]]*\])?: (.+)$")
 NODES = {"Wan Loader", "Attention", "Block Swap", "NaN Guard", "LoRA merge", "Wan Text Encode",

@@ -336,29 +336,29 @@ def test_keep_text_encoders_leaves_clip_nodes() -> None:
 
 
 def test_runner_names_the_nodes_a_host_lacks() -> None:
-    from comfyui_lowvram_dit.cli import runner
+    from comfyui_lowvram_dit.cli.workflow import missing_node_types
 
     workflow = load_template("video_wan2_2_14B_t2v")
     used = {n["type"] for _, g in graphs(workflow) for n in g["nodes"]}
     host = {t: {} for t in used if t not in ("ComfyMathExpression", "MarkdownNote")}
     # MarkdownNote lives only in the front end; the subgraph node is expanded; ComfyMathExpression is missing
-    assert runner.missing_node_types(workflow, host) == ["ComfyMathExpression"]
+    assert missing_node_types(workflow, host) == ["ComfyMathExpression"]
     for _, g in graphs(workflow):
         for n in g["nodes"]:
             if n["type"] == "ComfyMathExpression":
                 n["mode"] = 4  # bypassed: not needed
-    assert runner.missing_node_types(workflow, host) == []
+    assert missing_node_types(workflow, host) == []
     api = {"1": {"class_type": "KSampler", "inputs": {}}, "2": {"class_type": "Nope", "inputs": {}}}
-    assert runner.missing_node_types(api, {"KSampler": {}}) == ["Nope"]
+    assert missing_node_types(api, {"KSampler": {}}) == ["Nope"]
 
 
 def test_template_model_and_lora_names_are_known_to_the_runner() -> None:
-    from comfyui_lowvram_dit.synthetic import run_models
+    from comfyui_lowvram_dit.cli import workflow_models
     from comfyui_lowvram_dit.synthetic.lora import KNOWN_LORA_FILES, lora_layout
 
     for name in TEMPLATES:
-        names = run_models.referenced_model_files(load_template(name))
-        assert names and names <= run_models.KNOWN_MODEL_FILES.keys() | KNOWN_LORA_FILES.keys(), name
+        names = workflow_models.referenced_model_files(load_template(name))
+        assert names and names <= workflow_models.KNOWN_MODEL_FILES.keys() | KNOWN_LORA_FILES.keys(), name
     from comfyui_lowvram_dit.synthetic.specs import model_spec
 
     layout = dict(lora_layout("wan22_t2v_14B"))

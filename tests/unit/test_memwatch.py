@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from comfyui_lowvram_dit.cli import memwatch, runner
+from comfyui_lowvram_dit.cli import memwatch, workflow
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -41,7 +41,7 @@ def test_proc_status_of_a_missing_pid_is_empty() -> None:
 
 def test_api_workflows_pass_through_without_comfy_cli() -> None:
     api = {"3": {"class_type": "KSampler", "inputs": {"seed": 1}}}
-    assert runner.is_api_workflow(api)
-    assert runner.to_api(api, {}) is api
-    assert not runner.is_api_workflow({"nodes": [], "links": []})
-    assert not runner.is_api_workflow({})
+    assert workflow.is_api_workflow(api)
+    assert workflow.to_api(api, {}) is api
+    assert not workflow.is_api_workflow({"nodes": [], "links": []})
+    assert not workflow.is_api_workflow({})

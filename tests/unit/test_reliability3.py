@@ -241,17 +241,17 @@ def test_every_file_the_pack_writes_goes_through_safe_write() -> None:
 
 
 def test_the_runner_log_never_follows_a_link_and_replaces_only_its_own_log(tmp_path: Path) -> None:
-    from comfyui_lowvram_dit.cli import runner
+    from comfyui_lowvram_dit.cli import server
 
     outside = tmp_path / "outside.txt"
     outside.write_bytes(b"keep me")
     log = tmp_path / "comfyui.log"
     log.symlink_to(outside)
     with pytest.raises(safe_write.UnsafeTargetError, match="comfyui.log"):
-        runner.open_log(log, ["python", "main.py"])
+        server.open_log(log, ["python", "main.py"])
     log.unlink()
     for run in range(2):  # the second run replaces the first run's log
-        with runner.open_log(log, ["python", "main.py", f"--run={run}"]) as f:
+        with server.open_log(log, ["python", "main.py", f"--run={run}"]) as f:
             f.write(b"ComfyUI says hello\n")
         assert log.read_bytes().endswith(f"--run={run}\nComfyUI says hello\n".encode())
     assert outside.read_bytes() == b"keep me" and sorted(p.name for p in tmp_path.iterdir()) == [

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfyui_lowvram_dit.synthetic import specs as model_specs, run_models, checkpoints as synth
+from comfyui_lowvram_dit.synthetic import specs as model_specs, checkpoints as synth
 from comfyui_lowvram_dit.checkpoints.safetensors_io import iter_tensors, read_header
+from comfyui_lowvram_dit.synthetic.tiny import tiny_text_encoder_config
 from comfyui_lowvram_dit.synthetic.specs import MODEL_FOLDER, MODELS, is_linear_weight, model_spec
 
 SHAPES = Path(__file__).parents[1] / "shapes"
@@ -75,7 +76,7 @@ def test_tiny_sizes_fixed_by_comfyui() -> None:
     for model in ("umt5_xxl_enc", "qwen25_vl_7b", "wan22_vae", "wan21_tae", "wan22_tae"):
         assert model_spec(model, "tiny") == model_spec(model, "full")
     tiny = dict((n, s) for n, s, _ in model_spec("qwen_image", "tiny"))
-    joint = run_models.tiny_text_encoder_config("qwen25_vl_7b").hidden
+    joint = tiny_text_encoder_config("qwen25_vl_7b").hidden
     assert tiny["img_in.weight"] == (256, 64) and tiny["txt_in.weight"] == (256, joint)
     assert tiny["transformer_blocks.0.attn.norm_q.weight"] == (128,) and tiny["proj_out.weight"] == (64, 256)
     vae_full, vae_tiny = model_spec("wan21_vae"), model_spec("wan21_vae", "tiny")

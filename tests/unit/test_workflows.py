@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 
 import pytest
-from comfyui_lowvram_dit.cli import runner
+from comfyui_lowvram_dit.cli import server, workflow, workflow_models
+from comfyui_lowvram_dit.synthetic import tiny
 from comfyui_lowvram_dit.synthetic.lora import KNOWN_LORA_FILES
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -90,11 +91,11 @@ def test_nodes_widgets_and_links_match_the_schemas(path: Path) -> None:
             assert values, f"{path.name}: {node['type']} has too few widget values (at {name})"
             value = values.pop(0)
             opts = _options(spec)
-            if name == "lora_name" and value not in runner.KNOWN_MODEL_FILES:
+            if name == "lora_name" and value not in workflow_models.KNOWN_MODEL_FILES:
                 assert value in OFFICIAL_LORAS, f"{path.name}: {value} is not an official LoRA file name"
             elif name in FILE_INPUTS:  # file lists are dynamic: the runner must know the official name
-                assert value in runner.KNOWN_MODEL_FILES, f"{path.name}: {value} is not an official file name"
-                assert runner.KNOWN_MODEL_FILES[value][0] == FILE_INPUTS[name], (value, name)
+                assert value in workflow_models.KNOWN_MODEL_FILES, f"{path.name}: {value} is not an official file name"
+                assert workflow_models.KNOWN_MODEL_FILES[value][0] == FILE_INPUTS[name], (value, name)
             elif node["type"] == "LoadImage" and name == "image":
                 assert isinstance(value, str) and value.endswith(".png")
                 assert values.pop(0) == "image"  # the upload widget
@@ -148,25 +149,25 @@ def test_converts_to_a_complete_api_prompt(path: Path) -> None:
 def test_synthetic_tiny_plan(path: Path) -> None:
     """What `run --synthetic tiny` does with each workflow: known files, 2-layer text encoders, tiny sizes."""
     wf = _workflow(path)
-    files = runner.referenced_model_files(wf)
+    files = workflow_models.referenced_model_files(wf)
     loras = files & OFFICIAL_LORAS
     assert loras <= set(KNOWN_LORA_FILES)  # the runner writes a synthetic stand-in for every LoRA a workflow wires
     files -= loras
-    assert files and all(f in runner.KNOWN_MODEL_FILES for f in files)
-    tes = {f for f in files if runner.KNOWN_MODEL_FILES[f][0] == "text_encoders"}
-    assert tes and runner.staged_text_encoder_files(wf) >= tes  # every encoder goes through a staged node
+    assert files and all(f in workflow_models.KNOWN_MODEL_FILES for f in files)
+    tes = {f for f in files if workflow_models.KNOWN_MODEL_FILES[f][0] == "text_encoders"}
+    assert tes and workflow_models.staged_text_encoder_files(wf) >= tes  # every encoder goes through a staged node
     for f in tes:
-        assert runner.tiny_text_encoder_config(runner.KNOWN_MODEL_FILES[f][1]).num_layers == runner.TINY_TE_LAYERS
+        assert tiny.tiny_text_encoder_config(workflow_models.KNOWN_MODEL_FILES[f][1]).num_layers == tiny.TINY_TE_LAYERS
     convert = pytest.importorskip("comfy_cli.workflow_to_api").convert_ui_to_api
     api = convert(wf, OBJECT_INFO)
-    sets = runner.tiny_overrides(api)
-    api = runner.apply_overrides(api, sets)
+    sets = workflow.tiny_overrides(api)
+    api = workflow.apply_overrides(api, sets)
     for node in api.values():
         inp = node["inputs"]
-        if node["class_type"] in runner.TINY_OVERRIDES:
+        if node["class_type"] in workflow.TINY_OVERRIDES:
             assert inp["width"] == inp["height"] == 64
         if node["class_type"] in ("KSampler", "KSamplerAdvanced"):
-            assert inp["steps"] == runner.TINY_STEPS
+            assert inp["steps"] == workflow.TINY_STEPS
     adv = sorted((n["inputs"]["start_at_step"], n["inputs"]["end_at_step"]) for n in api.values()
                  if n["class_type"] == "KSamplerAdvanced")
     if adv:  # the two-expert split survives the step change
@@ -177,7 +178,7 @@ def test_tiny_overrides_scale_a_step_split() -> None:
     api = {"1": {"class_type": "KSamplerAdvanced", "inputs": {"steps": 30, "start_at_step": 0, "end_at_step": 15}},
            "2": {"class_type": "KSamplerAdvanced", "inputs": {"steps": 30, "start_at_step": 15, "end_at_step": 10000}},
            "3": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 832, "height": 480, "length": 81}}}
-    out = runner.apply_overrides(api, runner.tiny_overrides(api))
+    out = workflow.apply_overrides(api, workflow.tiny_overrides(api))
     assert out["1"]["inputs"] == {"steps": 2, "start_at_step": 0, "end_at_step": 1}
     assert out["2"]["inputs"] == {"steps": 2, "start_at_step": 1, "end_at_step": 10000}
     assert out["3"]["inputs"] == {"width": 64, "height": 64, "length": 5}
@@ -188,14 +189,14 @@ def test_staged_text_encoder_files_excludes_stock_users() -> None:
                     {"type": "CLIPLoader", "widgets_values": ["umt5_xxl_fp16.safetensors", "wan", "default"]},
                     {"type": "LowVRAM_WanTextEncode",
                      "widgets_values": ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "a", "b", True]}]}
-    assert runner.staged_text_encoder_files(wf) & set(runner.KNOWN_MODEL_FILES) == {
+    assert workflow_models.staged_text_encoder_files(wf) & set(workflow_models.KNOWN_MODEL_FILES) == {
         "umt5_xxl_fp8_e4m3fn_scaled.safetensors"}
 
 
 def test_input_images_are_drawn_for_synthetic_runs_and_required_otherwise(tmp_path: Path) -> None:
     pytest.importorskip("PIL")
     wf = _workflow(TESTS.parent / "workflows" / "wan22_i2v_a14b.json")
-    with pytest.raises(runner.RunError, match="LoadImage wants"):
-        runner.ensure_input_images(wf, tmp_path / "in", False, [tmp_path])
-    placed = runner.ensure_input_images(wf, tmp_path / "in", True, [tmp_path])
+    with pytest.raises(server.RunError, match="LoadImage wants"):
+        workflow.ensure_input_images(wf, tmp_path / "in", False, [tmp_path])
+    placed = workflow.ensure_input_images(wf, tmp_path / "in", True, [tmp_path])
     assert len(placed) == 1 and placed[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,7 +1,7 @@
-"""The model files of a workflow for ``run``: which official files it names and their synthetic stand-ins.
+"""The model files a workflow names, for ``run``: which official files they are, and their synthetic stand-ins.
 
 ``write_synthetic_models`` writes a tiny (or full-size) random-weight file under each official name a workflow
-uses, cached between runs; everything here reads headers as JSON, so a cached run never imports torch.
+uses, cached between runs; the cache is checked by reading headers as JSON, so a cached run never imports torch.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
-from .lora import KNOWN_LORA_FILES, write_synthetic_loras
-from ..cli.ui_graph import all_nodes
 from ..checkpoints.safe_write import write_report
+from ..synthetic.lora import KNOWN_LORA_FILES, write_synthetic_loras
+from ..synthetic.tiny import TINY_TE_LAYERS, TINY_ZERO_PREFIXES, tiny_text_encoder_config
+from .server import MODEL_FOLDERS, RunError
+from .ui_graph import all_nodes
 
 # Official ComfyUI repackaged file names -> (model folder, synthetic model, synthetic format).
 KNOWN_MODEL_FILES: dict[str, tuple[str, str, str]] = {
@@ -40,19 +42,14 @@ KNOWN_MODEL_FILES: dict[str, tuple[str, str, str]] = {
     "qwen_image_vae.safetensors": ("vae", "wan21_vae", "fp16"),
     "lighttaew2_2.safetensors": ("vae_approx", "wan22_tae", "fp16"),  # VAELoader reads lighttae* from vae_approx
 }
-MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "vae_approx", "loras", "clip_vision")
 
-# Nodes that stream their text encoder and read its layer count and widths from the file: for them --synthetic
-# tiny writes a 2-layer encoder (seconds to write and encode) instead of ComfyUI's fixed full-size config, which
-# stock CLIPLoader needs (6.7 GB umT5 / 8.3 GB Qwen2.5-VL fp8, >10 min on a 2-core CPU).
+# Nodes that stream their text encoder and read its sizes from the file: --synthetic tiny writes them a
+# TINY_TE_LAYERS-layer encoder; stock CLIPLoader needs ComfyUI's fixed full-size one (6.7 GB umT5 / 8.3 GB Qwen2.5-VL
+# fp8).
 STAGED_TEXT_NODES = ("LowVRAM_WanTextEncode", "LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageEditStagedLoader")
-TINY_TE_LAYERS = 2
-# Staged nodes that also run the Qwen2.5-VL vision tower (image prompts): their tiny encoder carries it at the size
-# ComfyUI always builds (32 blocks of width 1280). Its blocks are written as zeros (TINY_ZERO_PREFIXES), a sparse
-# file: a residual block with zero weights passes its input through, so the image still reaches the language model
-# through the random patch embedding and merger.
+QWEN_IMAGE_NODES = ("LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageEditStagedLoader")
+# Staged nodes that also run the Qwen2.5-VL vision tower (image prompts): their tiny encoder carries it.
 VISION_TEXT_NODES = ("LowVRAM_QwenImageEditStagedLoader",)
-TINY_ZERO_PREFIXES = ("visual.blocks.",)
 VISION_KEY = "visual.merger.mlp.2.weight"  # present in a text encoder file with the vision tower
 
 # VAEs that ComfyUI builds at full size whatever the file holds (the Wan 2.2 VAE's widths are fixed in comfy/sd.py:
@@ -61,37 +58,32 @@ VISION_KEY = "visual.merger.mlp.2.weight"  # present in a text encoder file with
 # 48 channels cannot encode, so a workflow that encodes an image with it fails there.
 TINY_VAE_SWAPS = {"wan2.2_vae.safetensors": "lighttaew2_2.safetensors"}
 
-# Stamped into the metadata of the files --synthetic tiny writes; a cached tiny file written with another value has
-# another layout (e.g. before the Qwen-Image widths were read from the file) and is written again.
+# Stamped into the metadata of the files --synthetic tiny writes; a cached tiny file with another value has another
+# layout and is written again.
 TINY_LAYOUT = "2"
-SYNTHETIC_MARK = "comfyui_lowvram_dit"  # synthetic/checkpoints.py's "synthetic" metadata value
+SYNTHETIC_MARK = "comfyui_lowvram_dit"  # the "synthetic" metadata value of synthetic/checkpoints.py's files
 
-class RunError(RuntimeError):
-    """A run that cannot go on; the message says what to do."""
 
+def _nodes(workflow: dict, instances: bool = True) -> Iterator[tuple[str | None, list]]:
+    """(node type, widget values / inputs) of every node of a UI (subgraphs too) or API workflow; ``instances=False``
+    leaves out the nodes that stand for a subgraph."""
+    if "nodes" in workflow:
+        for node in all_nodes(workflow, instances):
+            wv = node.get("widgets_values")
+            yield node.get("type"), list(wv.values()) if isinstance(wv, dict) else list(wv or [])
+    else:
+        for node in workflow.values():
+            yield node.get("class_type"), list(node.get("inputs", {}).values())
 
 
 def referenced_model_files(workflow: dict) -> set[str]:
     """Every ``*.safetensors`` name in a UI or API workflow's widget values / inputs."""
-    values: list[object] = []
-    if "nodes" in workflow:
-        for node in all_nodes(workflow):  # subgraphs too
-            wv = node.get("widgets_values")
-            values += list(wv.values()) if isinstance(wv, dict) else list(wv or [])
-    else:
-        for node in workflow.values():
-            values += list(node.get("inputs", {}).values())
-    return {v for v in values if isinstance(v, str) and v.endswith(".safetensors")}
+    return {v for _, values in _nodes(workflow) for v in values if isinstance(v, str) and v.endswith(".safetensors")}
 
 
 def _node_strings(workflow: dict) -> Iterator[tuple[str | None, set[str]]]:
-    """(node type, its string widget values / inputs) of every node of a UI (subgraphs too, not their instances) or
-    API workflow."""
-    nodes = list(all_nodes(workflow, instances=False)) if "nodes" in workflow else [
-        {"type": n.get("class_type"), "widgets_values": list(n.get("inputs", {}).values())} for n in workflow.values()]
-    for node in nodes:
-        wv = node.get("widgets_values")
-        yield node.get("type"), {v for v in (wv.values() if isinstance(wv, dict) else wv or []) if isinstance(v, str)}
+    for node_type, values in _nodes(workflow, instances=False):
+        yield node_type, {v for v in values if isinstance(v, str)}
 
 
 def staged_text_encoder_files(workflow: dict) -> set[str]:
@@ -101,9 +93,6 @@ def staged_text_encoder_files(workflow: dict) -> set[str]:
     for node_type, names in _node_strings(workflow):
         (staged if node_type in STAGED_TEXT_NODES else other).update(names)
     return staged - other
-
-
-QWEN_IMAGE_NODES = ("LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageEditStagedLoader")
 
 
 def vision_text_encoder_files(workflow: dict) -> set[str]:
@@ -119,27 +108,6 @@ def stock_loaded_qwen_image_files(workflow: dict) -> set[str]:
     builds Qwen-Image at its fixed full width, so such a workflow cannot run on tiny files."""
     return {n for node_type, names in _node_strings(workflow) if node_type not in QWEN_IMAGE_NODES
             for n in names if KNOWN_MODEL_FILES.get(n, ("", ""))[1] == "qwen_image"}
-
-
-def tiny_text_encoder_config(model: str, vision: bool = False) -> object | None:
-    """The reduced config --synthetic tiny uses for a text encoder loaded by a staged node (None: not a TE).
-
-    umT5: 2 layers, d_model 4096 (Wan's text_dim), 2 heads, d_ff 256, vocab 512 (the synthetic tokenizer's ids
-    are < 200). Qwen2.5-VL: 2 layers, hidden 128 (the tiny Qwen-Image's joint dim: the staged loader reads both
-    from the files), 4 query and 4 key/value heads of 128 (ComfyUI detects a 7B by its 512-wide k_proj bias),
-    narrow MLP, the full vocabulary (ComfyUI's bundled tokenizer emits ids up to 151k) and no vision tower: text
-    prompts never run it, and the staged loader only warns that its weights are missing (load_clip does too).
-    ``vision``: Qwen2.5-VL with the full-size vision tower, for the Edit loader (ComfyUI builds the tower at fixed
-    sizes; its merger projects to the file's hidden size, so the language model stays as narrow).
-    """
-    from .specs import QWEN_TINY_JOINT_DIM, Qwen25VLConfig, UMT5Config
-
-    if model == "umt5_xxl_enc":
-        return UMT5Config(num_layers=TINY_TE_LAYERS, d_ff=256, num_heads=2, vocab_size=512)
-    if model == "qwen25_vl_7b":
-        return Qwen25VLConfig(num_layers=TINY_TE_LAYERS, hidden=QWEN_TINY_JOINT_DIM, num_heads=4, intermediate=256,
-                              vision_tower=vision)
-    return None
 
 
 def swap_tiny_vaes(workflow: dict) -> list[tuple[str, str]]:
@@ -163,7 +131,7 @@ def swap_tiny_vaes(workflow: dict) -> list[tuple[str, str]]:
 
 
 def _header(path: Path) -> dict:
-    """The safetensors header (8-byte length + JSON) of a file, {} when unreadable; no torch (seconds to import)."""
+    """The safetensors header (8-byte length + JSON) of a file, {} when unreadable."""
     try:
         with path.open("rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
@@ -192,16 +160,27 @@ def _layer_count(path: Path) -> int | None:
     return len({m.group(1) for k in keys if (m := pat.match(k))})
 
 
+def _cached(path: Path, folder: str, size: str, reduced: bool, vision: bool) -> bool:
+    """Whether ``path`` holds the file wanted; one of the other kind (e.g. cached for a stock loader when a staged
+    node wants it, or with another tiny layout) is deleted."""
+    if not path.exists():
+        return False
+    if (folder == "text_encoders" and (_layer_count(path) == TINY_TE_LAYERS) != reduced) \
+            or (reduced and _has_vision_tower(path) != vision) or (size == "tiny" and _stale_tiny_file(path)):
+        path.unlink()
+        return False
+    return True
+
+
 def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny",
                            reduced_text_encoders: set[str] = frozenset(),
                            vision_text_encoders: set[str] = frozenset()) -> list[Path]:
     """Write a synthetic model under each known file name (cached: an existing file of the right kind is kept).
 
-    Names in ``reduced_text_encoders`` get a 2-layer encoder (tiny_text_encoder_config), with the vision tower
-    when they are also in ``vision_text_encoders``; other text encoders keep ComfyUI's full config (stock loaders
-    cannot read anything else). ``size="full"`` writes the real
-    sizes (a 14B fp8 expert is ~14 GB), generated on the GPU when there is one. Prints one line per file it
-    writes and nothing when every file is cached.
+    Names in ``reduced_text_encoders`` get a 2-layer encoder (synthetic/tiny.py), with the vision tower when they
+    are also in ``vision_text_encoders``; other text encoders keep ComfyUI's full config (stock loaders cannot read
+    anything else). ``size="full"`` writes the real sizes (a 14B fp8 expert is ~14 GB), generated on the GPU when
+    there is one. Prints one line per file it writes and nothing when every file is cached.
     """
     loras = {n for n in names if n in KNOWN_LORA_FILES}
     names = {n for n in names if n not in loras}
@@ -218,33 +197,31 @@ def write_synthetic_models(names: set[str], models_dir: Path, size: str = "tiny"
         path = models_dir / folder / name
         reduced = size == "tiny" and name in reduced_text_encoders and folder == "text_encoders"
         vision = reduced and name in vision_text_encoders
-        if path.exists() and folder == "text_encoders" and (_layer_count(path) == TINY_TE_LAYERS) != reduced:
-            path.unlink()  # cached for the other kind of loader (staged vs stock)
-        elif path.exists() and reduced and _has_vision_tower(path) != vision:
-            path.unlink()  # cached for the other kind of staged node (text only vs image prompts)
-        elif path.exists() and size == "tiny" and _stale_tiny_file(path):
-            path.unlink()
-        if not path.exists():
+        if not _cached(path, folder, size, reduced, vision):
             todo.append((path, model, fmt, reduced, vision))
         paths.append(path)
-    if todo:  # torch is imported only here: a cached run starts ComfyUI seconds sooner
-        from .checkpoints import write_synthetic
-
-        device = "cpu"
-        if size == "full":
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        print(f"writing {len(todo)} synthetic {size} model file(s) (random weights) to {models_dir}", flush=True)
-        for path, model, fmt, reduced, vision in todo:
-            config = tiny_text_encoder_config(model, vision) if reduced else None
-            what = f"{TINY_TE_LAYERS}-layer " if config is not None else ""
-            what += "(vision tower blocks zero, sparse) " if vision else ""
-            print(f"  {what}{model} ({fmt}) -> {path.relative_to(models_dir)}", flush=True)
-            write_synthetic(model, path, size=size, fmt=fmt, config=config, device=device,
-                            metadata={"tiny_layout": TINY_LAYOUT} if size == "tiny" else None,
-                            zeros=TINY_ZERO_PREFIXES if vision else ())
+    if todo:
+        _write_models(todo, models_dir, size)
     return paths + write_synthetic_loras(loras, models_dir, size)
+
+
+def _write_models(todo: list[tuple[Path, str, str, bool, bool]], models_dir: Path, size: str) -> None:
+    from ..synthetic.checkpoints import write_synthetic  # imports torch: only when a file is missing
+
+    device = "cpu"
+    if size == "full":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"writing {len(todo)} synthetic {size} model file(s) (random weights) to {models_dir}", flush=True)
+    for path, model, fmt, reduced, vision in todo:
+        config = tiny_text_encoder_config(model, vision) if reduced else None
+        what = f"{TINY_TE_LAYERS}-layer " if config is not None else ""
+        what += "(vision tower blocks zero, sparse) " if vision else ""
+        print(f"  {what}{model} ({fmt}) -> {path.relative_to(models_dir)}", flush=True)
+        write_synthetic(model, path, size=size, fmt=fmt, config=config, device=device,
+                        metadata={"tiny_layout": TINY_LAYOUT} if size == "tiny" else None,
+                        zeros=TINY_ZERO_PREFIXES if vision else ())
 
 
 def extra_model_paths_yaml(models_dir: Path, path: Path) -> Path:
