@@ -132,7 +132,8 @@ def write_files(files: Path, te_formats: list[str], smoke: bool) -> None:
     import torch
 
     from ..synthetic import checkpoints as synth
-    from ..synthetic.run_models import TINY_LAYOUT, tiny_text_encoder_config
+    from ..cli.workflow_models import TINY_LAYOUT
+    from ..synthetic.tiny import tiny_text_encoder_config
 
     files.mkdir(parents=True, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -26,7 +26,8 @@ from typing import Any, Self, TypeVar
 from comfyui_lowvram_dit.benchmarks import harness, server_probe
 from comfyui_lowvram_dit.benchmarks.server_report import write
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
-from comfyui_lowvram_dit.cli import runner
+from comfyui_lowvram_dit.cli import server as cli_server
+from comfyui_lowvram_dit.cli import workflow_models
 from comfyui_lowvram_dit.cli.memwatch import MemoryWatch
 
 PACK_ROOT, RESULTS, GIB = harness.PACK_ROOT, harness.RESULTS, harness.GIB
@@ -186,7 +187,7 @@ class EventRecorder:
     def __enter__(self) -> Self:
         self._thread.start()
         if not self._ready.wait(30) or self.error:
-            raise runner.RunError(f"websocket {self.ws_url} did not open: {self.error or 'timeout'}")
+            raise cli_server.RunError(f"websocket {self.ws_url} did not open: {self.error or 'timeout'}")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -217,28 +218,28 @@ def prepare_base(base: Path, models: Path, probe: bool = False) -> list[str]:
     """A hermetic ComfyUI base dir with this pack (and the probe node) in custom_nodes; returns its path flags."""
     for sub in ("custom_nodes", "input", "output", "temp"):
         (base / sub).mkdir(parents=True, exist_ok=True)
-    (base / "custom_nodes" / runner.REGISTRY_FOLDER_NAME).symlink_to(PACK_ROOT, target_is_directory=True)
+    (base / "custom_nodes" / cli_server.REGISTRY_FOLDER_NAME).symlink_to(PACK_ROOT, target_is_directory=True)
     if probe:
         (base / "custom_nodes" / PROBE_DIR).symlink_to(Path(server_probe.__file__).resolve().parent,
                                                        target_is_directory=True)
-    yaml = runner.extra_model_paths_yaml(models.resolve(), base / "extra_model_paths.yaml")
+    yaml = workflow_models.extra_model_paths_yaml(models.resolve(), base / "extra_model_paths.yaml")
     return ["--extra-model-paths-config", str(yaml), "--output-directory", str(base / "output")]
 
 
-def measure(server: runner.ComfyServer, graph: dict, timeout: float, sampler_nodes: tuple[str, ...],
+def measure(server: cli_server.ComfyServer, graph: dict, timeout: float, sampler_nodes: tuple[str, ...],
             probe_dir: Path | None = None) -> dict:
     """Queue ``graph`` and measure it: step times of ``sampler_nodes`` (in the order they run), node times, memory
     peaks (and the Kernel Profile node's results from ``probe_dir``)."""
     cid = uuid.uuid4().hex
     with EventRecorder(server.url, cid) as rec:
         t_watch = time.monotonic()
-        with MemoryWatch(server.process.pid) as watch:
+        with MemoryWatch(server.pid) as watch:
             t0 = time.monotonic()
             status, body = server.post_prompt(graph, client_id=cid)
             if status != 200:
-                raise runner.RunError(f"ComfyUI rejected the graph ({status}): "
+                raise cli_server.RunError(f"ComfyUI rejected the graph ({status}): "
                                       f"{json.dumps(body.get('node_errors') or body)[:2000]}")
-            entry = server.wait_for_history(body["prompt_id"], timeout)
+            entry = server.wait(body["prompt_id"], timeout)
             wall = time.monotonic() - t0
         time.sleep(0.3)  # the last websocket messages
     events = rec.events
@@ -259,7 +260,7 @@ def measure(server: runner.ComfyServer, graph: dict, timeout: float, sampler_nod
     ok = entry["status"]["status_str"] == "success"
     out["status"] = "ok" if ok else "error"
     if not ok:
-        out["error"] = runner.execution_error(entry) or str(entry["status"])
+        out["error"] = cli_server.execution_error(entry) or str(entry["status"])
     return out
 
 
@@ -285,11 +286,11 @@ def _serve(setup: ServerSetup, base: Path, flags: list[str], record: dict, graph
            sampler_nodes: tuple[str, ...], probe: bool) -> None:
     """Start the server, check the pack imported, measure ``graph`` into ``record``."""
     t0 = time.monotonic()
-    with runner.start_comfyui(setup.comfyui, base, cpu=setup.cpu, extra_args=flags, startup_timeout=240) as server:
+    with cli_server.ComfyServer.start(setup.comfyui, base, cpu=setup.cpu, extra_args=flags, timeout=240) as server:
         record["startup_s"] = round(time.monotonic() - t0, 1)
-        problems = runner.pack_import_problems(server.log_text(), base / "custom_nodes" / runner.REGISTRY_FOLDER_NAME)
+        problems = cli_server.pack_import_problems(server.log_text(), base / "custom_nodes" / cli_server.REGISTRY_FOLDER_NAME)
         if problems:
-            raise runner.RunError(f"the pack failed to import: {problems[0].strip()}")
+            raise cli_server.RunError(f"the pack failed to import: {problems[0].strip()}")
         if setup.list_nodes:
             info = server.get("/object_info", timeout=180)
             record["pack_nodes"] = sorted(k for k in info if k.startswith("LowVRAM_"))
@@ -322,7 +323,7 @@ def run_row(setup: ServerSetup, row: Row, graph: dict, total_vram_gib: float, re
         _serve(setup, base, flags, record, graph, sampler_nodes, probe)
     except Exception as exc:  # noqa: BLE001 - one row's failure must not stop the others
         record["error"] = f"{type(exc).__name__}: {exc}"[:4000]
-    if (base / "comfyui.log").exists():  # the server's log (cli.runner writes it there)
+    if (base / "comfyui.log").exists():  # the server's log (cli.server writes it there)
         log = (base / "comfyui.log").read_bytes().decode("utf-8", "replace")
     record["tqdm"] = tqdm_summaries(log)
     record["log"] = log_digest(log)
@@ -392,11 +393,11 @@ def write_models(models: Path, names: Iterable[str]) -> dict[str, float]:
 
     took = {}
     for name in names:
-        if name not in runner.KNOWN_MODEL_FILES and name not in KNOWN_LORA_FILES:
+        if name not in workflow_models.KNOWN_MODEL_FILES and name not in KNOWN_LORA_FILES:
             print(f"model {name}: no synthetic writer for it; put the real file under {models}", flush=True)
             continue
         t0 = time.monotonic()
-        runner.write_synthetic_models({name}, models, "full")
+        workflow_models.write_synthetic_models({name}, models, "full")
         took[name] = round(time.monotonic() - t0, 1)
         print(f"model {name}: {took[name]} s", flush=True)
     return took

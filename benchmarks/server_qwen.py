@@ -128,9 +128,9 @@ def model_files(rows: Sequence[Row], unet: str = UNET, te: str = TEXT_ENCODER, v
 
 def write_smoke_models(models: Path, names: tuple[str, ...], te: str) -> None:
     """Tiny synthetic files under ``names`` (the runner's: the encoder 2 layers deep, as the staged loader reads it)."""
-    from comfyui_lowvram_dit.cli import runner
+    from comfyui_lowvram_dit.cli import workflow_models
 
-    runner.write_synthetic_models(set(names), models, "tiny", reduced_text_encoders={te})
+    workflow_models.write_synthetic_models(set(names), models, "tiny", reduced_text_encoders={te})
 
 
 def _t2i_smoke(opts: argparse.Namespace, files: tuple[str, ...]) -> None:
@@ -219,9 +219,9 @@ def write_input_image(folder: Path, width: int, height: int) -> Path:
 def write_edit_smoke_models(models: Path, unet: str, te: str, vae: str) -> None:
     """The runner's tiny files: a narrow transformer, and a 2-layer encoder of its width with the full-size vision
     tower (its merger projects to the encoder's width), as the runner writes them for the Edit loader."""
-    from comfyui_lowvram_dit.cli import runner
+    from comfyui_lowvram_dit.cli import workflow_models
 
-    runner.write_synthetic_models({unet, te, vae}, models, "tiny", reduced_text_encoders={te},
+    workflow_models.write_synthetic_models({unet, te, vae}, models, "tiny", reduced_text_encoders={te},
                                   vision_text_encoders={te})
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from comfyui_lowvram_dit.benchmarks import server as run
 from comfyui_lowvram_dit.benchmarks import server_qwen as bq
-from comfyui_lowvram_dit.synthetic import run_models, lora as synth_lora
+from comfyui_lowvram_dit.cli import workflow_models as run_models
+from comfyui_lowvram_dit.synthetic import lora as synth_lora
 from template_files import graphs, load_template
 from test_bench_server import _measured, _problems, fake_start
 

@@ -7,7 +7,6 @@ import contextlib
 import json
 import sys
 import time
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -392,7 +391,7 @@ class FakeServer:
     """What run_row reads of a started server: its log, /object_info, the URL and the process id."""
 
     def __init__(self, log: str) -> None:
-        self.log, self.url, self.process = log, "http://127.0.0.1:1", types.SimpleNamespace(pid=1)
+        self.log, self.url, self.pid = log, "http://127.0.0.1:1", 1
 
     def log_text(self) -> str:
         return self.log
@@ -402,20 +401,20 @@ class FakeServer:
 
 
 def fake_start(monkeypatch: pytest.MonkeyPatch, log: Callable[[Path], str]) -> list[dict]:
-    """Replace runner.start_comfyui: each start records its base folder and flags, writes ``log(base)`` as the
+    """Replace ComfyServer.start: each start records its base folder and flags, writes ``log(base)`` as the
     server log; returns the list of starts."""
     starts: list[dict] = []
 
     @contextlib.contextmanager
     def start(comfyui: Path, base: Path, *, cpu: bool = False, extra_args: list[str] | None = None,
-              startup_timeout: float = 300.0) -> Iterator[FakeServer]:
+              timeout: float = 300.0) -> Iterator[FakeServer]:
         pack = base / "custom_nodes" / "comfyui-lowvram-dit"
         starts.append({"base": base, "args": list(extra_args or []), "cpu": cpu, "pack": pack.resolve(),
                        "inputs": sorted(p.name for p in (base / "input").iterdir())})
         (base / "comfyui.log").write_text(log(base))
         yield FakeServer(log(base))
 
-    monkeypatch.setattr(run.runner, "start_comfyui", start)
+    monkeypatch.setattr(run.cli_server.ComfyServer, "start", start)
     return starts
 
 

@@ -27,7 +27,7 @@ from comfyui_lowvram_dit.kernels.fp8 import dequantize_blockwise
 from comfyui_lowvram_dit.synthetic.specs import (
     Qwen25VLConfig, QwenImageConfig, is_linear_weight, model_spec, qwen25_vl_spec, qwen_image_spec,
 )
-from comfyui_lowvram_dit.synthetic.run_models import tiny_text_encoder_config
+from comfyui_lowvram_dit.synthetic.tiny import tiny_text_encoder_config
 
 # The Qwen2.5-VL `run --synthetic tiny` writes: 2 layers, hidden 128 (= the tiny Qwen-Image's joint dim), ComfyUI's
 # 152k vocabulary for the real tokenizer's ids, no vision tower (39 MB bf16). WITH_VISION adds the full 32-block
