@@ -317,7 +317,7 @@ class _LinearCalls:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, patcher: Any) -> None:
         from comfyui_lowvram_dit.kernels import opaque_ops
-        from comfyui_lowvram_dit.host.fp8_layers import LowVramFp8Ops
+        from comfyui_lowvram_dit.host.fp8_ops import LowVramFp8Ops
 
         self.calls: dict[str, set[tuple]] = {}
         names = {id(m): n for n, m in patcher.model.named_modules()}
