@@ -3,7 +3,8 @@
 The model is built by ComfyUI itself (``comfy.sd.load_diffusion_model_state_dict(sd, {"custom_operations":
 make_fp8_ops(cfg), ...})``), so it stays a native MODEL. ``LowVramFp8Ops`` is a module-level
 ``comfy.ops.manual_cast`` subclass configured by class attributes (as ComfyUI-GGUF's ``GGMLOps``);
-``make_fp8_ops`` returns its subclass with the config. Every op except Linear is ``manual_cast``'s.
+``make_fp8_ops`` returns its subclass with the config. Every op except Linear is ``manual_cast``'s. This module
+imports ComfyUI at import time: loaders import it inside their load functions.
 The Linear keeps the CastWeightBiasOp contract:
 - resident, no LoRA functions: ``kernels.fp8.fp8_linear`` on the fp8 weight (fp8 matmul where the GPU has it);
 - lowvram-offloaded: the fp8 weight + its scale are copied on ComfyUI's offload stream (``uncast_bias_weight``

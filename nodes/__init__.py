@@ -66,7 +66,7 @@ def make_extension():  # noqa: ANN201 - comfy_api.latest.ComfyExtension
             # Called once when ComfyUI loads the pack (0.8.0 has no on_load): the 8-bit attention warm-up hooks
             # into queued prompts here, never at import.
             try:
-                from .attention import register_prompt_warmup
+                from ..host.attention import register_prompt_warmup
 
                 register_prompt_warmup()
             except Exception as exc:  # noqa: BLE001 - the nodes load without it (load_node_classes says why)

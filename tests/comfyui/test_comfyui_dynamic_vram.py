@@ -31,9 +31,9 @@ def _tiny_wan(tmp_path: Path, name: str, fmt: str = "fp8_scaled") -> Path:
 def test_block_swap_steps_aside_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     comfyui_in_process_or_skip()
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
     from comfyui_lowvram_dit.host import common
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     common._SAID_ONCE.clear()
     caplog.set_level(logging.WARNING, logger=LOGGER)
@@ -55,7 +55,7 @@ def test_file_backed_offload_steps_aside_under_dynamic_vram(tmp_path: Path,
     comfyui_in_process_or_skip()
     from comfyui_lowvram_dit.host import common
     from comfyui_lowvram_dit.host.mapped_weights import MappedWeightsMixin, keep_file_backed
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     common._SAID_ONCE.clear()
     caplog.set_level(logging.WARNING, logger=LOGGER)
@@ -78,7 +78,7 @@ def test_fp8_models_get_the_legacy_patcher_and_a_reload_factory(tmp_path: Path,
 
     import comfy.sd
 
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     real = comfy.sd.load_diffusion_model_state_dict
     asked: list[object] = []

@@ -36,7 +36,7 @@ def _ours(te: Path, rss: list | None = None) -> list[list]:
     """Our streamed encoder's CONDITIONING per prompt; appends the build's StageReport to ``rss`` if given."""
     import torch
     from comfyui_lowvram_dit.offload import stage_meter
-    from comfyui_lowvram_dit.nodes import wan_text
+    from comfyui_lowvram_dit.host import wan_text
 
     with torch.inference_mode():
         stage_meter.release_host_memory()
@@ -118,7 +118,7 @@ def test_embedding_cache_hit_miss_and_encoder_swap(comfy: types.ModuleType, tmp_
     """Second encode of the same prompts: from the cache, encoder not loaded; a replaced file: a miss."""
     import folder_paths
     import torch
-    from comfyui_lowvram_dit.nodes import wan_text
+    from comfyui_lowvram_dit.host import wan_text
     from comfyui_lowvram_dit.host import common
 
     monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path / "user"))
