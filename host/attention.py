@@ -14,16 +14,16 @@ from typing import Any, Optional
 
 import torch
 
-from ..kernels import attention as attention_kernels
+from ..kernels import attention_backends as attention_kernels
 from ..kernels import opaque_ops
-from .common import node_id
+from .names import node_id
 from .compiler import outside_allocation_graph
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
 OVERRIDE_KEY = "optimized_attention_override"
 COMFY_DEFAULT = "ComfyUI default"
-# UI label -> kernels.attention registry name (None: call ComfyUI's own choice).
+# UI label -> kernels/attention_backends.py registry name (None: call ComfyUI's own choice).
 BACKEND_CHOICES: dict[str, Optional[str]] = {
     "auto": "auto",
     "SDPA cuDNN": "sdpa_cudnn",

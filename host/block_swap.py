@@ -46,7 +46,8 @@ from ..kernels.hooks import find_blocks
 from ..offload.engine import BlockStreamer, StreamHook
 from ..offload.plan import SwapConfig, SwapPlan
 from ..offload.verdict import StreamStats, SwapSetup, swap_verdict
-from .common import dynamic_vram_manages, mixed_class, say_once
+from .patchers import dynamic_vram_manages, mixed_class
+from .log import say_once
 from .core_quant import model_layouts
 from .hooks import register_hook
 from .lora_merge import StreamedMerge

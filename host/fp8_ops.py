@@ -96,7 +96,7 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
                 if w.dtype != torch.float8_e4m3fn:  # e5m2: re-quantize to the e4m3fn the GEMMs take
                     s = scale.float() if scale is not None else torch.ones(())
                     w, scale = fp8_math.quantize_per_tensor(
-                        w.float() * _expand_scale(s, tuple(w.shape), self.fp8_config.block_size, w.device))
+                        w.float() * fp8_math.expand_scale(s, tuple(w.shape), self.fp8_config.block_size, w.device))
                 scale = torch.ones((), dtype=torch.float32) if scale is None else scale.float()
                 if scale.numel() == 1:
                     scale = scale.reshape(())
@@ -168,17 +168,21 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             return out
 
         # ---- LoRA (merged into resident weights by ModelPatcher.patch_weight_to_device) ------------
+        def _full_scale(self, weight: torch.Tensor) -> torch.Tensor:
+            return fp8_math.expand_scale(self.weight_scale, tuple(weight.shape), self.fp8_config.block_size,
+                                         weight.device)
+
         def convert_weight(self, weight, inplace=False, **kwargs):  # noqa: ANN001, ANN201
             """Raw fp8 codes (already cast to the LoRA dtype by ComfyUI) -> real weight values."""
             if not self.is_fp8:
                 return weight
-            scale = _expand_scale(self.weight_scale, tuple(weight.shape), self.fp8_config.block_size, weight.device)
+            scale = self._full_scale(weight)
             return weight.mul_(scale) if inplace else weight * scale
 
         def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):  # noqa: ANN001, ANN201
             """Store a patched weight: re-quantized with this layer's scale (fp8) or rounded (others)."""
             if self.is_fp8:
-                scale = _expand_scale(self.weight_scale, tuple(weight.shape), self.fp8_config.block_size, weight.device)
+                scale = self._full_scale(weight)
                 new = (weight.float() / scale).clamp(-fp8_math.FP8_MAX, fp8_math.FP8_MAX).to(self.weight.dtype)
             else:
                 new = comfy.float.stochastic_rounding(weight, self.weight.dtype, seed=seed or 0)
@@ -204,14 +208,6 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
                     self._buffers[key] = fn(buf)
             self._fp8_path = None
             return self
-
-
-def _expand_scale(scale: torch.Tensor, shape: tuple[int, int], block_size: int, device: torch.device) -> torch.Tensor:
-    """Per-element fp32 scale for an [N, K] weight from a 0-d or block scale."""
-    s = scale.to(device=device, dtype=torch.float32)
-    if s.ndim == 0:
-        return s
-    return fp8_math.expand_block_scale(s, shape, block_size)
 
 
 def _comfy_quant_format(raw: torch.Tensor) -> str | None:

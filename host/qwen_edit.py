@@ -36,7 +36,7 @@ from ..checkpoints.embedding_cache import embedding_cache_key, tensor_digest
 from ..offload.stage_meter import StageReport
 from .qwen_stages import QWEN25_VL
 from . import text_encoders
-from .common import embedding_cache
+from .files import embedding_cache
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

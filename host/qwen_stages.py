@@ -40,7 +40,9 @@ from ..checkpoints.text_encoders import qwen25_vl_config_from_header
 from .block_swap import apply_block_swap, check_budget
 from . import text_encoders
 from .graph_checks import WAN_VAE_KEY
-from .common import checked_input, display_name, load_diffusion_model, use_mmap
+from .files import checked_input, use_mmap
+from .names import display_name
+from .model_loading import load_diffusion_model
 from .core_quant import announce, check_host_reads
 from .mapped_weights import keep_file_backed
 

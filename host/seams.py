@@ -27,7 +27,7 @@ from typing import Any
 
 from . import behaviour
 from .version import comfyui_version
-from .common import say_once
+from .log import say_once
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

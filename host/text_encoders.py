@@ -27,7 +27,7 @@ from ..checkpoints.safetensors_io import (
 from ..checkpoints.embedding_cache import embedding_cache_key, file_identity
 from ..checkpoints.text_encoders import text_encoder_format
 from .version import comfyui_version
-from .common import embedding_cache, use_mmap
+from .files import embedding_cache, use_mmap
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

@@ -11,7 +11,8 @@ import torch
 
 from ..checkpoints import wan as wc
 from . import graph_checks
-from .common import load_diffusion_model, use_mmap
+from .model_loading import load_diffusion_model
+from .files import use_mmap
 from .core_quant import announce, check_host_reads
 from .mapped_weights import keep_file_backed
 

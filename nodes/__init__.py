@@ -2,9 +2,9 @@
 
 Imported only by ``comfy_entrypoint`` inside a running ComfyUI. A listed module that does not exist is an
 ImportError; one that exists but fails to import (a ComfyUI seam that moved, a missing optional library)
-disables its own nodes and logs why, so the rest of the pack and ComfyUI's startup keep working. Each node class then declares the ComfyUI
-seams it uses (``COMFY_SEAMS``); host/seams.py leaves out, or turns into a pass-through, a node
-whose seams this ComfyUI lacks, with one warning naming the node, the seam and the ComfyUI version.
+disables its own nodes and logs why, so the rest of the pack and ComfyUI's startup keep working. Each node
+class declares the ComfyUI seams it uses (``COMFY_SEAMS``); host/seams.py leaves out, or turns into a
+pass-through, a node whose seams this ComfyUI lacks, with one warning naming the node, the seam and the version.
 """
 
 from __future__ import annotations

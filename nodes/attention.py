@@ -6,7 +6,7 @@ from typing import Any
 
 from comfy_api.latest import io
 
-from ..host.common import CATEGORY_PATCHES, display_name, node_id
+from ..host.names import CATEGORY_PATCHES, display_name, node_id
 from ..host.seams import PASS_THROUGH
 from ..host.attention import BACKEND_CHOICES, apply_attention
 
@@ -36,9 +36,8 @@ class AttentionSelect(io.ComfyNode):
                 io.Combo.Input(
                     "backend", options=list(BACKEND_CHOICES), default="auto",
                     tooltip="auto: time every available exact backend once per shape and keep the fastest "
-                            "(H200, Wan 480p: SDPA cuDNN 38 ms, SDPA flash 61 ms, memory-efficient 122 ms). "
-                            "SageAttention and lowvram 8-bit quantize Q/K (faster, ~1-2 % error); "
-                            "ComfyUI default: whatever ComfyUI's launch flags chose."),
+                            "(recommended). SageAttention and lowvram 8-bit quantize Q/K (faster on long "
+                            "sequences, ~1-2 % error); ComfyUI default: whatever ComfyUI's launch flags chose."),
             ],
             outputs=[io.Model.Output()],
         )

@@ -6,7 +6,7 @@ from comfy_api.latest import io
 
 from ..offload import plan as swap_plan
 from ..offload.plan import SwapConfig, budget_problem, check_budget
-from ..host.common import CATEGORY_PATCHES, display_name, node_id
+from ..host.names import CATEGORY_PATCHES, display_name, node_id
 from ..host.seams import BLOCK_SWAP_SEAMS, PASS_THROUGH
 from ..host.block_swap import apply_block_swap
 

@@ -7,7 +7,7 @@ from typing import Any
 from comfy_api.latest import io
 
 from ..kernels.compile import MODES, CompileConfig
-from ..host.common import CATEGORY_PATCHES, display_name, node_id
+from ..host.names import CATEGORY_PATCHES, display_name, node_id
 from ..host.seams import PASS_THROUGH
 from ..host.torch_compile import DYNAMIC_CHOICES, SCOPES, apply_compile
 

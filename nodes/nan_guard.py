@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..kernels.nan_guard import ACTIONS
-from ..host.common import CATEGORY_PATCHES, display_name, node_id
+from ..host.names import CATEGORY_PATCHES, display_name, node_id
 from ..host.seams import PASS_THROUGH
 from ..host.nan_guard import apply_nan_guard
 

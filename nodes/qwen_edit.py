@@ -6,7 +6,7 @@ import torch
 from comfy_api.latest import io
 
 from . import qwen_staged
-from ..host.common import CATEGORY_LOADERS, display_name, node_id
+from ..host.names import CATEGORY_LOADERS, display_name, node_id
 from ..host.qwen_edit import MAX_IMAGES, QWEN25_VL_EDIT, encode_edit_prompts
 from ..host.qwen_stages import load_staged_model, load_vae, prepare_files
 

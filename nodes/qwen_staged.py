@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..host.common import CATEGORY_LOADERS, CATEGORY_UTILS, display_name, file_fingerprint, node_id
+from ..host.names import CATEGORY_LOADERS, CATEGORY_UTILS, display_name, node_id
+
+from ..host.files import file_fingerprint
 from ..host.seams import BLOCK_SWAP_SEAMS, DISABLE
 from ..host.qwen_stages import (
     COMPUTE, QUANTIZATION, decode_staged, encode_prompts, load_staged_model, load_vae, prepare_files,

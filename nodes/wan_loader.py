@@ -5,7 +5,8 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..checkpoints import wan as wc
-from ..host.common import CATEGORY_LOADERS, display_name, file_fingerprint, node_id
+from ..host.names import CATEGORY_LOADERS, display_name, node_id
+from ..host.files import file_fingerprint
 from ..host.seams import DISABLE
 from ..host.wan_loader import COMPUTE, QUANTIZATION, check_decoding_vae, load_wan_model
 
@@ -42,9 +43,8 @@ class WanLoader(io.ComfyNode):
                                tooltip="none: load as stored. fp8 per-tensor (default): one scale per weight, "
                                        "activations scaled per token; fp8 matmul on Ada, Hopper and Blackwell. "
                                        "fp8 block-wise: one scale per block_size tile; fp8 matmul on Hopper only "
-                                       "(dequantized elsewhere), slightly lower error, slightly slower (H200: "
-                                       "2.51 s vs 2.45 s per Wan 14B forward). Already-quantized files keep their "
-                                       "own quantization."),
+                                       "(dequantized elsewhere), slightly lower error, slightly slower. "
+                                       "Already-quantized files keep their own quantization."),
                 io.Combo.Input("block_size", options=["128", "64"], default="128",
                                tooltip="Tile size for block-wise fp8. 128 uses the block-scaled fp8 GEMM on "
                                        "H100/H200; 64 stores finer scales but no fp8 GEMM takes them, so those "

@@ -72,13 +72,14 @@ def fake_core(core: Any, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 - reg
 def slow_ours(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make auto's own candidates one exact fake of 50 ms, so a fake core function can beat it on CPU."""
     from comfyui_lowvram_dit.kernels import attention as ak
+    from comfyui_lowvram_dit.kernels import attention_backends
 
     def slow(q, k, v, mask):
         time.sleep(0.05)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     monkeypatch.setattr(ak, "BACKENDS", dict(ak.BACKENDS))
-    ak.register_backend(ak.AttentionBackend("slow_sdpa", "slow SDPA", slow, lambda *a: None))
+    attention_backends.register_backend(ak.AttentionBackend("slow_sdpa", "slow SDPA", slow, lambda *a: None))
     monkeypatch.setattr(ak, "AUTO_CANDIDATES", ("slow_sdpa",))
 
 

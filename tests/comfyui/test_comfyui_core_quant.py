@@ -134,7 +134,7 @@ def test_qwen_staged_loader_builds_core_layers_like_unetloader(comfy: Any, tmp_p
 
     from comfyui_lowvram_dit.checkpoints import safetensors_io as checkpoint_io, qwen_image
     from comfyui_lowvram_dit.host import qwen_stages
-    from comfyui_lowvram_dit.host.common import detected_config_defaults
+    from comfyui_lowvram_dit.host.model_loading import detected_config_defaults
 
     if not _builds(layout):
         pytest.skip(f"this ComfyUI does not build {layout} (its refusal is tested below)")

@@ -14,6 +14,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from comfyui_lowvram_dit.kernels import attention as attn
+
+from comfyui_lowvram_dit.kernels import attention_backends, attention_check
 from comfyui_lowvram_dit.kernels import fp8, fp8_choice, opaque_ops
 from comfyui_lowvram_dit.kernels.compile import CompileConfig, CompiledRegions, transformer_options_guard_filter
 
@@ -118,9 +120,9 @@ def _untraceable(monkeypatch: pytest.MonkeyPatch, calls: list[bool]) -> None:
 
     def probe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         calls.append(torch.compiler.is_compiling())
-        return attn.reference_attention(q, k, v, mask).to(q.dtype)
+        return attention_check.reference_attention(q, k, v, mask).to(q.dtype)
 
-    attn.register_backend(attn.AttentionBackend("probe", "PROBE", probe, lambda *a: None, compile_safe=False))
+    attention_backends.register_backend(attn.AttentionBackend("probe", "PROBE", probe, lambda *a: None, compile_safe=False))
 
 
 @pytest.mark.parametrize("opaque", [True, False])
@@ -155,7 +157,7 @@ def test_host_backends_reach_the_op_by_name(monkeypatch: pytest.MonkeyPatch) -> 
 
     def host_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         seen.append("host")
-        return attn.reference_attention(q, k, v, mask).to(q.dtype)
+        return attention_check.reference_attention(q, k, v, mask).to(q.dtype)
 
     host = attn.HostAttention((attn.AttentionBackend("probehost:x", "host x", host_fn, lambda *a: None),),
                               "probehost:x", "host x")
