@@ -16,8 +16,8 @@ import torch
 
 from ..kernels import attention_backends as attention_kernels
 from ..kernels import opaque_ops
-from .names import node_id
 from .compiler import outside_allocation_graph
+from .names import node_id
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -255,14 +255,3 @@ def register_prompt_warmup(prompt_server: Any = None) -> bool:
                and getattr(h, "__module__", "") == warm_int8_for_prompt.__module__ for h in handlers):
         prompt_server.add_on_prompt_handler(warm_int8_for_prompt)
     return True
-
-
-def describe_availability(device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str:
-    """One line per backend: available, or why not (for tooltips, the doctor node and logs)."""
-    lines = []
-    for label, name in BACKEND_CHOICES.items():
-        if name in (None, "auto"):
-            continue
-        reason = attention_kernels.unavailable_reason(name, device, dtype, head_dim)
-        lines.append(f"{label}: {'available' if reason is None else reason}")
-    return "\n".join(lines)

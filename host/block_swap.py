@@ -41,16 +41,17 @@ import weakref
 
 import torch
 
-from ..offload import engine as offload, plan as swap_plan
 from ..kernels.hooks import find_blocks
+from ..offload import engine as offload
+from ..offload import plan as swap_plan
 from ..offload.engine import BlockStreamer, StreamHook
 from ..offload.plan import SwapConfig, SwapPlan
 from ..offload.verdict import StreamStats, SwapSetup, swap_verdict
-from .patchers import dynamic_vram_manages, mixed_class
-from .log import say_once
 from .core_quant import model_layouts
 from .hooks import register_hook
+from .log import say_once
 from .lora_merge import StreamedMerge
+from .patchers import dynamic_vram_manages, mixed_class
 from .pin_budget import ComfyPinBudget
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -65,17 +66,6 @@ def measured_verdicts() -> list[str]:
     return list(_measured.values())
 
 
-def _set_param(root: torch.nn.Module, key: str, t: torch.Tensor) -> None:
-    """Rebind parameter ``key`` (dotted) of ``root`` to ``t`` (as comfy.utils.set_attr_param; no import at exit)."""
-    mod_name, _, attr = key.rpartition(".")
-    mod = root.get_submodule(mod_name) if mod_name else root
-    mod._parameters[attr] = t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, requires_grad=False)
-
-
-def _module_bytes(m: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in m.state_dict().values())
-
-
 class SwapController:
     """State shared by every clone of one Block Swap MODEL: the plan, the streamer, what was moved and why."""
 
@@ -86,11 +76,11 @@ class SwapController:
         self.list_name, self.blocks = find_blocks(dm, "Block Swap")
         self.prefix = f"diffusion_model.{self.list_name}."
         self.block_bytes = [offload.block_nbytes(b) for b in self.blocks]
-        self.block_state_bytes = [_module_bytes(b) for b in self.blocks]
+        self.block_state_bytes = [offload.module_bytes(b) for b in self.blocks]
         self.embed_names = tuple(f"diffusion_model.{n}" for n, m in dm.named_children()
                                  if n != self.list_name and any(True for _ in m.parameters()))
-        self.embed_bytes = sum(_module_bytes(getattr(dm, n.split(".", 1)[1])) for n in self.embed_names)
-        self.full_bytes = _module_bytes(base_model)
+        self.embed_bytes = sum(offload.module_bytes(getattr(dm, n.split(".", 1)[1])) for n in self.embed_names)
+        self.full_bytes = offload.module_bytes(base_model)
         self.model_ref = weakref.ref(base_model)
         self.activation_bytes = 0  # ComfyUI's own estimate at the current resolution (PREPARE_SAMPLING wrapper)
         self.plan: SwapPlan | None = None
@@ -193,7 +183,7 @@ class SwapController:
                 if t.device != device:
                     key = f"{n}.{p}" if n else p
                     self._moved[key] = t
-                    _set_param(model, key, t.to(device))
+                    offload.set_param(model, key, t.to(device))
                     moved += t.numel() * t.element_size()
         self._extra_loaded = plan.ring_bytes + moved
         model.model_loaded_weight_memory += self._extra_loaded
@@ -255,7 +245,7 @@ class SwapController:
         self._pinned_keys.clear()
         model = patcher.model
         for key, cpu in self._moved.items():
-            _set_param(model, key, cpu)
+            offload.set_param(model, key, cpu)
         self._moved.clear()
         model.model_loaded_weight_memory = max(0, model.model_loaded_weight_memory - self._extra_loaded)
         self._extra_loaded = 0

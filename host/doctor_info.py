@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 
-
 from ..doctor import host as doctor_host
 from .version import comfyui_version
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 _SAID_ONCE: set[str] = set()
 
 

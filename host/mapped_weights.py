@@ -34,8 +34,8 @@ import torch
 
 from ..checkpoints.safetensors_io import CheckpointError
 from ..offload.host_memory import file_backed_ranges, is_file_backed
-from .patchers import dynamic_vram_manages, mixed_class
 from .log import say_once
+from .patchers import dynamic_vram_manages, mixed_class
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from ..offload import stage_meter
 from ..checkpoints.embedding_cache import embedding_cache_key, tensor_digest
+from ..offload import stage_meter
 from ..offload.stage_meter import StageReport
-from .qwen_stages import QWEN25_VL
 from . import text_encoders
 from .files import embedding_cache
+from .qwen_stages import QWEN25_VL
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

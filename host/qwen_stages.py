@@ -32,19 +32,19 @@ from pathlib import Path
 import torch
 
 from ..checkpoints import qwen_image
-from ..offload import stage_meter
 from ..checkpoints.safetensors_io import CheckpointError, check_quantization, read_header
-from ..offload.stage_meter import StageReport
-from ..offload.plan import SwapConfig
 from ..checkpoints.text_encoders import qwen25_vl_config_from_header
-from .block_swap import apply_block_swap, check_budget
+from ..offload import stage_meter
+from ..offload.plan import SwapConfig
+from ..offload.stage_meter import StageReport
 from . import text_encoders
-from .graph_checks import WAN_VAE_KEY
-from .files import checked_input, use_mmap
-from .names import display_name
-from .model_loading import load_diffusion_model
+from .block_swap import apply_block_swap, check_budget
 from .core_quant import announce, check_host_reads
+from .files import checked_input, use_mmap
+from .graph_checks import WAN_VAE_KEY
 from .mapped_weights import keep_file_backed
+from .model_loading import load_diffusion_model
+from .names import display_name
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

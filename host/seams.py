@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import behaviour
-from .version import comfyui_version
 from .log import say_once
+from .version import comfyui_version
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

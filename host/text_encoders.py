@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from ..offload import stage_meter
 from ..checkpoints import streaming
+from ..checkpoints.embedding_cache import embedding_cache_key, file_identity
 from ..checkpoints.safetensors_io import (
     CheckpointError, SafetensorsHeader, check_quantization, iter_tensors, read_header,
 )
-from ..checkpoints.embedding_cache import embedding_cache_key, file_identity
 from ..checkpoints.text_encoders import text_encoder_format
-from .version import comfyui_version
+from ..offload import stage_meter
 from .files import embedding_cache, use_mmap
+from .version import comfyui_version
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

@@ -11,10 +11,10 @@ import torch
 
 from ..checkpoints import wan as wc
 from . import graph_checks
-from .model_loading import load_diffusion_model
-from .files import use_mmap
 from .core_quant import announce, check_host_reads
+from .files import use_mmap
 from .mapped_weights import keep_file_backed
+from .model_loading import load_diffusion_model
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -101,6 +101,7 @@ def load_wan_model(
 def _vae_file(name: str) -> str | None:
     """The file VAELoader loads for ``name``: its tiny video autoencoders (lighttaew2_2...) from vae_approx."""
     import folder_paths
+
     import nodes
 
     video_taes = getattr(getattr(nodes, "VAELoader", None), "video_taes", ())

@@ -19,11 +19,10 @@ import functools
 import logging
 from pathlib import Path
 
-
 from ..checkpoints.safetensors_io import CheckpointError, SafetensorsHeader
-from ..offload.stage_meter import StageReport
 from ..checkpoints.streaming import ProgressFn
 from ..checkpoints.text_encoders import umt5_config_from_header
+from ..offload.stage_meter import StageReport
 from . import text_encoders
 
 log = logging.getLogger("comfyui_lowvram_dit")

@@ -1,4 +1,4 @@
-"""Attention accuracy check: an fp32 reference on a slice of query rows, and the TFLOP/s of a timed call.
+"""Attention accuracy check: the output against an fp32 reference on a slice of query rows.
 
 Attention rows are independent, so the check needs the full K/V but only a few queries.
 """
@@ -45,8 +45,3 @@ def check_output(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: T
     got = out[:1, heads][:, :, rows].float()
     err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
     return True, err, ""
-
-
-def attention_tflops(b: int, h: int, lq: int, lk: int, d: int, ms: float) -> float:
-    """TFLOP/s of non-causal attention (4·B·H·Lq·Lk·D flops: two matmuls)."""
-    return 4.0 * b * h * lq * lk * d / (ms * 1e-3) / 1e12

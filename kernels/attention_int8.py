@@ -315,10 +315,9 @@ def start_warmup(device: torch.device | str, dtype: torch.dtype = torch.bfloat16
     """Compile the quantizers and the autotuner's long-sequence configs of the 8-bit kernel for (device, dtype,
     head_dim) in a daemon thread.
 
-    On a cold Triton cache these compiles take seconds (an H100: ~1.5 s per config, ~10 s in all); started when a
-    prompt using the 8-bit backend is queued or a model gets it, they run while ComfyUI encodes text, loads the
-    model and torch.compile traces it, instead of inside the first sampler step. ``heads`` only matters through its divisibility by 16 (Triton's
-    specialisation). The first real call waits for a warm-up still running (the autotuner is not thread-safe).
+    On a cold Triton cache these compiles take seconds; started when a prompt using the 8-bit backend is queued or a
+    model gets it, they run while ComfyUI encodes text, loads the model and torch.compile traces it, instead of
+    inside the first sampler step. ``heads`` only matters through its divisibility by 16 (Triton's specialisation). The first real call waits for a warm-up still running (the autotuner is not thread-safe).
     Returns the thread, or None where the kernel cannot run here.
     """
     device = torch.device(device)

@@ -42,7 +42,7 @@ FP8_COMPUTE: tuple[str, ...] = get_args(Fp8Compute)
 
 # How per-tensor fp8 weights scale their activations on GPUs that can do both (SM89/SM90): one scale per
 # token ("scaled_mm_rowwise", robust to outlier tokens) or one per batch sample ("scaled_mm_tensorwise", needs an
-# amax per sample). The one-line switch; chosen by benchmarks/bench_fp8_gemm.py on an H100.
+# amax per sample). The one-line switch (docs/benchmarks.md compares the two).
 PER_TENSOR_DEFAULT_PATH: Fp8Path = "scaled_mm_rowwise"
 
 # Paths whose GEMM adds the bias in its epilogue (torch requires bias dtype == output dtype there).
@@ -60,7 +60,7 @@ def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     # The divisor is a tensor on amax's device, not the Python float 448: torch's CUDA kernel evaluates
     # `t / 448.0` as t * fp32(1/448) (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu, a CPU-scalar divisor),
     # 1 ulp off the IEEE quotient for some amax, while its CPU kernel and the
-    # Triton kernels (div_rn) divide. Seen on an H200 (torch 2.11): GPU and CPU weight scales differed.
+    # Triton kernels (div_rn) divide, so GPU and CPU weight scales could differ.
     # A tensor / tensor division is IEEE on CPU and CUDA alike, so weights quantized on either device and
     # activations quantized by torch or Triton are bit-identical, and re-quantizing q * scale returns scale.
     return (a / a.new_full((), FP8_MAX)).clamp_min(SCALE_MIN)

@@ -6,9 +6,9 @@ from typing import Any
 
 from comfy_api.latest import io
 
+from ..host.attention import BACKEND_CHOICES, apply_attention
 from ..host.names import CATEGORY_PATCHES, display_name, node_id
 from ..host.seams import PASS_THROUGH
-from ..host.attention import BACKEND_CHOICES, apply_attention
 
 
 class AttentionSelect(io.ComfyNode):

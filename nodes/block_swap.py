@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..offload import plan as swap_plan
-from ..offload.plan import SwapConfig, budget_problem, check_budget
+from ..host.block_swap import apply_block_swap
 from ..host.names import CATEGORY_PATCHES, display_name, node_id
 from ..host.seams import BLOCK_SWAP_SEAMS, PASS_THROUGH
-from ..host.block_swap import apply_block_swap
+from ..offload import plan as swap_plan
+from ..offload.plan import SwapConfig, budget_problem, check_budget
 
 
 class BlockSwap(io.ComfyNode):

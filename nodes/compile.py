@@ -6,10 +6,10 @@ from typing import Any
 
 from comfy_api.latest import io
 
-from ..kernels.compile import MODES, CompileConfig
 from ..host.names import CATEGORY_PATCHES, display_name, node_id
 from ..host.seams import PASS_THROUGH
 from ..host.torch_compile import DYNAMIC_CHOICES, SCOPES, apply_compile
+from ..kernels.compile import MODES, CompileConfig
 
 
 class TorchCompile(io.ComfyNode):

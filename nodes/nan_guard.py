@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..kernels.nan_guard import ACTIONS
 from ..host.names import CATEGORY_PATCHES, display_name, node_id
-from ..host.seams import PASS_THROUGH
 from ..host.nan_guard import apply_nan_guard
+from ..host.seams import PASS_THROUGH
+from ..kernels.nan_guard import ACTIONS
 
 
 class NanGuard(io.ComfyNode):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from comfy_api.latest import io
 
-from . import qwen_staged
 from ..host.names import CATEGORY_LOADERS, display_name, node_id
 from ..host.qwen_edit import MAX_IMAGES, QWEN25_VL_EDIT, encode_edit_prompts
 from ..host.qwen_stages import load_staged_model, load_vae, prepare_files
+from . import qwen_staged
 
 
 class QwenImageEditStagedLoader(io.ComfyNode):

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..host.names import CATEGORY_LOADERS, CATEGORY_UTILS, display_name, node_id
-
 from ..host.files import file_fingerprint
-from ..host.seams import BLOCK_SWAP_SEAMS, DISABLE
+from ..host.names import CATEGORY_LOADERS, CATEGORY_UTILS, display_name, node_id
 from ..host.qwen_stages import (
     COMPUTE, QUANTIZATION, decode_staged, encode_prompts, load_staged_model, load_vae, prepare_files,
 )
+from ..host.seams import BLOCK_SWAP_SEAMS, DISABLE
 from ..offload.plan import budget_problem, check_budget
 
 

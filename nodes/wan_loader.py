@@ -5,8 +5,8 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..checkpoints import wan as wc
-from ..host.names import CATEGORY_LOADERS, display_name, node_id
 from ..host.files import file_fingerprint
+from ..host.names import CATEGORY_LOADERS, display_name, node_id
 from ..host.seams import DISABLE
 from ..host.wan_loader import COMPUTE, QUANTIZATION, check_decoding_vae, load_wan_model
 

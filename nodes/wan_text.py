@@ -5,8 +5,8 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..host import text_encoders
-from ..host.names import CATEGORY_LOADERS, display_name, node_id
 from ..host.files import checked_input, file_fingerprint
+from ..host.names import CATEGORY_LOADERS, display_name, node_id
 from ..host.seams import DISABLE
 from ..host.wan_text import UMT5_XXL, encode_wan_prompts
 

@@ -78,7 +78,9 @@ def slow_ours(monkeypatch: pytest.MonkeyPatch) -> None:
         time.sleep(0.05)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    monkeypatch.setattr(ak, "BACKENDS", dict(ak.BACKENDS))
+    registry = dict(ak.BACKENDS)  # one copy for the registry module and the selector that reads it
+    monkeypatch.setattr(attention_backends, "BACKENDS", registry)
+    monkeypatch.setattr(ak, "BACKENDS", registry)
     attention_backends.register_backend(ak.AttentionBackend("slow_sdpa", "slow SDPA", slow, lambda *a: None))
     monkeypatch.setattr(ak, "AUTO_CANDIDATES", ("slow_sdpa",))
 

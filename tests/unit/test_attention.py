@@ -28,7 +28,9 @@ def _qkv(b: int = 1, h: int = 4, lq: int = 64, lk: int = 64, d: int = 32, dtype:
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 - yields a register function
     """Register throw-away backends; the registry and candidate lists are restored afterwards."""
-    monkeypatch.setattr(attn, "BACKENDS", dict(attn.BACKENDS))
+    registry = dict(attn.BACKENDS)  # one copy for the registry module and the selector that reads it
+    monkeypatch.setattr(attention_backends, "BACKENDS", registry)
+    monkeypatch.setattr(attn, "BACKENDS", registry)
 
     def add(name: str, fn, *, auto: bool = False, first: bool = True, tolerance: float = attention_backends.EXACT_TOLERANCE,
             trades_accuracy: bool = False):
@@ -238,10 +240,10 @@ def test_cuda_backends_agree_with_reference(dtype: torch.dtype) -> None:
 
 
 def test_int8_backend_names_a_missing_triton(monkeypatch):
-    from comfyui_lowvram_dit.kernels import attention, attention_int8
+    from comfyui_lowvram_dit.kernels import attention_int8
 
     monkeypatch.setattr(attention_int8, "is_supported", lambda *a: False)
     monkeypatch.setattr(attention_int8, "_triton_module", lambda: None)
-    reason = attention._int8_reason(torch.device("cuda", 0), torch.bfloat16, 128, False)
+    reason = attention_backends._int8_reason(torch.device("cuda", 0), torch.bfloat16, 128, False)
     assert reason is not None and "needs Triton" in reason
-    assert "head dim" in attention._int8_reason(torch.device("cpu"), torch.bfloat16, 128, False)
+    assert "head dim" in attention_backends._int8_reason(torch.device("cpu"), torch.bfloat16, 128, False)

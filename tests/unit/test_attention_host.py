@@ -50,7 +50,9 @@ def _backend(name: str, fn, quantized: bool = False) -> AttentionBackend:
 @pytest.fixture
 def ours(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 - a function that sets auto's own candidates
     """Replace auto's own candidates with fakes of known speed (real CPU kernels take microseconds)."""
-    monkeypatch.setattr(attn, "BACKENDS", dict(attn.BACKENDS))
+    registry = dict(attn.BACKENDS)  # one copy for the registry module and the selector that reads it
+    monkeypatch.setattr(attention_backends, "BACKENDS", registry)
+    monkeypatch.setattr(attn, "BACKENDS", registry)
 
     def set_ours(**delays: float) -> None:
         for name, delay in delays.items():

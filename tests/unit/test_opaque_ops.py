@@ -116,7 +116,9 @@ def traced_breaks(monkeypatch: pytest.MonkeyPatch) -> int:
 
 def _untraceable(monkeypatch: pytest.MonkeyPatch, calls: list[bool]) -> None:
     """Register 'probe', a backend Dynamo must not trace (as the 8-bit kernel), which records each call."""
-    monkeypatch.setattr(attn, "BACKENDS", dict(attn.BACKENDS))
+    registry = dict(attn.BACKENDS)  # one copy for the registry module and the selector that reads it
+    monkeypatch.setattr(attention_backends, "BACKENDS", registry)
+    monkeypatch.setattr(attn, "BACKENDS", registry)
 
     def probe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         calls.append(torch.compiler.is_compiling())
