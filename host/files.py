@@ -46,7 +46,7 @@ def use_mmap() -> bool:
         return True
 
 
-def embedding_cache() -> Any:  # kernels.embedding_cache.EmbeddingCache
+def embedding_cache() -> Any:  # checkpoints.embedding_cache.EmbeddingCache
     """The pack's embedding cache under ComfyUI's user directory (kept across restarts, unlike temp)."""
     import folder_paths
 

@@ -1,25 +1,17 @@
 """Qwen-Image in stages on small machines: text on the CPU, fp8 transformer with block swap, GPU VAE decode.
 
-``LowVRAM_QwenImageStagedLoader`` returns native MODEL, positive/negative CONDITIONING and VAE (stock KSampler,
-LoRA and ModelSampling nodes work on them):
-- Stage 1, text. The Qwen2.5-VL encoder is built on the CPU with ComfyUI's own classes (the QWEN25_7B
-  detection, ``llama_detect``, ``convert_old_quants``, ``qwen_image.te``, ``QwenImageTokenizer`` and
-  ``comfy.sd.CLIP``: what ``load_text_encoder_state_dicts(clip_type=QWEN_IMAGE)`` dispatches to) but with an empty
-  state dict; its weights are then streamed from the file one module at a time (host/text_encoders.py). ComfyUI's
-  ``load_clip`` maps the whole file and copies it into the model, so the bf16 encoder briefly costs 2 x 15 GB of
-  RSS; streaming costs the model plus one module.
-  Prompts are encoded exactly as CLIPTextEncode does, the encoder is freed (RSS falls back) and only the
-  embeddings go to the GPU. Embeddings are cached on disk under ComfyUI's user directory, keyed by prompt,
-  template and encoder identity (content fingerprint, format, dtype, config, ComfyUI version); an unchanged
-  prompt skips stage 1 entirely.
+The Staged Loader returns native MODEL, positive/negative CONDITIONING and VAE (stock KSampler, LoRA and
+ModelSampling nodes work on them):
+- Stage 1, text: the Qwen2.5-VL encoder that ``load_text_encoder_state_dicts(clip_type=QWEN_IMAGE)`` builds,
+  streamed onto the CPU and freed after encoding, embeddings cached on disk (host/text_encoders.py); only the
+  embeddings go to the GPU.
 - Stage 2, transformer: read tensor by tensor, block Linear weights quantized to fp8 (block-wise or per-tensor)
   while streaming (on the GPU when there is one), built with host/fp8_ops.py's custom operations, then
   wrapped by the Block Swap node's ``apply_block_swap`` under the VRAM budget.
 - VAE: loaded as VAELoader does.
 
-``LowVRAM_QwenImageDecode`` (stage 3) unloads every other model from the GPU (the transformer's VRAM is released
-before decoding), then decodes on the GPU, tiled when ComfyUI's own memory estimate does not fit the free VRAM
-or the budget. It refuses a CPU decode when a GPU exists (a 1328x1328 CPU decode takes tens of minutes).
+The Decode node (stage 3) unloads every other model from the GPU, then decodes on the GPU, tiled when ComfyUI's own
+memory estimate does not fit the free VRAM or the budget. It refuses a CPU decode when a GPU exists.
 """
 
 from __future__ import annotations
@@ -35,10 +27,10 @@ from ..checkpoints import qwen_image
 from ..checkpoints.safetensors_io import CheckpointError, check_quantization, read_header
 from ..checkpoints.text_encoders import qwen25_vl_config_from_header
 from ..offload import stage_meter
-from ..offload.plan import SwapConfig
+from ..offload.plan import SwapConfig, check_budget
 from ..offload.stage_meter import StageReport
 from . import text_encoders
-from .block_swap import apply_block_swap, check_budget
+from .block_swap import apply_block_swap
 from .core_quant import announce, check_host_reads
 from .files import checked_input, use_mmap
 from .graph_checks import WAN_VAE_KEY

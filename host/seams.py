@@ -80,7 +80,7 @@ def _p(*targets: str) -> tuple[Probe, ...]:
 
 # Seam name -> probes (all must pass). Where each is used is in the comment.
 SEAMS: dict[str, tuple[Probe, ...]] = {
-    # Every node module (imported at module top; a missing one disables the module in nodes/__init__.py).
+    # Every node module (imported at module top; one that fails to import disables the module in nodes/__init__.py).
     "v3_node_api": _p("comfy_api.latest:ComfyExtension", "comfy_api.latest:io.ComfyNode",
                       "comfy_api.latest:io.Schema", "comfy_api.latest:io.NodeOutput",
                       "comfy_api.latest:io.Model.Input", "comfy_api.latest:ui.PreviewText"),
@@ -150,7 +150,7 @@ SEAMS: dict[str, tuple[Probe, ...]] = {
               "comfy.sd:VAE.throw_exception_if_invalid", "comfy.utils:load_torch_file"),
 }
 
-# Seams of nodes/block_swap.py's apply_block_swap (also needed by the Qwen-Image Staged Loader, which calls it).
+# Seams of host/block_swap.py's apply_block_swap (also needed by the Qwen-Image Staged Loader, which calls it).
 BLOCK_SWAP_SEAMS = ("wrappers.apply_model", "wrappers.prepare_sampling", "model_patcher.wrappers",
                     "model_patcher.loading", "dit.block_replace")
 

@@ -2,15 +2,8 @@
 
 ``LowVRAM_WanTextEncode`` gives the positive and negative CONDITIONING that stock ``CLIPLoader(type=wan)`` +
 ``CLIPTextEncode`` give (bit-equal on the CPU for the released file: same ComfyUI classes, same dtype, same
-tokenizer), but:
-- the encoder is built with ComfyUI's own classes (``comfy.text_encoders.wan.te``, ``WanT5Tokenizer``,
-  ``sd3_clip.t5_xxl_detect``, ``convert_old_quants``, ``comfy.sd.CLIP``) with an empty state dict, and its weights
-  are streamed from the file one module at a time (host/text_encoders.py): ``load_clip`` maps the whole file and
-  copies it into the model, so the fp16 encoder (11.4 GB) briefly costs twice that in RSS;
-- it runs on the CPU and never takes VRAM; it is freed as soon as the prompts are encoded;
-- embeddings are cached on disk (user directory), keyed by prompt, tokenizer and encoder identity (content
-  fingerprint, format, dtype, config, ComfyUI version): an unchanged prompt does not load the encoder at all.
-The layer count and widths are read from the file, so reduced-layer files of the same architecture load too.
+tokenizer), but streamed onto the CPU with one copy in RAM, freed after encoding, with its embeddings cached on
+disk (host/text_encoders.py). The layer count and widths are read from the file, so reduced-layer files of the same architecture load too.
 """
 
 from __future__ import annotations
