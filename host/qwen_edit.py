@@ -1,10 +1,7 @@
 """Qwen-Image-Edit (2509 / 2511) in stages: the image-conditioned text encode on the CPU, then the staged transformer.
 
-``LowVRAM_QwenImageEditStagedLoader`` is the Edit counterpart of ``LowVRAM_QwenImageStagedLoader`` (a node of its own,
-so the text-only loader's inputs, outputs and cache entries stay exactly as they were). It returns native MODEL,
-positive / negative CONDITIONING (with ``reference_latents`` as ComfyUI's TextEncodeQwenImageEditPlus sets them) and
-VAE, so KSampler, FluxKontextMultiReferenceLatentMethod, VAEEncode and LoRA nodes of the official templates work on
-them:
+The Edit Staged Loader returns native MODEL, positive / negative CONDITIONING (with ``reference_latents`` as
+ComfyUI's TextEncodeQwenImageEditPlus sets them) and VAE, so the official templates' nodes work on them:
 - VAE: loaded as VAELoader does (the reference latents need it before the transformer).
 - Stage 1, text + images: ComfyUI's own ``TextEncodeQwenImageEditPlus.execute`` runs for each prompt (image resizing,
   "Picture N:" prefix, edit template, VAE-encoded reference latents, ``conditioning_set_values``). Its ``clip`` is a
@@ -14,9 +11,8 @@ them:
   freed, then with the VAE, its encodes answered from the first pass, so the encoder and the VAE encode never hold
   memory at the same time. The prompts share their images, so the vision tower runs once per distinct image and the
   VAE encodes each reference image once (both deterministic: the same result as a run per prompt). The cache key
-  holds the full text, the tokenizer arguments, a content hash of every image the vision tower sees and the encoder
-  identity (file fingerprint, format, dtype, config, ComfyUI version). Only the embeddings and reference latents go
-  to the GPU.
+  holds the full text, the tokenizer arguments, a content hash of every image and the encoder identity. Only the
+  embeddings and reference latents go to the GPU.
 - Stage 2: the fp8 transformer with Block Swap (host/qwen_stages.py). A 2511 file's ``__index_timestep_zero__``
   marker is kept, so ComfyUI picks that reference method as it does for UNETLoader.
 """

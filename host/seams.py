@@ -128,7 +128,7 @@ SEAMS: dict[str, tuple[Probe, ...]] = {
                            "comfy.model_management:sage_attention_enabled", "comfy.utils:ProgressBar"),
     "diffusion_model_loading": _p("comfy.sd:load_diffusion_model_state_dict"),
     # Qwen-Image Staged Loader: the widths read from the file join the config ComfyUI detects
-    # (glue/common.py detected_config_defaults).
+    # (host/model_loading.py detected_config_defaults).
     "model_detection": _p("comfy.model_detection:detect_unet_config"),
     # Wan Text Encode: umT5 built with ComfyUI's own classes, weights streamed in.
     "text_encoder.umt5": _p("comfy.text_encoders.wan:te", "comfy.text_encoders.wan:WanT5Tokenizer",

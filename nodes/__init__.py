@@ -1,4 +1,5 @@
-"""ComfyUI adapters: one module per capability, each exporting ``NODES`` (V3 ``io.ComfyNode`` classes).
+"""The ComfyUI nodes: one module per capability, each exporting ``NODES`` (V3 ``io.ComfyNode`` classes): schemas
+and ``execute`` only; what a node does lives in host/.
 
 Imported only by ``comfy_entrypoint`` inside a running ComfyUI. A listed module that does not exist is an
 ImportError; one that exists but fails to import (a ComfyUI seam that moved, a missing optional library)

@@ -181,3 +181,21 @@ def test_imports_resolve(tmp_path: Path, text: str, expect: set[str]) -> None:
                                    "pkg/b.py": ""})
     graph, _ = import_graph(root, pkg_name="p")
     assert graph["pkg.a"] == expect
+
+
+def test_node_modules_hold_schemas_only() -> None:
+    """Each nodes/<module>.py defines only node classes (schema + execute) and ``NODES``; logic lives in host/."""
+    found = []
+    for path in sorted((PACK_ROOT / "nodes").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)) or (isinstance(node, ast.Expr)
+                                                                 and isinstance(node.value, ast.Constant)):
+                continue
+            if isinstance(node, ast.ClassDef) and any("ComfyNode" in ast.unparse(b) for b in node.bases):
+                continue
+            if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["NODES"]:
+                continue
+            found.append(f"nodes/{path.name}:{node.lineno} {type(node).__name__}")
+    assert found == []
