@@ -65,7 +65,7 @@ def check_core_scales(header: SafetensorsHeader, tensors: dict[str, torch.Tensor
 def read_core_state_dict(header: SafetensorsHeader, prefix: str, layers: dict[str, dict[str, Any]], *,
                          mmap: bool = False, progress: ProgressFn | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the file as stored, without ``prefix``, plus ``<layer>.comfy_quant`` for each of ``layers``
-    (full layer names, as ``checkpoint_io.quant_layer_configs`` returns them); ``mmap``: zero-copy file views."""
+    (full layer names, as ``safetensors_io.quant_layer_configs`` returns them); ``mmap``: zero-copy file views."""
     names = [n for n in header.tensors if n.startswith(prefix)]  # as UNETLoader: the model's keys only
     layers = {layer[len(prefix):]: conf for layer, conf in layers.items() if layer.startswith(prefix)}
     sd: dict[str, torch.Tensor] = {}

@@ -1,6 +1,6 @@
 """On-disk cache of prompt embeddings (CONDITIONING lists) for the staged text encoders, keyed by file identity.
 
-Plain torch, no ComfyUI. Used by nodes/wan_text.py and nodes/qwen_staged.py through host/common.py.
+Plain torch, no ComfyUI. Used by host/wan_text.py, host/qwen_stages.py and host/qwen_edit.py through host/files.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ _FINGERPRINTS: dict[tuple[str, int, int], str] = {}
 
 
 def file_identity(path: str | Path) -> str:
-    """Content fingerprint of a safetensors file (kernels.wan_checkpoint.source_fingerprint), memoised by
+    """Content fingerprint of a safetensors file (checkpoints/wan.py source_fingerprint), memoised by
     (path, size, mtime) so a cache lookup does not re-read 16 MiB every run."""
     p = Path(path).resolve()
     st = p.stat()
@@ -163,7 +163,7 @@ class EmbeddingCache:
     (read-only or full disk, a directory in the way) leaves no temp file and no open handle behind, and the
     prompt runs uncached. Each problem is logged as a warning once (a write failure once per folder and kind of
     failure), naming the file or folder. Writes are
-    atomic and never follow a link (kernels.safe_write). ``max_entries`` bounds the folder (oldest
+    atomic and never follow a link (checkpoints/safe_write.py). ``max_entries`` bounds the folder (oldest
     by mtime go first).
     """
 

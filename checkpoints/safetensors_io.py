@@ -413,7 +413,7 @@ class StreamingSafetensorsWriter:
     """Write a safetensors file tensor by tensor when every name, shape and dtype is known up front.
 
     The header is written first; ``write(name, tensor)`` must then be called in the declared order.
-    The file is written to a new hidden temp file beside ``path`` and renamed on ``close()`` (kernels.safe_write),
+    The file is written to a new hidden temp file beside ``path`` and renamed on ``close()`` (checkpoints/safe_write.py),
     so a crash never leaves a file that looks complete and no write follows a link. An existing ``path`` is
     replaced only when ``owned(path)`` proves the pack wrote it (see written_with); otherwise the constructor
     raises safe_write.UnsafeTargetError before anything is written.

@@ -286,7 +286,7 @@ def load_wan_state_dict(
     (block-wise when ``mode`` is "none"). Keys are returned without the checkpoint prefix.
 
     ``mmap``: tensors of a pre-quantized file that pass through unchanged are zero-copy views of the file
-    (checkpoint_io.map_tensors), so they cost page cache instead of RSS; files quantized here are read as usual.
+    (safetensors_io.map_tensors), so they cost page cache instead of RSS; files quantized here are read as usual.
     """
     if mode not in ("none", "per_tensor", "blockwise"):
         raise ValueError(f"quantization mode must be none, per_tensor or blockwise, got {mode!r}")
@@ -364,7 +364,7 @@ def _ours(path: Path) -> bool:
 
 def _refuse_foreign(dest: Path) -> None:
     """CheckpointError unless ``dest`` is absent or a regular file this pack wrote (its format tag): a user's own
-    file, a link or a folder that happens to have the target name is never replaced (kernels.safe_write)."""
+    file, a link or a folder that happens to have the target name is never replaced (checkpoints/safe_write.py)."""
     try:
         safe_write.refuse_unowned(dest, _ours)
     except safe_write.UnsafeTargetError:

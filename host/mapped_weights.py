@@ -1,6 +1,6 @@
 """Weights served from a checkpoint's file mapping stay file-backed through ComfyUI's load / offload / unload.
 
-Our loaders map pre-quantized files (``checkpoint_io.map_tensors``): a mapped weight costs page cache, not
+Our loaders map pre-quantized files (``checkpoints/safetensors_io.py map_tensors``): a mapped weight costs page cache, not
 anonymous RAM, which is what keeps two Wan 2.2 experts (or Qwen-Image's 20 GB) inside 32 GB of RAM. Two stock
 ModelPatcher steps would turn them into anonymous copies:
 
@@ -34,7 +34,8 @@ import torch
 
 from ..checkpoints.safetensors_io import CheckpointError
 from ..offload.host_memory import file_backed_ranges, is_file_backed
-from .common import dynamic_vram_manages, mixed_class, say_once
+from .log import say_once
+from .patchers import dynamic_vram_manages, mixed_class
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import behaviour
+from .log import say_once
 from .version import comfyui_version
-from .common import say_once
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -80,7 +80,7 @@ def _p(*targets: str) -> tuple[Probe, ...]:
 
 # Seam name -> probes (all must pass). Where each is used is in the comment.
 SEAMS: dict[str, tuple[Probe, ...]] = {
-    # Every node module (imported at module top; a missing one disables the module in nodes/__init__.py).
+    # Every node module (imported at module top; one that fails to import disables the module in nodes/__init__.py).
     "v3_node_api": _p("comfy_api.latest:ComfyExtension", "comfy_api.latest:io.ComfyNode",
                       "comfy_api.latest:io.Schema", "comfy_api.latest:io.NodeOutput",
                       "comfy_api.latest:io.Model.Input", "comfy_api.latest:ui.PreviewText"),
@@ -128,7 +128,7 @@ SEAMS: dict[str, tuple[Probe, ...]] = {
                            "comfy.model_management:sage_attention_enabled", "comfy.utils:ProgressBar"),
     "diffusion_model_loading": _p("comfy.sd:load_diffusion_model_state_dict"),
     # Qwen-Image Staged Loader: the widths read from the file join the config ComfyUI detects
-    # (glue/common.py detected_config_defaults).
+    # (host/model_loading.py detected_config_defaults).
     "model_detection": _p("comfy.model_detection:detect_unet_config"),
     # Wan Text Encode: umT5 built with ComfyUI's own classes, weights streamed in.
     "text_encoder.umt5": _p("comfy.text_encoders.wan:te", "comfy.text_encoders.wan:WanT5Tokenizer",
@@ -150,7 +150,7 @@ SEAMS: dict[str, tuple[Probe, ...]] = {
               "comfy.sd:VAE.throw_exception_if_invalid", "comfy.utils:load_torch_file"),
 }
 
-# Seams of nodes/block_swap.py's apply_block_swap (also needed by the Qwen-Image Staged Loader, which calls it).
+# Seams of host/block_swap.py's apply_block_swap (also needed by the Qwen-Image Staged Loader, which calls it).
 BLOCK_SWAP_SEAMS = ("wrappers.apply_model", "wrappers.prepare_sampling", "model_patcher.wrappers",
                     "model_patcher.loading", "dit.block_replace")
 

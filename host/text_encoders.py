@@ -1,11 +1,13 @@
 """Text encoders built with ComfyUI's own classes and streamed from their files, with an embedding cache.
 
-One ``StreamedTextEncoder`` describes an encoder (umT5-XXL for Wan in nodes/wan_text.py, Qwen2.5-VL for Qwen-Image
-in nodes/qwen_staged.py): how ComfyUI detects and builds it, where its tokenizer comes from, which model option
+One ``StreamedTextEncoder`` describes an encoder (umT5-XXL for Wan in host/wan_text.py, Qwen2.5-VL for Qwen-Image
+in host/qwen_stages.py): how ComfyUI detects and builds it, where its tokenizer comes from, which model option
 takes the sizes read from the file, and which weights a text prompt never needs. ``build_streaming`` makes the
 ``comfy.sd.CLIP`` that CLIPLoader would make, with an empty state dict, then streams the weights in one module at
 a time (checkpoints/streaming.py): ``load_clip`` maps the whole file and copies it, so RSS briefly holds two copies.
 ``encode_prompts`` encodes as CLIPTextEncode does, from the cache where it can, and frees the encoder after.
+Cache keys hold the prompt, the template or tokenizer, and the encoder's identity (content fingerprint, format,
+dtype, config, ComfyUI version).
 """
 
 from __future__ import annotations
@@ -19,15 +21,15 @@ from typing import Any
 
 import torch
 
-from ..offload import stage_meter
 from ..checkpoints import streaming
+from ..checkpoints.embedding_cache import embedding_cache_key, file_identity
 from ..checkpoints.safetensors_io import (
     CheckpointError, SafetensorsHeader, check_quantization, iter_tensors, read_header,
 )
-from ..checkpoints.embedding_cache import embedding_cache_key, file_identity
 from ..checkpoints.text_encoders import text_encoder_format
+from ..offload import stage_meter
+from .files import embedding_cache, use_mmap
 from .version import comfyui_version
-from .common import embedding_cache, use_mmap
 
 log = logging.getLogger("comfyui_lowvram_dit")
 

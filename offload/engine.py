@@ -97,6 +97,18 @@ def block_nbytes(block: torch.nn.Module) -> int:
     return flat_layout(block_tensors(block))[1]
 
 
+def set_param(root: torch.nn.Module, key: str, t: torch.Tensor) -> None:
+    """Rebind parameter ``key`` (dotted) of ``root`` to ``t`` (as comfy.utils.set_attr_param; no import at exit)."""
+    mod_name, _, attr = key.rpartition(".")
+    mod = root.get_submodule(mod_name) if mod_name else root
+    mod._parameters[attr] = t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, requires_grad=False)
+
+
+def module_bytes(m: torch.nn.Module) -> int:
+    """Bytes of ``m``'s state dict (parameters and buffers)."""
+    return sum(t.numel() * t.element_size() for t in m.state_dict().values())
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Streams and events (CUDA, or no-ops for the CPU "device")
 

@@ -199,3 +199,23 @@ def oom_advice(plan: SwapPlan, block_bytes: Sequence[int], config: SwapConfig, m
 def budget_bytes_from_gb(gb: float) -> int:
     """A ``vram_budget_gb`` option to bytes (decimal GB, as GPU marketing and ComfyUI's logs use MB of 2**20)."""
     return int(math.floor(gb * 1e9))
+
+
+BUDGET_MAX_GB = 1024.0
+
+
+def budget_problem(vram_budget_gb: object) -> str | None:
+    """Why a ``vram_budget_gb`` value is refused (NaN passes ComfyUI's min/max checks and would act as 0), or None."""
+    if isinstance(vram_budget_gb, bool) or not isinstance(vram_budget_gb, (int, float)):
+        return None  # a linked value: checked when the node runs
+    if not math.isfinite(vram_budget_gb) or not 0.0 <= vram_budget_gb <= BUDGET_MAX_GB:
+        return (f"vram_budget_gb is {vram_budget_gb}: use 0 (what ComfyUI has free) or a size in GB up to "
+                f"{BUDGET_MAX_GB:g}")
+    return None
+
+
+def check_budget(vram_budget_gb: float) -> None:
+    """ValueError naming ``vram_budget_gb`` unless it is a finite size in range (for values no validation saw)."""
+    problem = budget_problem(float(vram_budget_gb))
+    if problem:
+        raise ValueError(problem)

@@ -5,7 +5,7 @@ wait and compute per streamed block) and sums them into its ``StreamStats`` once
 ``swap_verdict`` turns those stats and the load's shape (``SwapSetup``) into one sentence: either the copies are
 hidden (streaming costs no speed; what Block Swap buys is memory) or they stall compute by X ms per model call,
 with the settings that would help, computed from the same numbers. Plain Python, no torch (events come in
-through ``sync``): tested on CPU with the timings of benchmarks/results/block_swap_*.md.
+through ``sync``): tested on CPU with recorded Block Swap timings.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from .plan import MAX_PREFETCH
 
 # A call whose stall is at most this share of its time counts as hidden: event timing itself jitters by ~0.1 ms.
 HIDDEN_SHARE = 0.02
-# Compute/copy ratio per block above which ComfyUI's own partial loading kept up as well: at 9.6x it was within
-# 1.3 % of resident, at 1.2x 13.6 % slower (benchmarks/results/block_swap_480p81.md, block_swap_480p17.md).
+# Compute/copy ratio per block above which ComfyUI's own partial loading keeps up as well (docs/benchmarks.md).
 PARTIAL_LOADING_KEEPS_UP = 5.0
 # Share of a call's compute that copies may fill and still hide: the rest absorbs jitter and uneven block gaps.
 COPY_FILL = 0.9

@@ -50,7 +50,7 @@ def test_override_matches_comfy_attention_through_wrap_attn(comfy: Any, layout: 
     from comfy.ldm.modules import attention as ca
 
     from comfyui_lowvram_dit.kernels import attention as ak
-    from comfyui_lowvram_dit.nodes.attention import AttentionOverride
+    from comfyui_lowvram_dit.host.attention import AttentionOverride
 
     g = torch.Generator().manual_seed(1)
     b, h, lq, lk, d = 2, 3, 40, 24, 32
@@ -137,8 +137,8 @@ class _CountingCompiler:
 
 def test_compile_node_regional_sampling_and_state_dict(tiny_wan: Any) -> None:
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
-    from comfyui_lowvram_dit.nodes.attention import apply_attention
-    from comfyui_lowvram_dit.nodes.compile import COMPILE_KEY, apply_compile
+    from comfyui_lowvram_dit.host.attention import apply_attention
+    from comfyui_lowvram_dit.host.torch_compile import COMPILE_KEY, apply_compile
 
     torch._dynamo.reset()
     base = _sample(tiny_wan, seed=5)
@@ -166,8 +166,8 @@ def test_attention_auto_and_compile_trace_one_graph(tiny_wan: Any, opaque: bool,
     from comfyui_lowvram_dit.kernels import attention as ak
     from comfyui_lowvram_dit.kernels import opaque_ops
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
-    from comfyui_lowvram_dit.nodes.attention import apply_attention
-    from comfyui_lowvram_dit.nodes.compile import apply_compile
+    from comfyui_lowvram_dit.host.attention import apply_attention
+    from comfyui_lowvram_dit.host.torch_compile import apply_compile
 
     monkeypatch.setattr(opaque_ops, "OPAQUE_UNDER_COMPILE", opaque)
     torch._dynamo.reset()
@@ -194,7 +194,7 @@ def test_attention_auto_and_compile_trace_one_graph(tiny_wan: Any, opaque: bool,
 
 def test_compile_node_oom_fallback_in_sampler(tiny_wan: Any, caplog: pytest.LogCaptureFixture) -> None:
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
-    from comfyui_lowvram_dit.nodes.compile import COMPILE_KEY, apply_compile
+    from comfyui_lowvram_dit.host.torch_compile import COMPILE_KEY, apply_compile
 
     torch._dynamo.reset()
     base = _sample(tiny_wan, seed=7)
@@ -213,7 +213,7 @@ def test_compile_node_replaces_core_wrapper(tiny_wan: Any) -> None:
     from comfy_api.torch_helpers import set_torch_compile_wrapper
 
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
-    from comfyui_lowvram_dit.nodes.compile import COMPILE_KEY, CORE_COMPILE_KEY, apply_compile
+    from comfyui_lowvram_dit.host.torch_compile import COMPILE_KEY, CORE_COMPILE_KEY, apply_compile
     from comfyui_lowvram_dit.host.hooks import hook_registry
 
     core = tiny_wan.clone()
@@ -228,7 +228,7 @@ def test_compile_node_replaces_core_wrapper(tiny_wan: Any) -> None:
 def test_partial_load_counts_as_streaming() -> None:
     from types import SimpleNamespace
 
-    from comfyui_lowvram_dit.nodes.compile import partially_loaded
+    from comfyui_lowvram_dit.host.torch_compile import partially_loaded
 
     assert partially_loaded(SimpleNamespace(model_lowvram=True))
     assert not partially_loaded(SimpleNamespace(model_lowvram=False)) and not partially_loaded(SimpleNamespace())

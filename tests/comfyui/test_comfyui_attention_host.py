@@ -72,19 +72,22 @@ def fake_core(core: Any, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 - reg
 def slow_ours(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make auto's own candidates one exact fake of 50 ms, so a fake core function can beat it on CPU."""
     from comfyui_lowvram_dit.kernels import attention as ak
+    from comfyui_lowvram_dit.kernels import attention_backends
 
     def slow(q, k, v, mask):
         time.sleep(0.05)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    monkeypatch.setattr(ak, "BACKENDS", dict(ak.BACKENDS))
-    ak.register_backend(ak.AttentionBackend("slow_sdpa", "slow SDPA", slow, lambda *a: None))
+    registry = dict(ak.BACKENDS)  # one copy for the registry module and the selector that reads it
+    monkeypatch.setattr(attention_backends, "BACKENDS", registry)
+    monkeypatch.setattr(ak, "BACKENDS", registry)
+    attention_backends.register_backend(ak.AttentionBackend("slow_sdpa", "slow SDPA", slow, lambda *a: None))
     monkeypatch.setattr(ak, "AUTO_CANDIDATES", ("slow_sdpa",))
 
 
 def _run_auto(model: Any, seed: int = 0) -> tuple[Any, Any]:
     from comfyui_lowvram_dit.kernels import attention as ak
-    from comfyui_lowvram_dit.nodes.attention import apply_attention
+    from comfyui_lowvram_dit.host.attention import apply_attention
 
     with ak.isolated_selector() as sel:
         out = _sample(apply_attention(model, "auto"), seed=seed)
@@ -98,7 +101,7 @@ def _run_auto(model: Any, seed: int = 0) -> tuple[Any, Any]:
 @pytest.mark.parametrize("masked", [False, True])
 def test_core_adapter_matches_sdpa(core: Any, name: str, masked: bool) -> None:
     """Core's functions through the adapter on [B, H, L, D] views equal SDPA (layouts and heads right)."""
-    from comfyui_lowvram_dit.nodes.attention import core_adapter
+    from comfyui_lowvram_dit.host.attention import core_adapter
 
     g = torch.Generator().manual_seed(2)
     b, h, lq, lk, d = 2, 3, 40, 24, 32
@@ -117,7 +120,7 @@ def test_core_adapter_matches_sdpa(core: Any, name: str, masked: bool) -> None:
 
 
 def test_discovery_names_core_default_and_its_candidates(core: Any) -> None:
-    from comfyui_lowvram_dit.nodes.attention import core_attention
+    from comfyui_lowvram_dit.host.attention import core_attention
 
     host = core_attention()
     names = [b.name for b in host.backends]
@@ -129,7 +132,7 @@ def test_discovery_names_core_default_and_its_candidates(core: Any) -> None:
 
 
 def test_quantized_core_functions_join_only_when_core_uses_one(core: Any, fake_core) -> None:
-    from comfyui_lowvram_dit.nodes.attention import core_attention
+    from comfyui_lowvram_dit.host.attention import core_attention
 
     fake_core("comfy_kitchen_int8")
     fake_core("flash")
@@ -145,7 +148,7 @@ def test_default_label_names_sdpa_priority(core: Any, monkeypatch: pytest.Monkey
     import comfy.ops
     from torch.nn.attention import SDPBackend
 
-    from comfyui_lowvram_dit.nodes.attention import core_default_label
+    from comfyui_lowvram_dit.host.attention import core_default_label
 
     monkeypatch.delattr(comfy.ops, "SDPA_BACKEND_PRIORITY", raising=False)  # 0.8.0 off Windows, CPU hosts
     assert core_default_label(core.attention_pytorch) == "attention_pytorch (SDPA, torch picks)"
@@ -215,7 +218,7 @@ def test_host_without_registry(core: Any, tiny_wan: Any, monkeypatch: pytest.Mon
                                caplog: pytest.LogCaptureFixture) -> None:
     """Older hosts have no REGISTERED_ATTENTION_FUNCTIONS: core's default is still measured; without an
     importable attention module the node still runs ours."""
-    from comfyui_lowvram_dit.nodes.attention import core_attention
+    from comfyui_lowvram_dit.host.attention import core_attention
 
     base = _sample(tiny_wan, seed=8)
     monkeypatch.delattr(core, "REGISTERED_ATTENTION_FUNCTIONS")
@@ -251,7 +254,7 @@ def warmups(monkeypatch: pytest.MonkeyPatch) -> list:
 
 
 def test_8bit_backend_warms_its_kernels_for_the_models_geometry(tiny_wan: Any, warmups: list) -> None:
-    from comfyui_lowvram_dit.nodes.attention import apply_attention
+    from comfyui_lowvram_dit.host.attention import apply_attention
 
     dm = tiny_wan.model.diffusion_model
     apply_attention(tiny_wan, "auto")
@@ -266,8 +269,8 @@ def test_8bit_backend_warms_its_kernels_for_the_models_geometry(tiny_wan: Any, w
 
 def test_8bit_warmup_reads_qwen_image_heads(core: Any, warmups: list, tmp_path: Any) -> None:
     synth = pytest.importorskip("comfyui_lowvram_dit.synthetic.checkpoints")
-    from comfyui_lowvram_dit.nodes.attention import apply_attention
-    from comfyui_lowvram_dit.nodes.qwen_staged import load_transformer
+    from comfyui_lowvram_dit.host.attention import apply_attention
+    from comfyui_lowvram_dit.host.qwen_stages import load_transformer
 
     path = tmp_path / "qwen_bf16.safetensors"
     synth.write_synthetic("qwen_image", path, "tiny", "bf16", seed=3)
@@ -278,7 +281,7 @@ def test_8bit_warmup_reads_qwen_image_heads(core: Any, warmups: list, tmp_path: 
 
 
 def test_8bit_warmup_skips_models_it_cannot_read(warmups: list) -> None:
-    from comfyui_lowvram_dit.nodes.attention import warm_int8_kernels
+    from comfyui_lowvram_dit.host.attention import warm_int8_kernels
 
     class Bare:
         load_device = "cpu"
@@ -296,7 +299,7 @@ def _prompt(backend: str) -> dict:
 def test_queued_8bit_prompt_starts_the_warmup_at_once(core: Any, warmups: list) -> None:
     import comfy.model_management
 
-    from comfyui_lowvram_dit.nodes.attention import warm_int8_for_prompt
+    from comfyui_lowvram_dit.host.attention import warm_int8_for_prompt
 
     data = _prompt("lowvram 8-bit")
     assert warm_int8_for_prompt(data) is data  # the prompt passes through untouched
@@ -307,7 +310,7 @@ def test_queued_8bit_prompt_starts_the_warmup_at_once(core: Any, warmups: list) 
 
 
 def test_prompt_warmup_registers_once(core: Any) -> None:
-    from comfyui_lowvram_dit.nodes.attention import register_prompt_warmup, warm_int8_for_prompt
+    from comfyui_lowvram_dit.host.attention import register_prompt_warmup, warm_int8_for_prompt
 
     class Server:
         def __init__(self) -> None:

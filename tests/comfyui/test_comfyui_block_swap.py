@@ -40,7 +40,7 @@ def test_in_process_swapped_sampling_equals_plain_and_accounts_memory():
     import comfy.model_management as mm
 
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
 
     plain = _tiny_wan_patcher()
     ref = _sample(plain)
@@ -66,7 +66,7 @@ def test_in_process_interrupt_mid_step_leaves_the_model_usable():
     import comfy.model_management as mm
 
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
 
     plain = _tiny_wan_patcher(seed=1)
     ref = _sample(plain, seed=3)
@@ -103,7 +103,8 @@ def test_in_process_verdict_once_per_load_never_on_plain_cpu_and_in_the_doctor(m
 
     from comfyui_lowvram_dit.offload import engine as offload
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes import block_swap, doctor
+    from comfyui_lowvram_dit.host import block_swap
+    from comfyui_lowvram_dit.nodes import doctor
 
     monkeypatch.setattr(block_swap, "_measured", {})
     swapped = block_swap.apply_block_swap(_tiny_wan_patcher(seed=2), SwapConfig(blocks_to_swap=3))

@@ -40,7 +40,7 @@ def test_oom_in_a_swapped_forward_names_a_setting_that_fits(caplog: pytest.LogCa
 
     from comfyui_lowvram_dit.synthetic import checkpoints as synth
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
 
     sd = synth.synthetic_state_dict("wan21_t2v_1_3B", size="tiny", fmt="bf16", seed=1, num_layers=NUM_LAYERS)
     plain = comfy.sd.load_diffusion_model_state_dict(sd, {"dtype": torch.bfloat16})

@@ -74,7 +74,7 @@ def test_wan_loader_builds_core_layers_like_unetloader(comfy: Any, tmp_path: Pat
                                                        caplog: pytest.LogCaptureFixture) -> None:
     import comfy.sd
 
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     if not _builds(layout):
         pytest.skip(f"this ComfyUI does not build {layout} (its refusal is tested below)")
@@ -96,7 +96,7 @@ def test_wan_loader_reads_quantization_metadata(comfy: Any, tmp_path: Path) -> N
     """Configs in the file's ``_quantization_metadata`` instead of per-layer tensors (ComfyUI converts them)."""
     import comfy.sd
 
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     if not _builds("int8_tensorwise+convrot"):
         pytest.skip("this ComfyUI does not build int8 ConvRot")
@@ -133,8 +133,8 @@ def test_qwen_staged_loader_builds_core_layers_like_unetloader(comfy: Any, tmp_p
     import comfy.sd
 
     from comfyui_lowvram_dit.checkpoints import safetensors_io as checkpoint_io, qwen_image
-    from comfyui_lowvram_dit.nodes import qwen_staged
-    from comfyui_lowvram_dit.host.common import detected_config_defaults
+    from comfyui_lowvram_dit.host import qwen_stages
+    from comfyui_lowvram_dit.host.model_loading import detected_config_defaults
 
     if not _builds(layout):
         pytest.skip(f"this ComfyUI does not build {layout} (its refusal is tested below)")
@@ -143,7 +143,7 @@ def test_qwen_staged_loader_builds_core_layers_like_unetloader(comfy: Any, tmp_p
     with detected_config_defaults(widths):
         stock = comfy.sd.load_diffusion_model(str(path))
     with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
-        ours = qwen_staged.load_transformer(path, "fp8 block-wise")
+        ours = qwen_stages.load_transformer(path, "fp8 block-wise")
     lines = [r.getMessage() for r in caplog.records if "ComfyUI's own quantized layers" in r.getMessage()]
     assert len(lines) == 1 and layout in lines[0] and "Qwen-Image" in lines[0], lines
     assert _quantized_layouts(ours) == _quantized_layouts(stock) == {layout}
@@ -166,9 +166,9 @@ def _drop_from_host(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_loaders_refuse_a_layout_the_host_cannot_build(comfy: Any, tmp_path: Path, layout: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from comfyui_lowvram_dit.checkpoints import safetensors_io as checkpoint_io, core_quant, wan as wan_checkpoint
-    from comfyui_lowvram_dit.nodes import qwen_staged
+    from comfyui_lowvram_dit.host import qwen_stages
     from comfyui_lowvram_dit.host.version import comfyui_version
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     wan, qwen = _wan_file(tmp_path, layout), _qwen_file(tmp_path, layout)
     if _builds(layout):
@@ -181,7 +181,7 @@ def test_loaders_refuse_a_layout_the_host_cannot_build(comfy: Any, tmp_path: Pat
     for module in (core_quant, wan_checkpoint, checkpoint_io):
         monkeypatch.setattr(module, "read_tensors", no_weights, raising=False)
     for path, load, loader in ((wan, lambda: load_wan_model(wan, "fp8 per-tensor", 128, "auto"), "Wan Loader"),
-                               (qwen, lambda: qwen_staged.load_transformer(qwen, "fp8 per-tensor"), "Qwen-Image")):
+                               (qwen, lambda: qwen_stages.load_transformer(qwen, "fp8 per-tensor"), "Qwen-Image")):
         with pytest.raises(ValueError) as info:
             load()
         msg = str(info.value)
@@ -193,7 +193,7 @@ def test_qwen_refusal_comes_before_the_text_stage(comfy: Any, tmp_path: Path, mo
     """prepare_files (the opening of both staged loaders) refuses the transformer before any prompt is encoded."""
     import folder_paths
 
-    from comfyui_lowvram_dit.nodes import qwen_staged
+    from comfyui_lowvram_dit.host import qwen_stages
     from comfyui_lowvram_dit.synthetic import checkpoints as synth
 
     qwen = _qwen_file(tmp_path, "int8_tensorwise+convrot")
@@ -203,7 +203,7 @@ def test_qwen_refusal_comes_before_the_text_stage(comfy: Any, tmp_path: Path, mo
     paths = {"diffusion_models": qwen, "text_encoders": tmp_path / "te.safetensors", "vae": vae}
     monkeypatch.setattr(folder_paths, "get_full_path_or_raise", lambda folder, name: str(paths[folder]))
     with pytest.raises(ValueError, match="int8_tensorwise\\+convrot"):
-        qwen_staged.prepare_files(qwen.name, "te.safetensors", vae.name, 0.0)
+        qwen_stages.prepare_files(qwen.name, "te.safetensors", vae.name, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -216,7 +216,7 @@ def core_wan(comfy: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any,
     ships), or in nvfp4 on a host without int8 (ComfyUI 0.8.0)."""
     import comfy.sd
 
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     layout = next((name for name in ("int8_tensorwise+convrot", "nvfp4") if _builds(name)), None)
     if layout is None:
@@ -231,7 +231,7 @@ _sample = functools.partial(sample_wan, frames=1)
 def test_block_swap_passes_a_core_quantized_model_through(core_wan: tuple,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.block_swap import apply_block_swap
+    from comfyui_lowvram_dit.host.block_swap import apply_block_swap
 
     ours, _, layout = core_wan
     with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
@@ -243,8 +243,8 @@ def test_block_swap_passes_a_core_quantized_model_through(core_wan: tuple,
 def test_attention_and_compile_on_a_core_quantized_model(core_wan: tuple) -> None:
     """Attention auto + Torch Compile (real dynamo, eager backend) sample what UNETLoader's model samples."""
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
-    from comfyui_lowvram_dit.nodes.attention import apply_attention
-    from comfyui_lowvram_dit.nodes.compile import COMPILE_KEY, apply_compile
+    from comfyui_lowvram_dit.host.attention import apply_attention
+    from comfyui_lowvram_dit.host.torch_compile import COMPILE_KEY, apply_compile
     from comfyui_lowvram_dit.host.hooks import register_hook
 
     ours, stock, _ = core_wan

@@ -31,11 +31,11 @@ def _tiny_wan(tmp_path: Path, name: str, fmt: str = "fp8_scaled") -> Path:
 def test_block_swap_steps_aside_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     comfyui_in_process_or_skip()
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
-    from comfyui_lowvram_dit.host import common
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host import log
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
-    common._SAID_ONCE.clear()
+    log._SAID_ONCE.clear()
     caplog.set_level(logging.WARNING, logger=LOGGER)
     path = _tiny_wan(tmp_path, "dyn.safetensors")
     legacy = load_wan_model(path, "fp8 per-tensor")
@@ -53,11 +53,11 @@ def test_block_swap_steps_aside_under_dynamic_vram(tmp_path: Path, caplog: pytes
 def test_file_backed_offload_steps_aside_under_dynamic_vram(tmp_path: Path,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     comfyui_in_process_or_skip()
-    from comfyui_lowvram_dit.host import common
+    from comfyui_lowvram_dit.host import log
     from comfyui_lowvram_dit.host.mapped_weights import MappedWeightsMixin, keep_file_backed
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
-    common._SAID_ONCE.clear()
+    log._SAID_ONCE.clear()
     caplog.set_level(logging.WARNING, logger=LOGGER)
     patcher = load_wan_model(_tiny_wan(tmp_path, "mapped.safetensors"), "fp8 per-tensor")
     assert isinstance(patcher, MappedWeightsMixin)  # the loader keeps mapped weights file-backed by default
@@ -78,7 +78,7 @@ def test_fp8_models_get_the_legacy_patcher_and_a_reload_factory(tmp_path: Path,
 
     import comfy.sd
 
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     real = comfy.sd.load_diffusion_model_state_dict
     asked: list[object] = []

@@ -1,4 +1,4 @@
-"""Loader nodes re-run when a selected file changes on disk under the same name (nodes/_common.file_fingerprint).
+"""Loader nodes re-run when a selected file changes on disk under the same name (host/files.py file_fingerprint).
 In process; needs COMFYUI_PATH."""
 
 from __future__ import annotations

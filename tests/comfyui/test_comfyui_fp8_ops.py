@@ -15,7 +15,7 @@ def test_configured_ops_are_manual_cast_subclasses_that_read_their_config() -> N
     import comfy.ops
 
     from comfyui_lowvram_dit.kernels import fp8
-    from comfyui_lowvram_dit.host.fp8_layers import LowVramFp8Ops
+    from comfyui_lowvram_dit.host.fp8_ops import LowVramFp8Ops
     from comfyui_lowvram_dit.host.fp8_ops import Fp8OpsConfig, make_fp8_ops
 
     ops64, ops128 = make_fp8_ops(Fp8OpsConfig(block_size=64)), make_fp8_ops(Fp8OpsConfig(block_size=128))

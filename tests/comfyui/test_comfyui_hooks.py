@@ -50,10 +50,10 @@ def test_three_capabilities_share_one_chain_and_removing_restores_the_model() ->
 
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
-    from comfyui_lowvram_dit.nodes.compile import COMPILE_KEY, apply_compile
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.torch_compile import COMPILE_KEY, apply_compile
     from comfyui_lowvram_dit.host.hooks import HOOKS_KEY, hook_registry, remove_hook
-    from comfyui_lowvram_dit.nodes.nan_guard import GUARD_KEY, apply_nan_guard
+    from comfyui_lowvram_dit.host.nan_guard import GUARD_KEY, apply_nan_guard
 
     ref = _sample(plain)
     foreign = ForeignPatch()
@@ -95,7 +95,7 @@ def test_compiled_model_runs_every_sample_alone_with_cfg() -> None:
     one device) reach the compiled blocks one sample at a time, and sampling gives what the plain model gives."""
     plain = _tiny_wan()
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
-    from comfyui_lowvram_dit.nodes.compile import apply_compile
+    from comfyui_lowvram_dit.host.torch_compile import apply_compile
 
     batches: list[int] = []
     model = apply_compile(plain, CompileConfig(), compile_fn=lambda module, **kw: BatchRecorder(module, batches))

@@ -31,8 +31,8 @@ def test_unloaded_expert_goes_back_to_its_file(tmp_path: Path) -> None:
     from comfyui_lowvram_dit.synthetic import checkpoints as synth
     from comfyui_lowvram_dit.offload.plan import SwapConfig
     from comfyui_lowvram_dit.offload.host_memory import is_file_backed
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     experts = []
     for seed in (1, 2):  # high- and low-noise stand-ins

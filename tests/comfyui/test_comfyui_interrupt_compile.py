@@ -107,9 +107,9 @@ def test_in_process_interrupt_with_swap_and_compile_restores_model_and_accountin
     import comfy.model_management as mm
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.attention import apply_attention
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
-    from comfyui_lowvram_dit.nodes.compile import COMPILE_KEY, apply_compile
+    from comfyui_lowvram_dit.host.attention import apply_attention
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.torch_compile import COMPILE_KEY, apply_compile
 
     torch._dynamo.reset()
     plain = _tiny_wan_patcher(seed=2)

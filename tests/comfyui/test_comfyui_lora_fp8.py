@@ -84,14 +84,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 def _load(path: Path, quantization: str) -> Any:
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     return load_wan_model(path, quantization, 128, "auto")
 
 
 def _swapped(model: Any, blocks: int = 2) -> Any:
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.block_swap import apply_block_swap
+    from comfyui_lowvram_dit.host.block_swap import apply_block_swap
 
     return apply_block_swap(model, SwapConfig(blocks_to_swap=blocks, prefetch=1))
 
@@ -128,7 +128,7 @@ def test_block_swap_lora_equals_resident_merge_and_merges_once(files: dict, quan
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import comfy.model_management as mm
 
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
 
     lora = wan_lora(files["sd"])
     resident = _with_lora(_load(files["bf16"], quantization), lora)
@@ -160,7 +160,7 @@ def test_unpatch_restores_bytes_and_strength_change_remerges(files: dict, source
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     import comfy.model_management as mm
 
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
 
     digest = _sha(files[source])
     lora = wan_lora(files["sd"], style="lightx2v")
@@ -192,7 +192,7 @@ def test_unload_of_a_file_backed_arena_does_not_read_the_file_back(files: dict,
     import comfy.model_management as mm
 
     from comfyui_lowvram_dit.offload.host_memory import file_backed_ranges, is_file_backed
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
 
     lora = wan_lora(files["sd"], style="lightx2v")
     base = _swapped(_load(files["fp8_scaled"], "fp8 per-tensor"))
@@ -247,7 +247,7 @@ def test_fp8_merge_error_is_not_above_native_fp8(files: dict, quantization: str)
     import comfy.model_management as mm
 
     from comfyui_lowvram_dit.kernels import fp8 as fp8_math
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
 
     sd, lora = files["sd"], wan_lora(files["sd"])
     model = _with_lora(_swapped(_load(files["bf16"], quantization), blocks=1), lora)
@@ -291,8 +291,8 @@ def test_qwen_image_streamed_blocks_hold_comfyui_merge(tmp_path: Path, monkeypat
     import comfy.model_management as mm
     from safetensors.torch import load_file
 
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY
-    from comfyui_lowvram_dit.nodes.qwen_staged import load_transformer
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
+    from comfyui_lowvram_dit.host.qwen_stages import load_transformer
 
     path = tmp_path / "qwen_bf16.safetensors"
     synth.write_synthetic("qwen_image", path, "tiny", "bf16", seed=3)
@@ -317,7 +317,7 @@ class _LinearCalls:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, patcher: Any) -> None:
         from comfyui_lowvram_dit.kernels import opaque_ops
-        from comfyui_lowvram_dit.host.fp8_layers import LowVramFp8Ops
+        from comfyui_lowvram_dit.host.fp8_ops import LowVramFp8Ops
 
         self.calls: dict[str, set[tuple]] = {}
         names = {id(m): n for n, m in patcher.model.named_modules()}
@@ -351,7 +351,7 @@ def _offer_exactly_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """ComfyUI offers (as on a GPU) exactly the VRAM Block Swap's plan needs: no slack for its offload reserve."""
     import comfy.model_management as mm
 
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
 
     model_load = mm.LoadedModel.model_load
 
@@ -374,8 +374,8 @@ def test_qwen_image_lora_adds_no_per_call_work_on_streamed_or_resident_layers(
     from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
     from safetensors.torch import load_file
 
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY
-    from comfyui_lowvram_dit.nodes.qwen_staged import load_transformer
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
+    from comfyui_lowvram_dit.host.qwen_stages import load_transformer
 
     path = tmp_path / "qwen_image_fp8_e4m3fn.safetensors"
     synth.write_synthetic("qwen_image", path, "tiny", "fp8", seed=3, num_layers=4)

@@ -36,7 +36,7 @@ def comfy_pinning(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
 
 def _load(tmp_path: Path, fmt: str, seed: int = 1):  # noqa: ANN202 - ModelPatcher
     from comfyui_lowvram_dit.synthetic import checkpoints as synth
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     path = synth.write_synthetic(MODEL, tmp_path / f"m_{fmt}_{seed}.safetensors", size="tiny", fmt=fmt, seed=seed,
                                  num_layers=4)
@@ -134,7 +134,7 @@ def test_quantized_on_load_models_are_left_alone(tmp_path: Path, comfy_pinning: 
 
 def test_block_swap_on_a_mapped_model_keeps_both_behaviours(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.block_swap import BlockSwapMixin, apply_block_swap
+    from comfyui_lowvram_dit.host.block_swap import BlockSwapMixin, apply_block_swap
     from comfyui_lowvram_dit.host.mapped_weights import MappedWeightsMixin
 
     base = _load(tmp_path, "fp8_scaled")
@@ -233,7 +233,7 @@ def test_a_new_swap_plan_builds_its_arena_from_the_file(tmp_path: Path, comfy_pi
     new one's masters are the file views again (not copies of the old arena) and the idle model stays file-backed."""
     from comfyui_lowvram_dit.offload.plan import SwapConfig
     from comfyui_lowvram_dit.offload.host_memory import is_file_backed
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
 
     swapped = apply_block_swap(_load(tmp_path, "fp8_scaled"), SwapConfig(blocks_to_swap=2))
     ref = sample_wan(swapped, seed=2)

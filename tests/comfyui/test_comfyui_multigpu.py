@@ -65,7 +65,7 @@ def _split(model):  # noqa: ANN001, ANN202 - ModelPatcher in, (split ModelPatche
 
 
 def _fp8(path: Path):  # noqa: ANN202
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     return load_wan_model(path, "fp8 per-tensor", 128, "auto")
 
@@ -75,11 +75,11 @@ def _variants(path: Path) -> dict:
 
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.attention import apply_attention
-    from comfyui_lowvram_dit.nodes.block_swap import apply_block_swap
-    from comfyui_lowvram_dit.nodes.compile import apply_compile
-    from comfyui_lowvram_dit.nodes.nan_guard import apply_nan_guard
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.attention import apply_attention
+    from comfyui_lowvram_dit.host.block_swap import apply_block_swap
+    from comfyui_lowvram_dit.host.torch_compile import apply_compile
+    from comfyui_lowvram_dit.host.nan_guard import apply_nan_guard
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     return {
         "native": lambda: comfy.sd.load_diffusion_model(str(path)),
@@ -104,7 +104,7 @@ def test_split_equals_one_device(two_devices: None, wan_file: Path, variant: str
 
 def test_block_swap_copy_streams_its_own_blocks(two_devices: None, wan_file: Path) -> None:
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
 
     model = apply_block_swap(_fp8(wan_file), SwapConfig(blocks_to_swap=2, prefetch=1))
     alone = _sample(model)
@@ -117,7 +117,7 @@ def test_block_swap_copy_streams_its_own_blocks(two_devices: None, wan_file: Pat
 
 
 def test_nan_guard_keeps_a_record_per_model_copy(two_devices: None, wan_file: Path) -> None:
-    from comfyui_lowvram_dit.nodes.nan_guard import GUARD_KEY, apply_nan_guard
+    from comfyui_lowvram_dit.host.nan_guard import GUARD_KEY, apply_nan_guard
 
     model = apply_nan_guard(_fp8(wan_file), "raise")
     split, copy = _split(model)
@@ -133,7 +133,7 @@ def test_compiled_native_model_split_equals_one_device_exactly(two_devices: None
     import comfy.sd
 
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
-    from comfyui_lowvram_dit.nodes.compile import apply_compile
+    from comfyui_lowvram_dit.host.torch_compile import apply_compile
 
     model = apply_compile(comfy.sd.load_diffusion_model(str(wan_file)), CompileConfig(),
                           compile_fn=lambda module, **kw: module)

@@ -55,7 +55,7 @@ def test_hooked_blocks_run_outside_the_recording(recorder) -> None:  # noqa: ANN
 
 def test_attention_override_runs_outside_the_recording(recorder, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     from comfyui_lowvram_dit.kernels import opaque_ops
-    from comfyui_lowvram_dit.nodes.attention import apply_attention
+    from comfyui_lowvram_dit.host.attention import apply_attention
 
     seen: list[bool] = []
     real = opaque_ops.selected_attention

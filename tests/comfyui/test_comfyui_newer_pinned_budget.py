@@ -38,7 +38,7 @@ def _activated_swap():  # noqa: ANN202 - (ModelPatcher, SwapController)
     import comfy.sd
 
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
     from comfyui_lowvram_dit.synthetic import checkpoints as synth
 
     sd = synth.synthetic_state_dict("wan21_t2v_1_3B", size="tiny", fmt="bf16", seed=0, num_layers=4)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.comfyui
 
 
 def _encode(te: Path) -> tuple[object, list]:
-    from comfyui_lowvram_dit.nodes import wan_text
+    from comfyui_lowvram_dit.host import wan_text
 
     with torch.inference_mode():
         clip = wan_text.build_umt5_streaming(te)

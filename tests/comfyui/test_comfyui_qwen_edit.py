@@ -67,11 +67,11 @@ def test_edit_encode_equals_stock_and_caches_by_image(tmp_path: Path, monkeypatc
     import torch
     from comfy_extras.nodes_qwen import TextEncodeQwenImageEditPlus
     from comfyui_lowvram_dit.checkpoints import safetensors_io as checkpoint_io, text_encoders
-    from comfyui_lowvram_dit.nodes import qwen_edit, qwen_staged
+    from comfyui_lowvram_dit.host import qwen_edit, qwen_stages
 
     monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path / "user"))
     te = write_small_text_encoder(tmp_path / "te.safetensors", "bf16", seed=2, cfg=EDIT_TE)
-    vae = qwen_staged.load_vae(synth.write_synthetic("wan21_vae", tmp_path / "vae.safetensors", "tiny", "bf16",
+    vae = qwen_stages.load_vae(synth.write_synthetic("wan21_vae", tmp_path / "vae.safetensors", "tiny", "bf16",
                                                      seed=3))
     img = _image(0)
     prompt = "Replace the cat with a dalmatian"
@@ -106,7 +106,7 @@ def test_edit_encoder_requires_the_vision_tower(tmp_path: Path) -> None:
     """A text-only Qwen2.5-VL file is refused by name for Edit (the text-only loader accepts it with a warning)."""
     comfyui_in_process_or_skip()
     from comfyui_lowvram_dit.checkpoints.safetensors_io import CheckpointError
-    from comfyui_lowvram_dit.nodes import qwen_edit
+    from comfyui_lowvram_dit.host import qwen_edit
     from comfyui_lowvram_dit.host import text_encoders
     from comfyui_lowvram_dit.synthetic.specs import Qwen25VLConfig
 
@@ -122,7 +122,7 @@ def test_2511_marker_reaches_comfyui_detection(tmp_path: Path) -> None:
     comfyui_in_process_or_skip()
     import torch
     from comfyui_lowvram_dit.checkpoints.safetensors_io import iter_tensors, read_header
-    from comfyui_lowvram_dit.nodes import qwen_staged
+    from comfyui_lowvram_dit.host import qwen_stages
     from safetensors.torch import save_file
 
     plain = synth.write_synthetic("qwen_image", tmp_path / "edit_2509.safetensors", "tiny", "bf16", seed=3)
@@ -132,7 +132,7 @@ def test_2511_marker_reaches_comfyui_detection(tmp_path: Path) -> None:
     del sd
     methods = {}
     for name in ("edit_2509", "edit_2511"):
-        patcher = qwen_staged.load_transformer(tmp_path / f"{name}.safetensors", "fp8 per-tensor")
+        patcher = qwen_stages.load_transformer(tmp_path / f"{name}.safetensors", "fp8 per-tensor")
         methods[name] = patcher.model.diffusion_model.default_ref_method
         del patcher
     assert methods == {"edit_2509": "index", "edit_2511": "index_timestep_zero"}, methods
@@ -214,7 +214,7 @@ def test_shared_images_run_the_vision_tower_and_the_vae_once() -> None:
     caller gets its own copy of the same values; another input runs again."""
     comfyui_in_process_or_skip()
     import torch
-    from comfyui_lowvram_dit.nodes import qwen_edit
+    from comfyui_lowvram_dit.host import qwen_edit
 
     calls: list[str] = []
 

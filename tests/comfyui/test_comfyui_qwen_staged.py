@@ -143,13 +143,13 @@ def test_streamed_encoder_equals_comfyui_load_clip(tmp_path: Path, fmt: str, vis
     import comfy.sd
     import torch
     from comfyui_lowvram_dit.checkpoints import safetensors_io as checkpoint_io, text_encoders
-    from comfyui_lowvram_dit.nodes import qwen_staged
+    from comfyui_lowvram_dit.host import qwen_stages
 
     te_cfg = WITH_VISION if vision else SMALL_TE
     te = write_small_text_encoder(tmp_path / f"te_{fmt}.safetensors", fmt, seed=2, cfg=te_cfg)
     prompt = "a red cat on a blue chair, photo"
     with torch.inference_mode():
-        ours_clip = qwen_staged.build_text_encoder_streaming(te)
+        ours_clip = qwen_stages.build_text_encoder_streaming(te)
         ours = ours_clip.encode_from_tokens_scheduled(ours_clip.tokenize(prompt))
         del ours_clip
         cpu = torch.device("cpu")
@@ -167,11 +167,11 @@ def test_transformer_widths_come_from_the_file(tmp_path: Path) -> None:
     alone would build at 24 heads / 3584; the detection function is ComfyUI's own again afterwards."""
     comfyui_in_process_or_skip()
     import comfy.model_detection as md
-    from comfyui_lowvram_dit.nodes import qwen_staged
+    from comfyui_lowvram_dit.host import qwen_stages
 
     original = md.detect_unet_config
     path = synth.write_synthetic("qwen_image", tmp_path / "q.safetensors", "tiny", "fp8")
-    patcher = qwen_staged.load_transformer(path, "fp8 per-tensor")
+    patcher = qwen_stages.load_transformer(path, "fp8 per-tensor")
     dm = patcher.model.diffusion_model
     assert dm.inner_dim == 256 and dm.txt_in.in_features == SMALL_TE.hidden and len(dm.transformer_blocks) == 1
     assert patcher.model.model_config.unet_config["num_attention_heads"] == 2

@@ -260,7 +260,7 @@ def test_mapped_file_changed_in_place_stops_sampling_by_name(tmp_path: Path) -> 
     comfyui_in_process_or_skip()
     import comfy.model_management as mm
     from comfyui_lowvram_dit.checkpoints.safetensors_io import CheckpointError
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     path = synth.write_synthetic("wan21_t2v_1_3B", tmp_path / "mapped.safetensors", size="tiny", fmt="fp8_scaled",
                                  seed=1, num_layers=2)

@@ -97,7 +97,7 @@ def _native(sd: dict[str, torch.Tensor]) -> Any:
 def test_fp8_model_is_native_and_close_to_bf16(tiny: dict, quantization: str, block_size: int) -> None:
     import comfy.model_patcher
 
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     if quantization == "fp8 per-tensor" and block_size == 64:
         pytest.skip("block_size only matters for block-wise")
@@ -123,14 +123,14 @@ def test_fp8_model_is_native_and_close_to_bf16(tiny: dict, quantization: str, bl
 
 
 def test_none_mode_is_exactly_native(tiny: dict) -> None:
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     m = load_wan_model(tiny["path"], "none", 128, "auto")
     assert torch.equal(_forward(m, tiny["inputs"]), _forward(_native(tiny["sd"]), tiny["inputs"]))
 
 
 def test_to_keeps_fp8_and_fp32_scales(tiny: dict) -> None:
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     m = load_wan_model(tiny["path"], "fp8 block-wise", 128, "auto")
     lin = m.model.diffusion_model.blocks[0].self_attn.q
@@ -146,7 +146,7 @@ def test_to_keeps_fp8_and_fp32_scales(tiny: dict) -> None:
 def test_lora_on_fp8_layers_matches_bf16_with_merged_lora(tiny: dict, quantization: str, lowvram: bool) -> None:
     import comfy.sd
 
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     strength = 0.8
     lora = _lora_sd(tiny["sd"])
@@ -291,7 +291,7 @@ def test_gpu_fast_and_offloaded_paths_match_bf16(tmp_path: Path, comfy_on_gpu: N
     import comfy.sd
 
     from comfyui_lowvram_dit.kernels import fp8
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     if mm.get_torch_device().type != "cuda":
         pytest.skip("ComfyUI was imported with --cpu in this process: run these alone (pytest ... -m cuda)")
@@ -329,7 +329,7 @@ def test_prequantized_file_is_mapped_unless_comfyui_disables_mmap(tiny: dict, tm
     import comfy.utils
 
     from comfyui_lowvram_dit.offload.host_memory import is_file_backed
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     path = synth.write_synthetic(MODEL, tmp_path / "scaled.safetensors", size="tiny", fmt="fp8_scaled", seed=11)
     monkeypatch.setattr(comfy.utils, "DISABLE_MMAP", disable_mmap)

@@ -36,7 +36,7 @@ def _ours(te: Path, rss: list | None = None) -> list[list]:
     """Our streamed encoder's CONDITIONING per prompt; appends the build's StageReport to ``rss`` if given."""
     import torch
     from comfyui_lowvram_dit.offload import stage_meter
-    from comfyui_lowvram_dit.nodes import wan_text
+    from comfyui_lowvram_dit.host import wan_text
 
     with torch.inference_mode():
         stage_meter.release_host_memory()
@@ -118,15 +118,15 @@ def test_embedding_cache_hit_miss_and_encoder_swap(comfy: types.ModuleType, tmp_
     """Second encode of the same prompts: from the cache, encoder not loaded; a replaced file: a miss."""
     import folder_paths
     import torch
-    from comfyui_lowvram_dit.nodes import wan_text
-    from comfyui_lowvram_dit.host import common
+    from comfyui_lowvram_dit.host import wan_text
+    from comfyui_lowvram_dit.host import files
 
     monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path / "user"))
     cfg = UMT5Config(num_layers=2, d_ff=64, num_heads=2, vocab_size=512)
     te = synth.write_synthetic("umt5_xxl_enc", tmp_path / "umt5.safetensors", fmt="fp8_scaled", seed=1, config=cfg)
     first, r1 = wan_text.encode_wan_prompts(te, PROMPTS)
     assert "0 of 2 prompts from the embedding cache, encoder freed" in r1.notes
-    assert len(common.embedding_cache().entries()) == 2
+    assert len(files.embedding_cache().entries()) == 2
     second, r2 = wan_text.encode_wan_prompts(te, PROMPTS)
     assert "2 of 2 prompts from the embedding cache, encoder not loaded" in r2.notes
     for a, b in zip(first, second, strict=True):

@@ -105,7 +105,7 @@ def test_a_lora_past_the_fp8_range_warns_once_per_merge(monkeypatch: pytest.Monk
     from comfy_server import comfyui_in_process_or_skip
 
     comfyui_in_process_or_skip()
-    from comfyui_lowvram_dit.host import fp8_layers
+    from comfyui_lowvram_dit.host import fp8_ops as fp8_layers
     from comfyui_lowvram_dit.host.fp8_ops import Fp8OpsConfig, make_fp8_ops
 
     monkeypatch.setattr(fp8_layers, "_clip_warned_at", [-math.inf])

@@ -151,7 +151,7 @@ def test_comfyui_block_swap_on_gpu_matches_plain_and_frees_the_ring():
 
     comfy = comfy_native.import_comfy(cpu=False)
     mm = comfy.model_management
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
 
     sd = synth.synthetic_state_dict("wan21_t2v_1_3B", size="full", fmt="bf16", seed=0, device="cuda")
     plain = comfy.sd.load_diffusion_model_state_dict(sd, {"dtype": torch.bfloat16})

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from comfyui_lowvram_dit.host import common as _common
+from comfyui_lowvram_dit.host import log as _log
 from comfyui_lowvram_dit.host import seams as _seams
 
 REPO = Path(__file__).resolve().parents[2]
@@ -191,7 +191,7 @@ def fake_comfy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
             sys.path.remove(roots[-1])
         roots.append(str(root))
         sys.path.insert(0, str(root))
-        _common._SAID_ONCE.clear()
+        _log._SAID_ONCE.clear()
         from comfyui_lowvram_dit import nodes
 
         return nodes.load_node_classes()
@@ -202,7 +202,7 @@ def fake_comfy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
     restore()
     if roots:
         sys.path.remove(roots[-1])
-    _common._SAID_ONCE.clear()
+    _log._SAID_ONCE.clear()
 
 
 def _by_name(classes: list[type]) -> dict[str, type]:

@@ -211,8 +211,8 @@ class StreamedCLIPLoader(io.ComfyNode):
 
         path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
         if type == "wan":
-            return io.NodeOutput(_pack_submodule("nodes.wan_text").build_umt5_streaming(path))
-        return io.NodeOutput(_pack_submodule("nodes.qwen_staged").build_text_encoder_streaming(path))
+            return io.NodeOutput(_pack_submodule("host.wan_text").build_umt5_streaming(path))
+        return io.NodeOutput(_pack_submodule("host.qwen_stages").build_text_encoder_streaming(path))
 
 
 NODES = [RandomConditioning, ConditioningStats, LatentStats, ModelInfo, Raise, StreamedCLIPLoader]

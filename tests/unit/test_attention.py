@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from comfyui_lowvram_dit.kernels import attention as attn
+
+from comfyui_lowvram_dit.kernels import attention_backends, attention_check
 from comfyui_lowvram_dit.kernels.attention import AttentionBackend, AttentionSelector
 
 CPU = torch.device("cpu")
@@ -26,11 +28,13 @@ def _qkv(b: int = 1, h: int = 4, lq: int = 64, lk: int = 64, d: int = 32, dtype:
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 - yields a register function
     """Register throw-away backends; the registry and candidate lists are restored afterwards."""
-    monkeypatch.setattr(attn, "BACKENDS", dict(attn.BACKENDS))
+    registry = dict(attn.BACKENDS)  # one copy for the registry module and the selector that reads it
+    monkeypatch.setattr(attention_backends, "BACKENDS", registry)
+    monkeypatch.setattr(attn, "BACKENDS", registry)
 
-    def add(name: str, fn, *, auto: bool = False, first: bool = True, tolerance: float = attn.EXACT_TOLERANCE,
+    def add(name: str, fn, *, auto: bool = False, first: bool = True, tolerance: float = attention_backends.EXACT_TOLERANCE,
             trades_accuracy: bool = False):
-        attn.register_backend(AttentionBackend(name, name.upper(), fn, lambda *a: None, tolerance=tolerance,
+        attention_backends.register_backend(AttentionBackend(name, name.upper(), fn, lambda *a: None, tolerance=tolerance,
                                                trades_accuracy=trades_accuracy))
         if first:
             monkeypatch.setattr(attn, "FALLBACK_ORDER", (name, *attn.FALLBACK_ORDER))
@@ -41,7 +45,7 @@ def registry(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 - yields a regist
 
 
 def test_registry_reports_what_cpu_can_run() -> None:
-    names = attn.available_backends(CPU, torch.float32, 128)
+    names = attention_backends.available_backends(CPU, torch.float32, 128)
     assert {"sdpa_math", "sdpa", "sdpa_flash"} <= set(names)
     for gpu_only in ("sdpa_cudnn", "sdpa_efficient", "flash_attn2", "flash_attn3", "sage", "xformers"):
         assert gpu_only not in names
@@ -56,7 +60,7 @@ def test_backends_match_reference(backend: str) -> None:
     q, k, v = _qkv(lq=48, lk=80)
     out = AttentionSelector().run(q, k, v, None, backend)
     assert out.shape == (1, 4, 48, 32)
-    torch.testing.assert_close(out, attn.reference_attention(q, k, v), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, attention_check.reference_attention(q, k, v), rtol=1e-4, atol=1e-5)
 
 
 def test_masked_call_matches_reference() -> None:
@@ -64,9 +68,9 @@ def test_masked_call_matches_reference() -> None:
     mask = torch.ones(1, 1, 40, 40, dtype=torch.bool)
     mask[..., 30:] = False  # padded text tokens, as a Qwen-Image joint mask would mark them
     out = AttentionSelector().run(q, k, v, mask, "auto")
-    ref = attn.reference_attention(q, k, v, mask)
+    ref = attention_check.reference_attention(q, k, v, mask)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(out, attn.reference_attention(q, k, v), atol=1e-3)
+    assert not torch.allclose(out, attention_check.reference_attention(q, k, v), atol=1e-3)
 
 
 def test_failing_backend_falls_back_and_says_so_once(registry, caplog: pytest.LogCaptureFixture) -> None:
@@ -82,7 +86,7 @@ def test_failing_backend_falls_back_and_says_so_once(registry, caplog: pytest.Lo
     with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
         out1 = sel.run(q, k, v, None, "boom")
         out2 = sel.run(q, k, v, None, "boom")
-    torch.testing.assert_close(out1, attn.reference_attention(q, k, v), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out1, attention_check.reference_attention(q, k, v), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out1, out2)
     assert len(calls) == 1  # the failure is cached with the shape: not retried every call
     warnings = [r.getMessage() for r in caplog.records if "BOOM cannot run" in r.getMessage()]
@@ -115,10 +119,10 @@ def test_wrong_backend_is_rejected_by_error_check(registry) -> None:
 
 def test_quantized_tolerance_accepts_small_error(registry) -> None:
     def noisy(q, k, v, m):  # ~5 % relative noise: inside the 8-bit tolerance, too much for an exact backend
-        out = attn.reference_attention(q, k, v).to(q.dtype)
+        out = attention_check.reference_attention(q, k, v).to(q.dtype)
         return out + 0.05 * out.norm() / out.numel() ** 0.5 * torch.randn_like(out)
 
-    registry("int8ish", noisy, tolerance=attn.QUANTIZED_TOLERANCE)
+    registry("int8ish", noisy, tolerance=attention_backends.QUANTIZED_TOLERANCE)
     registry("exactish", noisy)
     q, k, v = _qkv()
     sel = AttentionSelector()
@@ -139,11 +143,11 @@ def test_quantized_backend_only_runs_where_it_is_faster(registry, quantized_fast
         def fn(q, k, v, m):
             calls[name] += 1
             time.sleep(delay)
-            return attn.reference_attention(q, k, v).to(q.dtype)
+            return attention_check.reference_attention(q, k, v).to(q.dtype)
         return fn
 
     # 100x apart: a loaded 2-core CI machine oversleeps by tens of ms, never by 0.2 s on every timed call
-    registry("q8", make("q8", 0.002 if quantized_faster else 0.2), tolerance=attn.QUANTIZED_TOLERANCE,
+    registry("q8", make("q8", 0.002 if quantized_faster else 0.2), tolerance=attention_backends.QUANTIZED_TOLERANCE,
              trades_accuracy=True, first=False)
     registry("exact", make("exact", 0.2 if quantized_faster else 0.002))  # first in the fallback order
     sel = AttentionSelector()
@@ -167,7 +171,7 @@ def test_auto_picks_fastest_passing_candidate_once_per_shape(registry) -> None:
         def fn(q, k, v, m):
             counts[name] += 1
             time.sleep(delay)
-            out = attn.reference_attention(q, k, v).to(q.dtype)
+            out = attention_check.reference_attention(q, k, v).to(q.dtype)
             return out * float("nan") if nan else out
         return fn
 
@@ -176,7 +180,7 @@ def test_auto_picks_fastest_passing_candidate_once_per_shape(registry) -> None:
     sel = AttentionSelector()
     q, k, v = _qkv()
     out = sel.run(q, k, v, None, "auto")
-    torch.testing.assert_close(out, attn.reference_attention(q, k, v), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, attention_check.reference_attention(q, k, v), rtol=1e-4, atol=1e-5)
     (key, detail), = sel.details.items()
     # fake "fast" beats the real CPU kernels only if they take > 5 ms; compare among the fakes
     assert detail.timings_ms["fast"] < detail.timings_ms["slow"]
@@ -212,8 +216,8 @@ def test_first_decision_under_compile_works() -> None:
     sel = AttentionSelector()
     q, k, v = _qkv()
     fn = torch.compile(lambda q, k, v: sel.run(q, k, v, None, "auto") + 1, backend="eager")
-    torch.testing.assert_close(fn(q, k, v), attn.reference_attention(q, k, v) + 1, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(fn(q, k, v), attn.reference_attention(q, k, v) + 1, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fn(q, k, v), attention_check.reference_attention(q, k, v) + 1, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fn(q, k, v), attention_check.reference_attention(q, k, v) + 1, rtol=1e-4, atol=1e-5)
     assert len(sel.decisions) == 1
 
 
@@ -224,7 +228,7 @@ def test_cuda_backends_agree_with_reference(dtype: torch.dtype) -> None:
     dev = torch.device("cuda")
     q, k, v = (t.to(dev) for t in _qkv(b=1, h=8, lq=4096, lk=4096, d=128, dtype=dtype))
     sel = AttentionSelector()
-    for name in attn.available_backends(dev, dtype, 128):
+    for name in attention_backends.available_backends(dev, dtype, 128):
         sel.run(q, k, v, None, name)
         decision = sel.details[attn._key(name, q, k, None)]
         assert name not in decision.rejected and decision.errors[name] <= attn.BACKENDS[name].tolerance, \
@@ -236,10 +240,10 @@ def test_cuda_backends_agree_with_reference(dtype: torch.dtype) -> None:
 
 
 def test_int8_backend_names_a_missing_triton(monkeypatch):
-    from comfyui_lowvram_dit.kernels import attention, attention_int8
+    from comfyui_lowvram_dit.kernels import attention_int8
 
     monkeypatch.setattr(attention_int8, "is_supported", lambda *a: False)
     monkeypatch.setattr(attention_int8, "_triton_module", lambda: None)
-    reason = attention._int8_reason(torch.device("cuda", 0), torch.bfloat16, 128, False)
+    reason = attention_backends._int8_reason(torch.device("cuda", 0), torch.bfloat16, 128, False)
     assert reason is not None and "needs Triton" in reason
-    assert "head dim" in attention._int8_reason(torch.device("cpu"), torch.bfloat16, 128, False)
+    assert "head dim" in attention_backends._int8_reason(torch.device("cpu"), torch.bfloat16, 128, False)

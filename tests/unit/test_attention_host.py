@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from comfyui_lowvram_dit.kernels import attention as attn
+
+from comfyui_lowvram_dit.kernels import attention_backends, attention_check
 from comfyui_lowvram_dit.kernels.attention import AttentionBackend, AttentionSelector, HostAttention
 
 
@@ -23,14 +25,14 @@ def _exact(delay: float, calls: list | None = None):  # noqa: ANN202 - an Attent
         if calls is not None:
             calls.append(1)
         time.sleep(delay)
-        return attn.reference_attention(q, k, v, mask).to(q.dtype)
+        return attention_check.reference_attention(q, k, v, mask).to(q.dtype)
     return fn
 
 
 def _noisy(delay: float, rel: float):  # noqa: ANN202 - a quantized-looking AttentionFn
     def fn(q, k, v, mask):
         time.sleep(delay)
-        out = attn.reference_attention(q, k, v, mask).to(q.dtype)
+        out = attention_check.reference_attention(q, k, v, mask).to(q.dtype)
         return out + rel * out.norm() / out.numel() ** 0.5 * torch.randn_like(out)
     return fn
 
@@ -41,18 +43,20 @@ def _host(*backends: AttentionBackend, default: str | None = None) -> HostAttent
 
 def _backend(name: str, fn, quantized: bool = False) -> AttentionBackend:
     return AttentionBackend(name, name.upper(), fn, lambda *a: None,
-                            tolerance=attn.QUANTIZED_TOLERANCE if quantized else attn.EXACT_TOLERANCE,
+                            tolerance=attention_backends.QUANTIZED_TOLERANCE if quantized else attention_backends.EXACT_TOLERANCE,
                             trades_accuracy=quantized)
 
 
 @pytest.fixture
 def ours(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 - a function that sets auto's own candidates
     """Replace auto's own candidates with fakes of known speed (real CPU kernels take microseconds)."""
-    monkeypatch.setattr(attn, "BACKENDS", dict(attn.BACKENDS))
+    registry = dict(attn.BACKENDS)  # one copy for the registry module and the selector that reads it
+    monkeypatch.setattr(attention_backends, "BACKENDS", registry)
+    monkeypatch.setattr(attn, "BACKENDS", registry)
 
     def set_ours(**delays: float) -> None:
         for name, delay in delays.items():
-            attn.register_backend(_backend(name, _exact(delay)))
+            attention_backends.register_backend(_backend(name, _exact(delay)))
         monkeypatch.setattr(attn, "AUTO_CANDIDATES", tuple(delays))
 
     return set_ours
@@ -66,7 +70,7 @@ def test_auto_measures_host_backends_with_ours(ours, core_faster: bool, caplog: 
     with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
         out = sel.run(q, k, v, None, "auto", host)
         sel.run(q, k, v, None, "auto", host)
-    torch.testing.assert_close(out, attn.reference_attention(q, k, v), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, attention_check.reference_attention(q, k, v), rtol=1e-4, atol=1e-5)
     (detail,) = sel.details.values()
     assert set(detail.timings_ms) == {"mine", "core:pytorch"}
     assert detail.backend == ("core:pytorch" if core_faster else "mine")
@@ -94,7 +98,7 @@ def test_broken_host_backend_is_never_chosen(ours, broken: str, caplog: pytest.L
     sel, (q, k, v) = AttentionSelector(), _qkv()
     with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
         out = sel.run(q, k, v, None, "auto", host)
-    torch.testing.assert_close(out, attn.reference_attention(q, k, v), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, attention_check.reference_attention(q, k, v), rtol=1e-4, atol=1e-5)
     (detail,) = sel.details.values()
     assert detail.backend == "mine" and "core:bad" in detail.rejected and "core:bad" not in detail.timings_ms
     (line,) = [r.getMessage() for r in caplog.records if "core would use" in r.getMessage()]
@@ -111,7 +115,7 @@ def test_quantized_host_backend_only_where_faster_than_best_exact(ours, quantize
     sel, (q, k, v) = AttentionSelector(), _qkv()
     sel.run(q, k, v, None, "auto", host)
     (detail,) = sel.details.values()
-    assert detail.errors["core:int8"] > attn.EXACT_TOLERANCE / 10  # it really is the noisy one that was checked
+    assert detail.errors["core:int8"] > attention_backends.EXACT_TOLERANCE / 10  # it really is the noisy one that was checked
     assert detail.backend == ("core:int8" if quantized_faster else "mine_fast")
     if not quantized_faster:
         assert detail.note == "CORE:INT8 is slower than MINE_FAST at this shape, so MINE_FAST runs it"
@@ -165,5 +169,5 @@ def test_host_backend_hit_under_compile(ours) -> None:
     sel, (q, k, v) = AttentionSelector(), _qkv()
     fn = torch.compile(lambda q, k, v: sel.run(q, k, v, None, "auto", host) + 1, backend="eager")
     for _ in range(2):
-        torch.testing.assert_close(fn(q, k, v), attn.reference_attention(q, k, v) + 1, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fn(q, k, v), attention_check.reference_attention(q, k, v) + 1, rtol=1e-4, atol=1e-5)
     assert list(sel.decisions.values()) == ["core:fast"]

@@ -14,6 +14,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from comfyui_lowvram_dit.kernels import attention as attn
+
+from comfyui_lowvram_dit.kernels import attention_backends, attention_check
 from comfyui_lowvram_dit.kernels import fp8, fp8_choice, opaque_ops
 from comfyui_lowvram_dit.kernels.compile import CompileConfig, CompiledRegions, transformer_options_guard_filter
 
@@ -114,13 +116,15 @@ def traced_breaks(monkeypatch: pytest.MonkeyPatch) -> int:
 
 def _untraceable(monkeypatch: pytest.MonkeyPatch, calls: list[bool]) -> None:
     """Register 'probe', a backend Dynamo must not trace (as the 8-bit kernel), which records each call."""
-    monkeypatch.setattr(attn, "BACKENDS", dict(attn.BACKENDS))
+    registry = dict(attn.BACKENDS)  # one copy for the registry module and the selector that reads it
+    monkeypatch.setattr(attention_backends, "BACKENDS", registry)
+    monkeypatch.setattr(attn, "BACKENDS", registry)
 
     def probe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         calls.append(torch.compiler.is_compiling())
-        return attn.reference_attention(q, k, v, mask).to(q.dtype)
+        return attention_check.reference_attention(q, k, v, mask).to(q.dtype)
 
-    attn.register_backend(attn.AttentionBackend("probe", "PROBE", probe, lambda *a: None, compile_safe=False))
+    attention_backends.register_backend(attn.AttentionBackend("probe", "PROBE", probe, lambda *a: None, compile_safe=False))
 
 
 @pytest.mark.parametrize("opaque", [True, False])
@@ -155,7 +159,7 @@ def test_host_backends_reach_the_op_by_name(monkeypatch: pytest.MonkeyPatch) -> 
 
     def host_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         seen.append("host")
-        return attn.reference_attention(q, k, v, mask).to(q.dtype)
+        return attention_check.reference_attention(q, k, v, mask).to(q.dtype)
 
     host = attn.HostAttention((attn.AttentionBackend("probehost:x", "host x", host_fn, lambda *a: None),),
                               "probehost:x", "host x")

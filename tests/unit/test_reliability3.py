@@ -92,10 +92,10 @@ def test_doctor_cli_survives_a_dependency_that_raises_system_exit(tmp_path: Path
 
 def test_an_attention_library_that_raises_system_exit_counts_as_missing(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from comfyui_lowvram_dit.kernels import attention
+    from comfyui_lowvram_dit.kernels import attention_backends
 
     monkeypatch.syspath_prepend(str(_exiting_module(tmp_path / "fake", "exiting_attention_lib")))
-    assert attention._optional_module("exiting_attention_lib") is None
+    assert attention_backends._optional_module("exiting_attention_lib") is None
 
 
 # ----------------------------------------------------------------------------------------------------------
