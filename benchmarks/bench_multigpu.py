@@ -65,12 +65,12 @@ def _loaders(path: str, qwen_path: str) -> dict[str, Callable[[], Any]]:
 
     from ..kernels.compile import CompileConfig
     from ..offload.plan import SwapConfig
-    from ..nodes.attention import apply_attention
-    from ..nodes.block_swap import apply_block_swap
-    from ..nodes.compile import apply_compile
-    from ..nodes.nan_guard import apply_nan_guard
-    from ..nodes.qwen_staged import load_staged_model
-    from ..nodes.wan_loader import load_wan_model
+    from ..host.attention import apply_attention
+    from ..host.block_swap import apply_block_swap
+    from ..host.torch_compile import apply_compile
+    from ..host.nan_guard import apply_nan_guard
+    from ..host.qwen_stages import load_staged_model
+    from ..host.wan_loader import load_wan_model
 
     def fp8() -> Any:
         return load_wan_model(path, "fp8 per-tensor", 128, "auto")
@@ -172,8 +172,8 @@ def experts_child(row: str, args: argparse.Namespace) -> dict:
     """Wan 2.2 A14B, high-noise expert for the first half of the steps, low-noise for the rest, run twice."""
     _import_comfy(False)
     from ..offload.plan import SwapConfig
-    from ..nodes.block_swap import apply_block_swap
-    from ..nodes.wan_loader import load_wan_model
+    from ..host.block_swap import apply_block_swap
+    from ..host.wan_loader import load_wan_model
 
     high = load_wan_model(args.model, "fp8 per-tensor", 128, "auto")
     low = load_wan_model(args.model_low, "fp8 per-tensor", 128, "auto")

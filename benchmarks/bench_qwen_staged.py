@@ -63,8 +63,8 @@ def ours(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: i
 
     _setup(ctx, user_dir)
     import comfy.model_management as mm
-    from ..nodes import qwen_staged
-    from ..host.common import EMBEDDING_CACHE_FOLDER
+    from ..host import qwen_stages as qwen_staged
+    from ..host.files import EMBEDDING_CACHE_FOLDER
 
     f = Path(files)
     if clear_cache:

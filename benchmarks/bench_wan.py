@@ -110,22 +110,22 @@ def _nodes(swap: bool, blocks_to_swap: int, prefetch: int, attention: str | None
     """``wrap`` for comfy_native.load_native_model: the nodes in the order a user wires them."""
     def wrap(patcher: Any, memory_required: int) -> Any:
         if swap:  # nodes.* import comfy_api at module level: only after import_comfy put ComfyUI on sys.path
-            from ..nodes.block_swap import SWAP_KEY, apply_block_swap
+            from ..host.block_swap import SWAP_KEY, apply_block_swap
             from ..offload.plan import SwapConfig
 
             patcher = apply_block_swap(patcher, SwapConfig(blocks_to_swap=blocks_to_swap, prefetch=prefetch))
             patcher.attachments[SWAP_KEY].activation_bytes = memory_required  # KSampler's estimate (CFG batch)
         if attention is not None:
-            from ..nodes.attention import apply_attention
+            from ..host.attention import apply_attention
 
             patcher = apply_attention(patcher, attention)
         if guard:
-            from ..nodes.nan_guard import apply_nan_guard
+            from ..host.nan_guard import apply_nan_guard
 
             patcher = apply_nan_guard(patcher, "warn")
         if compile_mode is not None:
             from ..kernels.compile import CompileConfig
-            from ..nodes.compile import apply_compile
+            from ..host.torch_compile import apply_compile
 
             patcher = apply_compile(patcher, CompileConfig(mode=compile_mode, backend=backend), "blocks")
         return patcher
@@ -134,7 +134,7 @@ def _nodes(swap: bool, blocks_to_swap: int, prefetch: int, attention: str | None
 
 def _swap_stats(patcher: Any, inputs: dict, forward: Any) -> dict:
     """The Block Swap plan and one instrumented forward's transfer / stall figures (empty without Block Swap)."""
-    from ..nodes.block_swap import SWAP_KEY
+    from ..host.block_swap import SWAP_KEY
     from ..offload.engine import format_stats
 
     ctl = patcher.attachments.get(SWAP_KEY)

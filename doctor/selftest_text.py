@@ -101,7 +101,7 @@ def stock_qwen_model(unet: str, dtype: torch.dtype | None = None) -> Any:
     import comfy.sd
     from ..checkpoints.safetensors_io import read_header
     from ..checkpoints.qwen_image import qwen_image_widths
-    from ..host.common import detected_config_defaults
+    from ..host.model_loading import detected_config_defaults
 
     with detected_config_defaults(qwen_image_widths(read_header(_path("diffusion_models", unet)))):
         if dtype is None:

@@ -103,7 +103,8 @@ def _ran(selector: Any, requested: str) -> str:
 
 def check_attention(env: SelfTestEnv) -> Iterator[Verdict]:
     """Every backend this device can run vs ComfyUI's default attention, within that backend's tolerance."""
-    from ..nodes.attention import BACKEND_CHOICES, AttentionSelect
+    from ..host.attention import BACKEND_CHOICES
+    from ..nodes.attention import AttentionSelect
 
     model = stock_wan(env)
     dm = model.model.diffusion_model
@@ -125,7 +126,8 @@ def check_attention(env: SelfTestEnv) -> Iterator[Verdict]:
 
 def check_block_swap(env: SelfTestEnv) -> Iterator[Verdict]:
     """One of the two blocks streamed: identical to the same fp8 model without Block Swap."""
-    from ..nodes.block_swap import SWAP_KEY, BlockSwap
+    from ..host.block_swap import SWAP_KEY
+    from ..nodes.block_swap import BlockSwap
 
     model = pack_wan(env, "fp8 per-tensor")
     ref = env.sample(model)
@@ -181,7 +183,8 @@ def check_lora(env: SelfTestEnv) -> Iterator[Verdict]:
 def check_compile(env: SelfTestEnv) -> Iterator[Verdict]:
     """Compiled blocks (inductor, no fallback) vs eager; SKIP where torch.compile itself does not work here."""
     from ..kernels.compile import describe_failure, is_compile_failure
-    from ..nodes.compile import COMPILE_KEY, TorchCompile
+    from ..host.torch_compile import COMPILE_KEY
+    from ..nodes.compile import TorchCompile
 
     compiled = TorchCompile.execute(stock_wan(env), mode="default", backend="inductor", dynamic="auto",
                                     fullgraph=False, cache_size_limit=64, fallback=False, scope="blocks").args[0]

@@ -75,7 +75,7 @@ def test_pack_imports_without_disabled_node_modules(comfy_server: ComfyServer) -
 
 def test_every_pack_node_registered_as_its_schema_says(comfy_server: ComfyServer) -> None:
     """Each node class of each existing node module is in /object_info exactly as its schema builds it."""
-    from comfyui_lowvram_dit.host.common import CATEGORY, node_id
+    from comfyui_lowvram_dit.host.names import CATEGORY, node_id
 
     classes = _pack_node_classes()
     served = comfy_server.object_info()

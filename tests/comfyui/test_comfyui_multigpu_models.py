@@ -45,7 +45,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _wan(path: Path):  # noqa: ANN202 - ModelPatcher
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     return load_wan_model(path, "fp8 per-tensor", 128, "auto")
 
@@ -61,7 +61,7 @@ def test_lora_on_block_swap_split_equals_one_device(two_devices: None, files: di
     import comfy.sd
     import comfy.utils
 
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
     from comfyui_lowvram_dit.offload.plan import SwapConfig
 
     base = _wan(files["wan_bf16"])
@@ -92,8 +92,8 @@ def _sample_qwen(patcher, seed: int = 0):  # noqa: ANN001, ANN202 - ModelPatcher
 
 
 def test_qwen_image_staged_split_equals_one_device(two_devices: None, files: dict[str, Path]) -> None:
-    from comfyui_lowvram_dit.nodes.attention import apply_attention
-    from comfyui_lowvram_dit.nodes.qwen_staged import load_staged_model
+    from comfyui_lowvram_dit.host.attention import apply_attention
+    from comfyui_lowvram_dit.host.qwen_stages import load_staged_model
 
     model = apply_attention(load_staged_model(str(files["qwen"]), "fp8 per-tensor")[0], "auto")
     alone = _sample_qwen(model)
@@ -109,8 +109,8 @@ def test_select_model_device_moves_a_pack_model_with_its_patches(two_devices: No
     Attention come along, with state of the new copy's own, and the picture is the one the first device gives."""
     from comfy_extras import nodes_multigpu
 
-    from comfyui_lowvram_dit.nodes.attention import apply_attention
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.attention import apply_attention
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
     from comfyui_lowvram_dit.offload.plan import SwapConfig
 
     model = apply_attention(apply_block_swap(_wan(files["wan_bf16"]), SwapConfig(blocks_to_swap=1)), "auto")

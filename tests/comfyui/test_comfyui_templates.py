@@ -210,7 +210,7 @@ def test_synthetic_lora_keys_all_reach_the_model(lora: str, tmp_path: Path) -> N
     import comfy.utils
     from comfyui_lowvram_dit.checkpoints.safetensors_io import read_header
     from comfyui_lowvram_dit.checkpoints.qwen_image import qwen_image_widths
-    from comfyui_lowvram_dit.host.common import detected_config_defaults
+    from comfyui_lowvram_dit.host.model_loading import detected_config_defaults
 
     model_name = KNOWN_LORA_FILES[lora][0]
     path = synth.write_synthetic(model_name, tmp_path / "model.safetensors", "tiny", "bf16")

@@ -63,7 +63,7 @@ def test_the_node_reports_the_running_comfyuis_settings() -> None:
     comfyui_in_process_or_skip()
     from comfy.cli_args import args
 
-    from comfyui_lowvram_dit.nodes.doctor import comfyui_host_info
+    from comfyui_lowvram_dit.host.doctor_info import comfyui_host_info
 
     _, host = comfyui_host_info()
     for key, flag in (("comfy_compiler", "disable_comfy_compiler"), ("cuda_graphs", "disable_cuda_graphs"),

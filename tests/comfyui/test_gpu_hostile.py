@@ -287,7 +287,7 @@ def case_here(case: str, what: str) -> Iterator[dict]:
 
 
 def _fp8(path: Path) -> Any:
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     return load_wan_model(path, "fp8 per-tensor", 128, "auto")
 
@@ -358,7 +358,7 @@ def unswapped_ref(comfy_gpu: Any, base_file: Path) -> Any:
 @pytest.mark.parametrize("label", list(SWAP_SETTINGS))
 def test_1_block_swap_hostile_settings(comfy_gpu: Any, base_file: Path, unswapped_ref: Any, label: str) -> None:
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
 
     with case_here("1 Block Swap", label) as entry:
         try:
@@ -496,7 +496,7 @@ def test_2a_fp8_linear_with_non_finite_activations(comfy_gpu: Any) -> None:
 def test_2b_non_finite_latent_through_fp8_model_under_nan_guard(comfy_gpu: Any, base_file: Path, unswapped_ref: Any,
                                                                 value: str) -> None:
     from comfyui_lowvram_dit.kernels.nan_guard import NonFiniteError
-    from comfyui_lowvram_dit.nodes.nan_guard import apply_nan_guard
+    from comfyui_lowvram_dit.host.nan_guard import apply_nan_guard
 
     with case_here("2 fp8 GEMMs", f"latent holding {value}, fp8 model + NaN Guard (raise)") as entry:
         model = _fp8(base_file)
@@ -535,7 +535,7 @@ POISONED_WEIGHTS = {
 def test_2c_weight_file_with_non_finite_values(comfy_gpu: Any, base_file: Path, unswapped_ref: Any, work: Path,
                                                label: str) -> None:
     from comfyui_lowvram_dit.kernels.nan_guard import NonFiniteError
-    from comfyui_lowvram_dit.nodes.nan_guard import apply_nan_guard
+    from comfyui_lowvram_dit.host.nan_guard import apply_nan_guard
     from comfyui_lowvram_dit.synthetic import checkpoints as synth
 
     fmt, suffix, value = POISONED_WEIGHTS[label]
@@ -625,8 +625,8 @@ def test_3_lora_merged_into_the_arena(comfy_gpu: Any, base_file: Path, kind: str
 
     from comfyui_lowvram_dit.kernels.nan_guard import NonFiniteError
     from comfyui_lowvram_dit.offload.plan import SwapConfig, streamed_block_indices
-    from comfyui_lowvram_dit.nodes.block_swap import SWAP_KEY, apply_block_swap
-    from comfyui_lowvram_dit.nodes.nan_guard import apply_nan_guard
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.nan_guard import apply_nan_guard
 
     with case_here("3 LoRA into the arena", f"LoRA with {kind}, Block Swap 2 of {LAYERS} blocks") as entry:
         swapped = apply_block_swap(_fp8(base_file), SwapConfig(blocks_to_swap=2, prefetch=1))
@@ -782,8 +782,8 @@ class _PoisonAttention:
 @pytest.mark.parametrize("label", ["q NaN", "k inf"])
 def test_4b_int8_attention_in_a_model_under_nan_guard(comfy_gpu: Any, base_file: Path, label: str) -> None:
     from comfyui_lowvram_dit.kernels.nan_guard import NonFiniteError
-    from comfyui_lowvram_dit.nodes.attention import OVERRIDE_KEY, apply_attention
-    from comfyui_lowvram_dit.nodes.nan_guard import apply_nan_guard
+    from comfyui_lowvram_dit.host.attention import OVERRIDE_KEY, apply_attention
+    from comfyui_lowvram_dit.host.nan_guard import apply_nan_guard
 
     which, value = label.split()
     with case_here("4 8-bit attention", f"model with lowvram 8-bit, {label} in block 1's self-attention, "

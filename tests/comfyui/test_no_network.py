@@ -74,10 +74,10 @@ def test_wan_path_runs_offline(tmp_path: Path, no_network: list[tuple], monkeypa
     from comfyui_lowvram_dit.synthetic import checkpoints as synth
     from comfyui_lowvram_dit.synthetic.specs import UMT5Config
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.nodes.attention import apply_attention
-    from comfyui_lowvram_dit.nodes.block_swap import apply_block_swap
-    from comfyui_lowvram_dit.nodes.wan_loader import load_wan_model
-    from comfyui_lowvram_dit.nodes.wan_text import encode_wan_prompts
+    from comfyui_lowvram_dit.host.attention import apply_attention
+    from comfyui_lowvram_dit.host.block_swap import apply_block_swap
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_text import encode_wan_prompts
 
     monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path / "user"))
     with pytest.raises(OSError, match="disabled"):  # the guard is live

@@ -11,7 +11,8 @@ import torch
 from comfyui_lowvram_dit.kernels import attention as attn
 
 from comfyui_lowvram_dit.kernels import attention_backends, attention_check
-from comfyui_lowvram_dit.kernels.attention import AttentionBackend, AttentionSelector
+from comfyui_lowvram_dit.kernels.attention_backends import AttentionBackend
+from comfyui_lowvram_dit.kernels.attention import AttentionSelector
 
 CPU = torch.device("cpu")
 

@@ -12,7 +12,8 @@ import torch
 from comfyui_lowvram_dit.kernels import attention as attn
 
 from comfyui_lowvram_dit.kernels import attention_backends, attention_check
-from comfyui_lowvram_dit.kernels.attention import AttentionBackend, AttentionSelector, HostAttention
+from comfyui_lowvram_dit.kernels.attention_backends import AttentionBackend, HostAttention
+from comfyui_lowvram_dit.kernels.attention import AttentionSelector
 
 
 def _qkv(lq: int = 64, lk: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
