@@ -279,7 +279,7 @@ def attn_fwd_kernel(
 # (same accuracy), so autotune may pick among them. PV_ACC defaults to 2 (fp8 P·V accumulated across tiles in the
 # tensor core): faster than 1 with the same error vs fp32 (docs/benchmarks.md). It only changes the fp8 P·V path.
 # 64/128/4/{2,3}: one warpgroup per CTA and two CTAs per SM (252 registers, 72/104 KB shared: see
-# benchmarks/sass_attention_int8.py). 128/128/8 runs its two warpgroups in one CTA, whose per-tile barriers keep
+# tests/unit/sass_attention_int8.py). 128/128/8 runs its two warpgroups in one CTA, whose per-tile barriers keep
 # them in lockstep; two independent CTAs can overlap one's softmax with the other's wgmma.
 ATTN_CONFIGS = [
     (128, 128, 8, 4, 0),
