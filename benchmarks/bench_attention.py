@@ -30,6 +30,7 @@ def attention_case(ctx: harness.BenchContext, shape: list[int], backend: str, dt
     import torch
 
     from ..kernels import attention as A
+    from ..kernels.attention_check import reference_attention
 
     b, h, lq, lk, d = shape
     dt = getattr(torch, dtype)
@@ -49,7 +50,7 @@ def attention_case(ctx: harness.BenchContext, shape: list[int], backend: str, dt
     ok, rel, note = A.check_output(q, k, v, None, out)
     heads = sorted({0, h - 1})
     rows = torch.linspace(0, lq - 1, min(lq, 256), device=ctx.device).long().unique()
-    ref = A.reference_attention(q[:1, heads][:, :, rows], k[:1, heads], v[:1, heads])
+    ref = reference_attention(q[:1, heads][:, :, rows], k[:1, heads], v[:1, heads])
     max_abs = float((out[:1, heads][:, :, rows].float() - ref).abs().max())
     chosen = decision.backend
     metrics = {"shape": f"B{b} H{h} L{lq}/{lk} D{d}", "backend_used": A.BACKENDS[chosen].label,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..kernels import attention as attention_kernels
+from ..kernels.attention_backends import EXACT_TOLERANCE, QUANTIZED_TOLERANCE
 from .report import FP8_TOLERANCE
 from .selftest_env import FAIL, SKIP, SEED, Check, SelfTestEnv, Verdict, comfy_nodes, compare, relative_difference
 
@@ -77,7 +78,7 @@ def fp8_tolerance(env: SelfTestEnv, model: Any, mode: str) -> tuple[float, str]:
 
     layer = next(m for m in model.model.diffusion_model.modules() if getattr(m, "weight_scale", None) is not None)
     path = select_path(env.device, None if mode == "fp8 per-tensor" else BLOCK_SIZE, *layer.weight.shape)
-    return (FP8_TOLERANCE if path == "dequantize" else attention_kernels.QUANTIZED_TOLERANCE), path
+    return (FP8_TOLERANCE if path == "dequantize" else QUANTIZED_TOLERANCE), path
 
 
 def check_wan_loader(env: SelfTestEnv) -> Iterator[Verdict]:
@@ -116,7 +117,7 @@ def check_attention(env: SelfTestEnv) -> Iterator[Verdict]:
         if reason is not None:
             yield Verdict(node, SKIP, reason)
             continue
-        tolerance = 0.0 if name is None else attention_kernels.EXACT_TOLERANCE if name == "auto" else \
+        tolerance = 0.0 if name is None else EXACT_TOLERANCE if name == "auto" else \
             attention_kernels.BACKENDS[name].tolerance
         with attention_kernels.isolated_selector() as selector:
             out = env.sample(AttentionSelect.execute(model, label).args[0])
@@ -197,7 +198,7 @@ def check_compile(env: SelfTestEnv) -> Iterator[Verdict]:
         yield Verdict(node, SKIP, f"torch.compile does not work on {env.device} here ({describe_failure(exc)}); "
                                   "the node then runs eager")
         return
-    verdict = compare(node, out, stock_output(env), attention_kernels.EXACT_TOLERANCE, "the same model eager")
+    verdict = compare(node, out, stock_output(env), EXACT_TOLERANCE, "the same model eager")
     yield Verdict(node, verdict.status, f"{verdict.detail}; {compiled.attachments[COMPILE_KEY].status()}")
 
 
