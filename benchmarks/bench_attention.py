@@ -1,30 +1,15 @@
-"""Every attention backend of kernels/attention.py at Wan 2.2 and Qwen-Image shapes: time, TFLOP/s, error.
-
-Run on the GPU box from the repo root (about 5-10 minutes; the 720p shape dominates):
-    python -m comfyui_lowvram_dit.benchmarks.bench_attention
-    ... --shapes wan14b_480p_self qwen_image_1328   (a subset)   ... --in-process   (faster, shared allocator)
-CPU smoke test of the flow (tiny shapes, CPU backends only):
-    python -m comfyui_lowvram_dit.benchmarks.bench_attention --smoke
-Per (shape, backend): median ms by CUDA events (harness), TFLOP/s = 4*B*H*Lq*Lk*D / t, relative and max
-absolute error vs the fp32 reference on a 2-head x 256-query slice. The "auto" row runs the selector as
-the Attention node does and names its pick. Backends this GPU cannot run are recorded with the reason.
-Writes benchmarks/results/bench_attention[_smoke].json/.md/.png.
-"""
+"""Scenario ``attention``: every backend of kernels/attention.py at Wan 2.2 and Qwen-Image shapes (README)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-from comfyui_lowvram_dit.kernels.safe_write import write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
-try:
-    from . import harness
-except ImportError:  # run as a file
-    import harness  # type: ignore[no-redef]
+from comfyui_lowvram_dit.benchmarks import harness
 
 MODULE = "comfyui_lowvram_dit.benchmarks.bench_attention"
-# (B, H, Lq, Lk, D). Tokens from shared/research/offload-fp8-compile.md §0 and model-facts-wan22-qwenimage.md.
+# (B, H, Lq, Lk, D): the token counts of Wan 2.2 and Qwen-Image at these resolutions.
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "wan14b_480p_self": (1, 40, 32760, 32760, 128),  # 832x480x81 -> 21x30x52
     "wan14b_480p_cross": (1, 40, 32760, 512, 128),  # umT5 context, 512 tokens
@@ -45,6 +30,7 @@ def attention_case(ctx: harness.BenchContext, shape: list[int], backend: str, dt
     import torch
 
     from ..kernels import attention as A
+    from ..kernels.attention_check import reference_attention
 
     b, h, lq, lk, d = shape
     dt = getattr(torch, dtype)
@@ -64,7 +50,7 @@ def attention_case(ctx: harness.BenchContext, shape: list[int], backend: str, dt
     ok, rel, note = A.check_output(q, k, v, None, out)
     heads = sorted({0, h - 1})
     rows = torch.linspace(0, lq - 1, min(lq, 256), device=ctx.device).long().unique()
-    ref = A.reference_attention(q[:1, heads][:, :, rows], k[:1, heads], v[:1, heads])
+    ref = reference_attention(q[:1, heads][:, :, rows], k[:1, heads], v[:1, heads])
     max_abs = float((out[:1, heads][:, :, rows].float() - ref).abs().max())
     chosen = decision.backend
     metrics = {"shape": f"B{b} H{h} L{lq}/{lk} D{d}", "backend_used": A.BACKENDS[chosen].label,
@@ -112,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--in-process", action="store_true", help="all variants in this process (faster)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS)
+    parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     shapes = SMOKE_SHAPES if args.smoke else {s: SHAPES[s] for s in args.shapes}
     bench = "bench_attention_smoke" if args.smoke else "bench_attention"
@@ -120,12 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         bench += "_partial"
     results = harness.run_benchmark(bench, variants(shapes, tuple(args.backends)), repeats=args.repeats,
                                     warmup=args.warmup, out_dir=args.out_dir, fresh_process=not args.in_process,
-                                    force_cpu=args.smoke, argv=["-m", MODULE, *(sys.argv[1:] if argv is None else argv)])
+                                    force_cpu=args.smoke, argv=harness.command_argv(MODULE, argv))
     text = summary(results)
     write_report((Path(args.out_dir) / f"{bench}_summary.md"), text + "\n")
     print(text)
     return 0 if any(r.get("status") == "ok" for r in results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

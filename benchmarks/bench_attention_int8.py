@@ -1,37 +1,21 @@
-"""8-bit attention (kernels/attention_int8.py) vs torch SDPA cuDNN / flash, comfy-kitchen's int8 attention and
-torch's fp8 SDPA at Wan 2.2 and Qwen-Image shapes.
-
-Run on the GPU box from the repo root (about 2 minutes; --quick about 1):
-    python -m comfyui_lowvram_dit.benchmarks.bench_attention_int8 [--quick] [--no-sweep]
-        [--shapes NAME ...] [--backends NAME ...] [--families [NAME ...]] [--no-checks] [--out DIR]
-Per shape and backend: median ms (CUDA events, via benchmarks/harness.time_fn), TFLOP/s = 4*B*H*Lq*Lk*D / t,
-speedup vs cuDNN, relative error vs fp32 math on a 2-head slice for Gaussian and outlier-heavy inputs; the
-prologue (quantization) alone; the configs the autotuner chose; and (default) a sweep of fixed tile configs
-at Wan 480p. --families adds, per shape, the error of each kernel vs fp32 on the outlier input families of
-benchmarks/attention_families.py (FAMILY_HEADS heads at the shape's sequence lengths). comfy_kitchen_int8 and
-sdpa_fp8 rows say why they were skipped when comfy-kitchen or torch's experimental fp8 SDPA cannot run.
-Writes benchmarks/results/bench_attention_int8[_quick][_TAG].json and .md (or under --out).
-"""
+"""Scenario ``attention_int8``: the 8-bit attention kernel vs cuDNN, flash, comfy-kitchen int8 and fp8 SDPA (README)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from comfyui_lowvram_dit.benchmarks import attention_families as AF
 from comfyui_lowvram_dit.benchmarks import harness
 from comfyui_lowvram_dit.kernels import attention_int8 as A
-from comfyui_lowvram_dit.kernels.safe_write import write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
-# (B, H, Lq, Lk, D); token counts from shared/research/model-facts-wan22-qwenimage.md
+# (B, H, Lq, Lk, D): the token counts of Wan 2.2 and Qwen-Image at these resolutions
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "wan14b_480p_self": (1, 40, 32760, 32760, 128),  # 832x480x81 -> 21 x 60 x 104 / (1x2x2) patches
     "wan14b_480p_cross": (1, 40, 32760, 512, 128),  # umT5 text context, 512 tokens
@@ -43,10 +27,7 @@ OURS = {"int8_fp8": ("int8", "fp8"), "fp8_fp8": ("fp8", "fp8"), "int8_fp16": ("i
 # comfy-kitchen's INT8 attention (as ComfyUI's --use-ck-attention runs it) and torch's experimental fp8 SDPA
 RIVALS = ("comfy_kitchen_int8", "sdpa_fp8")
 BACKENDS = ("sdpa_cudnn", "sdpa_flash", *OURS, *RIVALS, "prologue")
-FAMILY_BACKENDS = ("sdpa_cudnn", "int8_fp8", "int8_fp16", *RIVALS)
 ERR_HEADS = 2
-FAMILY_HEADS = 4  # head_scales cycles over 4 head magnitudes
-ERROR_BUDGET = 0.02
 
 
 class BackendUnavailable(RuntimeError):
@@ -194,101 +175,15 @@ def check_correctness(names: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def family_backends(names: tuple[str, ...]) -> tuple[dict, dict[str, str]]:
-    """({name: callable} for the backends that run here, {name: why not} for the others)."""
-    fns, skipped = {}, {}
-    for name in names:
-        try:
-            fns[name] = backend_fn(name)
-        except BackendUnavailable as exc:
-            skipped[name] = str(exc)
-    return fns, skipped
-
-
-def family_errors(shape_name: str, shape: tuple[int, ...], fns: dict, skipped: dict[str, str],
-                  families: list[str], device: str = "cuda") -> list[dict]:
-    """Error vs fp32 of each backend on each input family at a shape's sequence lengths, FAMILY_HEADS heads."""
-    b, _, lq, lk, d = shape
-    rows = []
-    for family in families:
-        row: dict = {"shape_name": shape_name, "family": family, "errors": {}, "notes": dict(skipped)}
-        try:
-            q, k, v = AF.make_family(family, b, FAMILY_HEADS, lq, lk, d, seed=7, device=device)
-            row["logit_std"] = [round(x, 2) for x in AF.logit_std(q, k)[0].tolist()]
-            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-            for name, fn in fns.items():
-                try:
-                    row["errors"][name] = A.relative_error(fn(q, k, v), ref)
-                except Exception as exc:  # one backend failing on one family is a result
-                    row["notes"][name] = f"{type(exc).__name__}: {exc}"[:300]
-            del q, k, v, ref
-        except Exception as exc:  # e.g. out of memory building a family: record it, keep going
-            row["notes"]["family"] = f"{type(exc).__name__}: {exc}"[:300]
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        say(f"  {shape_name} {family:20s} " + " ".join(f"{n}={e:.4f}" for n, e in row["errors"].items()))
-        rows.append(row)
-    return rows
-
-
-def families_markdown(rows: list[dict], backends: tuple[str, ...]) -> list[str]:
-    """One table per shape: family x backend error, over-budget cells in bold."""
-    title = (f"## Error vs fp32 per input family ({FAMILY_HEADS} heads; budget {ERROR_BUDGET:.0%}; "
-             "families: benchmarks/attention_families.py)")
-    lines = ["", title, ""]
-    for shape_name in dict.fromkeys(r["shape_name"] for r in rows):
-        shown = [n for n in backends if any(n in r["errors"] for r in rows if r["shape_name"] == shape_name)]
-        lines += [f"### {shape_name} {SHAPES[shape_name]}", "",
-                  "| family | logit std per head | " + " | ".join(shown) + " |",
-                  "|---|---|" + "---|" * len(shown)]
-        for r in (r for r in rows if r["shape_name"] == shape_name):
-            cells = [f"**{r['errors'][n]:.2%}**" if r["errors"].get(n, 0) > ERROR_BUDGET
-                     else (f"{r['errors'][n]:.2%}" if n in r["errors"] else "—") for n in shown]
-            lines.append(f"| {r['family']} | {r.get('logit_std', '—')} | " + " | ".join(cells) + " |")
-        notes = {n: t for r in rows if r["shape_name"] == shape_name for n, t in r["notes"].items()}
-        lines += ["", *[f"- {n}: {t}" for n, t in notes.items()], ""]
-    return lines
-
-
-# Kernel variants timed at Wan 480p (flags of attention_int8_triton.attn_fwd_kernel): PV_ACC 0 = round-1 kernel
-# (ptxas serialises every wgmma, C7514), 1 = same numerics without it, 2 = P·V accumulated in the tensor core
-# across tiles; EXP_EMU 1/2 = 1/2 or 1/4 of the exp2s by polynomial on the FMA pipe instead of MUFU.
-BEST_TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8}
-VARIANTS: list[tuple[str, dict]] = [
-    ("round1 (PV_ACC=0)", {**BEST_TILE, "num_stages": 4, "PV_ACC": 0}),
-    ("PV_ACC=1", {**BEST_TILE, "num_stages": 4, "PV_ACC": 1}),
-    ("PV_ACC=1 st3", {**BEST_TILE, "num_stages": 3, "PV_ACC": 1}),
-    ("PV_ACC=1 st5", {**BEST_TILE, "num_stages": 5, "PV_ACC": 1}),
-    ("PV_ACC=1 EXP_EMU=1", {**BEST_TILE, "num_stages": 4, "PV_ACC": 1, "EXP_EMU": 1}),
-    ("PV_ACC=1 EXP_EMU=2", {**BEST_TILE, "num_stages": 4, "PV_ACC": 1, "EXP_EMU": 2}),
-    ("PV_ACC=1 EXP_EMU=1 st3", {**BEST_TILE, "num_stages": 3, "PV_ACC": 1, "EXP_EMU": 1}),
-    ("PV_ACC=2", {**BEST_TILE, "num_stages": 4, "PV_ACC": 2}),
-    ("PV_ACC=2 EXP_EMU=1", {**BEST_TILE, "num_stages": 4, "PV_ACC": 2, "EXP_EMU": 1}),
-    ("PV_ACC=1 128x64 w4", {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "PV_ACC": 1}),
-    # one warpgroup per CTA, two CTAs per SM (benchmarks/sass_attention_int8.py): no shared per-tile barrier
-    ("PV_ACC=1 64x128 w4 st2", {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PV_ACC": 1}),
-    ("PV_ACC=1 64x128 w4 st3", {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "PV_ACC": 1}),
-    ("PV_ACC=2 64x128 w4 st2", {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PV_ACC": 2}),
-]
-
-FP8_QK_VARIANTS = ("round1 (PV_ACC=0)", "PV_ACC=1", "PV_ACC=1 EXP_EMU=1", "PV_ACC=1 64x128 w4 st2")
-
-
-def sweep_configs(shape: tuple[int, ...], repeats: int, quick: bool = False,
-                  only: list[str] | None = None) -> list[dict]:
-    """Kernel variants (VARIANTS, or only the labels in ``only``) at one shape, with errors;
-    the full run adds the autotune tile set."""
+def sweep_configs(shape: tuple[int, ...], repeats: int) -> list[dict]:
+    """Every tile config of the autotune set at one shape, both Q·Kᵀ formats, with errors."""
     from comfyui_lowvram_dit.kernels import attention_int8_triton as tk
 
-    cases = [(label, cfg) for label, cfg in VARIANTS if not only or label in only]
-    if not quick:
-        cases += [(f"tile {c.kwargs}", {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages})
-                  for c in tk.attn_configs()]
+    cases = [(f"tile {c.kwargs}", {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages})
+             for c in tk.attn_configs()]
     rows = []
     for name in ("int8_fp8", "fp8_fp8"):
         for label, cfg in cases:
-            if name == "fp8_fp8" and label not in FP8_QK_VARIANTS and not label.startswith("tile"):
-                continue  # fp8 Q·Kᵀ misses the accuracy budget; a few rows show how far speed moves it
             row = measure(name, shape, repeats, 2, config=cfg, errors=True)
             row["variant"] = label
             say(f"  sweep {name:8s} {label:26s}: " + (
@@ -325,8 +220,6 @@ def to_markdown(report: dict) -> str:
             lines.append(f"| {r['backend']} | {r.get('variant', '')} | {r['config']} | {ms:.2f} | "
                          f"{r.get('tflops', float('nan')):.0f} | {vs} | {r.get('err_outlier', float('nan')):.4f} | "
                          f"{r.get('err_gauss', float('nan')):.4f} | {r.get('error', '')[:100]} |")
-    if report.get("families"):
-        lines += families_markdown(report["families"], FAMILY_BACKENDS)
     lines += ["", "## Autotuner picks", "", "```", json.dumps(report["autotune"], indent=1), "```", ""]
     lines += ["## Correctness checks (outlier inputs)", "", "```",
               *[json.dumps(r) for r in report["checks"]], "```", ""]
@@ -334,21 +227,16 @@ def to_markdown(report: dict) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Command line; --shapes, --backends and --families names are checked against the known ones."""
+    """Command line; --shapes and --backends names are checked against the known ones."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="correctness + Wan 480p self/cross only")
-    parser.add_argument("--no-sweep", action="store_true", help="skip the fixed-config sweep")
+    parser.add_argument("--quick", action="store_true", help="correctness + Wan 480p self/cross only, no sweep")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tile-config sweep")
     parser.add_argument("--no-checks", action="store_true", help="skip the small-shape correctness checks")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
                         help="time these shapes (default: all, or the --quick ones)")
     parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS),
                         help="timed rows per shape (default: all)")
-    parser.add_argument("--families", nargs="*", choices=list(AF.FAMILIES), default=None,
-                        help="also measure each kernel's error on these input families at every timed shape "
-                             "(no names: all of them)")
-    parser.add_argument("--variants", nargs="*", default=None,
-                        help="time only these sweep variants (exact labels, e.g. \"PV_ACC=1 EXP_EMU=3\")")
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     return parser.parse_args(argv)
@@ -381,18 +269,13 @@ def main(argv: list[str] | None = None) -> int:
         say("bench_attention_int8: needs a CUDA GPU")
         return 2
     dev = torch.device("cuda")
-    env = {**harness.parent_environment(argv if argv is not None else sys.argv), **harness.child_environment(dev)}
-    for dist in ("triton", "comfy-kitchen"):
-        try:
-            env[dist.replace("-", "_")] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:  # the rows that need it say why
-            env[dist.replace("-", "_")] = None
+    env = harness.gpu_script_environment(f"{harness.SUITE}.bench_attention_int8", argv, dev)  # comfy_kitchen: None
     env["formats_auto"] = list(A.resolve_formats(dev)) if A.is_supported(dev, torch.bfloat16, 128) else None
     say(f"device {env.get('device_name')} (sm{env.get('compute_capability')}), torch {env['torch']}, "
         f"triton {env['triton']}, comfy_kitchen {env['comfy_kitchen']}, auto formats {env['formats_auto']}")
 
     stem = "bench_attention_int8" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
-    report = {"bench": "bench_attention_int8", "env": env, "rows": [], "sweep": [], "families": [],
+    report = {"bench": "bench_attention_int8", "env": env, "rows": [], "sweep": [],
               "autotune": {}, "checks": []}
 
     def write() -> None:  # after every stage, so a run cut short still leaves what it measured
@@ -405,22 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     shape_names = args.shapes or list(QUICK_SHAPES if args.quick else SHAPES)
     report["rows"] = time_shapes(shape_names, args.backends, args.repeats)
     write()
-    if args.families is not None:
-        say(f"error per input family ({FAMILY_HEADS} heads):")
-        fns, skipped = family_backends(FAMILY_BACKENDS)
-        for shape_name in shape_names:
-            report["families"] += family_errors(shape_name, SHAPES[shape_name], fns, skipped,
-                                                args.families or list(AF.FAMILIES))
-            write()
-    if not args.no_sweep:
+    if not (args.no_sweep or args.quick):
         say("kernel variants, Wan 480p self-attention:")
-        report["sweep"] = sweep_configs(SHAPES["wan14b_480p_self"], max(3, args.repeats // 2), quick=args.quick,
-                                        only=args.variants)
+        report["sweep"] = sweep_configs(SHAPES["wan14b_480p_self"], max(3, args.repeats // 2))
     write()
     say(f"autotuner picks: {json.dumps(report['autotune'], indent=1)}")
     say(f"wrote {args.out / stem}.json and .md")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,5 @@
-"""fp8 linear layers (kernels/fp8.py) vs bf16 and ComfyUI's native fp8 at Wan 2.2 / Qwen-Image GEMM shapes.
-
-Run on the GPU box from the repo root (about 1-2 minutes on an H100; --quick: Wan 14B shapes only):
-    python -m comfyui_lowvram_dit.benchmarks.bench_fp8_gemm [--quick]
-Per layer shape (M tokens x K in -> N out, with bias, bf16 activations) and variant: median ms (CUDA events via
-benchmarks/harness.time_fn), TFLOP/s = 2*M*N*K / t, speedup vs bf16 F.linear, and relative error vs fp32 on
-activations with outlier channels (weights with outlier input channels, as tools/synth.py makes them).
-Runs in-process (one CUDA context; GEMMs need no fresh process) and writes
-benchmarks/results/bench_fp8_gemm[_quick].json and .md with device, torch version and the command.
-The "rowwise vs tensorwise" lines at the end choose kernels.fp8.PER_TENSOR_DEFAULT_PATH.
+"""Scenario ``fp8_gemm``: our fp8 linears (kernels/fp8.py) vs bf16 and native fp8 at Wan 2.2 / Qwen-Image GEMM
+shapes, in one process (README).
 """
 
 from __future__ import annotations
@@ -15,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -23,10 +14,10 @@ import torch.nn.functional as F
 
 from comfyui_lowvram_dit.benchmarks import harness
 from comfyui_lowvram_dit.kernels import fp8, fp8_triton
-from comfyui_lowvram_dit.kernels.safe_write import write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 # (M tokens, K in, N out). Tokens: Wan 14B 832x480x81 -> 21x30x52 = 32,760; Wan 5B 1280x704x121 -> 31x22x40 =
-# 27,280; Qwen-Image 1328x1328 -> 83x83 = 6,889 image tokens (shared/research/model-facts-wan22-qwenimage.md).
+# 27,280; Qwen-Image 1328x1328 -> 83x83 = 6,889 image tokens.
 SHAPES: dict[str, tuple[int, int, int]] = {
     "wan14b_qkvo": (32760, 5120, 5120),
     "wan14b_ffn_up": (32760, 5120, 13824),
@@ -48,7 +39,7 @@ def say(msg: str) -> None:
 
 def make_operands(m: int, k: int, n: int, seed: int = 0):
     """bf16 activations [M, K] with 4 outlier channels (20-50x), bf16 weight [N, K] with outlier input
-    channels (8-20x, one per 512 inputs, as tools/synth.py), bf16 bias."""
+    channels (8-20x, one per 512 inputs, as synthetic/checkpoints.py), bf16 bias."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, device="cuda", generator=g)
     x[:, torch.randperm(k, device="cuda", generator=g)[:4]] *= torch.tensor([20.0, 30.0, 40.0, 50.0], device="cuda")
@@ -189,12 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="Wan 14B shapes only")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS)
+    parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         say("bench_fp8_gemm needs a CUDA GPU")
         return 2
-    env = harness.gpu_script_environment("bench_fp8_gemm", argv, torch.device("cuda"))
+    env = harness.gpu_script_environment(f"{harness.SUITE}.bench_fp8_gemm", argv, torch.device("cuda"))
     say(f"{env.get('device_name')} torch {torch.__version__} triton {env['triton']}")
     rows: list[dict] = []
     for name in QUICK if args.quick else SHAPES:
@@ -209,6 +200,3 @@ def main(argv: list[str] | None = None) -> int:
     say(f"wrote {args.out_dir / stem}.json and .md")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,15 +1,7 @@
-"""ComfyUI's MultiGPU CFG split with the pack's nodes: split vs one GPU, output and seconds per step, per node.
+"""Scenario ``multigpu``: ComfyUI's MultiGPU CFG split with the pack's nodes, split vs one GPU (README).
 
-Each row runs in a fresh process (``--child``) so ComfyUI's launch flags (``--use-ck-attention`` for native's
-best) and loaded models never leak between rows. A row loads its MODEL, samples ``--steps`` steps on one GPU
-(cond + uncond batched), then the same graph through ``comfy.multigpu.create_multigpu_deepclones`` (what the
-"MultiGPU CFG Split" node does: cond on one GPU, uncond on the other) and reports the relative difference of the
-two final latents and the median step time after the first step of each. One 1-step run before each makes the
-first-call choices (kernels, autotune, compiles), so the compared runs are warm. ``--experts`` instead times Wan 2.2
-A14B's two experts placed one per GPU (``SelectModelDevice``) against both on one GPU with Block Swap.
-
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_multigpu --out DIR
-    COMFYUI_PATH=... python -m comfyui_lowvram_dit.benchmarks.bench_multigpu --layers 4 --frames 9   # quick check
+Each row runs in a fresh process (``--child``), so ComfyUI's launch flags and loaded models never leak between
+rows; a 1-step run before each makes the first-call choices, so the compared runs are warm.
 """
 
 from __future__ import annotations
@@ -25,7 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..kernels.safe_write import write_report
+from ..checkpoints.safe_write import write_report
+from ..host.version import comfyui_version
 from .harness import public_path
 
 ROWS: dict[str, str] = {
@@ -61,7 +54,7 @@ def _with_lora(model: Any) -> Any:
     """The stock LoRA loader (``comfy.sd.load_lora_for_models``) with a full-rank synthetic lightx2v LoRA."""
     import comfy.sd
 
-    from ..tools.synth_lora import FULL_RANK, synthetic_lora
+    from ..synthetic.lora import FULL_RANK, synthetic_lora
 
     lora = synthetic_lora("wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors", "full", FULL_RANK)
     return comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0.0)[0]
@@ -71,13 +64,13 @@ def _loaders(path: str, qwen_path: str) -> dict[str, Callable[[], Any]]:
     import comfy.sd
 
     from ..kernels.compile import CompileConfig
-    from ..kernels.swap_plan import SwapConfig
-    from ..nodes.attention import apply_attention
-    from ..nodes.block_swap import apply_block_swap
-    from ..nodes.compile import apply_compile
-    from ..nodes.nan_guard import apply_nan_guard
-    from ..nodes.qwen_staged import load_staged_model
-    from ..nodes.wan_loader import load_wan_model
+    from ..offload.plan import SwapConfig
+    from ..host.attention import apply_attention
+    from ..host.block_swap import apply_block_swap
+    from ..host.torch_compile import apply_compile
+    from ..host.nan_guard import apply_nan_guard
+    from ..host.qwen_stages import load_staged_model
+    from ..host.wan_loader import load_wan_model
 
     def fp8() -> Any:
         return load_wan_model(path, "fp8 per-tensor", 128, "auto")
@@ -178,9 +171,9 @@ def _on_device(model: Any, option: str) -> Any:
 def experts_child(row: str, args: argparse.Namespace) -> dict:
     """Wan 2.2 A14B, high-noise expert for the first half of the steps, low-noise for the rest, run twice."""
     _import_comfy(False)
-    from ..kernels.swap_plan import SwapConfig
-    from ..nodes.block_swap import apply_block_swap
-    from ..nodes.wan_loader import load_wan_model
+    from ..offload.plan import SwapConfig
+    from ..host.block_swap import apply_block_swap
+    from ..host.wan_loader import load_wan_model
 
     high = load_wan_model(args.model, "fp8 per-tensor", 128, "auto")
     low = load_wan_model(args.model_low, "fp8 per-tensor", 128, "auto")
@@ -204,8 +197,7 @@ def experts_child(row: str, args: argparse.Namespace) -> dict:
 
 def _environment(args: argparse.Namespace) -> dict:
     root = Path(os.environ["COMFYUI_PATH"])
-    version = (root / "comfyui_version.py").read_text().split('"')[1] if (root / "comfyui_version.py").exists() \
-        else "?"
+    version = comfyui_version(root) or "?"
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     command = ["python3", "-m", "comfyui_lowvram_dit.benchmarks.bench_multigpu", *map(public_path, sys.argv[1:])]
     return {"gpus": gpus, "torch": torch.__version__, "comfyui": version, "command": " ".join(command),
@@ -214,7 +206,7 @@ def _environment(args: argparse.Namespace) -> dict:
 
 
 def _ensure_model(path: Path, layers: int, seed: int, model: str = "wan22_t2v_14B") -> None:
-    from ..tools.synth import write_synthetic
+    from ..synthetic.checkpoints import write_synthetic
 
     if not path.exists():
         write_synthetic(model, path, size="full", fmt="bf16", device="cuda", num_layers=layers, seed=seed)
@@ -310,5 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+
+if __name__ == "__main__":  # the rows' children (--child / --experts-child); the suite runs main() directly
     sys.exit(main())

@@ -1,23 +1,4 @@
-"""Qwen-Image staged pipeline vs ComfyUI v0.8.0 native, per stage: time, peak VRAM, peak RSS.
-
-Full-size synthetic files (tools.synth: real key names and shapes, random values) written once to ``--files``:
-the transformer as plain fp8 e4m3fn (20.4 GB, like Comfy-Org's qwen_image_fp8_e4m3fn.safetensors; a bf16 file
-would not fit the GPU box's 64 GB disk next to the encoders), the Qwen2.5-VL encoder as bf16 (16.6 GB) and,
-with ``--te fp8_scaled``, as ComfyUI fp8_scaled, and the Wan 2.1 VAE.
-
-Variants, each in a fresh process (benchmarks/harness.py), in this order:
-- ``ours cold``: LowVRAM staged loader with an empty embedding cache, block swap under the cap, staged decode;
-- ``ours cached``: the same with the cache filled by ``ours cold`` (stage 1 skips the encoder);
-- ``ours resident``: no cap, no swap (the 1.15x goal compares ``ours cold`` time_ms against this);
-- ``native`` (last: its CPU text stage is the slowest part): CLIPLoader(device=cpu) + CLIPTextEncode,
-  UNETLoader(default) with ComfyUI's memory management under the VRAM cap, VAEDecode (tiles on OOM).
-``time_ms`` is one transformer forward at 1328x1328 (6889 image tokens, batch 1); stage metrics are extra columns.
-
-GPU (lead):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_qwen_staged --files /data/qwen_synth
-CPU smoke test of the flow (tiny transformer, 64x64, no cap):
-    COMFYUI_PATH=/path/to/ComfyUI python -m comfyui_lowvram_dit.benchmarks.bench_qwen_staged --smoke --files /tmp/q
-"""
+"""Scenario ``qwen_image``: the Qwen-Image staged pipeline vs native, per stage (README)."""
 
 from __future__ import annotations
 
@@ -26,10 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
-try:
-    from . import harness
-except ImportError:  # run as a file
-    import harness  # type: ignore[no-redef]
+from comfyui_lowvram_dit.benchmarks import harness
 
 MODULE = "comfyui_lowvram_dit.benchmarks.bench_qwen_staged"
 PROMPT = ("A coffee shop entrance features a chalkboard sign reading \"Qwen Coffee 2 dollars\", with a neon light "
@@ -85,8 +63,8 @@ def ours(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: i
 
     _setup(ctx, user_dir)
     import comfy.model_management as mm
-    from ..nodes import qwen_staged
-    from ..nodes.glue.common import EMBEDDING_CACHE_FOLDER
+    from ..host import qwen_stages as qwen_staged
+    from ..host.files import EMBEDDING_CACHE_FOLDER
 
     f = Path(files)
     if clear_cache:
@@ -112,7 +90,7 @@ def ours(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: i
 
 
 def native(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: int, height: int,
-           vram_cap_gb: float | None, smoke: bool = False) -> dict:
+           vram_cap_gb: float | None) -> dict:
     """Harness target: CLIPLoader(cpu) + encode, UNETLoader(default), VAEDecode, as stock v0.8.0 does them."""
     import torch
 
@@ -120,15 +98,13 @@ def native(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width:
     import comfy.model_management as mm
     import comfy.utils
 
-    from ..kernels import checkpoint_io, stage_meter, text_encoders
+    from ..offload import stage_meter
 
     f = Path(files)
     cpu = torch.device("cpu")
     reset = ctx.device.type == "cuda"
     with stage_meter.StageMeter("stage 1 (native CLIPLoader cpu)", reset_cuda_peak=reset) as m1:
         options = {"load_device": cpu, "offload_device": cpu}
-        if smoke:  # the smoke encoder is smaller than ComfyUI's fixed 7B config
-            options["qwen25_7b_model_config"] = text_encoders.qwen25_vl_config_from_header(checkpoint_io.read_header(f / te))
         clip = comfy.sd.load_clip([str(f / te)], clip_type=comfy.sd.CLIPType.QWEN_IMAGE, model_options=options)
         with torch.inference_mode():
             pos = clip.encode_from_tokens_scheduled(clip.tokenize(PROMPT))
@@ -150,10 +126,14 @@ def native(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width:
 
 
 def write_files(files: Path, te_formats: list[str], smoke: bool) -> None:
-    """Write the synthetic files once (skipped when present); full size on the GPU when there is one."""
+    """Write the synthetic files once (skipped when present); full size on the GPU when there is one. Smoke files
+    are the runner's tiny ones: a narrow transformer and a 2-layer encoder of its width (the pack's loaders read
+    both widths from the files)."""
     import torch
 
-    from ..tools import synth
+    from ..synthetic import checkpoints as synth
+    from ..cli.workflow_models import TINY_LAYOUT
+    from ..synthetic.tiny import tiny_text_encoder_config
 
     files.mkdir(parents=True, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -165,44 +145,9 @@ def write_files(files: Path, te_formats: list[str], smoke: bool) -> None:
         if path.is_file():
             continue
         print(f"writing {path} ({model}, {size}, {fmt})", file=sys.stderr)
-        if smoke and model == "qwen25_vl_7b":
-            _write_small_te(path, fmt)
-        else:
-            synth.write_synthetic(model, path, size, fmt, seed=0, device=dev, progress=True)
-
-
-SMOKE_TE_LAYERS, SMOKE_TE_MLP = 2, 256  # the 7B encoder is 16.6 GB even "tiny": smoke runs use 2 narrow layers
-
-
-def _write_small_te(path: Path, fmt: str) -> None:
-    """Qwen2.5-VL with ComfyUI's widths but 2 narrow layers (smoke only; ComfyUI needs the config override)."""
-    import torch
-
-    from ..tools import synth
-    from ..kernels.checkpoint_io import StreamingSafetensorsWriter
-    from ..tools.model_specs import Qwen25VLConfig, is_linear_weight, qwen25_vl_spec
-
-    spec = qwen25_vl_spec(Qwen25VLConfig(num_layers=SMOKE_TE_LAYERS, intermediate=SMOKE_TE_MLP))
-    fp8 = fmt == "fp8_scaled"
-    layout: list = []
-    for n, shape, dt in spec:
-        if fp8 and is_linear_weight("qwen25_vl_7b", n, shape):
-            layout += [(n, shape, torch.float8_e4m3fn), (n[: -len("weight")] + "scale_weight", (), torch.float32)]
-        else:
-            layout.append((n, shape, torch.float16 if fp8 else dt))
-    if fp8:
-        layout.append(("scaled_fp8", (0,), torch.float8_e4m3fn))
-    with StreamingSafetensorsWriter(path, layout) as w:
-        for n, shape, dt in spec:
-            t = synth.synthetic_tensor(n, shape, dt, 0)
-            if fp8 and is_linear_weight("qwen25_vl_7b", n, shape):
-                q, scale = synth.quantize_fp8_scaled(t)
-                w.write(n, q)
-                w.write(n[: -len("weight")] + "scale_weight", scale)
-            else:
-                w.write(n, t.to(torch.float16) if fp8 else t)
-        if fp8:
-            w.write("scaled_fp8", torch.empty(0, dtype=torch.float8_e4m3fn))
+        synth.write_synthetic(model, path, size, fmt, seed=0, device=dev, progress=True,
+                              config=tiny_text_encoder_config(model) if smoke else None,
+                              metadata={"tiny_layout": TINY_LAYOUT} if smoke else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--skip-native", action="store_true")
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS)
-    parser.add_argument("--smoke", action="store_true", help="tiny transformer/VAE, 64x64, CPU, no cap")
+    parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny files, 64x64, CPU, no cap, no native rows (stock loaders cannot read tiny widths)")
     args = parser.parse_args(argv)
     write_files(args.files, args.te, args.smoke)
     width, height = (64, 64) if args.smoke else tuple(args.size)
@@ -226,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     variants, natives = [], []
     for te in args.te:
         te_file = f"te_{te}.safetensors"
-        if not args.skip_native:  # run last: stock CLIPLoader on the CPU is the slow part of the whole bench
+        if not (args.skip_native or args.smoke):  # last: stock CLIPLoader on the CPU is the slow part of the bench
             natives.append(harness.Variant(f"native te={te} cap={cap}", f"{MODULE}:native",
-                                           {**common, "te": te_file, "vram_cap_gb": cap, "smoke": args.smoke}))
+                                           {**common, "te": te_file, "vram_cap_gb": cap}))
         variants += [
             harness.Variant(f"ours cold te={te} cap={cap}", f"{MODULE}:ours",
                             {**common, "te": te_file, "vram_cap_gb": cap, "clear_cache": True}),
@@ -239,12 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                                     {**common, "te": f"te_{args.te[0]}.safetensors", "vram_cap_gb": None}))
     variants += natives
     bench = "qwen_staged_smoke" if args.smoke else f"qwen_staged_{width}x{height}_cap{args.vram_gb:g}gb"
-    argv_used = ["-m", MODULE, *(argv if argv is not None else sys.argv[1:])]
+    argv_used = harness.command_argv(MODULE, argv)
     results = harness.run_benchmark(bench, variants, repeats=min(args.repeats, 2) if args.smoke else args.repeats,
                                     warmup=args.warmup, out_dir=args.out_dir, force_cpu=args.smoke, argv=argv_used)
     print((Path(args.out_dir) / f"{bench}.md").read_text(encoding="utf-8"))
     return 0 if all(r.get("status") == "ok" for r in results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

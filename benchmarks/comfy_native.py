@@ -4,7 +4,7 @@
 ``model_options`` per ``weight_dtype``, then ``comfy.sd.load_diffusion_model_state_dict``) and places it
 with ``comfy.model_management.load_models_gpu``, the call KSampler makes (optionally under a VRAM cap
 applied as a user would: ComfyUI's reserved VRAM set so only the cap is free, plus a hard
-``torch.cuda.set_per_process_memory_fraction``; see shared/research/measured-h200-2026-11-21.md).
+``torch.cuda.set_per_process_memory_fraction``).
 ``wan_inputs`` + ``forward`` run one forward of the Wan diffusion model.
 
 Benchmark-only code: ComfyUI global state (the VRAM cap, loaded models) is changed for the whole
@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,8 +92,13 @@ def apply_vram_cap(vram_cap_gb: float) -> dict:
 
 
 def load_native_model(state_dict: dict, weight_dtype: str = "default", model_options: dict | None = None,
-                      vram_cap_gb: float | None = None, latent_shape: tuple[int, ...] | None = None) -> Any:
+                      vram_cap_gb: float | None = None, latent_shape: tuple[int, ...] | None = None,
+                      wrap: Callable[[Any, int], Any] | None = None) -> Any:
     """A ModelPatcher built as UNETLoader would and placed by ``load_models_gpu`` (as KSampler would).
+
+    ``wrap(patcher, memory_required)`` stands for the nodes a user wires between the loader and KSampler (Block
+    Swap, Attention, Torch Compile): it returns the patcher that is loaded; the one place every in-process row
+    builds its model.
 
     ``state_dict`` is consumed (ComfyUI pops the keys it loads). ``model_options`` are merged over
     UNETLoader's (e.g. ``{"dtype": torch.bfloat16}`` = ``--bf16-unet``, or ``custom_operations``).
@@ -115,6 +121,8 @@ def load_native_model(state_dict: dict, weight_dtype: str = "default", model_opt
         b, rest = int(latent_shape[0]), list(latent_shape[1:])
         memory_required = patcher.model.memory_required([2 * b, *rest])  # sampler_helpers.estimate_memory
         minimum_required = patcher.model.memory_required([b, *rest])
+    if wrap is not None:
+        patcher = wrap(patcher, int(memory_required))
     mm.load_models_gpu([patcher], memory_required=memory_required,
                        minimum_memory_required=minimum_required if latent_shape is not None else None)
     return patcher

@@ -1,23 +1,9 @@
-"""One benchmark runner for every capability: each variant in a fresh process, honest peaks, one report.
+"""The in-process scenarios' runner: each variant in a fresh process, honest peaks, one report (README.md).
 
-A benchmark is a name plus a list of ``Variant``s. Each variant names a target ``"module:function"``
-that the child process imports and calls as ``target(ctx, **kwargs)``. The target does its setup
-(build a model, move it to the GPU) and returns ``{"fn": callable, ...extra metrics}``; the child then
-times ``fn()`` with CUDA events (``time.perf_counter`` on CPU): ``warmup`` untimed calls, then the
-median of ``repeats`` timed calls. A target may instead return a plain metrics dict (no timing).
-
-Per variant the child records: timings, ``torch.cuda.max_memory_allocated/reserved`` of the timed
-phase (peaks are reset after setup) and of the setup, peak RSS of the child process
-(``getrusage(RUSAGE_SELF).ru_maxrss``, which covers the whole process life), device name, torch version.
-A variant that fails (OOM, exception, crash, timeout) is recorded with its error; the others still run.
-
-The parent writes ``<bench>.json``, ``<bench>.md`` and ``<bench>.png`` (matplotlib, Agg; skipped with
-a note when matplotlib is missing) with the environment: device, torch, ComfyUI version (when
-``COMFYUI_PATH`` is set), git sha, and the exact command.
-
-Child invocation: ``python -m comfyui_lowvram_dit.benchmarks.harness --child SPEC.json RESULT.json``.
-This module imports only the standard library at module level (torch inside functions) and uses no
-relative imports, so bench scripts can also load it as a plain file.
+A variant's target ``"module:function"`` is imported in the child and called as ``target(ctx, **kwargs)``; it
+returns ``{"fn": callable, ...metrics}`` (``fn`` is timed: ``warmup`` calls, then the median of ``repeats``) or a
+plain metrics dict. Child: ``python -m comfyui_lowvram_dit.benchmarks.harness --child SPEC.json RESULT.json``.
+Only the standard library at module level (torch inside functions).
 """
 
 from __future__ import annotations
@@ -40,7 +26,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
-from comfyui_lowvram_dit.kernels.safe_write import write_report
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
+from comfyui_lowvram_dit.host.version import comfyui_version
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -98,19 +85,6 @@ def git_sha(repo: Path = PACK_ROOT) -> str | None:
     return f"{sha}-dirty" if dirty else sha
 
 
-def comfyui_version(comfyui_path: str | os.PathLike | None = None) -> str | None:
-    """ComfyUI's version read from ``comfyui_version.py`` (``COMFYUI_PATH`` by default), without importing it."""
-    root = comfyui_path or os.environ.get("COMFYUI_PATH")
-    if not root:
-        return None
-    try:
-        text = (Path(root) / "comfyui_version.py").read_text(encoding="utf-8")
-    except OSError:
-        return None
-    match = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", text)
-    return match.group(1) if match else None
-
-
 def public_path(arg: str) -> str:
     """A command-line word as results may show it: no path of the machine that ran the benchmark.
 
@@ -137,6 +111,17 @@ def public_path(arg: str) -> str:
     return arg
 
 
+SUITE = f"{PACKAGE}.benchmarks"
+
+
+def command_argv(module: str, argv: list[str] | None) -> list[str]:
+    """The command line a report records: the suite's as typed (``-m PKG SCENARIO ...``) when run through it, else
+    ``-m module`` plus ``argv`` (a scenario's ``main`` called directly)."""
+    if sys.argv[:2] == ["-m", SUITE]:
+        return list(sys.argv)
+    return ["-m", module, *(sys.argv[1:] if argv is None else argv)]
+
+
 def parent_environment(argv: list[str] | None = None) -> dict:
     """Facts the parent knows without touching the GPU: command, git sha, Python, ComfyUI."""
     argv = list(sys.argv if argv is None else argv)
@@ -149,7 +134,7 @@ def parent_environment(argv: list[str] | None = None) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "comfyui_path": public_path(comfy) if comfy else None,
-        "comfyui_version": comfyui_version(),
+        "comfyui_version": comfyui_version(os.environ.get("COMFYUI_PATH")),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
@@ -168,19 +153,25 @@ def child_environment(device: Any) -> dict:
     return env
 
 
-def gpu_script_environment(script: str, argv: list[str] | None, device: Any) -> dict:
-    """The environment of a benchmark that runs on the GPU in its own process: ``parent_environment`` (its
-    command is ``script`` plus ``argv``, or ``sys.argv`` when ``argv`` is None), the facts of ``device`` not
-    already there, and the Triton version (None without Triton)."""
-    env = parent_environment(sys.argv if argv is None else [script, *argv])
+def gpu_script_environment(module: str, argv: list[str] | None, device: Any) -> dict:
+    """The environment of a scenario that runs on the GPU in its own process: ``parent_environment`` (its command
+    as ``command_argv`` records it), the facts of ``device`` and the versions of ``software_facts``."""
+    env = parent_environment(command_argv(module, argv))
     env.update({k: v for k, v in child_environment(device).items() if k not in env})
-    try:
-        import triton
+    return {**software_facts(), **env}  # the imported torch's own version string wins
 
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    return env
+
+def software_facts() -> dict:
+    """Versions of torch, Triton, comfy-kitchen and comfy-aimdo in this Python (read without importing them)."""
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "triton", "comfy-kitchen", "comfy-aimdo"):
+        try:
+            out[dist.replace("-", "_")] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist.replace("-", "_")] = None
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,11 +194,9 @@ def peak_rss_bytes() -> int:
     carries that across fork + exec, so a child started by a parent holding 6 GB would report the parent's 6 GB.
     Elsewhere ``ru_maxrss`` (bytes on macOS), or psutil's peak working set on Windows."""
     if sys.platform.startswith("linux"):
-        try:
-            from comfyui_lowvram_dit.tools.memwatch import proc_status
-        except ImportError:  # run as a file without the pack installed: ru_maxrss below
-            proc_status = None
-        hwm = proc_status(os.getpid()).get("VmHWM") if proc_status else None
+        from comfyui_lowvram_dit.cli.memwatch import proc_status
+
+        hwm = proc_status(os.getpid()).get("VmHWM")
         if hwm:
             return hwm
     try:
@@ -299,6 +288,7 @@ def run_variant(spec: dict) -> dict:
             raise TypeError(f"target {spec['target']} returned {type(out).__name__}; expected a dict "
                             "({'fn': callable, ...metrics} or a metrics dict)")
         fn = out.pop("fn", None)
+        after = out.pop("after", None)  # metrics read after the timed calls (e.g. recompiles during them)
         result["metrics"] = _jsonable(out)
         if fn is not None:
             phase = "run"
@@ -310,6 +300,8 @@ def run_variant(spec: dict) -> dict:
             if cuda:
                 result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
                 result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        if after is not None:
+            result["metrics"].update(_jsonable(after()))
         result["status"] = "ok"
     except Exception as exc:  # the variant's failure is data, not a crash of the benchmark
         oom = isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in str(exc).lower()
@@ -326,13 +318,11 @@ def run_variant(spec: dict) -> dict:
 
 
 def _self_watch():  # noqa: ANN202 - memwatch.MemoryWatch | None
-    """Sample this process's anonymous vs file-backed RSS (Linux; None elsewhere or if the pack is not importable)."""
+    """Sample this process's anonymous vs file-backed RSS (Linux; None elsewhere)."""
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        from comfyui_lowvram_dit.tools.memwatch import MemoryWatch
-    except ImportError:
-        return None
+    from comfyui_lowvram_dit.cli.memwatch import MemoryWatch
+
     return MemoryWatch(os.getpid(), interval=0.1, gpu=False).__enter__()  # GPU memory: torch's own counters
 
 

@@ -1,9 +1,8 @@
 """8-bit attention (SageAttention-style) in Triton: INT8 (or FP8) Q·Kᵀ, FP8 P·V, fp32 online softmax.
 
 For non-causal full attention as Wan (self and cross) and Qwen-Image (joint) use it: [B, H, L, D] bf16/fp16,
-head dim 64 or 128, any Lq and Lk. Attention is 56% of a Wan 2.2 14B forward at 832x480x81, where cuDNN bf16
-runs at ~570 TFLOP/s (H200, torch 2.11; shared/research/measured-h200-2026-11-21.md); 8-bit tensor cores run
-at twice the bf16 rate.
+head dim 64 or 128, any Lq and Lk. Attention is about half of a Wan 2.2 14B forward at 480p, and 8-bit tensor
+cores run at twice the bf16 rate.
 
 The algorithm (kernels/attention_int8_triton.py has the kernels, `attention_int8_reference` the same math in
 fp32 torch):
@@ -41,14 +40,12 @@ PvFormat = Literal["auto", "fp8", "fp16"]
 Layout = Literal["BHLD", "BLHD"]
 
 LOG2E = 1.4426950408889634
-# Q·Kᵀ format that "auto" picks. int8 keeps 7 bits where e4m3 keeps 3. H200 Wan 480p (notes/int8_bench.log):
-# int8 33.3 ms, err 1.3% on outlier inputs; fp8 32.0 ms (4% faster) but 2.9% > the 2% budget. So int8.
+# Q·Kᵀ format that "auto" picks. int8 keeps 7 bits where e4m3 keeps 3: on outlier inputs fp8 Q·Kᵀ is barely faster
+# but goes over the 2 % error budget (docs/benchmarks.md).
 DEFAULT_QK_FORMAT: Literal["int8", "fp8"] = "int8"
 # P·V format that "auto" picks on sm89+ (sm80 has no fp8 tensor cores, so it always gets fp16). e4m3 keeps 3
 # mantissa bits of P and V: where the output is averaged zero-mean V noise or a few huge V tokens, that rounding
-# does not average out (tests/test_attention_families.py: gauss 3.8 %, token_outliers 2.3 %, wan_like 2.1 % vs
-# 1.1 / 1.3 / 0.4 % with fp16), while fp16 P·V ran 15 % slower at Wan 480p on an H100
-# (results/bench_attention_int8.md).
+# does not average out (tests/unit/test_attention_families.py marks those families), but fp16 P·V is slower.
 DEFAULT_PV_FORMAT: Literal["fp8", "fp16"] = "fp8"
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -318,10 +315,9 @@ def start_warmup(device: torch.device | str, dtype: torch.dtype = torch.bfloat16
     """Compile the quantizers and the autotuner's long-sequence configs of the 8-bit kernel for (device, dtype,
     head_dim) in a daemon thread.
 
-    On a cold Triton cache these compiles take seconds (an H100: ~1.5 s per config, ~10 s in all); started when a
-    prompt using the 8-bit backend is queued or a model gets it, they run while ComfyUI encodes text, loads the
-    model and torch.compile traces it, instead of inside the first sampler step. ``heads`` only matters through its divisibility by 16 (Triton's
-    specialisation). The first real call waits for a warm-up still running (the autotuner is not thread-safe).
+    On a cold Triton cache these compiles take seconds; started when a prompt using the 8-bit backend is queued or a
+    model gets it, they run while ComfyUI encodes text, loads the model and torch.compile traces it, instead of
+    inside the first sampler step. ``heads`` only matters through its divisibility by 16 (Triton's specialisation). The first real call waits for a warm-up still running (the autotuner is not thread-safe).
     Returns the thread, or None where the kernel cannot run here.
     """
     device = torch.device(device)

@@ -275,14 +275,11 @@ def attn_fwd_kernel(
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < Lq)
 
 
-# Autotune set: (BLOCK_M, BLOCK_N, warps, stages, EXP_EMU). 128/128/8/4 won the H200 sweep at Wan 480p
-# (notes/bench_attention_int8_quick.md, 33.15 ms); the EXP_EMU variants only move exp2 work between pipes (same
-# accuracy), so autotune may pick among them. PV_ACC defaults to 2 (fp8 P·V accumulated across tiles in the tensor
-# core): on an H100 it is 3.6 % faster than 1 at Wan 480p (29.97 vs 31.10 ms) and 1.8 % at 720p (157.7 vs
-# 160.6 ms) with the same error vs fp32 (outlier 1.26 % / 0.97 %, Gaussian 4.80 % / 6.73 %;
-# results/bench_attention_int8.md, attention_int8_pv_acc_720p.json). It only changes the fp8 P·V path.
+# Autotune set: (BLOCK_M, BLOCK_N, warps, stages, EXP_EMU). The EXP_EMU variants only move exp2 work between pipes
+# (same accuracy), so autotune may pick among them. PV_ACC defaults to 2 (fp8 P·V accumulated across tiles in the
+# tensor core): faster than 1 with the same error vs fp32 (docs/benchmarks.md). It only changes the fp8 P·V path.
 # 64/128/4/{2,3}: one warpgroup per CTA and two CTAs per SM (252 registers, 72/104 KB shared: see
-# benchmarks/sass_attention_int8.py). 128/128/8 runs its two warpgroups in one CTA, whose per-tile barriers keep
+# tests/unit/sass_attention_int8.py). 128/128/8 runs its two warpgroups in one CTA, whose per-tile barriers keep
 # them in lockstep; two independent CTAs can overlap one's softmax with the other's wgmma.
 ATTN_CONFIGS = [
     (128, 128, 8, 4, 0),
@@ -296,11 +293,9 @@ ATTN_CONFIGS = [
 ]
 
 
-# Hopper (sm90) subset. On an H100 (benchmarks/results/bench_attention_int8_families.md, "Autotuner picks") the
-# autotuner chose 128/64/4/4 at Wan 480p (self and cross), 128/128/8/4 at 720p, 64/128/4/3 and 64/64/4/3 at short
-# sequences, never an EXP_EMU variant, 128/128/8/3 or 64/128/4/2. Every config it tries is compiled and timed inside
-# the first sampler step (14 s of a 34.7 s first compiled step for 8 configs), so on sm90 only these are tried, and
-# for long sequences (>= 8192 tokens) not the 64/64 one. Other GPUs keep the whole set: nothing was measured there.
+# Hopper (sm90) subset: the configs the autotuner picks there (docs/benchmarks.md). Every config it tries is compiled
+# and timed inside the first sampler step, so on sm90 only these are tried, and for long sequences (>= 8192 tokens)
+# not the 64/64 one. Other GPUs keep the whole set.
 HOPPER_CONFIGS = {(128, 128, 8, 4, 0), (128, 64, 4, 4, 0), (64, 128, 4, 3, 0), (64, 64, 4, 3, 0)}
 LONG_SEQUENCE = 8192
 

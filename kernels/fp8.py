@@ -3,8 +3,7 @@
 Weights are plain tensors: a float8_e4m3fn `weight` [N, K] and an fp32 `weight_scale` (0-dim for per-tensor,
 [ceil(N/bs), ceil(K/bs)] for block-wise), so block swap moves them like any other parameter.
 Dequantization is always `q.float() * scale`. Activations are quantized dynamically on every call, in one fused
-pass (Triton, see fp8_triton.py), because an eager amax + divide + cast erases the fp8 gain
-(H100, torch 2.11: 1.35x slower than bf16 eager vs 1.30x faster fused; shared/research/offload-fp8-compile.md §3.7).
+pass (Triton, see fp8_triton.py), because an eager amax + divide + cast costs more than the fp8 matmul saves.
 
 Paths (`Fp8Path`), picked by `select_path` and overridable:
 - "scaled_mm_rowwise": per-tensor weight, one activation scale per token, `torch._scaled_mm` (SM89/SM90).
@@ -43,7 +42,7 @@ FP8_COMPUTE: tuple[str, ...] = get_args(Fp8Compute)
 
 # How per-tensor fp8 weights scale their activations on GPUs that can do both (SM89/SM90): one scale per
 # token ("scaled_mm_rowwise", robust to outlier tokens) or one per batch sample ("scaled_mm_tensorwise", needs an
-# amax per sample). The one-line switch; chosen by benchmarks/bench_fp8_gemm.py on an H100.
+# amax per sample). The one-line switch (docs/benchmarks.md compares the two).
 PER_TENSOR_DEFAULT_PATH: Fp8Path = "scaled_mm_rowwise"
 
 # Paths whose GEMM adds the bias in its epilogue (torch requires bias dtype == output dtype there).
@@ -61,7 +60,7 @@ def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     # The divisor is a tensor on amax's device, not the Python float 448: torch's CUDA kernel evaluates
     # `t / 448.0` as t * fp32(1/448) (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu, a CPU-scalar divisor),
     # 1 ulp off the IEEE quotient for some amax, while its CPU kernel and the
-    # Triton kernels (div_rn) divide. Seen on an H200 (torch 2.11): GPU and CPU weight scales differed.
+    # Triton kernels (div_rn) divide, so GPU and CPU weight scales could differ.
     # A tensor / tensor division is IEEE on CPU and CUDA alike, so weights quantized on either device and
     # activations quantized by torch or Triton are bit-identical, and re-quantizing q * scale returns scale.
     return (a / a.new_full((), FP8_MAX)).clamp_min(SCALE_MIN)
@@ -117,6 +116,12 @@ def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block_size: 
                          f"block_size {block_size} (expected {blockwise_scale_shape(n, k, block_size)})")
     s = scale.float().repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
     return s[:n, :k]
+
+
+def expand_scale(scale: torch.Tensor, shape: tuple[int, int], block_size: int, device: torch.device) -> torch.Tensor:
+    """fp32 scale of an [N, K] weight on ``device``: a 0-d per-tensor scale as is, a block scale per element."""
+    s = scale.to(device=device, dtype=torch.float32)
+    return s if s.ndim == 0 else expand_block_scale(s, shape, block_size)
 
 
 def dequantize_blockwise(
@@ -370,9 +375,14 @@ def _register_blockwise_op():
 _BLOCKWISE_OP = _register_blockwise_op()
 
 
+def _dequantize_dtype(x: torch.Tensor) -> torch.dtype:
+    """The matmul dtype of the dequantize path: the activation's own float dtype, bf16 for anything narrower."""
+    return x.dtype if x.dtype.is_floating_point and x.dtype.itemsize >= 2 else torch.bfloat16
+
+
 def _linear_dequantize(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                        block_size: int | None, out_dtype: torch.dtype) -> torch.Tensor:
-    compute = x2.dtype if x2.dtype.is_floating_point and x2.dtype.itemsize >= 2 else torch.bfloat16
+    compute = _dequantize_dtype(x2)
     w = dequantize(weight, weight_scale, block_size, compute)
     out = F.linear(x2.to(compute), w, bias.to(compute) if bias is not None else None)
     return out.to(out_dtype)
@@ -409,20 +419,12 @@ def _resolve(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     return path
 
 
-def fp8_linear(
-    x: torch.Tensor,
-    weight_fp8: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    block_size: int | None = None,
-    path: Fp8Path | None = None,
-    out_dtype: torch.dtype | None = None,
+def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
+    block_size: int | None = None, path: Fp8Path | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """y = x @ (weight_fp8 * scale).T + bias for x [..., K]; activations quantized dynamically (path None = auto)."""
     out_dtype = out_dtype or x.dtype
     path = _resolve(x, weight_fp8, weight_scale, block_size, path, out_dtype)
-    lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     n = weight_fp8.shape[0]
     if path == "dequantize":
@@ -435,28 +437,20 @@ def fp8_linear(
                                  path, out_dtype, samples_of(x))
         if b is not None and path not in _EPILOGUE_BIAS_PATHS:
             out = out + b
-    return out.reshape(*lead, n)
+    return out.reshape(*x.shape[:-1], n)
 
 
-def fp8_linear_reference(
-    x: torch.Tensor,
-    weight_fp8: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    block_size: int | None = None,
-    path: Fp8Path | None = None,
-    out_dtype: torch.dtype | None = None,
+def fp8_linear_reference(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
+    block_size: int | None = None, path: Fp8Path | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """fp32 emulation of exactly what fp8_linear computes on `path` (same quantization, exact fp32 GEMM)."""
     out_dtype = out_dtype or x.dtype
     path = _resolve(x, weight_fp8, weight_scale, block_size, path, out_dtype)
-    lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     n, k = weight_fp8.shape
     w32 = dequantize(weight_fp8, weight_scale, block_size, torch.float32)
     if path == "dequantize":
-        compute = x2.dtype if x2.dtype.is_floating_point and x2.dtype.itemsize >= 2 else torch.bfloat16
+        compute = _dequantize_dtype(x2)
         a32 = x2.to(compute).float()
         w32 = w32.to(compute).float()  # the fast path multiplies a weight rounded to the compute dtype
         b32 = bias.to(compute).float() if bias is not None else None
@@ -474,7 +468,7 @@ def fp8_linear_reference(
     out = a32 @ w32.t()
     if b32 is not None:
         out = out + b32
-    return out.to(out_dtype).reshape(*lead, n)
+    return out.to(out_dtype).reshape(*x.shape[:-1], n)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,7 @@
 """Fused Triton kernels for fp8 linears: one-pass activation quantization and a block-wise fp8 GEMM.
 
 Activation quantization must be one kernel: amax, scale and cast done eagerly cost about as much as the fp8 GEMM
-saves (H100, torch 2.11; shared/research/offload-fp8-compile.md §3.7). The kernels are registered as
+saves. The kernels are registered as
 `torch.library.triton_op`s (namespace `lowvram_dit`), so torch.compile traces through them without a graph break
 and inductor sees the Triton kernel itself.
 

@@ -4,7 +4,7 @@ A ``ModelHook`` is a small object with explicit ``pre_forward`` / ``post_forward
 ``post_block`` methods (or ``wrap_forward`` / ``wrap_block`` when it needs try/finally or a retry). A
 ``HookRegistry`` holds the hooks of one model by name, runs them as one chain ordered by ``ORDER`` (smaller runs
 outside larger), and registering and removing are symmetric, so a model can be restored. Block Swap, NaN Guard
-and Torch Compile are hooks; nodes/glue/hooks.py installs a registry into a ComfyUI MODEL.
+and Torch Compile are hooks; host/hooks.py installs a registry into a ComfyUI MODEL.
 
 Plain torch, no ComfyUI import.
 """

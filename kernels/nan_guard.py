@@ -3,7 +3,7 @@
 Plain torch. Each checked tensor costs one fused ``torch.isfinite(x).all()`` reduction that stays on the device
 (a 0-d bool); the flags are stacked and read once at the end of the forward (one sync per model call instead of
 one per block). NaN/inf propagate through every later block, so the first flag that is False names the culprit.
-The reduction reads each activation once; benchmarks/results/nan_guard.md has the measured cost.
+The reduction reads each activation once (docs/benchmarks.md has its cost).
 ``NanGuardHook`` attaches the tracker to a model through kernels/hooks.py.
 """
 

@@ -1,10 +1,11 @@
-"""ComfyUI adapters: one module per capability, each exporting ``NODES`` (V3 ``io.ComfyNode`` classes).
+"""The ComfyUI nodes: one module per capability, each exporting ``NODES`` (V3 ``io.ComfyNode`` classes): schemas
+and ``execute`` only; what a node does lives in host/.
 
-Imported only by ``comfy_entrypoint`` inside a running ComfyUI. A module that fails to import (a
-ComfyUI seam that moved, a missing optional library) disables its own nodes and logs why; the
-rest of the pack and ComfyUI's startup keep working. Each node class then declares the ComfyUI
-seams it uses (``COMFY_SEAMS``); nodes/glue/seams.py leaves out, or turns into a pass-through, a node
-whose seams this ComfyUI lacks, with one warning naming the node, the seam and the ComfyUI version.
+Imported only by ``comfy_entrypoint`` inside a running ComfyUI. A listed module that does not exist is an
+ImportError; one that exists but fails to import (a ComfyUI seam that moved, a missing optional library)
+disables its own nodes and logs why, so the rest of the pack and ComfyUI's startup keep working. Each node
+class declares the ComfyUI seams it uses (``COMFY_SEAMS``); host/seams.py leaves out, or turns into a
+pass-through, a node whose seams this ComfyUI lacks, with one warning naming the node, the seam and the version.
 """
 
 from __future__ import annotations
@@ -29,14 +30,19 @@ NODE_MODULES: tuple[str, ...] = (
 
 
 def load_node_classes() -> list[type]:
-    """Import every node module and collect its ``NODES``; a broken module is skipped with a log line."""
+    """Import every node module and collect its ``NODES``.
+
+    A module listed in NODE_MODULES that does not exist is a bug of the pack: ImportError. A module that exists
+    but cannot import (a ComfyUI seam that moved, a broken optional library) loses its nodes with a warning, so
+    ComfyUI's startup survives it.
+    """
     classes: list[type] = []
     for name in NODE_MODULES:
         try:
             module = importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as exc:
             if exc.name == f"{__name__}.{name}":
-                continue  # capability not built yet
+                raise ImportError(f"nodes/__init__.py lists node module {name!r}, which does not exist") from exc
             log.warning("lowvram_dit: nodes in %s disabled: %s", name, exc)
             continue
         except Exception as exc:  # a changed ComfyUI seam must not break ComfyUI's startup
@@ -44,7 +50,7 @@ def load_node_classes() -> list[type]:
             continue
         classes.extend(getattr(module, "NODES", ()))
     try:
-        from .glue.seams import guard_nodes
+        from ..host.seams import guard_nodes
     except Exception as exc:  # the seam check itself must not cost the user every node
         log.warning("lowvram_dit: ComfyUI seam check unavailable (%s: %s); nodes registered unchecked",
                     type(exc).__name__, exc)
@@ -61,7 +67,7 @@ def make_extension():  # noqa: ANN201 - comfy_api.latest.ComfyExtension
             # Called once when ComfyUI loads the pack (0.8.0 has no on_load): the 8-bit attention warm-up hooks
             # into queued prompts here, never at import.
             try:
-                from .attention import register_prompt_warmup
+                from ..host.attention import register_prompt_warmup
 
                 register_prompt_warmup()
             except Exception as exc:  # noqa: BLE001 - the nodes load without it (load_node_classes says why)

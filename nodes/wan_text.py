@@ -1,89 +1,14 @@
-"""Wan text encoding on the CPU without a second copy of umT5-XXL in RAM, with an on-disk embedding cache.
-
-``LowVRAM_WanTextEncode`` gives the positive and negative CONDITIONING that stock ``CLIPLoader(type=wan)`` +
-``CLIPTextEncode`` give (bit-equal on the CPU for the released file: same ComfyUI classes, same dtype, same
-tokenizer), but:
-- the encoder is built with ComfyUI's own classes (``comfy.text_encoders.wan.te``, ``WanT5Tokenizer``,
-  ``sd3_clip.t5_xxl_detect``, ``convert_old_quants``, ``comfy.sd.CLIP``) with an empty state dict, and its weights
-  are streamed from the file one module at a time (nodes/glue/text_encoders.py): ``load_clip`` maps the whole file and
-  copies it into the model, so the fp16 encoder (11.4 GB) briefly costs twice that in RSS;
-- it runs on the CPU and never takes VRAM; it is freed as soon as the prompts are encoded;
-- embeddings are cached on disk (user directory), keyed by prompt, tokenizer and encoder identity (content
-  fingerprint, format, dtype, config, ComfyUI version): an unchanged prompt does not load the encoder at all.
-The layer count and widths are read from the file, so reduced-layer files of the same architecture load too.
-"""
+"""Wan Text Encode node: the schema; the streamed CPU encoder is host/wan_text.py."""
 
 from __future__ import annotations
 
-import functools
-import logging
-from pathlib import Path
-
 from comfy_api.latest import io
 
-from ..kernels.checkpoint_io import CheckpointError, SafetensorsHeader
-from ..kernels.stage_meter import StageReport
-from ..kernels.streaming import ProgressFn
-from ..kernels.text_encoders import umt5_config_from_header
-from .glue import text_encoders
-from .glue.common import CATEGORY_LOADERS, checked_input, display_name, file_fingerprint, node_id
-from .glue.seams import DISABLE
-
-log = logging.getLogger("comfyui_lowvram_dit")
-
-WAN_TEXT_DIM = 4096  # Wan's text_embedding input width (ComfyUI wan detection fixes text_dim = 4096)
-_TOKENIZER_KEY = "spiece_model"  # the umT5 sentencepiece model ComfyUI's Wan tokenizer reads from the file
-
-
-@functools.cache
-def _tokenizer_id() -> str:
-    """The tokenizer class (part of the cache key; its sentencepiece model is covered by the file hash)."""
-    from comfy.text_encoders import wan
-
-    return f"{wan.WanT5Tokenizer.__module__}.{wan.WanT5Tokenizer.__qualname__}"
-
-
-def _check_umt5(header: SafetensorsHeader, cfg: dict[str, int]) -> None:
-    name = header.path.name
-    if cfg["d_model"] != WAN_TEXT_DIM:
-        raise CheckpointError(f"{name}: d_model {cfg['d_model']}, but Wan needs a {WAN_TEXT_DIM}-wide "
-                              "umT5-XXL (umt5_xxl_fp16 / umt5_xxl_fp8_e4m3fn_scaled)")
-    if _TOKENIZER_KEY not in header.tensors:
-        raise CheckpointError(f"{name}: no '{_TOKENIZER_KEY}' tensor (the tokenizer); use ComfyUI's "
-                              "repackaged umt5_xxl_*.safetensors, which carry it")
-
-
-def _umt5_target(probe: dict, name: str):  # noqa: ANN202 - what load_text_encoder_state_dicts builds
-    """What load_text_encoder_state_dicts(clip_type=WAN) builds for T5_XXL (t5xxl_detect reads dtype and
-    quantization metadata from the probe)."""
-    from comfy.text_encoders import sd3_clip, wan
-
-    return text_encoders.clip_target(wan.te(**sd3_clip.t5_xxl_detect(probe)), wan.WanT5Tokenizer)
-
-
-UMT5_XXL = text_encoders.StreamedTextEncoder(
-    label="Wan text encoder", kind="umT5-XXL", norm_key="encoder.final_layer_norm.weight", width_key="d_model",
-    layers_key="num_layers", config_option="umt5xxl_model_config", config_from_header=umt5_config_from_header,
-    build_target=_umt5_target, cache_context=_tokenizer_id, tokenizer_key=_TOKENIZER_KEY, check=_check_umt5)
-
-
-def encoder_identity(te_path: str | Path) -> dict:
-    """Everything about the encoder that changes embeddings, readable without loading it (cache key part)."""
-    return text_encoders.encoder_identity(UMT5_XXL, te_path)
-
-
-def build_umt5_streaming(te_path: str | Path, progress: ProgressFn | None = None):  # noqa: ANN201 - comfy.sd.CLIP
-    """A CPU ``comfy.sd.CLIP`` for a umT5 file (what CLIPLoader(type=wan) builds), weights streamed in."""
-    return text_encoders.build_streaming(UMT5_XXL, te_path, progress)
-
-
-def encode_wan_prompts(te_path: str | Path, prompts: list[str],
-                       use_cache: bool = True) -> tuple[list[list], StageReport]:
-    """CONDITIONING (CPU tensors, as CLIPTextEncode returns) per prompt: from the cache or a streamed encoder."""
-    out, report = text_encoders.encode_prompts(UMT5_XXL, te_path, prompts, stage="Wan text encoder (CPU)",
-                                               use_cache=use_cache)
-    log.info("lowvram_dit %s", report.format())
-    return out, report
+from ..host import text_encoders
+from ..host.files import checked_input, file_fingerprint
+from ..host.names import CATEGORY_LOADERS, display_name, node_id
+from ..host.seams import DISABLE
+from ..host.wan_text import UMT5_XXL, encode_wan_prompts
 
 
 class WanTextEncode(io.ComfyNode):

@@ -29,21 +29,18 @@ Identical prompts are served from ComfyUI's cache: vary an input (or a file name
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shlex
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from comfyui_lowvram_dit.tools.runner import free_port, pack_import_problems, stop_process  # noqa: F401
+from comfyui_lowvram_dit.cli.server import (
+    ComfyServer, comfyui_command, launch, pack_import_problems, prepare_base_dir, stop_process,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_NODES = Path(__file__).resolve().parent / "fixture_nodes"
@@ -52,7 +49,6 @@ PACK_FOLDER = "comfyui-lowvram-dit"  # [project].name: where Registry / Manager 
 # only a name, it need not track the version.
 ALT_PACK_FOLDER = "ComfyUI-LowVRAM-DiT-0.1.0"
 FIXTURE_FOLDER = "zz_lowvram_dit_test_nodes"
-MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras", "checkpoints", "clip_vision")
 
 SETUP_HINT = (
     "point COMFYUI_PATH at a ComfyUI >= 0.8.0 checkout whose requirements are installed in this Python, "
@@ -153,166 +149,36 @@ def pack_import_line_seen(log: str, pack_dir: Path) -> bool:
 
 
 def _prepare_base(base: Path, pack_folder: str, with_fixture_nodes: bool) -> Path:
-    """Create the base directory layout with the pack (and fixture nodes) linked; returns the pack link."""
-    for sub in ("custom_nodes", "input", "output", "temp", "user", *(f"models/{m}" for m in MODEL_FOLDERS)):
-        (base / sub).mkdir(parents=True, exist_ok=True)
-    link = base / "custom_nodes" / pack_folder
-    link.symlink_to(REPO_ROOT, target_is_directory=True)
-    if with_fixture_nodes:
-        (base / "custom_nodes" / FIXTURE_FOLDER).symlink_to(FIXTURE_NODES, target_is_directory=True)
+    """The base directory with the pack (and the fixture nodes) linked and the self-import shadow; returns the pack
+    link."""
+    fixtures = {FIXTURE_FOLDER: FIXTURE_NODES} if with_fixture_nodes else {}
+    link = prepare_base_dir(base, pack_folder, fixtures)
+    (base / "models" / "checkpoints").mkdir(exist_ok=True)
     shadow = base / "pythonpath_shadow" / "comfyui_lowvram_dit"
     shadow.mkdir(parents=True, exist_ok=True)
     (shadow / "__init__.py").write_text(_SHADOW_INIT)
     return link
 
 
-def _server_command(python: str, base: Path, extra: list[str], gpu: bool | None = None) -> list[str]:
-    cmd = [python, "main.py", "--base-directory", str(base), "--database-url", "sqlite:///:memory:",
-           "--disable-auto-launch", "--disable-api-nodes"]
-    if gpu is None:
-        gpu = os.environ.get("COMFYUI_GPU", "") in ("1", "true")
-    if not gpu:
-        cmd.append("--cpu")
-    extra = extra + shlex.split(os.environ.get("COMFYUI_EXTRA_ARGS", ""))
-    if not any(a.startswith("--front-end-root") for a in extra):  # headless, as the runner starts it
-        (base / "web").mkdir(exist_ok=True)
-        extra += ["--front-end-root", str(base / "web")]
-    return cmd + extra
-
-
 def _server_env(base: Path) -> dict[str, str]:
     env = dict(os.environ)
     shadow = str(base / "pythonpath_shadow")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (shadow, env.get("PYTHONPATH", "")) if p)
-    env.update(PYTHONUNBUFFERED="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.update(DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     return env
 
 
-def _tail(text: str, n: int = 6000) -> str:
-    return text[-n:]
-
-
-class ComfyServer:
-    """Client for one running ComfyUI; see the module docstring for how it is started."""
-
-    def __init__(self, url: str, base_dir: Path, log_path: Path, proc: subprocess.Popen, pack_dir: Path) -> None:
-        self.url = url
-        self.base_dir = base_dir
-        self.log_path = log_path
-        self.proc = proc
-        self.pack_dir = pack_dir  # custom_nodes/<PACK_FOLDER>, as ComfyUI names it in logs
-
-    @property
-    def pid(self) -> int:
-        """The server's process id (for memory probes: /proc/<pid>/status, nvidia-smi)."""
-        return self.proc.pid
-
-    # -- plumbing ------------------------------------------------------------------------------
-    def log_text(self) -> str:
-        """Everything the server has logged so far."""
-        return self.log_path.read_text(errors="replace")
-
-    def request(self, method: str, path: str, body: Any = None, timeout: float = 60) -> tuple[int, Any]:
-        """One HTTP request; returns (status, parsed JSON or text or None). Never raises on 4xx/5xx."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                status, raw = resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            status, raw = exc.code, exc.read()
-        if not raw:
-            return status, None
-        try:
-            return status, json.loads(raw)
-        except json.JSONDecodeError:
-            return status, raw.decode(errors="replace")
-
-    def get(self, path: str) -> Any:
-        """GET ``path``; asserts HTTP 200 and returns the parsed body."""
-        status, body = self.request("GET", path)
-        assert status == 200, f"GET {path} -> HTTP {status}: {body!r:.2000}"
-        return body
-
-    # -- contract API --------------------------------------------------------------------------
-    def object_info(self, node: str | None = None) -> dict:
-        """``/object_info`` for all nodes, or the info dict of ``node`` ({} if ComfyUI does not know it)."""
-        if node is None:
-            return self.get("/object_info")
-        return self.get(f"/object_info/{node}").get(node, {})
-
-    def post_prompt(self, api: dict) -> tuple[int, dict]:
-        """POST an API-format graph to ``/prompt``; returns (HTTP status, JSON reply)."""
-        status, body = self.request("POST", "/prompt", {"prompt": api, "client_id": uuid.uuid4().hex})
-        return status, body if isinstance(body, dict) else {"raw": body}
-
-    def run(self, api: dict, timeout: float = 600) -> dict:
-        """Queue ``api`` and wait for it; returns the ``/history`` entry, raises AssertionError on failure."""
-        status, reply = self.post_prompt(api)
-        if status != 200:
-            raise AssertionError(f"prompt rejected (HTTP {status}): {json.dumps(reply, indent=1)[:4000]}")
-        prompt_id = reply["prompt_id"]
-        deadline = time.monotonic() + timeout
-        while True:
-            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
-            if entry is not None and entry.get("status", {}).get("status_str") in ("success", "error"):
-                break
-            if self.proc.poll() is not None:
-                raise AssertionError(f"ComfyUI exited rc={self.proc.returncode} while running the prompt:\n"
-                                     f"{_tail(self.log_text())}")
-            if time.monotonic() > deadline:
-                self.interrupt()
-                raise AssertionError(f"prompt {prompt_id} not finished after {timeout:.0f} s (interrupted); "
-                                     f"log tail:\n{_tail(self.log_text(), 3000)}")
-            time.sleep(0.1)
-        if entry["status"]["status_str"] == "error":
-            raise AssertionError(self._execution_error(entry))
-        return entry
-
-    def free(self) -> None:
-        """Ask ComfyUI to unload models and free memory (applied before its next prompt)."""
-        status, _ = self.request("POST", "/free", {"unload_models": True, "free_memory": True})
-        assert status == 200, f"POST /free -> HTTP {status}"
-
-    def interrupt(self) -> None:
-        """Interrupt the running prompt."""
-        status, _ = self.request("POST", "/interrupt", {})
-        assert status == 200, f"POST /interrupt -> HTTP {status}"
-
-    @staticmethod
-    def _execution_error(entry: dict) -> str:
-        """The execution_error message of a failed history entry, with node and traceback tail."""
-        for kind, msg in entry["status"].get("messages", []):
-            if kind == "execution_error":
-                tb = "".join(msg.get("traceback", []))[-3000:]
-                return (f"node {msg.get('node_id')} ({msg.get('node_type')}) raised "
-                        f"{msg.get('exception_type')}: {msg.get('exception_message')}\n{tb}")
-            if kind == "execution_interrupted":
-                return f"prompt interrupted at node {msg.get('node_id')} ({msg.get('node_type')})"
-        return f"prompt failed without an execution_error message: {json.dumps(entry['status'])[:2000]}"
-
-
-def _start(comfy: Path, python: str, base: Path, extra: list[str], log_path: Path,
-           gpu: bool | None = None) -> subprocess.Popen:
-    with open(log_path, "wb") as logf:  # the child keeps its own handle
-        return subprocess.Popen(_server_command(python, base, extra, gpu), cwd=comfy, stdout=logf,
-                                stderr=subprocess.STDOUT, env=_server_env(base))
-
-
-def _check_alt_folder(proc: subprocess.Popen, log_path: Path, pack_dir: Path, timeout: float) -> None:
+def _check_alt_folder(proc: Any, log_path: Path, pack_dir: Path, timeout: float) -> None:
     """Wait for the ``--quick-test-for-ci`` start and assert it imported the pack under the alt name."""
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        stop_process(proc)
         raise AssertionError(f"--quick-test-for-ci start did not exit in {timeout:.0f} s") from None
     log = log_path.read_text(errors="replace")
     problems = pack_import_problems(log, pack_dir)
     if rc != 0 or problems or not pack_import_line_seen(log, pack_dir):
-        raise AssertionError(
-            f"the pack does not import from custom_nodes/{pack_dir.name} (rc={rc}): "
-            f"{problems or 'no import line for it'}\nlog tail:\n{_tail(log)}")
+        raise AssertionError(f"the pack does not import from custom_nodes/{pack_dir.name} (rc={rc}): "
+                             f"{problems or 'no import line for it'}\nlog tail:\n{log[-6000:]}")
 
 
 @contextlib.contextmanager
@@ -323,46 +189,26 @@ def comfy_server_session(comfy: Path, base: Path, python: str | None = None,
     ``gpu``: True runs it on the GPU (no ``--cpu``), False on the CPU, None (default) as ``COMFYUI_GPU`` says."""
     python = python or os.environ.get("COMFYUI_PYTHON") or sys.executable
     timeout = float(os.environ.get("COMFYUI_START_TIMEOUT", "180"))
+    cpu = not (os.environ.get("COMFYUI_GPU", "") in ("1", "true") if gpu is None else gpu)
+    extra = shlex.split(os.environ.get("COMFYUI_EXTRA_ARGS", ""))
     if (comfy / "extra_model_paths.yaml").is_file():
         import warnings
 
         warnings.warn(f"{comfy / 'extra_model_paths.yaml'} adds model paths to the test server", stacklevel=2)
     pack_dir = _prepare_base(base / "main", PACK_FOLDER, with_fixture_nodes=True)
     alt_dir = _prepare_base(base / "alt", ALT_PACK_FOLDER, with_fixture_nodes=False)
-    port = free_port()
-    alt_log = base / "alt" / "comfyui.log"
     # Both starts run at once: the import check costs no extra wall time on 2+ cores.
-    alt_proc = _start(comfy, python, base / "alt", ["--quick-test-for-ci"], alt_log, gpu)
-    log_path = base / "main" / "comfyui.log"
-    proc = _start(comfy, python, base / "main", ["--listen", "127.0.0.1", "--port", str(port)], log_path, gpu)
-    server = ComfyServer(f"http://127.0.0.1:{port}", base / "main", log_path, proc, pack_dir)
+    alt_log = base / "alt" / "comfyui.log"
+    alt_proc = launch(comfyui_command(comfy, base / "alt", python, cpu, [*extra, "--quick-test-for-ci"]), comfy,
+                      alt_log, _server_env(base / "alt"))
     try:
-        _wait_ready(server, timeout)
-        problems = pack_import_problems(server.log_text(), pack_dir)
-        if problems or not pack_import_line_seen(server.log_text(), pack_dir):
-            raise AssertionError(f"ComfyUI did not import the pack from {pack_dir}: "
-                                 f"{problems or 'no import line for it'}\nlog tail:\n{_tail(server.log_text())}")
-        _check_alt_folder(alt_proc, alt_log, alt_dir, timeout)
-        yield server
+        with ComfyServer.start(comfy, base / "main", python=python, cpu=cpu, extra_args=extra, timeout=timeout,
+                               env=_server_env(base / "main"), pack_dir=pack_dir, error=AssertionError) as server:
+            problems = pack_import_problems(server.log_text(), pack_dir)
+            if problems or not pack_import_line_seen(server.log_text(), pack_dir):
+                raise AssertionError(f"ComfyUI did not import the pack from {pack_dir}: "
+                                     f"{problems or 'no import line for it'}\nlog tail:\n{server.log_tail()}")
+            _check_alt_folder(alt_proc, alt_log, alt_dir, timeout)
+            yield server
     finally:
         stop_process(alt_proc)
-        stop_process(proc)
-
-
-def _wait_ready(server: ComfyServer, timeout: float) -> None:
-    """Poll ``/system_stats`` until it answers; raise with the log tail if ComfyUI dies or hangs."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise AssertionError(f"ComfyUI exited rc={server.proc.returncode} during start:\n"
-                                 f"{_tail(server.log_text())}")
-        try:
-            with urllib.request.urlopen(server.url + "/system_stats", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            pass
-        time.sleep(0.25)
-    stop_process(server.proc)
-    raise AssertionError(f"ComfyUI did not answer /system_stats within {timeout:.0f} s:\n"
-                         f"{_tail(server.log_text())}")

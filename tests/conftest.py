@@ -14,10 +14,16 @@ from __future__ import annotations
 
 import functools
 import shutil
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from comfy_server import ComfyServer, comfy_server_session, comfyui_path_or_reason
+
+# Tests of one tier import helpers defined beside tests of the other (tiny model writers, fake servers).
+sys.path[:0] = [str(Path(__file__).parent / tier) for tier in ("unit", "comfyui")]
+
+from comfy_server import ComfyServer, comfy_server_session, comfyui_path_or_reason  # noqa: E402
 
 
 @functools.cache

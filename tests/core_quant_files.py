@@ -1,6 +1,6 @@
 """Synthetic checkpoints in ComfyUI's own quantized layouts, written with comfy-kitchen's layout classes.
 
-Each selected Linear weight of a tiny synthetic model (tools/synth.py) is quantized by comfy-kitchen
+Each selected Linear weight of a tiny synthetic model (synthetic/checkpoints.py) is quantized by comfy-kitchen
 (``QuantizedTensor.from_float`` with the layout's class, as ComfyUI's own quantizers do) and stored under the
 names ``QuantizedTensor.state_dict`` gives it, next to a ``<layer>.comfy_quant`` config with the fields ComfyUI's
 layer loader reads (``comfy/ops.py`` ``_quantized_weight_state_dict``). Needs comfy-kitchen (ComfyUI's

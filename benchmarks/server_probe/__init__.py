@@ -1,8 +1,11 @@
 """A benchmark-only ComfyUI node: times every model call of a sampler and profiles one with torch.profiler.
 
-``bench_server.py --kernel-profile`` links this folder into the server's custom_nodes and puts the node after
-each expert's ModelSamplingSD3, so native and pack graphs are measured by the same code inside the server they
-run in. Each call's time is taken between two CUDA synchronisations; the profiled call is slower by the profiler's
+Kernel time is grouped by kind (attention, matmul, quantize/cast, norm/elementwise) by kernel name. No torch at
+import: ComfyUI imports this folder as a top-level package (so it loads pack files by path).
+
+``--kernel-profile`` of the server scenarios (benchmarks/server.py) links this folder into the server's
+custom_nodes and puts the node after each expert's ModelSamplingSD3, so native and pack graphs are measured by the
+same code inside the server they run in. Each call's time is taken between two CUDA synchronisations; the profiled call is slower by the profiler's
 overhead and is reported apart. Results: ``<output dir>/bench_probe/<label>.json``, rewritten after every call.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -44,11 +48,6 @@ def set_fp8_path(path: str) -> list[str]:
     return changed
 
 
-def _kernel_groups() -> ModuleType:
-    """benchmarks/kernel_groups.py, loaded by path: ComfyUI imports this folder as a top-level package."""
-    return _pack_file("lowvram_bench_kernel_groups", "benchmarks/kernel_groups.py")
-
-
 def _pack_file(name: str, rel: str) -> ModuleType:
     """A plain-Python file of the pack (``rel`` from its root), loaded by path under ``name``."""
     path = Path(__file__).resolve().parents[2] / rel
@@ -60,11 +59,49 @@ def _pack_file(name: str, rel: str) -> ModuleType:
     return module
 
 
+GROUPS = (  # first match wins; kernel names of cuBLAS/CUTLASS/flash/cuDNN/Triton/inductor
+    ("attention", re.compile(r"flash|fmha|attn|attention|sdpa|cudnn.*(mha|sdp)", re.IGNORECASE)),
+    ("matmul", re.compile(r"gemm|matmul|sm90_|sm80_|cutlass|scaled_mm|cublas|nvjet|xmma", re.IGNORECASE)),
+    ("quantize/cast", re.compile(r"quant|fp8|amax|e4m3|float8|copy_|to_copy|_to_|(?<!no)cast", re.IGNORECASE)),
+    ("norm/elementwise", re.compile(r"norm|elementwise|vectorized|reduce|rope|mul|add|silu|gelu|triton_", re.IGNORECASE)),
+)
+# Profiler rows that are not kernels: ATen ops, CUDA runtime calls, copies, and the profiler's own
+# "Command Buffer Full" marker (time the host waited for room in the launch queue, not GPU work).
+NOT_KERNELS = ("aten::", "cuda", "Memcpy", "Memset", "Command Buffer Full")
+
+
+def group_of(kernel: str) -> str:
+    """The group a kernel name falls in (see GROUPS), 'other' when none matches."""
+    return next((name for name, rx in GROUPS if rx.search(kernel)), "other")
+
+
+def _self_us(event: Any, device: bool) -> float:
+    """Self device (or, with ``device=False``, CPU) time of a profiler row in microseconds."""
+    attrs = ("self_device_time_total", "self_cuda_time_total") if device else ("self_cpu_time_total",)
+    for attr in attrs:  # the device attribute was renamed in torch 2.4
+        if hasattr(event, attr):
+            return float(getattr(event, attr))
+    return 0.0
+
+
+def kernel_table(prof: Any, top: int, device: bool = True) -> dict:
+    """Per-group and top-kernel milliseconds of one profiled call (GPU kernels; CPU ops with ``device=False``)."""
+    rows = [(e.key, _self_us(e, device) / 1e3, e.count) for e in prof.key_averages() if _self_us(e, device) > 0]
+    rows = [r for r in rows if not r[0].startswith(NOT_KERNELS)] or rows
+    groups: dict[str, float] = {}
+    for name, ms, _ in rows:
+        groups[group_of(name)] = groups.get(group_of(name), 0.0) + ms
+    rows.sort(key=lambda r: -r[1])
+    return {"total_ms": round(sum(groups.values()), 1), "groups_ms": {k: round(v, 1) for k, v in groups.items()},
+            "top": [{"kernel": n[:140], "ms": round(ms, 2), "calls": c, "group": group_of(n)}
+                    for n, ms, c in rows[:top]]}
+
+
 def make_wrapper(label: str, profile_call: int, out_path: Path, top: int = 25) -> Callable[..., Any]:
     """An APPLY_MODEL wrapper: times each call, profiles call number ``profile_call`` (0-based; -1: none)."""
     import torch
 
-    safe_write = _pack_file("lowvram_safe_write", "kernels/safe_write.py")
+    safe_write = _pack_file("lowvram_safe_write", "checkpoints/safe_write.py")
     calls: list[float] = []
     state: dict[str, Any] = {"label": label, "call_s": calls, "profiled_call": profile_call, "profile": None}
     cuda = torch.cuda.is_available()
@@ -81,7 +118,7 @@ def make_wrapper(label: str, profile_call: int, out_path: Path, top: int = 25) -
             with torch.profiler.profile(activities=[activity]) as prof:
                 out = executor(*args, **kwargs)
                 sync()
-            state["profile"] = {"call": profile_call, **_kernel_groups().kernel_table(prof, top, device=cuda)}
+            state["profile"] = {"call": profile_call, **kernel_table(prof, top, device=cuda)}
         else:
             out = executor(*args, **kwargs)
             sync()

@@ -188,7 +188,7 @@ class StreamedCLIPLoader(io.ComfyNode):
     same ComfyUI classes (``comfy.sd.CLIP`` with ComfyUI's own tokenizer and encoder) with the sizes read from the
     file, through the pack's streaming builders, so the rest of an official template (CLIPTextEncode,
     TextEncodeQwenImageEditPlus, samplers, LoRAs, VAE) runs as shipped. Used only by
-    tests/test_comfyui_templates.py on templates that use the stock text encoder.
+    tests/comfyui/test_comfyui_templates.py on templates that use the stock text encoder.
     """
 
     @classmethod
@@ -211,8 +211,8 @@ class StreamedCLIPLoader(io.ComfyNode):
 
         path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
         if type == "wan":
-            return io.NodeOutput(_pack_submodule("nodes.wan_text").build_umt5_streaming(path))
-        return io.NodeOutput(_pack_submodule("nodes.qwen_staged").build_text_encoder_streaming(path))
+            return io.NodeOutput(_pack_submodule("host.wan_text").build_umt5_streaming(path))
+        return io.NodeOutput(_pack_submodule("host.qwen_stages").build_text_encoder_streaming(path))
 
 
 NODES = [RandomConditioning, ConditioningStats, LatentStats, ModelInfo, Raise, StreamedCLIPLoader]

@@ -1,0 +1,92 @@
+"""The benchmark suite's one entry point: ``python -m comfyui_lowvram_dit.benchmarks SCENARIO [--out DIR] [options]``.
+
+``--list`` prints the scenarios. A scenario is a row of SCENARIOS: the module that runs it and the arguments it
+starts with; options after the name are passed on (and win over the scenario's own). Every scenario measures the
+pack against stock ComfyUI in the same run on the same GPU; docs/benchmarks.md has the numbers and
+``benchmarks/README.md`` what is measured and how.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+
+PKG = "comfyui_lowvram_dit.benchmarks"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What a scenario measures, the module whose ``main(argv)`` runs it, and the arguments it starts with."""
+
+    what: str
+    module: str
+    args: tuple[str, ...] = ()
+    server: str | None = None  # a server scenario: the ServerScenario attribute of ``module``
+
+
+SCENARIOS: dict[str, Scenario] = {
+    # whole models in one process (ComfyUI imported in the child; COMFYUI_PATH)
+    "wan14b_480p81": Scenario("Wan 2.2 14B fp8 832x480x81 under VRAM caps: native partial loading vs Block Swap",
+                              "bench_wan", ("--res", "480p81")),
+    "wan14b_720p81": Scenario("Wan 2.2 14B fp8 1280x720x81 under VRAM caps", "bench_wan",
+                              ("--res", "720p81", "--caps", "none", "16", "8")),
+    "wan14b_fp8": Scenario("Wan 2.2 14B one forward: native bf16 / fp8 / *_fp8_scaled vs ours per-tensor and "
+                           "block-wise, output error vs bf16", "bench_wan", ("--preset", "fp8")),
+    "wan14b_stack": Scenario("Wan 2.2 14B whole stack: fp8 + 8-bit attention + Torch Compile vs native bf16 and "
+                             "fp8_e4m3fn_fast", "bench_wan", ("--preset", "stack")),
+    "qwen_image": Scenario("Qwen-Image 1328x1328 staged pipeline per stage at an 8 GB cap vs native",
+                           "bench_qwen_staged"),
+    "multigpu": Scenario("ComfyUI's MultiGPU CFG split: every row on one GPU and split over two, outputs compared",
+                         "bench_multigpu"),
+    # kernels (no ComfyUI unless said)
+    "attention": Scenario("attention backends at Wan / Qwen-Image shapes (SDPA cuDNN, flash, memory-efficient, "
+                          "8-bit)", "bench_attention"),
+    "attention_int8": Scenario("the 8-bit attention kernel vs cuDNN and comfy-kitchen: time, TFLOP/s, error "
+                               "and the autotune tile sweep (--quick, --no-sweep)", "bench_attention_int8"),
+    "fp8_gemm": Scenario("fp8 GEMMs at Wan 14B shapes: native fp8_e4m3fn_fast vs ours per-tensor / block-wise",
+                         "bench_fp8_gemm"),
+    "block_swap": Scenario("Block Swap on Wan 14B: every resolution x cap x kind (ComfyUI)", "bench_wan"),
+    "nan_guard": Scenario("NaN Guard on vs off on Wan 14B (ComfyUI)", "bench_wan", ("--preset", "nan_guard")),
+    # through a real ComfyUI server, one fresh server per row
+    "server_wan14b": Scenario("Wan 2.2 T2V-A14B through a server: native nodes vs the pack's, whole GPU and 8 GB card",
+                              "server_wan", server="SCENARIO"),
+    "server_wan14b_4step": Scenario("Wan 2.2 T2V-A14B 4-step LoRA rows at an 8 GB card through a server",
+                                    "server_wan", server="SCENARIO_4STEP"),
+    "server_qwen_t2i": Scenario("Qwen-Image 1328x1328 in 4 steps at an 8 GB card through a server: native's best "
+                                "vs the Staged Loader, with and without the Lightning LoRA", "server_qwen",
+                                server="SCENARIO"),
+    "server_qwen_edit": Scenario("Qwen-Image-Edit at an 8 GB card through a server: the template vs the Edit "
+                                 "Staged Loader + Block Swap", "server_qwen", server="EDIT_SCENARIO"),
+}
+
+
+def listing() -> str:
+    """One line per scenario: name, module and starting arguments, what it measures."""
+    width = max(map(len, SCENARIOS))
+    return "\n".join(f"{name:<{width}}  {s.what} [{s.module}{' ' + ' '.join(s.args) if s.args else ''}]"
+                     for name, s in SCENARIOS.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the scenario named first in ``argv`` with the rest of ``argv``; ``--list`` lists them."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("--list", "-l", "--help", "-h"):
+        print(__doc__.strip().splitlines()[0] + "\n\n" + listing())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SCENARIOS:
+        print(f"unknown scenario {name!r}; --list shows them", file=sys.stderr)
+        return 2
+    scenario = SCENARIOS[name]
+    module = importlib.import_module(f"{PKG}.{scenario.module}")
+    if scenario.server is not None:
+        from comfyui_lowvram_dit.benchmarks import server
+
+        return server.main(getattr(module, scenario.server), [*scenario.args, *rest])
+    return module.main([*scenario.args, *rest])
+
+
+if __name__ == "__main__":
+    sys.argv[:1] = ["-m", PKG]  # results record the command as it was typed: python3 -m PKG SCENARIO ...
+    sys.exit(main(sys.argv[2:]))

@@ -1,0 +1,157 @@
+"""A workflow on its way to ComfyUI's ``/prompt``: found by name, converted to API format, its inputs overridden and
+its input images placed; and the files it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..checkpoints.safe_write import write_atomic
+from .server import PACK_DIR, RunError
+from .ui_graph import BYPASSED_MODES, FRONTEND_ONLY, all_nodes
+
+WORKFLOWS_DIR = PACK_DIR / "workflows"
+# --synthetic tiny: sizes and steps every sampler/latent node gets unless --set says otherwise.
+TINY_OVERRIDES: dict[str, dict[str, int]] = {
+    "EmptyHunyuanLatentVideo": {"width": 64, "height": 64, "length": 5},
+    "WanImageToVideo": {"width": 64, "height": 64, "length": 5},
+    "Wan22ImageToVideoLatent": {"width": 64, "height": 64, "length": 5},
+    "EmptySD3LatentImage": {"width": 64, "height": 64},
+    "EmptyLatentImage": {"width": 64, "height": 64},
+}
+TINY_STEPS = 2
+
+
+def resolve_workflow(name_or_path: str) -> Path:
+    """A workflow path, or the name of a shipped workflow (with or without ``.json``)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    shipped = WORKFLOWS_DIR / (name_or_path if name_or_path.endswith(".json") else name_or_path + ".json")
+    if shipped.is_file():
+        return shipped
+    names = sorted(f.stem for f in WORKFLOWS_DIR.glob("*.json"))
+    raise RunError(f"workflow {name_or_path!r} not found; shipped workflows: {', '.join(names) or '(none)'}")
+
+
+def is_api_workflow(workflow: dict) -> bool:
+    """True for an API-format workflow: ``{node_id: {"class_type": ..., "inputs": {...}}}``."""
+    return bool(workflow) and "nodes" not in workflow and all(
+        isinstance(n, dict) and "class_type" in n for n in workflow.values())
+
+
+def to_api(workflow: dict, object_info: dict) -> dict:
+    """Convert a UI-format workflow to API format with comfy-cli (API format passes through)."""
+    if is_api_workflow(workflow):  # no comfy-cli needed (e.g. a GPU box with only ComfyUI's requirements)
+        return workflow
+    try:
+        from comfy_cli.workflow_to_api import convert_ui_to_api, is_api_format
+    except ImportError:
+        raise RunError("converting UI workflows needs comfy-cli: pip install comfy-cli") from None
+    return workflow if is_api_format(workflow) else convert_ui_to_api(workflow, object_info)
+
+
+def missing_node_types(workflow: dict, object_info: dict) -> list[str]:
+    """Node types a UI or API workflow needs that this ComfyUI lacks (bypassed, muted, front-end-only nodes and
+    subgraph instances left out), sorted."""
+    if is_api_workflow(workflow):
+        return sorted({n["class_type"] for n in workflow.values()} - object_info.keys())
+    subgraphs = {str(sg.get("id")) for sg in (workflow.get("definitions") or {}).get("subgraphs") or []}
+    used = {str(n.get("type")) for n in all_nodes(workflow) if n.get("mode", 0) not in BYPASSED_MODES}
+    return sorted(used - FRONTEND_ONLY - subgraphs - object_info.keys())
+
+
+def apply_overrides(api: dict, overrides: list[str]) -> dict:
+    """Apply ``NODE.INPUT=VALUE`` overrides; NODE is a node id, a title or a class_type (must be unique)."""
+    for item in overrides:
+        target, sep, raw = item.partition("=")
+        node_key, dot, input_name = target.rpartition(".")
+        if not sep or not dot or not node_key or not input_name:
+            raise RunError(f"--set {item!r}: expected NODE.INPUT=VALUE")
+        matches = [
+            nid for nid, n in api.items()
+            if node_key in (nid, n.get("class_type"), n.get("_meta", {}).get("title"))
+        ]  # fmt: skip
+        if len(matches) != 1:
+            raise RunError(f"--set {item!r}: {len(matches)} nodes match {node_key!r}; use the node id")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        api[matches[0]].setdefault("inputs", {})[input_name] = value
+    return api
+
+
+def tiny_overrides(api: dict) -> list[str]:
+    """``--set`` items that shrink a workflow for --synthetic tiny: latent sizes and 2 sampler steps.
+
+    KSamplerAdvanced start/end steps are scaled with the step count, so a two-expert split (0->10, 10->end of
+    20) stays a split (0->1, 1->end of 2).
+    """
+    items: list[str] = []
+    for nid, node in api.items():
+        ct, inp = node.get("class_type"), node.get("inputs", {})
+        for key, value in TINY_OVERRIDES.get(ct, {}).items():
+            if key in inp:
+                items.append(f"{nid}.{key}={value}")
+        if ct in ("KSampler", "KSamplerAdvanced") and isinstance(inp.get("steps"), int) and inp["steps"] > TINY_STEPS:
+            old = inp["steps"]
+            items.append(f"{nid}.steps={TINY_STEPS}")
+            for key in ("start_at_step", "end_at_step"):
+                v = inp.get(key)
+                if isinstance(v, int) and v < old:
+                    items.append(f"{nid}.{key}={round(v * TINY_STEPS / old)}")
+    return items
+
+
+def ensure_input_images(workflow: dict, input_dir: Path, synthetic: bool, search: list[Path]) -> list[Path]:
+    """Put every image a LoadImage node names into ComfyUI's input folder.
+
+    The file is copied from ``search`` (the workflow's folder, the current directory); for --synthetic runs a
+    missing one is drawn (a 256x256 gradient PNG), otherwise its absence is an error naming the fix.
+    """
+    nodes = list(all_nodes(workflow))  # subgraphs too
+    names = [n["widgets_values"][0] for n in nodes if n.get("type") == "LoadImage" and n.get("widgets_values")]
+    if "nodes" not in workflow:
+        names = [n["inputs"]["image"] for n in workflow.values() if n.get("class_type") == "LoadImage"]
+    placed = []
+    for name in names:
+        dst = input_dir / name
+        if dst.exists():  # a file of the user's (or a link to one) is used as it is
+            continue
+        src = next((d / name for d in search if (d / name).is_file()), None)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src is not None:
+            write_atomic(dst, src.read_bytes())  # a link or folder at dst is refused, never written through
+        elif synthetic:
+            write_atomic(dst, gradient_png())
+        else:
+            raise RunError(f"LoadImage wants {name!r}: put it in the current directory (or next to the workflow), "
+                           "or use --set NODE.image=FILE with a file that is there")
+        placed.append(dst)
+    return placed
+
+
+def gradient_png() -> bytes:
+    """The 256x256 gradient PNG a --synthetic run draws for a missing LoadImage file."""
+    import io
+
+    from PIL import Image
+
+    img = Image.new("RGB", (256, 256))
+    img.putdata([(x, y, (x + y) // 2) for y in range(256) for x in range(256)])
+    out = io.BytesIO()
+    img.save(out, format="PNG")
+    return out.getvalue()
+
+
+def output_files(entry: dict, output_dir: Path) -> list[Path]:
+    """Paths of the files a finished prompt wrote (images, videos, latents...)."""
+    found = []
+    for node_out in entry.get("outputs", {}).values():
+        for items in node_out.values():
+            for item in items if isinstance(items, list) else []:
+                if isinstance(item, dict) and "filename" in item and item.get("type", "output") == "output":
+                    found.append(output_dir / item.get("subfolder", "") / item["filename"])
+    return found

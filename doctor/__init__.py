@@ -1,0 +1,1 @@
+"""The Doctor: what this machine and this ComfyUI can do, and the selftest."""

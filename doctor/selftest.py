@@ -1,0 +1,116 @@
+"""``selftest``: each node of the pack next to its stock ComfyUI equivalent, inside a given ComfyUI.
+
+Tiny synthetic models (real key names, random weights) are written to a temporary folder; every check loads them
+through a pack node's own entry point and through the stock node it stands in for, runs one sampler step (or one
+encode) of each on ComfyUI's device and compares the outputs within the node's tolerance. One verdict line per
+node and variant: PASS / FAIL with the measured relative difference and the tolerance, or SKIP with the reason.
+The exit code is 1 when any check failed, so a ComfyUI version nobody here ran gets checked in about a minute::
+
+    python -m comfyui_lowvram_dit selftest --comfyui /path/to/ComfyUI
+
+The Doctor node runs the same checks inside a running server (``run_selftest``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+from .selftest_env import FAIL, PASS, SKIP, Check, SelfTestEnv, Verdict
+
+def all_checks() -> list[Check]:
+    """Every check, cheapest first (torch.compile last: it compiles for tens of seconds on a CPU)."""
+    from . import selftest_text, selftest_wan
+
+    return [*selftest_wan.CHECKS, *selftest_text.CHECKS, *selftest_wan.SLOW_CHECKS]
+
+
+def _seam_skip(check: Check) -> Verdict | None:
+    """SKIP when this ComfyUI lacks a seam of the node: the node is then left out or passes its model through."""
+    import importlib
+
+    from ..host.seams import seam_problem
+
+    module = importlib.import_module(f"..nodes.{check.node_class[0]}", __package__)
+    cls = getattr(module, check.node_class[1])
+    problem = seam_problem(check.node, getattr(cls, "COMFY_SEAMS", ()), "is left out or passes through")
+    return None if problem is None else Verdict(check.node, SKIP, problem)
+
+
+def run_check(check: Check, env: object) -> Iterator[Verdict]:
+    """The check's verdicts, each timed; an exception becomes a FAIL naming it (a node that raises is broken)."""
+    start = time.perf_counter()
+    try:
+        skipped = _seam_skip(check)
+        if skipped is not None:
+            yield skipped
+            return
+        for verdict in check.run(env):
+            now = time.perf_counter()
+            yield Verdict(verdict.node, verdict.status, verdict.detail, now - start)
+            start = now
+    except Exception as exc:  # noqa: BLE001 - reported as the node's failure, the other checks go on
+        message = " ".join(str(exc).split())[:400]
+        yield Verdict(check.node, FAIL, f"raised {type(exc).__name__}: {message}", time.perf_counter() - start)
+
+
+def run_selftest(only: Iterable[str] = (), emit: Callable[[str], None] = print,
+                 workdir: Path | None = None) -> list[Verdict]:
+    """Run the checks (``only``: their keys) in this process, where ComfyUI is importable; emits each line."""
+    checks = all_checks()
+    wanted = set(only)
+    unknown = wanted - {c.key for c in checks}
+    if unknown:
+        raise ValueError(f"selftest --only: unknown check(s) {sorted(unknown)}; known: {[c.key for c in checks]}")
+    verdicts: list[Verdict] = []
+    with tempfile.TemporaryDirectory(prefix="lowvram_dit_selftest_", dir=workdir) as tmp, SelfTestEnv(Path(tmp)) as env:
+        emit(f"selftest on {env.describe()}; synthetic models in {tmp}")
+        for check in checks:
+            if wanted and check.key not in wanted:
+                continue
+            for verdict in run_check(check, env):
+                verdicts.append(verdict)
+                emit(verdict.line())
+    return verdicts
+
+
+def summary(verdicts: list[Verdict]) -> str:
+    """``12 PASS, 0 FAIL, 3 SKIP``."""
+    return ", ".join(f"{sum(v.status == s for v in verdicts)} {s}" for s in (PASS, FAIL, SKIP))
+
+
+def import_comfyui(path: Path, cpu: bool) -> None:
+    """Make the ComfyUI checkout at ``path`` importable in this process (``cpu``: run it as with ``--cpu``)."""
+    if not (path / "comfy" / "model_management.py").is_file():
+        raise SystemExit(f"selftest --comfyui {path}: not a ComfyUI checkout (no comfy/model_management.py there)")
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))  # first, as when ComfyUI runs: its top-level modules (nodes, utils) win
+    from comfy.cli_args import args
+
+    if cpu:
+        args.cpu = True  # read when comfy.model_management is first imported
+
+
+def cli(argv: list[str]) -> int:
+    """``selftest --comfyui PATH [--cpu] [--only KEY ...]``: exit 0 when nothing failed, 1 otherwise."""
+    parser = argparse.ArgumentParser(prog="python -m comfyui_lowvram_dit selftest", description=__doc__.split("\n")[0])
+    parser.add_argument("--comfyui", type=Path, required=True, help="the ComfyUI folder (the one with main.py)")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU even where ComfyUI would use a GPU")
+    parser.add_argument("--only", action="append", default=[], metavar="KEY",
+                        help="run only this check (repeatable): " + ", ".join(c.key for c in all_checks()))
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.only) - {c.key for c in all_checks()})
+    if unknown:
+        parser.error(f"--only {', '.join(unknown)}: no such check")
+    import_comfyui(args.comfyui.expanduser().resolve(), args.cpu)
+    t0 = time.perf_counter()
+    verdicts = run_selftest(args.only, emit=lambda line: print(line, flush=True))
+    failed = any(v.status == FAIL for v in verdicts)
+    print(f"selftest: {summary(verdicts)} in {time.perf_counter() - t0:.0f} s"
+          + (" -- FAILED" if failed else ""), flush=True)
+    return 1 if failed else 0
+

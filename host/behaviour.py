@@ -1,0 +1,112 @@
+"""Behaviour checks for the ComfyUI seams that are protocols rather than names.
+
+Each check receives the ComfyUI object its probe resolved (a class or function), exercises the protocol the pack
+relies on with a tiny CPU model or call, and returns True when ComfyUI behaved as the pack expects. They run once
+per process (host/seams.py caches the result), in well under a second, and never touch a GPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+# Tiny widths that ComfyUI's own detection accepts (Wan reads heads as dim // 128, text and time widths are fixed).
+_WAN_TINY = dict(model_type="t2v", patch_size=(1, 2, 2), text_len=4, in_dim=4, dim=128, ffn_dim=32, freq_dim=256,
+                 text_dim=4096, out_dim=4, num_heads=1, num_layers=1)
+_QWEN_TINY = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
+                  num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(4, 6, 6))
+
+
+def _eager_ops() -> type:
+    """ComfyUI's ``disable_weight_init`` layers with real weight tensors from the start: under DynamicVRAM
+    (comfy-aimdo) its Linear leaves ``weight`` None until a state dict is loaded, which a probe never does."""
+    import comfy.ops
+    import torch
+
+    layers = {name: type(name, (cls,), {"_load_from_state_dict": torch.nn.Module._load_from_state_dict})
+              for name, cls in vars(comfy.ops.disable_weight_init).items()
+              if isinstance(cls, type) and issubclass(cls, torch.nn.Module)}
+    return type("EagerOps", (comfy.ops.disable_weight_init,), layers)
+
+
+def _zeroed(module: Any) -> Any:
+    """``module`` with every parameter set to zero (ComfyUI's disable_weight_init leaves them uninitialised)."""
+    import torch
+
+    with torch.no_grad():
+        for p in module.parameters():
+            p.zero_()
+    return module
+
+
+def _first_block_replaced(model: Any, call: Callable[[Any, dict], Any]) -> bool:
+    """Whether ``call(model, transformer_options)`` runs a ``patches_replace["dit"][("double_block", 0)]`` patch
+    that hands the block to ComfyUI's ``original_block``."""
+    import torch
+
+    seen: list[bool] = []
+
+    def replace(args: dict, extra: dict) -> Any:
+        seen.append(True)
+        return extra["original_block"](args)
+
+    options = {"patches_replace": {"dit": {("double_block", 0): replace}}}
+    with torch.no_grad():
+        call(model, options)
+    return bool(seen)
+
+
+def wan_block_replace(wan_model_class: type) -> bool:
+    """Wan's forward runs per-block replace patches (Block Swap, NaN Guard)."""
+    import torch
+
+    model = _zeroed(wan_model_class(**_WAN_TINY, operations=_eager_ops(), dtype=torch.float32))
+    x, t, context = torch.zeros(1, 4, 1, 4, 4), torch.zeros(1), torch.zeros(1, 4, 4096)
+    return _first_block_replaced(model, lambda m, o: m(x, t, context, transformer_options=o))
+
+
+def qwen_image_block_replace(qwen_model_class: type) -> bool:
+    """Qwen-Image's forward runs per-block replace patches (Block Swap, NaN Guard)."""
+    import torch
+
+    model = _zeroed(qwen_model_class(**_QWEN_TINY, operations=_eager_ops(), dtype=torch.float32))
+    x, t, context = torch.zeros(1, 4, 1, 4, 4), torch.zeros(1), torch.zeros(1, 4, 16)
+    return _first_block_replaced(model, lambda m, o: m(x, t, context, transformer_options=o))
+
+
+def attention_override(optimized_attention: Callable) -> bool:
+    """ComfyUI's attention entry point hands the call to ``transformer_options["optimized_attention_override"]``."""
+    import torch
+
+    called: list[bool] = []
+
+    def override(func: Callable, *args: Any, **kwargs: Any) -> Any:
+        called.append(True)
+        return func(*args, **kwargs)
+
+    q = torch.zeros(1, 4, 32)
+    optimized_attention(q, q, q, 2, transformer_options={"optimized_attention_override": override})
+    return bool(called)
+
+
+def custom_operations(load_diffusion_model_state_dict: Callable) -> bool:
+    """``model_options["custom_operations"]`` builds a diffusion model's layers (the fp8 loaders' ops class)."""
+    import comfy.ldm.wan.model
+    import comfy.ops
+    import torch
+
+    made: list[bool] = []
+
+    class CountingOps(comfy.ops.manual_cast):
+        class Linear(comfy.ops.manual_cast.Linear):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                made.append(True)
+
+    tiny = _zeroed(comfy.ldm.wan.model.WanModel(**_WAN_TINY, operations=_eager_ops(), dtype=torch.float32))
+    state_dict = {k: v.clone() for k, v in tiny.state_dict().items()}
+    kwargs = {"disable_dynamic": True} if "disable_dynamic" in inspect.signature(
+        load_diffusion_model_state_dict).parameters else {}  # build no DynamicVRAM patcher state for a probe
+    load_diffusion_model_state_dict(state_dict, model_options={"custom_operations": CountingOps}, **kwargs)
+    return bool(made)

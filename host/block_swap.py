@@ -1,0 +1,467 @@
+"""Block Swap: stream whole transformer blocks through a GPU ring, inside ComfyUI's memory manager.
+
+How it cooperates with ComfyUI (v0.8.0, comfy/model_patcher.py + comfy/model_management.py):
+- The node returns a clone of the MODEL whose class is the input's ModelPatcher class plus ``BlockSwapMixin``
+  (``clone()`` keeps it, so ModelSampling*/LoRA nodes after this one keep the behaviour).
+- ``_load_list`` leaves the streamed blocks (and, if asked, the embeddings/head) out, so the stock ``load`` never
+  moves them; ``model_size`` reports resident weights + ring, so ``load_models_gpu``/``free_memory`` budget what
+  really goes to the GPU; after the stock load the ring bytes are added to ``model_loaded_weight_memory``.
+- ``unpatch_model``/``detach`` (unload, model switch, another clone taking over) free the ring and put every
+  streamed block back on its CPU master. The clone gets its own ``patches_uuid``, so a plain clone of the same
+  weights reloads cleanly after us.
+- Prefetch/wait logic is a offload/engine.py ``StreamHook`` installed by host/hooks.py (per-block replace
+  patches and the forward chain), outside the block forward: a compiled block stays compiled; swapped weights
+  keep shape/dtype/device.
+- The pinned host arena is counted in ComfyUI's pinned-memory account while it is registered, and stays pageable
+  when that account has no room (host/pin_budget.py), so ComfyUI's own pins never push past its cap.
+- LoRA on streamed blocks is merged once per load into their host arena (host/lora_merge.py: ComfyUI's own
+  convert / calculate_weight / set steps, so fp8 layers re-quantize with their own scales) and restored exactly on
+  unload; every step streams the merged bytes. Offloaded embeddings keep ComfyUI's ``LowVramPatch`` (per call).
+- Once per load, after its first model calls, one log line says whether compute hid the copies or by how much
+  they stalled it and what would help (offload/verdict.py, from the engine's CUDA-event timings); the Doctor
+  node shows the latest line of each model. A CPU run times nothing and says nothing.
+
+Two-expert Wan 2.2 A14B (RAM): only the loaded expert's streamed blocks sit in the pinned host arena. When an
+expert is unloaded its arena is unpinned, and when its weights came from a file mapping (a loader that maps the
+safetensors file instead of copying) the arena is dropped and the blocks point at the file again, so the idle
+expert costs page cache, not RSS. With ComfyUI's stock loader (anonymous copies) the arena simply replaces the
+original tensors: RAM never holds two copies of a streamed block.
+
+On a CPU-only ComfyUI there is no VRAM to save: with ``blocks_to_swap`` or ``vram_budget_gb`` set the node runs
+the same code path with a CPU "ring" (synchronous copies; used by the integration tests), otherwise it passes the
+model through with a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+import weakref
+
+import torch
+
+from ..kernels.hooks import find_blocks
+from ..offload import engine as offload
+from ..offload import plan as swap_plan
+from ..offload.engine import BlockStreamer, StreamHook
+from ..offload.plan import SwapConfig, SwapPlan
+from ..offload.verdict import StreamStats, SwapSetup, swap_verdict
+from .core_quant import model_layouts
+from .hooks import register_hook
+from .log import say_once
+from .lora_merge import StreamedMerge
+from .patchers import dynamic_vram_manages, mixed_class
+from .pin_budget import ComfyPinBudget
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+SWAP_KEY = "lowvram_dit_block_swap"
+MEASURED_KEEP = 8
+_measured: dict[int, str] = {}  # id(SwapController) -> its latest verdict line, oldest first (for the Doctor node)
+
+
+def measured_verdicts() -> list[str]:
+    """The latest measured verdict of each recent Block Swap model in this process, oldest first."""
+    return list(_measured.values())
+
+
+class SwapController:
+    """State shared by every clone of one Block Swap MODEL: the plan, the streamer, what was moved and why."""
+
+    def __init__(self, config: SwapConfig, base_model: torch.nn.Module) -> None:
+        self.config = config
+        dm = base_model.diffusion_model
+        self.model_name = type(dm).__name__
+        self.list_name, self.blocks = find_blocks(dm, "Block Swap")
+        self.prefix = f"diffusion_model.{self.list_name}."
+        self.block_bytes = [offload.block_nbytes(b) for b in self.blocks]
+        self.block_state_bytes = [offload.module_bytes(b) for b in self.blocks]
+        self.embed_names = tuple(f"diffusion_model.{n}" for n, m in dm.named_children()
+                                 if n != self.list_name and any(True for _ in m.parameters()))
+        self.embed_bytes = sum(offload.module_bytes(getattr(dm, n.split(".", 1)[1])) for n in self.embed_names)
+        self.full_bytes = offload.module_bytes(base_model)
+        self.model_ref = weakref.ref(base_model)
+        self.activation_bytes = 0  # ComfyUI's own estimate at the current resolution (PREPARE_SAMPLING wrapper)
+        self.plan: SwapPlan | None = None
+        self.streamer: BlockStreamer | None = None
+        self.active = False
+        self.device: torch.device | None = None
+        self._moved: dict[str, torch.Tensor] = {}  # non-leaf params moved to the GPU -> their CPU originals
+        self._flagged: list[torch.nn.Module] = []  # modules whose comfy_cast_weights we set
+        self._pinned_keys: list[str] = []
+        self._extra_loaded = 0
+        self._patcher: weakref.ref | None = None
+        self.lora = StreamedMerge()  # LoRA patches merged into the streamed blocks' host arena
+
+    def __deepcopy__(self, memo: dict) -> "SwapController":
+        return self  # model_options are deep-copied on clone: the controller (GPU ring) must be shared
+
+    # -- planning ------------------------------------------------------------------------------------------
+
+    def fixed_bytes(self) -> int:
+        """Weights that stay on the GPU besides blocks (embeddings/head unless offloaded)."""
+        nonblock = self.full_bytes - sum(self.block_state_bytes)
+        return nonblock - (self.embed_bytes if self.config.offload_embeddings else 0)
+
+    def make_plan(self, weight_budget: float | None) -> SwapPlan:
+        """Plan for a load: ``weight_budget`` is what ComfyUI offers for weights (None = unlimited)."""
+        budget = weight_budget
+        if self.config.vram_budget_gb > 0:
+            user = swap_plan.budget_bytes_from_gb(self.config.vram_budget_gb) - self.activation_bytes
+            budget = user if budget is None else min(budget, user)
+        return swap_plan.plan_swap(self.block_bytes, self.config,
+                                 budget_bytes=None if budget is None else int(budget),
+                                 fixed_bytes=self.fixed_bytes())
+
+    def gpu_bytes(self, plan: SwapPlan) -> int:
+        """What a load with ``plan`` puts on the GPU: fixed + resident blocks + ring."""
+        streamed = sum(self.block_state_bytes[i] for i in plan.streamed)
+        return self.fixed_bytes() + sum(self.block_state_bytes) - streamed + plan.ring_bytes
+
+    def is_swapped_module(self, name: str) -> bool:
+        """True for modules ComfyUI must not load: streamed blocks' modules and offloaded embeddings."""
+        plan = self.plan
+        if plan is not None and plan.streamed and name.startswith(self.prefix):
+            idx = name[len(self.prefix):].split(".", 1)[0]
+            if idx.isdigit() and int(idx) in set(plan.streamed):
+                return True
+        if self.config.offload_embeddings:
+            return any(name == e or name.startswith(e + ".") for e in self.embed_names)
+        return False
+
+    # -- load / unload ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def activate(self, patcher, device: torch.device) -> None:  # noqa: ANN001 - ModelPatcher
+        """After ComfyUI loaded the resident part: build the ring, flag streamed/offloaded layers, account memory."""
+        import comfy.model_patcher as mp
+
+        if self.active:
+            return
+        plan = self.plan
+        self.device = device
+        self._patcher = weakref.ref(patcher)
+        if plan.streamed:
+            if self.streamer is None or self.streamer.plan != plan or self.streamer.device != device:
+                if self.streamer is not None:
+                    # a new plan: the old arena goes first, and file-backed weights go back to the file, so the
+                    # new arena is copied from the file (its masters stay file-backed) and RAM does not double
+                    self.lora.restore(arena_dropped=self.streamer.drops_arena_on_release())
+                    self.streamer.deactivate(release_host=True)
+                self.streamer = BlockStreamer(self.blocks, plan, device, pinned=self.config.pinned,
+                                              debug=self.config.debug, pin_budget=ComfyPinBudget())
+            self.streamer.activate()
+            self._merge_lora(patcher, device)
+        model = patcher.model
+        swapped = [(n, m) for n, m in model.named_modules() if self.is_swapped_module(n)]
+        for n, m in swapped:  # LoRA on offloaded embeddings: ComfyUI's LowVramPatch, computed on the GPU per call
+            embed = self.config.offload_embeddings and not n.startswith(self.prefix)
+            if not hasattr(m, "comfy_cast_weights") or not embed:
+                continue
+            for kind in ("weight", "bias"):
+                key = f"{n}.{kind}"
+                if key in patcher.patches:
+                    _, set_func, convert_func = mp.get_key_weight(model, key)
+                    # a new list: the op class's default list is shared by every layer of that class
+                    setattr(m, f"{kind}_function", [*getattr(m, f"{kind}_function"),
+                                                    mp.LowVramPatch(key, patcher.patches, convert_func, set_func)])
+            m.prev_comfy_cast_weights = m.comfy_cast_weights
+            m.comfy_cast_weights = True  # cast per call (embeddings stay on the CPU, pinned by ComfyUI)
+            self._flagged.append(m)
+            for p, _ in m.named_parameters(recurse=False):
+                key = f"{n}.{p}"
+                patcher.pin_weight_to_device(key)
+                self._pinned_keys.append(key)
+        # Params owned by non-leaf modules (Wan `blocks.N.modulation`, `head.modulation`) are skipped by
+        # ModelPatcher._load_list and would be copied synchronously every call: move the resident ones once.
+        moved = 0
+        for n, m in model.named_modules():
+            if self.is_swapped_module(n) or not any(True for _ in m.children()):
+                continue
+            for p, t in list(m.named_parameters(recurse=False)):
+                if t.device != device:
+                    key = f"{n}.{p}" if n else p
+                    self._moved[key] = t
+                    offload.set_param(model, key, t.to(device))
+                    moved += t.numel() * t.element_size()
+        self._extra_loaded = plan.ring_bytes + moved
+        model.model_loaded_weight_memory += self._extra_loaded
+        self.active = True
+        where = "GPU" if device.type == "cuda" else f"{device.type} (no VRAM to save: test path)"
+        log.info("lowvram_dit Block Swap: %d of %d blocks streamed %s, ring %d x %.0f MB, prefetch %d, pinned %s, "
+                 "resident %.2f GB + ring %.2f GB on %s", len(plan.streamed), plan.num_blocks, list(plan.streamed),
+                 plan.ring, plan.slot_bytes / 2**20, self.config.prefetch, self.config.pinned,
+                 (self.gpu_bytes(plan) - plan.ring_bytes) / 1e9, plan.ring_bytes / 1e9, where)
+
+    def _merge_lora(self, patcher, device: torch.device) -> None:  # noqa: ANN001 - ModelPatcher
+        """Merge ``patcher``'s patches on streamed blocks into the host arena, unless they are merged already."""
+        if self.lora.is_current(patcher):
+            return
+        self.lora.restore()
+        streamed = set(self.plan.streamed)
+        keys, originals = [], {}
+        for key in patcher.patches:
+            idx, _, name = key[len(self.prefix):].partition(".") if key.startswith(self.prefix) else ("", "", "")
+            if not (idx.isdigit() and int(idx) in streamed):
+                continue
+            keys.append(key)
+            original = self.streamer.originals.get(int(idx), {}).get(name)
+            if original is not None:
+                originals[key] = original
+        # LoRA math on the GPU when there is one: one weight at a time goes there and back
+        self.lora.merge(patcher, keys, originals, device)
+
+    @torch.no_grad()
+    def deactivate(self, patcher, unload: bool = True) -> None:  # noqa: ANN001 - ModelPatcher
+        """Free the ring, restore flags and moved params, take the ring out of the accounting.
+
+        ``unload=False`` (ComfyUI detaches the model before every re-load) keeps the plan and the pinned arena,
+        so the next ``partially_load`` re-activates at the cost of a cached allocation.
+        """
+        if self.active and self.streamer is not None:  # a load too short for the hook to hand its timings over
+            calls = self.streamer.take_measurement(wait=True)
+            if calls:
+                self.swap_measured(calls)
+        if unload:  # the arena gets the original bytes back before it is re-used (or, when dropped, the private ones)
+            self.lora.restore(arena_dropped=self.streamer is not None and self.streamer.drops_arena_on_release())
+        if not self.active:
+            if unload:
+                self.plan = None
+                if self.streamer is not None:
+                    self.streamer.deactivate(release_host=True)  # unpin a kept arena
+            return
+        if self.streamer is not None:
+            self.streamer.deactivate(release_host=unload)
+        for m in self._flagged:
+            if hasattr(m, "prev_comfy_cast_weights"):
+                m.comfy_cast_weights = m.prev_comfy_cast_weights
+                del m.prev_comfy_cast_weights
+            m.weight_function = []
+            m.bias_function = []
+        self._flagged.clear()
+        for key in self._pinned_keys:
+            patcher.unpin_weight(key)
+        self._pinned_keys.clear()
+        model = patcher.model
+        for key, cpu in self._moved.items():
+            offload.set_param(model, key, cpu)
+        self._moved.clear()
+        model.model_loaded_weight_memory = max(0, model.model_loaded_weight_memory - self._extra_loaded)
+        self._extra_loaded = 0
+        self.active = False
+        if unload:
+            self.plan = None  # re-planned at the next load (resolution or free VRAM may have changed)
+
+    def ensure_active(self) -> bool:
+        """Safety net for a forward that finds the ring inactive (ComfyUI skipped ``load``): activate lazily."""
+        if self.active:
+            return bool(self.plan and self.plan.streamed)
+        patcher = self._patcher() if self._patcher is not None else None
+        if patcher is None or self.plan is None or self.device is None:
+            return False
+        log.warning("lowvram_dit Block Swap: model ran without a load; activating the ring now")
+        self.activate(patcher, self.device)
+        return bool(self.plan.streamed)
+
+    # -- what the StreamHook asks (offload/engine.py StreamOwner) -----------------------------------------
+
+    @property
+    def debug(self) -> bool:
+        """Log per-forward transfer statistics."""
+        return self.config.debug
+
+    def block_streamer(self) -> BlockStreamer | None:
+        """The streamer while the ring is active."""
+        return self.streamer if self.active else None
+
+    def forward_streamer(self) -> BlockStreamer | None:
+        """The streamer at the start of a forward (activated now if ComfyUI skipped the load), or None."""
+        return self.streamer if self.ensure_active() else None
+
+    def oom_advice(self, message: str) -> str:
+        """The out-of-memory message naming what was on the GPU and the setting that would fit."""
+        return swap_plan.oom_advice(self.plan, self.block_bytes, self.config, message, self.fixed_bytes(),
+                                    self.embed_bytes)
+
+    def swap_setup(self) -> SwapSetup:
+        """The shape of the active load, for offload/verdict.py."""
+        plan, st = self.plan, self.streamer
+        streamed = len(plan.streamed)
+        return SwapSetup(model=self.model_name, num_blocks=plan.num_blocks, streamed=streamed,
+                         prefetch=self.config.prefetch, pinned=st.arena is not None and st.arena.pinned,
+                         block_bytes=st.streamed_bytes // max(streamed, 1), ring_bytes=plan.ring_bytes,
+                         resident_bytes=self.gpu_bytes(plan) - plan.ring_bytes, source_itemsize=st.weight_itemsize(),
+                         vram_budget_gb=self.config.vram_budget_gb, blocks_to_swap=self.config.blocks_to_swap,
+                         pinned_option=self.config.pinned)
+
+    def swap_measured(self, calls: list[StreamStats]) -> None:
+        """Log this load's verdict once (the engine hands its timed calls over once per load) and keep it."""
+        verdict = swap_verdict(calls, self.swap_setup())
+        if verdict.kind == "unmeasured":
+            log.debug("lowvram_dit %s", verdict.text)
+            return
+        log.log(logging.INFO if verdict.kind == "hidden" else logging.WARNING, "lowvram_dit %s", verdict.text)
+        _measured.pop(id(self), None)
+        _measured[id(self)] = f"[{time.strftime('%H:%M:%S')}] {verdict.text}"
+        while len(_measured) > MEASURED_KEEP:
+            del _measured[next(iter(_measured))]
+
+
+class BlockSwapMixin:
+    """ModelPatcher behaviour for block swap; mixed in front of the MODEL's own patcher class."""
+
+    @property
+    def _swap(self) -> SwapController:
+        return self.attachments[SWAP_KEY]
+
+    def model_size(self) -> int:
+        ctl = self._swap
+        if ctl.active or ctl.plan is not None:
+            return ctl.gpu_bytes(ctl.plan)
+        if ctl.config.blocks_to_swap >= 0 or ctl.config.vram_budget_gb > 0:
+            return ctl.gpu_bytes(ctl.make_plan(None))
+        return ctl.full_bytes  # auto: ask for everything, stream what ComfyUI cannot give
+
+    def get_ram_usage(self) -> int:
+        return self._swap.full_bytes
+
+    def _load_list(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - whatever the host's _load_list takes
+        ctl = self._swap
+        # entries end with (name, module, params); the sort keys in front of them differ between load modes
+        return [x for x in super()._load_list(*args, **kwargs) if not ctl.is_swapped_module(x[-3])]
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):  # noqa: ANN001
+        ctl = self._swap
+        if device_to is None:
+            return super().load(device_to, lowvram_model_memory, force_patch_weights, full_load)
+        if not ctl.active:
+            offered = None if (full_load or lowvram_model_memory <= 0 or lowvram_model_memory >= 1e30) \
+                else lowvram_model_memory
+            ctl.plan = ctl.make_plan(offered)
+        if not ctl.plan.streamed and not ctl.config.offload_embeddings:
+            if not ctl.active:
+                log.info("lowvram_dit Block Swap: everything fits (%s); nothing to stream",
+                         "no budget set on a CPU device" if torch.device(device_to).type == "cpu" else "budget")
+            return super().load(device_to, lowvram_model_memory, force_patch_weights, full_load)
+        # The stock loader handles every resident module (LoRA baking, pinning, partial loading if VRAM is short),
+        # but must never `model.to(device)` (full_load) since that would move the streamed blocks too. When the plan
+        # fits what ComfyUI offered it gets no budget to split: its per-module offload reserve (larger for patched
+        # weights) would otherwise leave some resident layers on the CPU, cast and LoRA-patched on every call.
+        fits = full_load or lowvram_model_memory <= 0 or ctl.gpu_bytes(ctl.plan) <= lowvram_model_memory
+        weights = 1e32 if fits else lowvram_model_memory - ctl.plan.ring_bytes
+        if ctl.active:
+            self.model.model_loaded_weight_memory -= ctl._extra_loaded
+        super().load(device_to, lowvram_model_memory=max(weights, 0.1), force_patch_weights=force_patch_weights,
+                     full_load=False)
+        if ctl.active:
+            self.model.model_loaded_weight_memory += ctl._extra_loaded
+        else:
+            ctl.activate(self, torch.device(device_to))
+
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):  # noqa: ANN001
+        out = super().partially_load(device_to, extra_memory, force_patch_weights)
+        ctl = self._swap
+        if not ctl.active and ctl.plan is not None and ctl.plan.streamed:
+            ctl.activate(self, torch.device(device_to))  # the stock early return skipped load()
+        return out
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):  # noqa: ANN001
+        if unpatch_weights:
+            self._swap.deactivate(self)
+        return super().unpatch_model(device_to, unpatch_weights)
+
+    def detach(self, unpatch_all=True):  # noqa: ANN001
+        # unpatch_all=False: ComfyUI hands the weights to a clone (often this very patcher, re-loaded for the next
+        # sampler run): free the ring now, keep the plan and the pinned arena for partially_load to re-activate.
+        self._swap.deactivate(self, unload=unpatch_all)
+        return super().detach(unpatch_all)
+
+
+def _swap_class(base: type) -> type:
+    return mixed_class(BlockSwapMixin, base, "BlockSwap")
+
+
+class _SwapPrepare:
+    """PREPARE_SAMPLING wrapper: record ComfyUI's activation estimate at this resolution before the load."""
+
+    def __init__(self, ctl: SwapController, hook: StreamHook | None = None) -> None:
+        self.ctl, self.hook = ctl, hook
+
+    def __deepcopy__(self, memo: dict) -> "_SwapPrepare":
+        return self
+
+    def __call__(self, executor, model, noise_shape, conds, *args, **kwargs):  # noqa: ANN001, ANN204
+        import comfy.sampler_helpers
+
+        try:
+            estimate = int(comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)[0])
+            self.ctl.activation_bytes = estimate
+            for other in self.hook.models.others() if self.hook is not None else ():  # MultiGPU copies
+                other.owner.activation_bytes = estimate
+        except Exception as exc:  # an estimate must never break sampling
+            log.debug("lowvram_dit Block Swap: no activation estimate (%s)", exc)
+        return executor(model, noise_shape, conds, *args, **kwargs)
+
+
+# ComfyUI's MultiGPU split (0.23+) calls these on every model copy it makes for another GPU.
+MULTIGPU_CALLBACKS = ("ON_DEEPCLONE_MULTIGPU", "ON_MATCH_MULTIGPU_CLONES")
+
+
+class _SwapPerDevice:
+    """MultiGPU clone callback: a copy of the model on another GPU streams its own blocks through its own ring.
+
+    The copy's patcher shares the first model's attachments and forward wrappers; its controller (plan, ring,
+    arena) is rebuilt for its own model, and the shared stream hook hands that model's forwards to it."""
+
+    def __init__(self, hook: StreamHook) -> None:
+        self.hook = hook  # its owner is the first model's controller
+
+    def __deepcopy__(self, memo: dict) -> "_SwapPerDevice":
+        return self
+
+    def __call__(self, parent, clone) -> None:  # noqa: ANN001 - ModelPatcher, ModelPatcher
+        first = self.hook.owner
+        if clone.model is first.model_ref():
+            return
+        own = self.hook.for_model(clone.model)
+        ctl = own.owner if own is not self.hook else SwapController(first.config, clone.model)
+        ctl.activation_bytes = first.activation_bytes
+        clone.set_attachments(SWAP_KEY, ctl)
+        self.hook.serve(clone.model, ctl)
+        log.info("lowvram_dit Block Swap: the model copy for %s streams its own blocks", clone.load_device)
+
+
+def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - ModelPatcher in and out
+    """Return a clone of ``model`` that streams blocks per ``config`` (the node's whole job)."""
+    import comfy.patcher_extension as pe
+
+    if dynamic_vram_manages(model):
+        say_once(log, "lowvram_dit Block Swap steps aside: ComfyUI's DynamicVRAM already streams this model's "
+                      "weights to the GPU on demand, and two managers of one model's VRAM would fight. To use Block "
+                      "Swap instead, start ComfyUI with --disable-dynamic-vram.")
+        return model
+    layouts = model_layouts(model)
+    if layouts:
+        log.warning("lowvram_dit Block Swap: this model's layers are ComfyUI's quantized layouts (%s), which Block Swap "
+                    "cannot stream (it streams plain tensors); the model passes through unchanged and ComfyUI's own "
+                    "partial loading offloads it", ", ".join(layouts))
+        return model
+    m = model.clone()
+    if SWAP_KEY in m.attachments:  # Block Swap applied twice: the last one wins (its hook is replaced below)
+        m.remove_wrappers_with_key(pe.WrappersMP.PREPARE_SAMPLING, SWAP_KEY)
+    m.__class__ = _swap_class(type(model))
+    m.patches_uuid = uuid.uuid4()  # a plain clone of the same weights must reload after us, and vice versa
+    ctl = SwapController(config, m.model)
+    m.set_attachments(SWAP_KEY, ctl)
+    hook = StreamHook(ctl)
+    register_hook(m, SWAP_KEY, hook)
+    m.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, SWAP_KEY, _SwapPrepare(ctl, hook))
+    for kind in MULTIGPU_CALLBACKS:
+        if hasattr(pe.CallbacksMP, kind):
+            m.add_callback_with_key(getattr(pe.CallbacksMP, kind), SWAP_KEY, _SwapPerDevice(hook))
+    if model.load_device.type == "cpu" and config.blocks_to_swap < 0 and config.vram_budget_gb <= 0:
+        log.info("lowvram_dit Block Swap: load device is the CPU and no budget/blocks are set: nothing to swap to, "
+                 "the model passes through unchanged")
+        return model
+    return m

@@ -1,0 +1,55 @@
+"""Model files as ComfyUI knows them: paths' fingerprints, mmap setting, the embedding cache, input-named errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+@contextmanager
+def checked_input(node: str, option: str) -> Iterator[None]:
+    """Re-raise a CheckpointError (a file refused) as one that starts with the node and the input it came from."""
+    from ..checkpoints.safetensors_io import CheckpointError
+
+    try:
+        yield
+    except CheckpointError as exc:
+        raise CheckpointError(f"{node}, {option}: {exc}") from None
+
+
+# The staged text nodes (Wan Text Encode, Qwen-Image Staged Loader) share one embedding cache and one key recipe.
+EMBEDDING_CACHE_FOLDER = ("comfyui-lowvram-dit", "embeddings")
+
+
+def file_fingerprint(folder: str, name: str) -> str:
+    """``name:size:mtime_ns`` of a model file in a ComfyUI folder (``name:missing`` when absent): a node's
+    ``fingerprint_inputs`` so it re-runs when the file changes on disk under the same name."""
+    import folder_paths
+
+    path = folder_paths.get_full_path(folder, name)
+    try:
+        st = Path(path).stat() if path else None
+    except OSError:
+        st = None
+    return f"{name}:{st.st_size}:{st.st_mtime_ns}" if st else f"{name}:missing"
+
+
+def use_mmap() -> bool:
+    """Map checkpoint files (weights cost page cache, not RAM) unless ComfyUI runs with ``--disable-mmap``."""
+    try:
+        import comfy.utils
+
+        return not bool(getattr(comfy.utils, "DISABLE_MMAP", False))
+    except Exception:  # noqa: BLE001 - outside ComfyUI (tests, scripts): mapping is the default
+        return True
+
+
+def embedding_cache() -> Any:  # checkpoints.embedding_cache.EmbeddingCache
+    """The pack's embedding cache under ComfyUI's user directory (kept across restarts, unlike temp)."""
+    import folder_paths
+
+    from ..checkpoints.embedding_cache import EmbeddingCache
+
+    return EmbeddingCache(Path(folder_paths.get_user_directory()).joinpath(*EMBEDDING_CACHE_FOLDER))

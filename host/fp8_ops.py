@@ -1,0 +1,270 @@
+"""ComfyUI ``custom_operations`` whose Linear runs fp8 weights (per-tensor or block-wise) through kernels.fp8.
+
+The model is built by ComfyUI itself (``comfy.sd.load_diffusion_model_state_dict(sd, {"custom_operations":
+make_fp8_ops(cfg), ...})``), so it stays a native MODEL. ``LowVramFp8Ops`` is a module-level
+``comfy.ops.manual_cast`` subclass configured by class attributes (as ComfyUI-GGUF's ``GGMLOps``);
+``make_fp8_ops`` returns its subclass with the config. Every op except Linear is ``manual_cast``'s. This module
+imports ComfyUI at import time: loaders import it inside their load functions.
+The Linear keeps the CastWeightBiasOp contract:
+- resident, no LoRA functions: ``kernels.fp8.fp8_linear`` on the fp8 weight (fp8 matmul where the GPU has it);
+- lowvram-offloaded: the fp8 weight + its scale are copied on ComfyUI's offload stream (``uncast_bias_weight``
+  afterwards), then the same fp8 matmul, so streamed layers keep fp8 compute (native dequantizes them);
+- ``weight_function`` LoRA patches (lowvram): dequantize, apply the patches, bf16/fp16 matmul;
+- merged LoRA (resident): ``convert_weight`` dequantizes, ComfyUI adds the LoRA, ``set_weight`` re-quantizes
+  with the layer's existing scale. The scale is never changed by patching, because ModelPatcher backs up and
+  restores only ``<layer>.weight``; a new scale would survive unpatching and corrupt the restored weight.
+Weights are plain tensors (float8 ``weight``, fp32 ``weight_scale``), so block swap moves them like any other.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import comfy.float
+import comfy.model_management as mm
+import comfy.ops
+import torch
+
+from ..kernels import fp8 as fp8_math
+from ..kernels import opaque_ops
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Keys ComfyUI / musubi files carry next to a weight; accepted here too, in case a state dict was not
+# converted by checkpoints/wan.py first (passing custom_operations disables convert_old_quants).
+IGNORED_KEYS = ("comfy_quant", "input_scale", "scale_input", "scale_weight_tensor")
+
+
+@dataclass(frozen=True)
+class Fp8OpsConfig:
+    """How the fp8 Linear layers of one model compute."""
+
+    block_size: int = 128  # for block-wise weight scales (2-D weight_scale); per-tensor scales are 0-d
+    compute: fp8_math.Fp8Compute = "auto"  # "auto" | "fp8" (fp8 matmul or error) | "dequantize"
+
+
+class LowVramFp8Ops(comfy.ops.manual_cast):
+    """Every op is ``manual_cast``'s except Linear, which computes fp8 weights through kernels.fp8."""
+
+    fp8_config: ClassVar[Fp8OpsConfig] = Fp8OpsConfig()
+
+    class Linear(comfy.ops.manual_cast.Linear):
+        """Linear that holds either a high-precision weight or an fp8 weight + ``weight_scale``."""
+
+        fp8_config: ClassVar[Fp8OpsConfig] = Fp8OpsConfig()
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.register_parameter("weight_scale", None)
+            self._fp8_path: tuple[torch.device, str] | None = None
+
+        @property
+        def is_fp8(self) -> bool:
+            return self.weight is not None and self.weight.dtype in FP8_DTYPES
+
+        @property
+        def _full_precision_mm(self) -> bool:
+            """True while the weight is fp8: ComfyUI's fused paths that bypass ``forward`` (the fp16-accumulation
+            GEMM in ``comfy.ops.linear_input_act``) would take the raw fp8 codes from ``cast_bias_weight``
+            without this layer's scale; this flag makes them call the layer instead."""
+            return self.is_fp8 or self.__dict__.get("_full_precision_mm_requested", False)
+
+        @_full_precision_mm.setter
+        def _full_precision_mm(self, value: bool) -> None:
+            # a host that switches the flag per layer may turn it on; an fp8 weight keeps it on regardless
+            self.__dict__["_full_precision_mm_requested"] = bool(value)
+
+        def _block_size(self) -> int | None:
+            return None if self.weight_scale is None or self.weight_scale.ndim == 0 else self.fp8_config.block_size
+
+        # ---- loading -----------------------------------------------------------------------------
+        def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                                  unexpected_keys, error_msgs) -> None:  # noqa: ANN001 - torch signature
+            conf = state_dict.get(prefix + "comfy_quant")
+            if conf is not None and _comfy_quant_format(conf) not in ("float8_e4m3fn", "float8_e5m2"):
+                raise ValueError(f"{prefix[:-1]}: ComfyUI quant format {_comfy_quant_format(conf)!r} is not "
+                                 "supported by the LowVRAM fp8 ops; load this file with UNETLoader")
+            for k in IGNORED_KEYS:
+                state_dict.pop(prefix + k, None)
+            w = state_dict.get(prefix + "weight")
+            scale = state_dict.pop(prefix + "weight_scale", None)
+            legacy = state_dict.pop(prefix + "scale_weight", None)  # ComfyUI legacy scaled fp8 name
+            scale = scale if scale is not None else legacy
+            if w is not None and w.dtype in FP8_DTYPES:
+                state_dict.pop(prefix + "weight")
+                if w.dtype != torch.float8_e4m3fn:  # e5m2: re-quantize to the e4m3fn the GEMMs take
+                    s = scale.float() if scale is not None else torch.ones(())
+                    w, scale = fp8_math.quantize_per_tensor(
+                        w.float() * fp8_math.expand_scale(s, tuple(w.shape), self.fp8_config.block_size, w.device))
+                scale = torch.ones((), dtype=torch.float32) if scale is None else scale.float()
+                if scale.numel() == 1:
+                    scale = scale.reshape(())
+                elif tuple(scale.shape) != fp8_math.blockwise_scale_shape(*w.shape, self.fp8_config.block_size):
+                    raise ValueError(
+                        f"{prefix}weight_scale has shape {list(scale.shape)}, expected a scalar or "
+                        f"{list(fp8_math.blockwise_scale_shape(*w.shape, self.fp8_config.block_size))} for block size "
+                        f"{self.fp8_config.block_size}; load the file through the LowVRAM Wan loader"
+                    )
+                if tuple(w.shape) != (self.out_features, self.in_features):
+                    raise ValueError(f"{prefix}weight has shape {list(w.shape)}, the model expects "
+                                     f"{[self.out_features, self.in_features]}")
+                device = self.weight.device if self.weight is not None and self.weight.device.type != "meta" else w.device
+                self.weight = torch.nn.Parameter(w.to(device), requires_grad=False)
+                self.weight_scale = torch.nn.Parameter(scale.to(device), requires_grad=False)
+                self._fp8_path = None
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
+            for k in (prefix + "weight", prefix + "weight_scale"):
+                if k in missing_keys and self.is_fp8:
+                    missing_keys.remove(k)
+
+        # ---- forward -----------------------------------------------------------------------------
+        def _path(self, device: torch.device) -> str:
+            cached = self._fp8_path
+            if cached is not None and cached[0] == device:
+                return cached[1]
+            n, k = self.weight.shape
+            path = fp8_math.select_path(device, self._block_size(), n, k, self.fp8_config.compute)
+            if not torch.compiler.is_compiling():  # no module mutation inside a compiled region
+                self._fp8_path = (device, path)
+            return path
+
+        def forward(self, input, *args, **kwargs):  # noqa: ANN001, ANN201 - ComfyUI op signature
+            comfy.ops.run_every_op()
+            if not self.is_fp8:
+                return super().forward_comfy_cast_weights(input, *args, **kwargs)
+            if (self.weight.device == input.device and not self.weight_function and not self.bias_function):
+                return opaque_ops.fp8_linear(input, self.weight, self.weight_scale, self.bias, self._block_size(),
+                                             self._path(input.device))
+            return self.forward_comfy_cast_weights(input)
+
+        def forward_comfy_cast_weights(self, input):  # noqa: ANN001, ANN201
+            if not self.is_fp8:
+                return super().forward_comfy_cast_weights(input)
+            # comfy.ops.cast_bias_weight would apply LoRA weight_functions to the raw fp8 codes (ignoring
+            # the scale), so the copy is done here with the same offload-stream protocol.
+            device = input.device
+            moving = self.weight.device != device or (self.bias is not None and self.bias.device != device)
+            stream = mm.get_offload_stream(device) if moving else None
+            nb = mm.device_supports_non_blocking(device)
+            w = mm.cast_to(self.weight, None, device, non_blocking=nb, stream=stream)
+            s = mm.cast_to(self.weight_scale, None, device, non_blocking=nb, stream=stream)
+            b = None
+            if self.bias is not None:
+                b = mm.cast_to(self.bias, input.dtype, device, non_blocking=nb, copy=bool(self.bias_function),
+                               stream=stream)
+            mm.sync_stream(device, stream)
+            for f in self.bias_function:
+                b = f(b)
+            if self.weight_function:
+                wd = fp8_math.dequantize(w, s, self._block_size(), input.dtype)
+                for f in self.weight_function:
+                    wd = f(wd)
+                out = torch.nn.functional.linear(input, wd.to(input.dtype), b)
+            else:
+                out = opaque_ops.fp8_linear(input, w, s, b, self._block_size(), self._path(device))
+            comfy.ops.uncast_bias_weight(self, w, b, (stream, w, b))
+            return out
+
+        # ---- LoRA (merged into resident weights by ModelPatcher.patch_weight_to_device) ------------
+        def _full_scale(self, weight: torch.Tensor) -> torch.Tensor:
+            return fp8_math.expand_scale(self.weight_scale, tuple(weight.shape), self.fp8_config.block_size,
+                                         weight.device)
+
+        def convert_weight(self, weight, inplace=False, **kwargs):  # noqa: ANN001, ANN201
+            """Raw fp8 codes (already cast to the LoRA dtype by ComfyUI) -> real weight values."""
+            if not self.is_fp8:
+                return weight
+            scale = self._full_scale(weight)
+            return weight.mul_(scale) if inplace else weight * scale
+
+        def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):  # noqa: ANN001, ANN201
+            """Store a patched weight: re-quantized with this layer's scale (fp8) or rounded (others)."""
+            if self.is_fp8:
+                codes = weight.float() / self._full_scale(weight)
+                _warn_if_clipped(codes, tuple(self.weight.shape))
+                new = codes.clamp_(-fp8_math.FP8_MAX, fp8_math.FP8_MAX).to(self.weight.dtype)
+            else:
+                new = comfy.float.stochastic_rounding(weight, self.weight.dtype, seed=seed or 0)
+            if return_weight:
+                return new
+            if inplace_update:
+                self.weight.data.copy_(new)
+            else:
+                self.weight = torch.nn.Parameter(new, requires_grad=False)
+
+        # ---- moving ------------------------------------------------------------------------------
+        def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN201
+            """Like nn.Module._apply, but fp8 weights stay fp8 and scales stay fp32 (only devices move)."""
+            for key, param in self._parameters.items():
+                if param is None:
+                    continue
+                new = fn(param)
+                if (param.dtype in FP8_DTYPES or key == "weight_scale") and new.dtype != param.dtype:
+                    new = param.to(device=new.device)
+                self.register_parameter(key, torch.nn.Parameter(new, requires_grad=False))
+            for key, buf in self._buffers.items():
+                if buf is not None:
+                    self._buffers[key] = fn(buf)
+            self._fp8_path = None
+            return self
+
+
+def _comfy_quant_format(raw: torch.Tensor) -> str | None:
+    """The ``format`` field of a ``<layer>.comfy_quant`` uint8 JSON tensor (None if unreadable)."""
+    try:
+        return json.loads(bytes(raw.to(torch.uint8).tolist()).decode("utf-8")).get("format")
+    except (ValueError, AttributeError):
+        return None
+
+
+_CONFIGURED: dict[Fp8OpsConfig, type] = {}
+
+
+def make_fp8_ops(config: Fp8OpsConfig | None = None) -> type:
+    """The ``custom_operations`` class for ``config``: ``LowVramFp8Ops`` with the config as class attributes
+    (one class per config, so models loaded with the same settings share it)."""
+    cfg = config or Fp8OpsConfig()
+    if cfg not in _CONFIGURED:
+        linear = type("Linear", (LowVramFp8Ops.Linear,), {
+            "fp8_config": cfg, "__module__": LowVramFp8Ops.__module__, "__qualname__": "LowVramFp8Ops.Linear"})
+        _CONFIGURED[cfg] = type("LowVramFp8Ops", (LowVramFp8Ops,), {
+            "fp8_config": cfg, "Linear": linear, "__module__": LowVramFp8Ops.__module__})
+    return _CONFIGURED[cfg]
+
+
+# Values a little past the range are normal: a small LoRA delta on the layer's largest weight (its code is 448 by
+# construction of a per-tensor scale) lands just beyond it and loses that sliver to the clamp, as it always did.
+# Only a peak past CLIP_WARN_FACTOR x the range warns (an extreme alpha or strength).
+CLIP_WARN_FACTOR = 1.25
+# At most one clipping warning per this many seconds: ComfyUI merges every patched layer of a model in one go at
+# load, so the other layers of the same merge are not listed one by one.
+CLIP_WARNING_QUIET_S = 30.0
+_clip_warned_at = [-math.inf]
+
+
+def _warn_if_clipped(codes: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Warn when a patched weight, divided by the layer's own scale, goes far past fp8's range (it is clipped).
+
+    Re-quantizing with the layer's scale keeps the merge exact for every LoRA that stays in range; one that does
+    not (an extreme alpha or strength) is clipped to +-448 codes. Checking costs one GPU->CPU sync per patched layer,
+    at the LoRA merge (once per load), never per step; the count is read only for a layer that warns. NaN is not
+    counted (the clamp keeps it NaN, and NaN Guard sees it at the next fp8 GEMM)."""
+    mag = codes.abs()
+    peak = float(torch.where(mag > fp8_math.FP8_MAX, mag, 0.0).amax()) / fp8_math.FP8_MAX if mag.numel() else 0.0
+    if not peak > CLIP_WARN_FACTOR:
+        return
+    now = time.monotonic()
+    if now - _clip_warned_at[0] < CLIP_WARNING_QUIET_S:
+        return
+    _clip_warned_at[0] = now
+    n = int((mag > fp8_math.FP8_MAX).sum())
+    log.warning("lowvram_dit: a LoRA pushes %d values of an fp8 Linear %s up to %.3g times past its fp8 scale's range; "
+                "they are clipped - check the LoRA's alpha/strength (other layers of this merge are not listed)",
+                n, list(shape), peak)

@@ -1,0 +1,135 @@
+"""LoRA patches merged once into the host copies of streamed blocks (Block Swap), instead of on every call.
+
+ComfyUI merges a patch into a weight it loads (``ModelPatcher.patch_weight_to_device``) and applies it per call
+(``LowVramPatch`` in ``weight_function``) to a weight it streams. Block Swap streams whole blocks from a private host
+arena (offload/engine.py), so it can do what ComfyUI does for loaded weights, once per load: each patched tensor
+of a streamed block is computed with ComfyUI's own pieces (the op's ``convert_*`` to real values, then
+``comfy.lora.calculate_weight``, then the op's ``set_*``: the pack's fp8 layers re-quantize with the layer's own
+per-tensor or per-block scale; layers without one round stochastically, as ComfyUI does) and written into the arena
+in place. Every later step streams the merged bytes: no per-step LoRA cost.
+
+Each merged tensor goes back from the GPU straight into the pinned arena with an asynchronous copy (no pageable
+staging copy, no wait per tensor; one wait at the end), so a load pays about one host round trip of the merged bytes.
+
+Restoring is exact: the original bytes come back from the file-backed tensor the arena was copied from (the
+checkpoint's mapping, which is never written) or, for weights that were not file-backed, from a copy taken before
+the merge. When the arena is about to be dropped and its parameters rebound to those file-backed tensors (an idle
+expert going back to the file), only the private copies are restored: reading the file back into an arena that is
+freed next would cost the whole file in time and page cache for nothing. A merge is keyed by the patcher's ``patches_uuid`` (ComfyUI gives every clone with new patches or a new
+strength a new one), so a re-load of the same patcher merges nothing, and other patches restore first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+
+def _seed(key: str) -> int:
+    """ComfyUI's per-key stochastic-rounding seed (``string_to_seed`` moved from model_patcher to utils)."""
+    import comfy.utils
+
+    fn = getattr(comfy.utils, "string_to_seed", None)
+    if fn is None:
+        import comfy.model_patcher
+
+        fn = comfy.model_patcher.string_to_seed
+    return fn(key)
+
+
+@torch.no_grad()
+def merged_weight(patcher: Any, key: str, device: torch.device) -> torch.Tensor:
+    """``key``'s stored tensor with its patches applied, computed on ``device``, in the stored dtype/layout.
+
+    The same steps as ComfyUI's ``patch_weight_to_device``, without replacing the parameter or backing it up."""
+    import comfy.float
+    import comfy.lora
+    import comfy.model_management as mm
+    import comfy.model_patcher as mp
+
+    weight, set_func, convert_func = mp.get_key_weight(patcher.model, key)
+    # as patch_weight_to_device: a non-blocking copy converts on the GPU (a blocking one converts on the CPU)
+    temp = mm.cast_to_device(weight, device, mm.lora_compute_dtype(device), copy=True)
+    if convert_func is not None:
+        temp = convert_func(temp, inplace=True)
+    out = comfy.lora.calculate_weight(patcher.patches[key], temp, key)
+    if set_func is not None:
+        new = set_func(out, inplace_update=False, seed=_seed(key), return_weight=True)
+    else:
+        new = comfy.float.stochastic_rounding(out, weight.dtype, seed=_seed(key))
+    if not isinstance(new, torch.Tensor) or type(new) is not torch.Tensor or new.shape != weight.shape \
+            or new.dtype != weight.dtype:
+        raise TypeError(f"{key}: merging its LoRA gave a {type(new).__name__} {getattr(new, 'dtype', '')} "
+                        f"{tuple(getattr(new, 'shape', ()))}, not a plain {weight.dtype} {tuple(weight.shape)} tensor; "
+                        "Block Swap can only merge into plain weights")
+    return new
+
+
+class StreamedMerge:
+    """The LoRA state of one Block Swap model's host arena: which patches are merged and how to undo them."""
+
+    def __init__(self) -> None:
+        self.uuid: Any = None  # patches_uuid of the merged patches (None: the arena holds the original bytes)
+        # key -> (arena tensor, original bytes, whether the original is the file-backed tensor)
+        self._backups: dict[str, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        self.merges = 0  # tensors merged so far (a counter for logs and tests)
+        self.last_seconds = 0.0  # wall time of the last merge that merged anything
+
+    @property
+    def merged(self) -> bool:
+        """True while the arena holds merged weights."""
+        return self.uuid is not None
+
+    def is_current(self, patcher: Any) -> bool:
+        """True when the arena already holds exactly ``patcher``'s patches."""
+        return self.uuid is not None and self.uuid == patcher.patches_uuid
+
+    @torch.no_grad()
+    def merge(self, patcher: Any, keys: list[str], originals: dict[str, torch.Tensor], device: torch.device) -> int:
+        """Merge ``patcher``'s patches of ``keys`` (parameters bound to the host arena) in place; returns the count.
+
+        ``originals``: key -> file-backed tensor holding the same bytes as the arena (restored from; never written).
+        """
+        import comfy.utils
+
+        self.restore()
+        start, done, nbytes = time.perf_counter(), 0, 0
+        for key in keys:
+            target = comfy.utils.get_attr(patcher.model, key)
+            new = merged_weight(patcher, key, device)
+            original = originals.get(key)
+            file_backed = original is not None and original.shape == target.shape and original.dtype == target.dtype
+            if not file_backed:
+                original = target.detach().clone()  # not file-backed: the original bytes need their own copy
+            self._backups[key] = (target, original, file_backed)
+            # GPU -> arena without staging: asynchronous into pinned memory (the caching allocator hands ``new``'s
+            # block only to later work on this stream, which runs after the copy), synchronous into pageable memory
+            target.data.copy_(new, non_blocking=True)
+            done += 1
+            nbytes += target.numel() * target.element_size()
+        if device.type == "cuda" and done:
+            torch.cuda.current_stream(device).synchronize()  # the arena is read on the CPU and by the copy stream
+        self.uuid = patcher.patches_uuid if self._backups else None  # nothing to merge: nothing to keep track of
+        self.merges += done
+        if done:
+            self.last_seconds = time.perf_counter() - start
+            log.info("lowvram_dit Block Swap: LoRA merged into %d streamed weights (%.2f GB) in %.1f s, once for this "
+                     "load (no per-step patching)", done, nbytes / 1e9, self.last_seconds)
+        return done
+
+    @torch.no_grad()
+    def restore(self, arena_dropped: bool = False) -> None:
+        """Put the original bytes back into the arena (bit-exact); a no-op when nothing is merged.
+
+        ``arena_dropped``: the arena is freed next and its parameters rebound to their file-backed originals, so
+        only the weights without one (kept as private copies) are copied back."""
+        for target, original, file_backed in self._backups.values():
+            if not (arena_dropped and file_backed):
+                target.data.copy_(original)
+        self._backups.clear()
+        self.uuid = None

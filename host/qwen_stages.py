@@ -1,0 +1,303 @@
+"""Qwen-Image in stages on small machines: text on the CPU, fp8 transformer with block swap, GPU VAE decode.
+
+The Staged Loader returns native MODEL, positive/negative CONDITIONING and VAE (stock KSampler, LoRA and
+ModelSampling nodes work on them):
+- Stage 1, text: the Qwen2.5-VL encoder that ``load_text_encoder_state_dicts(clip_type=QWEN_IMAGE)`` builds,
+  streamed onto the CPU and freed after encoding, embeddings cached on disk (host/text_encoders.py); only the
+  embeddings go to the GPU.
+- Stage 2, transformer: read tensor by tensor, block Linear weights quantized to fp8 (block-wise or per-tensor)
+  while streaming (on the GPU when there is one), built with host/fp8_ops.py's custom operations, then
+  wrapped by the Block Swap node's ``apply_block_swap`` under the VRAM budget.
+- VAE: loaded as VAELoader does.
+
+The Decode node (stage 3) unloads every other model from the GPU, then decodes on the GPU, tiled when ComfyUI's own
+memory estimate does not fit the free VRAM or the budget. It refuses a CPU decode when a GPU exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from ..checkpoints import qwen_image
+from ..checkpoints.safetensors_io import CheckpointError, check_quantization, read_header
+from ..checkpoints.text_encoders import qwen25_vl_config_from_header
+from ..offload import stage_meter
+from ..offload.plan import SwapConfig, check_budget
+from ..offload.stage_meter import StageReport
+from . import text_encoders
+from .block_swap import apply_block_swap
+from .core_quant import announce, check_host_reads
+from .files import checked_input, use_mmap
+from .graph_checks import WAN_VAE_KEY
+from .mapped_weights import keep_file_backed
+from .model_loading import load_diffusion_model
+from .names import display_name
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+QUANTIZATION = {"fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise", "none": "none"}
+COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "dequantize": "dequantize"}
+LOADER = "Qwen-Image staged loader"  # the Staged and the Edit Staged Loader share this transformer load
+
+
+def _log_stage(report: StageReport) -> None:
+    log.info("lowvram_dit Qwen-Image %s", report.format())
+
+
+def _compute_device() -> torch.device:
+    import comfy.model_management as mm
+
+    return mm.get_torch_device()
+
+
+def _bar(total: int):  # noqa: ANN202 - comfy.utils.ProgressBar
+    import comfy.utils
+
+    return comfy.utils.ProgressBar(total)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage 1: text
+
+
+@functools.cache
+def _prompt_template() -> str:
+    """The template ComfyUI's QwenImageTokenizer wraps prompts in (part of the cache key)."""
+    import comfy.text_encoders.qwen_image as qi
+
+    tok = qi.QwenImageTokenizer()
+    return f"{type(tok).__module__}.{type(tok).__qualname__}|{tok.llama_template}"
+
+
+def _qwen25_vl_target(probe: dict, name: str):  # noqa: ANN202 - what load_text_encoder_state_dicts builds
+    """What load_text_encoder_state_dicts(clip_type=QWEN_IMAGE) builds for QWEN25_7B, after ComfyUI's own
+    detection agrees the file is one."""
+    import comfy.sd
+    import comfy.text_encoders.qwen_image as qi
+
+    kind = comfy.sd.detect_te_model(probe)
+    if kind != comfy.sd.TEModel.QWEN25_7B:
+        raise CheckpointError(f"{name}: ComfyUI detects this text encoder as {kind}, not Qwen2.5-VL 7B; "
+                              "Qwen-Image needs qwen_2.5_vl_7b(.safetensors | _fp8_scaled.safetensors)")
+    return text_encoders.clip_target(qi.te(**comfy.sd.llama_detect([probe])), qi.QwenImageTokenizer)
+
+
+# The vision tower (0.67 B params) is loaded too although text prompts never run it: the encoder is then complete,
+# exactly what load_clip builds; missing vision weights only warn, as load_clip does.
+QWEN25_VL = text_encoders.StreamedTextEncoder(
+    label="Qwen-Image text encoder", kind="Qwen2.5-VL", norm_key="model.norm.weight", width_key="hidden_size",
+    layers_key="num_hidden_layers", config_option="qwen25_7b_model_config",
+    config_from_header=qwen25_vl_config_from_header, build_target=_qwen25_vl_target,
+    cache_context=_prompt_template, optional_prefixes=("visual.",))
+
+
+def encoder_identity(te_path: str | Path) -> dict:
+    """Everything about the encoder that changes embeddings, readable without loading it (cache key part)."""
+    return text_encoders.encoder_identity(QWEN25_VL, te_path)
+
+
+def build_text_encoder_streaming(te_path: str | Path, progress=None):  # noqa: ANN001, ANN201 - comfy.sd.CLIP
+    """A CPU ``comfy.sd.CLIP`` for a Qwen2.5-VL file, its weights streamed in one module at a time."""
+    return text_encoders.build_streaming(QWEN25_VL, te_path, progress)
+
+
+def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = True,
+                   target_device: torch.device | None = None,
+                   reset_cuda_peak: bool = False) -> tuple[list[list], StageReport]:
+    """Stage 1: CONDITIONING for each prompt, from the cache or a streamed CPU encoder that is freed after."""
+    out, report = text_encoders.encode_prompts(QWEN25_VL, te_path, prompts, stage="stage 1 (text encoder, CPU)",
+                                               use_cache=use_cache, reset_cuda_peak=reset_cuda_peak)
+    dev = target_device or _compute_device()
+    result = [[[t.to(dev), {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in extra.items()}]
+               for t, extra in cond] for cond in out]
+    _log_stage(report)
+    return result, report
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage 2: transformer
+
+
+def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor", block_size: int = 128,
+                     compute: str = "auto", disable_dynamic: bool = False):  # noqa: ANN201 - ModelPatcher
+    """Read a Qwen-Image file (fp8-quantizing while streaming) and build a native MODEL from it
+    (``disable_dynamic``: see wan_loader.load_wan_model)."""
+
+    from .fp8_ops import Fp8OpsConfig, make_fp8_ops  # imports ComfyUI's ops
+
+    mode = QUANTIZATION[quantization]
+    check_quantization(read_header(unet_path))  # malformed configs / bad scales: named before any weight is read
+    check_host_reads(unet_path, LOADER)  # layouts this ComfyUI cannot build, likewise
+    dev = _compute_device()
+    bar = _bar(1000)
+    sd, info, out_mode = qwen_image.load_qwen_image_state_dict(
+        unet_path, mode, block_size, device=dev if dev.type == "cuda" else None, mmap=use_mmap(),
+        progress=lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))))
+    if info.format == "core_quant":
+        announce(Path(unet_path).name, info.layers, LOADER)
+    elif mode != "none" and info.format != "high_precision":
+        log.info("lowvram_dit: %s is already %s fp8; kept as stored", Path(unet_path).name, info.format)
+    if out_mode == "none":
+        opts: dict = {}  # exactly UNETLoader(weight_dtype="default")
+    else:
+        ops = make_fp8_ops(Fp8OpsConfig(block_size=block_size, compute=COMPUTE[compute]))
+        opts = {"custom_operations": ops, "dtype": torch.bfloat16}  # Qwen-Image runs in bf16 (no fp16 support)
+    # ComfyUI reads only in_channels and the block count; the widths come from the file (its defaults for the
+    # released 20B file), so same-architecture files of other widths load too.
+    model = load_diffusion_model(sd, opts, (load_transformer, (unet_path, quantization, block_size, compute)),
+                                 disable_dynamic, unet_config=info.widths)
+    del sd
+    if model is None:
+        raise RuntimeError(f"{Path(unet_path).name}: ComfyUI could not detect this Qwen-Image file")
+    log.info("lowvram_dit Qwen-Image transformer %s: %d blocks, %s, weights %s", Path(unet_path).name,
+             info.num_blocks, info.format, out_mode)
+    return keep_file_backed(model)
+
+
+QWEN_PATCH = qwen_image.QWEN_PATCH  # 2x2 latent pixels per token: img_in takes 4x the VAE's latent channels
+
+
+def check_vae_fits(vae_path: str | Path, unet_path: str | Path) -> None:
+    """Before stage 1 (minutes of text encoding): the VAE file reads, is a Qwen-Image (Wan 2.1-style) VAE, and its
+    latent channels are what the transformer takes; CheckpointError naming both files otherwise."""
+    vae, unet = Path(vae_path), Path(unet_path)
+    t = read_header(vae).tensors  # a pickle (.pt, .ckpt) VAE is refused here, by name
+    if WAN_VAE_KEY not in t:
+        raise CheckpointError(f"{vae.name}: not a Qwen-Image VAE (no decoder.middle.0.residual.0.gamma); select "
+                              "qwen_image_vae.safetensors as vae_name")
+    if "decoder.upsamples.0.upsamples.0.residual.2.weight" in t:
+        raise CheckpointError(f"{vae.name} is a Wan 2.2 VAE (48 latent channels); {unet.name} needs the Qwen-Image "
+                              "VAE (16 channels): select qwen_image_vae.safetensors as vae_name")
+    header = read_header(unet)
+    img_in = header.tensors.get(qwen_image.inspect_qwen_image(header).prefix + "img_in.weight")
+    conv2 = t.get("conv2.weight")
+    if img_in is not None and conv2 is not None and len(img_in.shape) == 2 and conv2.shape \
+            and conv2.shape[0] * QWEN_PATCH ** 2 != img_in.shape[1]:
+        raise CheckpointError(f"{vae.name} gives {conv2.shape[0]} latent channels but {unet.name} takes "
+                              f"{img_in.shape[1] // QWEN_PATCH ** 2}; the two files do not belong together")
+
+
+def load_vae(vae_path: str | Path):  # noqa: ANN201 - comfy.sd.VAE
+    """The VAE exactly as VAELoader builds it."""
+    import comfy.sd
+    import comfy.utils
+
+    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(vae_path)))
+    vae.throw_exception_if_invalid()
+    return vae
+
+
+def prepare_files(unet_name: str, clip_name: str, vae_name: str, vram_budget_gb: float,
+                  node: str = "Qwen-Image Staged Loader",
+                  encoder: text_encoders.StreamedTextEncoder | None = None) -> tuple[str, str, str]:
+    """The opening of a staged Qwen-Image loader: the budget checked, the three files' paths, each file checked
+    (transformer, text encoder, the VAE against the transformer; a wrong file fails now, naming ``node``, the input
+    and the file, not after the long text stage) and RAM freed."""
+    import comfy.model_management as mm
+    import folder_paths
+
+    check_budget(vram_budget_gb)
+    unet = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+    te = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+    vae_path = folder_paths.get_full_path_or_raise("vae", vae_name)
+    node = display_name(node)
+    with checked_input(node, "unet_name"):
+        qwen_image.inspect_qwen_image(read_header(unet))
+        check_host_reads(unet, LOADER)  # before the long text stage, as the VAE check
+    with checked_input(node, "clip_name"):
+        text_encoders.check_file(encoder or QWEN25_VL, te)
+    with checked_input(node, "vae_name"):
+        check_vae_fits(vae_path, unet)
+    # A previous run's transformer (dropped from ComfyUI's cache when the inputs changed) must be gone before the
+    # encoder loads: the two do not fit in RAM together on the machines these nodes are for.
+    mm.cleanup_models_gc()
+    stage_meter.release_host_memory()
+    return unet, te, vae_path
+
+
+def load_staged_model(unet_path: str | Path, quantization: str = "fp8 per-tensor", vram_budget_gb: float = 0.0,
+                      blocks_to_swap: int = -1, compute: str = "auto",
+                      reset_cuda_peak: bool = False):  # noqa: ANN201 - (ModelPatcher, StageReport)
+    """Stage 2: the fp8 transformer wrapped by Block Swap (the GPU load itself happens when sampling starts)."""
+    with stage_meter.StageMeter("stage 2 (transformer load)", reset_cuda_peak=reset_cuda_peak) as meter:
+        model = load_transformer(unet_path, quantization, 128, compute)
+        stage_meter.release_host_memory()
+        model = apply_block_swap(model, SwapConfig(vram_budget_gb=vram_budget_gb, blocks_to_swap=blocks_to_swap))
+    meter.report.notes.append(f"block swap budget {vram_budget_gb:g} GB, blocks_to_swap {blocks_to_swap} "
+                              "(the GPU load happens in KSampler)")
+    _log_stage(meter.report)
+    return model, meter.report
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage 3: decode
+
+
+def plan_decode(need_bytes: float, available_bytes: float, height_px: int, width_px: int,
+                tile_px: int) -> int | None:
+    """Tile size (px) for a decode that needs ``need_bytes`` at full size; None when the full decode fits.
+
+    ComfyUI's estimate scales with the latent area, so a square tile of side ``t`` needs about
+    need * t^2 / (H * W); halve from ``tile_px`` until that fits (not below 128 px).
+    """
+    if need_bytes <= available_bytes:
+        return None
+    tile = min(tile_px, max(height_px, width_px))
+    while tile > 128 and need_bytes * min(tile, height_px) * min(tile, width_px) / (height_px * width_px) \
+            > available_bytes:
+        tile //= 2
+    return max(128, tile - tile % 32)
+
+
+def decode_staged(latent: torch.Tensor, vae, vram_budget_gb: float = 0.0, tile_size: int = 512,  # noqa: ANN001
+                  overlap: int = 64, allow_cpu: bool = False,
+                  reset_cuda_peak: bool = False) -> tuple[torch.Tensor, StageReport]:
+    """Stage 3: free the GPU of other models, decode (tiled if needed) on the VAE's device; IMAGE [N, H, W, C]."""
+    import comfy.model_management as mm
+
+    gpu = mm.get_torch_device()
+    dev = torch.device(vae.device)
+    if dev.type == "cpu" and gpu.type != "cpu" and not allow_cpu:
+        raise RuntimeError("Qwen-Image Decode: the VAE is on the CPU (ComfyUI started with --cpu-vae?) while a "
+                           f"GPU ({gpu}) exists; a CPU decode of a 1328x1328 image takes tens of minutes. Remove "
+                           "--cpu-vae, or set allow_cpu on this node to accept it.")
+    with stage_meter.StageMeter("stage 3 (VAE decode)", device=dev, reset_cuda_peak=reset_cuda_peak) as meter:
+        # Release the transformer (and anything else) from this device before the VAE loads.
+        mm.free_memory(1e30, dev, keep_loaded=[vae.patcher])
+        mm.soft_empty_cache()
+        need = float(vae.memory_used_decode(latent.shape, vae.vae_dtype))
+        if dev.type == "cpu":
+            available = math.inf
+            log.info("lowvram_dit Qwen-Image Decode: decoding on the CPU (%s)",
+                     "no GPU" if gpu.type == "cpu" else "allow_cpu is on")
+        else:
+            vae_bytes = mm.module_size(vae.first_stage_model)
+            available = mm.get_free_memory(dev) - vae_bytes
+            if vram_budget_gb > 0:
+                available = min(available, vram_budget_gb * stage_meter.GIB - vae_bytes)
+        comp = vae.spacial_compression_decode()
+        h_px, w_px = latent.shape[-2] * comp, latent.shape[-1] * comp
+        tile = plan_decode(need, available, h_px, w_px, tile_size)
+        if tile is None:
+            bar = _bar(1)
+            images = vae.decode(latent)
+            bar.update(1)
+            meter.report.notes.append(f"full decode (estimate {need / stage_meter.GIB:.2f} GiB fits)")
+        else:
+            ov = min(overlap, tile // 4)
+            t_comp = vae.temporal_compression_decode()
+            tile_t, overlap_t = (None, None) if t_comp is None else (max(2, 64 // t_comp), 1)
+            images = vae.decode_tiled(latent, tile_x=tile // comp, tile_y=tile // comp, overlap=ov // comp,
+                                      tile_t=tile_t, overlap_t=overlap_t)
+            meter.report.notes.append(f"tiled {tile}px/{ov}px (estimate {need / stage_meter.GIB:.2f} GiB > "
+                                      f"{max(available, 0) / stage_meter.GIB:.2f} GiB available)")
+        if images.ndim == 5:  # video VAE output for a single-frame image: combine batches as VAEDecode does
+            images = images.reshape(-1, *images.shape[-3:])
+    meter.report.notes.append(f"on {dev}")
+    _log_stage(meter.report)
+    return images, meter.report

@@ -1,0 +1,62 @@
+"""Torch Compile: regional compile of the transformer blocks, with an OOM-safe fallback chain.
+
+Built on the same seam as ComfyUI's ``set_torch_compile_wrapper`` (comfy_api/torch_helpers/torch_compile.py):
+the pack's ``APPLY_MODEL`` hook chain (host/hooks.py) runs a ``CompileHook`` that puts compiled modules
+into the BaseModel only while ``apply_model`` runs, so weight patching, LoRA and saving see the original
+modules (no ``_orig_mod.`` keys). Differences: mode,
+dynamic, fullgraph and a per-model recompile limit; blocks compiled as regions (one trace serves all blocks);
+failures (compile errors, OOM during compile or the first run) step down the chain and retry the same step;
+CUDA-graph modes are replaced when weights stream (our block swap, ComfyUI partial loading).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..kernels.compile import (
+    CompileConfig, CompiledRegions, CompileHook, find_block_lists, transformer_options_guard_filter,
+)
+from .hooks import register_hook
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+COMPILE_KEY = "lowvram_dit.torch_compile"
+CORE_COMPILE_KEY = "torch.compile"  # comfy_api.torch_helpers.torch_compile.COMPILE_KEY
+DYNAMIC_CHOICES: dict[str, Optional[bool]] = {"auto": None, "true": True, "false": False}
+SCOPES = ("blocks", "whole model")
+
+
+def partially_loaded(base_model: Any) -> bool:
+    """True when ComfyUI loaded the model partially (lowvram): its weights move between calls."""
+    return bool(getattr(base_model, "model_lowvram", False))
+
+
+def apply_compile(model: Any, config: CompileConfig, scope: str = "blocks",
+                  compile_fn: Callable[..., Any] = torch.compile) -> Any:
+    """A clone of ``model`` (ModelPatcher) that runs compiled; ``compile_fn`` is injectable for tests."""
+    if scope not in SCOPES:
+        raise ValueError(f"Torch Compile: scope '{scope}' is not one of {SCOPES}")
+    m = model.clone()
+    from comfy.patcher_extension import WrappersMP
+
+    if m.get_wrappers(WrappersMP.APPLY_MODEL, CORE_COMPILE_KEY):
+        log.warning("lowvram_dit compile: removed ComfyUI's TorchCompileModel wrapper from this model; "
+                    "compiling twice would nest the compiled modules")
+        m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, CORE_COMPILE_KEY)
+    diffusion_model = m.get_model_object("diffusion_model")
+    paths = find_block_lists(diffusion_model, prefix="diffusion_model") if scope == "blocks" else []
+    if not paths:
+        if scope == "blocks":
+            log.warning("lowvram_dit compile: no repeated block list found in %s; compiling the whole model",
+                        type(diffusion_model).__name__)
+        paths = ["diffusion_model"]
+    regions = CompiledRegions(config, paths, guard_filter_fn=transformer_options_guard_filter,
+                              compile_fn=compile_fn)
+    register_hook(m, COMPILE_KEY, CompileHook(regions, partial_load=partially_loaded))  # twice: the last one wins
+    m.set_attachments(COMPILE_KEY, regions)  # read by the doctor node / tests: regions.status()
+    log.info("lowvram_dit compile: %s over %d region(s) (%s), first run compiles",
+             config.describe(), len(paths), "one per block" if scope == "blocks" else "whole model")
+    return m

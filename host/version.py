@@ -1,0 +1,29 @@
+"""The one place the pack learns ComfyUI's version."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+_VERSION = re.compile(r"""__version__\s*=\s*["']([^"']+)["']""")
+
+
+def comfyui_version(comfyui_path: str | os.PathLike | None = None) -> str | None:
+    """ComfyUI's version, None when unknown.
+
+    With ``comfyui_path``: that checkout's ``comfyui_version.py``, read as text (ComfyUI is never imported).
+    Without: the ComfyUI this process runs in (its top-level ``comfyui_version`` module).
+    """
+    if comfyui_path is None:
+        try:
+            import comfyui_version
+        except ImportError:
+            return None
+        return str(comfyui_version.__version__)
+    try:
+        text = (Path(comfyui_path) / "comfyui_version.py").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    match = _VERSION.search(text)
+    return match.group(1) if match else None

@@ -1,0 +1,117 @@
+"""Wan 2.1 / 2.2 loading with fp8 quantization (per-tensor or block-wise) into a native MODEL."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoints import wan as wc
+from . import graph_checks
+from .core_quant import announce, check_host_reads
+from .files import use_mmap
+from .mapped_weights import keep_file_backed
+from .model_loading import load_diffusion_model
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+QUANTIZATION = {"none": "none", "fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise"}
+COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "dequantize": "dequantize"}
+LOADER = "Wan Loader"
+
+
+def _quantize_device() -> torch.device:
+    """Quantize on the GPU when there is one (>= 1 GB/s; one tensor at a time, so VRAM use stays small)."""
+    import comfy.model_management as mm
+
+    dev = mm.get_torch_device()
+    return dev if dev.type == "cuda" else torch.device("cpu")
+
+
+def load_wan_model(
+    path: str | Path,
+    quantization: str = "fp8 block-wise",
+    block_size: int = 128,
+    compute: str = "auto",
+    save_quantized: bool = False,
+    disable_dynamic: bool = False,
+):  # noqa: ANN201 - comfy.model_patcher.ModelPatcher
+    """Load a Wan file (quantizing while streaming if asked) and build a native ComfyUI MODEL from it.
+
+    ``disable_dynamic`` as in ComfyUI's loaders (its ``cached_patcher_init`` protocol); fp8 models never use
+    DynamicVRAM (see host/common.py ``load_diffusion_model``)."""
+    import comfy.utils
+
+    from .fp8_ops import Fp8OpsConfig, make_fp8_ops  # imports ComfyUI's ops
+
+    mode = QUANTIZATION[quantization]
+    source = Path(path)
+    check_host_reads(source, LOADER)  # a layout this ComfyUI cannot build: refused before any weight is read
+    saved = wc.find_quantized(source, mode, block_size)
+    read_from = saved or source
+    if saved is not None:
+        log.info("lowvram_dit: using saved quantized %s for %s", saved.name, source.name)
+    bar = comfy.utils.ProgressBar(1000)
+    t0 = time.perf_counter()
+    loaded = wc.load_wan_state_dict(
+        read_from, mode, block_size, device=_quantize_device(), mmap=use_mmap(),
+        progress=lambda done, total: bar.update_absolute(int(1000 * done / max(total, 1)), 1000),
+    )
+    for note in loaded.notes:
+        log.info("lowvram_dit: %s", note)
+    # ComfyUI widens an empty latent to any model silently: say what fits (the node checks the graph's stock VAE
+    # Loaders before loading; a VAE from elsewhere can still mismatch at VAE Decode).
+    vae = "the Wan 2.2 VAE (wan2.2_vae) and Wan22ImageToVideoLatent" if loaded.info.out_dim == 48 else "the Wan 2.1 VAE"
+    log.info("lowvram_dit: %s (%s) makes %d-channel latents: decode them with %s", source.name, loaded.info.variant,
+             loaded.info.out_dim, vae)
+    size_gb = read_from.stat().st_size / 1e9
+    log.info("lowvram_dit: read %s (%s, %s) in %.1f s (%.2f GB/s); %d fp8 layers, mode %s",
+             read_from.name, loaded.info.variant, loaded.info.format, time.perf_counter() - t0,
+             size_gb / max(time.perf_counter() - t0, 1e-9), loaded.fp8_layers, loaded.mode)
+    if save_quantized and loaded.quantized_here:
+        dest = wc.quantized_path_for(source, loaded.mode, block_size)
+        try:
+            wc.save_quantized(loaded, dest, source,
+                              progress=lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1)), 1000))
+            log.info("lowvram_dit: saved %s (picked up automatically next time)", dest.name)
+        except (OSError, wc.CheckpointError) as exc:  # a read-only folder or a user's file there must not fail the load
+            log.warning("lowvram_dit: could not save %s: %s", dest.name, exc)
+
+    reload = (load_wan_model, (path, quantization, block_size, compute))
+    if loaded.info.format == "core_quant":
+        announce(source.name, loaded.info.layers, LOADER)
+        model = load_diffusion_model(loaded.state_dict, {}, reload, disable_dynamic)  # exactly as UNETLoader
+    elif loaded.fp8_layers == 0:
+        # Nothing quantized: exactly what UNETLoader(weight_dtype="default") builds.
+        model = load_diffusion_model(loaded.state_dict, {}, reload, disable_dynamic)
+    else:
+        ops = make_fp8_ops(Fp8OpsConfig(block_size=loaded.block_size or block_size, compute=COMPUTE[compute]))
+        # bf16 for the high-precision layers and activations: fp8 dequant/GEMM outputs are bf16-native, and
+        # Wan's default fp16 pick risks overflow in the residual stream.
+        opts = {"custom_operations": ops, "dtype": torch.bfloat16}
+        model = load_diffusion_model(loaded.state_dict, opts, reload)
+    if model is None:
+        raise RuntimeError(f"{source.name}: ComfyUI could not detect the model type of this Wan file")
+    return keep_file_backed(model)
+
+
+def _vae_file(name: str) -> str | None:
+    """The file VAELoader loads for ``name``: its tiny video autoencoders (lighttaew2_2...) from vae_approx."""
+    import folder_paths
+
+    import nodes
+
+    video_taes = getattr(getattr(nodes, "VAELoader", None), "video_taes", ())
+    folder = "vae_approx" if Path(name).stem in video_taes else "vae"
+    return folder_paths.get_full_path(folder, name)
+
+
+def check_decoding_vae(path: str | Path, prompt: Any, loader_id: Any) -> None:
+    """Before loading: ValueError when a VAE Decode of this model's latents uses a Wan VAE of other channels."""
+    out_dim = wc.inspect_checkpoint(path).out_dim
+    found = graph_checks.mismatched_vaes(prompt, loader_id, out_dim, _vae_file)
+    if found:
+        raise ValueError(graph_checks.vae_mismatch_message(Path(path).name, loader_id, out_dim, found))

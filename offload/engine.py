@@ -1,0 +1,585 @@
+"""Block swap engine: stream whole transformer blocks host-to-device through a ring of GPU slots.
+
+Design (after musubi-tuner's ``LoRAStreamOffloader``):
+- H2D only. Every streamed block has one flat, exact-size master region in a host arena (pinned with
+  ``cudaHostRegister``, never ``pin_memory()``, which rounds to powers of two); its parameters and buffers are
+  256-byte aligned views into it. Eviction rebinds the block to those CPU views: no D2H traffic.
+- Loading is one ``copy_`` into one of R preallocated GPU slots on a side stream. The copy stream waits on the
+  slot's ``free`` event (recorded on the compute stream after the previous occupant ran); compute waits on the
+  slot's ``ready`` event. No CPU synchronisation in the loop, no allocation after ``activate``.
+- Which blocks stream and the ring size come from offload/plan.py, decided once per load. Prefetch wraps
+  around, so the next forward's first streamed blocks load during this forward's tail. A block that is not where
+  the schedule expects it is loaded on demand (self-healing), which keeps interrupts, skipped blocks and extra
+  forwards correct.
+- Each activation times a few forwards with CUDA events (copy, wait and compute per streamed block), read only
+  once the GPU has passed them (``Event.query``, no sync); ``take_measurement`` hands them over once per load for
+  offload/verdict.py. Debug mode times every forward and syncs at its end.
+
+``StreamHook`` attaches a streamer to a model through kernels/hooks.py. Plain torch, no ComfyUI import. The
+engine runs on a CPU "device" too (streams and events become no-ops), so swapped == resident can be checked
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Iterable, Protocol, Sequence
+
+import torch
+
+from ..kernels.hooks import HookRegistry, ModelHook, PerModel
+from .host_memory import HostArena, PinBudget, file_backed_ranges, is_file_backed, page_out
+from .plan import ALIGN, SwapPlan, aligned, prefetch_targets
+from .verdict import CallTimer, StreamStats, format_stats
+
+# Forwards after each activation: the first is left untimed (the ring starts cold; compile and autotune land
+# there), the next ones are timed; the quickest of them stands for the steady state.
+MEASURE_SKIP = 1
+MEASURE_CALLS = 2
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Flat layout
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one parameter or buffer of a block lives inside the block's flat buffer."""
+
+    name: str  # dotted name inside the block, e.g. "self_attn.q.weight"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+
+def flat_layout(tensors: Iterable[tuple[str, torch.Tensor]], align: int = ALIGN) -> tuple[list[TensorSlot], int]:
+    """Lay tensors out back to back at ``align``-byte offsets; returns the slots and the total (aligned) size."""
+    slots: list[TensorSlot] = []
+    offset = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        slots.append(TensorSlot(name, tuple(t.shape), t.dtype, offset, nbytes))
+        offset = aligned(offset + nbytes, align)
+    return slots, offset
+
+
+def flat_views(flat: torch.Tensor, layout: Sequence[TensorSlot], base: int = 0) -> dict[str, torch.Tensor]:
+    """Typed, shaped views into the uint8 buffer ``flat`` (starting at byte ``base``) for every slot of ``layout``."""
+    views = {}
+    for s in layout:
+        raw = flat[base + s.offset: base + s.offset + s.nbytes]
+        views[s.name] = raw.view(s.dtype).view(s.shape)
+    return views
+
+
+def block_tensors(block: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``block`` (recursively), in a stable order; tensor subclasses are refused."""
+    out = []
+    for name, t in list(block.named_parameters()) + list(block.named_buffers()):
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, torch.nn.Parameter):
+            raise TypeError(f"block swap: {name} is a {type(t).__name__}; only plain tensors can be streamed "
+                            "(load the model with the LowVRAM loader, whose fp8 layers hold plain tensors)")
+        if isinstance(t, torch.nn.Parameter) and type(t.data) is not torch.Tensor:
+            raise TypeError(f"block swap: {name} holds a {type(t.data).__name__}; only plain tensors can be "
+                            "streamed (load the model with the LowVRAM loader, whose fp8 layers hold plain tensors)")
+        out.append((name, t))
+    return out
+
+
+def block_nbytes(block: torch.nn.Module) -> int:
+    """Bytes of ``block`` in its flat layout (what one ring slot must hold)."""
+    return flat_layout(block_tensors(block))[1]
+
+
+def set_param(root: torch.nn.Module, key: str, t: torch.Tensor) -> None:
+    """Rebind parameter ``key`` (dotted) of ``root`` to ``t`` (as comfy.utils.set_attr_param; no import at exit)."""
+    mod_name, _, attr = key.rpartition(".")
+    mod = root.get_submodule(mod_name) if mod_name else root
+    mod._parameters[attr] = t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, requires_grad=False)
+
+
+def module_bytes(m: torch.nn.Module) -> int:
+    """Bytes of ``m``'s state dict (parameters and buffers)."""
+    return sum(t.numel() * t.element_size() for t in m.state_dict().values())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Streams and events (CUDA, or no-ops for the CPU "device")
+
+
+class _NullEvent:
+    def record(self, stream=None) -> None:  # noqa: ANN001
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: "_NullEvent") -> float:
+        return 0.0
+
+    def query(self) -> bool:
+        return True
+
+
+class _NullStream:
+    def wait_event(self, event) -> None:  # noqa: ANN001
+        pass
+
+    def __enter__(self) -> "_NullStream":
+        return self
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN002
+        pass
+
+
+class _Sync:
+    """Streams and events of one device; on CPU everything is synchronous and these are no-ops."""
+
+    def __init__(self, device: torch.device, timing: bool) -> None:
+        self.cuda = device.type == "cuda"
+        self.can_time = self.cuda  # CPU copies are synchronous: there is no overlap to measure
+        self.timing = timing
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else _NullStream()
+
+    def event(self, timing: bool = False):  # noqa: ANN201
+        return torch.cuda.Event(enable_timing=timing) if self.cuda else _NullEvent()
+
+    def compute_stream(self):  # noqa: ANN201
+        return torch.cuda.current_stream(self.device) if self.cuda else _NullStream()
+
+    def copy_context(self):  # noqa: ANN201
+        return torch.cuda.stream(self.copy_stream) if self.cuda else _NullStream()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The engine
+
+
+@dataclass
+class _Slot:
+    flat: torch.Tensor
+    ready: object
+    free: object
+    block: int | None = None  # block whose bytes are (being) copied here
+    pending: bool = False  # loaded but not consumed yet
+
+
+class BlockStreamer:
+    """Streams the planned blocks of a block list through a GPU ring; resident blocks are not touched.
+
+    Life cycle: ``BlockStreamer(blocks, plan, device)`` -> ``activate()`` (host arena, ring, CPU views) ->
+    per forward ``begin_forward()``, ``before_block(i)`` / ``after_block(i)`` around every block,
+    ``end_forward()`` -> ``deactivate()`` (frees the ring; streamed blocks stay valid CPU tensors).
+    """
+
+    def __init__(self, blocks: Sequence[torch.nn.Module], plan: SwapPlan, device: torch.device | str,
+                 *, pinned: bool = True, debug: bool = False, pin_budget: PinBudget | None = None) -> None:
+        if len(blocks) != plan.num_blocks:
+            raise ValueError(f"plan is for {plan.num_blocks} blocks, model has {len(blocks)}")
+        self.blocks = list(blocks)
+        self.plan = plan
+        self.device = torch.device(device)
+        self.pinned = pinned
+        self.pin_budget = pin_budget  # the host's pinned-memory account the arena is counted in
+        self.debug = debug or os.environ.get("LOWVRAM_DIT_SWAP_DEBUG") == "1"
+        self.ordinal = {b: j for j, b in enumerate(plan.streamed)}
+        self.active = False
+        self.arena: HostArena | None = None
+        self.originals: dict[int, dict[str, torch.Tensor]] = {}  # file-backed tensors restored on deactivate
+        self._layouts: dict[int, tuple[list[TensorSlot], int]] = {}
+        self._cpu_views: dict[int, dict[str, torch.Tensor]] = {}
+        self._gpu_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._owners: dict[int, dict[str, tuple[torch.nn.Module, str, bool]]] = {}
+        self.slots: list[_Slot] = []
+        self._free_order: list[int] = []
+        self._where: dict[int, int] = {}  # block -> slot index holding it (pending)
+        self._bound: dict[int, int] = {}  # block -> slot its params point at right now
+        self._sync: _Sync | None = None
+        self.stats = StreamStats()
+        self._timer: CallTimer | None = None  # the current forward's, when it is timed
+        self._forwards = 0  # since activate
+        self._pending: list[CallTimer] = []  # timed forwards the GPU may not have passed yet
+        self._measured: list[StreamStats] = []
+        self._reported = False
+
+    # -- setup ---------------------------------------------------------------------------------------------
+
+    @property
+    def ring_bytes(self) -> int:
+        """GPU bytes of the ring (0 when nothing streams)."""
+        return self.plan.ring_bytes
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes of the streamed blocks' masters (host RAM, pinned when ``pinned``)."""
+        return sum(self._layout(b)[1] for b in self.plan.streamed)
+
+    def weight_itemsize(self) -> int:
+        """Bytes per element of the dtype holding most of a streamed block's bytes (1 for fp8 weights; 0: none)."""
+        if not self.plan.streamed:
+            return 0
+        by_dtype: dict[torch.dtype, int] = {}
+        for s in self._layout(self.plan.streamed[0])[0]:
+            by_dtype[s.dtype] = by_dtype.get(s.dtype, 0) + s.nbytes
+        return torch.empty(0, dtype=max(by_dtype, key=by_dtype.__getitem__)).element_size()
+
+    def _layout(self, b: int) -> tuple[list[TensorSlot], int]:
+        if b not in self._layouts:
+            self._layouts[b] = flat_layout(block_tensors(self.blocks[b]))
+        return self._layouts[b]
+
+    def _build_owners(self, b: int) -> dict[str, tuple[torch.nn.Module, str, bool]]:
+        owners = {}
+        block = self.blocks[b]
+        for s in self._layout(b)[0]:
+            mod_name, _, attr = s.name.rpartition(".")
+            mod = block.get_submodule(mod_name) if mod_name else block
+            owners[s.name] = (mod, attr, attr in mod._parameters)
+        return owners
+
+    def _bind(self, b: int, views: dict[str, torch.Tensor]) -> None:
+        for name, (mod, attr, is_param) in self._owners[b].items():
+            if is_param:
+                mod._parameters[attr] = views[name]
+            else:
+                mod._buffers[attr] = views[name]
+
+    def _as_params(self, b: int, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: (torch.nn.Parameter(v, requires_grad=False) if self._owners[b][n][2] else v)
+                for n, v in views.items()}
+
+    def _arena_is_current(self) -> bool:
+        if self.arena is None:
+            return False
+        for b in self.plan.streamed:
+            for name, (mod, attr, is_param) in self._owners[b].items():
+                t = mod._parameters[attr] if is_param else mod._buffers[attr]
+                if t.data_ptr() != self._cpu_views[b][name].data_ptr():
+                    return False
+        return True
+
+    @torch.no_grad()
+    def activate(self) -> None:
+        """Copy streamed blocks into the host arena (once), pin it, allocate the ring. Idempotent."""
+        if self.active:
+            return
+        streamed = self.plan.streamed
+        for b in streamed:
+            self._owners.setdefault(b, self._build_owners(b))
+        if streamed and not self._arena_is_current():
+            self._build_arena()
+        if streamed and self.pinned and self.device.type == "cuda":
+            self.arena.pin()
+        self._sync = _Sync(self.device, self.debug)
+        self.slots = [
+            _Slot(torch.empty(self.plan.slot_bytes, dtype=torch.uint8, device=self.device),
+                  self._sync.event(), self._sync.event())
+            for _ in range(self.plan.ring)
+        ]
+        self._free_order = list(range(self.plan.ring))
+        self._where.clear()
+        self._bound.clear()
+        self._gpu_views.clear()
+        self._forwards, self._timer, self._reported = 0, None, False  # every load is measured afresh
+        self._pending.clear()
+        self._measured.clear()
+        self.active = True
+
+    def _build_arena(self) -> None:
+        streamed = self.plan.streamed
+        offsets, total = {}, 0
+        for b in streamed:
+            offsets[b] = total
+            total += self._layout(b)[1]
+        if self.arena is not None:
+            self.arena.unpin()  # the old buffer is freed below (its views are rebound to the new one)
+        self.arena = HostArena(total, pin=False, budget=self.pin_budget)
+        maps = file_backed_ranges()
+        self.originals.clear()
+        mapped = 0
+        for b in streamed:
+            layout = self._layout(b)[0]
+            views = flat_views(self.arena.buffer, layout, base=offsets[b])
+            originals = {}
+            for s in layout:
+                mod, attr, is_param = self._owners[b][s.name]
+                src = mod._parameters[attr] if is_param else mod._buffers[attr]
+                views[s.name].copy_(src.detach())
+                if is_file_backed(src, maps):
+                    originals[s.name] = src  # costs no anonymous RAM: restore it when idle (two-expert RSS goal)
+            self.originals[b] = originals
+            mapped += page_out(originals.values())  # per block: the file pages just read never pile up in RSS
+            self._cpu_views[b] = self._as_params(b, views)
+            self._bind(b, self._cpu_views[b])
+        self._arena_offsets = offsets
+        log.info("lowvram_dit block swap: %d blocks (%.2f GB) copied into a host arena%s", len(streamed), total / 1e9,
+                 f"; {mapped / 1e9:.2f} GB of it stays file-backed for when the model goes idle" if mapped else "")
+
+    def _gpu(self, b: int, slot: int) -> dict[str, torch.Tensor]:
+        key = (b, slot)
+        if key not in self._gpu_views:
+            self._gpu_views[key] = self._as_params(b, flat_views(self.slots[slot].flat, self._layout(b)[0]))
+        return self._gpu_views[key]
+
+    @torch.no_grad()
+    def deactivate(self, release_host: bool = True) -> None:
+        """Free the ring; with ``release_host`` also unpin and go back to file-backed originals when there are any.
+
+        ``release_host=False`` keeps the arena pinned for a quick re-``activate`` (ComfyUI detaches and re-loads
+        the same model around every sampler run).
+        """
+        if self.active:
+            for b in list(self._bound):
+                self._bind(b, self._cpu_views[b])
+            self._bound.clear()
+            if self._sync is not None and self._sync.cuda:
+                torch.cuda.current_stream(self.device).wait_stream(self._sync.copy_stream)
+                self._sync.copy_stream.synchronize()  # not the hot loop: copies must finish before unpin/free
+            self.slots = []
+            self._gpu_views.clear()
+            self._where.clear()
+            self._sync = None
+            self._timer = None
+            self._pending.clear()
+            self.active = False
+        if self.arena is not None and release_host:
+            self.arena.unpin()
+            if self._mostly_file_backed():
+                # Idle model ~0 RSS (two-expert Wan 2.2): file-backed masters go back to the file mapping, the
+                # rest (biases, norms, modulation: ~0.1 % of a block) gets small private copies, the arena goes.
+                for b in self.plan.streamed:
+                    keep = self.originals.get(b, {})
+                    self._bind(b, self._as_params(b, {n: keep[n] if n in keep else v.clone()
+                                                      for n, v in self._cpu_views[b].items()}))
+                self.originals.clear()
+                self.arena = None
+                self._cpu_views.clear()
+
+    def drops_arena_on_release(self) -> bool:
+        """True when ``deactivate(release_host=True)`` frees the arena and rebinds to the file-backed originals."""
+        return self.arena is not None and self._mostly_file_backed()
+
+    def _mostly_file_backed(self) -> bool:
+        """True when at least 90 % of the arena's bytes have a file-backed master to fall back to."""
+        if not self.originals or self.arena is None:
+            return False
+        mapped = sum(t.numel() * t.element_size() for o in self.originals.values() for t in o.values())
+        return mapped >= 0.9 * self.arena.buffer.numel()
+
+    # -- the hot loop ----------------------------------------------------------------------------------------
+
+    def _load(self, b: int) -> int:
+        """Issue the H2D copy of block ``b`` into the oldest free slot; returns the slot index."""
+        i = self._free_order.pop(0)
+        slot = self.slots[i]
+        if slot.block is not None and self._where.get(slot.block) == i:
+            del self._where[slot.block]
+        sync = self._sync
+        src_base = self._arena_offsets[b]
+        n = self._layout(b)[1]
+        timer = self._timer
+        with sync.copy_context():
+            sync.copy_stream.wait_event(slot.free)  # the previous occupant has been consumed
+            start = timer.mark(sync.copy_stream) if timer is not None else None
+            slot.flat[:n].copy_(self.arena.buffer[src_base: src_base + n], non_blocking=True)
+            slot.ready.record(sync.copy_stream)
+            self.arena.last_copy = slot.ready
+            if timer is not None:
+                timer.last_copy = timer.mark(sync.copy_stream)
+                timer.spans.append((b, "transfer", start, timer.last_copy))
+        slot.block, slot.pending = b, True
+        self._where[b] = i
+        self.stats.loads += 1
+        return i
+
+    def _prefetch(self, position: int) -> None:
+        """Make sure the streamed ordinals from ``position`` on (wrap-around) are loading, as slots allow."""
+        order = self.plan.streamed
+        for j in prefetch_targets(position, len(order), self.plan.ring):
+            b = order[j]
+            if b in self._where or b in self._bound:
+                continue
+            if not self._free_order:
+                break
+            self._load(b)
+
+    def begin_forward(self) -> None:
+        """Start of a model forward: make sure the first streamed blocks are loading (no-op if wrap-around did)."""
+        if not self.active:
+            raise RuntimeError("block swap: BlockStreamer.begin_forward() before activate()")
+        self.stats = StreamStats(loads=0)
+        self._forwards += 1
+        in_window = MEASURE_SKIP < self._forwards <= MEASURE_SKIP + MEASURE_CALLS
+        timed = self._sync.can_time and bool(self.plan.streamed) and (self.debug or in_window)
+        self._timer = CallTimer(self._sync, self.stats) if timed else None
+        if self.plan.streamed:
+            self._prefetch(0)
+
+    def before_block(self, i: int) -> None:
+        """Before block ``i`` runs: for a streamed block, make compute wait for its copy and bind its GPU views."""
+        j = self.ordinal.get(i)
+        if j is None:
+            return
+        sync = self._sync
+        s = self._where.get(i)
+        if s is None:
+            if not self._free_order:  # schedule broken (interrupt, skipped blocks): reclaim the oldest pending slot
+                self._reclaim_one(exclude=i)
+            s = self._load(i)
+            self.stats.on_demand += 1
+        compute = sync.compute_stream()
+        timer = self._timer
+        if timer is not None:
+            t0 = timer.mark(compute)
+        compute.wait_event(self.slots[s].ready)
+        if timer is not None:
+            timer.started[i] = timer.mark(compute)
+            timer.spans.append((i, "stall", t0, timer.started[i]))
+        self._bind(i, self._gpu(i, s))
+        self._bound[i] = s
+        self._prefetch(j + 1)
+
+    def after_block(self, i: int) -> None:
+        """After block ``i`` ran (or raised): free its slot behind the compute stream and rebind it to the CPU."""
+        j = self.ordinal.get(i)
+        if j is None or i not in self._bound:
+            return
+        s = self._bound.pop(i)
+        slot = self.slots[s]
+        compute = self._sync.compute_stream()
+        slot.free.record(compute)
+        timer = self._timer
+        if timer is not None and i in timer.started:
+            timer.spans.append((i, "compute", timer.started.pop(i), timer.mark(compute)))
+        self._bind(i, self._cpu_views[i])
+        slot.pending = False
+        if self._where.get(i) == s:
+            del self._where[i]
+        self._free_order.append(s)
+        self._prefetch(j + 1)
+
+    def _reclaim_one(self, exclude: int) -> None:
+        for idx, slot in enumerate(self.slots):
+            if slot.pending and slot.block != exclude and slot.block not in self._bound:
+                del self._where[slot.block]
+                slot.pending = False
+                self._free_order.append(idx)
+                return
+        raise RuntimeError("block swap: every ring slot is bound to a running block; raise prefetch")
+
+    def end_forward(self) -> StreamStats:
+        """End of a model forward; in debug mode read its timings now (one sync, outside the loop).
+
+        A timed forward outside debug mode is read later (``take_measurement``): its stats gain their timings then.
+        """
+        for b in list(self._bound):  # a forward that raised inside a block
+            self.after_block(b)
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.finish()
+            in_window = MEASURE_SKIP < self._forwards <= MEASURE_SKIP + MEASURE_CALLS
+            if self.debug:
+                timer.wait()  # both streams: wrap-around prefetches for the next forward are still copying
+                timer.read()
+                if in_window:
+                    self._measured.append(timer.stats)
+            elif in_window:
+                self._pending.append(timer)
+        return self.stats
+
+    def take_measurement(self, wait: bool = False) -> list[StreamStats]:
+        """This load's timed forwards, once, when the GPU has passed them all; else [] (no sync).
+
+        ``wait=True`` (unload: outside the loop) waits for what was timed and hands over even a partial set.
+        """
+        if self._reported:
+            return []
+        while self._pending and (wait or self._pending[0].done()):
+            timer = self._pending.pop(0)
+            if wait:
+                timer.wait()
+            self._measured.append(timer.read())
+        if len(self._measured) < MEASURE_CALLS and not (wait and self._measured):
+            return []
+        self._reported = True
+        return list(self._measured)
+
+
+class StreamOwner(Protocol):
+    """What a ``StreamHook`` asks of the code that owns the streamer (the Block Swap patcher)."""
+
+    debug: bool
+
+    def block_streamer(self) -> BlockStreamer | None:
+        """The active streamer, or None (blocks then run as they are)."""
+
+    def forward_streamer(self) -> BlockStreamer | None:
+        """The active streamer at the start of a forward (activating it if the host skipped the load), or None."""
+
+    def oom_advice(self, message: str) -> str:
+        """What to change after a CUDA out-of-memory error with this message."""
+
+    def swap_measured(self, calls: list[StreamStats]) -> None:
+        """This load's timed forwards (``BlockStreamer.take_measurement``), handed over once per load."""
+
+
+class StreamHook(ModelHook):
+    """Per block: wait for a streamed block's weights, run it, free its slot; per forward: start the prefetch."""
+
+    ORDER = 40  # innermost: the waits sit right around the block, inside every other hook
+    PER_BLOCK = True
+    MOVES_WEIGHTS = True
+
+    def __init__(self, owner: StreamOwner) -> None:
+        self.owner = owner
+        self.models = PerModel()
+
+    def serve(self, module: Any, owner: StreamOwner) -> None:
+        """Stream ``module``'s blocks through ``owner`` (a MultiGPU clone's own ring on its own GPU)."""
+        self.models.bind(module, StreamHook(owner))
+
+    def for_model(self, module: Any) -> StreamHook:
+        """The hook of ``module``'s owner; the model the hook was made for keeps this one."""
+        return self.models.get(module, self)
+
+    def wrap_block(self, index: int, inputs: Any, call: Callable[[Any], Any]) -> Any:
+        """Bind block ``index``'s streamed weights around ``call`` (its slot is released even when it raises)."""
+        st = self.owner.block_streamer()
+        if st is None or not st.active:
+            return call(inputs)
+        st.before_block(index)
+        try:
+            return call(inputs)
+        finally:
+            if st.active:
+                st.after_block(index)
+
+    def wrap_forward(self, module: Any, call: Callable[[], Any], registry: HookRegistry) -> Any:
+        """Start the prefetch before the forward, name what would fit after an OOM, report after.
+
+        After the forward: debug mode logs its transfers; once per load the owner gets the timed forwards.
+        """
+        st = self.owner.forward_streamer()
+        if st is None or not st.active:
+            return call()
+        st.begin_forward()
+        try:
+            return call()
+        except torch.OutOfMemoryError as exc:  # same type, so the host's OOM handling (unload, report) still runs
+            advice = self.owner.oom_advice(str(exc))
+            log.error("lowvram_dit %s", advice)
+            raise torch.OutOfMemoryError(f"{advice}\n\n{exc}") from exc
+        finally:
+            stats = st.end_forward()
+            if self.owner.debug:
+                log.info("lowvram_dit %s", format_stats(stats))
+            measured = st.take_measurement()
+            if measured:
+                self.owner.swap_measured(measured)

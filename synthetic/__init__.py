@@ -1,0 +1,1 @@
+"""Synthetic checkpoints and LoRAs with the real releases' key names and shapes."""

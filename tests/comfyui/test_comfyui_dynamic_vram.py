@@ -1,0 +1,118 @@
+"""Block Swap and the file-backed weights step aside while ComfyUI's DynamicVRAM manages a model, with one log line
+each, and stay active under the legacy patcher. DynamicVRAM only starts on a CUDA device (``ModelPatcherDynamic``
+falls back to ``ModelPatcher`` for CPU load devices), so the dynamic patcher is stood in by the real patcher whose
+``is_dynamic()`` answers True, the only thing the pack asks. In process, tiny Wan on the CPU; needs COMFYUI_PATH."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from comfy_server import comfyui_in_process_or_skip, sample_wan
+
+pytestmark = pytest.mark.comfyui
+LOGGER = "comfyui_lowvram_dit"
+
+
+def _as_dynamic(patcher: Any) -> Any:
+    patcher.is_dynamic = lambda: True
+    return patcher
+
+
+def _tiny_wan(tmp_path: Path, name: str, fmt: str = "fp8_scaled") -> Path:
+    from comfyui_lowvram_dit.synthetic import checkpoints as synth
+
+    return synth.write_synthetic("wan22_t2v_14B", tmp_path / name, size="tiny", fmt=fmt, seed=3, num_layers=4)
+
+
+def test_block_swap_steps_aside_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    comfyui_in_process_or_skip()
+    from comfyui_lowvram_dit.offload.plan import SwapConfig
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host import log
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+
+    log._SAID_ONCE.clear()
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    path = _tiny_wan(tmp_path, "dyn.safetensors")
+    legacy = load_wan_model(path, "fp8 per-tensor")
+    swapped = apply_block_swap(legacy, SwapConfig(blocks_to_swap=2))
+    assert swapped is not legacy and SWAP_KEY in swapped.attachments  # the legacy patcher gets Block Swap
+
+    dynamic = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
+    for _ in range(2):
+        assert apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2)) is dynamic
+    said = [r.getMessage() for r in caplog.records if "Block Swap steps aside" in r.getMessage()]
+    assert len(said) == 1 and "--disable-dynamic-vram" in said[0]
+    assert torch.isfinite(sample_wan(dynamic, seed=2)).all()  # the model it passed on still samples
+
+
+def test_file_backed_offload_steps_aside_under_dynamic_vram(tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    comfyui_in_process_or_skip()
+    from comfyui_lowvram_dit.host import log
+    from comfyui_lowvram_dit.host.mapped_weights import MappedWeightsMixin, keep_file_backed
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+
+    log._SAID_ONCE.clear()
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    patcher = load_wan_model(_tiny_wan(tmp_path, "mapped.safetensors"), "fp8 per-tensor")
+    assert isinstance(patcher, MappedWeightsMixin)  # the loader keeps mapped weights file-backed by default
+
+    dynamic = _as_dynamic(patcher.clone())
+    # the patcher class without the mixin, as a fresh load gives
+    dynamic.__class__ = next(c for c in type(patcher).__mro__ if not issubclass(c, MappedWeightsMixin))
+    assert not isinstance(dynamic, MappedWeightsMixin)
+    assert keep_file_backed(dynamic) is dynamic and not isinstance(dynamic, MappedWeightsMixin)
+    assert sum("file-backed offload steps aside" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_fp8_models_get_the_legacy_patcher_and_a_reload_factory(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    comfyui_in_process_or_skip()
+    import functools
+    import inspect
+
+    import comfy.sd
+
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+
+    real = comfy.sd.load_diffusion_model_state_dict
+    asked: list[object] = []
+
+    @functools.wraps(real)
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs.get("disable_dynamic"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(comfy.sd, "load_diffusion_model_state_dict", spy)
+    fp8 = load_wan_model(_tiny_wan(tmp_path, "legacy.safetensors"), "fp8 per-tensor")
+    plain = load_wan_model(_tiny_wan(tmp_path, "plain.safetensors", "bf16"), "none")
+    if "disable_dynamic" not in inspect.signature(real).parameters:  # a host without DynamicVRAM
+        assert asked == [None, None] and not hasattr(fp8, "cached_patcher_init")
+        return
+    assert asked == [True, False]  # fp8 layers: legacy patcher; ComfyUI's own layers: as UNETLoader builds them
+    factory, args = fp8.cached_patcher_init
+    again = factory(*args, disable_dynamic=True)  # what ComfyUI calls for a non-dynamic copy
+    assert type(again).__name__ == type(fp8).__name__ and plain.cached_patcher_init[0] is load_wan_model
+    assert fp8.clone(disable_dynamic=True).model is fp8.model
+
+
+def test_seams_hold_with_dynamic_vram_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DynamicVRAM ComfyUI's layers start without weight tensors; the behaviour probes must still pass."""
+    comfyui_in_process_or_skip()
+    from comfyui_lowvram_dit.host import seams
+
+    memory = pytest.importorskip("comfy.memory_management", reason="this ComfyUI has no DynamicVRAM")
+    if not hasattr(memory, "aimdo_enabled"):
+        pytest.skip("this ComfyUI has no DynamicVRAM")
+    monkeypatch.setattr(memory, "aimdo_enabled", True)
+    seams.forget_probe_results()
+    try:
+        status = seams.seam_status()
+    finally:
+        seams.forget_probe_results()
+    assert {k: v for k, v in status.items() if v != "ok"} == {}

@@ -1,0 +1,178 @@
+"""Qwen-Image staged loader inside a real ComfyUI v0.8.0: tiny synthetic Qwen-Image end to end.
+
+Files: the tiny Qwen-Image transformer (tools.synth: 1 block, 2 heads, joint dim 128; the loader reads the widths
+from the file), the tiny Qwen2.5-VL text encoder of `run --synthetic tiny` (2 layers, hidden 128, no vision tower;
+tests/unit/test_staged.py) and the tiny Wan 2.1 VAE.
+Graph: LowVRAM_QwenImageStagedLoader -> KSampler -> LowVRAM_QwenImageDecode. A second test proves in process that
+the streamed encoder gives exactly ComfyUI's own embeddings (load_clip + encode), bf16 and fp8_scaled.
+Runs in order (one server per session): cold run (cache miss, RSS falls back), cache hit (encoder not loaded),
+encoder file replaced under the same name (cache miss, different embeddings).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from comfy_server import ComfyServer, comfyui_in_process_or_skip
+from comfyui_lowvram_dit.synthetic import checkpoints as synth
+from test_staged import SMALL_TE, WITH_VISION, write_small_text_encoder
+
+pytestmark = pytest.mark.comfyui
+_seed = itertools.count(7000)
+STAGE_RE = re.compile(r"Qwen-Image (stage \d) \(([^)]*)\): ([\d.]+) s, RSS ([\d.]+) -> ([\d.]+) GiB \(peak ([\d.]+) GiB\)"
+                      r"(?:, VRAM [^;]*)?(?:; (.*))?")
+
+
+@pytest.fixture(scope="module")
+def files(comfy_server: ComfyServer) -> Iterator[dict[str, str]]:
+    """Unique file names (the server is shared by the session) for transformer, encoder and VAE; deleted after
+    the module (the server outlives it)."""
+    tag = uuid.uuid4().hex[:8]
+    models = comfy_server.base_dir / "models"
+    names = {"unet": f"staged_qwen_{tag}.safetensors", "te": f"staged_te_{tag}.safetensors",
+             "vae": f"staged_vae_{tag}.safetensors"}
+    synth.write_synthetic("qwen_image", models / "diffusion_models" / names["unet"], "tiny", "bf16", seed=3)
+    write_small_text_encoder(models / "text_encoders" / names["te"], "bf16", seed=0)
+    synth.write_synthetic("wan21_vae", models / "vae" / names["vae"], "tiny", "bf16", seed=3)
+    yield names
+    for folder, key in (("diffusion_models", "unet"), ("text_encoders", "te"), ("vae", "vae")):
+        (models / folder / names[key]).unlink(missing_ok=True)
+
+
+def _graph(files: dict[str, str], prompt: str, *, quantization: str = "fp8 block-wise", blocks_to_swap: int = -1,
+           vram_budget_gb: float = 0.0) -> dict:
+    seed = next(_seed)
+    g = {
+        "1": {"class_type": "LowVRAM_QwenImageStagedLoader", "inputs": {
+            "unet_name": files["unet"], "clip_name": files["te"], "vae_name": files["vae"], "positive": prompt,
+            "negative": " ", "quantization": quantization, "vram_budget_gb": vram_budget_gb,
+            "blocks_to_swap": blocks_to_swap, "cache_embeddings": True, "compute": "auto"}},
+        "2": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "3": {"class_type": "KSampler", "inputs": {
+            "model": ["1", 0], "positive": ["1", 1], "negative": ["1", 2], "latent_image": ["2", 0], "seed": seed,
+            "steps": 2, "cfg": 2.5, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
+        "4": {"class_type": "LowVRAM_QwenImageDecode", "inputs": {
+            "samples": ["3", 0], "vae": ["1", 3], "vram_budget_gb": 0.0, "tile_size": 512, "overlap": 64,
+            "allow_cpu": False}},
+        "5": {"class_type": "LowVRAMTest_LatentStats", "inputs": {"latent": ["3", 0]}},
+        "6": {"class_type": "LowVRAMTest_ConditioningStats", "inputs": {"conditioning": ["1", 1]}},
+        "7": {"class_type": "LowVRAMTest_ModelInfo", "inputs": {"model": ["1", 0]}},
+        "8": {"class_type": "PreviewImage", "inputs": {"images": ["4", 0]}},
+    }
+    return g
+
+
+def _stages(log: str) -> dict[str, dict]:
+    out = {}
+    for m in STAGE_RE.finditer(log):
+        out[m.group(1)] = {"what": m.group(2), "seconds": float(m.group(3)), "rss_start": float(m.group(4)),
+                           "rss_end": float(m.group(5)), "rss_peak": float(m.group(6)), "notes": m.group(7) or ""}
+    return out
+
+
+def _ui(entry: dict, node: str, key: str) -> dict:
+    return entry["outputs"][node][key][0]
+
+
+def test_schema_lists_files_and_options(comfy_server: ComfyServer, files: dict[str, str]) -> None:
+    info = comfy_server.object_info("LowVRAM_QwenImageStagedLoader")
+    req = info["input"]["required"]
+    assert files["te"] in req["clip_name"][1]["options"] and files["unet"] in req["unet_name"][1]["options"]
+    assert info["output"] == ["MODEL", "CONDITIONING", "CONDITIONING", "VAE"]
+    assert "LowVRAM_QwenImageDecode" in comfy_server.object_info()
+
+
+def test_end_to_end_cache_miss_hit_and_encoder_change(comfy_server: ComfyServer, files: dict[str, str]) -> None:
+    prompt = f"a red cat on a blue chair {uuid.uuid4().hex[:6]}"
+    # 1) cold: stage 1 encodes (cache miss) and frees the encoder (equality with ComfyUI's own encode: below).
+    before = len(comfy_server.log_text())
+    entry = comfy_server.run(_graph(files, prompt), timeout=900)
+    log = comfy_server.log_text()[before:]
+    ours = _ui(entry, "6", "conditioning_stats")
+    assert ours["shape"][-1] == SMALL_TE.hidden and ours["finite"] and ours["device"] == "cpu", ours
+    assert _ui(entry, "5", "latent_stats")["finite"]
+    model = _ui(entry, "7", "model_info")
+    assert model["model_class"] == "QwenImage" and any("LowVramFp8Ops" in c for c in model["layer_classes"]), model
+    assert entry["outputs"]["8"]["images"], entry["outputs"]["8"]
+    stages = _stages(log)
+    assert {"stage 1", "stage 2", "stage 3"} <= set(stages), log[-4000:]
+    s1 = stages["stage 1"]
+    assert "0 of 2 prompts from the embedding cache" in s1["notes"] and "encoder freed" in s1["notes"], s1
+    te_gib = (comfy_server.base_dir / "models" / "text_encoders" / files["te"]).stat().st_size / 2**30
+    assert s1["rss_peak"] - s1["rss_start"] > 0.5 * te_gib, s1  # the encoder was resident...
+    assert s1["rss_end"] - s1["rss_start"] < 0.35, s1  # ...and RSS fell back after it was freed
+    assert "streamed to the CPU" in log and "full decode" in stages["stage 3"]["notes"], log[-3000:]
+
+    # 2) same prompt, transformer re-loaded (other quantization): text stage served from the cache.
+    before = len(comfy_server.log_text())
+    entry2 = comfy_server.run(_graph(files, prompt, quantization="fp8 per-tensor", blocks_to_swap=1,
+                                     vram_budget_gb=4.0), timeout=900)
+    log2 = comfy_server.log_text()[before:]
+    s1 = _stages(log2)["stage 1"]
+    assert "2 of 2 prompts from the embedding cache, encoder not loaded" in s1["notes"], s1
+    assert "streamed to the CPU" not in log2
+    assert _ui(entry2, "6", "conditioning_stats") == ours
+    assert "Block Swap" in log2 and _ui(entry2, "5", "latent_stats")["finite"], log2[-3000:]
+
+    # 3) encoder replaced under the same name (here: by its fp8_scaled version): cache miss, new embeddings.
+    te_path = comfy_server.base_dir / "models" / "text_encoders" / files["te"]
+    write_small_text_encoder(Path(te_path), "fp8_scaled", seed=1)
+    before = len(comfy_server.log_text())
+    entry3 = comfy_server.run(_graph(files, prompt, quantization="fp8 per-tensor", blocks_to_swap=1,
+                                     vram_budget_gb=4.0), timeout=900)
+    log3 = comfy_server.log_text()[before:]
+    s1 = _stages(log3)["stage 1"]
+    assert "0 of 2 prompts from the embedding cache" in s1["notes"] and "format fp8_scaled" in log3, s1
+    new = _ui(entry3, "6", "conditioning_stats")
+    assert new["finite"] and new["mean"] != ours["mean"] and new["std"] != ours["std"], (new, ours)
+
+
+@pytest.mark.parametrize(("fmt", "vision"), [("bf16", False), ("fp8_scaled", True)])
+def test_streamed_encoder_equals_comfyui_load_clip(tmp_path: Path, fmt: str, vision: bool) -> None:
+    """In process: our streamed CPU encoder == comfy.sd.load_clip(QWEN_IMAGE, cpu) + encode, bit for bit; for a
+    file without a vision tower (left out by the streamed loader) and one with ComfyUI's full vision tower.
+
+    (Stock CLIPLoader cannot load the 2-layer test encoder: load_clip gets the same config override here. Stock
+    cannot size an fp8_scaled file without its vision tower at all: its fp8 Linears never get a weight.)"""
+    comfyui_in_process_or_skip()
+    import comfy.sd
+    import torch
+    from comfyui_lowvram_dit.checkpoints import safetensors_io as checkpoint_io, text_encoders
+    from comfyui_lowvram_dit.host import qwen_stages
+
+    te_cfg = WITH_VISION if vision else SMALL_TE
+    te = write_small_text_encoder(tmp_path / f"te_{fmt}.safetensors", fmt, seed=2, cfg=te_cfg)
+    prompt = "a red cat on a blue chair, photo"
+    with torch.inference_mode():
+        ours_clip = qwen_stages.build_text_encoder_streaming(te)
+        ours = ours_clip.encode_from_tokens_scheduled(ours_clip.tokenize(prompt))
+        del ours_clip
+        cpu = torch.device("cpu")
+        cfg = text_encoders.qwen25_vl_config_from_header(checkpoint_io.read_header(te))
+        stock_clip = comfy.sd.load_clip([str(te)], clip_type=comfy.sd.CLIPType.QWEN_IMAGE, model_options={
+            "load_device": cpu, "offload_device": cpu, "qwen25_7b_model_config": cfg})
+        stock = stock_clip.encode_from_tokens_scheduled(stock_clip.tokenize(prompt))
+    te.unlink()  # 0.7 GB with the vision tower
+    assert torch.equal(ours[0][0], stock[0][0]) and ours[0][0].shape[-1] == te_cfg.hidden
+    assert sorted(ours[0][1]) == sorted(stock[0][1])
+
+
+def test_transformer_widths_come_from_the_file(tmp_path: Path) -> None:
+    """In process: the tiny Qwen-Image (2 heads, joint dim 128) is built at its own widths, which ComfyUI's detection
+    alone would build at 24 heads / 3584; the detection function is ComfyUI's own again afterwards."""
+    comfyui_in_process_or_skip()
+    import comfy.model_detection as md
+    from comfyui_lowvram_dit.host import qwen_stages
+
+    original = md.detect_unet_config
+    path = synth.write_synthetic("qwen_image", tmp_path / "q.safetensors", "tiny", "fp8")
+    patcher = qwen_stages.load_transformer(path, "fp8 per-tensor")
+    dm = patcher.model.diffusion_model
+    assert dm.inner_dim == 256 and dm.txt_in.in_features == SMALL_TE.hidden and len(dm.transformer_blocks) == 1
+    assert patcher.model.model_config.unet_config["num_attention_heads"] == 2
+    assert md.detect_unet_config is original

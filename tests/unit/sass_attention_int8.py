@@ -1,0 +1,133 @@
+"""Static profile of the 8-bit attention kernel: compile it for a GPU target without a GPU, count its SASS.
+
+A helper of tests/unit/test_attention_int8.py (the shipped tile must not spill), and the tool behind
+benchmarks/results/attention_int8_profile.md (was benchmarks/sass_attention_int8.py until 3c8e1e2).
+
+    python tests/unit/sass_attention_int8.py [--arch 90] [--config BLOCK_M BLOCK_N WARPS STAGES] ...
+
+Needs only Triton (its bundled ptxas / nvdisasm / cuobjdump); the kernel file is loaded by path, so no torch and
+no GPU. The launch is specialised the way Triton's JIT specialises the real call (16-byte aligned pointers,
+16-divisible pads and strides, the output's unit stride a constant). For each config it prints the registers
+per thread, shared memory, how many CTAs fit on one SM, and the instruction mix of the main loop (one 128-key
+tile per iteration for each warp): MUFU (exp2), F2FP (conversions), the wgmma ops, barriers, and local-memory
+traffic (spills). See benchmarks/results/attention_int8_profile.md for what it says about the H200 numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+KERNEL_FILE = Path(__file__).resolve().parents[2] / "kernels" / "attention_int8_triton.py"
+SAFE_WRITE_FILE = KERNEL_FILE.parents[1] / "checkpoints" / "safe_write.py"
+SM_REGS, SM_SMEM, SM_WARPS = 65536, 227 * 1024, 64  # sm80/sm89/sm90 per-SM limits (sm90/sm80 smem; sm89 has 99 KB)
+POINTERS = ("Q8", "QScale", "K8", "KScale", "VT", "VScale", "VMean", "Out")
+DIV16_INTS = ("stride_ob", "stride_oh", "stride_om", "Lq_pad", "Lk_pad")
+WATCH = ("MUFU", "F2FP", "I2F", "IGMMA", "QGMMA", "HGMMA", "LDGSTS", "UTMALDG", "LDG", "LDS", "LDSM", "STS", "LDL",
+         "STL", "BAR", "SYNCS", "SHFL")
+
+
+def _load_kernel_module(name: str = "attention_int8_triton_aot", path: Path = KERNEL_FILE):  # noqa: ANN202
+    """A kernels/ file loaded by path (no torch, no package import)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_kernel(arch: int, block_m: int, block_n: int, warps: int, stages: int, qk: str = "int8",
+                   pv: str = "fp8", pv_acc: int = 1, exp_emu: int = 0):  # noqa: ANN201 - triton CompiledKernel
+    """Compile attn_fwd_kernel for ``sm{arch}`` with the JIT's specialisation of a real launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _load_kernel_module().attn_fwd_kernel
+    qty = "i8" if qk == "int8" else "fp8e4nv"
+    sig = {"Q8": f"*{qty}", "QScale": "*fp32", "K8": f"*{qty}", "KScale": "*fp32",
+           "VT": "*fp8e4nv" if pv == "fp8" else "*fp16", "VScale": "*fp32", "VMean": "*fp32", "Out": "*bf16",
+           "stride_ob": "i64", "stride_oh": "i64", "stride_om": "i64", "stride_od": "constexpr",
+           **{n: "i32" for n in ("H", "Lq", "Lk", "Lq_pad", "Lk_pad", "LQ_BUCKET", "LK_BUCKET")},
+           **{n: "constexpr" for n in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "KBLK_", "QK_FP8", "PV_FP8", "PV_ACC",
+                                        "EXP_EMU")}}
+    const = {"stride_od": 1, "HEAD_DIM": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "KBLK_": 128,
+             "QK_FP8": qk == "fp8", "PV_FP8": pv == "fp8", "PV_ACC": pv_acc, "EXP_EMU": exp_emu}
+    names = fn.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*POINTERS, *DIV16_INTS)}
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def main_loop_mix(sass: str) -> tuple[int, collections.Counter]:
+    """Instruction count and opcode mix of the longest backward-branch body (the K/V tile loop)."""
+    instrs: list[str] = []
+    labels: dict[str, int] = {}
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", line)
+        if m:
+            instrs.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)))
+        label = re.match(r"\.(L_x_\d+):", line.strip())
+        if label:
+            labels[label.group(1)] = len(instrs)
+    best = (0, 0, -1)
+    for i, ins in enumerate(instrs):
+        m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", ins)
+        if m and m.group(1) in labels and labels[m.group(1)] <= i:
+            best = max(best, (i - labels[m.group(1)] + 1, labels[m.group(1)], i))
+    n, lo, hi = best
+    return n, collections.Counter(ins.split()[0].split(".")[0] for ins in instrs[lo:hi + 1])
+
+
+def profile(kernel, warps: int) -> dict:  # noqa: ANN001
+    """Registers, shared memory, CTAs per SM and the main loop's instruction mix of a compiled kernel."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        _load_kernel_module("lowvram_safe_write", SAFE_WRITE_FILE).write_atomic(cubin, kernel.asm["cubin"])
+        sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
+                             check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    smem = int(kernel.metadata.shared)
+    ctas = min(SM_REGS // (regs * 32 * warps), SM_SMEM // max(smem, 1), SM_WARPS // warps)
+    n, mix = main_loop_mix(sass)
+    return {"regs": regs, "shared_bytes": smem, "ctas_per_sm": ctas, "loop_instructions": n,
+            "loop_mix": {k: mix[k] for k in WATCH if mix[k]}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--config", type=int, nargs=4, action="append", metavar=("BM", "BN", "WARPS", "STAGES"),
+                        help="tile config (repeatable); default: the autotune set")
+    parser.add_argument("--qk", choices=("int8", "fp8"), default="int8")
+    parser.add_argument("--pv", choices=("fp8", "fp16"), default="fp8")
+    args = parser.parse_args(argv)
+    import triton
+
+    configs = args.config or [list(c[:4]) for c in _load_kernel_module().ATTN_CONFIGS if c[4] == 0]
+    print(f"triton {triton.__version__}, sm{args.arch}, Q·Kᵀ {args.qk}, P·V {args.pv}, head dim 128")
+    print("| BLOCK_M | BLOCK_N | warps | stages | regs/thread | shared KB | CTAs/SM | loop instrs/warp | loop mix |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for bm, bn, warps, stages in configs:
+        p = profile(compile_kernel(args.arch, bm, bn, warps, stages, args.qk, args.pv), warps)
+        mix = " ".join(f"{k}={v}" for k, v in p["loop_mix"].items())
+        print(f"| {bm} | {bn} | {warps} | {stages} | {p['regs']} | {p['shared_bytes'] / 1024:.0f} | "
+              f"{p['ctas_per_sm']} | {p['loop_instructions']} | {mix} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

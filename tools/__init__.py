@@ -1,1 +1,0 @@
-"""What is not a kernel or a node: the doctor, synthetic checkpoints, the headless runner, memory watch, the CLI."""
