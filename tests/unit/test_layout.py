@@ -25,6 +25,8 @@ def pack_modules(root: Path, skip: set[str] = SKIP_DIRS) -> dict[str, Path]:
         rel = path.relative_to(root)
         if any(part in skip for part in rel.parts[:-1]):
             continue
+        if not all((root.joinpath(*rel.parts[:i]) / "__init__.py").is_file() for i in range(1, len(rel.parts))):
+            continue  # not inside the package (a virtual environment or a local folder beside the code)
         parts = list(rel.with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
