@@ -18,8 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..checkpoints.safe_write import write_report
-from ..host.version import comfyui_version
-from .harness import public_path
+from . import harness
 
 ROWS: dict[str, str] = {
     "native_best": "UNETLoader fp8_e4m3fn_fast + --use-ck-attention",
@@ -195,14 +194,13 @@ def experts_child(row: str, args: argparse.Namespace) -> dict:
             "runs": runs}
 
 
-def _environment(args: argparse.Namespace) -> dict:
-    root = Path(os.environ["COMFYUI_PATH"])
-    version = comfyui_version(root) or "?"
+def _environment(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    """The harness's record of the run (command, git sha, ComfyUI version, software) plus the GPUs and the shape."""
+    env = harness.parent_environment(harness.command_argv(__spec__.name if __spec__ else "bench_multigpu", argv))
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    command = ["python3", "-m", "comfyui_lowvram_dit.benchmarks.bench_multigpu", *map(public_path, sys.argv[1:])]
-    return {"gpus": gpus, "torch": torch.__version__, "comfyui": version, "command": " ".join(command),
-            "shape": f"{args.width}x{args.height}x{args.frames}, cfg {args.cfg}, {args.steps} steps",
-            "layers": args.layers}
+    return {**harness.software_facts(), **env, "gpus": gpus, "torch": torch.__version__,
+            "comfyui": env["comfyui_version"] or "?", "layers": args.layers,
+            "shape": f"{args.width}x{args.height}x{args.frames}, cfg {args.cfg}, {args.steps} steps"}
 
 
 def _ensure_model(path: Path, layers: int, seed: int, model: str = "wan22_t2v_14B") -> None:
@@ -218,16 +216,7 @@ def _run_child(row: str, argv: list[str], flag: str) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    return {"row": row, "error": f"rc {proc.returncode}", "stderr_tail": _public_text(proc.stderr[-3000:])}
-
-
-def _public_text(text: str) -> str:
-    """A traceback as results may show it: the pack's and ComfyUI's folders relative, no machine paths."""
-    for root, name in ((os.environ.get("COMFYUI_PATH"), "ComfyUI/"), (os.environ.get("OUT"), "$OUT/"),
-                       (Path(__file__).parents[1], ""), (Path(__file__).resolve().parents[1], "")):
-        if root:
-            text = text.replace(str(Path(root)) + os.sep, name)
-    return text
+    return {"row": row, "error": f"rc {proc.returncode}", "stderr_tail": harness.public_text(proc.stderr[-3000:])}
 
 
 def report(result: dict) -> str:
@@ -292,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
               "--model-qwen", args.model_qwen,
               *(["--repeat"] if args.repeat else [])]
     rows = ["experts_per_gpu", "experts_one_gpu_block_swap"] if args.experts else args.rows
-    result: dict = {"environment": _environment(args), "rows": []}
+    result: dict = {"environment": _environment(args, argv), "rows": []}
     name = "multigpu_experts" if args.experts else "multigpu"
     for row in rows:
         result["rows"].append(_run_child(row, shared, "--experts-child" if args.experts else "--child"))

@@ -111,6 +111,17 @@ def public_path(arg: str) -> str:
     return arg
 
 
+def public_text(text: str) -> str:
+    """Free text (a child's stderr, a traceback) as results may show it: ComfyUI's folder as ``ComfyUI/``, the
+    output folder as ``$OUT/``, the repository's files repo-relative (through a link to it too), home as ``~/``."""
+    repo = Path(__file__).parent.parent
+    roots = {os.environ.get("COMFYUI_PATH"): "ComfyUI/", os.environ.get("OUT"): "$OUT/", str(repo): "",
+             str(repo.resolve()): "", str(Path.home()): "~/"}
+    for root in sorted((r for r in roots if r), key=len, reverse=True):  # a folder inside another one first
+        text = text.replace(str(Path(root)) + os.sep, roots[root])
+    return text
+
+
 SUITE = f"{PACKAGE}.benchmarks"
 
 
@@ -367,8 +378,8 @@ def _run_in_child(spec: dict, shim: Path, workdir: Path, timeout_s: float | None
         proc = subprocess.run(cmd, env=_child_env(shim), capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
         record.update(status="timeout", error=f"child exceeded {timeout_s} s",
-                      stderr_tail=(exc.stderr or b"")[-3000:].decode("utf-8", "replace")
-                      if isinstance(exc.stderr, bytes) else str(exc.stderr or "")[-3000:])
+                      stderr_tail=public_text((exc.stderr or b"")[-3000:].decode("utf-8", "replace")
+                                              if isinstance(exc.stderr, bytes) else str(exc.stderr or "")[-3000:]))
         return record
     record["wall_s"] = round(time.perf_counter() - t0, 3)
     if result_path.exists():
@@ -377,7 +388,7 @@ def _run_in_child(spec: dict, shim: Path, workdir: Path, timeout_s: float | None
         record.update(status="crashed", error=f"child exited with code {proc.returncode} and wrote no result")
     record["returncode"] = proc.returncode
     if record.get("status") != "ok":
-        record["stderr_tail"] = proc.stderr[-3000:]
+        record["stderr_tail"] = public_text(proc.stderr[-3000:])
     return record
 
 

@@ -115,7 +115,7 @@ def test_bad_prompt_is_rejected_with_node_errors(comfy_server: ComfyServer) -> N
 NEWER_CORE_NODES = {"SelectModelDevice"}  # ComfyUI 0.23+: wan22_t2v_a14b_2gpu's note says so
 
 
-def _older_than(server: ComfyServer, version: tuple[int, ...]) -> bool:
+def _older_than(version: tuple[int, ...]) -> bool:
     from comfyui_lowvram_dit.host.version import comfyui_version
 
     found = comfyui_version(os.environ["COMFYUI_PATH"]) or "0"
@@ -154,7 +154,7 @@ def test_workflow_templates_route_serves_the_pack_workflows(comfy_server: ComfyS
         served = comfy_server.get(f"/api/workflow_templates/{PACK_FOLDER}/{path.name}")
         assert served == wf, f"{path.name} is not served verbatim"
         unknown = _workflow_node_types(wf) - known
-        if _older_than(comfy_server, (0, 23)):  # core nodes a workflow may use from that version on
+        if _older_than((0, 23)):  # core nodes a workflow may use from that version on
             unknown -= NEWER_CORE_NODES
         assert not unknown, f"{path.relative_to(REPO_ROOT)} uses node types ComfyUI does not know: {unknown}"
 
