@@ -1,4 +1,4 @@
-"""Hostile inputs on the GPU paths a CPU run cannot reach (issue #27, class 6).
+"""Hostile inputs on the GPU paths a CPU run cannot reach.
 
 Every case must end in a clear error or a correct result; the process (or server) must survive, and nothing may stay
 allocated or pinned. Each case records the memory it found before and after (torch allocated / reserved, the bytes
@@ -87,7 +87,7 @@ MEM_KEYS = ("torch_allocated", "torch_reserved", "pinned_pack", "pinned_comfy", 
 
 
 def _markdown() -> str:
-    lines = ["# GPU hostile inputs (issue #27, class 6)", "",
+    lines = ["# GPU hostile inputs", "",
              f"{_ENV.get('gpu', '?')}; torch {_ENV.get('torch', '?')}; ComfyUI {_ENV.get('comfyui', '?')}; "
              f"`tests/test_gpu_hostile.py`; synthetic {MODEL} at full width, {LAYERS} blocks "
              f"({POISON_LAYERS} in the poisoned files).", "",

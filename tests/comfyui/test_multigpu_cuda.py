@@ -43,7 +43,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_split_matches_one_gpu(results: dict, row: str) -> None:
     r = results[row]
     assert "error" not in r, r
-    if row == "qwen_native":  # recorded only: native's own Qwen-Image split is not identical (1.26 % at 2 blocks)
+    if row == "qwen_native":  # recorded only: native's own Qwen-Image split is not bit-identical
         return
     limit = 0.0 if row.startswith("native") else SPLIT_TOLERANCE
     assert r["split_vs_1gpu_rel"] <= limit, r

@@ -169,7 +169,7 @@ class ReplayingCompiler:
 
 def test_inductor_compiles_deterministically_unless_max_autotune() -> None:
     """Inductor's timed choice of reduction configs differs between GPUs: a MultiGPU split's second model copy
-    rounded differently (measured 4.7 % at 2 Wan blocks). Deterministic mode fixes the choice, where torch has it."""
+    rounded differently. Deterministic mode fixes the choice, where torch has it."""
     import torch._inductor.config as inductor_config
 
     known = hasattr(inductor_config, "deterministic")
