@@ -33,10 +33,19 @@ SCENARIOS: dict[str, Scenario] = {
                               ("--res", "720p81", "--caps", "none", "16", "8")),
     "wan14b_fp8": Scenario("Wan 2.2 14B one forward: native bf16 / fp8 / *_fp8_scaled vs ours per-tensor and "
                            "block-wise, output error vs bf16", "bench_wan", ("--preset", "fp8")),
+    "wan14b_swap_budget0": Scenario("Wan 2.2 14B 832x480x81 where the model fits: Block Swap at budget 0 vs the "
+                                    "same stack without it and native fp8_e4m3fn_fast", "bench_wan",
+                                    ("--preset", "swap_budget0")),
     "wan14b_stack": Scenario("Wan 2.2 14B whole stack: fp8 + 8-bit attention + Torch Compile vs native bf16 and "
                              "fp8_e4m3fn_fast", "bench_wan", ("--preset", "stack")),
     "qwen_image": Scenario("Qwen-Image 1328x1328 staged pipeline per stage at an 8 GB cap vs native",
                            "bench_qwen_staged"),
+    "qwen_image_caps": Scenario("Qwen-Image 1328x1328 per step at every cap (uncapped, 16, 12, 8 GB): native's best "
+                                "options vs the Staged Loader's transformer + Attention auto", "bench_qwen_staged",
+                                ("--caps", "none", "16", "12", "8", "--repeats", "3", "--warmup", "2")),
+    "qwen_edit_caps": Scenario("Qwen-Image-Edit (one reference image) per step at every cap: native's best vs the "
+                               "staged transformer + Attention auto", "bench_qwen_staged",
+                               ("--caps", "none", "16", "12", "8", "--edit", "--repeats", "3", "--warmup", "2")),
     "multigpu": Scenario("ComfyUI's MultiGPU CFG split: every row on one GPU and split over two, outputs compared",
                          "bench_multigpu"),
     # kernels (no ComfyUI unless said)

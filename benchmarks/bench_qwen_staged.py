@@ -125,6 +125,106 @@ def native(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width:
     return out
 
 
+NATIVE_ROWS = {"native fp8_e4m3fn_fast": False, "native fp8_e4m3fn_fast + ck attention": True}
+TEXT_TOKENS = 120  # a typical prompt's length through the Qwen-Image template
+
+
+def _step_inputs(patcher, width: int, height: int, edit: bool) -> tuple[dict, dict]:  # noqa: ANN001
+    """Random latent, timestep and text embeddings of the real widths (and an Edit reference latent)."""
+    import torch
+
+    dm = patcher.model.diffusion_model
+    dev = patcher.load_device
+    dtype = patcher.model.manual_cast_dtype or patcher.model.get_dtype()
+    g = torch.Generator().manual_seed(0)
+    shape = (1, 16, 1, height // 8, width // 8)
+    x = torch.randn(shape, generator=g).to(dev, dtype)
+    context = torch.randn((1, TEXT_TOKENS, dm.txt_in.in_features), generator=g).to(dev, dtype)
+    extra = {"ref_latents": [torch.randn(shape, generator=g).to(dev, dtype)]} if edit else {}
+    return {"x": x, "timestep": torch.full((1,), 0.5, device=dev), "context": context}, extra
+
+
+def _timed_step(patcher, width: int, height: int, vram_cap_gb: float | None, edit: bool):  # noqa: ANN001, ANN202
+    """Load ``patcher`` as KSampler would under the cap and return one sampler step at cfg 1 (one forward)."""
+    import torch
+
+    import comfy.model_management as mm
+
+    from . import comfy_native
+
+    if vram_cap_gb:
+        comfy_native.apply_vram_cap(vram_cap_gb)
+    latent = [1, 16, 1, height // 8, width // 8]
+    mm.load_models_gpu([patcher], memory_required=patcher.model.memory_required([2, *latent[1:]]),
+                       minimum_memory_required=patcher.model.memory_required(latent))
+    inputs, extra = _step_inputs(patcher, width, height, edit)
+    options = comfy_native.transformer_options(patcher)
+
+    def step() -> torch.Tensor:
+        with torch.inference_mode():
+            return patcher.model.apply_model(inputs["x"], inputs["timestep"] / 1000.0,
+                                             c_crossattn=inputs["context"], transformer_options=options, **extra)
+
+    if not torch.isfinite(step()).all():
+        raise RuntimeError("the step produced non-finite values")
+    return step
+
+
+def native_step(ctx: harness.BenchContext, file: str, width: int, height: int, vram_cap_gb: float | None,
+                ck_attention: bool = False, edit: bool = False) -> dict:
+    """Harness target: UNETLoader(fp8_e4m3fn_fast) [+ --use-ck-attention], one step per call."""
+    from . import comfy_native
+
+    sys.path.insert(0, str(comfy_native.comfyui_path()))
+    from comfy.cli_args import args
+
+    args.use_ck_attention = ck_attention  # read when comfy.ldm.modules.attention is imported (next line)
+    comfy = comfy_native.import_comfy()
+    patcher = comfy.sd.load_diffusion_model(file, model_options=comfy_native.unet_model_options("fp8_e4m3fn_fast"))
+    return {"fn": _timed_step(patcher, width, height, vram_cap_gb, edit), "cap_gb": vram_cap_gb or "none"}
+
+
+def ours_step(ctx: harness.BenchContext, file: str, width: int, height: int, vram_cap_gb: float | None,
+              edit: bool = False) -> dict:
+    """Harness target: the Staged Loader's transformer (fp8 per-tensor, Block Swap at the cap, 0 = uncapped)
+    + Attention auto, one step per call."""
+    from . import comfy_native
+
+    comfy_native.import_comfy(cpu=ctx.device.type == "cpu")
+    from ..host import qwen_stages
+    from ..host.attention import apply_attention
+
+    model, _report = qwen_stages.load_staged_model(file, "fp8 per-tensor", vram_budget_gb=vram_cap_gb or 0.0)
+    model = apply_attention(model, "auto")
+    return {"fn": _timed_step(model, width, height, vram_cap_gb, edit), "cap_gb": vram_cap_gb or "none"}
+
+
+def main_caps(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """Per-step rows at each cap: native's two best options and the staged transformer + Attention auto."""
+    f = args.files / "qwen_image_bf16.safetensors"
+    if not f.is_file():
+        from ..synthetic import checkpoints as synth
+        import torch
+
+        args.files.mkdir(parents=True, exist_ok=True)
+        synth.write_synthetic("qwen_image", f, "full", "bf16", seed=0,
+                              device="cuda" if torch.cuda.is_available() else "cpu")
+    width, height = args.size
+    variants = []
+    for cap in args.caps:
+        common = {"file": str(f), "width": width, "height": height, "vram_cap_gb": cap, "edit": args.edit}
+        label = f"cap {cap:g} GB" if cap else "uncapped"
+        variants += [harness.Variant(f"{name} {label}", f"{MODULE}:native_step", {**common, "ck_attention": ck})
+                     for name, ck in NATIVE_ROWS.items()]
+        variants.append(harness.Variant(f"ours staged + Attention auto {label}", f"{MODULE}:ours_step", common))
+    caps = "_".join(f"{c:g}" if c else "none" for c in args.caps)
+    bench = f"qwen_{'edit' if args.edit else 'image'}_caps_{width}x{height}_{caps}"
+    results = harness.run_benchmark(bench, variants, repeats=args.repeats, warmup=args.warmup,
+                                    out_dir=args.out_dir, argv=harness.command_argv(MODULE, argv))
+    print((Path(args.out_dir) / f"{bench}.md").read_text(encoding="utf-8"))
+    return 0 if all(r.get("status") == "ok" for r in results) else 1
+
+
 def write_files(files: Path, te_formats: list[str], smoke: bool) -> None:
     """Write the synthetic files once (skipped when present); full size on the GPU when there is one. Smoke files
     are the runner's tiny ones: a narrow transformer and a 2-layer encoder of its width (the pack's loaders read
@@ -150,6 +250,10 @@ def write_files(files: Path, te_formats: list[str], smoke: bool) -> None:
                               metadata={"tiny_layout": TINY_LAYOUT} if smoke else None)
 
 
+def _cap(text: str) -> float | None:
+    return None if text == "none" else float(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Write files if needed, run the variants, print the markdown table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,7 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny files, 64x64, CPU, no cap, no native rows (stock loaders cannot read tiny widths)")
+    parser.add_argument("--caps", nargs="+", type=_cap, default=None, metavar="GB|none",
+                        help="per-step rows at these VRAM caps instead of the per-stage pipeline")
+    parser.add_argument("--edit", action="store_true", help="with --caps: Qwen-Image-Edit (a reference latent)")
     args = parser.parse_args(argv)
+    if args.caps:
+        return main_caps(args, argv)
     write_files(args.files, args.te, args.smoke)
     width, height = (64, 64) if args.smoke else tuple(args.size)
     cap = None if args.smoke else args.vram_gb

@@ -68,6 +68,11 @@ PRESETS: dict[str, Preset] = {
                      "model_fp8_int8attn_ours_default": {**PER_TENSOR, "attention": "lowvram 8-bit",
                                                          "compile": "default"}},
                     ("model_eager", "model_native_fp8fast"), "bench_compile_stack_int8", timing=(3, 0)),
+    # Block Swap where everything fits (budget 0, no cap): it must cost nothing next to the same stack without it
+    "swap_budget0": Preset({"native_fp8fast": {"weights": "fp8_e4m3fn_fast"},
+                            "ours_auto": {**PER_TENSOR, "attention": "auto"},
+                            "ours_auto_swap0": {**PER_TENSOR, "attention": "auto", "swap": True}},
+                           ("native_fp8fast", "ours_auto"), "wan_swap_budget0", timing=(3, 1)),
     "nan_guard": Preset({"plain": PER_TENSOR, "guard": {**PER_TENSOR, "guard": True}}, ("plain",), "nan_guard",
                         timing=(5, 2), res=("480p81", "480p17")),
 }

@@ -161,27 +161,34 @@ if TRITON_AVAILABLE and hasattr(torch.library, "triton_op"):
     _register_ops()
 
 
+def _traced() -> bool:
+    """True while torch.compile traces: the registered op then lets inductor see the kernel. Eager calls launch
+    the kernel directly; the op's dispatch costs several times the launch itself, and a model made of short
+    linears (Qwen-Image at 1328x1328) is then bound by the CPU, not the GPU."""
+    return bool(_OPS) and torch.compiler.is_compiling()
+
+
 def _op(name: str):
     return _OPS[name]
 
 
 def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] contiguous -> (q e4m3fn [M, K], scale fp32 [M, 1]) in one fused kernel."""
-    if _OPS:
+    if _traced():
         return _op("fp8_quant_rows")(x)
     return _launch_rows(x, torch.float8_e4m3fn, _direct)
 
 
 def quantize_groupwise(x: torch.Tensor, group_size: int = 128, pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> (q [Mp, K], scale [Mp, ceil(K/g)] column-major), rows zero-padded to a multiple of pad_rows_to."""
-    if _OPS:
+    if _traced():
         return _op("fp8_quant_groups")(x, group_size, pad_rows_to)
     return _launch_groups(x, group_size, pad_rows_to, torch.float8_e4m3fn, _direct)
 
 
 def quantize_tensorwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> (q, scale 0-dim fp32): a torch inf-norm, then one Triton cast kernel."""
-    if _OPS:
+    if _traced():
         return _op("fp8_quant_tensor")(x)
     return _launch_scalar(x, torch.float8_e4m3fn, _direct)
 
