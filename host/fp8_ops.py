@@ -209,7 +209,8 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
                 wq, ws = found.q, found.scale
             else:
                 wq, ws = int8_math.weight_from_fp8(weight, scale, self._block_size(), rotate)
-                self._int8 = _Int8Copy.of(weight, rotate, wq, ws) if cacheable else None
+                if cacheable:  # never set while torch.compile traces (no module mutation in a compiled region)
+                    self._int8 = _Int8Copy.of(weight, rotate, wq, ws)
             return int8_choice.linear(input, wq, ws, bias, rotate)
 
         # ---- LoRA (merged into resident weights by ModelPatcher.patch_weight_to_device) ------------
