@@ -55,6 +55,9 @@ SCENARIOS: dict[str, Scenario] = {
                                "and the autotune tile sweep (--quick, --no-sweep)", "bench_attention_int8"),
     "fp8_gemm": Scenario("fp8 GEMMs at Wan 14B shapes: native fp8_e4m3fn_fast vs ours per-tensor / block-wise",
                          "bench_fp8_gemm"),
+    "int8_gemm": Scenario("int8 W8A8 GEMMs (GPUs without fp8 matmul) at Wan 14B / Qwen-Image shapes vs bf16, native "
+                          "fp8 and ours fp8: time, TFLOP/s, error, one Wan block's error (--quick, --tiny on the CPU)",
+                          "bench_int8_gemm"),
     "block_swap": Scenario("Block Swap on Wan 14B: every resolution x cap x kind (ComfyUI)", "bench_wan"),
     "nan_guard": Scenario("NaN Guard on vs off on Wan 14B (ComfyUI)", "bench_wan", ("--preset", "nan_guard")),
     # through a real ComfyUI server, one fresh server per row

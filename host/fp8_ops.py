@@ -6,7 +6,15 @@ make_fp8_ops(cfg), ...})``), so it stays a native MODEL. ``LowVramFp8Ops`` is a 
 ``make_fp8_ops`` returns its subclass with the config. Every op except Linear is ``manual_cast``'s. This module
 imports ComfyUI at import time: loaders import it inside their load functions.
 The Linear keeps the CastWeightBiasOp contract:
-- resident, no LoRA functions: ``kernels.fp8.fp8_linear`` on the fp8 weight (fp8 matmul where the GPU has it);
+- resident, no LoRA functions: ``kernels.fp8.fp8_linear`` on the fp8 weight (fp8 matmul where the GPU has it),
+  or, where the compute mode is int8 (kernels/int8_choice.py: "auto" on GPUs with int8 but no fp8 tensor cores),
+  ``kernels.int8.int8_linear`` on a per-channel int8 copy of the weight made once per weight and device and kept
+  on the module (``_int8``). The copy is dropped whenever the weight may have changed: ``set_weight`` (LoRA merges),
+  a state-dict load, a move (``_apply``), and any new weight Parameter (ComfyUI's unpatching re-binds the
+  original). A weight updated in place (``set_weight(inplace_update=True)``) could later be restored in place
+  without this layer seeing it (``comfy.utils.copy_to_param``), so from then on its int8 copy is made per call;
+  so is that of a weight that is a view into a larger buffer (Block Swap's GPU ring slots: caching those would keep
+  every streamed block's copy on the GPU), and of every weight while torch.compile traces;
 - lowvram-offloaded: the fp8 weight + its scale are copied on ComfyUI's offload stream (``uncast_bias_weight``
   afterwards), then the same fp8 matmul, so streamed layers keep fp8 compute (native dequantizes them);
 - ``weight_function`` LoRA patches (lowvram): dequantize, apply the patches, bf16/fp16 matmul;
@@ -22,6 +30,7 @@ import json
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,7 +40,8 @@ import comfy.ops
 import torch
 
 from ..kernels import fp8 as fp8_math
-from ..kernels import opaque_ops
+from ..kernels import int8 as int8_math
+from ..kernels import int8_choice, opaque_ops
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -46,7 +56,7 @@ class Fp8OpsConfig:
     """How the fp8 Linear layers of one model compute."""
 
     block_size: int = 128  # for block-wise weight scales (2-D weight_scale); per-tensor scales are 0-d
-    compute: fp8_math.Fp8Compute = "auto"  # "auto" | "fp8" (fp8 matmul or error) | "dequantize"
+    compute: int8_choice.Compute = "auto"  # "auto" | "fp8" (fp8 matmul or error) | "int8" | "dequantize"
 
 
 class LowVramFp8Ops(comfy.ops.manual_cast):
@@ -63,6 +73,8 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             super().__init__(*args, **kwargs)
             self.register_parameter("weight_scale", None)
             self._fp8_path: tuple[torch.device, str] | None = None
+            self._int8: _Int8Copy | None = None  # the int8 copy of the weight on one device (see the module doc)
+            self._int8_in_place = False  # the weight was updated in place: int8 copies are made per call
 
         @property
         def is_fp8(self) -> bool:
@@ -118,6 +130,7 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
                 self.weight = torch.nn.Parameter(w.to(device), requires_grad=False)
                 self.weight_scale = torch.nn.Parameter(scale.to(device), requires_grad=False)
                 self._fp8_path = None
+            self._int8 = None
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                           unexpected_keys, error_msgs)
             for k in (prefix + "weight", prefix + "weight_scale"):
@@ -130,7 +143,11 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             if cached is not None and cached[0] == device:
                 return cached[1]
             n, k = self.weight.shape
-            path = fp8_math.select_path(device, self._block_size(), n, k, self.fp8_config.compute)
+            mode = int8_choice.compute_mode(device, self.fp8_config.compute)
+            if mode == "int8":  # odd-sized layers (K or N not a multiple of 8) dequantize
+                path = "int8" if int8_math.int_mm_ok(1, n, k) else "dequantize"
+            else:
+                path = fp8_math.select_path(device, self._block_size(), n, k, mode)
             if not torch.compiler.is_compiling():  # no module mutation inside a compiled region
                 self._fp8_path = (device, path)
             return path
@@ -140,8 +157,11 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             if not self.is_fp8:
                 return super().forward_comfy_cast_weights(input, *args, **kwargs)
             if (self.weight.device == input.device and not self.weight_function and not self.bias_function):
+                path = self._path(input.device)
+                if path == "int8":
+                    return self._int8_linear(input, self.weight, self.weight_scale, self.bias, self._cacheable())
                 return opaque_ops.fp8_linear(input, self.weight, self.weight_scale, self.bias, self._block_size(),
-                                             self._path(input.device))
+                                             path)
             return self.forward_comfy_cast_weights(input)
 
         def forward_comfy_cast_weights(self, input):  # noqa: ANN001, ANN201
@@ -167,10 +187,31 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
                 for f in self.weight_function:
                     wd = f(wd)
                 out = torch.nn.functional.linear(input, wd.to(input.dtype), b)
+            elif (path := self._path(device)) == "int8":  # a copied weight: its int8 copy lives for this call
+                out = self._int8_linear(input, w, s, b, cacheable=False)
             else:
-                out = opaque_ops.fp8_linear(input, w, s, b, self._block_size(), self._path(device))
+                out = opaque_ops.fp8_linear(input, w, s, b, self._block_size(), path)
             comfy.ops.uncast_bias_weight(self, w, b, (stream, w, b))
             return out
+
+        # ---- int8 compute ------------------------------------------------------------------------------
+        def _cacheable(self) -> bool:
+            """Whether this layer's int8 copy may be kept (see the module doc for when it is made per call)."""
+            w = self.weight
+            return (not self._int8_in_place and not torch.compiler.is_compiling()
+                    and w.untyped_storage().nbytes() == w.numel() * w.element_size())
+
+        def _int8_linear(self, input, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                         cacheable: bool) -> torch.Tensor:  # noqa: ANN001 - ComfyUI op signature
+            rotate = int8_choice.rotate_for(weight.shape[1])
+            found = self._int8
+            if found is not None and cacheable and found.matches(weight, rotate):
+                wq, ws = found.q, found.scale
+            else:
+                wq, ws = int8_math.weight_from_fp8(weight, scale, self._block_size(), rotate)
+                if cacheable:  # never set while torch.compile traces (no module mutation in a compiled region)
+                    self._int8 = _Int8Copy.of(weight, rotate, wq, ws)
+            return int8_choice.linear(input, wq, ws, bias, rotate)
 
         # ---- LoRA (merged into resident weights by ModelPatcher.patch_weight_to_device) ------------
         def _full_scale(self, weight: torch.Tensor) -> torch.Tensor:
@@ -194,6 +235,8 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
                 new = comfy.float.stochastic_rounding(weight, self.weight.dtype, seed=seed or 0)
             if return_weight:
                 return new
+            self._int8 = None  # the int8 copy follows the weight: made again at the next call
+            self._int8_in_place = self._int8_in_place or bool(inplace_update)
             if inplace_update:
                 self.weight.data.copy_(new)
             else:
@@ -213,7 +256,35 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
                 if buf is not None:
                     self._buffers[key] = fn(buf)
             self._fp8_path = None
+            self._int8 = None
             return self
+
+
+@dataclass(frozen=True)
+class _Int8Copy:
+    """A weight's per-channel int8 copy and what it was made from (the Parameter, by weak reference, and its
+    version counter, which in-place updates through the Parameter itself bump)."""
+
+    source: weakref.ref
+    version: int
+    rotate: bool
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, rotate: bool, q: torch.Tensor, scale: torch.Tensor) -> "_Int8Copy":
+        return cls(weakref.ref(weight), _version_of(weight), rotate, q, scale)
+
+    def matches(self, weight: torch.Tensor, rotate: bool) -> bool:
+        """Made from this very weight, unchanged since, on its device, with the same rotation."""
+        return (self.source() is weight and self.version == _version_of(weight) and self.rotate == rotate
+                and self.q.device == weight.device)
+
+
+def _version_of(t: torch.Tensor) -> int:
+    """The version counter of ``t``; -1 for inference tensors (ComfyUI loads under inference mode), which have
+    none: for them only the identity of the Parameter and ``set_weight`` tell that the weight changed."""
+    return -1 if t.is_inference() else t._version
 
 
 def _comfy_quant_format(raw: torch.Tensor) -> str | None:

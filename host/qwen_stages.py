@@ -41,7 +41,7 @@ from .names import display_name
 log = logging.getLogger("comfyui_lowvram_dit")
 
 QUANTIZATION = {"fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise", "none": "none"}
-COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "dequantize": "dequantize"}
+COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "int8 matmul": "int8", "dequantize": "dequantize"}
 LOADER = "Qwen-Image staged loader"  # the Staged and the Edit Staged Loader share this transformer load
 
 

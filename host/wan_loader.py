@@ -19,7 +19,7 @@ from .model_loading import load_diffusion_model
 log = logging.getLogger("comfyui_lowvram_dit")
 
 QUANTIZATION = {"none": "none", "fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise"}
-COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "dequantize": "dequantize"}
+COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "int8 matmul": "int8", "dequantize": "dequantize"}
 LOADER = "Wan Loader"
 
 

@@ -64,8 +64,10 @@ class QwenImageStagedLoader(io.ComfyNode):
                                  tooltip="Keep prompt embeddings on disk (user directory); an unchanged prompt "
                                          "skips loading the text encoder. Keyed by prompt + encoder file content."),
                 io.Combo.Input("compute", options=list(COMPUTE), default="auto",
-                               tooltip="auto: fp8 matmul where the GPU has it (RTX 40xx/50xx, H100), else "
-                                       "dequantize. fp8 matmul: require it. dequantize: bf16 matmul."),
+                               tooltip="auto: fp8 matmul where the GPU has it (RTX 40xx/50xx, H100), int8 matmul "
+                                       "on RTX 20xx/30xx and A-series, else dequantize. fp8 matmul: require it. int8 "
+                                       "matmul: int8 weights and activations on the int8 tensor cores; pick it on "
+                                       "RTX 20xx/30xx/A-series GPUs (what auto does there). dequantize: bf16 matmul."),
             ],
             outputs=[io.Model.Output(), io.Conditioning.Output("positive"), io.Conditioning.Output("negative"),
                      io.Vae.Output()],

@@ -50,9 +50,11 @@ class WanLoader(io.ComfyNode):
                                        "H100/H200; 64 stores finer scales but no fp8 GEMM takes them, so those "
                                        "layers dequantize to bf16 (slower)."),
                 io.Combo.Input("compute", options=list(COMPUTE), default="auto",
-                               tooltip="auto: fp8 matmul where the GPU supports it (RTX 40xx/50xx, H100), else "
-                                       "dequantize. fp8 matmul: require it (error otherwise). dequantize: fp8 storage, "
-                                       "bf16 matmul."),
+                               tooltip="auto: fp8 matmul where the GPU supports it (RTX 40xx/50xx, H100), int8 "
+                                       "matmul on RTX 20xx/30xx and A-series, else dequantize. fp8 matmul: require it "
+                                       "(error otherwise). int8 matmul: int8 weights and activations on the int8 "
+                                       "tensor cores; pick it on RTX 20xx/30xx/A-series GPUs (what auto does there). "
+                                       "dequantize: fp8 storage, bf16 matmul (closest to bf16, slowest)."),
                 io.Boolean.Input("save_quantized", default=False,
                                  tooltip="Write the quantized model next to the source file; later loads with the same "
                                          "settings pick it up automatically and skip quantization."),

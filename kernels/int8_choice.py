@@ -1,0 +1,141 @@
+"""When the pack's fp8 layers compute in int8 (by GPU), and which int8 GEMM runs each shape (timed once).
+
+Compute modes (``Compute``): "auto" picks by CUDA compute capability: 7.5 up to (not including) 8.9, the GPUs with
+int8 but no fp8 tensor cores (RTX 20xx/30xx, A-series), run int8 W8A8 (kernels/int8.py); 8.9 and newer keep fp8
+matmul; anything else (CPU, older or non-NVIDIA GPUs) is left to kernels/fp8.py's choice (dequantize). "int8"
+asks for int8 everywhere it can run (an error on a GPU older than 7.5; the CPU runs ``torch._int_mm``). "fp8"
+and "dequantize" are kernels/fp8.py's. Which mode a device got, and why, is logged once per device.
+
+GEMMs: where both ``torch._int_mm`` (cuBLASLt, epilogue in torch) and the fused Triton GEMM run, the first call of
+each shape times both on its real input and keeps the faster, keyed by the kind of GPU and the rows per batch
+sample, as kernels/fp8_choice.py does (integer sums are exact, so the choice changes speed only).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal, get_args
+
+import torch
+
+from . import fp8, int8, int8_triton
+from .decisions import DECIDING, describe_kind, device_kind, samples_of, time_call
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+Compute = Literal["auto", "fp8", "int8", "dequantize"]
+COMPUTE: tuple[str, ...] = get_args(Compute)
+INT8_MIN_CAPABILITY = (7, 5)  # int8 tensor cores (Turing)
+FP8_MIN_CAPABILITY = (8, 9)  # fp8 tensor cores (Ada)
+ROTATE = True  # Hadamard-rotate activations and weights before int8 (needs K % 128 == 0); see kernels/int8.py
+
+_SAID: set[tuple[str, str]] = set()  # (device, compute) already logged
+
+
+def device_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """(major, minor) of an NVIDIA GPU, None elsewhere (the lookup tests replace to plan other GPUs)."""
+    return fp8.device_capability(device)
+
+
+def _decide(device: torch.device, compute: str) -> tuple[str, str]:
+    """(mode, why): mode is "int8", or the compute kernels/fp8.py's ``select_path`` takes."""
+    if compute not in COMPUTE:
+        raise ValueError(f"compute must be one of {COMPUTE}, got {compute!r}")
+    cap = device_capability(device)
+    named = f"compute capability {'.'.join(map(str, cap))}" if cap else "no NVIDIA GPU"
+    if compute == "int8":
+        if device.type == "cuda" and (cap is None or cap < INT8_MIN_CAPABILITY):
+            raise RuntimeError(f"compute 'int8 matmul' needs an NVIDIA GPU with compute capability >= 7.5 (RTX 20xx "
+                               f"or newer); {device} has {named}. Set compute to 'auto' or 'dequantize'.")
+        return "int8", "asked for"
+    if compute != "auto":
+        return compute, "asked for"
+    if cap is not None and INT8_MIN_CAPABILITY <= cap < FP8_MIN_CAPABILITY:
+        return "int8", f"{named}: int8 tensor cores but no fp8 matmul (needs 8.9)"
+    if cap is not None and cap >= FP8_MIN_CAPABILITY:
+        return "auto", f"{named}: fp8 tensor cores"
+    return "auto", f"{named}: neither fp8 nor int8 tensor cores the pack uses"
+
+
+def compute_mode(device: torch.device | str, compute: str = "auto") -> str:
+    """"int8" where the fp8 layers on ``device`` compute in int8, else the fp8 compute to hand to
+    ``fp8.select_path``; logs the choice and its reason once per device."""
+    dev = torch.device(device)
+    mode, why = _decide(dev, compute)
+    key = (str(dev), compute)
+    if key not in _SAID and not torch.compiler.is_compiling():
+        _SAID.add(key)
+        what = {"int8": int8.describe(), "fp8": "fp8 matmul", "dequantize": fp8.describe_path("dequantize"),
+                "auto": "fp8 matmul" if why.endswith("fp8 tensor cores") else fp8.describe_path("dequantize")}[mode]
+        log.info("lowvram_dit: fp8 layers on %s (compute '%s'): %s - %s", dev, compute, what, why)
+    return mode
+
+
+def rotate_for(in_features: int) -> bool:
+    """Whether a layer of ``in_features`` inputs is rotated (ROTATE on and K a multiple of the rotation block)."""
+    return ROTATE and in_features % int8.ROTATION_BLOCK == 0
+
+
+def _row_bucket(rows: int) -> int:
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+class GemmChooser:
+    """Per-shape choices between ``torch._int_mm`` and the Triton GEMM, made once by timing both."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[tuple, str] = {}
+        self.timings: dict[tuple, dict[str, float]] = {}
+
+    def choose(self, x2: torch.Tensor, samples: int, n: int) -> int8.Int8Gemm:
+        """The GEMM for ``x2`` [M, K] against an [N, K] weight."""
+        if x2.device.type != "cuda" or not int8_triton.gemm_available(x2.device):
+            return "int_mm"
+        m, k = x2.shape
+        if not int8.int_mm_ok(m, n, k):
+            return "triton"
+        key = (device_kind(x2.device), _row_bucket(m // max(samples, 1)), n, k)
+        found = self.decisions.get(key)
+        return found if found is not None else self._decide(key, x2, n)
+
+    @torch.compiler.disable
+    def _decide(self, key: tuple, x2: torch.Tensor, n: int) -> int8.Int8Gemm:
+        with DECIDING:
+            if (known := self.decisions.get(key)) is not None:
+                return known
+            xq, xs = int8.quantize_activation(x2)
+            wq = torch.ones((n, x2.shape[1]), dtype=torch.int8, device=x2.device)  # the speed is the same
+            ws = torch.ones(n, dtype=torch.float32, device=x2.device)
+            times: dict[str, float] = {}
+            for name in ("int_mm", "triton"):
+                try:
+                    times[name] = time_call(lambda g=name: int8._run_gemm(g, xq, xs, wq, ws, None, x2.dtype),
+                                            x2.device)
+                except (RuntimeError, torch.OutOfMemoryError) as exc:  # one that cannot run is never chosen
+                    log.info("lowvram_dit int8: %s failed for %s (%s)", name, self.describe(key), exc)
+            best = min(times, key=times.get) if times else "int_mm"
+            self.decisions[key], self.timings[key] = best, times
+            log.info("lowvram_dit int8 %s: %s -> %s", self.describe(key),
+                     ", ".join(f"{g} {t:.2f} ms" for g, t in times.items()), best)
+            return best
+
+    @staticmethod
+    def describe(key: tuple) -> str:
+        """A decision key as a log phrase."""
+        kind, rows, n, k = key
+        return f"linear {k}->{n} at <= {rows} rows per sample ({describe_kind(kind)})"
+
+    def clear(self) -> None:
+        """Forget every choice."""
+        self.decisions.clear()
+        self.timings.clear()
+
+
+GEMMS = GemmChooser()
+
+
+def linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+           rotate: bool) -> torch.Tensor:
+    """``int8.int8_linear`` on the GEMM this shape was timed to run fastest with (output in x's dtype)."""
+    gemm = GEMMS.choose(x.reshape(-1, x.shape[-1]), samples_of(x), weight_q.shape[0])
+    return int8.int8_linear(x, weight_q, weight_scale, bias, gemm=gemm, rotate=rotate)
