@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -23,7 +24,14 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "wan14b_720p_self": (1, 40, 75600, 75600, 128),  # 1280x720x81 -> 21 x 90 x 160 / 4
 }
 QUICK_SHAPES = ("wan14b_480p_self", "wan14b_480p_cross")
-OURS = {"int8_fp8": ("int8", "fp8"), "fp8_fp8": ("fp8", "fp8"), "int8_fp16": ("int8", "fp16")}
+# ours: (Q·Kᵀ format, P·V format, hi_keys). "int8_fp16" is what "auto" runs; "int8_fp8_old" the scheme before
+# the 16-bit keys and the fp16 P·V default (the speed baseline); hi_keys None = hi_key_count(Lk), 0 = none.
+OURS = {"int8_fp16": ("int8", "fp16", None), "int8_fp8": ("int8", "fp8", None), "int8_fp8_old": ("int8", "fp8", 0),
+        "fp8_fp8": ("fp8", "fp8", None)}
+FAMILY_BACKENDS = ("sdpa_cudnn", "int8_fp16", "int8_fp8", "int8_fp8_old", "comfy_kitchen_int8")
+FAMILY_HEADS = 2
+ERROR_BUDGET = 0.02
+FAMILIES_FILE = Path(__file__).resolve().parents[1] / "tests" / "unit" / "attention_families.py"
 # comfy-kitchen's INT8 attention (as ComfyUI's --use-ck-attention runs it) and torch's experimental fp8 SDPA
 RIVALS = ("comfy_kitchen_int8", "sdpa_fp8")
 BACKENDS = ("sdpa_cudnn", "sdpa_flash", *OURS, *RIVALS, "prologue")
@@ -111,8 +119,10 @@ def backend_fn(name: str, config: dict | None = None):
     if name == "prologue":
         qk, pv = A.resolve_formats(torch.device("cuda"))
         return lambda q, k, v: A.quantize_qkv(q, k, v, qk_format=qk, pv_format=pv)
-    qk, pv = OURS[name]
-    return lambda q, k, v: A.attention_int8(q, k, v, qk_format=qk, pv_format=pv, config=config)
+    qk, pv, hi = OURS[name]
+    if not torch.cuda.is_available():  # the CPU smoke run: the fp32 emulation of the same scheme
+        return lambda q, k, v: A.attention_int8_reference(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
+    return lambda q, k, v: A.attention_int8(q, k, v, qk_format=qk, pv_format=pv, config=config, hi_keys=hi)
 
 
 def rel_errors(fn, shape: tuple[int, ...]) -> dict[str, float]:
@@ -159,12 +169,12 @@ def check_correctness(names: list[str] | None = None) -> list[dict]:
     rows = []
     for shape in [(1, 2, 1, 1, 128), (2, 3, 77, 513, 64), (1, 4, 1000, 512, 128), (2, 2, 4097, 4097, 128)]:
         for name in (n for n in OURS if names is None or n in names):
-            qk, pv = OURS[name]
+            qk, pv, hi = OURS[name]
             row = {"shape": list(shape), "backend": name}
             try:
                 q, k, v = make_inputs(*shape, "outlier", seed=3)
-                out = A.attention_int8(q, k, v, qk_format=qk, pv_format=pv)
-                emu = A.attention_int8_reference(q, k, v, qk_format=qk, pv_format=pv, block_n=64)
+                out = A.attention_int8(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
+                emu = A.attention_int8_reference(q, k, v, qk_format=qk, pv_format=pv, block_n=64, hi_keys=hi)
                 ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
                 row.update(err_vs_emulation=A.relative_error(out, emu), err_vs_fp32=A.relative_error(out, ref))
             except Exception as exc:
@@ -182,7 +192,7 @@ def sweep_configs(shape: tuple[int, ...], repeats: int) -> list[dict]:
     cases = [(f"tile {c.kwargs}", {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages})
              for c in tk.attn_configs()]
     rows = []
-    for name in ("int8_fp8", "fp8_fp8"):
+    for name in ("int8_fp16", "int8_fp8_old"):
         for label, cfg in cases:
             row = measure(name, shape, repeats, 2, config=cfg, errors=True)
             row["variant"] = label
@@ -191,6 +201,68 @@ def sweep_configs(shape: tuple[int, ...], repeats: int) -> list[dict]:
                 f"gauss {row.get('err_gauss', float('nan')):.4f}" if "time_ms" in row else row.get("error", "")))
             rows.append(row)
     return rows
+
+
+def families_module():  # noqa: ANN201 - a module
+    """tests/unit/attention_families.py, loaded by path (the tests are not a package)."""
+    spec = importlib.util.spec_from_file_location("attention_families", FAMILIES_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def family_backends(names: tuple[str, ...]) -> tuple[dict, dict[str, str]]:
+    """{backend: fn} of the family table's backends that run here, and {backend: why not} for the others."""
+    fns, skipped = {}, {}
+    for name in names:
+        try:
+            fns[name] = backend_fn(name)
+        except BackendUnavailable as exc:
+            skipped[name] = str(exc)
+    return fns, skipped
+
+
+def family_errors(shape_name: str, shape: tuple[int, ...], fns: dict, skipped: dict[str, str],
+                  families: list[str], device: str = "cuda") -> list[dict]:
+    """Error vs fp32 of each backend on each input family at a shape's sequence lengths, FAMILY_HEADS heads."""
+    af = families_module()
+    b, _, lq, lk, d = shape
+    rows = []
+    for family in families:
+        row: dict = {"shape_name": shape_name, "family": family, "errors": {}, "notes": dict(skipped)}
+        try:
+            q, k, v = af.make_family(family, b, FAMILY_HEADS, lq, lk, d, seed=7, device=device)
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+            row["logit_std"] = [round(x, 2) for x in af.logit_std(q, k).flatten().tolist()]
+            for name, fn in fns.items():
+                try:
+                    row["errors"][name] = A.relative_error(fn(q, k, v), ref)
+                except Exception as exc:  # one backend failing on one family is a result
+                    row["notes"][name] = f"{type(exc).__name__}: {exc}"[:300]
+            del ref
+        except Exception as exc:  # e.g. out of memory building a family: record it, keep going
+            row["notes"]["family"] = f"{type(exc).__name__}: {exc}"[:300]
+        say(f"  {shape_name} {family:40s} " + " ".join(f"{n}={e:.4f}" for n, e in row["errors"].items()))
+        rows.append(row)
+    return rows
+
+
+def families_markdown(rows: list[dict], backends: tuple[str, ...]) -> list[str]:
+    """One table per shape: family x backend error, over-budget cells in bold."""
+    lines = [f"## Error vs fp32 per input family ({FAMILY_HEADS} heads; budget {ERROR_BUDGET:.0%}; "
+             "families: tests/unit/attention_families.py)", ""]
+    for shape_name in dict.fromkeys(r["shape_name"] for r in rows):
+        lines += [f"### {shape_name}", "", "| family | logit std per head | " + " | ".join(backends) + " |",
+                  "|---|---|" + "---|" * len(backends)]
+        for r in (r for r in rows if r["shape_name"] == shape_name):
+            cells = []
+            for name in backends:
+                e = r["errors"].get(name)
+                cells.append("—" if e is None else (f"**{e:.2%}**" if e > ERROR_BUDGET else f"{e:.2%}"))
+            lines.append(f"| {r['family']} | {r.get('logit_std', '—')} | " + " | ".join(cells) + " |")
+        notes = {k: v for r in rows if r["shape_name"] == shape_name for k, v in r["notes"].items()}
+        lines += ["", *[f"- {k}: {v}" for k, v in notes.items()], ""]
+    return lines
 
 
 def to_markdown(report: dict) -> str:
@@ -220,6 +292,8 @@ def to_markdown(report: dict) -> str:
             lines.append(f"| {r['backend']} | {r.get('variant', '')} | {r['config']} | {ms:.2f} | "
                          f"{r.get('tflops', float('nan')):.0f} | {vs} | {r.get('err_outlier', float('nan')):.4f} | "
                          f"{r.get('err_gauss', float('nan')):.4f} | {r.get('error', '')[:100]} |")
+    if report.get("families"):
+        lines += ["", *families_markdown(report["families"], FAMILY_BACKENDS)]
     lines += ["", "## Autotuner picks", "", "```", json.dumps(report["autotune"], indent=1), "```", ""]
     lines += ["## Correctness checks (outlier inputs)", "", "```",
               *[json.dumps(r) for r in report["checks"]], "```", ""]
@@ -237,6 +311,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="time these shapes (default: all, or the --quick ones)")
     parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS),
                         help="timed rows per shape (default: all)")
+    parser.add_argument("--families", nargs="*", default=None, metavar="FAMILY",
+                        help="also measure the error of cuDNN, ours (new and old scheme) and comfy-kitchen's int8 on "
+                             "these input families (default: every family and combination) at every timed shape")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU: the family errors of ours (fp32 emulation) at a tiny shape; no timing")
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     return parser.parse_args(argv)
@@ -263,10 +342,24 @@ def time_shapes(shape_names: list[str], names: list[str], repeats: int) -> list[
     return rows
 
 
+def smoke(args: argparse.Namespace) -> int:
+    """--smoke: every family's error for ours (the emulation of the new and the old scheme) on the CPU, tiny shape."""
+    names = ("int8_fp16", "int8_fp8", "int8_fp8_old")
+    fns = {n: backend_fn(n) for n in names}
+    families = args.families or list(families_module().ALL_FAMILIES)
+    rows = family_errors("smoke", (1, FAMILY_HEADS, 256, 256, 128), fns, {}, families, device="cpu")
+    bad = [r["family"] for r in rows if r["errors"].get("int8_fp16", 1.0) > ERROR_BUDGET or r["notes"]]
+    say("\n".join(families_markdown(rows, names)))
+    say(f"smoke: {len(rows)} families, over budget with int8_fp16: {bad or 'none'}")
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.smoke:
+        return smoke(args)
     if not torch.cuda.is_available():
-        say("bench_attention_int8: needs a CUDA GPU")
+        say("bench_attention_int8: needs a CUDA GPU (--smoke runs the family errors on the CPU)")
         return 2
     dev = torch.device("cuda")
     env = harness.gpu_script_environment(f"{harness.SUITE}.bench_attention_int8", argv, dev)  # comfy_kitchen: None
@@ -275,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         f"triton {env['triton']}, comfy_kitchen {env['comfy_kitchen']}, auto formats {env['formats_auto']}")
 
     stem = "bench_attention_int8" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
-    report = {"bench": "bench_attention_int8", "env": env, "rows": [], "sweep": [],
+    report = {"bench": "bench_attention_int8", "env": env, "rows": [], "sweep": [], "families": [],
               "autotune": {}, "checks": []}
 
     def write() -> None:  # after every stage, so a run cut short still leaves what it measured
@@ -288,6 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     shape_names = args.shapes or list(QUICK_SHAPES if args.quick else SHAPES)
     report["rows"] = time_shapes(shape_names, args.backends, args.repeats)
     write()
+    if args.families is not None:
+        say(f"error per input family ({FAMILY_HEADS} heads):")
+        fns, skipped = family_backends(FAMILY_BACKENDS)
+        families = args.families or list(families_module().ALL_FAMILIES)
+        for shape_name in shape_names:
+            report["families"] += family_errors(shape_name, SHAPES[shape_name], fns, skipped, families)
+            write()
     if not (args.no_sweep or args.quick):
         say("kernel variants, Wan 480p self-attention:")
         report["sweep"] = sweep_configs(SHAPES["wan14b_480p_self"], max(3, args.repeats // 2))

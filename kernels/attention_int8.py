@@ -1,4 +1,4 @@
-"""8-bit attention (SageAttention-style) in Triton: INT8 (or FP8) Q·Kᵀ, FP8 P·V, fp32 online softmax.
+"""8-bit attention (SageAttention-style) in Triton: INT8 (or FP8) Q·Kᵀ, FP16 (or FP8) P·V, fp32 online softmax.
 
 For non-causal full attention as Wan (self and cross) and Qwen-Image (joint) use it: [B, H, L, D] bf16/fp16,
 head dim 64 or 128, any Lq and Lk. Attention is about half of a Wan 2.2 14B forward at 480p, and 8-bit tensor
@@ -12,11 +12,16 @@ fp32 torch):
   Hadamard matrix (±1, R·Rᵀ = D·I): it leaves Q·Kᵀ unchanged (times D) and spreads outlier channels over
   all D channels, so a few 10-100x channels no longer set every token's int8 step. Sequences are zero-padded
   to 128.
-- main loop: scores = int8 dot * q_scale * k_scale in the log2 domain; P = exp2(s - m + 8) in fp8;
-  P·V per tile in fp8, summed into an fp32 accumulator; out = acc / l * v_scale + v_mean.
+- keys sorted per head by ||k - mean(k)||² (largest first; the K and V quantizers read through that order), so
+  each 128-key block holds keys of like size; the first hi_key_count(Lk) of them (1 %, whole blocks) get their
+  logits from the bf16/fp16 inputs in the main kernel: a key 10-100x larger than the rest has logits whose int8
+  error (7 bits of a large number) decides which key wins.
+- main loop: scores = int8 dot * q_scale * k_scale in the log2 domain; P = exp2(s - m + 8) in fp16 (or fp8);
+  P·V per tile summed into an fp32 accumulator; out = acc / l * v_scale + v_mean.
 
 `qk_format="fp8"` swaps the Q·Kᵀ operands to e4m3 (per-token / per-block scales to 448) for comparison;
-`pv_format="fp16"` is the Ampere path (sm80 has no fp8 tensor cores).
+`pv_format="fp8"` (sm89+) is the faster P·V over the 2 % budget on some inputs; `hi_keys=0` with it is the
+scheme before the 16-bit keys.
 """
 
 from __future__ import annotations
@@ -43,10 +48,11 @@ LOG2E = 1.4426950408889634
 # Q·Kᵀ format that "auto" picks. int8 keeps 7 bits where e4m3 keeps 3: on outlier inputs fp8 Q·Kᵀ is barely faster
 # but goes over the 2 % error budget (docs/benchmarks.md).
 DEFAULT_QK_FORMAT: Literal["int8", "fp8"] = "int8"
-# P·V format that "auto" picks on sm89+ (sm80 has no fp8 tensor cores, so it always gets fp16). e4m3 keeps 3
-# mantissa bits of P and V: where the output is averaged zero-mean V noise or a few huge V tokens, that rounding
-# does not average out (tests/unit/test_attention_families.py marks those families), but fp16 P·V is slower.
-DEFAULT_PV_FORMAT: Literal["fp8", "fp16"] = "fp8"
+# P·V format that "auto" picks. e4m3 keeps 3 mantissa bits of P and V: where the output is averaged zero-mean V
+# noise or a few huge V tokens, that rounding does not average out and fp8 P·V goes over the 2 % budget (gauss,
+# token_outliers, wan_like in tests/unit/attention_families.py); fp16 P·V runs at half the fp8 tensor rate.
+# pv_format="fp8" keeps the faster scheme for callers who accept that error.
+DEFAULT_PV_FORMAT: Literal["fp8", "fp16"] = "fp16"
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 # Floor on every amax, so all-zero rows/blocks (padding, Lk=1 after smoothing) quantize to 0 without 0/0.
@@ -56,6 +62,7 @@ KBLK = 128  # K tokens per scale (mirrors attention_int8_triton.KBLK; the refere
 PAD = 128  # sequence padding of the quantized buffers
 ROTATION_SIGN_SEED = 0x2545F4914F6CDD1D  # fixed: the kernel and the reference must build the same rotation
 P_LOG2_OFFSET = 8.0  # P = exp2(s - m + 8) in (0, 256], inside e4m3's 448
+HI_KEY_SHARE = 100  # 1 key in HI_KEY_SHARE (rounded up to whole KBLK blocks) gets 16-bit logits
 
 
 def _triton_module():
@@ -171,17 +178,37 @@ class QuantizedQKV:
     v_mean: torch.Tensor  # [B*H, D] fp32, subtracted before quantization, added to the output
     qk_format: str
     pv_format: str
+    q16: torch.Tensor  # the input q ([B, H, Lq, D] view), for the 16-bit keys' logits
+    k_hi: torch.Tensor  # [B*H, n_hi, D] input dtype: the first n_hi sorted keys, zero past Lk
+    k_mean: torch.Tensor  # [B*H, D] fp32, mean of k over the sequence
+    n_hi: int  # keys [0, n_hi) of the sorted order get 16-bit logits (0: none, keys in input order)
+    sm_scale: float
 
 
 def _pad(n: int) -> int:
     return (n + PAD - 1) // PAD * PAD
 
 
-def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_format: str = "int8",
-                 pv_format: str = "fp8", sm_scale: float | None = None) -> QuantizedQKV:
-    """The fused prologue on [B, H, L, D] views (any strides): two reductions + three Triton passes.
+def _sort_keys(tk, k: torch.Tensor, k_mean: torch.Tensor, n_hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [B*H, Lk] int32, k_hi [B*H, n_hi, D]): keys sorted by ||k - mean||² (largest first, stable), and the
+    first n_hi of them in the input dtype, zero past Lk. Sorting puts keys of like size in each KBLK block, and the
+    few far from the mean (which one int8 step per block cannot hold) into the 16-bit blocks."""
+    b, h, lk, d = k.shape
+    norm = torch.empty(b * h, lk, device=k.device, dtype=torch.float32)
+    tk.key_norm_kernel[(triton_cdiv(lk, 64), b * h)](
+        k, k_mean, norm, *k.stride(), h, lk, HEAD_DIM=d, BLOCK=64, num_warps=4)
+    order = torch.sort(norm, dim=-1, descending=True, stable=True).indices
+    n = min(n_hi, lk)
+    k_hi = torch.zeros(b, h, n_hi, d, device=k.device, dtype=k.dtype)
+    k_hi[:, :, :n] = k.gather(2, order.view(b, h, lk, 1)[:, :, :n].expand(-1, -1, -1, d))
+    return order.to(torch.int32), k_hi.view(b * h, n_hi, d)
 
-    Q and K are rotated by `rotation(D)` on the way (see the module docstring).
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_format: str = "int8",
+                 pv_format: str = "fp16", sm_scale: float | None = None, hi_keys: int | None = None) -> QuantizedQKV:
+    """The fused prologue on [B, H, L, D] views (any strides): reductions, the key sort, three Triton passes.
+
+    Q and K are rotated by `rotation(D)` on the way (see the module docstring); hi_keys as in attention_int8.
     """
     tk = _triton_module()
     if tk is None:
@@ -192,14 +219,22 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_format
     lq_pad, lk_pad = _pad(lq), _pad(lk)
     dev = q.device
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    n_hi = hi_key_count(lk) if hi_keys is None else hi_keys
+    if n_hi % KBLK:
+        raise ValueError(f"attention_int8: hi_keys={hi_keys} must be a multiple of {KBLK}")
     qk_dtype = torch.float8_e4m3fn if qk_format == "fp8" else torch.int8
     pv_dtype = torch.float8_e4m3fn if pv_format == "fp8" else torch.float16
     # Reductions over the sequence: torch reads each tensor once without materialising fp32 copies.
     rot = rotation(d, torch.float32, str(dev))
-    k_mean_rot = k.mean(dim=2, dtype=torch.float32).reshape(bh, d) @ rot
+    k_mean = k.mean(dim=2, dtype=torch.float32).reshape(bh, d).contiguous()
+    k_mean_rot = k_mean @ rot
     v_mean = v.mean(dim=2, dtype=torch.float32).reshape(bh, d).contiguous()
     # Bound on amax|V - mean| without a second pass; fp8 is floating point, so the slack costs no precision.
     v_amax = torch.linalg.vector_norm(v, ord=math.inf, dim=2, dtype=torch.float32).reshape(bh, d) + v_mean.abs()
+    if n_hi:
+        order, k_hi = _sort_keys(tk, k, k_mean, n_hi)
+    else:  # the scheme without 16-bit keys: input order (order is never read)
+        order, k_hi = k_mean, torch.empty(bh, 0, d, device=dev, dtype=k.dtype)
 
     q8 = torch.empty(bh, lq_pad, d, device=dev, dtype=qk_dtype)
     q_scale = torch.empty(bh, lq_pad, device=dev, dtype=torch.float32)
@@ -212,14 +247,15 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_format
         q, rot, q8, q_scale, *q.stride(), h, lq, lq_pad, sm_scale * LOG2E / d, AMAX_EPS,
         HEAD_DIM=d, BLOCK=PAD, TO_FP8=to_fp8, num_warps=8)
     tk.quantize_k_kernel[(lk_pad // KBLK, bh)](
-        k, rot, k_mean_rot.contiguous(), k8, k_scale, *k.stride(), h, lk, lk_pad, AMAX_EPS,
-        HEAD_DIM=d, BLOCK=KBLK, TO_FP8=to_fp8, num_warps=8)
+        k, rot, k_mean_rot.contiguous(), order, k8, k_scale, *k.stride(), h, lk, lk_pad, AMAX_EPS,
+        HEAD_DIM=d, BLOCK=KBLK, TO_FP8=to_fp8, GATHER=n_hi > 0, num_warps=8)
     blk_v = 64
     tk.quantize_v_kernel[(lk_pad // blk_v, bh)](
-        v, v_mean, v_amax, vt, *v.stride(), h, lk, lk_pad, AMAX_EPS,
-        HEAD_DIM=d, BLOCK=blk_v, TO_FP8=pv_format == "fp8", num_warps=4)
+        v, v_mean, v_amax, order, vt, *v.stride(), h, lk, lk_pad, AMAX_EPS,
+        HEAD_DIM=d, BLOCK=blk_v, TO_FP8=pv_format == "fp8", GATHER=n_hi > 0, num_warps=4)
     v_scale = v_amax.clamp_min(AMAX_EPS) / 448.0
-    return QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_scale, v_mean, qk_format, pv_format)
+    return QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_scale, v_mean, qk_format, pv_format,
+                        q, k_hi, k_mean, n_hi, sm_scale)
 
 
 def _bucket(n: int) -> int:
@@ -244,9 +280,11 @@ def attention_from_quantized(qq: QuantizedQKV, out: torch.Tensor, lq: int, lk: i
     tk = _triton_module()
     b, h, _, d = out.shape
     lq_pad, lk_pad = qq.q8.shape[1], qq.k8.shape[1]
-    args = (qq.q8, qq.q_scale, qq.k8, qq.k_scale, qq.vt, qq.v_scale, qq.v_mean, out, *out.stride(),
-            h, lq, lk, lq_pad, lk_pad, _bucket(lq), _bucket(lk))
-    flags = dict(HEAD_DIM=d, KBLK_=KBLK, QK_FP8=qq.qk_format == "fp8", PV_FP8=qq.pv_format == "fp8")
+    args = (qq.q8, qq.q_scale, qq.k8, qq.k_scale, qq.vt, qq.v_scale, qq.v_mean, out, qq.q16, qq.k_hi, qq.k_mean,
+            *out.stride(), *qq.q16.stride(), h, lq, lk, lq_pad, lk_pad, _bucket(lq), _bucket(lk), qq.n_hi // KBLK,
+            qq.sm_scale * LOG2E)
+    flags = dict(HEAD_DIM=d, KBLK_=KBLK, QK_FP8=qq.qk_format == "fp8", PV_FP8=qq.pv_format == "fp8",
+                 F32_DOT=_interpreting())
     if config is None and _interpreting():
         config = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
     if config is not None:
@@ -278,8 +316,12 @@ def chosen_configs() -> dict[str, str]:
 
 def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout = "BHLD",
                    qk_format: QkFormat = "auto", pv_format: PvFormat = "auto", sm_scale: float | None = None,
-                   config: dict | None = None) -> torch.Tensor:
-    """Non-causal softmax(q kᵀ / sqrt(D)) v with 8-bit tensor cores; output has q's dtype and layout."""
+                   config: dict | None = None, hi_keys: int | None = None) -> torch.Tensor:
+    """Non-causal softmax(q kᵀ / sqrt(D)) v with 8-bit tensor cores; output has q's dtype and layout.
+
+    hi_keys: how many keys (a multiple of KBLK; the ones farthest from the key mean) get logits from the 16-bit
+    inputs; None = hi_key_count(Lk); 0 = none, keys in input order (the scheme before 16-bit keys).
+    """
     qb, kb, vb = _as_bhld(q, layout), _as_bhld(k, layout), _as_bhld(v, layout)
     _check_inputs(qb, kb, vb)
     if q.device.type != "cuda" and not _interpreting():
@@ -293,7 +335,8 @@ def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
     # another batch size, so cond and uncond batched on one GPU would not match one each on two (ComfyUI's
     # MultiGPU split). Each sample still fills the GPU (L/128 x H programs).
     for i in range(qb.shape[0]):
-        qq = quantize_qkv(qb[i:i + 1], kb[i:i + 1], vb[i:i + 1], qk_format=qk, pv_format=pv, sm_scale=sm_scale)
+        qq = quantize_qkv(qb[i:i + 1], kb[i:i + 1], vb[i:i + 1], qk_format=qk, pv_format=pv, sm_scale=sm_scale,
+                          hi_keys=hi_keys)
         attention_from_quantized(qq, ob[i:i + 1], qb.shape[2], kb.shape[2], config)
     return out
 
@@ -380,7 +423,7 @@ def _round_half_away(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_format: str = "int8",
-                       pv_format: str = "fp8", sm_scale: float | None = None
+                       pv_format: str = "fp16", sm_scale: float | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prologue in fp32 on [B, H, L, D]: (q_q, q_scale[B,H,Lq], k_q, k_scale[B,H,nblk], v_q, v_scale, v_mean).
 
@@ -420,27 +463,59 @@ def quantize_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_
     return q_q, q_scale, k_q, k_scale, v_q, v_amax / 448.0, v_mean
 
 
+def hi_key_count(lk: int) -> int:
+    """How many keys (the largest after centring) get 16-bit logits: 1 % of Lk in whole KBLK blocks, at least one
+    block (all keys when Lk <= KBLK)."""
+    return KBLK * max(1, -(-lk // (KBLK * HI_KEY_SHARE)))
+
+
+def key_order_reference(k: torch.Tensor) -> torch.Tensor:
+    """Keys of each head sorted by ||k - mean(k)||² (fp32), largest first: [B, H, Lk] int64 (the kernel's order)."""
+    k32 = k.float()
+    norm = (k32 - k32.mean(dim=2, keepdim=True)).pow(2).sum(dim=-1)
+    return torch.sort(norm, dim=-1, descending=True, stable=True).indices
+
+
+def _hi_scores(q: torch.Tensor, k_hi: torch.Tensor, k_mean: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """log2-domain scores of the 16-bit keys: (q·k - q·mean(k)) · sm_scale·log2(e) from the inputs, in fp32."""
+    q32 = q.float()
+    return (q32 @ k_hi.float().transpose(-1, -2) - (q32 @ k_mean[..., None])) * (sm_scale * LOG2E)
+
+
 def attention_int8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout = "BHLD",
-                             qk_format: str = "int8", pv_format: str = "fp8", sm_scale: float | None = None,
-                             block_n: int = 128) -> torch.Tensor:
-    """fp32 emulation of attention_int8's exact quantization and tile-wise online softmax (any device)."""
+                             qk_format: str = "int8", pv_format: str = "fp16", sm_scale: float | None = None,
+                             block_n: int = 128, hi_keys: int | None = None) -> torch.Tensor:
+    """fp32 emulation of attention_int8's exact quantization and tile-wise online softmax (any device).
+
+    hi_keys: None = hi_key_count(Lk), 0 = no 16-bit keys and the keys in input order (the scheme before them).
+    """
     qb, kb, vb = _as_bhld(q, layout), _as_bhld(k, layout), _as_bhld(v, layout)
     _check_inputs(qb, kb, vb)
     if KBLK % block_n:
         raise ValueError(f"attention_int8_reference: block_n={block_n} must divide {KBLK}")
+    n_hi = hi_key_count(kb.shape[2]) if hi_keys is None else hi_keys
+    if n_hi % KBLK:
+        raise ValueError(f"attention_int8_reference: hi_keys={hi_keys} must be a multiple of {KBLK}")
+    sm_scale = 1.0 / math.sqrt(qb.shape[-1]) if sm_scale is None else sm_scale
+    if n_hi:  # the kernel's key order: the keys far from the mean first
+        order = key_order_reference(kb)[..., None].expand(-1, -1, -1, kb.shape[-1])
+        kb, vb = kb.gather(2, order), vb.gather(2, order)
     q_q, q_scale, k_q, k_scale, v_q, v_scale, v_mean = quantize_reference(
         qb, kb, vb, qk_format=qk_format, pv_format=pv_format, sm_scale=sm_scale)
     b, h, lq, d = q_q.shape
     lk = k_q.shape[2]
+    s_hi = _hi_scores(qb, kb[:, :, :n_hi], kb.float().mean(dim=2), sm_scale) if n_hi else None
     p_dtype = torch.float8_e4m3fn if pv_format == "fp8" else torch.float16
     m = torch.full((b, h, lq), -math.inf, device=q.device)
     l = torch.zeros(b, h, lq, device=q.device)
     acc = torch.zeros(b, h, lq, d, device=q.device)
     for start in range(0, lk, block_n):
         stop = min(start + block_n, lk)
-        raw = q_q @ k_q[:, :, start:stop].transpose(-1, -2)  # exact: |raw| < 2^24
-        c = q_scale * k_scale[:, :, start // KBLK, None]
-        s = raw * c[..., None]
+        if start < n_hi:
+            s = s_hi[..., start:stop]
+        else:
+            raw = q_q @ k_q[:, :, start:stop].transpose(-1, -2)  # exact: |raw| < 2^24
+            s = raw * (q_scale * k_scale[:, :, start // KBLK, None])[..., None]
         m_new = torch.maximum(m, s.amax(dim=-1))
         p = torch.exp2(s - (m_new - P_LOG2_OFFSET)[..., None])
         alpha = torch.exp2(m - m_new)

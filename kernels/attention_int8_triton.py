@@ -46,14 +46,22 @@ def _round_half_away(x):
 
 
 @triton.jit
-def _rotate(X, Rot, b, h, offs_l, offs_d, stride_b, stride_h, stride_l, stride_d, L, HEAD_DIM: tl.constexpr):
-    """Rows of X (zero past L) times the ±1 rotation [D, D] (fp32), in fp32.
+def _source_rows(Order, pid_bh, offs_l, L, GATHER: tl.constexpr):
+    """Input row of each output position: Order[bh, l] (the sorted key order) when GATHER, else l itself."""
+    if GATHER:
+        return tl.load(Order + pid_bh.to(tl.int64) * L + offs_l, mask=offs_l < L, other=0)
+    return offs_l
+
+
+@triton.jit
+def _rotate(X, Rot, b, h, rows, valid, offs_d, stride_b, stride_h, stride_l, stride_d, HEAD_DIM: tl.constexpr):
+    """Input rows ``rows`` of X (zero where not valid) times the ±1 rotation [D, D] (fp32), in fp32.
 
     tf32 keeps 10 mantissa bits, which holds every bf16 and fp16 value and ±1 exactly, so the tensor-core
     product is exact up to fp32 summation.
     """
-    x = tl.load(X + b * stride_b + h * stride_h + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d,
-                mask=offs_l[:, None] < L, other=0.0).to(tl.float32)
+    x = tl.load(X + b * stride_b + h * stride_h + rows[:, None].to(tl.int64) * stride_l + offs_d[None, :] * stride_d,
+                mask=valid[:, None], other=0.0).to(tl.float32)
     rot = tl.load(Rot + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
     return tl.dot(x, rot, input_precision="tf32")
 
@@ -72,7 +80,7 @@ def quantize_q_kernel(
     h = pid_bh % H
     offs_l = pid_l * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
-    x = _rotate(X, Rot, b, h, offs_l, offs_d, stride_b, stride_h, stride_l, stride_d, L, HEAD_DIM)
+    x = _rotate(X, Rot, b, h, offs_l, offs_l < L, offs_d, stride_b, stride_h, stride_l, stride_d, HEAD_DIM)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
     # tl.max / tl.maximum drop NaN: a token holding one gets a NaN scale, which makes its scores NaN (see module doc)
     amax = tl.where(tl.sum((x != x).to(tl.int32), axis=1) > 0, float("nan"), amax)
@@ -90,19 +98,21 @@ def quantize_q_kernel(
 
 @triton.jit
 def quantize_k_kernel(
-    X, Rot, MeanRot, Out, Scale,
+    X, Rot, MeanRot, Order, Out, Scale,
     stride_b, stride_h, stride_l, stride_d,
     H, L, L_pad, eps,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr, GATHER: tl.constexpr,
 ):
-    """K·R - mean(K)·R -> int8/fp8 [BH, L_pad, D] with one fp32 scale per BLOCK tokens in [BH, L_pad // BLOCK]."""
+    """K·R - mean(K)·R -> int8/fp8 [BH, L_pad, D] with one fp32 scale per BLOCK tokens in [BH, L_pad // BLOCK];
+    with GATHER, position l holds input key Order[bh, l] (the keys sorted by distance from their mean)."""
     pid_l = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     offs_l = pid_l * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
-    x = _rotate(X, Rot, b, h, offs_l, offs_d, stride_b, stride_h, stride_l, stride_d, L, HEAD_DIM)
+    rows = _source_rows(Order, pid_bh, offs_l, L, GATHER)
+    x = _rotate(X, Rot, b, h, rows, offs_l < L, offs_d, stride_b, stride_h, stride_l, stride_d, HEAD_DIM)
     mean = tl.load(MeanRot + pid_bh * HEAD_DIM + offs_d)
     x = tl.where(offs_l[:, None] < L, x - mean[None, :], 0.0)  # padded keys stay exactly zero
     amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), eps)
@@ -120,12 +130,13 @@ def quantize_k_kernel(
 
 @triton.jit
 def quantize_v_kernel(
-    X, Mean, Amax, Out,
+    X, Mean, Amax, Order, Out,
     stride_b, stride_h, stride_l, stride_d,
     H, L, L_pad, eps,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr, GATHER: tl.constexpr,
 ):
-    """(V - mean_c) / (amax_c / 448) -> fp8 (or fp16) transposed to [BH, D, L_pad]; padded tokens are zero."""
+    """(V - mean_c) / (amax_c / 448) -> fp8 (or fp16) transposed to [BH, D, L_pad]; padded tokens are zero;
+    with GATHER, in the keys' sorted order (as quantize_k_kernel)."""
     pid_l = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -133,7 +144,8 @@ def quantize_v_kernel(
     offs_l = pid_l * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     valid = offs_l[:, None] < L
-    x = tl.load(X + b * stride_b + h * stride_h + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d,
+    rows = _source_rows(Order, pid_bh, offs_l, L, GATHER)
+    x = tl.load(X + b * stride_b + h * stride_h + rows[:, None].to(tl.int64) * stride_l + offs_d[None, :] * stride_d,
                 mask=valid, other=0.0).to(tl.float32)
     x = tl.where(valid, x - tl.load(Mean + pid_bh * HEAD_DIM + offs_d)[None, :], 0.0)
     amax = tl.maximum(tl.load(Amax + pid_bh * HEAD_DIM + offs_d), eps)
@@ -144,6 +156,26 @@ def quantize_v_kernel(
         y = y.to(tl.float16)
     out_base = pid_bh.to(tl.int64) * L_pad * HEAD_DIM
     tl.store(Out + out_base + offs_d[None, :] * L_pad + offs_l[:, None], y)
+
+
+@triton.jit
+def key_norm_kernel(
+    X, Mean, Out,
+    stride_b, stride_h, stride_l, stride_d,
+    H, L,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """||k - mean(k)||² per key in fp32 -> [BH, L]: what the keys are sorted by before quantization."""
+    pid_l = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_l = pid_l * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    x = tl.load(X + b * stride_b + h * stride_h + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d,
+                mask=offs_l[:, None] < L, other=0.0).to(tl.float32)
+    x = x - tl.load(Mean + pid_bh * HEAD_DIM + offs_d)[None, :]
+    tl.store(Out + pid_bh.to(tl.int64) * L + offs_l, tl.sum(x * x, axis=1), mask=offs_l < L)
 
 
 @triton.jit
@@ -178,17 +210,19 @@ def _scores(q, k_ptrs):
 
 @triton.jit
 def _softmax_pv(
-    acc, l_i, m_i, s, qscale, vt_ptrs, kscale_ptr, start_n, Lk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_FP8: tl.constexpr, PV_FP8: tl.constexpr,
+    acc, l_i, m_i, s, c, vt_ptrs, start_n, Lk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT_SCORES: tl.constexpr, PV_FP8: tl.constexpr,
     MASK: tl.constexpr, EXP_EMU: tl.constexpr, PV_ACC: tl.constexpr,
 ):
-    """Online softmax of one tile of raw scores in the log2 domain, then P·V into acc."""
-    c = qscale * tl.load(kscale_ptr)  # per-row factor from raw dot to log2-domain score
-    if QK_FP8:
-        s_off = tl.zeros_like(c)
-    else:
+    """Online softmax of one tile of scores in the log2 domain, then P·V into acc.
+
+    s: raw int32 dots (INT_SCORES, the int8 path) or fp32; c: the per-row factor from s to the log2-domain score.
+    """
+    if INT_SCORES:
         s = (s + MAGIC_I2F_BITS).to(tl.float32, bitcast=True)  # == raw + 1.5*2^23, exactly
         s_off = c * MAGIC_I2F_VALUE
+    else:
+        s_off = tl.zeros_like(c)
     if MASK:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         s = tl.where((offs_n < Lk)[None, :], s, float("-inf"))
@@ -220,18 +254,57 @@ def _softmax_pv(
     return acc, l_i, m_new
 
 
+@triton.jit
+def _hi_keys(
+    acc, l_i, m_i, Q16, KHi, KMean, vt_ptrs, b, h, pid_bh, offs_m, offs_d,
+    stride_qb, stride_qh, stride_qm, stride_qd, Lq, Lk, N_HI, hi_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr,
+    EXP_EMU: tl.constexpr, PV_ACC: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    """The first N_HI sorted keys (those farthest from the key mean) with logits from the 16-bit inputs.
+
+    One such key can carry a logit 100x larger than the rest; 7 bits of it (int8) then put an error of several
+    units on the exponent. Here the tensor core multiplies the bf16/fp16 inputs exactly in fp32. The int8 keys
+    are centred (their scores miss q·mean(k), a per-query constant), so q·mean(k) is taken off these scores too.
+    """
+    q16 = tl.load(Q16 + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm
+                  + offs_d[None, :] * stride_qd, mask=offs_m[:, None] < Lq, other=0.0)
+    q_mean = tl.sum(q16.to(tl.float32) * tl.load(KMean + pid_bh * HEAD_DIM + offs_d)[None, :], axis=1)
+    c = tl.full([BLOCK_M], hi_scale, tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    k_ptrs = KHi + pid_bh.to(tl.int64) * N_HI * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    # num_stages=1: a few tiles per program; pipelining them would give this loop its own shared-memory stages
+    # next to the main loop's (and cost the main loop its occupancy)
+    for start_n in tl.range(0, N_HI, BLOCK_N, num_stages=1):
+        k16 = tl.load(k_ptrs + start_n * HEAD_DIM)
+        if F32_DOT:  # the same exact products as the 16-bit tensor-core dot (fp32 accumulation)
+            s = tl.dot(q16.to(tl.float32), tl.trans(k16.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q16, tl.trans(k16))
+        s = s - q_mean[:, None]
+        acc, l_i, m_i = _softmax_pv(
+            acc, l_i, m_i, s, c, vt_ptrs + start_n, start_n, Lk,
+            BLOCK_M, BLOCK_N, False, PV_FP8, True, EXP_EMU, PV_ACC)
+    return acc, l_i, m_i
+
+
 # Lengths vary per call; specialising them (divisibility by 16) would recompile per model resolution.
-@triton.jit(do_not_specialize=["Lq", "Lk", "LQ_BUCKET", "LK_BUCKET"])
+@triton.jit(do_not_specialize=["Lq", "Lk", "LQ_BUCKET", "LK_BUCKET", "N_HI_BLK"])
 def attn_fwd_kernel(
-    Q8, QScale, K8, KScale, VT, VScale, VMean, Out,
-    stride_ob, stride_oh, stride_om, stride_od,
-    H, Lq, Lk, Lq_pad, Lk_pad, LQ_BUCKET, LK_BUCKET,
+    Q8, QScale, K8, KScale, VT, VScale, VMean, Out, Q16, KHi, KMean,
+    stride_ob, stride_oh, stride_om, stride_od, stride_qb, stride_qh, stride_qm, stride_qd,
+    H, Lq, Lk, Lq_pad, Lk_pad, LQ_BUCKET, LK_BUCKET, N_HI_BLK, hi_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KBLK_: tl.constexpr,
     QK_FP8: tl.constexpr, PV_FP8: tl.constexpr,
-    PV_ACC: tl.constexpr = 2, EXP_EMU: tl.constexpr = 0,
+    PV_ACC: tl.constexpr = 2, EXP_EMU: tl.constexpr = 0, F32_DOT: tl.constexpr = False,
 ):
     """Non-causal attention over pre-quantized Q8/K8/VT; one program = BLOCK_M queries of one (b, h).
 
+    Keys [0, N_HI) (N_HI = N_HI_BLK·KBLK_, passed in blocks so that the compiler knows the int8 loop's start
+    is 128-aligned and keeps its cp.async loads; the keys sorted farthest from their mean first) take their logits from
+    Q16 (the input q, any strides) and KHi ([BH, N_HI, D], the input keys in sorted order, zero past Lk): see
+    _hi_keys. The int8 (or fp8) Q·Kᵀ covers the keys from N_HI on. F32_DOT (the interpreter only, whose bf16 dot
+    is wrong) multiplies those 16-bit operands as fp32 instead.
     Variant flags (bench_attention_int8.py --quick times each at Wan 480p): PV_ACC 0/1/2 how P·V reaches the
     fp32 accumulator (see _softmax_pv); EXP_EMU 0/1/2 moves 0, 1/2 or 1/4 of the exp2s from MUFU to a polynomial
     on the FMA pipe. (tl.range(warp_specialize=True) compiles to identical SASS on sm90 with Triton 3.6, and a
@@ -246,8 +319,6 @@ def attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    q = tl.load(Q8 + bh * Lq_pad * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :])
-    qscale = tl.load(QScale + bh * Lq_pad + offs_m)
     k_ptrs = K8 + bh * Lk_pad * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     vt_ptrs = VT + bh * Lk_pad * HEAD_DIM + offs_d[:, None] * Lk_pad + offs_n[None, :]
     kscale_ptr = KScale + pid_bh * (Lk_pad // KBLK_)
@@ -255,17 +326,25 @@ def attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    N_HI = N_HI_BLK * KBLK_
+    if N_HI > 0:
+        acc, l_i, m_i = _hi_keys(
+            acc, l_i, m_i, Q16, KHi, KMean, vt_ptrs, b, h, pid_bh, offs_m, offs_d,
+            stride_qb, stride_qh, stride_qm, stride_qd, Lq, Lk, N_HI, hi_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, PV_FP8, EXP_EMU, PV_ACC, F32_DOT)
+    q = tl.load(Q8 + bh * Lq_pad * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :])
+    qscale = tl.load(QScale + bh * Lq_pad + offs_m)
     n_full = (Lk // BLOCK_N) * BLOCK_N
-    for start_n in range(0, n_full, BLOCK_N):
+    for start_n in range(N_HI, n_full, BLOCK_N):
         s = _scores(q, k_ptrs + start_n * HEAD_DIM)
         acc, l_i, m_i = _softmax_pv(
-            acc, l_i, m_i, s, qscale, vt_ptrs + start_n, kscale_ptr + start_n // KBLK_, start_n, Lk,
-            BLOCK_M, BLOCK_N, QK_FP8, PV_FP8, False, EXP_EMU, PV_ACC)
-    if n_full < Lk:  # ragged tail: padded keys are zero in K8/VT, masked out of the softmax here
+            acc, l_i, m_i, s, qscale * tl.load(kscale_ptr + start_n // KBLK_), vt_ptrs + start_n, start_n, Lk,
+            BLOCK_M, BLOCK_N, not QK_FP8, PV_FP8, False, EXP_EMU, PV_ACC)
+    if n_full < Lk and n_full >= N_HI:  # ragged tail: padded keys are zero in K8/VT, masked out of the softmax here
         s = _scores(q, k_ptrs + n_full * HEAD_DIM)
         acc, l_i, m_i = _softmax_pv(
-            acc, l_i, m_i, s, qscale, vt_ptrs + n_full, kscale_ptr + n_full // KBLK_, n_full, Lk,
-            BLOCK_M, BLOCK_N, QK_FP8, PV_FP8, True, EXP_EMU, PV_ACC)
+            acc, l_i, m_i, s, qscale * tl.load(kscale_ptr + n_full // KBLK_), vt_ptrs + n_full, n_full, Lk,
+            BLOCK_M, BLOCK_N, not QK_FP8, PV_FP8, True, EXP_EMU, PV_ACC)
 
     vscale = tl.load(VScale + pid_bh * HEAD_DIM + offs_d)  # amax_c / 448
     vmean = tl.load(VMean + pid_bh * HEAD_DIM + offs_d)  # softmax rows sum to 1, so the mean adds back as is

@@ -7,6 +7,10 @@ the logits are spread over channels, tokens and heads, not how sharp the attenti
 business (sharper attention raises every 8-bit kernel's error; see the "sharp" family). Unless a family says
 otherwise, v = N(0, 1) + a per-channel offset N(0, 0.5²), as real value projections carry a bias.
 
+COMBINATIONS stack several of those structures in one input ("a+b+c": each part a family above, applied in
+the order channel outliers, mean offsets, head scales, temperature, token outliers): real projections carry
+outlier channels, biases and odd tokens at once, and a scheme that handles each alone can still fail on the mix.
+
 Plain torch, any device: tests use it on CPU at small L, benchmarks/bench_attention_int8.py on the GPU at the
 Wan shapes (generating on the device with a device generator, so values differ between devices).
 """
@@ -39,6 +43,40 @@ FAMILIES: dict[str, str] = {
     "wan_like": "Wan 2.2 q/k: offsets and 4 outlier channels, RMSNorm over all heads with a spread gain, 3-axis "
                 "RoPE on a (t, h, w) grid; v with offsets and outlier channels",
 }
+
+# Families that compose with each other (the structures of FAMILIES that act on different axes)
+COMPOSABLE = ("q_channel_outliers", "k_channel_outliers", "qk_channel_outliers", "k_mean_offsets", "qk_mean_offsets",
+              "head_scales", "token_outliers", "k_token_outliers")
+COMBINATIONS: tuple[str, ...] = (
+    "qk_channel_outliers+k_mean_offsets",  # a few channels of q and k scaled up + a mean offset on k
+    "qk_channel_outliers+qk_mean_offsets",
+    "q_channel_outliers+k_mean_offsets",
+    "k_channel_outliers+qk_mean_offsets",
+    "qk_channel_outliers+head_scales",
+    "qk_mean_offsets+head_scales",
+    "qk_channel_outliers+token_outliers",
+    "qk_channel_outliers+k_token_outliers",
+    "qk_mean_offsets+token_outliers",
+    "qk_mean_offsets+k_token_outliers",
+    "head_scales+token_outliers",
+    "head_scales+k_token_outliers",
+    "qk_channel_outliers+qk_mean_offsets+head_scales",
+    "q_channel_outliers+qk_mean_offsets+head_scales+token_outliers",  # everything on q
+    "k_channel_outliers+k_mean_offsets+head_scales+k_token_outliers",  # everything on k
+    "qk_channel_outliers+qk_mean_offsets+head_scales+token_outliers+k_token_outliers",
+)
+ALL_FAMILIES: tuple[str, ...] = (*FAMILIES, *COMBINATIONS)
+
+
+def _parts(name: str) -> set[str]:
+    """The structures of a family name: {name} for FAMILIES, its COMPOSABLE parts for "a+b+..."."""
+    if name in FAMILIES:
+        return {name}
+    parts = name.split("+")
+    if len(parts) < 2 or len(set(parts)) != len(parts) or any(p not in COMPOSABLE for p in parts):
+        raise ValueError(f"attention_families: unknown family {name!r}; known: {', '.join(FAMILIES)}, or "
+                         f"combinations 'a+b' of {', '.join(COMPOSABLE)}")
+    return set(parts)
 
 
 def _randn(g: torch.Generator, *shape: int, device: torch.device) -> torch.Tensor:
@@ -118,9 +156,9 @@ def _wan_like(g: torch.Generator, b: int, h: int, lq: int, lk: int, d: int, devi
 def make_family(name: str, b: int, h: int, lq: int, lk: int, d: int, *, seed: int = 0,
                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v ([B, H, L, D], dtype, on device) of one family in FAMILIES; same seed and device -> same values."""
-    if name not in FAMILIES:
-        raise ValueError(f"attention_families: unknown family {name!r}; known: {', '.join(FAMILIES)}")
+    """q, k, v ([B, H, L, D], dtype, on device) of one family in ALL_FAMILIES (or any "a+b" of COMPOSABLE);
+    same seed and device -> same values."""
+    parts = _parts(name)
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
     if name == "wan_like":
@@ -137,15 +175,15 @@ def make_family(name: str, b: int, h: int, lq: int, lk: int, d: int, *, seed: in
         k[..., ch] = k[..., ch] * mult + 2 * mult
         q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True))
         k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True))
-    if name in ("q_channel_outliers", "qk_channel_outliers"):
+    if parts & {"q_channel_outliers", "qk_channel_outliers"}:
         q[..., ch] *= _mults(4, device)
-    if name in ("k_channel_outliers", "qk_channel_outliers"):
+    if parts & {"k_channel_outliers", "qk_channel_outliers"}:
         k[..., ch] *= _mults(4, device)
-    if name in ("k_mean_offsets", "qk_mean_offsets"):
+    if parts & {"k_mean_offsets", "qk_mean_offsets"}:
         k = k + 10.0 * _randn(g, h, 1, d, device=device)
-    if name == "qk_mean_offsets":
+    if "qk_mean_offsets" in parts:
         q = q + 3.0 * _randn(g, h, 1, d, device=device)
-    if name == "head_scales":
+    if "head_scales" in parts:
         mag = torch.tensor([10.0, 0.1, 1.0, 1.0], device=device).repeat(-(-h // 4))[:h][:, None, None]
         q, k, v, v_offset = q * mag, k * mag, v * mag, v_offset * mag
     if name == "v_outliers":
@@ -153,8 +191,8 @@ def make_family(name: str, b: int, h: int, lq: int, lk: int, d: int, *, seed: in
         v[..., _pick(g, d, 4, device)] *= _mults(4, device)
     if name != "rmsnorm_outliers":
         q = normalise_temperature(q, k)
-    if name == "token_outliers":
+    if "token_outliers" in parts:
         q, v = _token_outliers(g, q), _token_outliers(g, v)
-    if name == "k_token_outliers":
+    if "k_token_outliers" in parts:
         k = _token_outliers(g, k)
     return q.to(dtype), k.to(dtype), (v + v_offset).to(dtype)

@@ -28,8 +28,8 @@ from pathlib import Path
 KERNEL_FILE = Path(__file__).resolve().parents[2] / "kernels" / "attention_int8_triton.py"
 SAFE_WRITE_FILE = KERNEL_FILE.parents[1] / "checkpoints" / "safe_write.py"
 SM_REGS, SM_SMEM, SM_WARPS = 65536, 227 * 1024, 64  # sm80/sm89/sm90 per-SM limits (sm90/sm80 smem; sm89 has 99 KB)
-POINTERS = ("Q8", "QScale", "K8", "KScale", "VT", "VScale", "VMean", "Out")
-DIV16_INTS = ("stride_ob", "stride_oh", "stride_om", "Lq_pad", "Lk_pad")
+POINTERS = ("Q8", "QScale", "K8", "KScale", "VT", "VScale", "VMean", "Out", "Q16", "KHi", "KMean")
+DIV16_INTS = ("stride_ob", "stride_oh", "stride_om", "stride_qb", "stride_qh", "stride_qm", "Lq_pad", "Lk_pad")
 WATCH = ("MUFU", "F2FP", "I2F", "IGMMA", "QGMMA", "HGMMA", "LDGSTS", "UTMALDG", "LDG", "LDS", "LDSM", "STS", "LDL",
          "STL", "BAR", "SYNCS", "SHFL")
 
@@ -43,7 +43,7 @@ def _load_kernel_module(name: str = "attention_int8_triton_aot", path: Path = KE
 
 
 def compile_kernel(arch: int, block_m: int, block_n: int, warps: int, stages: int, qk: str = "int8",
-                   pv: str = "fp8", pv_acc: int = 1, exp_emu: int = 0):  # noqa: ANN201 - triton CompiledKernel
+                   pv: str = "fp16", pv_acc: int = 1, exp_emu: int = 0):  # noqa: ANN201 - triton CompiledKernel
     """Compile attn_fwd_kernel for ``sm{arch}`` with the JIT's specialisation of a real launch."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -53,11 +53,14 @@ def compile_kernel(arch: int, block_m: int, block_n: int, warps: int, stages: in
     qty = "i8" if qk == "int8" else "fp8e4nv"
     sig = {"Q8": f"*{qty}", "QScale": "*fp32", "K8": f"*{qty}", "KScale": "*fp32",
            "VT": "*fp8e4nv" if pv == "fp8" else "*fp16", "VScale": "*fp32", "VMean": "*fp32", "Out": "*bf16",
+           "Q16": "*bf16", "KHi": "*bf16", "KMean": "*fp32",
            "stride_ob": "i64", "stride_oh": "i64", "stride_om": "i64", "stride_od": "constexpr",
-           **{n: "i32" for n in ("H", "Lq", "Lk", "Lq_pad", "Lk_pad", "LQ_BUCKET", "LK_BUCKET")},
+           "stride_qb": "i64", "stride_qh": "i64", "stride_qm": "i64", "stride_qd": "constexpr",
+           **{n: "i32" for n in ("H", "Lq", "Lk", "Lq_pad", "Lk_pad", "LQ_BUCKET", "LK_BUCKET", "N_HI_BLK")},
+           "hi_scale": "fp32",
            **{n: "constexpr" for n in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "KBLK_", "QK_FP8", "PV_FP8", "PV_ACC",
                                         "EXP_EMU")}}
-    const = {"stride_od": 1, "HEAD_DIM": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "KBLK_": 128,
+    const = {"stride_od": 1, "stride_qd": 1, "HEAD_DIM": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "KBLK_": 128,
              "QK_FP8": qk == "fp8", "PV_FP8": pv == "fp8", "PV_ACC": pv_acc, "EXP_EMU": exp_emu}
     names = fn.arg_names
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*POINTERS, *DIV16_INTS)}
@@ -72,7 +75,8 @@ def _tool(name: str) -> str:
 
 
 def main_loop_mix(sass: str) -> tuple[int, collections.Counter]:
-    """Instruction count and opcode mix of the longest backward-branch body (the K/V tile loop)."""
+    """Instruction count and opcode mix of the K/V tile loop: of the backward-branch bodies, the one with the
+    most 8-bit wgmmas (IGMMA / QGMMA; the 16-bit-key loop has fewer), then the longest."""
     instrs: list[str] = []
     labels: dict[str, int] = {}
     for line in sass.splitlines():
@@ -82,12 +86,14 @@ def main_loop_mix(sass: str) -> tuple[int, collections.Counter]:
         label = re.match(r"\.(L_x_\d+):", line.strip())
         if label:
             labels[label.group(1)] = len(instrs)
-    best = (0, 0, -1)
+    best = (0, 0, 0, -1)
     for i, ins in enumerate(instrs):
         m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", ins)
         if m and m.group(1) in labels and labels[m.group(1)] <= i:
-            best = max(best, (i - labels[m.group(1)] + 1, labels[m.group(1)], i))
-    n, lo, hi = best
+            lo = labels[m.group(1)]
+            wgmma8 = sum(op.startswith(("IGMMA", "QGMMA")) for op in instrs[lo:i + 1])
+            best = max(best, (wgmma8, i - lo + 1, lo, i))
+    _, n, lo, hi = best
     return n, collections.Counter(ins.split()[0].split(".")[0] for ins in instrs[lo:hi + 1])
 
 
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=int, nargs=4, action="append", metavar=("BM", "BN", "WARPS", "STAGES"),
                         help="tile config (repeatable); default: the autotune set")
     parser.add_argument("--qk", choices=("int8", "fp8"), default="int8")
-    parser.add_argument("--pv", choices=("fp8", "fp16"), default="fp8")
+    parser.add_argument("--pv", choices=("fp8", "fp16"), default="fp16")
     args = parser.parse_args(argv)
     import triton
 
