@@ -11,6 +11,14 @@ Paths (`Fp8Path`), picked by `select_path` and overridable:
 - "scaled_mm_blockwise": 128x128 weight blocks, 1x128 activation groups, `F.scaled_mm` (SM90, torch >= 2.10).
   Block-wise weights on other GPUs dequantize (no Triton block-scaled GEMM ships yet).
 - "dequantize": weight -> compute dtype, then `F.linear` (CPU, pre-Ada GPUs, odd shapes, fp32 activations).
+
+Candidates the fp8_gemm benchmark compares, chosen per call by the caller (`ActQuant`, off by default):
+- a delayed per-tensor activation scale (`new_act_state`, `quantize_delayed_torch`): one quantizing pass with the
+  scale earlier calls measured, re-quantized on the device when this call's amax does not fit, tensor-wise GEMM;
+- one quantization for several linears of the same input (`fp8_linear_shared`: attention q, k, v);
+- `use_fast_accum` GEMMs, and the one-pass row quantizer (`fp8_triton.quantize_rowwise_one_pass`).
+They take eager calls: the delayed state is mutated by kernels launched directly, so a compiled caller keeps the
+linear opaque and passes the state in.
 """
 
 from __future__ import annotations
@@ -496,6 +504,8 @@ def _resolve_act(path: Fp8Path, block_size: int | None, act: ActQuant) -> Fp8Pat
 def _resolve(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_size: int | None,
              path: Fp8Path | None, out_dtype: torch.dtype, act: ActQuant = DEFAULT_ACT) -> Fp8Path:
     """Validate the weight layout and settle the path (auto-selected fp8 paths fall back for fp32 activations)."""
+    if act.state is not None and act.state.device != x.device:
+        raise ValueError(f"act.state is on {act.state.device}, the input on {x.device}: one state per device")
     if act.state is not None and path == "scaled_mm_rowwise":
         raise ValueError("a delayed activation scale (act.state) is per tensor: use path 'scaled_mm_tensorwise' "
                          "or None, not 'scaled_mm_rowwise'")

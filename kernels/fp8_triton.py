@@ -16,6 +16,10 @@ group kernel counts NaNs per row (one integer add per element); neither adds a p
 propagate_nan=ALL; without that a NaN activation got a finite scale and finite codes, and NaN Guard never saw
 it (benchmarks/results/gpu_hostile.md, finding 1). Kernel constants are tl.constexpr, never Python-float kernel arguments: under inductor a float argument becomes
 fp64 and Triton rejects it ("Expected dtype ['fp32'] but got fp64", torch 2.11).
+Delayed per-tensor scales (kernels/fp8.py quantize_delayed_torch is the reference) take three launches and no host
+sync: one pass casts with the scale held in a device state and folds the finite amax into it (atomic max), one
+program decides this call's scale and the next, and a second pass re-casts only when the decision says so (its
+programs otherwise read one flag and exit). The one-pass row kernel holds a whole row (K <= 16384) in registers.
 Importing this module without Triton is fine: TRITON_AVAILABLE is False and nothing is registered.
 """
 
