@@ -70,21 +70,22 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _tile(x_ptr, sc_ptr, h, rows, row_ok, k0, K, stride_x, stride_sr, stride_sc, FP8: tl.constexpr,
-              IN_BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, ROTATE: tl.constexpr, BLOCK_K: tl.constexpr):
+              IN_BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_AFTER: tl.constexpr, ROTATE: tl.constexpr,
+              BLOCK_K: tl.constexpr):
         """One [rows, BLOCK_K] tile as fp32 values: decoded, scaled, rotated."""
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (cols[None, :] < K)
         raw = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0)
         v = _e4m3_to_f32(raw) if FP8 else raw
         # A scale constant over the tile (per-tensor, or blocks a multiple of the tile wide) commutes with the
-        # rotation: rotate the exact codes first (bf16 holds every e4m3 value), scale after.
-        after = HAS_SCALE and (IN_BLOCK == 0 or IN_BLOCK % BLOCK_K == 0)
+        # rotation: rotate the exact codes first (bf16 holds every e4m3 value), scale after (SCALE_AFTER, decided
+        # on the host: a constexpr, so the compiler drops the other branches and ``v`` may change type).
         if HAS_SCALE and IN_BLOCK == 0:
             s = tl.load(sc_ptr)
         elif HAS_SCALE:
             s = tl.load(sc_ptr + (rows // IN_BLOCK)[:, None] * stride_sr + (cols // IN_BLOCK)[None, :] * stride_sc,
                         mask=mask, other=1.0)
-        if HAS_SCALE and not after:
+        if HAS_SCALE and not SCALE_AFTER:
             v = v.to(tl.float32) * s
         elif FP8:
             v = v.to(tl.float16)  # exact: fp16 holds every e4m3 value (4 significant bits, 2^-9 to 448)
@@ -94,14 +95,15 @@ if TRITON_AVAILABLE:
             else:  # bf16/fp16 values times +-1: exact products, fp32 sums on tensor cores
                 v = tl.dot(v.to(h.dtype), h) * _INV_SQRT_BLOCK
         v = v.to(tl.float32)
-        if HAS_SCALE and after:
+        if SCALE_AFTER:
             v = v * s
         return v
 
     @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, sc_ptr, h_ptr, R, K, stride_x, stride_q, stride_sr, stride_sc,
                            FP8: tl.constexpr, IN_BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr,
-                           ROTATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                           SCALE_AFTER: tl.constexpr, ROTATE: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
         """Pass 1: per-row amax and NaN count over K; pass 2: codes. One scale per row."""
         rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         row_ok = rows < R
@@ -110,14 +112,14 @@ if TRITON_AVAILABLE:
         nans = tl.zeros([BLOCK_R], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             v = _tile(x_ptr, sc_ptr, h, rows, row_ok, k0, K, stride_x, stride_sr, stride_sc, FP8, IN_BLOCK,
-                      HAS_SCALE, ROTATE, BLOCK_K)
+                      HAS_SCALE, SCALE_AFTER, ROTATE, BLOCK_K)
             nans += tl.sum((v != v).to(tl.int32), axis=1)
             amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
         scale = tl.maximum(tl.math.div_rn(amax, 127.0), _SCALE_MIN_C)
         scale = tl.where(nans > 0, float("nan"), scale)
         for k0 in range(0, K, BLOCK_K):
             v = _tile(x_ptr, sc_ptr, h, rows, row_ok, k0, K, stride_x, stride_sr, stride_sc, FP8, IN_BLOCK,
-                      HAS_SCALE, ROTATE, BLOCK_K)
+                      HAS_SCALE, SCALE_AFTER, ROTATE, BLOCK_K)
             q = tl.clamp(_rint(tl.math.div_rn(v, scale[:, None])), -127.0, 127.0, propagate_nan=tl.PropagateNan.ALL)
             q = tl.where(q == q, q, 0.0)
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -195,7 +197,8 @@ def _launch_quant(x: torch.Tensor, rotate: bool, in_scale: torch.Tensor | None, 
     ssr, ssc = (sc.stride(0), sc.stride(1)) if in_scale is not None and in_scale.ndim == 2 else (0, 0)
     wrap(_quant_rows_kernel)[(triton.cdiv(r, _ROWS),)](
         src, q, s, sc, h, r, k, x.stride(0), q.stride(0), ssr, ssc, FP8=fp8, IN_BLOCK=in_block,
-        HAS_SCALE=in_scale is not None, ROTATE=rotate, BLOCK_R=_ROWS, BLOCK_K=ROTATION_BLOCK)
+        HAS_SCALE=in_scale is not None, SCALE_AFTER=in_scale is not None and in_block % ROTATION_BLOCK == 0,
+        ROTATE=rotate, BLOCK_R=_ROWS, BLOCK_K=ROTATION_BLOCK)
     return q, s
 
 
@@ -257,7 +260,7 @@ def quantize_rows(x: torch.Tensor, rotate: bool = False, in_scale: torch.Tensor 
     ``in_block``) -> (int8 [R, K], fp32 scale [R, 1]); ``rotate`` needs K % 128 == 0."""
     if rotate and x.shape[1] % ROTATION_BLOCK:
         raise ValueError(f"rotation needs K to be a multiple of {ROTATION_BLOCK}, got K={x.shape[1]}")
-    if _OPS:
+    if _OPS and torch.compiler.is_compiling():  # eager: launch directly (the op's dispatch costs more than it)
         return _OPS["int8_quant_rows"](x, rotate, in_scale, in_block)
     return _launch_quant(x, rotate, in_scale, in_block, _direct)
 
@@ -266,6 +269,6 @@ def int8_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor
             out_dtype: torch.dtype) -> torch.Tensor:
     """int8 [M, K] x int8 [N, K]^T -> out_dtype [M, N] with (acc * sa[m]) * sb[n] + bias[n] fused."""
     sa, sb = sa.reshape(-1).float().contiguous(), sb.reshape(-1).float().contiguous()
-    if _OPS:
+    if _OPS and torch.compiler.is_compiling():
         return _OPS["int8_mm"](a.contiguous(), sa, b.contiguous(), sb, bias, out_dtype)
     return _launch_mm(a.contiguous(), sa, b.contiguous(), sb, bias, out_dtype, _direct)
