@@ -347,9 +347,9 @@ def block_variants(device: torch.device) -> dict[str, dict]:
     tw, rw = "scaled_mm_tensorwise", "scaled_mm_rowwise"
     v = {"bf16 F.linear": {"run": lambda x, wd, st: F.linear(x, wd["w"], wd["b"])},
          "native fp8_e4m3fn_fast": {"native": True},
-         "pack today (scale chooser)": {"run": _pack(None)},
-         "pack row-wise": {"run": _pack(rw, fp8.ActQuant())},
-         "pack tensor-wise (amax pass)": {"run": _pack(tw, fp8.ActQuant())},
+         "pack today (scale chooser, fast accum)": {"run": _pack(None)},
+         "pack row-wise, no fast accum": {"run": _pack(rw, fp8.ActQuant())},
+         "pack tensor-wise (amax pass), no fast accum": {"run": _pack(tw, fp8.ActQuant())},
          "cand row-wise, one-pass quantizer": {"run": _pack(rw, fp8.ActQuant(row_one_pass=True))},
          "cand row-wise + fast accum": {"run": _pack(rw, fp8.ActQuant(fast_accum=True))}}
     for fast in (False, True):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -364,9 +365,22 @@ def select_path(
 # The fp8 linear
 
 
+_ROW_SCALES: "weakref.WeakKeyDictionary[torch.Tensor, tuple[int, int, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
 def _weight_scale_row(weight_scale: torch.Tensor, n: int) -> torch.Tensor:
-    # Row-wise scaled_mm wants scale_b as a contiguous (1, N) fp32 tensor, so expand the per-tensor scale.
-    return weight_scale.float().reshape(1, 1).expand(1, n).contiguous()
+    """Row-wise scaled_mm wants scale_b as a contiguous (1, N) fp32 tensor: the per-tensor scale expanded.
+
+    Kept per scale tensor (and its version, so an in-place reload is seen) while it lives: the copy is a kernel
+    launch per linear call, and models of many short linears (Qwen-Image) are bound by such launches."""
+    if torch.compiler.is_compiling() or weight_scale.is_inference():  # an inference tensor has no version
+        return weight_scale.float().reshape(1, 1).expand(1, n).contiguous()
+    hit = _ROW_SCALES.get(weight_scale)
+    if hit is not None and hit[0] == weight_scale._version and hit[1] == n:
+        return hit[2]
+    row = weight_scale.float().reshape(1, 1).expand(1, n).contiguous()
+    _ROW_SCALES[weight_scale] = (weight_scale._version, n, row)
+    return row
 
 
 def _blockwise_weight_scale(weight_scale: torch.Tensor) -> torch.Tensor:
@@ -391,13 +405,16 @@ class ActQuant:
     row_one_pass: bool = False
 
 
-DEFAULT_ACT = ActQuant()
+# Fast accumulation by default: on Hopper the fp8 MMA's partial sums skip their periodic fp32 promotion, which
+# moved a Wan block's output error by a few thousandths of a percent (the fp8 rounding of the operands dominates)
+# for several percent of GEMM time (docs/benchmarks.md, fp8 linears). GPUs without fp8 never reach it.
+DEFAULT_ACT = ActQuant(fast_accum=True)
 
 
 def _gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
           out_dtype: torch.dtype, fast_accum: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     kwargs = {} if out is None else {"out": out}
-    if fast_accum:  # only when asked: older CPU kernels do not take the argument at all
+    if fast_accum and xq.is_cuda:  # CPU kernels (tests) have no such mode; older ones reject the argument
         kwargs["use_fast_accum"] = True
     return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=out_dtype, **kwargs)
 
