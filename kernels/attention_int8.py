@@ -509,7 +509,8 @@ def attention_int8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     m = torch.full((b, h, lq), -math.inf, device=q.device)
     l = torch.zeros(b, h, lq, device=q.device)
     acc = torch.zeros(b, h, lq, d, device=q.device)
-    for start in range(0, lk, block_n):
+    # the kernel's tile order: the 8-bit keys [n_hi, Lk) first, then the 16-bit ones
+    for start in [*range(n_hi, lk, block_n), *range(0, min(n_hi, lk), block_n)]:
         stop = min(start + block_n, lk)
         if start < n_hi:
             s = s_hi[..., start:stop]
