@@ -303,8 +303,8 @@ def attn_fwd_kernel(
     Keys [0, N_HI) (N_HI = N_HI_BLK·KBLK_, passed in blocks so that the compiler knows the int8 loop's base
     is 128-aligned and keeps its cp.async loads; the keys sorted farthest from their mean first) take their logits from
     Q16 (the input q, any strides) and KHi ([BH, N_HI, D], the input keys in sorted order, zero past Lk): see
-    _hi_keys, which runs after the int8 (or fp8) Q·Kᵀ loop over the keys from N_HI on. F32_DOT (the interpreter only, whose bf16 dot
-    is wrong) multiplies those 16-bit operands as fp32 instead.
+    _hi_keys, which runs after the int8 (or fp8) Q·Kᵀ loop over the keys from N_HI on. F32_DOT (the interpreter
+    only, whose bf16 dot is wrong) multiplies those 16-bit operands as fp32 instead.
     Variant flags (bench_attention_int8.py --quick times each at Wan 480p): PV_ACC 0/1/2 how P·V reaches the
     fp32 accumulator (see _softmax_pv); EXP_EMU 0/1/2 moves 0, 1/2 or 1/4 of the exp2s from MUFU to a polynomial
     on the FMA pipe. (tl.range(warp_specialize=True) compiles to identical SASS on sm90 with Triton 3.6, and a
