@@ -24,8 +24,9 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "wan14b_720p_self": (1, 40, 75600, 75600, 128),  # 1280x720x81 -> 21 x 90 x 160 / 4
 }
 QUICK_SHAPES = ("wan14b_480p_self", "wan14b_480p_cross")
-# ours: (Q·Kᵀ format, P·V format, hi_keys). "int8_fp16" is what "auto" runs; "int8_fp8_old" the scheme before
-# the 16-bit keys and the fp16 P·V default (the speed baseline); hi_keys None = hi_key_count(Lk), 0 = none.
+# ours: (Q·Kᵀ format, P·V format, hi_keys). "int8_fp8" is what "auto" runs on sm89+ ("int8_fp16" on sm80/86 and
+# the selectable precise scheme); "int8_fp8_old" the scheme before the 16-bit keys (the speed baseline); hi_keys
+# None = hi_key_count(Lk), 0 = none.
 OURS = {"int8_fp16": ("int8", "fp16", None), "int8_fp8": ("int8", "fp8", None), "int8_fp8_old": ("int8", "fp8", 0),
         "fp8_fp8": ("fp8", "fp8", None)}
 FAMILY_BACKENDS = ("sdpa_cudnn", "int8_fp16", "int8_fp8", "int8_fp8_old", "comfy_kitchen_int8")
@@ -34,7 +35,7 @@ ERROR_BUDGET = 0.02
 FAMILIES_FILE = Path(__file__).resolve().parents[1] / "tests" / "unit" / "attention_families.py"
 # comfy-kitchen's INT8 attention (as ComfyUI's --use-ck-attention runs it) and torch's experimental fp8 SDPA
 RIVALS = ("comfy_kitchen_int8", "sdpa_fp8")
-BACKENDS = ("sdpa_cudnn", "sdpa_flash", *OURS, *RIVALS, "prologue")
+BACKENDS = ("sdpa_cudnn", "sdpa_flash", *OURS, *RIVALS, "prologue", "prologue_old")
 ERR_HEADS = 2
 
 
@@ -116,9 +117,10 @@ def backend_fn(name: str, config: dict | None = None):
             with sdpa_kernel(which):
                 return F.scaled_dot_product_attention(q, k, v)
         return run
-    if name == "prologue":
+    if name in ("prologue", "prologue_old"):  # the auto formats' prologue; _old: without the key sort (hi_keys=0)
         qk, pv = A.resolve_formats(torch.device("cuda"))
-        return lambda q, k, v: A.quantize_qkv(q, k, v, qk_format=qk, pv_format=pv)
+        hi = 0 if name == "prologue_old" else None
+        return lambda q, k, v: A.quantize_qkv(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
     qk, pv, hi = OURS[name]
     if not torch.cuda.is_available():  # the CPU smoke run: the fp32 emulation of the same scheme
         return lambda q, k, v: A.attention_int8_reference(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
@@ -151,7 +153,7 @@ def measure(name: str, shape: tuple[int, ...], repeats: int, warmup: int, config
         row["first_call_s"] = round(time.perf_counter() - t0, 2)
         times = harness.time_fn(lambda: fn(q, k, v), q.device, repeats, warmup)
         row["time_ms"] = statistics.median(times)
-        if name != "prologue":
+        if not name.startswith("prologue"):
             row["tflops"] = 4 * b * h * lq * lk * d / (row["time_ms"] * 1e-3) / 1e12
             if errors:
                 row.update(rel_errors(fn, shape))
@@ -334,7 +336,7 @@ def time_shapes(shape_names: list[str], names: list[str], repeats: int) -> list[
             row["shape_name"] = shape_name
             if name == "sdpa_cudnn":
                 cudnn_ms = row.get("time_ms")
-            if cudnn_ms and row.get("time_ms") and name != "prologue":
+            if cudnn_ms and row.get("time_ms") and not name.startswith("prologue"):
                 row["speedup_vs_cudnn"] = cudnn_ms / row["time_ms"]
             say(f"  {name:10s} " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in row.items() if k not in ("shape", "shape_name", "backend")))

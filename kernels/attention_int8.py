@@ -16,12 +16,13 @@ fp32 torch):
   each 128-key block holds keys of like size; the first hi_key_count(Lk) of them (1 %, whole blocks) get their
   logits from the bf16/fp16 inputs in the main kernel: a key 10-100x larger than the rest has logits whose int8
   error (7 bits of a large number) decides which key wins.
-- main loop: scores = int8 dot * q_scale * k_scale in the log2 domain; P = exp2(s - m + 8) in fp16 (or fp8);
-  P·V per tile summed into an fp32 accumulator; out = acc / l * v_scale + v_mean.
+- main loop: scores = int8 dot * q_scale * k_scale in the log2 domain over the 8-bit keys, then the 16-bit keys'
+  tiles; P = exp2(s - m + 8) in fp8 on sm89+ (fp16 on sm80/86, or asked for); P·V per tile summed into an fp32
+  accumulator; out = acc / l * v_scale + v_mean.
 
 `qk_format="fp8"` swaps the Q·Kᵀ operands to e4m3 (per-token / per-block scales to 448) for comparison;
-`pv_format="fp8"` (sm89+) is the faster P·V over the 2 % budget on some inputs; `hi_keys=0` with it is the
-scheme before the 16-bit keys.
+`pv_format="fp16"` is the slower, more precise P·V (within 2 % also on zero-mean noise, see DEFAULT_PV_FORMAT);
+`hi_keys=0` with fp8 P·V is the scheme before the 16-bit keys.
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ LOG2E = 1.4426950408889634
 # Q·Kᵀ format that "auto" picks. int8 keeps 7 bits where e4m3 keeps 3: on outlier inputs fp8 Q·Kᵀ is barely faster
 # but goes over the 2 % error budget (docs/benchmarks.md).
 DEFAULT_QK_FORMAT: Literal["int8", "fp8"] = "int8"
-# P·V format that "auto" picks. e4m3 keeps 3 mantissa bits of P and V: where the output is averaged zero-mean V
-# noise or a few huge V tokens, that rounding does not average out and fp8 P·V goes over the 2 % budget (gauss,
-# token_outliers, wan_like in tests/unit/attention_families.py); fp16 P·V runs at half the fp8 tensor rate.
-# pv_format="fp8" keeps the faster scheme for callers who accept that error.
-DEFAULT_PV_FORMAT: Literal["fp8", "fp16"] = "fp16"
+# P·V format that "auto" picks on sm89+ (sm80/sm86 have no fp8 tensor cores, so they always get fp16). fp16 P·V
+# runs at half the fp8 tensor rate, which makes the kernel slower than cuDNN's bf16 attention on the H100
+# (docs/benchmarks.md): the 8-bit kernel is only worth picking with fp8 P·V. e4m3 keeps 3 mantissa bits of P and V:
+# where the output is averaged zero-mean V noise ("gauss" in tests/unit/attention_families.py) that rounding does
+# not average out and the error goes over the 2 % budget; outlier-heavy inputs stay within it (the 16-bit keys
+# hold the key outliers). pv_format="fp16" is the more precise scheme for callers who want it.
+DEFAULT_PV_FORMAT: Literal["fp8", "fp16"] = "fp8"
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 # Floor on every amax, so all-zero rows/blocks (padding, Lk=1 after smoothing) quantize to 0 without 0/0.
@@ -509,7 +512,8 @@ def attention_int8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     m = torch.full((b, h, lq), -math.inf, device=q.device)
     l = torch.zeros(b, h, lq, device=q.device)
     acc = torch.zeros(b, h, lq, d, device=q.device)
-    for start in range(0, lk, block_n):
+    # the kernel's tile order: the 8-bit keys [n_hi, Lk) first, then the 16-bit ones
+    for start in [*range(n_hi, lk, block_n), *range(0, min(n_hi, lk), block_n)]:
         stop = min(start + block_n, lk)
         if start < n_hi:
             s = s_hi[..., start:stop]

@@ -300,11 +300,11 @@ def attn_fwd_kernel(
 ):
     """Non-causal attention over pre-quantized Q8/K8/VT; one program = BLOCK_M queries of one (b, h).
 
-    Keys [0, N_HI) (N_HI = N_HI_BLK·KBLK_, passed in blocks so that the compiler knows the int8 loop's start
+    Keys [0, N_HI) (N_HI = N_HI_BLK·KBLK_, passed in blocks so that the compiler knows the int8 loop's base
     is 128-aligned and keeps its cp.async loads; the keys sorted farthest from their mean first) take their logits from
     Q16 (the input q, any strides) and KHi ([BH, N_HI, D], the input keys in sorted order, zero past Lk): see
-    _hi_keys. The int8 (or fp8) Q·Kᵀ covers the keys from N_HI on. F32_DOT (the interpreter only, whose bf16 dot
-    is wrong) multiplies those 16-bit operands as fp32 instead.
+    _hi_keys, which runs after the int8 (or fp8) Q·Kᵀ loop over the keys from N_HI on. F32_DOT (the interpreter
+    only, whose bf16 dot is wrong) multiplies those 16-bit operands as fp32 instead.
     Variant flags (bench_attention_int8.py --quick times each at Wan 480p): PV_ACC 0/1/2 how P·V reaches the
     fp32 accumulator (see _softmax_pv); EXP_EMU 0/1/2 moves 0, 1/2 or 1/4 of the exp2s from MUFU to a polynomial
     on the FMA pipe. (tl.range(warp_specialize=True) compiles to identical SASS on sm90 with Triton 3.6, and a
@@ -327,24 +327,32 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     N_HI = N_HI_BLK * KBLK_
+    q = tl.load(Q8 + bh * Lq_pad * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :])
+    qscale = tl.load(QScale + bh * Lq_pad + offs_m)
+    # The 8-bit loop runs first, over keys [N_HI, Lk), exactly as the scheme without 16-bit keys ran over [0, Lk):
+    # base pointers moved up by N_HI, the loop counting from 0, acc starting at zero. With the 16-bit tiles in front
+    # of it (or a runtime loop start) the sm90 build of the loop grew by ~3 % of its instructions and ran at the
+    # register cap (tests/unit/sass_attention_int8.py); the online softmax does not care about the tile order.
+    k8_ptrs = k_ptrs + N_HI * HEAD_DIM
+    vt8_ptrs = vt_ptrs + N_HI
+    kscale_ptr += N_HI_BLK
+    lk_int8 = tl.maximum(Lk - N_HI, 0)  # Lk <= N_HI: every key is a 16-bit key
+    n_full = (lk_int8 // BLOCK_N) * BLOCK_N
+    for start_n in range(0, n_full, BLOCK_N):
+        s = _scores(q, k8_ptrs + start_n * HEAD_DIM)
+        acc, l_i, m_i = _softmax_pv(
+            acc, l_i, m_i, s, qscale * tl.load(kscale_ptr + start_n // KBLK_), vt8_ptrs + start_n, start_n, lk_int8,
+            BLOCK_M, BLOCK_N, not QK_FP8, PV_FP8, False, EXP_EMU, PV_ACC)
+    if n_full < lk_int8:  # ragged tail: padded keys are zero in K8/VT, masked out of the softmax here
+        s = _scores(q, k8_ptrs + n_full * HEAD_DIM)
+        acc, l_i, m_i = _softmax_pv(
+            acc, l_i, m_i, s, qscale * tl.load(kscale_ptr + n_full // KBLK_), vt8_ptrs + n_full, n_full, lk_int8,
+            BLOCK_M, BLOCK_N, not QK_FP8, PV_FP8, True, EXP_EMU, PV_ACC)
     if N_HI > 0:
         acc, l_i, m_i = _hi_keys(
             acc, l_i, m_i, Q16, KHi, KMean, vt_ptrs, b, h, pid_bh, offs_m, offs_d,
             stride_qb, stride_qh, stride_qm, stride_qd, Lq, Lk, N_HI, hi_scale,
             HEAD_DIM, BLOCK_M, BLOCK_N, PV_FP8, EXP_EMU, PV_ACC, F32_DOT)
-    q = tl.load(Q8 + bh * Lq_pad * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :])
-    qscale = tl.load(QScale + bh * Lq_pad + offs_m)
-    n_full = (Lk // BLOCK_N) * BLOCK_N
-    for start_n in range(N_HI, n_full, BLOCK_N):
-        s = _scores(q, k_ptrs + start_n * HEAD_DIM)
-        acc, l_i, m_i = _softmax_pv(
-            acc, l_i, m_i, s, qscale * tl.load(kscale_ptr + start_n // KBLK_), vt_ptrs + start_n, start_n, Lk,
-            BLOCK_M, BLOCK_N, not QK_FP8, PV_FP8, False, EXP_EMU, PV_ACC)
-    if n_full < Lk and n_full >= N_HI:  # ragged tail: padded keys are zero in K8/VT, masked out of the softmax here
-        s = _scores(q, k_ptrs + n_full * HEAD_DIM)
-        acc, l_i, m_i = _softmax_pv(
-            acc, l_i, m_i, s, qscale * tl.load(kscale_ptr + n_full // KBLK_), vt_ptrs + n_full, n_full, Lk,
-            BLOCK_M, BLOCK_N, not QK_FP8, PV_FP8, True, EXP_EMU, PV_ACC)
 
     vscale = tl.load(VScale + pid_bh * HEAD_DIM + offs_d)  # amax_c / 448
     vmean = tl.load(VMean + pid_bh * HEAD_DIM + offs_d)  # softmax rows sum to 1, so the mean adds back as is
