@@ -365,7 +365,15 @@ def select_path(
 # The fp8 linear
 
 
-_ROW_SCALES: "weakref.WeakKeyDictionary[torch.Tensor, tuple[int, int, torch.Tensor]]" = weakref.WeakKeyDictionary()
+# id(scale) -> (weak reference to it, its version, N, the expanded row). Not a WeakKeyDictionary: its lookups
+# compare keys with ==, which for tensors is an elementwise op and a GPU sync on every call.
+_ROW_SCALES: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+
+def _forget_row_scale(key: int, ref: weakref.ref) -> None:
+    entry = _ROW_SCALES.get(key)
+    if entry is not None and entry[0] is ref:
+        del _ROW_SCALES[key]
 
 
 def _weight_scale_row(weight_scale: torch.Tensor, n: int) -> torch.Tensor:
@@ -375,11 +383,13 @@ def _weight_scale_row(weight_scale: torch.Tensor, n: int) -> torch.Tensor:
     launch per linear call, and models of many short linears (Qwen-Image) are bound by such launches."""
     if torch.compiler.is_compiling() or weight_scale.is_inference():  # an inference tensor has no version
         return weight_scale.float().reshape(1, 1).expand(1, n).contiguous()
-    hit = _ROW_SCALES.get(weight_scale)
-    if hit is not None and hit[0] == weight_scale._version and hit[1] == n:
-        return hit[2]
+    key = id(weight_scale)
+    hit = _ROW_SCALES.get(key)
+    if hit is not None and hit[0]() is weight_scale and hit[1] == weight_scale._version and hit[2] == n:
+        return hit[3]
     row = weight_scale.float().reshape(1, 1).expand(1, n).contiguous()
-    _ROW_SCALES[weight_scale] = (weight_scale._version, n, row)
+    ref = weakref.ref(weight_scale, lambda r, k=key: _forget_row_scale(k, r))
+    _ROW_SCALES[key] = (ref, weight_scale._version, n, row)
     return row
 
 

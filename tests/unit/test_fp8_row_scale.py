@@ -22,7 +22,15 @@ def test_inference_tensors_are_expanded_each_call() -> None:
     with torch.inference_mode():
         scale = torch.tensor(0.25)
     assert torch.all(fp8._weight_scale_row(scale, 3) == 0.25)
-    assert scale not in fp8._ROW_SCALES
+    assert id(scale) not in fp8._ROW_SCALES
+
+
+def test_lookups_never_compare_tensors(monkeypatch) -> None:
+    """A cache hit must not call Tensor.__eq__ (elementwise, a GPU sync per linear on CUDA)."""
+    scale = torch.tensor(0.5)
+    fp8._weight_scale_row(scale, 8)
+    monkeypatch.setattr(torch.Tensor, "__eq__", lambda *a: (_ for _ in ()).throw(AssertionError("compared")))
+    assert fp8._weight_scale_row(scale, 8).shape == (1, 8)
 
 
 def test_a_dead_scale_leaves_no_entry() -> None:
