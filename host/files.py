@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from .log import say_once
+
+log = logging.getLogger("comfyui_lowvram_dit")
 
 
 @contextmanager
@@ -37,13 +42,23 @@ def file_fingerprint(folder: str, name: str) -> str:
 
 
 def use_mmap() -> bool:
-    """Map checkpoint files (weights cost page cache, not RAM) unless ComfyUI runs with ``--disable-mmap``."""
+    """Map checkpoint files (weights cost page cache, not RAM) unless ComfyUI runs with ``--disable-mmap``, or
+    with ``--novram`` / ``--lowvram``: there the weights stay in host memory and every step reads them, and a step
+    that reads a mapping whose file was cut short meanwhile (overwritten in place by a download) kills the whole
+    server with SIGBUS, which no code can catch. Reading into private memory costs RAM instead of page cache."""
     try:
+        import comfy.model_management as mm
         import comfy.utils
-
-        return not bool(getattr(comfy.utils, "DISABLE_MMAP", False))
     except Exception:  # noqa: BLE001 - outside ComfyUI (tests, scripts): mapping is the default
         return True
+    if bool(getattr(comfy.utils, "DISABLE_MMAP", False)):
+        return False
+    state = getattr(mm, "vram_state", None)
+    if state is not None and getattr(state, "name", "") in ("NO_VRAM", "LOW_VRAM"):
+        say_once(log, f"lowvram_dit: ComfyUI keeps weights in host memory ({state.name}); model files are read "
+                 "into memory instead of mapped, so a file changed on disk cannot take the server down")
+        return False
+    return True
 
 
 def embedding_cache() -> Any:  # checkpoints.embedding_cache.EmbeddingCache

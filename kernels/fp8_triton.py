@@ -237,6 +237,7 @@ def _direct(kernel):
 
 # ---- torch.library registration: traceable by dynamo, kernels visible to inductor -------------------------------
 _OPS: dict[str, object] = {}
+_REGISTERED = [False]  # set once the ops exist (read while Dynamo traces: a list item, not the dict's truth)
 _NS = "lowvram_dit"
 
 
@@ -258,6 +259,7 @@ def _register_ops() -> None:
             _OPS[name] = triton_op(f"{_NS}::{name}", fn, mutates_args=())
         except RuntimeError:  # already registered by another import of this file (e.g. ComfyUI + editable install)
             _OPS[name] = getattr(getattr(torch.ops, _NS), name).default
+    _REGISTERED[0] = True
 
 
 if TRITON_AVAILABLE and hasattr(torch.library, "triton_op"):
@@ -268,7 +270,7 @@ def _traced() -> bool:
     """True while torch.compile traces: the registered op then lets inductor see the kernel. Eager calls launch
     the kernel directly; the op's dispatch costs several times the launch itself, and a model made of short
     linears (Qwen-Image at 1328x1328) is then bound by the CPU, not the GPU."""
-    return bool(_OPS) and torch.compiler.is_compiling()
+    return torch.compiler.is_compiling() and _REGISTERED[0]  # Dynamo cannot trace bool() of a dict
 
 
 def _op(name: str):

@@ -357,7 +357,7 @@ def quantize_rows(x: torch.Tensor, rotate: bool = False, in_scale: torch.Tensor 
     ``in_block``) -> (int8 [R, K], fp32 scale [R, 1]); ``rotate`` needs K % 128 == 0."""
     if rotate and x.shape[1] % ROTATION_BLOCK:
         raise ValueError(f"rotation needs K to be a multiple of {ROTATION_BLOCK}, got K={x.shape[1]}")
-    if _OPS and torch.compiler.is_compiling():  # eager: launch directly (the op's dispatch costs more than it)
+    if torch.compiler.is_compiling() and "int8_quant_rows" in _OPS:  # eager: launch directly (cheaper)
         return _OPS["int8_quant_rows"](x, rotate, in_scale, in_block)
     return _launch_quant(x, rotate, in_scale, in_block, _direct)
 
@@ -366,6 +366,6 @@ def int8_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor
             out_dtype: torch.dtype) -> torch.Tensor:
     """int8 [M, K] x int8 [N, K]^T -> out_dtype [M, N] with (acc * sa[m]) * sb[n] + bias[n] fused."""
     sa, sb = sa.reshape(-1).float().contiguous(), sb.reshape(-1).float().contiguous()
-    if _OPS and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and "int8_mm" in _OPS:
         return _OPS["int8_mm"](a.contiguous(), sa, b.contiguous(), sb, bias, out_dtype)
     return _launch_mm(a.contiguous(), sa, b.contiguous(), sb, bias, out_dtype, _direct)

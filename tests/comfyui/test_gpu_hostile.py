@@ -55,6 +55,7 @@ import pytest
 from comfy_server import ComfyServer, comfy_server_session, comfyui_path_or_reason, loader_swap_nodes, sample_nodes
 
 from comfyui_lowvram_dit.cli.memwatch import proc_status
+from comfyui_lowvram_dit.cli.server import execution_error
 
 pytestmark = [pytest.mark.cuda, pytest.mark.comfyui]
 
@@ -992,7 +993,7 @@ def _log_tail(server: ComfyServer, start: int, n: int = 2500) -> str:
 def _status_text(entry: dict) -> str:
     if entry["status"]["status_str"] == "success":
         return "success"
-    return ComfyServer._execution_error(entry)
+    return execution_error(entry)
 
 
 # ----------------------------------------------------------------------------------------------------------
