@@ -23,8 +23,6 @@ False and nothing is registered.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 try:  # Triton is optional: CPU boxes, and Windows installs without triton-windows
@@ -58,7 +56,6 @@ def gemm_available(device: torch.device | str) -> bool:
 if TRITON_AVAILABLE:
     _SCALE_MIN_C = tl.constexpr(SCALE_MIN)
     _INV_SQRT_BLOCK = tl.constexpr(ROTATION_BLOCK**-0.5)
-    _COLS = tl.constexpr(ROTATION_BLOCK)
 
     @triton.jit
     def _e4m3_to_f32(b):
@@ -72,17 +69,13 @@ if TRITON_AVAILABLE:
         return tl.where((b >> 7) != 0, -mag, mag)
 
     @triton.jit
-    def _tile(x_ptr, sc_ptr, h, rr, cc, mask, stride_x, stride_sr, stride_sc, FP8: tl.constexpr,
-              IN_BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_AFTER: tl.constexpr, ROTATE: tl.constexpr):
-        """One tile of 128-column rows as fp32 values (decoded, scaled, rotated); element (i, j) is x[rr, cc]."""
-        raw = tl.load(x_ptr + rr * stride_x + cc, mask=mask, other=0)
-        return _values(raw, sc_ptr, h, rr, cc, mask, stride_sr, stride_sc, FP8, IN_BLOCK, HAS_SCALE, SCALE_AFTER,
-                       ROTATE)
-
-    @triton.jit
-    def _values(raw, sc_ptr, h, rr, cc, mask, stride_sr, stride_sc, FP8: tl.constexpr, IN_BLOCK: tl.constexpr,
-                HAS_SCALE: tl.constexpr, SCALE_AFTER: tl.constexpr, ROTATE: tl.constexpr):
-        """A loaded tile ``raw`` (x[rr, cc]) as fp32 values: decoded, scaled, rotated."""
+    def _tile(x_ptr, sc_ptr, h, rows, row_ok, k0, K, stride_x, stride_sr, stride_sc, FP8: tl.constexpr,
+              IN_BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_AFTER: tl.constexpr, ROTATE: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+        """One [rows, BLOCK_K] tile as fp32 values: decoded, scaled, rotated."""
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (cols[None, :] < K)
+        raw = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0)
         v = _e4m3_to_f32(raw) if FP8 else raw
         # A scale constant over the tile (per-tensor, or blocks a multiple of the tile wide) commutes with the
         # rotation: rotate the exact codes first (bf16 holds every e4m3 value), scale after (SCALE_AFTER, decided
@@ -90,7 +83,8 @@ if TRITON_AVAILABLE:
         if HAS_SCALE and IN_BLOCK == 0:
             s = tl.load(sc_ptr)
         elif HAS_SCALE:
-            s = tl.load(sc_ptr + (rr // IN_BLOCK) * stride_sr + (cc // IN_BLOCK) * stride_sc, mask=mask, other=1.0)
+            s = tl.load(sc_ptr + (rows // IN_BLOCK)[:, None] * stride_sr + (cols // IN_BLOCK)[None, :] * stride_sc,
+                        mask=mask, other=1.0)
         if HAS_SCALE and not SCALE_AFTER:
             v = v.to(tl.float32) * s
         elif FP8:
@@ -106,87 +100,32 @@ if TRITON_AVAILABLE:
         return v
 
     @triton.jit
-    def _codes(v, scale):
-        """int8 codes of fp32 ``v`` at ``scale`` (broadcast): rint(v / scale) saturated to +-127; NaN -> 0."""
-        q = tl.clamp(_rint(tl.math.div_rn(v, scale)), -127.0, 127.0, propagate_nan=tl.PropagateNan.ALL)
-        return tl.where(q == q, q, 0.0).to(tl.int8)
-
-    @triton.jit
-    def _row_scale(amax, nans):
-        """scale = max(amax / 127, SCALE_MIN) with IEEE division; NaN where the row held a NaN."""
-        scale = tl.maximum(tl.math.div_rn(amax, 127.0), _SCALE_MIN_C)
-        return tl.where(nans > 0, float("nan"), scale)
-
-    @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, sc_ptr, h_ptr, R, K, stride_x, stride_q, stride_sr, stride_sc,
                            FP8: tl.constexpr, IN_BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr,
                            SCALE_AFTER: tl.constexpr, ROTATE: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_K: tl.constexpr):
-        """Two passes over K (rows longer than the one-pass kernel holds): per-row amax and NaN count, then codes."""
+        """Pass 1: per-row amax and NaN count over K; pass 2: codes. One scale per row."""
         rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         row_ok = rows < R
         h = tl.load(h_ptr + tl.arange(0, BLOCK_K)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :])
         amax = tl.zeros([BLOCK_R], dtype=tl.float32)
         nans = tl.zeros([BLOCK_R], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            v = _tile(x_ptr, sc_ptr, h, rows[:, None], cols[None, :], row_ok[:, None] & (cols[None, :] < K),
-                      stride_x, stride_sr, stride_sc, FP8, IN_BLOCK, HAS_SCALE, SCALE_AFTER, ROTATE)
+            v = _tile(x_ptr, sc_ptr, h, rows, row_ok, k0, K, stride_x, stride_sr, stride_sc, FP8, IN_BLOCK,
+                      HAS_SCALE, SCALE_AFTER, ROTATE, BLOCK_K)
             nans += tl.sum((v != v).to(tl.int32), axis=1)
             amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-        scale = _row_scale(amax, nans)
+        scale = tl.maximum(tl.math.div_rn(amax, 127.0), _SCALE_MIN_C)
+        scale = tl.where(nans > 0, float("nan"), scale)
         for k0 in range(0, K, BLOCK_K):
+            v = _tile(x_ptr, sc_ptr, h, rows, row_ok, k0, K, stride_x, stride_sr, stride_sc, FP8, IN_BLOCK,
+                      HAS_SCALE, SCALE_AFTER, ROTATE, BLOCK_K)
+            q = tl.clamp(_rint(tl.math.div_rn(v, scale[:, None])), -127.0, 127.0, propagate_nan=tl.PropagateNan.ALL)
+            q = tl.where(q == q, q, 0.0)
             cols = k0 + tl.arange(0, BLOCK_K)
-            mask = row_ok[:, None] & (cols[None, :] < K)
-            v = _tile(x_ptr, sc_ptr, h, rows[:, None], cols[None, :], mask, stride_x, stride_sr, stride_sc, FP8,
-                      IN_BLOCK, HAS_SCALE, SCALE_AFTER, ROTATE)
-            tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], _codes(v, scale[:, None]), mask=mask)
+            tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(tl.int8),
+                     mask=row_ok[:, None] & (cols[None, :] < K))
         tl.store(s_ptr + rows, scale, mask=row_ok)
-
-    def _quant_configs() -> list:
-        """(TILE: tile rows per step, programs per SM, warps, stages). A step holds max(TILE, NT) rows of 128."""
-        shapes = [(64, 4, 4, 2), (64, 4, 8, 2), (128, 2, 8, 2), (128, 2, 16, 2)]
-        return [triton.Config({"TILE": t, "PER_SM": p}, num_warps=w, num_stages=st) for t, p, w, st in shapes]
-
-    @triton.autotune(configs=_quant_configs(), key=["K", "FP8", "HAS_SCALE", "ROTATE"])
-    @triton.jit
-    def _quant_rows_one_pass_kernel(x_ptr, q_ptr, s_ptr, sc_ptr, h_ptr, R, K, stride_x, stride_q, stride_sr,
-                                    stride_sc, FP8: tl.constexpr, IN_BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr,
-                                    SCALE_AFTER: tl.constexpr, ROTATE: tl.constexpr, NT: tl.constexpr,
-                                    TILE: tl.constexpr, PER_SM: tl.constexpr):
-        """One read of x: BLOCK_R whole rows at a time as one [BLOCK_R * NT, 128] tile (tile row i = row i // NT,
-        columns 128 * (i % NT) + 0..127; NT = K / 128 rounded up to a power of two, the rest masked), rotated by
-        one tensor-core dot, reduced per row, quantized and stored from registers. Persistent: each program walks
-        row blocks pid, pid + programs, ..., loading the next block while it computes this one, and loads the
-        Hadamard once (PER_SM only sizes the grid)."""
-        BLOCK_R: tl.constexpr = (TILE + NT - 1) // NT  # TILE and NT are powers of two: TILE // NT, at least 1
-        T: tl.constexpr = BLOCK_R * NT
-        i = tl.arange(0, T)
-        cc = (i % NT)[:, None] * _COLS + tl.arange(0, _COLS)[None, :]
-        col_ok = cc < K
-        if ROTATE:
-            h = tl.load(h_ptr + tl.arange(0, _COLS)[:, None] * _COLS + tl.arange(0, _COLS)[None, :])
-        else:
-            h = 0  # unused
-        step = tl.num_programs(0)
-        rr = (tl.program_id(0) * BLOCK_R + i // NT).to(tl.int64)[:, None]
-        mask = (rr < R) & col_ok
-        raw_next = tl.load(x_ptr + rr * stride_x + cc, mask=mask, other=0)
-        for blk in range(tl.program_id(0), tl.cdiv(R, BLOCK_R), step):
-            rr = (blk * BLOCK_R + i // NT).to(tl.int64)[:, None]
-            mask = (rr < R) & col_ok
-            raw = raw_next  # prefetch the next block's rows (masked off past the end) while this one computes
-            nxt = rr + step * BLOCK_R
-            raw_next = tl.load(x_ptr + nxt * stride_x + cc, mask=(nxt < R) & col_ok, other=0)
-            v = _values(raw, sc_ptr, h, rr, cc, mask, stride_sr, stride_sc, FP8, IN_BLOCK, HAS_SCALE, SCALE_AFTER,
-                        ROTATE)
-            amax = tl.max(tl.reshape(tl.max(tl.abs(v), axis=1), [BLOCK_R, NT]), axis=1)
-            nans = tl.sum(tl.reshape(tl.sum((v != v).to(tl.int32), axis=1), [BLOCK_R, NT]), axis=1)
-            scale = _row_scale(amax, nans)
-            scale_t = tl.reshape(tl.broadcast_to(scale[:, None], [BLOCK_R, NT]), [T])
-            tl.store(q_ptr + rr * stride_q + cc, _codes(v, scale_t[:, None]), mask=mask)
-            rows = (blk * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-            tl.store(s_ptr + rows, scale, mask=rows < R)
 
     @triton.jit
     def _rint(v):
@@ -197,12 +136,8 @@ if TRITON_AVAILABLE:
         return tl.where(tl.abs(v) < 4194304.0, r, v)
 
     def _gemm_configs() -> list:
-        """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). The large tiles with 3-4 stages are for SM80/SM90 (up to
-        192 KB of shared memory); (128, 128, 64) and the 64-row ones fit SM86/89's 99 KB. Configs that do not fit a
-        GPU fail to launch there and the autotuner drops them."""
-        shapes = [(128, 256, 128, 4, 8), (256, 128, 128, 4, 8), (128, 256, 128, 3, 8), (256, 128, 128, 3, 8),
-                  (128, 128, 128, 4, 8), (128, 128, 128, 3, 4), (128, 128, 64, 4, 4), (64, 128, 128, 4, 4),
-                  (64, 64, 128, 4, 4)]
+        shapes = [(128, 128, 128, 4, 8), (128, 256, 128, 3, 8), (256, 128, 128, 3, 8), (128, 128, 64, 4, 4),
+                  (64, 128, 128, 4, 4), (64, 64, 128, 4, 4)]
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=st,
                               num_warps=wp) for bm, bn, bk, st, wp in shapes]
 
@@ -211,8 +146,7 @@ if TRITON_AVAILABLE:
     def _int8_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET, stride_am, stride_bn,
                         stride_cm, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        """C[M, N] = epilogue(A[M, K] @ B[N, K]^T); grouped program order for L2 reuse of B. Rows past M
-        or N read a valid row again (their results are never stored), so the loads are masked along K only."""
+        """C[M, N] = epilogue(A[M, K] @ B[N, K]^T); grouped program order for L2 reuse of B."""
         pid = tl.program_id(0)
         grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         width = GROUP_M * grid_n
@@ -223,12 +157,12 @@ if TRITON_AVAILABLE:
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         rk = tl.arange(0, BLOCK_K)
-        a = a_ptr + (rm % M)[:, None] * stride_am + rk[None, :]
-        b = b_ptr + (rn % N)[None, :] * stride_bn + rk[:, None]
+        a = a_ptr + rm[:, None] * stride_am + rk[None, :]
+        b = b_ptr + rn[None, :] * stride_bn + rk[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
-            a_t = tl.load(a, mask=rk[None, :] + k0 < K, other=0)
-            b_t = tl.load(b, mask=rk[:, None] + k0 < K, other=0)
+            a_t = tl.load(a, mask=(rm[:, None] < M) & (rk[None, :] + k0 < K), other=0)
+            b_t = tl.load(b, mask=(rn[None, :] < N) & (rk[:, None] + k0 < K), other=0)
             acc = tl.dot(a_t, b_t, acc, out_dtype=tl.int32)
             a += BLOCK_K
             b += BLOCK_K
@@ -249,22 +183,8 @@ def _hadamard_unnormalized(device: torch.device, dtype: torch.dtype) -> torch.Te
     return h.to(device=device, dtype=dtype).contiguous()
 
 
-ONE_PASS_MAX_TILES = 128  # rows of up to 128 * 128 = 16384 columns are quantized in one read
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _one_pass_rows(tile: int, nt: int) -> int:
-    """Rows per step of the one-pass kernel (its BLOCK_R)."""
-    return max(tile // nt, 1)
-
-
-def _launch_quant(x: torch.Tensor, rotate: bool, in_scale: torch.Tensor | None, in_block: int, wrap,
-                  config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize rows; ``config`` ({"TILE", "PER_SM"} or {"BLOCK_R"}) skips the autotuner (the interpreter tests)."""
+def _launch_quant(x: torch.Tensor, rotate: bool, in_scale: torch.Tensor | None, in_block: int,
+                  wrap) -> tuple[torch.Tensor, torch.Tensor]:
     r, k = x.shape
     q = torch.empty((r, k), dtype=torch.int8, device=x.device)
     s = torch.empty((r, 1), dtype=torch.float32, device=x.device)
@@ -275,27 +195,10 @@ def _launch_quant(x: torch.Tensor, rotate: bool, in_scale: torch.Tensor | None, 
     h = _hadamard_unnormalized(x.device, torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float16)
     sc = in_scale if in_scale is not None else s  # any fp32 pointer when unused
     ssr, ssc = (sc.stride(0), sc.stride(1)) if in_scale is not None and in_scale.ndim == 2 else (0, 0)
-    scale_after = in_scale is not None and in_block % ROTATION_BLOCK == 0
-    flags = dict(FP8=fp8, IN_BLOCK=in_block, HAS_SCALE=in_scale is not None, SCALE_AFTER=scale_after, ROTATE=rotate)
-    args = (src, q, s, sc, h, r, k, x.stride(0), q.stride(0), ssr, ssc)
-    nt = triton.next_power_of_2(triton.cdiv(k, ROTATION_BLOCK))
-    # an fp32 rotation (fp32 input, or a scale that must come first) is an FMA dot: the small two-pass tiles
-    fp32_dot = rotate and (x.dtype == torch.float32 or (in_scale is not None and not scale_after))
-    # (without the rotation's dot, rows wider than half the limit spill registers: the two-pass tiles)
-    if nt > (ONE_PASS_MAX_TILES if rotate else ONE_PASS_MAX_TILES // 2) or fp32_dot or (config is not None and "BLOCK_R" in config):
-        rows = (config or {}).get("BLOCK_R", _ROWS)
-        wrap(_quant_rows_kernel)[(triton.cdiv(r, rows),)](*args, **flags, BLOCK_R=rows, BLOCK_K=ROTATION_BLOCK)
-        return q, s
-    programs = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
-        if x.is_cuda else 4
-
-    def grid(meta):
-        return (min(triton.cdiv(r, _one_pass_rows(meta["TILE"], nt)), programs * meta["PER_SM"]),)
-
-    if config is None:
-        wrap(_quant_rows_one_pass_kernel)[grid](*args, **flags, NT=nt)
-    else:
-        _quant_rows_one_pass_kernel.fn[grid(config)](*args, **flags, NT=nt, **config)
+    wrap(_quant_rows_kernel)[(triton.cdiv(r, _ROWS),)](
+        src, q, s, sc, h, r, k, x.stride(0), q.stride(0), ssr, ssc, FP8=fp8, IN_BLOCK=in_block,
+        HAS_SCALE=in_scale is not None, SCALE_AFTER=in_scale is not None and in_block % ROTATION_BLOCK == 0,
+        ROTATE=rotate, BLOCK_R=_ROWS, BLOCK_K=ROTATION_BLOCK)
     return q, s
 
 
