@@ -20,7 +20,8 @@ In this process (ComfyUI imported from ``COMFYUI_PATH`` on the GPU, ``comfy.samp
 In ComfyUI servers of their own (tests/comfy_server.py, on the GPU):
 5. A mapped, pre-quantized fp8 file truncated in place while the server samples -> a clear error naming the file and
    a server that still answers; once with the model resident in VRAM (default flags) and once with ``--novram``
-   (weights cast from the mapping on every call). A dead server (SIGBUS) fails the case and the report says so.
+   (weights kept in host memory and read on every call: the pack reads the file into memory there instead of
+   mapping it). A dead server (SIGBUS) fails the case and the report says so.
 6. /interrupt in the middle of a Block Swap sampling run -> the server survives, the next prompt succeeds, and after
    /free nothing of the model stays allocated or pinned.
 7. 20 prompts switching between two models (as tests/test_gpu_leak.py) -> no growth of VRAM, pinned memory or RSS.
@@ -1160,4 +1161,4 @@ def novram_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfySer
 
 
 def test_5b_truncated_mapped_file_weights_cast_from_the_mapping(novram_server: ComfyServer) -> None:
-    _truncation_case(novram_server, None, "--novram (weights cast from the mapping every call)")
+    _truncation_case(novram_server, None, "--novram (weights in host memory, read every call)")
