@@ -137,10 +137,7 @@ def bench_shape(name: str, shape: tuple[int, int, int], repeats: int, warmup: in
 
 def markdown(rows: list[dict], env: dict, summary: list[str]) -> str:
     lines = ["# bench_fp8_gemm", ""]
-    for key in ("device_name", "compute_capability", "torch", "torch_cuda", "triton", "git_sha", "timestamp",
-                "command"):
-        if env.get(key) is not None:
-            lines.append(f"- {key}: `{env[key]}`" if key in ("command", "git_sha") else f"- {key}: {env[key]}")
+    lines += harness.env_bullets(env)
     lines += ["- timing: CUDA events, median; bf16 activations with 4 outlier channels, weights with outlier input "
               f"channels, bias; error vs fp32 on the first {ERR_ROWS} rows", "",
               "| shape (M, K -> N) | variant | ms | TFLOP/s | vs bf16 | rel. err vs fp32 |", "|---|---|---|---|---|---|"]
@@ -514,10 +511,8 @@ def _x(a: float | None, b: float | None) -> str:
 def block_markdown(rows: list[dict], env: dict, m: int, native_how: str, repeats: int, warmup: int) -> str:
     """Per family: the block table (vs native), then each linear, each quantizer and the delayed states."""
     lines = ["# bench_fp8_gemm --block: one Wan 14B block's fp8 linears", ""]
-    for key in ("device_name", "compute_capability", "torch", "torch_cuda", "triton", "comfyui_version", "git_sha",
-                "timestamp", "command"):
-        if env.get(key) is not None:
-            lines.append(f"- {key}: `{env[key]}`")
+    lines += harness.env_bullets(env, ("device_name", "compute_capability", "torch", "torch_cuda", "triton",
+                                       "comfyui_version", "git_sha", "timestamp", "command"))
     lines += [f"- native fp8_e4m3fn_fast: {native_how}",
               f"- {m} tokens; block = {', '.join(n for n, *_ in BLOCK_LINEARS)} (cross_attn.k/v: text tokens, "
               f"left out); block6 = {', '.join(SIX)}",

@@ -14,20 +14,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from comfyui_lowvram_dit.benchmarks import harness
+from comfyui_lowvram_dit.benchmarks import bench_fp8_gemm, harness
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 from comfyui_lowvram_dit.kernels import fp8, int8, int8_triton
 
-# (M tokens, K in, N out): Wan 14B 832x480x81 -> 32,760 tokens; Qwen-Image about 7,000 image tokens.
-SHAPES: dict[str, tuple[int, int, int]] = {
-    "wan14b_qkvo": (32760, 5120, 5120),
-    "wan14b_ffn_up": (32760, 5120, 13824),
-    "wan14b_ffn_down": (32760, 13824, 5120),
-    "qwen_attn": (7000, 3072, 3072),
-    "qwen_mlp_up": (7000, 3072, 12288),
-    "qwen_mlp_down": (7000, 12288, 3072),
-}
-QUICK = ("wan14b_qkvo", "wan14b_ffn_up", "wan14b_ffn_down")
+# The fp8_gemm scenario's shapes (M tokens, K in, N out) for Wan 14B and Qwen-Image, so the two compare directly.
+SHAPES: dict[str, tuple[int, int, int]] = {k: v for k, v in bench_fp8_gemm.SHAPES.items()
+                                           if k.startswith(("wan14b_", "qwen_"))}
+QUICK = bench_fp8_gemm.QUICK
 TINY: dict[str, tuple[int, int, int]] = {"tiny_qkvo": (96, 256, 256), "tiny_ffn_up": (96, 256, 640),
                                          "tiny_ffn_down": (96, 640, 256)}
 ERR_ROWS = 2048  # error on the first rows only (the fp32 reference GEMM would dominate otherwise)
@@ -207,10 +201,7 @@ def summarize(rows: list[dict], blocks: list[dict]) -> list[str]:
 
 def markdown(rows: list[dict], blocks: list[dict], env: dict, summary: list[str]) -> str:
     lines = ["# bench_int8_gemm", ""]
-    for key in ("device_name", "compute_capability", "torch", "torch_cuda", "triton", "git_sha", "timestamp",
-                "command"):
-        if env.get(key) is not None:
-            lines.append(f"- {key}: `{env[key]}`" if key in ("command", "git_sha") else f"- {key}: {env[key]}")
+    lines += harness.env_bullets(env)
     lines += ["- timing: CUDA events (perf_counter on the CPU), median; bf16 activations with 4 outlier channels, "
               f"weights with outlier input channels, bias; error vs fp32 on the first {ERR_ROWS} rows", "",
               "| shape (M, K -> N) | variant | ms | TFLOP/s | vs bf16 | rel. err |", "|---|---|---|---|---|---|"]

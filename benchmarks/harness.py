@@ -111,6 +111,15 @@ def public_path(arg: str) -> str:
     return arg
 
 
+ENV_KEYS = ("device_name", "compute_capability", "torch", "torch_cuda", "triton", "git_sha", "timestamp", "command")
+
+
+def env_bullets(env: dict, keys: tuple[str, ...] = ENV_KEYS) -> list[str]:
+    """A report's environment as markdown bullets (command and git sha as code), skipping facts not recorded."""
+    return [f"- {key}: `{env[key]}`" if key in ("command", "git_sha") else f"- {key}: {env[key]}"
+            for key in keys if env.get(key) is not None]
+
+
 def public_text(text: str) -> str:
     """Free text (a child's stderr, a traceback) as results may show it: ComfyUI's folder as ``ComfyUI/``, the
     output folder as ``$OUT/``, the repository's files repo-relative (through a link to it too), home as ``~/``."""
@@ -462,11 +471,8 @@ def markdown_table(bench: str, results: list[dict], env: dict, settings: dict, n
     """The markdown report: environment, then one row per variant (ratio vs the first successful one)."""
     base = next((r["time_ms"] for r in results if r.get("status") == "ok" and r.get("time_ms")), None)
     lines = [f"# {bench}", ""]
-    for key in ("device_name", "compute_capability", "torch", "torch_cuda", "python", "comfyui_version",
-                "git_sha", "timestamp", "command"):
-        if env.get(key) is not None:
-            value = f"`{env[key]}`" if key in ("command", "git_sha") else env[key]
-            lines.append(f"- {key}: {value}")
+    lines += env_bullets(env, ("device_name", "compute_capability", "torch", "torch_cuda", "python",
+                               "comfyui_version", "git_sha", "timestamp", "command"))
     lines.append(f"- timing: median of {settings['repeats']} after {settings['warmup']} warm-up calls"
                  f"{', each variant in a fresh process' if settings['fresh_process'] else ', in-process'}")
     lines += ["", "| variant | status | median ms | min ms | ratio vs first | peak alloc GiB | "
