@@ -59,9 +59,9 @@ def compile_kernel(arch: int, block_m: int, block_n: int, warps: int, stages: in
            **{n: "i32" for n in ("H", "Lq", "Lk", "Lq_pad", "Lk_pad", "LQ_BUCKET", "LK_BUCKET", "N_HI_BLK")},
            "hi_scale": "fp32",
            **{n: "constexpr" for n in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "KBLK_", "QK_FP8", "PV_FP8", "PV_ACC",
-                                        "EXP_EMU")}}
+                                        "EXP_EMU", "F32_DOT")}}
     const = {"stride_od": 1, "stride_qd": 1, "HEAD_DIM": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "KBLK_": 128,
-             "QK_FP8": qk == "fp8", "PV_FP8": pv == "fp8", "PV_ACC": pv_acc, "EXP_EMU": exp_emu}
+             "QK_FP8": qk == "fp8", "PV_FP8": pv == "fp8", "PV_ACC": pv_acc, "EXP_EMU": exp_emu, "F32_DOT": False}
     names = fn.arg_names
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*POINTERS, *DIV16_INTS)}
     return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
