@@ -19,6 +19,7 @@ from typing import Literal, get_args
 import torch
 
 from . import fp8, int8, int8_triton
+from .fp8_choice import row_bucket
 from .decisions import DECIDING, describe_kind, device_kind, samples_of, time_call
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -76,10 +77,6 @@ def rotate_for(in_features: int) -> bool:
     return ROTATE and in_features % int8.ROTATION_BLOCK == 0
 
 
-def _row_bucket(rows: int) -> int:
-    return 1 << max(rows - 1, 0).bit_length()
-
-
 class GemmChooser:
     """Per-shape choices between ``torch._int_mm`` and the Triton GEMM, made once by timing both."""
 
@@ -94,7 +91,7 @@ class GemmChooser:
         m, k = x2.shape
         if not int8.int_mm_ok(m, n, k):
             return "triton"
-        key = (device_kind(x2.device), _row_bucket(m // max(samples, 1)), n, k)
+        key = (device_kind(x2.device), row_bucket(m // max(samples, 1)), n, k)
         found = self.decisions.get(key)
         return found if found is not None else self._decide(key, x2, n)
 
