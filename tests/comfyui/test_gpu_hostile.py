@@ -494,6 +494,16 @@ def test_2a_fp8_linear_with_non_finite_activations(comfy_gpu: Any) -> None:
     _verdict(entry)
 
 
+def _check_normal_run(entry: dict, model: Callable[[], Any], unswapped_ref: Any, what: str) -> None:
+    """After a hostile case: CUDA still works, then ``model()`` samples bit-identically to the reference."""
+    err = _cuda_still_works()
+    out = _sample(model(), seed=11)
+    if err or not out.equal(unswapped_ref):
+        entry["problems"].append(f"{what} is not correct (CUDA: {err}, rel {_rel(out, unswapped_ref):.2e})")
+    else:
+        entry["events"].append(f"{what} in this process: bit-identical to the reference")
+
+
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_2b_non_finite_latent_through_fp8_model_under_nan_guard(comfy_gpu: Any, base_file: Path, unswapped_ref: Any,
                                                                 value: str) -> None:
@@ -513,13 +523,7 @@ def test_2b_non_finite_latent_through_fp8_model_under_nan_guard(comfy_gpu: Any, 
                 entry["problems"].append("the guard's message does not name the input / block")
         except Exception as exc:  # noqa: BLE001
             entry["problems"].append(f"not NaN Guard's error but {type(exc).__name__}: {str(exc)[:500]}")
-        err = _cuda_still_works()
-        out = _sample(model, seed=11)
-        if err or not out.equal(unswapped_ref):
-            entry["problems"].append(f"the next normal run is not correct (CUDA: {err}, rel "
-                                     f"{_rel(out, unswapped_ref):.2e})")
-        else:
-            entry["events"].append("the next normal run in this process: bit-identical to the reference")
+        _check_normal_run(entry, lambda m=model: m, unswapped_ref, "the next normal run")
         del model, guarded
     _verdict(entry)
 
@@ -576,15 +580,7 @@ def test_2c_weight_file_with_non_finite_values(comfy_gpu: Any, base_file: Path, 
                 entry["problems"].append(f"sampling raised {type(exc).__name__}: {str(exc)[:500]}")
             del model
         comfy_gpu.unload_all_models()
-        err = _cuda_still_works()
-        clean = _fp8(base_file)
-        out = _sample(clean, seed=11)
-        if err or not out.equal(unswapped_ref):
-            entry["problems"].append(f"a normal run afterwards is not correct (CUDA: {err}, rel "
-                                     f"{_rel(out, unswapped_ref):.2e})")
-        else:
-            entry["events"].append("a normal run afterwards in this process: bit-identical to the reference")
-        del clean
+        _check_normal_run(entry, lambda: _fp8(base_file), unswapped_ref, "a normal run afterwards")
         path.unlink(missing_ok=True)
     _verdict(entry)
 
