@@ -415,9 +415,9 @@ class ActQuant:
     row_one_pass: bool = False
 
 
-# Fast accumulation by default: on Hopper the fp8 MMA's partial sums skip their periodic fp32 promotion, which
-# moved a Wan block's output error by a few thousandths of a percent (the fp8 rounding of the operands dominates)
-# for several percent of GEMM time (docs/benchmarks.md, fp8 linears). GPUs without fp8 never reach it.
+# Fast accumulation by default: on Hopper the fp8 MMA's partial sums skip their periodic fp32 promotion. The
+# operands' own fp8 rounding dominates the error, so the output barely moves while the GEMM gets faster
+# (docs/benchmarks.md, "Speed III"). GPUs without fp8 never reach it.
 DEFAULT_ACT = ActQuant(fast_accum=True)
 
 
