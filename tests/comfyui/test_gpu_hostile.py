@@ -131,13 +131,15 @@ def _write_report() -> None:
     dest = os.environ.get("GPU_HOSTILE_REPORT", "").strip()
     if not dest:
         return
+    from comfyui_lowvram_dit.benchmarks.harness import public_text
     from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
     base = Path(dest)
     base.parent.mkdir(parents=True, exist_ok=True)
     payload = {"report": "gpu_hostile", "environment": _ENV, "cases": RECORD}
-    write_report(base.with_name(base.name + ".json"), json.dumps(payload, indent=1, default=str))
-    write_report(base.with_name(base.name + ".md"), _markdown())
+    # no path of the machine that ran it (ComfyUI's folder, pytest's temporary folders, home)
+    write_report(base.with_name(base.name + ".json"), public_text(json.dumps(payload, indent=1, default=str)))
+    write_report(base.with_name(base.name + ".md"), public_text(_markdown()))
 
 
 class _Messages(logging.Handler):
