@@ -6,13 +6,18 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 from comfyui_lowvram_dit.benchmarks import harness
+
+if TYPE_CHECKING:
+    import torch
 
 MODULE = "comfyui_lowvram_dit.benchmarks.bench_qwen_staged"
 PROMPT = ("A coffee shop entrance features a chalkboard sign reading \"Qwen Coffee 2 dollars\", with a neon light "
           "beside it displaying a glowing logo; a poster of a beautiful woman hangs next to it")
 NEGATIVE = " "
+TEXT_TOKENS = 120  # a typical prompt's length through the Qwen-Image template
 
 
 def _stage(report) -> dict:  # noqa: ANN001 - kernels.stage_meter.StageReport
@@ -31,8 +36,29 @@ def _setup(ctx: harness.BenchContext, user_dir: str):  # noqa: ANN202
     return comfy
 
 
-def _forward_fn(patcher, cond: list, width: int, height: int, vram_cap_gb: float | None):  # noqa: ANN001, ANN202
-    """Load ``patcher`` as KSampler would (memory estimate at this size, cond+uncond) and return one forward."""
+def _step_inputs(patcher: Any, latent: tuple[int, ...], context: torch.Tensor | None,
+                 edit: bool) -> tuple[dict, dict]:
+    """A seeded random latent of shape ``latent``, the timestep, ``context`` (None: random text embeddings of the
+    model's width) and, for ``edit``, a reference latent; on the patcher's device, in the dtype ``_apply_model``
+    casts inputs to."""
+    import torch
+
+    dev = patcher.load_device
+    dtype = patcher.model.manual_cast_dtype or patcher.model.get_dtype()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(latent, generator=g).to(dev, dtype)
+    if context is None:
+        context = torch.randn((1, TEXT_TOKENS, patcher.model.diffusion_model.txt_in.in_features), generator=g)
+    extra = {"ref_latents": [torch.randn(latent, generator=g).to(dev, dtype)]} if edit else {}
+    return {"x": x, "timestep": torch.full((1,), 0.5, device=dev), "context": context.to(dev, dtype)}, extra
+
+
+def _placed_forward(patcher: Any, width: int, height: int, vram_cap_gb: float | None, *,
+                    context: torch.Tensor | None = None,
+                    edit: bool = False) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
+    """Load ``patcher`` as KSampler would under the cap (memory estimate at this size, cond + uncond) and return one
+    sampler step at cfg 1 (one forward through ``apply_model``) with its latent. ``context`` is the encoded prompt
+    (None: random embeddings); ``edit`` adds a Qwen-Image-Edit reference latent."""
     import torch
 
     import comfy.model_management as mm
@@ -41,19 +67,20 @@ def _forward_fn(patcher, cond: list, width: int, height: int, vram_cap_gb: float
 
     if vram_cap_gb:
         comfy_native.apply_vram_cap(vram_cap_gb)
-    shape = (1, 16, 1, height // 8, width // 8)
-    mm.load_models_gpu([patcher], memory_required=patcher.model.memory_required([2, *shape[1:]]),
-                       minimum_memory_required=patcher.model.memory_required(list(shape)))
-    dev = patcher.load_device
-    dtype = patcher.model.manual_cast_dtype or patcher.model.get_dtype()  # what _apply_model casts inputs to
-    x = torch.randn(shape).to(dev, dtype)
-    t = torch.full((1,), 0.5, device=dev)
-    context = cond[0][0].to(dev, dtype)
-    inputs = {"x": x, "timestep": t, "context": context}
-    out = comfy_native.forward(patcher, inputs, via="apply_model")
-    if not torch.isfinite(out).all():
-        raise RuntimeError("forward produced non-finite values")
-    return lambda: comfy_native.forward(patcher, inputs, via="apply_model"), x
+    latent = (1, 16, 1, height // 8, width // 8)
+    mm.load_models_gpu([patcher], memory_required=patcher.model.memory_required([2, *latent[1:]]),
+                       minimum_memory_required=patcher.model.memory_required(list(latent)))
+    inputs, extra = _step_inputs(patcher, latent, context, edit)
+    options = comfy_native.transformer_options(patcher)  # merged once, as a sampling run does
+
+    def step() -> torch.Tensor:
+        with torch.inference_mode():  # sigma = t / 1000: ModelSamplingDiscreteFlow's multiplier
+            return patcher.model.apply_model(inputs["x"], inputs["timestep"] / 1000.0,
+                                             c_crossattn=inputs["context"], transformer_options=options, **extra)
+
+    if not torch.isfinite(step()).all():
+        raise RuntimeError("the forward produced non-finite values")
+    return step, inputs["x"]
 
 
 def ours(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: int, height: int,
@@ -76,7 +103,7 @@ def ours(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width: i
     vae = qwen_staged.load_vae(str(f / "vae.safetensors"))
     if reset:
         torch.cuda.reset_peak_memory_stats()
-    fn, x = _forward_fn(model, pos, width, height, vram_cap_gb)
+    fn, x = _placed_forward(model, width, height, vram_cap_gb, context=pos[0][0])
     ctx.sync()
     load_peak = torch.cuda.max_memory_allocated() if reset else None
     fn()  # one more forward so the stage-3 decode sees a model that has really run
@@ -114,7 +141,7 @@ def native(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width:
     with stage_meter.StageMeter("stage 2 (native UNETLoader)", reset_cuda_peak=reset) as m2:
         model = comfy.sd.load_diffusion_model(str(f / "qwen_image.safetensors"))
         vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(f / "vae.safetensors")))
-    fn, x = _forward_fn(model, pos, width, height, vram_cap_gb)
+    fn, x = _placed_forward(model, width, height, vram_cap_gb, context=pos[0][0])
     fn()
     with stage_meter.StageMeter("stage 3 (native VAEDecode)", device=torch.device(vae.device), reset_cuda_peak=reset) as m3:
         vae.decode(x.float())
@@ -126,48 +153,6 @@ def native(ctx: harness.BenchContext, files: str, te: str, user_dir: str, width:
 
 
 NATIVE_ROWS = {"native fp8_e4m3fn_fast": False, "native fp8_e4m3fn_fast + ck attention": True}
-TEXT_TOKENS = 120  # a typical prompt's length through the Qwen-Image template
-
-
-def _step_inputs(patcher, width: int, height: int, edit: bool) -> tuple[dict, dict]:  # noqa: ANN001
-    """Random latent, timestep and text embeddings of the real widths (and an Edit reference latent)."""
-    import torch
-
-    dm = patcher.model.diffusion_model
-    dev = patcher.load_device
-    dtype = patcher.model.manual_cast_dtype or patcher.model.get_dtype()
-    g = torch.Generator().manual_seed(0)
-    shape = (1, 16, 1, height // 8, width // 8)
-    x = torch.randn(shape, generator=g).to(dev, dtype)
-    context = torch.randn((1, TEXT_TOKENS, dm.txt_in.in_features), generator=g).to(dev, dtype)
-    extra = {"ref_latents": [torch.randn(shape, generator=g).to(dev, dtype)]} if edit else {}
-    return {"x": x, "timestep": torch.full((1,), 0.5, device=dev), "context": context}, extra
-
-
-def _timed_step(patcher, width: int, height: int, vram_cap_gb: float | None, edit: bool):  # noqa: ANN001, ANN202
-    """Load ``patcher`` as KSampler would under the cap and return one sampler step at cfg 1 (one forward)."""
-    import torch
-
-    import comfy.model_management as mm
-
-    from . import comfy_native
-
-    if vram_cap_gb:
-        comfy_native.apply_vram_cap(vram_cap_gb)
-    latent = [1, 16, 1, height // 8, width // 8]
-    mm.load_models_gpu([patcher], memory_required=patcher.model.memory_required([2, *latent[1:]]),
-                       minimum_memory_required=patcher.model.memory_required(latent))
-    inputs, extra = _step_inputs(patcher, width, height, edit)
-    options = comfy_native.transformer_options(patcher)
-
-    def step() -> torch.Tensor:
-        with torch.inference_mode():
-            return patcher.model.apply_model(inputs["x"], inputs["timestep"] / 1000.0,
-                                             c_crossattn=inputs["context"], transformer_options=options, **extra)
-
-    if not torch.isfinite(step()).all():
-        raise RuntimeError("the step produced non-finite values")
-    return step
 
 
 def native_step(ctx: harness.BenchContext, file: str, width: int, height: int, vram_cap_gb: float | None,
@@ -181,7 +166,8 @@ def native_step(ctx: harness.BenchContext, file: str, width: int, height: int, v
     args.use_ck_attention = ck_attention  # read when comfy.ldm.modules.attention is imported (next line)
     comfy = comfy_native.import_comfy()
     patcher = comfy.sd.load_diffusion_model(file, model_options=comfy_native.unet_model_options("fp8_e4m3fn_fast"))
-    return {"fn": _timed_step(patcher, width, height, vram_cap_gb, edit), "cap_gb": vram_cap_gb or "none"}
+    fn, _x = _placed_forward(patcher, width, height, vram_cap_gb, edit=edit)
+    return {"fn": fn, "cap_gb": vram_cap_gb or "none"}
 
 
 def ours_step(ctx: harness.BenchContext, file: str, width: int, height: int, vram_cap_gb: float | None,
@@ -196,7 +182,8 @@ def ours_step(ctx: harness.BenchContext, file: str, width: int, height: int, vra
 
     model, _report = qwen_stages.load_staged_model(file, "fp8 per-tensor", vram_budget_gb=vram_cap_gb or 0.0)
     model = apply_attention(model, "auto")
-    return {"fn": _timed_step(model, width, height, vram_cap_gb, edit), "cap_gb": vram_cap_gb or "none"}
+    fn, _x = _placed_forward(model, width, height, vram_cap_gb, edit=edit)
+    return {"fn": fn, "cap_gb": vram_cap_gb or "none"}
 
 
 def main_caps(args: argparse.Namespace, argv: list[str] | None) -> int:
