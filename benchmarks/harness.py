@@ -88,13 +88,17 @@ def git_sha(repo: Path = PACK_ROOT) -> str | None:
 def public_path(arg: str) -> str:
     """A command-line word as results may show it: no path of the machine that ran the benchmark.
 
-    The repository's own files become repo-relative, the output folder ``$OUT``, the home folder ``~`` and the
-    interpreter ``python3``; other words are kept.
+    The output folder becomes ``$OUT``, ComfyUI's folder ``<ComfyUI>``, the repository's own files repo-relative,
+    the home folder ``~``, the temporary folder ``<tmp>`` and the interpreter ``python3``; other words are kept.
     """
     if arg == sys.executable:
         return "python3"
     repo = Path(__file__).resolve().parent.parent
-    for root, name in ((os.environ.get("OUT"), "$OUT"), (str(repo), None), (str(Path.home()), "~")):
+    # In this order, so that the more telling name wins where one folder lies in another: $OUT or ComfyUI in the
+    # home or temporary folder, the repository (or a link to it) there too.
+    roots = ((os.environ.get("OUT"), "$OUT"), (os.environ.get("COMFYUI_PATH"), "<ComfyUI>"), (str(repo), None),
+             (str(Path.home()), "~"), (tempfile.gettempdir(), "<tmp>"))
+    for root, name in roots:
         if not root or not arg.startswith("/"):
             continue
         for candidate in (Path(arg), Path(arg).resolve()):
@@ -111,6 +115,15 @@ def public_path(arg: str) -> str:
     return arg
 
 
+PLACEHOLDERS = ("$OUT", "~", "<ComfyUI>", "<tmp>")
+
+
+def public_command(words: list[str]) -> str:
+    """A command line as results may show it: each word through ``public_path``, shell-quoted unless it starts with
+    a placeholder (quotes would only hide that ``$OUT`` and ``~`` stand for folders)."""
+    return " ".join(w if w.startswith(PLACEHOLDERS) else shlex.quote(w) for w in map(public_path, words))
+
+
 ENV_KEYS = ("device_name", "compute_capability", "torch", "torch_cuda", "triton", "git_sha", "timestamp", "command")
 
 
@@ -122,13 +135,16 @@ def env_bullets(env: dict, keys: tuple[str, ...] = ENV_KEYS) -> list[str]:
 
 def public_text(text: str) -> str:
     """Free text (a child's stderr, a traceback) as results may show it: ComfyUI's folder as ``ComfyUI/``, the
-    output folder as ``$OUT/``, the repository's files repo-relative (through a link to it too), home as ``~/``."""
+    output folder as ``$OUT/``, the repository's files repo-relative (through a link to it too), home as ``~/``,
+    the temporary folder as ``<tmp>/``."""
     repo = Path(__file__).parent.parent
     roots = {os.environ.get("COMFYUI_PATH"): "ComfyUI/", os.environ.get("OUT"): "$OUT/", str(repo): "",
-             str(repo.resolve()): "", str(Path.home()): "~/"}
-    for root in sorted((r for r in roots if r), key=len, reverse=True):  # a folder inside another one first
-        text = text.replace(str(Path(root)) + os.sep, roots[root])
-    return text
+             str(repo.resolve()): "", str(Path.home()): "~/", tempfile.gettempdir(): "<tmp>/"}
+    names = {str(Path(root)) + os.sep: name for root, name in roots.items() if root}
+    # Longest first, so that a folder inside another one wins; a folder only where a path starts, so that the
+    # temporary folder /tmp is not found inside /var/tmp.
+    pattern = "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
+    return re.sub(rf"(?<![\w.~/-])(?:{pattern})", lambda m: names[m.group(0)], text)
 
 
 SUITE = f"{PACKAGE}.benchmarks"
@@ -146,10 +162,9 @@ def parent_environment(argv: list[str] | None = None) -> dict:
     """Facts the parent knows without touching the GPU: command, git sha, Python, ComfyUI."""
     argv = list(sys.argv if argv is None else argv)
     comfy = os.environ.get("COMFYUI_PATH")
-    prefix = [f"COMFYUI_PATH={public_path(comfy)}"] if comfy else []
+    prefix = f"COMFYUI_PATH={public_command([comfy])} " if comfy else ""
     return {
-        "command": " ".join(w if w.startswith(("$OUT", "~")) else shlex.quote(w)
-                            for w in [*prefix, "python3", *(public_path(a) for a in argv)]),
+        "command": prefix + public_command(["python3", *argv]),
         "git_sha": git_sha(),
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -381,7 +396,7 @@ def _run_in_child(spec: dict, shim: Path, workdir: Path, timeout_s: float | None
     write_report(spec_path, json.dumps(spec))
     cmd = [sys.executable, "-m", CHILD_MODULE, "--child", str(spec_path), str(result_path)]
     record: dict = {"name": spec["name"], "target": spec["target"], "kwargs": spec["kwargs"],
-                    "child_command": shlex.join(cmd)}
+                    "child_command": public_command(cmd)}
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=_child_env(shim), capture_output=True, text=True, timeout=timeout_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -112,7 +113,12 @@ def test_failures_are_recorded_and_reports_carry_the_environment(targets: str, t
     for key in ("device_name", "torch", "python", "git_sha", "command", "comfyui_version", "timestamp"):
         assert env.get(key), key
     assert env["comfyui_version"] == "0.8.0"
-    assert env["command"] == f"COMFYUI_PATH={comfy} python3 bench.py --flag"
+    # ComfyUI's folder and the children's temporary spec files are written as placeholders: results are committed.
+    assert env["command"] == "COMFYUI_PATH=<ComfyUI> python3 bench.py --flag" and env["comfyui_path"] == "<ComfyUI>"
+    for record in data["variants"]:
+        assert record["child_command"].startswith(f"python3 -m {harness.CHILD_MODULE} --child <tmp>/bench_fail_")
+    shown = json.dumps([env, [{k: r.get(k) for k in ("child_command", "stderr_tail")} for r in data["variants"]]])
+    assert str(tmp_path) not in shown and tempfile.gettempdir() + os.sep not in shown and sys.executable not in shown
     assert [v["name"] for v in data["variants"]] == [v.name for v in variants]
     md = (out / "fail.md").read_text()
     assert "| raises | error |" in md and "planted failure" in md and "comfyui_version: 0.8.0" in md
@@ -220,6 +226,15 @@ def test_recorded_commands_name_no_machine_path(tmp_path: Path, monkeypatch: pyt
     command = harness.parent_environment(argv)["command"]
     assert command == "python3 benchmarks/server.py --out $OUT/x --work ~/w --py python3 --comfyui /srv/ComfyUI"
     assert "cwd" not in harness.parent_environment(argv)
+    # ComfyUI's folder (wherever it lies: here in the temporary folder) and temporary folders become placeholders.
+    tmp = Path(tempfile.gettempdir())
+    monkeypatch.setenv("COMFYUI_PATH", str(tmp / "kit" / "ComfyUI"))
+    argv = ["-m", "bench", "--comfyui", str(tmp / "kit" / "ComfyUI" / "models"), "--files", str(tmp / "qfiles")]
+    env = harness.parent_environment(argv)
+    assert env["command"] == "COMFYUI_PATH=<ComfyUI> python3 -m bench --comfyui <ComfyUI>/models --files <tmp>/qfiles"
+    assert env["comfyui_path"] == "<ComfyUI>"
+    text = harness.public_text(f"File {tmp}/kit/ComfyUI/comfy/sd.py, {tmp}/spec.json, /var{tmp}/x")
+    assert text == f"File ComfyUI/comfy/sd.py, <tmp>/spec.json, /var{tmp}/x"
 
 
 def test_gpu_script_environment_names_script_device_and_triton() -> None:
