@@ -416,6 +416,20 @@ def _run_in_child(spec: dict, shim: Path, workdir: Path, timeout_s: float | None
     return record
 
 
+def public_record(record: dict) -> dict:
+    """A variant's record as results may show it: path words in its kwargs through ``public_path`` (the target
+    was called with the real ones), its error and traceback through ``public_text``."""
+    def shown(value: Any) -> Any:
+        if isinstance(value, str):
+            return public_path(value)
+        if isinstance(value, dict):
+            return {k: shown(v) for k, v in value.items()}
+        return [shown(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+    texts = {key: public_text(record[key]) for key in ("error", "traceback") if isinstance(record.get(key), str)}
+    return {**record, "kwargs": shown(record.get("kwargs", {})), **texts}
+
+
 def run_benchmark(bench: str, variants: list[Variant], *, repeats: int = 10, warmup: int = 3,
                   out_dir: Path = RESULTS, fresh_process: bool = True, plot: str | None = "time_ms",
                   force_cpu: bool = False, timeout_s: float | None = 3600.0,
@@ -442,7 +456,7 @@ def run_benchmark(bench: str, variants: list[Variant], *, repeats: int = 10, war
                     record = _run_in_child(spec, shim, Path(tmp), limit)
                 else:
                     record = run_variant(spec)
-                results.append(record)
+                results.append(public_record(record))
                 if index + 1 < len(variants):  # reports so far: a run cut short still leaves its numbers
                     _report(bench, results, env, out_dir, None, repeats, warmup, fresh_process)
         finally:

@@ -32,7 +32,7 @@ TARGETS = textwrap.dedent('''
             buf[i] = 1
         return {"fn": lambda: None, "pid": os.getpid(), "calls": CALLS}
 
-    def raises(ctx):
+    def raises(ctx, files=None):
         raise ValueError("planted failure")
 
     def crashes(ctx):
@@ -94,7 +94,8 @@ def test_failures_are_recorded_and_reports_carry_the_environment(targets: str, t
     comfy.mkdir()
     (comfy / "comfyui_version.py").write_text('__version__ = "0.8.0"\n', encoding="utf-8")
     monkeypatch.setenv("COMFYUI_PATH", str(comfy))
-    variants = [Variant("ok", f"{targets}:big_alloc", {"mb": 0}), Variant("raises", f"{targets}:raises"),
+    variants = [Variant("ok", f"{targets}:big_alloc", {"mb": 0}),
+                Variant("raises", f"{targets}:raises", {"files": str(tmp_path / "files")}),
                 Variant("crashes", f"{targets}:crashes"),
                 Variant("hangs", f"{targets}:sleeps", {"seconds": 600}, timeout_s=3),
                 Variant("after", f"{targets}:counting")]
@@ -117,8 +118,10 @@ def test_failures_are_recorded_and_reports_carry_the_environment(targets: str, t
     assert env["command"] == "COMFYUI_PATH=<ComfyUI> python3 bench.py --flag" and env["comfyui_path"] == "<ComfyUI>"
     for record in data["variants"]:
         assert record["child_command"].startswith(f"python3 -m {harness.CHILD_MODULE} --child <tmp>/bench_fail_")
-    shown = json.dumps([env, [{k: r.get(k) for k in ("child_command", "stderr_tail")} for r in data["variants"]]])
-    assert str(tmp_path) not in shown and tempfile.gettempdir() + os.sep not in shown and sys.executable not in shown
+    assert by_name["raises"]["kwargs"]["files"].startswith("<tmp>/") and "<tmp>/" in by_name["raises"]["traceback"]
+    for shown in ((out / "fail.json").read_text(), (out / "fail.md").read_text()):
+        assert str(tmp_path) not in shown and tempfile.gettempdir() + os.sep not in shown, shown
+        assert sys.executable not in shown
     assert [v["name"] for v in data["variants"]] == [v.name for v in variants]
     md = (out / "fail.md").read_text()
     assert "| raises | error |" in md and "planted failure" in md and "comfyui_version: 0.8.0" in md
