@@ -61,16 +61,19 @@ def _placed_forward(patcher: Any, width: int, height: int, vram_cap_gb: float | 
     (None: random embeddings); ``edit`` adds a Qwen-Image-Edit reference latent."""
     import torch
 
-    import comfy.model_management as mm
+    import comfy.sampler_helpers as sampler_helpers
 
     from . import comfy_native
 
     if vram_cap_gb:
         comfy_native.apply_vram_cap(vram_cap_gb)
     latent = (1, 16, 1, height // 8, width // 8)
-    mm.load_models_gpu([patcher], memory_required=patcher.model.memory_required([2, *latent[1:]]),
-                       minimum_memory_required=patcher.model.memory_required(list(latent)))
     inputs, extra = _step_inputs(patcher, latent, context, edit)
+    # KSampler's placement: ComfyUI's estimate counts the Edit reference latent (its conds' shapes) and runs the
+    # PREPARE_SAMPLING wrappers (Block Swap records that estimate to plan around the activations)
+    cond = {"reference_latents": extra["ref_latents"]} if edit else {}
+    sampler_helpers.prepare_sampling(patcher, latent, {"positive": [cond], "negative": [cond]},
+                                     model_options=patcher.model_options)
     options = comfy_native.transformer_options(patcher)  # merged once, as a sampling run does
 
     def step() -> torch.Tensor:

@@ -91,5 +91,7 @@ def test_real_choice_on_the_gpu_matches_the_chosen_path() -> None:
     x = torch.randn(2, 1000, 512, device="cuda", dtype=torch.bfloat16)
     path = chooser.choose(x, w, s, None, ROW)
     assert path in fp8_choice.CANDIDATES and len(chooser.decisions) == 1
-    ref = fp8.fp8_linear_reference(x, w, s, path=path)
-    assert torch.allclose(fp8.fp8_linear(x, w, s, path=path), ref, rtol=2e-2, atol=2e-2)
+    ref = fp8.fp8_linear_reference(x, w, s, path=path).float()
+    out = fp8.fp8_linear(x, w, s, path=path).float()
+    # fast accumulation (the default) sums in the tensor core's reduced precision: compared as a whole, not per value
+    assert ((out - ref).norm() / ref.norm()).item() <= 1e-2
