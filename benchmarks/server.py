@@ -35,6 +35,8 @@ CARD_GIB = 8.0
 PROBE_NODE = "LowVRAMBench_KernelProfile"
 PROBE_CALL = 1  # the second model call of each expert = its second step (cfg batched: one call per step)
 PROBE_DIR = "lowvram_bench_probe"  # its folder name in the server's custom_nodes
+SPLIT_NODE = "MultiGPU_WorkUnits"  # core's "MultiGPU CFG Split" (ComfyUI 0.33 and later)
+LATENTS = "latents"  # the run's work subfolder where each row's saved latent is kept as <row>.latent
 WORK_MARK = "$WORK"  # stands for the scratch folder in recorded server flags (no machine paths in results)
 R = TypeVar("R")
 
@@ -56,6 +58,8 @@ class Row:
     lora: bool = False  # the 4-step LoRA(s) after the loader(s) (LoraLoaderModelOnly)
     four_step: bool = False  # the 4-step workflow's sampling, with or without the LoRAs
     fp8_path: str = "default"  # pack per-tensor fp8 GEMM path, set by the Kernel Profile node (needs --kernel-profile)
+    gpus: int = 1  # > 1: core's MultiGPU CFG Split (MultiGPU_WorkUnits, max_gpus=gpus) on each sampled model
+    same_as: str | None = None  # the one-GPU row whose final latent this row must equal (a split row's twin)
 
     def server_args(self, total_vram_gib: float) -> list[str]:
         """ComfyUI command-line flags for this row on a GPU of ``total_vram_gib``."""
@@ -159,7 +163,7 @@ def summarize_steps(per_node: list[dict]) -> dict:
 
 LOG_KEEP = re.compile(r"lowvram_dit|DynamicVRAM|loaded (completely|partially)|Requested to load|model weight dtype|"
                       r"Prompt executed|ComfyUI version|comfy-(kitchen|aimdo) version|Total VRAM|pytorch version|"
-                      r"attention|Error|error|Traceback|out of memory|OutOfMemory", re.IGNORECASE)
+                      r"attention|multigpu|Error|error|Traceback|out of memory|OutOfMemory", re.IGNORECASE)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 LORA_KEY_MISSED = "lora key not loaded"  # ComfyUI's warning for each LoRA key that matches no model weight
 
@@ -306,8 +310,10 @@ def run_row(setup: ServerSetup, row: Row, graph: dict, total_vram_gib: float, re
 
     ``own_user_dir``: a user directory of this row only, else the run's shared one. ``prepare_input(input_dir)``
     writes what the graph loads before the start. A failure sets ``status`` "error" with its reason; the row still
-    gets the log digest (and the whole log under ``keep_logs``)."""
+    gets the log digest (and the whole log under ``keep_logs``). The latent the graph saved is kept as
+    ``<work>/latents/<row>.latent`` (``keep_latent``) before the row's base folder is removed."""
     setup.work.mkdir(parents=True, exist_ok=True)
+    (setup.work / LATENTS / f"{row.name}.latent").unlink(missing_ok=True)  # none left from an earlier run
     base = Path(tempfile.mkdtemp(prefix=f"bench_{row.name}_", dir=setup.work))
     record.update(status="error")
     log = ""
@@ -330,8 +336,65 @@ def run_row(setup: ServerSetup, row: Row, graph: dict, total_vram_gib: float, re
     record["lora_keys_not_loaded"] = log.count(LORA_KEY_MISSED)  # > 0: a LoRA row ran partly without its LoRA
     if setup.keep_logs:
         write_report((setup.work / f"{row.name}.log"), log)
+    keep_latent(base / "output", setup.work / LATENTS, row.name)
     shutil.rmtree(base, ignore_errors=True)
     return record
+
+
+def keep_latent(output: Path, folder: Path, name: str) -> Path | None:
+    """Move the newest ``*.latent`` under a row's ``output`` (SaveLatent's file) to ``folder/<name>.latent``;
+    None when the row saved none (an error, or decoded frames)."""
+    saved = sorted(output.rglob("*.latent"), key=lambda p: p.stat().st_mtime) if output.is_dir() else []
+    if not saved:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.move(saved[-1], folder / f"{name}.latent"))
+
+
+def compare_latents(path: Path, reference: Path) -> dict:
+    """How far the latent in ``path`` is from the one in ``reference`` (SaveLatent files, key ``latent_tensor``):
+    ``rel_diff`` = ||a - b|| / ||b|| and ``max_abs`` = max |a - b| in float64 on the CPU; ``identical`` when the
+    tensors are bit-equal (same dtype, shape and values)."""
+    import torch  # the runner itself never starts CUDA: the tensors stay on the CPU
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(path))["latent_tensor"], load_file(str(reference))["latent_tensor"]
+    if a.shape != b.shape:
+        return {"identical": False, "error": f"shapes differ: {list(a.shape)} vs {list(b.shape)}"}
+    diff = a.double() - b.double()
+    ref = float(torch.linalg.vector_norm(b.double()))
+    err = float(torch.linalg.vector_norm(diff))
+    return {"identical": a.dtype == b.dtype and torch.equal(a, b),
+            "rel_diff": err / ref if ref else (0.0 if err == 0 else float("inf")),
+            "max_abs": float(diff.abs().max()) if diff.numel() else 0.0, "shape": list(a.shape)}
+
+
+def twin_checks(results: list[dict], folder: Path) -> list[dict]:
+    """Each record of a row with ``same_as`` gets ``vs_one_gpu``: its final latent against its twin's (both kept
+    in ``folder`` by this run), or why they could not be compared. Returns ``results``."""
+    by_name = {r["name"]: r for r in results}
+    for rec in results:
+        twin = (rec.get("variant") or {}).get("same_as")
+        if not twin:
+            continue
+        check: dict[str, Any] = {"row": twin}
+        other = by_name.get(twin)
+        mine, theirs = folder / f"{rec['name']}.latent", folder / f"{twin}.latent"
+        if rec.get("status") != "ok":
+            check["error"] = f"this row did not finish ({rec.get('status')})"
+        elif other is None:
+            check["error"] = f"{twin} did not run in this run"
+        elif other.get("source"):
+            check["error"] = f"{twin} comes from {other['source']}, not from this run"
+        elif other.get("status") != "ok":
+            check["error"] = f"{twin} did not finish ({other.get('status')})"
+        elif not (mine.is_file() and theirs.is_file()):
+            check["error"] = "no saved latent of " + " or ".join(
+                n for n, p in ((rec["name"], mine), (twin, theirs)) if not p.is_file()) + " (--decode saves frames)"
+        else:
+            check.update(compare_latents(mine, theirs))
+        rec["vs_one_gpu"] = check
+    return results
 
 
 def pick_rows(spec: str, table: dict[str, R], groups: dict[str, list[str]]) -> list[R]:
@@ -373,17 +436,39 @@ def run_rows(rows: Sequence[R], run_one: Callable[[R], dict], head: Callable[[R]
 
 
 def gpu_facts() -> dict:
-    """GPU name, total memory and driver from nvidia-smi (no CUDA context in this process); {} without it."""
+    """GPU name, total memory and driver of the first GPU, and the number of GPUs, from nvidia-smi (no CUDA context
+    in this process); {} without it."""
     smi = shutil.which("nvidia-smi")
     if not smi:
         return {}
     res = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, timeout=30, check=False)
-    first = res.stdout.strip().splitlines()[0] if res.returncode == 0 and res.stdout.strip() else ""
-    fields = [f.strip() for f in first.split(",")]
+    lines = res.stdout.strip().splitlines() if res.returncode == 0 else []
+    fields = [f.strip() for f in (lines[0] if lines else "").split(",")]
     if len(fields) != 3:
         return {}
-    return {"device_name": fields[0], "vram_total_gib": round(int(fields[1]) / 1024, 2), "driver": fields[2]}
+    return {"device_name": fields[0], "vram_total_gib": round(int(fields[1]) / 1024, 2), "driver": fields[2],
+            "gpu_count": len(lines)}
+
+
+def has_split_node(comfyui: Path) -> bool:
+    """Whether the ComfyUI checkout defines core's MultiGPU CFG Split node (read from its source, not imported)."""
+    source = comfyui / "comfy_extras" / "nodes_multigpu.py"
+    return source.is_file() and f'"{SPLIT_NODE}"' in source.read_text(encoding="utf-8", errors="replace")
+
+
+def split_skip_reason(row: Row, comfyui: Path, version: str, gpus: int, on_cpu: bool) -> str | None:
+    """Why a MultiGPU CFG Split row (``gpus`` > 1) cannot run here, or None: the ComfyUI version lacks the node,
+    the server runs on the CPU, or the machine has fewer GPUs than the row splits over."""
+    if row.gpus <= 1:
+        return None
+    if not has_split_node(comfyui):
+        return f"ComfyUI {version} has no {SPLIT_NODE} node (core's MultiGPU CFG Split, ComfyUI 0.33 and later)"
+    if on_cpu:
+        return f"MultiGPU CFG Split over {row.gpus} GPUs: the server runs on the CPU (--cpu/--smoke)"
+    if gpus < row.gpus:
+        return f"MultiGPU CFG Split over {row.gpus} GPUs: this machine has {gpus} (nvidia-smi)"
+    return None
 
 
 def write_models(models: Path, names: Iterable[str]) -> dict[str, float]:
@@ -484,6 +569,25 @@ def run_one(scenario: ServerScenario, row: Row, opts: argparse.Namespace, total_
     return record
 
 
+def skip_rows(scenario: ServerScenario, rows: Sequence[Row], opts: argparse.Namespace, env: dict,
+              results: list[dict]) -> list[Row]:
+    """Record the rows that cannot run here as skipped, with the reason (the native rows of a smoke run, split rows
+    without core's split node or enough GPUs); returns the others."""
+    kept = []
+    for row in rows:
+        if opts.smoke and row.graph == "native":
+            reason: str | None = scenario.smoke_native
+        else:
+            reason = split_skip_reason(row, opts.comfyui, env.get("comfyui_version") or "?",
+                                       env.get("gpu_count") or 0, opts.cpu or opts.smoke)
+        if reason is None:
+            kept.append(row)
+            continue
+        results.append({**head(scenario, row), "status": "skipped", "error": reason})
+        print(f"skip {row.name}: {reason}", flush=True)
+    return kept
+
+
 def main(scenario: ServerScenario, argv: list[str] | None = None) -> int:
     """Run the chosen rows one fresh server each; the reports are rewritten after every row."""
     opts = parser(scenario).parse_args(argv)
@@ -513,16 +617,16 @@ def main(scenario: ServerScenario, argv: list[str] | None = None) -> int:
         settings["model_write_s"] = write_models(opts.models, files)
     settings["model_files_gb"] = model_file_sizes(opts.models, files)
     results = merged_rows(opts.merge, {r.name for r in rows})
-    if opts.smoke:
-        for row in [r for r in rows if r.graph == "native"]:
-            results.append({**head(scenario, row), "status": "skipped", "error": scenario.smoke_native})
-            print(f"skip {row.name}: {scenario.smoke_native}", flush=True)
-        rows = [r for r in rows if r.graph != "native"]
+    rows = skip_rows(scenario, rows, opts, env, results)
     total = env.get("vram_total_gib") or 0.0
-    run_rows(rows, lambda r: run_one(scenario, r, opts, total), lambda r: head(scenario, r),
-             lambda done: write(opts.out, opts.stem, done, env, settings, scenario), results, started,
-             opts.deadline, opts.reserve_estimate)
-    paths = write(opts.out, opts.stem, results, env, settings, scenario)
+    latents = opts.work / LATENTS
+
+    def written(done: list[dict]) -> list[Path]:
+        return write(opts.out, opts.stem, twin_checks(done, latents), env, settings, scenario)
+
+    run_rows(rows, lambda r: run_one(scenario, r, opts, total), lambda r: head(scenario, r), written, results,
+             started, opts.deadline, opts.reserve_estimate)
+    paths = written(results)
     if own_work and not opts.keep_logs:
         shutil.rmtree(opts.work, ignore_errors=True)
     print(paths[1].read_text(encoding="utf-8"))

@@ -1,7 +1,8 @@
 """Reports of the server scenarios: ratios against named native rows, the goals, markdown tables and a plot.
 
 Every ratio is native s/step / row s/step (above 1: the row is faster), names the native row it is against, and is
-taken only within one card size (whole GPU, or the 8 GB card).
+taken only within one card size (whole GPU, or the 8 GB card). A MultiGPU CFG Split row is also compared with its
+one-GPU twin (speed-up, and whether its final latent is the same) and with the native split rows of its GPU count.
 """
 
 from __future__ import annotations
@@ -32,11 +33,25 @@ def _card(r: dict) -> float | None:
     return r["variant"]["card_gib"]
 
 
+def _gpus(r: dict) -> int:
+    return r["variant"].get("gpus", 1)  # rows recorded before split rows existed ran on one GPU
+
+
+def _against(r: dict, other: dict) -> bool:
+    """Whether ``r``'s ratios name ``other``: a native baseline, ``r``'s one-GPU twin, or for a split row a native
+    split row over as many GPUs; always of the same card size."""
+    if other["name"] == r["name"] or _card(other) != _card(r):
+        return False
+    split_native = _gpus(r) > 1 and _gpus(other) == _gpus(r) and other["variant"]["graph"] == "native"
+    return other["variant"]["baseline"] or split_native or other["name"] == r["variant"].get("same_as")
+
+
 def ratios(results: list[dict]) -> dict[str, dict[str, float]]:
-    """``{row: {native row: native s/step / row s/step}}`` for rows and native rows of the same card size."""
-    natives = [r for r in results if _ok(r) and r["variant"]["baseline"]]
-    return {r["name"]: {n["name"]: round(n["s_per_step"] / r["s_per_step"], 3) for n in natives
-                        if _card(n) == _card(r) and n["name"] != r["name"]} for r in results if _ok(r)}
+    """``{row: {other row: other s/step / row s/step}}`` against native rows of the same card size (and for a split
+    row its twin and the native split rows, see ``_against``)."""
+    done = [r for r in results if _ok(r)]
+    return {r["name"]: {n["name"]: round(n["s_per_step"] / r["s_per_step"], 3) for n in done if _against(r, n)}
+            for r in done}
 
 
 def best_native(results: list[dict], card: float | None) -> dict | None:
@@ -49,7 +64,7 @@ def goals(results: list[dict]) -> list[dict]:
     """Each goal checked for every pack row it applies to: ratio, target, pass/fail, and the rows compared."""
     by_name = {r["name"]: r for r in results if _ok(r)}
     checks: list[dict] = []
-    for r in (r for r in results if _ok(r) and r["variant"]["graph"] == "pack"):
+    for r in (r for r in results if _ok(r) and r["variant"]["graph"] == "pack" and _gpus(r) == 1):
         card = _card(r)
         if card is None:
             pairs = [(by_name.get(NATIVE_DEFAULT[None]), GOAL_VS_DEFAULT, "native default"),
@@ -97,6 +112,41 @@ def probe_lines(results: list[dict]) -> list[str]:
     return out + [""]
 
 
+def _latent_check(check: dict | None) -> str:
+    """One cell: whether a split row's final latent equals its twin's."""
+    if not check:
+        return "—"
+    if check.get("error"):
+        return check["error"]
+    if check["identical"]:
+        return "identical"
+    return f"rel diff {check['rel_diff']:.3g}, max abs {check['max_abs']:.3g}"
+
+
+def split_lines(results: list[dict]) -> list[str]:
+    """Markdown of the MultiGPU CFG Split rows: s/step next to the one-GPU twin's of the same run, the speed-up, and
+    the final latent against the twin's (bit-identical, or ||a-b||/||b|| and max |a-b|)."""
+    rows = [r for r in results if r.get("variant") and r["variant"].get("same_as")]
+    if not rows:
+        return []
+    by_name = {r["name"]: r for r in results}
+    out = ["## MultiGPU CFG Split vs one GPU", "",
+           "Each split row next to the same graph on one GPU (its twin); speed-up = twin s/step / split s/step; "
+           "final latent: the split row's saved latent against the twin's.", "",
+           ("| split row | GPUs | s/step | one-GPU row | its s/step | speed-up | split vs 1 GPU (final latent) "
+            "| status |"),
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        twin = r["variant"]["same_as"]
+        t = by_name.get(twin)
+        speed = f"{t['s_per_step'] / r['s_per_step']:.2f}x" if t and _ok(t) and _ok(r) else "—"
+        twin_sps = _f(t.get("s_per_step"), 3) if t else f"— ({twin} did not run)"
+        out.append(f"| {r['name']} | {_gpus(r)} | {_f(r.get('s_per_step'), 3)} | {twin} | {twin_sps} | {speed} | "
+                   f"{_latent_check(r.get('vs_one_gpu'))} | {r.get('status')}"
+                   f"{': ' + r['error'][:160] if r.get('error') else ''} |")
+    return out + [""]
+
+
 def table_lines(rows: list[dict], rat: dict[str, dict[str, float]], first: str = "first step high/low s") -> list[str]:
     """The markdown table of ``rows``: s/step, ratios naming the native rows, first steps (column ``first``), tqdm
     average, wall, GPU and RSS peaks, status."""
@@ -122,7 +172,8 @@ def markdown(results: list[dict], env: dict, settings: dict, title: str = "Wan 2
     rat = ratios(results)
     shown = {k: v for k, v in settings.items() if k not in ("model_files_gb", "variants", "model_write_s")}
     lines = [f"# {title} through a ComfyUI {env.get('comfyui_version', '?')} server", "",
-             (f"- device: {env.get('device_name', '?')} ({env.get('vram_total_gib', '?')} GiB), driver "
+             (f"- device: {env.get('device_name', '?')} ({env.get('vram_total_gib', '?')} GiB)"
+              f"{' x' + str(env['gpu_count']) if (env.get('gpu_count') or 1) > 1 else ''}, driver "
               f"{env.get('driver', '?')}; torch {env.get('torch', '?')}, comfy-kitchen {env.get('comfy_kitchen', '?')}, "
               f"comfy-aimdo {env.get('comfy_aimdo', '?')}, Python {env.get('python', '?')}"),
              f"- pack: git {env.get('git_sha', '?')}; status: {env.get('git_status') or 'clean'}",
@@ -138,6 +189,7 @@ def markdown(results: list[dict], env: dict, settings: dict, title: str = "Wan 2
         rows = [r for r in results if r.get("variant") and _card(r) == card]
         heading = "whole GPU" if card is None else f"{card:g} GB card (--reserve-vram = total - {card:g} GiB)"
         lines += [f"## {heading}", "", *table_lines(rows, rat, first), ""]
+    lines += split_lines(results)
     lines += probe_lines(results)
     checks = goals(results)
     if checks:
@@ -163,7 +215,8 @@ def plot(path: Path, results: list[dict], env: dict, title: str = "Wan 2.2 T2V-A
     rows = [r for r in results if r.get("variant")]
     names = [r["name"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 2), sharey=True)
-    colors = ["tab:gray" if r["variant"]["graph"] == "native" else "tab:blue" for r in rows]
+    colors = ["tab:purple" if _gpus(r) > 1 else "tab:gray" if r["variant"]["graph"] == "native" else "tab:blue"
+              for r in rows]  # split rows apart
     sps = [r.get("s_per_step") or 0.0 for r in rows]
     for bar, r, v in zip(ax1.barh(names, sps, color=colors), rows, sps):
         ax1.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,

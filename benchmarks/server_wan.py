@@ -4,6 +4,8 @@ Native rows: UNETLoader (a weight_dtype) x2, CLIPLoader + CLIPTextEncode, KSampl
 template). Pack rows: the shipped workflow's nodes (Wan Loader, [LoRA], [Block Swap], Attention, [Torch Compile],
 Wan Text Encode). 4-step rows: the lightx2v 4-step LoRAs (stock LoraLoaderModelOnly after each loader), cfg 1,
 shift 5 as workflows/wan22_t2v_a14b_4step.json, 8 GB card, each next to the same graph without the LoRAs.
+Split rows (group 'multigpu'): core's MultiGPU CFG Split on each expert's model right before its sampler, each
+next to its one-GPU twin, whose final latent it must equal.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from comfyui_lowvram_dit.benchmarks.server import (
-    CARD_GIB, PROBE_CALL, PROBE_NODE, RESULTS, Row, ServerScenario, node, pick_rows)
+    CARD_GIB, PROBE_CALL, PROBE_NODE, RESULTS, SPLIT_NODE, Row, ServerScenario, node, pick_rows)
 
 HIGH = "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors"
 LOW = "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors"
@@ -32,6 +34,7 @@ NEGATIVE = ("blurry, low quality, jpeg artifacts, static, still image, overexpos
 SHIFT, CFG, SEED, SAMPLER, SCHEDULER = 8.0, 3.5, 42, "euler", "simple"
 WIDTH, HEIGHT, FRAMES = 832, 480, 81
 SAMPLER_NODES = ("15", "16")
+SPLIT_GPUS = 2  # the split rows' max_gpus
 _8 = CARD_GIB
 
 
@@ -65,10 +68,23 @@ VARIANTS: dict[str, Row] = {r.name: r for r in (
     _r("pack_blockswap_8gb_lora4", "pack", block_swap_gb=_8, **FOUR, lora=True),
     _r("pack_8gb_lora4", "pack", **FOUR, lora=True),
 )}
+
+
+def split_row(twin: Row, gpus: int = SPLIT_GPUS) -> Row:
+    """``twin``'s graph with core's MultiGPU CFG Split over ``gpus`` GPUs: named ``<twin>_<gpus>gpu``, not a
+    baseline (ratios and goals stay one-GPU numbers), its final latent checked against ``twin``'s."""
+    return replace(twin, name=f"{twin.name}_{gpus}gpu", gpus=gpus, same_as=twin.name, baseline=False)
+
+
+SPLIT_TWINS = ("native_fp8fast_ck", "native_fp8fast", "pack", "pack_int8_compile")
+VARIANTS.update({r.name: r for r in (split_row(VARIANTS[t]) for t in SPLIT_TWINS)})
+ONE_GPU = [n for n, v in VARIANTS.items() if v.gpus == 1]
 LORA_ROWS = [n for n, v in VARIANTS.items() if v.four_step]
-UNCAPPED = [n for n, v in VARIANTS.items() if v.card_gib is None]
-CAPPED = [n for n, v in VARIANTS.items() if v.card_gib is not None]
-GROUPS = {"uncapped": UNCAPPED, "capped": CAPPED, "lora": LORA_ROWS, "all": list(VARIANTS)}
+UNCAPPED = [n for n in ONE_GPU if VARIANTS[n].card_gib is None]
+CAPPED = [n for n in ONE_GPU if VARIANTS[n].card_gib is not None]
+MULTIGPU = [n for t in SPLIT_TWINS for n in (t, split_row(VARIANTS[t]).name)]  # each twin, then its split row
+# 'all': every one-GPU row; the split rows run only when asked for ('multigpu' or by name)
+GROUPS = {"uncapped": UNCAPPED, "capped": CAPPED, "lora": LORA_ROWS, "multigpu": MULTIGPU, "all": ONE_GPU}
 
 
 def cfg_of(row: Row) -> float:
@@ -94,6 +110,8 @@ def describe(row: Row) -> str:
         parts.append("4-step LoRAs" if row.lora else "4-step sampling without the LoRAs")
     parts.append("DynamicVRAM" if row.dynamic_vram else "legacy loading (--disable-dynamic-vram)")
     parts.append("whole GPU" if row.card_gib is None else f"{row.card_gib:g} GB card")
+    if row.gpus > 1:
+        parts.append(f"MultiGPU CFG Split over {row.gpus} GPUs")
     return ", ".join(parts)
 
 
@@ -166,6 +184,10 @@ def build_graph(row: Row, steps_per_expert: int = 3, width: int = WIDTH, height:
             graph[nid] = node(PROBE_NODE, f"Kernel Profile ({label} noise)", model=src, label=label,
                               profile_call=PROBE_CALL, fp8_path=row.fp8_path)
         high, low = ["50", 0], ["51", 0]
+    if row.gpus > 1:  # core's split goes last on the model (after the nodes that change it), right before sampling
+        for nid, label, src in (("52", "high", high), ("53", "low", low)):
+            graph[nid] = node(SPLIT_NODE, f"MultiGPU CFG Split ({label} noise)", model=src, max_gpus=row.gpus)
+        high, low = ["52", 0], ["53", 0]
     common = {"steps": 2 * steps_per_expert, "cfg": cfg_of(row), "sampler_name": SAMPLER, "scheduler": SCHEDULER,
               "positive": pos, "negative": neg}
     graph["15"] = node("KSamplerAdvanced", "Sampler (high noise)", add_noise="enable", noise_seed=SEED,
@@ -185,7 +207,8 @@ def build_graph(row: Row, steps_per_expert: int = 3, width: int = WIDTH, height:
 
 
 def pick_variants(spec: str) -> list[Row]:
-    """Rows from a comma list of names or the groups 'uncapped', 'capped', 'lora' (4-step rows), 'all'."""
+    """Rows from a comma list of names or the groups 'uncapped', 'capped', 'lora' (4-step rows), 'multigpu' (split
+    rows and their twins), 'all' (every one-GPU row)."""
     return pick_rows(spec, VARIANTS, GROUPS)
 
 

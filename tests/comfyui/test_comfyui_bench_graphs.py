@@ -38,3 +38,16 @@ def test_qwen_edit_rows_validate(object_info: dict, edit: str) -> None:
         graph = bq.build_edit_graph(kind, bq.EDIT_UNET, bq.EDIT_TEXT_ENCODER, bq.VAE, 4, edit, 8.0,
                                     empty_image=(1024, 1024))
         assert _problems(graph, object_info) == [], kind
+
+
+def test_wan_split_rows_validate_where_core_has_the_split_node(object_info: dict) -> None:
+    """The MultiGPU CFG Split rows: valid on a ComfyUI with core's split node (0.33), an unknown node before it
+    (0.8.0: the runner skips them there, see server.split_skip_reason)."""
+    from comfyui_lowvram_dit.benchmarks import server as run
+
+    for name in (n for n, v in bs.VARIANTS.items() if v.gpus > 1):
+        problems = _problems(bs.build_graph(bs.VARIANTS[name], 3), object_info)
+        if run.SPLIT_NODE in object_info:
+            assert problems == [], name
+        else:
+            assert problems == [f"52: unknown node {run.SPLIT_NODE}", f"53: unknown node {run.SPLIT_NODE}"], name

@@ -20,6 +20,10 @@ TESTS = Path(__file__).resolve().parents[1]
 OBJECT_INFO = {**json.loads((TESTS / "object_info-0.8.0.schema.json").read_text()),
                **json.loads((TESTS / "pack_object_info.json").read_text())}
 FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name"}
+# core's MultiGPU CFG Split as ComfyUI 0.33.0 lists it (0.8.0 has no such node; tests/comfyui checks a live server)
+SPLIT_INFO = {run.SPLIT_NODE: {"input": {"required": {"model": ["MODEL", {}],
+                                                     "max_gpus": ["INT", {"default": 2, "min": 1, "step": 1}]}},
+                               "output": ["MODEL"]}}
 
 
 def _problems(graph: dict, object_info: dict | None = None) -> list[str]:
@@ -42,7 +46,7 @@ def _problems(graph: dict, object_info: dict | None = None) -> list[str]:
                 src = graph.get(value[0])
                 if src is None:
                     out.append(f"{nid}.{key}: link to missing node {value[0]}")
-                elif schemas[src["class_type"]]["output"][value[1]] != spec[0]:
+                elif src["class_type"] in schemas and schemas[src["class_type"]]["output"][value[1]] != spec[0]:
                     out.append(f"{nid}.{key}: {src['class_type']} output {value[1]} is not {spec[0]}")
             elif key not in FILE_INPUTS:
                 options = spec[0] if isinstance(spec[0], list) else (spec[1].get("options") if spec[0] == "COMBO"
@@ -57,6 +61,8 @@ def _problems(graph: dict, object_info: dict | None = None) -> list[str]:
 def test_every_variant_graph_validates(name: str, decode: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     variant = bs.VARIANTS[name]
     probe = variant.fp8_path != "default"  # the fp8 path is set by the Kernel Profile node
+    if variant.gpus > 1:
+        monkeypatch.setitem(OBJECT_INFO, run.SPLIT_NODE, SPLIT_INFO[run.SPLIT_NODE])
     if probe:
         monkeypatch.setitem(OBJECT_INFO, run.PROBE_NODE, PROBE_INFO[run.PROBE_NODE])
         with pytest.raises(ValueError, match="--kernel-profile"):
@@ -149,7 +155,11 @@ def test_server_args() -> None:
 def test_pick_variants() -> None:
     assert [v.name for v in bs.pick_variants("uncapped")] == bs.UNCAPPED
     assert bs.pick_variants("pack,uncapped")[0].name == "pack"
-    assert len(bs.pick_variants("all")) == len(bs.VARIANTS)
+    assert [v.name for v in bs.pick_variants("all")] == [n for n, v in bs.VARIANTS.items() if v.gpus == 1]
+    assert [v.name for v in bs.pick_variants("multigpu")] == [
+        "native_fp8fast_ck", "native_fp8fast_ck_2gpu", "native_fp8fast", "native_fp8fast_2gpu", "pack", "pack_2gpu",
+        "pack_int8_compile", "pack_int8_compile_2gpu"]
+    assert not {n for n in bs.UNCAPPED + bs.CAPPED if bs.VARIANTS[n].gpus > 1}
     with pytest.raises(SystemExit, match="unknown"):
         bs.pick_variants("pack,nope")
 
