@@ -194,7 +194,23 @@ def describe_failure(exc: BaseException) -> str:
     inner = next((e for e in causes if isinstance(e, torch.OutOfMemoryError)), None)
     inner = inner or getattr(exc, "inner_exception", None) or exc.__cause__ or exc
     text = str(inner).strip().splitlines()[0][:300] if str(inner).strip() else ""
-    return f"{'out of memory' if is_oom(exc) else 'compiler error'}: {type(inner).__name__}: {text}"
+    where = raised_at(inner)
+    return (f"{'out of memory' if is_oom(exc) else 'compiler error'}: {type(inner).__name__}: {text}"
+            + (f" (raised at {where})" if where else ""))
+
+
+def raised_at(exc: BaseException) -> str:
+    """Where ``exc`` was raised, as 'torch/_dynamo/x.py:123 in fn': the frame a bug report needs, with the path
+    from the package folder on (no folder of this machine)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    parts = code.co_filename.replace("\\", "/").split("/")
+    anchor = max((i for i, p in enumerate(parts) if p in ("site-packages", "dist-packages")), default=len(parts) - 3)
+    return f"{'/'.join(parts[anchor + 1:]) or parts[-1]}:{tb.tb_lineno} in {code.co_name}"
 
 
 class GraphOutputsCloned(torch.nn.Module):

@@ -326,7 +326,8 @@ def select_path(
         return "dequantize"
     detected = capability is None  # an explicit capability is planning or a test: nothing to tell the user
     cap = capability if capability is not None else device_capability(device)
-    if cap is None or cap < (8, 9):
+    code = -1 if cap is None else cap[0] * 10 + cap[1]  # ints: Dynamo fails on comparisons of capability tuples
+    if code < 89:
         if compute == "fp8":
             raise RuntimeError(
                 f"fp8 compute='fp8' needs an NVIDIA GPU with compute capability >= 8.9 (RTX 40xx, H100, RTX 50xx); "
@@ -341,7 +342,7 @@ def select_path(
         return "dequantize"
     if block_size is None:
         # Row-wise scaled_mm: CUTLASS on SM89 (torch >= 2.7), cuBLASLt/CUTLASS on SM90; not on SM100/SM120.
-        if PER_TENSOR_DEFAULT_PATH == "scaled_mm_rowwise" and cap in ((8, 9), (9, 0)):
+        if PER_TENSOR_DEFAULT_PATH == "scaled_mm_rowwise" and code in (89, 90):
             return "scaled_mm_rowwise"
         return "scaled_mm_tensorwise"
     if (block_size == 128 and cap[0] == 9 and has_blockwise_scaled_mm()

@@ -38,34 +38,57 @@ def device_capability(device: torch.device | str) -> tuple[int, int] | None:
     return fp8.device_capability(device)
 
 
-def _decide(device: torch.device, compute: str) -> tuple[str, str]:
-    """(mode, why): mode is "int8", or the compute kernels/fp8.py's ``select_path`` takes."""
+def capability_code(cap: tuple[int, int] | None) -> int:
+    """(major, minor) as one int (8.9 -> 89, 9.0 -> 90; -1 for no NVIDIA GPU). Code that torch.compile traces
+    compares these ints: Dynamo (torch 2.11) fails on comparisons of capability tuples with an internal error."""
+    return -1 if cap is None else cap[0] * 10 + cap[1]
+
+
+INT8_MIN_CODE, FP8_MIN_CODE = capability_code(INT8_MIN_CAPABILITY), capability_code(FP8_MIN_CAPABILITY)
+
+
+def _mode(code: int, compute: str) -> str:
+    """"int8", or the compute kernels/fp8.py's ``select_path`` takes, for a GPU of capability ``code``; plain int
+    comparisons (traced by torch.compile when a compiled model's first call decides it)."""
+    if compute != "auto":
+        return compute
+    return "int8" if INT8_MIN_CODE <= code < FP8_MIN_CODE else "auto"
+
+
+def _why(cap: tuple[int, int] | None, compute: str, mode: str) -> str:
+    """The reason ``_mode`` gave ``mode``, for the log line."""
+    named = f"compute capability {cap[0]}.{cap[1]}" if cap else "no NVIDIA GPU"
+    if compute != "auto":
+        return "asked for"
+    if mode == "int8":
+        return f"{named}: int8 tensor cores but no fp8 matmul (needs 8.9)"
+    if capability_code(cap) >= FP8_MIN_CODE:
+        return f"{named}: fp8 tensor cores"
+    return f"{named}: neither fp8 nor int8 tensor cores the pack uses"
+
+
+def _check(device: torch.device, cap: tuple[int, int] | None, compute: str) -> None:
+    """ValueError / RuntimeError for a ``compute`` this device cannot run."""
     if compute not in COMPUTE:
         raise ValueError(f"compute must be one of {COMPUTE}, got {compute!r}")
-    cap = device_capability(device)
-    named = f"compute capability {'.'.join(map(str, cap))}" if cap else "no NVIDIA GPU"
-    if compute == "int8":
-        if device.type == "cuda" and (cap is None or cap < INT8_MIN_CAPABILITY):
-            raise RuntimeError(f"compute 'int8 matmul' needs an NVIDIA GPU with compute capability >= 7.5 (RTX 20xx "
-                               f"or newer); {device} has {named}. Set compute to 'auto' or 'dequantize'.")
-        return "int8", "asked for"
-    if compute != "auto":
-        return compute, "asked for"
-    if cap is not None and INT8_MIN_CAPABILITY <= cap < FP8_MIN_CAPABILITY:
-        return "int8", f"{named}: int8 tensor cores but no fp8 matmul (needs 8.9)"
-    if cap is not None and cap >= FP8_MIN_CAPABILITY:
-        return "auto", f"{named}: fp8 tensor cores"
-    return "auto", f"{named}: neither fp8 nor int8 tensor cores the pack uses"
+    if compute == "int8" and device.type == "cuda" and capability_code(cap) < INT8_MIN_CODE:
+        named = f"compute capability {cap[0]}.{cap[1]}" if cap else "no NVIDIA GPU"
+        raise RuntimeError(f"compute 'int8 matmul' needs an NVIDIA GPU with compute capability >= 7.5 (RTX 20xx "
+                           f"or newer); {device} has {named}. Set compute to 'auto' or 'dequantize'.")
 
 
 def compute_mode(device: torch.device | str, compute: str = "auto") -> str:
     """"int8" where the fp8 layers on ``device`` compute in int8, else the fp8 compute to hand to
-    ``fp8.select_path``; logs the choice and its reason once per device."""
+    ``fp8.select_path``; logs the choice and its reason once per device (never while torch.compile traces)."""
     dev = torch.device(device)
-    mode, why = _decide(dev, compute)
+    cap = device_capability(dev)
+    if compute not in COMPUTE or compute == "int8":
+        _check(dev, cap, compute)
+    mode = _mode(capability_code(cap), compute)
     key = (str(dev), compute)
     if key not in _SAID and not torch.compiler.is_compiling():
         _SAID.add(key)
+        why = _why(cap, compute, mode)
         what = {"int8": int8.describe(), "fp8": "fp8 matmul", "dequantize": fp8.describe_path("dequantize"),
                 "auto": "fp8 matmul" if why.endswith("fp8 tensor cores") else fp8.describe_path("dequantize")}[mode]
         log.info("lowvram_dit: fp8 layers on %s (compute '%s'): %s - %s", dev, compute, what, why)

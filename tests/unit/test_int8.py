@@ -256,3 +256,21 @@ def test_cuda_paths_match_the_reference(rotate: bool) -> None:
         assert y[17].isnan().all() and y[torch.arange(300) != 17].isfinite().all()
         keep = torch.arange(300) != 17
         assert _rel(y[keep], ref[keep]) < 0.01, gemm
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (8, 6), (7, 0)])
+def test_compute_choice_traces_without_graph_breaks(monkeypatch: pytest.MonkeyPatch, cap: tuple[int, int]) -> None:
+    """A compiled model's first call decides its fp8 layers' compute while Dynamo traces: the decision (capability
+    lookup, mode, fp8 path) must trace as one graph (torch 2.11's Dynamo failed on comparing capability tuples)."""
+    monkeypatch.setattr(int8_choice, "device_capability", lambda device: cap)
+    monkeypatch.setattr(fp8, "device_capability", lambda device: cap)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        mode = int8_choice.compute_mode(x.device, "auto")
+        path = "int8" if mode == "int8" else fp8.select_path(x.device, None, 64, 64, mode)
+        return x + (1.0 if path == "int8" else 2.0 if path.startswith("scaled_mm") else 3.0)
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="eager", fullgraph=True)(torch.zeros(2))
+    want = {(9, 0): 2.0, (8, 6): 1.0, (7, 0): 3.0}[cap]
+    assert out.tolist() == [want, want]
