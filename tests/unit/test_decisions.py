@@ -71,14 +71,19 @@ def test_keeps_the_fastest_once_per_key(monkeypatch: pytest.MonkeyPatch, caplog:
     assert fastest.decide(("k", 1), planted.candidates, CPU) == "a" and planted.built == 3
 
 
-def test_skip_leaves_a_failing_candidate_out(monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("on_failure, best, timed, timings, said", [
+    ("skip", "c", ["a", "c"], {("k",): {"a": 3.0, "c": 2.0}}, ["('k',): a 3.0, c 2.0 -> c"]),  # "b" left out
+    ("first", "a", ["a"], {}, []),  # stops at "b": "c" is never timed
+])
+def test_a_failing_candidate_is_never_chosen(on_failure: str, best: str, timed: list[str], timings: dict,
+                                             said: list[str], monkeypatch: pytest.MonkeyPatch,
                                              caplog: pytest.LogCaptureFixture) -> None:
     planted = Planted(monkeypatch, {"a": 3.0, "b": 1.0, "c": 2.0}, failing=("b",))
-    fastest = decisions.FastestPerKey(_said, _failed, on_failure="skip")
+    fastest = decisions.FastestPerKey(_said, _failed, on_failure=on_failure)  # type: ignore[arg-type]
     with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
-        assert fastest.decide(("k",), planted.candidates, CPU) == "c"
-    assert fastest.timings == {("k",): {"a": 3.0, "c": 2.0}}
-    assert _messages(caplog) == ["('k',): b failed (planted)", "('k',): a 3.0, c 2.0 -> c"]
+        assert fastest.decide(("k",), planted.candidates, CPU) == best
+    assert planted.timed == timed and fastest.decisions == {("k",): best} and fastest.timings == timings
+    assert _messages(caplog) == ["('k',): b failed (planted)", *said]
 
 
 def test_with_none_timed_the_first_candidate_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,15 +93,7 @@ def test_with_none_timed_the_first_candidate_is_kept(monkeypatch: pytest.MonkeyP
     assert fastest.decisions == {("k",): "a"} and fastest.timings == {("k",): {}}
 
 
-def test_first_stops_at_a_failure_and_settles_on_the_first(monkeypatch: pytest.MonkeyPatch,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
-    planted = Planted(monkeypatch, {"a": 3.0, "b": 1.0, "c": 2.0}, failing=("b",))
-    fastest = decisions.FastestPerKey(_said, _failed, on_failure="first")
-    with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
-        assert fastest.decide(("k",), planted.candidates, CPU) == "a"
-    assert planted.timed == ["a"]  # "c" is never timed
-    assert fastest.decisions == {("k",): "a"} and fastest.timings == {}
-    assert _messages(caplog) == ["('k',): b failed (planted)"]
+def test_an_unknown_failure_rule_is_refused() -> None:
     with pytest.raises(ValueError, match="on_failure"):
         decisions.FastestPerKey(_said, _failed, on_failure="last")  # type: ignore[arg-type]
 
