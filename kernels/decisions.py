@@ -6,7 +6,8 @@ choice must not depend on which GPU of a machine runs the call, nor on how many 
 MultiGPU CFG split runs cond and uncond on two GPUs, one sample each, and has to give the picture that one GPU gives
 with both in one batch. So decision keys name the device kind (type, name, compute capability) and per-sample
 shapes, and the first call of a key decides while holding ``DECIDING``: a call of the same key on another GPU waits
-and then uses that decision. ``time_call`` times a candidate.
+and then uses that decision. ``time_call`` times a candidate; ``FastestPerKey`` keeps the fastest of a few named
+candidates per key, timed once.
 
 Plain torch, no ComfyUI import.
 """
@@ -14,11 +15,15 @@ Plain torch, no ComfyUI import.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Literal
 
 import torch
+
+log = logging.getLogger("comfyui_lowvram_dit")
 
 # Held while a decision is made (timing candidates, autotuning); re-entrant because one decision may time a
 # backend that makes its own (the attention selector timing the autotuned 8-bit kernel).
@@ -69,3 +74,59 @@ def time_call(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+class FastestPerKey:
+    """The fastest of a few named candidates, timed once per key and then looked up.
+
+    ``decisions`` maps a key to the winner's name (plain str values, so a compiled caller's read of a hit is guarded
+    on), ``timings`` a timed key to each candidate's milliseconds. A caller reads ``decisions`` itself and calls
+    ``decide`` on a miss. ``describe_decision(key, winner, timings)`` and ``describe_failure(key, name, error)``
+    write the log lines. A candidate that raises is never chosen: ``on_failure="skip"`` times the others without it,
+    ``"first"`` stops timing and settles on the first candidate, keeping no timings. With none timed, the first
+    candidate is kept. ``decide`` runs the candidates, so a compiled caller reaches it through a function under
+    ``torch.compiler.disable``.
+    """
+
+    def __init__(self, describe_decision: Callable[[tuple, str, dict[str, float]], str],
+                 describe_failure: Callable[[tuple, str, Exception], str],
+                 on_failure: Literal["skip", "first"] = "skip") -> None:
+        if on_failure not in ("skip", "first"):
+            raise ValueError(f"on_failure must be 'skip' or 'first', got {on_failure!r}")
+        self.decisions: dict[tuple, str] = {}
+        self.timings: dict[tuple, dict[str, float]] = {}
+        self._describe_decision = describe_decision
+        self._describe_failure = describe_failure
+        self._on_failure = on_failure
+
+    def decide(self, key: tuple, candidates: Callable[[], Mapping[str, Callable[[], torch.Tensor]]],
+               device: torch.device) -> str:
+        """The winner for ``key``: its decision if one exists, else the fastest of ``candidates()`` on ``device``.
+
+        ``candidates`` builds the name -> callable mapping (in order, the first being the fallback) only when this
+        call decides, so a call that finds the decision made builds nothing."""
+        with DECIDING:  # another GPU deciding the same key: wait, then use its choice
+            if (known := self.decisions.get(key)) is not None:  # also a graph traced before the decision landed
+                return known
+            return self._time(key, candidates(), device)
+
+    def _time(self, key: tuple, candidates: Mapping[str, Callable[[], torch.Tensor]], device: torch.device) -> str:
+        first = next(iter(candidates))
+        times: dict[str, float] = {}
+        for name, fn in candidates.items():
+            try:
+                times[name] = time_call(fn, device)
+            except (RuntimeError, torch.OutOfMemoryError) as exc:  # a candidate that cannot run is never chosen
+                log.info(self._describe_failure(key, name, exc))
+                if self._on_failure == "first":
+                    self.decisions[key] = first
+                    return first
+        best = min(times, key=times.get) if times else first
+        self.decisions[key], self.timings[key] = best, times
+        log.info(self._describe_decision(key, best, times))
+        return best
+
+    def clear(self) -> None:
+        """Forget every decision and its timings (the next call of each key times again)."""
+        self.decisions.clear()
+        self.timings.clear()

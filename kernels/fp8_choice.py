@@ -14,14 +14,13 @@ Under torch.compile the lookup is a dict read (dynamo guards on it); a miss leav
 
 from __future__ import annotations
 
-import logging
+import functools
+from collections.abc import Callable
 
 import torch
 
 from . import fp8
-from .decisions import DECIDING, describe_kind, device_kind, samples_of, time_call
-
-log = logging.getLogger("comfyui_lowvram_dit")
+from .decisions import FastestPerKey, describe_kind, device_kind, samples_of
 
 CANDIDATES: tuple[str, str] = ("scaled_mm_rowwise", "scaled_mm_tensorwise")
 TIME_PER_SHAPE = True  # False: keep the path select_path gave (fp8.PER_TENSOR_DEFAULT_PATH)
@@ -36,8 +35,11 @@ class ScaleChooser:
     """Cached per-shape choices between per-token and per-call activation scales for per-tensor fp8 weights."""
 
     def __init__(self) -> None:
-        self.decisions: dict[tuple, str] = {}  # plain str values: dynamo guards on a hit
-        self.timings: dict[tuple, dict[str, float]] = {}
+        # a failed timing settles on per-token scales, the path asked for
+        self._fastest = FastestPerKey(self._decided, self._failed, on_failure="first")
+        # the helper's own dicts, read directly: plain str values, so dynamo guards on a hit
+        self.decisions: dict[tuple, str] = self._fastest.decisions
+        self.timings: dict[tuple, dict[str, float]] = self._fastest.timings
 
     def choose(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None, path: str) -> str:
@@ -53,30 +55,21 @@ class ScaleChooser:
     @torch.compiler.disable
     def _decide(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None) -> str:
-        with DECIDING:  # another GPU deciding the same key: wait, then use its choice
-            if (known := self.decisions.get(key)) is not None:  # also a graph traced before the decision landed
-                return known
-            return self._time_both(key, x, weight, weight_scale, bias)
+        def candidates() -> dict[str, Callable[[], torch.Tensor]]:
+            # time_call warms up once first: cuBLASLt picks its kernel on the first call of a shape
+            return {p: functools.partial(fp8.fp8_linear, x, weight, weight_scale, bias, path=p, out_dtype=x.dtype)
+                    for p in CANDIDATES}
 
-    def _time_both(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None) -> str:
-        times: dict[str, float] = {}
-        try:
-            with torch.no_grad():
-                for name in CANDIDATES:
-                    # one warm-up first: cuBLASLt picks its kernel on the first call of a shape
-                    times[name] = time_call(lambda p=name: fp8.fp8_linear(x, weight, weight_scale, bias, path=p,
-                                                                          out_dtype=x.dtype), x.device)
-        except (RuntimeError, torch.OutOfMemoryError) as exc:  # a path that cannot run here is never chosen
-            log.info("lowvram_dit fp8: timing the activation scales of %s failed (%s); keeping per-token scales",
-                     self.describe(key), exc)
-            self.decisions[key] = CANDIDATES[0]
-            return CANDIDATES[0]
-        best = min(times, key=times.get)
-        self.decisions[key], self.timings[key] = best, times
-        log.info("lowvram_dit fp8 %s: per-token scales %.2f ms, per-call scale %.2f ms -> %s", self.describe(key),
-                 times[CANDIDATES[0]], times[CANDIDATES[1]], fp8.describe_path(best))
-        return best
+        with torch.no_grad():  # the timed runs build no autograd graph
+            return self._fastest.decide(key, candidates, x.device)
+
+    def _decided(self, key: tuple, best: str, times: dict[str, float]) -> str:
+        return (f"lowvram_dit fp8 {self.describe(key)}: per-token scales {times[CANDIDATES[0]]:.2f} ms, "
+                f"per-call scale {times[CANDIDATES[1]]:.2f} ms -> {fp8.describe_path(best)}")
+
+    def _failed(self, key: tuple, name: str, exc: Exception) -> str:
+        return (f"lowvram_dit fp8: timing the activation scales of {self.describe(key)} failed ({exc}); keeping "
+                f"per-token scales")
 
     @staticmethod
     def describe(key: tuple) -> str:
@@ -93,8 +86,7 @@ class ScaleChooser:
 
     def clear(self) -> None:
         """Forget every choice (the next call of each shape times again)."""
-        self.decisions.clear()
-        self.timings.clear()
+        self._fastest.clear()
 
 
 CHOOSER = ScaleChooser()

@@ -13,14 +13,16 @@ sample, as kernels/fp8_choice.py does (integer sums are exact, so the choice cha
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import torch
 
 from . import fp8, int8, int8_triton
 from .fp8_choice import row_bucket
-from .decisions import DECIDING, describe_kind, device_kind, samples_of, time_call
+from .decisions import FastestPerKey, describe_kind, device_kind, samples_of
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -104,8 +106,10 @@ class GemmChooser:
     """Per-shape choices between ``torch._int_mm`` and the Triton GEMM, made once by timing both."""
 
     def __init__(self) -> None:
-        self.decisions: dict[tuple, str] = {}
-        self.timings: dict[tuple, dict[str, float]] = {}
+        # a GEMM that fails is left out; with neither timed, torch._int_mm (the first) is kept
+        self._fastest = FastestPerKey(self._decided, self._failed, on_failure="skip")
+        self.decisions: dict[tuple, str] = self._fastest.decisions  # the helper's own dicts, read directly
+        self.timings: dict[tuple, dict[str, float]] = self._fastest.timings
 
     def choose(self, x2: torch.Tensor, samples: int, n: int) -> int8.Int8Gemm:
         """The GEMM for ``x2`` [M, K] against an [N, K] weight."""
@@ -120,24 +124,21 @@ class GemmChooser:
 
     @torch.compiler.disable
     def _decide(self, key: tuple, x2: torch.Tensor, n: int) -> int8.Int8Gemm:
-        with DECIDING:
-            if (known := self.decisions.get(key)) is not None:
-                return known
+        def candidates() -> dict[str, Callable[[], torch.Tensor]]:
             xq, xs = int8.quantize_activation(x2)
             wq = torch.ones((n, x2.shape[1]), dtype=torch.int8, device=x2.device)  # the speed is the same
             ws = torch.ones(n, dtype=torch.float32, device=x2.device)
-            times: dict[str, float] = {}
-            for name in ("int_mm", "triton"):
-                try:
-                    times[name] = time_call(lambda g=name: int8._run_gemm(g, xq, xs, wq, ws, None, x2.dtype),
-                                            x2.device)
-                except (RuntimeError, torch.OutOfMemoryError) as exc:  # one that cannot run is never chosen
-                    log.info("lowvram_dit int8: %s failed for %s (%s)", name, self.describe(key), exc)
-            best = min(times, key=times.get) if times else "int_mm"
-            self.decisions[key], self.timings[key] = best, times
-            log.info("lowvram_dit int8 %s: %s -> %s", self.describe(key),
-                     ", ".join(f"{g} {t:.2f} ms" for g, t in times.items()), best)
-            return best
+            return {g: functools.partial(int8._run_gemm, g, xq, xs, wq, ws, None, x2.dtype)
+                    for g in ("int_mm", "triton")}
+
+        return self._fastest.decide(key, candidates, x2.device)
+
+    def _decided(self, key: tuple, best: str, times: dict[str, float]) -> str:
+        timed = ", ".join(f"{g} {t:.2f} ms" for g, t in times.items())
+        return f"lowvram_dit int8 {self.describe(key)}: {timed} -> {best}"
+
+    def _failed(self, key: tuple, name: str, exc: Exception) -> str:
+        return f"lowvram_dit int8: {name} failed for {self.describe(key)} ({exc})"
 
     @staticmethod
     def describe(key: tuple) -> str:
@@ -147,8 +148,7 @@ class GemmChooser:
 
     def clear(self) -> None:
         """Forget every choice."""
-        self.decisions.clear()
-        self.timings.clear()
+        self._fastest.clear()
 
 
 GEMMS = GemmChooser()

@@ -29,6 +29,10 @@ def _planted(monkeypatch: pytest.MonkeyPatch, slow: str, calls: list[str]) -> No
     monkeypatch.setattr(fp8, "fp8_linear", fake_linear)
 
 
+def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "comfyui_lowvram_dit"]
+
+
 def test_row_bucket_groups_shapes_within_a_factor_of_two() -> None:
     assert [fp8_choice.row_bucket(r) for r in (1, 2, 3, 32760, 32768, 32769, 65520)] == [1, 2, 4, 32768, 32768,
                                                                                          65536, 65536]
@@ -47,7 +51,10 @@ def test_the_faster_path_wins_once_per_shape(slow: str, best: str, monkeypatch: 
         assert chooser._decide(key, x, w, s, None) == best
     assert chooser.decisions[key] == best and set(chooser.timings[key]) == {ROW, TENSOR}
     assert calls.count(ROW) == calls.count(TENSOR) == 4  # one warm-up + three timed runs each
-    assert fp8.describe_path(best) in caplog.text and "linear 32->64 at <= 128 rows" in caplog.text
+    t = chooser.timings[key]
+    assert _messages(caplog) == [f"lowvram_dit fp8 linear 32->64 at <= 128 rows per sample (float32, ?): per-token "
+                                 f"scales {t[ROW]:.2f} ms, per-call scale {t[TENSOR]:.2f} ms -> "
+                                 f"{fp8.describe_path(best)}"]
     calls.clear()
     assert chooser._decide(key, x, w, s, None) == best and calls == []  # cached: never timed again
     assert len(chooser.report()) == 1 and fp8.describe_path(best) in chooser.report()[0]
@@ -55,9 +62,16 @@ def test_the_faster_path_wins_once_per_shape(slow: str, best: str, monkeypatch: 
     assert chooser.decisions == {} and chooser.timings == {}
 
 
-def test_a_path_that_fails_is_never_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fails", [TENSOR, ROW])
+def test_a_failed_timing_keeps_per_token_scales(fails: str, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Either path failing stops the timing (the other is not run after it) and settles on per-token scales, the
+    path asked for; no timings are kept."""
+    calls: list[str] = []
+
     def failing(x, w, s, b=None, *, path=None, out_dtype=None, block_size=None):  # noqa: ANN001, ANN202
-        if path == TENSOR:
+        calls.append(path)
+        if path == fails:
             raise RuntimeError("CUDA error: planted")
         return torch.zeros(*x.shape[:-1], w.shape[0])
 
@@ -65,8 +79,12 @@ def test_a_path_that_fails_is_never_chosen(monkeypatch: pytest.MonkeyPatch) -> N
     chooser = fp8_choice.ScaleChooser()
     w, s = _weights()
     key = (0, 16, 64, 32, torch.bfloat16)
-    assert chooser._decide(key, torch.randn(16, 32), w, s, None) == ROW
-    assert chooser.decisions[key] == ROW
+    with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
+        assert chooser._decide(key, torch.randn(16, 32), w, s, None) == ROW
+    assert chooser.decisions == {key: ROW} and chooser.timings == {}
+    assert calls[-1] == fails and calls.count(TENSOR) == (1 if fails == TENSOR else 0)
+    assert _messages(caplog) == ["lowvram_dit fp8: timing the activation scales of linear 32->64 at <= 16 rows per "
+                                 "sample (bfloat16, ?) failed (CUDA error: planted); keeping per-token scales"]
 
 
 def test_only_per_token_paths_on_cuda_are_timed(monkeypatch: pytest.MonkeyPatch) -> None:

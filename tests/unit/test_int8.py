@@ -1,13 +1,16 @@
 """CPU tests of kernels/int8.py and kernels/int8_choice.py: quantization, ``torch._int_mm`` against the exact
 reference, the odd-shape fallback, error against bf16 at Wan-block-like shapes (scaled down), NaN/inf propagation,
-the Triton kernels under the interpreter, and the compute choice by GPU capability. GPU checks are ``cuda``."""
+the Triton kernels under the interpreter, the compute choice by GPU capability and the per-shape GEMM choice (on
+planted GEMMs). GPU checks are ``cuda``."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -274,3 +277,62 @@ def test_compute_choice_traces_without_graph_breaks(monkeypatch: pytest.MonkeyPa
     out = torch.compile(fn, backend="eager", fullgraph=True)(torch.zeros(2))
     want = {(9, 0): 2.0, (8, 6): 1.0, (7, 0): 3.0}[cap]
     assert out.tolist() == [want, want]
+
+
+# ---- the GEMM choice (planted GEMMs: the real timing runs on CUDA only) ----------------------------------------
+
+_GEMM_KEY = (("cpu",), 64, 48, 32)
+_GEMM_SAID = "linear 32->48 at <= 64 rows per sample (cpu)"
+
+
+def _planted_gemms(monkeypatch: pytest.MonkeyPatch, slow: str | None, failing: tuple[str, ...] = ()) -> list[str]:
+    calls: list[str] = []
+
+    def fake(gemm, xq, xs, wq, ws, bias, out_dtype):  # noqa: ANN001, ANN202
+        calls.append(gemm)
+        if gemm in failing:
+            raise RuntimeError("CUDA error: planted")
+        time.sleep(0.004 if gemm == slow else 0.0)
+        return torch.zeros(xq.shape[0], wq.shape[0], dtype=out_dtype)
+
+    monkeypatch.setattr(int8, "_run_gemm", fake)
+    return calls
+
+
+def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "comfyui_lowvram_dit"]
+
+
+@pytest.mark.parametrize("slow, best", [("int_mm", "triton"), ("triton", "int_mm")])
+def test_the_faster_gemm_wins_once_per_shape(slow: str, best: str, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    calls = _planted_gemms(monkeypatch, slow)
+    chooser = int8_choice.GemmChooser()
+    x2 = torch.randn(40, 32, dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
+        assert chooser._decide(_GEMM_KEY, x2, 48) == best
+    t = chooser.timings[_GEMM_KEY]
+    assert chooser.decisions == {_GEMM_KEY: best} and list(t) == ["int_mm", "triton"]
+    assert calls.count("int_mm") == calls.count("triton") == 4  # one warm-up + three timed runs each
+    assert _messages(caplog) == [f"lowvram_dit int8 {_GEMM_SAID}: int_mm {t['int_mm']:.2f} ms, "
+                                 f"triton {t['triton']:.2f} ms -> {best}"]
+    calls.clear()
+    assert chooser._decide(_GEMM_KEY, x2, 48) == best and calls == []  # cached: never timed again
+    chooser.clear()
+    assert chooser.decisions == {} and chooser.timings == {}
+
+
+@pytest.mark.parametrize("failing, best", [(("triton",), "int_mm"), (("int_mm",), "triton"),
+                                           (("int_mm", "triton"), "int_mm")])
+def test_a_gemm_that_fails_is_skipped(failing: tuple[str, ...], best: str, monkeypatch: pytest.MonkeyPatch,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A GEMM that raises is logged and left out; the other is still timed; none left keeps ``torch._int_mm``."""
+    _planted_gemms(monkeypatch, None, failing)
+    chooser = int8_choice.GemmChooser()
+    with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
+        assert chooser._decide(_GEMM_KEY, torch.randn(40, 32), 48) == best
+    times = chooser.timings[_GEMM_KEY]
+    assert chooser.decisions == {_GEMM_KEY: best} and set(times) == {"int_mm", "triton"} - set(failing)
+    said = ", ".join(f"{g} {t:.2f} ms" for g, t in times.items())
+    assert _messages(caplog) == [f"lowvram_dit int8: {g} failed for {_GEMM_SAID} (CUDA error: planted)"
+                                 for g in failing] + [f"lowvram_dit int8 {_GEMM_SAID}: {said} -> {best}"]

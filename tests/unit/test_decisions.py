@@ -1,0 +1,133 @@
+"""``decisions.FastestPerKey`` on the CPU: planted candidates and a planted timer (``time_call``) check that it
+keeps the fastest, decides once per key, follows its failure rule, and that a second thread asking for a key being
+decided waits on ``DECIDING`` and gets the same answer."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from comfyui_lowvram_dit.kernels import decisions
+
+CPU = torch.device("cpu")
+
+
+def _said(key: tuple, best: str, times: dict[str, float]) -> str:
+    return f"{key}: " + ", ".join(f"{n} {t:.1f}" for n, t in times.items()) + f" -> {best}"
+
+
+def _failed(key: tuple, name: str, exc: Exception) -> str:
+    return f"{key}: {name} failed ({exc})"
+
+
+class Planted:
+    """Candidates whose timed milliseconds are planted: ``time_call`` is replaced by a lookup of the name the
+    candidate returns; a name in ``failing`` raises. Counts every candidate built and every time taken."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, ms: dict[str, float], failing: tuple[str, ...] = ()) -> None:
+        self.ms, self.failing, self.built, self.timed = ms, failing, 0, []
+        monkeypatch.setattr(decisions, "time_call", self._time_call)
+
+    def _time_call(self, fn: Callable[[], str], device: torch.device) -> float:
+        name = fn()
+        self.timed.append(name)
+        return self.ms[name]
+
+    def candidates(self) -> dict[str, Callable[[], str]]:
+        self.built += 1
+        return {name: self._candidate(name) for name in self.ms}
+
+    def _candidate(self, name: str) -> Callable[[], str]:
+        def run() -> str:
+            if name in self.failing:
+                raise RuntimeError("planted")
+            return name
+        return run
+
+
+def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "comfyui_lowvram_dit"]
+
+
+def test_keeps_the_fastest_once_per_key(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    planted = Planted(monkeypatch, {"a": 3.0, "b": 1.0, "c": 2.0})
+    fastest = decisions.FastestPerKey(_said, _failed)
+    caplog.set_level(logging.INFO, logger="comfyui_lowvram_dit")
+    assert fastest.decide(("k", 1), planted.candidates, CPU) == "b"
+    assert fastest.decisions == {("k", 1): "b"} and fastest.timings == {("k", 1): planted.ms}
+    assert planted.built == 1 and planted.timed == ["a", "b", "c"]
+    assert _messages(caplog) == ["('k', 1): a 3.0, b 1.0, c 2.0 -> b"]
+
+    planted.ms["a"] = 0.5  # a decided key is never timed again, nor are its candidates built
+    assert fastest.decide(("k", 1), planted.candidates, CPU) == "b" and planted.built == 1
+    assert fastest.decide(("k", 2), planted.candidates, CPU) == "a" and planted.built == 2  # another key: timed
+    assert len(_messages(caplog)) == 2
+    fastest.clear()
+    assert fastest.decisions == {} and fastest.timings == {}
+    assert fastest.decide(("k", 1), planted.candidates, CPU) == "a" and planted.built == 3
+
+
+@pytest.mark.parametrize("on_failure, best, timed, timings, said", [
+    ("skip", "c", ["a", "c"], {("k",): {"a": 3.0, "c": 2.0}}, ["('k',): a 3.0, c 2.0 -> c"]),  # "b" left out
+    ("first", "a", ["a"], {}, []),  # stops at "b": "c" is never timed
+])
+def test_a_failing_candidate_is_never_chosen(on_failure: str, best: str, timed: list[str], timings: dict,
+                                             said: list[str], monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    planted = Planted(monkeypatch, {"a": 3.0, "b": 1.0, "c": 2.0}, failing=("b",))
+    fastest = decisions.FastestPerKey(_said, _failed, on_failure=on_failure)  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
+        assert fastest.decide(("k",), planted.candidates, CPU) == best
+    assert planted.timed == timed and fastest.decisions == {("k",): best} and fastest.timings == timings
+    assert _messages(caplog) == ["('k',): b failed (planted)", *said]
+
+
+def test_with_none_timed_the_first_candidate_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    planted = Planted(monkeypatch, {"a": 3.0, "b": 1.0}, failing=("a", "b"))
+    fastest = decisions.FastestPerKey(_said, _failed)
+    assert fastest.decide(("k",), planted.candidates, CPU) == "a"
+    assert fastest.decisions == {("k",): "a"} and fastest.timings == {("k",): {}}
+
+
+def test_an_unknown_failure_rule_is_refused() -> None:
+    with pytest.raises(ValueError, match="on_failure"):
+        decisions.FastestPerKey(_said, _failed, on_failure="last")  # type: ignore[arg-type]
+
+
+def test_a_second_thread_waits_for_the_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first caller times while holding DECIDING; a second caller of the same key (another GPU) waits on it,
+    then returns the first caller's answer without building or timing anything."""
+    planted = Planted(monkeypatch, {"a": 3.0, "b": 1.0})
+    timing, go = threading.Event(), threading.Event()
+    planted_time_call = decisions.time_call
+
+    def held_time_call(fn: Callable[[], str], device: torch.device) -> float:
+        timing.set()
+        assert go.wait(10)
+        return planted_time_call(fn, device)
+
+    monkeypatch.setattr(decisions, "time_call", held_time_call)
+    fastest = decisions.FastestPerKey(_said, _failed)
+    answers: dict[str, str] = {}
+
+    def ask(who: str) -> None:
+        answers[who] = fastest.decide(("k",), planted.candidates, CPU)
+
+    first = threading.Thread(target=ask, args=("first",))
+    first.start()
+    assert timing.wait(10)  # the first caller holds DECIDING and is timing
+    second = threading.Thread(target=ask, args=("second",))
+    try:
+        second.start()
+        second.join(0.2)
+        assert second.is_alive() and "second" not in answers  # waiting on DECIDING
+    finally:
+        go.set()  # never leave the first caller holding DECIDING
+    first.join(10)
+    second.join(10)
+    assert answers == {"first": "b", "second": "b"}
+    assert planted.built == 1 and planted.timed == ["a", "b"]
