@@ -13,7 +13,7 @@ Paths (`Fp8Path`), picked by `select_path` and overridable:
 - "dequantize": weight -> compute dtype, then `F.linear` (CPU, pre-Ada GPUs, odd shapes, fp32 activations).
 
 GEMM options beyond the path (`ActQuant`, chosen per call by the caller; `DEFAULT_ACT` when none is given):
-`use_fast_accum` GEMMs, on by default, and the one-pass row quantizer (`fp8_triton.quantize_rowwise_one_pass`).
+`use_fast_accum`, on by default.
 """
 
 from __future__ import annotations
@@ -195,12 +195,6 @@ def quantize_activation(
     raise ValueError(f"unknown activation quantization mode {mode!r}; expected 'row', 'group' or 'tensor'")
 
 
-def _quantize_rows(x: torch.Tensor, one_pass: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if one_pass and x.is_cuda and fp8_triton.TRITON_AVAILABLE:
-        return fp8_triton.quantize_rowwise_one_pass(x)
-    return quantize_activation(x, "row")
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Path selection
 
@@ -344,13 +338,11 @@ def _blockwise_weight_scale(weight_scale: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ActQuant:
-    """How fp8_linear quantizes activations and runs its GEMM beyond its path.
+    """How fp8_linear runs its GEMM beyond its path.
 
-    fast_accum: torch._scaled_mm's use_fast_accum (Hopper: fp8 MMA partial sums are not promoted to fp32).
-    row_one_pass: the row-wise path quantizes with the one-pass Triton kernel (same bits)."""
+    fast_accum: torch._scaled_mm's use_fast_accum (Hopper: fp8 MMA partial sums are not promoted to fp32)."""
 
     fast_accum: bool = False
-    row_one_pass: bool = False
 
 
 # Fast accumulation by default: on Hopper the fp8 MMA's partial sums skip their periodic fp32 promotion. The
@@ -390,7 +382,7 @@ def _linear_scaled_mm(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     n = weight.shape[0]
     if path in ("scaled_mm_rowwise", "scaled_mm_tensorwise"):
         row = path == "scaled_mm_rowwise"
-        xq, xs = _quantize_rows(x2, act.row_one_pass) if row else quantize_activation(x2, "tensor")
+        xq, xs = quantize_activation(x2, "row" if row else "tensor")
         ws = _weight_scale_row(weight_scale, n) if row else weight_scale.float()
         return _gemm(xq, xs, weight, ws, bias, out_dtype, act.fast_accum, out)
     # scaled_mm_blockwise

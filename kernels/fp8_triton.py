@@ -16,7 +16,6 @@ group kernel counts NaNs per row (one integer add per element); neither adds a p
 propagate_nan=ALL; without that a NaN activation got a finite scale and finite codes, and NaN Guard never saw
 it (benchmarks/results/gpu_hostile.md, finding 1). Kernel constants are tl.constexpr, never Python-float kernel arguments: under inductor a float argument becomes
 fp64 and Triton rejects it ("Expected dtype ['fp32'] but got fp64", torch 2.11).
-The one-pass row kernel holds a whole row (K <= 16384) in registers.
 Importing this module without Triton is fine: TRITON_AVAILABLE is False and nothing is registered.
 """
 
@@ -37,7 +36,6 @@ SCALE_MIN = 2.0**-126  # smallest normal fp32 == torch.finfo(torch.float32).tiny
 _ROW_BLOCK_K = 1024  # row kernel: K chunk per loop step (two passes over the row; the second hits L2)
 _GROUP_BLOCK_M = 32  # group kernel: rows per program
 _SCALAR_BLOCK = 4096  # tensor-wise cast kernel: elements per program
-_ONE_PASS_MAX_K = 16384  # one-pass row kernel: the widest row it holds in registers
 
 
 if TRITON_AVAILABLE:
@@ -95,21 +93,6 @@ if TRITON_AVAILABLE:
             tl.store(s_ptr, scale)
 
 
-    @triton.jit
-    def _quant_rows_one_pass_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
-        """One program per row, the whole row held in registers: one read of x (the loop kernel reads it twice)."""
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK_K)
-        v = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        a = tl.abs(v)
-        scale = tl.maximum(tl.math.div_rn(tl.max(a, axis=0), 448.0), _SCALE_MIN_C)
-        # tl.max drops NaN lanes (an inf stays: inf scale, as torch); their sum does not (NaN in -> NaN scale)
-        scale = tl.where(tl.sum(a, axis=0) != tl.sum(a, axis=0), float("nan"), scale)
-        q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
-        tl.store(s_ptr + row, scale)
-
-
 def _launch_rows(x: torch.Tensor, q_dtype: torch.dtype, wrap) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     q = torch.empty((m, k), dtype=q_dtype, device=x.device)
@@ -142,18 +125,6 @@ def _launch_scalar(x: torch.Tensor, q_dtype: torch.dtype, wrap) -> tuple[torch.T
         return q, torch.full((), SCALE_MIN, dtype=torch.float32, device=x.device)
     s = torch.empty((), dtype=torch.float32, device=x.device)
     wrap(_quant_scalar_kernel)[(triton.cdiv(n, _SCALAR_BLOCK),)](x, q, amax, s, n, BLOCK=_SCALAR_BLOCK)
-    return q, s
-
-
-def _launch_rows_one_pass(x: torch.Tensor, q_dtype: torch.dtype, wrap) -> tuple[torch.Tensor, torch.Tensor]:
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=q_dtype, device=x.device)
-    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m:
-        block = triton.next_power_of_2(k)
-        warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-        wrap(_quant_rows_one_pass_kernel)[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=block,
-                                                num_warps=warps)
     return q, s
 
 
@@ -222,12 +193,3 @@ def quantize_tensorwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if _traced():
         return _op("fp8_quant_tensor")(x)
     return _launch_scalar(x, torch.float8_e4m3fn, _direct)
-
-
-
-def quantize_rowwise_one_pass(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rowwise with the whole row in registers (K <= 16384, else the loop kernel): same bits, one read."""
-    if x.shape[1] > _ONE_PASS_MAX_K:
-        return quantize_rowwise(x)
-    return _launch_rows_one_pass(x, torch.float8_e4m3fn, _direct)
-
