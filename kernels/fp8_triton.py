@@ -1,4 +1,4 @@
-"""Fused Triton kernels for fp8 linears: one-pass activation quantization and a block-wise fp8 GEMM.
+"""Fused Triton kernels for fp8 linears: row-wise, group-wise and tensor-wise activation quantization.
 
 Activation quantization must be one kernel: amax, scale and cast done eagerly cost about as much as the fp8 GEMM
 saves. The kernels are registered as
