@@ -12,6 +12,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -349,7 +350,7 @@ def block_variants(device: torch.device) -> dict[str, dict]:
             "pack row-wise + fast accum": {"run": _pack(rw)}}
 
 
-def block_runner(spec: dict, weights: dict, linears: list, native: dict):
+def block_runner(spec: dict, weights: dict, linears: list, native: dict) -> Callable[..., dict | None]:
     """run(inputs, names, keep) -> {name: first ERR_ROWS output rows} or None."""
     keys = {name: key for name, key, _, _ in linears}
 
