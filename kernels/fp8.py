@@ -213,6 +213,12 @@ def device_capability(device: torch.device | str) -> tuple[int, int] | None:
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def capability_code(cap: tuple[int, int] | None) -> int:
+    """(major, minor) as one int (8.9 -> 89, 9.0 -> 90; -1 for no NVIDIA GPU). Code that torch.compile traces
+    compares these ints: Dynamo (torch 2.11) fails on comparisons of capability tuples with an internal error."""
+    return -1 if cap is None else cap[0] * 10 + cap[1]
+
+
 def has_blockwise_scaled_mm() -> bool:
     """True when torch has the public F.scaled_mm with 1x128 / 128x128 block scaling (torch >= 2.10)."""
     return hasattr(F, "scaled_mm") and hasattr(F, "ScalingType") and hasattr(F.ScalingType, "BlockWise128x128")
@@ -260,7 +266,7 @@ def select_path(
         return "dequantize"
     detected = capability is None  # an explicit capability is planning or a test: nothing to tell the user
     cap = capability if capability is not None else device_capability(device)
-    code = -1 if cap is None else cap[0] * 10 + cap[1]  # ints: Dynamo fails on comparisons of capability tuples
+    code = capability_code(cap)
     if code < 89:
         if compute == "fp8":
             raise RuntimeError(
