@@ -1,7 +1,7 @@
 """Scenario ``fp8_gemm``: our fp8 linears (kernels/fp8.py) vs bf16 and native fp8 at Wan 2.2 / Qwen-Image GEMM
 shapes, in one process (README). ``--block``: one Wan 14B block's linears in call order, native fp8_e4m3fn_fast
-(ComfyUI's own Linear when COMFYUI_PATH imports) vs the pack's paths and the delayed-scale candidates, on three
-activation families; ``--dry`` runs that on the CPU at tiny widths to exercise the code.
+(ComfyUI's own Linear when COMFYUI_PATH imports) vs the pack's default and forced paths, on three activation
+families; ``--dry`` runs that on the CPU at tiny widths to exercise the code.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
     parser.add_argument("--block", action="store_true",
-                        help="one Wan 14B block's linears: native fp8_e4m3fn_fast vs the pack's paths and candidates")
+                        help="one Wan 14B block's linears: native fp8_e4m3fn_fast vs the pack's paths")
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES),
                         help="--block: activation families (default: all)")
     parser.add_argument("--dry", action="store_true",
@@ -214,11 +215,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ==============================================================================================================
-# --block: one Wan 14B block's fp8 linears, native fp8_e4m3fn_fast vs the pack's paths and candidates
+# --block: one Wan 14B block's fp8 linears, native fp8_e4m3fn_fast vs the pack's paths
 # ==============================================================================================================
 
-# (name, input, N out, K in, shares its input with): the block's linears that see every video token, in call
-# order (comfy/ldm/wan/model.py WanAttentionBlock). cross_attn.k/v see the 512 text tokens only and are left out.
+# (name, input, N out, K in): the block's linears that see every video token, in call order
+# (comfy/ldm/wan/model.py WanAttentionBlock). cross_attn.k/v see the 512 text tokens only and are left out.
 BLOCK_LINEARS: tuple[tuple[str, str, int, int], ...] = (
     ("self_attn.q", "x_self", 5120, 5120), ("self_attn.k", "x_self", 5120, 5120),
     ("self_attn.v", "x_self", 5120, 5120), ("self_attn.o", "x_attn", 5120, 5120),
@@ -226,7 +227,6 @@ BLOCK_LINEARS: tuple[tuple[str, str, int, int], ...] = (
     ("ffn.0", "x_ffn", 13824, 5120), ("ffn.2", "x_gelu", 5120, 13824),
 )
 SIX = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.0", "ffn.2")  # the brief's 6-linear subset
-QKV = ("self_attn.q", "self_attn.k", "self_attn.v")
 BLOCK_TOKENS = 32760  # Wan 14B 832x480x81
 FAMILIES = ("ln_mod", "gaussian", "massive")
 DRY_DIV = 40  # --dry: widths / 40 (rounded to 16), 64 tokens, on the CPU
@@ -326,61 +326,43 @@ def native_linears(weights: dict, device: torch.device) -> tuple[dict, str]:
 
 
 def _pack(path: str | None, act: fp8.ActQuant | None = None):
-    """A pack variant: fp8_linear on ``path`` (None: what the pack runs today, the scale chooser's pick)."""
+    """A pack variant: fp8_linear on ``path`` with ``act`` (None: fp8.DEFAULT_ACT); path None: what the pack runs,
+    the scale chooser's pick."""
     from comfyui_lowvram_dit.kernels import opaque_ops
 
-    def run(x: torch.Tensor, wd: dict, state: torch.Tensor | None) -> torch.Tensor:
+    def run(x: torch.Tensor, wd: dict) -> torch.Tensor:
         if path is None:
             auto = fp8.select_path(x.device, None, *wd["q"].shape)
             return opaque_ops.fp8_linear(x, wd["q"], wd["s"], wd["b"], None, auto)
-        a = act if state is None else fp8.ActQuant(state=state, fast_accum=act.fast_accum)
-        return fp8.fp8_linear(x, wd["q"], wd["s"], wd["b"], path=path, act=a)
+        return fp8.fp8_linear(x, wd["q"], wd["s"], wd["b"], path=path, act=act)
     return run
 
 
 def block_variants(device: torch.device) -> dict[str, dict]:
-    """name -> {run(x, weights of one linear, state), delayed: one state per linear, shared: q/k/v quantized
-    once}. A variant this GPU / torch cannot run errors when timed and is reported so."""
+    """name -> {run(x, weights of one linear)} or {native: True}. A variant this GPU / torch cannot run errors
+    when timed and is reported so."""
     tw, rw = "scaled_mm_tensorwise", "scaled_mm_rowwise"
-    v = {"bf16 F.linear": {"run": lambda x, wd, st: F.linear(x, wd["w"], wd["b"])},
-         "native fp8_e4m3fn_fast": {"native": True},
-         "pack today (scale chooser, fast accum)": {"run": _pack(None)},
-         "pack row-wise, no fast accum": {"run": _pack(rw, fp8.ActQuant())},
-         "pack tensor-wise (amax pass), no fast accum": {"run": _pack(tw, fp8.ActQuant())},
-         "cand row-wise, one-pass quantizer": {"run": _pack(rw, fp8.ActQuant(row_one_pass=True))},
-         "cand row-wise + fast accum": {"run": _pack(rw, fp8.ActQuant(fast_accum=True))}}
-    for fast in (False, True):
-        tag = " + fast accum" if fast else ""
-        v[f"cand delayed{tag}"] = {"run": _pack(tw, fp8.ActQuant(fast_accum=fast)), "delayed": True}
-        v[f"cand delayed, q/k/v quantized once{tag}"] = {"run": _pack(tw, fp8.ActQuant(fast_accum=fast)),
-                                                        "delayed": True, "shared": True, "fast": fast}
-    return v
+    return {"bf16 F.linear": {"run": lambda x, wd: F.linear(x, wd["w"], wd["b"])},
+            "native fp8_e4m3fn_fast": {"native": True},
+            "pack today (scale chooser, fast accum)": {"run": _pack(None)},
+            "pack row-wise, no fast accum": {"run": _pack(rw, fp8.ActQuant())},
+            "pack tensor-wise (amax pass), no fast accum": {"run": _pack(tw, fp8.ActQuant())},
+            "pack row-wise + fast accum": {"run": _pack(rw)}}
 
 
-def block_runner(spec: dict, weights: dict, linears: list, native: dict, device: torch.device):
-    """(run(inputs, names, keep) -> {name: first ERR_ROWS output rows} or None, the variant's delayed states)."""
+def block_runner(spec: dict, weights: dict, linears: list, native: dict) -> Callable[..., dict | None]:
+    """run(inputs, names, keep) -> {name: first ERR_ROWS output rows} or None."""
     keys = {name: key for name, key, _, _ in linears}
-    states: dict[str, torch.Tensor] = {}
-    if spec.get("delayed"):
-        states = {name: fp8.new_act_state(device) for name in keys if not (spec.get("shared") and name in QKV)}
-        if spec.get("shared"):
-            states["q/k/v"] = fp8.new_act_state(device)
 
     def run(inputs: dict, names: tuple[str, ...], keep: bool = False) -> dict | None:
         outs: dict[str, torch.Tensor] = {}
-        todo = list(names)
-        if spec.get("shared") and all(n in todo for n in QKV):
-            layers = [(weights[n]["q"], weights[n]["s"], weights[n]["b"]) for n in QKV]
-            act = fp8.ActQuant(state=states["q/k/v"], fast_accum=spec["fast"])
-            outs.update(zip(QKV, fp8.fp8_linear_shared(inputs["x_self"], layers, act=act)))
-            todo = [n for n in todo if n not in QKV]
-        for n in todo:
+        for n in names:
             x = inputs[keys[n]]
-            outs[n] = native[n](x) if spec.get("native") else spec["run"](x, weights[n], states.get(n))
+            outs[n] = native[n](x) if spec.get("native") else spec["run"](x, weights[n])
         if not keep:
             return None
         return {n: y.reshape(-1, y.shape[-1])[:ERR_ROWS].float() for n, y in outs.items()}
-    return run, states
+    return run
 
 
 def time_interleaved(fns: dict, device: torch.device, repeats: int, warmup: int) -> dict[str, list[float] | str]:
@@ -424,9 +406,9 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def block_errors(runners: dict, inputs: dict, native_inputs: dict, refs: dict, names: tuple) -> dict:
     """variant -> {linear: rel. error vs fp32 on the first ERR_ROWS rows} (or an error string), each variant
-    called once before (delayed states at their steady state, as in a run's later steps)."""
+    called once before (as in a run's later steps)."""
     out: dict[str, dict | str] = {}
-    for vname, (run, _, spec) in runners.items():
+    for vname, (run, spec) in runners.items():
         src = native_inputs if spec.get("native") else inputs
         try:
             run(src, names)
@@ -444,17 +426,11 @@ def quant_fns(inputs: dict, native_inputs: dict, device: torch.device) -> dict[s
         x2, xn = inputs[key].reshape(-1, inputs[key].shape[-1]), native_inputs[key].reshape(-1, inputs[key].shape[-1])
         tag = f"{key} K={x2.shape[1]}"
         fns[f"{tag}: native clamp_ + cast"] = lambda xn=xn: torch.clamp(xn, -448, 448, out=xn).to(fp8.FP8_DTYPE)
-        steady, fresh = fp8.new_act_state(device), fp8.new_act_state(device)
-        init = fresh.clone()
         if device.type == "cuda" and fp8_triton.TRITON_AVAILABLE:
-            fns[f"{tag}: row (Triton loop, today)"] = lambda x2=x2: fp8_triton.quantize_rowwise(x2)
-            fns[f"{tag}: row (Triton one-pass)"] = lambda x2=x2: fp8_triton.quantize_rowwise_one_pass(x2)
+            fns[f"{tag}: row (Triton)"] = lambda x2=x2: fp8_triton.quantize_rowwise(x2)
             fns[f"{tag}: tensor (norm + Triton)"] = lambda x2=x2: fp8_triton.quantize_tensorwise(x2)
         else:
             fns[f"{tag}: row (torch)"] = lambda x2=x2: fp8.quantize_rowwise_torch(x2)
-        fns[f"{tag}: delayed, steady (1 pass)"] = lambda x2=x2, s=steady: fp8.quantize_activation_delayed(x2, s)
-        fns[f"{tag}: delayed, re-quantizing (2 passes)"] = (
-            lambda x2=x2, s=fresh, i=init: (s.copy_(i), fp8.quantize_activation_delayed(x2, s)))
     return fns
 
 
@@ -464,7 +440,7 @@ def _med(t: list[float] | str) -> float | None:
 
 def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> list[dict]:
     """Every variant on one input family: errors, the block (8 linears and the 6 of self-attention + FFN) timed
-    interleaved, each linear alone, each quantizer alone, and what the delayed states saw."""
+    interleaved, each linear alone and each quantizer alone."""
     device, linears, m, weights = setup["device"], setup["linears"], setup["m"], setup["weights"]
     names = tuple(n for n, _, _, _ in linears)
     raw = block_inputs(family, m, linears[0][3], linears[6][2], device)
@@ -472,13 +448,13 @@ def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> l
     native_inputs = {k: v.clone() for k, v in inputs.items()}  # native clamps its input in place
     refs = {n: F.linear(inputs[key].reshape(-1, k)[:ERR_ROWS].float(), weights[n]["w"].float(),
                         weights[n]["b"].float()) for n, key, _, k in linears}
-    runners = {v: (*block_runner(spec, weights, linears, setup["native"], device), spec)
+    runners = {v: (block_runner(spec, weights, linears, setup["native"]), spec)
                for v, spec in block_variants(device).items()}
     errs = block_errors(runners, inputs, native_inputs, refs, names)
     rows: list[dict] = []
     for kind, subset in (("block8", names), ("block6", SIX)):
         fns = {v: (lambda r=r, sp=sp: r(native_inputs if sp.get("native") else inputs, subset))
-               for v, (r, _, sp) in runners.items()}
+               for v, (r, sp) in runners.items()}
         for v, t in time_interleaved(fns, device, repeats, warmup).items():
             e = errs[v] if isinstance(errs[v], dict) else {}
             sub = [e[n] for n in subset if n in e]
@@ -489,18 +465,12 @@ def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> l
                          "errors": {n: e[n] for n in subset if n in e}})
     for n in names:
         fns = {v: (lambda r=r, sp=sp: r(native_inputs if sp.get("native") else inputs, (n,)))
-               for v, (r, _, sp) in runners.items() if not sp.get("shared")}
+               for v, (r, sp) in runners.items()}
         for v, t in time_interleaved(fns, device, repeats, warmup).items():
             rows.append({"kind": "linear", "family": family, "variant": v, "linear": n, "time_ms": _med(t),
                          "err": (errs[v] or {}).get(n) if isinstance(errs[v], dict) else None})
     for q, t in time_interleaved(quant_fns(inputs, native_inputs, device), device, repeats, warmup).items():
         rows.append({"kind": "quant", "family": family, "variant": q, "time_ms": _med(t)})
-    for v, (_, states, _) in runners.items():
-        if states:
-            st = [fp8.delayed_stats(s) for s in states.values()]
-            rows.append({"kind": "states", "family": family, "variant": v,
-                         "requantized_calls": sum(s["requantized_calls"] for s in st),
-                         "calls": sum(s["calls"] for s in st), "states": len(st)})
     return rows
 
 
@@ -509,7 +479,7 @@ def _x(a: float | None, b: float | None) -> str:
 
 
 def block_markdown(rows: list[dict], env: dict, m: int, native_how: str, repeats: int, warmup: int) -> str:
-    """Per family: the block table (vs native), then each linear, each quantizer and the delayed states."""
+    """Per family: the block table (vs native), then each linear and each quantizer."""
     lines = ["# bench_fp8_gemm --block: one Wan 14B block's fp8 linears", ""]
     lines += harness.env_bullets(env, ("device_name", "compute_capability", "torch", "torch_cuda", "triton",
                                        "comfyui_version", "git_sha", "timestamp", "command"))
@@ -518,24 +488,22 @@ def block_markdown(rows: list[dict], env: dict, m: int, native_how: str, repeats
               f"left out); block6 = {', '.join(SIX)}",
               f"- timing: CUDA events, {warmup} warm-up rounds then {repeats} rounds, every variant once per round "
               f"(order rotating), median; error: rel. Frobenius error vs fp32 on the first {ERR_ROWS} tokens, "
-              "after one warm call (delayed scales at their steady state)", ""]
+              "after one warm call", ""]
     for fam in dict.fromkeys(r["family"] for r in rows):
         fr = [r for r in rows if r["family"] == fam]
         by = {(r["kind"], r["variant"]): r for r in fr}
         nat8, nat6 = (by.get((k, "native fp8_e4m3fn_fast"), {}).get("time_ms") for k in ("block8", "block6"))
         nat_err = by.get(("block8", "native fp8_e4m3fn_fast"), {}).get("err_mean")
         lines += [f"## {fam}", "", "| variant | ms / block (8) | vs native | ms (6) | vs native | mean rel. err | "
-                  "max rel. err | err vs native | re-quantized / calls |", "|---|---|---|---|---|---|---|---|---|"]
+                  "max rel. err | err vs native |", "|---|---|---|---|---|---|---|---|"]
         for r in (r for r in fr if r["kind"] == "block8"):
             r6 = by.get(("block6", r["variant"]), {})
-            st = by.get(("states", r["variant"]))
-            stt = f"{st['requantized_calls']:.0f} / {st['calls']:.0f}" if st else ""
             if r["status"] != "ok":
-                lines.append(f"| {r['variant']} | {r['status']}: {str(r.get('error'))[:100]} | | | | | | | |")
+                lines.append(f"| {r['variant']} | {r['status']}: {str(r.get('error'))[:100]} | | | | | | |")
                 continue
             lines.append(f"| {r['variant']} | {r['time_ms']:.3f} | {_x(nat8, r['time_ms'])} | "
                          f"{r6.get('time_ms') or 0:.3f} | {_x(nat6, r6.get('time_ms'))} | {r['err_mean']:.3%} | "
-                         f"{r['err_max']:.3%} | {_x(r['err_mean'], nat_err)} | {stt} |")
+                         f"{r['err_max']:.3%} | {_x(r['err_mean'], nat_err)} |")
         names = list(dict.fromkeys(r["linear"] for r in fr if r["kind"] == "linear"))
         variants = list(dict.fromkeys(r["variant"] for r in fr if r["kind"] == "linear"))
         lines += ["", "| variant | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
@@ -552,7 +520,7 @@ def block_markdown(rows: list[dict], env: dict, m: int, native_how: str, repeats
 
 
 def block_summary(rows: list[dict]) -> list[str]:
-    """Per candidate: speed vs native per family and whether it meets >= 1.05x at <= native's error in all."""
+    """Per pack variant: speed vs native per family and whether it meets >= 1.05x at <= native's error in all."""
     out = ["## Verdict (target: >= 1.05x native per block at equal or lower error, every family)", ""]
     fams = list(dict.fromkeys(r["family"] for r in rows))
     b8 = {(r["family"], r["variant"]): r for r in rows if r["kind"] == "block8" and r["status"] == "ok"}

@@ -12,13 +12,8 @@ Paths (`Fp8Path`), picked by `select_path` and overridable:
   Block-wise weights on other GPUs dequantize (no Triton block-scaled GEMM ships yet).
 - "dequantize": weight -> compute dtype, then `F.linear` (CPU, pre-Ada GPUs, odd shapes, fp32 activations).
 
-Candidates the fp8_gemm benchmark compares, chosen per call by the caller (`ActQuant`, off by default):
-- a delayed per-tensor activation scale (`new_act_state`, `quantize_delayed_torch`): one quantizing pass with the
-  scale earlier calls measured, re-quantized on the device when this call's amax does not fit, tensor-wise GEMM;
-- one quantization for several linears of the same input (`fp8_linear_shared`: attention q, k, v);
-- `use_fast_accum` GEMMs, and the one-pass row quantizer (`fp8_triton.quantize_rowwise_one_pass`).
-They take eager calls: the delayed state is mutated by kernels launched directly, so a compiled caller keeps the
-linear opaque and passes the state in.
+GEMM options beyond the path (`ActQuant`, chosen per call by the caller; `DEFAULT_ACT` when none is given):
+`use_fast_accum`, on by default.
 """
 
 from __future__ import annotations
@@ -184,54 +179,6 @@ def quantize_tensorwise_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return quantize_per_tensor(x)
 
 
-def new_act_state(device: torch.device | str = "cpu") -> torch.Tensor:
-    """A fresh delayed-scale state for one linear (or one shared input): fp32 [scale, amax, re-quantized, calls].
-
-    The scale starts at SCALE_MIN (no history): the first call always re-quantizes with its own amax."""
-    state = torch.zeros(fp8_triton.DELAYED_STATE_LEN, dtype=torch.float32, device=device)
-    state[0] = SCALE_MIN
-    return state
-
-
-def _pow2_ceil(y: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two >= y for positive normal fp32 y, from the exponent bits (as the Triton kernel)."""
-    bits = y.float().contiguous().view(torch.int32)
-    e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return (e << 23).view(torch.float32)
-
-
-def _delayed_codes(x32: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3fn codes of x32 / scale (exact for a power-of-two scale), saturated; NaN kept, +-inf made NaN."""
-    q = (x32 / scale).clamp(-FP8_MAX, FP8_MAX)
-    return q.masked_fill(x32.isinf(), float("nan")).to(FP8_DTYPE)
-
-
-def quantize_delayed_torch(x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> (q, scale 0-dim fp32) with a delayed per-tensor scale; ``state`` (new_act_state) is updated.
-
-    The scale is the one the previous calls left in the state, a power of two with headroom, so quantizing needs
-    no amax pass first. The same pass measures this call's finite amax; if it saturates (amax > 448 * scale) or
-    the scale is far too large (DELAYED_UNDERFLOW), the call re-quantizes with pow2_ceil(amax / 448), so no finite
-    value is ever clipped. Power-of-two scales round every value in the normal fp8 range exactly as any other
-    power of two would, so which previous call set the scale only shows at the range's ends. NaN and +-inf give NaN
-    codes (their rows' outputs stay non-finite) and never enter the state. The Triton kernels compute the same bits.
-    """
-    x32 = x.float()
-    s, a = state[0], x32.abs().masked_fill(~x32.isfinite(), 0).amax() if x32.numel() else state.new_zeros(())
-    need = (a > FP8_MAX * s) | ((a > 0) & (a * fp8_triton.DELAYED_UNDERFLOW < FP8_MAX * s))
-    exact = _pow2_ceil((a / a.new_full((), FP8_MAX)).clamp_min(SCALE_MIN))
-    scale = torch.where(need, exact, s)
-    nxt = _pow2_ceil((a * fp8_triton.DELAYED_HEADROOM / a.new_full((), FP8_MAX)).clamp_min(SCALE_MIN))
-    state.copy_(torch.stack([torch.where(a > 0, nxt, s), state.new_zeros(()), state[2] + need.float(), state[3] + 1]))
-    return _delayed_codes(x32, scale), scale
-
-
-def delayed_stats(state: torch.Tensor) -> dict[str, float]:
-    """What a delayed-scale state saw (one host sync: call it at the end of a run, not per call)."""
-    scale, _, requantized, calls = state.tolist()
-    return {"next_scale": scale, "requantized_calls": requantized, "calls": calls}
-
-
 def quantize_activation(
     x: torch.Tensor, mode: Literal["row", "group", "tensor"], group_size: int = DEFAULT_BLOCK_SIZE, pad_rows_to: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,19 +193,6 @@ def quantize_activation(
     if mode == "tensor":
         return tq.quantize_tensorwise(x) if tq else quantize_tensorwise_torch(x)
     raise ValueError(f"unknown activation quantization mode {mode!r}; expected 'row', 'group' or 'tensor'")
-
-
-def quantize_activation_delayed(x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_delayed_torch, as Triton kernels on CUDA (one pass unless the call must re-quantize; no host sync)."""
-    if x.is_cuda and fp8_triton.TRITON_AVAILABLE:
-        return fp8_triton.quantize_delayed(x, state)
-    return quantize_delayed_torch(x, state)
-
-
-def _quantize_rows(x: torch.Tensor, one_pass: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if one_pass and x.is_cuda and fp8_triton.TRITON_AVAILABLE:
-        return fp8_triton.quantize_rowwise_one_pass(x)
-    return quantize_activation(x, "row")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -277,6 +211,12 @@ def device_capability(device: torch.device | str) -> tuple[int, int] | None:
     if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
         return None
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def capability_code(cap: tuple[int, int] | None) -> int:
+    """(major, minor) as one int (8.9 -> 89, 9.0 -> 90; -1 for no NVIDIA GPU). Code that torch.compile traces
+    compares these ints: Dynamo (torch 2.11) fails on comparisons of capability tuples with an internal error."""
+    return -1 if cap is None else cap[0] * 10 + cap[1]
 
 
 def has_blockwise_scaled_mm() -> bool:
@@ -326,7 +266,7 @@ def select_path(
         return "dequantize"
     detected = capability is None  # an explicit capability is planning or a test: nothing to tell the user
     cap = capability if capability is not None else device_capability(device)
-    code = -1 if cap is None else cap[0] * 10 + cap[1]  # ints: Dynamo fails on comparisons of capability tuples
+    code = capability_code(cap)
     if code < 89:
         if compute == "fp8":
             raise RuntimeError(
@@ -405,15 +345,11 @@ def _blockwise_weight_scale(weight_scale: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ActQuant:
-    """How fp8_linear quantizes activations beyond its path (the candidates the fp8_gemm benchmark compares).
+    """How fp8_linear runs its GEMM beyond its path.
 
-    state: a new_act_state tensor -> one delayed per-tensor scale (quantize_delayed_torch), tensor-wise GEMM.
-    fast_accum: torch._scaled_mm's use_fast_accum (Hopper: fp8 MMA partial sums are not promoted to fp32).
-    row_one_pass: the row-wise path quantizes with the one-pass Triton kernel (same bits)."""
+    fast_accum: torch._scaled_mm's use_fast_accum (Hopper: fp8 MMA partial sums are not promoted to fp32)."""
 
-    state: torch.Tensor | None = None
     fast_accum: bool = False
-    row_one_pass: bool = False
 
 
 # Fast accumulation by default: on Hopper the fp8 MMA's partial sums skip their periodic fp32 promotion. The
@@ -437,30 +373,23 @@ def _linear_per_sample(x2: torch.Tensor, weight: torch.Tensor, weight_scale: tor
 
     cond and uncond share one call on one GPU but run one each on two under ComfyUI's MultiGPU split: a per-call
     activation scale over both, or a GEMM kernel that cuBLASLt picks for twice the rows (another split of the
-    reduction), would give the two a different picture. Each sample's rows are a contiguous block of ``x2``.
-    A delayed scale quantizes all rows in one pass: its power-of-two scale rounds a sample's normal-range values
-    as any other power of two would."""
-    pre = quantize_activation_delayed(x2, act.state) if act.state is not None else None
+    reduction), would give the two a different picture. Each sample's rows are a contiguous block of ``x2``."""
     if samples == 1:
-        return _linear_scaled_mm(x2, weight, weight_scale, bias, path, out_dtype, act=act, pre=pre)
+        return _linear_scaled_mm(x2, weight, weight_scale, bias, path, out_dtype, act=act)
     out = torch.empty((x2.shape[0], weight.shape[0]), dtype=out_dtype, device=x2.device)
-    chunks = pre[0].chunk(samples) if pre is not None else [None] * samples
-    for rows, q, dest in zip(x2.chunk(samples), chunks, out.chunk(samples)):
-        _linear_scaled_mm(rows, weight, weight_scale, bias, path, out_dtype, out=dest, act=act,
-                          pre=None if q is None else (q, pre[1]))
+    for rows, dest in zip(x2.chunk(samples), out.chunk(samples)):
+        _linear_scaled_mm(rows, weight, weight_scale, bias, path, out_dtype, out=dest, act=act)
     return out
 
 
 def _linear_scaled_mm(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                       path: Fp8Path, out_dtype: torch.dtype, out: torch.Tensor | None = None,
-                      act: ActQuant = DEFAULT_ACT, pre: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """One fp8 GEMM on [M, K] rows (written into ``out`` when given); ``pre``: rows quantized already."""
+                      act: ActQuant = DEFAULT_ACT) -> torch.Tensor:
+    """One fp8 GEMM on [M, K] rows (written into ``out`` when given)."""
     n = weight.shape[0]
-    if pre is not None:  # delayed per-tensor scale: tensor-wise GEMM
-        return _gemm(pre[0], pre[1], weight, weight_scale.float(), bias, out_dtype, act.fast_accum, out)
     if path in ("scaled_mm_rowwise", "scaled_mm_tensorwise"):
         row = path == "scaled_mm_rowwise"
-        xq, xs = _quantize_rows(x2, act.row_one_pass) if row else quantize_activation(x2, "tensor")
+        xq, xs = quantize_activation(x2, "row" if row else "tensor")
         ws = _weight_scale_row(weight_scale, n) if row else weight_scale.float()
         return _gemm(xq, xs, weight, ws, bias, out_dtype, act.fast_accum, out)
     # scaled_mm_blockwise
@@ -518,30 +447,9 @@ def _linear_dequantize(x2: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     return out.to(out_dtype)
 
 
-def _resolve_act(path: Fp8Path, block_size: int | None, act: ActQuant) -> Fp8Path:
-    """A delayed activation scale runs the tensor-wise GEMM: per-tensor weights only, and not with row-wise asked."""
-    if act.state is None or path == "dequantize":
-        return path
-    if block_size is not None:
-        raise ValueError("a delayed activation scale (act.state) needs per-tensor weights (block_size=None)")
-    if act.state.dtype != torch.float32 or act.state.shape != (fp8_triton.DELAYED_STATE_LEN,):
-        raise ValueError(f"act.state must be a new_act_state() tensor, got {act.state.dtype} {tuple(act.state.shape)}")
-    return "scaled_mm_tensorwise"
-
-
 def _resolve(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_size: int | None,
-             path: Fp8Path | None, out_dtype: torch.dtype, act: ActQuant = DEFAULT_ACT) -> Fp8Path:
+             path: Fp8Path | None, out_dtype: torch.dtype) -> Fp8Path:
     """Validate the weight layout and settle the path (auto-selected fp8 paths fall back for fp32 activations)."""
-    if act.state is not None and act.state.device != x.device:
-        raise ValueError(f"act.state is on {act.state.device}, the input on {x.device}: one state per device")
-    if act.state is not None and path == "scaled_mm_rowwise":
-        raise ValueError("a delayed activation scale (act.state) is per tensor: use path 'scaled_mm_tensorwise' "
-                         "or None, not 'scaled_mm_rowwise'")
-    return _resolve_act(_resolve_path(x, weight, weight_scale, block_size, path, out_dtype), block_size, act)
-
-
-def _resolve_path(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_size: int | None,
-                  path: Fp8Path | None, out_dtype: torch.dtype) -> Fp8Path:
     if weight.dtype != FP8_DTYPE or weight.dim() != 2:
         raise ValueError(f"fp8_linear needs a 2-D float8_e4m3fn weight, got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
@@ -575,10 +483,10 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
     act: ActQuant | None = None,
 ) -> torch.Tensor:
     """y = x @ (weight_fp8 * scale).T + bias for x [..., K]; activations quantized dynamically (path None = auto),
-    or with a delayed scale / other GEMM options when ``act`` says so (ActQuant)."""
+    with the GEMM options of ``act`` (ActQuant; None = DEFAULT_ACT)."""
     out_dtype = out_dtype or x.dtype
     act = act or DEFAULT_ACT
-    path = _resolve(x, weight_fp8, weight_scale, block_size, path, out_dtype, act)
+    path = _resolve(x, weight_fp8, weight_scale, block_size, path, out_dtype)
     x2 = x.reshape(-1, x.shape[-1])
     n = weight_fp8.shape[0]
     if path == "dequantize":
@@ -596,14 +504,10 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
 
 def fp8_linear_reference(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
     block_size: int | None = None, path: Fp8Path | None = None, out_dtype: torch.dtype | None = None,
-    act: ActQuant | None = None,
 ) -> torch.Tensor:
-    """fp32 emulation of exactly what fp8_linear computes on `path` (same quantization, exact fp32 GEMM).
-
-    A delayed scale (act.state) advances the state passed, as fp8_linear does: give each its own copy."""
+    """fp32 emulation of exactly what fp8_linear computes on `path` (same quantization, exact fp32 GEMM)."""
     out_dtype = out_dtype or x.dtype
-    act = act or DEFAULT_ACT
-    path = _resolve(x, weight_fp8, weight_scale, block_size, path, out_dtype, act)
+    path = _resolve(x, weight_fp8, weight_scale, block_size, path, out_dtype)
     x2 = x.reshape(-1, x.shape[-1])
     n, k = weight_fp8.shape
     w32 = dequantize(weight_fp8, weight_scale, block_size, torch.float32)
@@ -613,10 +517,7 @@ def fp8_linear_reference(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale
         w32 = w32.to(compute).float()  # the fast path multiplies a weight rounded to the compute dtype
         b32 = bias.to(compute).float() if bias is not None else None
     else:
-        if act.state is not None:
-            xq, xs = quantize_delayed_torch(x2, act.state)
-            a32 = xq.float() * xs
-        elif path == "scaled_mm_rowwise":
+        if path == "scaled_mm_rowwise":
             xq, xs = quantize_rowwise_torch(x2)
             a32 = xq.float() * xs
         elif path == "scaled_mm_tensorwise":  # one scale per batch sample, as fp8_linear
@@ -630,38 +531,6 @@ def fp8_linear_reference(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale
     if b32 is not None:
         out = out + b32
     return out.to(out_dtype).reshape(*x.shape[:-1], n)
-
-
-def fp8_linear_shared(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], *,
-                      act: ActQuant | None = None, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """Several per-tensor fp8 linears of one input (attention q, k, v) with the input quantized once.
-
-    Row-wise activation scales by default, or the delayed per-tensor scale of ``act.state``; one GEMM per weight
-    and per batch sample, each the GEMM fp8_linear runs, so every output equals fp8_linear's on the same path
-    (a delayed state advances once per call here, once per linear there)."""
-    act = act or DEFAULT_ACT
-    out_dtype = out_dtype or x.dtype
-    path = "scaled_mm_tensorwise" if act.state is not None else "scaled_mm_rowwise"
-    for w, ws, _ in layers:
-        _resolve(x, w, ws, None, path, out_dtype, act)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    xq, xs = quantize_activation_delayed(x2, act.state) if act.state is not None else _quantize_rows(x2, act.row_one_pass)
-    samples = samples_of(x)
-    outs = []
-    for w, ws, b in layers:
-        n = w.shape[0]
-        wsc = weight_scale_for(path, ws, n)
-        b = b.to(out_dtype) if b is not None else None
-        out = torch.empty((x2.shape[0], n), dtype=out_dtype, device=x2.device)
-        for q, s, dest in zip(xq.chunk(samples), xs.chunk(samples) if xs.ndim else [xs] * samples, out.chunk(samples)):
-            _gemm(q, s, w, wsc, b, out_dtype, act.fast_accum, dest)
-        outs.append(out.reshape(*x.shape[:-1], n))
-    return outs
-
-
-def weight_scale_for(path: Fp8Path, weight_scale: torch.Tensor, n: int) -> torch.Tensor:
-    """The scale_b torch._scaled_mm takes for a per-tensor weight on ``path`` ((1, N) row-wise, 0-d tensor-wise)."""
-    return _weight_scale_row(weight_scale, n) if path == "scaled_mm_rowwise" else weight_scale.float()
 
 
 @functools.lru_cache(maxsize=None)

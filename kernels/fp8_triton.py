@@ -1,4 +1,4 @@
-"""Fused Triton kernels for fp8 linears: one-pass activation quantization and a block-wise fp8 GEMM.
+"""Fused Triton kernels for fp8 linears: row-wise, group-wise and tensor-wise activation quantization.
 
 Activation quantization must be one kernel: amax, scale and cast done eagerly cost about as much as the fp8 GEMM
 saves. The kernels are registered as
@@ -16,10 +16,6 @@ group kernel counts NaNs per row (one integer add per element); neither adds a p
 propagate_nan=ALL; without that a NaN activation got a finite scale and finite codes, and NaN Guard never saw
 it (benchmarks/results/gpu_hostile.md, finding 1). Kernel constants are tl.constexpr, never Python-float kernel arguments: under inductor a float argument becomes
 fp64 and Triton rejects it ("Expected dtype ['fp32'] but got fp64", torch 2.11).
-Delayed per-tensor scales (kernels/fp8.py quantize_delayed_torch is the reference) take three launches and no host
-sync: one pass casts with the scale held in a device state and folds the finite amax into it (atomic max), one
-program decides this call's scale and the next, and a second pass re-casts only when the decision says so (its
-programs otherwise read one flag and exit). The one-pass row kernel holds a whole row (K <= 16384) in registers.
 Importing this module without Triton is fine: TRITON_AVAILABLE is False and nothing is registered.
 """
 
@@ -40,16 +36,6 @@ SCALE_MIN = 2.0**-126  # smallest normal fp32 == torch.finfo(torch.float32).tiny
 _ROW_BLOCK_K = 1024  # row kernel: K chunk per loop step (two passes over the row; the second hits L2)
 _GROUP_BLOCK_M = 32  # group kernel: rows per program
 _SCALAR_BLOCK = 4096  # tensor-wise cast kernel: elements per program
-_DELAYED_BLOCK = 4096  # delayed-scale kernels: elements per program
-_ONE_PASS_MAX_K = 16384  # one-pass row kernel: the widest row it holds in registers
-# Delayed per-tensor activation scales (kernels/fp8.py "act_state"): the state is an fp32 device tensor of
-# DELAYED_STATE_LEN slots, read and written only on the device (no host sync):
-#   [0] the scale this call quantizes with (a power of two; SCALE_MIN = no history yet, so the first call re-quantizes)
-#   [1] the running amax of the current call's finite values (atomic max; reset to 0 when the call finishes)
-#   [2] how many calls re-quantized (saturation or a scale far too large), [3] how many calls ran: read them lazily
-DELAYED_STATE_LEN = 4
-DELAYED_HEADROOM = 2.0  # next scale = pow2ceil(amax * HEADROOM / 448): growth up to 2x (often 4x) saturates nothing
-DELAYED_UNDERFLOW = 64.0  # re-quantize also when 448 * scale > 64 * amax (the scale wastes >= 6 binades at the top)
 
 
 if TRITON_AVAILABLE:
@@ -107,70 +93,6 @@ if TRITON_AVAILABLE:
             tl.store(s_ptr, scale)
 
 
-    @triton.jit
-    def _pow2_ceil(y):
-        """The smallest power of two >= y for positive normal fp32 y (exact: exponent bits only)."""
-        bits = y.to(tl.int32, bitcast=True)
-        e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        return (e << 23).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _delayed_codes(v, inv):
-        """Codes of v under scale 1/inv: saturated to +-448, NaN kept, +-inf made NaN (e4m3fn has no inf, and a
-        clamped inf would be a finite 448 that hides it); v * inv is exact for the power-of-two scales used."""
-        q = tl.clamp(v * inv, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-        return tl.where(tl.abs(v) == float("inf"), float("nan"), q)
-
-    @triton.jit
-    def _quant_delayed_kernel(x_ptr, q_ptr, state_ptr, N, BLOCK: tl.constexpr):
-        """Pass 1: cast with the delayed scale state[0] and fold this block's finite amax into state[1]."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
-        a = tl.abs(v)
-        amax = tl.max(tl.where(a < float("inf"), a, 0.0), axis=0)  # NaN < inf is False: finite values only
-        tl.atomic_max(state_ptr + 1, amax)
-        inv = tl.math.div_rn(1.0, tl.load(state_ptr))
-        tl.store(q_ptr + offs, _delayed_codes(v, inv).to(q_ptr.dtype.element_ty), mask=offs < N)
-
-    @triton.jit
-    def _delayed_decide_kernel(state_ptr, call_ptr, HEADROOM: tl.constexpr, UNDERFLOW: tl.constexpr):
-        """One program: this call's scale and whether to re-quantize (call[0], call[1]), then the next call's state."""
-        s = tl.load(state_ptr)
-        a = tl.load(state_ptr + 1)
-        need = (a > 448.0 * s) | ((a > 0.0) & (a * UNDERFLOW < 448.0 * s))
-        exact = _pow2_ceil(tl.maximum(tl.math.div_rn(a, 448.0), _SCALE_MIN_C))
-        tl.store(call_ptr, tl.where(need, exact, s))
-        tl.store(call_ptr + 1, need.to(tl.float32))
-        nxt = _pow2_ceil(tl.maximum(tl.math.div_rn(a * HEADROOM, 448.0), _SCALE_MIN_C))
-        tl.store(state_ptr, tl.where(a > 0.0, nxt, s))  # an all-zero call keeps the scale it had
-        tl.store(state_ptr + 1, 0.0)
-        tl.store(state_ptr + 2, tl.load(state_ptr + 2) + need.to(tl.float32))
-        tl.store(state_ptr + 3, tl.load(state_ptr + 3) + 1.0)
-
-    @triton.jit
-    def _delayed_fixup_kernel(x_ptr, q_ptr, call_ptr, N, BLOCK: tl.constexpr):
-        """Pass 2, only when call[1] says so (else each program reads one flag and exits): re-cast with call[0]."""
-        if tl.load(call_ptr + 1) != 0.0:
-            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            v = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
-            inv = tl.math.div_rn(1.0, tl.load(call_ptr))
-            tl.store(q_ptr + offs, _delayed_codes(v, inv).to(q_ptr.dtype.element_ty), mask=offs < N)
-
-    @triton.jit
-    def _quant_rows_one_pass_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
-        """One program per row, the whole row held in registers: one read of x (the loop kernel reads it twice)."""
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK_K)
-        v = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        a = tl.abs(v)
-        scale = tl.maximum(tl.math.div_rn(tl.max(a, axis=0), 448.0), _SCALE_MIN_C)
-        # tl.max drops NaN lanes (an inf stays: inf scale, as torch); their sum does not (NaN in -> NaN scale)
-        scale = tl.where(tl.sum(a, axis=0) != tl.sum(a, axis=0), float("nan"), scale)
-        q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
-        tl.store(s_ptr + row, scale)
-
-
 def _launch_rows(x: torch.Tensor, q_dtype: torch.dtype, wrap) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     q = torch.empty((m, k), dtype=q_dtype, device=x.device)
@@ -203,31 +125,6 @@ def _launch_scalar(x: torch.Tensor, q_dtype: torch.dtype, wrap) -> tuple[torch.T
         return q, torch.full((), SCALE_MIN, dtype=torch.float32, device=x.device)
     s = torch.empty((), dtype=torch.float32, device=x.device)
     wrap(_quant_scalar_kernel)[(triton.cdiv(n, _SCALAR_BLOCK),)](x, q, amax, s, n, BLOCK=_SCALAR_BLOCK)
-    return q, s
-
-
-def _launch_delayed(x: torch.Tensor, state: torch.Tensor, q_dtype: torch.dtype,
-                    wrap) -> tuple[torch.Tensor, torch.Tensor]:
-    """Three launches, no host sync: cast + amax (grid), decide (1 program), re-cast only if decided (grid)."""
-    q = torch.empty_like(x, dtype=q_dtype)
-    call = torch.empty(2, dtype=torch.float32, device=x.device)  # [scale of this call, re-quantize flag]
-    n = x.numel()
-    grid = (max(triton.cdiv(n, _DELAYED_BLOCK), 1),)
-    wrap(_quant_delayed_kernel)[grid](x, q, state, n, BLOCK=_DELAYED_BLOCK)
-    wrap(_delayed_decide_kernel)[(1,)](state, call, HEADROOM=DELAYED_HEADROOM, UNDERFLOW=DELAYED_UNDERFLOW)
-    wrap(_delayed_fixup_kernel)[grid](x, q, call, n, BLOCK=_DELAYED_BLOCK)
-    return q, call[0]
-
-
-def _launch_rows_one_pass(x: torch.Tensor, q_dtype: torch.dtype, wrap) -> tuple[torch.Tensor, torch.Tensor]:
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=q_dtype, device=x.device)
-    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m:
-        block = triton.next_power_of_2(k)
-        warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-        wrap(_quant_rows_one_pass_kernel)[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=block,
-                                                num_warps=warps)
     return q, s
 
 
@@ -296,19 +193,3 @@ def quantize_tensorwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if _traced():
         return _op("fp8_quant_tensor")(x)
     return _launch_scalar(x, torch.float8_e4m3fn, _direct)
-
-
-
-def quantize_rowwise_one_pass(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rowwise with the whole row in registers (K <= 16384, else the loop kernel): same bits, one read."""
-    if x.shape[1] > _ONE_PASS_MAX_K:
-        return quantize_rowwise(x)
-    return _launch_rows_one_pass(x, torch.float8_e4m3fn, _direct)
-
-
-def quantize_delayed(x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] contiguous -> (q e4m3fn, scale 0-dim fp32) with the delayed per-tensor scale in ``state`` (updated).
-
-    Equal to kernels/fp8.py quantize_delayed_torch bit for bit. Launched directly (no triton_op): the state is
-    mutated, so a traced caller keeps it opaque (kernels/opaque_ops.py)."""
-    return _launch_delayed(x, state, torch.float8_e4m3fn, _direct)

@@ -40,13 +40,8 @@ def device_capability(device: torch.device | str) -> tuple[int, int] | None:
     return fp8.device_capability(device)
 
 
-def capability_code(cap: tuple[int, int] | None) -> int:
-    """(major, minor) as one int (8.9 -> 89, 9.0 -> 90; -1 for no NVIDIA GPU). Code that torch.compile traces
-    compares these ints: Dynamo (torch 2.11) fails on comparisons of capability tuples with an internal error."""
-    return -1 if cap is None else cap[0] * 10 + cap[1]
-
-
-INT8_MIN_CODE, FP8_MIN_CODE = capability_code(INT8_MIN_CAPABILITY), capability_code(FP8_MIN_CAPABILITY)
+# int comparisons in code torch.compile traces (see fp8.capability_code)
+INT8_MIN_CODE, FP8_MIN_CODE = fp8.capability_code(INT8_MIN_CAPABILITY), fp8.capability_code(FP8_MIN_CAPABILITY)
 
 
 def _mode(code: int, compute: str) -> str:
@@ -57,14 +52,18 @@ def _mode(code: int, compute: str) -> str:
     return "int8" if INT8_MIN_CODE <= code < FP8_MIN_CODE else "auto"
 
 
+def _named(cap: tuple[int, int] | None) -> str:
+    return f"compute capability {cap[0]}.{cap[1]}" if cap else "no NVIDIA GPU"
+
+
 def _why(cap: tuple[int, int] | None, compute: str, mode: str) -> str:
     """The reason ``_mode`` gave ``mode``, for the log line."""
-    named = f"compute capability {cap[0]}.{cap[1]}" if cap else "no NVIDIA GPU"
+    named = _named(cap)
     if compute != "auto":
         return "asked for"
     if mode == "int8":
         return f"{named}: int8 tensor cores but no fp8 matmul (needs 8.9)"
-    if capability_code(cap) >= FP8_MIN_CODE:
+    if fp8.capability_code(cap) >= FP8_MIN_CODE:
         return f"{named}: fp8 tensor cores"
     return f"{named}: neither fp8 nor int8 tensor cores the pack uses"
 
@@ -73,10 +72,9 @@ def _check(device: torch.device, cap: tuple[int, int] | None, compute: str) -> N
     """ValueError / RuntimeError for a ``compute`` this device cannot run."""
     if compute not in COMPUTE:
         raise ValueError(f"compute must be one of {COMPUTE}, got {compute!r}")
-    if compute == "int8" and device.type == "cuda" and capability_code(cap) < INT8_MIN_CODE:
-        named = f"compute capability {cap[0]}.{cap[1]}" if cap else "no NVIDIA GPU"
+    if compute == "int8" and device.type == "cuda" and fp8.capability_code(cap) < INT8_MIN_CODE:
         raise RuntimeError(f"compute 'int8 matmul' needs an NVIDIA GPU with compute capability >= 7.5 (RTX 20xx "
-                           f"or newer); {device} has {named}. Set compute to 'auto' or 'dequantize'.")
+                           f"or newer); {device} has {_named(cap)}. Set compute to 'auto' or 'dequantize'.")
 
 
 def compute_mode(device: torch.device | str, compute: str = "auto") -> str:
@@ -84,9 +82,8 @@ def compute_mode(device: torch.device | str, compute: str = "auto") -> str:
     ``fp8.select_path``; logs the choice and its reason once per device (never while torch.compile traces)."""
     dev = torch.device(device)
     cap = device_capability(dev)
-    if compute not in COMPUTE or compute == "int8":
-        _check(dev, cap, compute)
-    mode = _mode(capability_code(cap), compute)
+    _check(dev, cap, compute)
+    mode = _mode(fp8.capability_code(cap), compute)
     key = (str(dev), compute)
     if key not in _SAID and not torch.compiler.is_compiling():
         _SAID.add(key)

@@ -386,6 +386,16 @@ def test_fp8_linear_rejects_mismatches():
         fp8.fp8_linear(torch.randn(3, 65), q, s)
 
 
+def test_fast_accum_runs_where_torch_takes_it():
+    qw, sw = fp8.quantize_per_tensor(torch.randn(64, 128))
+    x = torch.randn(4, 128).bfloat16()
+    try:
+        y = fp8.fp8_linear(x, qw, sw, path="scaled_mm_tensorwise", act=fp8.ActQuant(fast_accum=True))
+    except (RuntimeError, TypeError) as exc:  # a CPU kernel without the argument
+        pytest.skip(f"this torch's CPU _scaled_mm rejects use_fast_accum: {exc}")
+    assert _rel(y, fp8.fp8_linear(x, qw, sw, path="scaled_mm_tensorwise")) < 1e-2
+
+
 @pytest.mark.parametrize("m,k,n", [(6, 384, 256), (32, 5120 // 10, 128)])
 def test_blockwise_scaled_mm_layouts_pass_torch_meta_checks(m, k, n):
     """F.scaled_mm's meta kernel enforces cuBLASLt's layouts: 1x128 scales column-major with stride M, the
