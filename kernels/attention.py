@@ -5,7 +5,8 @@ real and its output is compared with an fp32 reference (kernels/attention_check.
 means fall back to the next backend (kernels/attention_backends.py) and say so once. ``auto`` times every
 candidate that passes on the real inputs, once per (per-sample shape, dtype, kind of GPU), and caches the
 fastest: the ranking differs by GPU and torch version. With a decisions file set, auto's choice is kept there and
-a later process runs it again (after the same first-use check) instead of timing a near tie anew. ``HostAttention`` adds the host's own backends to it.
+a later process runs it again (after the same first-use check) instead of timing a near tie anew. ``HostAttention``
+adds the host's own backends to it.
 
 Never imports ComfyUI; the ComfyUI call contract (layouts, heads, ``_inside_attn_wrapper``) lives in
 host/attention.py.
