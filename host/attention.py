@@ -172,6 +172,9 @@ def apply_attention(model: Any, backend_label: str) -> Any:
     """A clone of ``model`` (ModelPatcher) whose attention runs through ``backend_label``."""
     if backend_label not in BACKEND_CHOICES:
         raise ValueError(f"Attention: backend '{backend_label}' is not one of {list(BACKEND_CHOICES)}")
+    from . import files
+
+    files.keep_decisions()  # auto's timed choice is kept per machine
     m = model.clone()
     opts = m.model_options.setdefault("transformer_options", {})
     previous = opts.get(OVERRIDE_KEY)

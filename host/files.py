@@ -1,4 +1,5 @@
-"""Model files as ComfyUI knows them: paths' fingerprints, mmap setting, the embedding cache, input-named errors."""
+"""Model files as ComfyUI knows them: paths' fingerprints, mmap setting, the embedding cache and the kept kernel
+decisions under ComfyUI's user directory, input-named errors."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def checked_input(node: str, option: str) -> Iterator[None]:
 
 # The staged text nodes (Wan Text Encode, Qwen-Image Staged Loader) share one embedding cache and one key recipe.
 EMBEDDING_CACHE_FOLDER = ("comfyui-lowvram-dit", "embeddings")
+
+
+# Timed kernel choices kept across restarts (kernels/decision_store.py), beside the embedding cache.
+DECISIONS_FILE = ("comfyui-lowvram-dit", "decisions.json")
+KEEP_DECISIONS = True  # False: every process times its choices afresh (tests that plant timings set it)
 
 
 def file_fingerprint(folder: str, name: str) -> str:
@@ -68,3 +74,23 @@ def embedding_cache() -> Any:  # checkpoints.embedding_cache.EmbeddingCache
     from ..checkpoints.embedding_cache import EmbeddingCache
 
     return EmbeddingCache(Path(folder_paths.get_user_directory()).joinpath(*EMBEDDING_CACHE_FOLDER))
+
+
+def keep_decisions() -> None:
+    """Keep the kernels' timed choices (fp8 activation scales, int8 GEMM, attention auto) in ComfyUI's user
+    directory, so a restarted server runs what this machine timed before instead of timing a near tie anew. Called
+    when a model node runs, never at import; without a user directory the choices stay in memory (said once)."""
+    if not KEEP_DECISIONS:
+        return
+    from .. import __version__
+    from ..kernels.decision_store import keep_in
+
+    try:
+        import folder_paths
+
+        path = Path(folder_paths.get_user_directory()).joinpath(*DECISIONS_FILE)
+    except Exception as exc:  # noqa: BLE001 - a missing seam must not fail a model load
+        say_once(log, f"lowvram_dit: no ComfyUI user directory ({type(exc).__name__}: {exc}); kernel choices are "
+                 "timed again after every restart")
+        return
+    keep_in(path, __version__)

@@ -4,7 +4,9 @@
 real and its output is compared with an fp32 reference (kernels/attention_check.py). NaN/Inf or a large error
 means fall back to the next backend (kernels/attention_backends.py) and say so once. ``auto`` times every
 candidate that passes on the real inputs, once per (per-sample shape, dtype, kind of GPU), and caches the
-fastest: the ranking differs by GPU and torch version. ``HostAttention`` adds the host's own backends to it.
+fastest: the ranking differs by GPU and torch version. With a decisions file set, auto's choice is kept there and
+a later process runs it again (after the same first-use check) instead of timing a near tie anew. ``HostAttention``
+adds the host's own backends to it.
 
 Never imports ComfyUI; the ComfyUI call contract (layouts, heads, ``_inside_attn_wrapper``) lives in
 host/attention.py.
@@ -23,11 +25,13 @@ from .attention_backends import (
     AUTO_CANDIDATES, BACKENDS, FALLBACK_ORDER, AttentionBackend, AttentionFn, HostAttention, unavailable_reason,
 )
 from .attention_check import check_output
+from . import decision_store
 from .decisions import DECIDING, describe_kind, device_kind, time_call
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
 Tensor = torch.Tensor
+KEPT_AS = "attention auto"  # the topic of auto's choices in the decisions file (kernels/decision_store.py)
 
 
 @dataclass
@@ -139,13 +143,11 @@ class AttentionSelector:
                 host: Optional[HostAttention]) -> Tensor:
         decision = Decision(backend="sdpa_math", requested=backend)
         exact, quantized = self._candidates(backend, host, decision)
-        result = self._first_or_fastest(exact, q, k, v, mask, decision, key)
-        if result is None:  # every candidate failed: the math kernel runs everything torch runs
-            decision.backend, result = "sdpa_math", BACKENDS["sdpa_math"].call(q, k, v, mask)
-        elif backend == "auto":
-            result = self._quantized_where_faster(quantized, q, k, v, mask, decision, result)
-        elif decision.backend == backend and BACKENDS[backend].trades_accuracy:
-            result = self._prefer_faster_exact(q, k, v, mask, decision, result)
+        result = self._kept(key, [*exact, *quantized], q, k, v, mask, decision) if backend == "auto" else None
+        if result is None:
+            result = self._measure(key, exact, quantized, q, k, v, mask, decision)
+            if backend == "auto" and decision.backend in decision.timings_ms:  # a timed winner, not a fallback
+                decision_store.keep(KEPT_AS, key, decision.backend)
         self.decisions[key], self.details[key] = decision.backend, decision
         if backend == "auto" and host is not None and host.default is not None:
             self.say_once(f"lowvram_dit attention auto for {describe_key(key)}: {decision.versus_host(host)}; "
@@ -155,6 +157,32 @@ class AttentionSelector:
                 else logging.WARNING
             self.say_once(f"lowvram_dit attention {backend} {describe_key(key)} -> {decision.describe()}", level)
         return result
+
+    def _measure(self, key: tuple, exact: list[str], quantized: list[str], q: Tensor, k: Tensor, v: Tensor,
+                 mask: Optional[Tensor], decision: Decision) -> Tensor:
+        """The request's decision by checking (and for auto, timing) its candidates; returns the chosen output."""
+        backend = decision.requested
+        result = self._first_or_fastest(exact, q, k, v, mask, decision, key)
+        if result is None:  # every candidate failed: the math kernel runs everything torch runs
+            decision.backend, result = "sdpa_math", BACKENDS["sdpa_math"].call(q, k, v, mask)
+        elif backend == "auto":
+            result = self._quantized_where_faster(quantized, q, k, v, mask, decision, result)
+        elif decision.backend == backend and BACKENDS[backend].trades_accuracy:
+            result = self._prefer_faster_exact(q, k, v, mask, decision, result)
+        return result
+
+    def _kept(self, key: tuple, names: list[str], q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+              decision: Decision) -> Optional[Tensor]:
+        """Auto's backend as an earlier process chose it (decisions file), when it is still a candidate, can run
+        these inputs and passes the first-use check; its output, or None to decide afresh."""
+        name = decision_store.kept(KEPT_AS, key)
+        if name is None or name not in names or self._unavailable(name, q, mask) is not None:
+            return None
+        out, _ = self._try(name, q, k, v, mask, decision)
+        if out is None:
+            return None
+        decision.backend, decision.note = name, "kept from an earlier run"
+        return out
 
     def _candidates(self, backend: str, host: Optional[HostAttention],
                     decision: Decision) -> tuple[list[str], list[str]]:

@@ -9,6 +9,9 @@ shapes, and the first call of a key decides while holding ``DECIDING``: a call o
 and then uses that decision. ``time_call`` times a candidate; ``FastestPerKey`` keeps the fastest of a few named
 candidates per key, timed once.
 
+Near ties must not flip between processes either: with a decisions file set (``keep_in``, kernels/decision_store.py)
+a winner timed once on this machine is written there and read back by the next process instead of timing again.
+
 Plain torch, no ComfyUI import.
 """
 
@@ -22,6 +25,8 @@ from collections.abc import Callable, Mapping
 from typing import Literal
 
 import torch
+
+from . import decision_store
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -42,6 +47,18 @@ def device_kind(device: torch.device) -> tuple:
 def _cuda_kind(index: int) -> tuple:
     props = torch.cuda.get_device_properties(index)
     return ("cuda", props.name, props.major, props.minor)
+
+
+def autotune_keeping_results(autotune: Callable) -> dict[str, bool]:
+    """Keyword arguments for ``autotune`` (``triton.autotune``) that keep its tile choice in Triton's own on-disk
+    cache (``cache_results``, Triton >= 3.3): a restarted process then runs the tile the first one timed instead of
+    timing again, where a near tie could pick another. {} for a Triton without it."""
+    try:
+        import inspect
+
+        return {"cache_results": True} if "cache_results" in inspect.signature(autotune).parameters else {}
+    except (TypeError, ValueError):  # no signature to read
+        return {}
 
 
 def describe_kind(kind: tuple) -> str:
@@ -86,11 +103,16 @@ class FastestPerKey:
     ``"first"`` stops timing and settles on the first candidate, keeping no timings. With none timed, the first
     candidate is kept. ``decide`` runs the candidates, so a compiled caller reaches it through a function under
     ``torch.compiler.disable``.
+
+    ``kept_as`` names the topic under which timed winners go to the decisions file, when one is set (``keep_in``):
+    a winner kept there by an earlier process that is one of the candidates' names is used without timing, and
+    ``describe_kept(key, winner)`` writes its log line. Without ``kept_as`` decisions live in memory only.
     """
 
     def __init__(self, describe_decision: Callable[[tuple, str, dict[str, float]], str],
                  describe_failure: Callable[[tuple, str, Exception], str],
-                 on_failure: Literal["skip", "first"] = "skip") -> None:
+                 on_failure: Literal["skip", "first"] = "skip", kept_as: str = "",
+                 describe_kept: Callable[[tuple, str], str] | None = None) -> None:
         if on_failure not in ("skip", "first"):
             raise ValueError(f"on_failure must be 'skip' or 'first', got {on_failure!r}")
         self.decisions: dict[tuple, str] = {}
@@ -98,17 +120,26 @@ class FastestPerKey:
         self._describe_decision = describe_decision
         self._describe_failure = describe_failure
         self._on_failure = on_failure
+        self._kept_as = kept_as
+        self._describe_kept = describe_kept or (lambda key, winner: f"lowvram_dit {kept_as} {key}: {winner} "
+                                                                    "(kept from an earlier run)")
 
     def decide(self, key: tuple, candidates: Callable[[], Mapping[str, Callable[[], torch.Tensor]]],
                device: torch.device) -> str:
         """The winner for ``key``: its decision if one exists, else the fastest of ``candidates()`` on ``device``.
 
         ``candidates`` builds the name -> callable mapping (in order, the first being the fallback) only when this
-        call decides, so a call that finds the decision made builds nothing."""
+        call decides, so a call that finds the decision made builds nothing. A winner an earlier process kept
+        (``kept_as``) is used when it is one of the candidates' names; a timed winner is kept."""
         with DECIDING:  # another GPU deciding the same key: wait, then use its choice
             if (known := self.decisions.get(key)) is not None:  # also a graph traced before the decision landed
                 return known
-            return self._time(key, candidates(), device)
+            built = candidates()
+            if (stored := decision_store.kept(self._kept_as, key)) is not None and stored in built:
+                self.decisions[key] = stored
+                log.info(self._describe_kept(key, stored))
+                return stored
+            return self._time(key, built, device)
 
     def _time(self, key: tuple, candidates: Mapping[str, Callable[[], torch.Tensor]], device: torch.device) -> str:
         first = next(iter(candidates))
@@ -124,6 +155,8 @@ class FastestPerKey:
         best = min(times, key=times.get) if times else first
         self.decisions[key], self.timings[key] = best, times
         log.info(self._describe_decision(key, best, times))
+        if times:  # a fallback for want of timings is not kept: the next process times again
+            decision_store.keep(self._kept_as, key, best)
         return best
 
     def clear(self) -> None:

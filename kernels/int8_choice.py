@@ -104,7 +104,8 @@ class GemmChooser:
 
     def __init__(self) -> None:
         # a GEMM that fails is left out; with neither timed, torch._int_mm (the first) is kept
-        self._fastest = FastestPerKey(self._decided, self._failed, on_failure="skip")
+        self._fastest = FastestPerKey(self._decided, self._failed, on_failure="skip", kept_as="int8 gemm",
+                                      describe_kept=self._kept)
         self.decisions: dict[tuple, str] = self._fastest.decisions  # the helper's own dicts, read directly
         self.timings: dict[tuple, dict[str, float]] = self._fastest.timings
 
@@ -133,6 +134,9 @@ class GemmChooser:
     def _decided(self, key: tuple, best: str, times: dict[str, float]) -> str:
         timed = ", ".join(f"{g} {t:.2f} ms" for g, t in times.items())
         return f"lowvram_dit int8 {self.describe(key)}: {timed} -> {best}"
+
+    def _kept(self, key: tuple, best: str) -> str:
+        return f"lowvram_dit int8 {self.describe(key)}: {best} (kept from an earlier run)"
 
     def _failed(self, key: tuple, name: str, exc: Exception) -> str:
         return f"lowvram_dit int8: {name} failed for {self.describe(key)} ({exc})"

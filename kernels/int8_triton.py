@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from .decisions import autotune_keeping_results
+
 try:  # Triton is optional: CPU boxes, and Windows installs without triton-windows
     import triton
     import triton.language as tl
@@ -141,7 +143,9 @@ if TRITON_AVAILABLE:
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=st,
                               num_warps=wp) for bm, bn, bk, st, wp in shapes]
 
-    @triton.autotune(configs=_gemm_configs(), key=["N", "K", "M_BUCKET"])
+    # the tile choice is kept in Triton's on-disk cache where it can: a restart runs the same tile
+    @triton.autotune(configs=_gemm_configs(), key=["N", "K", "M_BUCKET"],
+                     **autotune_keeping_results(triton.autotune))
     @triton.jit
     def _int8_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET, stride_am, stride_bn,
                         stride_cm, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -62,3 +62,16 @@ def comfy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServ
             yield server
     finally:  # the synthetic models tests placed there are large; the log and outputs stay for a failed run
         shutil.rmtree(base / "models", ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_decisions_in_memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every test times its kernel choices afresh and writes no decisions file (an in-process ComfyUI's user
+    directory is its checkout's): a test of the decisions file turns ``KEEP_DECISIONS`` back on or sets its own."""
+    from comfyui_lowvram_dit.host import files
+
+    monkeypatch.setattr(files, "KEEP_DECISIONS", False)
+    yield
+    store = sys.modules.get("comfyui_lowvram_dit.kernels.decision_store")
+    if store is not None:
+        store.keep_in(None)

@@ -248,3 +248,64 @@ def test_int8_backend_names_a_missing_triton(monkeypatch):
     reason = attention_backends._int8_reason(torch.device("cuda", 0), torch.bfloat16, 128, False)
     assert reason is not None and "needs Triton" in reason
     assert "head dim" in attention_backends._int8_reason(torch.device("cpu"), torch.bfloat16, 128, False)
+
+
+@pytest.fixture
+def kept_in(tmp_path):  # noqa: ANN001, ANN201 - yields the decisions file
+    """A decisions file for this test only (kernels/decision_store.py); none is left set afterwards."""
+    from comfyui_lowvram_dit.kernels import decision_store
+
+    decision_store.keep_in(tmp_path / "decisions.json")
+    yield tmp_path / "decisions.json"
+    decision_store.keep_in(None)
+
+
+def test_auto_choice_is_kept_for_a_restarted_process(registry, kept_in, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A second selector (a restarted server) over the same decisions file runs the first one's auto choice after
+    its first-use check, without timing anything."""
+    from comfyui_lowvram_dit.kernels import decision_store
+
+    registry("fakefast", lambda q, k, v, m: attention_check.reference_attention(q, k, v).to(q.dtype), auto=True,
+             first=False)
+    q, k, v = _qkv()
+    first = AttentionSelector()
+    first.run(q, k, v, None, "auto")
+    (key, detail), = first.details.items()
+    assert decision_store.kept(attn.KEPT_AS, key) == detail.backend and kept_in.exists()
+
+    monkeypatch.setattr(attn, "time_call", lambda *a, **kw: pytest.fail("a kept auto choice must not be timed"))
+    restarted = AttentionSelector()
+    with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
+        out = restarted.run(q, k, v, None, "auto")
+    torch.testing.assert_close(out, attention_check.reference_attention(q, k, v), rtol=1e-4, atol=1e-5)
+    kept = restarted.details[key]
+    assert restarted.decisions == {key: detail.backend} and kept.timings_ms == {}
+    assert detail.backend in kept.errors  # the first-use check still ran
+    assert "kept from an earlier run" in caplog.text
+
+
+@pytest.mark.parametrize("kept", ["gone", "nowbroken"])
+def test_a_kept_auto_choice_that_cannot_run_now_is_decided_afresh(registry, kept_in, kept: str) -> None:
+    """A kept backend that is no candidate any more, or fails its first-use check now, is not used: auto times
+    the candidates again and keeps the new winner."""
+    from comfyui_lowvram_dit.kernels import decision_store
+
+    registry("nowbroken", lambda q, k, v, m: attention_check.reference_attention(q, k, v).to(q.dtype) * float("nan"),
+             auto=True, first=False)
+    q, k, v = _qkv()
+    key = attn._key("auto", q, k, None)
+    decision_store.keep(attn.KEPT_AS, key, kept)
+    sel = AttentionSelector()
+    out = sel.run(q, k, v, None, "auto")
+    torch.testing.assert_close(out, attention_check.reference_attention(q, k, v), rtol=1e-4, atol=1e-5)
+    detail = sel.details[key]
+    assert detail.backend not in (kept, "nowbroken") and detail.timings_ms and not detail.note
+    assert decision_store.kept(attn.KEPT_AS, key) == detail.backend
+
+
+def test_a_requested_backend_is_never_kept(registry, kept_in) -> None:
+    """Only auto's timed choice goes to the decisions file; a named request decides as before."""
+    q, k, v = _qkv()
+    AttentionSelector().run(q, k, v, None, "sdpa_math")
+    assert not kept_in.exists()

@@ -1,0 +1,217 @@
+"""The decisions file (kernels/decision_store.py) and ``FastestPerKey`` reading it, on the CPU.
+
+A "restarted process" is a second ``FastestPerKey`` over the same file: it must return the winner the first one
+timed, even where its own (planted) timer would pick the other candidate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfyui_lowvram_dit.kernels import decision_store, decisions
+
+CPU = torch.device("cpu")
+KEY = (("cuda", "Some GPU", 9, 0), 4096, 5120, 5120, torch.bfloat16)
+
+
+@pytest.fixture(autouse=True)
+def no_store() -> Iterator[None]:
+    """Every test starts without a store and leaves none behind."""
+    decision_store.keep_in(None)
+    yield
+    decision_store.keep_in(None)
+
+
+def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "comfyui_lowvram_dit"]
+
+
+def _said(key: tuple, best: str, times: dict[str, float]) -> str:
+    return f"timed {best}"
+
+
+def _failed(key: tuple, name: str, exc: Exception) -> str:
+    return f"{name} failed"
+
+
+class Timer:
+    """``decisions.time_call`` replaced by planted milliseconds per candidate name; records what it timed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, ms: dict[str, float]) -> None:
+        self.ms, self.timed = ms, []
+        monkeypatch.setattr(decisions, "time_call", self._time_call)
+
+    def _time_call(self, fn: Callable[[], str], device: torch.device) -> float:
+        name = fn()
+        self.timed.append(name)
+        return self.ms[name]
+
+    def candidates(self) -> dict[str, Callable[[], str]]:
+        return {name: (lambda n=name: n) for name in self.ms}
+
+
+def _fastest() -> decisions.FastestPerKey:
+    return decisions.FastestPerKey(_said, _failed, kept_as="test", describe_kept=lambda key, w: f"{w} (kept from "
+                                   "an earlier run)")
+
+
+# --- the store -----------------------------------------------------------------------------------------------------
+
+
+def test_round_trip_through_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "decisions.json"  # the folder is made on the first write
+    store = decision_store.DecisionStore(path, decision_store.current_header("1.2"))
+    assert store.get("fp8", KEY) is None
+    store.put("fp8", KEY, "scaled_mm_tensorwise")
+    store.put("int8", KEY[:4], "triton")
+    again = decision_store.DecisionStore(path, decision_store.current_header("1.2"))  # a new process
+    assert again.get("fp8", KEY) == "scaled_mm_tensorwise" and again.get("int8", KEY[:4]) == "triton"
+    assert again.get("int8", KEY) is None  # topics keep equal keys apart
+    data = json.loads(path.read_text(encoding="utf-8"))
+    assert data["header"] == {"format": decision_store.FORMAT, "torch": torch.__version__, "pack": "1.2",
+                              **({"triton": data["header"]["triton"]} if "triton" in data["header"] else {})}
+    assert "torch.bfloat16" in next(iter(data["decisions"]))  # dtypes written as their str
+    assert [p.name for p in path.parent.iterdir()] == ["decisions.json"]  # no temp file left
+
+
+def test_key_text_is_deterministic_and_refuses_other_values() -> None:
+    assert decision_store.key_text("t", KEY) == decision_store.key_text("t", tuple(KEY))
+    assert decision_store.key_text("t", (1, torch.float16)) == "('t', 1, 'torch.float16')"
+    assert decision_store.key_text("t", (object(),)) is None
+
+
+def test_another_header_is_ignored_and_rewritten(tmp_path: Path) -> None:
+    path = tmp_path / "decisions.json"
+    old = decision_store.DecisionStore(path, {"format": decision_store.FORMAT, "torch": "0.0"})
+    old.put("fp8", KEY, "scaled_mm_tensorwise")
+    new = decision_store.DecisionStore(path, decision_store.current_header())
+    assert new.get("fp8", KEY) is None
+    new.put("fp8", KEY, "scaled_mm_rowwise")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    assert data["header"] == decision_store.current_header() and list(data["decisions"].values()) == [
+        "scaled_mm_rowwise"]
+
+
+def test_a_corrupt_file_is_said_once_timed_again_and_rewritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "decisions.json"
+    path.write_text(f'{{\n "kept_by": "{decision_store.KEPT_BY}",\n "header": {{"form', encoding="utf-8")  # cut off
+    decision_store.keep_in(path)
+    timer = Timer(monkeypatch, {"a": 2.0, "b": 1.0})
+    fastest = _fastest()
+    with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
+        assert fastest.decide(("k", 1), timer.candidates, CPU) == "b"
+        assert fastest.decide(("k", 2), timer.candidates, CPU) == "b"
+    assert timer.timed == ["a", "b", "a", "b"]
+    problems = [m for m in _messages(caplog) if "cannot read" in m]
+    assert len(problems) == 1 and str(path) in problems[0] and "delete it" in problems[0]
+    assert len(json.loads(path.read_text(encoding="utf-8"))["decisions"]) == 2  # rewritten whole
+
+
+def test_an_unwritable_folder_is_said_once_and_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "not-a-folder"  # a file where the folder should be: no write can succeed, even as root
+    folder.write_text("", encoding="utf-8")
+    decision_store.keep_in(folder / "decisions.json")
+    timer = Timer(monkeypatch, {"a": 2.0, "b": 1.0})
+    fastest = _fastest()
+    with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
+        assert fastest.decide(("k", 1), timer.candidates, CPU) == "b"
+        assert fastest.decide(("k", 2), timer.candidates, CPU) == "b"
+    problems = [m for m in _messages(caplog) if "cannot keep" in m]
+    assert len(problems) == 1 and str(folder) in problems[0] and "writable" in problems[0]
+    assert decision_store.kept("test", ("k", 1)) == "b"  # this process still has it in memory
+
+
+def test_a_file_the_pack_did_not_write_is_never_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "decisions.json"
+    path.write_text('{"someone": "else"}', encoding="utf-8")
+    decision_store.keep_in(path)
+    timer = Timer(monkeypatch, {"a": 2.0, "b": 1.0})
+    with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
+        assert _fastest().decide(("k",), timer.candidates, CPU) == "b"
+    assert path.read_text(encoding="utf-8") == '{"someone": "else"}'
+    assert len([m for m in _messages(caplog) if "cannot keep" in m and str(path) in m]) == 1
+
+
+def test_keep_in_the_same_path_keeps_the_store(tmp_path: Path) -> None:
+    decision_store.keep_in(tmp_path / "d.json")
+    first = decision_store._STORE
+    decision_store.keep_in(tmp_path / "d.json")
+    assert decision_store._STORE is first and decision_store.kept_in() == tmp_path / "d.json"
+    decision_store.keep_in(None)
+    assert decision_store.kept_in() is None
+
+
+# --- FastestPerKey with a store ------------------------------------------------------------------------------------
+
+
+def test_a_kept_winner_is_used_without_timing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    decision_store.keep_in(tmp_path / "decisions.json")
+    decision_store.keep("test", ("k",), "a")  # "a" is the slower one for this process's timer
+    timer = Timer(monkeypatch, {"a": 2.0, "b": 1.0})
+    monkeypatch.setattr(decisions, "time_call", lambda *a, **k: pytest.fail("a kept winner must not be timed"))
+    fastest = _fastest()
+    with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
+        assert fastest.decide(("k",), timer.candidates, CPU) == "a"
+        assert fastest.decide(("k",), timer.candidates, CPU) == "a"
+    assert fastest.decisions == {("k",): "a"} and fastest.timings == {}
+    assert _messages(caplog) == ["a (kept from an earlier run)"]  # said once
+
+
+def test_a_kept_name_that_is_no_candidate_is_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    decision_store.keep_in(tmp_path / "decisions.json")
+    decision_store.keep("test", ("k",), "gone")
+    timer = Timer(monkeypatch, {"a": 2.0, "b": 1.0})
+    fastest = _fastest()
+    assert fastest.decide(("k",), timer.candidates, CPU) == "b" and timer.timed == ["a", "b"]
+    assert decision_store.kept("test", ("k",)) == "b"  # the timed winner replaces it
+
+
+def test_a_restarted_process_returns_the_first_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "decisions.json"
+    decision_store.keep_in(path)
+    first = Timer(monkeypatch, {"a": 1.00, "b": 1.01})  # a near tie
+    assert _fastest().decide(KEY, first.candidates, CPU) == "a"
+
+    decision_store.keep_in(None)  # the restart: a fresh store over the same file, a fresh chooser
+    decision_store.keep_in(path)
+    second = Timer(monkeypatch, {"a": 1.01, "b": 1.00})  # this process's timer would pick "b"
+    assert _fastest().decide(KEY, second.candidates, CPU) == "a" and second.timed == []
+
+
+def test_without_a_store_or_topic_nothing_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = Timer(monkeypatch, {"a": 2.0, "b": 1.0})
+    assert _fastest().decide(("k",), timer.candidates, CPU) == "b"  # no store: today's behaviour
+    decision_store.keep_in(tmp_path / "decisions.json")
+    assert decisions.FastestPerKey(_said, _failed).decide(("k",), timer.candidates, CPU) == "b"  # no topic
+    assert not (tmp_path / "decisions.json").exists()
+
+
+def test_a_fallback_for_want_of_timings_is_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    decision_store.keep_in(tmp_path / "decisions.json")
+
+    def failing(fn: Callable[[], str], device: torch.device) -> float:
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(decisions, "time_call", failing)
+    fastest = decisions.FastestPerKey(_said, _failed, on_failure="first", kept_as="test")
+    assert fastest.decide(("k",), lambda: {"a": lambda: "a", "b": lambda: "b"}, CPU) == "a"
+    assert decision_store.kept("test", ("k",)) is None
+
+
+def test_autotune_keeping_results_follows_the_signature() -> None:
+    def new(configs: list, key: list, cache_results: bool = False) -> None: ...
+
+    def old(configs: list, key: list) -> None: ...
+
+    assert decisions.autotune_keeping_results(new) == {"cache_results": True}
+    assert decisions.autotune_keeping_results(old) == {}
