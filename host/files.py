@@ -82,8 +82,8 @@ def keep_decisions() -> None:
     when a model node runs, never at import; without a user directory the choices stay in memory (said once)."""
     if not KEEP_DECISIONS:
         return
-    from .. import __version__
     from ..kernels.decision_store import keep_in
+    from .version import pack_version
 
     try:
         import folder_paths
@@ -93,4 +93,4 @@ def keep_decisions() -> None:
         say_once(log, f"lowvram_dit: no ComfyUI user directory ({type(exc).__name__}: {exc}); kernel choices are "
                  "timed again after every restart")
         return
-    keep_in(path, __version__)
+    keep_in(path, pack_version())

@@ -1,9 +1,10 @@
-"""The one place the pack learns ComfyUI's version."""
+"""The one place the pack learns ComfyUI's version (and where host code reads the pack's own)."""
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 _VERSION = re.compile(r"""__version__\s*=\s*["']([^"']+)["']""")
@@ -27,3 +28,11 @@ def comfyui_version(comfyui_path: str | os.PathLike | None = None) -> str | None
         return None
     match = _VERSION.search(text)
     return match.group(1) if match else None
+
+
+def pack_version() -> str:
+    """The pack's ``__version__`` ("" when unknown). The package root is always imported before any of its
+    submodules, so it is read from ``sys.modules``: an import of the root from host code would be an import circle
+    (the root's entry point imports nodes/, which import host/)."""
+    root = sys.modules.get((__package__ or "").rpartition(".")[0])
+    return str(getattr(root, "__version__", ""))

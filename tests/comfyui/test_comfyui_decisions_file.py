@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -43,5 +44,10 @@ def test_a_model_load_keeps_decisions_there_too(user_dir: Path) -> None:
     from comfyui_lowvram_dit.host import files
     from comfyui_lowvram_dit.kernels import decision_store
 
+    import comfyui_lowvram_dit
+
     files.keep_decisions()
     assert decision_store.kept_in() == user_dir.joinpath(*files.DECISIONS_FILE)
+    decision_store.keep("t", ("k",), "w")  # the header names this pack version: an update times afresh
+    kept = json.loads(decision_store.kept_in().read_text(encoding="utf-8"))
+    assert kept["header"]["pack"] == comfyui_lowvram_dit.__version__ != ""
