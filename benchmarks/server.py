@@ -13,6 +13,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -286,6 +287,19 @@ def scrub_work(flags: list[str], work: Path) -> list[str]:
     return [f.replace(str(work), WORK_MARK) for f in flags]
 
 
+def public_log(lines: list[str], setup: ServerSetup) -> list[str]:
+    """Server log lines as results may show them: the scratch folder as $WORK, ComfyUI's folder as <ComfyUI>, the
+    interpreter as python3, other machine paths through ``harness.public_text`` (a log's first line names all
+    three)."""
+    swaps = ((str(setup.work), WORK_MARK), (str(setup.comfyui), "<ComfyUI>"), (sys.executable, "python3"))
+    shown = []
+    for line in lines:
+        for path, mark in swaps:
+            line = line.replace(path, mark)
+        shown.append(harness.public_text(line))
+    return shown
+
+
 def _serve(setup: ServerSetup, base: Path, flags: list[str], record: dict, graph: dict,
            sampler_nodes: tuple[str, ...], probe: bool) -> None:
     """Start the server, check the pack imported, measure ``graph`` into ``record``."""
@@ -332,7 +346,7 @@ def run_row(setup: ServerSetup, row: Row, graph: dict, total_vram_gib: float, re
     if (base / "comfyui.log").exists():  # the server's log (cli.server writes it there)
         log = (base / "comfyui.log").read_bytes().decode("utf-8", "replace")
     record["tqdm"] = tqdm_summaries(log)
-    record["log"] = log_digest(log)
+    record["log"] = public_log(log_digest(log), setup)
     record["lora_keys_not_loaded"] = log.count(LORA_KEY_MISSED)  # > 0: a LoRA row ran partly without its LoRA
     if setup.keep_logs:
         write_report((setup.work / f"{row.name}.log"), log)

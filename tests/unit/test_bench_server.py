@@ -483,3 +483,17 @@ def test_run_rows_skips_what_the_deadline_leaves_no_time_for(monkeypatch: pytest
                         [{"name": "merged"}], time.monotonic() - 100, deadline=150, reserve_estimate=60)
     assert [(r["name"], r["status"]) for r in done[1:]] == [(v.name, "skipped") for v in rows]
     assert done[1]["variant"]["ck_attention"] is True and done[1]["what"] == bs.describe(rows[0])
+
+
+def test_run_row_keeps_no_machine_path_in_the_log_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    setup = run.ServerSetup(tmp_path / "comfy", tmp_path / "models", tmp_path / "work")
+    setup.work.mkdir()
+    header = (f"# comfyui_lowvram_dit: ComfyUI log: {sys.executable} {setup.comfyui}/main.py --base-directory "
+              f"{setup.work}/bench_row_x1 --user-directory {setup.work}/user\n")
+    fake_start(monkeypatch, lambda base: header + LOG_033)
+    monkeypatch.setattr(run, "measure", _measured)
+    row = bs.VARIANTS["native_fp8fast_ck_8gb_lora4"]
+    rec = run.run_row(setup, row, {}, 79.65, {"name": row.name}, sampler_nodes=bs.SAMPLER_NODES)
+    assert rec["log"][0] == ("# comfyui_lowvram_dit: ComfyUI log: python3 <ComfyUI>/main.py --base-directory "
+                             "$WORK/bench_row_x1 --user-directory $WORK/user"), rec["log"][0]
+    assert not any(str(tmp_path) in line for line in rec["log"])
