@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from comfyui_lowvram_dit.kernels import decision_store, decisions
+from test_decisions import Planted
 
 CPU = torch.device("cpu")
 KEY = (("cuda", "Some GPU", 9, 0), 4096, 5120, 5120, torch.bfloat16)
@@ -38,22 +39,6 @@ def _said(key: tuple, best: str, times: dict[str, float]) -> str:
 
 def _failed(key: tuple, name: str, exc: Exception) -> str:
     return f"{name} failed"
-
-
-class Timer:
-    """``decisions.time_call`` replaced by planted milliseconds per candidate name; records what it timed."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, ms: dict[str, float]) -> None:
-        self.ms, self.timed = ms, []
-        monkeypatch.setattr(decisions, "time_call", self._time_call)
-
-    def _time_call(self, fn: Callable[[], str], device: torch.device) -> float:
-        name = fn()
-        self.timed.append(name)
-        return self.ms[name]
-
-    def candidates(self) -> dict[str, Callable[[], str]]:
-        return {name: (lambda n=name: n) for name in self.ms}
 
 
 def _fastest() -> decisions.FastestPerKey:
@@ -103,7 +88,7 @@ def test_a_corrupt_file_is_said_once_timed_again_and_rewritten(tmp_path: Path, m
     path = tmp_path / "decisions.json"
     path.write_text(f'{{\n "kept_by": "{decision_store.KEPT_BY}",\n "header": {{"form', encoding="utf-8")  # cut off
     decision_store.keep_in(path)
-    timer = Timer(monkeypatch, {"a": 2.0, "b": 1.0})
+    timer = Planted(monkeypatch, {"a": 2.0, "b": 1.0})
     fastest = _fastest()
     with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
         assert fastest.decide(("k", 1), timer.candidates, CPU) == "b"
@@ -119,7 +104,7 @@ def test_an_unwritable_folder_is_said_once_and_never_raises(tmp_path: Path, monk
     folder = tmp_path / "not-a-folder"  # a file where the folder should be: no write can succeed, even as root
     folder.write_text("", encoding="utf-8")
     decision_store.keep_in(folder / "decisions.json")
-    timer = Timer(monkeypatch, {"a": 2.0, "b": 1.0})
+    timer = Planted(monkeypatch, {"a": 2.0, "b": 1.0})
     fastest = _fastest()
     with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
         assert fastest.decide(("k", 1), timer.candidates, CPU) == "b"
@@ -134,7 +119,7 @@ def test_a_file_the_pack_did_not_write_is_never_replaced(tmp_path: Path, monkeyp
     path = tmp_path / "decisions.json"
     path.write_text('{"someone": "else"}', encoding="utf-8")
     decision_store.keep_in(path)
-    timer = Timer(monkeypatch, {"a": 2.0, "b": 1.0})
+    timer = Planted(monkeypatch, {"a": 2.0, "b": 1.0})
     with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
         assert _fastest().decide(("k",), timer.candidates, CPU) == "b"
     assert path.read_text(encoding="utf-8") == '{"someone": "else"}'
@@ -157,7 +142,7 @@ def test_a_kept_winner_is_used_without_timing(tmp_path: Path, monkeypatch: pytes
                                               caplog: pytest.LogCaptureFixture) -> None:
     decision_store.keep_in(tmp_path / "decisions.json")
     decision_store.keep("test", ("k",), "a")  # "a" is the slower one for this process's timer
-    timer = Timer(monkeypatch, {"a": 2.0, "b": 1.0})
+    timer = Planted(monkeypatch, {"a": 2.0, "b": 1.0})
     monkeypatch.setattr(decisions, "time_call", lambda *a, **k: pytest.fail("a kept winner must not be timed"))
     fastest = _fastest()
     with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
@@ -170,7 +155,7 @@ def test_a_kept_winner_is_used_without_timing(tmp_path: Path, monkeypatch: pytes
 def test_a_kept_name_that_is_no_candidate_is_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     decision_store.keep_in(tmp_path / "decisions.json")
     decision_store.keep("test", ("k",), "gone")
-    timer = Timer(monkeypatch, {"a": 2.0, "b": 1.0})
+    timer = Planted(monkeypatch, {"a": 2.0, "b": 1.0})
     fastest = _fastest()
     assert fastest.decide(("k",), timer.candidates, CPU) == "b" and timer.timed == ["a", "b"]
     assert decision_store.kept("test", ("k",)) == "b"  # the timed winner replaces it
@@ -179,17 +164,17 @@ def test_a_kept_name_that_is_no_candidate_is_ignored(tmp_path: Path, monkeypatch
 def test_a_restarted_process_returns_the_first_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "decisions.json"
     decision_store.keep_in(path)
-    first = Timer(monkeypatch, {"a": 1.00, "b": 1.01})  # a near tie
+    first = Planted(monkeypatch, {"a": 1.00, "b": 1.01})  # a near tie
     assert _fastest().decide(KEY, first.candidates, CPU) == "a"
 
     decision_store.keep_in(None)  # the restart: a fresh store over the same file, a fresh chooser
     decision_store.keep_in(path)
-    second = Timer(monkeypatch, {"a": 1.01, "b": 1.00})  # this process's timer would pick "b"
+    second = Planted(monkeypatch, {"a": 1.01, "b": 1.00})  # this process's timer would pick "b"
     assert _fastest().decide(KEY, second.candidates, CPU) == "a" and second.timed == []
 
 
 def test_without_a_store_or_topic_nothing_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    timer = Timer(monkeypatch, {"a": 2.0, "b": 1.0})
+    timer = Planted(monkeypatch, {"a": 2.0, "b": 1.0})
     assert _fastest().decide(("k",), timer.candidates, CPU) == "b"  # no store: today's behaviour
     decision_store.keep_in(tmp_path / "decisions.json")
     assert decisions.FastestPerKey(_said, _failed).decide(("k",), timer.candidates, CPU) == "b"  # no topic
