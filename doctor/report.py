@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..host.version import comfyui_version as read_comfyui_version
+from ..host.version import pack_version
 from .advice import _os_kind, format_report, known_issues, recommend
 
 GIB = float(1 << 30)
@@ -99,11 +100,9 @@ def collect_versions(comfyui_version: str | None, comfyui_path: str | None) -> d
     """Python, platform, torch/CUDA/cuDNN and the libraries the pack can use."""
     import torch
 
-    from .. import __version__ as pack_version
-
     cudnn, _ = _guard(lambda: torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
     return {
-        "pack": pack_version,
+        "pack": pack_version(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import comfyui_lowvram_dit
 from comfyui_lowvram_dit.doctor import advice, report as doctor
 from comfyui_lowvram_dit.host.version import comfyui_version
 
@@ -32,6 +33,7 @@ def test_report_without_gpu_is_complete_and_says_what_was_skipped(cpu_report: di
     assert all(k in r for k in SECTIONS)
     v = r["versions"]
     assert v["torch"] == torch.__version__ and v["python"] and v["numpy"] and v["safetensors"]
+    assert v["pack"] == comfyui_lowvram_dit.__version__ != ""
     assert r["gpu"]["available"] is False and "is_available" in r["gpu"]["reason"]
     assert r["memory"]["ram_total_gib"] > 0 and r["memory"]["pin_test"]["status"] == "skip"
     assert any(s.startswith("GPU probes") for s in r["skipped"])
