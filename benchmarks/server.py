@@ -291,9 +291,9 @@ def public_log(lines: list[str], setup: ServerSetup) -> list[str]:
     """Server log lines as results may show them: the scratch folder as $WORK, ComfyUI's folder as <ComfyUI>, the
     interpreter as python3, other machine paths through ``harness.public_text`` (a log's first line names all
     three)."""
-    swaps = ((str(setup.work), WORK_MARK), (str(setup.comfyui), "<ComfyUI>"), (sys.executable, "python3"))
+    swaps = ((str(setup.comfyui), "<ComfyUI>"), (sys.executable, "python3"))
     shown = []
-    for line in lines:
+    for line in scrub_work(lines, setup.work):
         for path, mark in swaps:
             line = line.replace(path, mark)
         shown.append(harness.public_text(line))
