@@ -70,8 +70,8 @@ def test_file_backed_offload_steps_aside_under_dynamic_vram(tmp_path: Path,
     assert sum("file-backed offload steps aside" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_fp8_models_get_the_legacy_patcher_and_a_reload_factory(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp8_models_are_built_as_unetloader_builds_and_keep_a_reload_factory(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     comfyui_in_process_or_skip()
     import functools
     import inspect
@@ -94,7 +94,9 @@ def test_fp8_models_get_the_legacy_patcher_and_a_reload_factory(tmp_path: Path,
     if "disable_dynamic" not in inspect.signature(real).parameters:  # a host without DynamicVRAM
         assert asked == [None, None] and not hasattr(fp8, "cached_patcher_init")
         return
-    assert asked == [True, False]  # fp8 layers: legacy patcher; ComfyUI's own layers: as UNETLoader builds them
+    # fp8 layers take their weights through ComfyUI's cast (test_comfyui_fp8_dynamic.py), so DynamicVRAM may
+    # manage them exactly as it manages UNETLoader's models
+    assert asked == [False, False]
     factory, args = fp8.cached_patcher_init
     again = factory(*args, disable_dynamic=True)  # what ComfyUI calls for a non-dynamic copy
     assert type(again).__name__ == type(fp8).__name__ and plain.cached_patcher_init[0] is load_wan_model
