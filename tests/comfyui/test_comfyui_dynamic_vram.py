@@ -118,3 +118,31 @@ def test_seams_hold_with_dynamic_vram_layers(monkeypatch: pytest.MonkeyPatch) ->
     finally:
         seams.forget_probe_results()
     assert {k: v for k, v in status.items() if v != "ok"} == {}
+
+
+def test_torch_compile_takes_the_model_off_dynamic_vram(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """As ComfyUI's TorchCompileModel: a rebuilt legacy copy (compiled regions must not hold DynamicVRAM's casts),
+    with the pack's file-backed offload given back to it; a legacy model is compiled as it is."""
+    comfyui_in_process_or_skip()
+    import inspect
+
+    import comfy.model_patcher
+
+    if "disable_dynamic" not in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
+        pytest.skip("this ComfyUI has no DynamicVRAM (ModelPatcher.clone takes no disable_dynamic)")
+    from comfyui_lowvram_dit.host import log
+    from comfyui_lowvram_dit.host.mapped_weights import MappedWeightsMixin
+    from comfyui_lowvram_dit.host.torch_compile import COMPILE_KEY, apply_compile
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.kernels.compile import CompileConfig
+
+    log._SAID_ONCE.clear()
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    path = _tiny_wan(tmp_path, "compile.safetensors")
+    dynamic = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
+    compiled = apply_compile(dynamic, CompileConfig(), compile_fn=lambda module, **_: module)
+    assert compiled.model is not dynamic.model and not compiled.is_dynamic()
+    assert isinstance(compiled, MappedWeightsMixin) and COMPILE_KEY in compiled.attachments
+    assert sum("leaves ComfyUI's DynamicVRAM" in r.getMessage() for r in caplog.records) == 1
+    legacy = load_wan_model(path, "fp8 per-tensor")
+    assert apply_compile(legacy, CompileConfig(), compile_fn=lambda module, **_: module).model is legacy.model
