@@ -28,26 +28,40 @@ def _tiny_wan(tmp_path: Path, name: str, fmt: str = "fp8_scaled") -> Path:
     return synth.write_synthetic("wan22_t2v_14B", tmp_path / name, size="tiny", fmt=fmt, seed=3, num_layers=4)
 
 
-def test_block_swap_steps_aside_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_block_swap_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Block Swap takes a model it can rebuild off DynamicVRAM (ComfyUI's own protocol) and streams it; one it
+    cannot rebuild (no ``cached_patcher_init``) it leaves to DynamicVRAM, saying so once."""
     comfyui_in_process_or_skip()
+    import inspect
+
+    import comfy.model_patcher
+
     from comfyui_lowvram_dit.offload.plan import SwapConfig
     from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
     from comfyui_lowvram_dit.host import log
     from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     log._SAID_ONCE.clear()
-    caplog.set_level(logging.WARNING, logger=LOGGER)
+    caplog.set_level(logging.INFO, logger=LOGGER)
     path = _tiny_wan(tmp_path, "dyn.safetensors")
     legacy = load_wan_model(path, "fp8 per-tensor")
     swapped = apply_block_swap(legacy, SwapConfig(blocks_to_swap=2))
     assert swapped is not legacy and SWAP_KEY in swapped.attachments  # the legacy patcher gets Block Swap
 
-    dynamic = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
+    if "disable_dynamic" in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
+        dynamic = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
+        rebuilt = apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2))
+        assert rebuilt.model is not dynamic.model and not rebuilt.is_dynamic() and SWAP_KEY in rebuilt.attachments
+        assert sum("leaves ComfyUI's DynamicVRAM" in r.getMessage() for r in caplog.records) == 1
+        assert torch.isfinite(sample_wan(rebuilt, seed=2)).all()
+
+    unbuildable = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
+    unbuildable.cached_patcher_init = None
     for _ in range(2):
-        assert apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2)) is dynamic
+        assert apply_block_swap(unbuildable, SwapConfig(blocks_to_swap=2)) is unbuildable
     said = [r.getMessage() for r in caplog.records if "Block Swap steps aside" in r.getMessage()]
     assert len(said) == 1 and "--disable-dynamic-vram" in said[0]
-    assert torch.isfinite(sample_wan(dynamic, seed=2)).all()  # the model it passed on still samples
+    assert torch.isfinite(sample_wan(unbuildable, seed=2)).all()  # the model it passed on still samples
 
 
 def test_file_backed_offload_steps_aside_under_dynamic_vram(tmp_path: Path,
