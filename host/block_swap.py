@@ -48,6 +48,7 @@ from ..offload.engine import BlockStreamer, StreamHook
 from ..offload.plan import SwapConfig, SwapPlan
 from ..offload.verdict import StreamStats, SwapSetup, swap_verdict
 from .core_quant import model_layouts
+from .dynamic_vram import legacy_clone
 from .hooks import register_hook
 from .log import say_once
 from .lora_merge import StreamedMerge
@@ -436,12 +437,15 @@ def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - Model
     """Return a clone of ``model`` that streams blocks per ``config`` (the node's whole job)."""
     import comfy.patcher_extension as pe
 
-    if dynamic_vram_manages(model):
-        say_once(log, "lowvram_dit Block Swap steps aside: ComfyUI's DynamicVRAM already streams this model's "
-                      "weights to the GPU on demand, and two managers of one model's VRAM would fight. To use Block "
-                      "Swap instead, start ComfyUI with --disable-dynamic-vram.")
-        return model
     layouts = model_layouts(model)
+    if dynamic_vram_manages(model):
+        legacy = None if layouts else legacy_clone(model, "Block Swap")
+        if legacy is None:
+            say_once(log, "lowvram_dit Block Swap steps aside: ComfyUI's DynamicVRAM already streams this model's "
+                          "weights to the GPU on demand, and two managers of one model's VRAM would fight. To use "
+                          "Block Swap instead, start ComfyUI with --disable-dynamic-vram.")
+            return model
+        model = legacy
     if layouts:
         log.warning("lowvram_dit Block Swap: this model's layers are ComfyUI's quantized layouts (%s), which Block Swap "
                     "cannot stream (it streams plain tensors); the model passes through unchanged and ComfyUI's own "

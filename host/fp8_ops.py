@@ -156,7 +156,8 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             comfy.ops.run_every_op()
             if not self.is_fp8:
                 return super().forward_comfy_cast_weights(input, *args, **kwargs)
-            if (self.weight.device == input.device and not self.weight_function and not self.bias_function):
+            if (self.weight.device == input.device and not self.weight_function and not self.bias_function
+                    and getattr(self, "_v", None) is None):  # a DynamicVRAM slot: weights come through its cast
                 path = self._path(input.device)
                 if path == "int8":
                     return self._int8_linear(input, self.weight, self.weight_scale, self.bias, self._cacheable())
@@ -167,6 +168,8 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
         def forward_comfy_cast_weights(self, input):  # noqa: ANN001, ANN201
             if not self.is_fp8:
                 return super().forward_comfy_cast_weights(input)
+            if getattr(self, "_v", None) is not None and not self.weight_function:
+                return self._forward_dynamic(input)
             # comfy.ops.cast_bias_weight would apply LoRA weight_functions to the raw fp8 codes (ignoring
             # the scale), so the copy is done here with the same offload-stream protocol.
             device = input.device
@@ -193,6 +196,34 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
                 out = opaque_ops.fp8_linear(input, w, s, b, self._block_size(), path)
             comfy.ops.uncast_bias_weight(self, w, b, (stream, w, b))
             return out
+
+        def _forward_dynamic(self, input):  # noqa: ANN001, ANN201
+            """DynamicVRAM (``ModelPatcherDynamic`` gave this layer a slot ``_v`` in its VRAM cache): the fp8 codes
+            come through ComfyUI's own ``cast_bias_weight`` (resident in the cache, or faulted in from its pinned
+            copy), LoRA patches applied there in this layer's scale (``weight_lowvram_function``), then the same
+            fp8 GEMM. The scale is a small parameter DynamicVRAM loads to the GPU with the model."""
+            device = input.device
+            w, b, offload = comfy.ops.cast_bias_weight(self, input, dtype=self.weight.dtype, bias_dtype=input.dtype,
+                                                       offloadable=True, compute_dtype=torch.float32,
+                                                       want_requant=True)
+            try:
+                s = self.weight_scale if self.weight_scale.device == device else self.weight_scale.to(device)
+                if (path := self._path(device)) == "int8":
+                    return self._int8_linear(input, w, s, b, cacheable=False)
+                return opaque_ops.fp8_linear(input, w, s, b, self._block_size(), path)
+            finally:
+                comfy.ops.uncast_bias_weight(self, w, b, offload)
+
+        @property
+        def weight_lowvram_function(self):  # noqa: ANN201 - comfy.model_patcher.LowVramPatch | _ScaledPatch | None
+            """The LoRA patch DynamicVRAM applies to this layer's weight as it casts it. ComfyUI hands it the raw fp8
+            codes; patches are deltas of real weight values, so an fp8 layer serves them through its scale."""
+            patch = self.__dict__.get("_weight_lowvram_patch")
+            return _ScaledPatch(patch, self) if patch is not None and self.is_fp8 else patch
+
+        @weight_lowvram_function.setter
+        def weight_lowvram_function(self, patch) -> None:  # noqa: ANN001 - LowVramPatch | None
+            self.__dict__["_weight_lowvram_patch"] = patch
 
         # ---- int8 compute ------------------------------------------------------------------------------
         def _cacheable(self) -> bool:
@@ -279,6 +310,23 @@ class _Int8Copy:
         """Made from this very weight, unchanged since, on its device, with the same rotation."""
         return (self.source() is weight and self.version == _version_of(weight) and self.rotate == rotate
                 and self.q.device == weight.device)
+
+
+class _ScaledPatch:
+    """A DynamicVRAM LoRA patch (``comfy.model_patcher.LowVramPatch``) seen through an fp8 layer's scale: codes in,
+    codes out, the patch applied to the real values in between (fp32). Everything else is the patch's own."""
+
+    def __init__(self, patch: object, layer: torch.nn.Module) -> None:
+        self.patch = patch
+        self.layer = layer
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.patch, name)
+
+    def __call__(self, codes: torch.Tensor) -> torch.Tensor:
+        scale = self.layer._full_scale(codes)
+        patched = self.patch(codes.float() * scale)
+        return patched.float() / scale
 
 
 def _version_of(t: torch.Tensor) -> int:

@@ -42,14 +42,16 @@ def detected_config_defaults(values: dict[str, Any]) -> Iterator[None]:
 
 
 def load_diffusion_model(state_dict: dict, model_options: dict, reload: tuple[Callable, tuple],
-                         disable_dynamic: bool = False, unet_config: dict[str, Any] | None = None) -> Any:
+                         disable_dynamic: bool = False, unet_config: dict[str, Any] | None = None,
+                         dynamic_ops: bool = False) -> Any:
     """``comfy.sd.load_diffusion_model_state_dict``, with the pack's rule for ComfyUI's DynamicVRAM.
 
-    The pack's fp8 layers (``model_options["custom_operations"]``) keep their weights themselves and do not
-    implement DynamicVRAM's on-demand weight streaming, so on hosts with DynamicVRAM such a model gets the legacy
-    patcher (ComfyUI's own torch.compile node does the same), and Block Swap and the file-backed offload manage
-    it; a model built with ComfyUI's own layers stays as UNETLoader builds it. ``reload`` = (loader, args) is
-    registered as ``cached_patcher_init``, which ComfyUI calls with ``disable_dynamic=True`` for a fresh copy.
+    A model built with ComfyUI's own layers stays as UNETLoader builds it. A model built with the pack's ops
+    (``model_options["custom_operations"]``) gets DynamicVRAM only where its layers take their weights through
+    ComfyUI's ``cast_bias_weight`` (``dynamic_ops``: the Wan Loader's fp8 layers do); otherwise the legacy patcher
+    (ComfyUI's own torch.compile node does the same), and Block Swap and the file-backed offload manage it.
+    ``reload`` = (loader, args) is registered as ``cached_patcher_init``, which ComfyUI calls with
+    ``disable_dynamic=True`` for a fresh copy.
     ``unet_config``: model-config values read from the file that ComfyUI's detection leaves at its defaults
     (see ``detected_config_defaults``)."""
     import inspect
@@ -61,7 +63,7 @@ def load_diffusion_model(state_dict: dict, model_options: dict, reload: tuple[Ca
     files.keep_decisions()  # the model's fp8 layers time their choices on first use: keep them per machine
     kwargs = {}
     if "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters:
-        kwargs["disable_dynamic"] = disable_dynamic or "custom_operations" in model_options
+        kwargs["disable_dynamic"] = disable_dynamic or ("custom_operations" in model_options and not dynamic_ops)
     with detected_config_defaults(unet_config or {}):
         model = comfy.sd.load_diffusion_model_state_dict(state_dict, model_options=model_options, **kwargs)
     if model is not None and hasattr(model, "cached_patcher_init"):

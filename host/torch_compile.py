@@ -19,6 +19,7 @@ import torch
 from ..kernels.compile import (
     CompileConfig, CompiledRegions, CompileHook, find_block_lists, transformer_options_guard_filter,
 )
+from .dynamic_vram import legacy_clone
 from .hooks import register_hook
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -39,7 +40,7 @@ def apply_compile(model: Any, config: CompileConfig, scope: str = "blocks",
     """A clone of ``model`` (ModelPatcher) that runs compiled; ``compile_fn`` is injectable for tests."""
     if scope not in SCOPES:
         raise ValueError(f"Torch Compile: scope '{scope}' is not one of {SCOPES}")
-    m = model.clone()
+    m = legacy_clone(model, "Torch Compile") or model.clone()  # compiled regions must not hold DynamicVRAM casts
     from comfy.patcher_extension import WrappersMP
 
     if m.get_wrappers(WrappersMP.APPLY_MODEL, CORE_COMPILE_KEY):

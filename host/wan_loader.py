@@ -41,8 +41,8 @@ def load_wan_model(
 ):  # noqa: ANN201 - comfy.model_patcher.ModelPatcher
     """Load a Wan file (quantizing while streaming if asked) and build a native ComfyUI MODEL from it.
 
-    ``disable_dynamic`` as in ComfyUI's loaders (its ``cached_patcher_init`` protocol); fp8 models never use
-    DynamicVRAM (see host/common.py ``load_diffusion_model``)."""
+    ``disable_dynamic`` as in ComfyUI's loaders (its ``cached_patcher_init`` protocol); where DynamicVRAM is on,
+    it manages the fp8 model as it manages UNETLoader's (see host/model_loading.py ``load_diffusion_model``)."""
     import comfy.utils
 
     from .fp8_ops import Fp8OpsConfig, make_fp8_ops  # imports ComfyUI's ops
@@ -92,7 +92,7 @@ def load_wan_model(
         # bf16 for the high-precision layers and activations: fp8 dequant/GEMM outputs are bf16-native, and
         # Wan's default fp16 pick risks overflow in the residual stream.
         opts = {"custom_operations": ops, "dtype": torch.bfloat16}
-        model = load_diffusion_model(loaded.state_dict, opts, reload)
+        model = load_diffusion_model(loaded.state_dict, opts, reload, disable_dynamic, dynamic_ops=True)
     if model is None:
         raise RuntimeError(f"{source.name}: ComfyUI could not detect the model type of this Wan file")
     return keep_file_backed(model)

@@ -28,26 +28,40 @@ def _tiny_wan(tmp_path: Path, name: str, fmt: str = "fp8_scaled") -> Path:
     return synth.write_synthetic("wan22_t2v_14B", tmp_path / name, size="tiny", fmt=fmt, seed=3, num_layers=4)
 
 
-def test_block_swap_steps_aside_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_block_swap_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Block Swap takes a model it can rebuild off DynamicVRAM (ComfyUI's own protocol) and streams it; one it
+    cannot rebuild (no ``cached_patcher_init``) it leaves to DynamicVRAM, saying so once."""
     comfyui_in_process_or_skip()
+    import inspect
+
+    import comfy.model_patcher
+
     from comfyui_lowvram_dit.offload.plan import SwapConfig
     from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
     from comfyui_lowvram_dit.host import log
     from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     log._SAID_ONCE.clear()
-    caplog.set_level(logging.WARNING, logger=LOGGER)
+    caplog.set_level(logging.INFO, logger=LOGGER)
     path = _tiny_wan(tmp_path, "dyn.safetensors")
     legacy = load_wan_model(path, "fp8 per-tensor")
     swapped = apply_block_swap(legacy, SwapConfig(blocks_to_swap=2))
     assert swapped is not legacy and SWAP_KEY in swapped.attachments  # the legacy patcher gets Block Swap
 
-    dynamic = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
+    if "disable_dynamic" in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
+        dynamic = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
+        rebuilt = apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2))
+        assert rebuilt.model is not dynamic.model and not rebuilt.is_dynamic() and SWAP_KEY in rebuilt.attachments
+        assert sum("leaves ComfyUI's DynamicVRAM" in r.getMessage() for r in caplog.records) == 1
+        assert torch.isfinite(sample_wan(rebuilt, seed=2)).all()
+
+    unbuildable = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
+    unbuildable.cached_patcher_init = None
     for _ in range(2):
-        assert apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2)) is dynamic
+        assert apply_block_swap(unbuildable, SwapConfig(blocks_to_swap=2)) is unbuildable
     said = [r.getMessage() for r in caplog.records if "Block Swap steps aside" in r.getMessage()]
     assert len(said) == 1 and "--disable-dynamic-vram" in said[0]
-    assert torch.isfinite(sample_wan(dynamic, seed=2)).all()  # the model it passed on still samples
+    assert torch.isfinite(sample_wan(unbuildable, seed=2)).all()  # the model it passed on still samples
 
 
 def test_file_backed_offload_steps_aside_under_dynamic_vram(tmp_path: Path,
@@ -70,8 +84,8 @@ def test_file_backed_offload_steps_aside_under_dynamic_vram(tmp_path: Path,
     assert sum("file-backed offload steps aside" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_fp8_models_get_the_legacy_patcher_and_a_reload_factory(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp8_models_are_built_as_unetloader_builds_and_keep_a_reload_factory(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     comfyui_in_process_or_skip()
     import functools
     import inspect
@@ -94,7 +108,9 @@ def test_fp8_models_get_the_legacy_patcher_and_a_reload_factory(tmp_path: Path,
     if "disable_dynamic" not in inspect.signature(real).parameters:  # a host without DynamicVRAM
         assert asked == [None, None] and not hasattr(fp8, "cached_patcher_init")
         return
-    assert asked == [True, False]  # fp8 layers: legacy patcher; ComfyUI's own layers: as UNETLoader builds them
+    # fp8 layers take their weights through ComfyUI's cast (test_comfyui_fp8_dynamic.py), so DynamicVRAM may
+    # manage them exactly as it manages UNETLoader's models
+    assert asked == [False, False]
     factory, args = fp8.cached_patcher_init
     again = factory(*args, disable_dynamic=True)  # what ComfyUI calls for a non-dynamic copy
     assert type(again).__name__ == type(fp8).__name__ and plain.cached_patcher_init[0] is load_wan_model
@@ -116,3 +132,31 @@ def test_seams_hold_with_dynamic_vram_layers(monkeypatch: pytest.MonkeyPatch) ->
     finally:
         seams.forget_probe_results()
     assert {k: v for k, v in status.items() if v != "ok"} == {}
+
+
+def test_torch_compile_takes_the_model_off_dynamic_vram(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """As ComfyUI's TorchCompileModel: a rebuilt legacy copy (compiled regions must not hold DynamicVRAM's casts),
+    with the pack's file-backed offload given back to it; a legacy model is compiled as it is."""
+    comfyui_in_process_or_skip()
+    import inspect
+
+    import comfy.model_patcher
+
+    if "disable_dynamic" not in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
+        pytest.skip("this ComfyUI has no DynamicVRAM (ModelPatcher.clone takes no disable_dynamic)")
+    from comfyui_lowvram_dit.host import log
+    from comfyui_lowvram_dit.host.mapped_weights import MappedWeightsMixin
+    from comfyui_lowvram_dit.host.torch_compile import COMPILE_KEY, apply_compile
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.kernels.compile import CompileConfig
+
+    log._SAID_ONCE.clear()
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    path = _tiny_wan(tmp_path, "compile.safetensors")
+    dynamic = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
+    compiled = apply_compile(dynamic, CompileConfig(), compile_fn=lambda module, **_: module)
+    assert compiled.model is not dynamic.model and not compiled.is_dynamic()
+    assert isinstance(compiled, MappedWeightsMixin) and COMPILE_KEY in compiled.attachments
+    assert sum("leaves ComfyUI's DynamicVRAM" in r.getMessage() for r in caplog.records) == 1
+    legacy = load_wan_model(path, "fp8 per-tensor")
+    assert apply_compile(legacy, CompileConfig(), compile_fn=lambda module, **_: module).model is legacy.model
