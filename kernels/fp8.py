@@ -354,7 +354,7 @@ class ActQuant:
 
 # Fast accumulation by default: on Hopper the fp8 MMA's partial sums skip their periodic fp32 promotion. The
 # operands' own fp8 rounding dominates the error, so the output barely moves while the GEMM gets faster
-# (docs/benchmarks.md, "Speed III"). GPUs without fp8 never reach it.
+# (docs/investigations/2026-11-26-fp8-scale-chooser.md). GPUs without fp8 never reach it.
 DEFAULT_ACT = ActQuant(fast_accum=True)
 
 

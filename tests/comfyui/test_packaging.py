@@ -1,6 +1,6 @@
-"""Packaging: Comfy Registry metadata, requirements, `comfy node validate`, imports without ComfyUI.
+"""Packaging: requirements, `comfy node validate`, imports without ComfyUI.
 
-CPU only, no ComfyUI needed: runs in CI (.ci/run).
+CPU only, no ComfyUI needed: runs in CI (.ci/run). The Registry's fields one by one: tests/unit/test_registry_metadata.py.
 """
 
 from __future__ import annotations
@@ -24,35 +24,6 @@ COMFY_MODULES = ("comfy", "comfy_api", "comfy_extras", "comfy_execution", "comfy
 HOST_OWNED = ("torch", "torchvision", "torchaudio", "torchsde")
 # GPU-only libraries a `*_triton.py` kernel module may import at top: absent on the CPU CI machine.
 OPTIONAL_GPU_LIBS = ("triton",)
-
-
-def _pack_version() -> str:
-    """``__version__`` from the pack's ``__init__.py``, read without importing it."""
-    tree = ast.parse((REPO_ROOT / "__init__.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__version__" for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise AssertionError("__init__.py has no __version__ = '...' assignment")
-
-
-def test_registry_fields() -> None:
-    """pyproject.toml carries every field the Comfy Registry and ComfyUI-Manager read."""
-    project, comfy = PYPROJECT["project"], PYPROJECT["tool"]["comfy"]
-    assert project["name"] == "comfyui-lowvram-dit"  # Registry id: immutable once published
-    assert re.fullmatch(r"\d+\.\d+\.\d+", project["version"]), project["version"]
-    assert project["version"] == _pack_version(), "bump [project].version and __init__.__version__ together"
-    assert project.get("description", "").strip()
-    license_ = project["license"]
-    assert isinstance(license_, str) or license_.get("text") or (REPO_ROOT / license_.get("file", "")).is_file()
-    assert project["requires-python"].startswith(">=3.")
-    # The Registry needs a public repository URL; until there is one, the README must say the pack is unpublished.
-    repository = project.get("urls", {}).get("Repository")
-    if repository is None:
-        assert "Not yet published" in (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    else:
-        assert repository.startswith("https://github.com/")
-    assert comfy["PublisherId"].strip() and comfy["DisplayName"].strip()
-    assert comfy["requires-comfyui"] == ">=0.8.0"
 
 
 def _requirement_names(path: Path) -> list[str]:

@@ -1,0 +1,283 @@
+"""The index of current benchmark results: benchmarks/results/INDEX.md and index.json (every measured setup, one row
+each) and docs/by-card.md (per card size, model and file format: the fastest pack setup against native's best).
+
+``python -m comfyui_lowvram_dit.benchmarks.results_index`` rewrites the three files from every result JSON under
+benchmarks/results/ (``investigations/`` holds dated evidence, not current results; ``*.api.json`` are workflows);
+``--check`` only says whether they are current. Layouts are read by ``results_layouts``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+from comfyui_lowvram_dit.benchmarks import results_layouts as layouts
+from comfyui_lowvram_dit.benchmarks.__main__ import SCENARIOS
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BY_CARD = RESULTS.parents[1] / "docs" / "by-card.md"
+SKIPPED_DIRS = ("investigations",)
+COMMAND = "python -m comfyui_lowvram_dit.benchmarks.results_index"
+MODELS = (layouts.WAN14B, layouts.WAN5B, layouts.QWEN, layouts.QWEN_EDIT)
+FORMATS = ("fp8_scaled", "fp8_e4m3fn", "bf16")
+CARDS = (8.0, 12.0, 16.0, 24.0)
+# The run keys of a row: rows of one run that share these are one workload, compared with each other.
+WORKLOAD = ("model", "resolution", "frames", "steps", "cfg", "card_gib", "gpus", "lora", "how")
+
+
+def result_files(root: Path) -> list[Path]:
+    """Every current result JSON under ``root``: not investigations/, not the index, not workflow inputs."""
+    return sorted(p for p in root.rglob("*.json") if p.name != "index.json" and not p.name.endswith(".api.json")
+                  and not set(p.relative_to(root).parts[:-1]) & set(SKIPPED_DIRS))
+
+
+def _link_against(rows: list[dict]) -> None:
+    """Give every row without one the fastest native row of its run and workload as ``against``, and the ratio."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[(row["run"], *(row[k] for k in WORKLOAD))].append(row)
+    for group in groups.values():
+        timed = [r for r in group if r["status"] == "ok" and r["s_per_step"]]
+        for row in timed:
+            natives = [r for r in timed if r["side"] == "native" and r is not row]
+            same_file = [r for r in natives if r["file_format"] == row["file_format"]]
+            best = min(same_file or natives, key=lambda r: r["s_per_step"], default=None)
+            if row["against"] is None and best is not None and (row["side"] == "pack" or
+                                                                  best["s_per_step"] < row["s_per_step"]):
+                row["against"] = best["name"]
+            if row["against"] and row["ratio"] is None:
+                base = next((r for r in group if r["name"] == row["against"] and r["s_per_step"]), None)
+                row["ratio"] = round(base["s_per_step"] / row["s_per_step"], 3) if base else None
+
+
+def collect(root: Path = RESULTS) -> tuple[list[dict], list[dict]]:
+    """(setup rows, component entries) of every current result file under ``root``."""
+    rows, components = [], []
+    for path in result_files(root):
+        rel = path.relative_to(root).as_posix()
+        layout, env, found = layouts.read(json.loads(path.read_text(encoding="utf-8")), rel)
+        report = rel.removesuffix(".json") + ".md"
+        link = report if (root / report).is_file() else rel
+        if not found:
+            components.append({"source": rel, "link": link, "layout": layout, "what": _what(path, env), **env})
+            continue
+        # per-row server files: the rows of one folder ran in one session, and its README is their report
+        run = path.parent.relative_to(root).as_posix() if layout == "server row" else rel.removesuffix(".json")
+        if layout == "server row" and (path.parent / "README.md").is_file():
+            link = f"{run}/README.md"
+        for row in found:
+            rows.append({**row, **{k: row.get(k) or env.get(k) for k in layouts.ENV_FIELDS}, "source": rel,
+                         "link": link, "run": run, "layout": layout})
+    _link_against(rows)
+    order = {m: i for i, m in enumerate(MODELS)}
+    rows.sort(key=lambda r: (order.get(r["model"], len(order)), r["model"], _neg_date(r), r["run"]))
+    return rows, components
+
+
+def _neg_date(row: dict) -> str:
+    """A sort key that puts newer dates first (dates are YYYY-MM-DD)."""
+    return "".join(chr(0x7F - ord(c)) for c in row.get("date") or "0")
+
+
+def _what(path: Path, env: dict) -> str:
+    """What a component result measures: its report's title, else its scenario's description, else its name."""
+    report = path.with_suffix(".md")
+    title = report.read_text(encoding="utf-8").splitlines()[0].lstrip("# ").strip() if report.is_file() else ""
+    if " " in title:  # a sentence, not just the file's name
+        return title
+    match = re.search(r"benchmarks(?: |\.|/)(\w+)", env.get("command") or "")
+    name = match.group(1) if match else path.stem
+    scenario = next((s for key, s in SCENARIOS.items() if name in (key, s.module)), None)
+    return scenario.what if scenario else f"`{name}`"
+
+
+def _fmt(value: object, digits: int = 3) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}".rstrip("0").rstrip(".") if digits else f"{value:.0f}"
+    return str(value).replace("|", "\\|")
+
+
+def _card(gib: float | None) -> str:
+    return "whole GPU" if gib is None else f"{gib:g} GB"
+
+
+def _workload(row: dict) -> str:
+    """Resolution x frames, steps and cfg as one cell."""
+    size = row["resolution"] + (f"x{row['frames']}" if row["frames"] else "") if row["resolution"] else "—"
+    steps = f"{row['steps']} steps" if row["steps"] else "one forward"
+    return f"{size}, {steps}, cfg {_fmt(row['cfg'])}" + (f", {row['lora']}" if row["lora"] else "")
+
+
+def _run_line(rows: list[dict]) -> str:
+    """The line under a run's heading: its file, how it ran, GPU, versions, date and commit."""
+    r = rows[0]
+    versions = ", ".join(f"{name} {r[key]}" for name, key in (("ComfyUI", "comfyui"), ("torch", "torch"),
+                                                              ("comfy-kitchen", "comfy_kitchen")) if r[key])
+    gpus = max(x["gpus"] for x in rows)
+    gpu = f"{gpus}x {r['gpu']}" if gpus > 1 and r["gpu"] else r["gpu"] or "GPU not recorded"
+    return (f"[{r['link']}]({r['link']}) · {r['how']} · {gpu} · {versions or 'versions not recorded'} · "
+            f"{r['date'] or 'date not recorded'} · commit {r['commit'] or 'not recorded'}")
+
+
+def index_markdown(rows: list[dict], components: list[dict]) -> str:
+    """INDEX.md: a section per model, a table per run (the heading is the run's anchor), then the components."""
+    runs: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        runs[row["run"]].append(row)
+    out = [
+        "# Benchmark results: every current setup", "",
+        f"Generated by `{COMMAND}` from every result file under `benchmarks/results/` (dated evidence of an "
+        "investigation lives in `investigations/` and is not indexed); do not edit by hand. "
+        f"{len(rows)} setups from {len(runs)} runs; each run's GPU, versions, date and commit are on the line under its "
+        "heading (`index.json` carries them on every row). The fastest setup per card: "
+        "[docs/by-card.md](../../docs/by-card.md); how they were measured: "
+        "[docs/benchmarks.md](../../docs/benchmarks.md).",
+        "",
+        "- **s/step**: seconds per sampler step. *server*: through a real ComfyUI server, the median step after each "
+        "sampler's first (websocket progress); *in process*: one forward through `apply_model` (cfg 1) in a fresh "
+        "process; *workflow*: a shipped workflow end to end. **render s**: a whole render, where measured.",
+        "- **card**: the GPU memory ComfyUI was given (`--reserve-vram` through a server, a hard cap in process). "
+        "**VRAM**: server: the process's GPU memory (nvidia-smi, CUDA context included); in process: torch's "
+        "reserved peak. **RAM**: peak RSS (VmHWM).",
+        "- **ratio**: the `against` row's s/step over this row's (above 1: this row is faster); rows are only "
+        "compared within one run (same GPU, same machine start). Without a given baseline, `against` is native's "
+        "fastest row of the same workload and card in the run.", "",
+    ]
+    model = None
+    for run, group in runs.items():
+        if group[0]["model"] != model:
+            model = group[0]["model"]
+            out += [f"## {model}", ""]
+        out += [f"### {Path(run).name}", "", _run_line(group), "",
+                "| row | side | setup | workload | card | file | memory | s/step | render s | VRAM GiB | RAM GiB "
+                "| against | ratio |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in group:
+            status = "" if r["status"] == "ok" else f" ({r['status']})"
+            out.append(f"| {r['name']}{status} | {r['side']} | {_fmt(r['setup'])} | {_workload(r)} | "
+                       f"{_card(r['card_gib'])}{' x' + str(r['gpus']) + ' GPUs' if r['gpus'] > 1 else ''} | "
+                       f"{r['file_format']} | {_fmt(r['memory_manager'])} | {_fmt(r['s_per_step'])} | "
+                       f"{_fmt(r['render_s'], 1)} | {_fmt(r['peak_vram_gib'], 2)} | {_fmt(r['peak_rss_gib'], 2)} | "
+                       f"{_fmt(r['against'])} | {_fmt(r['ratio'], 2) + 'x' if r['ratio'] else '—'} |")
+        out.append("")
+    out += ["## Kernels and correctness", "", "Results that measure a kernel or a property, not a setup.", "",
+            "| result | what | GPU | ComfyUI | torch | date | commit |", "|---|---|---|---|---|---|---|"]
+    for c in components:
+        out.append(f"| [{c['source'].removesuffix('.json')}]({c['link']}) | {c['what']} | {_fmt(c['gpu'])} | "
+                   f"{_fmt(c['comfyui'])} | {_fmt(c['torch'])} | {_fmt(c['date'])} | {_fmt(c['commit'])} |")
+    return "\n".join(out) + "\n"
+
+
+def _metric(row: dict) -> float | None:
+    return row["s_per_step"] or row["render_s"]
+
+
+def _best(rows: Iterable[dict], side: str) -> dict | None:
+    timed = [r for r in rows if r["side"] == side and r["status"] == "ok" and _metric(r)]
+    return min(timed, key=_metric, default=None)
+
+
+def _cell_lines(rows: list[dict]) -> list[tuple[dict | None, dict | None]]:
+    """(fastest pack row, native's best row) per workload of one card / model / file cell: the newest run that has
+    both sides (else the newest run), per kind of measurement, resolution, frames, cfg and LoRA."""
+    runs: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        runs[(r["how"], r["resolution"], r["frames"], r["cfg"], r["lora"])][r["run"]].append(r)
+    lines = []
+    for key in sorted(runs, key=lambda k: tuple(str(x) for x in k)):
+        newest = sorted(runs[key].values(), key=lambda g: _neg_date(g[0]))
+        both = [g for g in newest if _best(g, "pack") and _best(g, "native")]
+        group = (both or newest)[0]
+        if _best(group, "pack") or _best(group, "native"):
+            lines.append((_best(group, "pack"), _best(group, "native")))
+    return lines
+
+
+def _by_card_row(model: str, fmt: str, pack: dict | None, native: dict | None) -> str:
+    r = pack or native
+    where = f"{r['how']}, {r['gpu'] or '—'}, ComfyUI {r['comfyui'] or '—'}, {r['date'] or '—'}"
+
+    def shown(row: dict | None) -> str:
+        if row is None:
+            return "—"
+        return f"{_fmt(row['s_per_step'])} s/step" if row["s_per_step"] else f"{_fmt(row['render_s'], 1)} s render"
+
+    ratio = f"**{_metric(native) / _metric(pack):.2f}x**" if pack and native else "—"
+    ram = f"{_fmt(pack and pack['peak_rss_gib'], 1)} / {_fmt(native and native['peak_rss_gib'], 1)}"
+    anchor = Path(r["run"]).name
+    return (f"| {model} | {fmt} | {_workload(r)} | {where} | {_fmt(pack and pack['setup'])} | {shown(pack)} | "
+            f"{_fmt(native and native['setup'])} | {shown(native)} | {ratio} | {ram} | "
+            f"[{anchor}](../benchmarks/results/INDEX.md#{_slug(anchor)}) |")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def by_card_markdown(rows: list[dict]) -> str:
+    """docs/by-card.md: per card size, model and file format, the fastest pack setup against native's best."""
+    one_gpu = [r for r in rows if r["gpus"] == 1]
+    cards = sorted({r["card_gib"] for r in one_gpu if r["card_gib"] is not None} | set(CARDS)) + [None]
+    models = list(MODELS) + sorted({r["model"] for r in one_gpu} - set(MODELS))
+    formats = list(FORMATS) + sorted({r["file_format"] for r in one_gpu} - set(FORMATS))
+    out = ["# The fastest setup for your card", "",
+           f"Generated by `{COMMAND}` from [the results index](../benchmarks/results/INDEX.md); do not edit by hand. "
+           "For each card size, model and model file format: the pack's fastest setup in the newest run that "
+           "measured it, against native's best **in the same run** (same GPU, same machine start), per kind of "
+           "measurement and workload. A synthetic file of that format was measured (random weights, real shapes). "
+           "How: [benchmarks.md](benchmarks.md). One GPU only; two GPUs: "
+           "[benchmarks.md](benchmarks.md#do-two-gpus-help).", ""]
+    for card in cards:
+        out += [f"## {_card(card).replace('GB', 'GB card').replace('whole', 'Whole')}", "",
+                "| model | file | workload | how, GPU, ComfyUI, date | fastest pack setup | time | native's best | "
+                "time | pack vs native | peak RAM GiB pack / native | run |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for model in models:
+            for fmt in formats:
+                cell = [r for r in one_gpu if (r["card_gib"], r["model"], r["file_format"]) == (card, model, fmt)]
+                lines = _cell_lines(cell)
+                out += [_by_card_row(model, fmt, *line) for line in lines] or \
+                    [f"| {model} | {fmt} | not measured | | | | | | | | |"]
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def index_json(rows: list[dict], components: list[dict]) -> str:
+    """index.json: the rows and components as data."""
+    return json.dumps({"generated_by": COMMAND, "rows": rows, "components": components}, indent=1,
+                      ensure_ascii=False) + "\n"
+
+
+def outputs(root: Path = RESULTS, by_card: Path = BY_CARD) -> dict[Path, str]:
+    """Each generated file and the text it should hold."""
+    rows, components = collect(root)
+    return {root / "INDEX.md": index_markdown(rows, components), root / "index.json": index_json(rows, components),
+            by_card: by_card_markdown(rows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write INDEX.md, index.json and docs/by-card.md; with --check, exit 1 (naming them) if any is stale."""
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated file is stale")
+    args = parser.parse_args(argv)
+    stale = [path for path, text in outputs().items()
+             if not path.is_file() or path.read_text(encoding="utf-8") != text]
+    if args.check:
+        for path in stale:
+            print(f"{path.name} is stale: run {COMMAND}", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in outputs().items():
+        path.write_text(text, encoding="utf-8")
+    print(f"wrote {', '.join(p.name for p in outputs())}" if stale else "already current")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
