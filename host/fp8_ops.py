@@ -129,6 +129,8 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
                 device = self.weight.device if self.weight is not None and self.weight.device.type != "meta" else w.device
                 self.weight = torch.nn.Parameter(w.to(device), requires_grad=False)
                 self.weight_scale = torch.nn.Parameter(scale.to(device), requires_grad=False)
+                # ComfyUI recorded the dtype the layer was built with (bf16); DynamicVRAM casts to the recorded one
+                self.weight_comfy_model_dtype = w.dtype
                 self._fp8_path = None
             self._int8 = None
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,

@@ -69,6 +69,8 @@ def _give_slots(patcher: Any, patches: dict) -> int:
         if isinstance(m, LowVramFp8Ops.Linear) and m.is_fp8:
             key = f"{name}.weight"
             m._v, m.seed_key = object(), name
+            # the dtype DynamicVRAM casts the weight to: the one ComfyUI recorded for the layer (setup_param)
+            m.weight._model_dtype = getattr(m, "weight_comfy_model_dtype", None) or m.weight.dtype
             m.weight_lowvram_function = mp.LowVramPatch(key, patches) if key in patches else None
             n += 1
     return n
