@@ -93,6 +93,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_dynamic_vram_path_equals_the_legacy_path(gpu_server: ComfyServer) -> None:
     server = gpu_server
     unet, lora = _write(server)
+    # the process's first sampling run is left out of the comparison: it makes the timed choices (fp8 activation
+    # scales per shape) and, on an H200 with ComfyUI 0.33.0, its latent differed from every later run of the same
+    # graph by about 8 % (the later runs agree with each other)
+    first = _latent(server, _graph(unet, None, False, f"dyn_{uuid.uuid4().hex[:8]}"))
     start = len(server.log_text())
     out = {(with_lora, swap): _latent(server, _graph(unet, lora if with_lora else None, swap,
                                                      f"dyn_{uuid.uuid4().hex[:8]}"))
@@ -104,7 +108,7 @@ def test_dynamic_vram_path_equals_the_legacy_path(gpu_server: ComfyServer) -> No
     plain = _rel(out[(False, False)], out[(False, True)])
     effect = _rel(out[(True, True)], out[(False, True)])
     lora_gap = _rel(out[(True, False)], out[(True, True)])
-    print(f"\nno LoRA dynamic vs legacy {plain:.2e}; LoRA effect {effect:.3f}; with LoRA dynamic vs legacy "
-          f"{lora_gap:.2e}")
+    print(f"\nfirst run vs later {_rel(first, out[(False, False)]):.2e}; no LoRA dynamic vs legacy {plain:.2e}; "
+          f"LoRA effect {effect:.3f}; with LoRA dynamic vs legacy {lora_gap:.2e}")
     assert plain < 1e-2, plain
     assert effect > 0.05 and lora_gap < 0.25 * effect, (effect, lora_gap)
