@@ -11,7 +11,10 @@ in place. Every later step streams the merged bytes: no per-step LoRA cost.
 Each merged tensor goes back from the GPU straight into the pinned arena with an asynchronous copy (no pageable
 staging copy, no wait per tensor; one wait at the end), so a load pays about one host round trip of the merged bytes.
 
-Restoring is exact: the original bytes come back from the file-backed tensor the arena was copied from (the
+Restoring is exact, and any clone can do it: each merged weight's original is also entered in the patcher's
+``backup`` (ComfyUI shares one backup dict among a model's clones, in place), so when another clone of the same
+weights loads with other patches (ComfyUI detaches ours without unpatching and unpatches from the shared backup), the
+arena gets its original bytes back before that clone reads it. The original bytes come back from the file-backed tensor the arena was copied from (the
 checkpoint's mapping, which is never written) or, for weights that were not file-backed, from a copy taken before
 the merge. When the arena is about to be dropped and its parameters rebound to those file-backed tensors (an idle
 expert going back to the file), only the private copies are restored: reading the file back into an arena that is
@@ -26,6 +29,7 @@ Block Swap. Its F32/F16 tensors (biases, norms) are merged like plain ones, in f
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -36,6 +40,7 @@ import torch
 from ..offload import ggml_tensors as ggml
 
 log = logging.getLogger("comfyui_lowvram_dit")
+_Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])  # a ModelPatcher.backup entry
 AttachPatches = Callable[[str, list], None]  # (key, [(patches, key)] or []) -> set on the streamed GGML tensor
 
 
@@ -90,6 +95,7 @@ class StreamedMerge:
         self._backups: dict[str, tuple[torch.Tensor, torch.Tensor, bool]] = {}
         self._attached: list[str] = []  # quantized GGML weights whose patches apply on dequantization
         self._attach: AttachPatches | None = None
+        self._shared: dict = {}  # the patcher's backup dict (shared by its clones) holding our entries
         self.merges = 0  # tensors merged so far (a counter for logs and tests)
         self.last_seconds = 0.0  # wall time of the last merge that merged anything
 
@@ -128,6 +134,8 @@ class StreamedMerge:
             if not file_backed:
                 original = stored.clone()  # not file-backed: the original bytes need their own copy
             self._backups[key] = (target, original, file_backed)
+            patcher.backup[key] = _Backup(original, True)  # copied in place into the arena by any clone's unpatch
+            self._shared = patcher.backup
             # GPU -> arena without staging: asynchronous into pinned memory (the caching allocator hands ``new``'s
             # block only to later work on this stream, which runs after the copy), synchronous into pageable memory
             stored.copy_(new, non_blocking=True)
@@ -153,9 +161,11 @@ class StreamedMerge:
 
         ``arena_dropped``: the arena is freed next and its parameters rebound to their file-backed originals, so
         only the weights without one (kept as private copies) are copied back."""
-        for target, original, file_backed in self._backups.values():
+        for key, (target, original, file_backed) in self._backups.items():
             if not (arena_dropped and file_backed):
                 ggml.stored(target).copy_(ggml.stored(original))
+            if getattr(self._shared.get(key), "weight", None) is original:
+                del self._shared[key]
         self._backups.clear()
         for key in self._attached:
             self._attach(key, [])

@@ -32,7 +32,7 @@ def gguf_or_skip() -> ModuleType:
     return pytest.importorskip("gguf", reason="the gguf package is missing: pip install -e '.[test]' adds it")
 
 
-def _q4_k_blocks(rows: int, cols: int, gen: np.random.Generator) -> np.ndarray:
+def q4_k_blocks(rows: int, cols: int, gen: np.random.Generator) -> np.ndarray:
     """Random Q4_K super-blocks (256 weights in 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales, 128 of
     nibbles) with d and dmin small enough for a random Linear of width ``cols``."""
     blocks = gen.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
@@ -42,12 +42,12 @@ def _q4_k_blocks(rows: int, cols: int, gen: np.random.Generator) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * 144)
 
 
-def _quantized(gguf: ModuleType, w: torch.Tensor, qtype: str, gen: np.random.Generator) -> tuple[np.ndarray, object]:
+def quantized_bytes(gguf: ModuleType, w: torch.Tensor, qtype: str, gen: np.random.Generator) -> tuple[np.ndarray, object]:
     """(bytes, GGML type) of a 2-D weight in ``qtype``, or in Q8_0 where its width does not fit ``qtype``'s blocks."""
     Q = gguf.GGMLQuantizationType
     rows, cols = w.shape
     if qtype == "Q4_K" and cols % 256 == 0:
-        return _q4_k_blocks(rows, cols, gen), Q.Q4_K
+        return q4_k_blocks(rows, cols, gen), Q.Q4_K
     return gguf.quants.quantize(w.float().numpy(), Q.Q8_0), Q.Q8_0
 
 
@@ -60,7 +60,7 @@ def write_gguf(path: Path, state_dict: dict[str, torch.Tensor], arch: str, qtype
     types = {}
     for key, t in state_dict.items():
         if t.ndim == 2 and t.numel() >= 1024 and t.shape[1] % 32 == 0:
-            data, raw = _quantized(gguf, t, qtype, gen)
+            data, raw = quantized_bytes(gguf, t, qtype, gen)
             writer.add_tensor(key, data, raw_dtype=raw)
             types[key] = raw.name
         else:
@@ -104,3 +104,39 @@ def import_vendored_gguf() -> ModuleType:
             if stand_in:
                 del sys.modules["nodes"]
     return sys.modules[name]
+
+
+def load_gguf_in_process(path: Path, widths: dict | None = None):  # noqa: ANN201 - ModelPatcher
+    """What ``UnetLoaderGGUF`` returns for ``path`` (its loader, ops and patcher), built in this process;
+    ``widths``: model-config values ComfyUI's detection leaves at their defaults (a tiny Qwen-Image's)."""
+    import comfy.sd
+
+    from comfyui_lowvram_dit.host.model_loading import detected_config_defaults
+
+    vendored = import_vendored_gguf()
+    sd = vendored.loader.gguf_sd_loader(str(path))
+    with detected_config_defaults(widths or {}):
+        model = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": vendored.ops.GGMLOps()})
+    return vendored.nodes.GGUFModelPatcher.clone(model)
+
+
+def tiny_lora(model: str = "wan22_t2v_14B", num_layers: int = 6, seed: int = 0, rank: int = 4) -> dict:
+    """A LoRA for the tiny ``model`` in ComfyUI's key format: every Linear in its blocks (``lora_down``/``lora_up``),
+    and a bias difference (``diff_b``) on each block's first Linear, so F32 tensors get patches too."""
+    from comfyui_lowvram_dit.synthetic.specs import model_spec
+
+    gen = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    firsts: set[str] = set()
+    for name, shape, _ in model_spec(model, "tiny", num_layers=num_layers):
+        block = name.split(".")[1] if name.startswith(("blocks.", "transformer_blocks.")) else None
+        if block is None or not name.endswith(".weight") or len(shape) != 2:
+            continue
+        key = "diffusion_model." + name[: -len(".weight")]
+        sd[f"{key}.lora_down.weight"] = torch.randn(rank, shape[1], generator=gen) * 0.05
+        sd[f"{key}.lora_up.weight"] = torch.randn(shape[0], rank, generator=gen) * 0.05
+        sd[f"{key}.alpha"] = torch.tensor(float(rank))
+        if block not in firsts:
+            firsts.add(block)
+            sd[f"{key}.diff_b"] = torch.randn(shape[0], generator=gen) * 0.05
+    return sd
