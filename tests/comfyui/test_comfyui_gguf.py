@@ -4,8 +4,9 @@ In process: tiny Wan 2.2 14B-shaped and Qwen-Image files, Q8_0 and Q4_K (tests/g
 ``UnetLoaderGGUF`` loads them (the vendored ComfyUI-GGUF in tests/vendor); Block Swap streams their blocks and samples
 exactly what the GGUF model samples alone, with a LoRA before or after it too. On the real server (ComfyUI-GGUF
 linked into its ``custom_nodes``): ``UnetLoaderGGUF -> [LoraLoaderModelOnly] -> Block Swap -> KSampler`` equals the
-same graph without Block Swap, exactly (the tolerance of the pack's own Block Swap server test), and Attention auto,
-NaN Guard and Torch Compile on the GGUF model sample what it samples alone.
+same graph without Block Swap, exactly (the tolerance of the pack's own Block Swap server test); NaN Guard on the
+GGUF model samples exactly what it samples alone, Attention auto and Torch Compile the same up to float rounding
+(another SDPA kernel, another op order).
 """
 
 from __future__ import annotations
@@ -211,6 +212,13 @@ COMPILE = ("LowVRAM_TorchCompile", {"mode": "default", "backend": "cudagraphs", 
                                     "fullgraph": False, "cache_size_limit": 16, "fallback": True, "scope": "blocks"})
 
 
+def _close(stats: dict, ref: dict) -> None:
+    """Equal up to float rounding (attention auto picks another SDPA kernel; a compiled graph another op order)."""
+    assert stats["finite"] and stats["shape"] == ref["shape"]
+    for key in ("mean", "std", "min", "max"):
+        assert stats[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-5), key
+
+
 def _stats(server: Any, graph: dict) -> dict:
     return server.run(graph, timeout=600)["outputs"]["8"]["latent_stats"][0]
 
@@ -233,13 +241,10 @@ def test_server_gguf_model_through_block_swap_lora_and_the_other_nodes(comfy_ser
     with_lora = _stats(comfy_server, _graph(unet, 11, [], lora))
     assert with_lora != alone
     assert _stats(comfy_server, _graph(unet, 11, [SWAP], lora)) == with_lora
-    assert _stats(comfy_server, _graph(unet, 11, [ATTENTION])) == alone
+    _close(_stats(comfy_server, _graph(unet, 11, [ATTENTION])), alone)  # another SDPA kernel: rounding apart
     assert _stats(comfy_server, _graph(unet, 11, [NAN_GUARD])) == alone
-    compiled = _stats(comfy_server, _graph(unet, 11, [COMPILE]))
-    for key in ("mean", "std", "min", "max"):
-        assert compiled[key] == pytest.approx(alone[key], rel=1e-4, abs=1e-5), key
-    stack = _stats(comfy_server, _graph(unet, 11, [ATTENTION, NAN_GUARD, SWAP], lora))
-    assert stack == with_lora
+    _close(_stats(comfy_server, _graph(unet, 11, [COMPILE])), alone)
+    _close(_stats(comfy_server, _graph(unet, 11, [ATTENTION, NAN_GUARD, SWAP], lora)), with_lora)
     log_text = comfy_server.log_text()[mark:]
     assert "Block Swap: 3 of 6 blocks streamed" in log_text
     assert "LoRA on 30 streamed GGUF-quantized weights applies when they are dequantized" in log_text
