@@ -60,6 +60,8 @@ SCENARIOS: dict[str, Scenario] = {
                           "bench_int8_gemm"),
     "block_swap": Scenario("Block Swap on Wan 14B: every resolution x cap x kind (ComfyUI)", "bench_wan"),
     "nan_guard": Scenario("NaN Guard on vs off on Wan 14B (ComfyUI)", "bench_wan", ("--preset", "nan_guard")),
+    "block_swap_gguf": Scenario("Block Swap on a Q8_0 GGUF Wan 14B vs ComfyUI-GGUF alone, 12 and 8 GiB caps "
+                                "(ComfyUI, the gguf package)", "bench_wan", ("--preset", "block_swap_gguf")),
     # through a real ComfyUI server, one fresh server per row
     "server_wan14b": Scenario("Wan 2.2 T2V-A14B through a server: native nodes vs the pack's, whole GPU and 8 GB card",
                               "server_wan", server="SCENARIO"),

@@ -27,7 +27,7 @@ DEFAULT_LOAD_FILE = Path("/tmp/lowvram_dit_bench/wan22_t2v_14B_full_bf16.safeten
 # weights -> (synthetic file format, UNETLoader weight_dtype); "per_tensor" / "blockwise" are our fp8 layers
 WEIGHTS = {"bf16": ("bf16", "default"), "fp8_e4m3fn": ("bf16", "fp8_e4m3fn"),
            "fp8_e4m3fn_fast": ("bf16", "fp8_e4m3fn_fast"), "fp8_scaled": ("fp8_scaled", "default"),
-           "per_tensor": ("bf16", "default"), "blockwise": ("bf16", "default")}
+           "per_tensor": ("bf16", "default"), "blockwise": ("bf16", "default"), "gguf_q8": ("bf16", "default")}
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,10 @@ PRESETS: dict[str, Preset] = {
                           "swap_b2": {**PER_TENSOR, "swap": True}}, ("native",), "block_swap_{res}",
                          res=tuple(RESOLUTIONS), caps=(None, 16, 12, 8, 6),
                          timing_per_res={"480p81": (3, 1), "480p17": (10, 3), "720p81": (2, 1)}),
+    # a Q8_0 GGUF model as ComfyUI-GGUF's UnetLoaderGGUF builds it, alone (ComfyUI places it: its patcher is never
+    # DynamicVRAM's) vs through Block Swap; needs the gguf package (tests/vendor holds ComfyUI-GGUF)
+    "block_swap_gguf": Preset({"gguf": {"weights": "gguf_q8"}, "gguf_swap": {"weights": "gguf_q8", "swap": True}},
+                              ("gguf",), "block_swap_gguf_{res}", caps=(12, 8)),
     # one forward: native bf16 / fp8 vs our fp8 layers; native_bf16 runs first and saves the reference output
     "fp8": Preset({"native_bf16": {"weights": "bf16", "save_ref": True},
                    "native_fp8_e4m3fn": {"weights": "fp8_e4m3fn"},
@@ -90,6 +94,30 @@ def quantize_for_ours(sd: dict, mode: str, block_size: int = 128, compute: str =
         sd[k], sd[k[: -len("weight")] + "weight_scale"] = q, s
     return {"custom_operations": make_fp8_ops(Fp8OpsConfig(block_size=block_size, compute=compute)),
             "dtype": torch.bfloat16}
+
+
+def gguf_q8_model(sd: dict) -> tuple[dict, Any]:
+    """``sd`` as ComfyUI-GGUF's loader returns a Q8_0 file (2-D weights Q8_0, the rest F32 GGML tensors, on the
+    CPU) and the ``wrap`` that turns ComfyUI's patcher into ``UnetLoaderGGUF``'s; ComfyUI-GGUF from tests/vendor."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from gguf_files import import_vendored_gguf  # needs the gguf package
+
+    vendored = import_vendored_gguf()
+    GGMLTensor, Q = vendored.ops.GGMLTensor, vendored.dequant.gguf.GGMLQuantizationType
+    out = {}
+    for key in list(sd):
+        w = sd.pop(key)
+        if w.ndim == 2 and w.numel() >= 1024 and w.shape[1] % 32 == 0:
+            blocks = w.float().reshape(-1, 32)  # Q8_0: per 32 weights an fp16 scale and 32 int8, as gguf writes it
+            d = blocks.abs().amax(1, keepdim=True) / 127
+            q = torch.where(d > 0, blocks / d, 0).round().clamp(-127, 127).to(torch.int8)
+            raw = torch.cat([d.half().view(torch.uint8), q.view(torch.uint8)], 1).reshape(w.shape[0], -1).cpu()
+            out[key] = GGMLTensor(raw, tensor_type=Q.Q8_0, tensor_shape=w.shape)
+        else:
+            out[key] = GGMLTensor(w.float().cpu(), tensor_type=Q.F32, tensor_shape=w.shape)
+    return out, vendored
 
 
 def _rel_error(out: Any, ref_path: str | None, save: bool) -> dict:
@@ -186,9 +214,13 @@ def wan_case(ctx: harness.BenchContext, weights: str = "bf16", size: str = "full
         ctx.sync()
         extra["quantize_s"] = round(time.perf_counter() - t0, 3)
     latent_shape = comfy_native.wan_latent_shape(sd["head.head.weight"].shape[0] // 4, width, height, frames)
-    patcher = comfy_native.load_native_model(
-        sd, weight_dtype, options, vram_cap_gb=vram_cap_gb, latent_shape=latent_shape,
-        wrap=_nodes(swap, blocks_to_swap, prefetch, attention, guard, compile, backend))
+    wrap = _nodes(swap, blocks_to_swap, prefetch, attention, guard, compile, backend)
+    if weights == "gguf_q8":
+        sd, vendored = gguf_q8_model(sd)
+        options, nodes = {"custom_operations": vendored.ops.GGMLOps()}, wrap
+        wrap = lambda p, mem: nodes(vendored.nodes.GGUFModelPatcher.clone(p), mem)  # noqa: E731 - UnetLoaderGGUF
+    patcher = comfy_native.load_native_model(sd, weight_dtype, options, vram_cap_gb=vram_cap_gb,
+                                             latent_shape=latent_shape, wrap=wrap)
     del sd
     inputs = comfy_native.wan_inputs(patcher, width, height, frames)
 

@@ -43,6 +43,7 @@ import torch
 
 from ..kernels.hooks import find_blocks
 from ..offload import engine as offload
+from ..offload import ggml_tensors as ggml
 from ..offload import plan as swap_plan
 from ..offload.engine import BlockStreamer, StreamHook
 from ..offload.plan import SwapConfig, SwapPlan
@@ -162,7 +163,11 @@ class SwapController:
                 continue
             for kind in ("weight", "bias"):
                 key = f"{n}.{kind}"
-                if key in patcher.patches:
+                if key in patcher.patches and ggml.is_ggml(getattr(m, kind)):
+                    # ComfyUI-GGUF's layers read no weight_function: the tensor carries its patches, as its patcher
+                    # attaches them to weights it leaves on the CPU
+                    getattr(m, kind).patches = [(patcher.patches[key], key)]
+                elif key in patcher.patches:
                     _, set_func, convert_func = mp.get_key_weight(model, key)
                     # a new list: the op class's default list is shared by every layer of that class
                     setattr(m, f"{kind}_function", [*getattr(m, f"{kind}_function"),
@@ -211,7 +216,12 @@ class SwapController:
             if original is not None:
                 originals[key] = original
         # LoRA math on the GPU when there is one: one weight at a time goes there and back
-        self.lora.merge(patcher, keys, originals, device)
+        self.lora.merge(patcher, keys, originals, device, attach=self._attach_patches)
+
+    def _attach_patches(self, key: str, patches: list) -> None:
+        """Give the streamed GGML weight ``key`` these LoRA patches, applied by its layer on dequantization."""
+        idx, _, name = key[len(self.prefix):].partition(".")
+        self.streamer.set_tensor_attr(int(idx), name, "patches", patches)
 
     @torch.no_grad()
     def deactivate(self, patcher, unload: bool = True) -> None:  # noqa: ANN001 - ModelPatcher
@@ -240,6 +250,9 @@ class SwapController:
                 del m.prev_comfy_cast_weights
             m.weight_function = []
             m.bias_function = []
+            for kind in ("weight", "bias"):
+                if ggml.is_ggml(getattr(m, kind, None)):
+                    getattr(m, kind).patches = []
         self._flagged.clear()
         for key in self._pinned_keys:
             patcher.unpin_weight(key)
@@ -310,14 +323,26 @@ class SwapController:
 
 
 class BlockSwapMixin:
-    """ModelPatcher behaviour for block swap; mixed in front of the MODEL's own patcher class."""
+    """ModelPatcher behaviour for block swap; mixed in front of the MODEL's own patcher class.
+
+    ``apply_block_swap`` sets this class only once the controller is attached; a patcher whose attachment is gone
+    anyway (removed by another node) behaves as its base class, so teardown (``__del__``) never raises."""
 
     @property
-    def _swap(self) -> SwapController:
-        return self.attachments[SWAP_KEY]
+    def _swap(self) -> SwapController | None:
+        return self.attachments.get(SWAP_KEY)
+
+    def clone(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        n = super().clone(*args, **kwargs)
+        # a base class whose clone resets ``__class__`` (ComfyUI-GGUF's patcher) would drop Block Swap downstream
+        if SWAP_KEY in n.attachments and not isinstance(n, BlockSwapMixin):
+            n.__class__ = _swap_class(type(n))
+        return n
 
     def model_size(self) -> int:
         ctl = self._swap
+        if ctl is None:
+            return super().model_size()
         if ctl.active or ctl.plan is not None:
             return ctl.gpu_bytes(ctl.plan)
         if ctl.config.blocks_to_swap >= 0 or ctl.config.vram_budget_gb > 0:
@@ -325,16 +350,16 @@ class BlockSwapMixin:
         return ctl.full_bytes  # auto: ask for everything, stream what ComfyUI cannot give
 
     def get_ram_usage(self) -> int:
-        return self._swap.full_bytes
+        return self._swap.full_bytes if self._swap is not None else super().get_ram_usage()
 
     def _load_list(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - whatever the host's _load_list takes
         ctl = self._swap
         # entries end with (name, module, params); the sort keys in front of them differ between load modes
-        return [x for x in super()._load_list(*args, **kwargs) if not ctl.is_swapped_module(x[-3])]
+        return [x for x in super()._load_list(*args, **kwargs) if ctl is None or not ctl.is_swapped_module(x[-3])]
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):  # noqa: ANN001
         ctl = self._swap
-        if device_to is None:
+        if device_to is None or ctl is None:
             return super().load(device_to, lowvram_model_memory, force_patch_weights, full_load)
         if not ctl.active:
             offered = None if (full_load or lowvram_model_memory <= 0 or lowvram_model_memory >= 1e30) \
@@ -363,19 +388,20 @@ class BlockSwapMixin:
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):  # noqa: ANN001
         out = super().partially_load(device_to, extra_memory, force_patch_weights)
         ctl = self._swap
-        if not ctl.active and ctl.plan is not None and ctl.plan.streamed:
+        if ctl is not None and not ctl.active and ctl.plan is not None and ctl.plan.streamed:
             ctl.activate(self, torch.device(device_to))  # the stock early return skipped load()
         return out
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):  # noqa: ANN001
-        if unpatch_weights:
+        if unpatch_weights and self._swap is not None:
             self._swap.deactivate(self)
         return super().unpatch_model(device_to, unpatch_weights)
 
     def detach(self, unpatch_all=True):  # noqa: ANN001
         # unpatch_all=False: ComfyUI hands the weights to a clone (often this very patcher, re-loaded for the next
         # sampler run): free the ring now, keep the plan and the pinned arena for partially_load to re-activate.
-        self._swap.deactivate(self, unload=unpatch_all)
+        if self._swap is not None:
+            self._swap.deactivate(self, unload=unpatch_all)
         return super().detach(unpatch_all)
 
 
@@ -433,39 +459,61 @@ class _SwapPerDevice:
         log.info("lowvram_dit Block Swap: the model copy for %s streams its own blocks", clone.load_device)
 
 
-def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - ModelPatcher in and out
-    """Return a clone of ``model`` that streams blocks per ``config`` (the node's whole job)."""
+def _controller_or_reason(model, config: SwapConfig) -> tuple[SwapController | None, str]:  # noqa: ANN001
+    """The controller that streams ``model``'s blocks, or None and why Block Swap cannot (one log line's worth)."""
+    layouts = model_layouts(model)
+    if layouts:
+        return None, (f"its layers are ComfyUI's quantized layouts ({', '.join(layouts)}), which Block Swap cannot "
+                      "stream (it streams plain tensors and GGUF files' GGML tensors); ComfyUI's own partial loading "
+                      "offloads it")
+    try:
+        return SwapController(config, model.model), ""
+    except TypeError as exc:  # a tensor kind the engine cannot stream: offload/engine.py block_tensors names it
+        return None, f"{exc}; ComfyUI's own partial loading offloads it"
+
+
+def _replace_previous(m) -> None:  # noqa: ANN001 - ModelPatcher
+    """Take a Block Swap applied upstream off the clone ``m`` (its PREPARE_SAMPLING wrapper and MultiGPU callbacks;
+    the hook and the attachment are replaced under the same key): the last Block Swap wins wholly."""
     import comfy.patcher_extension as pe
 
-    layouts = model_layouts(model)
+    m.remove_wrappers_with_key(pe.WrappersMP.PREPARE_SAMPLING, SWAP_KEY)
+    for kind in MULTIGPU_CALLBACKS:
+        if hasattr(pe.CallbacksMP, kind):
+            m.remove_callbacks_with_key(getattr(pe.CallbacksMP, kind), SWAP_KEY)
+
+
+def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - ModelPatcher in and out
+    """Return a clone of ``model`` that streams blocks per ``config`` (the node's whole job), or ``model`` itself
+    with one log line saying why it passes through."""
+    import comfy.patcher_extension as pe
+
+    source = model  # what passes through when Block Swap cannot stream
     if dynamic_vram_manages(model):
-        legacy = None if layouts else legacy_clone(model, "Block Swap")
+        legacy = None if model_layouts(model) else legacy_clone(model, "Block Swap")
         if legacy is None:
             say_once(log, "lowvram_dit Block Swap steps aside: ComfyUI's DynamicVRAM already streams this model's "
                           "weights to the GPU on demand, and two managers of one model's VRAM would fight. To use "
                           "Block Swap instead, start ComfyUI with --disable-dynamic-vram.")
             return model
         model = legacy
-    if layouts:
-        log.warning("lowvram_dit Block Swap: this model's layers are ComfyUI's quantized layouts (%s), which Block Swap "
-                    "cannot stream (it streams plain tensors); the model passes through unchanged and ComfyUI's own "
-                    "partial loading offloads it", ", ".join(layouts))
-        return model
-    m = model.clone()
-    if SWAP_KEY in m.attachments:  # Block Swap applied twice: the last one wins (its hook is replaced below)
-        m.remove_wrappers_with_key(pe.WrappersMP.PREPARE_SAMPLING, SWAP_KEY)
-    m.__class__ = _swap_class(type(model))
-    m.patches_uuid = uuid.uuid4()  # a plain clone of the same weights must reload after us, and vice versa
-    ctl = SwapController(config, m.model)
-    m.set_attachments(SWAP_KEY, ctl)
+    if model.load_device.type == "cpu" and config.blocks_to_swap < 0 and config.vram_budget_gb <= 0:
+        log.info("lowvram_dit Block Swap: load device is the CPU and no budget/blocks are set: nothing to swap to, "
+                 "the model passes through unchanged")
+        return source
+    ctl, reason = _controller_or_reason(model, config)  # before the clone: a refusal leaves nothing half-built
+    if ctl is None:
+        log.warning("lowvram_dit Block Swap passes this model through unchanged: %s", reason)
+        return source
     hook = StreamHook(ctl)
+    m = model.clone()
+    _replace_previous(m)
+    m.patches_uuid = uuid.uuid4()  # a plain clone of the same weights must reload after us, and vice versa
+    m.set_attachments(SWAP_KEY, ctl)
     register_hook(m, SWAP_KEY, hook)
     m.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, SWAP_KEY, _SwapPrepare(ctl, hook))
     for kind in MULTIGPU_CALLBACKS:
         if hasattr(pe.CallbacksMP, kind):
             m.add_callback_with_key(getattr(pe.CallbacksMP, kind), SWAP_KEY, _SwapPerDevice(hook))
-    if model.load_device.type == "cpu" and config.blocks_to_swap < 0 and config.vram_budget_gb <= 0:
-        log.info("lowvram_dit Block Swap: load device is the CPU and no budget/blocks are set: nothing to swap to, "
-                 "the model passes through unchanged")
-        return model
+    m.__class__ = _swap_class(type(m))  # last: a patcher of this class always has its controller attached
     return m

@@ -11,23 +11,37 @@ in place. Every later step streams the merged bytes: no per-step LoRA cost.
 Each merged tensor goes back from the GPU straight into the pinned arena with an asynchronous copy (no pageable
 staging copy, no wait per tensor; one wait at the end), so a load pays about one host round trip of the merged bytes.
 
-Restoring is exact: the original bytes come back from the file-backed tensor the arena was copied from (the
+Restoring is exact, and any clone can do it: each merged weight's original is also entered in the patcher's
+``backup`` (ComfyUI shares one backup dict among a model's clones, in place), so when another clone of the same
+weights loads with other patches (ComfyUI detaches ours without unpatching and unpatches from the shared backup), the
+arena gets its original bytes back before that clone reads it. The original bytes come back from the file-backed tensor the arena was copied from (the
 checkpoint's mapping, which is never written) or, for weights that were not file-backed, from a copy taken before
 the merge. When the arena is about to be dropped and its parameters rebound to those file-backed tensors (an idle
 expert going back to the file), only the private copies are restored: reading the file back into an arena that is
 freed next would cost the whole file in time and page cache for nothing. A merge is keyed by the patcher's ``patches_uuid`` (ComfyUI gives every clone with new patches or a new
 strength a new one), so a re-load of the same patcher merges nothing, and other patches restore first.
+
+GGUF models (ComfyUI-GGUF): a quantized GGML weight is never merged (re-quantizing would change it); its patches are
+attached to the streamed tensor as ComfyUI-GGUF's ``GGUFModelPatcher.patch_weight_to_device`` attaches them
+(``[(patches, key)]`` in its ``patches`` attribute), so its layer applies them on dequantization, exactly as without
+Block Swap. Its F32/F16 tensors (biases, norms) are merged like plain ones, in float32 as that patcher merges them.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..offload import ggml_tensors as ggml
+
 log = logging.getLogger("comfyui_lowvram_dit")
+_Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])  # a ModelPatcher.backup entry
+AttachPatches = Callable[[str, list], None]  # (key, [(patches, key)] or []) -> set on the streamed GGML tensor
 
 
 def _seed(key: str) -> int:
@@ -53,8 +67,10 @@ def merged_weight(patcher: Any, key: str, device: torch.device) -> torch.Tensor:
     import comfy.model_patcher as mp
 
     weight, set_func, convert_func = mp.get_key_weight(patcher.model, key)
+    # ComfyUI-GGUF merges into its unquantized GGML tensors in float32, ComfyUI in its LoRA compute dtype
+    compute = torch.float32 if ggml.is_ggml(weight) else mm.lora_compute_dtype(device)
     # as patch_weight_to_device: a non-blocking copy converts on the GPU (a blocking one converts on the CPU)
-    temp = mm.cast_to_device(weight, device, mm.lora_compute_dtype(device), copy=True)
+    temp = mm.cast_to_device(ggml.stored(weight), device, compute, copy=True)
     if convert_func is not None:
         temp = convert_func(temp, inplace=True)
     out = comfy.lora.calculate_weight(patcher.patches[key], temp, key)
@@ -62,7 +78,7 @@ def merged_weight(patcher: Any, key: str, device: torch.device) -> torch.Tensor:
         new = set_func(out, inplace_update=False, seed=_seed(key), return_weight=True)
     else:
         new = comfy.float.stochastic_rounding(out, weight.dtype, seed=_seed(key))
-    if not isinstance(new, torch.Tensor) or type(new) is not torch.Tensor or new.shape != weight.shape \
+    if not isinstance(new, torch.Tensor) or type(new) is not torch.Tensor or new.shape != ggml.stored(weight).shape \
             or new.dtype != weight.dtype:
         raise TypeError(f"{key}: merging its LoRA gave a {type(new).__name__} {getattr(new, 'dtype', '')} "
                         f"{tuple(getattr(new, 'shape', ()))}, not a plain {weight.dtype} {tuple(weight.shape)} tensor; "
@@ -77,6 +93,9 @@ class StreamedMerge:
         self.uuid: Any = None  # patches_uuid of the merged patches (None: the arena holds the original bytes)
         # key -> (arena tensor, original bytes, whether the original is the file-backed tensor)
         self._backups: dict[str, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        self._attached: list[str] = []  # quantized GGML weights whose patches apply on dequantization
+        self._attach: AttachPatches | None = None
+        self._shared: dict = {}  # the patcher's backup dict (shared by its clones) holding our entries
         self.merges = 0  # tensors merged so far (a counter for logs and tests)
         self.last_seconds = 0.0  # wall time of the last merge that merged anything
 
@@ -90,10 +109,12 @@ class StreamedMerge:
         return self.uuid is not None and self.uuid == patcher.patches_uuid
 
     @torch.no_grad()
-    def merge(self, patcher: Any, keys: list[str], originals: dict[str, torch.Tensor], device: torch.device) -> int:
+    def merge(self, patcher: Any, keys: list[str], originals: dict[str, torch.Tensor], device: torch.device,
+              attach: AttachPatches | None = None) -> int:
         """Merge ``patcher``'s patches of ``keys`` (parameters bound to the host arena) in place; returns the count.
 
         ``originals``: key -> file-backed tensor holding the same bytes as the arena (restored from; never written).
+        ``attach``: sets a quantized GGML weight's patches on every view the streamer binds (GGUF models).
         """
         import comfy.utils
 
@@ -101,25 +122,37 @@ class StreamedMerge:
         start, done, nbytes = time.perf_counter(), 0, 0
         for key in keys:
             target = comfy.utils.get_attr(patcher.model, key)
+            if ggml.is_quantized(target) and attach is not None:
+                attach(key, [(_on_device(patcher.patches[key], _patch_device(patcher)), key)])
+                self._attached.append(key)
+                self._attach = attach
+                continue
             new = merged_weight(patcher, key, device)
-            original = originals.get(key)
-            file_backed = original is not None and original.shape == target.shape and original.dtype == target.dtype
+            stored, original = ggml.stored(target), originals.get(key)
+            file_backed = original is not None and ggml.stored(original).shape == stored.shape \
+                and original.dtype == stored.dtype
             if not file_backed:
-                original = target.detach().clone()  # not file-backed: the original bytes need their own copy
+                original = stored.clone()  # not file-backed: the original bytes need their own copy
             self._backups[key] = (target, original, file_backed)
+            patcher.backup[key] = _Backup(original, True)  # copied in place into the arena by any clone's unpatch
+            self._shared = patcher.backup
             # GPU -> arena without staging: asynchronous into pinned memory (the caching allocator hands ``new``'s
             # block only to later work on this stream, which runs after the copy), synchronous into pageable memory
-            target.data.copy_(new, non_blocking=True)
+            stored.copy_(new, non_blocking=True)
             done += 1
-            nbytes += target.numel() * target.element_size()
+            nbytes += stored.numel() * stored.element_size()
         if device.type == "cuda" and done:
             torch.cuda.current_stream(device).synchronize()  # the arena is read on the CPU and by the copy stream
-        self.uuid = patcher.patches_uuid if self._backups else None  # nothing to merge: nothing to keep track of
+        # nothing to merge: nothing to keep track of
+        self.uuid = patcher.patches_uuid if self._backups or self._attached else None
         self.merges += done
         if done:
             self.last_seconds = time.perf_counter() - start
             log.info("lowvram_dit Block Swap: LoRA merged into %d streamed weights (%.2f GB) in %.1f s, once for this "
                      "load (no per-step patching)", done, nbytes / 1e9, self.last_seconds)
+        if self._attached:
+            log.info("lowvram_dit Block Swap: LoRA on %d streamed GGUF-quantized weights applies when they are "
+                     "dequantized, as ComfyUI-GGUF applies it", len(self._attached))
         return done
 
     @torch.no_grad()
@@ -128,8 +161,28 @@ class StreamedMerge:
 
         ``arena_dropped``: the arena is freed next and its parameters rebound to their file-backed originals, so
         only the weights without one (kept as private copies) are copied back."""
-        for target, original, file_backed in self._backups.values():
+        for key, (target, original, file_backed) in self._backups.items():
             if not (arena_dropped and file_backed):
-                target.data.copy_(original)
+                ggml.stored(target).copy_(ggml.stored(original))
+            if getattr(self._shared.get(key), "weight", None) is original:
+                del self._shared[key]
         self._backups.clear()
+        for key in self._attached:
+            self._attach(key, [])
+        self._attached.clear()
         self.uuid = None
+
+
+def _patch_device(patcher: Any) -> torch.device:
+    """Where ComfyUI-GGUF keeps a weight's patches: the load device with its ``patch_on_device`` option, else the
+    offload device (moved to the weight's device on each use)."""
+    return patcher.load_device if getattr(patcher, "patch_on_device", False) else patcher.offload_device
+
+
+def _on_device(item: Any, device: torch.device) -> Any:
+    """``item`` (ComfyUI's nested patch tuples and lists) with every tensor in it on ``device``."""
+    if isinstance(item, torch.Tensor):
+        return item.to(device, non_blocking=True)
+    if isinstance(item, (tuple, list)):
+        return type(item)(_on_device(x, device) for x in item)
+    return item

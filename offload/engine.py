@@ -15,6 +15,10 @@ Design (after musubi-tuner's ``LoRAStreamOffloader``):
   once the GPU has passed them (``Event.query``, no sync); ``take_measurement`` hands them over once per load for
   offload/verdict.py. Debug mode times every forward and syncs at its end.
 
+GGUF models (ComfyUI-GGUF's ``GGMLTensor`` weights) stream as they are: their raw quantized bytes fill the arena and
+the ring, and every bound view is made a GGML tensor again (offload/ggml_tensors.py), so their layers dequantize on
+use exactly as without Block Swap.
+
 ``StreamHook`` attaches a streamer to a model through kernels/hooks.py. Plain torch, no ComfyUI import. The
 engine runs on a CPU "device" too (streams and events become no-ops), so swapped == resident can be checked
 without a GPU.
@@ -31,6 +35,7 @@ from typing import Any, Iterable, Protocol, Sequence
 import torch
 
 from ..kernels.hooks import HookRegistry, ModelHook, PerModel
+from . import ggml_tensors as ggml
 from .host_memory import HostArena, PinBudget, file_backed_ranges, is_file_backed, page_out
 from .plan import ALIGN, SwapPlan, aligned, prefetch_targets
 from .verdict import CallTimer, StreamStats, format_stats
@@ -52,10 +57,11 @@ class TensorSlot:
     """Where one parameter or buffer of a block lives inside the block's flat buffer."""
 
     name: str  # dotted name inside the block, e.g. "self_attn.q.weight"
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # as stored (a GGML tensor's raw bytes)
     dtype: torch.dtype
     offset: int
     nbytes: int
+    ggml: tuple[type, dict[str, Any]] | None = None  # a GGML tensor's class and type/shape (ggml_tensors.identity)
 
 
 def flat_layout(tensors: Iterable[tuple[str, torch.Tensor]], align: int = ALIGN) -> tuple[list[TensorSlot], int]:
@@ -63,31 +69,32 @@ def flat_layout(tensors: Iterable[tuple[str, torch.Tensor]], align: int = ALIGN)
     slots: list[TensorSlot] = []
     offset = 0
     for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        slots.append(TensorSlot(name, tuple(t.shape), t.dtype, offset, nbytes))
+        raw = ggml.stored(t)
+        nbytes = raw.numel() * raw.element_size()
+        slots.append(TensorSlot(name, tuple(raw.shape), raw.dtype, offset, nbytes, ggml.identity(t)))
         offset = aligned(offset + nbytes, align)
     return slots, offset
 
 
 def flat_views(flat: torch.Tensor, layout: Sequence[TensorSlot], base: int = 0) -> dict[str, torch.Tensor]:
-    """Typed, shaped views into the uint8 buffer ``flat`` (starting at byte ``base``) for every slot of ``layout``."""
+    """Typed, shaped views into the uint8 buffer ``flat`` (starting at byte ``base``) for every slot of ``layout``;
+    a GGML slot's view is a GGML tensor of its class, type and shape again."""
     views = {}
     for s in layout:
-        raw = flat[base + s.offset: base + s.offset + s.nbytes]
-        views[s.name] = raw.view(s.dtype).view(s.shape)
+        raw = flat[base + s.offset: base + s.offset + s.nbytes].view(s.dtype).view(s.shape)
+        views[s.name] = ggml.as_ggml(raw, s.ggml) if s.ggml is not None else raw
     return views
 
 
 def block_tensors(block: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer of ``block`` (recursively), in a stable order; tensor subclasses are refused."""
+    """Every parameter and buffer of ``block`` (recursively), in a stable order; plain or GGML tensors only."""
     out = []
     for name, t in list(block.named_parameters()) + list(block.named_buffers()):
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, torch.nn.Parameter):
-            raise TypeError(f"block swap: {name} is a {type(t).__name__}; only plain tensors can be streamed "
-                            "(load the model with the LowVRAM loader, whose fp8 layers hold plain tensors)")
-        if isinstance(t, torch.nn.Parameter) and type(t.data) is not torch.Tensor:
-            raise TypeError(f"block swap: {name} holds a {type(t.data).__name__}; only plain tensors can be "
-                            "streamed (load the model with the LowVRAM loader, whose fp8 layers hold plain tensors)")
+        data = t.data if isinstance(t, torch.nn.Parameter) else t
+        if type(data) is not torch.Tensor and not ggml.is_ggml(t):
+            raise TypeError(f"block swap: {name} holds a {type(data).__name__}, which Block Swap cannot stream: it "
+                            "streams plain tensors (UNETLoader, the LowVRAM loaders) and GGUF files' GGML tensors "
+                            "(UnetLoaderGGUF)")
         out.append((name, t))
     return out
 
@@ -102,6 +109,13 @@ def set_param(root: torch.nn.Module, key: str, t: torch.Tensor) -> None:
     mod_name, _, attr = key.rpartition(".")
     mod = root.get_submodule(mod_name) if mod_name else root
     mod._parameters[attr] = t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, requires_grad=False)
+
+
+def _private_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``'s bytes in memory of its own, of the same kind (a GGML tensor's ``clone`` returns itself)."""
+    kind = ggml.identity(t)
+    raw = ggml.stored(t).clone()
+    return ggml.as_ggml(raw, kind) if kind is not None else raw
 
 
 def module_bytes(m: torch.nn.Module) -> int:
@@ -197,6 +211,7 @@ class BlockStreamer:
         self._cpu_views: dict[int, dict[str, torch.Tensor]] = {}
         self._gpu_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._owners: dict[int, dict[str, tuple[torch.nn.Module, str, bool]]] = {}
+        self._attrs: dict[tuple[int, str], dict[str, Any]] = {}  # set_tensor_attr: (block, name) -> attributes
         self.slots: list[_Slot] = []
         self._free_order: list[int] = []
         self._where: dict[int, int] = {}  # block -> slot index holding it (pending)
@@ -243,6 +258,21 @@ class BlockStreamer:
             mod = block.get_submodule(mod_name) if mod_name else block
             owners[s.name] = (mod, attr, attr in mod._parameters)
         return owners
+
+    def set_tensor_attr(self, b: int, name: str, attr: str, value: Any) -> None:
+        """Set ``attr`` on every view of block ``b``'s tensor ``name`` that the engine binds, now and later (a GGML
+        tensor's LoRA ``patches``, applied by its layer on use)."""
+        self._attrs.setdefault((b, name), {})[attr] = value
+        bound = [self._cpu_views.get(b, {})] + [v for (blk, _), v in self._gpu_views.items() if blk == b]
+        for views in bound:
+            if name in views:
+                setattr(views[name], attr, value)
+
+    def _stamp(self, b: int, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for name, v in views.items():
+            for attr, value in self._attrs.get((b, name), {}).items():
+                setattr(v, attr, value)
+        return views
 
     def _bind(self, b: int, views: dict[str, torch.Tensor]) -> None:
         for name, (mod, attr, is_param) in self._owners[b].items():
@@ -311,12 +341,12 @@ class BlockStreamer:
             for s in layout:
                 mod, attr, is_param = self._owners[b][s.name]
                 src = mod._parameters[attr] if is_param else mod._buffers[attr]
-                views[s.name].copy_(src.detach())
+                ggml.stored(views[s.name]).copy_(ggml.stored(src))
                 if is_file_backed(src, maps):
                     originals[s.name] = src  # costs no anonymous RAM: restore it when idle (two-expert RSS goal)
             self.originals[b] = originals
             mapped += page_out(originals.values())  # per block: the file pages just read never pile up in RSS
-            self._cpu_views[b] = self._as_params(b, views)
+            self._cpu_views[b] = self._stamp(b, self._as_params(b, views))
             self._bind(b, self._cpu_views[b])
         self._arena_offsets = offsets
         log.info("lowvram_dit block swap: %d blocks (%.2f GB) copied into a host arena%s", len(streamed), total / 1e9,
@@ -325,7 +355,8 @@ class BlockStreamer:
     def _gpu(self, b: int, slot: int) -> dict[str, torch.Tensor]:
         key = (b, slot)
         if key not in self._gpu_views:
-            self._gpu_views[key] = self._as_params(b, flat_views(self.slots[slot].flat, self._layout(b)[0]))
+            self._gpu_views[key] = self._stamp(b, self._as_params(b, flat_views(self.slots[slot].flat,
+                                                                                  self._layout(b)[0])))
         return self._gpu_views[key]
 
     @torch.no_grad()
@@ -356,7 +387,7 @@ class BlockStreamer:
                 # rest (biases, norms, modulation: ~0.1 % of a block) gets small private copies, the arena goes.
                 for b in self.plan.streamed:
                     keep = self.originals.get(b, {})
-                    self._bind(b, self._as_params(b, {n: keep[n] if n in keep else v.clone()
+                    self._bind(b, self._as_params(b, {n: keep[n] if n in keep else _private_copy(v)
                                                       for n, v in self._cpu_views[b].items()}))
                 self.originals.clear()
                 self.arena = None

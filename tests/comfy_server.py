@@ -13,7 +13,8 @@ for the server (default: the one running pytest). ``COMFYUI_GPU=1`` drops ``--cp
 ``COMFYUI_START_TIMEOUT`` (seconds, default 180) bounds the start.
 
 Hermetic: ``--base-directory`` puts custom_nodes, models, input, output, temp and user in a temp
-dir (the checkout stays untouched and no other installed pack loads), the database is in memory,
+dir (the checkout stays untouched and no other installed pack loads: beside the pack, only the test nodes and,
+where the server's Python has ``gguf``, the vendored ComfyUI-GGUF in tests/vendor), the database is in memory,
 API nodes are off. Not covered by any flag: ComfyUI always reads ``<COMFYUI_PATH>/extra_model_paths.yaml``
 if that file exists (a warning says so). The pack is linked as ``custom_nodes/comfyui-lowvram-dit``
 (the Registry folder name) and, in a second import-only start (``--quick-test-for-ci``), under a
@@ -148,10 +149,18 @@ def pack_import_line_seen(log: str, pack_dir: Path) -> bool:
     return rx.search(log) is not None
 
 
-def _prepare_base(base: Path, pack_folder: str, with_fixture_nodes: bool) -> Path:
-    """The base directory with the pack (and the fixture nodes) linked and the self-import shadow; returns the pack
-    link."""
-    fixtures = {FIXTURE_FOLDER: FIXTURE_NODES} if with_fixture_nodes else {}
+def gguf_custom_nodes(python: str) -> dict[str, Path]:
+    """The vendored ComfyUI-GGUF (tests/vendor) as ``{folder: path}`` for ``custom_nodes`` when ``python`` (the
+    server's) has the ``gguf`` package it needs; empty otherwise (the GGUF tests then skip, saying so)."""
+    from gguf_files import GGUF_NODES_FOLDER, VENDORED_GGUF
+
+    has_gguf = subprocess.run([python, "-c", "import gguf"], capture_output=True).returncode == 0
+    return {GGUF_NODES_FOLDER: VENDORED_GGUF} if has_gguf else {}
+
+
+def _prepare_base(base: Path, pack_folder: str, fixtures: dict[str, Path]) -> Path:
+    """The base directory with the pack (and ``fixtures``: other custom node folders) linked and the self-import
+    shadow; returns the pack link."""
     link = prepare_base_dir(base, pack_folder, fixtures)
     (base / "models" / "checkpoints").mkdir(exist_ok=True)
     shadow = base / "pythonpath_shadow" / "comfyui_lowvram_dit"
@@ -184,7 +193,7 @@ def _check_alt_folder(proc: Any, log_path: Path, pack_dir: Path, timeout: float)
 @contextlib.contextmanager
 def comfy_server_session(comfy: Path, base: Path, python: str | None = None,
                          gpu: bool | None = None) -> Iterator[ComfyServer]:
-    """Start ComfyUI with the pack + fixture nodes under ``base`` (and the alt-name import check).
+    """Start ComfyUI with the pack + fixture nodes (+ ComfyUI-GGUF) under ``base`` (and the alt-name import check).
 
     ``gpu``: True runs it on the GPU (no ``--cpu``), False on the CPU, None (default) as ``COMFYUI_GPU`` says."""
     python = python or os.environ.get("COMFYUI_PYTHON") or sys.executable
@@ -195,8 +204,8 @@ def comfy_server_session(comfy: Path, base: Path, python: str | None = None,
         import warnings
 
         warnings.warn(f"{comfy / 'extra_model_paths.yaml'} adds model paths to the test server", stacklevel=2)
-    pack_dir = _prepare_base(base / "main", PACK_FOLDER, with_fixture_nodes=True)
-    alt_dir = _prepare_base(base / "alt", ALT_PACK_FOLDER, with_fixture_nodes=False)
+    pack_dir = _prepare_base(base / "main", PACK_FOLDER, {FIXTURE_FOLDER: FIXTURE_NODES, **gguf_custom_nodes(python)})
+    alt_dir = _prepare_base(base / "alt", ALT_PACK_FOLDER, {})
     # Both starts run at once: the import check costs no extra wall time on 2+ cores.
     alt_log = base / "alt" / "comfyui.log"
     alt_proc = launch(comfyui_command(comfy, base / "alt", python, cpu, [*extra, "--quick-test-for-ci"]), comfy,

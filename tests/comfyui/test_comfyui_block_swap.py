@@ -213,3 +213,70 @@ def test_server_block_swap_interrupt_and_model_switch(comfy_server):  # noqa: AN
     assert _stats(comfy_server.run(_graph(a, seed=11, steps=3, swap=3))) == plain
     comfy_server.free()
     assert _stats(comfy_server.run(_graph(a, seed=11, steps=3, swap=None))) == plain
+
+
+def _second_block_swap():  # noqa: ANN202 - (first, second) Block Swap MODELs, the second applied to the first
+    from comfyui_lowvram_dit.host.block_swap import apply_block_swap
+    from comfyui_lowvram_dit.offload.plan import SwapConfig
+
+    first = apply_block_swap(_tiny_wan_patcher(seed=4), SwapConfig(blocks_to_swap=2))
+    return first, apply_block_swap(first, SwapConfig(blocks_to_swap=4, prefetch=2))
+
+
+def test_a_second_block_swap_replaces_the_first_controller_hook_and_wrapper():
+    """Two Block Swap nodes in a chain (or one re-run on a model that already has it): only the last one is left."""
+    _comfy()
+    import comfy.patcher_extension as pe
+
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
+    from comfyui_lowvram_dit.host.hooks import hook_registry
+
+    first, second = _second_block_swap()
+    ctl = second.attachments[SWAP_KEY]
+    assert ctl is not first.attachments[SWAP_KEY] and ctl.config.blocks_to_swap == 4
+    prepare = second.get_wrappers(pe.WrappersMP.PREPARE_SAMPLING, SWAP_KEY)
+    assert len(prepare) == 1 and prepare[0].ctl is ctl
+    assert hook_registry(second).get(SWAP_KEY).owner is ctl
+    out = _sample(second)
+    assert ctl.active and len(ctl.plan.streamed) == 4 and not first.attachments[SWAP_KEY].active
+    assert torch.equal(out, _sample(_tiny_wan_patcher(seed=4)))
+
+
+def test_a_second_block_swap_replaces_the_first_multigpu_callbacks():
+    """ComfyUI's ``add_callback_with_key`` appends: without taking the first Block Swap's MultiGPU callbacks off,
+    every model copy for another GPU would be set up twice, the first time with the replaced settings."""
+    _comfy()
+    import comfy.patcher_extension as pe
+
+    from comfyui_lowvram_dit.host.block_swap import MULTIGPU_CALLBACKS, SWAP_KEY
+
+    kinds = [getattr(pe.CallbacksMP, k) for k in MULTIGPU_CALLBACKS if hasattr(pe.CallbacksMP, k)]
+    if not kinds:
+        pytest.skip(f"this ComfyUI has no MultiGPU clone callbacks ({', '.join(MULTIGPU_CALLBACKS)}; 0.23+)")
+    _, second = _second_block_swap()
+    ctl = second.attachments[SWAP_KEY]
+    for kind in kinds:
+        callbacks = second.get_callbacks(kind, SWAP_KEY)
+        assert len(callbacks) == 1 and callbacks[0].hook.owner is ctl, (kind, len(callbacks))
+
+
+def test_a_block_swap_lora_model_then_the_plain_model_samples_without_the_lora():
+    """ComfyUI detaches the Block Swap + LoRA clone without unpatching when a plain clone of the same weights loads;
+    the LoRA merged into the streamed blocks' arena must not reach that clone (it unpatches from the shared backup)."""
+    _comfy()
+    import comfy.model_management as mm
+    import comfy.sd
+
+    from comfyui_lowvram_dit.host.block_swap import apply_block_swap
+    from comfyui_lowvram_dit.offload.plan import SwapConfig
+    from comfyui_lowvram_dit.synthetic.lora import synthetic_lora
+
+    plain = _tiny_wan_patcher(num_layers=2, seed=5)
+    lora_sd = synthetic_lora("wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors", size="tiny")
+    ref = _sample(plain)
+    with_lora = comfy.sd.load_lora_for_models(plain, None, lora_sd, 3.0, 0)[0]
+    ref_lora = _sample(with_lora)
+    assert not torch.equal(ref, ref_lora)
+    assert torch.equal(_sample(apply_block_swap(with_lora, SwapConfig(blocks_to_swap=1))), ref_lora)
+    assert torch.equal(_sample(plain), ref)
+    mm.unload_all_models()
