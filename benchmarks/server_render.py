@@ -103,7 +103,8 @@ def all_rows() -> dict[str, RenderRow]:
 
 
 # What most users run: Wan 2.2 T2V-A14B 4-step at 12 GB, 24 GB and the whole GPU, Qwen-Image 4-step at 12 and 24 GB.
-CORE = [make_row("wan_t2v_4step", s, c) for c in (12.0, 24.0, None) for s in ("native_best", "pack", "pack_no_blockswap")]
+CORE = [make_row("wan_t2v_4step", s, c) for c in (12.0, 24.0, None)
+        for s in ("native_best", "pack", "pack_no_blockswap")]
 CORE += [make_row("qwen_t2i_4step", s, c) for c in (12.0, 24.0) for s in ("native_best", "pack")]
 CORE_RENDERS = ("first_ever", "cold", "warm")
 DEFAULT_SETUPS = ("native_best", "pack", "pack_no_blockswap")
@@ -467,7 +468,8 @@ def cpu_flags(row: RenderRow) -> tuple[list[str], list[str]]:
     """A row's flags on the CPU (smoke, --cpu): its memory manager, no card; ``--use-ck-attention`` left out (ComfyUI
     exits at startup when comfy-kitchen has no attention backend, as on the CPU)."""
     flags = server.server_flags(row.name, 0.0, None, False, row.dynamic_vram)
-    return flags, ["--use-ck-attention (no comfy-kitchen attention on the CPU)"] if rg.SETUPS[row.setup].ck_attention else []
+    left = ["--use-ck-attention (no comfy-kitchen attention on the CPU)"] if rg.SETUPS[row.setup].ck_attention else []
+    return flags, left
 
 
 def finish(rec: dict, renders: Sequence[str]) -> dict:
@@ -562,7 +564,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"for workflows: {', '.join(rg.SETUPS)}")
     p.add_argument("--formats", default=None, help="for workflows: fp8_scaled, bf16 (the 16-bit files), pack_fp8 "
                    "(the Wan Loader's saved fp8 copy); default each workflow's own")
-    p.add_argument("--memory", default="on", help="for workflows: DynamicVRAM on, off (--disable-dynamic-vram) or on,off")
+    p.add_argument("--memory", default="on", help="for workflows: DynamicVRAM on, off (--disable-dynamic-vram) "
+                   "or on,off")
     p.add_argument("--renders", default=None, help=f"render kinds among {', '.join(RENDERS)} (first_ever always "
                    f"runs); default {','.join(CORE_RENDERS)} for core, all four otherwise")
     p.add_argument("--write-models", action="store_true", help="write missing full-size synthetic files, each right "

@@ -40,16 +40,15 @@ def finished_rows(path: Path) -> list[dict]:
 
 
 def native_row(row: dict, rows: list[dict]) -> dict | None:
-    """The native's-best row ``row`` is compared with: same workflow and card, the same memory manager and file
-    format where such a row ran, else the nearest; None for a native's-best row itself."""
+    """The finished native's-best row ``row`` is compared with: same workflow and card, the same memory manager and
+    file format where such a row ran, else the nearest; None for a native's-best row itself or when none finished."""
     if row.get("setup") == NATIVE:
         return None
     same = [r for r in rows if r.get("setup") == NATIVE and r.get("workflow") == row.get("workflow")
-            and r.get("card_gib") == row.get("card_gib") and r is not row]
+            and r.get("card_gib") == row.get("card_gib") and r is not row and _ok(r)]
 
-    def rank(r: dict) -> tuple[bool, bool, bool]:
-        return (not _ok(r), r.get("memory_manager") != row.get("memory_manager"),
-                r.get("file_format") != row.get("file_format"))
+    def rank(r: dict) -> tuple[bool, bool]:
+        return r.get("memory_manager") != row.get("memory_manager"), r.get("file_format") != row.get("file_format")
 
     return min(same, key=rank) if same else None
 
@@ -79,11 +78,11 @@ def compare(rows: list[dict], latents: Path) -> list[dict]:
             continue
         native, ref = native_row(row, rows), reference_row(row, rows)
         row["against"] = native["name"] if native else None
-        warm = native.get("render_s") if native and _ok(native) else None
+        warm = native.get("render_s") if native else None
         row["ratio"] = round(warm / row["render_s"], 3) if warm and row.get("render_s") else None
         old = row.get("outputs_compared") or {}
         checks = {}
-        if native and _ok(native):
+        if native:
             checks["vs_native"] = _latent_check(latents, (row["name"], "first_ever"),
                                                 (native["name"], "first_ever"), old.get("vs_native"))
         if ref:
@@ -139,20 +138,25 @@ def _cell(text: str) -> str:
 
 
 def _error(row: dict) -> str:
-    c = (row.get("outputs_compared") or {}).get("vs_native") or {}
-    if c.get("error"):
-        return _cell(c["error"])
-    return "—" if c.get("rel_diff") is None else f"{c['rel_diff']:.3g}"
+    """The output error against the native row, and against the 16-bit reference where one ran."""
+    cells = []
+    for key, label in (("vs_native", ""), ("vs_bf16", "bf16: ")):
+        c = (row.get("outputs_compared") or {}).get(key) or {}
+        if c.get("error"):
+            cells.append(label + _cell(c["error"]))
+        elif c.get("rel_diff") is not None:
+            cells.append(f"{label}{c['rel_diff']:.3g}")
+    return "; ".join(cells) or "—"
 
 
 def table(rows: list[dict], all_rows: list[dict]) -> list[str]:
     """The markdown table of one workflow and card."""
     lines = ["| setup | row | " + " | ".join(f"{KIND_LABEL[k]} s" for k in KINDS) + " | split of the warm render: "
              "load / text / sampling / decode / save / other s (each sampler: first + n x median step) | s/step | "
-             "peak VRAM GiB | peak RSS GiB | output vs native | against | status |",
+             "peak VRAM GiB | peak RSS GiB | output error vs native (; vs bf16) | against | status |",
              "|" + "---|" * (9 + len(KINDS))]
     for r in rows:
-        native = next((n for n in all_rows if n["name"] == r.get("against")), None) or native_row(r, all_rows)
+        native = next((n for n in all_rows if n["name"] == r.get("against")), None)
         status = r.get("status", "?") + (f": {_cell(r['error'])[:160]}" if r.get("error") else "")
         status += f" (from {r['source']})" if r.get("source") else ""
         lines.append(f"| {r.get('setup')} | {r['name']} | " + " | ".join(_seconds(r, k, native) for k in KINDS)

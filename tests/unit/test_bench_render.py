@@ -150,8 +150,10 @@ def test_native_graph_is_made_of_the_official_templates_nodes(key: str, template
     assert {i["weight_dtype"] for i in _types(native)["UNETLoader"]} == {"fp8_e4m3fn_fast"}
     assert sr.make_row(key, "native_best", 12.0).server_args(140.0) == ["--use-ck-attention", "--reserve-vram=128.00"]
     for kind in ("KSampler", "KSamplerAdvanced", "ModelSamplingSD3", "ModelSamplingAuraFlow", "LoraLoaderModelOnly"):
-        strip = lambda g: [{k: v for k, v in i.items() if not isinstance(v, list)} for i in _types(g).get(kind, [])]  # noqa: E731
-        assert strip(native) == strip(pack), kind
+        def widgets(g: dict) -> list[dict]:
+            return [{k: v for k, v in i.items() if not isinstance(v, list)} for i in _types(g).get(kind, [])]
+
+        assert widgets(native) == widgets(pack), kind
 
 
 def test_native_text_and_decode_replace_the_pack_nodes() -> None:
@@ -194,7 +196,8 @@ def _model_chain(graph: dict, sampler: str) -> list[str]:
 def test_pack_setups() -> None:
     g = _graph("wan_t2v_4step", "pack_no_blockswap")
     assert "LowVRAM_BlockSwap" not in _types(g)
-    assert _model_chain(g, "15") == ["ModelSamplingSD3", "LowVRAM_Attention", "LoraLoaderModelOnly", "LowVRAM_WanLoader"]
+    assert _model_chain(g, "15") == ["ModelSamplingSD3", "LowVRAM_Attention", "LoraLoaderModelOnly",
+                                     "LowVRAM_WanLoader"]
     g = _graph("wan_t2v_4step", "pack_int8")
     assert {i["backend"] for i in _types(g)["LowVRAM_Attention"]} == {rg.INT8_BACKEND}
     g = _graph("wan_t2v_4step", "pack_compile")
@@ -226,10 +229,10 @@ def test_i2v_4step_is_the_i2v_workflow_with_the_t2v_4step_sampling() -> None:
     i2v, t2v = _graph("wan_i2v_4step"), _graph("wan_t2v_4step")
     loras = _types(i2v)["LoraLoaderModelOnly"]
     assert {i["lora_name"] for i in loras} <= KNOWN_LORA_FILES.keys() and len(loras) == 2
-    for sampler_kind in ("KSamplerAdvanced", "ModelSamplingSD3"):
-        pick = lambda g: [{k: v for k, v in i.items() if k in ("steps", "cfg", "start_at_step", "end_at_step", "shift")}  # noqa: E731
-                          for i in _types(g)[sampler_kind]]
-        assert pick(i2v) == pick(t2v)
+    keys = ("steps", "cfg", "start_at_step", "end_at_step", "shift")
+    for kind in ("KSamplerAdvanced", "ModelSamplingSD3"):
+        assert [{k: v for k, v in i.items() if k in keys} for i in _types(i2v)[kind]] == \
+            [{k: v for k, v in i.items() if k in keys} for i in _types(t2v)[kind]], kind
     assert _model_chain(i2v, "16") == ["ModelSamplingSD3", "LowVRAM_Attention", "LowVRAM_BlockSwap",
                                        "LoraLoaderModelOnly", "LowVRAM_WanLoader"]
 
@@ -443,11 +446,19 @@ def test_report_compares_rows_with_the_native_row_of_their_card(tmp_path: Path) 
     assert all(k in by["skipped"] for k in rr.ROW_KEYS)
     md = paths[1].read_text()
     assert "## Wan 2.2 T2V-A14B 4-step, 12 GB card" in md and "## Wan 2.2 T2V-A14B 4-step, whole GPU" in md
-    assert "| pack | p12 | 60.0 (2.00x) | 40.0 (2.00x) | 20.0 (2.00x) | — |" in md and "| 0.1 | n12 | ok |" in md
+    assert "| pack | p12 | 60.0 (2.00x) | 40.0 (2.00x) | 20.0 (2.00x) | — |" in md
+    assert "| 0.1; bf16: 0.1 | n12 | ok |" in md
     assert all(line.count("|") == 14 for line in md.splitlines() if line.startswith("|"))
     assert "| native_best | n12 |" in md.split("| pack | p12")[0]
     assert rr.finished_rows(paths[0]) and all(r["source"] == "core.json" for r in rr.finished_rows(paths[0]))
     assert {r["name"] for r in rr.finished_rows(paths[0])} == {"n12", "p12", "n24", "p24", "ref"}
+
+
+def test_a_row_is_compared_with_a_finished_native_row_only(tmp_path: Path) -> None:
+    rows = [_row("n12", "native_best", 12.0, 40.0, status="error"), _row("p12", "pack", 12.0, 20.0)]
+    rr.compare(rows, tmp_path)
+    assert rows[1]["against"] is None and rows[1]["ratio"] is None and rows[1]["outputs_compared"] == {
+        "cold_vs_first_ever": {"against": "p12 (first_ever)", "error": "latent not kept in this run"}}
 
 
 def test_resumed_rows_keep_their_comparisons(tmp_path: Path) -> None:
@@ -457,8 +468,8 @@ def test_resumed_rows_keep_their_comparisons(tmp_path: Path) -> None:
     assert rows[1]["error_vs_native"] == 0.25
 
 
-def test_pack_fp8_rows_get_the_saved_copies_and_16bit_pack_rows_run_without_them(tmp_path: Path,
-                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pack_fp8_rows_get_the_saved_copies_and_16bit_pack_rows_run_without_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Wan Loader picks its saved fp8 copy up by itself: a 16-bit pack row would silently load it."""
     saved: list[list] = []
     monkeypatch.setattr(sr, "save_pack_copies", lambda copies, device: saved.append(copies) or 1.5)
