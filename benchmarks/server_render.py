@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,7 @@ RENDER_ESTIMATE_S = {"wan_t2v_4step": 40, "wan_t2v": 220, "wan_i2v": 220, "wan_i
                      "qwen_t2i_4step": 25, "qwen_t2i": 70, "qwen_edit": 90}
 SMALL_CARD_FACTOR = 1.3  # 12 GB and less: weights streamed every step
 SERVER_START_S = 20.0
+OOM = re.compile(r"out of memory|OutOfMemory|OOM", re.IGNORECASE)
 WRITE_GB_PER_S = 0.8  # --write-models: synthetic files generated on the GPU and written
 
 
@@ -145,23 +147,43 @@ def pick_rows(opts: argparse.Namespace) -> list[RenderRow]:
     return list({r.name: r for r in picked}.values())
 
 
-def describe(row: RenderRow) -> str:
-    """One line saying what a row runs."""
+def setup_text(row: RenderRow) -> str:
+    """The row's nodes and options as a user would wire them."""
     wf, setup = row.spec, rg.SETUPS[row.setup]
     source = f"workflows/{wf.shipped}.json" if wf.shipped else "the Qwen-Image-Edit 2509 graph"
+    if setup.native:
+        return f"native equivalent of {source}: {setup.what}"
+    if setup.drop_block_swap:
+        return f"{source}, {setup.what}"
+    budget = wf.budgets[row.card_gib]
+    return f"{source}, {setup.what}, Block Swap budget {budget:g} GB" + ("" if budget else " (all free VRAM)")
+
+
+def describe(row: RenderRow) -> str:
+    """One line saying what a row runs."""
     where = "whole GPU" if row.card_gib is None else f"{row.card_gib:g} GB card"
     memory = "DynamicVRAM" if row.dynamic_vram else "legacy loading (--disable-dynamic-vram)"
-    native = "native equivalent of " if setup.native else ""
-    return f"{wf.model}: {native}{source}, {setup.what}, {row.file_format} files, {memory}, {where}"
+    return f"{row.spec.title}: {setup_text(row)}, {row.file_format} files, {memory}, {where}"
+
+
+def memory_manager(row: RenderRow) -> str:
+    """Who keeps the diffusion model's weights, as the results index names it: Block Swap where the graph has it
+    (the Qwen-Image staged loaders always do), else ComfyUI by the server's flag."""
+    setup = rg.SETUPS[row.setup]
+    if not setup.native and not setup.drop_block_swap:
+        return "Block Swap"
+    return "DynamicVRAM" if row.dynamic_vram else "ComfyUI legacy loading"
 
 
 def head(row: RenderRow) -> dict:
-    """The keys every record of ``row`` starts with."""
-    wf = row.spec
+    """The keys every record of ``row`` starts with (the results index's common row fields among them)."""
+    wf, setup = row.spec, rg.SETUPS[row.setup]
     return {"name": row.name, "what": describe(row), "variant": asdict(row), "workflow": row.workflow,
-            "model": wf.model, "shipped": f"workflows/{wf.shipped}.json" if wf.shipped else None,
-            "setup": row.setup, "card_gib": row.card_gib, "file_format": row.file_format,
-            "memory_manager": "dynamic_vram" if row.dynamic_vram else "legacy",
+            "title": wf.title, "model": wf.model, "shipped": f"workflows/{wf.shipped}.json" if wf.shipped else None,
+            "setup": setup_text(row), "setup_id": row.setup, "side": "native" if setup.native else "pack",
+            "how": "server", "card_gib": row.card_gib, "format": row.file_format,
+            "file_format": wf.layout(row.file_format), "memory_manager": memory_manager(row),
+            "dynamic_vram": row.dynamic_vram, "lora": "4-step LoRA" if "4step" in row.workflow else None,
             "files": rg.model_files(wf, row.file_format)}
 
 
@@ -309,12 +331,25 @@ def smoke_graph(graph: dict, native: bool) -> dict:
     return graph
 
 
-def build_graph(row: RenderRow, srv: cli_server.ComfyServer, smoke: bool) -> dict:
-    """The row's graph against the running server's node schemas."""
+def empty_images(graph: dict) -> dict:
+    """``graph`` with each LoadImage replaced by a one-colour EmptyImage of the size the graph renders (the reference
+    image of Qwen-Image-Edit: 1024x1024): for a host whose LoadImage cannot decode files (no PyAV); the compute is
+    that of any picture of that size."""
+    size = (graph_facts(graph)["resolution"] or "{0}x{1}".format(*EDIT_IMAGE)).split("x")
+    for n in graph.values():
+        if n["class_type"] == "LoadImage":
+            n["class_type"] = "EmptyImage"
+            n["inputs"] = {"width": int(size[0]), "height": int(size[1]), "batch_size": 1, "color": 0x5A7D9A}
+    return graph
+
+
+def build_graph(row: RenderRow, srv: cli_server.ComfyServer, opts: argparse.Namespace) -> dict:
+    """The row's graph against the running server's node schemas (shrunk for --smoke, --empty-image applied)."""
     info = {t: srv.object_info(t) for t in rg.node_types_needed(row.spec)}
     info = {t: i for t, i in info.items() if i}
     graph = rg.render_graph(row.spec, row.setup, row.card_gib, row.file_format, info, row.name)
-    return smoke_graph(graph, rg.SETUPS[row.setup].native) if smoke else graph
+    graph = empty_images(graph) if opts.empty_image else graph
+    return smoke_graph(graph, rg.SETUPS[row.setup].native) if opts.smoke else graph
 
 
 def graph_for(graph: dict, kind: str) -> dict:
@@ -325,14 +360,14 @@ def graph_for(graph: dict, kind: str) -> dict:
 
 def graph_facts(graph: dict) -> dict:
     """Resolution, frames and total steps the graph renders."""
-    out: dict[str, Any] = {"resolution": None, "frames": None, "steps": None}
+    out: dict[str, Any] = {"resolution": None, "frames": None, "steps": None, "cfg": None}
     for n in graph.values():
         i = n["inputs"]
         if isinstance(i.get("width"), int) and isinstance(i.get("height"), int):
             out["resolution"] = f"{i['width']}x{i['height']}"
             out["frames"] = i.get("length") if isinstance(i.get("length"), int) else None
         if n["class_type"] in rg.SAMPLERS and isinstance(i.get("steps"), int):
-            out["steps"] = i["steps"]
+            out["steps"], out["cfg"] = i["steps"], i.get("cfg")
     if out["resolution"] is None and any(n["class_type"] == "LoadImage" for n in graph.values()):
         out["resolution"] = "{0}x{1}".format(*EDIT_IMAGE)
     return out
@@ -410,7 +445,7 @@ def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: 
             if problems:
                 raise cli_server.RunError(f"the pack failed to import: {problems[0].strip()}")
             if graph is None:
-                graph = build_graph(row, srv, opts.smoke)
+                graph = build_graph(row, srv, opts)
                 rec.update(graph_facts(graph))
                 if row.workflow == "qwen_edit":
                     bq.write_input_image(base / "input", *EDIT_IMAGE)
@@ -483,6 +518,8 @@ def finish(rec: dict, renders: Sequence[str]) -> dict:
         rec["status"] = "ok"
     elif not rec.get("error"):
         rec["error"] = "; ".join(errors) or f"not run: {', '.join(failed)}"
+    if rec["status"] != "ok" and OOM.search(rec["error"]):
+        rec["status"] = "oom"
     warm = done.get("warm", {})
     rec["render_s"] = warm.get("total_s") if warm.get("status") == "ok" else None
     rec["s_per_step"] = warm.get("s_per_step")
@@ -575,6 +612,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny synthetic files, renders shrunk (64 px, 5 frames, "
                    "2 steps), no card")
     p.add_argument("--cpu", action="store_true", help="run ComfyUI on the CPU")
+    p.add_argument("--empty-image", action="store_true", help="image inputs (I2V start image, Edit reference) as a "
+                   "one-colour EmptyImage, not LoadImage (for a ComfyUI without PyAV, which decodes loaded images)")
     p.add_argument("--deadline", type=float, default=0.0, help="seconds from start after which no row starts that "
                    "would not finish in time (skipped rows are recorded)")
     p.add_argument("--reserve-estimate", type=float, default=0.0, help="seconds a row is assumed to take (default: "
@@ -621,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
     host = (Path(opts.comfyui) / "comfy" / "cli_args.py").read_text(encoding="utf-8", errors="replace")
     ctx = RunContext(opts, ModelFiles(opts.models, opts.write_models, opts.free_disk), env.get("vram_total_gib") or 0.0,
                      host, env.get("comfyui") or "?", kinds)
-    settings = {"renders": list(kinds), "smoke": opts.smoke, "rows": [r.name for r in rows],
+    settings = {"renders": list(kinds), "smoke": opts.smoke, "empty_image": opts.empty_image,
+                "rows": [r.name for r in rows],
                 "page_cache": "not dropped: files written or read earlier in the run come from RAM"}
     results = report.finished_rows(opts.out / f"{opts.stem}.json") if opts.resume else []
     done = {r["name"] for r in results}

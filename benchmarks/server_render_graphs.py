@@ -176,11 +176,13 @@ class RenderWorkflow:
     """One workflow the scenario renders: where its pack graph comes from and what a card and a file format change."""
 
     key: str  # the row-name prefix
-    model: str  # what it renders, for the report
+    title: str  # the report's heading
+    model: str  # the model as the results index names it
     shipped: str  # workflows/<shipped>.json ("" = built by server_qwen: Qwen-Image-Edit)
     budgets: dict[float | None, float]  # Block Swap vram_budget_gb per card (None: whole GPU), the note's table
     sixteen_bit: dict[str, str] = field(default_factory=dict)  # fp8 file -> its 16-bit file (format 'bf16')
-    formats: tuple[str, ...] = ("fp8_scaled", "bf16", "pack_fp8")
+    formats: tuple[str, ...] = ("fp8_scaled", "bf16", "pack_fp8")  # the first: the files the shipped workflow names
+    layouts: tuple[str, ...] = ("fp8_scaled", "fp16", "pack_fp8")  # each format's diffusion model file layout
     four_step_loras: dict[str, str] = field(default_factory=dict)  # a derived 4-step variant: expert file -> LoRA
     swaps_blocks: bool = True  # has Block Swap nodes (setup pack_no_blockswap)
 
@@ -188,6 +190,11 @@ class RenderWorkflow:
     def default_format(self) -> str:
         """The format of the files the shipped workflow names."""
         return self.formats[0]
+
+    def layout(self, file_format: str) -> str:
+        """The diffusion model file's layout in ``file_format`` (Wan's 16-bit files are fp16, Qwen-Image's fp8 file
+        is plain fp8_e4m3fn): the results index's ``file_format``."""
+        return self.layouts[self.formats.index(file_format)]
 
 
 WAN14B_BUDGETS = {8.0: 6.5, 12.0: 10.0, 16.0: 14.0, 24.0: 21.0, None: 0.0}  # workflows/wan22_*_a14b*.json's table
@@ -204,19 +211,23 @@ I2V_LORAS = {f"wan2.2_i2v_{e}_noise_14B_{f}.safetensors": f"wan2.2_i2v_lightx2v_
              for e in ("high", "low") for f in ("fp8_scaled", "fp16")}
 QWEN_16BIT = {bq.UNET: "qwen_image_bf16.safetensors"}
 EDIT_STEPS = 20  # the official image_qwen_image_edit_2509 template's steps (cfg 2.5: server_qwen.EDIT_CFG)
+T2V, I2V, TI2V, QWEN, EDIT = ("Wan 2.2 T2V-A14B", "Wan 2.2 I2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image",
+                               "Qwen-Image-Edit")
+QWEN_FORMATS = {"formats": ("fp8_scaled", "bf16"), "layouts": ("fp8_e4m3fn", "bf16"), "swaps_blocks": False}
 WORKFLOWS: dict[str, RenderWorkflow] = {w.key: w for w in (
-    RenderWorkflow("wan_t2v_4step", "Wan 2.2 T2V-A14B 4-step", "wan22_t2v_a14b_4step", WAN14B_BUDGETS,
+    RenderWorkflow("wan_t2v_4step", "Wan 2.2 T2V-A14B 4-step", T2V, "wan22_t2v_a14b_4step", WAN14B_BUDGETS,
                    _wan_16bit("t2v")),
-    RenderWorkflow("wan_t2v", "Wan 2.2 T2V-A14B", "wan22_t2v_a14b", WAN14B_BUDGETS, _wan_16bit("t2v")),
-    RenderWorkflow("wan_i2v", "Wan 2.2 I2V-A14B", "wan22_i2v_a14b", WAN14B_BUDGETS, _wan_16bit("i2v")),
-    RenderWorkflow("wan_i2v_4step", "Wan 2.2 I2V-A14B 4-step", "wan22_i2v_a14b", WAN14B_BUDGETS, _wan_16bit("i2v"),
-                   four_step_loras=I2V_LORAS),
-    RenderWorkflow("wan_ti2v_5b", "Wan 2.2 TI2V-5B", "wan22_ti2v_5b", WAN5B_BUDGETS, formats=("bf16", "pack_fp8")),
-    RenderWorkflow("qwen_t2i_4step", "Qwen-Image 4-step", "qwen_image_t2i_4step", QWEN_BUDGETS, QWEN_16BIT,
-                   formats=("fp8_scaled", "bf16"), swaps_blocks=False),
-    RenderWorkflow("qwen_t2i", "Qwen-Image", "qwen_image_t2i", QWEN_BUDGETS, QWEN_16BIT, formats=("fp8_scaled", "bf16"),
-                   swaps_blocks=False),
-    RenderWorkflow("qwen_edit", "Qwen-Image-Edit 2509", "", QWEN_BUDGETS, formats=("fp8_scaled",), swaps_blocks=False),
+    RenderWorkflow("wan_t2v", "Wan 2.2 T2V-A14B", T2V, "wan22_t2v_a14b", WAN14B_BUDGETS, _wan_16bit("t2v")),
+    RenderWorkflow("wan_i2v", "Wan 2.2 I2V-A14B", I2V, "wan22_i2v_a14b", WAN14B_BUDGETS, _wan_16bit("i2v")),
+    RenderWorkflow("wan_i2v_4step", "Wan 2.2 I2V-A14B 4-step", I2V, "wan22_i2v_a14b", WAN14B_BUDGETS,
+                   _wan_16bit("i2v"), four_step_loras=I2V_LORAS),
+    RenderWorkflow("wan_ti2v_5b", "Wan 2.2 TI2V-5B", TI2V, "wan22_ti2v_5b", WAN5B_BUDGETS, formats=("bf16", "pack_fp8"),
+                   layouts=("fp16", "pack_fp8")),
+    RenderWorkflow("qwen_t2i_4step", "Qwen-Image 4-step", QWEN, "qwen_image_t2i_4step", QWEN_BUDGETS, QWEN_16BIT,
+                   **QWEN_FORMATS),
+    RenderWorkflow("qwen_t2i", "Qwen-Image", QWEN, "qwen_image_t2i", QWEN_BUDGETS, QWEN_16BIT, **QWEN_FORMATS),
+    RenderWorkflow("qwen_edit", "Qwen-Image-Edit 2509", EDIT, "", QWEN_BUDGETS, formats=("fp8_scaled",),
+                   layouts=("fp8_e4m3fn",), swaps_blocks=False),
 )}
 
 
@@ -236,10 +247,10 @@ class Setup:
 SETUPS: dict[str, Setup] = {
     "native_best": Setup(True, "UNETLoader fp8_e4m3fn_fast, --use-ck-attention", "fp8_e4m3fn_fast", True),
     "native_default": Setup(True, "UNETLoader default, default attention"),
-    "pack": Setup(False, "the shipped workflow, Block Swap budget for the card"),
-    "pack_no_blockswap": Setup(False, "the shipped workflow without Block Swap", drop_block_swap=True),
-    "pack_int8": Setup(False, "the shipped workflow, Attention 8-bit", attention=INT8_BACKEND),
-    "pack_compile": Setup(False, "the shipped workflow + Torch Compile (node defaults)", compile=True),
+    "pack": Setup(False, "as shipped"),
+    "pack_no_blockswap": Setup(False, "Block Swap removed", drop_block_swap=True),
+    "pack_int8": Setup(False, "Attention 8-bit", attention=INT8_BACKEND),
+    "pack_compile": Setup(False, "+ Torch Compile (the node's defaults)", compile=True),
 }
 
 

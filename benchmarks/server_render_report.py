@@ -1,8 +1,10 @@
 """The render scenario's report: rows in the results index's common format, output comparisons, a markdown table.
 
-JSON: ``env`` (device, gpu, versions, commit, date, command) and ``rows``; each row names the native row it is
-compared with (``against``: native's best of the same workflow, card and memory manager) and ``ratio`` = that
-row's warm render seconds / this row's (above 1: this row is faster). Outputs are compared on the final latent each
+JSON: ``env`` (device, gpu, versions, commit, date, command), ``rows`` in the results index's common format
+(benchmarks/README.md; plus each render's split under ``renders``) and the server log digests under ``logs``. Each
+row names the native row it is compared with (``against``: native's best of the same workflow and card, the same
+DynamicVRAM flag and file format where one ran) and ``ratio`` = that row's warm render seconds / this row's (above
+1: this row is faster). Outputs are compared on the final latent each
 render saved (SaveLatent): the first-ever render of a row against the native row's (same seed and prompt) and
 against a 16-bit native default row of the workflow where one ran, and the row's cold render against its first-ever
 one; each as ``||a - b|| / ||b||`` (server.compare_latents). The markdown has one table per workflow and card: each
@@ -24,7 +26,8 @@ NATIVE = "native_best"
 REFERENCE = ("native_default", "bf16")  # the 16-bit reference: setup and file format
 # Every row has these (None where not measured): the keys the results index reads.
 ROW_KEYS = ("name", "model", "resolution", "frames", "steps", "card_gib", "file_format", "setup", "memory_manager",
-            "s_per_step", "render_s", "peak_vram_gib", "peak_rss_gib", "against", "ratio", "renders")
+            "s_per_step", "render_s", "peak_vram_gib", "peak_rss_gib", "against", "ratio", "renders", "side", "how",
+            "cfg", "lora", "status")
 
 
 def _ok(r: dict) -> bool:
@@ -32,30 +35,35 @@ def _ok(r: dict) -> bool:
 
 
 def finished_rows(path: Path) -> list[dict]:
-    """The finished rows of an earlier report (``--resume``), each marked with the file it came from; [] when none."""
+    """The finished rows of an earlier report (``--resume``) with their server logs, each marked with the file it
+    came from; [] when none."""
     if not path.is_file():
         return []
-    rows = json.loads(path.read_text(encoding="utf-8")).get("rows", [])
-    return [{**r, "source": r.get("source") or path.name} for r in rows if _ok(r)]
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    rows = [{**r, "source": r.get("source") or path.name} for r in doc.get("rows", []) if _ok(r)]
+    for r in rows:
+        for life, log in zip(r.get("lives") or [], (doc.get("logs") or {}).get(r["name"], []), strict=False):
+            life["log"] = log
+    return rows
 
 
 def native_row(row: dict, rows: list[dict]) -> dict | None:
     """The finished native's-best row ``row`` is compared with: same workflow and card, the same memory manager and
     file format where such a row ran, else the nearest; None for a native's-best row itself or when none finished."""
-    if row.get("setup") == NATIVE:
+    if row.get("setup_id") == NATIVE:
         return None
-    same = [r for r in rows if r.get("setup") == NATIVE and r.get("workflow") == row.get("workflow")
+    same = [r for r in rows if r.get("setup_id") == NATIVE and r.get("workflow") == row.get("workflow")
             and r.get("card_gib") == row.get("card_gib") and r is not row and _ok(r)]
 
     def rank(r: dict) -> tuple[bool, bool]:
-        return r.get("memory_manager") != row.get("memory_manager"), r.get("file_format") != row.get("file_format")
+        return r.get("dynamic_vram") != row.get("dynamic_vram"), r.get("format") != row.get("format")
 
     return min(same, key=rank) if same else None
 
 
 def reference_row(row: dict, rows: list[dict]) -> dict | None:
     """The 16-bit native default row of the workflow (the same card first), if one ran; None for itself."""
-    refs = [r for r in rows if (r.get("setup"), r.get("file_format")) == REFERENCE and _ok(r)
+    refs = [r for r in rows if (r.get("setup_id"), r.get("format")) == REFERENCE and _ok(r)
             and r.get("workflow") == row.get("workflow") and r is not row]
     return min(refs, key=lambda r: r.get("card_gib") != row.get("card_gib")) if refs else None
 
@@ -159,7 +167,7 @@ def table(rows: list[dict], all_rows: list[dict]) -> list[str]:
         native = next((n for n in all_rows if n["name"] == r.get("against")), None)
         status = r.get("status", "?") + (f": {_cell(r['error'])[:160]}" if r.get("error") else "")
         status += f" (from {r['source']})" if r.get("source") else ""
-        lines.append(f"| {r.get('setup')} | {r['name']} | " + " | ".join(_seconds(r, k, native) for k in KINDS)
+        lines.append(f"| {r.get('setup_id')} | {r['name']} | " + " | ".join(_seconds(r, k, native) for k in KINDS)
                      + f" | {_warm_split(r)} | {_f(r.get('s_per_step'), 3)} | {_f(r.get('peak_vram_gib'), 2)} | "
                      f"{_f(r.get('peak_rss_gib'), 2)} | {_error(r)} | {(native or {}).get('name', '—')} | {status} |")
     return lines
@@ -188,23 +196,27 @@ def markdown(rows: list[dict], env: dict, settings: dict) -> str:
               "||a - b|| / ||b|| of the final latents of the first-ever renders (same seed)."), ""]
     groups: dict[tuple[str, Any], list[dict]] = {}
     for r in rows:
-        groups.setdefault((r.get("model", r.get("workflow", "?")), r.get("card_gib")), []).append(r)
-    for (model, card), members in groups.items():
-        members.sort(key=lambda r: (r.get("setup") != NATIVE, r.get("name")))
+        groups.setdefault((r.get("title") or r.get("model") or "?", r.get("card_gib")), []).append(r)
+    for (title, card), members in groups.items():
+        members.sort(key=lambda r: (r.get("setup_id") != NATIVE, r.get("name")))
         first = members[0]
         facts = ", ".join(str(x) for x in (first.get("resolution"), first.get("frames") and f"{first['frames']} "
                                            "frames", first.get("steps") and f"{first['steps']} steps") if x)
-        lines += [f"## {model}, {_card(card)}", "", f"{facts}; in brackets: the 'against' row's seconds / the row's",
+        lines += [f"## {title}, {_card(card)}", "", f"{facts}; in brackets: the 'against' row's seconds / the row's",
                   "", *table(members, rows), ""]
     return "\n".join(lines)
 
 
 def write(out_dir: Path, stem: str, rows: list[dict], env: dict, settings: dict, latents: Path) -> list[Path]:
-    """``<stem>.json`` (``env``, ``settings``, ``rows``) and ``<stem>.md`` into ``out_dir``; the paths."""
+    """``<stem>.json`` (``env``, ``settings``, ``rows``, each row's server log digests under ``logs``) and
+    ``<stem>.md`` into ``out_dir``; the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     compare(rows, latents)
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
-    doc = {"scenario": "server_render", "env": env, "settings": settings, "rows": rows}
+    logs = {r["name"]: [life.get("log", []) for life in r["lives"]] for r in rows if r.get("lives")}
+    shown = [{**r, "lives": [{k: v for k, v in life.items() if k != "log"} for life in r["lives"]]}
+             if r.get("lives") else r for r in rows]
+    doc = {"scenario": "server_render", "env": env, "settings": settings, "rows": shown, "logs": logs}
     write_report(paths[0], json.dumps(doc, indent=1, default=str))
     write_report(paths[1], markdown(rows, env, settings))
     return paths

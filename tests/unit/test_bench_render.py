@@ -259,8 +259,11 @@ def test_smoke_graph_shrinks_and_stands_in_for_the_stock_text_encoder() -> None:
     assert [(i["steps"], i["start_at_step"], i["end_at_step"]) for i in _types(g)["KSamplerAdvanced"]] == \
         [(2, 0, 1), (2, 1, 10000)]
     assert sr.STAND_IN_CLIP in _types(g) and "CLIPLoader" not in _types(g)
-    assert sr.graph_facts(_graph("wan_t2v_4step")) == {"resolution": "832x480", "frames": 81, "steps": 4}
-    assert sr.graph_facts(_graph("qwen_t2i_4step")) == {"resolution": "1328x1328", "frames": None, "steps": 4}
+    assert sr.graph_facts(_graph("wan_t2v_4step")) == {"resolution": "832x480", "frames": 81, "steps": 4, "cfg": 1.0}
+    assert sr.graph_facts(_graph("wan_t2v")) == {"resolution": "832x480", "frames": 81, "steps": 20, "cfg": 3.5}
+    assert sr.graph_facts(_graph("qwen_t2i_4step")) == {"resolution": "1328x1328", "frames": None, "steps": 4,
+                                                        "cfg": 1.0}
+    assert sr.graph_facts(_graph("qwen_edit"))["resolution"] == "1024x1024"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -417,16 +420,18 @@ def _save_latent(path: Path, values: list[float]) -> None:
 def _row(name: str, setup: str, card: float | None, warm: float, status: str = "ok", **kw: object) -> dict:
     renders = {k: {"kind": k, "status": "ok", "total_s": t, "load_s": 1.0, "samplers": []}
                for k, t in (("first_ever", warm * 3), ("cold", warm * 2), ("warm", warm))}
-    return {"name": name, "workflow": "wan_t2v_4step", "model": "Wan 2.2 T2V-A14B 4-step", "setup": setup,
-            "card_gib": card, "memory_manager": "dynamic_vram", "file_format": "fp8_scaled", "status": status,
-            "render_s": warm, "renders": renders, "resolution": "832x480", "frames": 81, "steps": 4, **kw}
+    return {"name": name, "workflow": "wan_t2v_4step", "title": "Wan 2.2 T2V-A14B 4-step", "model": "Wan 2.2 T2V-A14B",
+            "setup_id": setup, "setup": f"{setup} as wired", "card_gib": card, "dynamic_vram": True,
+            "format": "fp8_scaled", "file_format": "fp8_scaled", "status": status, "render_s": warm,
+            "renders": renders, "lives": [{"renders": ["first_ever"], "log": [f"{name} log line"]}],
+            "resolution": "832x480", "frames": 81, "steps": 4, **kw}
 
 
 def test_report_compares_rows_with_the_native_row_of_their_card(tmp_path: Path) -> None:
     rows = [_row("n12", "native_best", 12.0, 40.0), _row("p12", "pack", 12.0, 20.0),
             _row("n24", "native_best", 24.0, 30.0), _row("p24", "pack", 24.0, 60.0),
-            _row("ref", "native_default", None, 50.0, file_format="bf16"),
-            {"name": "skipped", "setup": "pack", "status": "skipped", "error": "not started: time budget"}]
+            _row("ref", "native_default", None, 50.0, format="bf16", file_format="fp16"),
+            {"name": "skipped", "setup_id": "pack", "status": "skipped", "error": "not started: time budget"}]
     latents = tmp_path / "latents"
     _save_latent(latents / "n12.first_ever.latent", [1.0, 2.0, 2.0])
     _save_latent(latents / "p12.first_ever.latent", [1.0, 2.0, 2.3])
@@ -436,7 +441,8 @@ def test_report_compares_rows_with_the_native_row_of_their_card(tmp_path: Path) 
                      latents)
     doc = json.loads(paths[0].read_text())
     by = {r["name"]: r for r in doc["rows"]}
-    assert set(doc) == {"scenario", "env", "settings", "rows"}
+    assert set(doc) == {"scenario", "env", "settings", "rows", "logs"}
+    assert doc["logs"]["p12"] == [["p12 log line"]] and "log" not in by["p12"]["lives"][0]
     assert (by["p12"]["against"], by["p12"]["ratio"]) == ("n12", 2.0)
     assert (by["p24"]["against"], by["p24"]["ratio"]) == ("n24", 0.5)
     assert by["n12"]["against"] is None and by["n12"]["ratio"] is None
@@ -452,6 +458,7 @@ def test_report_compares_rows_with_the_native_row_of_their_card(tmp_path: Path) 
     assert "| native_best | n12 |" in md.split("| pack | p12")[0]
     assert rr.finished_rows(paths[0]) and all(r["source"] == "core.json" for r in rr.finished_rows(paths[0]))
     assert {r["name"] for r in rr.finished_rows(paths[0])} == {"n12", "p12", "n24", "p24", "ref"}
+    assert rr.finished_rows(paths[0])[1]["lives"][0]["log"] == ["p12 log line"]  # --resume keeps the logs
 
 
 def test_a_row_is_compared_with_a_finished_native_row_only(tmp_path: Path) -> None:
@@ -498,3 +505,29 @@ def test_the_model_writer_child_runs(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "took.json").read_text()) == {}
     with pytest.raises(sr.subprocess.CalledProcessError):
         sr.run_child("raise SystemExit(3)")
+
+
+def test_rows_carry_the_common_format_fields() -> None:
+    """The fields the results index reads, in its vocabulary (benchmarks/README.md, 'The common format')."""
+    heads = {r.name: sr.head(r) for r in sr.CORE}
+    wan, qwen = heads["wan_t2v_4step_pack_12gb"], heads["qwen_t2i_4step_native_best_24gb"]
+    assert (wan["model"], wan["file_format"], wan["memory_manager"], wan["side"], wan["lora"], wan["how"]) == \
+        ("Wan 2.2 T2V-A14B", "fp8_scaled", "Block Swap", "pack", "4-step LoRA", "server")
+    assert wan["setup"] == "workflows/wan22_t2v_a14b_4step.json, as shipped, Block Swap budget 10 GB"
+    assert (qwen["model"], qwen["file_format"], qwen["memory_manager"], qwen["side"]) == \
+        ("Qwen-Image", "fp8_e4m3fn", "DynamicVRAM", "native")
+    assert qwen["setup"].endswith("UNETLoader fp8_e4m3fn_fast, --use-ck-attention")
+    assert heads["wan_t2v_4step_pack_no_blockswap_whole"]["memory_manager"] == "DynamicVRAM"
+    legacy = sr.head(sr.make_row("wan_t2v", "native_default", None, False, "bf16"))
+    assert (legacy["memory_manager"], legacy["file_format"], legacy["lora"]) == ("ComfyUI legacy loading", "fp16", None)
+    assert sr.head(sr.make_row("wan_t2v_4step", "pack", None))["setup"].endswith("budget 0 GB (all free VRAM)")
+    assert {h["model"] for h in map(sr.head, sr.all_rows().values())} <= {
+        "Wan 2.2 T2V-A14B", "Wan 2.2 I2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image", "Qwen-Image-Edit"}
+
+
+def test_empty_image_replaces_the_loaded_image_at_the_rendered_size() -> None:
+    g = sr.empty_images(_graph("wan_i2v"))
+    assert "LoadImage" not in _types(g) and _types(g)["EmptyImage"][0]["width"] == 832
+    assert _problems(g) == []
+    e = sr.empty_images(_graph("qwen_edit", "native_best"))
+    assert (_types(e)["EmptyImage"][0]["width"], _types(e)["EmptyImage"][0]["height"]) == (1024, 1024)
