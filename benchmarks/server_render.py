@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,6 +57,8 @@ RENDER_ESTIMATE_S = {"wan_t2v_4step": 40, "wan_t2v": 220, "wan_i2v": 220, "wan_i
 SMALL_CARD_FACTOR = 1.3  # 12 GB and less: weights streamed every step
 SERVER_START_S = 20.0
 OOM = re.compile(r"out of memory|OutOfMemory|OOM", re.IGNORECASE)
+SMOKE_OUT = Path(tempfile.gettempdir()) / "server_render_smoke"
+EDIT_IMAGE = (1024, 1024)  # the Edit reference image: FluxKontextImageScale keeps 1024x1024 (1 MP)
 WRITE_GB_PER_S = 0.8  # --write-models: synthetic files generated on the GPU and written
 
 
@@ -373,8 +376,6 @@ def graph_facts(graph: dict) -> dict:
     return out
 
 
-EDIT_IMAGE = (1024, 1024)  # the Edit reference image: FluxKontextImageScale keeps 1024x1024 (1 MP)
-
 
 def public(text: str, opts: argparse.Namespace) -> str:
     """Text as results may show it: the scratch folder as $WORK, ComfyUI's as <ComfyUI>, no other machine path."""
@@ -549,12 +550,29 @@ def estimate_s(ctx: RunContext, row: RenderRow) -> float:
 
 
 def _file_gb(name: str) -> float:
-    """A full-size model file's size in GB, roughly, from its name."""
-    for key, gb in (("14B_fp16", 28.6), ("14B_fp8", 14.3), ("5B", 10.0), ("qwen_image_bf16", 40.9),
-                    ("qwen_image", 20.4), ("umt5", 6.7), ("qwen_2.5_vl_7b_fp8", 8.3), ("qwen_2.5_vl", 16.6)):
+    """A full-size model file's size in GB, roughly, from its name (a LoRA's when no other key matches)."""
+    for key, gb in (("wan2.2_vae", 1.4), ("vae", 0.3), ("14B_fp16", 28.6), ("14B_fp8", 14.3), ("5B", 10.0),
+                    ("qwen_image_bf16", 40.9), ("qwen_image", 20.4), ("umt5", 6.7), ("qwen_2.5_vl_7b_fp8", 8.3),
+                    ("qwen_2.5_vl", 16.6)):
         if key in name:
             return gb
     return 1.3
+
+
+def in_order(ctx: RunContext, started: float) -> Callable[[RenderRow], float]:
+    """The time estimate ``server.run_rows`` checks against ``--deadline``, made to stop the run at the first row
+    that would not finish in time: that row and every later one are recorded as skipped, so ``--resume`` goes on
+    in the same order (and no later row's model files replace the ones a skipped row needs)."""
+    stopped = []
+
+    def estimate(row: RenderRow) -> float:
+        seconds = estimate_s(ctx, row)
+        if stopped or (ctx.opts.deadline and time.monotonic() - started + seconds > ctx.opts.deadline):
+            stopped.append(row.name)
+            return math.inf
+        return seconds
+
+    return estimate
 
 
 def smoke_skip(row: RenderRow) -> str | None:
@@ -619,7 +637,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve-estimate", type=float, default=0.0, help="seconds a row is assumed to take (default: "
                    "from its workflow, card and renders)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one render may take")
-    p.add_argument("--out", type=Path, default=harness.RESULTS / "render", help="where the json/md go")
+    p.add_argument("--out", type=Path, default=None, help="where the json/md go (default benchmarks/results/render; "
+                   f"with --smoke {SMOKE_OUT}, never the results the index reads)")
     p.add_argument("--stem", default=None, help="result file name stem (default: the --rows text)")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir, removed after)")
     p.add_argument("--resume", action="store_true", help="keep the finished rows of <out>/<stem>.json, run the rest")
@@ -647,6 +666,7 @@ def _prepare(opts: argparse.Namespace) -> tuple[list[RenderRow], tuple[str, ...]
         opts.models = opts.work / "models"
     for folder in cli_server.MODEL_FOLDERS:
         (opts.models / folder).mkdir(parents=True, exist_ok=True)
+    opts.out = opts.out or (SMOKE_OUT if opts.smoke else harness.RESULTS / "render")
     opts.stem = opts.stem or (opts.rows if opts.rows.replace("_", "").isalnum() else "server_render")
     return rows, kinds, own_work
 
@@ -679,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
         return report.write(opts.out, opts.stem, records, env, settings, opts.work / "latents")
 
     server.run_rows(ctx.rows, lambda r: run_row(ctx, r), head, written, results, started, opts.deadline,
-                    lambda r: estimate_s(ctx, r))
+                    in_order(ctx, started))
     paths = written(results)
     if own_work and not opts.keep_logs:
         shutil.rmtree(opts.work, ignore_errors=True)

@@ -353,6 +353,7 @@ def test_estimates_grow_with_renders_cards_and_missing_files(tmp_path: Path) -> 
     assert sr.estimate_s(ctx, small) > sr.estimate_s(ctx, whole) > 2 * sr.RENDER_ESTIMATE_S["wan_t2v_4step"]
     writing = sr.RunContext(opts, sr.ModelFiles(tmp_path, write=True), 143.0, "", "0.33.0", ctx.renders)
     assert sr.estimate_s(writing, whole) > sr.estimate_s(ctx, whole) + 40  # ~38 GB to write
+    assert sr._file_gb("qwen_image_vae.safetensors") < 1 < sr._file_gb("qwen_image_fp8_e4m3fn.safetensors")
     assert sr.estimate_s(sr.RunContext(argparse.Namespace(reserve_estimate=7.0), ctx.models, 1.0, "", "", ()),
                          whole) == 7.0
 
@@ -531,3 +532,45 @@ def test_empty_image_replaces_the_loaded_image_at_the_rendered_size() -> None:
     assert _problems(g) == []
     e = sr.empty_images(_graph("qwen_edit", "native_best"))
     assert (_types(e)["EmptyImage"][0]["width"], _types(e)["EmptyImage"][0]["height"]) == (1024, 1024)
+
+
+def test_cli_defaults_and_refusals(tmp_path: Path) -> None:
+    (tmp_path / "main.py").write_text("")
+    base = ["--comfyui", str(tmp_path), "--work", str(tmp_path / "work")]
+
+    def prepare(*args: str) -> tuple[argparse.Namespace, list, tuple]:
+        opts = sr.parser().parse_args([*base, *args])
+        rows, kinds, own = sr._prepare(opts)
+        assert not own
+        return opts, rows, kinds
+
+    opts, rows, kinds = prepare("--models", str(tmp_path / "models"))
+    assert kinds == sr.CORE_RENDERS and len(rows) == len(sr.CORE) and opts.stem == "core"
+    assert opts.out == sr.harness.RESULTS / "render" and (tmp_path / "models" / "loras").is_dir()
+    opts, rows, kinds = prepare("--smoke", "--rows", "wan_t2v_4step", "--cards", "whole")
+    assert kinds == sr.RENDERS and opts.out == sr.SMOKE_OUT and opts.models == (tmp_path / "work" / "models").resolve()
+    assert [r.name for r in rows] == ["wan_t2v_4step_native_best_whole", "wan_t2v_4step_pack_whole",
+                                      "wan_t2v_4step_pack_no_blockswap_whole"]
+    for bad, message in ((["--smoke", "--write-models"], "pick one"), (["--renders", "warm,hot"], "unknown hot"),
+                         ([], "--models")):
+        with pytest.raises(SystemExit, match=message):
+            prepare(*bad)
+    with pytest.raises(SystemExit, match="main.py"):
+        sr._prepare(sr.parser().parse_args(["--comfyui", str(tmp_path / "nowhere"), "--smoke"]))
+
+
+def test_the_deadline_stops_the_run_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a row would not finish in time, it and every later row are skipped (even a shorter one), so --resume
+    continues where the run stopped."""
+    opts = argparse.Namespace(reserve_estimate=0.0, deadline=400.0)
+    ctx = sr.RunContext(opts, sr.ModelFiles(tmp_path), 143.0, "", "0.33.0", sr.CORE_RENDERS)
+    rows = [sr.make_row("wan_t2v_4step", "pack", 12.0), sr.make_row("wan_t2v_4step", "pack", None),
+            sr.make_row("qwen_t2i_4step", "pack", 24.0)]
+    ran: list[str] = []
+    monkeypatch.setattr(sr.time, "monotonic", lambda: 250.0 if ran else 0.0)  # the first row took 250 s
+    results: list[dict] = []
+    sr.server.run_rows(rows, lambda r: ran.append(r.name) or {"status": "ok"}, sr.head, lambda done: None, results,
+                       0.0, opts.deadline, sr.in_order(ctx, 0.0))
+    assert sr.estimate_s(ctx, rows[1]) + 250 > opts.deadline > sr.estimate_s(ctx, rows[2]) + 250
+    assert ran == [rows[0].name]  # the Qwen row would fit, but it comes after one that does not
+    assert [r["status"] for r in results] == ["ok", "skipped", "skipped"]
