@@ -72,6 +72,9 @@ SCENARIOS: dict[str, Scenario] = {
                                 server="SCENARIO"),
     "server_qwen_edit": Scenario("Qwen-Image-Edit at an 8 GB card through a server: the template vs the Edit "
                                  "Staged Loader + Block Swap", "server_qwen", server="EDIT_SCENARIO"),
+    "server_render": Scenario("whole renders, Queue to output file, first-ever / warm / cold, through fresh servers: "
+                              "each shipped workflow vs its native equivalent per card, split by stage",
+                              "server_render"),
 }
 
 

@@ -231,10 +231,21 @@ def prepare_base(base: Path, models: Path, probe: bool = False) -> list[str]:
     return ["--extra-model-paths-config", str(yaml), "--output-directory", str(base / "output")]
 
 
-def measure(server: cli_server.ComfyServer, graph: dict, timeout: float, sampler_nodes: tuple[str, ...],
-            probe_dir: Path | None = None) -> dict:
-    """Queue ``graph`` and measure it: step times of ``sampler_nodes`` (in the order they run), node times, memory
-    peaks (and the Kernel Profile node's results from ``probe_dir``)."""
+@dataclass
+class PromptRun:
+    """One queued graph as the runner saw it: websocket events, history entry, wall time, memory samples."""
+
+    events: list[tuple[float, dict]]  # (time.monotonic() on arrival, message)
+    entry: dict  # the prompt's /history entry
+    posted_at: float  # time.monotonic() right before the POST
+    wall_s: float  # from the POST until /history showed the prompt finished
+    watch: MemoryWatch  # the server process's memory, sampled from before the POST
+    watch_started: float  # time.monotonic() when the memory samples' clock started
+
+
+def run_prompt(server: cli_server.ComfyServer, graph: dict, timeout: float) -> PromptRun:
+    """Queue ``graph`` with the websocket and the memory watch on, and wait until it finished (or failed); a graph
+    the server refuses raises RunError naming the node errors."""
     cid = uuid.uuid4().hex
     with EventRecorder(server.url, cid) as rec:
         t_watch = time.monotonic()
@@ -247,7 +258,15 @@ def measure(server: cli_server.ComfyServer, graph: dict, timeout: float, sampler
             entry = server.wait(body["prompt_id"], timeout)
             wall = time.monotonic() - t0
         time.sleep(0.3)  # the last websocket messages
-    events = rec.events
+    return PromptRun(rec.events, entry, t0, wall, watch, t_watch)
+
+
+def measure(server: cli_server.ComfyServer, graph: dict, timeout: float, sampler_nodes: tuple[str, ...],
+            probe_dir: Path | None = None) -> dict:
+    """Queue ``graph`` and measure it: step times of ``sampler_nodes`` (in the order they run), node times, memory
+    peaks (and the Kernel Profile node's results from ``probe_dir``)."""
+    run = run_prompt(server, graph, timeout)
+    events, entry, wall, watch, t_watch = run.events, run.entry, run.wall_s, run.watch, run.watch_started
     per_node = [step_times(events, n) for n in sampler_nodes]
     probe = server_probe.read_probe(probe_dir) if probe_dir is not None else None
     if probe:
@@ -424,14 +443,15 @@ def pick_rows(spec: str, table: dict[str, R], groups: dict[str, list[str]]) -> l
 
 def run_rows(rows: Sequence[R], run_one: Callable[[R], dict], head: Callable[[R], dict],
              written: Callable[[list[dict]], object], results: list[dict], started: float, deadline: float = 0.0,
-             reserve_estimate: float = 90.0) -> list[dict]:
+             reserve_estimate: float | Callable[[R], float] = 90.0) -> list[dict]:
     """``run_one`` each row, appending to ``results`` and calling ``written(results)`` after each. A row that would
-    start later than ``deadline`` s after ``started`` minus ``reserve_estimate`` (0: no deadline) is recorded as
-    skipped; ``head(row)`` gives the name/what/variant keys."""
+    start later than ``deadline`` s after ``started`` minus ``reserve_estimate`` (seconds, or a function of the row;
+    0: no deadline) is recorded as skipped; ``head(row)`` gives the name/what/variant keys."""
     for row in rows:
         what = head(row)
         elapsed = time.monotonic() - started
-        if deadline and elapsed + reserve_estimate > deadline:
+        needs = reserve_estimate(row) if callable(reserve_estimate) else reserve_estimate
+        if deadline and elapsed + needs > deadline:
             print(f"skip {what['name']}: {elapsed:.0f} s used of the {deadline:.0f} s deadline", flush=True)
             results.append({**what, "status": "skipped", "error": "not started: time budget"})
             continue

@@ -1,0 +1,708 @@
+"""Scenario ``server_render``: the render users feel, Queue to output file through a real ComfyUI server.
+
+A row is a workflow (server_render_graphs.WORKFLOWS) x card (``--reserve-vram`` = total - card, or the whole GPU) x
+memory manager (DynamicVRAM on, ComfyUI's default, or ``--disable-dynamic-vram``) x model file format x setup
+(native's best, the pack's shipped workflow, the pack with other node settings). Each row renders, one server
+life after another:
+1. ``first_ever``: a fresh server with empty caches: its own Triton, TorchInductor and CUDA kernel caches and its
+   own ComfyUI user folder (where the pack keeps its timed decisions and text embeddings);
+2. ``warm``: the same graph again, only the noise seed changed (an identical prompt would come from ComfyUI's cache);
+3. ``warm_new_prompt``: a new seed and a new positive prompt (the text encode runs again);
+4. ``cold``: the server stopped, a fresh one started with the first one's caches and user folder, the graph queued.
+Each render is timed from the POST to /history showing it done, its output files checked, and split
+(server_render_split) into load, text encode, each sampler's steps, VAE decode and save; the server's peak RSS
+(anonymous and file-backed) and GPU memory are sampled during it. A failed render or row is recorded and the next
+row runs; the reports (server_render_report) are rewritten after every row. The OS page cache is not dropped:
+model files read by an earlier row (or written just before) come from RAM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from comfyui_lowvram_dit.benchmarks import harness, server
+from comfyui_lowvram_dit.benchmarks import server_qwen as bq
+from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
+from comfyui_lowvram_dit.benchmarks import server_render_report as report
+from comfyui_lowvram_dit.benchmarks.server_render_split import split
+from comfyui_lowvram_dit.cli import server as cli_server
+from comfyui_lowvram_dit.cli import workflow as cli_workflow
+from comfyui_lowvram_dit.cli import workflow_models
+
+RENDERS = ("first_ever", "warm", "warm_new_prompt", "cold")
+SEED_OFFSET = {"first_ever": 0, "warm": 1, "warm_new_prompt": 2, "cold": 0}
+CARDS = (8.0, 12.0, 16.0, 24.0, None)
+FIXTURE_NODES = harness.PACK_ROOT / "tests" / "fixture_nodes"  # smoke only: the stand-in CLIPLoader
+FIXTURE_FOLDER = "zz_lowvram_dit_test_nodes"
+STAND_IN_CLIP = "LowVRAMTest_StreamedCLIPLoader"
+CACHE_ENV = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor", "CUDA_CACHE_PATH": "cuda"}
+# Rough mean seconds of one render on one H100/H200 (page cache warm; first-ever and cold above it, warm below),
+# for --deadline, from the server scenarios' step times and walls at the workflows' steps and sizes.
+RENDER_ESTIMATE_S = {"wan_t2v_4step": 40, "wan_t2v": 220, "wan_i2v": 220, "wan_i2v_4step": 45, "wan_ti2v_5b": 150,
+                     "qwen_t2i_4step": 25, "qwen_t2i": 70, "qwen_edit": 90}
+SMALL_CARD_FACTOR = 1.3  # 12 GB and less: weights streamed every step
+SERVER_START_S = 20.0
+OOM = re.compile(r"out of memory|OutOfMemory|OOM", re.IGNORECASE)
+SMOKE_OUT = Path(tempfile.gettempdir()) / "server_render_smoke"
+EDIT_IMAGE = (1024, 1024)  # the Edit reference image: FluxKontextImageScale keeps 1024x1024 (1 MP)
+WRITE_GB_PER_S = 0.8  # --write-models: synthetic files generated on the GPU and written
+
+
+@dataclass(frozen=True)
+class RenderRow:
+    """One measured configuration: workflow, setup, card, memory manager and file format."""
+
+    name: str
+    workflow: str  # a key of server_render_graphs.WORKFLOWS
+    setup: str  # a key of server_render_graphs.SETUPS
+    card_gib: float | None = None  # None: the whole GPU
+    dynamic_vram: bool = True  # False: --disable-dynamic-vram
+    file_format: str = "fp8_scaled"
+
+    @property
+    def spec(self) -> rg.RenderWorkflow:
+        """The row's workflow."""
+        return rg.WORKFLOWS[self.workflow]
+
+    def server_args(self, total_vram_gib: float) -> list[str]:
+        """ComfyUI flags of this row on a GPU of ``total_vram_gib``."""
+        return server.server_flags(self.name, total_vram_gib, self.card_gib, rg.SETUPS[self.setup].ck_attention,
+                                   self.dynamic_vram)
+
+
+def card_label(card: float | None) -> str:
+    """``12gb`` or ``whole``."""
+    return "whole" if card is None else f"{card:g}gb"
+
+
+def make_row(workflow: str, setup: str, card: float | None, dynamic_vram: bool = True,
+             file_format: str | None = None) -> RenderRow:
+    """The row of these settings, named ``<workflow>_<setup>_<card>[_legacy][_<format>]`` (the workflow's own file
+    format and DynamicVRAM left out of the name)."""
+    wf = rg.WORKFLOWS[workflow]
+    fmt = file_format or wf.default_format
+    name = "_".join([workflow, setup, card_label(card), *([] if dynamic_vram else ["legacy"]),
+                     *([] if fmt == wf.default_format else [fmt])])
+    return RenderRow(name, workflow, setup, card, dynamic_vram, fmt)
+
+
+def all_rows() -> dict[str, RenderRow]:
+    """Every valid row by name."""
+    rows = [make_row(w, s, c, d, f) for w, wf in rg.WORKFLOWS.items() for s in rg.SETUPS for c in CARDS
+            for d in (True, False) for f in wf.formats]
+    return {r.name: r for r in rows if rg.setup_applies(r.spec, r.setup, r.file_format) is None}
+
+
+# What most users run: Wan 2.2 T2V-A14B 4-step at 12 GB, 24 GB and the whole GPU, Qwen-Image 4-step at 12 and 24 GB.
+CORE = [make_row("wan_t2v_4step", s, c) for c in (12.0, 24.0, None)
+        for s in ("native_best", "pack", "pack_no_blockswap")]
+CORE += [make_row("qwen_t2i_4step", s, c) for c in (12.0, 24.0) for s in ("native_best", "pack")]
+CORE_RENDERS = ("first_ever", "cold", "warm")
+DEFAULT_SETUPS = ("native_best", "pack", "pack_no_blockswap")
+GROUPS = {"core": [r.name for r in CORE]}
+
+
+def parse_cards(spec: str | None) -> list[float | None] | None:
+    """``12,24,whole`` -> [12.0, 24.0, None]; None when not given."""
+    if not spec:
+        return None
+    out: list[float | None] = []
+    for item in (s.strip().lower() for s in spec.split(",") if s.strip()):
+        out.append(None if item in ("whole", "none", "all") else float(item.removesuffix("gb")))
+    return out
+
+
+def pick_rows(opts: argparse.Namespace) -> list[RenderRow]:
+    """The rows of ``--rows`` (row names, ``core``, workflow keys or ``all``; a workflow expands over
+    ``--setups`` x ``--cards`` x ``--memory`` x ``--formats``), filtered to ``--cards`` when given, each once."""
+    table, cards = all_rows(), parse_cards(opts.cards)
+    setups = [s.strip() for s in opts.setups.split(",") if s.strip()]
+    memory = [m.strip() == "on" for m in opts.memory.split(",") if m.strip()]
+    formats = [f.strip() for f in opts.formats.split(",") if f.strip()] if opts.formats else [None]
+    picked: list[RenderRow] = []
+    for item in (s.strip() for s in opts.rows.split(",") if s.strip()):
+        if item in GROUPS:
+            picked += [table[n] for n in GROUPS[item] if cards is None or table[n].card_gib in cards]
+        elif item in rg.WORKFLOWS or item == "all":
+            keys = list(rg.WORKFLOWS) if item == "all" else [item]
+            candidates = [make_row(w, s, c, d, f or rg.WORKFLOWS[w].default_format) for w in keys for c in
+                          (cards or [12.0, 24.0, None]) for f in formats for d in memory for s in setups]
+            picked += [r for r in candidates if r.name in table]
+        elif item in table:
+            picked.append(table[item])
+        else:
+            raise SystemExit(f"--rows: unknown {item!r}: a row name, a group ({', '.join(GROUPS)}), a workflow "
+                             f"({', '.join(rg.WORKFLOWS)}) or all")
+    return list({r.name: r for r in picked}.values())
+
+
+def setup_text(row: RenderRow) -> str:
+    """The row's nodes and options as a user would wire them."""
+    wf, setup = row.spec, rg.SETUPS[row.setup]
+    source = f"workflows/{wf.shipped}.json" if wf.shipped else "the Qwen-Image-Edit 2509 graph"
+    if setup.native:
+        return f"native equivalent of {source}: {setup.what}"
+    if setup.drop_block_swap:
+        return f"{source}, {setup.what}"
+    budget = wf.budgets[row.card_gib]
+    return f"{source}, {setup.what}, Block Swap budget {budget:g} GB" + ("" if budget else " (all free VRAM)")
+
+
+def describe(row: RenderRow) -> str:
+    """One line saying what a row runs."""
+    where = "whole GPU" if row.card_gib is None else f"{row.card_gib:g} GB card"
+    memory = "DynamicVRAM" if row.dynamic_vram else "legacy loading (--disable-dynamic-vram)"
+    return f"{row.spec.title}: {setup_text(row)}, {row.file_format} files, {memory}, {where}"
+
+
+def memory_manager(row: RenderRow) -> str:
+    """Who keeps the diffusion model's weights, as the results index names it: Block Swap where the graph has it
+    (the Qwen-Image staged loaders always do), else ComfyUI by the server's flag."""
+    setup = rg.SETUPS[row.setup]
+    if not setup.native and not setup.drop_block_swap:
+        return "Block Swap"
+    return "DynamicVRAM" if row.dynamic_vram else "ComfyUI legacy loading"
+
+
+def head(row: RenderRow) -> dict:
+    """The keys every record of ``row`` starts with (the results index's common row fields among them)."""
+    wf, setup = row.spec, rg.SETUPS[row.setup]
+    return {"name": row.name, "what": describe(row), "variant": asdict(row), "workflow": row.workflow,
+            "title": wf.title, "model": wf.model, "shipped": f"workflows/{wf.shipped}.json" if wf.shipped else None,
+            "setup": setup_text(row), "setup_id": row.setup, "side": "native" if setup.native else "pack",
+            "how": "server", "card_gib": row.card_gib, "format": row.file_format,
+            "file_format": wf.layout(row.file_format), "memory_manager": memory_manager(row),
+            "dynamic_vram": row.dynamic_vram, "lora": "4-step LoRA" if "4step" in row.workflow else None,
+            "files": rg.model_files(wf, row.file_format)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# model files
+
+
+def _synthetic(path: Path) -> bool:
+    """Whether ``path`` is a file this pack wrote: a synthetic model / LoRA, or a quantized copy."""
+    meta = workflow_models._header(path).get("__metadata__", {})
+    return meta.get("synthetic") == workflow_models.SYNTHETIC_MARK or "lowvram-fp8" in path.name
+
+
+@dataclass
+class ModelFiles:
+    """The model folder of a run: full-size synthetic files written when a row first needs them, the files no
+    later row needs deleted first (``free_disk``); only files this pack wrote are ever deleted."""
+
+    models: Path
+    write: bool = False
+    free_disk: bool = False
+    took: dict[str, float] = field(default_factory=dict)
+    freed: list[str] = field(default_factory=list)
+
+    def missing(self, names: Sequence[str]) -> list[str]:
+        """The names of ``names`` not in any model folder yet."""
+        return [n for n in names if not any(self.models.glob(f"*/{n}"))]
+
+    def prepare(self, row: RenderRow, later: Sequence[RenderRow]) -> None:
+        """Make the files of ``row`` present (``later``: the rows after it, whose files are kept)."""
+        need = rg.model_files(row.spec, row.file_format)
+        missing = self.missing(need)
+        if not missing:
+            return
+        if not self.write:
+            raise cli_server.RunError(f"model files missing under --models: {', '.join(missing)}; put them there or "
+                                      "pass --write-models (full-size synthetic files)")
+        if self.free_disk:
+            keep = {n for r in (row, *later) for n in rg.model_files(r.spec, r.file_format)}
+            for path in sorted(p for p in self.models.glob("*/*.safetensors") if p.name not in keep):
+                if _synthetic(path):
+                    path.unlink()
+                    self.freed.append(path.name)
+                    print(f"model {path.name}: deleted (--free-disk; no later row loads it)", flush=True)
+        result = self.models / ".write_models.json"
+        run_child(WRITE_CHILD, str(self.models), str(result), *missing)
+        self.took.update(json.loads(result.read_text(encoding="utf-8")))
+        result.unlink()
+
+
+def quantized_copies(models: Path, row: RenderRow) -> list[tuple[Path, Path]]:
+    """(16-bit source, the Wan Loader's saved fp8 copy of it) for every Wan Loader file of ``row``'s graph."""
+    from comfyui_lowvram_dit.checkpoints import wan as wc
+
+    wf = row.spec
+    sources = [n for n in rg.model_files(wf, "bf16") if "_14B_" in n or "_5B_" in n]
+    found = [p for n in sources for p in models.glob(f"diffusion_models/{n}")]
+    return [(p, wc.quantized_path_for(p, "per_tensor", 128)) for p in found]
+
+
+# Children that touch the GPU, so this process never holds a CUDA context (an emulated card is total - reserve of
+# what is free: memory held here would shrink it).
+WRITE_CHILD = ("import json, sys; from pathlib import Path; from comfyui_lowvram_dit.benchmarks import server; "
+               "took = server.write_models(Path(sys.argv[1]), sys.argv[3:]); "
+               "Path(sys.argv[2]).write_text(json.dumps(took))")
+QUANTIZE_CHILD = ("import sys; from comfyui_lowvram_dit.checkpoints import wan as wc; src = sys.argv[1]; "
+                  "loaded = wc.load_wan_state_dict(src, 'per_tensor', 128, device=sys.argv[2]); "
+                  "wc.save_quantized(loaded, wc.quantized_path_for(src, 'per_tensor', 128), src)")
+
+
+def run_child(code: str, *args: str) -> None:
+    """Python ``code`` with ``args`` in a child process that imports this checkout; CalledProcessError if it fails."""
+    shim = harness._package_shim()
+    try:
+        subprocess.run([sys.executable, "-c", code, *args], env=harness._child_env(shim), check=True, timeout=3600)
+    finally:
+        shutil.rmtree(shim, ignore_errors=True)
+
+
+def save_pack_copies(copies: list[tuple[Path, Path]], device: str) -> float:
+    """Write the Wan Loader's saved fp8 copy of each source that has none (what its save_quantized does), in a child
+    process; seconds taken."""
+    t0 = time.monotonic()
+    for src, copy in copies:
+        if not copy.is_file():
+            print(f"model {copy.name}: writing the pack's saved fp8 copy", flush=True)
+            run_child(QUANTIZE_CHILD, str(src), device)
+    return round(time.monotonic() - t0, 1)
+
+
+@contextmanager
+def pack_copies_for(row: RenderRow, models: Path, device: str, record: dict) -> Iterator[None]:
+    """The Wan Loader picks its saved fp8 copy up by itself: a ``pack_fp8`` row gets the copies (written when
+    missing), a 16-bit pack row runs with them moved aside (restored afterwards)."""
+    copies = quantized_copies(models, row) if row.workflow.startswith("wan") else []
+    hidden: list[tuple[Path, Path]] = []
+    if row.file_format == "pack_fp8":
+        record["pack_copy_write_s"] = save_pack_copies(copies, device)
+    elif row.file_format == "bf16" and not rg.SETUPS[row.setup].native:
+        for _, copy in copies:
+            if copy.is_file():
+                hidden.append((copy, copy.with_name(copy.name + ".aside")))
+                copy.rename(hidden[-1][1])
+    try:
+        yield
+    finally:
+        for copy, aside in hidden:
+            aside.rename(copy)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one row
+
+
+@dataclass
+class RunContext:
+    """What every row of a run shares."""
+
+    opts: argparse.Namespace
+    models: ModelFiles
+    total_vram_gib: float
+    host_flags: str  # ComfyUI's comfy/cli_args.py source: which flags this host knows
+    comfyui_version: str
+    renders: tuple[str, ...]
+    rows: list[RenderRow] = field(default_factory=list)
+
+
+def supported_flags(flags: list[str], host_flags: str) -> tuple[list[str], list[str]]:
+    """(flags this ComfyUI knows, the ones it does not) by their names in its cli_args.py."""
+    known, left = [], []
+    for f in flags:
+        (known if f.split("=")[0] in host_flags else left).append(f)
+    return known, left
+
+
+def smoke_graph(graph: dict, native: bool) -> dict:
+    """A graph shrunk for tiny models on the CPU (64 px, 5 frames, 2 steps; the tiny stand-in of a fixed-size VAE;
+    for a native graph the stand-in CLIPLoader that reads the 2-layer encoder's sizes from the file)."""
+    graph = cli_workflow.apply_overrides(graph, cli_workflow.tiny_overrides(graph))
+    workflow_models.swap_tiny_vaes(graph)
+    if native:
+        for n in graph.values():
+            if n["class_type"] == "CLIPLoader":
+                n["class_type"] = STAND_IN_CLIP
+    return graph
+
+
+def empty_images(graph: dict) -> dict:
+    """``graph`` with each LoadImage replaced by a one-colour EmptyImage of the size the graph renders (the reference
+    image of Qwen-Image-Edit: 1024x1024): for a host whose LoadImage cannot decode files (no PyAV); the compute is
+    that of any picture of that size."""
+    size = (graph_facts(graph)["resolution"] or "{0}x{1}".format(*EDIT_IMAGE)).split("x")
+    for n in graph.values():
+        if n["class_type"] == "LoadImage":
+            n["class_type"] = "EmptyImage"
+            n["inputs"] = {"width": int(size[0]), "height": int(size[1]), "batch_size": 1, "color": 0x5A7D9A}
+    return graph
+
+
+def build_graph(row: RenderRow, srv: cli_server.ComfyServer, opts: argparse.Namespace) -> dict:
+    """The row's graph against the running server's node schemas (shrunk for --smoke, --empty-image applied)."""
+    info = {t: srv.object_info(t) for t in rg.node_types_needed(row.spec)}
+    info = {t: i for t, i in info.items() if i}
+    graph = rg.render_graph(row.spec, row.setup, row.card_gib, row.file_format, info, row.name)
+    graph = empty_images(graph) if opts.empty_image else graph
+    return smoke_graph(graph, rg.SETUPS[row.setup].native) if opts.smoke else graph
+
+
+def graph_for(graph: dict, kind: str) -> dict:
+    """The graph a render kind queues: the seed moved by its offset, a new prompt for ``warm_new_prompt``."""
+    g = rg.with_seed(graph, SEED_OFFSET[kind])
+    return rg.with_new_prompt(g) if kind == "warm_new_prompt" else g
+
+
+def graph_facts(graph: dict) -> dict:
+    """Resolution, frames and total steps the graph renders."""
+    out: dict[str, Any] = {"resolution": None, "frames": None, "steps": None, "cfg": None}
+    for n in graph.values():
+        i = n["inputs"]
+        if isinstance(i.get("width"), int) and isinstance(i.get("height"), int):
+            out["resolution"] = f"{i['width']}x{i['height']}"
+            out["frames"] = i.get("length") if isinstance(i.get("length"), int) else None
+        if n["class_type"] in rg.SAMPLERS and isinstance(i.get("steps"), int):
+            out["steps"], out["cfg"] = i["steps"], i.get("cfg")
+    if out["resolution"] is None and any(n["class_type"] == "LoadImage" for n in graph.values()):
+        out["resolution"] = "{0}x{1}".format(*EDIT_IMAGE)
+    return out
+
+
+
+def public(text: str, opts: argparse.Namespace) -> str:
+    """Text as results may show it: the scratch folder as $WORK, ComfyUI's as <ComfyUI>, no other machine path."""
+    return server.public_log([text], server.ServerSetup(opts.comfyui, opts.models, opts.work))[0]
+
+
+def render(srv: cli_server.ComfyServer, graph: dict, kind: str, timeout: float, output: Path, latents: Path,
+           row: str, first_of_life: bool) -> dict:
+    """One render: queued, waited for, split, its memory peaks and output files; failures recorded."""
+    rec: dict[str, Any] = {"kind": kind, "status": "error", "seed_offset": SEED_OFFSET[kind]}
+    try:
+        run = server.run_prompt(srv, graph, timeout)
+    except Exception as exc:  # noqa: BLE001 - a refused graph or a dead server is this render's result
+        rec["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+        return rec
+    rec.update(split(run.events, graph, run.posted_at, run.wall_s))
+    mem = run.watch.summary()
+    rss = mem["peak_rss_hwm_gib"] if first_of_life else mem["peak_rss_sampled_gib"]  # VmHWM spans the life
+    rec.update(peak_vram_gib=mem["peak_gpu_gib"], peak_rss_gib=rss, peak_rss_anon_gib=mem["peak_rss_anon_gib"],
+               peak_rss_file_gib=mem["peak_rss_file_gib"], rss_hwm_gib=mem["peak_rss_hwm_gib"])
+    if run.entry["status"]["status_str"] != "success":
+        rec["error"] = cli_server.execution_error(run.entry) or str(run.entry["status"])
+        return rec
+    files = cli_workflow.output_files(run.entry, output)
+    rec["outputs"] = [f.relative_to(output).as_posix() for f in files if f.is_file()]
+    latent = next((f for f in files if f.suffix == ".latent" and f.is_file()), None)
+    if latent is not None:
+        latents.mkdir(parents=True, exist_ok=True)
+        shutil.move(latent, latents / f"{row}.{kind}.latent")
+    if not any(not f.endswith(".latent") for f in rec["outputs"]):
+        rec["error"] = "the render finished but its output file is not there"
+        return rec
+    rec["status"] = "ok"
+    return rec
+
+
+def _row_dirs(ctx: RunContext, row: RenderRow) -> tuple[Path, dict[str, str], list[str]]:
+    """The row's folder (fresh), the server environment with its own kernel caches, and its ComfyUI flags."""
+    opts = ctx.opts
+    folder = opts.work / "rows" / row.name
+    shutil.rmtree(folder, ignore_errors=True)
+    env = dict(os.environ)
+    for var, sub in CACHE_ENV.items():
+        (folder / "cache" / sub).mkdir(parents=True, exist_ok=True)
+        env[var] = str(folder / "cache" / sub)
+    (folder / "user").mkdir(parents=True)
+    (opts.work / "frontend").mkdir(parents=True, exist_ok=True)
+    flags = [*server.prepare_base(folder / "base", opts.models), "--user-directory", str(folder / "user"),
+             "--front-end-root", str(opts.work / "frontend")]
+    if opts.smoke:
+        (folder / "base" / "custom_nodes" / FIXTURE_FOLDER).symlink_to(FIXTURE_NODES, target_is_directory=True)
+    return folder, env, flags
+
+
+def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: dict, flags: list[str],
+          rec: dict, graph: dict | None) -> dict | None:
+    """One server life: start, build the graph (first life), render ``kinds`` in order until one fails."""
+    opts, base = ctx.opts, folder / "base"
+    life: dict[str, Any] = {"renders": kinds}
+    rec["lives"].append(life)
+    t0 = time.monotonic()
+    try:
+        with cli_server.ComfyServer.start(opts.comfyui, base, cpu=opts.cpu or opts.smoke, extra_args=flags, env=env,
+                                          timeout=300) as srv:
+            life["startup_s"] = round(time.monotonic() - t0, 1)
+            problems = cli_server.pack_import_problems(srv.log_text(), base / "custom_nodes" /
+                                                       cli_server.REGISTRY_FOLDER_NAME)
+            if problems:
+                raise cli_server.RunError(f"the pack failed to import: {problems[0].strip()}")
+            if graph is None:
+                graph = build_graph(row, srv, opts)
+                rec.update(graph_facts(graph))
+                if row.workflow == "qwen_edit":
+                    bq.write_input_image(base / "input", *EDIT_IMAGE)
+                cli_workflow.ensure_input_images(graph, base / "input", True, [cli_workflow.WORKFLOWS_DIR])
+            for i, kind in enumerate(kinds):
+                r = render(srv, graph_for(graph, kind), kind, opts.timeout, base / "output", opts.work / "latents",
+                           row.name, i == 0)
+                if r.get("error"):
+                    r["error"] = public(r["error"], opts)
+                rec["renders"][kind] = r
+                print(f"   {kind}: {r['status']} {r.get('total_s')} s {r.get('error', '')[:200]}", flush=True)
+                if r["status"] != "ok":
+                    break
+    except Exception as exc:  # noqa: BLE001 - a server that does not start is this row's result
+        life["error"] = public(f"{type(exc).__name__}: {exc}"[:4000], opts)
+    log_path = base / "comfyui.log"
+    if log_path.exists():
+        text = log_path.read_text(errors="replace")
+        life["log"] = [public(line, opts) for line in server.log_digest(text, 80)]
+        if opts.keep_logs:
+            shutil.copy(log_path, opts.work / f"{row.name}.life{len(rec['lives'])}.log")
+        log_path.unlink()
+    return graph
+
+
+def run_row(ctx: RunContext, row: RenderRow) -> dict:
+    """Every render of one row, first-ever and warm ones in one server life, cold in the next."""
+    opts, rec = ctx.opts, {**head(row), "status": "error", "renders": {}, "lives": []}
+    later = ctx.rows[ctx.rows.index(row) + 1:] if row in ctx.rows else []
+    folder = None
+    try:
+        ctx.models.prepare(row, later)
+        on_cpu, off = cpu_flags(row) if opts.smoke or opts.cpu else (row.server_args(ctx.total_vram_gib), [])
+        flags, left = supported_flags(on_cpu, ctx.host_flags)
+        rec["flags_left_out"] = off + [f"{f} (not a flag of ComfyUI {ctx.comfyui_version})" for f in left]
+        folder, env, base_flags = _row_dirs(ctx, row)
+        rec["server_flags"] = server.scrub_work(flags, opts.work)
+        lives = [[k for k in ("first_ever", "warm", "warm_new_prompt") if k == "first_ever" or k in ctx.renders],
+                 [k for k in ("cold",) if k in ctx.renders]]
+        with pack_copies_for(row, opts.models, "cpu" if opts.smoke or opts.cpu else "cuda", rec):
+            graph = None
+            for kinds in filter(None, lives):
+                if rec["lives"] and any(r["status"] != "ok" for r in rec["renders"].values()):
+                    break  # the first life failed: a cold start of the same row would fail the same way
+                graph = _life(ctx, row, kinds, folder, env, [*base_flags, *flags], rec, graph)
+    except Exception as exc:  # noqa: BLE001 - one row's failure must not stop the others
+        rec["error"] = public(f"{type(exc).__name__}: {exc}"[:4000], opts)
+    finally:
+        if folder is not None and not opts.keep_logs:
+            shutil.rmtree(folder, ignore_errors=True)
+    return finish(rec, ctx.renders)
+
+
+def cpu_flags(row: RenderRow) -> tuple[list[str], list[str]]:
+    """A row's flags on the CPU (smoke, --cpu): its memory manager, no card; ``--use-ck-attention`` left out (ComfyUI
+    exits at startup when comfy-kitchen has no attention backend, as on the CPU)."""
+    flags = server.server_flags(row.name, 0.0, None, False, row.dynamic_vram)
+    left = ["--use-ck-attention (no comfy-kitchen attention on the CPU)"] if rg.SETUPS[row.setup].ck_attention else []
+    return flags, left
+
+
+def finish(rec: dict, renders: Sequence[str]) -> dict:
+    """The row's status (ok when every asked render is), first error, headline numbers and peaks."""
+    done = rec["renders"]
+    asked = ["first_ever", *[k for k in renders if k != "first_ever"]]
+    failed = [k for k in asked if done.get(k, {}).get("status") != "ok"]
+    errors = [f"{k}: {done[k].get('error')}" for k in asked if k in done and done[k].get("error")]
+    errors += [f"server: {life['error']}" for life in rec["lives"] if life.get("error")]
+    if not failed:
+        rec["status"] = "ok"
+    elif not rec.get("error"):
+        rec["error"] = "; ".join(errors) or f"not run: {', '.join(failed)}"
+    if rec["status"] != "ok" and OOM.search(rec["error"]):
+        rec["status"] = "oom"
+    warm = done.get("warm", {})
+    rec["render_s"] = warm.get("total_s") if warm.get("status") == "ok" else None
+    rec["s_per_step"] = warm.get("s_per_step")
+    ok = [r for r in done.values() if r.get("status") == "ok"]
+    rec["peak_vram_gib"] = max((r["peak_vram_gib"] for r in ok if r.get("peak_vram_gib") is not None), default=None)
+    rec["peak_rss_gib"] = max((r["peak_rss_gib"] for r in ok if r.get("peak_rss_gib") is not None), default=None)
+    return rec
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the run
+
+
+def estimate_s(ctx: RunContext, row: RenderRow) -> float:
+    """Seconds the row is expected to take (for --deadline): its renders and server starts, slower on small cards,
+    plus writing its missing model files."""
+    if ctx.opts.reserve_estimate:
+        return ctx.opts.reserve_estimate
+    small = row.card_gib is not None and row.card_gib <= 12
+    per = RENDER_ESTIMATE_S[row.workflow] * (SMALL_CARD_FACTOR if small else 1.0)
+    lives = 1 + ("cold" in ctx.renders)
+    seconds = per * (1 + len([k for k in ctx.renders if k != "first_ever"])) + SERVER_START_S * lives
+    if ctx.models.write:
+        missing = ctx.models.missing(rg.model_files(row.spec, row.file_format))
+        seconds += sum(_file_gb(n) for n in missing) / WRITE_GB_PER_S
+    return seconds
+
+
+def _file_gb(name: str) -> float:
+    """A full-size model file's size in GB, roughly, from its name (a LoRA's when no other key matches)."""
+    for key, gb in (("wan2.2_vae", 1.4), ("vae", 0.3), ("14B_fp16", 28.6), ("14B_fp8", 14.3), ("5B", 10.0),
+                    ("qwen_image_bf16", 40.9), ("qwen_image", 20.4), ("umt5", 6.7), ("qwen_2.5_vl_7b_fp8", 8.3),
+                    ("qwen_2.5_vl", 16.6)):
+        if key in name:
+            return gb
+    return 1.3
+
+
+def in_order(ctx: RunContext, started: float) -> Callable[[RenderRow], float]:
+    """The time estimate ``server.run_rows`` checks against ``--deadline``, made to stop the run at the first row
+    that would not finish in time: that row and every later one are recorded as skipped, so ``--resume`` goes on
+    in the same order (and no later row's model files replace the ones a skipped row needs)."""
+    stopped = []
+
+    def estimate(row: RenderRow) -> float:
+        seconds = estimate_s(ctx, row)
+        if stopped or (ctx.opts.deadline and time.monotonic() - started + seconds > ctx.opts.deadline):
+            stopped.append(row.name)
+            return math.inf
+        return seconds
+
+    return estimate
+
+
+def smoke_skip(row: RenderRow) -> str | None:
+    """Why a row cannot run on the tiny smoke models (None when it can)."""
+    if row.workflow == "qwen_edit":
+        return "the Edit graphs need the full-size vision tower; the smoke covers Wan and Qwen-Image t2i"
+    if row.workflow.startswith("qwen") and rg.SETUPS[row.setup].native:
+        return bq.SMOKE_NATIVE
+    return None
+
+
+def write_smoke_models(rows: Sequence[RenderRow], models: Path) -> None:
+    """The tiny synthetic files every row loads (text encoders 2 layers deep: the pack's streamed encoders and the
+    smoke's stand-in CLIPLoader read their sizes from the file)."""
+    names = {n for r in rows for n in rg.model_files(r.spec, r.file_format)}
+    names |= {workflow_models.TINY_VAE_SWAPS.get(n, n) for n in names}
+    encoders = {n for n in names if workflow_models.KNOWN_MODEL_FILES.get(n, ("",))[0] == "text_encoders"}
+    workflow_models.write_synthetic_models(names, models, "tiny", reduced_text_encoders=encoders)
+
+
+def environment(opts: argparse.Namespace, argv: list[str] | None) -> dict:
+    """The run's environment in the common row format: no machine paths (harness.public_*)."""
+    parent = harness.parent_environment(harness.command_argv("comfyui_lowvram_dit.benchmarks.server_render", argv))
+    soft, gpu = harness.software_facts(), server.gpu_facts()
+    return {"device": "cpu" if opts.cpu or opts.smoke or not gpu else "cuda", "gpu": gpu.get("device_name"),
+            "vram_total_gib": gpu.get("vram_total_gib"), "driver": gpu.get("driver"), "torch": soft.get("torch"),
+            "comfyui": harness.comfyui_version(opts.comfyui), "comfy_kitchen": soft.get("comfy_kitchen"),
+            "comfy_aimdo": soft.get("comfy_aimdo"), "triton": soft.get("triton"), "python": parent["python"],
+            "commit": opts.git_sha or parent["git_sha"], "date": parent["timestamp"], "command": parent["command"]}
+
+
+def parser() -> argparse.ArgumentParser:
+    """The scenario's options."""
+    p = argparse.ArgumentParser(prog="python -m comfyui_lowvram_dit.benchmarks server_render",
+                                description=__doc__.strip().splitlines()[0])
+    p.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"),
+                   help="ComfyUI checkout (default: $COMFYUI_PATH)")
+    p.add_argument("--models", type=Path, default=None, help="folder with diffusion_models/ text_encoders/ vae/ "
+                   "loras/ (default: <work>/models with --smoke)")
+    p.add_argument("--rows", default="core", help="comma list of row names, groups (core), workflows "
+                   f"({', '.join(rg.WORKFLOWS)}) or all")
+    p.add_argument("--cards", default=None, help="cards in GiB or 'whole', e.g. 12,24,whole (filters groups; "
+                   "a workflow's rows default to 12,24,whole)")
+    p.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"for workflows: {', '.join(rg.SETUPS)}")
+    p.add_argument("--formats", default=None, help="for workflows: fp8_scaled, bf16 (the 16-bit files), pack_fp8 "
+                   "(the Wan Loader's saved fp8 copy); default each workflow's own")
+    p.add_argument("--memory", default="on", help="for workflows: DynamicVRAM on, off (--disable-dynamic-vram) "
+                   "or on,off")
+    p.add_argument("--renders", default=None, help=f"render kinds among {', '.join(RENDERS)} (first_ever always "
+                   f"runs); default {','.join(CORE_RENDERS)} for core, all four otherwise")
+    p.add_argument("--write-models", action="store_true", help="write missing full-size synthetic files, each right "
+                   "before the first row that loads it")
+    p.add_argument("--free-disk", action="store_true", help="with --write-models: delete synthetic files no later "
+                   "row loads before writing new ones (Wan's before Qwen-Image's)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny synthetic files, renders shrunk (64 px, 5 frames, "
+                   "2 steps), no card")
+    p.add_argument("--cpu", action="store_true", help="run ComfyUI on the CPU")
+    p.add_argument("--empty-image", action="store_true", help="image inputs (I2V start image, Edit reference) as a "
+                   "one-colour EmptyImage, not LoadImage (for a ComfyUI without PyAV, which decodes loaded images)")
+    p.add_argument("--deadline", type=float, default=0.0, help="seconds from start after which no row starts that "
+                   "would not finish in time (skipped rows are recorded)")
+    p.add_argument("--reserve-estimate", type=float, default=0.0, help="seconds a row is assumed to take (default: "
+                   "from its workflow, card and renders)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one render may take")
+    p.add_argument("--out", type=Path, default=None, help="where the json/md go (default benchmarks/results/render; "
+                   f"with --smoke {SMOKE_OUT}, never the results the index reads)")
+    p.add_argument("--stem", default=None, help="result file name stem (default: the --rows text)")
+    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir, removed after)")
+    p.add_argument("--resume", action="store_true", help="keep the finished rows of <out>/<stem>.json, run the rest")
+    p.add_argument("--keep-logs", action="store_true", help="keep each server log and row folder in the work folder")
+    p.add_argument("--git-sha", default=None, help="pack commit to record (default: git rev-parse here)")
+    return p
+
+
+def _prepare(opts: argparse.Namespace) -> tuple[list[RenderRow], tuple[str, ...], bool]:
+    """Checked options: the rows, the render kinds and whether the work folder is this run's own."""
+    if opts.comfyui is None or not (Path(opts.comfyui) / "main.py").is_file():
+        raise SystemExit("--comfyui: no ComfyUI checkout given (or COMFYUI_PATH); point it at the folder with main.py")
+    if opts.smoke and opts.write_models:
+        raise SystemExit("--smoke writes tiny files and --write-models full-size ones: pick one")
+    rows = pick_rows(opts)
+    kinds = tuple(k.strip() for k in (opts.renders or (",".join(CORE_RENDERS) if opts.rows == "core" else
+                                                        ",".join(RENDERS))).split(",") if k.strip())
+    if unknown := [k for k in kinds if k not in RENDERS]:
+        raise SystemExit(f"--renders: unknown {', '.join(unknown)}; known: {', '.join(RENDERS)}")
+    own_work = opts.work is None
+    opts.work = (opts.work or Path(tempfile.mkdtemp(prefix="bench_render_"))).resolve()
+    if opts.models is None:
+        if not opts.smoke:
+            raise SystemExit("--models: the folder with diffusion_models/ text_encoders/ vae/ loras/ is needed")
+        opts.models = opts.work / "models"
+    for folder in cli_server.MODEL_FOLDERS:
+        (opts.models / folder).mkdir(parents=True, exist_ok=True)
+    opts.out = opts.out or (SMOKE_OUT if opts.smoke else harness.RESULTS / "render")
+    opts.stem = opts.stem or (opts.rows if opts.rows.replace("_", "").isalnum() else "server_render")
+    return rows, kinds, own_work
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen rows; the reports are rewritten after every row."""
+    opts = parser().parse_args(argv)
+    started = time.monotonic()
+    rows, kinds, own_work = _prepare(opts)
+    env = environment(opts, argv)
+    host = (Path(opts.comfyui) / "comfy" / "cli_args.py").read_text(encoding="utf-8", errors="replace")
+    ctx = RunContext(opts, ModelFiles(opts.models, opts.write_models, opts.free_disk), env.get("vram_total_gib") or 0.0,
+                     host, env.get("comfyui") or "?", kinds)
+    settings = {"renders": list(kinds), "smoke": opts.smoke, "empty_image": opts.empty_image,
+                "rows": [r.name for r in rows],
+                "page_cache": "not dropped: files written or read earlier in the run come from RAM"}
+    results = report.finished_rows(opts.out / f"{opts.stem}.json") if opts.resume else []
+    done = {r["name"] for r in results}
+    for row in [r for r in rows if r.name not in done]:
+        reason = smoke_skip(row) if opts.smoke else None
+        if reason:
+            results.append({**head(row), "status": "skipped", "error": reason})
+        else:
+            ctx.rows.append(row)
+    if opts.smoke:
+        write_smoke_models(ctx.rows, opts.models)
+
+    def written(records: list[dict]) -> list[Path]:
+        settings["model_write_s"], settings["model_files_deleted"] = ctx.models.took, ctx.models.freed
+        return report.write(opts.out, opts.stem, records, env, settings, opts.work / "latents")
+
+    server.run_rows(ctx.rows, lambda r: run_row(ctx, r), head, written, results, started, opts.deadline,
+                    in_order(ctx, started))
+    paths = written(results)
+    if own_work and not opts.keep_logs:
+        shutil.rmtree(opts.work, ignore_errors=True)
+    print(paths[1].read_text(encoding="utf-8"))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if any(r.get("status") == "ok" for r in results) else 1

@@ -1,0 +1,483 @@
+"""The render scenario's API graphs: the shipped workflows converted node for node, and their native equivalents.
+
+A pack graph is a shipped workflow (workflows/*.json) converted to API format against the node schemas
+(``ui_to_api``: each widget value lands on the input the schema names at its place, as the front end sends it), so
+it cannot drift from what users load. On it: the card's Block Swap budget from the workflow's own note
+(``budgets``), the file format (the 16-bit files instead of the fp8 ones), the setup (Block Swap removed, 8-bit
+attention, Torch Compile with the node's defaults), and a SaveLatent of the final latent for output comparisons.
+The native graph is the same graph with each pack node replaced by what ComfyUI's official template wires there
+(``to_native``: UNETLoader, CLIPLoader + CLIPTextEncode x2, VAELoader, VAEDecode; Block Swap / Attention / Torch
+Compile dropped), so both render the same sizes, steps, prompts and seed. Qwen-Image-Edit has no shipped workflow:
+its graphs are server_qwen's (the 2509 template and the Edit Staged Loader).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from comfyui_lowvram_dit.benchmarks import server_qwen as bq
+from comfyui_lowvram_dit.benchmarks.server import node
+from comfyui_lowvram_dit.cli.ui_graph import BYPASSED_MODES, FRONTEND_ONLY
+from comfyui_lowvram_dit.cli.workflow import WORKFLOWS_DIR
+
+WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
+SAMPLERS = frozenset({"KSampler", "KSamplerAdvanced"})
+DECODERS = frozenset({"VAEDecode", "LowVRAM_QwenImageDecode"})
+SEED_INPUTS = ("seed", "noise_seed")
+# Pack nodes that only change how a MODEL runs: native graphs leave them out (their model input goes straight on).
+MODEL_PASS_THROUGH = frozenset({"LowVRAM_BlockSwap", "LowVRAM_Attention", "LowVRAM_TorchCompile", "LowVRAM_NanGuard"})
+INT8_BACKEND = "lowvram 8-bit"
+NEW_PROMPT = ", seen from a low angle in light rain"  # appended to the positive prompt: new text, same scene
+LATENT_PREFIX = "render"  # SaveLatent's folder in the server's output
+
+
+class GraphError(ValueError):
+    """A shipped workflow or setup this module cannot turn into a render graph; the message names it."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# UI -> API
+
+
+def _is_widget(spec: list) -> bool:
+    """Whether an input spec from /object_info is a widget (a value in widgets_values) rather than a socket."""
+    return bool(spec) and (isinstance(spec[0], list) or spec[0] in WIDGET_TYPES)
+
+
+def widget_names(info: dict) -> list[tuple[str, bool]]:
+    """A node type's widgets in the order of its ``widgets_values``: (input name, whether a 'control after
+    generate' value follows it, as the front end stores one after every seed)."""
+    inputs, order = info.get("input", {}), info.get("input_order") or {}
+    out = []
+    for section in ("required", "optional"):
+        specs = inputs.get(section) or {}
+        for name in order.get(section) or list(specs):
+            spec = specs.get(name) or []
+            if _is_widget(spec):
+                extra = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+                out.append((name, bool(extra.get("control_after_generate"))))
+    return out
+
+
+def ui_to_api(workflow: dict, object_info: dict, source: str = "workflow") -> dict:
+    """A UI-format workflow without subgraphs as the API graph the front end queues: node ids kept, each widget value
+    on the input the node's schema names at its place, each link as ``[origin id, slot]``; notes left out."""
+    if (workflow.get("definitions") or {}).get("subgraphs"):
+        raise GraphError(f"{source}: subgraphs are not supported here (convert it with comfy-cli)")
+    links = {int(lk[0]): lk for lk in workflow.get("links") or []}
+    api: dict[str, dict] = {}
+    for n in workflow["nodes"]:
+        kind = n.get("type")
+        if kind in FRONTEND_ONLY:
+            continue
+        if n.get("mode", 0) in BYPASSED_MODES:
+            raise GraphError(f"{source}: node {n['id']} ({kind}) is bypassed or muted; un-bypass it or remove it")
+        info = object_info.get(kind)
+        if info is None:
+            raise GraphError(f"{source}: node {n['id']} is a {kind}, which the node schemas do not list")
+        values, inputs = list(n.get("widgets_values") or []), {}
+        for name, control in widget_names(info):
+            if values:
+                inputs[name] = values.pop(0)
+                if control and values:
+                    values.pop(0)  # 'fixed' / 'randomize': front-end only
+        for inp in n.get("inputs") or []:
+            if inp.get("link") is not None:
+                link = links[int(inp["link"])]
+                inputs[inp["name"]] = [str(link[1]), int(link[2])]
+        api[str(n["id"])] = {"class_type": kind, "inputs": inputs, "_meta": {"title": n.get("title") or kind}}
+    return api
+
+
+def shipped_workflow(name: str) -> dict:
+    """workflows/<name>.json as a dict."""
+    return json.loads((WORKFLOWS_DIR / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def ui_node_types(workflow: dict) -> set[str]:
+    """The node types a UI workflow sends to the server (notes left out)."""
+    return {n["type"] for n in workflow["nodes"] if n["type"] not in FRONTEND_ONLY}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# editing an API graph
+
+
+def new_id(graph: dict) -> str:
+    """A node id above every numeric id in ``graph``."""
+    return str(max((int(k) for k in graph if k.isdigit()), default=0) + 1)
+
+
+def links_to(graph: dict, source: str, slot: int = 0) -> Iterator[tuple[dict, str]]:
+    """(node, input name) of every input fed by output ``slot`` of node ``source``."""
+    for n in graph.values():
+        for key, value in n["inputs"].items():
+            if isinstance(value, list) and value == [source, slot]:
+                yield n, key
+
+
+def rewire(graph: dict, old: list, new: list, skip: dict | None = None) -> None:
+    """Every input fed by ``old`` ([id, slot]) is fed by ``new`` instead (``skip``: a node left as it is)."""
+    for n, key in list(links_to(graph, old[0], old[1])):
+        if n is not skip:
+            n["inputs"][key] = list(new)
+
+
+def bypass(graph: dict, nid: str) -> None:
+    """Remove a MODEL -> MODEL node, its consumers fed by its model input."""
+    rewire(graph, [nid, 0], graph[nid]["inputs"]["model"])
+    del graph[nid]
+
+
+def insert_after(graph: dict, source: list, new: dict) -> str:
+    """Put ``new`` (a MODEL -> MODEL node) between ``source`` ([id, slot]) and everything it fed; its id."""
+    nid = new_id(graph)
+    new["inputs"]["model"] = list(source)
+    graph[nid] = new
+    rewire(graph, source, [nid, 0], skip=new)
+    return nid
+
+
+def of_type(graph: dict, *kinds: str) -> list[str]:
+    """Ids of the nodes of these types, in id order."""
+    return sorted((k for k, n in graph.items() if n["class_type"] in kinds), key=lambda k: (len(k), k))
+
+
+def node_defaults(kind: str, object_info: dict, **overrides: Any) -> dict:
+    """A node of ``kind`` with every widget at its schema default (a combo's first option) and ``overrides``."""
+    info = object_info.get(kind)
+    if info is None:
+        raise GraphError(f"the node schemas do not list {kind}: is the pack loaded in this ComfyUI?")
+    inputs = {}
+    for section in ("required", "optional"):
+        for name, spec in (info["input"].get(section) or {}).items():
+            if _is_widget(spec):
+                extra = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+                options = spec[0] if isinstance(spec[0], list) else extra.get("options")
+                if "default" in extra:
+                    inputs[name] = extra["default"]
+                elif options:
+                    inputs[name] = options[0]
+    inputs.update(overrides)
+    return {"class_type": kind, "inputs": inputs, "_meta": {"title": info.get("display_name") or kind}}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# workflows, setups, formats
+
+
+@dataclass(frozen=True)
+class RenderWorkflow:
+    """One workflow the scenario renders: where its pack graph comes from and what a card and a file format change."""
+
+    key: str  # the row-name prefix
+    title: str  # the report's heading
+    model: str  # the model as the results index names it
+    shipped: str  # workflows/<shipped>.json ("" = built by server_qwen: Qwen-Image-Edit)
+    budgets: dict[float | None, float]  # Block Swap vram_budget_gb per card (None: whole GPU), the note's table
+    sixteen_bit: dict[str, str] = field(default_factory=dict)  # fp8 file -> its 16-bit file (format 'bf16')
+    formats: tuple[str, ...] = ("fp8_scaled", "bf16", "pack_fp8")  # the first: the files the shipped workflow names
+    layouts: tuple[str, ...] = ("fp8_scaled", "fp16", "pack_fp8")  # each format's diffusion model file layout
+    four_step_loras: dict[str, str] = field(default_factory=dict)  # a derived 4-step variant: expert file -> LoRA
+    swaps_blocks: bool = True  # has Block Swap nodes (setup pack_no_blockswap)
+
+    @property
+    def default_format(self) -> str:
+        """The format of the files the shipped workflow names."""
+        return self.formats[0]
+
+    def layout(self, file_format: str) -> str:
+        """The diffusion model file's layout in ``file_format`` (Wan's 16-bit files are fp16, Qwen-Image's fp8 file
+        is plain fp8_e4m3fn): the results index's ``file_format``."""
+        return self.layouts[self.formats.index(file_format)]
+
+
+WAN14B_BUDGETS = {8.0: 6.5, 12.0: 10.0, 16.0: 14.0, 24.0: 21.0, None: 0.0}  # workflows/wan22_*_a14b*.json's table
+WAN5B_BUDGETS = {8.0: 6.5, 12.0: 10.0, 16.0: 14.0, 24.0: 0.0, None: 0.0}  # workflows/wan22_ti2v_5b.json's note
+QWEN_BUDGETS = {8.0: 6.5, 12.0: 10.0, 16.0: 14.0, 24.0: 21.0, None: 0.0}  # workflows/qwen_image_t2i.json's table
+
+
+def _wan_16bit(kind: str) -> dict[str, str]:
+    return {f"wan2.2_{kind}_{e}_noise_14B_fp8_scaled.safetensors": f"wan2.2_{kind}_{e}_noise_14B_fp16.safetensors"
+            for e in ("high", "low")}
+
+
+I2V_LORAS = {f"wan2.2_i2v_{e}_noise_14B_{f}.safetensors": f"wan2.2_i2v_lightx2v_4steps_lora_v1_{e}_noise.safetensors"
+             for e in ("high", "low") for f in ("fp8_scaled", "fp16")}
+QWEN_16BIT = {bq.UNET: "qwen_image_bf16.safetensors"}
+EDIT_STEPS = 20  # the official image_qwen_image_edit_2509 template's steps (cfg 2.5: server_qwen.EDIT_CFG)
+T2V, I2V, TI2V, QWEN, EDIT = ("Wan 2.2 T2V-A14B", "Wan 2.2 I2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image",
+                               "Qwen-Image-Edit")
+QWEN_FORMATS = {"formats": ("fp8_scaled", "bf16"), "layouts": ("fp8_e4m3fn", "bf16"), "swaps_blocks": False}
+WORKFLOWS: dict[str, RenderWorkflow] = {w.key: w for w in (
+    RenderWorkflow("wan_t2v_4step", "Wan 2.2 T2V-A14B 4-step", T2V, "wan22_t2v_a14b_4step", WAN14B_BUDGETS,
+                   _wan_16bit("t2v")),
+    RenderWorkflow("wan_t2v", "Wan 2.2 T2V-A14B", T2V, "wan22_t2v_a14b", WAN14B_BUDGETS, _wan_16bit("t2v")),
+    RenderWorkflow("wan_i2v", "Wan 2.2 I2V-A14B", I2V, "wan22_i2v_a14b", WAN14B_BUDGETS, _wan_16bit("i2v")),
+    RenderWorkflow("wan_i2v_4step", "Wan 2.2 I2V-A14B 4-step", I2V, "wan22_i2v_a14b", WAN14B_BUDGETS,
+                   _wan_16bit("i2v"), four_step_loras=I2V_LORAS),
+    RenderWorkflow("wan_ti2v_5b", "Wan 2.2 TI2V-5B", TI2V, "wan22_ti2v_5b", WAN5B_BUDGETS, formats=("bf16", "pack_fp8"),
+                   layouts=("fp16", "pack_fp8")),
+    RenderWorkflow("qwen_t2i_4step", "Qwen-Image 4-step", QWEN, "qwen_image_t2i_4step", QWEN_BUDGETS, QWEN_16BIT,
+                   **QWEN_FORMATS),
+    RenderWorkflow("qwen_t2i", "Qwen-Image", QWEN, "qwen_image_t2i", QWEN_BUDGETS, QWEN_16BIT, **QWEN_FORMATS),
+    RenderWorkflow("qwen_edit", "Qwen-Image-Edit 2509", EDIT, "", QWEN_BUDGETS, formats=("fp8_scaled",),
+                   layouts=("fp8_e4m3fn",), swaps_blocks=False),
+)}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How a row's graph differs from the shipped workflow (pack) or which native settings it runs."""
+
+    native: bool
+    what: str
+    weight_dtype: str = "default"  # native UNETLoader
+    ck_attention: bool = False  # server flag --use-ck-attention
+    drop_block_swap: bool = False
+    attention: str | None = None  # every Attention node's backend (one is added where the workflow has none)
+    compile: bool = False  # Torch Compile (the node's defaults) after each Attention node
+
+
+SETUPS: dict[str, Setup] = {
+    "native_best": Setup(True, "UNETLoader fp8_e4m3fn_fast, --use-ck-attention", "fp8_e4m3fn_fast", True),
+    "native_default": Setup(True, "UNETLoader default, default attention"),
+    "pack": Setup(False, "as shipped"),
+    "pack_no_blockswap": Setup(False, "Block Swap removed", drop_block_swap=True),
+    "pack_int8": Setup(False, "Attention 8-bit", attention=INT8_BACKEND),
+    "pack_compile": Setup(False, "+ Torch Compile (the node's defaults)", compile=True),
+}
+
+
+def setup_applies(workflow: RenderWorkflow, setup: str, file_format: str) -> str | None:
+    """Why ``setup`` with ``file_format`` is no row of ``workflow`` (None when it is one)."""
+    s = SETUPS[setup]
+    if file_format not in workflow.formats:
+        return f"{workflow.key} has no {file_format} files (formats: {', '.join(workflow.formats)})"
+    if s.drop_block_swap and not workflow.swaps_blocks:
+        return f"{workflow.key}: Block Swap is part of its loader, it cannot be removed"
+    if s.native and file_format == "pack_fp8":
+        return "the pack's saved fp8 file is read by the Wan Loader only"
+    if file_format == "pack_fp8" and not workflow.key.startswith("wan"):
+        return "only the Wan Loader saves its quantized file"
+    return None
+
+
+def model_files(workflow: RenderWorkflow, file_format: str) -> list[str]:
+    """The model files a row of ``workflow`` in ``file_format`` loads, as the graph names them."""
+    if not workflow.shipped:
+        return [bq.EDIT_UNET, bq.EDIT_TEXT_ENCODER, bq.VAE]
+    from comfyui_lowvram_dit.cli.workflow_models import referenced_model_files
+
+    names = referenced_model_files(shipped_workflow(workflow.shipped))
+    names |= {workflow.four_step_loras[n] for n in names if n in workflow.four_step_loras}
+    if file_format in ("bf16", "pack_fp8"):
+        names = {workflow.sixteen_bit.get(n, n) for n in names}
+    return sorted(names)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pack graphs
+
+
+def _four_step(graph: dict, workflow: RenderWorkflow, object_info: dict) -> None:
+    """A LoRA after each expert's loader and the sampling of the shipped T2V 4-step workflow (steps, cfg, split,
+    shift, LoRA strength), read from that workflow so the variant follows it."""
+    ref = ui_to_api(shipped_workflow("wan22_t2v_a14b_4step"), object_info, "wan22_t2v_a14b_4step")
+    strength = ref[of_type(ref, "LoraLoaderModelOnly")[0]]["inputs"]["strength_model"]
+    for nid in of_type(graph, "LowVRAM_WanLoader"):
+        lora = workflow.four_step_loras[graph[nid]["inputs"]["unet_name"]]
+        insert_after(graph, [nid, 0], node("LoraLoaderModelOnly", "LoRA 4-step", model=None, lora_name=lora,
+                                           strength_model=strength))
+    keys = ("steps", "cfg", "start_at_step", "end_at_step")
+    for mine, theirs in zip(of_type(graph, "KSamplerAdvanced"), of_type(ref, "KSamplerAdvanced"), strict=True):
+        graph[mine]["inputs"].update({k: ref[theirs]["inputs"][k] for k in keys})
+    shift = {ref[k]["inputs"]["shift"] for k in of_type(ref, "ModelSamplingSD3")}.pop()
+    for nid in of_type(graph, "ModelSamplingSD3"):
+        graph[nid]["inputs"]["shift"] = shift
+
+
+def shipped_graph(workflow: RenderWorkflow, object_info: dict, card_gib: float | None) -> dict:
+    """The pack's graph of ``workflow`` as shipped, with the Block Swap budget its note gives for the card."""
+    budget = workflow.budgets[card_gib]
+    if not workflow.shipped:
+        return bq.build_edit_graph("pack", bq.EDIT_UNET, bq.EDIT_TEXT_ENCODER, bq.VAE, EDIT_STEPS, "2509", budget,
+                                   decode=True)
+    graph = ui_to_api(shipped_workflow(workflow.shipped), object_info, f"workflows/{workflow.shipped}.json")
+    if workflow.four_step_loras:
+        _four_step(graph, workflow, object_info)
+    for n in graph.values():
+        if "vram_budget_gb" in n["inputs"]:
+            n["inputs"]["vram_budget_gb"] = budget
+    return graph
+
+
+def _model_sampling_inputs(graph: dict) -> list[list]:
+    """The model link of every ModelSampling node: where a model node goes in when the workflow has none."""
+    return [graph[k]["inputs"]["model"] for k in of_type(graph, "ModelSamplingSD3", "ModelSamplingAuraFlow")]
+
+
+def apply_pack_setup(graph: dict, setup: Setup, object_info: dict) -> None:
+    """Change a pack graph in place as ``setup`` says: Block Swap removed, the Attention backend, Torch Compile."""
+    if setup.drop_block_swap:
+        for nid in of_type(graph, "LowVRAM_BlockSwap"):
+            bypass(graph, nid)
+    if (setup.attention or setup.compile) and not of_type(graph, "LowVRAM_Attention"):
+        for src in _model_sampling_inputs(graph):
+            insert_after(graph, src, node_defaults("LowVRAM_Attention", object_info))
+    for nid in of_type(graph, "LowVRAM_Attention"):
+        if setup.attention:
+            graph[nid]["inputs"]["backend"] = setup.attention
+        if setup.compile:
+            insert_after(graph, [nid, 0], node_defaults("LowVRAM_TorchCompile", object_info, model=None))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# native graphs
+
+
+def _text_pair(graph: dict, nid: str, clip_name: str, kind: str, positive: str, negative: str,
+               slots: tuple[int, int]) -> None:
+    """CLIPLoader + CLIPTextEncode x2 for the positive / negative outputs ``slots`` of pack node ``nid``."""
+    clip = new_id(graph)
+    graph[clip] = node("CLIPLoader", "Load CLIP", clip_name=clip_name, type=kind, device="default")
+    for slot, text, title in ((slots[0], positive, "Positive Prompt"), (slots[1], negative, "Negative Prompt")):
+        enc = new_id(graph)
+        graph[enc] = node("CLIPTextEncode", f"CLIP Text Encode ({title})", text=text, clip=[clip, 0])
+        rewire(graph, [nid, slot], [enc, 0])
+
+
+def _native_wan_text(graph: dict, nid: str) -> None:
+    i = graph[nid]["inputs"]
+    _text_pair(graph, nid, i["clip_name"], "wan", i["positive"], i["negative"], (0, 1))
+    del graph[nid]
+
+
+def _native_qwen_loader(graph: dict, nid: str, weight_dtype: str) -> None:
+    i = graph[nid]["inputs"]
+    graph[nid] = node("UNETLoader", "Load Diffusion Model", unet_name=i["unet_name"], weight_dtype=weight_dtype)
+    _text_pair(graph, nid, i["clip_name"], "qwen_image", i["positive"], i["negative"], (1, 2))
+    vae = new_id(graph)
+    graph[vae] = node("VAELoader", "Load VAE", vae_name=i["vae_name"])
+    rewire(graph, [nid, 3], [vae, 0])
+
+
+def to_native(graph: dict, weight_dtype: str) -> dict:
+    """The native equivalent of a pack graph: each pack node replaced by what ComfyUI's official template wires there
+    (model-only pack nodes left out); GraphError naming a pack node it has no equivalent for."""
+    g = copy.deepcopy(graph)
+    for nid in list(g):
+        n = g.get(nid)
+        kind = n["class_type"] if n else None
+        if kind == "LowVRAM_WanLoader":
+            g[nid] = node("UNETLoader", "Load Diffusion Model", unet_name=n["inputs"]["unet_name"],
+                          weight_dtype=weight_dtype)
+        elif kind in MODEL_PASS_THROUGH:
+            bypass(g, nid)
+        elif kind == "LowVRAM_WanTextEncode":
+            _native_wan_text(g, nid)
+        elif kind == "LowVRAM_QwenImageStagedLoader":
+            _native_qwen_loader(g, nid, weight_dtype)
+        elif kind == "LowVRAM_QwenImageDecode":
+            g[nid] = node("VAEDecode", "VAE Decode", samples=n["inputs"]["samples"], vae=n["inputs"]["vae"])
+        elif kind and kind.startswith("LowVRAM_"):
+            raise GraphError(f"{kind}: no native equivalent is known to the render scenario; add one to to_native")
+    return g
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a row's graph
+
+
+def rename_files(graph: dict, names: dict[str, str]) -> None:
+    """Every input naming a file of ``names`` names its replacement."""
+    for n in graph.values():
+        for key, value in n["inputs"].items():
+            if isinstance(value, str) and value in names:
+                n["inputs"][key] = names[value]
+
+
+def add_latent_save(graph: dict, prefix: str) -> str:
+    """A SaveLatent of the latent the decoder reads (the final one), for output comparisons; its id."""
+    decoders = of_type(graph, *DECODERS)
+    if not decoders:
+        raise GraphError("the graph has no VAE decode node whose latent could be saved")
+    nid = new_id(graph)
+    graph[nid] = node("SaveLatent", "Save final latent", samples=graph[decoders[0]]["inputs"]["samples"],
+                      filename_prefix=f"{LATENT_PREFIX}/{prefix}")
+    return nid
+
+
+def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | None, file_format: str,
+                 object_info: dict, latent_prefix: str) -> dict:
+    """The API graph of one row: the pack's shipped workflow (or its native equivalent) for the card, the file
+    format and the setup, plus a SaveLatent of the final latent."""
+    setup = SETUPS[setup_name]
+    reason = setup_applies(workflow, setup_name, file_format)
+    if reason:
+        raise GraphError(reason)
+    if setup.native and not workflow.shipped:
+        graph = bq.build_edit_graph("native", bq.EDIT_UNET, bq.EDIT_TEXT_ENCODER, bq.VAE, EDIT_STEPS, "2509", None,
+                                    decode=True)
+        for nid in of_type(graph, "UNETLoader"):
+            graph[nid]["inputs"]["weight_dtype"] = setup.weight_dtype
+    else:
+        graph = shipped_graph(workflow, object_info, card_gib)
+        graph = to_native(graph, setup.weight_dtype) if setup.native else graph
+    if not setup.native:
+        apply_pack_setup(graph, setup, object_info)
+    if file_format in ("bf16", "pack_fp8"):
+        rename_files(graph, workflow.sixteen_bit)
+    add_latent_save(graph, latent_prefix)
+    return graph
+
+
+def node_types_needed(workflow: RenderWorkflow) -> set[str]:
+    """Node types whose schemas ``render_graph`` reads for ``workflow`` (its shipped nodes, the added pack nodes)."""
+    extra = {"LowVRAM_Attention", "LowVRAM_TorchCompile", "KSamplerAdvanced", "LoraLoaderModelOnly", "ModelSamplingSD3"}
+    if not workflow.shipped:
+        return extra
+    return ui_node_types(shipped_workflow(workflow.shipped)) | ui_node_types(shipped_workflow(
+        "wan22_t2v_a14b_4step")) | extra
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the renders' changes
+
+
+def with_seed(graph: dict, offset: int) -> dict:
+    """A copy of ``graph`` whose noise seeds are ``offset`` higher (samplers that add no noise left as they are)."""
+    g = copy.deepcopy(graph)
+    for n in g.values():
+        for key in SEED_INPUTS:
+            if key in n["inputs"] and n["inputs"].get("add_noise", "enable") != "disable":
+                n["inputs"][key] = int(n["inputs"][key]) + offset
+    return g
+
+
+def _positive_sources(graph: dict) -> set[tuple[str, int]]:
+    return {tuple(graph[k]["inputs"]["positive"]) for k in of_type(graph, *SAMPLERS)
+            if isinstance(graph[k]["inputs"].get("positive"), list)}
+
+
+def with_new_prompt(graph: dict, suffix: str = NEW_PROMPT) -> dict:
+    """A copy of ``graph`` whose positive prompt text ends in ``suffix`` (the node that encodes it runs again)."""
+    g = copy.deepcopy(graph)
+    changed = 0
+    for nid, _slot in _positive_sources(g):
+        src = g[nid]
+        while src["class_type"] in ("WanImageToVideo", "FluxKontextMultiReferenceLatentMethod"):  # conditioning pass
+            src = g[(src["inputs"].get("positive") or src["inputs"]["conditioning"])[0]]
+        for key in ("text", "positive", "prompt"):
+            if isinstance(src["inputs"].get(key), str):
+                src["inputs"][key] += suffix
+                changed += 1
+                break
+    if not changed:
+        raise GraphError("no positive prompt text found in the graph")
+    return g

@@ -1,0 +1,222 @@
+"""The render scenario's report: rows in the results index's common format, output comparisons, a markdown table.
+
+JSON: ``env`` (device, gpu, versions, commit, date, command), ``rows`` in the results index's common format
+(benchmarks/README.md; plus each render's split under ``renders``) and the server log digests under ``logs``. Each
+row names the native row it is compared with (``against``: native's best of the same workflow and card, the same
+DynamicVRAM flag and file format where one ran) and ``ratio`` = that row's warm render seconds / this row's (above
+1: this row is faster). Outputs are compared on the final latent each
+render saved (SaveLatent): the first-ever render of a row against the native row's (same seed and prompt) and
+against a 16-bit native default row of the workflow where one ran, and the row's cold render against its first-ever
+one; each as ``||a - b|| / ||b||`` (server.compare_latents). The markdown has one table per workflow and card: each
+render kind's seconds for native's best and each pack setup, with the ratio naming the native row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from comfyui_lowvram_dit.benchmarks.server import compare_latents
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
+
+KINDS = ("first_ever", "cold", "warm", "warm_new_prompt")
+KIND_LABEL = {"first_ever": "first-ever", "cold": "cold", "warm": "warm", "warm_new_prompt": "warm, new prompt"}
+NATIVE = "native_best"
+REFERENCE = ("native_default", "bf16")  # the 16-bit reference: setup and file format
+# Every row has these (None where not measured): the keys the results index reads.
+ROW_KEYS = ("name", "model", "resolution", "frames", "steps", "card_gib", "file_format", "setup", "memory_manager",
+            "s_per_step", "render_s", "peak_vram_gib", "peak_rss_gib", "against", "ratio", "renders", "side", "how",
+            "cfg", "lora", "status")
+
+
+def _ok(r: dict) -> bool:
+    return r.get("status") == "ok"
+
+
+def finished_rows(path: Path) -> list[dict]:
+    """The finished rows of an earlier report (``--resume``) with their server logs, each marked with the file it
+    came from; [] when none."""
+    if not path.is_file():
+        return []
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    rows = [{**r, "source": r.get("source") or path.name} for r in doc.get("rows", []) if _ok(r)]
+    for r in rows:
+        for life, log in zip(r.get("lives") or [], (doc.get("logs") or {}).get(r["name"], []), strict=False):
+            life["log"] = log
+    return rows
+
+
+def native_row(row: dict, rows: list[dict]) -> dict | None:
+    """The finished native's-best row ``row`` is compared with: same workflow and card, the same memory manager and
+    file format where such a row ran, else the nearest; None for a native's-best row itself or when none finished."""
+    if row.get("setup_id") == NATIVE:
+        return None
+    same = [r for r in rows if r.get("setup_id") == NATIVE and r.get("workflow") == row.get("workflow")
+            and r.get("card_gib") == row.get("card_gib") and r is not row and _ok(r)]
+
+    def rank(r: dict) -> tuple[bool, bool]:
+        return r.get("dynamic_vram") != row.get("dynamic_vram"), r.get("format") != row.get("format")
+
+    return min(same, key=rank) if same else None
+
+
+def reference_row(row: dict, rows: list[dict]) -> dict | None:
+    """The 16-bit native default row of the workflow (the same card first), if one ran; None for itself."""
+    refs = [r for r in rows if (r.get("setup_id"), r.get("format")) == REFERENCE and _ok(r)
+            and r.get("workflow") == row.get("workflow") and r is not row]
+    return min(refs, key=lambda r: r.get("card_gib") != row.get("card_gib")) if refs else None
+
+
+def _latent_check(latents: Path, mine: tuple[str, str], theirs: tuple[str, str], old: Any) -> dict | None:
+    """``||a - b|| / ||b||`` of two kept latents (name, render kind); the earlier result when a file is gone."""
+    a, b = latents / f"{mine[0]}.{mine[1]}.latent", latents / f"{theirs[0]}.{theirs[1]}.latent"
+    if not (a.is_file() and b.is_file()):
+        return old if old else {"against": f"{theirs[0]} ({theirs[1]})", "error": "latent not kept in this run"}
+    return {"against": f"{theirs[0]} ({theirs[1]})", **compare_latents(a, b)}
+
+
+def compare(rows: list[dict], latents: Path) -> list[dict]:
+    """Each finished row gets ``against``, ``ratio`` and ``outputs_compared`` (see the module docstring); returns
+    ``rows``."""
+    for row in rows:
+        for key in ROW_KEYS:
+            row.setdefault(key, None)
+        if not _ok(row):
+            continue
+        native, ref = native_row(row, rows), reference_row(row, rows)
+        row["against"] = native["name"] if native else None
+        warm = native.get("render_s") if native else None
+        row["ratio"] = round(warm / row["render_s"], 3) if warm and row.get("render_s") else None
+        old = row.get("outputs_compared") or {}
+        checks = {}
+        if native:
+            checks["vs_native"] = _latent_check(latents, (row["name"], "first_ever"),
+                                                (native["name"], "first_ever"), old.get("vs_native"))
+        if ref:
+            checks["vs_bf16"] = _latent_check(latents, (row["name"], "first_ever"), (ref["name"], "first_ever"),
+                                              old.get("vs_bf16"))
+        if "cold" in (row.get("renders") or {}):
+            checks["cold_vs_first_ever"] = _latent_check(latents, (row["name"], "cold"), (row["name"], "first_ever"),
+                                                         old.get("cold_vs_first_ever"))
+        row["outputs_compared"] = checks
+        vs = checks.get("vs_native") or {}
+        row["error_vs_native"] = vs.get("rel_diff")
+        row["error_vs_bf16"] = (checks.get("vs_bf16") or {}).get("rel_diff")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# markdown
+
+
+def _f(v: Any, digits: int = 1) -> str:
+    return "—" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def _seconds(row: dict, kind: str, native: dict | None) -> str:
+    """One render's seconds, with native's seconds / these in brackets."""
+    r = (row.get("renders") or {}).get(kind)
+    if not r:
+        return "—"
+    if r.get("status") != "ok":
+        return r.get("status", "?")
+    n = ((native or {}).get("renders") or {}).get(kind) or {}
+    ratio = f" ({n['total_s'] / r['total_s']:.2f}x)" if n.get("status") == "ok" and r.get("total_s") else ""
+    return f"{r['total_s']:.1f}{ratio}"
+
+
+def _warm_split(row: dict) -> str:
+    """The warm render's load / text / steps / decode / save / other seconds and its samplers' first and median
+    steps."""
+    w = (row.get("renders") or {}).get("warm") or (row.get("renders") or {}).get("first_ever") or {}
+    if "total_s" not in w:
+        return "—"
+    parts = " / ".join(_f(w.get(k)) for k in ("load_s", "text_encode_s", "sampling_s", "vae_decode_s", "save_s",
+                                              "other_s"))
+    steps = ", ".join(_f(s["first_step_s"]) + (f" + {s['steps'] - 1} x {_f(s['median_step_s'], 2)}"
+                                                 if s["steps"] > 1 and s.get("median_step_s") else "")
+                      for s in w.get("samplers", []) if s.get("steps"))
+    return f"{parts} ({steps})" if steps else parts
+
+
+def _cell(text: str) -> str:
+    """Text that fits in one markdown table cell."""
+    return " ".join(str(text).split()).replace("|", "/")
+
+
+def _error(row: dict) -> str:
+    """The output error against the native row, and against the 16-bit reference where one ran."""
+    cells = []
+    for key, label in (("vs_native", ""), ("vs_bf16", "bf16: ")):
+        c = (row.get("outputs_compared") or {}).get(key) or {}
+        if c.get("error"):
+            cells.append(label + _cell(c["error"]))
+        elif c.get("rel_diff") is not None:
+            cells.append(f"{label}{c['rel_diff']:.3g}")
+    return "; ".join(cells) or "—"
+
+
+def table(rows: list[dict], all_rows: list[dict]) -> list[str]:
+    """The markdown table of one workflow and card."""
+    lines = ["| setup | row | " + " | ".join(f"{KIND_LABEL[k]} s" for k in KINDS) + " | split of the warm render: "
+             "load / text / sampling / decode / save / other s (each sampler: first + n x median step) | s/step | "
+             "peak VRAM GiB | peak RSS GiB | output error vs native (; vs bf16) | against | status |",
+             "|" + "---|" * (9 + len(KINDS))]
+    for r in rows:
+        native = next((n for n in all_rows if n["name"] == r.get("against")), None)
+        status = r.get("status", "?") + (f": {_cell(r['error'])[:160]}" if r.get("error") else "")
+        status += f" (from {r['source']})" if r.get("source") else ""
+        lines.append(f"| {r.get('setup_id')} | {r['name']} | " + " | ".join(_seconds(r, k, native) for k in KINDS)
+                     + f" | {_warm_split(r)} | {_f(r.get('s_per_step'), 3)} | {_f(r.get('peak_vram_gib'), 2)} | "
+                     f"{_f(r.get('peak_rss_gib'), 2)} | {_error(r)} | {(native or {}).get('name', '—')} | {status} |")
+    return lines
+
+
+def _card(card: float | None) -> str:
+    return "whole GPU" if card is None else f"{card:g} GB card (--reserve-vram = total - {card:g} GiB)"
+
+
+def markdown(rows: list[dict], env: dict, settings: dict) -> str:
+    """The report as markdown: environment, what was timed, one table per workflow and card."""
+    gpu = f" ({env['vram_total_gib']} GiB, driver {env.get('driver')})" if env.get("vram_total_gib") else ""
+    lines = ["# Renders through a ComfyUI server: Queue to output file", "",
+             f"- device: {env.get('gpu') or env.get('device')}{gpu}; "
+             f"torch {env.get('torch', '?')}, ComfyUI {env.get('comfyui', '?')}, "
+             f"comfy-kitchen {env.get('comfy_kitchen', '?')}, comfy-aimdo {env.get('comfy_aimdo', '?')}",
+             f"- pack: `{env.get('commit')}`; {env.get('date')}", f"- command: `{env.get('command')}`",
+             f"- renders: {', '.join(settings.get('renders', []))}; smoke: {settings.get('smoke')}; page cache: "
+             f"{settings.get('page_cache')}",
+             ("- first-ever: a fresh server with empty Triton / TorchInductor / CUDA caches and user folder; warm: the "
+              "same graph, new seed; warm, new prompt: new seed and prompt; cold: a fresh server keeping the first "
+              "one's caches and user folder. Seconds from Queue (POST /prompt) until the output file is written; in "
+              "brackets native's best seconds / these (the row in 'against'). Split from the websocket events: load = "
+              "loader nodes + each sampler's first step above its median step; peak RSS: the server process's VmHWM "
+              "(first render of a server) or sampled RSS; VRAM: the process per nvidia-smi. Output vs native: "
+              "||a - b|| / ||b|| of the final latents of the first-ever renders (same seed)."), ""]
+    groups: dict[tuple[str, Any], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r.get("title") or r.get("model") or "?", r.get("card_gib")), []).append(r)
+    for (title, card), members in groups.items():
+        members.sort(key=lambda r: (r.get("setup_id") != NATIVE, r.get("name")))
+        first = members[0]
+        facts = ", ".join(str(x) for x in (first.get("resolution"), first.get("frames") and f"{first['frames']} "
+                                           "frames", first.get("steps") and f"{first['steps']} steps") if x)
+        lines += [f"## {title}, {_card(card)}", "", f"{facts}; in brackets: the 'against' row's seconds / the row's",
+                  "", *table(members, rows), ""]
+    return "\n".join(lines)
+
+
+def write(out_dir: Path, stem: str, rows: list[dict], env: dict, settings: dict, latents: Path) -> list[Path]:
+    """``<stem>.json`` (``env``, ``settings``, ``rows``, each row's server log digests under ``logs``) and
+    ``<stem>.md`` into ``out_dir``; the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    compare(rows, latents)
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    logs = {r["name"]: [life.get("log", []) for life in r["lives"]] for r in rows if r.get("lives")}
+    shown = [{**r, "lives": [{k: v for k, v in life.items() if k != "log"} for life in r["lives"]]}
+             if r.get("lives") else r for r in rows]
+    doc = {"scenario": "server_render", "env": env, "settings": settings, "rows": shown, "logs": logs}
+    write_report(paths[0], json.dumps(doc, indent=1, default=str))
+    write_report(paths[1], markdown(rows, env, settings))
+    return paths

@@ -1,0 +1,75 @@
+"""A render's wall time split by what each node does, from the server's websocket events.
+
+Each executed node's time runs from its 'executing' message to the next node's (server.node_times). Nodes are
+sorted by their type into load (loaders, LoRA, Block Swap, Attention, Torch Compile, model sampling), text encode,
+sampling, VAE decode and save; anything else (empty latents, image-to-video conditioning) is 'other', as is the
+time from the POST to the first node and the rest of the total. A sampler's time before its first progress message
+holds the model's loading (weights moved, LoRA merged, kernels compiled, attention timed) and its first step: the
+part above the sampler's median later step counts as load, so the parts add up to the total.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from comfyui_lowvram_dit.benchmarks.server import node_times, step_times
+
+LOAD_NODES = frozenset({
+    "UNETLoader", "CLIPLoader", "VAELoader", "CLIPVisionLoader", "LoraLoaderModelOnly", "LowVRAM_WanLoader",
+    "LowVRAM_BlockSwap", "LowVRAM_Attention", "LowVRAM_TorchCompile", "LowVRAM_NanGuard", "ModelSamplingSD3",
+    "ModelSamplingAuraFlow", "CFGNorm", "LowVRAMTest_StreamedCLIPLoader"})
+# The staged loaders encode the prompt and set up the transformer in one node: most of their time is the encode.
+TEXT_NODES = frozenset({"CLIPTextEncode", "LowVRAM_WanTextEncode", "TextEncodeQwenImageEditPlus",
+                        "LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageEditStagedLoader"})
+SAMPLER_NODES = frozenset({"KSampler", "KSamplerAdvanced"})
+DECODE_NODES = frozenset({"VAEDecode", "VAEDecodeTiled", "LowVRAM_QwenImageDecode"})
+SAVE_NODES = frozenset({"SaveAnimatedWEBP", "SaveImage", "SaveLatent", "SaveVideo", "CreateVideo", "SaveWEBM"})
+PARTS = ("load_s", "text_encode_s", "sampling_s", "vae_decode_s", "save_s", "other_s")
+
+
+def node_kind(class_type: str) -> str:
+    """Which part of the split a node of ``class_type`` counts in."""
+    for kinds, part in ((LOAD_NODES, "load_s"), (TEXT_NODES, "text_encode_s"), (SAMPLER_NODES, "sampling_s"),
+                        (DECODE_NODES, "vae_decode_s"), (SAVE_NODES, "save_s")):
+        if class_type in kinds:
+            return part
+    return "other_s"
+
+
+def _sampler(events: list[tuple[float, dict]], nid: str, spent: float, title: str) -> dict:
+    """One sampler node: its first step (load inside), the median of its later steps, and the load part."""
+    st = step_times(events, nid)
+    later = st["steps_s"]
+    median = round(statistics.median(later), 3) if later else None
+    first = st["first_s"]
+    load = round(max(first - median, 0.0), 3) if first is not None and median is not None else None
+    return {"node": nid, "title": title, "steps": len(st["progress_values"]), "first_step_s": first,
+            "median_step_s": median, "later_steps_s": later, "load_part_s": load, "node_s": spent}
+
+
+def split(events: list[tuple[float, dict]], graph: dict, posted_at: float, total_s: float) -> dict[str, Any]:
+    """The parts of one render of ``graph`` (POSTed at ``posted_at``, finished ``total_s`` later) from its
+    ``(arrival time, message)`` websocket events: seconds per part, per node and per sampler, the cached nodes."""
+    spent = node_times(events)
+    parts = dict.fromkeys(PARTS, 0.0)
+    nodes, samplers = {}, []
+    for nid, seconds in spent.items():
+        kind = graph.get(nid, {}).get("class_type", "?")
+        part = node_kind(kind)
+        nodes[nid] = {"type": kind, "part": part, "s": seconds}
+        if part == "sampling_s":
+            s = _sampler(events, nid, seconds, graph[nid].get("_meta", {}).get("title", kind))
+            samplers.append(s)
+            moved = s["load_part_s"] or 0.0
+            parts["load_s"] += moved
+            seconds -= moved
+        parts[part] += seconds
+    starts = [t for t, m in events if m.get("type") == "executing" and m["data"].get("node") is not None]
+    queue = round(starts[0] - posted_at, 3) if starts else None
+    parts["other_s"] += max(total_s - sum(parts.values()), 0.0)
+    cached = next((m["data"].get("nodes", []) for _, m in events if m.get("type") == "execution_cached"), [])
+    later = [s for d in samplers for s in d["later_steps_s"]]
+    return {"total_s": round(total_s, 2), **{k: round(v, 2) for k, v in parts.items()}, "queue_s": queue,
+            "s_per_step": round(statistics.median(later), 3) if later else None, "samplers": samplers,
+            "nodes": nodes, "cached_nodes": [str(n) for n in cached]}

@@ -1,0 +1,78 @@
+"""The render scenario through real ComfyUI servers (benchmarks/server_render.py): every row graph against the running
+version's /object_info, and the core group's Wan 2.2 T2V-A14B 4-step rows (native's best and the pack's shipped
+workflow) end to end with ``--smoke``: tiny models on the CPU, every render kind (first-ever, warm, warm with a new
+prompt, cold in a second server) producing its output file and its split."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import pytest
+from comfy_server import ComfyServer
+from comfyui_lowvram_dit.benchmarks import server_render as sr
+from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
+from comfyui_lowvram_dit.benchmarks.server_render_split import PARTS
+from test_bench_server import _problems
+
+pytestmark = pytest.mark.comfyui
+NATIVE, PACK = "wan_t2v_4step_native_best_whole", "wan_t2v_4step_pack_whole"
+
+
+def test_every_render_graph_validates_against_the_running_comfyui(comfy_server: ComfyServer) -> None:
+    info = comfy_server.object_info()
+    for key, wf in rg.WORKFLOWS.items():
+        for setup in rg.SETUPS:
+            fmt = wf.default_format
+            if rg.setup_applies(wf, setup, fmt) is None:
+                graph = rg.render_graph(wf, setup, 12.0, fmt, info, "row")
+                problems = [p for p in _problems(graph, info) if not re.match(r"\d+\.image: ", p)]
+                assert problems == [], (key, setup)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One ``--smoke`` run of the two rows with every render kind; its JSON report."""
+    out = tmp_path_factory.mktemp("render_out")
+    rc = sr.main(["--smoke", "--comfyui", os.environ["COMFYUI_PATH"], "--rows", f"{NATIVE},{PACK}",
+                  "--renders", ",".join(sr.RENDERS), "--out", str(out), "--stem", "smoke",
+                  "--work", str(tmp_path_factory.mktemp("render_work"))])
+    doc = json.loads((out / "smoke.json").read_text())
+    assert rc == 0, json.dumps(doc["rows"], indent=1)[-4000:]
+    assert (out / "smoke.md").is_file()
+    return doc
+
+
+@pytest.mark.parametrize("name", [NATIVE, PACK])
+def test_smoke_renders_every_kind_with_its_output_and_split(smoke_run: dict, name: str) -> None:
+    row = next(r for r in smoke_run["rows"] if r["name"] == name)
+    assert row["status"] == "ok", row.get("error")
+    assert set(row["renders"]) == set(sr.RENDERS) and len(row["lives"]) == 2
+    assert (row["resolution"], row["frames"], row["steps"]) == ("64x64", 5, 2)
+    for kind, r in row["renders"].items():
+        assert r["status"] == "ok", (kind, r.get("error"))
+        assert any(o.endswith(".webp") for o in r["outputs"]) and any(o.endswith(".latent") for o in r["outputs"])
+        assert math.isclose(sum(r[p] for p in PARTS), r["total_s"], abs_tol=0.1), kind
+        assert [s["steps"] for s in r["samplers"]] == [1, 1], kind  # one step per expert after --smoke
+        assert r["peak_rss_gib"] and r["peak_rss_gib"] > 0.3
+    fresh, warm, new = row["renders"]["first_ever"], row["renders"]["warm"], row["renders"]["warm_new_prompt"]
+    for r in (fresh, row["renders"]["cold"]):
+        assert r["load_s"] > 0 and r["text_encode_s"] > 0 and not r["cached_nodes"]
+    assert warm["load_s"] == 0 and warm["text_encode_s"] == 0 and warm["cached_nodes"]  # only the seed changed
+    assert new["text_encode_s"] > 0 and new["load_s"] == 0
+    assert row["outputs_compared"]["cold_vs_first_ever"]["identical"]  # a fresh server renders the same latent
+    assert row["render_s"] == warm["total_s"]
+
+
+def test_smoke_compares_the_pack_with_native(smoke_run: dict) -> None:
+    rows = {r["name"]: r for r in smoke_run["rows"]}
+    native, pack = rows[NATIVE], rows[PACK]
+    assert pack["against"] == NATIVE and pack["ratio"] == pytest.approx(native["render_s"] / pack["render_s"], 0.01)
+    assert 0 < pack["error_vs_native"] < math.inf  # fp8 per-tensor vs fp8_e4m3fn_fast: close, not equal
+    assert native["flags_left_out"] == ["--use-ck-attention (no comfy-kitchen attention on the CPU)"]
+    command = smoke_run["env"]["command"]
+    assert smoke_run["env"]["device"] == "cpu" and str(Path.home()) not in command and "/tmp/" not in command
+    assert not any(str(Path.home()) in line for r in rows.values() for life in r["lives"] for line in life["log"])

@@ -1,0 +1,576 @@
+"""The render scenario on CPU, without ComfyUI (benchmarks/server_render*.py): the pack graphs are the shipped
+workflows node for node, the native graphs are the official templates' nodes and validate against the schemas,
+setups, formats and budgets follow the workflows' own notes, the render split from planted websocket events, the
+rows, flags and model files, and the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import pytest
+from comfyui_lowvram_dit.benchmarks import server_render as sr
+from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
+from comfyui_lowvram_dit.benchmarks import server_render_report as rr
+from comfyui_lowvram_dit.benchmarks.server_render_split import PARTS, split
+from comfyui_lowvram_dit.cli.ui_graph import FRONTEND_ONLY
+from comfyui_lowvram_dit.cli.workflow_models import KNOWN_MODEL_FILES
+from comfyui_lowvram_dit.synthetic.lora import KNOWN_LORA_FILES
+from test_bench_server import OBJECT_INFO, _problems
+
+SHIPPED = sorted({w.shipped for w in rg.WORKFLOWS.values() if w.shipped})
+CARDS = (8.0, 12.0, 16.0, 24.0, None)
+
+
+def _graph(key: str, setup: str = "pack", card: float | None = 12.0, fmt: str | None = None) -> dict:
+    wf = rg.WORKFLOWS[key]
+    return rg.render_graph(wf, setup, card, fmt or wf.default_format, OBJECT_INFO, "row")
+
+
+def _types(graph: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for n in graph.values():
+        out.setdefault(n["class_type"], []).append(n["inputs"])
+    return out
+
+
+def _widget_values(node: dict, api: dict) -> list:
+    """The API node's widget inputs in the order the UI stores them (control values put back after seeds)."""
+    values = []
+    for name, control in rg.widget_names(OBJECT_INFO[node["type"]]):
+        values.append(api["inputs"][name])
+        if control:
+            values.append(node["widgets_values"][len(values)])
+    return values
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pack graphs: the shipped workflows node for node
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_pack_graph_is_the_shipped_workflow_node_for_node(name: str) -> None:
+    """Every node the shipped workflow sends, with its type, widget values and links, is in the render graph at 12 GB
+    (the card the workflows are set for) and nothing else but the final latent's SaveLatent: a change to a shipped
+    workflow is a change to its render rows."""
+    ui = rg.shipped_workflow(name)
+    key = next(k for k, w in rg.WORKFLOWS.items() if w.shipped == name and not w.four_step_loras)
+    graph = _graph(key)
+    sent = [n for n in ui["nodes"] if n["type"] not in FRONTEND_ONLY]
+    assert {str(n["id"]) for n in sent} | {max(graph, key=int)} == set(graph)
+    assert graph[max(graph, key=int)]["class_type"] == "SaveLatent"
+    links = {lk[0]: lk for lk in ui["links"]}
+    for n in sent:
+        api = graph[str(n["id"])]
+        assert api["class_type"] == n["type"]
+        assert _widget_values(n, api) == n["widgets_values"][:len(_widget_values(n, api))], n["id"]
+        for inp in n.get("inputs") or []:
+            if inp.get("link") is not None:
+                assert api["inputs"][inp["name"]] == [str(links[inp["link"]][1]), links[inp["link"]][2]]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_conversion_agrees_with_comfy_cli(name: str) -> None:
+    """The runner's UI -> API conversion (the GPU machine has no comfy-cli) gives what comfy-cli gives."""
+    cli = pytest.importorskip("comfy_cli.workflow_to_api", reason="comfy-cli is not installed (the [test] extra)")
+    ui = rg.shipped_workflow(name)
+    strip = lambda g: {k: (v["class_type"], v["inputs"]) for k, v in g.items()}  # noqa: E731
+    assert strip(rg.ui_to_api(ui, OBJECT_INFO)) == strip(cli.convert_ui_to_api(json.loads(json.dumps(ui)),
+                                                                                OBJECT_INFO))
+
+
+def test_conversion_refuses_what_it_cannot_convert() -> None:
+    ui = rg.shipped_workflow("wan22_t2v_a14b_4step")
+    ui["nodes"][2]["mode"] = 4
+    with pytest.raises(rg.GraphError, match="bypassed"):
+        rg.ui_to_api(ui, OBJECT_INFO)
+    with pytest.raises(rg.GraphError, match="subgraphs"):
+        rg.ui_to_api({**ui, "definitions": {"subgraphs": [{}]}}, OBJECT_INFO)
+    with pytest.raises(rg.GraphError, match="LowVRAM_WanLoader"):
+        rg.ui_to_api(rg.shipped_workflow("wan22_t2v_a14b_4step"), {})
+
+
+def _note_budgets(name: str) -> dict[float | None, float]:
+    """The Block Swap budget per card the workflow's notes give (a table or 'N GB card: B' lines)."""
+    text = "\n".join(str(n["widgets_values"][0]) for n in rg.shipped_workflow(name)["nodes"]
+                     if n["type"] == "MarkdownNote")
+    found = {float(c): float(b) for c, b in re.findall(r"\|\s*(\d+) GB\s*\|\s*([\d.]+)", text)}
+    found |= {float(c): float(b) for c, b in re.findall(r"(\d+) GB(?: card)?: ([\d.]+)(?![\dx])", text)}
+    if re.search(r"\|\s*32 GB\+\s*\|\s*0\b", text) or "24 GB: 0" in text:
+        found[None] = 0.0
+    return found
+
+
+@pytest.mark.parametrize("key", [k for k, w in rg.WORKFLOWS.items() if w.shipped])
+def test_card_budgets_are_the_workflow_notes(key: str) -> None:
+    wf = rg.WORKFLOWS[key]
+    base = {"qwen_image_t2i_4step": "qwen_image_t2i"}.get(wf.shipped, wf.shipped)  # its note points there
+    assert _note_budgets(base) == wf.budgets
+    shipped = {n["inputs"]["vram_budget_gb"] for n in _graph(key).values() if "vram_budget_gb" in n["inputs"]}
+    assert shipped == {wf.budgets[12.0]} == {10.0}  # the workflows ship set for a 12 GB card
+    for card in CARDS:
+        g = _graph(key, card=card)
+        assert {n["inputs"]["vram_budget_gb"] for n in g.values() if "vram_budget_gb" in n["inputs"]} \
+            == {wf.budgets[card]}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# native graphs
+
+
+@pytest.mark.parametrize("key", list(rg.WORKFLOWS))
+@pytest.mark.parametrize("setup", list(rg.SETUPS))
+def test_every_row_graph_validates(key: str, setup: str) -> None:
+    wf = rg.WORKFLOWS[key]
+    for fmt in wf.formats:
+        if rg.setup_applies(wf, setup, fmt) is None:
+            for card in (12.0, None):
+                problems = _problems(_graph(key, setup, card, fmt))
+                assert [p for p in problems if not re.match(r"\d+\.image: ", p)] == [], (setup, fmt, card)
+
+
+@pytest.mark.parametrize("key, template", [("wan_t2v_4step", "video_wan2_2_14B_t2v"),
+                                           ("wan_i2v_4step", "video_wan2_2_14B_i2v"),
+                                           ("wan_ti2v_5b", "video_wan2_2_5B_ti2v"),
+                                           ("qwen_t2i_4step", "image_qwen_image"),
+                                           ("qwen_edit", "image_qwen_image_edit_2509")])
+def test_native_graph_is_made_of_the_official_templates_nodes(key: str, template: str) -> None:
+    """Native's best: the official template's nodes (the pack workflow's save node and the latent save added), no
+    pack node, UNETLoader fp8_e4m3fn_fast, the server's ck attention flag; the same sampling as the pack graph."""
+    from comfyui_lowvram_dit.cli.ui_graph import all_nodes
+    from template_files import load_template
+
+    official = {n["type"] for n in all_nodes(load_template(template), instances=False)}
+    native, pack = _graph(key, "native_best"), _graph(key, "pack")
+    kinds = set(_types(native))
+    assert kinds - official <= {"SaveAnimatedWEBP", "SaveImage", "SaveLatent"}, kinds - official
+    assert not any(k.startswith("LowVRAM_") for k in kinds)
+    assert {i["weight_dtype"] for i in _types(native)["UNETLoader"]} == {"fp8_e4m3fn_fast"}
+    assert sr.make_row(key, "native_best", 12.0).server_args(140.0) == ["--use-ck-attention", "--reserve-vram=128.00"]
+    for kind in ("KSampler", "KSamplerAdvanced", "ModelSamplingSD3", "ModelSamplingAuraFlow", "LoraLoaderModelOnly"):
+        def widgets(g: dict) -> list[dict]:
+            return [{k: v for k, v in i.items() if not isinstance(v, list)} for i in _types(g).get(kind, [])]
+
+        assert widgets(native) == widgets(pack), kind
+
+
+def test_native_text_and_decode_replace_the_pack_nodes() -> None:
+    wan = _types(_graph("wan_t2v_4step", "native_best"))
+    pack = _types(_graph("wan_t2v_4step"))["LowVRAM_WanTextEncode"][0]
+    assert wan["CLIPLoader"] == [{"clip_name": pack["clip_name"], "type": "wan", "device": "default"}]
+    assert sorted(i["text"] for i in wan["CLIPTextEncode"]) == sorted([pack["positive"], pack["negative"]])
+    g = _graph("qwen_t2i_4step", "native_best")
+    sampler = g[rg.of_type(g, "KSampler")[0]]["inputs"]
+    assert g[sampler["positive"][0]]["inputs"]["text"].startswith("A cozy bookshop")
+    assert g[sampler["negative"][0]]["class_type"] == "CLIPTextEncode"
+    decode = _types(g)["VAEDecode"][0]
+    assert g[decode["vae"][0]]["class_type"] == "VAELoader" and decode["samples"] == [rg.of_type(g, "KSampler")[0], 0]
+    with pytest.raises(rg.GraphError, match="LowVRAM_Mystery"):
+        rg.to_native({"1": {"class_type": "LowVRAM_Mystery", "inputs": {}}}, "default")
+
+
+def test_every_pack_node_of_a_shipped_workflow_has_a_native_equivalent() -> None:
+    for name in SHIPPED + ["wan22_t2v_a14b_2gpu"]:
+        kinds = rg.ui_node_types(rg.shipped_workflow(name))
+        unknown = {k for k in kinds if k.startswith("LowVRAM_")} - rg.MODEL_PASS_THROUGH - {
+            "LowVRAM_WanLoader", "LowVRAM_WanTextEncode", "LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageDecode"}
+        assert not unknown, (name, unknown)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# setups, formats, 4-step variant
+
+
+def _model_chain(graph: dict, sampler: str) -> list[str]:
+    """Node types from a sampler's model input back to its loader."""
+    out, src = [], graph[sampler]["inputs"]["model"]
+    while src:
+        n = graph[src[0]]
+        out.append(n["class_type"])
+        src = n["inputs"].get("model")
+    return out
+
+
+def test_pack_setups() -> None:
+    g = _graph("wan_t2v_4step", "pack_no_blockswap")
+    assert "LowVRAM_BlockSwap" not in _types(g)
+    assert _model_chain(g, "15") == ["ModelSamplingSD3", "LowVRAM_Attention", "LoraLoaderModelOnly",
+                                     "LowVRAM_WanLoader"]
+    g = _graph("wan_t2v_4step", "pack_int8")
+    assert {i["backend"] for i in _types(g)["LowVRAM_Attention"]} == {rg.INT8_BACKEND}
+    g = _graph("wan_t2v_4step", "pack_compile")
+    assert _model_chain(g, "16")[:3] == ["ModelSamplingSD3", "LowVRAM_TorchCompile", "LowVRAM_Attention"]
+    compile_inputs = {k: v for k, v in _types(g)["LowVRAM_TorchCompile"][0].items() if k != "model"}
+    assert compile_inputs == {"mode": "default", "backend": "inductor", "dynamic": "auto", "fullgraph": False,
+                              "cache_size_limit": 64, "fallback": True, "scope": "blocks"}
+    q = _graph("qwen_t2i_4step", "pack_int8")
+    assert _model_chain(q, "6")[:3] == ["ModelSamplingAuraFlow", "LowVRAM_Attention", "LoraLoaderModelOnly"]
+    assert rg.setup_applies(rg.WORKFLOWS["qwen_t2i_4step"], "pack_no_blockswap", "fp8_scaled")
+    assert rg.setup_applies(rg.WORKFLOWS["wan_t2v"], "native_best", "pack_fp8")
+
+
+def test_formats_rename_to_files_the_runner_can_write() -> None:
+    for key, wf in rg.WORKFLOWS.items():
+        shipped = rg.model_files(wf, wf.default_format)
+        assert set(wf.sixteen_bit) <= set(shipped) | set(rg.I2V_LORAS), key  # a renamed shipped file breaks this
+        for fmt in wf.formats:
+            names = rg.model_files(wf, fmt)
+            assert set(names) <= KNOWN_MODEL_FILES.keys() | KNOWN_LORA_FILES.keys(), (key, fmt)
+            g = _graph(key, "pack", 12.0, fmt)
+            used = {v for n in g.values() for v in n["inputs"].values() if isinstance(v, str) and v.endswith(
+                ".safetensors")}
+            assert used == set(names), (key, fmt)
+    assert "wan2.2_t2v_high_noise_14B_fp16.safetensors" in rg.model_files(rg.WORKFLOWS["wan_t2v_4step"], "bf16")
+
+
+def test_i2v_4step_is_the_i2v_workflow_with_the_t2v_4step_sampling() -> None:
+    i2v, t2v = _graph("wan_i2v_4step"), _graph("wan_t2v_4step")
+    loras = _types(i2v)["LoraLoaderModelOnly"]
+    assert {i["lora_name"] for i in loras} <= KNOWN_LORA_FILES.keys() and len(loras) == 2
+    keys = ("steps", "cfg", "start_at_step", "end_at_step", "shift")
+    for kind in ("KSamplerAdvanced", "ModelSamplingSD3"):
+        assert [{k: v for k, v in i.items() if k in keys} for i in _types(i2v)[kind]] == \
+            [{k: v for k, v in i.items() if k in keys} for i in _types(t2v)[kind]], kind
+    assert _model_chain(i2v, "16") == ["ModelSamplingSD3", "LowVRAM_Attention", "LowVRAM_BlockSwap",
+                                       "LoraLoaderModelOnly", "LowVRAM_WanLoader"]
+
+
+def test_seed_and_prompt_changes() -> None:
+    g = _graph("wan_t2v_4step")
+    warm = rg.with_seed(g, 1)
+    assert (warm["15"]["inputs"]["noise_seed"], warm["16"]["inputs"]["noise_seed"]) == (43, 0)  # the low one adds none
+    assert {k for k in g if g[k] != warm[k]} == {"15"}
+    new = rg.with_new_prompt(warm)
+    assert new["11"]["inputs"]["positive"].endswith(rg.NEW_PROMPT) and new["11"]["inputs"]["negative"] == \
+        g["11"]["inputs"]["negative"]
+    for key in ("wan_i2v", "qwen_t2i_4step", "qwen_edit"):
+        for setup in ("pack", "native_best"):
+            g = _graph(key, setup)
+            assert rg.with_new_prompt(g) != g, (key, setup)
+    with pytest.raises(rg.GraphError, match="positive prompt"):
+        rg.with_new_prompt({"1": {"class_type": "KSampler", "inputs": {}}})
+
+
+def test_smoke_graph_shrinks_and_stands_in_for_the_stock_text_encoder() -> None:
+    g = sr.smoke_graph(_graph("wan_t2v_4step", "native_best"), native=True)
+    assert _types(g)["EmptyHunyuanLatentVideo"][0] | {} == {"width": 64, "height": 64, "length": 5, "batch_size": 1}
+    assert [(i["steps"], i["start_at_step"], i["end_at_step"]) for i in _types(g)["KSamplerAdvanced"]] == \
+        [(2, 0, 1), (2, 1, 10000)]
+    assert sr.STAND_IN_CLIP in _types(g) and "CLIPLoader" not in _types(g)
+    assert sr.graph_facts(_graph("wan_t2v_4step")) == {"resolution": "832x480", "frames": 81, "steps": 4, "cfg": 1.0}
+    assert sr.graph_facts(_graph("wan_t2v")) == {"resolution": "832x480", "frames": 81, "steps": 20, "cfg": 3.5}
+    assert sr.graph_facts(_graph("qwen_t2i_4step")) == {"resolution": "1328x1328", "frames": None, "steps": 4,
+                                                        "cfg": 1.0}
+    assert sr.graph_facts(_graph("qwen_edit"))["resolution"] == "1024x1024"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# rows, flags, files
+
+
+def _opts(**kw: object) -> argparse.Namespace:
+    base = {"rows": "core", "cards": None, "setups": ",".join(sr.DEFAULT_SETUPS), "memory": "on", "formats": None}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_core_group() -> None:
+    rows = sr.pick_rows(_opts())
+    assert [r.name for r in rows] == [
+        "wan_t2v_4step_native_best_12gb", "wan_t2v_4step_pack_12gb", "wan_t2v_4step_pack_no_blockswap_12gb",
+        "wan_t2v_4step_native_best_24gb", "wan_t2v_4step_pack_24gb", "wan_t2v_4step_pack_no_blockswap_24gb",
+        "wan_t2v_4step_native_best_whole", "wan_t2v_4step_pack_whole", "wan_t2v_4step_pack_no_blockswap_whole",
+        "qwen_t2i_4step_native_best_12gb", "qwen_t2i_4step_pack_12gb",
+        "qwen_t2i_4step_native_best_24gb", "qwen_t2i_4step_pack_24gb"]
+    assert all(r.dynamic_vram and r.file_format == "fp8_scaled" for r in rows)
+    assert [r.name for r in sr.pick_rows(_opts(cards="whole"))] == [r.name for r in rows if r.card_gib is None]
+
+
+def test_pick_rows_expands_workflows() -> None:
+    rows = sr.pick_rows(_opts(rows="wan_t2v", cards="8", setups="native_default,pack", formats="fp8_scaled,bf16",
+                              memory="on,off"))
+    assert len(rows) == 8 and {r.card_gib for r in rows} == {8.0}
+    assert "wan_t2v_pack_8gb_legacy_bf16" in {r.name for r in rows}
+    assert sr.make_row("wan_t2v", "pack", None, False, "bf16").server_args(140.0) == ["--disable-dynamic-vram"]
+    q = sr.pick_rows(_opts(rows="qwen_t2i_4step"))  # no Block Swap to remove: that setup is left out
+    assert {r.setup for r in q} == {"native_best", "pack"}
+    with pytest.raises(SystemExit, match="unknown"):
+        sr.pick_rows(_opts(rows="core,nope"))
+    assert sr.parse_cards("12,24gb,whole") == [12.0, 24.0, None]
+
+
+def test_flags_left_out_where_the_host_or_the_cpu_lacks_them() -> None:
+    row = sr.make_row("wan_t2v_4step", "native_best", 12.0, False)
+    flags = row.server_args(143.0)
+    assert flags == ["--use-ck-attention", "--disable-dynamic-vram", "--reserve-vram=131.00"]
+    host_080 = '"--reserve-vram", type=float'  # ComfyUI 0.8.0 has neither other flag
+    assert sr.supported_flags(flags, host_080) == (["--reserve-vram=131.00"],
+                                                   ["--use-ck-attention", "--disable-dynamic-vram"])
+    assert sr.cpu_flags(row) == (["--disable-dynamic-vram"], ["--use-ck-attention (no comfy-kitchen attention on "
+                                                             "the CPU)"])
+    with pytest.raises(ValueError, match="drop the capped"):
+        row.server_args(8.0)
+
+
+def _synthetic_file(path: Path, synthetic: bool) -> None:
+    meta = {"synthetic": "comfyui_lowvram_dit"} if synthetic else {"format": "pt"}
+    header = json.dumps({"__metadata__": meta}).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+def test_model_files_written_when_needed_and_only_synthetic_ones_freed(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    wan, qwen = sr.make_row("wan_t2v_4step", "pack", 12.0), sr.make_row("qwen_t2i_4step", "pack", 12.0)
+    written: list[str] = []
+
+    def child(code: str, models: str, result: str, *names: str) -> None:
+        assert code == sr.WRITE_CHILD and models == str(tmp_path)
+        written.extend(names)
+        Path(result).write_text(json.dumps({n: 1.0 for n in names}))
+
+    monkeypatch.setattr(sr, "run_child", child)
+    for name in rg.model_files(wan.spec, wan.file_format):
+        _synthetic_file(tmp_path / "diffusion_models" / name, synthetic=True)
+    _synthetic_file(tmp_path / "vae" / "users_own_vae.safetensors", synthetic=False)
+    with pytest.raises(sr.cli_server.RunError, match="--write-models"):
+        sr.ModelFiles(tmp_path).prepare(qwen, [])
+    files = sr.ModelFiles(tmp_path, write=True, free_disk=True)
+    files.prepare(wan, [qwen])
+    assert written == []  # all there
+    files.prepare(qwen, [])
+    assert set(written) == set(rg.model_files(qwen.spec, qwen.file_format))
+    assert set(files.freed) == set(rg.model_files(wan.spec, wan.file_format)) - set(written)
+    assert files.took == {n: 1.0 for n in written} and not (tmp_path / ".write_models.json").exists()
+    assert (tmp_path / "vae" / "users_own_vae.safetensors").is_file()
+
+
+def test_estimates_grow_with_renders_cards_and_missing_files(tmp_path: Path) -> None:
+    opts = argparse.Namespace(reserve_estimate=0.0)
+    ctx = sr.RunContext(opts, sr.ModelFiles(tmp_path), 143.0, "", "0.33.0", ("first_ever", "warm", "cold"))
+    small, whole = sr.make_row("wan_t2v_4step", "pack", 12.0), sr.make_row("wan_t2v_4step", "pack", None)
+    assert sr.estimate_s(ctx, small) > sr.estimate_s(ctx, whole) > 2 * sr.RENDER_ESTIMATE_S["wan_t2v_4step"]
+    writing = sr.RunContext(opts, sr.ModelFiles(tmp_path, write=True), 143.0, "", "0.33.0", ctx.renders)
+    assert sr.estimate_s(writing, whole) > sr.estimate_s(ctx, whole) + 40  # ~38 GB to write
+    assert sr._file_gb("qwen_image_vae.safetensors") < 1 < sr._file_gb("qwen_image_fp8_e4m3fn.safetensors")
+    assert sr.estimate_s(sr.RunContext(argparse.Namespace(reserve_estimate=7.0), ctx.models, 1.0, "", "", ()),
+                         whole) == 7.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the split
+
+
+def _ev(t: float, kind: str, **data: object) -> tuple[float, dict]:
+    return (t, {"type": kind, "data": data})
+
+
+GRAPH = {"3": {"class_type": "LowVRAM_WanLoader", "inputs": {}}, "11": {"class_type": "LowVRAM_WanTextEncode",
+                                                                        "inputs": {}},
+         "13": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {}},
+         "15": {"class_type": "KSamplerAdvanced", "inputs": {}, "_meta": {"title": "Sampler (high noise)"}},
+         "16": {"class_type": "KSamplerAdvanced", "inputs": {}, "_meta": {"title": "Sampler (low noise)"}},
+         "18": {"class_type": "VAEDecode", "inputs": {}}, "19": {"class_type": "SaveAnimatedWEBP", "inputs": {}},
+         "22": {"class_type": "SaveLatent", "inputs": {}}}
+EVENTS = [
+    _ev(100.2, "execution_start"), _ev(100.3, "execution_cached", nodes=["12"]), _ev(100.5, "executing", node="3"),
+    _ev(102.0, "progress", node="3", value=1000, max=1000), _ev(103.5, "executing", node="11"),
+    _ev(105.0, "executing", node="13"), _ev(105.1, "executing", node="15"),
+    _ev(112.1, "progress", node="15", value=1, max=4), _ev(114.1, "progress", node="15", value=2, max=4),
+    _ev(114.3, "executing", node="16"), _ev(118.3, "progress", node="16", value=1, max=4),
+    _ev(120.3, "progress", node="16", value=2, max=4), _ev(120.5, "executing", node="18"),
+    _ev(126.5, "executing", node="22"), _ev(126.7, "executing", node="19"), _ev(128.0, "executing", node=None),
+]
+
+
+def test_split_from_planted_events() -> None:
+    s = split(EVENTS, GRAPH, posted_at=100.0, total_s=28.3)
+    hi, lo = s["samplers"]
+    assert (hi["first_step_s"], hi["median_step_s"], hi["load_part_s"], hi["steps"]) == (7.0, 2.0, 5.0, 2)
+    assert (lo["first_step_s"], lo["load_part_s"], lo["node_s"]) == (4.0, 2.0, 6.2)
+    assert s["load_s"] == pytest.approx(3.0 + 5.0 + 2.0)  # the Wan Loader + each sampler's first step above its median
+    assert s["text_encode_s"] == 1.5 and s["vae_decode_s"] == 6.0 and s["save_s"] == pytest.approx(1.5)
+    assert s["sampling_s"] == pytest.approx(9.2 + 6.2 - 7.0)
+    assert s["queue_s"] == 0.5 and s["s_per_step"] == 2.0 and s["cached_nodes"] == ["12"]
+    assert sum(s[k] for k in PARTS) == pytest.approx(s["total_s"], abs=0.05)
+    assert s["other_s"] == pytest.approx(0.1 + 0.5 + 0.3, abs=0.02)  # latent node, queue, after the last node
+    assert s["nodes"]["11"] == {"type": "LowVRAM_WanTextEncode", "part": "text_encode_s", "s": 1.5}
+
+
+def test_split_of_a_warm_render_and_of_a_one_step_sampler() -> None:
+    warm = [_ev(0.1, "executing", node="15"), _ev(2.1, "progress", node="15", value=1, max=1),
+            _ev(2.2, "executing", node="18"), _ev(3.0, "executing", node=None)]
+    s = split(warm, GRAPH, posted_at=0.0, total_s=3.1)
+    assert s["load_s"] == 0.0 and s["sampling_s"] == 2.1 and s["samplers"][0]["median_step_s"] is None
+    assert s["s_per_step"] is None and s["vae_decode_s"] == 0.8
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the report
+
+
+def _save_latent(path: Path, values: list[float]) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"latent_tensor": torch.tensor(values)}, str(path))
+
+
+def _row(name: str, setup: str, card: float | None, warm: float, status: str = "ok", **kw: object) -> dict:
+    renders = {k: {"kind": k, "status": "ok", "total_s": t, "load_s": 1.0, "samplers": []}
+               for k, t in (("first_ever", warm * 3), ("cold", warm * 2), ("warm", warm))}
+    return {"name": name, "workflow": "wan_t2v_4step", "title": "Wan 2.2 T2V-A14B 4-step", "model": "Wan 2.2 T2V-A14B",
+            "setup_id": setup, "setup": f"{setup} as wired", "card_gib": card, "dynamic_vram": True,
+            "format": "fp8_scaled", "file_format": "fp8_scaled", "status": status, "render_s": warm,
+            "renders": renders, "lives": [{"renders": ["first_ever"], "log": [f"{name} log line"]}],
+            "resolution": "832x480", "frames": 81, "steps": 4, **kw}
+
+
+def test_report_compares_rows_with_the_native_row_of_their_card(tmp_path: Path) -> None:
+    rows = [_row("n12", "native_best", 12.0, 40.0), _row("p12", "pack", 12.0, 20.0),
+            _row("n24", "native_best", 24.0, 30.0), _row("p24", "pack", 24.0, 60.0),
+            _row("ref", "native_default", None, 50.0, format="bf16", file_format="fp16"),
+            {"name": "skipped", "setup_id": "pack", "status": "skipped", "error": "not started: time budget"}]
+    latents = tmp_path / "latents"
+    _save_latent(latents / "n12.first_ever.latent", [1.0, 2.0, 2.0])
+    _save_latent(latents / "p12.first_ever.latent", [1.0, 2.0, 2.3])
+    _save_latent(latents / "p12.cold.latent", [1.0, 2.0, 2.3])
+    _save_latent(latents / "ref.first_ever.latent", [1.0, 2.0, 2.0])
+    paths = rr.write(tmp_path / "out", "core", rows, {"gpu": "H200", "command": "python3 -m x"}, {"renders": []},
+                     latents)
+    doc = json.loads(paths[0].read_text())
+    by = {r["name"]: r for r in doc["rows"]}
+    assert set(doc) == {"scenario", "env", "settings", "rows", "logs"}
+    assert doc["logs"]["p12"] == [["p12 log line"]] and "log" not in by["p12"]["lives"][0]
+    assert (by["p12"]["against"], by["p12"]["ratio"]) == ("n12", 2.0)
+    assert (by["p24"]["against"], by["p24"]["ratio"]) == ("n24", 0.5)
+    assert by["n12"]["against"] is None and by["n12"]["ratio"] is None
+    assert by["p12"]["error_vs_native"] == pytest.approx(0.1) and by["p12"]["error_vs_bf16"] == pytest.approx(0.1)
+    assert by["p12"]["outputs_compared"]["cold_vs_first_ever"]["identical"]
+    assert by["p24"]["outputs_compared"]["vs_native"]["error"] == "latent not kept in this run"
+    assert all(k in by["skipped"] for k in rr.ROW_KEYS)
+    md = paths[1].read_text()
+    assert "## Wan 2.2 T2V-A14B 4-step, 12 GB card" in md and "## Wan 2.2 T2V-A14B 4-step, whole GPU" in md
+    assert "| pack | p12 | 60.0 (2.00x) | 40.0 (2.00x) | 20.0 (2.00x) | — |" in md
+    assert "| 0.1; bf16: 0.1 | n12 | ok |" in md
+    assert all(line.count("|") == 14 for line in md.splitlines() if line.startswith("|"))
+    assert "| native_best | n12 |" in md.split("| pack | p12")[0]
+    assert rr.finished_rows(paths[0]) and all(r["source"] == "core.json" for r in rr.finished_rows(paths[0]))
+    assert {r["name"] for r in rr.finished_rows(paths[0])} == {"n12", "p12", "n24", "p24", "ref"}
+    assert rr.finished_rows(paths[0])[1]["lives"][0]["log"] == ["p12 log line"]  # --resume keeps the logs
+
+
+def test_a_row_is_compared_with_a_finished_native_row_only(tmp_path: Path) -> None:
+    rows = [_row("n12", "native_best", 12.0, 40.0, status="error"), _row("p12", "pack", 12.0, 20.0)]
+    rr.compare(rows, tmp_path)
+    assert rows[1]["against"] is None and rows[1]["ratio"] is None and rows[1]["outputs_compared"] == {
+        "cold_vs_first_ever": {"against": "p12 (first_ever)", "error": "latent not kept in this run"}}
+
+
+def test_resumed_rows_keep_their_comparisons(tmp_path: Path) -> None:
+    old = {"vs_native": {"against": "n12 (first_ever)", "rel_diff": 0.25}}
+    rows = [_row("n12", "native_best", 12.0, 40.0), _row("p12", "pack", 12.0, 20.0, outputs_compared=old)]
+    rr.compare(rows, tmp_path)
+    assert rows[1]["error_vs_native"] == 0.25
+
+
+def test_pack_fp8_rows_get_the_saved_copies_and_16bit_pack_rows_run_without_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Wan Loader picks its saved fp8 copy up by itself: a 16-bit pack row would silently load it."""
+    saved: list[list] = []
+    monkeypatch.setattr(sr, "save_pack_copies", lambda copies, device: saved.append(copies) or 1.5)
+    for name in rg.model_files(rg.WORKFLOWS["wan_t2v_4step"], "bf16"):
+        (tmp_path / "diffusion_models").mkdir(exist_ok=True)
+        if "_14B_" in name:
+            (tmp_path / "diffusion_models" / name).write_bytes(b"x")
+            (tmp_path / "diffusion_models" / name.replace(".safetensors", ".lowvram-fp8-per-tensor.safetensors")
+             ).write_bytes(b"copy")
+    copies = [c for _, c in sr.quantized_copies(tmp_path, sr.make_row("wan_t2v_4step", "pack", None, True, "bf16"))]
+    assert len(copies) == 2
+    rec: dict = {}
+    with sr.pack_copies_for(sr.make_row("wan_t2v_4step", "pack", None, True, "pack_fp8"), tmp_path, "cpu", rec):
+        assert all(c.is_file() for c in copies)
+    assert rec == {"pack_copy_write_s": 1.5} and len(saved) == 1
+    with sr.pack_copies_for(sr.make_row("wan_t2v_4step", "pack", None, True, "bf16"), tmp_path, "cpu", rec):
+        assert not any(c.is_file() for c in copies)
+    assert all(c.read_bytes() == b"copy" for c in copies)
+    with sr.pack_copies_for(sr.make_row("wan_t2v_4step", "native_default", None, True, "bf16"), tmp_path, "cpu", rec):
+        assert all(c.is_file() for c in copies)  # UNETLoader never reads them
+
+
+def test_the_model_writer_child_runs(tmp_path: Path) -> None:
+    """The child that writes models (so the runner holds no CUDA context) imports this checkout and reports back."""
+    sr.run_child(sr.WRITE_CHILD, str(tmp_path), str(tmp_path / "took.json"))
+    assert json.loads((tmp_path / "took.json").read_text()) == {}
+    with pytest.raises(sr.subprocess.CalledProcessError):
+        sr.run_child("raise SystemExit(3)")
+
+
+def test_rows_carry_the_common_format_fields() -> None:
+    """The fields the results index reads, in its vocabulary (benchmarks/README.md, 'The common format')."""
+    heads = {r.name: sr.head(r) for r in sr.CORE}
+    wan, qwen = heads["wan_t2v_4step_pack_12gb"], heads["qwen_t2i_4step_native_best_24gb"]
+    assert (wan["model"], wan["file_format"], wan["memory_manager"], wan["side"], wan["lora"], wan["how"]) == \
+        ("Wan 2.2 T2V-A14B", "fp8_scaled", "Block Swap", "pack", "4-step LoRA", "server")
+    assert wan["setup"] == "workflows/wan22_t2v_a14b_4step.json, as shipped, Block Swap budget 10 GB"
+    assert (qwen["model"], qwen["file_format"], qwen["memory_manager"], qwen["side"]) == \
+        ("Qwen-Image", "fp8_e4m3fn", "DynamicVRAM", "native")
+    assert qwen["setup"].endswith("UNETLoader fp8_e4m3fn_fast, --use-ck-attention")
+    assert heads["wan_t2v_4step_pack_no_blockswap_whole"]["memory_manager"] == "DynamicVRAM"
+    legacy = sr.head(sr.make_row("wan_t2v", "native_default", None, False, "bf16"))
+    assert (legacy["memory_manager"], legacy["file_format"], legacy["lora"]) == ("ComfyUI legacy loading", "fp16", None)
+    assert sr.head(sr.make_row("wan_t2v_4step", "pack", None))["setup"].endswith("budget 0 GB (all free VRAM)")
+    assert {h["model"] for h in map(sr.head, sr.all_rows().values())} <= {
+        "Wan 2.2 T2V-A14B", "Wan 2.2 I2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image", "Qwen-Image-Edit"}
+
+
+def test_empty_image_replaces_the_loaded_image_at_the_rendered_size() -> None:
+    g = sr.empty_images(_graph("wan_i2v"))
+    assert "LoadImage" not in _types(g) and _types(g)["EmptyImage"][0]["width"] == 832
+    assert _problems(g) == []
+    e = sr.empty_images(_graph("qwen_edit", "native_best"))
+    assert (_types(e)["EmptyImage"][0]["width"], _types(e)["EmptyImage"][0]["height"]) == (1024, 1024)
+
+
+def test_cli_defaults_and_refusals(tmp_path: Path) -> None:
+    (tmp_path / "main.py").write_text("")
+    base = ["--comfyui", str(tmp_path), "--work", str(tmp_path / "work")]
+
+    def prepare(*args: str) -> tuple[argparse.Namespace, list, tuple]:
+        opts = sr.parser().parse_args([*base, *args])
+        rows, kinds, own = sr._prepare(opts)
+        assert not own
+        return opts, rows, kinds
+
+    opts, rows, kinds = prepare("--models", str(tmp_path / "models"))
+    assert kinds == sr.CORE_RENDERS and len(rows) == len(sr.CORE) and opts.stem == "core"
+    assert opts.out == sr.harness.RESULTS / "render" and (tmp_path / "models" / "loras").is_dir()
+    opts, rows, kinds = prepare("--smoke", "--rows", "wan_t2v_4step", "--cards", "whole")
+    assert kinds == sr.RENDERS and opts.out == sr.SMOKE_OUT and opts.models == (tmp_path / "work" / "models").resolve()
+    assert [r.name for r in rows] == ["wan_t2v_4step_native_best_whole", "wan_t2v_4step_pack_whole",
+                                      "wan_t2v_4step_pack_no_blockswap_whole"]
+    for bad, message in ((["--smoke", "--write-models"], "pick one"), (["--renders", "warm,hot"], "unknown hot"),
+                         ([], "--models")):
+        with pytest.raises(SystemExit, match=message):
+            prepare(*bad)
+    with pytest.raises(SystemExit, match="main.py"):
+        sr._prepare(sr.parser().parse_args(["--comfyui", str(tmp_path / "nowhere"), "--smoke"]))
+
+
+def test_the_deadline_stops_the_run_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a row would not finish in time, it and every later row are skipped (even a shorter one), so --resume
+    continues where the run stopped."""
+    opts = argparse.Namespace(reserve_estimate=0.0, deadline=400.0)
+    ctx = sr.RunContext(opts, sr.ModelFiles(tmp_path), 143.0, "", "0.33.0", sr.CORE_RENDERS)
+    rows = [sr.make_row("wan_t2v_4step", "pack", 12.0), sr.make_row("wan_t2v_4step", "pack", None),
+            sr.make_row("qwen_t2i_4step", "pack", 24.0)]
+    ran: list[str] = []
+    monkeypatch.setattr(sr.time, "monotonic", lambda: 250.0 if ran else 0.0)  # the first row took 250 s
+    results: list[dict] = []
+    sr.server.run_rows(rows, lambda r: ran.append(r.name) or {"status": "ok"}, sr.head, lambda done: None, results,
+                       0.0, opts.deadline, sr.in_order(ctx, 0.0))
+    assert sr.estimate_s(ctx, rows[1]) + 250 > opts.deadline > sr.estimate_s(ctx, rows[2]) + 250
+    assert ran == [rows[0].name]  # the Qwen row would fit, but it comes after one that does not
+    assert [r["status"] for r in results] == ["ok", "skipped", "skipped"]
