@@ -4,12 +4,15 @@ its input images placed; and the files it wrote.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
 
 from ..checkpoints.safe_write import write_atomic
-from .server import PACK_DIR, RunError
+from .errors import InputError
+from .inputs import NotJSONError, loads, read_json_file
+from .server import PACK_DIR, RunError, RunInputError
 from .ui_graph import BYPASSED_MODES, FRONTEND_ONLY, all_nodes
+from .workflow_shape import check_api_workflow, check_ui_workflow
 
 WORKFLOWS_DIR = PACK_DIR / "workflows"
 # --synthetic tiny: sizes and steps every sampler/latent node gets unless --set says otherwise.
@@ -24,15 +27,34 @@ TINY_STEPS = 2
 
 
 def resolve_workflow(name_or_path: str) -> Path:
-    """A workflow path, or the name of a shipped workflow (with or without ``.json``)."""
+    """A workflow path (anything at that path: reading it says what is wrong with it), or the name of a shipped
+    workflow (with or without ``.json``)."""
+    if "\x00" in name_or_path:
+        raise RunInputError(f"workflow {name_or_path[:200]!r}: a path cannot hold a NUL character")
     p = Path(name_or_path)
-    if p.is_file():
+    if p.exists() or p.is_symlink():
         return p
+    plain = name_or_path and "/" not in name_or_path and "\\" not in name_or_path and name_or_path not in (".", "..")
     shipped = WORKFLOWS_DIR / (name_or_path if name_or_path.endswith(".json") else name_or_path + ".json")
-    if shipped.is_file():
+    if plain and shipped.is_file():
         return shipped
     names = sorted(f.stem for f in WORKFLOWS_DIR.glob("*.json"))
-    raise RunError(f"workflow {name_or_path!r} not found; shipped workflows: {', '.join(names) or '(none)'}")
+    raise RunInputError(f"workflow {name_or_path!r} not found: no such file, and no shipped workflow of that name; "
+                        f"shipped workflows: {', '.join(names) or '(none)'}")
+
+
+def read_workflow(path: Path) -> dict:
+    """The workflow in the file at ``path``, UI or API format, checked field by field (cli/workflow_shape.py);
+    InputError naming the file otherwise."""
+    workflow = read_json_file(path)
+    if not isinstance(workflow, dict) or not workflow:
+        raise RunInputError(f"{path}: not a ComfyUI workflow (expected a JSON object: the UI format Workflow > Save "
+                            "writes, or the API format Export (API) writes)")
+    if "nodes" in workflow:
+        check_ui_workflow(workflow, str(path))
+    else:
+        check_api_workflow(workflow, str(path))
+    return workflow
 
 
 def is_api_workflow(workflow: dict) -> bool:
@@ -76,8 +98,8 @@ def apply_overrides(api: dict, overrides: list[str]) -> dict:
         if len(matches) != 1:
             raise RunError(f"--set {item!r}: {len(matches)} nodes match {node_key!r}; use the node id")
         try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
+            value: Any = loads(raw, f"--set {item!r}")
+        except NotJSONError:  # not JSON: the value is the text itself
             value = raw
         api[matches[0]].setdefault("inputs", {})[input_name] = value
     return api
@@ -111,13 +133,15 @@ def ensure_input_images(workflow: dict, input_dir: Path, synthetic: bool, search
     The file is copied from ``search`` (the workflow's folder, the current directory); for --synthetic runs a
     missing one is drawn (a 256x256 gradient PNG), otherwise its absence is an error naming the fix.
     """
-    nodes = list(all_nodes(workflow))  # subgraphs too
-    names = [n["widgets_values"][0] for n in nodes if n.get("type") == "LoadImage" and n.get("widgets_values")]
-    if "nodes" not in workflow:
-        names = [n["inputs"]["image"] for n in workflow.values() if n.get("class_type") == "LoadImage"]
+    if "nodes" in workflow:  # UI format, subgraphs too
+        names = [_first_widget(n) for n in all_nodes(workflow) if n.get("type") == "LoadImage"]
+    else:
+        names = [n.get("inputs", {}).get("image") for n in workflow.values() if n.get("class_type") == "LoadImage"]
     placed = []
     for name in names:
-        dst = input_dir / name
+        if isinstance(name, list):  # an API input linked to another node's output
+            continue
+        dst = input_dir / _image_name(name)
         if dst.exists():  # a file of the user's (or a link to one) is used as it is
             continue
         src = next((d / name for d in search if (d / name).is_file()), None)
@@ -131,6 +155,22 @@ def ensure_input_images(workflow: dict, input_dir: Path, synthetic: bool, search
                            "or use --set NODE.image=FILE with a file that is there")
         placed.append(dst)
     return placed
+
+
+def _first_widget(node: dict) -> Any:
+    values = node.get("widgets_values")
+    return values[0] if isinstance(values, list) and values else values.get("image") if isinstance(values, dict) \
+        else None
+
+
+def _image_name(name: Any) -> str:
+    """A LoadImage file name as a path inside ComfyUI's input folder; InputError for one that leaves it."""
+    parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+    if not isinstance(name, str) or not name or PurePosixPath(name).is_absolute() \
+            or PureWindowsPath(name).is_absolute() or PureWindowsPath(name).drive or ".." in parts or "\x00" in name:
+        raise InputError(f"LoadImage image {str(name)[:200]!r}: not a file name inside ComfyUI's input folder; give "
+                         "a name such as photo.png (or sub/photo.png) of a file in the current directory")
+    return name
 
 
 def gradient_png() -> bytes:
