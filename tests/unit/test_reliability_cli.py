@@ -207,6 +207,17 @@ def test_run_comfyui_and_python_paths_are_checked(tmp_path: Path, capsys: pytest
            "--python", "no such program")
 
 
+@pytest.mark.parametrize("args, words", [(["nope"], "unknown model"), (["wan21_t2v_1_3B", "--layers=-3"], "--layers"),
+                                         (["wan21_t2v_1_3B", "--threads=0"], "--threads"),
+                                         (["wan21_t2v_1_3B", "--device", "bogus"], "--device")])
+def test_synth_refuses_what_it_cannot_write(args: list[str], words: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:  # argparse's usage error: the usage line and one error line
+        main(["synth", *args, "--out", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and words in err and "Traceback" not in err and not list(tmp_path.iterdir())
+
+
 # --- URLs --------------------------------------------------------------------------------------------------------
 
 
