@@ -444,7 +444,7 @@ def convert_file(src: Path, dst: Path | None = None, opts: ConvertOptions = Conv
     unless ``force``. Returns the path written and the report."""
     dst = dst or default_output(src)
     workflow = read_json_file(src)  # a missing file, a folder, a FIFO or non-JSON: an InputError naming it
-    if dst.resolve() == src.resolve():
+    if os.path.realpath(dst) == os.path.realpath(src):  # realpath: a link loop is no error here
         raise ConvertError(f"{dst}: that is the input file; the converter never overwrites its input (pick -o)")
     if os.path.lexists(dst) and not force:
         raise ConvertError(f"{dst} exists; pass --force to replace it or -o for another name")

@@ -54,7 +54,8 @@ def _from_argparse(exc: SystemExit) -> bool:
 
 def _os_error(name: str, exc: OSError) -> str:
     where = f"{exc.filename}: " if exc.filename else ""
-    return f"{name}: {where}{exc.strerror or one_line(exc)} (check the path given, its permissions and free space)"
+    return f"{name}: {where}{exc.strerror or one_line(exc)} (check that path: it must be a folder or file you can write, " \
+        "on a disk with free space)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         return _fail(f"{name}: cannot import {exc.name or 'a module'} ({one_line(exc)}); install the pack's "
                      "requirements in this Python (pip install -e .) or reinstall the package named", FAILED)
-    except OSError as exc:
-        return _fail(_os_error(name, exc), FAILED)
+    except OSError as exc:  # with a file name: a path the user gave cannot be used; without: the system failed
+        return _fail(_os_error(name, exc), BAD_INPUT if exc.filename else FAILED)
     except Exception as exc:  # noqa: BLE001 - a bug of the pack: still one line, the traceback on request
         if os.environ.get(TRACEBACK_ENV) == "1":
             traceback.print_exc()

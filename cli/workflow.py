@@ -8,7 +8,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from ..checkpoints.safe_write import write_atomic
-from .errors import InputError
+from .errors import InputError, one_line
 from .inputs import NotJSONError, loads, read_json_file
 from .server import PACK_DIR, RunError, RunInputError
 from .ui_graph import BYPASSED_MODES, FRONTEND_ONLY, all_nodes
@@ -71,7 +71,13 @@ def to_api(workflow: dict, object_info: dict) -> dict:
         from comfy_cli.workflow_to_api import convert_ui_to_api, is_api_format
     except ImportError:
         raise RunError("converting UI workflows needs comfy-cli: pip install comfy-cli") from None
-    return workflow if is_api_format(workflow) else convert_ui_to_api(workflow, object_info)
+    if is_api_format(workflow):
+        return workflow
+    try:
+        return convert_ui_to_api(workflow, object_info)
+    except Exception as exc:  # noqa: BLE001 - comfy-cli on a workflow it cannot read: name it, never a traceback
+        raise RunInputError(f"comfy-cli could not convert this UI workflow to API format ({one_line(exc)}); open it in "
+                            "ComfyUI and save it again, or give its API format (Workflow > Export (API))") from None
 
 
 def missing_node_types(workflow: dict, object_info: dict) -> list[str]:
@@ -90,13 +96,13 @@ def apply_overrides(api: dict, overrides: list[str]) -> dict:
         target, sep, raw = item.partition("=")
         node_key, dot, input_name = target.rpartition(".")
         if not sep or not dot or not node_key or not input_name:
-            raise RunError(f"--set {item!r}: expected NODE.INPUT=VALUE")
+            raise RunInputError(f"--set {item!r}: expected NODE.INPUT=VALUE")
         matches = [
             nid for nid, n in api.items()
             if node_key in (nid, n.get("class_type"), n.get("_meta", {}).get("title"))
         ]  # fmt: skip
         if len(matches) != 1:
-            raise RunError(f"--set {item!r}: {len(matches)} nodes match {node_key!r}; use the node id")
+            raise RunInputError(f"--set {item!r}: {len(matches)} nodes match {node_key!r}; use the node id")
         try:
             value: Any = loads(raw, f"--set {item!r}")
         except NotJSONError:  # not JSON: the value is the text itself
@@ -151,7 +157,7 @@ def ensure_input_images(workflow: dict, input_dir: Path, synthetic: bool, search
         elif synthetic:
             write_atomic(dst, gradient_png())
         else:
-            raise RunError(f"LoadImage wants {name!r}: put it in the current directory (or next to the workflow), "
+            raise RunInputError(f"LoadImage wants {name!r}: put it in the current directory (or next to the workflow), "
                            "or use --set NODE.image=FILE with a file that is there")
         placed.append(dst)
     return placed

@@ -20,13 +20,16 @@ POINT_AT = "point it at the ComfyUI folder (the one with main.py)"
 def checkout_problem(path: str | os.PathLike[str]) -> str | None:
     """Why ``path`` is not a ComfyUI checkout, as a phrase ('does not exist', ...); None when it is one."""
     path = Path(path)
-    if not path.exists():
-        return "does not exist" if not path.is_symlink() else "is a link to nothing"
-    if not path.is_dir():
-        return "is a file, not a folder"
-    for need in ("main.py", "comfy/model_management.py"):
-        if not (path / need).is_file():
-            return f"is not a ComfyUI checkout (no {need} there)"
+    try:
+        if not path.exists():
+            return "is a link to nothing" if path.is_symlink() else "does not exist"
+        if not path.is_dir():
+            return "is a file, not a folder"
+        for need in ("main.py", "comfy/model_management.py"):
+            if not (path / need).is_file():
+                return f"is not a ComfyUI checkout (no {need} there)"
+    except OSError as exc:  # a folder on the way that cannot be searched
+        return f"cannot be read ({exc.strerror or exc})"
     return None
 
 

@@ -113,6 +113,7 @@ def import_comfyui(path: Path, cpu: bool) -> None:
         if cpu:
             args.cpu = True  # read when comfy.model_management is first imported
         import comfy.model_management  # noqa: F401 - picks ComfyUI's device here, where a failure is named
+        import folder_paths  # noqa: F401 - the model folders the checks register their files in
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - an import that raises or calls sys.exit() is a broken checkout

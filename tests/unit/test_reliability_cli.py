@@ -187,6 +187,9 @@ def test_set_values_that_are_no_usable_json_are_named(value: str) -> None:
     with pytest.raises(InputError, match="--set"):
         workflow.apply_overrides(api, [f"1.cfg={value}"])
     assert workflow.apply_overrides(api, ["1.cfg=not json"])["1"]["inputs"]["cfg"] == "not json"  # text stays text
+    for item in ("no-equals", "nodot=1", "9.cfg=1"):
+        with pytest.raises(InputError, match="--set"):
+            workflow.apply_overrides(api, [item])
 
 
 @pytest.mark.parametrize("name", ["../escape.png", "/etc/escape.png", "a/../../escape.png", "", 7, "C:\\x.png"])
@@ -195,6 +198,18 @@ def test_load_image_names_never_leave_the_input_folder(name: object, tmp_path: P
     with pytest.raises(InputError, match="LoadImage"):
         workflow.ensure_input_images(api, tmp_path / "base" / "input", True, [tmp_path])
     assert sorted(p.name for p in tmp_path.rglob("*")) == []
+
+
+def test_an_output_path_that_cannot_be_used_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "wf.json"
+    src.write_text(json.dumps(_ui([_loader()])), encoding="utf-8")
+    (tmp_path / "a_file").write_text("x", encoding="utf-8")
+    _fails(["convert", str(src), "-o", str(tmp_path / "a_file" / "out.json")], capsys, 2, str(tmp_path / "a_file"))
+    loop = tmp_path / "loop.json"
+    loop.symlink_to(loop)
+    _fails(["convert", str(src), "-o", str(loop)], capsys, 2, str(loop))
+    _fails(["run", str(src), "--url", "http://127.0.0.1:9", "--output", str(tmp_path / "a_file")], capsys, 2,
+           str(tmp_path / "a_file"))
 
 
 def test_run_comfyui_and_python_paths_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -286,7 +301,7 @@ def _fake_comfyui(root: Path, files: dict[str, str] | None = None) -> Path:
     """A folder shaped like a ComfyUI checkout whose modules are ``files`` (default: empty but valid)."""
     files = {"main.py": "", "comfyui_version.py": '__version__ = "0.8.0"\n',
              "comfy/cli_args.py": "import types\nargs = types.SimpleNamespace(cpu=False)\n",
-             "comfy/model_management.py": "", **(files or {})}
+             "comfy/model_management.py": "", "folder_paths.py": "", **(files or {})}
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text, encoding="utf-8")
