@@ -54,8 +54,8 @@ def _from_argparse(exc: SystemExit) -> bool:
 
 def _os_error(name: str, exc: OSError) -> str:
     where = f"{exc.filename}: " if exc.filename else ""
-    return f"{name}: {where}{exc.strerror or one_line(exc)} (check that path: it must be a folder or file you can write, " \
-        "on a disk with free space)"
+    return (f"{name}: {where}{exc.strerror or one_line(exc)} (check that path: it must be a folder or file you can "
+            "write, on a disk with free space)")
 
 
 def main(argv: list[str] | None = None) -> int:

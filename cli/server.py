@@ -5,6 +5,7 @@ Shared by the ``run`` command, the integration tests (tests/comfy_server.py) and
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -50,7 +51,10 @@ class _HttpRedirectsOnly(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-_OPENER = urllib.request.build_opener(_HttpRedirectsOnly)  # the only opener: http(s), nothing else
+@functools.cache
+def _opener() -> urllib.request.OpenerDirector:
+    """The one opener every request goes through: http(s) only, redirects too (built on first use)."""
+    return urllib.request.build_opener(_HttpRedirectsOnly)
 
 
 def check_url(url: str) -> str:
@@ -234,7 +238,7 @@ class ComfyServer:
         req = urllib.request.Request(self.url + route, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
         try:
-            with _OPENER.open(req, timeout=timeout) as resp:
+            with _opener().open(req, timeout=timeout) as resp:
                 status, raw = resp.status, resp.read()
         except urllib.error.HTTPError as exc:
             status, raw = exc.code, exc.read() if exc.fp is not None else b""

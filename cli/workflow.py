@@ -145,7 +145,7 @@ def ensure_input_images(workflow: dict, input_dir: Path, synthetic: bool, search
         names = [n.get("inputs", {}).get("image") for n in workflow.values() if n.get("class_type") == "LoadImage"]
     placed = []
     for name in names:
-        if isinstance(name, list):  # an API input linked to another node's output
+        if name is None or isinstance(name, list):  # no value (ComfyUI says so), or a link to another node
             continue
         dst = input_dir / _image_name(name)
         if dst.exists():  # a file of the user's (or a link to one) is used as it is
@@ -157,16 +157,18 @@ def ensure_input_images(workflow: dict, input_dir: Path, synthetic: bool, search
         elif synthetic:
             write_atomic(dst, gradient_png())
         else:
-            raise RunInputError(f"LoadImage wants {name!r}: put it in the current directory (or next to the workflow), "
-                           "or use --set NODE.image=FILE with a file that is there")
+            raise RunInputError(f"LoadImage wants {name!r}: put it in the current directory (or next to the "
+                                "workflow), or use --set NODE.image=FILE with a file that is there")
         placed.append(dst)
     return placed
 
 
 def _first_widget(node: dict) -> Any:
+    """A UI node's first widget value (its ``image`` when the values are an object); None when it has none."""
     values = node.get("widgets_values")
-    return values[0] if isinstance(values, list) and values else values.get("image") if isinstance(values, dict) \
-        else None
+    if isinstance(values, dict):
+        return values.get("image")
+    return values[0] if isinstance(values, list) and values else None
 
 
 def _image_name(name: Any) -> str:

@@ -192,7 +192,8 @@ def test_set_values_that_are_no_usable_json_are_named(value: str) -> None:
             workflow.apply_overrides(api, [item])
 
 
-@pytest.mark.parametrize("name", ["../escape.png", "/etc/escape.png", "a/../../escape.png", "", 7, "C:\\x.png"])
+@pytest.mark.parametrize("name", ["../escape.png", "/etc/escape.png", "a/../../escape.png", "", 7, "C:\\x.png",
+                                  "x\x00.png"])
 def test_load_image_names_never_leave_the_input_folder(name: object, tmp_path: Path) -> None:
     api = {"1": {"class_type": "LoadImage", "inputs": {"image": name}}}
     with pytest.raises(InputError, match="LoadImage"):
