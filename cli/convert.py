@@ -12,20 +12,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import re
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoints.safe_write import UnsafeTargetError, write_atomic
+from ..offload.plan import BUDGET_MAX_GB
+from .errors import InputError, one_line
+from .inputs import read_json_file
 from .ui_graph import BYPASSED_MODES, FRONTEND_ONLY, Graph, GraphError, Workflow
+from .workflow_shape import RESAVE
 
 PACK_CNR_ID = "comfyui-lowvram-dit"
 FP8_CHOICES = {"per-tensor": "fp8 per-tensor", "block-wise": "fp8 block-wise", "none": "none"}
 # Card VRAM the budget leaves for the desktop, the CUDA context and the other models of the workflow.
 VRAM_RESERVE_GB = 2.0
 MIN_BUDGET_GB = 1.0
+VRAM_MAX_GB = BUDGET_MAX_GB + VRAM_RESERVE_GB  # the largest --vram whose budget the nodes accept
 STAGED_NEGATIVE_DEFAULT = " "
 WAN_LOADER_INPUTS = [("unet_name", "COMBO", True), ("quantization", "COMBO", True), ("block_size", "COMBO", True),
                      ("compute", "COMBO", True), ("save_quantized", "BOOLEAN", True)]
@@ -43,8 +49,8 @@ INSERT_OFFSET = (40.0, 140.0)  # where an inserted node goes, relative to the no
 WAN_FILE = re.compile(r"wan2[._][12][_-](t2v|i2v|ti2v)[_-]")  # official Wan 2.1 / 2.2 T2V, I2V, TI2V file names
 
 
-class ConvertError(RuntimeError):
-    """The workflow cannot be converted; the message names the file or option."""
+class ConvertError(InputError):
+    """The workflow cannot be converted; the message names the file or option (exit code 2)."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +135,7 @@ def _model_output() -> list[dict]:
 def _insert_after(graph: Graph, node: dict, node_type: str, widgets: list, report: Report, what: str) -> dict:
     """Put a MODEL -> MODEL node right after output 0 of ``node``; it takes over that output's links."""
     consumers = graph.out_links(node, 0)
-    x, y = (node.get("pos") or [0, 0])[:2]
+    x, y = _position(node)
     new = graph.add_node(node_type, [x + INSERT_OFFSET[0], y + INSERT_OFFSET[1]], widgets, _model_input(),
                          _model_output(), _pack_properties(node_type))
     for lk in consumers:
@@ -137,6 +143,14 @@ def _insert_after(graph: Graph, node: dict, node_type: str, widgets: list, repor
     graph.add_link(node, 0, new, 0, "MODEL")
     report.changes.append(f"{graph.name}: inserted node {new['id']} {node_type} ({what}) after node {node['id']}")
     return new
+
+
+def _position(node: dict) -> tuple[float, float]:
+    """A node's canvas position: ``[x, y]`` or an older workflow's ``{"0": x, "1": y}``; (0, 0) when unreadable."""
+    pos = node.get("pos")
+    pair = [pos.get("0"), pos.get("1")] if isinstance(pos, dict) else pos if isinstance(pos, list) else []
+    ok = len(pair) >= 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair[:2])
+    return (float(pair[0]), float(pair[1])) if ok else (0.0, 0.0)
 
 
 def _followed_by_attention(graph: Graph, node: dict) -> bool:
@@ -369,14 +383,30 @@ def _convert_qwen(wf: Workflow, graph: Graph, unet: dict, opts: ConvertOptions, 
     _insert_after(graph, unet, "LowVRAM_Attention", ["auto"], report, "backend auto")
 
 
-def convert_workflow(workflow: dict, opts: ConvertOptions = ConvertOptions(), source: str = "workflow") -> Report:
-    """Convert ``workflow`` (a UI-format dict) in place; returns what was done. Raises ConvertError on bad input."""
+def _check_options(opts: ConvertOptions) -> None:
     if opts.fp8 not in FP8_CHOICES:
         raise ConvertError(f"--fp8 {opts.fp8!r}: choose one of {', '.join(FP8_CHOICES)}")
+    vram = opts.vram_gb
+    if vram is not None and (isinstance(vram, bool) or not isinstance(vram, (int, float))
+                             or not math.isfinite(vram) or not 0 < vram <= VRAM_MAX_GB):
+        raise ConvertError(f"--vram {vram}: give the card's VRAM in GB, a number above 0 and at most "
+                           f"{VRAM_MAX_GB:g}")
+
+
+def convert_workflow(workflow: dict, opts: ConvertOptions = ConvertOptions(), source: str = "workflow") -> Report:
+    """Convert ``workflow`` (a UI-format dict) in place; returns what was done. Raises ConvertError on bad input."""
+    _check_options(opts)
     try:
         wf = Workflow(workflow, source)
     except GraphError as exc:
         raise ConvertError(str(exc)) from None
+    try:
+        return _convert(wf, opts)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:  # a shape the checks let through
+        raise ConvertError(f"{source}: cannot be converted ({one_line(exc)}); {RESAVE}") from None
+
+
+def _convert(wf: Workflow, opts: ConvertOptions) -> Report:
     report = Report()
     before = {id(n): n.get("type") for g in wf.graphs() for n in g.nodes}
     for graph in wf.graphs():
@@ -413,21 +443,16 @@ def convert_file(src: Path, dst: Path | None = None, opts: ConvertOptions = Conv
     """Convert ``src`` into ``dst`` (default beside it); never writes ``src``, refuses an existing ``dst``
     unless ``force``. Returns the path written and the report."""
     dst = dst or default_output(src)
-    if not src.is_file():
-        raise ConvertError(f"{src}: no such file")
-    if dst.resolve() == src.resolve():
+    workflow = read_json_file(src)  # a missing file, a folder, a FIFO or non-JSON: an InputError naming it
+    if os.path.realpath(dst) == os.path.realpath(src):  # realpath: a link loop is no error here
         raise ConvertError(f"{dst}: that is the input file; the converter never overwrites its input (pick -o)")
-    if dst.exists() and not force:
+    if os.path.lexists(dst) and not force:
         raise ConvertError(f"{dst} exists; pass --force to replace it or -o for another name")
-    try:
-        workflow = json.loads(src.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConvertError(f"{src}: not a JSON file ({exc})") from None
     report = convert_workflow(workflow, opts, str(src))
     dst.parent.mkdir(parents=True, exist_ok=True)
     # a half-written file never takes the output's name; --force is the user's leave to replace a regular file,
     # never a link or a folder
-    text = json.dumps(workflow, indent=2, ensure_ascii=False) + "\n"
+    text = json.dumps(workflow, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
     try:
         write_atomic(dst, text, (lambda _p: True) if force else None)
     except UnsafeTargetError as exc:
@@ -457,17 +482,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cli(argv: list[str]) -> int:
-    """Entry point of ``python -m comfyui_lowvram_dit convert``."""
+    """Entry point of ``python -m comfyui_lowvram_dit convert`` (a failure raises ConvertError: cli/main.py)."""
     args = _parser().parse_args(argv)
-    if args.vram is not None and args.vram <= 0:
-        print(f"error: --vram {args.vram:g}: give the card's VRAM in GB (> 0)", file=sys.stderr)
-        return 2
     opts = ConvertOptions(fp8=args.fp8, vram_gb=args.vram, staged_text=not args.keep_text_encoders)
-    try:
-        dst, report = convert_file(args.workflow, args.output, opts, args.force)
-    except ConvertError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    dst, report = convert_file(args.workflow, args.output, opts, args.force)
     print(f"{args.workflow} -> {dst}")
     print("\n".join(report.lines()))
     return 0

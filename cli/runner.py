@@ -19,17 +19,22 @@ import time
 from pathlib import Path
 
 from ..checkpoints import safe_write
+from ..doctor.checkout import POINT_AT, checkout_problem
+from .inputs import check_number
 from .memwatch import MemoryWatch
-from .server import MODEL_FOLDERS, ComfyServer, RunError, execution_error, pack_import_problems, prepare_base_dir
+from .server import (
+    MODEL_FOLDERS, ComfyServer, RunError, RunInputError, execution_error, pack_import_problems, prepare_base_dir,
+)
 from .workflow import (
-    apply_overrides, ensure_input_images, is_api_workflow, missing_node_types, output_files, resolve_workflow, to_api,
-    tiny_overrides,
+    apply_overrides, ensure_input_images, is_api_workflow, missing_node_types, output_files, read_workflow,
+    resolve_workflow, to_api, tiny_overrides,
 )
 from .workflow_models import (
     extra_model_paths_yaml, referenced_model_files, staged_text_encoder_files, stock_loaded_qwen_image_files,
     swap_tiny_vaes, vision_text_encoder_files, write_synthetic_models,
 )
 
+TIMEOUT_MAX_S = 1e9  # about 30 years: any finite wait the user means
 SYNTHETIC_NOTE = ("note: the models were synthetic (random weights), so the output is noise from random weights, "
                   "not a picture; pass --models DIR with the real files for real output")
 
@@ -131,8 +136,12 @@ def _say(line: str) -> None:
 def _run_started(args: argparse.Namespace, workflow: dict, wf_path: Path, output_dir: Path) -> list[Path]:
     """Start ComfyUI in a temporary base directory (models: --models or synthetic), run the workflow, stop it."""
     if not args.comfyui:
-        raise RunError("no ComfyUI: pass --comfyui PATH or set COMFYUI_PATH=/path/to/ComfyUI "
-                       "(or --url for a running one)")
+        raise RunInputError("no ComfyUI: pass --comfyui PATH or set COMFYUI_PATH=/path/to/ComfyUI "
+                            "(or --url for a running one)")
+    if problem := checkout_problem(args.comfyui):
+        raise RunInputError(f"--comfyui {args.comfyui}: {problem}; {POINT_AT}")
+    if args.python and not shutil.which(args.python):
+        raise RunInputError(f"--python {args.python}: no such program; give the Python that runs ComfyUI")
     base = Path(tempfile.mkdtemp(prefix="lowvram_dit_run_"))
     try:
         pack_dir = prepare_base_dir(base)
@@ -145,10 +154,10 @@ def _run_started(args: argparse.Namespace, workflow: dict, wf_path: Path, output
             _say("no --models given: using tiny synthetic models (--synthetic tiny)")
             args.synthetic = "tiny"
         if args.synthetic == "tiny" and (stock := stock_loaded_qwen_image_files(workflow)):
-            raise RunError(f"--synthetic tiny cannot serve {', '.join(sorted(stock))} to a stock loader: ComfyUI builds "
-                           "Qwen-Image at its full width, the tiny file is narrow (only the pack's Qwen-Image loaders "
-                           "read widths from the file). Convert the workflow first (python -m comfyui_lowvram_dit "
-                           "convert WORKFLOW.json) or give real files with --models")
+            raise RunInputError(f"--synthetic tiny cannot serve {', '.join(sorted(stock))} to a stock loader: "
+                                "ComfyUI builds Qwen-Image at its full width, the tiny file is narrow (only the pack's "
+                                "Qwen-Image loaders read widths from the file). Convert the workflow first (python -m "
+                                "comfyui_lowvram_dit convert WORKFLOW.json) or give real files with --models")
         if args.synthetic == "tiny":
             for old, new in swap_tiny_vaes(workflow):
                 _say(f"--synthetic tiny: VAE Loader {old} -> {new}, a tiny decoder of the same latents (ComfyUI "
@@ -191,23 +200,24 @@ def _run_started(args: argparse.Namespace, workflow: dict, wf_path: Path, output
 
 
 def cli(argv: list[str]) -> int:
-    """Entry point of ``python -m comfyui_lowvram_dit run``."""
+    """Entry point of ``python -m comfyui_lowvram_dit run`` (a failure raises RunError: cli/main.py prints it)."""
     args = _parser().parse_args(argv)
-    try:
-        wf_path = resolve_workflow(args.workflow)
-        workflow = json.loads(wf_path.read_text())
-        output_dir = args.output.resolve()
-        output_dir.mkdir(parents=True, exist_ok=True)
-        if args.url:
-            if args.synthetic or args.models:
-                raise RunError("--synthetic and --models need a ComfyUI started by the runner; drop --url")
-            files = run_workflow(ComfyServer(args.url), workflow, args.overrides, output_dir,
-                                 args.timeout)
-        else:
-            files = _run_started(args, workflow, wf_path, output_dir)
-    except RunError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    check_number(args.timeout, "--timeout", 0.0, TIMEOUT_MAX_S, "the seconds to wait for the workflow")
+    wf_path = resolve_workflow(args.workflow)
+    workflow = read_workflow(wf_path)
+    output_dir = args.output.resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if args.url:
+        server = ComfyServer(args.url)  # an http(s) URL or a RunInputError naming it
+        if args.synthetic or args.models:
+            raise RunInputError("--synthetic and --models need a ComfyUI started by the runner; drop --url")
+        try:
+            server.get("/system_stats", timeout=30)
+        except RunError as exc:  # nothing listening, or not a ComfyUI: the URL given is wrong
+            raise RunInputError(f"--url {args.url}: {exc}") from None
+        files = run_workflow(server, workflow, args.overrides, output_dir, args.timeout)
+    else:
+        files = _run_started(args, workflow, wf_path, output_dir)
     for f in files:
         print(f"output: {f}")
     if not files:

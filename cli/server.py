@@ -5,6 +5,7 @@ Shared by the ``run`` command, the integration tests (tests/comfy_server.py) and
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..checkpoints.safe_write import commit, starts_with, temp_beside
+from .errors import CommandError, InputError, one_line
 
 PACK_DIR = Path(__file__).resolve().parent.parent  # the repository root is the pack
 REGISTRY_FOLDER_NAME = "comfyui-lowvram-dit"  # where Registry / Manager installs put the pack
@@ -29,8 +32,43 @@ LOG_MARKER = b"# comfyui_lowvram_dit: ComfyUI log: "
 STARTUP_NOTE_S = 3.0  # seconds between progress lines while ComfyUI starts
 
 
-class RunError(RuntimeError):
-    """A run that cannot go on; the message says what to do."""
+class RunError(CommandError):
+    """A run that cannot go on; the message says what to do (exit code 1)."""
+
+
+class RunInputError(RunError, InputError):
+    """A run refused before it starts: the workflow, an option or the URL given cannot be used (exit code 2)."""
+
+
+class _HttpRedirectsOnly(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to another http(s) URL (urllib's own also follows ftp)."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any,
+                         newurl: str) -> urllib.request.Request | None:
+        if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
+            raise urllib.error.HTTPError(newurl, code, f"redirect to a non-http URL refused: {newurl[:200]}",
+                                         headers, fp)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+@functools.cache
+def _opener() -> urllib.request.OpenerDirector:
+    """The one opener every request goes through: http(s) only, redirects too (built on first use)."""
+    return urllib.request.build_opener(_HttpRedirectsOnly)
+
+
+def check_url(url: str) -> str:
+    """``url`` without a trailing slash when it is an http(s) URL with a host; RunInputError naming it otherwise
+    (urllib would also open file:, ftp: and data: URLs)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port_ok = parts.port is None or 0 < parts.port < 65536
+    except ValueError:
+        parts, port_ok = None, False
+    if parts is None or parts.scheme.lower() not in ("http", "https") or not parts.hostname or not port_ok:
+        raise RunInputError(f"--url {url[:200]!r}: not an http(s) URL of a ComfyUI; give its address, e.g. "
+                            "http://127.0.0.1:8188")
+    return url.rstrip("/")
 
 
 def free_port() -> int:
@@ -126,7 +164,7 @@ class ComfyServer:
     def __init__(self, url: str, proc: subprocess.Popen | None = None, log_path: Path | None = None,
                  base_dir: Path | None = None, pack_dir: Path | None = None,
                  error: type[Exception] = RunError) -> None:
-        self.url, self.proc, self.log_path = url.rstrip("/"), proc, log_path
+        self.url, self.proc, self.log_path = check_url(url), proc, log_path
         self.base_dir, self.pack_dir, self.error = base_dir, pack_dir, error
 
     @classmethod
@@ -200,13 +238,16 @@ class ComfyServer:
         req = urllib.request.Request(self.url + route, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
+            with _opener().open(req, timeout=timeout) as resp:
                 status, raw = resp.status, resp.read()
         except urllib.error.HTTPError as exc:
-            status, raw = exc.code, exc.read()
-        except OSError:
+            status, raw = exc.code, exc.read() if exc.fp is not None else b""
+        except (OSError, ValueError) as exc:  # refused, unreachable, timed out, not HTTP at all
             if not quiet:
-                raise
+                reason = getattr(exc, "reason", None) or exc
+                why = one_line(reason) if isinstance(reason, BaseException) else str(reason)[:300]
+                raise self.error(f"no ComfyUI answered {method} {self.url}{route} ({why}); start ComfyUI there, or "
+                                 "give --url the address it listens on") from None
             return 0, None
         try:
             return status, json.loads(raw) if raw else None
@@ -217,14 +258,17 @@ class ComfyServer:
         """GET a JSON route; anything but 200 raises ``error``."""
         status, body = self.request("GET", route, timeout=timeout)
         if status != 200:
-            raise self.error(f"GET {route} -> HTTP {status}: {body!r:.2000}")
+            raise self.error(f"{self.url}: GET {route} -> HTTP {status} ({body!r:.300}); is a ComfyUI listening "
+                             "there?")
         return body
 
     def object_info(self, node: str | None = None, timeout: float = 120) -> dict:
         """``/object_info`` for every node, or the info of ``node`` ({} if this ComfyUI does not know it)."""
-        if node is None:
-            return self.get("/object_info", timeout)
-        return self.get(f"/object_info/{node}", timeout).get(node, {})
+        info = self.get("/object_info" if node is None else f"/object_info/{node}", timeout)
+        if not isinstance(info, dict):
+            raise self.error(f"{self.url} answered GET /object_info with something other than ComfyUI's node list "
+                             f"({type(info).__name__}); is a ComfyUI listening there? Check --url")
+        return info if node is None else info.get(node, {})
 
     def post_prompt(self, api: dict, client_id: str | None = None) -> tuple[int, dict]:
         """POST an API-format graph to ``/prompt``; returns (HTTP status, JSON reply)."""
@@ -237,11 +281,16 @@ class ComfyServer:
         if status != 200:
             raise self.error(f"ComfyUI rejected the prompt (HTTP {status}): "
                              f"{json.dumps(reply.get('node_errors') or reply, indent=1)[:4000]}")
+        if not isinstance(reply.get("prompt_id"), str):
+            raise self.error(f"{self.url} accepted the prompt but sent no prompt id ({str(reply)[:300]}); is a "
+                             "ComfyUI listening there? Check --url")
         return reply["prompt_id"]
 
     def history(self, prompt_id: str) -> dict | None:
         """The ``/history`` entry of a prompt (None while ComfyUI has none)."""
-        return self.get(f"/history/{prompt_id}").get(prompt_id)
+        body = self.get(f"/history/{prompt_id}")
+        entry = body.get(prompt_id) if isinstance(body, dict) else None
+        return entry if isinstance(entry, dict) else None
 
     def wait(self, prompt_id: str, timeout: float, on_tick: Callable[[], None] | None = None,
              interrupt: bool = False) -> dict:

@@ -14,16 +14,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from .workflow_shape import LINK_FIELDS, GraphError, check_ui_workflow
+
 SUBGRAPH_INPUT = -10  # the pseudo-node of a subgraph's inputs
 SUBGRAPH_OUTPUT = -20  # the pseudo-node of a subgraph's outputs
 # Nodes that exist only in the front end (never sent to the server).
 FRONTEND_ONLY = frozenset({"Note", "MarkdownNote", "Reroute", "PrimitiveNode"})
-LINK_FIELDS = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "type")
 BYPASSED_MODES = (2, 4)  # muted, bypassed
-
-
-class GraphError(ValueError):
-    """The JSON is not a UI-format workflow this module can edit."""
 
 
 class _Ids:
@@ -160,6 +157,7 @@ class Workflow:
                 isinstance(v, dict) and "class_type" in v for v in data.values()) else "not a UI-format workflow"
             raise GraphError(f"{source}: {kind} (expected the JSON ComfyUI saves with Workflow > Save, "
                              "with 'nodes' and 'links')")
+        check_ui_workflow(data, source)
         self.data, self.source = data, source
         subgraphs = (data.get("definitions") or {}).get("subgraphs") or []
         self._ids = _Ids(*self._max_ids(data, subgraphs))

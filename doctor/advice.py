@@ -214,6 +214,8 @@ def format_report(report: dict) -> str:
         where = v.get("comfyui_path")
         lines.append(f"  comfyui path   {where} ({report['comfyui_found']})" if where else
                      f"  {report['comfyui_found']}")
+    if report.get("comfyui_problem"):
+        lines.append(f"  comfyui BROKEN {report['comfyui_problem']}")
     if report.get("host"):
         lines += ["", "ComfyUI (running)"] + [f"  {k:<14} {val}" for k, val in report["host"].items()]
     if report.get("seams"):

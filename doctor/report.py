@@ -26,6 +26,7 @@ from typing import Any, Callable
 from ..host.version import comfyui_version as read_comfyui_version
 from ..host.version import pack_version
 from .advice import _os_kind, format_report, known_issues, recommend
+from .checkout import POINT_AT, checkout_problem, package_problem
 
 GIB = float(1 << 30)
 # fp8 paths are compared with kernels.fp8's exact emulation of the same quantization, so only output rounding
@@ -71,14 +72,21 @@ def _is_comfyui(path: Path) -> bool:
     return (path / "main.py").is_file() and (path / "comfy").is_dir()
 
 
+def _given_comfyui(explicit: str | os.PathLike | None) -> tuple[Path, str] | None:
+    """The ComfyUI the user named (--comfyui-path, else $COMFYUI_PATH) and how, None when none was named."""
+    for given, how in ((explicit, "--comfyui-path"), (os.environ.get("COMFYUI_PATH"), "COMFYUI_PATH")):
+        if given:
+            return Path(given).expanduser(), how
+    return None
+
+
 def find_comfyui(explicit: str | os.PathLike | None = None, cwd: Path | None = None) -> tuple[Path | None, str]:
     """(ComfyUI checkout, how it was found): --comfyui-path, $COMFYUI_PATH, or custom_nodes/<pack> above us.
 
     The pack's own folder is checked unresolved too, so a symlinked custom_nodes entry still counts.
     """
-    for given, how in ((explicit, "--comfyui-path"), (os.environ.get("COMFYUI_PATH"), "COMFYUI_PATH")):
-        if given:
-            return Path(given).expanduser(), how
+    if (given := _given_comfyui(explicit)) is not None:
+        return given
     pack = Path(__file__).parent.parent
     starts = [Path(os.path.abspath(cwd or Path.cwd())), Path(os.path.abspath(pack)), pack.resolve()]
     for start in starts:
@@ -399,6 +407,11 @@ def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike 
         found, how = find_comfyui(comfyui_path)
         comfyui_path = found
         report["comfyui_found"] = how
+        if found is not None:
+            say("Doctor: reading the ComfyUI checkout ...")
+            problem, _ = _guard(lambda: checkout_problem(found) or package_problem(found), "it cannot be read")
+            if problem:
+                report["comfyui_problem"] = f"{found}: {problem}"
     if host:
         report["host"] = host
     if seams:
@@ -407,6 +420,9 @@ def collect(comfyui_version: str | None = None, comfyui_path: str | os.PathLike 
         report["block_swap_measured"] = list(swap_measured)
     say("Doctor: reading versions ...")
     _section(report, "versions", lambda: collect_versions(comfyui_version, comfyui_path), {})
+    if comfyui_path is not None and not report["versions"].get("comfyui") and "comfyui_problem" not in report:
+        report["comfyui_problem"] = (f"{comfyui_path}: its version cannot be read (no comfyui_version.py with a "
+                                     "__version__ there); update or reinstall that ComfyUI")
     say("Doctor: looking for a GPU ...")
     _section(report, "gpu", collect_gpu, {"available": False}, "reason")
     if not report["gpu"].get("available"):
@@ -453,7 +469,10 @@ def to_json(report: dict) -> str:
 
 
 def cli(argv: list[str]) -> int:
-    """``python -m comfyui_lowvram_dit doctor [--json] [--comfyui-path P] [--no-gpu-probes]``."""
+    """``python -m comfyui_lowvram_dit doctor [--json] [--comfyui-path P] [--no-gpu-probes]``: exit 0, or 1 when the
+    ComfyUI found is broken; a named path that is no ComfyUI raises InputError (cli/main.py prints it)."""
+    from ..cli.errors import InputError
+
     parser = argparse.ArgumentParser(prog="python -m comfyui_lowvram_dit doctor",
                                      description="Report versions, GPU, working fp8/attention paths and a "
                                                  "recommendation for this machine.")
@@ -463,7 +482,13 @@ def cli(argv: list[str]) -> int:
                         "current folder)")
     parser.add_argument("--no-gpu-probes", action="store_true", help="skip the tiny GPU matmul/attention/pin tests")
     args = parser.parse_args(argv)
+    given = _given_comfyui(args.comfyui_path)
+    if given is not None and (problem := checkout_problem(given[0])):
+        raise InputError(f"{given[1]} {given[0]}: {problem}; {POINT_AT}, or leave it out to report without one")
     report = collect(comfyui_path=args.comfyui_path, gpu_probes=not args.no_gpu_probes,
                      progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(to_json(report) if args.json else format_report(report), end="\n" if args.json else "")
+    if report.get("comfyui_problem"):
+        print(f"doctor: the ComfyUI checkout is broken: {report['comfyui_problem']}", file=sys.stderr)
+        return 1
     return 0

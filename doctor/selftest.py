@@ -20,7 +20,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from .checkout import POINT_AT, checkout_problem, package_problem
 from .selftest_env import FAIL, PASS, SKIP, Check, SelfTestEnv, Verdict
+
 
 def all_checks() -> list[Check]:
     """Every check, cheapest first (torch.compile last: it compiles for tens of seconds on a CPU)."""
@@ -53,7 +55,7 @@ def run_check(check: Check, env: object) -> Iterator[Verdict]:
             now = time.perf_counter()
             yield Verdict(verdict.node, verdict.status, verdict.detail, now - start)
             start = now
-    except Exception as exc:  # noqa: BLE001 - reported as the node's failure, the other checks go on
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the node's failure (a library's exit too); the rest go on
         message = " ".join(str(exc).split())[:400]
         yield Verdict(check.node, FAIL, f"raised {type(exc).__name__}: {message}", time.perf_counter() - start)
 
@@ -83,20 +85,50 @@ def summary(verdicts: list[Verdict]) -> str:
     return ", ".join(f"{sum(v.status == s for v in verdicts)} {s}" for s in (PASS, FAIL, SKIP))
 
 
+def _gpu_visible() -> bool:
+    """Whether torch sees a device ComfyUI would run on without --cpu (CUDA / ROCm, Intel XPU, Apple MPS)."""
+    import torch
+
+    xpu, mps = getattr(torch, "xpu", None), getattr(torch.backends, "mps", None)
+    return bool(torch.cuda.is_available() or (xpu is not None and xpu.is_available())
+                or (mps is not None and mps.is_available()))
+
+
 def import_comfyui(path: Path, cpu: bool) -> None:
-    """Make the ComfyUI checkout at ``path`` importable in this process (``cpu``: run it as with ``--cpu``)."""
-    if not (path / "comfy" / "model_management.py").is_file():
-        raise SystemExit(f"selftest --comfyui {path}: not a ComfyUI checkout (no comfy/model_management.py there)")
+    """Make the ComfyUI checkout at ``path`` importable in this process and import its device setup (``cpu``: run it
+    as with ``--cpu``). A path that is no ComfyUI, or no GPU without ``cpu``, is an InputError; a checkout that
+    does not import (a syntax error, a module that raises or exits) a CommandError naming the file."""
+    from ..cli.errors import CommandError, InputError, one_line, raised_at
+
+    if problem := checkout_problem(path):
+        raise InputError(f"selftest --comfyui {path}: {problem}; {POINT_AT}")
+    if problem := package_problem(path):
+        raise CommandError(f"selftest --comfyui {path}: this ComfyUI is broken: {problem}; restore the checkout "
+                           "(git status / git checkout in it) or reinstall ComfyUI")
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))  # first, as when ComfyUI runs: its top-level modules (nodes, utils) win
-    from comfy.cli_args import args
+    try:
+        from comfy.cli_args import args
 
-    if cpu:
-        args.cpu = True  # read when comfy.model_management is first imported
+        if cpu:
+            args.cpu = True  # read when comfy.model_management is first imported
+        import comfy.model_management  # noqa: F401 - picks ComfyUI's device here, where a failure is named
+        import folder_paths  # noqa: F401 - the model folders the checks register their files in
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - an import that raises or calls sys.exit() is a broken checkout
+        if not cpu and not _gpu_visible():
+            first = one_line(exc).split(". ")[0][:200]  # torch's "Found no NVIDIA driver on your system"
+            raise InputError(f"selftest: torch sees no GPU here ({first}); pass --cpu to run the checks on the CPU"
+                             ) from None
+        raise CommandError(f"selftest --comfyui {path}: importing ComfyUI failed at {raised_at(exc.__traceback__)} "
+                           f"({one_line(exc)}); fix or reinstall that ComfyUI (or the package that file belongs to)"
+                           ) from None
 
 
 def cli(argv: list[str]) -> int:
-    """``selftest --comfyui PATH [--cpu] [--only KEY ...]``: exit 0 when nothing failed, 1 otherwise."""
+    """``selftest --comfyui PATH [--cpu] [--only KEY ...]``: exit 0 when nothing failed, 1 otherwise (a ComfyUI that
+    cannot be used raises an error cli/main.py prints)."""
     parser = argparse.ArgumentParser(prog="python -m comfyui_lowvram_dit selftest", description=__doc__.split("\n")[0])
     parser.add_argument("--comfyui", type=Path, required=True, help="the ComfyUI folder (the one with main.py)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even where ComfyUI would use a GPU")

@@ -244,17 +244,6 @@ def warm_int8_for_prompt(json_data: Any) -> Any:
 
 def register_prompt_warmup(prompt_server: Any = None) -> bool:
     """Add ``warm_int8_for_prompt`` to the server's on-prompt handlers once; False without a running server."""
-    if prompt_server is None:
-        try:
-            from server import PromptServer
+    from .prompt_inputs import add_prompt_handler
 
-            prompt_server = PromptServer.instance
-        except (ImportError, AttributeError):  # no server (a script, the tests): nodes still warm up on use
-            return False
-    handlers = getattr(prompt_server, "on_prompt_handlers", None)
-    if not isinstance(handlers, list):
-        return False
-    if not any(getattr(h, "__qualname__", "") == warm_int8_for_prompt.__qualname__
-               and getattr(h, "__module__", "") == warm_int8_for_prompt.__module__ for h in handlers):
-        prompt_server.add_on_prompt_handler(warm_int8_for_prompt)
-    return True
+    return add_prompt_handler(warm_int8_for_prompt, prompt_server)

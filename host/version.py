@@ -7,6 +7,9 @@ import re
 import sys
 from pathlib import Path
 
+from ..checkpoints.safe_read import read_text
+
+VERSION_FILE_BYTES = 1 << 20  # comfyui_version.py is a few lines
 _VERSION = re.compile(r"""__version__\s*=\s*["']([^"']+)["']""")
 
 
@@ -22,9 +25,9 @@ def comfyui_version(comfyui_path: str | os.PathLike | None = None) -> str | None
         except ImportError:
             return None
         return str(comfyui_version.__version__)
-    try:
-        text = (Path(comfyui_path) / "comfyui_version.py").read_text(encoding="utf-8")
-    except OSError:
+    try:  # a FIFO or a device at that name is refused, never waited on or read without end
+        text = read_text(Path(comfyui_path) / "comfyui_version.py", VERSION_FILE_BYTES, follow_links=True)
+    except (OSError, UnicodeDecodeError):
         return None
     match = _VERSION.search(text)
     return match.group(1) if match else None

@@ -72,6 +72,13 @@ def make_extension():  # noqa: ANN201 - comfy_api.latest.ComfyExtension
                 register_prompt_warmup()
             except Exception as exc:  # noqa: BLE001 - the nodes load without it (load_node_classes says why)
                 logging.getLogger("comfyui_lowvram_dit").debug("lowvram_dit: no prompt warm-up hook (%s)", exc)
+            try:  # options that write files take only real booleans (host/prompt_inputs.py says why)
+                from ..host.prompt_inputs import add_prompt_handler, check_strict_booleans
+
+                add_prompt_handler(check_strict_booleans)
+            except Exception as exc:  # noqa: BLE001 - the nodes load without it
+                logging.getLogger("comfyui_lowvram_dit").warning("lowvram_dit: no check of file-writing options in "
+                                                                 "queued prompts (%s)", exc)
             return load_node_classes()
 
     return LowVramDitExtension()

@@ -20,6 +20,7 @@ class QwenImageEditStagedLoader(io.ComfyNode):
 
     COMFY_SEAMS = (*qwen_staged.QwenImageStagedLoader.COMFY_SEAMS, "text_encoder.qwen_image_edit")
     IF_SEAMS_MISSING = qwen_staged.QwenImageStagedLoader.IF_SEAMS_MISSING
+    STRICT_BOOLEANS = qwen_staged.QwenImageStagedLoader.STRICT_BOOLEANS
 
     @classmethod
     def define_schema(cls) -> io.Schema:

@@ -23,6 +23,7 @@ class QwenImageStagedLoader(io.ComfyNode):
     COMFY_SEAMS = ("folder_paths", "text_encoder.qwen25_vl", "diffusion_model_loading", "model_detection",
                    "ops.custom_operations", "ops.manual_cast", "model_management", "vae", *BLOCK_SWAP_SEAMS)
     IF_SEAMS_MISSING = DISABLE
+    STRICT_BOOLEANS = ("cache_embeddings",)  # writes the embedding cache: only a real boolean (host/prompt_inputs.py)
 
     @classmethod
     def define_schema(cls) -> io.Schema:

@@ -21,6 +21,7 @@ class WanLoader(io.ComfyNode):
     COMFY_SEAMS = ("folder_paths", "diffusion_model_loading", "ops.custom_operations", "ops.manual_cast",
                    "model_management")
     IF_SEAMS_MISSING = DISABLE
+    STRICT_BOOLEANS = ("save_quantized",)  # writes a file: only a real boolean (host/prompt_inputs.py)
 
     @classmethod
     def define_schema(cls) -> io.Schema:

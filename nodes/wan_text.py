@@ -20,6 +20,7 @@ class WanTextEncode(io.ComfyNode):
 
     COMFY_SEAMS = ("folder_paths", "text_encoder.umt5", "model_management")
     IF_SEAMS_MISSING = DISABLE
+    STRICT_BOOLEANS = ("cache_embeddings",)  # writes the embedding cache: only a real boolean (host/prompt_inputs.py)
 
     @classmethod
     def define_schema(cls) -> io.Schema:

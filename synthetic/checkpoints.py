@@ -442,6 +442,21 @@ def _describe() -> str:
     return "\n".join(lines)
 
 
+def _check_options(p: argparse.ArgumentParser, args: argparse.Namespace, models: list[str]) -> None:
+    """Refuse (argparse's usage error, exit code 2) what no write could use: unknown names, counts below 1, a device
+    torch cannot name."""
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        p.error(f"unknown model {', '.join(map(repr, unknown))}; choose from {', '.join(MODELS)} (or 'all')")
+    for option, value in (("--layers", args.layers), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            p.error(f"{option} {value}: give a count of 1 or more")
+    try:
+        torch.device(args.device)
+    except (RuntimeError, ValueError):
+        p.error(f"--device {args.device!r}: not a device torch knows; give cpu or cuda (cuda:N)")
+
+
 def cli(argv: list[str]) -> int:
     """`python -m comfyui_lowvram_dit synth ...`: write synthetic checkpoints; returns the exit code."""
     p = argparse.ArgumentParser(
@@ -473,6 +488,7 @@ def cli(argv: list[str]) -> int:
     if args.output and len(models) != 1:
         print("error: --output takes exactly one model; use --out DIR for several", file=sys.stderr)
         return 2
+    _check_options(p, args, models)
     try:
         for m in models:
             if args.output:

@@ -144,3 +144,20 @@ def test_unknown_check_is_refused_by_name(capsys: pytest.CaptureFixture) -> None
     with pytest.raises(SystemExit) as exc:
         selftest.cli(["--comfyui", "/nowhere", "--only", "nan_guard", "--only", "warp_drive"])
     assert exc.value.code == 2 and "--only warp_drive: no such check" in capsys.readouterr().err
+
+
+@pytest.mark.comfyui
+def test_no_gpu_without_cpu_says_the_flag(tmp_path: Path) -> None:
+    """A machine whose torch sees no GPU, selftest run without --cpu: one line naming --cpu, exit code 2 (not
+    torch's "Found no NVIDIA driver" traceback). CUDA is hidden, so this runs the same on a GPU machine."""
+    from comfy_server import comfyui_path_or_reason
+
+    comfy, reason = comfyui_path_or_reason()
+    if comfy is None:
+        pytest.skip(reason)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "comfyui_lowvram_dit", "selftest", "--comfyui", str(comfy), "--only", "nan_guard"]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert len(errors) == 1 and "no GPU" in errors[0] and "--cpu" in errors[0], errors

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from comfyui_lowvram_dit.cli import convert
+from comfyui_lowvram_dit.cli.main import main
 from template_files import QWEN_TEMPLATES, TEMPLATES, WAN_TEMPLATES, graphs, link_problems, links_of, load_template
 
 REPLACED = {"UNETLoader", "CLIPLoader", "CLIPTextEncode", "TextEncodeQwenImageEditPlus", "VAELoader"}
@@ -294,9 +295,9 @@ def test_cli_writes_beside_input_and_never_overwrites(tmp_path: Path, capsys: py
     assert out.is_file() and src.read_bytes() == before
     assert "LowVRAM_WanLoader" in text and "LowVRAM_BlockSwap" in text and "kept" in text
     stamp = out.read_bytes()
-    assert convert.cli([str(src)]) == 1  # the output exists: refused
+    assert main(["convert", str(src)]) == 2  # the output exists: refused
     assert "--force" in capsys.readouterr().err and out.read_bytes() == stamp
-    assert convert.cli([str(src), "-o", str(src), "--force"]) == 1  # never the input, even with --force
+    assert main(["convert", str(src), "-o", str(src), "--force"]) == 2  # never the input, even with --force
     assert "never overwrites its input" in capsys.readouterr().err and src.read_bytes() == before
     assert convert.cli([str(src), "--force", "--fp8", "none"]) == 0 and out.read_bytes() != stamp
     assert convert.cli([str(out), "-o", str(tmp_path / "again.json")]) == 0  # converted input: same graph out
@@ -314,7 +315,7 @@ def test_non_workflow_json_is_refused_naming_the_file(content: str, words: str, 
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "thing.json"
     src.write_text(content)
-    assert convert.cli([str(src)]) == 1
+    assert main(["convert", str(src)]) == 2
     err = capsys.readouterr().err
     assert str(src) in err and words in err
     assert not (tmp_path / "thing_lowvram.json").exists()

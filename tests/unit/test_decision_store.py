@@ -83,10 +83,11 @@ def test_another_header_is_ignored_and_rewritten(tmp_path: Path) -> None:
         "scaled_mm_rowwise"]
 
 
-def test_a_corrupt_file_is_said_once_timed_again_and_rewritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_a_corrupt_file_is_said_once_timed_again_and_moved_aside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "decisions.json"
-    path.write_text(f'{{\n "kept_by": "{decision_store.KEPT_BY}",\n "header": {{"form', encoding="utf-8")  # cut off
+    cut = f'{{\n "kept_by": "{decision_store.KEPT_BY}",\n "header": {{"form'  # cut off
+    path.write_text(cut, encoding="utf-8")
     decision_store.keep_in(path)
     timer = Planted(monkeypatch, {"a": 2.0, "b": 1.0})
     fastest = _fastest()
@@ -94,9 +95,11 @@ def test_a_corrupt_file_is_said_once_timed_again_and_rewritten(tmp_path: Path, m
         assert fastest.decide(("k", 1), timer.candidates, CPU) == "b"
         assert fastest.decide(("k", 2), timer.candidates, CPU) == "b"
     assert timer.timed == ["a", "b", "a", "b"]
-    problems = [m for m in _messages(caplog) if "cannot read" in m]
-    assert len(problems) == 1 and str(path) in problems[0] and "delete it" in problems[0]
-    assert len(json.loads(path.read_text(encoding="utf-8"))["decisions"]) == 2  # rewritten whole
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("decisions.json.unreadable-")]
+    problems = [m for m in _messages(caplog) if "moved it aside" in m]
+    assert len(problems) == 1 and str(path) in problems[0] and str(aside[0]) in problems[0]
+    assert aside[0].read_text(encoding="utf-8") == cut  # kept under its new name
+    assert len(json.loads(path.read_text(encoding="utf-8"))["decisions"]) == 2  # a new file, written whole
 
 
 def test_an_unwritable_folder_is_said_once_and_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -114,16 +117,18 @@ def test_an_unwritable_folder_is_said_once_and_never_raises(tmp_path: Path, monk
     assert decision_store.kept("test", ("k", 1)) == "b"  # this process still has it in memory
 
 
-def test_a_file_the_pack_did_not_write_is_never_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_a_file_the_pack_did_not_write_is_moved_aside_never_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "decisions.json"
     path.write_text('{"someone": "else"}', encoding="utf-8")
     decision_store.keep_in(path)
     timer = Planted(monkeypatch, {"a": 2.0, "b": 1.0})
     with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
         assert _fastest().decide(("k",), timer.candidates, CPU) == "b"
-    assert path.read_text(encoding="utf-8") == '{"someone": "else"}'
-    assert len([m for m in _messages(caplog) if "cannot keep" in m and str(path) in m]) == 1
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("decisions.json.unreadable-")]
+    assert len(aside) == 1 and aside[0].read_text(encoding="utf-8") == '{"someone": "else"}'
+    assert len([m for m in _messages(caplog) if str(path) in m and str(aside[0]) in m]) == 1
+    assert json.loads(path.read_text(encoding="utf-8"))["kept_by"] == decision_store.KEPT_BY
 
 
 def test_keep_in_the_same_path_keeps_the_store(tmp_path: Path) -> None:
