@@ -53,6 +53,9 @@ SCENARIOS: dict[str, Scenario] = {
                           "8-bit)", "bench_attention"),
     "attention_int8": Scenario("the 8-bit attention kernel vs cuDNN and comfy-kitchen: time, TFLOP/s, error "
                                "and the autotune tile sweep (--quick, --no-sweep)", "bench_attention_int8"),
+    "attention_kitchen": Scenario("the 8-bit attention (fp8 and int8 P·V) vs cuDNN and comfy-kitchen versions (each "
+                                  "in its own process, --wheels DIR): kernel vs emulation, error per input family, "
+                                  "time at Wan 480p/720p self and cross", "bench_attention_kitchen"),
     "fp8_gemm": Scenario("fp8 GEMMs at Wan 14B shapes: native fp8_e4m3fn_fast vs ours per-tensor / block-wise",
                          "bench_fp8_gemm"),
     "int8_gemm": Scenario("int8 W8A8 GEMMs (GPUs without fp8 matmul) at Wan 14B / Qwen-Image shapes vs bf16, native "

@@ -22,14 +22,15 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "wan14b_480p_cross": (1, 40, 32760, 512, 128),  # umT5 text context, 512 tokens
     "qwen_image_1328_joint": (1, 24, 6889 + 128, 6889 + 128, 128),  # 83x83 patches + text
     "wan14b_720p_self": (1, 40, 75600, 75600, 128),  # 1280x720x81 -> 21 x 90 x 160 / 4
+    "wan14b_720p_cross": (1, 40, 75600, 512, 128),
 }
 QUICK_SHAPES = ("wan14b_480p_self", "wan14b_480p_cross")
 # ours: (Q·Kᵀ format, P·V format, hi_keys). "int8_fp8" is what "auto" runs on sm89+ ("int8_fp16" on sm80/86 and
-# the selectable precise scheme); "int8_fp8_old" the scheme before the 16-bit keys (the speed baseline); hi_keys
+# the selectable precise scheme; "int8_int8" the int8 P·V); "int8_fp8_old" the scheme before the 16-bit keys (the speed baseline); hi_keys
 # None = hi_key_count(Lk), 0 = none.
 OURS = {"int8_fp16": ("int8", "fp16", None), "int8_fp8": ("int8", "fp8", None), "int8_fp8_old": ("int8", "fp8", 0),
-        "fp8_fp8": ("fp8", "fp8", None)}
-FAMILY_BACKENDS = ("sdpa_cudnn", "int8_fp16", "int8_fp8", "int8_fp8_old", "comfy_kitchen_int8")
+        "fp8_fp8": ("fp8", "fp8", None), "int8_int8": ("int8", "int8", None)}
+FAMILY_BACKENDS = ("sdpa_cudnn", "int8_fp16", "int8_fp8", "int8_int8", "int8_fp8_old", "comfy_kitchen_int8")
 FAMILY_HEADS = 2
 ERROR_BUDGET = 0.02
 FAMILIES_FILE = Path(__file__).resolve().parents[1] / "tests" / "unit" / "attention_families.py"

@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 
 from .attention_backends import (
-    AUTO_CANDIDATES, BACKENDS, FALLBACK_ORDER, AttentionBackend, AttentionFn, HostAttention, unavailable_reason,
+    AUTO_CANDIDATES, BACKENDS, FALLBACK_ORDER, AttentionBackend, AttentionFn, HostAttention, auto_quantized,
+    unavailable_reason,
 )
 from .attention_check import check_output
 from . import decision_store
@@ -189,7 +190,7 @@ class AttentionSelector:
         """(exact candidates in order, quantized host candidates) for this request."""
         if backend != "auto":
             return [backend] + [n for n in FALLBACK_ORDER if n != backend], []
-        exact, quantized = list(AUTO_CANDIDATES), []
+        exact, quantized = list(AUTO_CANDIDATES), auto_quantized()
         for extra in host.backends if host is not None else ():
             self.host_backends[extra.name] = extra
             decision.labels[extra.name] = extra.label

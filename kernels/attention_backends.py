@@ -2,7 +2,8 @@
 
 Every backend takes ``q, k, v`` as ``[B, H, L, D]`` views (any strides) plus an optional additive or boolean
 mask broadcastable to ``[B, H, Lq, Lk]`` and returns ``[B, H, Lq, D]``. Optional libraries (flash-attn 2/3,
-SageAttention, xformers, our 8-bit kernel) are imported on first use; a missing one is "not available".
+SageAttention, xformers, comfy-kitchen, our 8-bit kernel) are imported on first use; a missing one is "not
+available".
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ AttentionFn = Callable[[Tensor, Tensor, Tensor, Optional[Tensor]], Tensor]
 # SageAttention 1 near 1.4 %; 3 % / 8 % leave headroom without passing garbage.
 EXACT_TOLERANCE = 0.03
 QUANTIZED_TOLERANCE = 0.08
+# Sparse approximations (comfy-kitchen's Sol-Attn) are asked for by name, knowing they approximate; past this the
+# output is no longer attention and the first-use check falls back.
+APPROXIMATE_TOLERANCE = 0.15
 
 
 class BackendUnavailable(RuntimeError):
@@ -154,6 +158,12 @@ def _int8(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     return attention_int8.attention_int8(q, k, v, layout="BHLD")
 
 
+def _int8_int8_pv(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+    from . import attention_int8  # optional (needs Triton)
+
+    return attention_int8.attention_int8(q, k, v, layout="BHLD", pv_format="int8")
+
+
 def _int8_reason(device: torch.device, dtype: torch.dtype, head_dim: int, has_mask: bool) -> Optional[str]:
     mod = _optional_module(f"{__package__}.attention_int8")
     if mod is None:
@@ -168,6 +178,32 @@ def _int8_reason(device: torch.device, dtype: torch.dtype, head_dim: int, has_ma
         return "unsupported on this GPU/dtype/head size (CUDA sm80+, bf16/fp16, head dim 64 or 128)"
     except Exception as exc:  # its capability probe must not take the sampler down
         return f"is_supported() failed: {exc}"
+
+
+def _kitchen_reason(sparse: bool) -> Callable[[torch.device, torch.dtype, int, bool], Optional[str]]:
+    def reason(device: torch.device, dtype: torch.dtype, head_dim: int, has_mask: bool) -> Optional[str]:
+        from . import int8_comfy_kitchen
+
+        if has_mask and sparse:
+            return "does not take an attention mask"
+        try:
+            return int8_comfy_kitchen.attention_reason(device, dtype, head_dim, sparse)
+        except Exception as exc:  # its capability probe must not take the sampler down
+            return f"comfy-kitchen's availability check failed: {exc}"
+
+    return reason
+
+
+def _kitchen_int8(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+    from . import int8_comfy_kitchen
+
+    return int8_comfy_kitchen.int8_attention(q, k, v, mask)
+
+
+def _kitchen_sol(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+    from . import int8_comfy_kitchen
+
+    return int8_comfy_kitchen.sol_attn(q, k, v, mask)
 
 
 def _sdpa_reason(kind: str) -> Callable[[torch.device, torch.dtype, int, bool], Optional[str]]:
@@ -221,6 +257,15 @@ def _register_builtin() -> None:
                                       _cuda_half((7, 5), 256, False, "xformers.ops")))
     register_backend(AttentionBackend("int8", "lowvram 8-bit", _int8, _int8_reason, tolerance=QUANTIZED_TOLERANCE,
                                       trades_accuracy=True))
+    # the same kernel with int8 P·V: at most comfy-kitchen's error on every test family, more instructions per tile
+    register_backend(AttentionBackend("int8_pv8", "lowvram 8-bit, int8 P·V", _int8_int8_pv, _int8_reason,
+                                      tolerance=QUANTIZED_TOLERANCE, trades_accuracy=True))
+    from .int8_comfy_kitchen import SOL_ATTN_LABEL  # a constant; comfy-kitchen itself is imported on first use
+
+    register_backend(AttentionBackend("ck_int8", "comfy-kitchen int8", _kitchen_int8, _kitchen_reason(False),
+                                      tolerance=QUANTIZED_TOLERANCE, trades_accuracy=True))
+    register_backend(AttentionBackend("ck_sol", SOL_ATTN_LABEL, _kitchen_sol, _kitchen_reason(True),
+                                      tolerance=APPROXIMATE_TOLERANCE, trades_accuracy=True))
 
 
 _register_builtin()
@@ -235,6 +280,16 @@ FALLBACK_ORDER: tuple[str, ...] = (
 AUTO_CANDIDATES: tuple[str, ...] = (
     "sdpa_cudnn", "flash_attn3", "flash_attn2", "sdpa_flash", "xformers", "sdpa_efficient", "sdpa",
 )
+# Quantized candidates `auto` also times, each kept only where faster than the fastest exact one: comfy-kitchen's
+# INT8 attention, the 8-bit kernel ComfyUI itself ships (where it is installed, MIN_VERSION or newer).
+AUTO_QUANTIZED: tuple[str, ...] = ("ck_int8",)
+
+
+def auto_quantized() -> list[str]:
+    """The AUTO_QUANTIZED backends whose library is installed (a missing one is no candidate, said once)."""
+    from . import int8_comfy_kitchen
+
+    return [name for name in AUTO_QUANTIZED if not name.startswith("ck_") or int8_comfy_kitchen.module() is not None]
 
 
 def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,

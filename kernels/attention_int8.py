@@ -1,4 +1,4 @@
-"""8-bit attention (SageAttention-style) in Triton: INT8 (or FP8) Q·Kᵀ, FP16 (or FP8) P·V, fp32 online softmax.
+"""8-bit attention (SageAttention-style) in Triton: INT8 (or FP8) Q·Kᵀ, FP8 (or INT8 / FP16) P·V, fp32 online softmax.
 
 For non-causal full attention as Wan (self and cross) and Qwen-Image (joint) use it: [B, H, L, D] bf16/fp16,
 head dim 64 or 128, any Lq and Lk. Attention is about half of a Wan 2.2 14B forward at 480p, and 8-bit tensor
@@ -6,23 +6,25 @@ cores run at twice the bf16 rate.
 
 The algorithm (kernels/attention_int8_triton.py has the kernels, `attention_int8_reference` the same math in
 fp32 torch):
-- prologue, memory-bound: K mean and V per-channel amax (two torch reductions), then one Triton pass per
-  tensor: Q·R -> int8 with a per-token scale (sm_scale·log2e/D folded in), (K - mean)·R -> int8 with one scale
-  per 128 tokens, V - mean -> fp8 e4m3 scaled per channel and transposed to [D, L]. R is a fixed signed
-  Hadamard matrix (±1, R·Rᵀ = D·I): it leaves Q·Kᵀ unchanged (times D) and spreads outlier channels over
-  all D channels, so a few 10-100x channels no longer set every token's int8 step. Sequences are zero-padded
-  to 128.
-- keys sorted per head by ||k - mean(k)||² (largest first; the K and V quantizers read through that order), so
-  each 128-key block holds keys of like size; the first hi_key_count(Lk) of them (1 %, whole blocks) get their
-  logits from the bf16/fp16 inputs in the main kernel: a key 10-100x larger than the rest has logits whose int8
-  error (7 bits of a large number) decides which key wins.
+- prologue, memory-bound: K and V means (torch reductions), then one Triton pass per tensor: Q·R -> int8 with a
+  per-token scale (sm_scale·log2e/D folded in), (K - mean)·R -> int8 with one scale per 128 tokens, V - mean ->
+  the P·V format (below), transposed to [D, L]. R is a fixed signed
+  Hadamard matrix (±1, R·Rᵀ = D·I): it leaves Q·Kᵀ unchanged (times D) and spreads outlier channels over all D
+  channels, so a few 10-100x channels no longer set every token's int8 step. Sequences are zero-padded to 128.
+- keys sorted per head by sort_score (||k - mean(k)||², largest first; the K and V quantizers read through that
+  order), so each 128-key block holds keys of like size; the first hi_key_count(Lk) of them (1 %, whole blocks)
+  get their logits from the bf16/fp16 inputs in the main kernel: a key 10-100x larger than the rest has logits
+  whose int8 error (7 bits of a large number) decides which key wins.
 - main loop: scores = int8 dot * q_scale * k_scale in the log2 domain over the 8-bit keys, then the 16-bit keys'
-  tiles; P = exp2(s - m + 8) in fp8 on sm89+ (fp16 on sm80/86, or asked for); P·V per tile summed into an fp32
-  accumulator; out = acc / l * v_scale + v_mean.
+  tiles. P·V (DEFAULT_PV_FORMAT): "fp8" P = exp2(s - m + 8) and V per channel in e4m3; "int8" P = exp2(s - f) per
+  tile (f: the tile max) in 255 levels around a zero point and V in int8 per 128 keys and channel, the int32
+  product scaled into an fp32 accumulator, and the 16-bit keys' P·V in fp16 from their input values (there the
+  key sort also counts ||v - mean(v)||², so values 10-100x the rest leave the int8 blocks); "fp16" P and V in fp16.
+  out = acc / l (· V's channel scale) + v_mean.
 
-`qk_format="fp8"` swaps the Q·Kᵀ operands to e4m3 (per-token / per-block scales to 448) for comparison;
-`pv_format="fp16"` is the slower, more precise P·V (within 2 % also on zero-mean noise, see DEFAULT_PV_FORMAT);
-`hi_keys=0` with fp8 P·V is the scheme before the 16-bit keys.
+Where each part's error comes from and what each choice bought is measured on the emulation in
+docs/attention_int8_accuracy.md. `qk_format="fp8"` swaps the Q·Kᵀ operands to e4m3 for comparison; `hi_keys=0` is
+the scheme without 16-bit keys.
 """
 
 from __future__ import annotations
@@ -42,20 +44,22 @@ import torch
 log = logging.getLogger("comfyui_lowvram_dit")
 
 QkFormat = Literal["auto", "int8", "fp8"]
-PvFormat = Literal["auto", "fp8", "fp16"]
+PvFormat = Literal["auto", "int8", "fp8", "fp16"]
 Layout = Literal["BHLD", "BLHD"]
 
 LOG2E = 1.4426950408889634
 # Q·Kᵀ format that "auto" picks. int8 keeps 7 bits where e4m3 keeps 3: on outlier inputs fp8 Q·Kᵀ is barely faster
 # but goes over the 2 % error budget (docs/benchmarks.md).
 DEFAULT_QK_FORMAT: Literal["int8", "fp8"] = "int8"
-# P·V format that "auto" picks on sm89+ (sm80/sm86 have no fp8 tensor cores, so they always get fp16). fp16 P·V
-# runs at half the fp8 tensor rate, which makes the kernel slower than cuDNN's bf16 attention on the H100
-# (docs/benchmarks.md): the 8-bit kernel is only worth picking with fp8 P·V. e4m3 keeps 3 mantissa bits of P and V:
-# where the output is averaged zero-mean V noise ("gauss" in tests/unit/attention_families.py) that rounding does
-# not average out and the error goes over the 2 % budget; outlier-heavy inputs stay within it (the 16-bit keys
-# hold the key outliers). pv_format="fp16" is the more precise scheme for callers who want it.
-DEFAULT_PV_FORMAT: Literal["fp8", "fp16"] = "fp8"
+# P·V format that "auto" picks on sm89+ (sm80/sm86 have no fp8 tensor cores, so they get fp16). e4m3 keeps 3
+# mantissa bits of P and V: on averaged zero-mean values ("gauss" in tests/unit/attention_families.py) that is ~4.8 %
+# at Wan 480p; "int8" P·V (P per tile in 255 levels, V per 128 keys and channel) is ~1.5 % there and at most
+# comfy-kitchen's error on every family (docs/attention_int8_accuracy.md), but its loop issues ~1.7x the
+# instructions of the fp8 one on sm90 (tests/unit/sass_attention_int8.py --pv int8), which this kernel does not
+# overlap with its tensor-core work: expected slower than cuDNN there until measured otherwise
+# (benchmarks/bench_attention_kitchen.py times both).
+DEFAULT_PV_FORMAT: Literal["int8", "fp8", "fp16"] = "fp8"
+PV_FORMATS = ("int8", "fp8", "fp16")
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 # Floor on every amax, so all-zero rows/blocks (padding, Lk=1 after smoothing) quantize to 0 without 0/0.
@@ -65,6 +69,9 @@ KBLK = 128  # K tokens per scale (mirrors attention_int8_triton.KBLK; the refere
 PAD = 128  # sequence padding of the quantized buffers
 ROTATION_SIGN_SEED = 0x2545F4914F6CDD1D  # fixed: the kernel and the reference must build the same rotation
 P_LOG2_OFFSET = 8.0  # P = exp2(s - m + 8) in (0, 256], inside e4m3's 448
+HI_V_RANGE = 16384.0  # the 16-bit keys' centred values are scaled into fp16's range: amax -> 2^14
+P_INT8_LEVELS = 254.0  # int8 P: round(254·P) in [0, 254], stored minus 127 (the zero point)
+FRAME_SPAN = 64.0  # int8 P·V: P's frame stays within 2^64 of the running max (mirrors attention_int8_triton)
 HI_KEY_SHARE = 100  # 1 key in HI_KEY_SHARE (rounded up to whole KBLK blocks) gets 16-bit logits
 
 
@@ -97,17 +104,18 @@ def is_supported(device: torch.device | str, dtype: torch.dtype, head_dim: int) 
 
 def resolve_formats(device: torch.device, qk_format: QkFormat = "auto",
                     pv_format: PvFormat = "auto") -> tuple[str, str]:
-    """Concrete (qk, pv) formats for a device: fp8 needs sm89+ tensor cores, so sm80 gets int8 + fp16."""
+    """Concrete (qk, pv) formats for a device: fp8 needs sm89+ tensor cores (sm80 gets fp16 for an fp8 default)."""
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
     else:  # the Triton interpreter: anything goes
         cap = (9, 0)
     has_fp8 = cap >= (8, 9)
     qk = DEFAULT_QK_FORMAT if qk_format == "auto" else qk_format
-    pv = (DEFAULT_PV_FORMAT if has_fp8 else "fp16") if pv_format == "auto" else pv_format
-    if qk not in ("int8", "fp8") or pv not in ("fp8", "fp16"):
-        raise ValueError(f"attention_int8: qk_format={qk_format!r}, pv_format={pv_format!r}; "
-                         "use qk_format in {'auto','int8','fp8'} and pv_format in {'auto','fp8','fp16'}")
+    pv = (DEFAULT_PV_FORMAT if has_fp8 or DEFAULT_PV_FORMAT != "fp8" else "fp16") if pv_format == "auto" \
+        else pv_format
+    if qk not in ("int8", "fp8") or pv not in PV_FORMATS:
+        raise ValueError(f"attention_int8: qk_format={qk_format!r}, pv_format={pv_format!r}; use qk_format in "
+                         "{'auto','int8','fp8'} and pv_format in {'auto','int8','fp8','fp16'}")
     if not has_fp8 and "fp8" in (qk, pv):
         raise ValueError(f"attention_int8: fp8 formats need an sm89+ GPU, this one is sm{cap[0]}{cap[1]}; "
                          "use qk_format='int8', pv_format='fp16' (or 'auto')")
@@ -186,25 +194,62 @@ class QuantizedQKV:
     k_mean: torch.Tensor  # [B*H, D] fp32, mean of k over the sequence
     n_hi: int  # keys [0, n_hi) of the sorted order get 16-bit logits (0: none, keys in input order)
     sm_scale: float
+    # int8 P·V only (pv_format "int8"; v_scale is then [B*H, Lk_pad // KBLK, D], one scale per block and channel)
+    v_sum: torch.Tensor | None = None  # [B*H, Lk_pad // 64, D] int32: column sums of the int8 V per 64 keys
+    v_hi: torch.Tensor | None = None  # [B*H, n_hi, D] fp16: the 16-bit keys' (v - mean) / v_hi_scale, zero past Lk
+    v_hi_scale: torch.Tensor | None = None  # [B*H] fp32
 
 
 def _pad(n: int) -> int:
     return (n + PAD - 1) // PAD * PAD
 
 
-def _sort_keys(tk, k: torch.Tensor, k_mean: torch.Tensor, n_hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order [B*H, Lk] int32, k_hi [B*H, n_hi, D]): keys sorted by ||k - mean||² (largest first, stable), and the
+def _hi_values(v: torch.Tensor, order: torch.Tensor, v_mean: torch.Tensor, n_hi: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v_hi [B*H, n_hi, D] fp16, scale [B*H]) for int8 P·V: the first n_hi sorted keys' centred values over
+    amax / HI_V_RANGE, zero past Lk (hi_values_reference is the same in fp32)."""
+    b, h, lk, d = v.shape
+    n = min(n_hi, lk)
+    rows = order.view(b, h, lk, 1)[:, :, :n].long().expand(-1, -1, -1, d)
+    v_c = v.gather(2, rows).float().reshape(b * h, n, d) - v_mean[:, None]
+    scale = (v_c.abs().amax(dim=(1, 2)) / HI_V_RANGE).clamp_min(AMAX_EPS)
+    v_hi = torch.zeros(b * h, n_hi, d, device=v.device, dtype=torch.float16)
+    v_hi[:, :n] = (v_c / scale[:, None, None]).half()
+    return v_hi, scale
+
+
+def _token_norms(tk, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """||x - mean||² per token of [B, H, L, D] x (any strides), fp32 [B*H, L]."""
+    b, h, length, d = x.shape
+    norm = torch.empty(b * h, length, device=x.device, dtype=torch.float32)
+    tk.key_norm_kernel[(triton_cdiv(length, 64), b * h)](
+        x, mean, norm, *x.stride(), h, length, HEAD_DIM=d, BLOCK=64, num_warps=4)
+    return norm
+
+
+def _sort_keys(tk, k: torch.Tensor, k_mean: torch.Tensor, n_hi: int, v: torch.Tensor | None = None,
+               v_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [B*H, Lk] int32, k_hi [B*H, n_hi, D]): keys sorted by sort_score (largest first, stable), and the
     first n_hi of them in the input dtype, zero past Lk. Sorting puts keys of like size in each KBLK block, and the
-    few far from the mean (which one int8 step per block cannot hold) into the 16-bit blocks."""
+    few far from the mean (which one int8 step per block cannot hold) into the 16-bit blocks; with v (int8 P·V) the
+    values far from theirs count too."""
     b, h, lk, d = k.shape
-    norm = torch.empty(b * h, lk, device=k.device, dtype=torch.float32)
-    tk.key_norm_kernel[(triton_cdiv(lk, 64), b * h)](
-        k, k_mean, norm, *k.stride(), h, lk, HEAD_DIM=d, BLOCK=64, num_warps=4)
-    order = torch.sort(norm, dim=-1, descending=True, stable=True).indices
+    norm_v = _token_norms(tk, v, v_mean) if v is not None else None
+    order = torch.sort(sort_score(_token_norms(tk, k, k_mean), norm_v), dim=-1, descending=True, stable=True).indices
     n = min(n_hi, lk)
     k_hi = torch.zeros(b, h, n_hi, d, device=k.device, dtype=k.dtype)
     k_hi[:, :, :n] = k.gather(2, order.view(b, h, lk, 1)[:, :, :n].expand(-1, -1, -1, d))
     return order.to(torch.int32), k_hi.view(b * h, n_hi, d)
+
+
+def sort_score(norm_k: torch.Tensor, norm_v: torch.Tensor | None = None) -> torch.Tensor:
+    """What keys are sorted by: ||k - mean||², or with the values' norms (int8 P·V) the sum of both, each over its
+    mean across the sequence: a value 10-100x the others (which would coarsen its block's int8 V scales) then gets
+    16-bit P·V as a key far from its mean gets 16-bit logits."""
+    if norm_v is None:
+        return norm_k
+    return norm_k / norm_k.mean(dim=-1, keepdim=True).clamp_min(1e-30) + \
+        norm_v / norm_v.mean(dim=-1, keepdim=True).clamp_min(1e-30)
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_format: str = "int8",
@@ -226,16 +271,20 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_format
     if n_hi % KBLK:
         raise ValueError(f"attention_int8: hi_keys={hi_keys} must be a multiple of {KBLK}")
     qk_dtype = torch.float8_e4m3fn if qk_format == "fp8" else torch.int8
-    pv_dtype = torch.float8_e4m3fn if pv_format == "fp8" else torch.float16
+    pv_dtype = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}.get(pv_format, torch.float16)
     # Reductions over the sequence: torch reads each tensor once without materialising fp32 copies.
     rot = rotation(d, torch.float32, str(dev))
     k_mean = k.mean(dim=2, dtype=torch.float32).reshape(bh, d).contiguous()
     k_mean_rot = k_mean @ rot
     v_mean = v.mean(dim=2, dtype=torch.float32).reshape(bh, d).contiguous()
     # Bound on amax|V - mean| without a second pass; fp8 is floating point, so the slack costs no precision.
-    v_amax = torch.linalg.vector_norm(v, ord=math.inf, dim=2, dtype=torch.float32).reshape(bh, d) + v_mean.abs()
+    if pv_format == "int8":  # int8 V takes its scales per block in its own pass
+        v_amax = v_mean
+    else:
+        v_amax = torch.linalg.vector_norm(v, ord=math.inf, dim=2, dtype=torch.float32).reshape(bh, d) + v_mean.abs()
     if n_hi:
-        order, k_hi = _sort_keys(tk, k, k_mean, n_hi)
+        with_v = (v, v_mean) if pv_format == "int8" else (None, None)
+        order, k_hi = _sort_keys(tk, k, k_mean, n_hi, *with_v)
     else:  # the scheme without 16-bit keys: input order (order is never read)
         order, k_hi = k_mean, torch.empty(bh, 0, d, device=dev, dtype=k.dtype)
 
@@ -252,13 +301,32 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_format
     tk.quantize_k_kernel[(lk_pad // KBLK, bh)](
         k, rot, k_mean_rot.contiguous(), order, k8, k_scale, *k.stride(), h, lk, lk_pad, AMAX_EPS,
         HEAD_DIM=d, BLOCK=KBLK, TO_FP8=to_fp8, GATHER=n_hi > 0, num_warps=8)
-    blk_v = 64
-    tk.quantize_v_kernel[(lk_pad // blk_v, bh)](
-        v, v_mean, v_amax, order, vt, *v.stride(), h, lk, lk_pad, AMAX_EPS,
-        HEAD_DIM=d, BLOCK=blk_v, TO_FP8=pv_format == "fp8", GATHER=n_hi > 0, num_warps=4)
-    v_scale = v_amax.clamp_min(AMAX_EPS) / 448.0
-    return QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_scale, v_mean, qk_format, pv_format,
-                        q, k_hi, k_mean, n_hi, sm_scale)
+    qq = QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_amax, v_mean, qk_format, pv_format, q, k_hi, k_mean, n_hi,
+                      sm_scale)
+    _quantize_v(tk, v, order, qq, lk)
+    return qq
+
+
+def _quantize_v(tk, v: torch.Tensor, order: torch.Tensor, qq: QuantizedQKV, lk: int) -> None:
+    """The V pass of the prologue into qq.vt: per-channel fp8 / fp16, or int8 per block and channel with its column
+    sums and the 16-bit keys' values (pv_format "int8"); qq.v_scale arrives as the fp8 path's amax bound."""
+    bh, d, lk_pad = qq.vt.shape
+    h = v.shape[1]
+    if qq.pv_format != "int8":
+        tk.quantize_v_kernel[(lk_pad // 64, bh)](
+            v, qq.v_mean, qq.v_scale, order, qq.vt, *v.stride(), h, lk, lk_pad, AMAX_EPS,
+            HEAD_DIM=d, BLOCK=64, TO_FP8=qq.pv_format == "fp8", GATHER=qq.n_hi > 0, num_warps=4)
+        qq.v_scale = qq.v_scale.clamp_min(AMAX_EPS) / 448.0
+        return
+    qq.v_scale = torch.empty(bh, lk_pad // KBLK, d, device=v.device, dtype=torch.float32)
+    qq.v_sum = torch.empty(bh, lk_pad // 64, d, device=v.device, dtype=torch.int32)
+    tk.quantize_v_int8_kernel[(lk_pad // KBLK, bh)](
+        v, qq.v_mean, order, qq.vt, qq.v_scale, qq.v_sum, *v.stride(), h, lk, lk_pad, AMAX_EPS,
+        HEAD_DIM=d, BLOCK=KBLK, GATHER=qq.n_hi > 0, num_warps=8)
+    if qq.n_hi:
+        qq.v_hi, qq.v_hi_scale = _hi_values(v, order, qq.v_mean, qq.n_hi)
+    else:  # never read: the kernel reads the 16-bit values only for the 16-bit keys
+        qq.v_hi, qq.v_hi_scale = qq.v_mean.half(), qq.v_mean[:, 0]
 
 
 def _bucket(n: int) -> int:
@@ -283,11 +351,14 @@ def attention_from_quantized(qq: QuantizedQKV, out: torch.Tensor, lq: int, lk: i
     tk = _triton_module()
     b, h, _, d = out.shape
     lq_pad, lk_pad = qq.q8.shape[1], qq.k8.shape[1]
+    int8_pv = qq.pv_format == "int8"
+    v_sum, v_hi, v_hi_scale = (qq.v_sum, qq.v_hi, qq.v_hi_scale) if int8_pv else (qq.v_scale,) * 3  # unread
     args = (qq.q8, qq.q_scale, qq.k8, qq.k_scale, qq.vt, qq.v_scale, qq.v_mean, out, qq.q16, qq.k_hi, qq.k_mean,
+            v_sum, v_hi, v_hi_scale,
             *out.stride(), *qq.q16.stride(), h, lq, lk, lq_pad, lk_pad, _bucket(lq), _bucket(lk), qq.n_hi // KBLK,
             qq.sm_scale * LOG2E)
     flags = dict(HEAD_DIM=d, KBLK_=KBLK, QK_FP8=qq.qk_format == "fp8", PV_FP8=qq.pv_format == "fp8",
-                 F32_DOT=_interpreting())
+                 F32_DOT=_interpreting(), PV_INT8=int8_pv)
     if config is None and _interpreting():
         config = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
     if config is not None:
@@ -460,10 +531,27 @@ def quantize_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_
 
     v32 = v.float()
     v_mean = v32.mean(dim=2)
+    if pv_format == "int8":
+        v_q, v_scale = _quantize_v_blocks(v32 - v_mean[:, :, None])
+        return q_q, q_scale, k_q, k_scale, v_q, v_scale, v_mean
     v_amax = (v32.abs().amax(dim=2) + v_mean.abs()).clamp_min(AMAX_EPS)
     v_q = ((v32 - v_mean[:, :, None]) * (448.0 / v_amax)[:, :, None, :]).clamp(-448.0, 448.0)
     v_q = v_q.to(torch.float8_e4m3fn if pv_format == "fp8" else torch.float16).float()
     return q_q, q_scale, k_q, k_scale, v_q, v_amax / 448.0, v_mean
+
+
+def _quantize_v_blocks(v_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Centred V [B, H, Lk, D] fp32 -> (int8 values as fp32 [B, H, Lk, D], scale [B, H, nblk, D]): one scale per
+    KBLK keys and channel (amax / 127), so a channel's step follows the 128 values it holds there, not the
+    largest of the whole sequence."""
+    b, h, lk, d = v_c.shape
+    nblk = -(-lk // KBLK)
+    v_pad = torch.zeros(b, h, nblk * KBLK, d, dtype=torch.float32, device=v_c.device)
+    v_pad[:, :, :lk] = v_c
+    blocks = v_pad.view(b, h, nblk, KBLK, d)
+    amax = blocks.abs().amax(dim=3).clamp_min(AMAX_EPS)  # [B, H, nblk, D]
+    v_q = _round_half_away(blocks * (127.0 / amax)[:, :, :, None]).view(b, h, nblk * KBLK, d)[:, :, :lk]
+    return v_q, amax / 127.0
 
 
 def hi_key_count(lk: int) -> int:
@@ -472,11 +560,14 @@ def hi_key_count(lk: int) -> int:
     return KBLK * max(1, -(-lk // (KBLK * HI_KEY_SHARE)))
 
 
-def key_order_reference(k: torch.Tensor) -> torch.Tensor:
-    """Keys of each head sorted by ||k - mean(k)||² (fp32), largest first: [B, H, Lk] int64 (the kernel's order)."""
-    k32 = k.float()
-    norm = (k32 - k32.mean(dim=2, keepdim=True)).pow(2).sum(dim=-1)
-    return torch.sort(norm, dim=-1, descending=True, stable=True).indices
+def key_order_reference(k: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys of each head sorted by sort_score (fp32; with v as int8 P·V sorts), largest first: [B, H, Lk] int64
+    (the kernel's order)."""
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 - x32.mean(dim=2, keepdim=True)).pow(2).sum(dim=-1)
+
+    return torch.sort(sort_score(norm(k), None if v is None else norm(v)), dim=-1, descending=True, stable=True).indices
 
 
 def _hi_scores(q: torch.Tensor, k_hi: torch.Tensor, k_mean: torch.Tensor, sm_scale: float) -> torch.Tensor:
@@ -501,14 +592,15 @@ def attention_int8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         raise ValueError(f"attention_int8_reference: hi_keys={hi_keys} must be a multiple of {KBLK}")
     sm_scale = 1.0 / math.sqrt(qb.shape[-1]) if sm_scale is None else sm_scale
     if n_hi:  # the kernel's key order: the keys far from the mean first
-        order = key_order_reference(kb)[..., None].expand(-1, -1, -1, kb.shape[-1])
+        order = key_order_reference(kb, vb if pv_format == "int8" else None)[..., None].expand(-1, -1, -1, kb.shape[-1])
         kb, vb = kb.gather(2, order), vb.gather(2, order)
     q_q, q_scale, k_q, k_scale, v_q, v_scale, v_mean = quantize_reference(
         qb, kb, vb, qk_format=qk_format, pv_format=pv_format, sm_scale=sm_scale)
     b, h, lq, d = q_q.shape
     lk = k_q.shape[2]
     s_hi = _hi_scores(qb, kb[:, :, :n_hi], kb.float().mean(dim=2), sm_scale) if n_hi else None
-    p_dtype = torch.float8_e4m3fn if pv_format == "fp8" else torch.float16
+    if pv_format == "int8" and n_hi:
+        v16, v16_scale = hi_values_reference(vb[:, :, :n_hi], v_mean)
     m = torch.full((b, h, lq), -math.inf, device=q.device)
     l = torch.zeros(b, h, lq, device=q.device)
     acc = torch.zeros(b, h, lq, d, device=q.device)
@@ -520,15 +612,63 @@ def attention_int8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         else:
             raw = q_q @ k_q[:, :, start:stop].transpose(-1, -2)  # exact: |raw| < 2^24
             s = raw * (q_scale * k_scale[:, :, start // KBLK, None])[..., None]
-        m_new = torch.maximum(m, s.amax(dim=-1))
-        p = torch.exp2(s - (m_new - P_LOG2_OFFSET)[..., None])
-        alpha = torch.exp2(m - m_new)
-        l = l * alpha + p.sum(dim=-1)
-        acc = acc * alpha[..., None] + p.to(p_dtype).float() @ v_q[:, :, start:stop]
-        m = m_new
-    out = acc / l[..., None] * v_scale[:, :, None, :] + v_mean[:, :, None, :]
+        v_tile = v_q[:, :, start:stop]
+        if pv_format == "int8" and start < n_hi:  # the 16-bit keys' P·V in fp16 from the 16-bit values
+            m, l, acc = _tile_int8(s, v16[:, :, start:stop], v16_scale, m, l, acc, p16=True)
+        elif pv_format == "int8":
+            v_tile_scale = v_scale[:, :, start // KBLK, None, :]
+            m, l, acc = _tile_int8(s, v_tile, v_tile_scale, m, l, acc)
+        else:
+            m, l, acc = _tile_float(s, v_tile, torch.float8_e4m3fn if pv_format == "fp8" else torch.float16, m, l, acc)
+    if pv_format == "int8":  # V's scales were applied per tile
+        out = acc / l[..., None] + v_mean[:, :, None, :]
+    else:
+        out = acc / l[..., None] * v_scale[:, :, None, :] + v_mean[:, :, None, :]
     out = out.to(q.dtype)
     return out if layout == "BHLD" else out.transpose(1, 2)
+
+
+def _tile_float(s: torch.Tensor, v_tile: torch.Tensor, p_dtype: torch.dtype, m: torch.Tensor, l: torch.Tensor,
+                acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tile of the online softmax with P = exp2(s - m + 8) rounded to p_dtype (fp8 / fp16 P·V)."""
+    m_new = torch.maximum(m, s.amax(dim=-1))
+    p = torch.exp2(s - (m_new - P_LOG2_OFFSET)[..., None])
+    alpha = torch.exp2(m - m_new)
+    l = l * alpha + p.sum(dim=-1)
+    acc = acc * alpha[..., None] + p.to(p_dtype).float() @ v_tile
+    return m_new, l, acc
+
+
+def hi_values_reference(v_hi: torch.Tensor, v_mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 16-bit keys' values for int8 P·V: (v - mean) / scale in fp16 (as fp32 [B, H, n, D]) and the scale
+    [B, H, 1, 1] (amax / HI_V_RANGE, so fp16 never overflows), from the input values of those keys."""
+    v_c = v_hi.float() - v_mean[:, :, None]
+    scale = (v_c.abs().amax(dim=(2, 3), keepdim=True) / HI_V_RANGE).clamp_min(AMAX_EPS)
+    return (v_c / scale).half().float(), scale
+
+
+def _tile_int8(s: torch.Tensor, v_tile: torch.Tensor, v_tile_scale: torch.Tensor | float, m: torch.Tensor,
+               l: torch.Tensor, acc: torch.Tensor, p16: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tile of the online softmax with int8 P·V (p16: the 16-bit keys' fp16 P·V): P = exp2(s - f) in (0, 1]
+    per query, f = max(tile max, running max - FRAME_SPAN), rounded to 255 levels as round(254·P) - 127 (int8
+    around a zero point of 127, added back through V's column sums) times the int8 V tile, then scaled by V's
+    per-channel scale; acc and l are kept relative to the running max here (the kernel keeps them relative to f:
+    the same numbers up to fp32 rounding)."""
+    t_max = s.amax(dim=-1)
+    m_new = torch.maximum(m, t_max)
+    frame = torch.maximum(t_max, m_new - FRAME_SPAN)
+    p = torch.exp2(s - frame[..., None])
+    if p16:
+        dot = p.half().float() @ v_tile
+        unit = torch.exp2(frame - m_new)
+    else:
+        p_q = torch.round(p * P_INT8_LEVELS - 127.0)  # the kernel's fma(p, 254, MAGIC - 127): round half to even
+        dot = p_q @ v_tile + 127.0 * v_tile.sum(dim=-2, keepdim=True)  # exact integers (< 2^22)
+        unit = torch.exp2(frame - m_new) / P_INT8_LEVELS
+    alpha = torch.exp2(m - m_new)
+    l = l * alpha + p.sum(dim=-1) * torch.exp2(frame - m_new)
+    acc = acc * alpha[..., None] + dot * unit[..., None] * v_tile_scale
+    return m_new, l, acc
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

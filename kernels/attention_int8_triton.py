@@ -14,7 +14,11 @@ Only imported when Triton is importable (kernels.attention_int8 guards the impor
 - V: minus its per-channel mean (added back after the softmax), per-channel scale over the sequence
   ((amax|V| + |mean|)/448, a bound on the centred amax: fp8 loses nothing to the slack), stored transposed ([D, L], tokens contiguous) because
   Hopper's fp8/int8 wgmma wants both operands K-major.
-- P: exp2(s - m + 8) lies in (0, 256], exactly inside e4m3's range; the 2^8 cancels in acc / l.
+- int8 P·V (the default): V minus its mean in int8 with one scale per KBLK keys and channel; per tile
+  P = exp2(s - tile max) in (0, 1] as round(254·P) - 127 (int8 around a zero point of 127, which V's column sums
+  add back), the exact int32 product scaled by the tile's P unit exp2(tile max - m) / 254 and V's scales; the 16-bit
+  keys' P·V runs in fp16 on their input values.
+- fp8 P·V: P = exp2(s - m + 8) lies in (0, 256], exactly inside e4m3's range; the 2^8 cancels in acc / l.
 - Non-finite input: tl.max and tl.maximum drop NaN (max.f32 returns the other operand), so the Q and K
   quantizers count NaNs per token / block and give those a NaN scale; the 8-bit codes cannot hold NaN, the scale
   carries it into every score of that query (Q) or of every query (K block), and the softmax makes those output
@@ -35,6 +39,9 @@ MAGIC_I2F_BITS = tl.constexpr(0x4B400000)
 MAGIC_I2F_VALUE = tl.constexpr(12582912.0)
 # exp2 offset that puts P in (0, 256] for fp8 e4m3 (max 448); a power of two so exp2 stays exact at the top.
 P_LOG2_OFFSET = tl.constexpr(8.0)
+# int8 P·V's frame stays within 2^FRAME_SPAN of the running max: a tile further below adds < 2^-64 of the output, and
+# acc never grows past 2^64 times its true size
+FRAME_SPAN = tl.constexpr(64.0)
 KBLK = 128  # K tokens per int8 scale; every kernel BLOCK_N divides it
 PAD = 128  # Q/K/V sequence padding, >= every BLOCK_M / BLOCK_N so kernel loads need no masks
 
@@ -129,6 +136,17 @@ def quantize_k_kernel(
 
 
 @triton.jit
+def _centred_values(X, Mean, Order, pid_bh, offs_l, offs_d, stride_b, stride_h, stride_l, stride_d, H, L,
+                    HEAD_DIM: tl.constexpr, GATHER: tl.constexpr):
+    """Rows offs_l of V (through the key order with GATHER) minus the channel means, fp32, zero past L."""
+    valid = offs_l[:, None] < L
+    rows = _source_rows(Order, pid_bh, offs_l, L, GATHER)
+    x = tl.load(X + (pid_bh // H) * stride_b + (pid_bh % H) * stride_h + rows[:, None].to(tl.int64) * stride_l
+                + offs_d[None, :] * stride_d, mask=valid, other=0.0).to(tl.float32)
+    return tl.where(valid, x - tl.load(Mean + pid_bh * HEAD_DIM + offs_d)[None, :], 0.0)
+
+
+@triton.jit
 def quantize_v_kernel(
     X, Mean, Amax, Order, Out,
     stride_b, stride_h, stride_l, stride_d,
@@ -139,15 +157,10 @@ def quantize_v_kernel(
     with GATHER, in the keys' sorted order (as quantize_k_kernel)."""
     pid_l = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
     offs_l = pid_l * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
-    valid = offs_l[:, None] < L
-    rows = _source_rows(Order, pid_bh, offs_l, L, GATHER)
-    x = tl.load(X + b * stride_b + h * stride_h + rows[:, None].to(tl.int64) * stride_l + offs_d[None, :] * stride_d,
-                mask=valid, other=0.0).to(tl.float32)
-    x = tl.where(valid, x - tl.load(Mean + pid_bh * HEAD_DIM + offs_d)[None, :], 0.0)
+    x = _centred_values(X, Mean, Order, pid_bh, offs_l, offs_d, stride_b, stride_h, stride_l, stride_d, H, L,
+                        HEAD_DIM, GATHER)
     amax = tl.maximum(tl.load(Amax + pid_bh * HEAD_DIM + offs_d), eps)
     y = tl.minimum(tl.maximum(x * (448.0 / amax)[None, :], -448.0), 448.0)
     if TO_FP8:
@@ -159,13 +172,43 @@ def quantize_v_kernel(
 
 
 @triton.jit
+def quantize_v_int8_kernel(
+    X, Mean, Order, Out, Scale, ColSum,
+    stride_b, stride_h, stride_l, stride_d,
+    H, L, L_pad, eps,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
+):
+    """(V - mean_c) -> int8 transposed to [BH, D, L_pad] with one fp32 scale per BLOCK (= KBLK) tokens and channel
+    (amax / 127) in [BH, L_pad // BLOCK, D], and the int8 column sums of each half block (64 tokens) in
+    [BH, L_pad // 64, D] int32 (int8 P·V adds back P's zero point through them); padded tokens are zero; with
+    GATHER, in the keys' sorted order (as quantize_k_kernel)."""
+    pid_l = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    offs_l = pid_l * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    x = _centred_values(X, Mean, Order, pid_bh, offs_l, offs_d, stride_b, stride_h, stride_l, stride_d, H, L,
+                        HEAD_DIM, GATHER)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), eps)  # [D]
+    y = _round_half_away(x * (127.0 / amax)[None, :]).to(tl.int8)
+    out_base = pid_bh.to(tl.int64) * L_pad * HEAD_DIM
+    tl.store(Out + out_base + offs_d[None, :] * L_pad + offs_l[:, None], y)
+    tl.store(Scale + pid_bh.to(tl.int64) * (L_pad // BLOCK) * HEAD_DIM + pid_l * HEAD_DIM + offs_d, amax / 127.0)
+    y32 = y.to(tl.int32)
+    low = (tl.arange(0, BLOCK) < BLOCK // 2)[:, None]
+    sum_base = ColSum + pid_bh.to(tl.int64) * (L_pad // (BLOCK // 2)) * HEAD_DIM + 2 * pid_l * HEAD_DIM
+    tl.store(sum_base + offs_d, tl.sum(tl.where(low, y32, 0), axis=0))
+    tl.store(sum_base + HEAD_DIM + offs_d, tl.sum(tl.where(low, 0, y32), axis=0))
+
+
+@triton.jit
 def key_norm_kernel(
     X, Mean, Out,
     stride_b, stride_h, stride_l, stride_d,
     H, L,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """||k - mean(k)||² per key in fp32 -> [BH, L]: what the keys are sorted by before quantization."""
+    """||x - mean(x)||² per token in fp32 -> [BH, L]: what the keys are sorted by before quantization (the keys',
+    and with int8 P·V the values' too)."""
     pid_l = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -203,6 +246,43 @@ def _exp2_split(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP_EMU: tl.con
 
 
 @triton.jit
+def _pv_int8(
+    acc, l_i, m_i, f_i, s, c, s_off, vt_ptrs, vscale_ptr, vsum_ptr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP_EMU: tl.constexpr,
+):
+    """int8 P·V of one tile (scores s·c - s_off in the log2 domain, masked keys -inf).
+
+    acc and l are kept relative to a per-query frame f = max(tile max, running max - FRAME_SPAN): P = exp2(score - f)
+    lies in (0, 1], is 1 at the tile's max (full int8 resolution for every tile that matters) and moving to the
+    next frame costs one row factor exp2(f_old - f) on acc and l, so V's per-channel scale is the only per-element
+    factor. P goes to int8 as round(254·P) - 127 (one FMA and the magic add: the low byte of the float's bits is the
+    code); the int8 product starts from MAGIC + 127·(V's column sums), which restores P's zero point and makes the
+    exact int32 sum a float of the same bits: one exact subtraction and one FMA bring it into acc.
+    """
+    t_max = tl.max(s, axis=1) * c - s_off
+    m_new = tl.maximum(m_i, t_max)
+    f_new = tl.maximum(t_max, m_new - FRAME_SPAN)
+    x = s * c[:, None] - (s_off + f_new)[:, None]
+    if EXP_EMU == 0:
+        p = tl.math.exp2(x)
+    else:
+        p = _exp2_split(x, BLOCK_M, BLOCK_N, EXP_EMU)
+    r = tl.math.exp2(f_i - f_new)  # 0 on the first tile (f_i = -inf)
+    l_i = l_i * r + tl.sum(p, axis=1)
+    p8 = (p * 254.0 + (MAGIC_I2F_VALUE - 127.0)).to(tl.int32, bitcast=True).to(tl.int8)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_sum = tl.load(vsum_ptr + offs_d)
+    if BLOCK_N == 128:  # column sums are kept per 64 keys
+        col_sum += tl.load(vsum_ptr + HEAD_DIM + offs_d)
+    start = tl.broadcast_to((col_sum * 127 + MAGIC_I2F_BITS)[None, :], (BLOCK_M, HEAD_DIM))
+    bits = tl.dot(p8, tl.trans(tl.load(vt_ptrs)), start)  # exact: |sum of round(254 P)·V| < 2^22
+    v_unit = tl.load(vscale_ptr + offs_d) * (1.0 / 254.0)
+    pv = bits.to(tl.float32, bitcast=True) - MAGIC_I2F_VALUE  # exact (both within 2^22 of 1.5*2^23)
+    acc = acc * r[:, None] + pv * v_unit[None, :]
+    return acc, l_i, m_new, f_new
+
+
+@triton.jit
 def _scores(q, k_ptrs):
     """Raw Q·Kᵀ of one tile: int32 (int8 path) or fp32 (fp8 path), [BLOCK_M, BLOCK_N]."""
     return tl.dot(q, tl.trans(tl.load(k_ptrs)))
@@ -210,13 +290,15 @@ def _scores(q, k_ptrs):
 
 @triton.jit
 def _softmax_pv(
-    acc, l_i, m_i, s, c, vt_ptrs, start_n, Lk,
+    acc, l_i, m_i, f_i, s, c, vt_ptrs, start_n, Lk, vscale_ptr, vsum_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT_SCORES: tl.constexpr, PV_FP8: tl.constexpr,
-    MASK: tl.constexpr, EXP_EMU: tl.constexpr, PV_ACC: tl.constexpr,
+    MASK: tl.constexpr, EXP_EMU: tl.constexpr, PV_ACC: tl.constexpr, HEAD_DIM: tl.constexpr, PV_INT8: tl.constexpr,
 ):
-    """Online softmax of one tile of scores in the log2 domain, then P·V into acc.
+    """Online softmax of one tile of scores in the log2 domain, then P·V into acc; returns (acc, l, m, f).
 
     s: raw int32 dots (INT_SCORES, the int8 path) or fp32; c: the per-row factor from s to the log2-domain score.
+    PV_INT8: int8 P·V (_pv_int8, acc and l relative to the frame f) with this tile's V scales at vscale_ptr and
+    column sums at vsum_ptr (read only there); else fp8 (PV_FP8) or fp16 P·V (_pv_float, relative to m; f unused).
     """
     if INT_SCORES:
         s = (s + MAGIC_I2F_BITS).to(tl.float32, bitcast=True)  # == raw + 1.5*2^23, exactly
@@ -226,6 +308,20 @@ def _softmax_pv(
     if MASK:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         s = tl.where((offs_n < Lk)[None, :], s, float("-inf"))
+    if PV_INT8:
+        acc, l_i, m_new, f_i = _pv_int8(acc, l_i, m_i, f_i, s, c, s_off, vt_ptrs, vscale_ptr, vsum_ptr, HEAD_DIM,
+                                        BLOCK_M, BLOCK_N, EXP_EMU)
+    else:
+        acc, l_i, m_new = _pv_float(acc, l_i, m_i, s, c, s_off, vt_ptrs, BLOCK_M, BLOCK_N, PV_FP8, EXP_EMU, PV_ACC)
+    return acc, l_i, m_new, f_i
+
+
+@triton.jit
+def _pv_float(
+    acc, l_i, m_i, s, c, s_off, vt_ptrs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr, EXP_EMU: tl.constexpr, PV_ACC: tl.constexpr,
+):
+    """fp8 (PV_FP8) or fp16 P·V of one tile: P = exp2(score - m + 8) in (0, 256], V scaled per channel."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * c - s_off)
     # p = exp2(score - m + 8) with score = s*c - s_off: a single FMA per element before exp2.
     x = s * c[:, None] - (s_off + m_new - P_LOG2_OFFSET)[:, None]
@@ -256,47 +352,73 @@ def _softmax_pv(
 
 @triton.jit
 def _hi_keys(
-    acc, l_i, m_i, Q16, KHi, KMean, vt_ptrs, b, h, pid_bh, offs_m, offs_d,
+    acc, l_i, m_i, f_i, Q16, KHi, KMean, VHi, VHiScale, vt_ptrs, b, h, pid_bh, offs_m, offs_d,
     stride_qb, stride_qh, stride_qm, stride_qd, Lq, Lk, N_HI, hi_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr,
-    EXP_EMU: tl.constexpr, PV_ACC: tl.constexpr, F32_DOT: tl.constexpr,
+    EXP_EMU: tl.constexpr, PV_ACC: tl.constexpr, F32_DOT: tl.constexpr, PV_INT8: tl.constexpr,
 ):
     """The first N_HI sorted keys (those farthest from the key mean) with logits from the 16-bit inputs.
 
     One such key can carry a logit 100x larger than the rest; 7 bits of it (int8) then put an error of several
     units on the exponent. Here the tensor core multiplies the bf16/fp16 inputs exactly in fp32. The int8 keys
     are centred (their scores miss q·mean(k), a per-query constant), so q·mean(k) is taken off these scores too.
+    With PV_INT8 their P·V is 16-bit as well (_pv_hi): these keys often carry most of a query's attention.
     """
     q16 = tl.load(Q16 + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm
                   + offs_d[None, :] * stride_qd, mask=offs_m[:, None] < Lq, other=0.0)
     q_mean = tl.sum(q16.to(tl.float32) * tl.load(KMean + pid_bh * HEAD_DIM + offs_d)[None, :], axis=1)
     c = tl.full([BLOCK_M], hi_scale, tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    k_ptrs = KHi + pid_bh.to(tl.int64) * N_HI * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    tile = pid_bh.to(tl.int64) * N_HI * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     # num_stages=1: a few tiles per program; pipelining them would give this loop its own shared-memory stages
     # next to the main loop's (and cost the main loop its occupancy)
     for start_n in tl.range(0, N_HI, BLOCK_N, num_stages=1):
-        k16 = tl.load(k_ptrs + start_n * HEAD_DIM)
+        k16 = tl.load(KHi + tile + start_n * HEAD_DIM)
         if F32_DOT:  # the same exact products as the 16-bit tensor-core dot (fp32 accumulation)
             s = tl.dot(q16.to(tl.float32), tl.trans(k16.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q16, tl.trans(k16))
         s = s - q_mean[:, None]
-        acc, l_i, m_i = _softmax_pv(
-            acc, l_i, m_i, s, c, vt_ptrs + start_n, start_n, Lk,
-            BLOCK_M, BLOCK_N, False, PV_FP8, True, EXP_EMU, PV_ACC)
-    return acc, l_i, m_i
+        if PV_INT8:
+            x = tl.where((start_n + offs_n < Lk)[None, :], s * c[:, None], float("-inf"))
+            acc, l_i, m_i, f_i = _pv_hi(acc, l_i, m_i, f_i, x, VHi + tile + start_n * HEAD_DIM,
+                                        tl.load(VHiScale + pid_bh), F32_DOT)
+        else:
+            acc, l_i, m_i, f_i = _softmax_pv(
+                acc, l_i, m_i, f_i, s, c, vt_ptrs + start_n, start_n, Lk, VHiScale, VHiScale,
+                BLOCK_M, BLOCK_N, False, PV_FP8, True, EXP_EMU, PV_ACC, HEAD_DIM, False)
+    return acc, l_i, m_i, f_i
+
+
+@triton.jit
+def _pv_hi(acc, l_i, m_i, f_i, x, v_ptrs, v_scale, F32_DOT: tl.constexpr):
+    """16-bit P·V of one tile of the 16-bit keys (int8 P·V mode, same frame f as _pv_int8): x the log2-domain
+    scores (masked keys -inf), P = exp2(x - f) in fp16, V the keys' centred values over v_scale in fp16
+    ([BLOCK_N, D] at v_ptrs)."""
+    t_max = tl.max(x, axis=1)
+    m_new = tl.maximum(m_i, t_max)
+    f_new = tl.maximum(t_max, m_new - FRAME_SPAN)
+    p = tl.math.exp2(x - f_new[:, None])
+    r = tl.math.exp2(f_i - f_new)
+    l_i = l_i * r + tl.sum(p, axis=1)
+    v16 = tl.load(v_ptrs)
+    if F32_DOT:  # the interpreter: the same fp16 values multiplied in fp32
+        pv = tl.dot(p.to(tl.float16).to(tl.float32), v16.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(tl.float16), v16)
+    acc = acc * r[:, None] + pv * v_scale
+    return acc, l_i, m_new, f_new
 
 
 # Lengths vary per call; specialising them (divisibility by 16) would recompile per model resolution.
 @triton.jit(do_not_specialize=["Lq", "Lk", "LQ_BUCKET", "LK_BUCKET", "N_HI_BLK"])
 def attn_fwd_kernel(
-    Q8, QScale, K8, KScale, VT, VScale, VMean, Out, Q16, KHi, KMean,
+    Q8, QScale, K8, KScale, VT, VScale, VMean, Out, Q16, KHi, KMean, VSum, VHi, VHiScale,
     stride_ob, stride_oh, stride_om, stride_od, stride_qb, stride_qh, stride_qm, stride_qd,
     H, Lq, Lk, Lq_pad, Lk_pad, LQ_BUCKET, LK_BUCKET, N_HI_BLK, hi_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KBLK_: tl.constexpr,
     QK_FP8: tl.constexpr, PV_FP8: tl.constexpr,
-    PV_ACC: tl.constexpr = 2, EXP_EMU: tl.constexpr = 0, F32_DOT: tl.constexpr = False,
+    PV_ACC: tl.constexpr = 2, EXP_EMU: tl.constexpr = 0, F32_DOT: tl.constexpr = False, PV_INT8: tl.constexpr = False,
 ):
     """Non-causal attention over pre-quantized Q8/K8/VT; one program = BLOCK_M queries of one (b, h).
 
@@ -304,8 +426,8 @@ def attn_fwd_kernel(
     is 128-aligned and keeps its cp.async loads; the keys sorted farthest from their mean first) take their logits from
     Q16 (the input q, any strides) and KHi ([BH, N_HI, D], the input keys in sorted order, zero past Lk): see
     _hi_keys, which runs after the int8 (or fp8) Q·Kᵀ loop over the keys from N_HI on. F32_DOT (the interpreter
-    only, whose bf16 dot is wrong) multiplies those 16-bit operands as fp32 instead.
-    Variant flags (bench_attention_int8.py --quick times each at Wan 480p): PV_ACC 0/1/2 how P·V reaches the
+    only, whose bf16 dot is wrong) multiplies those 16-bit operands as fp32 instead. PV_INT8: VScale, VSum, VHi and
+    VHiScale as QuantizedQKV's v_scale, v_sum, v_hi, v_hi_scale (kernels/attention_int8.py). Variant flags (bench_attention_int8.py --quick times each at Wan 480p): PV_ACC 0/1/2 how P·V reaches the
     fp32 accumulator (see _softmax_pv); EXP_EMU 0/1/2 moves 0, 1/2 or 1/4 of the exp2s from MUFU to a polynomial
     on the FMA pipe. (tl.range(warp_specialize=True) compiles to identical SASS on sm90 with Triton 3.6, and a
     hand-pipelined next-tile Q·Kᵀ gets its wgmma wait placed right after issue, so neither is offered.)
@@ -324,6 +446,7 @@ def attn_fwd_kernel(
     kscale_ptr = KScale + pid_bh * (Lk_pad // KBLK_)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    f_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # int8 P·V's frame (see _pv_int8)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     N_HI = N_HI_BLK * KBLK_
@@ -338,25 +461,32 @@ def attn_fwd_kernel(
     kscale_ptr += N_HI_BLK
     lk_int8 = tl.maximum(Lk - N_HI, 0)  # Lk <= N_HI: every key is a 16-bit key
     n_full = (lk_int8 // BLOCK_N) * BLOCK_N
+    vscale8_ptr = VScale + bh * (Lk_pad // KBLK_) * HEAD_DIM + N_HI_BLK * HEAD_DIM
+    vsum8_ptr = VSum + bh * (Lk_pad // 64) * HEAD_DIM + N_HI_BLK * (KBLK_ // 64) * HEAD_DIM  # int8 P·V, as K8
     for start_n in range(0, n_full, BLOCK_N):
         s = _scores(q, k8_ptrs + start_n * HEAD_DIM)
-        acc, l_i, m_i = _softmax_pv(
-            acc, l_i, m_i, s, qscale * tl.load(kscale_ptr + start_n // KBLK_), vt8_ptrs + start_n, start_n, lk_int8,
-            BLOCK_M, BLOCK_N, not QK_FP8, PV_FP8, False, EXP_EMU, PV_ACC)
+        acc, l_i, m_i, f_i = _softmax_pv(
+            acc, l_i, m_i, f_i, s, qscale * tl.load(kscale_ptr + start_n // KBLK_), vt8_ptrs + start_n, start_n, lk_int8,
+            vscale8_ptr + (start_n // KBLK_) * HEAD_DIM, vsum8_ptr + (start_n // 64) * HEAD_DIM,
+            BLOCK_M, BLOCK_N, not QK_FP8, PV_FP8, False, EXP_EMU, PV_ACC, HEAD_DIM, PV_INT8)
     if n_full < lk_int8:  # ragged tail: padded keys are zero in K8/VT, masked out of the softmax here
         s = _scores(q, k8_ptrs + n_full * HEAD_DIM)
-        acc, l_i, m_i = _softmax_pv(
-            acc, l_i, m_i, s, qscale * tl.load(kscale_ptr + n_full // KBLK_), vt8_ptrs + n_full, n_full, lk_int8,
-            BLOCK_M, BLOCK_N, not QK_FP8, PV_FP8, True, EXP_EMU, PV_ACC)
+        acc, l_i, m_i, f_i = _softmax_pv(
+            acc, l_i, m_i, f_i, s, qscale * tl.load(kscale_ptr + n_full // KBLK_), vt8_ptrs + n_full, n_full, lk_int8,
+            vscale8_ptr + (n_full // KBLK_) * HEAD_DIM, vsum8_ptr + (n_full // 64) * HEAD_DIM,
+            BLOCK_M, BLOCK_N, not QK_FP8, PV_FP8, True, EXP_EMU, PV_ACC, HEAD_DIM, PV_INT8)
     if N_HI > 0:
-        acc, l_i, m_i = _hi_keys(
-            acc, l_i, m_i, Q16, KHi, KMean, vt_ptrs, b, h, pid_bh, offs_m, offs_d,
+        acc, l_i, m_i, f_i = _hi_keys(
+            acc, l_i, m_i, f_i, Q16, KHi, KMean, VHi, VHiScale, vt_ptrs, b, h, pid_bh, offs_m, offs_d,
             stride_qb, stride_qh, stride_qm, stride_qd, Lq, Lk, N_HI, hi_scale,
-            HEAD_DIM, BLOCK_M, BLOCK_N, PV_FP8, EXP_EMU, PV_ACC, F32_DOT)
+            HEAD_DIM, BLOCK_M, BLOCK_N, PV_FP8, EXP_EMU, PV_ACC, F32_DOT, PV_INT8)
 
-    vscale = tl.load(VScale + pid_bh * HEAD_DIM + offs_d)  # amax_c / 448
     vmean = tl.load(VMean + pid_bh * HEAD_DIM + offs_d)  # softmax rows sum to 1, so the mean adds back as is
-    out = acc * (1.0 / l_i)[:, None] * vscale[None, :] + vmean[None, :]
+    if PV_INT8:  # V's scales were applied per tile
+        out = acc * (1.0 / l_i)[:, None] + vmean[None, :]
+    else:
+        vscale = tl.load(VScale + pid_bh * HEAD_DIM + offs_d)  # amax_c / 448
+        out = acc * (1.0 / l_i)[:, None] * vscale[None, :] + vmean[None, :]
     o_ptrs = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh \
         + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < Lq)
@@ -427,5 +557,6 @@ def make_autotuned_attn():
             kwargs["cache_results"] = True
     except (TypeError, ValueError):
         pass
-    return triton.autotune(configs=attn_configs(), key=["HEAD_DIM", "LQ_BUCKET", "LK_BUCKET", "QK_FP8", "PV_FP8"],
+    return triton.autotune(configs=attn_configs(), key=["HEAD_DIM", "LQ_BUCKET", "LK_BUCKET", "QK_FP8", "PV_FP8",
+                                                         "PV_INT8"],
                            prune_configs_by={"early_config_prune": _early_prune}, **kwargs)(attn_fwd_kernel)

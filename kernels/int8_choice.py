@@ -8,7 +8,10 @@ and "dequantize" are kernels/fp8.py's. Which mode a device got, and why, is logg
 
 GEMMs: where both ``torch._int_mm`` (cuBLASLt, epilogue in torch) and the fused Triton GEMM run, the first call of
 each shape times both on its real input and keeps the faster, keyed by the kind of GPU and the rows per batch
-sample, as kernels/fp8_choice.py does (integer sums are exact, so the choice changes speed only).
+sample, as kernels/fp8_choice.py does (integer sums are exact, so the choice changes speed only). Where
+comfy-kitchen (>= 0.2.40, kernels/int8_comfy_kitchen.py) is installed, its ``int8_linear`` on the same weight is a
+third candidate, admitted only when its error on the real input (vs a float64 product) is at most the pack's: it
+quantizes the activation itself, so the rounding is its own.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Literal, get_args
 
 import torch
 
-from . import fp8, int8, int8_triton
+from . import fp8, int8, int8_comfy_kitchen, int8_triton
 from .fp8_choice import row_bucket
 from .decisions import FastestPerKey, describe_kind, device_kind, samples_of
 
@@ -33,6 +36,11 @@ FP8_MIN_CAPABILITY = (8, 9)  # fp8 tensor cores (Ada)
 ROTATE = True  # Hadamard-rotate activations and weights before int8 (needs K % 128 == 0); see kernels/int8.py
 
 _SAID: set[tuple[str, str]] = set()  # (device, compute) already logged
+KITCHEN = "comfy_kitchen"  # the GEMM name of comfy-kitchen's int8_linear
+# comfy-kitchen's error may exceed the pack's by this share and still count as equal: two quantizers of one scheme
+# round a few ties differently
+KITCHEN_ERROR_SLACK = 0.02
+KITCHEN_CHECK_ROWS = 256  # rows of the real input the error comparison runs on
 
 
 def device_capability(device: torch.device | str) -> tuple[int, int] | None:
@@ -109,8 +117,10 @@ class GemmChooser:
         self.decisions: dict[tuple, str] = self._fastest.decisions  # the helper's own dicts, read directly
         self.timings: dict[tuple, dict[str, float]] = self._fastest.timings
 
-    def choose(self, x2: torch.Tensor, samples: int, n: int) -> int8.Int8Gemm:
-        """The GEMM for ``x2`` [M, K] against an [N, K] weight."""
+    def choose(self, x2: torch.Tensor, samples: int, n: int,
+               weight: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> str:
+        """The GEMM for ``x2`` [M, K] against an [N, K] weight; ``weight`` (int8 codes, scales, rotate) lets
+        comfy-kitchen's int8_linear compete (its error is checked on it)."""
         if x2.device.type != "cuda" or not int8_triton.gemm_available(x2.device):
             return "int_mm"
         m, k = x2.shape
@@ -118,18 +128,39 @@ class GemmChooser:
             return "triton"
         key = (device_kind(x2.device), row_bucket(m // max(samples, 1)), n, k)
         found = self.decisions.get(key)
-        return found if found is not None else self._decide(key, x2, n)
+        return found if found is not None else self._decide(key, x2, n, weight)
 
     @torch.compiler.disable
-    def _decide(self, key: tuple, x2: torch.Tensor, n: int) -> int8.Int8Gemm:
+    def _decide(self, key: tuple, x2: torch.Tensor, n: int,
+                weight: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> str:
         def candidates() -> dict[str, Callable[[], torch.Tensor]]:
             xq, xs = int8.quantize_activation(x2)
             wq = torch.ones((n, x2.shape[1]), dtype=torch.int8, device=x2.device)  # the speed is the same
             ws = torch.ones(n, dtype=torch.float32, device=x2.device)
-            return {g: functools.partial(int8._run_gemm, g, xq, xs, wq, ws, None, x2.dtype)
-                    for g in ("int_mm", "triton")}
+            found: dict[str, Callable[[], torch.Tensor]] = {
+                g: functools.partial(int8._run_gemm, g, xq, xs, wq, ws, None, x2.dtype) for g in ("int_mm", "triton")}
+            if weight is not None and self._kitchen_admitted(key, x2, weight):
+                found[KITCHEN] = functools.partial(int8_comfy_kitchen.int8_linear, x2, wq, ws, None, x2.dtype,
+                                                   weight[2])
+            return found
 
         return self._fastest.decide(key, candidates, x2.device)
+
+    def _kitchen_admitted(self, key: tuple, x2: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor, bool]) -> bool:
+        """Whether comfy-kitchen's int8_linear may compete for ``key``: installed, and its error on the first
+        KITCHEN_CHECK_ROWS rows of the real input at most the pack's (within KITCHEN_ERROR_SLACK); logs why not."""
+        if int8_comfy_kitchen.module() is None:
+            return False
+        try:
+            ours, theirs = kitchen_errors(x2[:KITCHEN_CHECK_ROWS], *weight)
+        except (RuntimeError, ValueError, TypeError) as exc:  # an input comfy-kitchen refuses: no candidate
+            log.info("lowvram_dit int8: comfy-kitchen's int8_linear failed for %s (%s)", self.describe(key), exc)
+            return False
+        if theirs <= ours * (1 + KITCHEN_ERROR_SLACK):
+            return True
+        log.info("lowvram_dit int8 %s: comfy-kitchen's int8_linear is not timed, its error %.2f %% is above the "
+                 "pack's %.2f %%", self.describe(key), 100 * theirs, 100 * ours)
+        return False
 
     def _decided(self, key: tuple, best: str, times: dict[str, float]) -> str:
         timed = ", ".join(f"{g} {t:.2f} ms" for g, t in times.items())
@@ -152,11 +183,30 @@ class GemmChooser:
         self._fastest.clear()
 
 
+def kitchen_errors(x2: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
+                   rotate: bool) -> tuple[float, float]:
+    """(the pack's, comfy-kitchen's) relative error of one int8 linear on ``x2`` vs the float64 product with the
+    dequantized weight: only the activation quantization differs between the two."""
+    x64 = int8.rotate_blocks(x2).double() if rotate else x2.double()
+    ref = x64 @ (weight_q.double() * weight_scale.double().reshape(-1, 1)).t()
+
+    def error(out: torch.Tensor) -> float:
+        return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+    ours = int8.int8_linear(x2, weight_q, weight_scale, None, out_dtype=torch.float32, rotate=rotate)
+    theirs = int8_comfy_kitchen.int8_linear(x2, weight_q, weight_scale, None, torch.float32, rotate)
+    return error(ours), error(theirs)
+
+
 GEMMS = GemmChooser()
 
 
 def linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
            rotate: bool) -> torch.Tensor:
     """``int8.int8_linear`` on the GEMM this shape was timed to run fastest with (output in x's dtype)."""
-    gemm = GEMMS.choose(x.reshape(-1, x.shape[-1]), samples_of(x), weight_q.shape[0])
+    gemm = GEMMS.choose(x.reshape(-1, x.shape[-1]), samples_of(x), weight_q.shape[0], (weight_q, weight_scale, rotate))
+    if gemm == KITCHEN:
+        out_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+        b = bias.to(out_dtype) if bias is not None else None
+        return int8_comfy_kitchen.int8_linear(x, weight_q, weight_scale, b, out_dtype, rotate)
     return int8.int8_linear(x, weight_q, weight_scale, bias, gemm=gemm, rotate=rotate)

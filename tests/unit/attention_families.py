@@ -21,6 +21,7 @@ import math
 
 import torch
 
+SINKS = 4  # sink keys of the attention_sinks family
 TEMPERATURE = 2.0  # logit std over keys; ~0.2 % of 32k keys then carry half the attention mass
 OUTLIER_MULTS = (10.0, 25.0, 50.0, 100.0)
 # Wan's 3-axis RoPE splits head dim 128 into [44, 42, 42] channels for (t, h, w)
@@ -42,6 +43,10 @@ FAMILIES: dict[str, str] = {
     "v_outliers": "v: 4 channels 10-100x and offsets N(0, 5²); q, k temperature-normalised",
     "wan_like": "Wan 2.2 q/k: offsets and 4 outlier channels, RMSNorm over all heads with a spread gain, 3-axis "
                 "RoPE on a (t, h, w) grid; v with offsets and outlier channels",
+    "attention_sinks": "4 sink keys every query attends to (a shared query offset along their direction) holding about "
+                       "half the attention mass at any length, with near-zero values; the rest temperature-normalised",
+    "heavy_tailed_v": "q, k N(0, 1) as gauss; v Student-t with 3 degrees of freedom (heavy tails: rare values 10-50x "
+                      "the typical one in every channel)",
 }
 
 # Families that compose with each other (the structures of FAMILIES that act on different axes)
@@ -136,6 +141,28 @@ def _rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
 
 
+def _sinks(g: torch.Generator, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SINKS keys along a direction u that every query shares (q + u): their logits sit ln(Lk e^(T²/2) / SINKS)
+    above the others' mean, so they hold about half the softmax mass; their values are 0.1x."""
+    b, h, _, d = q.shape
+    n, lk = min(SINKS, k.shape[2]), k.shape[2]
+    u = _randn(g, 1, h, 1, d, device=q.device)
+    u = u / u.norm(dim=-1, keepdim=True)
+    q = normalise_temperature(q, k) + u * math.sqrt(d)  # q·u = sqrt(D) + N(0, T²·...) for every query
+    lift = math.log(lk * math.exp(TEMPERATURE ** 2 / 2) / n)  # logit of a sink over the others' mean
+    k, v = k.clone(), v.clone()
+    k[:, :, :n] = k[:, :, :n] * 0.1 + u * lift  # (q·k)/sqrt(D) ~= lift for the sinks
+    v[:, :, :n] *= 0.1
+    return q, k, v
+
+
+def _student_t(g: torch.Generator, *shape: int, dof: int, device: torch.device) -> torch.Tensor:
+    """Student-t samples with ``dof`` degrees of freedom: N(0, 1) / sqrt(chi²_dof / dof)."""
+    chi2 = _randn(g, dof, *shape, device=device).pow(2).sum(dim=0)
+    return _randn(g, *shape, device=device) / (chi2 / dof).sqrt()
+
+
 def _wan_like(g: torch.Generator, b: int, h: int, lq: int, lk: int, d: int, device: torch.device):
     """q, k as Wan computes them (projection with offsets/outliers, RMSNorm over H*D with gain, RoPE); v."""
     ch = _pick(g, d, 4, device)
@@ -167,6 +194,11 @@ def make_family(name: str, b: int, h: int, lq: int, lk: int, d: int, *, seed: in
     q, k, v = (_randn(g, b, h, n, d, device=device) for n in (lq, lk, lk))
     if name == "gauss":
         return q.to(dtype), k.to(dtype), v.to(dtype)
+    if name == "heavy_tailed_v":
+        return q.to(dtype), k.to(dtype), _student_t(g, b, h, lk, d, dof=3, device=device).to(dtype)
+    if name == "attention_sinks":
+        q, k, v = _sinks(g, q, k, v)
+        return q.to(dtype), k.to(dtype), (v + 0.5 * _randn(g, h, 1, d, device=device)).to(dtype)
     v_offset = 0.5 * _randn(g, h, 1, d, device=device)
     ch = _pick(g, d, 4, device)
     if name == "rmsnorm_outliers":

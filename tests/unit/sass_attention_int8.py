@@ -28,7 +28,8 @@ from pathlib import Path
 KERNEL_FILE = Path(__file__).resolve().parents[2] / "kernels" / "attention_int8_triton.py"
 SAFE_WRITE_FILE = KERNEL_FILE.parents[1] / "checkpoints" / "safe_write.py"
 SM_REGS, SM_SMEM, SM_WARPS = 65536, 227 * 1024, 64  # sm80/sm89/sm90 per-SM limits (sm90/sm80 smem; sm89 has 99 KB)
-POINTERS = ("Q8", "QScale", "K8", "KScale", "VT", "VScale", "VMean", "Out", "Q16", "KHi", "KMean")
+POINTERS = ("Q8", "QScale", "K8", "KScale", "VT", "VScale", "VMean", "Out", "Q16", "KHi", "KMean", "VSum", "VHi",
+            "VHiScale")
 DIV16_INTS = ("stride_ob", "stride_oh", "stride_om", "stride_qb", "stride_qh", "stride_qm", "Lq_pad", "Lk_pad")
 WATCH = ("MUFU", "F2FP", "I2F", "IGMMA", "QGMMA", "HGMMA", "LDGSTS", "UTMALDG", "LDG", "LDS", "LDSM", "STS", "LDL",
          "STL", "BAR", "SYNCS", "SHFL")
@@ -52,16 +53,18 @@ def compile_kernel(arch: int, block_m: int, block_n: int, warps: int, stages: in
     fn = _load_kernel_module().attn_fwd_kernel
     qty = "i8" if qk == "int8" else "fp8e4nv"
     sig = {"Q8": f"*{qty}", "QScale": "*fp32", "K8": f"*{qty}", "KScale": "*fp32",
-           "VT": "*fp8e4nv" if pv == "fp8" else "*fp16", "VScale": "*fp32", "VMean": "*fp32", "Out": "*bf16",
-           "Q16": "*bf16", "KHi": "*bf16", "KMean": "*fp32",
+           "VT": {"fp8": "*fp8e4nv", "int8": "*i8"}.get(pv, "*fp16"), "VScale": "*fp32", "VMean": "*fp32",
+           "Out": "*bf16", "Q16": "*bf16", "KHi": "*bf16", "KMean": "*fp32", "VSum": "*i32", "VHi": "*fp16",
+           "VHiScale": "*fp32",
            "stride_ob": "i64", "stride_oh": "i64", "stride_om": "i64", "stride_od": "constexpr",
            "stride_qb": "i64", "stride_qh": "i64", "stride_qm": "i64", "stride_qd": "constexpr",
            **{n: "i32" for n in ("H", "Lq", "Lk", "Lq_pad", "Lk_pad", "LQ_BUCKET", "LK_BUCKET", "N_HI_BLK")},
            "hi_scale": "fp32",
            **{n: "constexpr" for n in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "KBLK_", "QK_FP8", "PV_FP8", "PV_ACC",
-                                        "EXP_EMU", "F32_DOT")}}
+                                        "EXP_EMU", "F32_DOT", "PV_INT8")}}
     const = {"stride_od": 1, "stride_qd": 1, "HEAD_DIM": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "KBLK_": 128,
-             "QK_FP8": qk == "fp8", "PV_FP8": pv == "fp8", "PV_ACC": pv_acc, "EXP_EMU": exp_emu, "F32_DOT": False}
+             "QK_FP8": qk == "fp8", "PV_FP8": pv == "fp8", "PV_ACC": pv_acc, "EXP_EMU": exp_emu, "F32_DOT": False,
+             "PV_INT8": pv == "int8"}
     names = fn.arg_names
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*POINTERS, *DIV16_INTS)}
     return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=int, nargs=4, action="append", metavar=("BM", "BN", "WARPS", "STAGES"),
                         help="tile config (repeatable); default: the autotune set")
     parser.add_argument("--qk", choices=("int8", "fp8"), default="int8")
-    parser.add_argument("--pv", choices=("fp8", "fp16"), default="fp16")
+    parser.add_argument("--pv", choices=("int8", "fp8", "fp16"), default="fp16")
     args = parser.parse_args(argv)
     import triton
 

@@ -97,7 +97,18 @@ def test_quantize_reference_ranges_scales_and_smoothing() -> None:
     assert v_q.abs().max() <= 448
 
 
+def test_quantize_reference_int8_values_per_block_and_channel() -> None:
+    """int8 P·V's V: mean removed, one scale per 128 keys and channel, within half a step of the input."""
+    q, k, v = make_qkv(1, 2, 16, 300, 64, "outlier")
+    *_, v_q, v_scale, v_mean = A.quantize_reference(q, k, v, pv_format="int8")
+    assert v_scale.shape == (1, 2, 3, 64) and torch.equal(v_q, v_q.round()) and v_q.abs().max() == 127
+    step = v_scale.repeat_interleave(128, dim=2)[:, :, :300]
+    assert ((v_q * step - (v.float() - v_mean[:, :, None])).abs() <= step * 0.5001).all()
+
+
 @pytest.mark.parametrize("kind,qk,pv,budget", [
+    ("outlier", "int8", "int8", 0.02),
+    ("gauss", "int8", "int8", 0.02),  # 8 bits of P and V: zero-mean noise within budget, unlike fp8
     ("outlier", "int8", "fp8", 0.02),
     ("outlier", "int8", "fp16", 0.02),
     ("gauss", "int8", "fp16", 0.02),
@@ -175,9 +186,10 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
         q, k, v = make_qkv(b, h, lq, lk, d, "outlier", seed=lq + lk)
         if layout == "BLHD":
             q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        out = A.attention_int8(q, k, v, layout=layout, qk_format=qk, pv_format=pv,
-                               config={"BLOCK_M": 64, "BLOCK_N": 64, **variant})
-        ref = A.attention_int8_reference(q, k, v, layout=layout, qk_format=qk, pv_format=pv, block_n=64)
+        config = {"BLOCK_M": 64, "BLOCK_N": 64, **variant}
+        out = A.attention_int8(q, k, v, layout=layout, qk_format=qk, pv_format=pv, config=config)
+        ref = A.attention_int8_reference(q, k, v, layout=layout, qk_format=qk, pv_format=pv,
+                                         block_n=config["BLOCK_N"])
         rows.append({"shape": [b, h, lq, lk, d], "qk": qk, "pv": pv, "layout": layout, "variant": variant,
                      "same_shape": list(out.shape) == list(q.shape), "err_vs_ref": A.relative_error(out, ref)})
     print("RESULT" + json.dumps(rows))
@@ -199,6 +211,10 @@ def test_triton_kernels_under_interpreter() -> None:
         [1, 1, 70, 200, 64, "int8", "fp16", "BHLD", {"EXP_EMU": 2}],
         [1, 1, 70, 200, 64, "int8", "fp16", "BHLD", {"PV_ACC": 0}],
         [1, 1, 70, 200, 64, "int8", "fp8", "BHLD", {"PV_ACC": 2}],
+        # int8 P·V: 64-key tiles, a 128-key tile with its ragged tail, the layout and an EXP_EMU variant
+        [1, 2, 77, 300, 64, "int8", "int8", "BHLD", {}],
+        [2, 1, 65, 129, 128, "int8", "int8", "BLHD", {"BLOCK_N": 128}],
+        [1, 1, 70, 200, 64, "int8", "int8", "BHLD", {"EXP_EMU": 1}],
     ]
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT, os.path.dirname(__file__), json.dumps(cases)],
@@ -207,10 +223,10 @@ def test_triton_kernels_under_interpreter() -> None:
     rows = json.loads(proc.stdout.split("RESULT", 1)[1])
     for row in rows:
         assert row["same_shape"], row
-        # int8/fp16 is emulated exactly (up to bf16 output rounding). The interpreter's fp32->fp8 cast (Triton
+        # int8/fp16 and int8/int8 are emulated exactly (up to bf16 output rounding). The interpreter's fp32->fp8 cast (Triton
         # 3.8) rounds values that carry into the next binade to the wrong power of two, so fp8 paths only get a
         # loose bound here; an indexing or scaling bug gives errors near 100%. The GPU tests hold fp8 tight.
-        bound = 0.01 if row["pv"] == "fp16" else 0.25
+        bound = 0.01 if row["pv"] in ("fp16", "int8") else 0.25
         assert row["err_vs_ref"] <= bound, row
 
 
@@ -379,3 +395,8 @@ def test_static_profile_of_the_shipped_tile_has_no_spills() -> None:
     assert mix.get("IGMMA", 0) >= 4 and mix.get("MUFU", 0) >= 64, prof
     assert "LDL" not in mix and "STL" not in mix, prof
     assert prof["ctas_per_sm"] >= 1 and prof["regs"] <= 255
+    # int8 P·V: both products on the int8 tensor cores, no spills; it issues more per tile (DEFAULT_PV_FORMAT)
+    int8 = sass.profile(sass.compile_kernel(90, 128, 128, 8, 3, pv="int8", pv_acc=2), 8)
+    assert int8["loop_mix"].get("IGMMA", 0) >= 8 and "QGMMA" not in int8["loop_mix"], int8
+    assert "LDL" not in int8["loop_mix"] and "STL" not in int8["loop_mix"], int8
+    assert int8["loop_instructions"] > prof["loop_instructions"]
