@@ -19,23 +19,20 @@ model files read by an earlier row (or written just before) come from RAM.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from comfyui_lowvram_dit.benchmarks import harness, server
 from comfyui_lowvram_dit.benchmarks import server_qwen as bq
+from comfyui_lowvram_dit.benchmarks import server_render_models as models
 from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
 from comfyui_lowvram_dit.benchmarks import server_render_report as report
 from comfyui_lowvram_dit.benchmarks.server_render_split import split
@@ -59,7 +56,6 @@ SERVER_START_S = 20.0
 OOM = re.compile(r"out of memory|OutOfMemory|OOM", re.IGNORECASE)
 SMOKE_OUT = Path(tempfile.gettempdir()) / "server_render_smoke"
 EDIT_IMAGE = (1024, 1024)  # the Edit reference image: FluxKontextImageScale keeps 1024x1024 (1 MP)
-WRITE_GB_PER_S = 0.8  # --write-models: synthetic files generated on the GPU and written
 
 
 @dataclass(frozen=True)
@@ -191,113 +187,6 @@ def head(row: RenderRow) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# model files
-
-
-def _synthetic(path: Path) -> bool:
-    """Whether ``path`` is a file this pack wrote: a synthetic model / LoRA, or a quantized copy."""
-    meta = workflow_models._header(path).get("__metadata__", {})
-    return meta.get("synthetic") == workflow_models.SYNTHETIC_MARK or "lowvram-fp8" in path.name
-
-
-@dataclass
-class ModelFiles:
-    """The model folder of a run: full-size synthetic files written when a row first needs them, the files no
-    later row needs deleted first (``free_disk``); only files this pack wrote are ever deleted."""
-
-    models: Path
-    write: bool = False
-    free_disk: bool = False
-    took: dict[str, float] = field(default_factory=dict)
-    freed: list[str] = field(default_factory=list)
-
-    def missing(self, names: Sequence[str]) -> list[str]:
-        """The names of ``names`` not in any model folder yet."""
-        return [n for n in names if not any(self.models.glob(f"*/{n}"))]
-
-    def prepare(self, row: RenderRow, later: Sequence[RenderRow]) -> None:
-        """Make the files of ``row`` present (``later``: the rows after it, whose files are kept)."""
-        need = rg.model_files(row.spec, row.file_format)
-        missing = self.missing(need)
-        if not missing:
-            return
-        if not self.write:
-            raise cli_server.RunError(f"model files missing under --models: {', '.join(missing)}; put them there or "
-                                      "pass --write-models (full-size synthetic files)")
-        if self.free_disk:
-            keep = {n for r in (row, *later) for n in rg.model_files(r.spec, r.file_format)}
-            for path in sorted(p for p in self.models.glob("*/*.safetensors") if p.name not in keep):
-                if _synthetic(path):
-                    path.unlink()
-                    self.freed.append(path.name)
-                    print(f"model {path.name}: deleted (--free-disk; no later row loads it)", flush=True)
-        result = self.models / ".write_models.json"
-        run_child(WRITE_CHILD, str(self.models), str(result), *missing)
-        self.took.update(json.loads(result.read_text(encoding="utf-8")))
-        result.unlink()
-
-
-def quantized_copies(models: Path, row: RenderRow) -> list[tuple[Path, Path]]:
-    """(16-bit source, the Wan Loader's saved fp8 copy of it) for every Wan Loader file of ``row``'s graph."""
-    from comfyui_lowvram_dit.checkpoints import wan as wc
-
-    wf = row.spec
-    sources = [n for n in rg.model_files(wf, "bf16") if "_14B_" in n or "_5B_" in n]
-    found = [p for n in sources for p in models.glob(f"diffusion_models/{n}")]
-    return [(p, wc.quantized_path_for(p, "per_tensor", 128)) for p in found]
-
-
-# Children that touch the GPU, so this process never holds a CUDA context (an emulated card is total - reserve of
-# what is free: memory held here would shrink it).
-WRITE_CHILD = ("import json, sys; from pathlib import Path; from comfyui_lowvram_dit.benchmarks import server; "
-               "took = server.write_models(Path(sys.argv[1]), sys.argv[3:]); "
-               "Path(sys.argv[2]).write_text(json.dumps(took))")
-QUANTIZE_CHILD = ("import sys; from comfyui_lowvram_dit.checkpoints import wan as wc; src = sys.argv[1]; "
-                  "loaded = wc.load_wan_state_dict(src, 'per_tensor', 128, device=sys.argv[2]); "
-                  "wc.save_quantized(loaded, wc.quantized_path_for(src, 'per_tensor', 128), src)")
-
-
-def run_child(code: str, *args: str) -> None:
-    """Python ``code`` with ``args`` in a child process that imports this checkout; CalledProcessError if it fails."""
-    shim = harness._package_shim()
-    try:
-        subprocess.run([sys.executable, "-c", code, *args], env=harness._child_env(shim), check=True, timeout=3600)
-    finally:
-        shutil.rmtree(shim, ignore_errors=True)
-
-
-def save_pack_copies(copies: list[tuple[Path, Path]], device: str) -> float:
-    """Write the Wan Loader's saved fp8 copy of each source that has none (what its save_quantized does), in a child
-    process; seconds taken."""
-    t0 = time.monotonic()
-    for src, copy in copies:
-        if not copy.is_file():
-            print(f"model {copy.name}: writing the pack's saved fp8 copy", flush=True)
-            run_child(QUANTIZE_CHILD, str(src), device)
-    return round(time.monotonic() - t0, 1)
-
-
-@contextmanager
-def pack_copies_for(row: RenderRow, models: Path, device: str, record: dict) -> Iterator[None]:
-    """The Wan Loader picks its saved fp8 copy up by itself: a ``pack_fp8`` row gets the copies (written when
-    missing), a 16-bit pack row runs with them moved aside (restored afterwards)."""
-    copies = quantized_copies(models, row) if row.workflow.startswith("wan") else []
-    hidden: list[tuple[Path, Path]] = []
-    if row.file_format == "pack_fp8":
-        record["pack_copy_write_s"] = save_pack_copies(copies, device)
-    elif row.file_format == "bf16" and not rg.SETUPS[row.setup].native:
-        for _, copy in copies:
-            if copy.is_file():
-                hidden.append((copy, copy.with_name(copy.name + ".aside")))
-                copy.rename(hidden[-1][1])
-    try:
-        yield
-    finally:
-        for copy, aside in hidden:
-            aside.rename(copy)
-
-
-# ----------------------------------------------------------------------------------------------------------
 # one row
 
 
@@ -306,7 +195,7 @@ class RunContext:
     """What every row of a run shares."""
 
     opts: argparse.Namespace
-    models: ModelFiles
+    models: models.ModelFiles
     total_vram_gib: float
     host_flags: str  # ComfyUI's comfy/cli_args.py source: which flags this host knows
     comfyui_version: str
@@ -486,7 +375,7 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
         rec["server_flags"] = server.scrub_work(flags, opts.work)
         lives = [[k for k in ("first_ever", "warm", "warm_new_prompt") if k == "first_ever" or k in ctx.renders],
                  [k for k in ("cold",) if k in ctx.renders]]
-        with pack_copies_for(row, opts.models, "cpu" if opts.smoke or opts.cpu else "cuda", rec):
+        with models.pack_copies_for(row, opts.models, "cpu" if opts.smoke or opts.cpu else "cuda", rec):
             graph = None
             for kinds in filter(None, lives):
                 if rec["lives"] and any(r["status"] != "ok" for r in rec["renders"].values()):
@@ -545,18 +434,8 @@ def estimate_s(ctx: RunContext, row: RenderRow) -> float:
     seconds = per * (1 + len([k for k in ctx.renders if k != "first_ever"])) + SERVER_START_S * lives
     if ctx.models.write:
         missing = ctx.models.missing(rg.model_files(row.spec, row.file_format))
-        seconds += sum(_file_gb(n) for n in missing) / WRITE_GB_PER_S
+        seconds += sum(models.file_gb(n) for n in missing) / models.WRITE_GB_PER_S
     return seconds
-
-
-def _file_gb(name: str) -> float:
-    """A full-size model file's size in GB, roughly, from its name (a LoRA's when no other key matches)."""
-    for key, gb in (("wan2.2_vae", 1.4), ("vae", 0.3), ("14B_fp16", 28.6), ("14B_fp8", 14.3), ("5B", 10.0),
-                    ("qwen_image_bf16", 40.9), ("qwen_image", 20.4), ("umt5", 6.7), ("qwen_2.5_vl_7b_fp8", 8.3),
-                    ("qwen_2.5_vl", 16.6)):
-        if key in name:
-            return gb
-    return 1.3
 
 
 def in_order(ctx: RunContext, started: float) -> Callable[[RenderRow], float]:
@@ -582,15 +461,6 @@ def smoke_skip(row: RenderRow) -> str | None:
     if row.workflow.startswith("qwen") and rg.SETUPS[row.setup].native:
         return bq.SMOKE_NATIVE
     return None
-
-
-def write_smoke_models(rows: Sequence[RenderRow], models: Path) -> None:
-    """The tiny synthetic files every row loads (text encoders 2 layers deep: the pack's streamed encoders and the
-    smoke's stand-in CLIPLoader read their sizes from the file)."""
-    names = {n for r in rows for n in rg.model_files(r.spec, r.file_format)}
-    names |= {workflow_models.TINY_VAE_SWAPS.get(n, n) for n in names}
-    encoders = {n for n in names if workflow_models.KNOWN_MODEL_FILES.get(n, ("",))[0] == "text_encoders"}
-    workflow_models.write_synthetic_models(names, models, "tiny", reduced_text_encoders=encoders)
 
 
 def environment(opts: argparse.Namespace, argv: list[str] | None) -> dict:
@@ -678,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, kinds, own_work = _prepare(opts)
     env = environment(opts, argv)
     host = (Path(opts.comfyui) / "comfy" / "cli_args.py").read_text(encoding="utf-8", errors="replace")
-    ctx = RunContext(opts, ModelFiles(opts.models, opts.write_models, opts.free_disk), env.get("vram_total_gib") or 0.0,
+    ctx = RunContext(opts, models.ModelFiles(opts.models, opts.write_models, opts.free_disk), env.get("vram_total_gib") or 0.0,
                      host, env.get("comfyui") or "?", kinds)
     settings = {"renders": list(kinds), "smoke": opts.smoke, "empty_image": opts.empty_image,
                 "rows": [r.name for r in rows],
@@ -692,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ctx.rows.append(row)
     if opts.smoke:
-        write_smoke_models(ctx.rows, opts.models)
+        models.write_smoke_models(ctx.rows, opts.models)
 
     def written(records: list[dict]) -> list[Path]:
         settings["model_write_s"], settings["model_files_deleted"] = ctx.models.took, ctx.models.freed

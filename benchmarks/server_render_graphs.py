@@ -17,7 +17,6 @@ import copy
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from comfyui_lowvram_dit.benchmarks import server_qwen as bq

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from comfyui_lowvram_dit.benchmarks import server_render as sr
+from comfyui_lowvram_dit.benchmarks import server_render_models as sm
 from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
 from comfyui_lowvram_dit.benchmarks import server_render_report as rr
 from comfyui_lowvram_dit.benchmarks.server_render_split import PARTS, split
@@ -326,17 +327,17 @@ def test_model_files_written_when_needed_and_only_synthetic_ones_freed(tmp_path:
     written: list[str] = []
 
     def child(code: str, models: str, result: str, *names: str) -> None:
-        assert code == sr.WRITE_CHILD and models == str(tmp_path)
+        assert code == sm.WRITE_CHILD and models == str(tmp_path)
         written.extend(names)
         Path(result).write_text(json.dumps({n: 1.0 for n in names}))
 
-    monkeypatch.setattr(sr, "run_child", child)
+    monkeypatch.setattr(sm, "run_child", child)
     for name in rg.model_files(wan.spec, wan.file_format):
         _synthetic_file(tmp_path / "diffusion_models" / name, synthetic=True)
     _synthetic_file(tmp_path / "vae" / "users_own_vae.safetensors", synthetic=False)
-    with pytest.raises(sr.cli_server.RunError, match="--write-models"):
-        sr.ModelFiles(tmp_path).prepare(qwen, [])
-    files = sr.ModelFiles(tmp_path, write=True, free_disk=True)
+    with pytest.raises(sm.cli_server.RunError, match="--write-models"):
+        sm.ModelFiles(tmp_path).prepare(qwen, [])
+    files = sm.ModelFiles(tmp_path, write=True, free_disk=True)
     files.prepare(wan, [qwen])
     assert written == []  # all there
     files.prepare(qwen, [])
@@ -348,12 +349,12 @@ def test_model_files_written_when_needed_and_only_synthetic_ones_freed(tmp_path:
 
 def test_estimates_grow_with_renders_cards_and_missing_files(tmp_path: Path) -> None:
     opts = argparse.Namespace(reserve_estimate=0.0)
-    ctx = sr.RunContext(opts, sr.ModelFiles(tmp_path), 143.0, "", "0.33.0", ("first_ever", "warm", "cold"))
+    ctx = sr.RunContext(opts, sm.ModelFiles(tmp_path), 143.0, "", "0.33.0", ("first_ever", "warm", "cold"))
     small, whole = sr.make_row("wan_t2v_4step", "pack", 12.0), sr.make_row("wan_t2v_4step", "pack", None)
     assert sr.estimate_s(ctx, small) > sr.estimate_s(ctx, whole) > 2 * sr.RENDER_ESTIMATE_S["wan_t2v_4step"]
-    writing = sr.RunContext(opts, sr.ModelFiles(tmp_path, write=True), 143.0, "", "0.33.0", ctx.renders)
+    writing = sr.RunContext(opts, sm.ModelFiles(tmp_path, write=True), 143.0, "", "0.33.0", ctx.renders)
     assert sr.estimate_s(writing, whole) > sr.estimate_s(ctx, whole) + 40  # ~38 GB to write
-    assert sr._file_gb("qwen_image_vae.safetensors") < 1 < sr._file_gb("qwen_image_fp8_e4m3fn.safetensors")
+    assert sm.file_gb("qwen_image_vae.safetensors") < 1 < sm.file_gb("qwen_image_fp8_e4m3fn.safetensors")
     assert sr.estimate_s(sr.RunContext(argparse.Namespace(reserve_estimate=7.0), ctx.models, 1.0, "", "", ()),
                          whole) == 7.0
 
@@ -480,32 +481,32 @@ def test_pack_fp8_rows_get_the_saved_copies_and_16bit_pack_rows_run_without_them
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Wan Loader picks its saved fp8 copy up by itself: a 16-bit pack row would silently load it."""
     saved: list[list] = []
-    monkeypatch.setattr(sr, "save_pack_copies", lambda copies, device: saved.append(copies) or 1.5)
+    monkeypatch.setattr(sm, "save_pack_copies", lambda copies, device: saved.append(copies) or 1.5)
     for name in rg.model_files(rg.WORKFLOWS["wan_t2v_4step"], "bf16"):
         (tmp_path / "diffusion_models").mkdir(exist_ok=True)
         if "_14B_" in name:
             (tmp_path / "diffusion_models" / name).write_bytes(b"x")
             (tmp_path / "diffusion_models" / name.replace(".safetensors", ".lowvram-fp8-per-tensor.safetensors")
              ).write_bytes(b"copy")
-    copies = [c for _, c in sr.quantized_copies(tmp_path, sr.make_row("wan_t2v_4step", "pack", None, True, "bf16"))]
+    copies = [c for _, c in sm.quantized_copies(tmp_path, sr.make_row("wan_t2v_4step", "pack", None, True, "bf16"))]
     assert len(copies) == 2
     rec: dict = {}
-    with sr.pack_copies_for(sr.make_row("wan_t2v_4step", "pack", None, True, "pack_fp8"), tmp_path, "cpu", rec):
+    with sm.pack_copies_for(sr.make_row("wan_t2v_4step", "pack", None, True, "pack_fp8"), tmp_path, "cpu", rec):
         assert all(c.is_file() for c in copies)
     assert rec == {"pack_copy_write_s": 1.5} and len(saved) == 1
-    with sr.pack_copies_for(sr.make_row("wan_t2v_4step", "pack", None, True, "bf16"), tmp_path, "cpu", rec):
+    with sm.pack_copies_for(sr.make_row("wan_t2v_4step", "pack", None, True, "bf16"), tmp_path, "cpu", rec):
         assert not any(c.is_file() for c in copies)
     assert all(c.read_bytes() == b"copy" for c in copies)
-    with sr.pack_copies_for(sr.make_row("wan_t2v_4step", "native_default", None, True, "bf16"), tmp_path, "cpu", rec):
+    with sm.pack_copies_for(sr.make_row("wan_t2v_4step", "native_default", None, True, "bf16"), tmp_path, "cpu", rec):
         assert all(c.is_file() for c in copies)  # UNETLoader never reads them
 
 
 def test_the_model_writer_child_runs(tmp_path: Path) -> None:
     """The child that writes models (so the runner holds no CUDA context) imports this checkout and reports back."""
-    sr.run_child(sr.WRITE_CHILD, str(tmp_path), str(tmp_path / "took.json"))
+    sm.run_child(sm.WRITE_CHILD, str(tmp_path), str(tmp_path / "took.json"))
     assert json.loads((tmp_path / "took.json").read_text()) == {}
-    with pytest.raises(sr.subprocess.CalledProcessError):
-        sr.run_child("raise SystemExit(3)")
+    with pytest.raises(sm.subprocess.CalledProcessError):
+        sm.run_child("raise SystemExit(3)")
 
 
 def test_rows_carry_the_common_format_fields() -> None:
@@ -563,7 +564,7 @@ def test_the_deadline_stops_the_run_in_order(tmp_path: Path, monkeypatch: pytest
     """Once a row would not finish in time, it and every later row are skipped (even a shorter one), so --resume
     continues where the run stopped."""
     opts = argparse.Namespace(reserve_estimate=0.0, deadline=400.0)
-    ctx = sr.RunContext(opts, sr.ModelFiles(tmp_path), 143.0, "", "0.33.0", sr.CORE_RENDERS)
+    ctx = sr.RunContext(opts, sm.ModelFiles(tmp_path), 143.0, "", "0.33.0", sr.CORE_RENDERS)
     rows = [sr.make_row("wan_t2v_4step", "pack", 12.0), sr.make_row("wan_t2v_4step", "pack", None),
             sr.make_row("qwen_t2i_4step", "pack", 24.0)]
     ran: list[str] = []

@@ -1,0 +1,152 @@
+"""The model files of a render run: written when a row first needs them, freed for later rows, and the Wan Loader's
+saved fp8 copies a ``pack_fp8`` row loads (and a 16-bit pack row must not).
+
+Full-size synthetic files are generated on the GPU in a child process, as are the saved copies: the runner itself
+never holds a CUDA context, whose memory would shrink an emulated card (``--reserve-vram`` is taken from what is
+free). ``--free-disk`` deletes only files this pack wrote (a synthetic file's header says so, a saved copy's name).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from comfyui_lowvram_dit.benchmarks import harness
+from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
+from comfyui_lowvram_dit.cli import server as cli_server
+from comfyui_lowvram_dit.cli import workflow_models
+
+if TYPE_CHECKING:
+    from comfyui_lowvram_dit.benchmarks.server_render import RenderRow
+
+WRITE_GB_PER_S = 0.8  # --write-models: synthetic files generated on the GPU and written
+
+
+def _synthetic(path: Path) -> bool:
+    """Whether ``path`` is a file this pack wrote: a synthetic model / LoRA, or a quantized copy."""
+    meta = workflow_models._header(path).get("__metadata__", {})
+    return meta.get("synthetic") == workflow_models.SYNTHETIC_MARK or "lowvram-fp8" in path.name
+
+
+@dataclass
+class ModelFiles:
+    """The model folder of a run: full-size synthetic files written when a row first needs them, the files no
+    later row needs deleted first (``free_disk``); only files this pack wrote are ever deleted."""
+
+    models: Path
+    write: bool = False
+    free_disk: bool = False
+    took: dict[str, float] = field(default_factory=dict)
+    freed: list[str] = field(default_factory=list)
+
+    def missing(self, names: Sequence[str]) -> list[str]:
+        """The names of ``names`` not in any model folder yet."""
+        return [n for n in names if not any(self.models.glob(f"*/{n}"))]
+
+    def prepare(self, row: RenderRow, later: Sequence[RenderRow]) -> None:
+        """Make the files of ``row`` present (``later``: the rows after it, whose files are kept)."""
+        need = rg.model_files(row.spec, row.file_format)
+        missing = self.missing(need)
+        if not missing:
+            return
+        if not self.write:
+            raise cli_server.RunError(f"model files missing under --models: {', '.join(missing)}; put them there or "
+                                      "pass --write-models (full-size synthetic files)")
+        if self.free_disk:
+            keep = {n for r in (row, *later) for n in rg.model_files(r.spec, r.file_format)}
+            for path in sorted(p for p in self.models.glob("*/*.safetensors") if p.name not in keep):
+                if _synthetic(path):
+                    path.unlink()
+                    self.freed.append(path.name)
+                    print(f"model {path.name}: deleted (--free-disk; no later row loads it)", flush=True)
+        result = self.models / ".write_models.json"
+        run_child(WRITE_CHILD, str(self.models), str(result), *missing)
+        self.took.update(json.loads(result.read_text(encoding="utf-8")))
+        result.unlink()
+
+
+def quantized_copies(models: Path, row: RenderRow) -> list[tuple[Path, Path]]:
+    """(16-bit source, the Wan Loader's saved fp8 copy of it) for every Wan Loader file of ``row``'s graph."""
+    from comfyui_lowvram_dit.checkpoints import wan as wc
+
+    wf = row.spec
+    sources = [n for n in rg.model_files(wf, "bf16") if "_14B_" in n or "_5B_" in n]
+    found = [p for n in sources for p in models.glob(f"diffusion_models/{n}")]
+    return [(p, wc.quantized_path_for(p, "per_tensor", 128)) for p in found]
+
+
+# Children that touch the GPU, so this process never holds a CUDA context (an emulated card is total - reserve of
+# what is free: memory held here would shrink it).
+WRITE_CHILD = ("import json, sys; from pathlib import Path; from comfyui_lowvram_dit.benchmarks import server; "
+               "took = server.write_models(Path(sys.argv[1]), sys.argv[3:]); "
+               "Path(sys.argv[2]).write_text(json.dumps(took))")
+QUANTIZE_CHILD = ("import sys; from comfyui_lowvram_dit.checkpoints import wan as wc; src = sys.argv[1]; "
+                  "loaded = wc.load_wan_state_dict(src, 'per_tensor', 128, device=sys.argv[2]); "
+                  "wc.save_quantized(loaded, wc.quantized_path_for(src, 'per_tensor', 128), src)")
+
+
+def run_child(code: str, *args: str) -> None:
+    """Python ``code`` with ``args`` in a child process that imports this checkout; CalledProcessError if it fails."""
+    shim = harness._package_shim()
+    try:
+        subprocess.run([sys.executable, "-c", code, *args], env=harness._child_env(shim), check=True, timeout=3600)
+    finally:
+        shutil.rmtree(shim, ignore_errors=True)
+
+
+def save_pack_copies(copies: list[tuple[Path, Path]], device: str) -> float:
+    """Write the Wan Loader's saved fp8 copy of each source that has none (what its save_quantized does), in a child
+    process; seconds taken."""
+    t0 = time.monotonic()
+    for src, copy in copies:
+        if not copy.is_file():
+            print(f"model {copy.name}: writing the pack's saved fp8 copy", flush=True)
+            run_child(QUANTIZE_CHILD, str(src), device)
+    return round(time.monotonic() - t0, 1)
+
+
+@contextmanager
+def pack_copies_for(row: RenderRow, models: Path, device: str, record: dict) -> Iterator[None]:
+    """The Wan Loader picks its saved fp8 copy up by itself: a ``pack_fp8`` row gets the copies (written when
+    missing), a 16-bit pack row runs with them moved aside (restored afterwards)."""
+    copies = quantized_copies(models, row) if row.workflow.startswith("wan") else []
+    hidden: list[tuple[Path, Path]] = []
+    if row.file_format == "pack_fp8":
+        record["pack_copy_write_s"] = save_pack_copies(copies, device)
+    elif row.file_format == "bf16" and not rg.SETUPS[row.setup].native:
+        for _, copy in copies:
+            if copy.is_file():
+                hidden.append((copy, copy.with_name(copy.name + ".aside")))
+                copy.rename(hidden[-1][1])
+    try:
+        yield
+    finally:
+        for copy, aside in hidden:
+            aside.rename(copy)
+
+
+def file_gb(name: str) -> float:
+    """A full-size model file's size in GB, roughly, from its name (a LoRA's when no other key matches)."""
+    for key, gb in (("wan2.2_vae", 1.4), ("vae", 0.3), ("14B_fp16", 28.6), ("14B_fp8", 14.3), ("5B", 10.0),
+                    ("qwen_image_bf16", 40.9), ("qwen_image", 20.4), ("umt5", 6.7), ("qwen_2.5_vl_7b_fp8", 8.3),
+                    ("qwen_2.5_vl", 16.6)):
+        if key in name:
+            return gb
+    return 1.3
+
+
+def write_smoke_models(rows: Sequence[RenderRow], models: Path) -> None:
+    """The tiny synthetic files every row loads (text encoders 2 layers deep: the pack's streamed encoders and the
+    smoke's stand-in CLIPLoader read their sizes from the file)."""
+    names = {n for r in rows for n in rg.model_files(r.spec, r.file_format)}
+    names |= {workflow_models.TINY_VAE_SWAPS.get(n, n) for n in names}
+    encoders = {n for n in names if workflow_models.KNOWN_MODEL_FILES.get(n, ("",))[0] == "text_encoders"}
+    workflow_models.write_synthetic_models(names, models, "tiny", reduced_text_encoders=encoders)
