@@ -175,7 +175,8 @@ def index_markdown(rows: list[dict], components: list[dict]) -> str:
 
 
 def _metric(row: dict) -> float | None:
-    return row["s_per_step"] or row["render_s"]
+    """What a row is ranked by: the render time where one was measured (what users wait for), else s/step."""
+    return row["render_s"] or row["s_per_step"]
 
 
 def _best(rows: Iterable[dict], side: str) -> dict | None:
@@ -206,7 +207,10 @@ def _by_card_row(model: str, fmt: str, pack: dict | None, native: dict | None) -
     def shown(row: dict | None) -> str:
         if row is None:
             return "—"
-        return f"{_fmt(row['s_per_step'])} s/step" if row["s_per_step"] else f"{_fmt(row['render_s'], 1)} s render"
+        if row["render_s"]:
+            step = f" ({_fmt(row['s_per_step'])} s/step)" if row["s_per_step"] else ""
+            return f"{_fmt(row['render_s'], 1)} s render{step}"
+        return f"{_fmt(row['s_per_step'])} s/step"
 
     ratio = f"**{_metric(native) / _metric(pack):.2f}x**" if pack and native else "—"
     ram = f"{_fmt(pack and pack['peak_rss_gib'], 1)} / {_fmt(native and native['peak_rss_gib'], 1)}"
