@@ -4,8 +4,10 @@ Four full-width Wan 2.2 14B blocks (``*_fp8_scaled`` layout, so every Linear is 
 cache) with and without a LoRA, each sampled twice: straight from the loader (DynamicVRAM casts the weights, the
 LoRA applied as it casts them) and through Block Swap (the model rebuilt for the legacy patcher, the LoRA merged
 into the weights); one step at cfg 1, so the latent is one forward's output (random weights amplify any
-difference over steps). Without a LoRA both must agree to bf16 rounding (same fp8 codes, same GEMMs); with one, both
-must land the LoRA (far from the output without it) and agree up to the fp8 re-rounding of the patched weights.
+difference over steps). The two are not bit-identical: under DynamicVRAM ComfyUI also casts the model's other
+parameters (modulation, norms) to the model dtype as it loads them. Measured on an H200 with ComfyUI 0.33.0: 3.6 %
+apart without a LoRA, 8.0 % with one whose effect is 47 %. A layer that read its fp8 codes as numbers, or applied the
+LoRA to the codes instead of the real values, lands as far off as the LoRA's whole effect.
 ``COMFYUI_PATH=<ComfyUI 0.33.0> python -m pytest tests/comfyui/test_gpu_dynamic_vram.py -m cuda -q`` (about a minute).
 """
 
@@ -94,9 +96,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_dynamic_vram_path_equals_the_legacy_path(gpu_server: ComfyServer) -> None:
     server = gpu_server
     unet, lora = _write(server)
-    # the process's first sampling run is left out of the comparison: it makes the timed choices (fp8 activation
-    # scales per shape) and, on an H200 with ComfyUI 0.33.0, its latent differed from every later run of the same
-    # graph by about 8 % (the later runs agree with each other)
+    # the process's first sampling run makes the timed choices (fp8 activation scales per shape); it is compared
+    # with a later run of the same graph (identical on the H200)
     first = _latent(server, _graph(unet, None, False, f"dyn_{uuid.uuid4().hex[:8]}"))
     start = len(server.log_text())
     out = {(with_lora, swap): _latent(server, _graph(unet, lora if with_lora else None, swap,
@@ -111,5 +112,5 @@ def test_dynamic_vram_path_equals_the_legacy_path(gpu_server: ComfyServer) -> No
     lora_gap = _rel(out[(True, False)], out[(True, True)])
     print(f"\nfirst run vs later {_rel(first, out[(False, False)]):.2e}; no LoRA dynamic vs legacy {plain:.2e}; "
           f"LoRA effect {effect:.3f}; with LoRA dynamic vs legacy {lora_gap:.2e}")
-    assert plain < 1e-2, plain
-    assert effect > 0.05 and lora_gap < 0.25 * effect, (effect, lora_gap)
+    assert _rel(first, out[(False, False)]) < 1e-3  # timing the choices did not change what the first run drew
+    assert effect > 0.05 and plain < 0.15 * effect and lora_gap < 0.3 * effect, (plain, effect, lora_gap)
