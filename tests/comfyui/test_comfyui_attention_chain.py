@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from comfy_server import comfyui_in_process_or_skip, sample_wan
+from comfy_server import chain_nodes, comfyui_in_process_or_skip, sample_nodes, sample_wan
 
 pytestmark = pytest.mark.comfyui
 _sample = functools.partial(sample_wan, frames=1, steps=4)
@@ -191,25 +191,10 @@ def test_comfy_default_keeps_the_other_override_and_a_second_node_replaces_only_
 
 def _graph(unet: str, chain: list[tuple[str, dict]], tag: str, seed: int) -> dict:
     """UNETLoader -> the nodes in ``chain`` (class, inputs) in order -> KSampler (4 steps) -> stats and counts."""
-    g: dict[str, Any] = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
-        "c1": {"class_type": "LowVRAMTest_RandomConditioning", "inputs": {"seed": 1, "length": 12, "dim": 4096,
-                                                                          "std": 1.0}},
-        "c2": {"class_type": "LowVRAMTest_RandomConditioning", "inputs": {"seed": 2, "length": 12, "dim": 4096,
-                                                                          "std": 1.0}},
-        "lat": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 1,
-                                                                    "batch_size": 1}},
-    }
-    prev = ["1", 0]
-    for i, (cls, inputs) in enumerate(chain):
-        g[f"n{i}"] = {"class_type": cls, "inputs": {"model": prev, **inputs}}
-        prev = [f"n{i}", 0]
-    g["ks"] = {"class_type": "KSampler", "inputs": {
-        "model": prev, "seed": seed, "steps": 4, "cfg": 3.0, "sampler_name": "euler", "scheduler": "simple",
-        "positive": ["c1", 0], "negative": ["c2", 0], "latent_image": ["lat", 0], "denoise": 1.0}}
-    g["stats"] = {"class_type": "LowVRAMTest_LatentStats", "inputs": {"latent": ["ks", 0]}}
+    g = {**chain_nodes({"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}}, chain),
+         **sample_nodes(seed, steps=4, size=64, cond_length=12)}
     if any(cls.startswith("LowVRAMTest_") for cls, _ in chain):
-        g["counts"] = {"class_type": "LowVRAMTest_AttentionCounts", "inputs": {"latent": ["ks", 0], "tag": tag}}
+        g["counts"] = {"class_type": "LowVRAMTest_AttentionCounts", "inputs": {"latent": ["7", 0], "tag": tag}}
     return g
 
 
@@ -234,7 +219,7 @@ def test_server_sparse_and_counting_overrides_compose_with_the_attention_node(co
     def run(chain: list, name: str = "") -> tuple[dict, dict]:
         entry = comfy_server.run(_graph(unet, chain, f"{name}_{tag}", seed=21))
         counts = entry["outputs"].get("counts", {}).get("attention_counts", [{}])[0]
-        return entry["outputs"]["stats"]["latent_stats"][0], counts
+        return entry["outputs"]["8"]["latent_stats"][0], counts
 
     pack_only, _ = run([pack])
     alone, alone_counts = run([sparse("alone")], "alone")
