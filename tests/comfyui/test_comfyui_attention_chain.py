@@ -186,6 +186,28 @@ def test_comfy_default_keeps_the_other_override_and_a_second_node_replaces_only_
                           "(newer_comfyui.make_sparse_override) stays on it and runs first")
 
 
+def test_tensor_containers_reach_the_composed_override_as_tensors(tiny_wan: Any) -> None:
+    """Newer Wan hands q/k/v to ComfyUI's attention in single-owner containers; wrap_attn unwraps them for an
+    override without a container path, so the composed override sees tensors and gives the same result."""
+    from comfy.ldm.modules import attention as core
+
+    from comfyui_lowvram_dit.host.attention import OVERRIDE_KEY, ChainedOverride, apply_attention
+
+    if not hasattr(core, "AttentionTensorContainer"):
+        pytest.skip("this ComfyUI has no AttentionTensorContainer (0.33 and newer: the attention wrapper unwraps it)")
+    model = apply_attention(_sparse(tiny_wan)[0], "auto")
+    top = model.model_options["transformer_options"][OVERRIDE_KEY]
+    assert isinstance(top, ChainedOverride) and not hasattr(top, "container_function")
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 32, 2 * 64, generator=g) for _ in range(3))
+    opts = {OVERRIDE_KEY: top, "sigmas": torch.tensor([0.5])}
+    ref = core.optimized_attention(q, k, v, heads=2, transformer_options=opts)
+    boxed = [core.AttentionTensorContainer(t.clone()) for t in (q, k, v)]
+    out = core.optimized_attention(*boxed, heads=2, transformer_options=opts)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert all(box.tensor is None for box in boxed)  # consumed, as their single owner expects
+
+
 # ------------------------------------------------------------------------------------------------ server
 
 
