@@ -61,6 +61,7 @@ class Row:
     fp8_path: str = "default"  # pack per-tensor fp8 GEMM path, set by the Kernel Profile node (needs --kernel-profile)
     gpus: int = 1  # > 1: core's MultiGPU CFG Split (MultiGPU_WorkUnits, max_gpus=gpus) on each sampled model
     same_as: str | None = None  # the one-GPU row whose final latent this row must equal (a split row's twin)
+    step_cache: str | None = None  # core's EasyCache / LazyCache (its defaults) on each sampled model, last before it
 
     def server_args(self, total_vram_gib: float) -> list[str]:
         """ComfyUI command-line flags for this row on a GPU of ``total_vram_gib``."""

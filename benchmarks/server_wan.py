@@ -67,7 +67,13 @@ VARIANTS: dict[str, Row] = {r.name: r for r in (
     _r("pack_blockswap_8gb_4step", "pack", block_swap_gb=_8, **FOUR),
     _r("pack_blockswap_8gb_lora4", "pack", block_swap_gb=_8, **FOUR, lora=True),
     _r("pack_8gb_lora4", "pack", **FOUR, lora=True),
+    # core's EasyCache on each expert, next to the same rows without it (group easycache / easycache_4step)
+    _r("native_fp8fast_ck_easycache", "native", **CK, step_cache="EasyCache"),
+    _r("pack_int8_compile_easycache", "pack", **INT8, compile=True, step_cache="EasyCache"),
+    _r("native_fp8fast_ck_8gb_lora4_easycache", "native", **CK, **FOUR, lora=True, step_cache="EasyCache"),
+    _r("pack_blockswap_8gb_lora4_easycache", "pack", block_swap_gb=_8, **FOUR, lora=True, step_cache="EasyCache"),
 )}
+STEP_CACHE_DEFAULTS = {"reuse_threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}
 
 
 def split_row(twin: Row, gpus: int = SPLIT_GPUS) -> Row:
@@ -79,12 +85,16 @@ def split_row(twin: Row, gpus: int = SPLIT_GPUS) -> Row:
 SPLIT_TWINS = ("native_fp8fast_ck", "native_fp8fast", "pack", "pack_int8_compile")
 VARIANTS.update({r.name: r for r in (split_row(VARIANTS[t]) for t in SPLIT_TWINS)})
 ONE_GPU = [n for n, v in VARIANTS.items() if v.gpus == 1]
-LORA_ROWS = [n for n, v in VARIANTS.items() if v.four_step]
+LORA_ROWS = [n for n, v in VARIANTS.items() if v.four_step and v.step_cache is None]
+EASYCACHE = ["native_fp8fast_ck", "native_fp8fast_ck_easycache", "pack_int8_compile", "pack_int8_compile_easycache"]
+EASYCACHE_4STEP = ["native_fp8fast_ck_8gb_lora4", "native_fp8fast_ck_8gb_lora4_easycache", "pack_blockswap_8gb_lora4",
+                   "pack_blockswap_8gb_lora4_easycache"]
 UNCAPPED = [n for n in ONE_GPU if VARIANTS[n].card_gib is None]
 CAPPED = [n for n in ONE_GPU if VARIANTS[n].card_gib is not None]
 MULTIGPU = [n for t in SPLIT_TWINS for n in (t, split_row(VARIANTS[t]).name)]  # each twin, then its split row
 # 'all': every one-GPU row; the split rows run only when asked for ('multigpu' or by name)
-GROUPS = {"uncapped": UNCAPPED, "capped": CAPPED, "lora": LORA_ROWS, "multigpu": MULTIGPU, "all": ONE_GPU}
+GROUPS = {"uncapped": UNCAPPED, "capped": CAPPED, "lora": LORA_ROWS, "multigpu": MULTIGPU, "easycache": EASYCACHE,
+          "easycache_4step": EASYCACHE_4STEP, "all": ONE_GPU}
 
 
 def cfg_of(row: Row) -> float:
@@ -112,6 +122,8 @@ def describe(row: Row) -> str:
     parts.append("whole GPU" if row.card_gib is None else f"{row.card_gib:g} GB card")
     if row.gpus > 1:
         parts.append(f"MultiGPU CFG Split over {row.gpus} GPUs")
+    if row.step_cache is not None:
+        parts.append(f"{row.step_cache} (its defaults) on each expert")
     return ", ".join(parts)
 
 
@@ -184,6 +196,10 @@ def build_graph(row: Row, steps_per_expert: int = 3, width: int = WIDTH, height:
             graph[nid] = node(PROBE_NODE, f"Kernel Profile ({label} noise)", model=src, label=label,
                               profile_call=PROBE_CALL, fp8_path=row.fp8_path)
         high, low = ["50", 0], ["51", 0]
+    if row.step_cache is not None:  # a step cache decides per sampler run: on each expert's model, before sampling
+        for nid, label, src in (("54", "high", high), ("55", "low", low)):
+            graph[nid] = node(row.step_cache, f"{row.step_cache} ({label} noise)", model=src, **STEP_CACHE_DEFAULTS)
+        high, low = ["54", 0], ["55", 0]
     if row.gpus > 1:  # core's split goes last on the model (after the nodes that change it), right before sampling
         for nid, label, src in (("52", "high", high), ("53", "low", low)):
             graph[nid] = node(SPLIT_NODE, f"MultiGPU CFG Split ({label} noise)", model=src, max_gpus=row.gpus)

@@ -9,6 +9,8 @@ called or the wrapper recurses. Call shapes we serve: Wan ``optimized_attention(
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from typing import Any, Optional
 
@@ -168,8 +170,84 @@ class AttentionOverride:
         return out.transpose(1, 2).reshape(b, -1, heads * out.shape[-1])
 
 
+class ChainedOverride:
+    """Another node's override composed with the pack's: ``outer`` runs first, and the function it is given to
+    fall back to (ComfyUI's ``func`` argument) is the pack's attention, which itself falls back to ComfyUI's."""
+
+    def __init__(self, outer: Any, inner: AttentionOverride) -> None:
+        self.outer, self.inner = outer, inner
+
+    def __repr__(self) -> str:
+        return f"ChainedOverride({describe_override(self.outer)} -> {self.inner!r})"
+
+    def __call__(self, func: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        inner = self.inner
+
+        def pack_attention(*a: Any, **kw: Any) -> torch.Tensor:
+            return inner(func, *a, **kw)
+
+        pack_attention.__name__ = f"lowvram_dit {inner.backend}"  # what the outer override logs as its fallback
+        return self.outer(pack_attention, *args, **kwargs)
+
+
+def describe_override(override: Any) -> str:
+    """Where another node's attention override comes from: its module and function (or class) name."""
+    target = override.func if isinstance(override, functools.partial) else override
+    if not (inspect.isfunction(target) or inspect.ismethod(target) or inspect.isbuiltin(target)):
+        target = type(target)  # a callable object: its class
+    qualname = getattr(target, "__qualname__", repr(target)).split(".<locals>")[0]
+    return f"{getattr(target, '__module__', None) or '?'}.{qualname}"
+
+
+def foreign_part(override: Any) -> Any:
+    """The part of a model's attention override that another node installed (None when it is all the pack's)."""
+    if override is None or isinstance(override, AttentionOverride):
+        return None
+    return override.outer if isinstance(override, ChainedOverride) else override
+
+
+def pack_owned(override: Any) -> bool:
+    """Whether the pack's Attention node installed this override (alone or composed under another one)."""
+    return isinstance(override, (AttentionOverride, ChainedOverride))
+
+
+class ReportLaterOverride:
+    """``ON_PRE_RUN`` callback: names, once, an override another node applied after the Attention node (it then
+    runs first, and the pack's attention runs the calls it passes on to the override it wrapped)."""
+
+    def __init__(self, backend_label: str) -> None:
+        self.backend_label = backend_label
+        self.said: Any = None
+
+    def __deepcopy__(self, memo: dict) -> ReportLaterOverride:
+        return self
+
+    def __call__(self, patcher: Any) -> None:
+        opts = getattr(patcher, "model_options", {}).get("transformer_options", {})
+        top = opts.get(OVERRIDE_KEY)
+        if top is None or pack_owned(top) or top is self.said:
+            return  # nothing added after the node, or a later Attention node said what it did
+        self.said = top
+        log.info("lowvram_dit attention: another attention override (%s), applied after the Attention node, runs "
+                 "first on this model; the calls it passes on to the override it wrapped run %s",
+                 describe_override(top), self.backend_label)
+
+
+def _composition_line(backend_label: str, outer: Any) -> str:
+    """The node's one log line: which override runs where."""
+    if outer is None:
+        return f"lowvram_dit attention: model uses {backend_label}"
+    if BACKEND_CHOICES[backend_label] is None:
+        return (f"lowvram_dit attention: model uses {backend_label}; another attention override "
+                f"({describe_override(outer)}) stays on it and runs first")
+    return (f"lowvram_dit attention: model uses {backend_label} inside another attention override "
+            f"({describe_override(outer)}): that override runs first and the calls it does not take run "
+            f"{backend_label}")
+
+
 def apply_attention(model: Any, backend_label: str) -> Any:
-    """A clone of ``model`` (ModelPatcher) whose attention runs through ``backend_label``."""
+    """A clone of ``model`` (ModelPatcher) whose attention runs through ``backend_label``. An override another
+    node put there stays and runs first, with the pack's attention as the function it falls back to."""
     if backend_label not in BACKEND_CHOICES:
         raise ValueError(f"Attention: backend '{backend_label}' is not one of {list(BACKEND_CHOICES)}")
     from . import files
@@ -177,18 +255,31 @@ def apply_attention(model: Any, backend_label: str) -> Any:
     files.keep_decisions()  # auto's timed choice is kept per machine
     m = model.clone()
     opts = m.model_options.setdefault("transformer_options", {})
-    previous = opts.get(OVERRIDE_KEY)
+    outer = foreign_part(opts.get(OVERRIDE_KEY))
     name = BACKEND_CHOICES[backend_label]
     if name is None:
         opts.pop(OVERRIDE_KEY, None)
+        if outer is not None:
+            opts[OVERRIDE_KEY] = outer
     else:
-        opts[OVERRIDE_KEY] = AttentionOverride(name, core_attention() if name == "auto" else None)
+        ours = AttentionOverride(name, core_attention() if name == "auto" else None)
+        opts[OVERRIDE_KEY] = ours if outer is None else ChainedOverride(outer, ours)
     if name == "int8":
         warm_int8_kernels(m)
-    if previous is not None and not isinstance(previous, AttentionOverride):
-        log.warning("lowvram_dit attention: replaced another node's attention override (%r) on this model", previous)
-    log.info("lowvram_dit attention: model uses %s", backend_label)
+    _watch_later_overrides(m, backend_label)
+    log.info("%s", _composition_line(backend_label, outer))
     return m
+
+
+def _watch_later_overrides(m: Any, backend_label: str) -> None:
+    """Replace an earlier Attention node's watcher by this node's (best effort: hosts without callbacks skip)."""
+    try:
+        import comfy.patcher_extension as pe
+
+        m.remove_callbacks_with_key(pe.CallbacksMP.ON_PRE_RUN, OVERRIDE_KEY)
+        m.add_callback_with_key(pe.CallbacksMP.ON_PRE_RUN, OVERRIDE_KEY, ReportLaterOverride(backend_label))
+    except (ImportError, AttributeError) as exc:  # a host without patcher callbacks: the node line still says it
+        log.debug("lowvram_dit attention: no watch for later attention overrides (%s)", exc)
 
 
 def _attention_geometry(diffusion_model: Any) -> tuple[Optional[int], Optional[int]]:

@@ -20,7 +20,7 @@ from ..kernels.compile import (
     CompileConfig, CompiledRegions, CompileHook, find_block_lists, transformer_options_guard_filter,
 )
 from .dynamic_vram import legacy_clone
-from .hooks import register_hook
+from .hooks import APPLY_MODEL_PARAMS, register_hook
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -33,6 +33,24 @@ SCOPES = ("blocks", "whole model")
 def partially_loaded(base_model: Any) -> bool:
     """True when ComfyUI loaded the model partially (lowvram): its weights move between calls."""
     return bool(getattr(base_model, "model_lowvram", False))
+
+
+def traced_wrappers(inputs: tuple) -> Optional[str]:
+    """Why a whole-model graph changes between steps when ``apply_model``'s call ``inputs`` carry
+    DIFFUSION_MODEL wrappers (EasyCache's): they run inside the compiled forward; None without any."""
+    import comfy.patcher_extension as pe
+
+    args, kwargs = inputs
+    opts = kwargs.get("transformer_options", dict(zip(APPLY_MODEL_PARAMS, args)).get("transformer_options"))
+    if not isinstance(opts, dict):
+        return None
+    wrappers = opts.get("wrappers", {}).get(pe.WrappersMP.DIFFUSION_MODEL, {})
+    keys = sorted(str(key) for key, found in wrappers.items() if found)
+    if not keys:
+        return None
+    return (f"scope 'whole model' compiles this model's diffusion-model wrappers ({', '.join(keys)}) with it, and "
+            "their state changes between steps (a step cache starting to skip); scope 'blocks' keeps them outside "
+            "the compiled code")
 
 
 def apply_compile(model: Any, config: CompileConfig, scope: str = "blocks",
@@ -56,7 +74,9 @@ def apply_compile(model: Any, config: CompileConfig, scope: str = "blocks",
         paths = ["diffusion_model"]
     regions = CompiledRegions(config, paths, guard_filter_fn=transformer_options_guard_filter,
                               compile_fn=compile_fn)
-    register_hook(m, COMPILE_KEY, CompileHook(regions, partial_load=partially_loaded))  # twice: the last one wins
+    cause = traced_wrappers if paths == ["diffusion_model"] else (lambda inputs: None)
+    register_hook(m, COMPILE_KEY, CompileHook(regions, partial_load=partially_loaded,
+                                              recompile_cause=cause))  # twice: the last one wins
     m.set_attachments(COMPILE_KEY, regions)  # read by the doctor node / tests: regions.status()
     log.info("lowvram_dit compile: %s over %d region(s) (%s), first run compiles",
              config.describe(), len(paths), "one per block" if scope == "blocks" else "whole model")

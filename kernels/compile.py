@@ -216,11 +216,18 @@ def raised_at(exc: BaseException) -> str:
 class GraphOutputsCloned(torch.nn.Module):
     """Runs a compiled block and clones its tensor outputs, so a later CUDA-graph replay cannot overwrite them.
 
-    The compiled module is held outside ``_modules``: the wrapper adds no parameters and no state_dict keys."""
+    The compiled module is held outside ``_modules``: the wrapper adds no parameters and no state_dict keys. Other
+    attributes read through to it, as a swapped-in whole model must still answer ``dtype`` and the like."""
 
     def __init__(self, compiled: Any) -> None:
         super().__init__()
         self.__dict__["compiled"] = compiled
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["compiled"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return tree_map_only(torch.Tensor, torch.Tensor.clone, self.compiled(*args, **kwargs))
@@ -352,6 +359,7 @@ class CompiledRegions:
         self.calls = 0
         self._graphs_after_warmup: Optional[int] = None
         self._recompile_warned = False
+        self.recompile_cause: Optional[str] = None  # set by the caller when it knows why graphs change per step
 
     @property
     def current(self) -> Optional[CompileConfig]:
@@ -459,9 +467,10 @@ class CompiledRegions:
             return
         if not self._recompile_warned:
             self._recompile_warned = True
-            log.warning("lowvram_dit compile: %d new graph(s) compiled on call %d; something in the inputs "
-                        "changes every step (shape, dtype, or a streamed weight's device). Set dynamic=true, "
-                        "or compile once per resolution", new, self.calls)
+            cause = self.recompile_cause or ("something in the inputs changes every step (shape, dtype, or a "
+                                             "streamed weight's device). Set dynamic=true, or compile once per "
+                                             "resolution")
+            log.warning("lowvram_dit compile: %d new graph(s) compiled on call %d; %s", new, self.calls, cause)
 
 
 class CompileHook(ModelHook):
@@ -474,14 +483,17 @@ class CompileHook(ModelHook):
     PER_SAMPLE = True
 
     def __init__(self, regions: CompiledRegions,
-                 partial_load: Callable[[Any], bool] = lambda module: False) -> None:
+                 partial_load: Callable[[Any], bool] = lambda module: False,
+                 recompile_cause: Callable[[tuple], Optional[str]] = lambda inputs: None) -> None:
         self.regions = regions
         self.partial_load = partial_load  # the host's own partial (low-VRAM) loading also moves weights
+        self.recompile_cause = recompile_cause  # the host's reading of a call's inputs: what recompiles per step
         self._last_status = ""
 
     def wrap_forward(self, module: Any, call: Callable[[], T], registry: HookRegistry) -> T:
         """Run ``call`` with ``module``'s regions compiled; log the mode in use whenever it changes."""
         streaming = registry.moves_weights() or bool(self.partial_load(module))
+        self.regions.recompile_cause = self.recompile_cause(registry.call_inputs())
         out = self.regions.run(module, call, streaming=streaming, signature=input_signature(*registry.call_inputs()))
         status = self.regions.status()
         if status != self._last_status:

@@ -14,6 +14,9 @@ from ..host.seams import PASS_THROUGH
 class AttentionSelect(io.ComfyNode):
     """MODEL in, MODEL out: this model's attention runs through the chosen backend (with checked fallback).
 
+    An attention override another node set (before or after this one) stays and runs first; the pack's backend runs
+    the calls it passes on (host/attention.py, one log line says which runs where).
+
     Without ComfyUI's per-model attention override the node passes the model through (ComfyUI's own attention
     still runs; nothing breaks, the speed-up is lost), logged once.
     """

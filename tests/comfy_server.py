@@ -122,6 +122,16 @@ def loader_swap_nodes(unet: str, blocks_to_swap: int) -> dict:
     }
 
 
+def chain_nodes(loader: dict, chain: list[tuple[str, dict]]) -> dict:
+    """API nodes: ``loader``, then each (class, inputs) of ``chain`` on the MODEL before it; the last MODEL is node
+    "3", the one ``sample_nodes`` samples."""
+    nodes = [loader] + [{"class_type": cls, "inputs": dict(inputs)} for cls, inputs in chain]
+    ids = [f"m{i}" for i in range(len(nodes) - 1)] + ["3"]
+    for i in range(1, len(nodes)):
+        nodes[i]["inputs"]["model"] = [ids[i - 1], 0]
+    return dict(zip(ids, nodes))
+
+
 def sample_nodes(seed: int, steps: int, size: int, cond_length: int) -> dict:
     """API nodes "4"-"8": random cond/uncond (``cond_length`` tokens), a ``size``² x 5-frame Wan latent, KSampler
     (euler, cfg 3) on the MODEL of node "3", and the latent's stats (``LowVRAMTest_LatentStats``)."""

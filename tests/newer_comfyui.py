@@ -74,3 +74,113 @@ def budgeted_pin_memory(tensor: torch.Tensor, evict_active: bool = True) -> bool
     mm.PINNED_MEMORY[tensor.data_ptr()] = size
     mm.TOTAL_PINNED_MEMORY += size
     return True
+
+
+SPARSE_OVERRIDE_KEY = "optimized_attention_override"
+SPARSE_CALLBACK_KEY = "block_sparse_attention"
+
+
+def block_sparse_standin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
+    """Stand-in for the sparse kernel (a CUDA-only comfy_kitchen kernel) on [B, H, L, D]: each query block of
+    ``block`` rows attends only to its own key block and to the first one (the sink), so the output differs from
+    dense attention in a way a test can recompute."""
+    rows = torch.arange(q.shape[-2], device=q.device) // block
+    cols = torch.arange(k.shape[-2], device=q.device) // block
+    keep = (rows[:, None] == cols[None, :]) | (cols[None, :] == 0)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+class SparsePatch:
+    """The newer node's per-model state: its options, the overrides it installed, and counters for tests
+    (``taken``: calls its kernel ran; ``declined``: calls it passed on, counted at every layer that saw them;
+    ``installs``: overrides put on top, at patch time and by the per-step re-assertion)."""
+
+    def __init__(self, sigma_start: float, sigma_end: float, min_tokens: int, block: int) -> None:
+        self.sigma_start, self.sigma_end, self.min_tokens, self.block = sigma_start, sigma_end, min_tokens, block
+        self.installed: list[Any] = []
+        self.taken = self.declined = self.installs = self.cleanups = 0
+
+    def dense_reason(self, q: torch.Tensor, k: torch.Tensor, mask: Any, tokens: int, options: dict) -> str | None:
+        """Why the call stays dense: a mask, cross-attention, too few tokens, or a sigma outside the window."""
+        if mask is not None:
+            return "mask"
+        if q.shape != k.shape:
+            return "cross-attention"
+        if tokens < self.min_tokens:
+            return "min_tokens"
+        sigmas = options.get("sigmas")
+        if sigmas is not None and not self.sigma_end <= float(sigmas.flatten()[0]) <= self.sigma_start:
+            return "sigma window"
+        return None
+
+
+def make_sparse_override(patch: SparsePatch, previous: Any) -> Callable[..., torch.Tensor]:
+    """The newer node's attention override: a call it declines runs ``previous`` (the override that was on top
+    when this one was installed) with ComfyUI's ``func``, or ``func`` itself when there was none."""
+
+    def override(func: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, mask: Any = None,
+                 attn_precision: Any = None, skip_reshape: bool = False, skip_output_reshape: bool = False,
+                 **kwargs: Any) -> torch.Tensor:
+        tokens = q.shape[2] if skip_reshape else q.shape[1]
+        if patch.dense_reason(q, k, mask, tokens, kwargs.get("transformer_options") or {}) is not None:
+            patch.declined += 1
+            kw = dict(mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                      skip_output_reshape=skip_output_reshape, **kwargs)
+            return func(q, k, v, heads, **kw) if previous is None else previous(func, q, k, v, heads, **kw)
+        patch.taken += 1
+        b = q.shape[0]
+        if skip_reshape:
+            qh, kh, vh = q, k, v
+        else:
+            qh, kh, vh = (t.view(b, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
+        out = block_sparse_standin(qh, kh, vh, patch.block)
+        return out if skip_output_reshape else out.transpose(1, 2).reshape(b, -1, out.shape[1] * out.shape[-1])
+
+    return override
+
+
+def install_sparse_override(patch: SparsePatch, transformer_options: dict) -> None:
+    """Put the patch's override on top of whatever override is there, unless one of its own already is."""
+    current = transformer_options.get(SPARSE_OVERRIDE_KEY)
+    if any(current is mine for mine in patch.installed):
+        return
+    override = make_sparse_override(patch, current)
+    patch.installed.append(override)
+    patch.installs += 1
+    transformer_options[SPARSE_OVERRIDE_KEY] = override
+
+
+def sparse_reasserts_each_step() -> bool:
+    """Whether this ComfyUI hands ON_PREPARE_STATE callbacks the sampling model_options (newer than 0.8.0),
+    which the newer node's per-step re-assertion needs."""
+    import inspect
+
+    import comfy.model_patcher
+
+    return "model_options" in inspect.signature(comfy.model_patcher.ModelPatcher.prepare_state).parameters
+
+
+def apply_block_sparse_attention(model: Any, start_percent: float = 0.0, end_percent: float = 1.0,
+                                 min_tokens: int = 0, block: int = 8) -> tuple[Any, SparsePatch]:
+    """ComfyUI's "Model Sparse Attention" node (comfy_extras/nodes_sparse_attention.py, about 0.36 and newer) as
+    other attention overrides meet it.
+
+    A clone whose override sits on top of the override already there and passes the calls it declines to it
+    (masked, cross-attention, under ``min_tokens``, or a sigma outside the start/end window); and, on hosts whose
+    ``prepare_state`` passes the sampling model_options, an ON_PREPARE_STATE callback that re-installs it on top
+    every step (wrapping whatever a node applied later put there) and an ON_CLEANUP one that ends the run.
+    Returns the clone and its counters."""
+    import comfy.patcher_extension as pe
+
+    sampling = model.get_model_object("model_sampling")
+    patch = SparsePatch(float(sampling.percent_to_sigma(start_percent)), float(sampling.percent_to_sigma(end_percent)),
+                        min_tokens, block)
+    m = model.clone()
+    install_sparse_override(patch, m.model_options.setdefault("transformer_options", {}))
+    if sparse_reasserts_each_step():
+        m.add_callback_with_key(pe.CallbacksMP.ON_PREPARE_STATE, SPARSE_CALLBACK_KEY,
+                                lambda patcher, timestep, model_options: install_sparse_override(
+                                    patch, model_options["transformer_options"]))
+    m.add_callback_with_key(pe.CallbacksMP.ON_CLEANUP, SPARSE_CALLBACK_KEY,
+                            lambda patcher: setattr(patch, "cleanups", patch.cleanups + 1))
+    return m, patch

@@ -215,7 +215,119 @@ class StreamedCLIPLoader(io.ComfyNode):
         return io.NodeOutput(_pack_submodule("host.qwen_stages").build_text_encoder_streaming(path))
 
 
-NODES = [RandomConditioning, ConditioningStats, LatentStats, ModelInfo, Raise, StreamedCLIPLoader]
+# tag -> counters of the attention overrides below, read back by AttentionCounts after the sampler ran.
+ATTENTION_COUNTS: dict[str, Any] = {}
+
+
+def _newer_comfyui() -> Any:
+    """tests/newer_comfyui.py (behaviours of newer ComfyUI re-created for tests), imported from its file."""
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parents[1])
+    if tests not in sys.path:
+        sys.path.append(tests)
+    import newer_comfyui
+
+    return newer_comfyui
+
+
+class CountingOverride:
+    """Another pack's attention override as the house rule wants one: it counts each call and passes it to the
+    override that was on the model before it (or to ComfyUI's function when there was none)."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+        self.calls = 0
+        self.fallbacks: Counter = Counter()  # name of the ``func`` each call came with
+
+    def __deepcopy__(self, memo: dict) -> CountingOverride:
+        return self  # 0.8.0 deep-copies model options on clone: every clone keeps counting here
+
+    def __call__(self, func: Any, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        self.fallbacks[getattr(func, "__name__", type(func).__name__)] += 1
+        if self.previous is not None:
+            return self.previous(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+    def counts(self) -> dict[str, Any]:
+        """JSON-ready counters."""
+        return {"calls": self.calls, "fallbacks": dict(self.fallbacks),
+                "previous": type(self.previous).__name__ if self.previous is not None else None}
+
+
+class CountingAttention(io.ComfyNode):
+    """Puts a CountingOverride on top of the model's attention override (chaining the one already there)."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowVRAMTest_CountingAttention",
+            display_name="Counting Attention Override (test)",
+            category=CATEGORY,
+            inputs=[io.Model.Input("model", tooltip="Model to patch."),
+                    io.String.Input("tag", default="count", tooltip="Name the counters are read back under.")],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model: Any, tag: str) -> io.NodeOutput:
+        m = model.clone()
+        opts = m.model_options.setdefault("transformer_options", {})
+        ATTENTION_COUNTS[tag] = override = CountingOverride(opts.get("optimized_attention_override"))
+        opts["optimized_attention_override"] = override
+        return io.NodeOutput(m)
+
+
+class BlockSparseAttention(io.ComfyNode):
+    """ComfyUI's newer "Model Sparse Attention" node as re-created in tests/newer_comfyui.py (CPU stand-in kernel,
+    the same chaining and per-step re-assertion)."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowVRAMTest_BlockSparseAttention",
+            display_name="Model Sparse Attention (test re-creation)",
+            category=CATEGORY,
+            inputs=[io.Model.Input("model", tooltip="Model to patch."),
+                    io.Float.Input("start_percent", default=0.2, min=0.0, max=1.0, tooltip="Sparse from here."),
+                    io.String.Input("tag", default="sparse", tooltip="Name the counters are read back under.")],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model: Any, start_percent: float, tag: str) -> io.NodeOutput:
+        m, patch = _newer_comfyui().apply_block_sparse_attention(model, start_percent=start_percent)
+        ATTENTION_COUNTS[tag] = patch
+        return io.NodeOutput(m)
+
+
+class AttentionCounts(io.ComfyNode):
+    """Reports the counters of a CountingAttention / BlockSparseAttention node after the sampler ran."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowVRAMTest_AttentionCounts",
+            display_name="Attention Counts (test)",
+            category=CATEGORY,
+            inputs=[io.Latent.Input("latent", tooltip="The sampler's output (so this runs after it)."),
+                    io.String.Input("tag", default="count", tooltip="The counters' name.")],
+            outputs=[],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, latent: dict, tag: str) -> io.NodeOutput:
+        found = ATTENTION_COUNTS[tag]
+        counts = found.counts() if isinstance(found, CountingOverride) else {
+            k: getattr(found, k) for k in ("taken", "declined", "installs", "cleanups")}
+        return io.NodeOutput(ui={"attention_counts": [counts]})
+
+
+NODES = [RandomConditioning, ConditioningStats, LatentStats, ModelInfo, Raise, StreamedCLIPLoader, CountingAttention,
+         BlockSparseAttention, AttentionCounts]
 
 
 def make_extension() -> ComfyExtension:

@@ -126,6 +126,23 @@ def test_steps_split_between_experts() -> None:
         bs.build_graph(bs.VARIANTS["pack"], 1)
 
 
+def test_easycache_rows_put_the_cache_last_before_each_sampler_next_to_their_twins() -> None:
+    for group in ("easycache", "easycache_4step"):
+        rows = bs.pick_variants(group)
+        cached = [v for v in rows if v.step_cache is not None]
+        assert len(cached) == 2 and all(replace(v, name=w.name, step_cache=None) == w
+                                        for v, w in zip(cached, [r for r in rows if r.step_cache is None])), group
+        for v in cached:
+            for probe in (False, True):
+                g = bs.build_graph(v, 2, probe=probe and v.graph == "pack")
+                caches = {nid: n for nid, n in g.items() if n["class_type"] == "EasyCache"}
+                assert len(caches) == 2 and all(n["inputs"] | {"model": None} == {"model": None,
+                                                                                  **bs.STEP_CACHE_DEFAULTS}
+                                                for n in caches.values()), v.name
+                assert {tuple(g[s]["inputs"]["model"]) for s in bs.SAMPLER_NODES} == {(nid, 0) for nid in caches}
+    assert "EasyCache" in bs.describe(bs.VARIANTS["pack_int8_compile_easycache"])
+
+
 def test_settings_match_the_shipped_workflow() -> None:
     wf = json.loads((TESTS.parent / "workflows" / "wan22_t2v_a14b.json").read_text())
     by_type: dict[str, list] = {}

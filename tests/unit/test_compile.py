@@ -199,6 +199,17 @@ def test_cuda_graph_modes_clone_block_outputs_before_the_next_replay() -> None:
         assert torch.isnan(_run(control, model)).all()
 
 
+def test_cuda_graph_wrapper_reads_the_compiled_modules_attributes() -> None:
+    """A whole model swapped in under a CUDA-graph mode still answers what ComfyUI reads off it (``dtype``)."""
+    model = TinyWan(blocks=2)
+    model.dtype = torch.float32  # ComfyUI's diffusion models keep their dtype as an attribute
+    wrapped = cmp.GraphOutputsCloned(torch.compile(model, backend="eager"))
+    assert wrapped.dtype is torch.float32 and wrapped.blocks is model.blocks
+    assert not list(wrapped.parameters()) and not wrapped.state_dict()  # still adds no parameters or keys
+    with pytest.raises(AttributeError):
+        wrapped.no_such_attribute  # noqa: B018
+
+
 def test_cuda_graph_runtime_error_steps_down() -> None:
     """A CUDA-graph runtime error (a plain RuntimeError) is the compiler's fault: step down, do not kill the run."""
     err = "Error: accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run."
