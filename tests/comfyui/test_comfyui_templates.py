@@ -1,7 +1,7 @@
 """ComfyUI's official Wan 2.2 and Qwen-Image templates end to end in a real ComfyUI server, tiny synthetic models.
 
-Converted (``convert``) templates run through ``python -m comfyui_lowvram_dit run`` itself (``runner.cli``): it
-writes the tiny models, the synthetic 4-step / 8-step LoRAs under the official names the templates wire, starts
+Converted (``convert``) templates run through ``python -m comfyui_lowvram_dit run`` itself
+(``cli.main(["run", ...])``): it writes the tiny models, the synthetic 4-step / 8-step LoRAs under the official names the templates wire, starts
 ComfyUI, converts subgraphs to an API prompt with comfy-cli and queues it. The Wan 14B ones also run with the
 template's "enable turbo mode" switch on, so the 4-step LoRAs patch the pack's fp8 weights. The converted
 Qwen-Image-Edit ones run with it on (4 steps instead of 40 for 2511); their encoder carries the full-size vision
@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 from comfy_server import ComfyServer
 from comfyui_lowvram_dit.cli import convert, runner, workflow_models
+from comfyui_lowvram_dit.cli import main as cli_main
 from comfyui_lowvram_dit.cli.server import RunError
 from comfyui_lowvram_dit.cli.workflow import ensure_input_images
 from comfyui_lowvram_dit.synthetic import lora as synth_lora
@@ -78,13 +79,14 @@ def _outputs(text: str) -> list[Path]:
 
 def _run_converted(name: str, args: list[str], cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                    capsys: pytest.CaptureFixture[str], timeout: int = 600) -> tuple[dict, Path]:
-    """Convert template ``name`` and run it through ``runner.cli`` on tiny models; (converted workflow, output)."""
+    """Convert template ``name`` and run it through ``python -m comfyui_lowvram_dit run`` on tiny models;
+    (converted workflow, output)."""
     workflow = load_template(name)
     convert.convert_workflow(workflow, convert.ConvertOptions(vram_gb=8), name)
     path = tmp_path / f"{name}_lowvram.json"
     path.write_text(json.dumps(workflow))
     monkeypatch.setenv("LOWVRAM_DIT_CACHE", str(cache))
-    rc = runner.cli([str(path), "--synthetic", "tiny", "--cpu", "--comfyui", os.environ["COMFYUI_PATH"],
+    rc = cli_main.main(["run", str(path), "--synthetic", "tiny", "--cpu", "--comfyui", os.environ["COMFYUI_PATH"],
                      "--output", str(tmp_path / "out"), "--timeout", str(timeout), *args])
     text = capsys.readouterr()
     _skip_if_host_lacks_a_node(text.err, name)
@@ -188,7 +190,7 @@ def test_tiny_run_refuses_a_stock_loaded_qwen_image(name: str, converted: bool, 
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(workflow))
     monkeypatch.setenv("LOWVRAM_DIT_CACHE", str(tmp_path / "cache"))
-    rc = runner.cli([str(path), "--synthetic", "tiny", "--cpu", "--comfyui", os.environ["COMFYUI_PATH"],
+    rc = cli_main.main(["run", str(path), "--synthetic", "tiny", "--cpu", "--comfyui", os.environ["COMFYUI_PATH"],
                      "--output", str(tmp_path / "out")])
     err = capsys.readouterr().err
     _skip_if_host_lacks_a_node(err, name)

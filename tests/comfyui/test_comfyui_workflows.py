@@ -1,7 +1,7 @@
 """Every shipped workflow end to end in real ComfyUI v0.8.0 on the CPU, through the runner's own code path.
 
-``runner.cli(["WORKFLOW", "--synthetic", "tiny", ...])`` is exactly ``python -m comfyui_lowvram_dit run``: it writes
-the tiny synthetic models under the official file names (2-layer text encoders for the staged text nodes), starts
+``cli.main(["run", "WORKFLOW", "--synthetic", "tiny", ...])`` is exactly ``python -m comfyui_lowvram_dit run``: it
+writes the tiny synthetic models under the official file names (2-layer text encoders for the staged text nodes), starts
 ComfyUI, converts the UI workflow with comfy-cli against the server's /object_info, shrinks it (64 px, 5 frames,
 2 steps), queues it and waits. Synthetic files go to a per-session cache, so the first workflow pays for writing
 them. Also: tests/pack_object_info.json (used offline by tests/unit/test_workflows.py) still matches the live
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from comfy_server import ComfyServer
+from comfyui_lowvram_dit.cli import main as cli_main
 from comfyui_lowvram_dit.cli import runner, workflow_models
 from comfyui_lowvram_dit.synthetic import tiny
 
@@ -69,7 +70,7 @@ def test_workflow_runs_with_synthetic_tiny_models(name: str, suffix: str, synthe
         pytest.skip("Select Model Device is in ComfyUI 0.23+; on one device it passes the model through")
     monkeypatch.setenv("LOWVRAM_DIT_CACHE", str(synthetic_cache))
     out = tmp_path / "out"
-    rc = runner.cli([name, "--synthetic", "tiny", "--cpu", "--comfyui", str(comfy), "--output", str(out),
+    rc = cli_main.main(["run", name, "--synthetic", "tiny", "--cpu", "--comfyui", str(comfy), "--output", str(out),
                      "--timeout", "600"])
     text = capsys.readouterr()
     assert rc == 0, text.out[-3000:] + text.err[-3000:]
