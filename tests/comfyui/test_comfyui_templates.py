@@ -1,9 +1,9 @@
 """ComfyUI's official Wan 2.2 and Qwen-Image templates end to end in a real ComfyUI server, tiny synthetic models.
 
-Converted (``convert``) templates run through ``python -m comfyui_lowvram_dit run`` itself
-(``cli.main(["run", ...])``): it writes the tiny models, the synthetic 4-step / 8-step LoRAs under the official
-names the templates wire, starts ComfyUI, converts subgraphs to an API prompt with comfy-cli and queues it. The Wan
-14B ones also run with the template's "enable turbo mode" switch on, so the 4-step LoRAs patch the pack's fp8 weights. The converted
+Converted (``convert``) templates run through ``python -m comfyui_lowvram_dit run`` itself (``cli.main(["run",
+...])``): it writes the tiny models, the synthetic 4-step / 8-step LoRAs under the official names the templates
+wire, starts ComfyUI, converts subgraphs to an API prompt with comfy-cli and queues it. The Wan 14B ones also run
+with the template's "enable turbo mode" switch on, so the 4-step LoRAs patch the pack's fp8 weights. The converted
 Qwen-Image-Edit ones run with it on (4 steps instead of 40 for 2511); their encoder carries the full-size vision
 tower ComfyUI builds, with zero (sparse) blocks: its CPU run over each reference image and the first sampler step
 over the 1024x1024 reference latents (Attention auto timing its candidates) are the slow part.
