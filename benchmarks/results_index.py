@@ -18,6 +18,7 @@ from pathlib import Path
 
 from comfyui_lowvram_dit.benchmarks import results_layouts as layouts
 from comfyui_lowvram_dit.benchmarks.__main__ import SCENARIOS
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BY_CARD = RESULTS.parents[1] / "docs" / "by-card.md"
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path.name} is stale: run {COMMAND}", file=sys.stderr)
         return 1 if stale else 0
     for path, text in outputs().items():
-        path.write_text(text, encoding="utf-8")
+        write_report(path, text)
     print(f"wrote {', '.join(p.name for p in outputs())}" if stale else "already current")
     return 0
 

@@ -36,6 +36,7 @@ from comfyui_lowvram_dit.benchmarks import server_render_models as models
 from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
 from comfyui_lowvram_dit.benchmarks import server_render_report as report
 from comfyui_lowvram_dit.benchmarks.server_render_split import split
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 from comfyui_lowvram_dit.cli import server as cli_server
 from comfyui_lowvram_dit.cli import workflow as cli_workflow
 from comfyui_lowvram_dit.cli import workflow_models
@@ -356,7 +357,7 @@ def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: 
         text = log_path.read_text(errors="replace")
         life["log"] = [public(line, opts) for line in server.log_digest(text, 80)]
         if opts.keep_logs:
-            shutil.copy(log_path, opts.work / f"{row.name}.life{len(rec['lives'])}.log")
+            write_report(opts.work / f"{row.name}.life{len(rec['lives'])}.log", text)
         log_path.unlink()
     return graph
 

@@ -86,8 +86,8 @@ def quantized_copies(models: Path, row: RenderRow) -> list[tuple[Path, Path]]:
 # Children that touch the GPU, so this process never holds a CUDA context (an emulated card is total - reserve of
 # what is free: memory held here would shrink it).
 WRITE_CHILD = ("import json, sys; from pathlib import Path; from comfyui_lowvram_dit.benchmarks import server; "
-               "took = server.write_models(Path(sys.argv[1]), sys.argv[3:]); "
-               "Path(sys.argv[2]).write_text(json.dumps(took))")
+               "from comfyui_lowvram_dit.checkpoints.safe_write import write_report; "
+               "write_report(sys.argv[2], json.dumps(server.write_models(Path(sys.argv[1]), sys.argv[3:])))")
 QUANTIZE_CHILD = ("import sys; from comfyui_lowvram_dit.checkpoints import wan as wc; src = sys.argv[1]; "
                   "loaded = wc.load_wan_state_dict(src, 'per_tensor', 128, device=sys.argv[2]); "
                   "wc.save_quantized(loaded, wc.quantized_path_for(src, 'per_tensor', 128), src)")
