@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .safetensors_io import CheckpointError, SafetensorsHeader, check_weight_scales, read_tensors
+from .safetensors_io import CheckpointError, MapHook, SafetensorsHeader, check_weight_scales, read_tensors
 from .fp8_state import FP8_FORMATS  # the layer formats the pack's own fp8 layers compute
 from .streaming import ProgressFn
 
@@ -63,15 +63,17 @@ def check_core_scales(header: SafetensorsHeader, tensors: dict[str, torch.Tensor
 
 
 def read_core_state_dict(header: SafetensorsHeader, prefix: str, layers: dict[str, dict[str, Any]], *,
-                         mmap: bool = False, progress: ProgressFn | None = None) -> dict[str, torch.Tensor]:
+                         mmap: bool = False, progress: ProgressFn | None = None,
+                         on_map: MapHook | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the file as stored, without ``prefix``, plus ``<layer>.comfy_quant`` for each of ``layers``
-    (full layer names, as ``safetensors_io.quant_layer_configs`` returns them); ``mmap``: zero-copy file views."""
+    (full layer names, as ``safetensors_io.quant_layer_configs`` returns them); ``mmap``: zero-copy file views,
+    each shown to ``on_map``."""
     names = [n for n in header.tensors if n.startswith(prefix)]  # as UNETLoader: the model's keys only
     layers = {layer[len(prefix):]: conf for layer, conf in layers.items() if layer.startswith(prefix)}
     sd: dict[str, torch.Tensor] = {}
     total = sum(header.tensors[n].nbytes for n in names)
     done = 0
-    for raw, v in read_tensors(header, names, mmap=mmap, prefetch=not mmap):
+    for raw, v in read_tensors(header, names, mmap=mmap, prefetch=not mmap, on_map=on_map):
         sd[raw[len(prefix):]] = v
         done += header.tensors[raw].nbytes
         if progress:

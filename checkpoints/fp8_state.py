@@ -19,7 +19,8 @@ import torch
 
 from ..kernels import fp8 as fp8_math
 from .safetensors_io import (
-    CheckpointError, SafetensorsHeader, check_weight_scales, quant_layer_configs, read_tensors, to_device_or_cpu,
+    CheckpointError, MapHook, SafetensorsHeader, check_weight_scales, quant_layer_configs, read_tensors,
+    to_device_or_cpu,
 )
 from .streaming import SCALE_SUFFIXES, ProgressFn, small_tensor_names
 
@@ -188,16 +189,18 @@ def read_fp8_state_dict(
     device: str | torch.device | None = None,
     mmap: bool = False,
     progress: ProgressFn | None = None,
+    on_map: MapHook | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Stream ``header``'s file into the in-memory fp8 form per ``plan``; returns (state dict, notes for the log).
 
     Scales, markers and small tensors come first, so each weight converts as it streams. ``mmap``: tensors of a
-    pre-quantized file that pass through unchanged are zero-copy views of the file (page cache, not RSS).
+    pre-quantized file that pass through unchanged are zero-copy views of the file (page cache, not RSS), each
+    shown to ``on_map``.
     """
     strip = lambda n: n[len(plan.prefix):] if n.startswith(plan.prefix) else n  # noqa: E731
     small_names = small_tensor_names(header)
     mapped = mmap and plan.source_format != "high_precision"  # a file quantized here is read as copies
-    small = {strip(n): v for n, v in read_tensors(header, small_names, mmap=mapped)}
+    small = {strip(n): v for n, v in read_tensors(header, small_names, mmap=mapped, on_map=on_map)}
     layer_conf = {strip(k): v for k, v in quant_layer_configs(header).items()} \
         if plan.source_format == "comfy_quant" else {}
     check_scales(header, plan, small, layer_conf)
@@ -209,7 +212,7 @@ def read_fp8_state_dict(
     if progress:
         progress(done, total)
     for raw, v in read_tensors(header, [n for n in header.tensors if n not in small_set], mmap=mapped,
-                               prefetch=True):
+                               prefetch=True, on_map=on_map):
         norm.add(strip(raw), v)
         done += header.tensors[raw].nbytes
         if progress:

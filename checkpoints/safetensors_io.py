@@ -15,7 +15,7 @@ import queue
 import struct
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,9 @@ TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTY
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 _MAX_DIMS, _MAX_DIM = 16, 1 << 40  # diffusion checkpoints use <= 5 dimensions; larger ones come from damage
 _ALIGN = 8
+# Called with each tensor map_tensors serves as a view of the file, its byte offset in the file and its size: how a
+# host's memory manager learns it can read the weight from the file itself (host/file_slices.py).
+MapHook = Callable[[torch.Tensor, int, int], None]
 
 
 class CheckpointError(ValueError):
@@ -338,14 +341,15 @@ def advise_mapped(tensors: Iterable[torch.Tensor], advice: int) -> int:
 
 
 def map_tensors(
-    header: SafetensorsHeader, names: list[str] | None = None
+    header: SafetensorsHeader, names: list[str] | None = None, on_map: MapHook | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` as zero-copy views of a private (copy-on-write) mapping of the file.
 
     The tensors cost page cache, not anonymous RAM: the kernel can drop their pages and re-read them from the
     file, which is what lets an idle model (e.g. the other Wan 2.2 expert) sit at ~0 RSS. Nothing is read
     until a tensor is touched. Callers must not write into them (a write would make that page anonymous).
-    Empty files and zero-size tensors are served as fresh empty tensors.
+    Empty files and zero-size tensors are served as fresh empty tensors. ``on_map(tensor, offset, size)`` is
+    called for each view of the file (each has a storage of its own, starting at that offset).
     """
     order = sorted((header.tensors[n] for n in (names if names is not None else header.tensors)), key=lambda t: t.begin)
     size = header.path.stat().st_size
@@ -356,11 +360,14 @@ def map_tensors(
         with header.path.open("rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # the mapping outlives the descriptor
     for info in order:
-        if info.nbytes:
-            t = torch.frombuffer(mapped, dtype=torch.uint8, count=info.nbytes, offset=info.begin)
-        else:
-            t = torch.empty(0, dtype=torch.uint8)
-        yield info.name, t.view(info.dtype).reshape(info.shape)
+        if not info.nbytes:
+            yield info.name, torch.empty(0, dtype=torch.uint8).view(info.dtype).reshape(info.shape)
+            continue
+        t = torch.frombuffer(mapped, dtype=torch.uint8, count=info.nbytes, offset=info.begin)
+        t = t.view(info.dtype).reshape(info.shape)
+        if on_map is not None:
+            on_map(t, info.begin, info.nbytes)
+        yield info.name, t
 
 
 def prefetched(it: Iterator[tuple[str, torch.Tensor]], depth: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
@@ -400,12 +407,13 @@ def prefetched(it: Iterator[tuple[str, torch.Tensor]], depth: int = 2) -> Iterat
 
 
 def read_tensors(
-    header: SafetensorsHeader, names: list[str] | None = None, *, mmap: bool = False, prefetch: bool = False
+    header: SafetensorsHeader, names: list[str] | None = None, *, mmap: bool = False, prefetch: bool = False,
+    on_map: MapHook | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The loaders' one tensor reader: zero-copy views of the file (``mmap``, see map_tensors) or fresh copies
-    (iter_tensors), read ahead in a thread when ``prefetch`` (mapped views need no read-ahead)."""
+    """The loaders' one tensor reader: zero-copy views of the file (``mmap``, see map_tensors; ``on_map`` sees
+    each) or fresh copies (iter_tensors), read ahead in a thread when ``prefetch`` (mapped views need none)."""
     if mmap:
-        return map_tensors(header, names)
+        return map_tensors(header, names, on_map)
     return prefetched(iter_tensors(header, names)) if prefetch else iter_tensors(header, names)
 
 

@@ -20,7 +20,8 @@ import torch
 
 from . import safe_write
 from .safetensors_io import (
-    CheckpointError, SafetensorsHeader, StreamingSafetensorsWriter, check_ranks, quant_layer_configs, read_header,
+    CheckpointError, MapHook, SafetensorsHeader, StreamingSafetensorsWriter, check_ranks, quant_layer_configs,
+    read_header,
 )
 from .core_quant import core_layouts, read_core_state_dict
 from .fp8_state import FP8_DTYPES, Fp8Plan, QuantMode, SourceFormat, quantize_weight, read_fp8_state_dict
@@ -276,6 +277,7 @@ def load_wan_state_dict(
     device: str | torch.device | None = None,
     progress: ProgressFn | None = None,
     mmap: bool = False,
+    on_map: MapHook | None = None,
 ) -> LoadedWan:
     """Read a Wan file one tensor at a time into the in-memory fp8 form (checkpoints/fp8_state.py), or, for a file
     in ComfyUI's other quantized layouts, as stored (checkpoints/core_quant.py; ``mode`` does not apply).
@@ -287,6 +289,7 @@ def load_wan_state_dict(
 
     ``mmap``: tensors of a pre-quantized file that pass through unchanged are zero-copy views of the file
     (safetensors_io.map_tensors), so they cost page cache instead of RSS; files quantized here are read as usual.
+    ``on_map`` sees each such view with its place in the file.
     """
     if mode not in ("none", "per_tensor", "blockwise"):
         raise ValueError(f"quantization mode must be none, per_tensor or blockwise, got {mode!r}")
@@ -295,12 +298,12 @@ def load_wan_state_dict(
     header = read_header(path)
     info = inspect_checkpoint(path, header)
     if info.format == "core_quant":  # ComfyUI's own layers build it: every tensor as stored
-        sd = read_core_state_dict(header, info.prefix, info.layers, mmap=mmap, progress=progress)
+        sd = read_core_state_dict(header, info.prefix, info.layers, mmap=mmap, progress=progress, on_map=on_map)
         return LoadedWan(sd, info, "none", None, False)
     out_mode, out_bs, notes = _output_quantization(info, mode, block_size)
     plan = Fp8Plan(info.format, info.prefix, is_fp8_target, out_mode, block_size,
                    saved_block=out_bs if info.format == "lowvram_fp8" and out_mode == "blockwise" else None)
-    sd, read_notes = read_fp8_state_dict(header, plan, device=device, mmap=mmap, progress=progress)
+    sd, read_notes = read_fp8_state_dict(header, plan, device=device, mmap=mmap, progress=progress, on_map=on_map)
     if out_mode == "none" and any(k.endswith(".weight_scale") for k in sd):
         out_mode = "per_tensor"
     return LoadedWan(sd, info, out_mode, out_bs if out_mode == "blockwise" else None, plan.quantizes_here,

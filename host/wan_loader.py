@@ -12,6 +12,7 @@ import torch
 from ..checkpoints import wan as wc
 from . import graph_checks
 from .core_quant import announce, check_host_reads
+from .file_slices import file_slice_hook
 from .files import use_mmap
 from .mapped_weights import keep_file_backed
 from .model_loading import load_diffusion_model
@@ -56,9 +57,11 @@ def load_wan_model(
         log.info("lowvram_dit: using saved quantized %s for %s", saved.name, source.name)
     bar = comfy.utils.ProgressBar(1000)
     t0 = time.perf_counter()
+    mmap = use_mmap()
     loaded = wc.load_wan_state_dict(
-        read_from, mode, block_size, device=_quantize_device(), mmap=use_mmap(),
+        read_from, mode, block_size, device=_quantize_device(), mmap=mmap,
         progress=lambda done, total: bar.update_absolute(int(1000 * done / max(total, 1)), 1000),
+        on_map=None if disable_dynamic or not mmap else file_slice_hook(read_from),
     )
     for note in loaded.notes:
         log.info("lowvram_dit: %s", note)

@@ -132,3 +132,42 @@ def test_dynamic_cast_with_and_without_lora(tmp_path: Path, monkeypatch: pytest.
     # re-quantizes stochastically, whose rounding error is about 1.4x that of the merge's round-to-nearest; a delta
     # applied to the fp8 codes instead of the real values would be off by the layer's scale)
     assert errors["dynamic"] < 0.25 * errors["none"] and errors["dynamic"] < 2.0 * errors["legacy"], errors
+
+
+def test_mapped_weights_are_read_by_comfyui_from_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp8_scaled file's weights, served as views of the loader's mapping, carry ComfyUI's file-slice record, so
+    DynamicVRAM reads them from the file by handle (as it reads UNETLoader's) instead of through the mapping."""
+    comfyui_in_process_or_skip()
+    import comfy.memory_management as cmm
+
+    if not hasattr(cmm, "read_tensor_file_slice_into"):
+        pytest.skip("this ComfyUI has no file-slice reader (comfy.memory_management.read_tensor_file_slice_into)")
+    from comfyui_lowvram_dit.host import file_slices, wan_loader
+    from comfyui_lowvram_dit.host.fp8_ops import LowVramFp8Ops
+    from comfyui_lowvram_dit.synthetic import checkpoints as synth
+
+    path = synth.write_synthetic("wan22_t2v_14B", tmp_path / "wan_fp8_scaled.safetensors", size="tiny",
+                                 fmt="fp8_scaled", seed=4, num_layers=2)
+    handle = open(path, "rb")  # noqa: SIM115 - what aimdo's handle is on a GPU: the reader seeks and reads it
+    monkeypatch.setattr(wan_loader, "file_slice_hook",
+                        lambda p: file_slices.tag_with(cmm.TensorFileSlice, handle, handle))
+    try:
+        model = wan_loader.load_wan_model(path, "fp8 per-tensor")
+        weights = [m.weight for m in model.model.modules() if isinstance(m, LowVramFp8Ops.Linear) and m.is_fp8]
+        assert weights
+        for w in weights:
+            dest = torch.empty_like(w)
+            assert cmm.read_tensor_file_slice_into(w, dest)  # ComfyUI's own reader took it from the file
+            assert torch.equal(dest.view(torch.uint8), w.view(torch.uint8))
+    finally:
+        handle.close()
+
+
+def test_file_slice_hook_only_where_comfy_aimdo_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    comfyui_in_process_or_skip()
+    import comfy.memory_management as cmm
+
+    from comfyui_lowvram_dit.host.file_slices import file_slice_hook
+
+    monkeypatch.setattr(cmm, "aimdo_enabled", False, raising=False)
+    assert file_slice_hook(__file__) is None  # --disable-dynamic-vram, no NVIDIA GPU, or ComfyUI 0.8.0

@@ -146,6 +146,29 @@ def test_map_tensors_are_zero_copy_views_of_the_file(tmp_path):
     assert set(dict(map_tensors(header, ["b.bias"]))) == {"b.bias"}
 
 
+def test_map_tensors_show_each_view_with_its_place_in_the_file(tmp_path):
+    from comfyui_lowvram_dit.checkpoints.safetensors_io import map_tensors, read_header
+
+    sd = {"a.weight": torch.randn(64, 96).to(torch.float8_e4m3fn), "b.bias": torch.randn(33, dtype=torch.bfloat16),
+          "empty": torch.zeros(0)}
+    path = tmp_path / "m.safetensors"
+    save_file(sd, path)
+    seen = {}
+
+    def on_map(t, offset, size):
+        seen[t.data_ptr()] = (offset, size)
+
+    mapped = dict(map_tensors(read_header(path), on_map=on_map))
+    raw = path.read_bytes()
+    assert len(seen) == 2  # the empty tensor is no view of the file
+    for name in ("a.weight", "b.bias"):
+        t = mapped[name]
+        offset, size = seen[t.data_ptr()]
+        # what a reader by file handle needs: the storage is exactly these bytes of the file, nothing around them
+        assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == size == t.numel() * t.element_size()
+        assert raw[offset:offset + size] == bytes(t.reshape(-1).view(torch.uint8).tolist())
+
+
 def test_map_tensors_refuses_a_truncated_file(tmp_path):
     from safetensors.torch import save_file
 
