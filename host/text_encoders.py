@@ -64,17 +64,39 @@ def check_file(enc: StreamedTextEncoder, te_path: str | Path) -> tuple[Safetenso
     return header, cfg
 
 
-def encoder_identity(enc: StreamedTextEncoder, te_path: str | Path) -> dict:
-    """Everything about the encoder file that changes embeddings, readable without loading it (cache key part)."""
+DEVICES = ("auto", "cpu", "gpu")  # the text encoder nodes' device choices (resolve_device)
+CPU = torch.device("cpu")
+
+
+def resolve_device(choice: str, option: str = "device") -> torch.device:
+    """Where a text encoder runs: ``auto`` = where ComfyUI runs text encoders (its CLIPTextEncode: the GPU unless
+    launched with --cpu or a low-VRAM mode, the CPU then); ``cpu``; ``gpu`` = ComfyUI's torch device."""
+    import comfy.model_management as mm
+
+    if choice not in DEVICES:
+        raise ValueError(f"{option}: {choice!r} is not one of {list(DEVICES)}")
+    if choice == "cpu":
+        return CPU
+    device = mm.text_encoder_device() if choice == "auto" else mm.get_torch_device()
+    if choice == "gpu" and device.type == "cpu":
+        raise ValueError(f"{option} = gpu, but ComfyUI runs on the CPU here (no GPU, or --cpu): pick auto or cpu")
+    return device
+
+
+def encoder_identity(enc: StreamedTextEncoder, te_path: str | Path, device: torch.device = CPU) -> dict:
+    """Everything about the encoder file that changes embeddings, readable without loading it (cache key part):
+    the device type too, as a GPU's kernels round differently from the CPU's."""
     header, cfg = check_file(enc, te_path)
     return {"sha256": file_identity(te_path), "format": text_encoder_format(header),
             "dtype": str(header.tensors[enc.norm_key].dtype).removeprefix("torch."),
-            "config": cfg, "device": "cpu", "comfyui": (comfyui_version() or "unknown"), "file": Path(te_path).name}
+            "config": cfg, "device": device.type, "comfyui": (comfyui_version() or "unknown"),
+            "file": Path(te_path).name}
 
 
-def build_streaming(enc: StreamedTextEncoder, te_path: str | Path,
-                    progress: streaming.ProgressFn | None = None) -> Any:  # comfy.sd.CLIP
-    """A CPU ``comfy.sd.CLIP`` for ``enc``'s file (what CLIPLoader builds), its weights streamed in."""
+def build_streaming(enc: StreamedTextEncoder, te_path: str | Path, progress: streaming.ProgressFn | None = None,
+                    device: torch.device = CPU) -> Any:  # comfy.sd.CLIP
+    """A ``comfy.sd.CLIP`` for ``enc``'s file (what CLIPLoader builds), its weights streamed into RAM; it encodes on
+    ``device`` (a GPU: ComfyUI's model management loads it there to encode, as it loads CLIPLoader's)."""
     import comfy.sd
     import comfy.utils
     import folder_paths
@@ -97,7 +119,7 @@ def build_streaming(enc: StreamedTextEncoder, te_path: str | Path,
     # initial_device "cpu:0" builds the model on the CPU like "cpu" does, but compares unequal to load_device, so
     # CLIP.__init__ skips its load_models_gpu call: that call sizes the model through state_dict(), which an
     # fp8 (mixed-precision) Linear cannot produce before its weight is loaded. Encoding loads it as usual.
-    options = {"load_device": cpu, "offload_device": cpu, "initial_device": torch.device("cpu", 0),
+    options = {"load_device": device, "offload_device": cpu, "initial_device": torch.device("cpu", 0),
                enc.config_option: cfg}
     clip = comfy.sd.CLIP(target, embedding_directory=folder_paths.get_folder_paths("embeddings"),
                          tokenizer_data=tokenizer_data, parameters=0, state_dict=[], model_options=options)
@@ -111,8 +133,8 @@ def build_streaming(enc: StreamedTextEncoder, te_path: str | Path,
         loaded = set(streaming.load_streaming(transformer, groups))
     _check_complete(enc, name, [n for n, _ in transformer.named_parameters() if n not in loaded])
     log.info("lowvram_dit %s %s streamed to the CPU: %.2f GB read in %d modules, at most %.2f GB held besides the "
-             "model (format %s, %d layers)", enc.label, name, stats.bytes_read / 1e9, stats.groups,
-             stats.max_held_bytes / 1e9, text_encoder_format(header), cfg[enc.layers_key])
+             "model (format %s, %d layers); encodes on %s", enc.label, name, stats.bytes_read / 1e9, stats.groups,
+             stats.max_held_bytes / 1e9, text_encoder_format(header), cfg[enc.layers_key], device)
     return clip
 
 
@@ -155,9 +177,10 @@ def _check_complete(enc: StreamedTextEncoder, name: str, missing: list[str]) -> 
 
 
 def encode_prompts(enc: StreamedTextEncoder, te_path: str | Path, prompts: list[str], *, stage: str,
-                   use_cache: bool = True, reset_cuda_peak: bool = False) -> tuple[list[list], Any]:
-    """CONDITIONING (CPU tensors, as CLIPTextEncode returns) per prompt, from the cache or a streamed encoder that
-    is freed afterwards; and the stage's ``StageReport``."""
+                   use_cache: bool = True, reset_cuda_peak: bool = False,
+                   device: torch.device = CPU) -> tuple[list[list], Any]:
+    """CONDITIONING (as CLIPTextEncode returns it) per prompt, from the cache or a streamed encoder run on
+    ``device`` and freed afterwards; and the stage's ``StageReport``."""
     import comfy.model_management as mm
     import comfy.utils
 
@@ -167,7 +190,7 @@ def encode_prompts(enc: StreamedTextEncoder, te_path: str | Path, prompts: list[
         keys: list[str | None] = [None] * len(prompts)
         out: list[list | None] = [None] * len(prompts)
         if cache is not None:
-            ident = encoder_identity(enc, te_path)
+            ident = encoder_identity(enc, te_path, device)
             context = enc.cache_context()
             for i, p in enumerate(prompts):
                 keys[i] = embedding_cache_key(p, context, ident)
@@ -175,7 +198,7 @@ def encode_prompts(enc: StreamedTextEncoder, te_path: str | Path, prompts: list[
         todo = [i for i, c in enumerate(out) if c is None]
         if todo:
             bar = comfy.utils.ProgressBar(1000 + 1000 * len(todo))
-            clip = build_streaming(enc, te_path, lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))))
+            clip = build_streaming(enc, te_path, lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))), device)
             for n, i in enumerate(todo):
                 out[i] = clip.encode_from_tokens_scheduled(clip.tokenize(prompts[i]))
                 bar.update_absolute(1000 + 1000 * (n + 1))

@@ -1,9 +1,10 @@
-"""Wan text encoding on the CPU without a second copy of umT5-XXL in RAM, with an on-disk embedding cache.
+"""Wan text encoding without a second copy of umT5-XXL in RAM, with an on-disk embedding cache.
 
 ``LowVRAM_WanTextEncode`` gives the positive and negative CONDITIONING that stock ``CLIPLoader(type=wan)`` +
 ``CLIPTextEncode`` give (bit-equal on the CPU for the released file: same ComfyUI classes, same dtype, same
-tokenizer), but streamed onto the CPU with one copy in RAM, freed after encoding, with its embeddings cached on
-disk (host/text_encoders.py). The layer count and widths are read from the file, so reduced-layer files of the same architecture load too.
+tokenizer), but streamed into RAM with one copy, run where the node's ``device`` says (by default where ComfyUI
+runs text encoders, the GPU on NVIDIA), freed after encoding, with its embeddings cached on disk
+(host/text_encoders.py). The layer count and widths are read from the file, so reduced-layer files of the same architecture load too.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
+
+import torch
 
 from ..checkpoints.safetensors_io import CheckpointError, SafetensorsHeader
 from ..checkpoints.streaming import ProgressFn
@@ -66,10 +69,10 @@ def build_umt5_streaming(te_path: str | Path, progress: ProgressFn | None = None
     return text_encoders.build_streaming(UMT5_XXL, te_path, progress)
 
 
-def encode_wan_prompts(te_path: str | Path, prompts: list[str],
-                       use_cache: bool = True) -> tuple[list[list], StageReport]:
-    """CONDITIONING (CPU tensors, as CLIPTextEncode returns) per prompt: from the cache or a streamed encoder."""
-    out, report = text_encoders.encode_prompts(UMT5_XXL, te_path, prompts, stage="Wan text encoder (CPU)",
-                                               use_cache=use_cache)
+def encode_wan_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = True,
+                       device: torch.device = text_encoders.CPU) -> tuple[list[list], StageReport]:
+    """CONDITIONING (as CLIPTextEncode returns it) per prompt: from the cache or a streamed encoder on ``device``."""
+    out, report = text_encoders.encode_prompts(UMT5_XXL, te_path, prompts, stage=f"Wan text encoder ({device})",
+                                               use_cache=use_cache, device=device)
     log.info("lowvram_dit %s", report.format())
     return out, report

@@ -12,7 +12,7 @@ from ..host.wan_text import UMT5_XXL, encode_wan_prompts
 
 
 class WanTextEncode(io.ComfyNode):
-    """umT5-XXL prompts on the CPU, streamed (one copy in RAM), freed after encoding, embeddings cached.
+    """umT5-XXL prompts, streamed (one copy in RAM), on the GPU or the CPU, freed after encoding, embeddings cached.
 
     Produces CONDITIONING from text (nothing to pass through): without its seams it is left out with one
     warning, and CLIPLoader(type=wan) + CLIPTextEncode remain the way to encode.
@@ -31,15 +31,15 @@ class WanTextEncode(io.ComfyNode):
             display_name=display_name("Wan Text Encode"),
             category=CATEGORY_LOADERS,
             description=(
-                "Encodes the positive and negative prompts for Wan 2.1/2.2 with umT5-XXL on the CPU: the same "
-                "CONDITIONING as Load CLIP (type wan) + CLIP Text Encode, but the encoder is streamed from its "
-                "file (never two copies in RAM), uses no VRAM, is freed after encoding, and embeddings are cached "
-                "on disk so an unchanged prompt skips the encoder."),
+                "Encodes the positive and negative prompts for Wan 2.1/2.2 with umT5-XXL: the same CONDITIONING as "
+                "Load CLIP (type wan) + CLIP Text Encode, but the encoder is streamed from its file (never two "
+                "copies in RAM), is freed after encoding, and embeddings are cached on disk so an unchanged prompt "
+                "skips the encoder."),
             inputs=[
                 io.Combo.Input("clip_name", options=folder_paths.get_filename_list("text_encoders"),
                                tooltip="umT5-XXL text encoder (text_encoders): umt5_xxl_fp16 (bf16/fp16) or "
-                                       "umt5_xxl_fp8_e4m3fn_scaled. Runs on the CPU; needs about its file size "
-                                       "in RAM while encoding."),
+                                       "umt5_xxl_fp8_e4m3fn_scaled. Needs about its file size in RAM while "
+                                       "encoding."),
                 io.String.Input("positive", multiline=True, default="",
                                 tooltip="Prompt (what to show)."),
                 io.String.Input("negative", multiline=True, default="",
@@ -47,6 +47,11 @@ class WanTextEncode(io.ComfyNode):
                 io.Boolean.Input("cache_embeddings", default=True,
                                  tooltip="Keep prompt embeddings on disk (user directory); an unchanged prompt "
                                          "skips loading the encoder. Keyed by prompt + encoder file content."),
+                io.Combo.Input("device", options=list(text_encoders.DEVICES), default="auto", optional=True,
+                               tooltip="Where umT5 runs. auto: where ComfyUI runs text encoders (the GPU on "
+                                       "NVIDIA; ComfyUI frees it for the sampler, as it does CLIP Text Encode's): "
+                                       "a first encode in seconds. cpu: no VRAM at all, but a first encode of "
+                                       "about half a minute. gpu: the GPU always."),
             ],
             outputs=[io.Conditioning.Output("positive"), io.Conditioning.Output("negative")],
         )
@@ -57,13 +62,15 @@ class WanTextEncode(io.ComfyNode):
         return file_fingerprint("text_encoders", clip_name)
 
     @classmethod
-    def execute(cls, clip_name: str, positive: str, negative: str, cache_embeddings: bool = True) -> io.NodeOutput:
+    def execute(cls, clip_name: str, positive: str, negative: str, cache_embeddings: bool = True,
+                device: str = "auto") -> io.NodeOutput:
         import folder_paths
 
         te = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
         with checked_input(display_name("Wan Text Encode"), "clip_name"):
             text_encoders.check_file(UMT5_XXL, te)  # the same message with the cache on or off
-        (pos, neg), _ = encode_wan_prompts(te, [positive, negative], use_cache=cache_embeddings)
+        where = text_encoders.resolve_device(device, f"{display_name('Wan Text Encode')}, device")
+        (pos, neg), _ = encode_wan_prompts(te, [positive, negative], use_cache=cache_embeddings, device=where)
         return io.NodeOutput(pos, neg)
 
 

@@ -139,3 +139,60 @@ def test_embedding_cache_hit_miss_and_encoder_swap(comfy: types.ModuleType, tmp_
     uncached, r4 = wan_text.encode_wan_prompts(te, PROMPTS[:1], use_cache=False)
     assert "0 of 1 prompts from the embedding cache, encoder freed" in r4.notes
     assert torch.equal(uncached[0][0][0], third[0][0][0])
+
+
+def test_device_choice_follows_comfyui_and_keys_the_cache(comfy: types.ModuleType, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto = where ComfyUI runs text encoders; gpu on a CPU-only ComfyUI is a named error; the embedding cache keeps
+    a GPU's and the CPU's embeddings apart (their kernels round differently)."""
+    import comfy.model_management as mm
+    import torch
+    from comfyui_lowvram_dit.host import text_encoders, wan_text
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(mm, "text_encoder_device", lambda: gpu)
+    monkeypatch.setattr(mm, "get_torch_device", lambda: gpu)
+    assert text_encoders.resolve_device("auto") == gpu and text_encoders.resolve_device("gpu") == gpu
+    assert text_encoders.resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(mm, "text_encoder_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(mm, "get_torch_device", lambda: torch.device("cpu"))
+    assert text_encoders.resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="Wan Text Encode, device = gpu"):
+        text_encoders.resolve_device("gpu", "Wan Text Encode, device")
+    with pytest.raises(ValueError, match="'tpu' is not one of"):
+        text_encoders.resolve_device("tpu")
+    cfg = UMT5Config(num_layers=24, d_ff=64, num_heads=2, vocab_size=512)
+    te = synth.write_synthetic("umt5_xxl_enc", tmp_path / "umt5.safetensors", fmt="bf16", seed=5, config=cfg)
+    on_cpu = wan_text.UMT5_XXL
+    assert text_encoders.encoder_identity(on_cpu, te)["device"] == "cpu"
+    assert text_encoders.encoder_identity(on_cpu, te, gpu)["device"] == "cuda"
+
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_equals_stock_load_clip_on_the_gpu(comfy: types.ModuleType, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """device = gpu: ComfyUI's model management loads the streamed encoder onto the GPU to encode, as it loads
+    CLIPLoader's: the same CONDITIONING as stock load_clip + CLIPTextEncode on that GPU, bit for bit."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import comfy.model_management as mm
+    from comfyui_lowvram_dit.checkpoints import safetensors_io as checkpoint_io, text_encoders
+    from comfyui_lowvram_dit.host import text_encoders as host_te, wan_text
+
+    cfg = UMT5Config(num_layers=24, d_ff=64, num_heads=2, vocab_size=512)
+    te = synth.write_synthetic("umt5_xxl_enc", tmp_path / "umt5_fp8.safetensors", fmt="fp8_scaled", seed=5, config=cfg)
+    gpu = host_te.resolve_device("gpu")
+    (pos, neg), report = wan_text.encode_wan_prompts(te, PROMPTS, use_cache=False, device=gpu)
+    assert report.stage == f"Wan text encoder ({gpu})"
+    read = text_encoders.umt5_config_from_header(checkpoint_io.read_header(te))
+    monkeypatch.setattr(comfy.sd, "detect_te_model", lambda sd: comfy.sd.TEModel.T5_XXL)
+    with torch.inference_mode():
+        clip = comfy.sd.load_clip([str(te)], clip_type=comfy.sd.CLIPType.WAN, model_options={
+            "load_device": gpu, "offload_device": torch.device("cpu"), "umt5xxl_model_config": read})
+        stock = [clip.encode_from_tokens_scheduled(clip.tokenize(p)) for p in PROMPTS]
+    del clip
+    mm.cleanup_models_gc()
+    _assert_same([pos, neg], stock)
