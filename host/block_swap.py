@@ -42,6 +42,7 @@ import weakref
 import torch
 
 from ..kernels.hooks import find_blocks
+from ..offload import dynamic_vram_policy
 from ..offload import engine as offload
 from ..offload import ggml_tensors as ggml
 from ..offload import plan as swap_plan
@@ -483,6 +484,19 @@ def _replace_previous(m) -> None:  # noqa: ANN001 - ModelPatcher
             m.remove_callbacks_with_key(getattr(pe.CallbacksMP, kind), SWAP_KEY)
 
 
+def _legacy_or_reason(model, config: SwapConfig):  # noqa: ANN001, ANN202 - ModelPatcher in, ModelPatcher or str out
+    """For a model DynamicVRAM manages: its legacy clone to stream, or why Block Swap leaves it to DynamicVRAM."""
+    import psutil
+
+    aside, why = dynamic_vram_policy.steps_aside(config.dynamic_vram, psutil.virtual_memory().total,
+                                                 model.model_size())
+    if aside:
+        return why
+    if model_layouts(model):
+        return "ComfyUI's own quantized layers, which Block Swap cannot rebuild"
+    return legacy_clone(model, "Block Swap") or "its loader cannot rebuild it for ComfyUI's legacy loading"
+
+
 def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - ModelPatcher in and out
     """Return a clone of ``model`` that streams blocks per ``config`` (the node's whole job), or ``model`` itself
     with one log line saying why it passes through."""
@@ -490,11 +504,12 @@ def apply_block_swap(model, config: SwapConfig):  # noqa: ANN001, ANN201 - Model
 
     source = model  # what passes through when Block Swap cannot stream
     if dynamic_vram_manages(model):
-        legacy = None if model_layouts(model) else legacy_clone(model, "Block Swap")
-        if legacy is None:
-            say_once(log, "lowvram_dit Block Swap steps aside: ComfyUI's DynamicVRAM already streams this model's "
-                          "weights to the GPU on demand, and two managers of one model's VRAM would fight. To use "
-                          "Block Swap instead, start ComfyUI with --disable-dynamic-vram.")
+        legacy = _legacy_or_reason(model, config)
+        if isinstance(legacy, str):
+            say_once(log, f"lowvram_dit Block Swap steps aside ({legacy}): ComfyUI's DynamicVRAM streams this "
+                          "model's weights to the GPU on demand, and two managers of one model's VRAM would fight. "
+                          "Block Swap streams it with dynamic_vram = stream (a model it can rebuild) or with "
+                          "ComfyUI started with --disable-dynamic-vram.")
             return model
         model = legacy
     if model.load_device.type == "cpu" and config.blocks_to_swap < 0 and config.vram_budget_gb <= 0:

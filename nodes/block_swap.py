@@ -7,6 +7,7 @@ from comfy_api.latest import io
 from ..host.block_swap import apply_block_swap
 from ..host.names import CATEGORY_PATCHES, display_name, node_id
 from ..host.seams import BLOCK_SWAP_SEAMS, PASS_THROUGH
+from ..offload import dynamic_vram_policy
 from ..offload import plan as swap_plan
 from ..offload.plan import SwapConfig, budget_problem, check_budget
 
@@ -47,6 +48,13 @@ class BlockSwap(io.ComfyNode):
                 io.Boolean.Input("debug", default=False,
                                  tooltip="Log per-block transfer vs compute time and the overlap achieved "
                                          "(adds one GPU sync per forward)."),
+                io.Combo.Input("dynamic_vram", options=list(dynamic_vram_policy.CHOICES), default="auto",
+                               optional=True,
+                               tooltip="When ComfyUI's DynamicVRAM manages the model (its default on NVIDIA). "
+                                       "step aside: let it; renders faster, but it keeps every model's weights in "
+                                       "RAM. stream: Block Swap streams (the model is rebuilt once for ComfyUI's "
+                                       "legacy loading); less RAM. auto: step aside where RAM holds twice this "
+                                       "model + 16 GB, else stream. Without DynamicVRAM Block Swap always streams."),
             ],
             outputs=[io.Model.Output()],
         )
@@ -57,11 +65,13 @@ class BlockSwap(io.ComfyNode):
         return budget_problem(vram_budget_gb) or True
 
     @classmethod
-    def execute(cls, model, vram_budget_gb: float, blocks_to_swap: int, prefetch: int, pinned: bool,
-                offload_embeddings: bool, debug: bool = False) -> io.NodeOutput:  # noqa: ANN001
+    def execute(cls, model, vram_budget_gb: float, blocks_to_swap: int, prefetch: int,  # noqa: ANN001
+                pinned: bool, offload_embeddings: bool, debug: bool = False,
+                dynamic_vram: str = "auto") -> io.NodeOutput:
         check_budget(vram_budget_gb)
         config = SwapConfig(vram_budget_gb=vram_budget_gb, blocks_to_swap=blocks_to_swap, prefetch=prefetch,
-                            pinned=pinned, offload_embeddings=offload_embeddings, debug=debug)
+                            pinned=pinned, offload_embeddings=offload_embeddings, debug=debug,
+                            dynamic_vram=dynamic_vram)
         return io.NodeOutput(apply_block_swap(model, config))
 
 

@@ -29,6 +29,7 @@ class SwapConfig:
     pinned: bool = True
     offload_embeddings: bool = False
     debug: bool = False
+    dynamic_vram: str = "auto"  # a model DynamicVRAM manages: offload/dynamic_vram_policy.py
 
     def __post_init__(self) -> None:
         if not 1 <= self.prefetch <= MAX_PREFETCH:

@@ -29,8 +29,8 @@ def _tiny_wan(tmp_path: Path, name: str, fmt: str = "fp8_scaled") -> Path:
 
 
 def test_block_swap_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Block Swap takes a model it can rebuild off DynamicVRAM (ComfyUI's own protocol) and streams it; one it
-    cannot rebuild (no ``cached_patcher_init``) it leaves to DynamicVRAM, saying so once."""
+    """dynamic_vram = stream: Block Swap takes a model it can rebuild off DynamicVRAM (ComfyUI's own protocol) and
+    streams it; one it cannot rebuild (no ``cached_patcher_init``) it leaves to DynamicVRAM, saying so once."""
     comfyui_in_process_or_skip()
     import inspect
 
@@ -50,7 +50,7 @@ def test_block_swap_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCapture
 
     if "disable_dynamic" in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
         dynamic = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
-        rebuilt = apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2))
+        rebuilt = apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2, dynamic_vram="stream"))
         assert rebuilt.model is not dynamic.model and not rebuilt.is_dynamic() and SWAP_KEY in rebuilt.attachments
         assert sum("leaves ComfyUI's DynamicVRAM" in r.getMessage() for r in caplog.records) == 1
         assert torch.isfinite(sample_wan(rebuilt, seed=2)).all()
@@ -58,10 +58,42 @@ def test_block_swap_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCapture
     unbuildable = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
     unbuildable.cached_patcher_init = None
     for _ in range(2):
-        assert apply_block_swap(unbuildable, SwapConfig(blocks_to_swap=2)) is unbuildable
+        assert apply_block_swap(unbuildable, SwapConfig(blocks_to_swap=2, dynamic_vram="stream")) is unbuildable
     said = [r.getMessage() for r in caplog.records if "Block Swap steps aside" in r.getMessage()]
-    assert len(said) == 1 and "--disable-dynamic-vram" in said[0]
+    assert len(said) == 1 and "--disable-dynamic-vram" in said[0] and "cannot rebuild" in said[0]
     assert torch.isfinite(sample_wan(unbuildable, seed=2)).all()  # the model it passed on still samples
+
+
+@pytest.mark.parametrize("ram_gib", [24, 64])
+def test_block_swap_auto_under_dynamic_vram_follows_the_ram(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                            monkeypatch: pytest.MonkeyPatch, ram_gib: int) -> None:
+    """dynamic_vram = auto (the default): a machine whose RAM holds twice the model + 16 GiB leaves the model to
+    DynamicVRAM (faster on the render table), one with less streams it (less RAM); each says why once."""
+    comfyui_in_process_or_skip()
+    import inspect
+    import types
+
+    import comfy.model_patcher
+    import psutil
+
+    from comfyui_lowvram_dit.host import log
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.offload.plan import SwapConfig
+
+    if "disable_dynamic" not in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
+        pytest.skip("this ComfyUI has no DynamicVRAM (ModelPatcher.clone(disable_dynamic=...))")
+    log._SAID_ONCE.clear()
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    dynamic = _as_dynamic(load_wan_model(_tiny_wan(tmp_path, "auto.safetensors"), "fp8 per-tensor"))
+    dynamic.model_size = lambda: 5 << 30  # a 5 GiB model wants 26 GiB: 24 are too few, 64 enough
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=ram_gib << 30))
+    out = apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    if ram_gib == 24:
+        assert out is not dynamic and SWAP_KEY in out.attachments and "leaves ComfyUI's DynamicVRAM" in said
+    else:
+        assert out is dynamic and "steps aside (auto: this machine's 64 GiB of RAM holds" in said
 
 
 def test_file_backed_offload_steps_aside_under_dynamic_vram(tmp_path: Path,

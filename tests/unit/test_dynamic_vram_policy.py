@@ -1,0 +1,24 @@
+"""Block Swap's choice for a model DynamicVRAM manages (offload/dynamic_vram_policy.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from comfyui_lowvram_dit.offload.dynamic_vram_policy import GIB, steps_aside
+
+
+def test_auto_steps_aside_only_where_ram_holds_twice_the_model_and_16_gib() -> None:
+    expert = int(14.3e9)  # one Wan 2.2 14B expert in fp8: DynamicVRAM keeps both experts' weights in RAM
+    assert steps_aside("auto", 64 * GIB, expert)[0]
+    aside, why = steps_aside("auto", 32 * GIB, expert)
+    assert not aside and "32 GiB" in why and "43 GiB" in why  # 2 x 13.3 GiB + 16
+    assert steps_aside("auto", 32 * GIB, int(5e9))[0]  # the 5B model fits a 32 GB machine
+    edge = 2 * expert + 16 * GIB
+    assert steps_aside("auto", edge, expert)[0] and not steps_aside("auto", edge - 1, expert)[0]
+
+
+def test_explicit_choices_and_a_bad_one() -> None:
+    assert steps_aside("step aside", 8 * GIB, 100 * GIB) == (True, "dynamic_vram = step aside")
+    assert steps_aside("stream", 1024 * GIB, 1) == (False, "dynamic_vram = stream")
+    with pytest.raises(ValueError, match="Block Swap, dynamic_vram: 'sometimes'"):
+        steps_aside("sometimes", GIB, GIB)
