@@ -18,6 +18,7 @@ import torch
 
 from ..kernels import attention_backends as attention_kernels
 from ..kernels import opaque_ops
+from ..kernels.int8_comfy_kitchen import SOL_ATTN_LABEL
 from .compiler import outside_allocation_graph
 from .names import node_id
 
@@ -37,6 +38,9 @@ BACKEND_CHOICES: dict[str, Optional[str]] = {
     "SageAttention": "sage",
     "xformers": "xformers",
     "lowvram 8-bit": "int8",
+    "lowvram 8-bit, int8 P·V": "int8_pv8",
+    "comfy-kitchen int8": "ck_int8",
+    SOL_ATTN_LABEL: "ck_sol",  # an approximation, and its label says so
     COMFY_DEFAULT: None,
 }
 _ARG_NAMES = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")

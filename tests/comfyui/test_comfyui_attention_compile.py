@@ -89,17 +89,28 @@ def test_attention_node_is_per_model_and_samples(tiny_wan: Any, caplog: pytest.L
     assert any("SDPA math" in r.getMessage() for r in caplog.records)
 
 
-def test_attention_node_falls_back_from_unavailable_backend(tiny_wan: Any, caplog: pytest.LogCaptureFixture) -> None:
+# The 8-bit and comfy-kitchen choices need CUDA (and comfy-kitchen 0.2.40+); this in-process ComfyUI runs on the CPU.
+@pytest.mark.parametrize("label", ["flash-attn 3", "lowvram 8-bit, int8 P·V", "comfy-kitchen int8",
+                                   "comfy-kitchen sol_attn (approximate)"])
+def test_attention_node_falls_back_from_unavailable_backend(tiny_wan: Any, label: str,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
     from comfyui_lowvram_dit.kernels import attention as ak
+    from comfyui_lowvram_dit.host.attention import BACKEND_CHOICES
     from comfyui_lowvram_dit.nodes.attention import AttentionSelect
 
+    backend = BACKEND_CHOICES[label]
     base = _sample(tiny_wan, seed=3)
     with ak.isolated_selector() as sel, caplog.at_level(logging.WARNING, logger="comfyui_lowvram_dit"):
-        out = _sample(AttentionSelect.execute(tiny_wan, "flash-attn 3").result[0], seed=3)  # no GPU here
+        out = _sample(AttentionSelect.execute(tiny_wan, label).result[0], seed=3)
     torch.testing.assert_close(out, base, rtol=1e-4, atol=1e-4)
-    assert all(name != "flash_attn3" for name in sel.decisions.values())
-    warned = [r.getMessage() for r in caplog.records if "flash-attn 3 cannot run" in r.getMessage()]
-    assert len(warned) == 2  # once per shape (self, cross), not once per call
+    assert {key[0] for key in sel.decisions} == {backend}  # the label asked for its backend on every shape
+    assert all(name != backend for name in sel.decisions.values())
+    warned = [r.getMessage() for r in caplog.records if f"{label} cannot run" in r.getMessage()]
+    # once per shape (self, cross), not once per call, with the backend's own reason (no CUDA, no comfy-kitchen 0.2.40)
+    expected = [f"lowvram_dit attention: {label} cannot run {ak.describe_key(key)}: "
+                f"{ak.unavailable_reason(backend, torch.device('cpu'), key[5], key[4])}; falling back"
+                for key in sel.decisions]
+    assert len(warned) == 2 and sorted(warned) == sorted(expected), warned
 
 
 def test_comfy_default_removes_override(tiny_wan: Any) -> None:
