@@ -4,6 +4,9 @@
 # The GPU command then carries .whl and .bench_tmp and starts with `source benchmarks/gpu_setup.sh`.
 #   bash benchmarks/gpu_kit.sh                 # cp312 wheels into .whl/
 #   bash benchmarks/gpu_kit.sh --ck 0.2.40     # also comfy-kitchen 0.2.40 alone in .whl_ck040/ (kernel comparisons)
+#   bash benchmarks/gpu_kit.sh --av            # also PyAV in .whl/ (renders saving video: SaveVideo, mp4), as its
+#                                              # installed files xz-packed (23 MiB, the wheel is 33): with the tree,
+#                                              # ~60 MiB of the 64 a GPU command carries (so without --ck)
 #   bash benchmarks/gpu_kit.sh --python 3.11 --whl DIR   # the same set for another Python (a CPU rehearsal here)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -11,14 +14,17 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYVER=3.12
 WHL=.whl
 CK=
+AV=
 SHARED=${LOWVRAM_SHARED:-../shared}
 while [ $# -gt 0 ]; do
     case "$1" in
         --ck) CK=$2; shift 2 ;;
+        --av) AV=av==19.0.2; shift ;;
         --python) PYVER=$2; shift 2 ;;
         --whl) WHL=$2; shift 2 ;;
         --shared) SHARED=$2; shift 2 ;;
-        *) echo "gpu_kit.sh: unknown option $1 (known: --ck VERSION, --python X.Y, --whl DIR, --shared DIR)" >&2; exit 2 ;;
+        *) echo "gpu_kit.sh: unknown option $1 (known: --ck VERSION, --av, --python X.Y, --whl DIR, --shared DIR)" >&2
+           exit 2 ;;
     esac
 done
 
@@ -54,7 +60,12 @@ download() {  # download DEST SPEC...: the wheels for PYVER on x86-64 Linux, no 
 }
 
 mkdir -p "$WHL" && rm -f "$WHL"/*.whl
-download "$WHL" "${WHEELS[@]}"
+download "$WHL" "${WHEELS[@]}" ${AV:+"$AV"}
+for w in "$WHL"/av-*.whl; do  # a wheel is a zip of the installed files: xz packs them a third smaller
+    [ -e "$w" ] || continue
+    unpacked=$(mktemp -d) && python3 -m zipfile -e "$w" "$unpacked"
+    tar cf - -C "$unpacked" . | xz -9 -T2 >"${w%%-cp*}.site.tar.xz" && rm -rf "$unpacked" "$w"
+done
 if [ -n "$CK" ]; then
     ckdir=.whl_ck$(printf %03d "${CK##*.}")  # 0.2.40 -> .whl_ck040
     mkdir -p "$ckdir" && rm -f "$ckdir"/*.whl

@@ -36,13 +36,17 @@ _lowvram_setup() {
 }
 
 _lowvram_install() {  # _lowvram_install WHEEL_DIR TARGET: install once per set of wheels (a stamp lists them)
-    local stamp="$2/.kit-wheels" want
-    want=$(cd "$1" && ls -l *.whl 2>/dev/null | awk '{print $5, $NF}')
+    local stamp="$2/.kit-wheels" want t
+    want=$(cd "$1" && ls -l *.whl *.site.tar.xz 2>/dev/null | awk '{print $5, $NF}')
     [ -n "$want" ] || { echo "gpu_setup.sh: no wheels in $1" >&2; return 1; }
     [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && return 0
     rm -rf "$2"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl \
         || { echo "gpu_setup.sh: pip could not install the wheels of $1 into $2 (see above)" >&2; return 1; }
+    for t in "$1"/*.site.tar.xz; do  # a wheel's installed files, xz-packed by gpu_kit.sh (--av)
+        [ -e "$t" ] || continue
+        tar xJf "$t" -C "$2" || { echo "gpu_setup.sh: could not unpack $t into $2" >&2; return 1; }
+    done
     echo "$want" >"$stamp"
 }
 
