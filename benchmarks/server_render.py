@@ -105,11 +105,10 @@ def all_rows() -> dict[str, RenderRow]:
 
 
 # What most users run: Wan 2.2 T2V-A14B 4-step at 12 GB, 24 GB and the whole GPU, Qwen-Image 4-step at 12 and 24 GB.
-CORE = [make_row("wan_t2v_4step", s, c) for c in (12.0, 24.0, None)
-        for s in ("native_best", "pack", "pack_no_blockswap")]
+CORE = [make_row("wan_t2v_4step", s, c) for c in (12.0, 24.0, None) for s in ("native_best", "pack", "pack_stream")]
 CORE += [make_row("qwen_t2i_4step", s, c) for c in (12.0, 24.0) for s in ("native_best", "pack")]
 CORE_RENDERS = ("first_ever", "cold", "warm")
-DEFAULT_SETUPS = ("native_best", "pack", "pack_no_blockswap")
+DEFAULT_SETUPS = ("native_best", "pack", "pack_stream")
 GROUPS = {"core": [r.name for r in CORE]}
 
 
@@ -167,12 +166,15 @@ def describe(row: RenderRow) -> str:
 
 
 def memory_manager(row: RenderRow) -> str:
-    """Who keeps the diffusion model's weights, as the results index names it: Block Swap where the graph has it
-    (the Qwen-Image staged loaders always do), else ComfyUI by the server's flag."""
+    """Who keeps the diffusion model's weights, as the results index names it: Block Swap where the graph streams
+    (the Qwen-Image staged loaders always do; a Block Swap node under DynamicVRAM when set to stream, or ``auto``,
+    whose pick depends on the machine's RAM), else ComfyUI by the server's flag."""
     setup = rg.SETUPS[row.setup]
-    if not setup.native and not setup.drop_block_swap:
-        return "Block Swap"
-    return "DynamicVRAM" if row.dynamic_vram else "ComfyUI legacy loading"
+    if setup.native or setup.drop_block_swap:
+        return "DynamicVRAM" if row.dynamic_vram else "ComfyUI legacy loading"
+    if row.dynamic_vram and row.spec.swaps_blocks and not setup.block_swap_mode:
+        return "Block Swap auto"
+    return "Block Swap"
 
 
 def head(row: RenderRow) -> dict:

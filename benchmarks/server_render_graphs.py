@@ -239,6 +239,7 @@ class Setup:
     weight_dtype: str = "default"  # native UNETLoader
     ck_attention: bool = False  # server flag --use-ck-attention
     drop_block_swap: bool = False
+    block_swap_mode: str | None = None  # every Block Swap node's dynamic_vram option (the shipped "auto" otherwise)
     attention: str | None = None  # every Attention node's backend (one is added where the workflow has none)
     compile: bool = False  # Torch Compile (the node's defaults) after each Attention node
 
@@ -248,6 +249,8 @@ SETUPS: dict[str, Setup] = {
     "native_default": Setup(True, "UNETLoader default, default attention"),
     "pack": Setup(False, "as shipped"),
     "pack_no_blockswap": Setup(False, "Block Swap removed", drop_block_swap=True),
+    "pack_stream": Setup(False, "Block Swap dynamic_vram = stream (auto's pick where RAM is short)",
+                         block_swap_mode="stream"),
     "pack_int8": Setup(False, "Attention 8-bit", attention=INT8_BACKEND),
     "pack_compile": Setup(False, "+ Torch Compile (the node's defaults)", compile=True),
 }
@@ -258,8 +261,8 @@ def setup_applies(workflow: RenderWorkflow, setup: str, file_format: str) -> str
     s = SETUPS[setup]
     if file_format not in workflow.formats:
         return f"{workflow.key} has no {file_format} files (formats: {', '.join(workflow.formats)})"
-    if s.drop_block_swap and not workflow.swaps_blocks:
-        return f"{workflow.key}: Block Swap is part of its loader, it cannot be removed"
+    if (s.drop_block_swap or s.block_swap_mode) and not workflow.swaps_blocks:
+        return f"{workflow.key}: Block Swap is part of its loader, it cannot be removed or set"
     if s.native and file_format == "pack_fp8":
         return "the pack's saved fp8 file is read by the Wan Loader only"
     if file_format == "pack_fp8" and not workflow.key.startswith("wan"):
@@ -326,6 +329,8 @@ def apply_pack_setup(graph: dict, setup: Setup, object_info: dict) -> None:
     if setup.drop_block_swap:
         for nid in of_type(graph, "LowVRAM_BlockSwap"):
             bypass(graph, nid)
+    for nid in of_type(graph, "LowVRAM_BlockSwap") if setup.block_swap_mode else ():
+        graph[nid]["inputs"]["dynamic_vram"] = setup.block_swap_mode
     if (setup.attention or setup.compile) and not of_type(graph, "LowVRAM_Attention"):
         for src in _model_sampling_inputs(graph):
             insert_after(graph, src, node_defaults("LowVRAM_Attention", object_info))

@@ -141,7 +141,8 @@ def _pack_chain(graph: dict, first_id: int, unet: str, row: Row, label: str) -> 
         chain.append(_lora(None, unet, label))
     if row.block_swap_gb is not None:
         chain.append(node("LowVRAM_BlockSwap", f"Block Swap ({label})", model=None, vram_budget_gb=row.block_swap_gb,
-                          blocks_to_swap=-1, prefetch=1, pinned=True, offload_embeddings=False, debug=False))
+                          blocks_to_swap=-1, prefetch=1, pinned=True, offload_embeddings=False, debug=False,
+                          dynamic_vram="stream"))  # these rows measure streaming
     chain.append(node("LowVRAM_Attention", f"Attention ({label})", model=None, backend=row.attention))
     if row.compile:
         chain.append(node("LowVRAM_TorchCompile", f"Torch Compile ({label})", model=None, mode="default",
@@ -185,7 +186,7 @@ def build_graph(row: Row, steps_per_expert: int = 3, width: int = WIDTH, height:
     elif row.graph == "pack":
         high, low = _pack_chain(graph, 30, HIGH, row, "high noise"), _pack_chain(graph, 40, LOW, row, "low noise")
         graph["11"] = node("LowVRAM_WanTextEncode", "Wan Text Encode (LowVRAM)", clip_name=TEXT_ENCODER,
-                           positive=POSITIVE, negative=NEGATIVE, cache_embeddings=True)
+                           positive=POSITIVE, negative=NEGATIVE, cache_embeddings=True, device="auto")
         pos, neg = ["11", 0], ["11", 1]
     else:
         raise ValueError(f"variant {row.name}: graph must be 'native' or 'pack', not {row.graph!r}")

@@ -253,7 +253,7 @@ def _convert_wan_loader(graph: Graph, node: dict, opts: ConvertOptions, report: 
     _set_inputs(graph, node, WAN_LOADER_INPUTS, {"unet_name": unet_link})
     report.changes.append(f"{graph.name}: replaced node {node['id']} UNETLoader -> LowVRAM_WanLoader "
                           f"({_widget(node, 0)}, {FP8_CHOICES[opts.fp8]})")
-    swap = _insert_after(graph, node, "LowVRAM_BlockSwap", [opts.budget_gb, -1, 1, True, False, False], report,
+    swap = _insert_after(graph, node, "LowVRAM_BlockSwap", [opts.budget_gb, -1, 1, True, False, False, "auto"], report,
                          f"vram_budget_gb {opts.budget_gb:g}")
     _insert_after(graph, swap, "LowVRAM_Attention", ["auto"], report, "backend auto")
 

@@ -118,7 +118,7 @@ def loader_swap_nodes(unet: str, blocks_to_swap: int) -> dict:
             "save_quantized": False}},
         "2": {"class_type": "LowVRAM_BlockSwap", "inputs": {
             "model": ["1", 0], "vram_budget_gb": 0.0, "blocks_to_swap": blocks_to_swap, "prefetch": 1,
-            "pinned": True, "offload_embeddings": False, "debug": False}},
+            "pinned": True, "offload_embeddings": False, "debug": False, "dynamic_vram": "stream"}},
     }
 
 

@@ -199,6 +199,9 @@ def test_pack_setups() -> None:
     assert "LowVRAM_BlockSwap" not in _types(g)
     assert _model_chain(g, "15") == ["ModelSamplingSD3", "LowVRAM_Attention", "LoraLoaderModelOnly",
                                      "LowVRAM_WanLoader"]
+    g = _graph("wan_t2v_4step", "pack_stream")
+    assert [i["dynamic_vram"] for i in _types(g)["LowVRAM_BlockSwap"]] == ["stream", "stream"]
+    assert [i["dynamic_vram"] for i in _types(_graph("wan_t2v_4step", "pack"))["LowVRAM_BlockSwap"]] == ["auto"] * 2
     g = _graph("wan_t2v_4step", "pack_int8")
     assert {i["backend"] for i in _types(g)["LowVRAM_Attention"]} == {rg.INT8_BACKEND}
     g = _graph("wan_t2v_4step", "pack_compile")
@@ -279,9 +282,9 @@ def _opts(**kw: object) -> argparse.Namespace:
 def test_core_group() -> None:
     rows = sr.pick_rows(_opts())
     assert [r.name for r in rows] == [
-        "wan_t2v_4step_native_best_12gb", "wan_t2v_4step_pack_12gb", "wan_t2v_4step_pack_no_blockswap_12gb",
-        "wan_t2v_4step_native_best_24gb", "wan_t2v_4step_pack_24gb", "wan_t2v_4step_pack_no_blockswap_24gb",
-        "wan_t2v_4step_native_best_whole", "wan_t2v_4step_pack_whole", "wan_t2v_4step_pack_no_blockswap_whole",
+        "wan_t2v_4step_native_best_12gb", "wan_t2v_4step_pack_12gb", "wan_t2v_4step_pack_stream_12gb",
+        "wan_t2v_4step_native_best_24gb", "wan_t2v_4step_pack_24gb", "wan_t2v_4step_pack_stream_24gb",
+        "wan_t2v_4step_native_best_whole", "wan_t2v_4step_pack_whole", "wan_t2v_4step_pack_stream_whole",
         "qwen_t2i_4step_native_best_12gb", "qwen_t2i_4step_pack_12gb",
         "qwen_t2i_4step_native_best_24gb", "qwen_t2i_4step_pack_24gb"]
     assert all(r.dynamic_vram and r.file_format == "fp8_scaled" for r in rows)
@@ -514,12 +517,13 @@ def test_rows_carry_the_common_format_fields() -> None:
     heads = {r.name: sr.head(r) for r in sr.CORE}
     wan, qwen = heads["wan_t2v_4step_pack_12gb"], heads["qwen_t2i_4step_native_best_24gb"]
     assert (wan["model"], wan["file_format"], wan["memory_manager"], wan["side"], wan["lora"], wan["how"]) == \
-        ("Wan 2.2 T2V-A14B", "fp8_scaled", "Block Swap", "pack", "4-step LoRA", "server")
+        ("Wan 2.2 T2V-A14B", "fp8_scaled", "Block Swap auto", "pack", "4-step LoRA", "server")
+    assert heads["wan_t2v_4step_pack_stream_12gb"]["memory_manager"] == "Block Swap"
     assert wan["setup"] == "workflows/wan22_t2v_a14b_4step.json, as shipped, Block Swap budget 10 GB"
     assert (qwen["model"], qwen["file_format"], qwen["memory_manager"], qwen["side"]) == \
         ("Qwen-Image", "fp8_e4m3fn", "DynamicVRAM", "native")
     assert qwen["setup"].endswith("UNETLoader fp8_e4m3fn_fast, --use-ck-attention")
-    assert heads["wan_t2v_4step_pack_no_blockswap_whole"]["memory_manager"] == "DynamicVRAM"
+    assert sr.head(sr.make_row("wan_t2v_4step", "pack_no_blockswap", None))["memory_manager"] == "DynamicVRAM"
     legacy = sr.head(sr.make_row("wan_t2v", "native_default", None, False, "bf16"))
     assert (legacy["memory_manager"], legacy["file_format"], legacy["lora"]) == ("ComfyUI legacy loading", "fp16", None)
     assert sr.head(sr.make_row("wan_t2v_4step", "pack", None))["setup"].endswith("budget 0 GB (all free VRAM)")
@@ -551,7 +555,7 @@ def test_cli_defaults_and_refusals(tmp_path: Path) -> None:
     opts, rows, kinds = prepare("--smoke", "--rows", "wan_t2v_4step", "--cards", "whole")
     assert kinds == sr.RENDERS and opts.out == sr.SMOKE_OUT and opts.models == (tmp_path / "work" / "models").resolve()
     assert [r.name for r in rows] == ["wan_t2v_4step_native_best_whole", "wan_t2v_4step_pack_whole",
-                                      "wan_t2v_4step_pack_no_blockswap_whole"]
+                                      "wan_t2v_4step_pack_stream_whole"]
     for bad, message in ((["--smoke", "--write-models"], "pick one"), (["--renders", "warm,hot"], "unknown hot"),
                          ([], "--models")):
         with pytest.raises(SystemExit, match=message):

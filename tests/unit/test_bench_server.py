@@ -148,7 +148,7 @@ def test_settings_match_the_shipped_workflow() -> None:
     by_type: dict[str, list] = {}
     for node in wf["nodes"]:
         by_type.setdefault(node["type"], []).append(node.get("widgets_values"))
-    assert by_type["LowVRAM_WanTextEncode"][0] == [bs.TEXT_ENCODER, bs.POSITIVE, bs.NEGATIVE, True]
+    assert by_type["LowVRAM_WanTextEncode"][0] == [bs.TEXT_ENCODER, bs.POSITIVE, bs.NEGATIVE, True, "auto"]
     assert by_type["EmptyHunyuanLatentVideo"][0] == [bs.WIDTH, bs.HEIGHT, bs.FRAMES, 1]
     assert {tuple(w) for w in by_type["ModelSamplingSD3"]} == {(bs.SHIFT,)}
     assert {w[0] for w in by_type["LowVRAM_WanLoader"]} == {bs.HIGH, bs.LOW}
