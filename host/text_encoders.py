@@ -12,6 +12,7 @@ dtype, config, ComfyUI version).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import types
 from collections.abc import Callable
@@ -121,8 +122,11 @@ def build_streaming(enc: StreamedTextEncoder, te_path: str | Path, progress: str
     # fp8 (mixed-precision) Linear cannot produce before its weight is loaded. Encoding loads it as usual.
     options = {"load_device": device, "offload_device": cpu, "initial_device": torch.device("cpu", 0),
                enc.config_option: cfg}
+    # ComfyUI's legacy patcher, also under DynamicVRAM: a one-shot encoder gains nothing from comfy-aimdo's pinned
+    # copy, which would be a second copy of the weights in RAM; the legacy one moves these to the GPU and back.
+    legacy = {"disable_dynamic": True} if "disable_dynamic" in inspect.signature(comfy.sd.CLIP).parameters else {}
     clip = comfy.sd.CLIP(target, embedding_directory=folder_paths.get_folder_paths("embeddings"),
-                         tokenizer_data=tokenizer_data, parameters=0, state_dict=[], model_options=options)
+                         tokenizer_data=tokenizer_data, parameters=0, state_dict=[], model_options=options, **legacy)
     csm = clip.cond_stage_model
     transformer = getattr(csm, csm.clip).transformer
     _leave_out_absent_parts(enc, name, header, transformer)

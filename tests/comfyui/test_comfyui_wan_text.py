@@ -196,3 +196,26 @@ def test_on_the_gpu_equals_stock_load_clip_on_the_gpu(comfy: types.ModuleType, t
     del clip
     mm.cleanup_models_gc()
     _assert_same([pos, neg], stock)
+
+
+def test_the_streamed_encoder_keeps_comfyuis_legacy_patcher(comfy: types.ModuleType, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DynamicVRAM ComfyUI builds text encoders with its dynamic patcher (comfy-aimdo keeps a pinned copy);
+    the streamed one-shot encoder asks for the legacy one, so RAM never holds its weights twice."""
+    import inspect
+
+    import comfy.model_patcher
+    from comfyui_lowvram_dit.host import wan_text
+
+    if "disable_dynamic" not in inspect.signature(comfy.sd.CLIP).parameters:
+        pytest.skip("this ComfyUI has no DynamicVRAM (comfy.sd.CLIP(disable_dynamic=...))")
+
+    class DynamicStandIn(comfy.model_patcher.ModelPatcher):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise AssertionError("the streamed encoder asked for ComfyUI's dynamic patcher")
+
+    monkeypatch.setattr(comfy.model_patcher, "CoreModelPatcher", DynamicStandIn)  # what main.py sets under aimdo
+    cfg = UMT5Config(num_layers=24, d_ff=64, num_heads=2, vocab_size=512)
+    te = synth.write_synthetic("umt5_xxl_enc", tmp_path / "umt5.safetensors", fmt="bf16", seed=5, config=cfg)
+    clip = wan_text.build_umt5_streaming(te)
+    assert type(clip.patcher) is comfy.model_patcher.ModelPatcher
