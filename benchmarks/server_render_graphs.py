@@ -25,6 +25,7 @@ from comfyui_lowvram_dit.cli.ui_graph import BYPASSED_MODES, FRONTEND_ONLY
 from comfyui_lowvram_dit.cli.workflow import WORKFLOWS_DIR
 
 WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
+DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"  # a combo whose chosen option brings widgets of its own (0.33.0's SaveVideo)
 SAMPLERS = frozenset({"KSampler", "KSamplerAdvanced"})
 DECODERS = frozenset({"VAEDecode", "LowVRAM_QwenImageDecode"})
 SEED_INPUTS = ("seed", "noise_seed")
@@ -48,18 +49,45 @@ def _is_widget(spec: list) -> bool:
     return bool(spec) and (isinstance(spec[0], list) or spec[0] in WIDGET_TYPES)
 
 
-def widget_names(info: dict) -> list[tuple[str, bool]]:
-    """A node type's widgets in the order of its ``widgets_values``: (input name, whether a 'control after
-    generate' value follows it, as the front end stores one after every seed)."""
-    inputs, order = info.get("input", {}), info.get("input_order") or {}
+def _specs(inputs: dict, order: dict) -> list[tuple[str, list]]:
+    """(name, spec) of a schema's inputs, required then optional, each section in ``input_order``'s order."""
     out = []
     for section in ("required", "optional"):
         specs = inputs.get(section) or {}
-        for name in order.get(section) or list(specs):
-            spec = specs.get(name) or []
-            if _is_widget(spec):
-                extra = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
-                out.append((name, bool(extra.get("control_after_generate"))))
+        out += [(name, specs.get(name) or []) for name in order.get(section) or list(specs)]
+    return out
+
+
+def _extra(spec: list) -> dict:
+    return spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+
+
+def widget_names(info: dict) -> list[tuple[str, bool]]:
+    """A node type's widgets in the order of its ``widgets_values``: (input name, whether a 'control after
+    generate' value follows it, as the front end stores one after every seed)."""
+    specs = _specs(info.get("input", {}), info.get("input_order") or {})
+    return [(name, bool(_extra(spec).get("control_after_generate"))) for name, spec in specs if _is_widget(spec)]
+
+
+def widget_inputs(inputs: dict, values: list, order: dict | None = None, prefix: str = "") -> dict:
+    """The inputs a node's ``widgets_values`` set (``values`` is consumed), as the front end sends them: each widget
+    its value in schema order (a seed's 'control after generate' value skipped), a widget past the last value its
+    schema default, a dynamic combo's chosen option's widgets right after it as ``combo.widget``."""
+    out: dict[str, Any] = {}
+    for name, spec in _specs(inputs, order or {}):
+        dynamic = bool(spec) and spec[0] == DYNAMIC_COMBO
+        if not (_is_widget(spec) or dynamic):
+            continue
+        extra, key = _extra(spec), prefix + name
+        if values:
+            out[key] = values.pop(0)
+            if extra.get("control_after_generate") and values:
+                values.pop(0)  # 'fixed' / 'randomize': front-end only
+        elif "default" in extra:
+            out[key] = extra["default"]
+        if dynamic and key in out:
+            chosen = next((o for o in extra.get("options") or [] if o.get("key") == out[key]), {})
+            out.update(widget_inputs(chosen.get("inputs") or {}, values, prefix=f"{key}."))
     return out
 
 
@@ -79,12 +107,7 @@ def ui_to_api(workflow: dict, object_info: dict, source: str = "workflow") -> di
         info = object_info.get(kind)
         if info is None:
             raise GraphError(f"{source}: node {n['id']} is a {kind}, which the node schemas do not list")
-        values, inputs = list(n.get("widgets_values") or []), {}
-        for name, control in widget_names(info):
-            if values:
-                inputs[name] = values.pop(0)
-                if control and values:
-                    values.pop(0)  # 'fixed' / 'randomize': front-end only
+        inputs = widget_inputs(info.get("input", {}), list(n.get("widgets_values") or []), info.get("input_order"))
         for inp in n.get("inputs") or []:
             if inp.get("link") is not None:
                 link = links[int(inp["link"])]

@@ -174,7 +174,7 @@ def _native(graph: dict, row: Row) -> tuple[list, list, list, list]:
 
 def build_graph(row: Row, steps_per_expert: int = 3, width: int = WIDTH, height: int = HEIGHT, frames: int = FRAMES,
                 decode: bool = False, probe: bool = False) -> dict:
-    """The API graph of ``row``: two experts, ``steps_per_expert`` steps each; decode + WEBP or SaveLatent.
+    """The API graph of ``row``: two experts, ``steps_per_expert`` steps each; decode + mp4 (SaveVideo) or SaveLatent.
     ``probe``: each expert's model goes through the Kernel Profile node (benchmarks/server_probe)."""
     if steps_per_expert < 2:
         raise ValueError("steps_per_expert must be >= 2: the first step of each expert holds loading, so at least "
@@ -216,8 +216,9 @@ def build_graph(row: Row, steps_per_expert: int = 3, width: int = WIDTH, height:
     if decode:
         graph["12"] = node("VAELoader", "Load VAE", vae_name=VAE)
         graph["18"] = node("VAEDecode", "VAE Decode", samples=["16", 0], vae=["12", 0])
-        graph["19"] = node("SaveAnimatedWEBP", "Save", images=["18", 0], filename_prefix=f"bench/{row.name}",
-                           fps=16.0, lossless=False, quality=85, method="default")
+        graph["19"] = node("CreateVideo", "Create Video", images=["18", 0], fps=16.0)
+        graph["22"] = node("SaveVideo", "Save", video=["19", 0], filename_prefix=f"bench/{row.name}", format="auto",
+                           codec="auto")  # codec: 0.8.0's combo, a hidden input 0.33.0 still reads
     else:
         graph["19"] = node("SaveLatent", "Save latent", samples=["16", 0], filename_prefix=f"bench/{row.name}")
     return graph

@@ -27,9 +27,10 @@ def test_qwen_t2i_rows_validate(object_info: dict, decode: bool) -> None:
     assert len(_problems(bad, object_info)) == 3
 
 
-def test_wan_4step_rows_validate(object_info: dict) -> None:
+@pytest.mark.parametrize("decode", [False, True])
+def test_wan_4step_rows_validate(object_info: dict, decode: bool) -> None:
     for name in bs.LORA_ROWS:
-        assert _problems(bs.build_graph(bs.VARIANTS[name], 3), object_info) == [], name
+        assert _problems(bs.build_graph(bs.VARIANTS[name], 3, decode=decode), object_info) == [], name
 
 
 @pytest.mark.parametrize("edit", ["2509", "2511"])

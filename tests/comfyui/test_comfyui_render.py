@@ -54,7 +54,7 @@ def test_smoke_renders_every_kind_with_its_output_and_split(smoke_run: dict, nam
     assert (row["resolution"], row["frames"], row["steps"]) == ("64x64", 5, 2)
     for kind, r in row["renders"].items():
         assert r["status"] == "ok", (kind, r.get("error"))
-        assert any(o.endswith(".webp") for o in r["outputs"]) and any(o.endswith(".latent") for o in r["outputs"])
+        assert any(o.endswith(".mp4") for o in r["outputs"]) and any(o.endswith(".latent") for o in r["outputs"])
         assert math.isclose(sum(r[p] for p in PARTS), r["total_s"], abs_tol=0.1), kind
         assert [s["steps"] for s in r["samplers"]] == [1, 1], kind  # one step per expert after --smoke
         assert r["peak_rss_gib"] and r["peak_rss_gib"] > 0.3

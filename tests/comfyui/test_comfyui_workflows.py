@@ -64,15 +64,27 @@ def test_pack_object_info_snapshot_matches_live(comfy_server: ComfyServer) -> No
         assert ours == stored[k], f"{k} changed: {REGENERATE}"
 
 
-@pytest.mark.parametrize("name, suffix", [("wan22_t2v_a14b", ".webp"), ("wan22_i2v_a14b", ".webp"),
-                                          ("wan22_ti2v_5b", ".webp"), ("qwen_image_t2i", ".png"),
-                                          ("wan22_t2v_a14b_4step", ".webp"), ("qwen_image_t2i_4step", ".png"),
-                                          ("wan22_t2v_a14b_2gpu", ".webp")])
+def _frames_and_size(path: Path) -> tuple[int, tuple[int, int]]:
+    """Frame count and (width, height) of a saved picture or an mp4 (decoded with PyAV, as SaveVideo wrote it)."""
+    if path.suffix == ".mp4":
+        import av
+
+        with av.open(str(path)) as container:
+            frames = list(container.decode(video=0))
+        return len(frames), (frames[0].width, frames[0].height)
+    from PIL import Image
+
+    with Image.open(path) as img:
+        return getattr(img, "n_frames", 1), img.size
+
+
+@pytest.mark.parametrize("name, suffix", [("wan22_t2v_a14b", ".mp4"), ("wan22_i2v_a14b", ".mp4"),
+                                          ("wan22_ti2v_5b", ".mp4"), ("qwen_image_t2i", ".png"),
+                                          ("wan22_t2v_a14b_4step", ".mp4"), ("qwen_image_t2i_4step", ".png"),
+                                          ("wan22_t2v_a14b_2gpu", ".mp4")])
 def test_workflow_runs_with_synthetic_tiny_models(name: str, suffix: str, synthetic_cache: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    from PIL import Image
-
     comfy = os.environ.get("COMFYUI_PATH")
     if name.endswith("_2gpu") and not (Path(str(comfy)) / "comfy_extras" / "nodes_multigpu.py").is_file():
         pytest.skip("Select Model Device is in ComfyUI 0.23+; on one device it passes the model through")
@@ -84,9 +96,7 @@ def test_workflow_runs_with_synthetic_tiny_models(name: str, suffix: str, synthe
     assert rc == 0, text.out[-3000:] + text.err[-3000:]
     files = [Path(line.removeprefix("output: ")) for line in text.out.splitlines() if line.startswith("output: ")]
     assert len(files) == 1 and files[0].suffix == suffix and files[0].is_file(), text.out
-    with Image.open(files[0]) as img:
-        assert img.size == (64, 64)
-        assert getattr(img, "n_frames", 1) == (1 if suffix == ".png" else VIDEO_FRAMES)
+    assert _frames_and_size(files[0]) == ((1 if suffix == ".png" else VIDEO_FRAMES), (64, 64))
     assert "--synthetic tiny:" in text.out
     assert "ComfyUI ready in" in text.out  # the start is shown, not seconds of silence
     assert text.out.splitlines()[-1] == runner.SYNTHETIC_NOTE  # last word: the output is noise

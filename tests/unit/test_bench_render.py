@@ -22,6 +22,9 @@ from comfyui_lowvram_dit.synthetic.lora import KNOWN_LORA_FILES
 from test_bench_server import OBJECT_INFO, _problems
 
 SHIPPED = sorted({w.shipped for w in rg.WORKFLOWS.values() if w.shipped})
+# 0.33.0's Create Video and Save Video (its format and codec are dynamic combos) over the 0.8.0 schemas
+OBJECT_INFO_0_33 = {**OBJECT_INFO, **json.loads((Path(__file__).resolve().parents[1]
+                                                / "object_info-0.33.0-video.schema.json").read_text())}
 CARDS = (8.0, 12.0, 16.0, 24.0, None)
 
 
@@ -72,14 +75,35 @@ def test_pack_graph_is_the_shipped_workflow_node_for_node(name: str) -> None:
                 assert api["inputs"][inp["name"]] == [str(links[inp["link"]][1]), links[inp["link"]][2]]
 
 
+@pytest.mark.parametrize("schemas", ["0.8.0", "0.33.0"])
 @pytest.mark.parametrize("name", SHIPPED)
-def test_conversion_agrees_with_comfy_cli(name: str) -> None:
+def test_conversion_agrees_with_comfy_cli(name: str, schemas: str) -> None:
     """The runner's UI -> API conversion (the GPU machine has no comfy-cli) gives what comfy-cli gives."""
     cli = pytest.importorskip("comfy_cli.workflow_to_api", reason="comfy-cli is not installed (the [test] extra)")
+    info = OBJECT_INFO_0_33 if schemas == "0.33.0" else OBJECT_INFO
     ui = rg.shipped_workflow(name)
     strip = lambda g: {k: (v["class_type"], v["inputs"]) for k, v in g.items()}  # noqa: E731
-    assert strip(rg.ui_to_api(ui, OBJECT_INFO)) == strip(cli.convert_ui_to_api(json.loads(json.dumps(ui)),
-                                                                                OBJECT_INFO))
+    assert strip(rg.ui_to_api(ui, info)) == strip(cli.convert_ui_to_api(json.loads(json.dumps(ui)), info))
+
+
+def test_conversion_reads_dynamic_combos_and_fills_defaults() -> None:
+    """0.33.0's Save Video: the chosen format's codec, and that codec's encoding widgets, follow it as dotted
+    inputs; Create Video's bit depth, which 0.8.0 lacks and so the workflows do not store, gets its default."""
+    ui = rg.shipped_workflow("wan22_t2v_a14b_4step")
+    save = next(n for n in ui["nodes"] if n["type"] == "SaveVideo")
+    api = rg.ui_to_api(ui, OBJECT_INFO_0_33)
+    assert api[str(save["id"])]["inputs"] == {"filename_prefix": "lowvram_dit/wan22_t2v_4step", "format": "auto",
+                                              "format.codec": "auto", "video": ["19", 0]}
+    assert api["19"]["inputs"] == {"fps": 16.0, "bit_depth": 8, "images": ["18", 0]}
+    assert _problems(api, OBJECT_INFO_0_33) == []
+    api[str(save["id"])]["inputs"]["format.crf"] = 18.0  # crf belongs to a codec's re-encode option
+    assert _problems(api, OBJECT_INFO_0_33) == [f"{save['id']}: unknown input format.crf"]
+    save["widgets_values"] = ["clip", "mp4", "h264", "re-encode", 18.0, "sRGB"]
+    inputs = rg.ui_to_api(ui, OBJECT_INFO_0_33)[str(save["id"])]["inputs"]
+    assert {k: v for k, v in inputs.items() if k.startswith("format")} == {
+        "format": "mp4", "format.codec": "h264", "format.codec.encoding": "re-encode",
+        "format.codec.encoding.crf": 18.0, "format.codec.encoding.color_space": "sRGB"}
+    assert rg.ui_to_api(ui, OBJECT_INFO)[str(save["id"])]["inputs"]["codec"] == "h264"  # 0.8.0: plain combos
 
 
 def test_conversion_refuses_what_it_cannot_convert() -> None:
@@ -138,15 +162,17 @@ def test_every_row_graph_validates(key: str, setup: str) -> None:
                                            ("qwen_t2i_4step", "image_qwen_image"),
                                            ("qwen_edit", "image_qwen_image_edit_2509")])
 def test_native_graph_is_made_of_the_official_templates_nodes(key: str, template: str) -> None:
-    """Native's best: the official template's nodes (the pack workflow's save node and the latent save added), no
-    pack node, UNETLoader fp8_e4m3fn_fast, the server's ck attention flag; the same sampling as the pack graph."""
+    """Native's best: the official template's nodes (plus the latent save, and SaveImage for Edit: 0.8.0 lacks its
+    template's saver), no pack node, UNETLoader fp8_e4m3fn_fast, the server's ck attention flag; the same sampling
+    as the pack graph."""
     from comfyui_lowvram_dit.cli.ui_graph import all_nodes
     from template_files import load_template
 
     official = {n["type"] for n in all_nodes(load_template(template), instances=False)}
     native, pack = _graph(key, "native_best"), _graph(key, "pack")
     kinds = set(_types(native))
-    assert kinds - official <= {"SaveAnimatedWEBP", "SaveImage", "SaveLatent"}, kinds - official
+    older_saver = {"SaveImage"} if key == "qwen_edit" else set()  # the 2509 template's SaveImageAdvanced is 0.33+
+    assert kinds - official == {"SaveLatent", *older_saver}, kinds - official
     assert not any(k.startswith("LowVRAM_") for k in kinds)
     assert {i["weight_dtype"] for i in _types(native)["UNETLoader"]} == {"fp8_e4m3fn_fast"}
     assert sr.make_row(key, "native_best", 12.0).server_args(140.0) == ["--use-ck-attention", "--reserve-vram=128.00"]
@@ -375,8 +401,8 @@ GRAPH = {"3": {"class_type": "LowVRAM_WanLoader", "inputs": {}}, "11": {"class_t
          "13": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {}},
          "15": {"class_type": "KSamplerAdvanced", "inputs": {}, "_meta": {"title": "Sampler (high noise)"}},
          "16": {"class_type": "KSamplerAdvanced", "inputs": {}, "_meta": {"title": "Sampler (low noise)"}},
-         "18": {"class_type": "VAEDecode", "inputs": {}}, "19": {"class_type": "SaveAnimatedWEBP", "inputs": {}},
-         "22": {"class_type": "SaveLatent", "inputs": {}}}
+         "18": {"class_type": "VAEDecode", "inputs": {}}, "19": {"class_type": "CreateVideo", "inputs": {}},
+         "20": {"class_type": "SaveVideo", "inputs": {}}, "22": {"class_type": "SaveLatent", "inputs": {}}}
 EVENTS = [
     _ev(100.2, "execution_start"), _ev(100.3, "execution_cached", nodes=["12"]), _ev(100.5, "executing", node="3"),
     _ev(102.0, "progress", node="3", value=1000, max=1000), _ev(103.5, "executing", node="11"),
@@ -384,7 +410,8 @@ EVENTS = [
     _ev(112.1, "progress", node="15", value=1, max=4), _ev(114.1, "progress", node="15", value=2, max=4),
     _ev(114.3, "executing", node="16"), _ev(118.3, "progress", node="16", value=1, max=4),
     _ev(120.3, "progress", node="16", value=2, max=4), _ev(120.5, "executing", node="18"),
-    _ev(126.5, "executing", node="22"), _ev(126.7, "executing", node="19"), _ev(128.0, "executing", node=None),
+    _ev(126.5, "executing", node="22"), _ev(126.7, "executing", node="19"), _ev(126.8, "executing", node="20"),
+    _ev(128.0, "executing", node=None),
 ]
 
 
@@ -400,6 +427,7 @@ def test_split_from_planted_events() -> None:
     assert sum(s[k] for k in PARTS) == pytest.approx(s["total_s"], abs=0.05)
     assert s["other_s"] == pytest.approx(0.1 + 0.5 + 0.3, abs=0.02)  # latent node, queue, after the last node
     assert s["nodes"]["11"] == {"type": "LowVRAM_WanTextEncode", "part": "text_encode_s", "s": 1.5}
+    assert {s["nodes"][k]["part"] for k in ("19", "20", "22")} == {"save_s"}  # Create Video counts as saving
 
 
 def test_split_of_a_warm_render_and_of_a_one_step_sampler() -> None:

@@ -26,6 +26,20 @@ SPLIT_INFO = {run.SPLIT_NODE: {"input": {"required": {"model": ["MODEL", {}],
                                "output": ["MODEL"]}}
 
 
+def _input_spec(schema_inputs: dict, key: str, values: dict) -> list | None:
+    """The spec of input ``key``; a dotted key (``format.codec``: a widget of a dynamic combo's chosen option, as
+    0.33.0's Save Video has) is looked up in the option its combo chose in ``values``."""
+    specs = {**schema_inputs.get("required", {}), **schema_inputs.get("optional", {})}
+    head, dot, rest = key.partition(".")
+    if not dot or key in specs:
+        return specs.get(key)
+    spec = specs.get(head) or []
+    options = spec[1].get("options") or [] if len(spec) > 1 and spec[0] == "COMFY_DYNAMICCOMBO_V3" else []
+    chosen = next((o for o in options if o.get("key") == values.get(head)), None)
+    sub_values = {k[len(head) + 1:]: v for k, v in values.items() if k.startswith(f"{head}.")}
+    return None if chosen is None else _input_spec(chosen.get("inputs") or {}, rest, sub_values)
+
+
 def _problems(graph: dict, object_info: dict | None = None) -> list[str]:
     """Every way ``graph`` would fail ComfyUI's prompt validation that the schemas (``object_info``: a server's
     /object_info; default the 0.8.0 snapshot + the pack's nodes) can tell."""
@@ -39,7 +53,7 @@ def _problems(graph: dict, object_info: dict | None = None) -> list[str]:
         req, opt = info["input"].get("required", {}), info["input"].get("optional", {})
         out += [f"{nid}: missing {k}" for k in req if k not in node["inputs"]]
         for key, value in node["inputs"].items():
-            spec = req.get(key) or opt.get(key)
+            spec = _input_spec(info["input"], key, node["inputs"])
             if spec is None:
                 out.append(f"{nid}: unknown input {key}")
             elif isinstance(value, list):
