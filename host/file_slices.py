@@ -10,6 +10,7 @@ Wan 2.2 14B experts). Tagged with the same record, our views are read the way Co
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 
 from ..checkpoints.safetensors_io import MapHook
 
+log = logging.getLogger("comfyui_lowvram_dit")
 FILE_SLICE_ATTR = "_comfy_tensor_file_slice"  # what comfy.memory_management.read_tensor_file_slice_into reads
 _KEEP_ATTR = "_lowvram_dit_file_handle"  # holds the handle's owner for as long as the storage lives
 
@@ -25,14 +27,22 @@ def file_slice_hook(path: str | Path) -> MapHook | None:
     """A ``map_tensors`` hook tagging each mapped weight with its place in ``path`` for ComfyUI's file reader; None
     where ComfyUI has no such reader (before DynamicVRAM) or comfy-aimdo is off (``--disable-dynamic-vram``, no
     NVIDIA GPU)."""
-    import comfy.memory_management as cmm
-
+    try:
+        import comfy.memory_management as cmm
+    except ImportError:  # ComfyUI before DynamicVRAM
+        return None
     if not getattr(cmm, "aimdo_enabled", False) or not hasattr(cmm, "TensorFileSlice"):
         return None
-    import comfy_aimdo.model_mmap
+    try:
+        import comfy_aimdo.model_mmap
 
-    handle_owner = comfy_aimdo.model_mmap.ModelMMAP(str(path))  # the file handle aimdo's readers take
-    return tag_with(cmm.TensorFileSlice, handle_owner.get_file_handle(), handle_owner)
+        handle_owner = comfy_aimdo.model_mmap.ModelMMAP(str(path))  # the file handle aimdo's readers take
+        handle = handle_owner.get_file_handle()
+    except (ImportError, OSError, RuntimeError) as exc:  # the weights then reach aimdo through the mapping, as before
+        log.info("lowvram_dit: %s is read through its mapping (comfy-aimdo gave no file handle: %s)", Path(path).name,
+                 exc)
+        return None
+    return tag_with(cmm.TensorFileSlice, handle, handle_owner)
 
 
 def tag_with(record: type, file_ref: object, owner: object) -> MapHook:

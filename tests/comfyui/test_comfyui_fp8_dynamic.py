@@ -138,8 +138,7 @@ def test_mapped_weights_are_read_by_comfyui_from_the_file(tmp_path: Path, monkey
     """An fp8_scaled file's weights, served as views of the loader's mapping, carry ComfyUI's file-slice record, so
     DynamicVRAM reads them from the file by handle (as it reads UNETLoader's) instead of through the mapping."""
     comfyui_in_process_or_skip()
-    import comfy.memory_management as cmm
-
+    cmm = pytest.importorskip("comfy.memory_management", reason="ComfyUI before DynamicVRAM")
     if not hasattr(cmm, "read_tensor_file_slice_into"):
         pytest.skip("this ComfyUI has no file-slice reader (comfy.memory_management.read_tensor_file_slice_into)")
     from comfyui_lowvram_dit.host import file_slices, wan_loader
@@ -165,9 +164,35 @@ def test_mapped_weights_are_read_by_comfyui_from_the_file(tmp_path: Path, monkey
 
 def test_file_slice_hook_only_where_comfy_aimdo_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     comfyui_in_process_or_skip()
-    import comfy.memory_management as cmm
+    import importlib.util
 
     from comfyui_lowvram_dit.host.file_slices import file_slice_hook
 
-    monkeypatch.setattr(cmm, "aimdo_enabled", False, raising=False)
-    assert file_slice_hook(__file__) is None  # --disable-dynamic-vram, no NVIDIA GPU, or ComfyUI 0.8.0
+    if importlib.util.find_spec("comfy.memory_management") is not None:
+        import comfy.memory_management as cmm
+
+        monkeypatch.setattr(cmm, "aimdo_enabled", False, raising=False)
+    assert file_slice_hook(__file__) is None  # --disable-dynamic-vram, no NVIDIA GPU, or ComfyUI before it
+
+
+def test_file_slice_hook_without_a_file_handle_reads_through_the_mapping(monkeypatch: pytest.MonkeyPatch,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """comfy-aimdo on but refusing the file (its ModelMMAP raises): no hook, one log line, the load goes on."""
+    comfyui_in_process_or_skip()
+    import logging
+
+    cmm = pytest.importorskip("comfy.memory_management", reason="ComfyUI before DynamicVRAM")
+    if not hasattr(cmm, "TensorFileSlice"):
+        pytest.skip("this ComfyUI has no file-slice reader (comfy.memory_management.TensorFileSlice)")
+    import comfy_aimdo.model_mmap
+
+    from comfyui_lowvram_dit.host.file_slices import file_slice_hook
+
+    def refuse(path: str) -> None:
+        raise RuntimeError("comfy-aimdo is not initialized")
+
+    monkeypatch.setattr(cmm, "aimdo_enabled", True, raising=False)
+    monkeypatch.setattr(comfy_aimdo.model_mmap, "ModelMMAP", refuse)
+    caplog.set_level(logging.INFO, logger="comfyui_lowvram_dit")
+    assert file_slice_hook(__file__) is None
+    assert "is read through its mapping (comfy-aimdo gave no file handle: comfy-aimdo is not initialized)" in caplog.text
