@@ -30,7 +30,9 @@ _sample = functools.partial(sample_wan, cfg=2.0, frames=3)
 QWEN_WIDTHS = {"num_attention_heads": 2, "attention_head_dim": 128, "joint_attention_dim": 128, "out_channels": 16}
 
 
-@pytest.fixture(scope="module", params=["Q8_0", "Q4_K"])
+# Q4_K (a k-quant: super-blocks, 6-bit sub-scales) here in CI; Q8_0 here in the slow tier (the Qwen-Image and server
+# tests below stream Q8_0 in CI)
+@pytest.fixture(scope="module", params=[pytest.param("Q8_0", marks=pytest.mark.slow), "Q4_K"])
 def wan_gguf(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     comfyui_in_process_or_skip()
     gguf_or_skip()
