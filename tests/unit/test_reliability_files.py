@@ -65,10 +65,10 @@ def _no_weight_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     streamed: list[str] = []
     real = fp8_state.read_tensors
 
-    def spy(header, names=None, *, mmap=False, prefetch=False):  # noqa: ANN001, ANN202
+    def spy(header, names=None, *, mmap=False, prefetch=False, on_map=None):  # noqa: ANN001, ANN202
         if prefetch:
             streamed.extend(names or [])
-        return real(header, names, mmap=mmap, prefetch=prefetch)
+        return real(header, names, mmap=mmap, prefetch=prefetch, on_map=on_map)
 
     monkeypatch.setattr(fp8_state, "read_tensors", spy)
     return streamed
