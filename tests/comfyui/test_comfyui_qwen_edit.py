@@ -184,7 +184,6 @@ def _stage1(log: str) -> tuple[float, float, float, str]:
     return float(m.group(1)), float(m.group(2)), float(m.group(3)), m.group(4)
 
 
-@pytest.mark.slow  # CI runs the node through a server in the converted Edit templates (test_comfyui_templates.py)
 def test_edit_loader_through_the_server(comfy_server: ComfyServer, files: dict[str, str]) -> None:
     """Cold run (both prompts encoded with the image, encoder freed, reference latents in the CONDITIONING), then the
     same prompt and image with the transformer re-loaded: stage 1 from the cache, identical conditioning."""

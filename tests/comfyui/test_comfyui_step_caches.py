@@ -229,6 +229,7 @@ def test_qwen_image_staged_loader_then_a_step_cache(comfy_server: Any, files: di
 # ------------------------------------------------------------------------------------------------ in process
 
 
+@pytest.mark.slow  # CI: the whole-model compile combinations above check the same log lines where they occur
 def test_whole_model_compile_names_the_step_cache_as_the_reason_for_new_graphs(
         caplog: pytest.LogCaptureFixture) -> None:
     """Whole-model scope traces EasyCache's wrapper: when it starts skipping, a graph is added; the warning says

@@ -49,9 +49,10 @@ TURBO = "PrimitiveBoolean.value=true"  # the Wan 14B templates' "enable turbo mo
 RUNNER_TEMPLATES = [("video_wan2_2_14B_t2v", []), pytest.param("video_wan2_2_14B_t2v", [TURBO], marks=pytest.mark.slow),
                     pytest.param("video_wan2_2_14B_i2v", [], marks=pytest.mark.slow), ("video_wan2_2_14B_i2v", [TURBO]),
                     ("video_wan2_2_5B_ti2v", []), ("image_qwen_image", [TURBO])]
-# 2511 in CI (what users run now); 2509, the same loader with another marker, in the slow tier (three minutes each on
-# CI's two cores); test_comfyui_qwen_edit.py checks both markers reach ComfyUI's detection in process
-EDIT_TEMPLATES = [pytest.param("image_qwen_image_edit_2509", marks=pytest.mark.slow), "image_qwen_image_edit_2511"]
+# The slow tier (three to five minutes each on CI's two cores): in CI the Edit loader runs through a server in
+# test_comfyui_qwen_edit.py, which also checks both markers reach ComfyUI's detection; test_convert.py converts both
+EDIT_TEMPLATES = [pytest.param(name, marks=pytest.mark.slow)
+                  for name in ("image_qwen_image_edit_2509", "image_qwen_image_edit_2511")]
 # The Edit encoder's vision tower (ComfyUI's fixed 32 blocks of width 1280) on the CPU: in fp32 about twice as fast as
 # ComfyUI's default fp16 text encoder on CPUs without native half-precision matmul, such as CI's.
 EDIT_RUN_ARGS = ["--comfyui-arg=--fp32-text-enc"]
