@@ -4,8 +4,8 @@ Under DynamicVRAM (comfy-aimdo) ComfyUI's loader tags each weight's storage with
 offset, size): when a weight goes to the GPU or into aimdo's pinned buffers, ``read_tensor_file_slice_into`` reads
 those bytes from the file by handle and never touches the mapping. Our loaders serve pre-quantized weights as views
 of their own mapping (checkpoints/safetensors_io.py ``map_tensors``); untagged, aimdo copies them through that
-mapping, every page of which then stays resident as file-backed RSS (measured on ComfyUI 0.33: 28.9 GiB for the two
-Wan 2.2 14B experts). Tagged with the same record, our views are read the way ComfyUI reads its own.
+mapping, every page of which then stays resident as file-backed RSS (docs/benchmarks.md, "How long does a whole
+render take?"). Tagged with the same record, our views are read the way ComfyUI reads its own.
 """
 
 from __future__ import annotations

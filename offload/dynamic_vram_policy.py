@@ -1,10 +1,10 @@
 """Whether Block Swap streams a model that ComfyUI's DynamicVRAM (comfy-aimdo) already manages, or steps aside.
 
-Measured on renders (docs/benchmarks.md, "How long does a whole render take?"): with the ``*_fp8_scaled`` Wan 2.2
-14B experts at 12 and 24 GB, DynamicVRAM alone renders faster than Block Swap (which must rebuild the model for
-ComfyUI's legacy loading), but holds every loaded model's weights in RAM (about 31 GiB peak for the two experts
-against Block Swap's 19). So ``auto`` lets DynamicVRAM manage the model where RAM holds two models of its size
-(Wan 2.2's other expert) and 16 GiB besides (text encoder, VAE, the system), and streams otherwise.
+DynamicVRAM alone renders the Wan 2.2 14B experts faster than Block Swap does (Block Swap must rebuild the model for
+ComfyUI's legacy loading), but holds every loaded model's weights in RAM, where Block Swap keeps only what it streams
+(docs/benchmarks.md, "How long does a whole render take?"). So ``auto`` lets DynamicVRAM manage the model where RAM
+holds two models of its size (Wan 2.2's other expert) and 16 GiB besides (text encoder, VAE, the system), and
+streams otherwise.
 """
 
 from __future__ import annotations
