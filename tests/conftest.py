@@ -50,6 +50,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=_cuda_missing_reason()))
 
 
+@pytest.fixture(scope="module")
+def comfy_on_gpu() -> None:
+    """ComfyUI importable in-process on the GPU (no --cpu); skips the test when an earlier test of this process
+    imported it with --cpu (run the ``cuda`` tests alone: ``pytest FILE -m cuda``)."""
+    comfy, reason = comfyui_path_or_reason()
+    if comfy is None:
+        pytest.skip(reason)
+    if str(comfy) not in sys.path:
+        sys.path.append(str(comfy))
+    import comfy.model_management as mm
+
+    if mm.get_torch_device().type != "cuda":
+        pytest.skip("ComfyUI was imported with --cpu in this process: run these alone (pytest ... -m cuda)")
+
+
 @pytest.fixture(scope="session")
 def comfy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
     """One ComfyUI for the whole run, with the pack and ``tests/fixture_nodes`` loaded (see comfy_server.py)."""

@@ -270,18 +270,6 @@ def test_lora_via_stock_loader_matches_bf16_with_merged_lora(comfy_server: Comfy
 # GPU: the fp8 matmul fast path (resident) and the offload-stream path (lowvram), against native bf16
 
 
-@pytest.fixture(scope="module")
-def comfy_on_gpu() -> None:
-    """ComfyUI imported in-process on the GPU (no --cpu); only works if nothing imported it with --cpu first."""
-    import sys
-
-    comfy, reason = comfyui_path_or_reason()
-    if comfy is None:
-        pytest.skip(reason)
-    if str(comfy) not in sys.path:
-        sys.path.append(str(comfy))
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("quantization", MODES)
 @pytest.mark.parametrize("lowvram", [False, True])
@@ -293,8 +281,6 @@ def test_gpu_fast_and_offloaded_paths_match_bf16(tmp_path: Path, comfy_on_gpu: N
     from comfyui_lowvram_dit.kernels import fp8
     from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
-    if mm.get_torch_device().type != "cuda":
-        pytest.skip("ComfyUI was imported with --cpu in this process: run these alone (pytest ... -m cuda)")
     sd = synth.synthetic_state_dict(MODEL, size="tiny", fmt="bf16", seed=13)
     path = tmp_path / "gpu_bf16.safetensors"
     save_file(sd, str(path))
