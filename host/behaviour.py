@@ -3,6 +3,11 @@
 Each check receives the ComfyUI object its probe resolved (a class or function), exercises the protocol the pack
 relies on with a tiny CPU model or call, and returns True when ComfyUI behaved as the pack expects. They run once
 per process (host/seams.py caches the result), in well under a second, and never touch a GPU.
+
+The tiny models' attention goes through ``transformer_options["optimized_attention_override"]`` to plain torch
+(``_cpu_attention``): ComfyUI's global backend is whatever its launch flags chose (``--use-ck-attention``,
+``--use-sage-attention``, ``--use-flash-attention``), whose kernels need CUDA tensors and would fail a CPU probe,
+disabling the pack's nodes on a ComfyUI that has every seam.
 """
 
 from __future__ import annotations
@@ -40,6 +45,23 @@ def _zeroed(module: Any) -> Any:
     return module
 
 
+def _cpu_attention(func: Callable, q: Any, k: Any, v: Any, heads: int, mask: Any = None, **kwargs: Any) -> Any:
+    """An ``optimized_attention_override`` that ignores ComfyUI's backend ``func`` and attends in plain torch (the
+    layouts of ComfyUI's attention functions: ``b s (h d)``, or ``b h s d`` with ``skip_reshape``)."""
+    import torch
+
+    if not kwargs.get("skip_reshape", False):
+        b, _, inner = q.shape
+        q, k, v = (t.reshape(b, -1, heads, inner // heads).transpose(1, 2) for t in (q, k, v))
+    if mask is not None:
+        mask = mask.unsqueeze(1) if mask.ndim == 3 else mask  # b s s -> b 1 s s, as ComfyUI's attention does
+        mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if kwargs.get("skip_output_reshape", False):
+        return out
+    return out.transpose(1, 2).reshape(out.shape[0], -1, out.shape[1] * out.shape[-1])
+
+
 def _first_block_replaced(model: Any, call: Callable[[Any, dict], Any]) -> bool:
     """Whether ``call(model, transformer_options)`` runs a ``patches_replace["dit"][("double_block", 0)]`` patch
     that hands the block to ComfyUI's ``original_block``."""
@@ -51,7 +73,8 @@ def _first_block_replaced(model: Any, call: Callable[[Any, dict], Any]) -> bool:
         seen.append(True)
         return extra["original_block"](args)
 
-    options = {"patches_replace": {"dit": {("double_block", 0): replace}}}
+    options = {"patches_replace": {"dit": {("double_block", 0): replace}},
+               "optimized_attention_override": _cpu_attention}
     with torch.no_grad():
         call(model, options)
     return bool(seen)
@@ -83,7 +106,7 @@ def attention_override(optimized_attention: Callable) -> bool:
 
     def override(func: Callable, *args: Any, **kwargs: Any) -> Any:
         called.append(True)
-        return func(*args, **kwargs)
+        return _cpu_attention(func, *args, **kwargs)
 
     q = torch.zeros(1, 4, 32)
     optimized_attention(q, q, q, 2, transformer_options={"optimized_attention_override": override})
