@@ -257,7 +257,8 @@ def plan_decode(need_bytes: float, available_bytes: float, height_px: int, width
 def decode_staged(latent: torch.Tensor, vae, vram_budget_gb: float = 0.0, tile_size: int = 512,  # noqa: ANN001
                   overlap: int = 64, allow_cpu: bool = False,
                   reset_cuda_peak: bool = False) -> tuple[torch.Tensor, StageReport]:
-    """Stage 3: free the GPU of other models, decode (tiled if needed) on the VAE's device; IMAGE [N, H, W, C]."""
+    """Stage 3: free what a whole decode needs on the VAE's device, decode (tiled if it still does not fit);
+    IMAGE [N, H, W, C]."""
     import comfy.model_management as mm
 
     gpu = mm.get_torch_device()
@@ -267,16 +268,17 @@ def decode_staged(latent: torch.Tensor, vae, vram_budget_gb: float = 0.0, tile_s
                            f"GPU ({gpu}) exists; a CPU decode of a 1328x1328 image takes tens of minutes. Remove "
                            "--cpu-vae, or set allow_cpu on this node to accept it.")
     with stage_meter.StageMeter("stage 3 (VAE decode)", device=dev, reset_cuda_peak=reset_cuda_peak) as meter:
-        # Release the transformer (and anything else) from this device before the VAE loads.
-        mm.free_memory(1e30, dev, keep_loaded=[vae.patcher])
-        mm.soft_empty_cache()
         need = float(vae.memory_used_decode(latent.shape, vae.vae_dtype))
+        vae_bytes = mm.module_size(vae.first_stage_model)
+        # Free what a whole decode needs, as ComfyUI's VAEDecode does, not every model: a transformer that fits
+        # beside the decode stays loaded, and the next render does not load it again.
+        mm.free_memory(need + vae_bytes + mm.minimum_inference_memory(), dev, keep_loaded=[vae.patcher])
+        mm.soft_empty_cache()
         if dev.type == "cpu":
             available = math.inf
             log.info("lowvram_dit Qwen-Image Decode: decoding on the CPU (%s)",
                      "no GPU" if gpu.type == "cpu" else "allow_cpu is on")
         else:
-            vae_bytes = mm.module_size(vae.first_stage_model)
             available = mm.get_free_memory(dev) - vae_bytes
             if vram_budget_gb > 0:
                 available = min(available, vram_budget_gb * stage_meter.GIB - vae_bytes)

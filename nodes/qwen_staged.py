@@ -112,15 +112,16 @@ class QwenImageDecode(io.ComfyNode):
             node_id=node_id("QwenImageDecode"),
             display_name=display_name("Qwen-Image Decode"),
             category=CATEGORY_UTILS,
-            description=("Frees every other model's GPU memory (the transformer), then decodes on the GPU. Uses "
-                         "ComfyUI's tiled decode when its memory estimate does not fit the free VRAM or the "
-                         "budget. Never decodes on the CPU silently."),
+            description=("Frees the GPU memory a whole decode needs (unloading the transformer only when it does "
+                         "not fit beside the decode), then decodes on the GPU. Uses ComfyUI's tiled decode when "
+                         "its memory estimate still does not fit the free VRAM or the budget. Never decodes on "
+                         "the CPU silently."),
             inputs=[
                 io.Latent.Input("samples", tooltip="Latents from KSampler."),
                 io.Vae.Input("vae", tooltip="The Qwen-Image VAE."),
                 io.Float.Input("vram_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.5,
-                               tooltip="GPU memory the decode may use. 0 = whatever is free after the transformer "
-                                       "was unloaded."),
+                               tooltip="GPU memory the decode may use. 0 = whatever is free once the decode's "
+                                       "estimate has been freed (other models unloaded as far as needed)."),
                 io.Int.Input("tile_size", default=512, min=128, max=4096, step=32,
                              tooltip="Largest tile (pixels) when tiling is needed; halved until it fits."),
                 io.Int.Input("overlap", default=64, min=0, max=512, step=32,
