@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
+from .dynamic_vram_policy import CHOICES as DYNAMIC_VRAM_CHOICES
+
 log = logging.getLogger("comfyui_lowvram_dit")
 
 ALIGN = 256  # bytes; cuBLAS/cuDNN and fp8 scaled_mm want >= 16-byte aligned operands, 256 matches the allocator
@@ -38,6 +40,8 @@ class SwapConfig:
             raise ValueError(f"SwapConfig.blocks_to_swap={self.blocks_to_swap}: use -1 (auto) or >= 0")
         if self.vram_budget_gb < 0:
             raise ValueError(f"SwapConfig.vram_budget_gb={self.vram_budget_gb}: use 0 (auto) or a positive size")
+        if self.dynamic_vram not in DYNAMIC_VRAM_CHOICES:
+            raise ValueError(f"SwapConfig.dynamic_vram={self.dynamic_vram!r}: use one of {list(DYNAMIC_VRAM_CHOICES)}")
 
 
 

@@ -151,6 +151,9 @@ def test_plan_swap_explicit_and_budget():
     assert len(p.streamed) == 6 and p.ring == 2
     with pytest.raises(ValueError):
         SwapConfig(prefetch=0)
+    with pytest.raises(ValueError, match="SwapConfig.dynamic_vram='streaming'"):  # checked where it is built
+        SwapConfig(dynamic_vram="streaming")
+    assert SwapConfig(dynamic_vram="step aside").dynamic_vram == "step aside"
 
 
 # ---------------------------------------------------------------------------------------------------------
