@@ -43,6 +43,8 @@ BACKEND_CHOICES: dict[str, Optional[str]] = {
     SOL_ATTN_LABEL: "ck_sol",  # an approximation, and its label says so
     COMFY_DEFAULT: None,
 }
+# The pack's 8-bit backends and the P·V format each one's kernel is compiled for (its background warm-up)
+INT8_PV_FORMATS = {"int8": "auto", "int8_pv8": "int8"}
 _ARG_NAMES = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
 CORE_PREFIX = "comfy:"
 # ComfyUI's registered functions whose numerics are known. Exact ones join auto; quantized ones join only when
@@ -268,8 +270,8 @@ def apply_attention(model: Any, backend_label: str) -> Any:
     else:
         ours = AttentionOverride(name, core_attention() if name == "auto" else None)
         opts[OVERRIDE_KEY] = ours if outer is None else ChainedOverride(outer, ours)
-    if name == "int8":
-        warm_int8_kernels(m)
+    if name in INT8_PV_FORMATS:
+        warm_int8_kernels(m, INT8_PV_FORMATS[name])
     _watch_later_overrides(m, backend_label)
     log.info("%s", _composition_line(backend_label, outer))
     return m
@@ -299,9 +301,10 @@ def _attention_geometry(diffusion_model: Any) -> tuple[Optional[int], Optional[i
     return heads, width // heads if isinstance(width, int) and width % heads == 0 else None
 
 
-def warm_int8_kernels(model: Any) -> None:
-    """Start compiling the 8-bit attention kernels for this model's GPU, dtype and head size in the background
-    (kernels.attention_int8.start_warmup), so the first sampler step does not compile them; best effort."""
+def warm_int8_kernels(model: Any, pv_format: str = "auto") -> None:
+    """Start compiling the 8-bit attention kernels for this model's GPU, dtype and head size (and the backend's P·V
+    format) in the background (kernels.attention_int8.start_warmup), so the first sampler step does not compile
+    them; best effort."""
     from ..kernels import attention_int8
 
     try:
@@ -314,24 +317,29 @@ def warm_int8_kernels(model: Any) -> None:
         return
     if dtype not in attention_int8.SUPPORTED_DTYPES:
         dtype = torch.bfloat16
-    attention_int8.start_warmup(device, dtype, heads or 24, head_dim or 128)
+    attention_int8.start_warmup(device, dtype, heads or 24, head_dim or 128, pv_format)
 
 
 def warm_int8_for_prompt(json_data: Any) -> Any:
-    """ComfyUI on-prompt handler: a queued prompt that sets an Attention node to "lowvram 8-bit" starts the 8-bit
-    kernels' warm-up at once (bf16, head dim 128: Wan and Qwen-Image), so text encoding and model loading hide it;
-    the node's own warm-up for the loaded model then finds it running or done. Returns the prompt unchanged."""
+    """ComfyUI on-prompt handler: a queued prompt that sets an Attention node to one of the pack's 8-bit backends
+    starts that backend's warm-up at once (bf16, head dim 128: Wan and Qwen-Image), so text encoding and model
+    loading hide it; the node's own warm-up for the loaded model then finds it running or done. Returns the prompt
+    unchanged."""
     try:
         prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
         wanted = node_id("Attention")
-        if isinstance(prompt, dict) and any(
-                isinstance(n, dict) and n.get("class_type") == wanted and isinstance(n.get("inputs"), dict)
-                and n["inputs"].get("backend") == "lowvram 8-bit" for n in prompt.values()):
+        labels = {label: name for label, name in BACKEND_CHOICES.items() if name in INT8_PV_FORMATS}
+        chosen = {labels[n["inputs"].get("backend")] for n in (prompt.values() if isinstance(prompt, dict) else ())
+                  if isinstance(n, dict) and n.get("class_type") == wanted and isinstance(n.get("inputs"), dict)
+                  and n["inputs"].get("backend") in labels}
+        if chosen:
             import comfy.model_management
 
             from ..kernels import attention_int8
 
-            attention_int8.start_warmup(comfy.model_management.get_torch_device(), torch.bfloat16, 24, 128)
+            for name in sorted(chosen):
+                attention_int8.start_warmup(comfy.model_management.get_torch_device(), torch.bfloat16, 24, 128,
+                                            INT8_PV_FORMATS[name])
     except Exception as exc:  # noqa: BLE001 - a prompt must never fail because of a warm-up
         log.debug("lowvram_dit attention: no warm-up for this prompt (%s)", exc)
     return json_data

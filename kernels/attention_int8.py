@@ -428,37 +428,40 @@ _WARMUP_LOCK = threading.Lock()
 
 
 def start_warmup(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, heads: int = 24,
-                 head_dim: int = 128) -> threading.Thread | None:
+                 head_dim: int = 128, pv_format: PvFormat = "auto") -> threading.Thread | None:
     """Compile the quantizers and the autotuner's long-sequence configs of the 8-bit kernel for (device, dtype,
     head_dim) in a daemon thread.
 
     On a cold Triton cache these compiles take seconds; started when a prompt using the 8-bit backend is queued or a
     model gets it, they run while ComfyUI encodes text, loads the model and torch.compile traces it, instead of
-    inside the first sampler step. ``heads`` only matters through its divisibility by 16 (Triton's specialisation). The first real call waits for a warm-up still running (the autotuner is not thread-safe).
-    Returns the thread, or None where the kernel cannot run here.
+    inside the first sampler step. ``heads`` only matters through its divisibility by 16 (Triton's specialisation);
+    ``pv_format`` is the P·V format the calls will ask for (each format is its own kernel). The first real call
+    waits for a warm-up still running (the autotuner is not thread-safe). Returns the thread, or None where the
+    kernel cannot run here.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     if _interpreting() or not is_supported(device, dtype, head_dim):
         return None
-    key = (str(device), dtype, heads % 16 == 0, head_dim)
+    formats = resolve_formats(device, "auto", pv_format)
+    key = (str(device), dtype, heads % 16 == 0, head_dim, formats)
     with _WARMUP_LOCK:
         if key not in _WARMUPS:
-            _WARMUPS[key] = threading.Thread(target=_warm, args=(device, dtype, heads, head_dim), daemon=True,
-                                             name=f"lowvram-dit 8-bit attention warm-up {key}")
+            _WARMUPS[key] = threading.Thread(target=_warm, args=(device, dtype, heads, head_dim, formats),
+                                             daemon=True, name=f"lowvram-dit 8-bit attention warm-up {key}")
             _WARMUPS[key].start()
         return _WARMUPS[key]
 
 
-def _warm(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int) -> None:
+def _warm(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, formats: tuple[str, str]) -> None:
     t0 = time.perf_counter()
     try:
         cuda = device.type == "cuda"
         # its own stream: the warm-up's launches and the autotuner's syncs never wait on the loader's copies
         with torch.cuda.device(device) if cuda else contextlib.nullcontext(), \
                 torch.cuda.stream(torch.cuda.Stream(device)) if cuda else contextlib.nullcontext():
-            qk, pv = resolve_formats(device)
+            qk, pv = formats
             for length in WARMUP_LENGTHS:
                 # [B, H, L, D] views of [B, L, H, D] memory, as models call it; the quantizers run (tiny)
                 x = torch.randn(1, length, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
@@ -475,8 +478,8 @@ def _warm(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int) -
         log.info("lowvram_dit 8-bit attention: compiling ahead failed (%s: %s); the first call compiles instead",
                  type(exc).__name__, exc)
         return
-    log.info("lowvram_dit 8-bit attention: kernels for %s %s, head dim %d compiled ahead in %.1f s", device,
-             str(dtype).removeprefix("torch."), head_dim, time.perf_counter() - t0)
+    log.info("lowvram_dit 8-bit attention: kernels for %s %s, head dim %d, %s P·V compiled ahead in %.1f s", device,
+             str(dtype).removeprefix("torch."), head_dim, formats[1], time.perf_counter() - t0)
 
 
 @torch.compiler.disable

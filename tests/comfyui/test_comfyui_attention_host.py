@@ -260,11 +260,13 @@ def test_8bit_backend_warms_its_kernels_for_the_models_geometry(tiny_wan: Any, w
     apply_attention(tiny_wan, "auto")
     assert warmups == []  # auto never runs the 8-bit kernel
     apply_attention(tiny_wan, "lowvram 8-bit")
-    (device, dtype, heads, head_dim), = warmups
-    assert device == torch.device(tiny_wan.load_device)
+    (device, dtype, heads, head_dim, pv_format), = warmups
+    assert device == torch.device(tiny_wan.load_device) and pv_format == "auto"
     assert (heads, head_dim) == (dm.num_heads, dm.dim // dm.num_heads)
     model_dtype = getattr(tiny_wan.model, "manual_cast_dtype", None) or tiny_wan.model.get_dtype()
     assert dtype == (model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
+    apply_attention(tiny_wan, "lowvram 8-bit, int8 P·V")  # another kernel: its own warm-up
+    assert warmups[1] == (device, dtype, heads, head_dim, "int8")
 
 
 def test_8bit_warmup_reads_qwen_image_heads(core: Any, warmups: list, tmp_path: Any) -> None:
@@ -277,7 +279,7 @@ def test_8bit_warmup_reads_qwen_image_heads(core: Any, warmups: list, tmp_path: 
     qwen = load_transformer(path, "fp8 per-tensor", 128, "auto")
     attn = next(m for m in qwen.model.diffusion_model.modules() if isinstance(getattr(m, "heads", None), int))
     apply_attention(qwen, "lowvram 8-bit")
-    assert warmups[0][2:] == (attn.heads, attn.inner_dim // attn.heads)
+    assert warmups[0][2:4] == (attn.heads, attn.inner_dim // attn.heads)
 
 
 def test_8bit_warmup_skips_models_it_cannot_read(warmups: list) -> None:
@@ -303,10 +305,13 @@ def test_queued_8bit_prompt_starts_the_warmup_at_once(core: Any, warmups: list) 
 
     data = _prompt("lowvram 8-bit")
     assert warm_int8_for_prompt(data) is data  # the prompt passes through untouched
-    assert warmups == [(comfy.model_management.get_torch_device(), torch.bfloat16, 24, 128)]
+    gpu = comfy.model_management.get_torch_device()
+    assert warmups == [(gpu, torch.bfloat16, 24, 128, "auto")]
     for other in (_prompt("auto"), {"prompt": "not a graph"}, None, {"prompt": {"1": None}}):
         assert warm_int8_for_prompt(other) is other
     assert len(warmups) == 1
+    warm_int8_for_prompt(_prompt("lowvram 8-bit, int8 P·V"))
+    assert warmups[1:] == [(gpu, torch.bfloat16, 24, 128, "int8")]
 
 
 def test_prompt_warmup_registers_once(core: Any) -> None:

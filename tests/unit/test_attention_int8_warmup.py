@@ -30,7 +30,8 @@ def recorder(monkeypatch: pytest.MonkeyPatch, fresh: None) -> list:
     """Warm-ups run on CPU with the kernels replaced by recorders (each main-loop compile takes 0.2 s)."""
     calls: list = []
     monkeypatch.setattr(ai, "is_supported", lambda device, dtype, head_dim: True)
-    monkeypatch.setattr(ai, "resolve_formats", lambda device: ("int8", "fp8"))
+    monkeypatch.setattr(ai, "resolve_formats", lambda device, qk_format="auto", pv_format="auto": (
+        "int8", "fp8" if pv_format == "auto" else pv_format))
 
     def quantize(q, k, v, *, qk_format, pv_format):  # noqa: ANN001, ANN202
         calls.append(("quantize", tuple(q.shape), q.stride(), q.dtype, qk_format, pv_format,
@@ -77,6 +78,15 @@ def test_heads_divisible_by_16_get_their_own_warmup(recorder: list) -> None:
     assert len({id(a), id(b), id(c)}) == 3
     ai.wait_for_warmup()
     assert sorted({c[1][1] for c in recorder if c[0] == "quantize"}) == [40, 48]
+
+
+def test_each_pv_format_gets_its_own_warmup(recorder: list) -> None:
+    """The int8 P·V backend is another kernel (a compile-time flag): its warm-up compiles that one."""
+    a = ai.start_warmup("cpu", torch.bfloat16, 40, 128)
+    b = ai.start_warmup("cpu", torch.bfloat16, 40, 128, pv_format="int8")
+    assert a is not b and ai.start_warmup("cpu", torch.bfloat16, 40, 128, pv_format="int8") is b
+    ai.wait_for_warmup()
+    assert sorted({c[5] for c in recorder if c[0] == "quantize"}) == ["fp8", "int8"]
 
 
 def test_first_call_waits_for_a_running_warmup(recorder: list) -> None:
