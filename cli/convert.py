@@ -372,7 +372,7 @@ def _convert_qwen(wf: Workflow, graph: Graph, unet: dict, opts: ConvertOptions, 
     unet_link = graph.input_link(unet, "unet_name")
     widgets = [_widget(unet, 0), _widget(clip_loader, 0), _widget(vae_loaders[0], 0), _widget(pos, 0) or "",
                (_widget(neg, 0) if neg else "") or STAGED_NEGATIVE_DEFAULT,
-               FP8_CHOICES[opts.fp8], opts.budget_gb, -1, True, "auto"]
+               FP8_CHOICES[opts.fp8], opts.budget_gb, -1, True, "auto", "auto"]  # ..., compute, text_encoder_device
     _retype(unet, "LowVRAM_QwenImageStagedLoader", widgets)
     _absorb_prompts(wf, graph, unet, clip_loader, pos, neg, {"unet_name": unet_link}, (1, 2))
     gone = f"UNETLoader {unet['id']} + CLIPLoader {clip_loader['id']} + CLIPTextEncode {pos['id']}" + (

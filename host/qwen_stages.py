@@ -1,10 +1,11 @@
-"""Qwen-Image in stages on small machines: text on the CPU, fp8 transformer with block swap, GPU VAE decode.
+"""Qwen-Image in stages on small machines: streamed text encoder, fp8 transformer with block swap, GPU VAE decode.
 
 The Staged Loader returns native MODEL, positive/negative CONDITIONING and VAE (stock KSampler, LoRA and
 ModelSampling nodes work on them):
 - Stage 1, text: the Qwen2.5-VL encoder that ``load_text_encoder_state_dicts(clip_type=QWEN_IMAGE)`` builds,
-  streamed onto the CPU and freed after encoding, embeddings cached on disk (host/text_encoders.py); only the
-  embeddings go to the GPU.
+  streamed into RAM, run on the device the node's ``text_encoder_device`` names (by default where ComfyUI runs text
+  encoders) and freed after encoding, embeddings cached on disk (host/text_encoders.py); the embeddings end on the
+  compute device.
 - Stage 2, transformer: read tensor by tensor, block Linear weights quantized to fp8 (block-wise or per-tensor)
   while streaming (on the GPU when there is one), built with host/fp8_ops.py's custom operations, then
   wrapped by the Block Swap node's ``apply_block_swap`` under the VRAM budget.
@@ -107,11 +108,12 @@ def build_text_encoder_streaming(te_path: str | Path, progress=None):  # noqa: A
 
 
 def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = True,
-                   target_device: torch.device | None = None,
-                   reset_cuda_peak: bool = False) -> tuple[list[list], StageReport]:
-    """Stage 1: CONDITIONING for each prompt, from the cache or a streamed CPU encoder that is freed after."""
-    out, report = text_encoders.encode_prompts(QWEN25_VL, te_path, prompts, stage="stage 1 (text encoder, CPU)",
-                                               use_cache=use_cache, reset_cuda_peak=reset_cuda_peak)
+                   target_device: torch.device | None = None, reset_cuda_peak: bool = False,
+                   device: torch.device = text_encoders.CPU) -> tuple[list[list], StageReport]:
+    """Stage 1: CONDITIONING for each prompt on ``target_device`` (default the compute device), from the cache or a
+    streamed encoder run on ``device`` and freed after."""
+    out, report = text_encoders.encode_prompts(QWEN25_VL, te_path, prompts, stage=f"stage 1 (text encoder, {device})",
+                                               use_cache=use_cache, reset_cuda_peak=reset_cuda_peak, device=device)
     dev = target_device or _compute_device()
     result = [[[t.to(dev), {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in extra.items()}]
                for t, extra in cond] for cond in out]

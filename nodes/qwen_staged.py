@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..host import text_encoders
 from ..host.files import file_fingerprint
 from ..host.names import CATEGORY_LOADERS, CATEGORY_UTILS, display_name, node_id
 from ..host.qwen_stages import (
@@ -14,7 +15,7 @@ from ..offload.plan import budget_problem, check_budget
 
 
 class QwenImageStagedLoader(io.ComfyNode):
-    """Qwen-Image from three files in stages: CPU text encode (cached), fp8 transformer + block swap, VAE.
+    """Qwen-Image from three files in stages: streamed text encode (cached), fp8 transformer + block swap, VAE.
 
     A loader (nothing to pass through): without its seams, Block Swap's included, it is left out with one
     warning; ComfyUI's UNETLoader / CLIPLoader / VAELoader remain the way to load Qwen-Image.
@@ -34,16 +35,17 @@ class QwenImageStagedLoader(io.ComfyNode):
             display_name=display_name("Qwen-Image Staged Loader"),
             category=CATEGORY_LOADERS,
             description=(
-                "Runs Qwen-Image on small machines: encodes the prompts on the CPU with a streamed text encoder "
-                "that is freed afterwards (embeddings cached on disk), then loads the transformer as fp8 with "
-                "block swap under a VRAM budget. Outputs native MODEL / CONDITIONING / VAE for KSampler; decode "
-                "with 'Qwen-Image Decode (LowVRAM)'."),
+                "Runs Qwen-Image on small machines: encodes the prompts with a streamed text encoder (never two "
+                "copies in RAM) where text_encoder_device says, by default where ComfyUI runs text encoders, and "
+                "frees it afterwards (embeddings cached on disk), then loads the transformer as fp8 with block swap "
+                "under a VRAM budget. Outputs native MODEL / CONDITIONING / VAE for KSampler; decode with "
+                "'Qwen-Image Decode (LowVRAM)'."),
             inputs=[
                 io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
                                tooltip="Qwen-Image transformer (diffusion_models): bf16, fp8_e4m3fn or fp8 scaled."),
                 io.Combo.Input("clip_name", options=folder_paths.get_filename_list("text_encoders"),
-                               tooltip="Qwen2.5-VL 7B text encoder (text_encoders), bf16 or *_fp8_scaled. It runs "
-                                       "on the CPU and is freed after encoding."),
+                               tooltip="Qwen2.5-VL 7B text encoder (text_encoders), bf16 or *_fp8_scaled. It is "
+                                       "streamed into RAM and freed after encoding."),
                 io.Combo.Input("vae_name", options=folder_paths.get_filename_list("vae"),
                                tooltip="Qwen-Image VAE (vae folder)."),
                 io.String.Input("positive", multiline=True, default="",
@@ -69,6 +71,12 @@ class QwenImageStagedLoader(io.ComfyNode):
                                        "on RTX 20xx/30xx and A-series, else dequantize. fp8 matmul: require it. int8 "
                                        "matmul: int8 weights and activations on the int8 tensor cores; pick it on "
                                        "RTX 20xx/30xx/A-series GPUs (what auto does there). dequantize: bf16 matmul."),
+                io.Combo.Input("text_encoder_device", options=list(text_encoders.DEVICES), default="auto",
+                               optional=True,
+                               tooltip="Where Qwen2.5-VL runs (freed after encoding either way). auto: where "
+                                       "ComfyUI runs text encoders (the GPU on NVIDIA, the CPU under --cpu or a "
+                                       "low-VRAM mode). cpu: least VRAM, but a first encode of about half a "
+                                       "minute. gpu: the GPU always."),
             ],
             outputs=[io.Model.Output(), io.Conditioning.Output("positive"), io.Conditioning.Output("negative"),
                      io.Vae.Output()],
@@ -88,9 +96,11 @@ class QwenImageStagedLoader(io.ComfyNode):
     @classmethod
     def execute(cls, unet_name: str, clip_name: str, vae_name: str, positive: str, negative: str,
                 quantization: str, vram_budget_gb: float, blocks_to_swap: int, cache_embeddings: bool,
-                compute: str = "auto") -> io.NodeOutput:
+                compute: str = "auto", text_encoder_device: str = "auto") -> io.NodeOutput:
+        where = text_encoders.resolve_device(text_encoder_device,
+                                             f"{display_name('Qwen-Image Staged Loader')}, text_encoder_device")
         unet, te, vae_path = prepare_files(unet_name, clip_name, vae_name, vram_budget_gb)
-        (pos, neg), _ = encode_prompts(te, [positive, negative], use_cache=cache_embeddings)
+        (pos, neg), _ = encode_prompts(te, [positive, negative], use_cache=cache_embeddings, device=where)
         model, _ = load_staged_model(unet, quantization, vram_budget_gb, blocks_to_swap, compute)
         vae = load_vae(vae_path)
         return io.NodeOutput(model, pos, neg, vae)

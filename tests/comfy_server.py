@@ -110,6 +110,22 @@ def sample_wan(patcher: Any, seed: int = 0, steps: int = 2, cfg: float = 3.0, fr
                                disable_pbar=True)
 
 
+def stock_conditioning(te: Path, clip_type: str, model_options: dict, prompts: list[str]) -> list[list]:
+    """What CLIPLoader + CLIPTextEncode give for each prompt: ``comfy.sd.load_clip`` of ``te`` (``clip_type``: a
+    ``comfy.sd.CLIPType`` name) with ``model_options``; the encoder is freed afterwards."""
+    import comfy.model_management as mm
+    import comfy.sd
+    import torch
+
+    with torch.inference_mode():
+        clip = comfy.sd.load_clip([str(te)], clip_type=getattr(comfy.sd.CLIPType, clip_type),
+                                  model_options=model_options)
+        out = [clip.encode_from_tokens_scheduled(clip.tokenize(p)) for p in prompts]
+    del clip
+    mm.cleanup_models_gc()
+    return out
+
+
 def loader_swap_nodes(unet: str, blocks_to_swap: int) -> dict:
     """API nodes "1" (Wan Loader, fp8 per-tensor) and "2" (Block Swap streaming ``blocks_to_swap`` blocks)."""
     return {

@@ -4,7 +4,8 @@ Files: the tiny Qwen-Image transformer (tools.synth: 1 block, 2 heads, joint dim
 from the file), the tiny Qwen2.5-VL text encoder of `run --synthetic tiny` (2 layers, hidden 128, no vision tower;
 tests/unit/test_staged.py) and the tiny Wan 2.1 VAE.
 Graph: LowVRAM_QwenImageStagedLoader -> KSampler -> LowVRAM_QwenImageDecode. A second test proves in process that
-the streamed encoder gives exactly ComfyUI's own embeddings (load_clip + encode), bf16 and fp8_scaled.
+the streamed encoder gives exactly ComfyUI's own embeddings (load_clip + encode), bf16 and fp8_scaled, on the CPU and
+(``-m cuda``, run alone) on the GPU; others that ``text_encoder_device`` reaches the encoder and keys the cache.
 Runs in order (one server per session): cold run (cache miss, RSS falls back), cache hit (encoder not loaded),
 encoder file replaced under the same name (cache miss, different embeddings).
 """
@@ -12,17 +13,20 @@ encoder file replaced under the same name (cache miss, different embeddings).
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from comfy_server import ComfyServer, comfyui_in_process_or_skip
+from comfy_server import ComfyServer, comfyui_in_process_or_skip, stock_conditioning
 from comfyui_lowvram_dit.synthetic import checkpoints as synth
 from test_staged import SMALL_TE, WITH_VISION, write_small_text_encoder
 
 pytestmark = pytest.mark.comfyui
+PROMPTS = ["a red cat on a blue chair, photo", " "]
+NODE = "Qwen-Image Staged Loader (LowVRAM)"
 _seed = itertools.count(7000)
 STAGE_RE = re.compile(r"Qwen-Image (stage \d) \(([^)]*)\): ([\d.]+) s, RSS ([\d.]+) -> ([\d.]+) GiB \(peak ([\d.]+) GiB\)"
                       r"(?:, VRAM [^;]*)?(?:; (.*))?")
@@ -85,6 +89,11 @@ def test_schema_lists_files_and_options(comfy_server: ComfyServer, files: dict[s
     assert files["te"] in req["clip_name"][1]["options"] and files["unet"] in req["unet_name"][1]["options"]
     assert info["output"] == ["MODEL", "CONDITIONING", "CONDITIONING", "VAE"]
     assert "LowVRAM_QwenImageDecode" in comfy_server.object_info()
+    # last and optional: a workflow saved before it keeps its widget order, and an API prompt without it runs (auto)
+    order = info["input_order"]
+    assert order["required"][-1] == "compute" and order["optional"] == ["text_encoder_device"], order
+    kind, spec = info["input"]["optional"]["text_encoder_device"]
+    assert kind == "COMBO" and spec["options"] == ["auto", "cpu", "gpu"] and spec["default"] == "auto", spec
 
 
 def test_end_to_end_cache_miss_hit_and_encoder_change(comfy_server: ComfyServer, files: dict[str, str]) -> None:
@@ -103,6 +112,7 @@ def test_end_to_end_cache_miss_hit_and_encoder_change(comfy_server: ComfyServer,
     assert {"stage 1", "stage 2", "stage 3"} <= set(stages), log[-4000:]
     s1 = stages["stage 1"]
     assert "0 of 2 prompts from the embedding cache" in s1["notes"] and "encoder freed" in s1["notes"], s1
+    assert s1["what"] == "text encoder, cpu", s1  # text_encoder_device left out = auto: the CPU under --cpu
     te_gib = (comfy_server.base_dir / "models" / "text_encoders" / files["te"]).stat().st_size / 2**30
     assert s1["rss_peak"] - s1["rss_start"] > 0.5 * te_gib, s1  # the encoder was resident...
     assert s1["rss_end"] - s1["rss_start"] < 0.35, s1  # ...and RSS fell back after it was freed
@@ -147,7 +157,7 @@ def test_streamed_encoder_equals_comfyui_load_clip(tmp_path: Path, fmt: str, vis
 
     te_cfg = WITH_VISION if vision else SMALL_TE
     te = write_small_text_encoder(tmp_path / f"te_{fmt}.safetensors", fmt, seed=2, cfg=te_cfg)
-    prompt = "a red cat on a blue chair, photo"
+    prompt = PROMPTS[0]
     with torch.inference_mode():
         ours_clip = qwen_stages.build_text_encoder_streaming(te)
         ours = ours_clip.encode_from_tokens_scheduled(ours_clip.tokenize(prompt))
@@ -176,3 +186,114 @@ def test_transformer_widths_come_from_the_file(tmp_path: Path) -> None:
     assert dm.inner_dim == 256 and dm.txt_in.in_features == SMALL_TE.hidden and len(dm.transformer_blocks) == 1
     assert patcher.model.model_config.unet_config["num_attention_heads"] == 2
     assert md.detect_unet_config is original
+
+
+def test_a_gpu_text_encoder_on_a_cpu_server_is_refused_by_name(comfy_server: ComfyServer,
+                                                               files: dict[str, str]) -> None:
+    """text_encoder_device = gpu where ComfyUI runs on the CPU: an error naming the node, the option and the fix,
+    before the text stage runs."""
+    if os.environ.get("COMFYUI_GPU") == "1":
+        pytest.skip("the test server runs on the GPU here (COMFYUI_GPU=1): gpu is a valid choice")
+    graph = _graph(files, f"a boat {uuid.uuid4().hex[:6]}")
+    graph["1"]["inputs"]["text_encoder_device"] = "gpu"
+    before = len(comfy_server.log_text())
+    with pytest.raises(AssertionError) as err:
+        comfy_server.run(graph, timeout=300)
+    assert f"{NODE}, text_encoder_device = gpu, but ComfyUI runs on the CPU here" in str(err.value), str(err.value)
+    assert "pick auto or cpu" in str(err.value)
+    assert "stage 1" not in comfy_server.log_text()[before:]
+
+
+def test_the_node_hands_the_chosen_device_to_stage_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """text_encoder_device reaches stage 1 resolved (left out = auto = where ComfyUI runs text encoders); a choice
+    that is not an option, or gpu on a CPU-only ComfyUI, is an error naming the node and the option, raised before
+    any file is read. The stages are planted: what is checked is what the node hands them."""
+    comfyui_in_process_or_skip()
+    import comfy.model_management as mm
+    import torch
+    from comfyui_lowvram_dit.nodes import qwen_staged
+
+    calls: list = []
+    monkeypatch.setattr(qwen_staged, "prepare_files", lambda *a: calls.append("files") or ("u", "t", "v"))
+    monkeypatch.setattr(qwen_staged, "encode_prompts",
+                        lambda te, prompts, use_cache, device: calls.append(device) or (([], []), None))
+    monkeypatch.setattr(qwen_staged, "load_staged_model", lambda *a: ("model", None))
+    monkeypatch.setattr(qwen_staged, "load_vae", lambda path: "vae")
+    args = {"unet_name": "u", "clip_name": "t", "vae_name": "v", "positive": "p", "negative": " ",
+            "quantization": "fp8 per-tensor", "vram_budget_gb": 0.0, "blocks_to_swap": -1, "cache_embeddings": True,
+            "compute": "auto"}
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    for where in (gpu, cpu):  # a ComfyUI on a GPU, then one on the CPU only
+        monkeypatch.setattr(mm, "text_encoder_device", lambda where=where: where)
+        monkeypatch.setattr(mm, "get_torch_device", lambda where=where: where)
+        for choice, want in ((None, where), ("auto", where), ("cpu", cpu)) + ((("gpu", gpu),) if where == gpu else ()):
+            calls.clear()
+            qwen_staged.QwenImageStagedLoader.execute(**args, **({} if choice is None else
+                                                                 {"text_encoder_device": choice}))
+            assert calls == ["files", want], (where, choice, calls)
+    calls.clear()
+    with pytest.raises(ValueError, match=re.escape(f"{NODE}, text_encoder_device = gpu, but ComfyUI runs on the CPU")):
+        qwen_staged.QwenImageStagedLoader.execute(**args, text_encoder_device="gpu")
+    with pytest.raises(ValueError, match=re.escape(f"{NODE}, text_encoder_device: 'tpu' is not one of ['auto', ")):
+        qwen_staged.QwenImageStagedLoader.execute(**args, text_encoder_device="tpu")
+    assert calls == []
+
+
+def test_stage_1_encodes_on_its_device_and_keeps_devices_apart_in_the_cache(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """encode_prompts hands its device to the streamed encoder (a spy records it and builds on this CPU), names it in
+    the stage label, keys the embedding cache by its type (a GPU's kernels round differently from the CPU's) and
+    still returns the embeddings on the compute device."""
+    comfyui_in_process_or_skip()
+    import folder_paths
+    import torch
+    from comfyui_lowvram_dit.host import qwen_stages, text_encoders
+
+    monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path / "user"))
+    real, seen = text_encoders.build_streaming, []
+
+    def spy(enc, te_path, progress=None, device=text_encoders.CPU):  # noqa: ANN001, ANN202
+        seen.append(device)
+        return real(enc, te_path, progress)
+
+    monkeypatch.setattr(text_encoders, "build_streaming", spy)
+    te = write_small_text_encoder(tmp_path / "te.safetensors", "bf16", seed=4)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    first, r1 = qwen_stages.encode_prompts(te, PROMPTS, target_device=cpu, device=gpu)
+    assert seen == [gpu] and r1.name == "stage 1 (text encoder, cuda:0)", (seen, r1.name)
+    assert "0 of 2 prompts from the embedding cache, encoder freed" in r1.notes
+    _, r2 = qwen_stages.encode_prompts(te, PROMPTS, target_device=cpu, device=cpu)
+    assert seen == [gpu, cpu] and r2.name == "stage 1 (text encoder, cpu)", (seen, r2.name)
+    assert "0 of 2 prompts from the embedding cache, encoder freed" in r2.notes  # the CPU's own entries
+    monkeypatch.setattr(qwen_stages, "_compute_device", lambda: torch.device("meta"))  # stands in for the GPU
+    again, r3 = qwen_stages.encode_prompts(te, PROMPTS, device=gpu)
+    assert seen == [gpu, cpu] and "2 of 2 prompts from the embedding cache, encoder not loaded" in r3.notes
+    for (a, _), (b, extra) in ((x[0], y[0]) for x, y in zip(first, again, strict=True)):
+        assert b.device.type == "meta" and b.shape == a.shape and a.shape[-1] == SMALL_TE.hidden
+        assert all(v.device.type == "meta" for v in extra.values() if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("fmt", "vision"), [("bf16", False), ("fp8_scaled", True)])
+def test_on_the_gpu_equals_stock_load_clip_on_the_gpu(comfy_on_gpu: None, tmp_path: Path, fmt: str,
+                                                      vision: bool) -> None:
+    """text_encoder_device = gpu: ComfyUI's model management loads the streamed encoder onto the GPU to encode, as
+    it loads CLIPLoader's: the same CONDITIONING as stock load_clip(QWEN_IMAGE) + CLIPTextEncode on that GPU, bit
+    for bit, and it ends on the compute device."""
+    import comfy.model_management as mm
+    import torch
+    from comfyui_lowvram_dit.checkpoints import safetensors_io as checkpoint_io, text_encoders
+    from comfyui_lowvram_dit.host import qwen_stages, text_encoders as host_te
+
+    te = write_small_text_encoder(tmp_path / f"te_{fmt}.safetensors", fmt, seed=2,
+                                  cfg=WITH_VISION if vision else SMALL_TE)
+    gpu = host_te.resolve_device("gpu", f"{NODE}, text_encoder_device")
+    ours, report = qwen_stages.encode_prompts(te, PROMPTS, use_cache=False, device=gpu)
+    assert "cuda" in report.name, report.name
+    cfg = text_encoders.qwen25_vl_config_from_header(checkpoint_io.read_header(te))
+    stock = stock_conditioning(te, "QWEN_IMAGE", {"load_device": gpu, "offload_device": torch.device("cpu"),
+                                                  "qwen25_7b_model_config": cfg}, PROMPTS)
+    for a, b in zip(ours, stock, strict=True):
+        assert len(a) == len(b) == 1 and sorted(a[0][1]) == sorted(b[0][1])
+        assert a[0][0].device == mm.get_torch_device() and a[0][0].dtype == b[0][0].dtype
+        assert torch.equal(a[0][0].cpu(), b[0][0].cpu()) and bool(a[0][0].abs().sum() > 0)

@@ -15,7 +15,7 @@ import types
 from pathlib import Path
 
 import pytest
-from comfy_server import comfyui_in_process_or_skip
+from comfy_server import comfyui_in_process_or_skip, stock_conditioning
 from comfyui_lowvram_dit.synthetic import checkpoints as synth
 from comfyui_lowvram_dit.synthetic.specs import UMT5Config
 
@@ -175,7 +175,6 @@ def test_on_the_gpu_equals_stock_load_clip_on_the_gpu(comfy_on_gpu: None, tmp_pa
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """device = gpu: ComfyUI's model management loads the streamed encoder onto the GPU to encode, as it loads
     CLIPLoader's: the same CONDITIONING as stock load_clip + CLIPTextEncode on that GPU, bit for bit."""
-    import comfy.model_management as mm
     import comfy.sd
     import torch
     from comfyui_lowvram_dit.checkpoints import safetensors_io as checkpoint_io, text_encoders
@@ -188,12 +187,8 @@ def test_on_the_gpu_equals_stock_load_clip_on_the_gpu(comfy_on_gpu: None, tmp_pa
     assert "cuda" in report.name, report.name
     read = text_encoders.umt5_config_from_header(checkpoint_io.read_header(te))
     monkeypatch.setattr(comfy.sd, "detect_te_model", lambda sd: comfy.sd.TEModel.T5_XXL)
-    with torch.inference_mode():
-        clip = comfy.sd.load_clip([str(te)], clip_type=comfy.sd.CLIPType.WAN, model_options={
-            "load_device": gpu, "offload_device": torch.device("cpu"), "umt5xxl_model_config": read})
-        stock = [clip.encode_from_tokens_scheduled(clip.tokenize(p)) for p in PROMPTS]
-    del clip
-    mm.cleanup_models_gc()
+    stock = stock_conditioning(te, "WAN", {"load_device": gpu, "offload_device": torch.device("cpu"),
+                                           "umt5xxl_model_config": read}, PROMPTS)
     _assert_same([pos, neg], stock)
 
 

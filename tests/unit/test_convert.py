@@ -150,9 +150,10 @@ def test_qwen_image_t2i_becomes_the_staged_loader() -> None:
     (sid, (staged, graph)), = [(i, v) for i, v in after.items() if v[0]["type"] == "LowVRAM_QwenImageStagedLoader"]
     assert before[sid][0]["type"] == "UNETLoader"
     vae = next(n for n, _ in after.values() if n["type"] == "VAELoader")
-    unet_name, clip_name, vae_name, _, _, quant, budget, blocks, cache, compute = staged["widgets_values"]
-    assert (unet_name, vae_name, quant, budget, blocks, cache, compute) == (
-        before[sid][0]["widgets_values"][0], vae["widgets_values"][0], "fp8 per-tensor", 14.0, -1, True, "auto")
+    unet_name, clip_name, vae_name, _, _, quant, budget, blocks, cache, compute, te_device = staged["widgets_values"]
+    assert (unet_name, vae_name, quant, budget, blocks, cache, compute, te_device) == (
+        before[sid][0]["widgets_values"][0], vae["widgets_values"][0], "fp8 per-tensor", 14.0, -1, True, "auto",
+        "auto")
     assert clip_name == next(n for n, _ in before.values() if n["type"] == "CLIPLoader")["widgets_values"][0]
     attn = _chain(graph, sid, ["LowVRAM_Attention"])
     assert _consumers(graph, attn) == _consumers(before[sid][1], sid)
