@@ -239,12 +239,13 @@ def _convert_wan_text(wf: Workflow, graph: Graph, clip_loader: dict, report: Rep
                             "positive and one negative CLIPTextEncode")
         return
     pos, neg = pair
-    widgets = [_widget(clip_loader, 0), _widget(pos, 0) or "", (_widget(neg, 0) if neg else "") or "", True]
+    widgets = [_widget(clip_loader, 0), _widget(pos, 0) or "", (_widget(neg, 0) if neg else "") or "", True,
+               "auto"]  # ..., cache_embeddings, device
     _retype(pos, "LowVRAM_WanTextEncode", widgets)
     _absorb_prompts(wf, graph, pos, clip_loader, pos, neg, {}, (0, 1))
     gone = f"CLIPLoader {clip_loader['id']} + CLIPTextEncode {pos['id']}" + (f", {neg['id']}" if neg else "")
     report.changes.append(f"{graph.name}: replaced {gone} -> node {pos['id']} LowVRAM_WanTextEncode "
-                          "(umT5 on the CPU, embeddings cached)")
+                          "(umT5 where ComfyUI runs text encoders, embeddings cached)")
 
 
 def _convert_wan_loader(graph: Graph, node: dict, opts: ConvertOptions, report: Report) -> None:

@@ -81,7 +81,7 @@ def check_wan_text(env: SelfTestEnv) -> Iterator[Verdict]:
 
     name = env.file("text_encoders", UMT5_FILE, _write_umt5)
     ours = WanTextEncode.execute(clip_name=name, positive=PROMPTS[0], negative=PROMPTS[1],
-                                 cache_embeddings=False).args
+                                 cache_embeddings=False, device="cpu").args  # where stock_clip encodes
     config = umt5_config_from_header(read_header(_path("text_encoders", name)))
     detect = comfy.sd.detect_te_model
     # Newer ComfyUI tells umT5-XXL from other T5s by its 10240-wide FFN, which the narrow file lacks; it answers

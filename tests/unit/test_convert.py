@@ -93,7 +93,7 @@ def test_wan_text_encode_takes_over_both_prompts(name: str) -> None:
     clip = next(n for n, _ in before.values() if n["type"] == "CLIPLoader")
     pos_text = before[roles["positive"]][0]["widgets_values"][0]
     assert text["widgets_values"] == [clip["widgets_values"][0], pos_text,
-                                      before[roles["negative"]][0]["widgets_values"][0], True]
+                                      before[roles["negative"]][0]["widgets_values"][0], True, "auto"]
     assert not any(n["type"] in ("CLIPLoader", "CLIPTextEncode") for n, _ in after.values())
     # promoted widgets (subgraph inputs and proxyWidgets) now feed the new node's own widgets
     widget_names = {inp["name"] for inp in text["inputs"]}
