@@ -127,15 +127,16 @@ def _seconds(row: dict, kind: str, native: dict | None) -> str:
 
 
 def _warm_split(row: dict) -> str:
-    """The warm render's load / text / steps / decode / save / other seconds and its samplers' first and median
-    steps."""
+    """The warm render's load / text / steps / decode / save / other seconds and each sampler's total with its first
+    and median steps (the GPU runs behind the progress messages, so with few steps the totals are the firm part)."""
     w = (row.get("renders") or {}).get("warm") or (row.get("renders") or {}).get("first_ever") or {}
     if "total_s" not in w:
         return "—"
     parts = " / ".join(_f(w.get(k)) for k in ("load_s", "text_encode_s", "sampling_s", "vae_decode_s", "save_s",
                                               "other_s"))
-    steps = ", ".join(_f(s["first_step_s"]) + (f" + {s['steps'] - 1} x {_f(s['median_step_s'], 2)}"
-                                                 if s["steps"] > 1 and s.get("median_step_s") else "")
+    steps = ", ".join((f"{_f(s['node_s'])}: " if s.get("node_s") else "") + _f(s["first_step_s"])
+                      + (f" + {s['steps'] - 1} x {_f(s['median_step_s'], 2)}"
+                         if s["steps"] > 1 and s.get("median_step_s") else "")
                       for s in w.get("samplers", []) if s.get("steps"))
     return f"{parts} ({steps})" if steps else parts
 
@@ -160,7 +161,7 @@ def _error(row: dict) -> str:
 def table(rows: list[dict], all_rows: list[dict]) -> list[str]:
     """The markdown table of one workflow and card."""
     lines = ["| setup | row | " + " | ".join(f"{KIND_LABEL[k]} s" for k in KINDS) + " | split of the warm render: "
-             "load / text / sampling / decode / save / other s (each sampler: first + n x median step) | s/step | "
+             "load / text / sampling / decode / save / other s (each sampler's node total: its first + n x median step) | s/step | "
              "peak VRAM GiB | peak RSS GiB | output error vs native (; vs bf16) | against | status |",
              "|" + "---|" * (9 + len(KINDS))]
     for r in rows:
