@@ -324,7 +324,8 @@ def _convert_qwen_edit(wf: Workflow, graph: Graph, unet: dict, clip_loader: dict
     outs = {1: graph.out_links(pos, 0), 2: graph.out_links(neg, 0),
             3: [lk for lk in graph.out_links(vae_loader, 0) if lk["target_id"] not in (pos["id"], neg["id"])]}
     widgets = [_widget(unet, 0), _widget(clip_loader, 0), _widget(vae_loader, 0), _widget(pos, 0) or "",
-               _widget(neg, 0) or "", FP8_CHOICES[opts.fp8], opts.budget_gb, -1, True, "auto"]
+               _widget(neg, 0) or "", FP8_CHOICES[opts.fp8], opts.budget_gb, -1, True, "auto",
+               "auto"]  # ..., compute, text_encoder_device (the images between them are links, not widgets)
     _retype(unet, "LowVRAM_QwenImageEditStagedLoader", widgets)
     _set_inputs(graph, unet, QWEN_EDIT_INPUTS, moved)
     _set_outputs(graph, unet, STAGED_OUTPUTS)
@@ -339,7 +340,7 @@ def _convert_qwen_edit(wf: Workflow, graph: Graph, unet: dict, clip_loader: dict
     report.changes.append(f"{graph.name}: replaced UNETLoader {unet['id']} + CLIPLoader {clip_loader['id']} + "
                           f"VAELoader {vae_loader['id']} + {EDIT_ENCODER} {pos['id']}, {neg['id']} -> node "
                           f"{unet['id']} LowVRAM_QwenImageEditStagedLoader ({FP8_CHOICES[opts.fp8]}, vram_budget_gb "
-                          f"{opts.budget_gb:g}; text and images encoded on the CPU)")
+                          f"{opts.budget_gb:g}; text and images encoded where ComfyUI runs text encoders)")
     _insert_after(graph, unet, "LowVRAM_Attention", ["auto"], report, "backend auto")
 
 

@@ -158,7 +158,7 @@ def check_qwen_edit(env: SelfTestEnv) -> Iterator[Verdict]:
     model, pos, neg, _ = QwenImageEditStagedLoader.execute(
         unet_name=unet, clip_name=te, vae_name=vae_name, positive=EDIT_PROMPTS[0], negative=EDIT_PROMPTS[1],
         quantization="none", vram_budget_gb=0.0, blocks_to_swap=-1, cache_embeddings=False, compute="auto",
-        image1=image).args
+        image1=image, text_encoder_device="cpu").args  # where stock_clip encodes: bit-identical there
     clip = stock_clip(te, "QWEN_IMAGE", "qwen25_7b_model_config", _qwen_te_config(te))
     vae = comfy_nodes().VAELoader().load_vae(vae_name)[0]
     stock = [TextEncodeQwenImageEditPlus.execute(clip, p, vae, image, None, None).args[0] for p in EDIT_PROMPTS]

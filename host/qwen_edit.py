@@ -1,4 +1,4 @@
-"""Qwen-Image-Edit (2509 / 2511) in stages: the image-conditioned text encode on the CPU, then the staged transformer.
+"""Qwen-Image-Edit (2509 / 2511) in stages: the image-conditioned text encode, then the staged transformer.
 
 The Edit Staged Loader returns native MODEL, positive / negative CONDITIONING (with ``reference_latents`` as
 ComfyUI's TextEncodeQwenImageEditPlus sets them) and VAE, so the official templates' nodes work on them:
@@ -6,13 +6,15 @@ ComfyUI's TextEncodeQwenImageEditPlus sets them) and VAE, so the official templa
 - Stage 1, text + images: ComfyUI's own ``TextEncodeQwenImageEditPlus.execute`` runs for each prompt (image resizing,
   "Picture N:" prefix, edit template, VAE-encoded reference latents, ``conditioning_set_values``). Its ``clip`` is a
   stand-in: ``tokenize`` records the request, ``encode_from_tokens_scheduled`` answers it from the embedding cache
-  or from the Qwen2.5-VL encoder streamed onto the CPU (vision tower included; host/text_encoders.py), built
-  on the first miss. The node runs twice per prompt: without the VAE first (text + vision only), then the encoder is
-  freed, then with the VAE, its encodes answered from the first pass, so the encoder and the VAE encode never hold
-  memory at the same time. The prompts share their images, so the vision tower runs once per distinct image and the
-  VAE encodes each reference image once (both deterministic: the same result as a run per prompt). The cache key
-  holds the full text, the tokenizer arguments, a content hash of every image and the encoder identity. Only the
-  embeddings and reference latents go to the GPU.
+  or from the Qwen2.5-VL encoder streamed into RAM (vision tower included; host/text_encoders.py), built on the
+  first miss and run on the device the node's ``text_encoder_device`` names (ComfyUI's model management loads it
+  onto a GPU as it loads CLIPLoader's; the encoder moves the reference images to its device itself). The node runs
+  twice per prompt: without the VAE first (text + vision only), then the encoder is freed, then with the VAE, its
+  encodes answered from the first pass, so the encoder and the VAE encode never hold memory at the same time. The
+  prompts share their images, so the vision tower runs once per distinct image and the VAE encodes each reference
+  image once (both deterministic: the same result as a run per prompt). The cache key holds the full text, the
+  tokenizer arguments, a content hash of every image and the encoder identity (device type included). The
+  embeddings and reference latents end on the compute device.
 - Stage 2: the fp8 transformer with Block Swap (host/qwen_stages.py). A 2511 file's ``__index_timestep_zero__``
   marker is kept, so ComfyUI picks that reference method as it does for UNETLoader.
 """
@@ -103,19 +105,21 @@ class ReusedVAEEncodes:
 
 
 class StagedEditEncoder:
-    """The encoding behind the stand-in ``clip``: cache first, else the streamed CPU encoder (built once)."""
+    """The encoding behind the stand-in ``clip``: cache first, else the streamed encoder (built once) on ``device``."""
 
-    def __init__(self, te_path: str | Path, use_cache: bool = True) -> None:
+    def __init__(self, te_path: str | Path, use_cache: bool = True, device: torch.device = text_encoders.CPU) -> None:
         self.te_path = Path(te_path)
+        self.device = device
         self.cache = embedding_cache() if use_cache else None
-        self.identity = text_encoders.encoder_identity(QWEN25_VL_EDIT, te_path)
+        self.identity = text_encoders.encoder_identity(QWEN25_VL_EDIT, te_path, device)
         self.clip: Any = None
         self.done: dict[str, list] = {}  # this run's results by key: the node's second (VAE) pass reads them
         self.hits = 0
         self.misses = 0
 
     def encode(self, request: EncodeRequest, **kwargs: Any) -> list:
-        """CONDITIONING for ``request`` (CPU tensors, as CLIP.encode_from_tokens_scheduled returns)."""
+        """CONDITIONING for ``request`` (on ComfyUI's intermediate device, as CLIP.encode_from_tokens_scheduled
+        returns it)."""
         key = request_key(request, self.identity) if not kwargs else None
         if key in self.done:
             return self.done[key]
@@ -132,13 +136,14 @@ class StagedEditEncoder:
         return cached
 
     def _encode(self, request: EncodeRequest, key: str | None, **kwargs: Any) -> list:
-        """Run the streamed CPU encoder (built on the first call) and store the result in the cache."""
+        """Run the streamed encoder (built on the first call) and store the result in the cache."""
         if self.clip is None:
             import comfy.utils
 
             bar = comfy.utils.ProgressBar(1000)
             self.clip = text_encoders.build_streaming(QWEN25_VL_EDIT, self.te_path,
-                                                      lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))))
+                                                      lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))),
+                                                      device=self.device)
             csm = self.clip.cond_stage_model
             visual = getattr(getattr(csm, csm.clip).transformer, "visual", None)
             if isinstance(visual, torch.nn.Module):
@@ -190,16 +195,18 @@ def _to_device(cond: list, dev: torch.device) -> list:
 
 def encode_edit_prompts(te_path: str | Path, prompts: list[str], images: list[torch.Tensor | None], vae: Any,
                         use_cache: bool = True, target_device: torch.device | None = None,
-                        reset_cuda_peak: bool = False) -> tuple[list[list], StageReport]:
-    """Stage 1 for Edit: CONDITIONING per prompt exactly as TextEncodeQwenImageEditPlus(clip, prompt, vae, image1..3)
-    gives it with CLIPLoader's encoder, from the cache or a streamed CPU encoder freed afterwards."""
+                        reset_cuda_peak: bool = False,
+                        device: torch.device = text_encoders.CPU) -> tuple[list[list], StageReport]:
+    """Stage 1 for Edit: CONDITIONING per prompt on ``target_device`` (default the compute device) exactly as
+    TextEncodeQwenImageEditPlus(clip, prompt, vae, image1..3) gives it with CLIPLoader's encoder on ``device``, from
+    the cache or a streamed encoder run on ``device`` and freed afterwards."""
     if len(images) > MAX_IMAGES:
         raise ValueError(f"Qwen-Image-Edit takes at most {MAX_IMAGES} reference images, got {len(images)}")
     images = list(images) + [None] * (MAX_IMAGES - len(images))
     node = _edit_node()
-    meter = stage_meter.StageMeter("stage 1 (text + vision encoder, CPU)", reset_cuda_peak=reset_cuda_peak)
+    meter = stage_meter.StageMeter(f"stage 1 (text + vision encoder, {device})", reset_cuda_peak=reset_cuda_peak)
     with meter:
-        encoder = StagedEditEncoder(te_path, use_cache)
+        encoder = StagedEditEncoder(te_path, use_cache, device)
         clip = ServedClip(encoder)
         try:  # text + vision first, without the VAE: the encoder is freed before any reference latent is made
             out = [node.execute(clip, p, None, *images).args[0] for p in prompts]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from comfy_api.latest import io
 
+from ..host import text_encoders
 from ..host.names import CATEGORY_LOADERS, display_name, node_id
 from ..host.qwen_edit import MAX_IMAGES, QWEN25_VL_EDIT, encode_edit_prompts
 from ..host.qwen_stages import load_staged_model, load_vae, prepare_files
@@ -12,7 +13,7 @@ from . import qwen_staged
 
 
 class QwenImageEditStagedLoader(io.ComfyNode):
-    """Qwen-Image-Edit from three files in stages: VAE, CPU text + vision encode (cached), fp8 transformer + swap.
+    """Qwen-Image-Edit from three files in stages: VAE, streamed text + vision encode (cached), fp8 transformer + swap.
 
     A loader (nothing to pass through): without its seams it is left out with one warning; UNETLoader / CLIPLoader /
     VAELoader + TextEncodeQwenImageEditPlus remain the way to run Qwen-Image-Edit.
@@ -27,7 +28,7 @@ class QwenImageEditStagedLoader(io.ComfyNode):
         base = {i.id: i for i in qwen_staged.QwenImageStagedLoader.define_schema().inputs}
         images = [io.Image.Input(f"image{n}", optional=True,
                                  tooltip=f"Reference image {n} (as TextEncodeQwenImageEditPlus image{n}); seen by the "
-                                         "vision tower on the CPU and VAE-encoded as a reference latent.")
+                                         "vision tower and VAE-encoded as a reference latent.")
                   for n in range(1, MAX_IMAGES + 1)]
         return io.Schema(
             node_id=node_id("QwenImageEditStagedLoader"),
@@ -35,8 +36,9 @@ class QwenImageEditStagedLoader(io.ComfyNode):
             category=CATEGORY_LOADERS,
             description=(
                 "Runs Qwen-Image-Edit (2509 / 2511) on small machines: the prompts and up to three reference images "
-                "go through ComfyUI's TextEncodeQwenImageEditPlus with a Qwen2.5-VL encoder (vision tower included) "
-                "streamed onto the CPU and freed afterwards (embeddings cached on disk by prompt, image content and "
+                "go through ComfyUI's TextEncodeQwenImageEditPlus with a streamed Qwen2.5-VL encoder (vision tower "
+                "included; never two copies in RAM) run where text_encoder_device says, by default where ComfyUI "
+                "runs text encoders, and freed afterwards (embeddings cached on disk by prompt, image content and "
                 "encoder); the reference latents are VAE-encoded; then the transformer loads as fp8 with block swap "
                 "under a VRAM budget. Outputs native MODEL / CONDITIONING / VAE for KSampler."),
             inputs=[
@@ -49,8 +51,15 @@ class QwenImageEditStagedLoader(io.ComfyNode):
                 io.Boolean.Input("cache_embeddings", default=True,
                                  tooltip="Keep the embeddings on disk (user directory); an unchanged prompt with "
                                          "unchanged images skips loading the encoder. Keyed by prompt, image "
-                                         "content and encoder file content."),
+                                         "content, encoder file content and device type."),
                 base["compute"], *images,
+                io.Combo.Input("text_encoder_device", options=list(text_encoders.DEVICES), default="auto",
+                               optional=True,
+                               tooltip="Where Qwen2.5-VL and its vision tower run (freed after encoding either way). "
+                                       "auto: where ComfyUI runs text encoders (the GPU on NVIDIA, the CPU under "
+                                       "--cpu or a low-VRAM mode). cpu: least VRAM, but each new prompt or image "
+                                       "is a CPU encode through the 7B encoder and its vision tower. gpu: the GPU "
+                                       "always."),
             ],
             outputs=[io.Model.Output(), io.Conditioning.Output("positive"), io.Conditioning.Output("negative"),
                      io.Vae.Output()],
@@ -70,12 +79,14 @@ class QwenImageEditStagedLoader(io.ComfyNode):
     def execute(cls, unet_name: str, clip_name: str, vae_name: str, positive: str, negative: str,
                 quantization: str, vram_budget_gb: float, blocks_to_swap: int, cache_embeddings: bool,
                 compute: str = "auto", image1: torch.Tensor | None = None, image2: torch.Tensor | None = None,
-                image3: torch.Tensor | None = None) -> io.NodeOutput:
+                image3: torch.Tensor | None = None, text_encoder_device: str = "auto") -> io.NodeOutput:
+        where = text_encoders.resolve_device(text_encoder_device,
+                                             f"{display_name('Qwen-Image-Edit Staged Loader')}, text_encoder_device")
         unet, te, vae_path = prepare_files(unet_name, clip_name, vae_name, vram_budget_gb,
                                                        "Qwen-Image-Edit Staged Loader", QWEN25_VL_EDIT)
         vae = load_vae(vae_path)
         (pos, neg), _ = encode_edit_prompts(te, [positive, negative], [image1, image2, image3], vae,
-                                            use_cache=cache_embeddings)
+                                            use_cache=cache_embeddings, device=where)
         model, _ = load_staged_model(unet, quantization, vram_budget_gb, blocks_to_swap, compute)
         return io.NodeOutput(model, pos, neg, vae)
 

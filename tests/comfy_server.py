@@ -35,7 +35,7 @@ import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,9 +110,11 @@ def sample_wan(patcher: Any, seed: int = 0, steps: int = 2, cfg: float = 3.0, fr
                                disable_pbar=True)
 
 
-def stock_conditioning(te: Path, clip_type: str, model_options: dict, prompts: list[str]) -> list[list]:
+def stock_conditioning(te: Path, clip_type: str, model_options: dict, prompts: list[str],
+                       encode: Callable[[Any, str], list] | None = None) -> list[list]:
     """What CLIPLoader + CLIPTextEncode give for each prompt: ``comfy.sd.load_clip`` of ``te`` (``clip_type``: a
-    ``comfy.sd.CLIPType`` name) with ``model_options``; the encoder is freed afterwards."""
+    ``comfy.sd.CLIPType`` name) with ``model_options``; ``encode(clip, prompt)`` stands in for another encode node
+    (e.g. TextEncodeQwenImageEditPlus); the encoder is freed afterwards."""
     import comfy.model_management as mm
     import comfy.sd
     import torch
@@ -120,10 +122,85 @@ def stock_conditioning(te: Path, clip_type: str, model_options: dict, prompts: l
     with torch.inference_mode():
         clip = comfy.sd.load_clip([str(te)], clip_type=getattr(comfy.sd.CLIPType, clip_type),
                                   model_options=model_options)
-        out = [clip.encode_from_tokens_scheduled(clip.tokenize(p)) for p in prompts]
+        out = [clip.encode_from_tokens_scheduled(clip.tokenize(p)) if encode is None else encode(clip, p)
+               for p in prompts]
     del clip
     mm.cleanup_models_gc()
     return out
+
+
+def check_device_choices(monkeypatch: Any, execute: Callable[..., Any], calls: list, option: str) -> None:
+    """A staged node's text encoder device choice, its stages planted (``execute(**{name: choice})`` records
+    ``["files", device]`` in ``calls``): left out or auto = where ComfyUI runs text encoders, on a ComfyUI on a GPU
+    and on one on the CPU only; cpu; gpu. An unknown choice, or gpu on a CPU-only ComfyUI, is a ValueError naming
+    ``option`` ("<node>, <name>") raised before any file is read."""
+    import comfy.model_management as mm
+    import pytest
+    import torch
+
+    name = option.rsplit(", ", 1)[-1]
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    for where in (gpu, cpu):  # a ComfyUI on a GPU, then one on the CPU only
+        monkeypatch.setattr(mm, "text_encoder_device", lambda where=where: where)
+        monkeypatch.setattr(mm, "get_torch_device", lambda where=where: where)
+        for choice, want in ((None, where), ("auto", where), ("cpu", cpu)) + ((("gpu", gpu),) if where == gpu else ()):
+            calls.clear()
+            execute(**({} if choice is None else {name: choice}))
+            assert calls == ["files", want], (where, choice, calls)
+    calls.clear()
+    with pytest.raises(ValueError, match=re.escape(f"{option} = gpu, but ComfyUI runs on the CPU")):
+        execute(**{name: "gpu"})
+    with pytest.raises(ValueError, match=re.escape(f"{option}: 'tpu' is not one of ['auto', ")):
+        execute(**{name: "tpu"})
+    assert calls == []
+
+
+def check_stage_1_devices(monkeypatch: Any, encode: Callable[[Any, Any], tuple[list, Any]], stage: str,
+                          width: int) -> None:
+    """``encode(device, target_device)`` (two prompts, the embedding cache on in a temp user directory) hands
+    ``device`` to the streamed encoder (a spy records it and builds on this CPU), names it in the stage label
+    ``stage 1 (<stage>, <device>)``, keys the embedding cache by its type (a GPU's kernels round differently from the
+    CPU's) and returns the embeddings on the target; ``None``: the default, the compute device, which ``encode``
+    points at the meta device."""
+    import torch
+    from comfyui_lowvram_dit.host import text_encoders
+
+    real, seen = text_encoders.build_streaming, []
+
+    def spy(enc, te_path, progress=None, device=text_encoders.CPU):  # noqa: ANN001, ANN202
+        seen.append(device)
+        return real(enc, te_path, progress)
+
+    monkeypatch.setattr(text_encoders, "build_streaming", spy)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    first, r1 = encode(gpu, cpu)
+    assert seen == [gpu] and r1.name == f"stage 1 ({stage}, cuda:0)", (seen, r1.name)
+    assert re.search(r"\b0 of 2 prompts from the embedding cache.*, encoder freed", "; ".join(r1.notes)), r1.notes
+    _, r2 = encode(cpu, cpu)
+    assert seen == [gpu, cpu] and r2.name == f"stage 1 ({stage}, cpu)", (seen, r2.name)
+    assert re.search(r"\b0 of 2 prompts from the embedding cache", "; ".join(r2.notes)), r2.notes  # the CPU's own
+    again, r3 = encode(gpu, None)
+    assert seen == [gpu, cpu], seen
+    assert re.search(r"\b2 of 2 prompts from the embedding cache.*, encoder not loaded", "; ".join(r3.notes)), r3.notes
+    for (a, _), (b, extra) in ((x[0], y[0]) for x, y in zip(first, again, strict=True)):
+        assert b.device.type == "meta" and b.shape == a.shape and a.shape[-1] == width
+        assert all(v.device.type == "meta" for v in extra.values() if isinstance(v, torch.Tensor))
+
+
+def check_gpu_refused_on_a_cpu_server(server: ComfyServer, graph: dict, node: str, option: str) -> None:
+    """``graph`` with node ``node``'s text encoder device (``option``: "<display name>, <input>") set to gpu, run
+    where ComfyUI runs on the CPU: an error naming the node, the option and the fix, before stage 1 runs."""
+    import pytest
+
+    if os.environ.get("COMFYUI_GPU") == "1":
+        pytest.skip("the test server runs on the GPU here (COMFYUI_GPU=1): gpu is a valid choice")
+    graph[node]["inputs"][option.rsplit(", ", 1)[-1]] = "gpu"
+    before = len(server.log_text())
+    with pytest.raises(AssertionError) as err:
+        server.run(graph, timeout=300)
+    assert f"{option} = gpu, but ComfyUI runs on the CPU here" in str(err.value), str(err.value)
+    assert "pick auto or cpu" in str(err.value)
+    assert "stage 1" not in server.log_text()[before:]
 
 
 def loader_swap_nodes(unet: str, blocks_to_swap: int) -> dict:

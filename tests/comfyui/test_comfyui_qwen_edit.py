@@ -1,5 +1,6 @@
-"""Qwen-Image-Edit staged loader: the streamed CPU encoder (vision tower included) against ComfyUI's own
-CLIPLoader + TextEncodeQwenImageEditPlus, the cache keyed by prompt + image content + encoder, and a real server.
+"""Qwen-Image-Edit staged loader: the streamed encoder (vision tower included) against ComfyUI's own
+CLIPLoader + TextEncodeQwenImageEditPlus, on the CPU and (``-m cuda``, run alone) on the GPU, the cache keyed by
+prompt + image content + encoder + device type, ``text_encoder_device`` reaching the encoder, and a real server.
 
 Files: a small Qwen2.5-VL encoder (``EDIT_TE``: ComfyUI's widths, the full 32-block vision tower ComfyUI always builds,
 2 language layers; written by tests/unit/test_staged.py's writer), the tiny Wan 2.1 VAE and, for the server, the tiny Qwen-Image transformer.
@@ -8,6 +9,7 @@ The vision tower and a 1024x1024 VAE encode run on the CPU here: each encode tak
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from collections.abc import Iterator
@@ -15,12 +17,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from comfy_server import ComfyServer, comfyui_in_process_or_skip
+from comfy_server import (
+    ComfyServer, check_device_choices, check_gpu_refused_on_a_cpu_server, check_stage_1_devices,
+    comfyui_in_process_or_skip, stock_conditioning,
+)
 from comfyui_lowvram_dit.synthetic import checkpoints as synth
 from comfyui_lowvram_dit.synthetic.specs import Qwen25VLConfig, model_config
-from test_staged import write_small_text_encoder
+from test_staged import WITH_VISION, write_small_text_encoder
 
 pytestmark = pytest.mark.comfyui
+NODE = "Qwen-Image-Edit Staged Loader (LowVRAM)"
 # Written here, not shared with the text-only tests: Edit needs the full vision tower (32 blocks, width 1280, fixed in
 # ComfyUI) and the language model at ComfyUI's widths (3584 = the transformer's joint_attention_dim), 2 layers deep.
 EDIT_TE = Qwen25VLConfig(num_layers=2, hidden=3584, intermediate=256, num_heads=28, num_kv_heads=4, head_dim=128,
@@ -29,8 +35,8 @@ EDIT_TE = Qwen25VLConfig(num_layers=2, hidden=3584, intermediate=256, num_heads=
 # tower's merger, which ComfyUI builds at fixed sizes, projects to 3584).
 EDIT_DIT = replace(model_config("qwen_image", "tiny"), joint_dim=EDIT_TE.hidden)
 GIB = float(1 << 30)
-STAGE1_RE = re.compile(r"Qwen-Image stage 1 \(text \+ vision encoder, CPU\): [\d.]+ s, RSS ([\d.]+) -> ([\d.]+) GiB "
-                       r"\(peak ([\d.]+) GiB\)(?:, VRAM [^;]*)?; (.*)")
+STAGE1_RE = re.compile(r"Qwen-Image stage 1 \(text \+ vision encoder, ([^)]*)\): [\d.]+ s, RSS ([\d.]+) -> "
+                       r"([\d.]+) GiB \(peak ([\d.]+) GiB\)(?:, VRAM [^;]*)?; (.*)")
 
 
 def _image(seed: int, h: int = 40, w: int = 56):  # noqa: ANN202 - IMAGE tensor [1, H, W, 3]
@@ -57,16 +63,26 @@ def _same(a: list, b: list) -> None:
                 assert va == vb, k
 
 
+def _stock_edit(te: Path, device, prompts: list[str], vae, image) -> list[list]:  # noqa: ANN001
+    """CLIPLoader (load_clip, QWEN_IMAGE, loaded on ``device``) + TextEncodeQwenImageEditPlus(prompt, vae, image)."""
+    import torch
+    from comfy_extras.nodes_qwen import TextEncodeQwenImageEditPlus
+    from comfyui_lowvram_dit.checkpoints import safetensors_io as checkpoint_io, text_encoders
+
+    cfg = text_encoders.qwen25_vl_config_from_header(checkpoint_io.read_header(te))
+    return stock_conditioning(te, "QWEN_IMAGE", {"load_device": device, "offload_device": torch.device("cpu"),
+                                                 "qwen25_7b_model_config": cfg}, prompts,
+                              lambda clip, p: TextEncodeQwenImageEditPlus.execute(clip, p, vae, image, None,
+                                                                                  None).args[0])
+
+
 def test_edit_encode_equals_stock_and_caches_by_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In process: streamed encode == CLIPLoader (load_clip, QWEN_IMAGE, CPU) + TextEncodeQwenImageEditPlus, tensor
     for tensor; the same prompt + image is then served from the cache (encoder not loaded), a changed pixel misses;
     RSS holds one copy of the encoder and falls back after it is freed."""
     comfyui_in_process_or_skip()
-    import comfy.sd
     import folder_paths
     import torch
-    from comfy_extras.nodes_qwen import TextEncodeQwenImageEditPlus
-    from comfyui_lowvram_dit.checkpoints import safetensors_io as checkpoint_io, text_encoders
     from comfyui_lowvram_dit.host import qwen_edit, qwen_stages
 
     monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path / "user"))
@@ -79,11 +95,7 @@ def test_edit_encode_equals_stock_and_caches_by_image(tmp_path: Path, monkeypatc
     with torch.inference_mode():
         ours, rep = qwen_edit.encode_edit_prompts(te, [prompt], [img], vae, target_device=cpu)
         assert "0 of 1 prompts from the embedding cache" in rep.notes[0] and "encoder freed" in rep.notes[0], rep
-        cfg = text_encoders.qwen25_vl_config_from_header(checkpoint_io.read_header(te))
-        stock_clip = comfy.sd.load_clip([str(te)], clip_type=comfy.sd.CLIPType.QWEN_IMAGE, model_options={
-            "load_device": cpu, "offload_device": cpu, "qwen25_7b_model_config": cfg})
-        stock = TextEncodeQwenImageEditPlus.execute(stock_clip, prompt, vae, img, None, None).args[0]
-        del stock_clip
+        (stock,) = _stock_edit(te, cpu, [prompt], vae, img)
         _same(ours[0], stock)
         assert ours[0][0][0].shape[-1] == 3584 and len(ours[0][0][1]["reference_latents"]) == 1
         # Same prompt and image: from the cache, the encoder never built; reference latents made again by the VAE.
@@ -114,6 +126,77 @@ def test_edit_encoder_requires_the_vision_tower(tmp_path: Path) -> None:
                                   cfg=Qwen25VLConfig(num_layers=1, intermediate=128, vision_layers=0))
     with pytest.raises(CheckpointError, match="te_text_only.safetensors: the file lacks .* Qwen2.5-VL weights"):
         text_encoders.build_streaming(qwen_edit.QWEN25_VL_EDIT, te)
+
+
+def test_the_node_hands_the_chosen_device_to_stage_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """text_encoder_device reaches the text + vision stage resolved (left out = auto = where ComfyUI runs text
+    encoders); a choice that is not an option, or gpu on a CPU-only ComfyUI, is an error naming the node and the
+    option, raised before any file is read. The stages are planted: what is checked is what the node hands them."""
+    comfyui_in_process_or_skip()
+    from comfyui_lowvram_dit.nodes import qwen_edit
+
+    calls: list = []
+    monkeypatch.setattr(qwen_edit, "prepare_files", lambda *a: calls.append("files") or ("u", "t", "v"))
+    monkeypatch.setattr(qwen_edit, "load_vae", lambda path: "vae")
+    monkeypatch.setattr(qwen_edit, "encode_edit_prompts", lambda te, prompts, images, vae, use_cache, device:
+                        calls.append(device) or (([], []), None))
+    monkeypatch.setattr(qwen_edit, "load_staged_model", lambda *a: ("model", None))
+    args = {"unet_name": "u", "clip_name": "t", "vae_name": "v", "positive": "p", "negative": " ",
+            "quantization": "fp8 per-tensor", "vram_budget_gb": 0.0, "blocks_to_swap": -1, "cache_embeddings": True,
+            "compute": "auto", "image1": None}
+    check_device_choices(monkeypatch, lambda **choice: qwen_edit.QwenImageEditStagedLoader.execute(**args, **choice),
+                         calls, f"{NODE}, text_encoder_device")
+
+
+def test_stage_1_encodes_on_its_device_and_keeps_devices_apart_in_the_cache(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """encode_edit_prompts hands its device to the streamed encoder (a spy records it and builds on this CPU), names
+    it in the stage label, keys the embedding cache by its type (a GPU's kernels round differently from the CPU's) and
+    still returns the embeddings on the compute device. Text-only prompts: the vision tower is built, not run."""
+    comfyui_in_process_or_skip()
+    import comfy.model_management as mm
+    import folder_paths
+    import torch
+    from comfyui_lowvram_dit.host import qwen_edit
+
+    monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path / "user"))
+    te = write_small_text_encoder(tmp_path / "te.safetensors", "fp8_scaled", seed=4, cfg=WITH_VISION)
+
+    def encode(device: torch.device, target: torch.device | None) -> tuple[list, object]:
+        if target is None:  # the default, the compute device: meta stands in for the GPU (no encoder is built now)
+            monkeypatch.setattr(mm, "get_torch_device", lambda: torch.device("meta"))
+        with torch.inference_mode():
+            return qwen_edit.encode_edit_prompts(te, ["make the sky green", " "], [], None, target_device=target,
+                                                 device=device)
+
+    check_stage_1_devices(monkeypatch, encode, "text + vision encoder", WITH_VISION.hidden)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_scaled"])
+def test_on_the_gpu_equals_stock_load_clip_on_the_gpu(comfy_on_gpu: None, tmp_path: Path, fmt: str) -> None:
+    """text_encoder_device = gpu: ComfyUI's model management loads the streamed encoder onto the GPU to encode (the
+    encoder moves the CPU reference image there itself), as it loads CLIPLoader's: the same CONDITIONING as stock
+    load_clip(QWEN_IMAGE) on that GPU + TextEncodeQwenImageEditPlus, reference latents included, bit for bit; it
+    ends on the compute device."""
+    import comfy.model_management as mm
+    import torch
+    from comfyui_lowvram_dit.host import qwen_edit, qwen_stages, text_encoders
+
+    te = write_small_text_encoder(tmp_path / f"te_{fmt}.safetensors", fmt, seed=2, cfg=WITH_VISION)
+    vae = qwen_stages.load_vae(synth.write_synthetic("wan21_vae", tmp_path / "vae.safetensors", "tiny", "bf16",
+                                                     seed=3))
+    gpu = text_encoders.resolve_device("gpu", f"{NODE}, text_encoder_device")
+    img, prompts = _image(0), ["Replace the cat with a dalmatian", " "]
+    with torch.inference_mode():
+        ours, report = qwen_edit.encode_edit_prompts(te, prompts, [img], vae, use_cache=False, device=gpu)
+    assert "cuda" in report.name and "encoder freed" in report.notes[0], (report.name, report.notes)
+    stock = _stock_edit(te, gpu, prompts, vae, img)
+    for a, b in zip(ours, stock, strict=True):
+        (emb, extra), = a
+        assert emb.device == mm.get_torch_device() and bool(emb.abs().sum() > 0)
+        assert [r.device for r in extra["reference_latents"]] == [mm.get_torch_device()]
+        _same(a, b)
 
 
 def test_2511_marker_reaches_comfyui_detection(tmp_path: Path) -> None:
@@ -179,16 +262,24 @@ def _graph(files: dict[str, str], prompt: str, quantization: str, seed: int) -> 
 
 
 def _stage1(log: str) -> tuple[float, float, float, str]:
+    """Stage 1's RSS at start, end and peak, and its notes; the device it names is the server's."""
     m = STAGE1_RE.search(log)
     assert m, log[-4000:]
-    return float(m.group(1)), float(m.group(2)), float(m.group(3)), m.group(4)
+    want = "cpu" if os.environ.get("COMFYUI_GPU") != "1" else "cuda"  # text_encoder_device left out = auto
+    assert m.group(1).startswith(want), m.group(0)
+    return float(m.group(2)), float(m.group(3)), float(m.group(4)), m.group(5)
 
 
 def test_edit_loader_through_the_server(comfy_server: ComfyServer, files: dict[str, str]) -> None:
     """Cold run (both prompts encoded with the image, encoder freed, reference latents in the CONDITIONING), then the
     same prompt and image with the transformer re-loaded: stage 1 from the cache, identical conditioning."""
     info = comfy_server.object_info("LowVRAM_QwenImageEditStagedLoader")
-    assert set(info["input"]["optional"]) == {"image1", "image2", "image3"}
+    # last and optional: a workflow saved before it keeps its widget order, and an API prompt without it runs (auto)
+    order = info["input_order"]
+    assert order["required"][-1] == "compute", order
+    assert order["optional"] == ["image1", "image2", "image3", "text_encoder_device"], order
+    kind, spec = info["input"]["optional"]["text_encoder_device"]
+    assert kind == "COMBO" and spec["options"] == ["auto", "cpu", "gpu"] and spec["default"] == "auto", spec
     assert info["output"] == ["MODEL", "CONDITIONING", "CONDITIONING", "VAE"]
     prompt = f"make the sky green {uuid.uuid4().hex[:6]}"
     before = len(comfy_server.log_text())
@@ -207,6 +298,14 @@ def test_edit_loader_through_the_server(comfy_server: ComfyServer, files: dict[s
     assert "2 of 2 prompts from the embedding cache, 1 reference image(s), encoder not loaded" in _stage1(log2)[3]
     assert "streamed to the CPU" not in log2
     assert entry2["outputs"]["7"]["conditioning_stats"] == entry["outputs"]["7"]["conditioning_stats"]
+
+
+def test_a_gpu_text_encoder_on_a_cpu_server_is_refused_by_name(comfy_server: ComfyServer,
+                                                               files: dict[str, str]) -> None:
+    """text_encoder_device = gpu where ComfyUI runs on the CPU: an error naming the node, the option and the fix,
+    before the text stage runs."""
+    graph = _graph(files, f"make the boat red {uuid.uuid4().hex[:6]}", "fp8 per-tensor", 3)
+    check_gpu_refused_on_a_cpu_server(comfy_server, graph, "2", f"{NODE}, text_encoder_device")
 
 
 def test_shared_images_run_the_vision_tower_and_the_vae_once() -> None:

@@ -13,14 +13,16 @@ encoder file replaced under the same name (cache miss, different embeddings).
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from comfy_server import ComfyServer, comfyui_in_process_or_skip, stock_conditioning
+from comfy_server import (
+    ComfyServer, check_device_choices, check_gpu_refused_on_a_cpu_server, check_stage_1_devices,
+    comfyui_in_process_or_skip, stock_conditioning,
+)
 from comfyui_lowvram_dit.synthetic import checkpoints as synth
 from test_staged import SMALL_TE, WITH_VISION, write_small_text_encoder
 
@@ -192,16 +194,8 @@ def test_a_gpu_text_encoder_on_a_cpu_server_is_refused_by_name(comfy_server: Com
                                                                files: dict[str, str]) -> None:
     """text_encoder_device = gpu where ComfyUI runs on the CPU: an error naming the node, the option and the fix,
     before the text stage runs."""
-    if os.environ.get("COMFYUI_GPU") == "1":
-        pytest.skip("the test server runs on the GPU here (COMFYUI_GPU=1): gpu is a valid choice")
-    graph = _graph(files, f"a boat {uuid.uuid4().hex[:6]}")
-    graph["1"]["inputs"]["text_encoder_device"] = "gpu"
-    before = len(comfy_server.log_text())
-    with pytest.raises(AssertionError) as err:
-        comfy_server.run(graph, timeout=300)
-    assert f"{NODE}, text_encoder_device = gpu, but ComfyUI runs on the CPU here" in str(err.value), str(err.value)
-    assert "pick auto or cpu" in str(err.value)
-    assert "stage 1" not in comfy_server.log_text()[before:]
+    check_gpu_refused_on_a_cpu_server(comfy_server, _graph(files, f"a boat {uuid.uuid4().hex[:6]}"), "1",
+                                      f"{NODE}, text_encoder_device")
 
 
 def test_the_node_hands_the_chosen_device_to_stage_1(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -209,8 +203,6 @@ def test_the_node_hands_the_chosen_device_to_stage_1(monkeypatch: pytest.MonkeyP
     that is not an option, or gpu on a CPU-only ComfyUI, is an error naming the node and the option, raised before
     any file is read. The stages are planted: what is checked is what the node hands them."""
     comfyui_in_process_or_skip()
-    import comfy.model_management as mm
-    import torch
     from comfyui_lowvram_dit.nodes import qwen_staged
 
     calls: list = []
@@ -222,21 +214,8 @@ def test_the_node_hands_the_chosen_device_to_stage_1(monkeypatch: pytest.MonkeyP
     args = {"unet_name": "u", "clip_name": "t", "vae_name": "v", "positive": "p", "negative": " ",
             "quantization": "fp8 per-tensor", "vram_budget_gb": 0.0, "blocks_to_swap": -1, "cache_embeddings": True,
             "compute": "auto"}
-    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    for where in (gpu, cpu):  # a ComfyUI on a GPU, then one on the CPU only
-        monkeypatch.setattr(mm, "text_encoder_device", lambda where=where: where)
-        monkeypatch.setattr(mm, "get_torch_device", lambda where=where: where)
-        for choice, want in ((None, where), ("auto", where), ("cpu", cpu)) + ((("gpu", gpu),) if where == gpu else ()):
-            calls.clear()
-            qwen_staged.QwenImageStagedLoader.execute(**args, **({} if choice is None else
-                                                                 {"text_encoder_device": choice}))
-            assert calls == ["files", want], (where, choice, calls)
-    calls.clear()
-    with pytest.raises(ValueError, match=re.escape(f"{NODE}, text_encoder_device = gpu, but ComfyUI runs on the CPU")):
-        qwen_staged.QwenImageStagedLoader.execute(**args, text_encoder_device="gpu")
-    with pytest.raises(ValueError, match=re.escape(f"{NODE}, text_encoder_device: 'tpu' is not one of ['auto', ")):
-        qwen_staged.QwenImageStagedLoader.execute(**args, text_encoder_device="tpu")
-    assert calls == []
+    check_device_choices(monkeypatch, lambda **choice: qwen_staged.QwenImageStagedLoader.execute(**args, **choice),
+                         calls, f"{NODE}, text_encoder_device")
 
 
 def test_stage_1_encodes_on_its_device_and_keeps_devices_apart_in_the_cache(tmp_path: Path,
@@ -247,30 +226,13 @@ def test_stage_1_encodes_on_its_device_and_keeps_devices_apart_in_the_cache(tmp_
     comfyui_in_process_or_skip()
     import folder_paths
     import torch
-    from comfyui_lowvram_dit.host import qwen_stages, text_encoders
+    from comfyui_lowvram_dit.host import qwen_stages
 
     monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path / "user"))
-    real, seen = text_encoders.build_streaming, []
-
-    def spy(enc, te_path, progress=None, device=text_encoders.CPU):  # noqa: ANN001, ANN202
-        seen.append(device)
-        return real(enc, te_path, progress)
-
-    monkeypatch.setattr(text_encoders, "build_streaming", spy)
-    te = write_small_text_encoder(tmp_path / "te.safetensors", "bf16", seed=4)
-    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    first, r1 = qwen_stages.encode_prompts(te, PROMPTS, target_device=cpu, device=gpu)
-    assert seen == [gpu] and r1.name == "stage 1 (text encoder, cuda:0)", (seen, r1.name)
-    assert "0 of 2 prompts from the embedding cache, encoder freed" in r1.notes
-    _, r2 = qwen_stages.encode_prompts(te, PROMPTS, target_device=cpu, device=cpu)
-    assert seen == [gpu, cpu] and r2.name == "stage 1 (text encoder, cpu)", (seen, r2.name)
-    assert "0 of 2 prompts from the embedding cache, encoder freed" in r2.notes  # the CPU's own entries
     monkeypatch.setattr(qwen_stages, "_compute_device", lambda: torch.device("meta"))  # stands in for the GPU
-    again, r3 = qwen_stages.encode_prompts(te, PROMPTS, device=gpu)
-    assert seen == [gpu, cpu] and "2 of 2 prompts from the embedding cache, encoder not loaded" in r3.notes
-    for (a, _), (b, extra) in ((x[0], y[0]) for x, y in zip(first, again, strict=True)):
-        assert b.device.type == "meta" and b.shape == a.shape and a.shape[-1] == SMALL_TE.hidden
-        assert all(v.device.type == "meta" for v in extra.values() if isinstance(v, torch.Tensor))
+    te = write_small_text_encoder(tmp_path / "te.safetensors", "bf16", seed=4)
+    check_stage_1_devices(monkeypatch, lambda device, target: qwen_stages.encode_prompts(
+        te, PROMPTS, target_device=target, device=device), "text encoder", SMALL_TE.hidden)
 
 
 @pytest.mark.cuda

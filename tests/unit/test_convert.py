@@ -184,7 +184,7 @@ def test_qwen_image_edit_becomes_the_edit_staged_loader(name: str) -> None:
     assert {clip["id"], vae["id"], pos["id"], neg["id"]}.isdisjoint(nodes)
     assert loader["widgets_values"] == [unet["widgets_values"][0], clip["widgets_values"][0], vae["widgets_values"][0],
                                         pos["widgets_values"][0], neg["widgets_values"][0], "fp8 per-tensor", 8.0, -1,
-                                        True, "auto"]
+                                        True, "auto", "auto"]  # ..., compute, text_encoder_device
     old_links, new_links = links_of(old_graph), links_of(graph)
     held = {i["name"]: i["link"] for i in loader["inputs"]}
     for name_in in ("image1", "image2", "image3"):
@@ -206,7 +206,8 @@ def test_qwen_image_edit_becomes_the_edit_staged_loader(name: str) -> None:
                (n.get("properties") or {}).get("proxyWidgets") or []]
     moved = {(str(unet["id"]), w) for w in ("positive", "negative", "clip_name", "vae_name", "unet_name")}
     assert moved <= set(proxies) and not {p for p in proxies if p[0] in {str(clip["id"]), str(vae["id"])}}
-    assert any("LowVRAM_QwenImageEditStagedLoader" in c for c in report.changes) and not report.notes
+    (change,) = [c for c in report.changes if "LowVRAM_QwenImageEditStagedLoader" in c]
+    assert "text and images encoded where ComfyUI runs text encoders" in change and not report.notes, change
 
 
 def _edit_link(graph: dict, node: dict, input_name: str) -> dict:
