@@ -22,7 +22,7 @@ from comfyui_lowvram_dit.host import seams as _seams
 
 REPO = Path(__file__).resolve().parents[2]
 LOGGER = "comfyui_lowvram_dit"
-FAKE_TOP_LEVEL = {"comfy", "comfy_api", "folder_paths", "comfyui_version"}
+FAKE_TOP_LEVEL = {"comfy", "comfy_api", "comfy_extras", "folder_paths", "comfyui_version"}  # comfy_extras: probes import it
 
 # A minimal comfy_api.latest: enough for the pack's node modules to import and build their schemas.
 FAKE_COMFY_API = '''
