@@ -22,7 +22,10 @@ from comfyui_lowvram_dit.host import seams as _seams
 
 REPO = Path(__file__).resolve().parents[2]
 LOGGER = "comfyui_lowvram_dit"
-FAKE_TOP_LEVEL = {"comfy", "comfy_api", "comfy_extras", "folder_paths", "comfyui_version"}  # comfy_extras: probes import it
+# Every top-level module the fake writes (each probe's, comfy_api, comfyui_version): all set aside and forgotten, or a
+# fake one (node_helpers, comfy_extras) outlives the test and real ComfyUI modules imported later are built on it.
+FAKE_TOP_LEVEL = {p.target.partition(":")[0].split(".")[0] for probes in _seams.SEAMS.values() for p in probes} | {
+    "comfy_api", "comfyui_version"}
 
 # A minimal comfy_api.latest: enough for the pack's node modules to import and build their schemas.
 FAKE_COMFY_API = '''
