@@ -34,7 +34,7 @@ from ..offload import stage_meter
 from ..offload.stage_meter import StageReport
 from . import text_encoders
 from .files import embedding_cache
-from .qwen_stages import QWEN25_VL
+from .qwen_stages import QWEN25_VL, conditioning_to
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -183,16 +183,6 @@ def _edit_node() -> Any:
     return TextEncodeQwenImageEditPlus
 
 
-def _to_device(cond: list, dev: torch.device) -> list:
-    """CONDITIONING with its embeddings and (lists of) tensor extras, e.g. reference_latents, on ``dev``."""
-    def move(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return v.to(dev)
-        return [move(x) for x in v] if isinstance(v, list) else v
-
-    return [[t.to(dev), {k: move(v) for k, v in extra.items()}] for t, extra in cond]
-
-
 def encode_edit_prompts(te_path: str | Path, prompts: list[str], images: list[torch.Tensor | None], vae: Any,
                         use_cache: bool = True, target_device: torch.device | None = None,
                         reset_cuda_peak: bool = False,
@@ -226,4 +216,4 @@ def encode_edit_prompts(te_path: str | Path, prompts: list[str], images: list[to
 
         target_device = mm.get_torch_device()
     log.info("lowvram_dit Qwen-Image %s", meter.report.format())
-    return [_to_device(c, target_device) for c in out], meter.report
+    return [conditioning_to(c, target_device) for c in out], meter.report

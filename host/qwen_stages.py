@@ -21,6 +21,7 @@ import functools
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -107,6 +108,16 @@ def build_text_encoder_streaming(te_path: str | Path, progress=None):  # noqa: A
     return text_encoders.build_streaming(QWEN25_VL, te_path, progress)
 
 
+def conditioning_to(cond: list, dev: torch.device) -> list:
+    """CONDITIONING with its embeddings and (lists of) tensor extras, e.g. reference_latents, on ``dev``."""
+    def move(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.to(dev)
+        return [move(x) for x in v] if isinstance(v, list) else v
+
+    return [[t.to(dev), {k: move(v) for k, v in extra.items()}] for t, extra in cond]
+
+
 def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = True,
                    target_device: torch.device | None = None, reset_cuda_peak: bool = False,
                    device: torch.device = text_encoders.CPU) -> tuple[list[list], StageReport]:
@@ -115,8 +126,7 @@ def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = Tr
     out, report = text_encoders.encode_prompts(QWEN25_VL, te_path, prompts, stage=f"stage 1 (text encoder, {device})",
                                                use_cache=use_cache, reset_cuda_peak=reset_cuda_peak, device=device)
     dev = target_device or _compute_device()
-    result = [[[t.to(dev), {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in extra.items()}]
-               for t, extra in cond] for cond in out]
+    result = [conditioning_to(cond, dev) for cond in out]
     _log_stage(report)
     return result, report
 
