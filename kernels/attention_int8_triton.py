@@ -275,7 +275,8 @@ def _pv_int8(
     if BLOCK_N == 128:  # column sums are kept per 64 keys
         col_sum += tl.load(vsum_ptr + HEAD_DIM + offs_d)
     start = tl.broadcast_to((col_sum * 127 + MAGIC_I2F_BITS)[None, :], (BLOCK_M, HEAD_DIM))
-    bits = tl.dot(p8, tl.trans(tl.load(vt_ptrs)), start)  # exact: |sum of round(254 P)·V| < 2^22
+    # out_dtype: Triton <= 3.6 checks an integer accumulator against it (default float32) and refuses the dot
+    bits = tl.dot(p8, tl.trans(tl.load(vt_ptrs)), start, out_dtype=tl.int32)  # exact: |sum of round(254 P)·V| < 2^22
     v_unit = tl.load(vscale_ptr + offs_d) * (1.0 / 254.0)
     pv = bits.to(tl.float32, bitcast=True) - MAGIC_I2F_VALUE  # exact (both within 2^22 of 1.5*2^23)
     acc = acc * r[:, None] + pv * v_unit[None, :]
