@@ -22,7 +22,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Literal
 
 import torch
 
@@ -99,9 +98,8 @@ class FastestPerKey:
     ``decisions`` maps a key to the winner's name (plain str values, so a compiled caller's read of a hit is guarded
     on), ``timings`` a timed key to each candidate's milliseconds. A caller reads ``decisions`` itself and calls
     ``decide`` on a miss. ``describe_decision(key, winner, timings)`` and ``describe_failure(key, name, error)``
-    write the log lines. A candidate that raises is never chosen: ``on_failure="skip"`` times the others without it,
-    ``"first"`` stops timing and settles on the first candidate, keeping no timings. With none timed, the first
-    candidate is kept. ``decide`` runs the candidates, so a compiled caller reaches it through a function under
+    write the log lines. A candidate that raises is never chosen: the others are timed without it. With none timed,
+    the first candidate is the decision (not kept in the decisions file). ``decide`` runs the candidates, so a compiled caller reaches it through a function under
     ``torch.compiler.disable``.
 
     ``kept_as`` names the topic under which timed winners go to the decisions file, when one is set (``keep_in``):
@@ -111,15 +109,12 @@ class FastestPerKey:
 
     def __init__(self, describe_decision: Callable[[tuple, str, dict[str, float]], str],
                  describe_failure: Callable[[tuple, str, Exception], str],
-                 on_failure: Literal["skip", "first"] = "skip", kept_as: str = "",
+                 kept_as: str = "",
                  describe_kept: Callable[[tuple, str], str] | None = None) -> None:
-        if on_failure not in ("skip", "first"):
-            raise ValueError(f"on_failure must be 'skip' or 'first', got {on_failure!r}")
         self.decisions: dict[tuple, str] = {}
         self.timings: dict[tuple, dict[str, float]] = {}
         self._describe_decision = describe_decision
         self._describe_failure = describe_failure
-        self._on_failure = on_failure
         self._kept_as = kept_as
         self._describe_kept = describe_kept or (lambda key, winner: f"lowvram_dit {kept_as} {key}: {winner} "
                                                                     "(kept from an earlier run)")
@@ -149,9 +144,6 @@ class FastestPerKey:
                 times[name] = time_call(fn, device)
             except (RuntimeError, torch.OutOfMemoryError) as exc:  # a candidate that cannot run is never chosen
                 log.info(self._describe_failure(key, name, exc))
-                if self._on_failure == "first":
-                    self.decisions[key] = first
-                    return first
         best = min(times, key=times.get) if times else first
         self.decisions[key], self.timings[key] = best, times
         log.info(self._describe_decision(key, best, times))

@@ -112,7 +112,7 @@ class GemmChooser:
 
     def __init__(self) -> None:
         # a GEMM that fails is left out; with neither timed, torch._int_mm (the first) is kept
-        self._fastest = FastestPerKey(self._decided, self._failed, on_failure="skip", kept_as="int8 gemm",
+        self._fastest = FastestPerKey(self._decided, self._failed, kept_as="int8 gemm",
                                       describe_kept=self._kept)
         self.decisions: dict[tuple, str] = self._fastest.decisions  # the helper's own dicts, read directly
         self.timings: dict[tuple, dict[str, float]] = self._fastest.timings

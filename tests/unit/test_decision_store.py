@@ -193,7 +193,7 @@ def test_a_fallback_for_want_of_timings_is_not_kept(tmp_path: Path, monkeypatch:
         raise RuntimeError("planted")
 
     monkeypatch.setattr(decisions, "time_call", failing)
-    fastest = decisions.FastestPerKey(_said, _failed, on_failure="first", kept_as="test")
+    fastest = decisions.FastestPerKey(_said, _failed, kept_as="test")
     assert fastest.decide(("k",), lambda: {"a": lambda: "a", "b": lambda: "b"}, CPU) == "a"
     assert decision_store.kept("test", ("k",)) is None
 
