@@ -254,23 +254,47 @@ def plan_decode(need_bytes: float, available_bytes: float, height_px: int, width
                 tile_px: int) -> int | None:
     """Tile size (px) for a decode that needs ``need_bytes`` at full size; None when the full decode fits.
 
-    ComfyUI's estimate scales with the latent area, so a square tile of side ``t`` needs about
-    need * t^2 / (H * W); halve from ``tile_px`` until that fits (not below 128 px).
+    Halve from ``tile_px`` until a tile's share of the estimate (tile_need) fits (not below 128 px).
     """
     if need_bytes <= available_bytes:
         return None
     tile = min(tile_px, max(height_px, width_px))
-    while tile > 128 and need_bytes * min(tile, height_px) * min(tile, width_px) / (height_px * width_px) \
-            > available_bytes:
+    while tile > 128 and tile_need(need_bytes, tile, height_px, width_px) > available_bytes:
         tile //= 2
     return max(128, tile - tile % 32)
+
+
+def tile_need(need_bytes: float, tile_px: int, height_px: int, width_px: int) -> float:
+    """The decode estimate of one square tile of side ``tile_px`` (ComfyUI's estimate scales with the area)."""
+    return need_bytes * min(tile_px, height_px) * min(tile_px, width_px) / (height_px * width_px)
+
+
+def decode_beside_models(need_bytes: float, vae_bytes: float, free_bytes: float, height_px: int, width_px: int,
+                         tile_px: int, budget_bytes: float = math.inf) -> tuple[bool, int | None]:
+    """(fits, tile): whether the decode runs without unloading any model, whole (tile None) or in tiles of
+    ``tile_px``.
+
+    It fits when ComfyUI's own VAE load (load_models_gpu: the VAE's size x 1.1 plus the larger of the inference
+    reserve and the decode estimate with the extra reserve) frees nothing, so a transformer loaded beside the
+    decode stays loaded. Smaller tiles than the node's are not tried: those decodes free memory first as before."""
+    import comfy.model_management as mm
+
+    def fits(need: float) -> bool:
+        wanted = vae_bytes * 1.1 + max(mm.minimum_inference_memory(), need + mm.extra_reserved_memory())
+        return free_bytes >= wanted and need + vae_bytes <= budget_bytes
+
+    if fits(need_bytes):
+        return True, None
+    tile = min(tile_px, max(height_px, width_px))
+    tile -= tile % 32
+    return (True, tile) if tile >= 128 and fits(tile_need(need_bytes, tile, height_px, width_px)) else (False, None)
 
 
 def decode_staged(latent: torch.Tensor, vae, vram_budget_gb: float = 0.0, tile_size: int = 512,  # noqa: ANN001
                   overlap: int = 64, allow_cpu: bool = False,
                   reset_cuda_peak: bool = False) -> tuple[torch.Tensor, StageReport]:
-    """Stage 3: free what a whole decode needs on the VAE's device, decode (tiled if it still does not fit);
-    IMAGE [N, H, W, C]."""
+    """Stage 3: decode beside the loaded models when it fits (whole, or in tiles of tile_size), else free what a
+    whole decode needs on the VAE's device and decode (tiled if it still does not fit); IMAGE [N, H, W, C]."""
     import comfy.model_management as mm
 
     gpu = mm.get_torch_device()
@@ -282,34 +306,35 @@ def decode_staged(latent: torch.Tensor, vae, vram_budget_gb: float = 0.0, tile_s
     with stage_meter.StageMeter("stage 3 (VAE decode)", device=dev, reset_cuda_peak=reset_cuda_peak) as meter:
         need = float(vae.memory_used_decode(latent.shape, vae.vae_dtype))
         vae_bytes = mm.module_size(vae.first_stage_model)
-        # Free what a whole decode needs, as ComfyUI's VAEDecode does, not every model: a transformer that fits
-        # beside the decode stays loaded, and the next render does not load it again.
-        mm.free_memory(need + vae_bytes + mm.minimum_inference_memory(), dev, keep_loaded=[vae.patcher])
-        mm.soft_empty_cache()
-        if dev.type == "cpu":
-            available = math.inf
-            log.info("lowvram_dit Qwen-Image Decode: decoding on the CPU (%s)",
-                     "no GPU" if gpu.type == "cpu" else "allow_cpu is on")
-        else:
-            available = mm.get_free_memory(dev) - vae_bytes
-            if vram_budget_gb > 0:
-                available = min(available, vram_budget_gb * stage_meter.GIB - vae_bytes)
         comp = vae.spacial_compression_decode()
         h_px, w_px = latent.shape[-2] * comp, latent.shape[-1] * comp
-        tile = plan_decode(need, available, h_px, w_px, tile_size)
+        budget = vram_budget_gb * stage_meter.GIB if vram_budget_gb > 0 else math.inf
+        # A transformer whose reload costs seconds stays loaded when the decode fits beside it (whole or in the
+        # node's tiles); only otherwise free what a whole decode needs, as ComfyUI's VAEDecode does.
+        beside, tile = (False, None) if dev.type == "cpu" else decode_beside_models(
+            need, vae_bytes, mm.get_free_memory(dev), h_px, w_px, tile_size, budget)
+        if not beside:
+            mm.free_memory(need + vae_bytes + mm.minimum_inference_memory(), dev, keep_loaded=[vae.patcher])
+            mm.soft_empty_cache()
+            if dev.type == "cpu":
+                log.info("lowvram_dit Qwen-Image Decode: decoding on the CPU (%s)",
+                         "no GPU" if gpu.type == "cpu" else "allow_cpu is on")
+            available = math.inf if dev.type == "cpu" else min(mm.get_free_memory(dev), budget) - vae_bytes
+            tile = plan_decode(need, available, h_px, w_px, tile_size)
         if tile is None:
             bar = _bar(1)
             images = vae.decode(latent)
             bar.update(1)
-            meter.report.notes.append(f"full decode (estimate {need / stage_meter.GIB:.2f} GiB fits)")
+            meter.report.notes.append(f"full decode (estimate {need / stage_meter.GIB:.2f} GiB fits"
+                                      f"{' beside the loaded models' if beside else ''})")
         else:
             ov = min(overlap, tile // 4)
             t_comp = vae.temporal_compression_decode()
             tile_t, overlap_t = (None, None) if t_comp is None else (max(2, 64 // t_comp), 1)
             images = vae.decode_tiled(latent, tile_x=tile // comp, tile_y=tile // comp, overlap=ov // comp,
                                       tile_t=tile_t, overlap_t=overlap_t)
-            meter.report.notes.append(f"tiled {tile}px/{ov}px (estimate {need / stage_meter.GIB:.2f} GiB > "
-                                      f"{max(available, 0) / stage_meter.GIB:.2f} GiB available)")
+            meter.report.notes.append(f"tiled {tile}px/{ov}px (whole-decode estimate {need / stage_meter.GIB:.2f} "
+                                      f"GiB does not fit {'beside the loaded models' if beside else 'in VRAM'})")
         if images.ndim == 5:  # video VAE output for a single-frame image: combine batches as VAEDecode does
             images = images.reshape(-1, *images.shape[-3:])
     meter.report.notes.append(f"on {dev}")

@@ -130,10 +130,13 @@ class QwenImageDecode(io.ComfyNode):
                 io.Latent.Input("samples", tooltip="Latents from KSampler."),
                 io.Vae.Input("vae", tooltip="The Qwen-Image VAE."),
                 io.Float.Input("vram_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.5,
-                               tooltip="GPU memory the decode may use. 0 = whatever is free once the decode's "
-                                       "estimate has been freed (other models unloaded as far as needed)."),
+                               tooltip="GPU memory the decode may use. 0 = what is free beside the loaded models, "
+                                       "or once the decode's estimate has been freed (models unloaded as far as "
+                                       "needed)."),
                 io.Int.Input("tile_size", default=512, min=128, max=4096, step=32,
-                             tooltip="Largest tile (pixels) when tiling is needed; halved until it fits."),
+                             tooltip="Tile (pixels) when the whole decode does not fit: tiles of this size that "
+                                     "fit beside the loaded transformer keep it loaded; otherwise models are freed "
+                                     "and the tile is halved until it fits."),
                 io.Int.Input("overlap", default=64, min=0, max=512, step=32,
                              tooltip="Tile overlap in pixels (hides seams)."),
                 io.Boolean.Input("allow_cpu", default=False,

@@ -56,3 +56,30 @@ def test_decode_frees_what_it_needs_not_every_model(monkeypatch: pytest.MonkeyPa
     assert freed == [(NEED + vae_bytes + mm.minimum_inference_memory(), vae.device, [vae.patcher])]
     assert vae.decoded == [(1, 16, 1, 8, 8)] and images.shape == (1, 64, 64, 3)
     assert any("full decode" in n for n in report.notes), report.notes
+
+
+@pytest.mark.parametrize("free_gib, budget_gib, expected", [
+    (40.0, 0.0, (True, None)),  # the whole decode fits beside the loaded models: nothing is freed
+    (4.8, 0.0, (True, 512)),  # a 24 GB card with the transformer loaded: tiles of the node's size fit beside it
+    (1.0, 0.0, (False, None)),  # not even the node's tiles fit: free what a whole decode needs, as before
+    (40.0, 1.0, (False, None)),  # the node's VRAM budget (1 GiB < a tile + the VAE) forbids it whatever is free
+])
+def test_decode_beside_the_loaded_models(free_gib: float, budget_gib: float, expected: tuple,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen-Image at 1328x1328: ComfyUI's Wan-VAE estimate of a whole decode is ~7.2 GiB (2200 x 166 x 166 x 64 x 2
+    bytes), a 512 px tile's share ~1.1 GiB. The decode runs beside the loaded models (so the transformer is not
+    reloaded by the next render) exactly when ComfyUI's own VAE load would free nothing: VAE x 1.1 + max(inference
+    reserve, estimate + extra reserve) within what is free."""
+    comfyui_in_process_or_skip()
+    import comfy.model_management as mm
+    from comfyui_lowvram_dit.host.qwen_stages import decode_beside_models
+
+    gib = 2**30
+    monkeypatch.setattr(mm, "EXTRA_RESERVED_VRAM", int(0.5 * gib))
+    need, vae = 7.2 * gib, 0.25 * gib
+    budget = budget_gib * gib if budget_gib else float("inf")
+    assert decode_beside_models(need, vae, free_gib * gib, 1328, 1328, 512, budget) == expected
+    tile_share = need * 512 * 512 / (1328 * 1328)
+    edge = vae * 1.1 + max(mm.minimum_inference_memory(), tile_share + mm.extra_reserved_memory())
+    assert decode_beside_models(need, vae, edge, 1328, 1328, 512) == (True, 512)  # the boundary is ComfyUI's
+    assert decode_beside_models(need, vae, edge - 1, 1328, 1328, 512) == (False, None)
