@@ -27,17 +27,6 @@ class Scenario:
 
 SCENARIOS: dict[str, Scenario] = {
     # whole models in one process (ComfyUI imported in the child; COMFYUI_PATH)
-    "wan14b_480p81": Scenario("Wan 2.2 14B fp8 832x480x81 under VRAM caps: native partial loading vs Block Swap",
-                              "bench_wan", ("--res", "480p81")),
-    "wan14b_720p81": Scenario("Wan 2.2 14B fp8 1280x720x81 under VRAM caps", "bench_wan",
-                              ("--res", "720p81", "--caps", "none", "16", "8")),
-    "wan14b_fp8": Scenario("Wan 2.2 14B one forward: native bf16 / fp8 / *_fp8_scaled vs ours per-tensor and "
-                           "block-wise, output error vs bf16", "bench_wan", ("--preset", "fp8")),
-    "wan14b_swap_budget0": Scenario("Wan 2.2 14B 832x480x81 where the model fits: Block Swap at budget 0 vs the "
-                                    "same stack without it and native fp8_e4m3fn_fast", "bench_wan",
-                                    ("--preset", "swap_budget0")),
-    "wan14b_stack": Scenario("Wan 2.2 14B whole stack: fp8 + 8-bit attention + Torch Compile vs native bf16 and "
-                             "fp8_e4m3fn_fast", "bench_wan", ("--preset", "stack")),
     "qwen_image": Scenario("Qwen-Image 1328x1328 staged pipeline per stage at an 8 GB cap vs native",
                            "bench_qwen_staged"),
     "qwen_image_caps": Scenario("Qwen-Image 1328x1328 per step at every cap (uncapped, 16, 12, 8 GB): native's best "
@@ -61,10 +50,6 @@ SCENARIOS: dict[str, Scenario] = {
     "int8_gemm": Scenario("int8 W8A8 GEMMs (GPUs without fp8 matmul) at Wan 14B / Qwen-Image shapes vs bf16, native "
                           "fp8 and ours fp8: time, TFLOP/s, error, one Wan block's error (--quick, --tiny on the CPU)",
                           "bench_int8_gemm"),
-    "block_swap": Scenario("Block Swap on Wan 14B: every resolution x cap x kind (ComfyUI)", "bench_wan"),
-    "nan_guard": Scenario("NaN Guard on vs off on Wan 14B (ComfyUI)", "bench_wan", ("--preset", "nan_guard")),
-    "block_swap_gguf": Scenario("Block Swap on a Q8_0 GGUF Wan 14B vs ComfyUI-GGUF alone, 12 and 8 GiB caps "
-                                "(ComfyUI, the gguf package)", "bench_wan", ("--preset", "block_swap_gguf")),
     # through a real ComfyUI server, one fresh server per row
     "server_wan14b": Scenario("Wan 2.2 T2V-A14B through a server: native nodes vs the pack's, whole GPU and 8 GB card",
                               "server_wan", server="SCENARIO"),
