@@ -27,14 +27,6 @@ class Scenario:
 
 SCENARIOS: dict[str, Scenario] = {
     # whole models in one process (ComfyUI imported in the child; COMFYUI_PATH)
-    "qwen_image": Scenario("Qwen-Image 1328x1328 staged pipeline per stage at an 8 GB cap vs native",
-                           "bench_qwen_staged"),
-    "qwen_image_caps": Scenario("Qwen-Image 1328x1328 per step at every cap (uncapped, 16, 12, 8 GB): native's best "
-                                "options vs the Staged Loader's transformer + Attention auto", "bench_qwen_staged",
-                                ("--caps", "none", "16", "12", "8", "--repeats", "3", "--warmup", "2")),
-    "qwen_edit_caps": Scenario("Qwen-Image-Edit (one reference image) per step at every cap: native's best vs the "
-                               "staged transformer + Attention auto", "bench_qwen_staged",
-                               ("--caps", "none", "16", "12", "8", "--edit", "--repeats", "3", "--warmup", "2")),
     "multigpu": Scenario("ComfyUI's MultiGPU CFG split: every row on one GPU and split over two, outputs compared",
                          "bench_multigpu"),
     # kernels (no ComfyUI unless said)
