@@ -26,9 +26,6 @@ class Scenario:
 
 
 SCENARIOS: dict[str, Scenario] = {
-    # whole models in one process (ComfyUI imported in the child; COMFYUI_PATH)
-    "multigpu": Scenario("ComfyUI's MultiGPU CFG split: every row on one GPU and split over two, outputs compared",
-                         "bench_multigpu"),
     # kernels (no ComfyUI unless said)
     "attention": Scenario("attention backends at Wan / Qwen-Image shapes (SDPA cuDNN, flash, memory-efficient, "
                           "8-bit)", "bench_attention"),
