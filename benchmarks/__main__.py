@@ -27,8 +27,6 @@ class Scenario:
 
 SCENARIOS: dict[str, Scenario] = {
     # kernels (no ComfyUI unless said)
-    "attention": Scenario("attention backends at Wan / Qwen-Image shapes (SDPA cuDNN, flash, memory-efficient, "
-                          "8-bit)", "bench_attention"),
     "attention_int8": Scenario("the 8-bit attention kernel vs cuDNN and comfy-kitchen: time, TFLOP/s, error "
                                "and the autotune tile sweep (--quick, --no-sweep)", "bench_attention_int8"),
     "attention_kitchen": Scenario("the 8-bit attention (fp8 and int8 P·V) vs cuDNN and comfy-kitchen versions (each "

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -288,9 +289,12 @@ def native_linears(weights: dict, device: torch.device) -> tuple[dict, str]:
     """name -> callable(x) running ComfyUI's own fp8_e4m3fn_fast Linear (comfy.ops.fp8_ops, imported from
     COMFYUI_PATH), checked to reach comfy.ops.fp8_linear; without ComfyUI, its steps replicated (said so)."""
     try:
-        from comfyui_lowvram_dit.benchmarks import comfy_native
+        root = os.environ["COMFYUI_PATH"]
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        from comfy.cli_args import args  # before comfy.model_management picks the device
 
-        comfy_native.import_comfy(cpu=device.type == "cpu")
+        args.cpu = args.cpu or device.type == "cpu"
         import comfy.ops
 
         mods = {}

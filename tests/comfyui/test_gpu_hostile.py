@@ -227,7 +227,7 @@ def comfy_gpu() -> Iterator[Any]:
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from comfyui_lowvram_dit.benchmarks import comfy_native
+    import comfy_native
 
     comfy_native.import_comfy(cpu=False)
     import comfy.model_management as mm
