@@ -22,7 +22,6 @@ class Scenario:
     what: str
     module: str
     args: tuple[str, ...] = ()
-    server: str | None = None  # a server scenario: the ServerScenario attribute of ``module``
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -38,15 +37,6 @@ SCENARIOS: dict[str, Scenario] = {
                           "fp8 and ours fp8: time, TFLOP/s, error, one Wan block's error (--quick, --tiny on the CPU)",
                           "bench_int8_gemm"),
     # through a real ComfyUI server, one fresh server per row
-    "server_wan14b": Scenario("Wan 2.2 T2V-A14B through a server: native nodes vs the pack's, whole GPU and 8 GB card",
-                              "server_wan", server="SCENARIO"),
-    "server_wan14b_4step": Scenario("Wan 2.2 T2V-A14B 4-step LoRA rows at an 8 GB card through a server",
-                                    "server_wan", server="SCENARIO_4STEP"),
-    "server_qwen_t2i": Scenario("Qwen-Image 1328x1328 in 4 steps at an 8 GB card through a server: native's best "
-                                "vs the Staged Loader, with and without the Lightning LoRA", "server_qwen",
-                                server="SCENARIO"),
-    "server_qwen_edit": Scenario("Qwen-Image-Edit at an 8 GB card through a server: the template vs the Edit "
-                                 "Staged Loader + Block Swap", "server_qwen", server="EDIT_SCENARIO"),
     "server_render": Scenario("whole renders, Queue to output file, first-ever / warm / cold, through fresh servers: "
                               "each shipped workflow vs its native equivalent per card, split by stage",
                               "server_render"),
@@ -71,12 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown scenario {name!r}; --list shows them", file=sys.stderr)
         return 2
     scenario = SCENARIOS[name]
-    module = importlib.import_module(f"{PKG}.{scenario.module}")
-    if scenario.server is not None:
-        from comfyui_lowvram_dit.benchmarks import server
-
-        return server.main(getattr(module, scenario.server), [*scenario.args, *rest])
-    return module.main([*scenario.args, *rest])
+    return importlib.import_module(f"{PKG}.{scenario.module}").main([*scenario.args, *rest])
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from comfyui_lowvram_dit.benchmarks import harness, server
-from comfyui_lowvram_dit.benchmarks import server_qwen as bq
 from comfyui_lowvram_dit.benchmarks import server_render_models as models
 from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
 from comfyui_lowvram_dit.benchmarks import server_render_report as report
@@ -56,6 +55,8 @@ SMALL_CARD_FACTOR = 1.3  # 12 GB and less: weights streamed every step
 SERVER_START_S = 20.0
 OOM = re.compile(r"out of memory|OutOfMemory|OOM", re.IGNORECASE)
 SMOKE_OUT = Path(tempfile.gettempdir()) / "server_render_smoke"
+SMOKE_NATIVE = ("stock UNETLoader and CLIPLoader build Qwen-Image and Qwen2.5-VL at their full widths, which the tiny "
+                "smoke files do not fill; the native rows need the full-size files")
 EDIT_IMAGE = (1024, 1024)  # the Edit reference image: FluxKontextImageScale keeps 1024x1024 (1 MP)
 
 
@@ -271,7 +272,7 @@ def graph_facts(graph: dict) -> dict:
 
 def public(text: str, opts: argparse.Namespace) -> str:
     """Text as results may show it: the scratch folder as $WORK, ComfyUI's as <ComfyUI>, no other machine path."""
-    return server.public_log([text], server.ServerSetup(opts.comfyui, opts.models, opts.work))[0]
+    return server.public_log([text], opts.comfyui, opts.work)[0]
 
 
 def render(srv: cli_server.ComfyServer, graph: dict, kind: str, timeout: float, output: Path, latents: Path,
@@ -302,6 +303,17 @@ def render(srv: cli_server.ComfyServer, graph: dict, kind: str, timeout: float, 
         return rec
     rec["status"] = "ok"
     return rec
+
+
+def write_input_image(path: Path, width: int, height: int) -> None:
+    """A deterministic RGB gradient PNG: the Edit graph's reference image (LoadImage reads it from the input folder)."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], -1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rgb.astype(np.uint8)).save(path, format="PNG")
 
 
 def _row_dirs(ctx: RunContext, row: RenderRow) -> tuple[Path, dict[str, str], list[str]]:
@@ -341,7 +353,7 @@ def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: 
                 graph = build_graph(row, srv, opts)
                 rec.update(graph_facts(graph))
                 if row.workflow == "qwen_edit":
-                    bq.write_input_image(base / "input", *EDIT_IMAGE)
+                    write_input_image(base / "input" / rg.EDIT_IMAGE, *EDIT_IMAGE)
                 cli_workflow.ensure_input_images(graph, base / "input", True, [cli_workflow.WORKFLOWS_DIR])
             for i, kind in enumerate(kinds):
                 r = render(srv, graph_for(graph, kind), kind, opts.timeout, base / "output", opts.work / "latents",
@@ -462,7 +474,7 @@ def smoke_skip(row: RenderRow) -> str | None:
     if row.workflow == "qwen_edit":
         return "the Edit graphs need the full-size vision tower; the smoke covers Wan and Qwen-Image t2i"
     if row.workflow.startswith("qwen") and rg.SETUPS[row.setup].native:
-        return bq.SMOKE_NATIVE
+        return SMOKE_NATIVE
     return None
 
 
