@@ -31,8 +31,8 @@ SCENARIOS: dict[str, Scenario] = {
     "attention_kitchen": Scenario("the 8-bit attention (fp8 and int8 P·V) vs cuDNN and comfy-kitchen versions (each "
                                   "in its own process, --wheels DIR): kernel vs emulation, error per input family, "
                                   "time at Wan 480p/720p self and cross", "bench_attention_kitchen"),
-    "fp8_gemm": Scenario("fp8 GEMMs at Wan 14B shapes: native fp8_e4m3fn_fast vs ours per-tensor / block-wise",
-                         "bench_fp8_gemm"),
+    "fp8_gemm": Scenario("fp8 GEMMs of one Wan 14B block: native fp8_e4m3fn_fast vs bf16 and the pack's paths, per "
+                         "activation family: time, error (--dry on the CPU)", "bench_fp8_gemm"),
     "int8_gemm": Scenario("int8 W8A8 GEMMs (GPUs without fp8 matmul) at Wan 14B / Qwen-Image shapes vs bf16, native "
                           "fp8 and ours fp8: time, TFLOP/s, error, one Wan block's error (--quick, --tiny on the CPU)",
                           "bench_int8_gemm"),

@@ -20,12 +20,12 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
-from comfyui_lowvram_dit.benchmarks import harness
+from comfyui_lowvram_dit.benchmarks import report
 from comfyui_lowvram_dit.cli import server as cli_server
 from comfyui_lowvram_dit.cli import workflow_models
 from comfyui_lowvram_dit.cli.memwatch import MemoryWatch
 
-PACK_ROOT, GIB = harness.PACK_ROOT, harness.GIB
+PACK_ROOT, GIB = report.PACK_ROOT, report.GIB
 WORK_MARK = "$WORK"  # stands for the scratch folder in recorded server flags (no machine paths in results)
 R = TypeVar("R")
 
@@ -173,14 +173,14 @@ def scrub_work(flags: list[str], work: Path) -> list[str]:
 
 def public_log(lines: list[str], comfyui: Path, work: Path) -> list[str]:
     """Server log lines as results may show them: the scratch folder as $WORK, ComfyUI's folder as <ComfyUI>, the
-    interpreter as python3, other machine paths through ``harness.public_text`` (a log's first line names all
+    interpreter as python3, other machine paths through ``report.public_text`` (a log's first line names all
     three)."""
     swaps = ((str(comfyui), "<ComfyUI>"), (sys.executable, "python3"))
     shown = []
     for line in scrub_work(lines, work):
         for path, mark in swaps:
             line = line.replace(path, mark)
-        shown.append(harness.public_text(line))
+        shown.append(report.public_text(line))
     return shown
 
 

@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comfyui_lowvram_dit.benchmarks import harness, server
+from comfyui_lowvram_dit.benchmarks import report as reports
+from comfyui_lowvram_dit.benchmarks import server
 from comfyui_lowvram_dit.benchmarks import server_render_models as models
 from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
 from comfyui_lowvram_dit.benchmarks import server_render_report as report
@@ -43,7 +44,7 @@ from comfyui_lowvram_dit.cli import workflow_models
 RENDERS = ("first_ever", "warm", "warm_new_prompt", "cold")
 SEED_OFFSET = {"first_ever": 0, "warm": 1, "warm_new_prompt": 2, "cold": 0}
 CARDS = (8.0, 12.0, 16.0, 24.0, None)
-FIXTURE_NODES = harness.PACK_ROOT / "tests" / "fixture_nodes"  # smoke only: the stand-in CLIPLoader
+FIXTURE_NODES = reports.PACK_ROOT / "tests" / "fixture_nodes"  # smoke only: the stand-in CLIPLoader
 FIXTURE_FOLDER = "zz_lowvram_dit_test_nodes"
 STAND_IN_CLIP = "LowVRAMTest_StreamedCLIPLoader"
 CACHE_ENV = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor", "CUDA_CACHE_PATH": "cuda"}
@@ -479,14 +480,14 @@ def smoke_skip(row: RenderRow) -> str | None:
 
 
 def environment(opts: argparse.Namespace, argv: list[str] | None) -> dict:
-    """The run's environment in the common row format: no machine paths (harness.public_*)."""
-    parent = harness.parent_environment(harness.command_argv("comfyui_lowvram_dit.benchmarks.server_render", argv))
-    soft, gpu = harness.software_facts(), server.gpu_facts()
-    return {"device": "cpu" if opts.cpu or opts.smoke or not gpu else "cuda", "gpu": gpu.get("device_name"),
-            "vram_total_gib": gpu.get("vram_total_gib"), "driver": gpu.get("driver"), "torch": soft.get("torch"),
-            "comfyui": harness.comfyui_version(opts.comfyui), "comfy_kitchen": soft.get("comfy_kitchen"),
-            "comfy_aimdo": soft.get("comfy_aimdo"), "triton": soft.get("triton"), "python": parent["python"],
-            "commit": opts.git_sha or parent["git_sha"], "date": parent["timestamp"], "command": parent["command"]}
+    """The run's environment in the common format (report.environment), with the GPU as nvidia-smi names it (this
+    process never starts CUDA)."""
+    env = reports.environment("comfyui_lowvram_dit.benchmarks.server_render", argv, comfyui=opts.comfyui)
+    gpu = server.gpu_facts()
+    env.update(device="cpu" if opts.cpu or opts.smoke or not gpu else "cuda", gpu=gpu.get("device_name"),
+               vram_total_gib=gpu.get("vram_total_gib"), driver=gpu.get("driver"))
+    env["commit"] = opts.git_sha or env["commit"]
+    return env
 
 
 def parser() -> argparse.ArgumentParser:
@@ -551,7 +552,7 @@ def _prepare(opts: argparse.Namespace) -> tuple[list[RenderRow], tuple[str, ...]
         opts.models = opts.work / "models"
     for folder in cli_server.MODEL_FOLDERS:
         (opts.models / folder).mkdir(parents=True, exist_ok=True)
-    opts.out = opts.out or (SMOKE_OUT if opts.smoke else harness.RESULTS / "render")
+    opts.out = opts.out or (SMOKE_OUT if opts.smoke else reports.RESULTS / "render")
     opts.stem = opts.stem or (opts.rows if opts.rows.replace("_", "").isalnum() else "server_render")
     return rows, kinds, own_work
 

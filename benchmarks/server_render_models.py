@@ -9,9 +9,11 @@ free). ``--free-disk`` deletes only files this pack wrote (a synthetic file's he
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from comfyui_lowvram_dit.benchmarks import harness
+from comfyui_lowvram_dit.benchmarks import report
 from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
 from comfyui_lowvram_dit.cli import server as cli_server
 from comfyui_lowvram_dit.cli import workflow_models
@@ -112,9 +114,11 @@ def write_models(models: Path, names: Sequence[str]) -> dict[str, float]:
 
 def run_child(code: str, *args: str) -> None:
     """Python ``code`` with ``args`` in a child process that imports this checkout; CalledProcessError if it fails."""
-    shim = harness._package_shim()
+    shim = Path(tempfile.mkdtemp(prefix="lowvram_dit_shim_"))  # comfyui_lowvram_dit -> this checkout
+    (shim / report.PACKAGE).symlink_to(report.PACK_ROOT, target_is_directory=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))}
     try:
-        subprocess.run([sys.executable, "-c", code, *args], env=harness._child_env(shim), check=True, timeout=3600)
+        subprocess.run([sys.executable, "-c", code, *args], env=env, check=True, timeout=3600)
     finally:
         shutil.rmtree(shim, ignore_errors=True)
 

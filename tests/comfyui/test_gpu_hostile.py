@@ -131,7 +131,7 @@ def _write_report() -> None:
     dest = os.environ.get("GPU_HOSTILE_REPORT", "").strip()
     if not dest:
         return
-    from comfyui_lowvram_dit.benchmarks.harness import public_text
+    from comfyui_lowvram_dit.benchmarks.report import public_text
     from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
     base = Path(dest)

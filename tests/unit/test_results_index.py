@@ -94,7 +94,7 @@ def test_result_files_read_into_common_rows(planted: Path) -> None:
     assert by["pack_stack_split"]["gpus"] == 2 and by["pack_stack_split"]["against"] is None  # no native row
     assert by["pack"]["against"] == "native" and by["pack"]["ratio"] == 1.25  # the given baseline, ratio filled in
     assert [c["source"] for c in components] == ["kernels_gemm.json"]
-    assert components[0]["what"].startswith("fp8 GEMMs")  # the scenario's own description
+    assert components[0]["what"].startswith("fp8 GEMMs of one Wan 14B block")  # the scenario's own description
     assert (components[0]["gpu"], components[0]["commit"]) == ("H200", "0123456")
 
 
