@@ -36,7 +36,7 @@ def say(msg: str) -> None:
 
 def make_operands(m: int, k: int, n: int, device: torch.device, seed: int = 0):
     """bf16 activations [M, K] with 4 outlier channels (20-50x), bf16 weight [N, K] with outlier input channels
-    (8-20x, one per 512 inputs, as synthetic/checkpoints.py), bf16 bias (as bench_fp8_gemm)."""
+    (8-20x, one per 512 inputs, as synthetic/checkpoints.py), bf16 bias."""
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(m, k, device=device, generator=g)
     x[:, torch.randperm(k, device=device, generator=g)[:4]] *= torch.tensor([20.0, 30.0, 40.0, 50.0], device=device)
