@@ -1,1 +1,1 @@
-"""Benchmarks: our path against ComfyUI's native path, same run, same GPU (see harness.py)."""
+"""Benchmarks: our path against ComfyUI's native path, same run, same GPU (README.md)."""

@@ -22,59 +22,21 @@ class Scenario:
     what: str
     module: str
     args: tuple[str, ...] = ()
-    server: str | None = None  # a server scenario: the ServerScenario attribute of ``module``
 
 
 SCENARIOS: dict[str, Scenario] = {
-    # whole models in one process (ComfyUI imported in the child; COMFYUI_PATH)
-    "wan14b_480p81": Scenario("Wan 2.2 14B fp8 832x480x81 under VRAM caps: native partial loading vs Block Swap",
-                              "bench_wan", ("--res", "480p81")),
-    "wan14b_720p81": Scenario("Wan 2.2 14B fp8 1280x720x81 under VRAM caps", "bench_wan",
-                              ("--res", "720p81", "--caps", "none", "16", "8")),
-    "wan14b_fp8": Scenario("Wan 2.2 14B one forward: native bf16 / fp8 / *_fp8_scaled vs ours per-tensor and "
-                           "block-wise, output error vs bf16", "bench_wan", ("--preset", "fp8")),
-    "wan14b_swap_budget0": Scenario("Wan 2.2 14B 832x480x81 where the model fits: Block Swap at budget 0 vs the "
-                                    "same stack without it and native fp8_e4m3fn_fast", "bench_wan",
-                                    ("--preset", "swap_budget0")),
-    "wan14b_stack": Scenario("Wan 2.2 14B whole stack: fp8 + 8-bit attention + Torch Compile vs native bf16 and "
-                             "fp8_e4m3fn_fast", "bench_wan", ("--preset", "stack")),
-    "qwen_image": Scenario("Qwen-Image 1328x1328 staged pipeline per stage at an 8 GB cap vs native",
-                           "bench_qwen_staged"),
-    "qwen_image_caps": Scenario("Qwen-Image 1328x1328 per step at every cap (uncapped, 16, 12, 8 GB): native's best "
-                                "options vs the Staged Loader's transformer + Attention auto", "bench_qwen_staged",
-                                ("--caps", "none", "16", "12", "8", "--repeats", "3", "--warmup", "2")),
-    "qwen_edit_caps": Scenario("Qwen-Image-Edit (one reference image) per step at every cap: native's best vs the "
-                               "staged transformer + Attention auto", "bench_qwen_staged",
-                               ("--caps", "none", "16", "12", "8", "--edit", "--repeats", "3", "--warmup", "2")),
-    "multigpu": Scenario("ComfyUI's MultiGPU CFG split: every row on one GPU and split over two, outputs compared",
-                         "bench_multigpu"),
     # kernels (no ComfyUI unless said)
-    "attention": Scenario("attention backends at Wan / Qwen-Image shapes (SDPA cuDNN, flash, memory-efficient, "
-                          "8-bit)", "bench_attention"),
     "attention_int8": Scenario("the 8-bit attention kernel vs cuDNN and comfy-kitchen: time, TFLOP/s, error "
                                "and the autotune tile sweep (--quick, --no-sweep)", "bench_attention_int8"),
     "attention_kitchen": Scenario("the 8-bit attention (fp8 and int8 P·V) vs cuDNN and comfy-kitchen versions (each "
                                   "in its own process, --wheels DIR): kernel vs emulation, error per input family, "
                                   "time at Wan 480p/720p self and cross", "bench_attention_kitchen"),
-    "fp8_gemm": Scenario("fp8 GEMMs at Wan 14B shapes: native fp8_e4m3fn_fast vs ours per-tensor / block-wise",
-                         "bench_fp8_gemm"),
+    "fp8_gemm": Scenario("fp8 GEMMs of one Wan 14B block: native fp8_e4m3fn_fast vs bf16 and the pack's paths, per "
+                         "activation family: time, error (--dry on the CPU)", "bench_fp8_gemm"),
     "int8_gemm": Scenario("int8 W8A8 GEMMs (GPUs without fp8 matmul) at Wan 14B / Qwen-Image shapes vs bf16, native "
                           "fp8 and ours fp8: time, TFLOP/s, error, one Wan block's error (--quick, --tiny on the CPU)",
                           "bench_int8_gemm"),
-    "block_swap": Scenario("Block Swap on Wan 14B: every resolution x cap x kind (ComfyUI)", "bench_wan"),
-    "nan_guard": Scenario("NaN Guard on vs off on Wan 14B (ComfyUI)", "bench_wan", ("--preset", "nan_guard")),
-    "block_swap_gguf": Scenario("Block Swap on a Q8_0 GGUF Wan 14B vs ComfyUI-GGUF alone, 12 and 8 GiB caps "
-                                "(ComfyUI, the gguf package)", "bench_wan", ("--preset", "block_swap_gguf")),
     # through a real ComfyUI server, one fresh server per row
-    "server_wan14b": Scenario("Wan 2.2 T2V-A14B through a server: native nodes vs the pack's, whole GPU and 8 GB card",
-                              "server_wan", server="SCENARIO"),
-    "server_wan14b_4step": Scenario("Wan 2.2 T2V-A14B 4-step LoRA rows at an 8 GB card through a server",
-                                    "server_wan", server="SCENARIO_4STEP"),
-    "server_qwen_t2i": Scenario("Qwen-Image 1328x1328 in 4 steps at an 8 GB card through a server: native's best "
-                                "vs the Staged Loader, with and without the Lightning LoRA", "server_qwen",
-                                server="SCENARIO"),
-    "server_qwen_edit": Scenario("Qwen-Image-Edit at an 8 GB card through a server: the template vs the Edit "
-                                 "Staged Loader + Block Swap", "server_qwen", server="EDIT_SCENARIO"),
     "server_render": Scenario("whole renders, Queue to output file, first-ever / warm / cold, through fresh servers: "
                               "each shipped workflow vs its native equivalent per card, split by stage",
                               "server_render"),
@@ -99,12 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown scenario {name!r}; --list shows them", file=sys.stderr)
         return 2
     scenario = SCENARIOS[name]
-    module = importlib.import_module(f"{PKG}.{scenario.module}")
-    if scenario.server is not None:
-        from comfyui_lowvram_dit.benchmarks import server
-
-        return server.main(getattr(module, scenario.server), [*scenario.args, *rest])
-    return module.main([*scenario.args, *rest])
+    return importlib.import_module(f"{PKG}.{scenario.module}").main([*scenario.args, *rest])
 
 
 if __name__ == "__main__":

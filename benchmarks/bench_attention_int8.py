@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from comfyui_lowvram_dit.benchmarks import harness
+from comfyui_lowvram_dit.benchmarks import report as reports
+from comfyui_lowvram_dit.benchmarks.timing import time_fn
 from comfyui_lowvram_dit.kernels import attention_int8 as A
-from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 # (B, H, Lq, Lk, D): the token counts of Wan 2.2 and Qwen-Image at these resolutions
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
@@ -152,7 +152,7 @@ def measure(name: str, shape: tuple[int, ...], repeats: int, warmup: int, config
         fn(q, k, v)  # first call: compile + autotune for ours
         torch.cuda.synchronize()
         row["first_call_s"] = round(time.perf_counter() - t0, 2)
-        times = harness.time_fn(lambda: fn(q, k, v), q.device, repeats, warmup)
+        times = time_fn(lambda: fn(q, k, v), q.device, repeats, warmup)
         row["time_ms"] = statistics.median(times)
         if not name.startswith("prologue"):
             row["tflops"] = 4 * b * h * lq * lk * d / (row["time_ms"] * 1e-3) / 1e12
@@ -270,13 +270,11 @@ def families_markdown(rows: list[dict], backends: tuple[str, ...]) -> list[str]:
 
 def to_markdown(report: dict) -> str:
     env = report["env"]
-    lines = ["# bench_attention_int8", ""]
-    for key in ("device_name", "compute_capability", "torch", "triton", "git_sha", "timestamp", "command"):
-        if env.get(key) is not None:
-            lines.append(f"- {key}: `{env[key]}`")
-    lines += ["- time: median of CUDA-event timings; TFLOP/s = 4·B·H·Lq·Lk·D / t; errors: ‖out − fp32‖ / ‖fp32‖ "
-              f"on {ERR_HEADS} heads", "", "| shape | backend | ms | TFLOP/s | vs cuDNN | err gauss | err outlier | "
-              "first call s | note |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = reports.header("attention_int8: the 8-bit attention kernel vs cuDNN, flash and comfy-kitchen", env, [
+        f"auto formats: {env.get('formats_auto')}; time: median of CUDA-event timings; TFLOP/s = 4·B·H·Lq·Lk·D / t; "
+        f"errors: ‖out − fp32‖ / ‖fp32‖ on {ERR_HEADS} heads"])
+    lines += ["| shape | backend | ms | TFLOP/s | vs cuDNN | err gauss | err outlier | first call s | note |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         f = lambda key, fmt: (fmt.format(r[key]) if isinstance(r.get(key), (int, float)) else "—")  # noqa: E731
         note = r.get("error") or (f"skipped: {r['skipped']}" if r.get("skipped") else "")
@@ -320,7 +318,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true",
                         help="CPU: the family errors of ours (fp32 emulation) at a tiny shape; no timing")
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
-    parser.add_argument("--out", type=Path, default=harness.RESULTS)
+    parser.add_argument("--out", type=Path, default=reports.RESULTS)
     return parser.parse_args(argv)
 
 
@@ -365,9 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         say("bench_attention_int8: needs a CUDA GPU (--smoke runs the family errors on the CPU)")
         return 2
     dev = torch.device("cuda")
-    env = harness.gpu_script_environment(f"{harness.SUITE}.bench_attention_int8", argv, dev)  # comfy_kitchen: None
+    env = reports.environment(f"{reports.SUITE}.bench_attention_int8", argv, dev)
     env["formats_auto"] = list(A.resolve_formats(dev)) if A.is_supported(dev, torch.bfloat16, 128) else None
-    say(f"device {env.get('device_name')} (sm{env.get('compute_capability')}), torch {env['torch']}, "
+    say(f"device {env['gpu']} (sm{env['compute_capability']}), torch {env['torch']}, "
         f"triton {env['triton']}, comfy_kitchen {env['comfy_kitchen']}, auto formats {env['formats_auto']}")
 
     stem = "bench_attention_int8" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
@@ -376,9 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def write() -> None:  # after every stage, so a run cut short still leaves what it measured
         report["autotune"] = A.chosen_configs()
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_report((args.out / f"{stem}.json"), json.dumps(report, indent=1, default=str))
-        write_report((args.out / f"{stem}.md"), to_markdown(report))
+        reports.write(args.out, stem, report, [to_markdown(report)])
 
     report["checks"] = [] if args.no_checks else (say("correctness:") or check_correctness(args.backends))
     shape_names = args.shapes or list(QUICK_SHAPES if args.quick else SHAPES)

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_lowvram_dit.benchmarks import bench_attention_int8 as B
-from comfyui_lowvram_dit.benchmarks import harness
-from comfyui_lowvram_dit.checkpoints.safe_write import write_report
+from comfyui_lowvram_dit.benchmarks import report as reports
+from comfyui_lowvram_dit.benchmarks.timing import time_fn
 from comfyui_lowvram_dit.kernels import attention_int8 as A
 
 SHAPES = {name: B.SHAPES[name] for name in ("wan14b_480p_self", "wan14b_480p_cross", "wan14b_720p_self",
@@ -92,7 +92,7 @@ def measure(fns: dict, shape_names: list[str], family_names: list[str], repeats:
                 fn(q, k, v)
                 torch.cuda.synchronize()
                 row["first_call_s"] = round(time.perf_counter() - t0, 2)
-                times = harness.time_fn(lambda: fn(q, k, v), q.device, repeats, 2)
+                times = time_fn(lambda: fn(q, k, v), q.device, repeats, 2)
                 row["time_ms"] = sorted(times)[len(times) // 2]
                 del q, k, v
             except Exception as exc:  # out of memory, an unsupported shape: a result
@@ -151,7 +151,7 @@ def run_worker(site: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ)
     if site:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", f"{harness.SUITE}.{STEM}", "--worker", site or "installed", "--repeats",
+    cmd = [sys.executable, "-m", f"{reports.SUITE}.{STEM}", "--worker", site or "installed", "--repeats",
            str(args.repeats), "--shapes", *args.shapes, "--families", *args.families]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=WORKER_TIMEOUT_S, check=False)
@@ -185,10 +185,8 @@ def _error_table(rows: list[dict]) -> list[str]:
 def to_markdown(report: dict) -> str:
     """The report as markdown: environment, kernel checks, speed, error per family and shape."""
     env = report["env"]
-    lines = [f"# {STEM}", "", *[f"- {k}: `{env.get(k)}`" for k in ("device_name", "compute_capability", "torch",
-                                                                     "triton", "comfy_kitchen", "git_sha",
-                                                                     "timestamp", "command")],
-             f"- comfy-kitchen versions measured: {report['kitchen']}", "", "## Kernel vs its emulation", "",
+    lines = [*reports.header("attention_kitchen: the 8-bit attention vs cuDNN and comfy-kitchen versions", env,
+                             [f"comfy-kitchen versions measured: {report['kitchen']}"]), "## Kernel vs its emulation", "",
              "| shape | family | backend | vs emulation | vs fp32 | emulation vs fp32 | note |", "|---|---|---|---|---|---|---|"]
     for r in report["checks"]:
         f = lambda key: f"{r[key]:.4f}" if key in r else "—"  # noqa: E731
@@ -223,7 +221,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-installed", action="store_true", help="skip the comfy-kitchen installed here")
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=harness.RESULTS)
+    parser.add_argument("--out", type=Path, default=reports.RESULTS)
     args = parser.parse_args(argv)
     args.families = args.families or list(B.families_module().ALL_FAMILIES)
     return args
@@ -236,13 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         say(f"{STEM}: needs a CUDA GPU")
         return 2
-    env = harness.gpu_script_environment(f"{harness.SUITE}.{STEM}", argv, torch.device("cuda"))
+    env = reports.environment(f"{reports.SUITE}.{STEM}", argv, torch.device("cuda"))
     report: dict = {"bench": STEM, "env": env, "kitchen": [], "checks": [], "speed": [], "errors": []}
 
     def write() -> None:  # after every stage: a run cut short keeps what it measured
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_report(args.out / f"{STEM}.json", json.dumps(report, indent=1, default=str))
-        write_report(args.out / f"{STEM}.md", to_markdown(report))
+        reports.write(args.out, STEM, report, [to_markdown(report)])
 
     say("kernel vs emulation:")
     report["checks"] = check_kernel(B.families_module())

@@ -1,222 +1,31 @@
-"""Scenario ``fp8_gemm``: our fp8 linears (kernels/fp8.py) vs bf16 and native fp8 at Wan 2.2 / Qwen-Image GEMM
-shapes, in one process (README). ``--block``: one Wan 14B block's linears in call order, native fp8_e4m3fn_fast
-(ComfyUI's own Linear when COMFYUI_PATH imports) vs the pack's default and forced paths, on three activation
-families; ``--dry`` runs that on the CPU at tiny widths to exercise the code.
+"""Scenario ``fp8_gemm``: the fp8 linears of one Wan 14B block in call order (kernels/fp8.py), native
+fp8_e4m3fn_fast (ComfyUI's own Linear when COMFYUI_PATH imports, else its steps replicated) vs bf16 and the pack's
+default and forced paths, on three activation families: time per block interleaved, error vs fp32, each linear and
+each quantizer alone (README). ``--dry`` runs it on the CPU at tiny widths to exercise the code.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import time
+import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from comfyui_lowvram_dit.benchmarks import harness
+from comfyui_lowvram_dit.benchmarks import report
+from comfyui_lowvram_dit.benchmarks.timing import time_interleaved
 from comfyui_lowvram_dit.kernels import fp8, fp8_triton
-from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
-# (M tokens, K in, N out). Tokens: Wan 14B 832x480x81 -> 21x30x52 = 32,760; Wan 5B 1280x704x121 -> 31x22x40 =
-# 27,280; Qwen-Image 1328x1328 -> 83x83 = 6,889 image tokens.
-SHAPES: dict[str, tuple[int, int, int]] = {
-    "wan14b_qkvo": (32760, 5120, 5120),
-    "wan14b_ffn_up": (32760, 5120, 13824),
-    "wan14b_ffn_down": (32760, 13824, 5120),
-    "wan5b_qkvo": (27280, 3072, 3072),
-    "wan5b_ffn_up": (27280, 3072, 14336),
-    "wan5b_ffn_down": (27280, 14336, 3072),
-    "qwen_attn": (6889, 3072, 3072),
-    "qwen_mlp_up": (6889, 3072, 12288),
-    "qwen_mlp_down": (6889, 12288, 3072),
-}
-QUICK = ("wan14b_qkvo", "wan14b_ffn_up", "wan14b_ffn_down")
 ERR_ROWS = 2048  # error is measured on the first rows only (an fp32 GEMM per variant otherwise dominates)
 
 
 def say(msg: str) -> None:
     print(msg, flush=True)
 
-
-def make_operands(m: int, k: int, n: int, seed: int = 0):
-    """bf16 activations [M, K] with 4 outlier channels (20-50x), bf16 weight [N, K] with outlier input
-    channels (8-20x, one per 512 inputs, as synthetic/checkpoints.py), bf16 bias."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(m, k, device="cuda", generator=g)
-    x[:, torch.randperm(k, device="cuda", generator=g)[:4]] *= torch.tensor([20.0, 30.0, 40.0, 50.0], device="cuda")
-    w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
-    cols = torch.randperm(k, device="cuda", generator=g)[: max(1, k // 512)]
-    w[:, cols] *= 8 + 12 * torch.rand(cols.numel(), device="cuda", generator=g)
-    b = 0.02 * torch.randn(n, device="cuda", generator=g)
-    return x.bfloat16(), w.bfloat16(), b.bfloat16()
-
-
-def variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, object]:
-    """name -> zero-arg callable computing x @ w.T + b; a string instead when the GPU/torch cannot run it."""
-    cap = torch.cuda.get_device_capability()
-    out: dict[str, object] = {"bf16 F.linear": lambda: F.linear(x, w, b)}
-    # ComfyUI v0.8 `fp8_e4m3fn_fast` (comfy/ops.py fp8_linear): weight plainly cast, input clamped to ±448 and cast,
-    # unit scales, torch._scaled_mm.
-    w_cast = w.to(fp8.FP8_DTYPE)
-    one = torch.ones((), device="cuda")
-    if cap >= (8, 9):
-        out["comfy fp8_e4m3fn_fast"] = lambda: torch._scaled_mm(
-            x.clamp(-448, 448).to(fp8.FP8_DTYPE), w_cast.t(), scale_a=one, scale_b=one, bias=b, out_dtype=x.dtype)
-    else:
-        out["comfy fp8_e4m3fn_fast"] = f"needs compute capability >= 8.9, have {cap}"
-    qt, st = fp8.quantize_per_tensor(w)
-    qb, sb = fp8.quantize_blockwise(w, 128)
-    out["weight-only dequant + bf16"] = lambda: fp8.fp8_linear(x, qt, st, b, path="dequantize")
-    for name, path, q, s, bs in (("ours per-tensor, row-wise act", "scaled_mm_rowwise", qt, st, None),
-                                 ("ours per-tensor, tensor-wise act", "scaled_mm_tensorwise", qt, st, None),
-                                 ("ours block-wise 128", "scaled_mm_blockwise", qb, sb, 128)):
-        ok = {"scaled_mm_rowwise": cap in ((8, 9), (9, 0)), "scaled_mm_tensorwise": cap >= (8, 9),
-              "scaled_mm_blockwise": cap[0] == 9 and fp8.has_blockwise_scaled_mm()}[path]
-        if ok:
-            out[name] = (lambda q=q, s=s, bs=bs, path=path:
-                         fp8.fp8_linear(x, q, s, b, block_size=bs, path=path))
-        else:
-            out[name] = f"{path} is not available on compute capability {cap} / torch {torch.__version__}"
-    return out
-
-
-def quant_only(x: torch.Tensor) -> dict[str, object]:
-    """The fused activation quantizers alone (the part an eager implementation makes expensive)."""
-    if not fp8_triton.TRITON_AVAILABLE:
-        return {"act quant (torch fallback, row)": lambda: fp8.quantize_rowwise_torch(x)}
-    return {"act quant row (Triton)": lambda: fp8_triton.quantize_rowwise(x),
-            "act quant 1x128 (Triton)": lambda: fp8_triton.quantize_groupwise(x, 128, 4),
-            "act quant tensor (norm + Triton)": lambda: fp8_triton.quantize_tensorwise(x),
-            "act quant row (eager torch)": lambda: fp8.quantize_rowwise_torch(x)}
-
-
-def rel_error(fn, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, full_out: torch.Tensor | None) -> float:
-    ref = F.linear(x[:ERR_ROWS].float(), w.float(), b.float())
-    y = full_out[:ERR_ROWS] if full_out is not None else fn()[:ERR_ROWS]
-    return ((y.float() - ref).norm() / ref.norm()).item()
-
-
-def bench_shape(name: str, shape: tuple[int, int, int], repeats: int, warmup: int) -> list[dict]:
-    m, k, n = shape
-    x, w, b = make_operands(m, k, n)
-    rows: list[dict] = []
-    bf16_ms = None
-    for vname, fn in variants(x, w, b).items():
-        row = {"shape": name, "M": m, "K": k, "N": n, "variant": vname}
-        if isinstance(fn, str):
-            rows.append({**row, "status": "skipped", "error": fn})
-            continue
-        try:
-            out = fn()
-            err = rel_error(fn, x, w, b, out)
-            del out
-            times = harness.time_fn(fn, torch.device("cuda"), repeats, warmup)
-        except Exception as exc:  # a path this torch/GPU rejects is a result, not a crash
-            rows.append({**row, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]})
-            say(f"  {name:16s} {vname:34s} ERROR {exc!s:.120}")
-            continue
-        ms = statistics.median(times)
-        bf16_ms = bf16_ms or ms
-        row.update(status="ok", time_ms=ms, tflops=2 * m * n * k / ms / 1e9, speedup_vs_bf16=bf16_ms / ms,
-                   rel_err_vs_fp32=err)
-        rows.append(row)
-        say(f"  {name:16s} {vname:34s} {ms:8.3f} ms {row['tflops']:7.0f} TFLOP/s {bf16_ms / ms:5.2f}x "
-            f"err {err:.4%}")
-    for vname, fn in quant_only(x).items():
-        times = harness.time_fn(fn, torch.device("cuda"), repeats, warmup)
-        rows.append({"shape": name, "M": m, "K": k, "N": n, "variant": vname, "status": "ok",
-                     "time_ms": statistics.median(times), "quant_only": True})
-        say(f"  {name:16s} {vname:34s} {rows[-1]['time_ms']:8.3f} ms")
-    del x, w, b
-    torch.cuda.empty_cache()
-    return rows
-
-
-def markdown(rows: list[dict], env: dict, summary: list[str]) -> str:
-    lines = ["# bench_fp8_gemm", ""]
-    lines += harness.env_bullets(env)
-    lines += ["- timing: CUDA events, median; bf16 activations with 4 outlier channels, weights with outlier input "
-              f"channels, bias; error vs fp32 on the first {ERR_ROWS} rows", "",
-              "| shape (M, K -> N) | variant | ms | TFLOP/s | vs bf16 | rel. err vs fp32 |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        shape = f"{r['shape']} ({r['M']}, {r['K']} -> {r['N']})"
-        if r["status"] != "ok":
-            lines.append(f"| {shape} | {r['variant']} | {r['status']}: {r.get('error', '')[:120]} | | | |")
-        elif r.get("quant_only"):
-            lines.append(f"| {shape} | {r['variant']} | {r['time_ms']:.3f} | | | |")
-        else:
-            lines.append(f"| {shape} | {r['variant']} | {r['time_ms']:.3f} | {r['tflops']:.0f} | "
-                         f"{r['speedup_vs_bf16']:.2f}x | {r['rel_err_vs_fp32']:.3%} |")
-    return "\n".join(lines + [""] + summary) + "\n"
-
-
-def summarize(rows: list[dict]) -> list[str]:
-    """Geometric-mean speedups per variant and the row-wise vs tensor-wise verdict for PER_TENSOR_DEFAULT_PATH."""
-    import math
-
-    by: dict[str, list[dict]] = {}
-    for r in rows:
-        if r["status"] == "ok" and not r.get("quant_only"):
-            by.setdefault(r["variant"], []).append(r)
-    out = ["## Summary (geometric mean over shapes)", ""]
-    for v, rs in by.items():
-        gm = math.exp(sum(math.log(r["speedup_vs_bf16"]) for r in rs) / len(rs))
-        err = statistics.mean(r["rel_err_vs_fp32"] for r in rs)
-        out.append(f"- {v}: {gm:.2f}x vs bf16, mean rel. err {err:.3%}")
-    row, ten = by.get("ours per-tensor, row-wise act"), by.get("ours per-tensor, tensor-wise act")
-    if row and ten:
-        t_row = sum(r["time_ms"] for r in row)
-        t_ten = sum(r["time_ms"] for r in ten)
-        faster = "row-wise" if t_row <= t_ten else "tensor-wise"
-        out += ["", f"- per-tensor weights: row-wise total {t_row:.2f} ms vs tensor-wise {t_ten:.2f} ms -> "
-                f"{faster} is faster; current PER_TENSOR_DEFAULT_PATH = {fp8.PER_TENSOR_DEFAULT_PATH!r}"]
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="Wan 14B shapes only")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
-    parser.add_argument("--block", action="store_true",
-                        help="one Wan 14B block's linears: native fp8_e4m3fn_fast vs the pack's paths")
-    parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES),
-                        help="--block: activation families (default: all)")
-    parser.add_argument("--dry", action="store_true",
-                        help="--block on the CPU at tiny widths, 2 rounds: exercises every code path, times nothing")
-    args = parser.parse_args(argv)
-    if args.dry:
-        args.block, args.repeats, args.warmup = True, min(args.repeats, 2), min(args.warmup, 1)
-    if args.block:
-        return main_block(args, argv)
-    if not torch.cuda.is_available():
-        say("bench_fp8_gemm needs a CUDA GPU")
-        return 2
-    env = harness.gpu_script_environment(f"{harness.SUITE}.bench_fp8_gemm", argv, torch.device("cuda"))
-    say(f"{env.get('device_name')} torch {torch.__version__} triton {env['triton']}")
-    rows: list[dict] = []
-    for name in QUICK if args.quick else SHAPES:
-        rows += bench_shape(name, SHAPES[name], args.repeats, args.warmup)
-    summary = summarize(rows)
-    for line in summary:
-        say(line)
-    stem = "bench_fp8_gemm_quick" if args.quick else "bench_fp8_gemm"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_report((args.out_dir / f"{stem}.json"), json.dumps({"env": env, "rows": rows}, indent=1, default=str))
-    write_report((args.out_dir / f"{stem}.md"), markdown(rows, env, summary))
-    say(f"wrote {args.out_dir / stem}.json and .md")
-    return 0
-
-
-
-# ==============================================================================================================
-# --block: one Wan 14B block's fp8 linears, native fp8_e4m3fn_fast vs the pack's paths
-# ==============================================================================================================
 
 # (name, input, N out, K in): the block's linears that see every video token, in call order
 # (comfy/ldm/wan/model.py WanAttentionBlock). cross_attn.k/v see the 512 text tokens only and are left out.
@@ -288,9 +97,12 @@ def native_linears(weights: dict, device: torch.device) -> tuple[dict, str]:
     """name -> callable(x) running ComfyUI's own fp8_e4m3fn_fast Linear (comfy.ops.fp8_ops, imported from
     COMFYUI_PATH), checked to reach comfy.ops.fp8_linear; without ComfyUI, its steps replicated (said so)."""
     try:
-        from comfyui_lowvram_dit.benchmarks import comfy_native
+        root = os.environ["COMFYUI_PATH"]
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        from comfy.cli_args import args  # before comfy.model_management picks the device
 
-        comfy_native.import_comfy(cpu=device.type == "cpu")
+        args.cpu = args.cpu or device.type == "cpu"
         import comfy.ops
 
         mods = {}
@@ -309,7 +121,7 @@ def native_linears(weights: dict, device: torch.device) -> tuple[dict, str]:
             comfy.ops.fp8_linear = orig
         if not calls:
             raise RuntimeError("comfy.ops.fp8_ops.Linear did not reach comfy.ops.fp8_linear")
-        how = f"ComfyUI {harness.comfyui_version(os.environ.get('COMFYUI_PATH'))} comfy.ops.fp8_ops.Linear"
+        how = f"ComfyUI {report.comfyui_version(root)} comfy.ops.fp8_ops.Linear"
         return {name: (lambda x, m=m: m(x)) for name, m in mods.items()}, how
     except Exception as exc:  # noqa: BLE001 - no ComfyUI here: the same steps, replicated
         one = torch.ones((), device=device)
@@ -363,41 +175,6 @@ def block_runner(spec: dict, weights: dict, linears: list, native: dict) -> Call
             return None
         return {n: y.reshape(-1, y.shape[-1])[:ERR_ROWS].float() for n, y in outs.items()}
     return run
-
-
-def time_interleaved(fns: dict, device: torch.device, repeats: int, warmup: int) -> dict[str, list[float] | str]:
-    """Milliseconds per call of each fn, in rounds that run every fn once (rotating the order), so clock and
-    power drift hit all alike (the H100 runs these GEMMs at its power limit); CUDA events on a GPU."""
-    out: dict[str, list[float] | str] = {}
-    live = {}
-    for name, fn in fns.items():
-        try:
-            for _ in range(warmup):
-                fn()
-            live[name] = fn
-            out[name] = []
-        except Exception as exc:  # noqa: BLE001 - a path this GPU / torch cannot run is a result
-            out[name] = f"{type(exc).__name__}: {exc}"[:300]
-    names = list(live)
-    for r in range(repeats):
-        order = names[r % len(names):] + names[: r % len(names)] if names else []
-        marks = {}
-        for name in order:
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                live[name]()
-                end.record()
-                marks[name] = (start, end)
-            else:
-                t0 = time.perf_counter()
-                live[name]()
-                out[name].append((time.perf_counter() - t0) * 1e3)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            for name, (start, end) in marks.items():
-                out[name].append(float(start.elapsed_time(end)))
-    return out
 
 
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -478,45 +255,36 @@ def _x(a: float | None, b: float | None) -> str:
     return f"{a / b:.3f}x" if a and b else ""
 
 
-def block_markdown(rows: list[dict], env: dict, m: int, native_how: str, repeats: int, warmup: int) -> str:
+def block_markdown(rows: list[dict], env: dict, m: int, native_how: str, repeats: int, warmup: int) -> list[str]:
     """Per family: the block table (vs native), then each linear and each quantizer."""
-    lines = ["# bench_fp8_gemm --block: one Wan 14B block's fp8 linears", ""]
-    lines += harness.env_bullets(env, ("device_name", "compute_capability", "torch", "torch_cuda", "triton",
-                                       "comfyui_version", "git_sha", "timestamp", "command"))
-    lines += [f"- native fp8_e4m3fn_fast: {native_how}",
-              f"- {m} tokens; block = {', '.join(n for n, *_ in BLOCK_LINEARS)} (cross_attn.k/v: text tokens, "
-              f"left out); block6 = {', '.join(SIX)}",
-              f"- timing: CUDA events, {warmup} warm-up rounds then {repeats} rounds, every variant once per round "
-              f"(order rotating), median; error: rel. Frobenius error vs fp32 on the first {ERR_ROWS} tokens, "
-              "after one warm call", ""]
+    lines = report.header("fp8_gemm: one Wan 14B block's fp8 linears", env, [
+        f"native fp8_e4m3fn_fast: {native_how}",
+        f"{m} tokens; block = {', '.join(n for n, *_ in BLOCK_LINEARS)} (cross_attn.k/v: text tokens, left out); "
+        f"block6 = {', '.join(SIX)}",
+        f"timing: CUDA events, {warmup} warm-up rounds then {repeats} rounds, every variant once per round (order "
+        f"rotating), median; error: rel. Frobenius error vs fp32 on the first {ERR_ROWS} tokens, after one warm call"])
     for fam in dict.fromkeys(r["family"] for r in rows):
         fr = [r for r in rows if r["family"] == fam]
         by = {(r["kind"], r["variant"]): r for r in fr}
         nat8, nat6 = (by.get((k, "native fp8_e4m3fn_fast"), {}).get("time_ms") for k in ("block8", "block6"))
         nat_err = by.get(("block8", "native fp8_e4m3fn_fast"), {}).get("err_mean")
-        lines += [f"## {fam}", "", "| variant | ms / block (8) | vs native | ms (6) | vs native | mean rel. err | "
-                  "max rel. err | err vs native |", "|---|---|---|---|---|---|---|---|"]
+        block = []
         for r in (r for r in fr if r["kind"] == "block8"):
             r6 = by.get(("block6", r["variant"]), {})
-            if r["status"] != "ok":
-                lines.append(f"| {r['variant']} | {r['status']}: {str(r.get('error'))[:100]} | | | | | | |")
-                continue
-            lines.append(f"| {r['variant']} | {r['time_ms']:.3f} | {_x(nat8, r['time_ms'])} | "
-                         f"{r6.get('time_ms') or 0:.3f} | {_x(nat6, r6.get('time_ms'))} | {r['err_mean']:.3%} | "
-                         f"{r['err_max']:.3%} | {_x(r['err_mean'], nat_err)} |")
+            block.append([r["variant"], f"{r['status']}: {report.cell(r.get('error'))[:100]}", "", "", "", "", "", ""]
+                         if r["status"] != "ok" else
+                         [r["variant"], f"{r['time_ms']:.3f}", _x(nat8, r["time_ms"]), f"{r6.get('time_ms') or 0:.3f}",
+                          _x(nat6, r6.get("time_ms")), f"{r['err_mean']:.3%}", f"{r['err_max']:.3%}",
+                          _x(r["err_mean"], nat_err)])
         names = list(dict.fromkeys(r["linear"] for r in fr if r["kind"] == "linear"))
-        variants = list(dict.fromkeys(r["variant"] for r in fr if r["kind"] == "linear"))
-        lines += ["", "| variant | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-        for v in variants:
-            cells = [by_l.get("time_ms") for by_l in (next((r for r in fr if r["kind"] == "linear" and
-                                                             r["variant"] == v and r["linear"] == n), {})
-                                                       for n in names)]
-            lines.append(f"| {v} | " + " | ".join(f"{c:.3f}" if c else "error" for c in cells) + " |")
-        lines += ["", "| quantizer alone | ms |", "|---|---|"]
-        lines += [f"| {r['variant']} | {r['time_ms']:.3f} |" if r["time_ms"] else f"| {r['variant']} | error |"
-                  for r in fr if r["kind"] == "quant"]
-        lines.append("")
-    return "\n".join(lines + block_summary(rows)) + "\n"
+        per = {(r["variant"], r["linear"]): r.get("time_ms") for r in fr if r["kind"] == "linear"}
+        linears = [[v, *(report.cell(per.get((v, n)), "{:.3f}") for n in names)]
+                   for v in dict.fromkeys(r["variant"] for r in fr if r["kind"] == "linear")]
+        quant = [[r["variant"], report.cell(r["time_ms"], "{:.3f}")] for r in fr if r["kind"] == "quant"]
+        lines += [f"## {fam}", "", *report.table(["variant", "ms / block (8)", "vs native", "ms (6)", "vs native",
+                                                  "mean rel. err", "max rel. err", "err vs native"], block), "",
+                  *report.table(["variant", *names], linears), "", *report.table(["quantizer alone", "ms"], quant), ""]
+    return lines + block_summary(rows)
 
 
 def block_summary(rows: list[dict]) -> list[str]:
@@ -541,13 +309,29 @@ def block_summary(rows: list[dict]) -> list[str]:
     return out
 
 
-def main_block(args: argparse.Namespace, argv: list[str] | None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Every variant on every family; ``<out>/bench_fp8_gemm_block.json`` and ``.md`` (``_dry`` with ``--dry``)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out-dir", "--out", type=Path, default=report.RESULTS)
+    parser.add_argument("--block", action="store_true", help="(the only mode; kept so recorded commands still run)")
+    parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES),
+                        help="activation families (default: all)")
+    parser.add_argument("--dry", action="store_true",
+                        help="on the CPU at tiny widths, 2 rounds: exercises every code path, times nothing")
+    args = parser.parse_args(argv)
+    if args.dry:
+        args.repeats, args.warmup = min(args.repeats, 2), min(args.warmup, 1)
+    elif not torch.cuda.is_available():
+        say("fp8_gemm needs a CUDA GPU (--dry runs on the CPU)")
+        return 2
     device = torch.device("cpu" if args.dry else "cuda")
-    env = harness.gpu_script_environment(f"{harness.SUITE}.bench_fp8_gemm", argv, device)
+    env = report.environment(f"{report.SUITE}.bench_fp8_gemm", argv, device)
     m, linears = _dims(args.dry)
     weights = block_weights(linears, device)
     native, how = native_linears(weights, device)
-    say(f"{env.get('device_name')} torch {torch.__version__} triton {env.get('triton')}; native: {how}")
+    say(f"{env['gpu'] or env['cpu']} torch {env['torch']} triton {env['triton']}; native: {how}")
     setup = {"device": device, "linears": linears, "m": m, "weights": weights, "native": native}
     rows: list[dict] = []
     for fam in args.families:
@@ -556,12 +340,9 @@ def main_block(args: argparse.Namespace, argv: list[str] | None) -> int:
             if r["family"] == fam and r["kind"] == "block8":
                 say(f"  {fam:9s} {r['variant']:44s} " + (f"{r['time_ms']:8.3f} ms err {r['err_mean']:.3%}"
                                                         if r["status"] == "ok" else f"ERROR {r.get('error')!s:.100}"))
-    for line in block_summary(rows):
-        say(line)
+    say("\n".join(block_summary(rows)))
     stem = "bench_fp8_gemm_block" + ("_dry" if args.dry else "")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"env": env, "native": how, "tokens": m, "rows": rows}
-    write_report(args.out_dir / f"{stem}.json", json.dumps(payload, indent=1, default=str))
-    write_report(args.out_dir / f"{stem}.md", block_markdown(rows, env, m, how, args.repeats, args.warmup))
+    report.write(args.out_dir, stem, {"env": env, "native": how, "tokens": m, "rows": rows},
+                 block_markdown(rows, env, m, how, args.repeats, args.warmup))
     say(f"wrote {args.out_dir / stem}.json and .md")
     return 0

@@ -6,7 +6,6 @@ in a chain. ``--tiny`` runs scaled-down shapes on the CPU (a check of the script
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from pathlib import Path
@@ -14,14 +13,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from comfyui_lowvram_dit.benchmarks import bench_fp8_gemm, harness
-from comfyui_lowvram_dit.checkpoints.safe_write import write_report
+from comfyui_lowvram_dit.benchmarks import report
+from comfyui_lowvram_dit.benchmarks.timing import time_fn
 from comfyui_lowvram_dit.kernels import fp8, int8, int8_triton
 
-# The fp8_gemm scenario's shapes (M tokens, K in, N out) for Wan 14B and Qwen-Image, so the two compare directly.
-SHAPES: dict[str, tuple[int, int, int]] = {k: v for k, v in bench_fp8_gemm.SHAPES.items()
-                                           if k.startswith(("wan14b_", "qwen_"))}
-QUICK = bench_fp8_gemm.QUICK
+# (M tokens, K in, N out): Wan 14B 832x480x81 -> 21x30x52 = 32,760 tokens; Qwen-Image 1328x1328 -> 83x83 = 6,889.
+SHAPES: dict[str, tuple[int, int, int]] = {
+    "wan14b_qkvo": (32760, 5120, 5120), "wan14b_ffn_up": (32760, 5120, 13824), "wan14b_ffn_down": (32760, 13824, 5120),
+    "qwen_attn": (6889, 3072, 3072), "qwen_mlp_up": (6889, 3072, 12288), "qwen_mlp_down": (6889, 12288, 3072)}
+QUICK = ("wan14b_qkvo", "wan14b_ffn_up", "wan14b_ffn_down")
 TINY: dict[str, tuple[int, int, int]] = {"tiny_qkvo": (96, 256, 256), "tiny_ffn_up": (96, 256, 640),
                                          "tiny_ffn_down": (96, 640, 256)}
 ERR_ROWS = 2048  # error on the first rows only (the fp32 reference GEMM would dominate otherwise)
@@ -36,7 +36,7 @@ def say(msg: str) -> None:
 
 def make_operands(m: int, k: int, n: int, device: torch.device, seed: int = 0):
     """bf16 activations [M, K] with 4 outlier channels (20-50x), bf16 weight [N, K] with outlier input channels
-    (8-20x, one per 512 inputs, as synthetic/checkpoints.py), bf16 bias (as bench_fp8_gemm)."""
+    (8-20x, one per 512 inputs, as synthetic/checkpoints.py), bf16 bias."""
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(m, k, device=device, generator=g)
     x[:, torch.randperm(k, device=device, generator=g)[:4]] *= torch.tensor([20.0, 30.0, 40.0, 50.0], device=device)
@@ -107,7 +107,7 @@ def _row(name: str, shape: tuple[int, int, int], vname: str, fn, x, w, b, repeat
         out = fn()
         err = rel_error(out, x, w, b) if isinstance(out, torch.Tensor) else None
         del out
-        ms = statistics.median(harness.time_fn(fn, x.device, repeats, warmup))
+        ms = statistics.median(time_fn(fn, x.device, repeats, warmup))
     except Exception as exc:  # a path this torch/GPU rejects is a result, not a crash
         return {**row, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
     row.update(status="ok", time_ms=ms, rel_err=err)
@@ -199,22 +199,20 @@ def summarize(rows: list[dict], blocks: list[dict]) -> list[str]:
     return out
 
 
-def markdown(rows: list[dict], blocks: list[dict], env: dict, summary: list[str]) -> str:
-    lines = ["# bench_int8_gemm", ""]
-    lines += harness.env_bullets(env)
-    lines += ["- timing: CUDA events (perf_counter on the CPU), median; bf16 activations with 4 outlier channels, "
-              f"weights with outlier input channels, bias; error vs fp32 on the first {ERR_ROWS} rows", "",
-              "| shape (M, K -> N) | variant | ms | TFLOP/s | vs bf16 | rel. err |", "|---|---|---|---|---|---|"]
+def markdown(rows: list[dict], env: dict, summary: list[str]) -> list[str]:
+    """The report: environment, one row per shape and variant, the summary."""
+    table = []
     for r in rows:
-        shape = f"{r['shape']} ({r['M']}, {r['K']} -> {r['N']})"
+        head = [f"{r['shape']} ({r['M']}, {r['K']} -> {r['N']})", r["variant"]]
         if r["status"] != "ok":
-            lines.append(f"| {shape} | {r['variant']} | {r['status']}: {r.get('error', '')[:120]} | | | |")
-        elif "tflops" not in r:
-            lines.append(f"| {shape} | {r['variant']} | {r['time_ms']:.3f} | | | |")
+            table.append([*head, f"{r['status']}: {report.cell(r.get('error'))[:120]}", "", "", ""])
         else:
-            lines.append(f"| {shape} | {r['variant']} | {r['time_ms']:.3f} | {r['tflops']:.1f} | "
-                         f"{r['vs_bf16']:.2f}x | {r['rel_err']:.3%} |")
-    return "\n".join(lines + [""] + summary) + "\n"
+            table.append([*head, f"{r['time_ms']:.3f}", report.cell(r.get("tflops"), "{:.1f}"),
+                          report.cell(r.get("vs_bf16"), "{:.2f}x"), report.cell(r.get("rel_err"), "{:.3%}")])
+    return [*report.header("int8_gemm: int8 W8A8 GEMMs vs bf16, native fp8 and the pack's fp8", env, [
+        "timing: CUDA events (perf_counter on the CPU), median; bf16 activations with 4 outlier channels, weights "
+        f"with outlier input channels, bias; error vs fp32 on the first {ERR_ROWS} rows"]),
+        *report.table(["shape (M, K -> N)", "variant", "ms", "TFLOP/s", "vs bf16", "rel. err"], table), "", *summary]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,14 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="scaled-down shapes, runs on the CPU too (a check)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out-dir", "--out", type=Path, default=harness.RESULTS)
+    parser.add_argument("--out-dir", "--out", type=Path, default=report.RESULTS)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.tiny:
         say("bench_int8_gemm needs a CUDA GPU (--tiny runs scaled-down shapes on the CPU)")
         return 2
-    env = harness.gpu_script_environment(f"{harness.SUITE}.bench_int8_gemm", argv, device)
-    say(f"{env.get('device_name', device)} torch {torch.__version__} triton {env.get('triton')}")
+    env = report.environment(f"{report.SUITE}.bench_int8_gemm", argv, device)
+    say(f"{env['gpu'] or env['cpu']} torch {env['torch']} triton {env['triton']}")
     shapes = TINY if args.tiny else {n: SHAPES[n] for n in (QUICK if args.quick else SHAPES)}
     rows: list[dict] = []
     with torch.no_grad():
@@ -238,12 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_shape(name, shape, device, args.repeats, args.warmup)
         blocks = block_errors(device, args.tiny)
     summary = summarize(rows, blocks)
-    for line in summary:
-        say(line)
+    say("\n".join(summary))
     stem = "bench_int8_gemm" + ("_tiny" if args.tiny else "_quick" if args.quick else "")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_report(args.out_dir / f"{stem}.json", json.dumps({"env": env, "rows": rows, "block": blocks}, indent=1,
-                                                           default=str))
-    write_report(args.out_dir / f"{stem}.md", markdown(rows, blocks, env, summary))
+    report.write(args.out_dir, stem, {"env": env, "rows": rows, "block": blocks}, markdown(rows, env, summary))
     say(f"wrote {args.out_dir / stem}.json and .md")
     return 0

@@ -3,7 +3,8 @@ each) and docs/by-card.md (per card size, model and file format: the fastest pac
 
 ``python -m comfyui_lowvram_dit.benchmarks.results_index`` rewrites the three files from every result JSON under
 benchmarks/results/ (``investigations/`` holds dated evidence, not current results; ``*.api.json`` are workflows);
-``--check`` only says whether they are current. Layouts are read by ``results_layouts``.
+``--check`` only says whether they are current. Every file is in the common format of benchmarks/README.md (``env`` +
+``rows``); a file without setup rows (a kernel or correctness result) is a component. Plain JSON: no ComfyUI, no torch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
-from comfyui_lowvram_dit.benchmarks import results_layouts as layouts
 from comfyui_lowvram_dit.benchmarks.__main__ import SCENARIOS
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
@@ -24,7 +24,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BY_CARD = RESULTS.parents[1] / "docs" / "by-card.md"
 SKIPPED_DIRS = ("investigations",)
 COMMAND = "python -m comfyui_lowvram_dit.benchmarks.results_index"
-MODELS = (layouts.WAN14B, layouts.WAN5B, layouts.QWEN, layouts.QWEN_EDIT)
+MODELS = ("Wan 2.2 T2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image", "Qwen-Image-Edit")
+# Fields of a common-format row (benchmarks/README.md); `side`, `how`, `cfg`, `gpus`, `lora`, `status` are optional.
+ROW_FIELDS = ("name", "model", "resolution", "frames", "steps", "card_gib", "file_format", "setup", "memory_manager",
+              "s_per_step", "render_s", "peak_vram_gib", "peak_rss_gib", "against", "ratio")
+ENV_FIELDS = ("device", "gpu", "torch", "comfyui", "comfy_kitchen", "commit", "date", "command")
+OPTIONAL = {"side": "pack", "how": "server", "cfg": None, "gpus": 1, "lora": None, "status": "ok"}
 FORMATS = ("fp8_scaled", "fp8_e4m3fn", "bf16")
 CARDS = (8.0, 12.0, 16.0, 24.0)
 # The run keys of a row: rows of one run that share these are one workload, compared with each other.
@@ -35,6 +40,33 @@ def result_files(root: Path) -> list[Path]:
     """Every current result JSON under ``root``: not investigations/, not the index, not workflow inputs."""
     return sorted(p for p in root.rglob("*.json") if p.name != "index.json" and not p.name.endswith(".api.json")
                   and not set(p.relative_to(root).parts[:-1]) & set(SKIPPED_DIRS))
+
+
+def run_env(env: dict) -> dict:
+    """The index's environment fields from a result's ``env`` (a kernel scenario's too: ``device_name``,
+    ``git_sha``, ``timestamp``, ``comfyui_version``)."""
+    gpu = env.get("gpu") or env.get("device_name") or (env.get("gpus") or [None])[0]
+    stamp = env.get("date") or env.get("timestamp") or ""
+    commit = env.get("commit") or env.get("git_sha")
+    if commit:  # short sha, keeping the mark of a tree that differed from it
+        commit = commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
+    return {"device": env.get("device") or ("cuda" if gpu else None),
+            "gpu": gpu.removeprefix("NVIDIA ") if gpu else None,
+            "torch": env.get("torch"), "comfyui": env.get("comfyui") or env.get("comfyui_version"),
+            "comfy_kitchen": env.get("comfy_kitchen"), "commit": commit, "date": stamp[:10] or None,
+            "command": env.get("command")}
+
+
+def read(data: object, source: str) -> tuple[dict, list[dict]]:
+    """(environment, setup rows) of one result file; no rows for a component (kernel) result."""
+    env = data.get("env") or data.get("environment") if isinstance(data, dict) else None
+    if not isinstance(env, dict):
+        raise ValueError(f"{source}: not a result in the common format of benchmarks/README.md (top-level keys "
+                         f"{sorted(data) if isinstance(data, dict) else type(data).__name__}); write it so, or move a "
+                         "superseded file out of benchmarks/results/")
+    rows = data.get("rows") if isinstance(data.get("rows"), list) else []
+    setups = [{**{k: None for k in ROW_FIELDS}, **OPTIONAL, **r} for r in rows if isinstance(r, dict) and "setup" in r]
+    return run_env(env), setups
 
 
 def _link_against(rows: list[dict]) -> None:
@@ -61,19 +93,17 @@ def collect(root: Path = RESULTS) -> tuple[list[dict], list[dict]]:
     rows, components = [], []
     for path in result_files(root):
         rel = path.relative_to(root).as_posix()
-        layout, env, found = layouts.read(json.loads(path.read_text(encoding="utf-8")), rel)
-        report = rel.removesuffix(".json") + ".md"
-        link = report if (root / report).is_file() else rel
+        env, found = read(json.loads(path.read_text(encoding="utf-8")), rel)
+        # the report: <stem>.md, else the README of the run's folder (a run reported by hand), else the JSON itself
+        reports = (path.with_suffix(".md"), *([path.parent / "README.md"] if path.parent != root else []))
+        link = next((p for p in reports if p.is_file()), path).relative_to(root).as_posix()
         if not found:
-            components.append({"source": rel, "link": link, "layout": layout, "what": _what(path, env), **env})
+            components.append({"source": rel, "link": link, "what": _what(path, env), **env})
             continue
-        # per-row server files: the rows of one folder ran in one session, and its README is their report
-        run = path.parent.relative_to(root).as_posix() if layout == "server row" else rel.removesuffix(".json")
-        if layout == "server row" and (path.parent / "README.md").is_file():
-            link = f"{run}/README.md"
+        run = rel.removesuffix(".json")
         for row in found:
-            rows.append({**row, **{k: row.get(k) or env.get(k) for k in layouts.ENV_FIELDS}, "source": rel,
-                         "link": link, "run": run, "layout": layout})
+            rows.append({**row, **{k: row.get(k) or env.get(k) for k in ENV_FIELDS}, "source": rel, "link": link,
+                         "run": run})
     _link_against(rows)
     order = {m: i for i, m in enumerate(MODELS)}
     rows.sort(key=lambda r: (order.get(r["model"], len(order)), r["model"], _neg_date(r), r["run"]))

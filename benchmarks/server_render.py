@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comfyui_lowvram_dit.benchmarks import harness, server
-from comfyui_lowvram_dit.benchmarks import server_qwen as bq
+from comfyui_lowvram_dit.benchmarks import report as reports
+from comfyui_lowvram_dit.benchmarks import server
 from comfyui_lowvram_dit.benchmarks import server_render_models as models
 from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
 from comfyui_lowvram_dit.benchmarks import server_render_report as report
@@ -44,7 +44,7 @@ from comfyui_lowvram_dit.cli import workflow_models
 RENDERS = ("first_ever", "warm", "warm_new_prompt", "cold")
 SEED_OFFSET = {"first_ever": 0, "warm": 1, "warm_new_prompt": 2, "cold": 0}
 CARDS = (8.0, 12.0, 16.0, 24.0, None)
-FIXTURE_NODES = harness.PACK_ROOT / "tests" / "fixture_nodes"  # smoke only: the stand-in CLIPLoader
+FIXTURE_NODES = reports.PACK_ROOT / "tests" / "fixture_nodes"  # smoke only: the stand-in CLIPLoader
 FIXTURE_FOLDER = "zz_lowvram_dit_test_nodes"
 STAND_IN_CLIP = "LowVRAMTest_StreamedCLIPLoader"
 CACHE_ENV = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor", "CUDA_CACHE_PATH": "cuda"}
@@ -56,6 +56,8 @@ SMALL_CARD_FACTOR = 1.3  # 12 GB and less: weights streamed every step
 SERVER_START_S = 20.0
 OOM = re.compile(r"out of memory|OutOfMemory|OOM", re.IGNORECASE)
 SMOKE_OUT = Path(tempfile.gettempdir()) / "server_render_smoke"
+SMOKE_NATIVE = ("stock UNETLoader and CLIPLoader build Qwen-Image and Qwen2.5-VL at their full widths, which the tiny "
+                "smoke files do not fill; the native rows need the full-size files")
 EDIT_IMAGE = (1024, 1024)  # the Edit reference image: FluxKontextImageScale keeps 1024x1024 (1 MP)
 
 
@@ -271,7 +273,7 @@ def graph_facts(graph: dict) -> dict:
 
 def public(text: str, opts: argparse.Namespace) -> str:
     """Text as results may show it: the scratch folder as $WORK, ComfyUI's as <ComfyUI>, no other machine path."""
-    return server.public_log([text], server.ServerSetup(opts.comfyui, opts.models, opts.work))[0]
+    return server.public_log([text], opts.comfyui, opts.work)[0]
 
 
 def render(srv: cli_server.ComfyServer, graph: dict, kind: str, timeout: float, output: Path, latents: Path,
@@ -302,6 +304,17 @@ def render(srv: cli_server.ComfyServer, graph: dict, kind: str, timeout: float, 
         return rec
     rec["status"] = "ok"
     return rec
+
+
+def write_input_image(path: Path, width: int, height: int) -> None:
+    """A deterministic RGB gradient PNG: the Edit graph's reference image (LoadImage reads it from the input folder)."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], -1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rgb.astype(np.uint8)).save(path, format="PNG")
 
 
 def _row_dirs(ctx: RunContext, row: RenderRow) -> tuple[Path, dict[str, str], list[str]]:
@@ -341,7 +354,7 @@ def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: 
                 graph = build_graph(row, srv, opts)
                 rec.update(graph_facts(graph))
                 if row.workflow == "qwen_edit":
-                    bq.write_input_image(base / "input", *EDIT_IMAGE)
+                    write_input_image(base / "input" / rg.EDIT_IMAGE, *EDIT_IMAGE)
                 cli_workflow.ensure_input_images(graph, base / "input", True, [cli_workflow.WORKFLOWS_DIR])
             for i, kind in enumerate(kinds):
                 r = render(srv, graph_for(graph, kind), kind, opts.timeout, base / "output", opts.work / "latents",
@@ -462,19 +475,19 @@ def smoke_skip(row: RenderRow) -> str | None:
     if row.workflow == "qwen_edit":
         return "the Edit graphs need the full-size vision tower; the smoke covers Wan and Qwen-Image t2i"
     if row.workflow.startswith("qwen") and rg.SETUPS[row.setup].native:
-        return bq.SMOKE_NATIVE
+        return SMOKE_NATIVE
     return None
 
 
 def environment(opts: argparse.Namespace, argv: list[str] | None) -> dict:
-    """The run's environment in the common row format: no machine paths (harness.public_*)."""
-    parent = harness.parent_environment(harness.command_argv("comfyui_lowvram_dit.benchmarks.server_render", argv))
-    soft, gpu = harness.software_facts(), server.gpu_facts()
-    return {"device": "cpu" if opts.cpu or opts.smoke or not gpu else "cuda", "gpu": gpu.get("device_name"),
-            "vram_total_gib": gpu.get("vram_total_gib"), "driver": gpu.get("driver"), "torch": soft.get("torch"),
-            "comfyui": harness.comfyui_version(opts.comfyui), "comfy_kitchen": soft.get("comfy_kitchen"),
-            "comfy_aimdo": soft.get("comfy_aimdo"), "triton": soft.get("triton"), "python": parent["python"],
-            "commit": opts.git_sha or parent["git_sha"], "date": parent["timestamp"], "command": parent["command"]}
+    """The run's environment in the common format (report.environment), with the GPU as nvidia-smi names it (this
+    process never starts CUDA)."""
+    env = reports.environment("comfyui_lowvram_dit.benchmarks.server_render", argv, comfyui=opts.comfyui)
+    gpu = server.gpu_facts()
+    env.update(device="cpu" if opts.cpu or opts.smoke or not gpu else "cuda", gpu=gpu.get("device_name"),
+               vram_total_gib=gpu.get("vram_total_gib"), driver=gpu.get("driver"))
+    env["commit"] = opts.git_sha or env["commit"]
+    return env
 
 
 def parser() -> argparse.ArgumentParser:
@@ -539,7 +552,7 @@ def _prepare(opts: argparse.Namespace) -> tuple[list[RenderRow], tuple[str, ...]
         opts.models = opts.work / "models"
     for folder in cli_server.MODEL_FOLDERS:
         (opts.models / folder).mkdir(parents=True, exist_ok=True)
-    opts.out = opts.out or (SMOKE_OUT if opts.smoke else harness.RESULTS / "render")
+    opts.out = opts.out or (SMOKE_OUT if opts.smoke else reports.RESULTS / "render")
     opts.stem = opts.stem or (opts.rows if opts.rows.replace("_", "").isalnum() else "server_render")
     return rows, kinds, own_work
 

@@ -8,7 +8,7 @@ attention, Torch Compile with the node's defaults), and a SaveLatent of the fina
 The native graph is the same graph with each pack node replaced by what ComfyUI's official template wires there
 (``to_native``: UNETLoader, CLIPLoader + CLIPTextEncode x2, VAELoader, VAEDecode; Block Swap / Attention / Torch
 Compile dropped), so both render the same sizes, steps, prompts and seed. Qwen-Image-Edit has no shipped workflow:
-its graphs are server_qwen's (the 2509 template and the Edit Staged Loader).
+its graph is edit_graph (the 2509 template and the Edit Staged Loader).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from comfyui_lowvram_dit.benchmarks import server_qwen as bq
 from comfyui_lowvram_dit.benchmarks.server import node
 from comfyui_lowvram_dit.cli.ui_graph import BYPASSED_MODES, FRONTEND_ONLY
 from comfyui_lowvram_dit.cli.workflow import WORKFLOWS_DIR
@@ -200,7 +199,7 @@ class RenderWorkflow:
     key: str  # the row-name prefix
     title: str  # the report's heading
     model: str  # the model as the results index names it
-    shipped: str  # workflows/<shipped>.json ("" = built by server_qwen: Qwen-Image-Edit)
+    shipped: str  # workflows/<shipped>.json ("" = built by edit_graph: Qwen-Image-Edit)
     budgets: dict[float | None, float]  # Block Swap vram_budget_gb per card (None: whole GPU), the note's table
     sixteen_bit: dict[str, str] = field(default_factory=dict)  # fp8 file -> its 16-bit file (format 'bf16')
     formats: tuple[str, ...] = ("fp8_scaled", "bf16", "pack_fp8")  # the first: the files the shipped workflow names
@@ -231,8 +230,13 @@ def _wan_16bit(kind: str) -> dict[str, str]:
 
 I2V_LORAS = {f"wan2.2_i2v_{e}_noise_14B_{f}.safetensors": f"wan2.2_i2v_lightx2v_4steps_lora_v1_{e}_noise.safetensors"
              for e in ("high", "low") for f in ("fp8_scaled", "fp16")}
-QWEN_16BIT = {bq.UNET: "qwen_image_bf16.safetensors"}
-EDIT_STEPS = 20  # the official image_qwen_image_edit_2509 template's steps (cfg 2.5: server_qwen.EDIT_CFG)
+QWEN_16BIT = {"qwen_image_fp8_e4m3fn.safetensors": "qwen_image_bf16.safetensors"}
+# The official image_qwen_image_edit_2509 template: its files, steps, cfg and ModelSamplingAuraFlow shift
+EDIT_UNET, EDIT_TEXT_ENCODER, EDIT_VAE = ("qwen_image_edit_2509_fp8_e4m3fn.safetensors",
+                                          "qwen_2.5_vl_7b.safetensors", "qwen_image_vae.safetensors")
+EDIT_STEPS, EDIT_CFG, EDIT_SHIFT, EDIT_SEED = 20, 2.5, 3.0, 42
+EDIT_IMAGE = "lowvram_edit_bench.png"  # the reference image the runner writes into the server's input folder
+EDIT_PROMPT = "Replace the cat with a dalmatian, keeping the environment and scene consistent"
 T2V, I2V, TI2V, QWEN, EDIT = ("Wan 2.2 T2V-A14B", "Wan 2.2 I2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image",
                                "Qwen-Image-Edit")
 QWEN_FORMATS = {"formats": ("fp8_scaled", "bf16"), "layouts": ("fp8_e4m3fn", "bf16"), "swaps_blocks": False}
@@ -296,7 +300,7 @@ def setup_applies(workflow: RenderWorkflow, setup: str, file_format: str) -> str
 def model_files(workflow: RenderWorkflow, file_format: str) -> list[str]:
     """The model files a row of ``workflow`` in ``file_format`` loads, as the graph names them."""
     if not workflow.shipped:
-        return [bq.EDIT_UNET, bq.EDIT_TEXT_ENCODER, bq.VAE]
+        return [EDIT_UNET, EDIT_TEXT_ENCODER, EDIT_VAE]
     from comfyui_lowvram_dit.cli.workflow_models import referenced_model_files
 
     names = referenced_model_files(shipped_workflow(workflow.shipped))
@@ -304,6 +308,37 @@ def model_files(workflow: RenderWorkflow, file_format: str) -> list[str]:
     if file_format in ("bf16", "pack_fp8"):
         names = {workflow.sixteen_bit.get(n, n) for n in names}
     return sorted(names)
+
+
+def edit_graph(kind: str, card_gib: float | None) -> dict:
+    """The Qwen-Image-Edit 2509 graph (no shipped workflow): the official template's nodes (UNETLoader, CLIPLoader on
+    the CPU, TextEncodeQwenImageEditPlus x2; ``native``) or the Edit Staged Loader with Block Swap at the card in
+    their place (``pack``); the reference image through FluxKontextImageScale (about 1 MP), VAE decode, SaveImage."""
+    g: dict[str, dict] = {"1": node("LoadImage", "Load Image", image=EDIT_IMAGE),
+                          "2": node("FluxKontextImageScale", "FluxKontextImageScale", image=["1", 0])}
+    if kind == "native":
+        g["3"] = node("UNETLoader", "Load Diffusion Model", unet_name=EDIT_UNET, weight_dtype="default")
+        g["4"] = node("CLIPLoader", "Load CLIP", clip_name=EDIT_TEXT_ENCODER, type="qwen_image", device="cpu")
+        g["5"] = node("VAELoader", "Load VAE", vae_name=EDIT_VAE)
+        for nid, text in (("6", EDIT_PROMPT), ("7", "")):
+            g[nid] = node("TextEncodeQwenImageEditPlus", "TextEncodeQwenImageEditPlus", clip=["4", 0], prompt=text,
+                          vae=["5", 0], image1=["2", 0])
+        model, pos, neg, vae = ["3", 0], ["6", 0], ["7", 0], ["5", 0]
+    else:
+        g["3"] = node("LowVRAM_QwenImageEditStagedLoader", "Qwen-Image-Edit Staged Loader (LowVRAM)",
+                      unet_name=EDIT_UNET, clip_name=EDIT_TEXT_ENCODER, vae_name=EDIT_VAE, positive=EDIT_PROMPT,
+                      negative="", quantization="fp8 per-tensor", vram_budget_gb=card_gib or 0.0, blocks_to_swap=-1,
+                      cache_embeddings=True, compute="auto", image1=["2", 0])
+        model, pos, neg, vae = ["3", 0], ["3", 1], ["3", 2], ["3", 3]
+    g["10"] = node("ModelSamplingAuraFlow", "ModelSamplingAuraFlow", model=model, shift=EDIT_SHIFT)
+    g["11"] = node("CFGNorm", "CFGNorm", model=["10", 0], strength=1.0)
+    g["12"] = node("VAEEncode", "VAE Encode", pixels=["2", 0], vae=vae)
+    g["15"] = node("KSampler", "KSampler", model=["11", 0], positive=pos, negative=neg, latent_image=["12", 0],
+                   seed=EDIT_SEED, steps=EDIT_STEPS, cfg=EDIT_CFG, sampler_name="euler", scheduler="simple",
+                   denoise=1.0)
+    g["17"] = node("VAEDecode", "VAE Decode", samples=["15", 0], vae=vae)
+    g["19"] = node("SaveImage", "Save", images=["17", 0], filename_prefix=f"bench/{kind}_edit")
+    return g
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -331,8 +366,7 @@ def shipped_graph(workflow: RenderWorkflow, object_info: dict, card_gib: float |
     """The pack's graph of ``workflow`` as shipped, with the Block Swap budget its note gives for the card."""
     budget = workflow.budgets[card_gib]
     if not workflow.shipped:
-        return bq.build_edit_graph("pack", bq.EDIT_UNET, bq.EDIT_TEXT_ENCODER, bq.VAE, EDIT_STEPS, "2509", budget,
-                                   decode=True)
+        return edit_graph("pack", budget)
     graph = ui_to_api(shipped_workflow(workflow.shipped), object_info, f"workflows/{workflow.shipped}.json")
     if workflow.four_step_loras:
         _four_step(graph, workflow, object_info)
@@ -449,8 +483,7 @@ def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | No
     if reason:
         raise GraphError(reason)
     if setup.native and not workflow.shipped:
-        graph = bq.build_edit_graph("native", bq.EDIT_UNET, bq.EDIT_TEXT_ENCODER, bq.VAE, EDIT_STEPS, "2509", None,
-                                    decode=True)
+        graph = edit_graph("native", None)
         for nid in of_type(graph, "UNETLoader"):
             graph[nid]["inputs"]["weight_dtype"] = setup.weight_dtype
     else:

@@ -9,9 +9,11 @@ free). ``--free-disk`` deletes only files this pack wrote (a synthetic file's he
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from comfyui_lowvram_dit.benchmarks import harness
+from comfyui_lowvram_dit.benchmarks import report
 from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
 from comfyui_lowvram_dit.cli import server as cli_server
 from comfyui_lowvram_dit.cli import workflow_models
@@ -85,19 +87,38 @@ def quantized_copies(models: Path, row: RenderRow) -> list[tuple[Path, Path]]:
 
 # Children that touch the GPU, so this process never holds a CUDA context (an emulated card is total - reserve of
 # what is free: memory held here would shrink it).
-WRITE_CHILD = ("import json, sys; from pathlib import Path; from comfyui_lowvram_dit.benchmarks import server; "
-               "from comfyui_lowvram_dit.checkpoints.safe_write import write_report; "
-               "write_report(sys.argv[2], json.dumps(server.write_models(Path(sys.argv[1]), sys.argv[3:])))")
+WRITE_CHILD = ("import json, sys; from pathlib import Path; from comfyui_lowvram_dit.benchmarks import "
+               "server_render_models as m; from comfyui_lowvram_dit.checkpoints.safe_write import write_report; "
+               "write_report(sys.argv[2], json.dumps(m.write_models(Path(sys.argv[1]), sys.argv[3:])))")
 QUANTIZE_CHILD = ("import sys; from comfyui_lowvram_dit.checkpoints import wan as wc; src = sys.argv[1]; "
                   "loaded = wc.load_wan_state_dict(src, 'per_tensor', 128, device=sys.argv[2]); "
                   "wc.save_quantized(loaded, wc.quantized_path_for(src, 'per_tensor', 128), src)")
 
 
+def write_models(models: Path, names: Sequence[str]) -> dict[str, float]:
+    """Write the full-size synthetic files ``names`` (missing ones only); seconds per file. A name there is no
+    synthetic writer for is reported and left out: its real file must be in ``models``."""
+    from comfyui_lowvram_dit.synthetic.lora import KNOWN_LORA_FILES
+
+    took = {}
+    for name in names:
+        if name not in workflow_models.KNOWN_MODEL_FILES and name not in KNOWN_LORA_FILES:
+            print(f"model {name}: no synthetic writer for it; put the real file under {models}", flush=True)
+            continue
+        t0 = time.monotonic()
+        workflow_models.write_synthetic_models({name}, models, "full")
+        took[name] = round(time.monotonic() - t0, 1)
+        print(f"model {name}: {took[name]} s", flush=True)
+    return took
+
+
 def run_child(code: str, *args: str) -> None:
     """Python ``code`` with ``args`` in a child process that imports this checkout; CalledProcessError if it fails."""
-    shim = harness._package_shim()
+    shim = Path(tempfile.mkdtemp(prefix="lowvram_dit_shim_"))  # comfyui_lowvram_dit -> this checkout
+    (shim / report.PACKAGE).symlink_to(report.PACK_ROOT, target_is_directory=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))}
     try:
-        subprocess.run([sys.executable, "-c", code, *args], env=harness._child_env(shim), check=True, timeout=3600)
+        subprocess.run([sys.executable, "-c", code, *args], env=env, check=True, timeout=3600)
     finally:
         shutil.rmtree(shim, ignore_errors=True)
 

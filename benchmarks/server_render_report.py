@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from comfyui_lowvram_dit.benchmarks import report
 from comfyui_lowvram_dit.benchmarks.server import compare_latents
-from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 KINDS = ("first_ever", "cold", "warm", "warm_new_prompt")
 KIND_LABEL = {"first_ever": "first-ever", "cold": "cold", "warm": "warm", "warm_new_prompt": "warm, new prompt"}
@@ -178,23 +178,18 @@ def _card(card: float | None) -> str:
     return "whole GPU" if card is None else f"{card:g} GB card (--reserve-vram = total - {card:g} GiB)"
 
 
-def markdown(rows: list[dict], env: dict, settings: dict) -> str:
+def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
     """The report as markdown: environment, what was timed, one table per workflow and card."""
-    gpu = f" ({env['vram_total_gib']} GiB, driver {env.get('driver')})" if env.get("vram_total_gib") else ""
-    lines = ["# Renders through a ComfyUI server: Queue to output file", "",
-             f"- device: {env.get('gpu') or env.get('device')}{gpu}; "
-             f"torch {env.get('torch', '?')}, ComfyUI {env.get('comfyui', '?')}, "
-             f"comfy-kitchen {env.get('comfy_kitchen', '?')}, comfy-aimdo {env.get('comfy_aimdo', '?')}",
-             f"- pack: `{env.get('commit')}`; {env.get('date')}", f"- command: `{env.get('command')}`",
-             f"- renders: {', '.join(settings.get('renders', []))}; smoke: {settings.get('smoke')}; page cache: "
-             f"{settings.get('page_cache')}",
-             ("- first-ever: a fresh server with empty Triton / TorchInductor / CUDA caches and user folder; warm: the "
-              "same graph, new seed; warm, new prompt: new seed and prompt; cold: a fresh server keeping the first "
-              "one's caches and user folder. Seconds from Queue (POST /prompt) until the output file is written; in "
-              "brackets native's best seconds / these (the row in 'against'). Split from the websocket events: load = "
-              "loader nodes + each sampler's first step above its median step; peak RSS: the server process's VmHWM "
-              "(first render of a server) or sampled RSS; VRAM: the process per nvidia-smi. Output vs native: "
-              "||a - b|| / ||b|| of the final latents of the first-ever renders (same seed)."), ""]
+    lines = report.header("Renders through a ComfyUI server: Queue to output file", env, [
+        f"renders: {', '.join(settings.get('renders', []))}; smoke: {settings.get('smoke')}; page cache: "
+        f"{settings.get('page_cache')}",
+        "first-ever: a fresh server with empty Triton / TorchInductor / CUDA caches and user folder; warm: the same "
+        "graph, new seed; warm, new prompt: new seed and prompt; cold: a fresh server keeping the first one's caches "
+        "and user folder. Seconds from Queue (POST /prompt) until the output file is written; in brackets native's "
+        "best seconds / these (the row in 'against'). Split from the websocket events: load = loader nodes + each "
+        "sampler's first step above its median step; peak RSS: the server process's VmHWM (first render of a server) "
+        "or sampled RSS; VRAM: the process per nvidia-smi. Output vs native: ||a - b|| / ||b|| of the final latents "
+        "of the first-ever renders (same seed)."])
     groups: dict[tuple[str, Any], list[dict]] = {}
     for r in rows:
         groups.setdefault((r.get("title") or r.get("model") or "?", r.get("card_gib")), []).append(r)
@@ -205,19 +200,15 @@ def markdown(rows: list[dict], env: dict, settings: dict) -> str:
                                            "frames", first.get("steps") and f"{first['steps']} steps") if x)
         lines += [f"## {title}, {_card(card)}", "", f"{facts}; in brackets: the 'against' row's seconds / the row's",
                   "", *table(members, rows), ""]
-    return "\n".join(lines)
+    return lines
 
 
 def write(out_dir: Path, stem: str, rows: list[dict], env: dict, settings: dict, latents: Path) -> list[Path]:
     """``<stem>.json`` (``env``, ``settings``, ``rows``, each row's server log digests under ``logs``) and
     ``<stem>.md`` into ``out_dir``; the paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     compare(rows, latents)
-    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
     logs = {r["name"]: [life.get("log", []) for life in r["lives"]] for r in rows if r.get("lives")}
     shown = [{**r, "lives": [{k: v for k, v in life.items() if k != "log"} for life in r["lives"]]}
              if r.get("lives") else r for r in rows]
     doc = {"scenario": "server_render", "env": env, "settings": settings, "rows": shown, "logs": logs}
-    write_report(paths[0], json.dumps(doc, indent=1, default=str))
-    write_report(paths[1], markdown(rows, env, settings))
-    return paths
+    return report.write(out_dir, stem, doc, markdown(rows, env, settings))

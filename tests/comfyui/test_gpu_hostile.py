@@ -131,7 +131,7 @@ def _write_report() -> None:
     dest = os.environ.get("GPU_HOSTILE_REPORT", "").strip()
     if not dest:
         return
-    from comfyui_lowvram_dit.benchmarks.harness import public_text
+    from comfyui_lowvram_dit.benchmarks.report import public_text
     from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
     base = Path(dest)
@@ -227,7 +227,7 @@ def comfy_gpu() -> Iterator[Any]:
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from comfyui_lowvram_dit.benchmarks import comfy_native
+    import comfy_native
 
     comfy_native.import_comfy(cpu=False)
     import comfy.model_management as mm

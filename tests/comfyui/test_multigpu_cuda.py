@@ -1,6 +1,6 @@
 """Every pack node under ComfyUI's MultiGPU CFG split on two real GPUs gives the picture one GPU gives.
 
-Runs ``benchmarks/bench_multigpu.py`` on a short Wan 2.2 14B (full width, 2 blocks, 832x480x81): each row in a
+Runs ``multigpu_rows.py`` (beside this file) on a short Wan 2.2 14B (full width, 2 blocks, 832x480x81): each row in a
 fresh process samples on one GPU (cond + uncond batched), then split over two (one each), and compares the final
 latents. Native ComfyUI's Wan is bit-identical there (its Qwen-Image is not: recorded, not checked); the pack's rows must
 be within 0.5 % (the goal is identical).
@@ -28,15 +28,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     comfy = os.environ.get("COMFYUI_PATH")
     if not comfy or not (Path(comfy) / "comfy" / "multigpu.py").exists():
         pytest.skip("needs COMFYUI_PATH pointing at a ComfyUI with comfy/multigpu.py (0.23+)")
-    from comfyui_lowvram_dit.benchmarks import bench_multigpu
+    import multigpu_rows
 
-    out = tmp_path_factory.mktemp("multigpu")
-    os.environ.setdefault("BENCH_WORK", str(out))
-    bench_multigpu.main(["--rows", *ROWS, "--layers", "2",
-                         "--steps", "3", "--repeat", "--out", str(out)])
-    import json
-
-    return {r["row"]: r for r in json.loads((out / "multigpu.json").read_text())["rows"]}
+    return multigpu_rows.run(ROWS, tmp_path_factory.mktemp("multigpu"), layers=2, steps=3, repeat=True)
 
 
 @pytest.mark.parametrize("row", ROWS)

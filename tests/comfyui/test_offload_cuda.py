@@ -146,7 +146,7 @@ def test_debug_reports_transfer_and_overlap():
 
 @pytest.mark.skipif(not os.environ.get("COMFYUI_PATH"), reason="COMFYUI_PATH not set")
 def test_comfyui_block_swap_on_gpu_matches_plain_and_frees_the_ring():
-    from comfyui_lowvram_dit.benchmarks import comfy_native
+    import comfy_native
     from comfyui_lowvram_dit.synthetic import checkpoints as synth
 
     comfy = comfy_native.import_comfy(cpu=False)

@@ -10,7 +10,7 @@ from comfyui_lowvram_dit.benchmarks import bench_attention_kitchen as K
 
 
 def _report() -> dict:
-    env = {"device_name": "planted GPU", "torch": "2.11", "command": "python -m ... attention_kitchen"}
+    env = {"gpu": "planted GPU", "torch": "2.11", "command": "python -m ... attention_kitchen"}
     return {"bench": K.STEM, "env": env, "kitchen": [], "checks": [
         {"shape": [1, 2, 77, 513, 64], "family": "gauss", "backend": "int8_int8", "err_vs_emulation": 0.004,
          "err_vs_fp32": 0.013, "emulation_vs_fp32": 0.012}],

@@ -579,7 +579,7 @@ def test_cli_defaults_and_refusals(tmp_path: Path) -> None:
 
     opts, rows, kinds = prepare("--models", str(tmp_path / "models"))
     assert kinds == sr.CORE_RENDERS and len(rows) == len(sr.CORE) and opts.stem == "core"
-    assert opts.out == sr.harness.RESULTS / "render" and (tmp_path / "models" / "loras").is_dir()
+    assert opts.out == sr.reports.RESULTS / "render" and (tmp_path / "models" / "loras").is_dir()
     opts, rows, kinds = prepare("--smoke", "--rows", "wan_t2v_4step", "--cards", "whole")
     assert kinds == sr.RENDERS and opts.out == sr.SMOKE_OUT and opts.models == (tmp_path / "work" / "models").resolve()
     assert [r.name for r in rows] == ["wan_t2v_4step_native_best_whole", "wan_t2v_4step_pack_whole",

@@ -1,6 +1,6 @@
-"""The results index (benchmarks/results_index.py): the committed files are current, each layout reads right.
+"""The results index (benchmarks/results_index.py): the committed files are current, result files read right.
 
-CPU only, plain JSON: the planted result files below are one of each layout with the fields their readers use.
+CPU only, plain JSON: the planted result files below are in the common format, plus a kernel result (a component).
 """
 
 from __future__ import annotations
@@ -11,53 +11,34 @@ from pathlib import Path
 import pytest
 
 from comfyui_lowvram_dit.benchmarks import results_index
-from comfyui_lowvram_dit.benchmarks.results_layouts import ROW_FIELDS
+from comfyui_lowvram_dit.benchmarks.results_index import ROW_FIELDS
 
-SERVER_ENV = {"command": "python3 -m comfyui_lowvram_dit.benchmarks server_wan14b --variants a,b", "git_sha": "abc1234",
-              "comfyui_version": "0.33.0", "timestamp": "2026-11-24T08:52:15+0000",
-              "device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "comfy_kitchen": "0.2.31"}
-
-
-def _server_variant(name: str, graph: str, s_per_step: float | None, status: str = "ok") -> dict:
-    return {"name": name, "what": f"{name} graph, DynamicVRAM, 8 GB card", "status": status,
-            "variant": {"graph": graph, "card_gib": 8.0, "block_swap_gb": 8.0 if graph == "pack" else None,
-                        "dynamic_vram": True}, "s_per_step": s_per_step, "peak_gpu_gib": 9.0,
-            "peak_rss_hwm_gib": 15.0 if graph == "pack" else 35.0}
+ENV = {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "comfyui": "0.33.0",
+       "comfy_kitchen": "0.2.31", "commit": "abc1234-dirty", "date": "2026-11-24T08:52:15+0000", "command": "render"}
+WAN = {"model": "Wan 2.2 T2V-A14B", "resolution": "832x480", "frames": 81, "steps": 6, "card_gib": 8.0,
+       "file_format": "fp8_scaled", "cfg": 3.5}
 
 
-def _harness_variant(name: str, kind: str, ms: float, cap: float | None) -> dict:
-    return {"name": name, "target": "comfyui_lowvram_dit.benchmarks.bench_block_swap:swap_forward",
-            "kwargs": {"kind": kind, "width": 832, "height": 480, "frames": 17, "vram_cap_gb": cap},
-            "status": "ok", "time_ms": ms, "peak_reserved_gib": 7.5, "peak_rss_gib": 14.3}
+def _row(name: str, side: str, s_per_step: float | None, **more: object) -> dict:
+    return {"name": name, **WAN, "setup": f"{name} graph", "memory_manager": "Block Swap" if side == "pack" else
+            "DynamicVRAM", "s_per_step": s_per_step, "render_s": None, "peak_vram_gib": 9.0,
+            "peak_rss_gib": 15.0 if side == "pack" else 35.0, "against": None, "ratio": None, "side": side, **more}
 
 
-EDIT_SETTINGS = {"edit": "2509", "steps": 4, "image_size": [1024, 1024],
-                 "unet": "qwen_image_edit_2509_fp8_e4m3fn.safetensors"}
 PLANTED = {
-    "server_0.33/run_8gb.json": {
-        "bench": "run_8gb", "env": SERVER_ENV, "ratios": {}, "goals": [], "notes": [],
-        "settings": {"steps_per_expert": 3, "width": 832, "height": 480, "frames": 81, "cfg": 3.5,
-                     "model_files_gb": {"wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors": 14.29}},
-        "variants": [_server_variant("native_ck_8gb", "native", 6.0), _server_variant("pack_swap_8gb", "pack", 4.8),
-                     _server_variant("pack_int8_8gb", "pack", None, "skipped")]},
-    "block_swap_480p17.json": {
-        "bench": "block_swap_480p17", "settings": {}, "notes": [],
-        "env": {"command": "bench_block_swap.py", "comfyui_version": "0.8.0", "timestamp": "2026-11-22T01:08:00+0000",
-                "device_name": "NVIDIA H200", "torch": "2.11.0+cu130", "git_sha": None},
-        "variants": [_harness_variant("cap8 native", "native", 500.0, 8.0),
-                     _harness_variant("cap8 swap", "swap_b2", 320.0, 8.0)]},
+    "server_0.33/run_8gb.json": {"env": ENV, "rows": [
+        _row("native_ck_8gb", "native", 6.0), _row("pack_swap_8gb", "pack", 4.8),
+        _row("pack_int8_8gb", "pack", None, status="skipped")], "recorded": {"variants": []}},
+    "in_process/caps.json": {"env": {**ENV, "comfyui": "0.8.0"}, "rows": [
+        _row("cap8 native", "native", 0.5, how="in process", steps=None, cfg=1.0),
+        _row("cap8 swap", "pack", 0.32, how="in process", steps=None, cfg=1.0)]},
     "kernels_gemm.json": {"env": {"command": "python -m comfyui_lowvram_dit.benchmarks fp8_gemm",
-                                  "device_name": "NVIDIA H200"}, "rows": [{"shape": "5120x5120", "ms": 1.0}]},
-    "edit/native.json": {"env": SERVER_ENV, "goals": {}, "settings": EDIT_SETTINGS,
-                         "rows": [{"name": "native_edit", "graph": "native", "card_gib": 8.0, "s_per_step": 1.3}]},
-    "edit/pack.json": {"env": SERVER_ENV, "goals": {}, "settings": EDIT_SETTINGS,
-                       "rows": [{"name": "pack_edit", "graph": "pack", "card_gib": 8.0, "s_per_step": 0.65}]},
-    "multigpu/stack_40blocks.json": {
-        "environment": {"gpus": ["NVIDIA H200", "NVIDIA H200"], "comfyui": "0.33.0", "date": "2026-11-26",
-                        "shape": "832x480x81, cfg 3.5, 4 steps", "layers": 40},
-        "rows": [{"row": "pack_stack", "graph": "Wan Loader fp8", "s_per_step_1gpu": 4.3, "s_per_step_split": 2.2}]},
-    "workflow/t2v.json": {"env": {"gpu": "NVIDIA H200", "comfyui": "0.8.0", "date": "2026-11-22", "card_gib": 8.0},
-                          "workflow": "t2v.api.json", "wall_s": 104.86, "peak_rss_hwm_gib": 17.2},
+                                  "device_name": "NVIDIA H200", "git_sha": "0123456789"},
+                          "rows": [{"shape": "5120x5120", "ms": 1.0}]},
+    "edit/edit_8gb.json": {"env": ENV, "rows": [_row("native_edit", "native", 1.3, model="Qwen-Image-Edit"),
+                                                _row("pack_edit", "pack", 0.65, model="Qwen-Image-Edit")]},
+    "multigpu/split.json": {"env": ENV, "rows": [_row("pack_stack", "pack", 4.3, card_gib=None),
+                                                 _row("pack_stack_split", "pack", 2.2, card_gib=None, gpus=2)]},
     "workflow/t2v.api.json": {"3": {"class_type": "KSampler"}},  # a workflow, not a result
     "render/wan5b_12gb.json": {
         "env": {"device": "cuda", "gpu": "NVIDIA H200", "torch": "2.11.0", "comfyui": "0.33.0",
@@ -94,29 +75,27 @@ def test_committed_index_is_current() -> None:
             f"{path.name} is stale: run {results_index.COMMAND}"
 
 
-def test_each_layout_reads_into_common_rows(planted: Path) -> None:
+def test_result_files_read_into_common_rows(planted: Path) -> None:
     rows, components = results_index.collect(planted)
     by = _by_name(rows)
     assert set(by) == {"native_ck_8gb", "pack_swap_8gb", "pack_int8_8gb", "cap8 native", "cap8 swap", "native_edit",
-                       "pack_edit", "pack_stack", "pack_stack_split", "workflow", "native", "pack"}
+                       "pack_edit", "pack_stack", "pack_stack_split", "native", "pack"}
     assert all(set(ROW_FIELDS) <= set(r) for r in rows)
     server = by["pack_swap_8gb"]
-    assert (server["model"], server["resolution"], server["frames"], server["steps"], server["card_gib"]) == \
-        ("Wan 2.2 T2V-A14B", "832x480", 81, 6, 8.0)  # 3 steps per expert, two experts
-    assert (server["file_format"], server["memory_manager"], server["setup"]) == \
-        ("fp8_scaled", "Block Swap", "pack_swap_8gb graph")
+    assert (server["how"], server["gpus"], server["lora"]) == ("server", 1, None)  # the optional fields' defaults
     assert (server["against"], server["ratio"], server["gpu"], server["date"], server["commit"]) == \
-        ("native_ck_8gb", 1.25, "H100 80GB HBM3", "2026-11-24", "abc1234")
+        ("native_ck_8gb", 1.25, "H100 80GB HBM3", "2026-11-24", "abc1234-dirty")
     assert by["pack_int8_8gb"]["status"] == "skipped" and by["pack_int8_8gb"]["ratio"] is None
-    harness = by["cap8 swap"]
-    assert (harness["how"], harness["s_per_step"], harness["against"], harness["ratio"], harness["comfyui"]) == \
-        ("in process", 0.32, "cap8 native", 1.562, "0.8.0")
-    assert by["pack_edit"]["against"] == "native_edit" and by["pack_edit"]["ratio"] == 2.0  # one folder, one run
-    assert by["pack_stack_split"]["gpus"] == 2 and by["pack_stack"]["s_per_step"] == 4.3
-    assert by["workflow"]["render_s"] == 104.86 and by["workflow"]["card_gib"] == 8.0
-    assert by["pack"]["against"] == "native" and by["pack"]["ratio"] == 1.25  # common rows: the ratio filled in
+    in_process = by["cap8 swap"]
+    assert (in_process["how"], in_process["against"], in_process["ratio"], in_process["comfyui"]) == \
+        ("in process", "cap8 native", 1.562, "0.8.0")
+    assert by["pack_edit"]["against"] == "native_edit" and by["pack_edit"]["ratio"] == 2.0
+    assert by["pack_edit"]["link"] == "edit/README.md"  # no edit_8gb.md: the folder's README is the report
+    assert by["pack_stack_split"]["gpus"] == 2 and by["pack_stack_split"]["against"] is None  # no native row
+    assert by["pack"]["against"] == "native" and by["pack"]["ratio"] == 1.25  # the given baseline, ratio filled in
     assert [c["source"] for c in components] == ["kernels_gemm.json"]
-    assert components[0]["what"].startswith("fp8 GEMMs")  # the scenario's own description
+    assert components[0]["what"].startswith("fp8 GEMMs of one Wan 14B block")  # the scenario's own description
+    assert (components[0]["gpu"], components[0]["commit"]) == ("H200", "0123456")
 
 
 def test_index_and_by_card_pages(planted: Path) -> None:
@@ -136,9 +115,9 @@ def test_index_and_by_card_pages(planted: Path) -> None:
     assert "x2 GPUs" not in by_card and "MultiGPU" not in by_card  # one card only
 
 
-def test_an_unknown_layout_names_its_file(planted: Path) -> None:
+def test_a_file_not_in_the_common_format_names_itself(planted: Path) -> None:
     (planted / "odd.json").write_text(json.dumps({"numbers": [1, 2]}), encoding="utf-8")
-    with pytest.raises(ValueError, match=r"odd\.json: no reader knows this result layout"):
+    with pytest.raises(ValueError, match=r"odd\.json: not a result in the common format"):
         results_index.collect(planted)
 
 

@@ -1,0 +1,183 @@
+"""The suite's one reporter: the environment a result records (no machine paths: ``$OUT``, ``<ComfyUI>``, ``~``,
+``<tmp>``, ``python3``), and every scenario's ``<stem>.json`` + ``<stem>.md`` (environment header, command, tables).
+
+The environment is the common format's ``env`` (benchmarks/README.md: device, gpu, torch, comfyui, comfy_kitchen,
+commit, date, command) plus Triton, comfy-aimdo, Python and, on a GPU, its compute capability and memory. Only the
+standard library at module level (torch inside functions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from comfyui_lowvram_dit.checkpoints.safe_write import write_report
+from comfyui_lowvram_dit.host.version import comfyui_version
+
+PACKAGE = "comfyui_lowvram_dit"
+SUITE = f"{PACKAGE}.benchmarks"
+PACK_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+GIB = float(1 << 30)
+PLACEHOLDERS = ("$OUT", "~", "<ComfyUI>", "<tmp>")
+
+
+def git_sha(repo: Path = PACK_ROOT) -> str | None:
+    """``HEAD`` of the pack checkout, with ``-dirty`` when tracked files differ; None outside git."""
+    try:
+        sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{sha}-dirty" if dirty else sha
+
+
+
+def public_path(arg: str) -> str:
+    """A command-line word as results may show it: no path of the machine that ran the benchmark.
+
+    The output folder becomes ``$OUT``, ComfyUI's folder ``<ComfyUI>``, the repository's own files repo-relative,
+    the home folder ``~``, the temporary folder ``<tmp>`` and the interpreter ``python3``; other words are kept.
+    """
+    if arg == sys.executable:
+        return "python3"
+    repo = Path(__file__).resolve().parent.parent
+    # In this order, so that the more telling name wins where one folder lies in another: $OUT or ComfyUI in the
+    # home or temporary folder, the repository (or a link to it) there too.
+    roots = ((os.environ.get("OUT"), "$OUT"), (os.environ.get("COMFYUI_PATH"), "<ComfyUI>"), (str(repo), None),
+             (str(Path.home()), "~"), (tempfile.gettempdir(), "<tmp>"))
+    for root, name in roots:
+        if not root or not arg.startswith("/"):
+            continue
+        for candidate in (Path(arg), Path(arg).resolve()):
+            try:
+                rel = candidate.relative_to(root)
+                break
+            except ValueError:
+                rel = None
+        if rel is None:
+            continue
+        if name is None:
+            return str(rel)
+        return name if str(rel) == "." else f"{name}/{rel}"
+    return arg
+
+
+
+def public_command(words: list[str]) -> str:
+    """A command line as results may show it: each word through ``public_path``, shell-quoted unless it starts with
+    a placeholder (quotes would only hide that ``$OUT`` and ``~`` stand for folders)."""
+    return " ".join(w if w.startswith(PLACEHOLDERS) else shlex.quote(w) for w in map(public_path, words))
+
+
+
+def public_text(text: str) -> str:
+    """Free text (a child's stderr, a traceback) as results may show it: ComfyUI's folder as ``ComfyUI/``, the
+    output folder as ``$OUT/``, the repository's files repo-relative (through a link to it too), home as ``~/``,
+    the temporary folder as ``<tmp>/``."""
+    repo = Path(__file__).parent.parent
+    roots = {os.environ.get("COMFYUI_PATH"): "ComfyUI/", os.environ.get("OUT"): "$OUT/", str(repo): "",
+             str(repo.resolve()): "", str(Path.home()): "~/", tempfile.gettempdir(): "<tmp>/"}
+    names = {str(Path(root)) + os.sep: name for root, name in roots.items() if root}
+    # Longest first, so that a folder inside another one wins; a folder only where a path starts, so that the
+    # temporary folder /tmp is not found inside /var/tmp.
+    pattern = "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
+    return re.sub(rf"(?<![\w.~/-])(?:{pattern})", lambda m: names[m.group(0)], text)
+
+
+
+def command_argv(module: str, argv: list[str] | None) -> list[str]:
+    """The command line a report records: the suite's as typed (``-m PKG SCENARIO ...``) when run through it, else
+    ``-m module`` plus ``argv`` (a scenario's ``main`` called directly)."""
+    if sys.argv[:2] == ["-m", SUITE]:
+        return list(sys.argv)
+    return ["-m", module, *(sys.argv[1:] if argv is None else argv)]
+
+
+
+def software_facts() -> dict:
+    """Versions of torch, Triton, comfy-kitchen and comfy-aimdo in this Python (read without importing them)."""
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "triton", "comfy-kitchen", "comfy-aimdo"):
+        try:
+            out[dist.replace("-", "_")] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist.replace("-", "_")] = None
+    return out
+
+
+def environment(module: str, argv: list[str] | None, device: Any = None, comfyui: str | Path | None = None) -> dict:
+    """The environment of a run of ``module`` with ``argv`` (its command as typed, see ``command_argv``); ``device``
+    (a torch.device) adds what torch knows of it; ``comfyui``: the checkout to read the version of (default
+    ``COMFYUI_PATH``)."""
+    comfy = os.environ.get("COMFYUI_PATH")
+    prefix = f"COMFYUI_PATH={public_command([comfy])} " if comfy else ""
+    soft = software_facts()
+    env = {"device": None, "gpu": None, "torch": soft["torch"], "comfyui": comfyui_version(comfyui or comfy),
+           "comfy_kitchen": soft["comfy_kitchen"], "commit": git_sha(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "command": prefix + public_command(["python3", *command_argv(module, argv)]), "triton": soft["triton"],
+           "comfy_aimdo": soft["comfy_aimdo"], "python": platform.python_version()}
+    if device is not None:
+        import torch
+
+        env.update(device=device.type, torch=torch.__version__, torch_cuda=torch.version.cuda)
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            env.update(gpu=props.name, compute_capability=f"{props.major}.{props.minor}",
+                       vram_total_gib=round(props.total_memory / GIB, 2))
+        else:
+            env["cpu"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    return env
+
+
+def header(title: str, env: dict, notes: Iterable[str] = ()) -> list[str]:
+    """A report's first lines: its title, the device and versions, the commit, date and command, then ``notes``."""
+    device = env.get("gpu") or (f"CPU ({env['cpu']})" if env.get("cpu") else env.get("device") or "not recorded")
+    facts = [f"compute capability {env['compute_capability']}" if env.get("compute_capability") else "",
+             f"{env['vram_total_gib']} GiB" if env.get("vram_total_gib") else "",
+             f"driver {env['driver']}" if env.get("driver") else ""]
+    names = (("torch", "torch"), ("CUDA", "torch_cuda"), ("Triton", "triton"), ("ComfyUI", "comfyui"),
+             ("comfy-kitchen", "comfy_kitchen"), ("comfy-aimdo", "comfy_aimdo"))
+    versions = ", ".join(f"{name} {env[key]}" for name, key in names if env.get(key))
+    extra = ", ".join(f for f in facts if f)
+    return [f"# {title}", "", f"- device: {device}" + (f" ({extra})" if extra else ""), f"- {versions}",
+            f"- pack: `{env.get('commit')}`, {env.get('date')}", f"- command: `{env.get('command')}`",
+            *(f"- {note}" for note in notes), ""]
+
+
+def cell(value: Any, fmt: str = "") -> str:
+    """One table cell: ``fmt`` applied to a number (``{:.2f}``, ``{:.1%}``), "—" for None, ``|`` escaped."""
+    if value is None:
+        return "—"
+    text = fmt.format(value) if fmt and isinstance(value, (int, float)) else str(value)
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    """A markdown table of already formatted cells (see ``cell``)."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
+def write(out_dir: Path, stem: str, doc: dict, markdown: Sequence[str]) -> list[Path]:
+    """``<stem>.json`` (``doc``, its ``env`` among its keys) and ``<stem>.md`` (the lines of ``markdown``) into
+    ``out_dir``; the two paths. Called after every stage of a run, so one cut short keeps what it measured."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    write_report(paths[0], json.dumps(doc, indent=1, default=str))
+    write_report(paths[1], "\n".join(markdown).rstrip() + "\n")
+    return paths
