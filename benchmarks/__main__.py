@@ -26,11 +26,11 @@ class Scenario:
 
 SCENARIOS: dict[str, Scenario] = {
     # kernels (no ComfyUI unless said)
-    "attention_int8": Scenario("the 8-bit attention kernel vs cuDNN and comfy-kitchen: time, TFLOP/s, error "
-                               "and the autotune tile sweep (--quick, --no-sweep)", "bench_attention_int8"),
+    "attention_int8": Scenario("the 8-bit attention kernel vs cuDNN, flash and comfy-kitchen: time, TFLOP/s, error "
+                               "per input family, kernel vs emulation (--quick, --families)", "bench_attention_int8"),
     "attention_kitchen": Scenario("the 8-bit attention (fp8 and int8 P·V) vs cuDNN and comfy-kitchen versions (each "
-                                  "in its own process, --wheels DIR): kernel vs emulation, error per input family, "
-                                  "time at Wan 480p/720p self and cross", "bench_attention_kitchen"),
+                                  "in its own process, --wheels DIR): error per input family, time at Wan 480p/720p "
+                                  "self and cross", "bench_attention_int8", ("--kitchen",)),
     "fp8_gemm": Scenario("fp8 GEMMs of one Wan 14B block: native fp8_e4m3fn_fast vs bf16 and the pack's paths, per "
                          "activation family: time, error (--dry on the CPU)", "bench_fp8_gemm"),
     "int8_gemm": Scenario("int8 W8A8 GEMMs (GPUs without fp8 matmul) at Wan 14B / Qwen-Image shapes vs bf16, native "

@@ -1,12 +1,28 @@
-"""Scenario ``attention_int8``: the 8-bit attention kernel vs cuDNN, flash, comfy-kitchen int8 and fp8 SDPA (README)."""
+"""Scenarios ``attention_int8`` and ``attention_kitchen``: the 8-bit attention kernel vs cuDNN, flash, comfy-kitchen
+and torch's fp8 SDPA (README).
+
+``attention_int8``: time, TFLOP/s, speed-up vs cuDNN and error (Gaussian and outlier inputs) of every backend at the
+Wan 2.2 / Qwen-Image shapes, the autotuner's picks, the error per input family (``--families``, the families of
+tests/unit/attention_families.py) and the kernel against its fp32 emulation on small shapes.
+``attention_kitchen`` (``--kitchen``): the same at Wan 480p / 720p for cuDNN and our fp8 / int8 P·V, with each
+comfy-kitchen version in a child process of this script with only that version on its path (two versions of one
+package cannot share a process): the installed one, and each wheel of ``--wheels DIR...`` (installed with ``pip
+install --no-index --no-deps --target``). Inputs are made from fixed seeds, so every process sees the same values. A
+backend that cannot run, a version that does not install, a shape out of memory: each is a row, never the run's end.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -25,19 +41,24 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "wan14b_720p_cross": (1, 40, 75600, 512, 128),
 }
 QUICK_SHAPES = ("wan14b_480p_self", "wan14b_480p_cross")
-# ours: (Q·Kᵀ format, P·V format, hi_keys). "int8_fp8" is what "auto" runs on sm89+ ("int8_fp16" on sm80/86 and
-# the selectable precise scheme; "int8_int8" the int8 P·V); "int8_fp8_old" the scheme before the 16-bit keys (the speed baseline); hi_keys
-# None = hi_key_count(Lk), 0 = none.
+KITCHEN_SHAPES = ("wan14b_480p_self", "wan14b_480p_cross", "wan14b_720p_self", "wan14b_720p_cross")
+# ours: (Q·Kᵀ format, P·V format, hi_keys). "int8_int8" is what "auto" runs where int8 P·V is chosen, "int8_fp8" on
+# other sm89+ GPUs, "int8_fp16" on sm80/86 and the selectable precise scheme; "int8_fp8_old" the scheme before the
+# 16-bit keys (the speed baseline). hi_keys None = hi_key_count(Lk), 0 = none.
 OURS = {"int8_fp16": ("int8", "fp16", None), "int8_fp8": ("int8", "fp8", None), "int8_fp8_old": ("int8", "fp8", 0),
         "fp8_fp8": ("fp8", "fp8", None), "int8_int8": ("int8", "int8", None)}
-FAMILY_BACKENDS = ("sdpa_cudnn", "int8_fp16", "int8_fp8", "int8_int8", "int8_fp8_old", "comfy_kitchen_int8")
-FAMILY_HEADS = 2
-ERROR_BUDGET = 0.02
-FAMILIES_FILE = Path(__file__).resolve().parents[1] / "tests" / "unit" / "attention_families.py"
 # comfy-kitchen's INT8 attention (as ComfyUI's --use-ck-attention runs it) and torch's experimental fp8 SDPA
 RIVALS = ("comfy_kitchen_int8", "sdpa_fp8")
 BACKENDS = ("sdpa_cudnn", "sdpa_flash", *OURS, *RIVALS, "prologue", "prologue_old")
-ERR_HEADS = 2
+KITCHEN_BACKENDS = ("sdpa_cudnn", "int8_int8", "int8_fp8")
+FAMILY_BACKENDS = ("sdpa_cudnn", "int8_fp16", "int8_fp8", "int8_int8", "int8_fp8_old", "comfy_kitchen_int8")
+FAMILY_HEADS = ERR_HEADS = 2
+ERROR_BUDGET = 0.02
+FAMILIES_FILE = Path(__file__).resolve().parents[1] / "tests" / "unit" / "attention_families.py"
+CHECK_SHAPES = ((1, 2, 77, 513, 64), (1, 2, 1000, 512, 128), (2, 2, 4097, 4097, 128))
+CHECK_FAMILIES = ("gauss", "k_token_outliers", "token_outliers", "attention_sinks", "heavy_tailed_v")
+WORKER_TIMEOUT_S = 240
+KITCHEN_STEM = "bench_attention_kitchen"
 
 
 class BackendUnavailable(RuntimeError):
@@ -46,6 +67,10 @@ class BackendUnavailable(RuntimeError):
 
 def say(msg: str) -> None:
     print(msg, flush=True)
+
+
+def _error_text(exc: BaseException, limit: int = 400) -> str:
+    return f"{type(exc).__name__}: {exc}"[:limit]
 
 
 def make_inputs(b: int, h: int, lq: int, lk: int, d: int, kind: str, seed: int = 0):
@@ -70,7 +95,7 @@ def _comfy_kitchen_int8():
     try:
         import comfy_kitchen
     except Exception as exc:  # ImportError, or its CUDA extension failing to load
-        raise BackendUnavailable(f"comfy_kitchen does not import: {type(exc).__name__}: {exc}"[:300]) from exc
+        raise BackendUnavailable(f"comfy_kitchen does not import: {_error_text(exc, 280)}") from exc
     if not hasattr(comfy_kitchen, "int8_attention"):
         raise BackendUnavailable(f"comfy_kitchen {getattr(comfy_kitchen, '__version__', '?')} has no int8_attention")
     if not comfy_kitchen.int8_attention_is_available():
@@ -99,11 +124,11 @@ def _sdpa_fp8():
         run(*(torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)))
         torch.cuda.synchronize()
     except Exception as exc:  # any failure of the probe is the reason this row is skipped
-        raise BackendUnavailable(f"fp8 SDPA does not run here: {type(exc).__name__}: {exc}"[:300]) from exc
+        raise BackendUnavailable(f"fp8 SDPA does not run here: {_error_text(exc, 270)}") from exc
     return run
 
 
-def backend_fn(name: str, config: dict | None = None):
+def backend_fn(name: str):
     """callable(q, k, v) -> out for a backend name (BackendUnavailable when it cannot run here)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -125,7 +150,18 @@ def backend_fn(name: str, config: dict | None = None):
     qk, pv, hi = OURS[name]
     if not torch.cuda.is_available():  # the CPU smoke run: the fp32 emulation of the same scheme
         return lambda q, k, v: A.attention_int8_reference(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
-    return lambda q, k, v: A.attention_int8(q, k, v, qk_format=qk, pv_format=pv, config=config, hi_keys=hi)
+    return lambda q, k, v: A.attention_int8(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
+
+
+def backend_fns(names) -> dict:  # noqa: ANN001 - names of BACKENDS
+    """{backend: fn} in the order of ``names``, and for a backend that cannot run here the reason (a string)."""
+    fns: dict = {}
+    for name in names:
+        try:
+            fns[name] = backend_fn(name)
+        except BackendUnavailable as exc:
+            fns[name] = str(exc)
+    return fns
 
 
 def rel_errors(fn, shape: tuple[int, ...]) -> dict[str, float]:
@@ -140,69 +176,66 @@ def rel_errors(fn, shape: tuple[int, ...]) -> dict[str, float]:
     return out
 
 
-def measure(name: str, shape: tuple[int, ...], repeats: int, warmup: int, config: dict | None = None,
-            errors: bool = True) -> dict:
-    """One (backend, shape) row; failures become rows with an error."""
+def measure(name: str, fn, shape: tuple[int, ...], repeats: int, errors: bool = True) -> dict:  # noqa: ANN001
+    """One timed (backend, shape) row on Gaussian inputs at the full head count; a failure is a row with an error."""
     b, h, lq, lk, d = shape
-    row: dict = {"backend": name, "shape": list(shape), "config": config}
+    row: dict = {"backend": name, "shape": list(shape)}
     try:
-        fn = backend_fn(name, config)
         q, k, v = make_inputs(b, h, lq, lk, d, "gauss")
         t0 = time.perf_counter()
         fn(q, k, v)  # first call: compile + autotune for ours
         torch.cuda.synchronize()
         row["first_call_s"] = round(time.perf_counter() - t0, 2)
-        times = time_fn(lambda: fn(q, k, v), q.device, repeats, warmup)
-        row["time_ms"] = statistics.median(times)
+        row["time_ms"] = statistics.median(time_fn(lambda: fn(q, k, v), q.device, repeats, 2))
         if not name.startswith("prologue"):
             row["tflops"] = 4 * b * h * lq * lk * d / (row["time_ms"] * 1e-3) / 1e12
             if errors:
                 row.update(rel_errors(fn, shape))
         q = k = v = None  # free the inputs before empty_cache (the lambda above is done with them)
-    except BackendUnavailable as exc:
-        row["skipped"] = str(exc)
-    except Exception as exc:  # a backend that cannot run here is a result, not a crash
-        row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    except Exception as exc:  # out of memory, an unsupported shape: a result, not a crash
+        row["error"] = _error_text(exc, 500)
     torch.cuda.empty_cache()
     return row
 
 
-def check_correctness(names: list[str] | None = None) -> list[dict]:
-    """Small shapes first, so a broken kernel shows up before the long timings (our formats among names)."""
+def time_shapes(shape_names: list[str], fns: dict, repeats: int, errors: bool) -> list[dict]:
+    """The timed rows: every backend of ``fns`` at every shape (one that cannot run here: a row saying why)."""
     rows = []
-    for shape in [(1, 2, 1, 1, 128), (2, 3, 77, 513, 64), (1, 4, 1000, 512, 128), (2, 2, 4097, 4097, 128)]:
-        for name in (n for n in OURS if names is None or n in names):
-            qk, pv, hi = OURS[name]
-            row = {"shape": list(shape), "backend": name}
-            try:
-                q, k, v = make_inputs(*shape, "outlier", seed=3)
-                out = A.attention_int8(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
-                emu = A.attention_int8_reference(q, k, v, qk_format=qk, pv_format=pv, block_n=64, hi_keys=hi)
-                ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-                row.update(err_vs_emulation=A.relative_error(out, emu), err_vs_fp32=A.relative_error(out, ref))
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            say(f"  check {name:10s} {shape}: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                                                            for k, v in row.items() if k not in ("shape", "backend")))
+    for shape_name in shape_names:
+        shape = SHAPES[shape_name]
+        say(f"{shape_name} {shape}:")
+        reps = repeats if shape[2] * shape[3] < 2e9 else max(3, repeats // 2)
+        for name, fn in fns.items():
+            row = (measure(name, fn, shape, reps, errors) if callable(fn)
+                   else {"backend": name, "shape": list(shape), "skipped": fn})
+            row["shape_name"] = shape_name
+            say(f"  {name:10s} " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in row.items() if k not in ("shape", "shape_name", "backend")))
             rows.append(row)
     return rows
 
 
-def sweep_configs(shape: tuple[int, ...], repeats: int) -> list[dict]:
-    """Every tile config of the autotune set at one shape, both Q·Kᵀ formats, with errors."""
-    from comfyui_lowvram_dit.kernels import attention_int8_triton as tk
-
-    cases = [(f"tile {c.kwargs}", {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages})
-             for c in tk.attn_configs()]
-    rows = []
-    for name in ("int8_fp16", "int8_fp8_old"):
-        for label, cfg in cases:
-            row = measure(name, shape, repeats, 2, config=cfg, errors=True)
-            row["variant"] = label
-            say(f"  sweep {name:8s} {label:26s}: " + (
-                f"{row['time_ms']:.2f} ms, {row['tflops']:.0f} TFLOP/s, err outlier {row.get('err_outlier', float('nan')):.4f}, "
-                f"gauss {row.get('err_gauss', float('nan')):.4f}" if "time_ms" in row else row.get("error", "")))
-            rows.append(row)
+def check_kernel(names: list[str]) -> list[dict]:
+    """The Triton kernel against its fp32 emulation and fp32 attention on small shapes, per family and format:
+    run first, so a broken kernel shows before the long timings."""
+    families, rows = families_module(), []
+    for shape in CHECK_SHAPES:
+        for family in CHECK_FAMILIES:
+            for name in names:
+                qk, pv, hi = OURS[name]
+                row = {"shape": list(shape), "family": family, "backend": name}
+                try:
+                    q, k, v = families.make_family(family, *shape, seed=3, device="cuda")
+                    out = A.attention_int8(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
+                    emu = A.attention_int8_reference(q, k, v, qk_format=qk, pv_format=pv, block_n=128, hi_keys=hi)
+                    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+                    row.update(err_vs_emulation=A.relative_error(out, emu), err_vs_fp32=A.relative_error(out, ref),
+                               emulation_vs_fp32=A.relative_error(emu, ref))
+                except Exception as exc:  # a failing check is a result
+                    row["error"] = _error_text(exc)
+                rows.append(row)
+        say(f"  checked {shape}: worst kernel vs emulation "
+            f"{max((r.get('err_vs_emulation', 1.0) for r in rows if r['shape'] == list(shape)), default=1.0):.4f}")
     return rows
 
 
@@ -214,21 +247,12 @@ def families_module():  # noqa: ANN201 - a module
     return module
 
 
-def family_backends(names: tuple[str, ...]) -> tuple[dict, dict[str, str]]:
-    """{backend: fn} of the family table's backends that run here, and {backend: why not} for the others."""
-    fns, skipped = {}, {}
-    for name in names:
-        try:
-            fns[name] = backend_fn(name)
-        except BackendUnavailable as exc:
-            skipped[name] = str(exc)
-    return fns, skipped
-
-
-def family_errors(shape_name: str, shape: tuple[int, ...], fns: dict, skipped: dict[str, str],
-                  families: list[str], device: str = "cuda") -> list[dict]:
-    """Error vs fp32 of each backend on each input family at a shape's sequence lengths, FAMILY_HEADS heads."""
+def family_errors(shape_name: str, shape: tuple[int, ...], fns: dict, families: list[str],
+                  device: str = "cuda") -> list[dict]:
+    """Error vs fp32 of each backend of ``fns`` (see backend_fns) on each input family at a shape's sequence
+    lengths, FAMILY_HEADS heads."""
     af = families_module()
+    skipped = {n: why for n, why in fns.items() if isinstance(why, str)}
     b, _, lq, lk, d = shape
     rows = []
     for family in families:
@@ -237,23 +261,98 @@ def family_errors(shape_name: str, shape: tuple[int, ...], fns: dict, skipped: d
             q, k, v = af.make_family(family, b, FAMILY_HEADS, lq, lk, d, seed=7, device=device)
             ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
             row["logit_std"] = [round(x, 2) for x in af.logit_std(q, k).flatten().tolist()]
-            for name, fn in fns.items():
+            for name, fn in ((n, f) for n, f in fns.items() if n not in skipped):
                 try:
                     row["errors"][name] = A.relative_error(fn(q, k, v), ref)
                 except Exception as exc:  # one backend failing on one family is a result
-                    row["notes"][name] = f"{type(exc).__name__}: {exc}"[:300]
+                    row["notes"][name] = _error_text(exc, 300)
             del ref
         except Exception as exc:  # e.g. out of memory building a family: record it, keep going
-            row["notes"]["family"] = f"{type(exc).__name__}: {exc}"[:300]
+            row["notes"]["family"] = _error_text(exc, 300)
         say(f"  {shape_name} {family:40s} " + " ".join(f"{n}={e:.4f}" for n, e in row["errors"].items()))
         rows.append(row)
     return rows
 
 
-def families_markdown(rows: list[dict], backends: tuple[str, ...]) -> list[str]:
+# ----------------------------------------------------------------------------------------------------------
+# comfy-kitchen versions, each in its own process
+
+
+def worker(args: argparse.Namespace) -> int:
+    """--worker: time the comfy-kitchen importable here (its site dir first on sys.path); JSON on stdout."""
+    from importlib import metadata
+
+    out: dict = {"site": args.worker}
+    try:
+        fns = {f"comfy_kitchen {metadata.version('comfy-kitchen')}": backend_fn("comfy_kitchen_int8")}
+        out["versions"] = list(fns)
+        out["rows"] = time_shapes(args.shapes, fns, args.repeats, errors=False)
+        out["families"] = [r for s in args.shapes for r in family_errors(s, SHAPES[s], fns, args.families)]
+    except Exception as exc:  # not installed, too old for int8 attention, extension not loading
+        out["error"] = _error_text(exc)
+    print("RESULT" + json.dumps(out, default=str), flush=True)
+    return 0
+
+
+def install_wheels(dirs: list[Path], into: Path) -> list[dict]:
+    """Each comfy-kitchen wheel in dirs installed into its own --target folder: [{wheel, site} or {wheel, error}]."""
+    sites = []
+    for wheel in sorted(w for d in dirs for w in d.glob("comfy_kitchen-*.whl")):
+        site = into / wheel.name.split("-")[1]
+        entry = {"wheel": wheel.name, "site": str(site)}
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--target",
+                               str(site), str(wheel)], capture_output=True, text=True, check=False)
+        if proc.returncode:  # no pip in this Python: a wheel is a zip of the installed files
+            try:
+                with zipfile.ZipFile(wheel) as whl:
+                    whl.extractall(site)
+                entry["note"] = f"unzipped (pip failed: {(proc.stderr or proc.stdout)[-200:]})"
+            except (OSError, zipfile.BadZipFile) as exc:
+                entry = {"wheel": wheel.name, "error": f"pip: {(proc.stderr or proc.stdout)[-200:]}; unzip: {exc}"}
+        sites.append(entry)
+    sites += [{"wheel": str(d), "error": "no such folder"} for d in dirs if not d.is_dir()]
+    return sites
+
+
+def run_worker(site: str, args: argparse.Namespace) -> dict:
+    """This script as a child with ``site`` ("" = the installed comfy-kitchen) first on its path."""
+    env = dict(os.environ)
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", f"{reports.SUITE}.bench_attention_int8", "--kitchen", "--worker", site or "installed",
+           "--repeats", str(args.repeats), "--shapes", *args.shapes, "--families", *args.families]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=WORKER_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return {"site": site, "error": f"timed out after {WORKER_TIMEOUT_S} s"}
+    if "RESULT" not in proc.stdout:
+        return {"site": site, "error": f"exit {proc.returncode}: {proc.stderr[-400:]}"}
+    return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+def merge(report: dict, result: dict, label: str) -> None:
+    """A worker's rows into the report (its timed rows, and its errors beside ours per shape and family)."""
+    report["kitchen"].append({label: result.get("versions") or result.get("error")})
+    report["rows"] += result.get("rows", [])
+    by_key = {(r["shape_name"], r["family"]): r for r in report["families"]}
+    for row in result.get("families", []):
+        mine = by_key.get((row["shape_name"], row["family"]))
+        if mine is None:
+            report["families"].append(row)
+        else:
+            mine["errors"].update(row["errors"])
+            mine["notes"].update(row["notes"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the report
+
+
+def families_markdown(rows: list[dict]) -> list[str]:
     """One table per shape: family x backend error, over-budget cells in bold."""
     lines = [f"## Error vs fp32 per input family ({FAMILY_HEADS} heads; budget {ERROR_BUDGET:.0%}; "
              "families: tests/unit/attention_families.py)", ""]
+    backends = list(dict.fromkeys(n for r in rows for n in r["errors"]))
     for shape_name in dict.fromkeys(r["shape_name"] for r in rows):
         lines += [f"### {shape_name}", "", "| family | logit std per head | " + " | ".join(backends) + " |",
                   "|---|---|" + "---|" * len(backends)]
@@ -268,95 +367,105 @@ def families_markdown(rows: list[dict], backends: tuple[str, ...]) -> list[str]:
     return lines
 
 
-def to_markdown(report: dict) -> str:
-    env = report["env"]
-    lines = reports.header("attention_int8: the 8-bit attention kernel vs cuDNN, flash and comfy-kitchen", env, [
-        f"auto formats: {env.get('formats_auto')}; time: median of CUDA-event timings; TFLOP/s = 4·B·H·Lq·Lk·D / t; "
-        f"errors: ‖out − fp32‖ / ‖fp32‖ on {ERR_HEADS} heads"])
-    lines += ["| shape | backend | ms | TFLOP/s | vs cuDNN | err gauss | err outlier | first call s | note |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in report["rows"]:
-        f = lambda key, fmt: (fmt.format(r[key]) if isinstance(r.get(key), (int, float)) else "—")  # noqa: E731
+def _timing_table(rows: list[dict]) -> list[str]:
+    """One line per shape and backend: ms, TFLOP/s, speed-up over the cuDNN row of the shape, errors."""
+    cudnn = {r["shape_name"]: r["time_ms"] for r in rows if r["backend"] == "sdpa_cudnn" and "time_ms" in r}
+    lines = ["| shape | backend | ms | TFLOP/s | vs cuDNN | err gauss | err outlier | first call s | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = lambda key, fmt: fmt.format(r[key]) if isinstance(r.get(key), (int, float)) else "—"  # noqa: E731
+        base, ms = cudnn.get(r["shape_name"]), r.get("time_ms")
+        vs = f"{base / ms:.2f}x" if base and ms and not r["backend"].startswith("prologue") else "—"
         note = r.get("error") or (f"skipped: {r['skipped']}" if r.get("skipped") else "")
         lines.append(f"| {r['shape_name']} | {r['backend']} | {f('time_ms', '{:.2f}')} | {f('tflops', '{:.0f}')} | "
-                     f"{f('speedup_vs_cudnn', '{:.2f}x')} | {f('err_gauss', '{:.4f}')} | {f('err_outlier', '{:.4f}')} | "
+                     f"{vs} | {f('err_gauss', '{:.4f}')} | {f('err_outlier', '{:.4f}')} | "
                      f"{f('first_call_s', '{:.1f}')} | {note[:160]} |")
-    if report.get("sweep"):
-        cudnn = next((r.get("time_ms") for r in report["rows"]
-                      if r["shape_name"] == "wan14b_480p_self" and r["backend"] == "sdpa_cudnn"), None)
-        lines += ["", "## Kernel variants at Wan 480p self-attention", "",
-                  "| backend | variant | config | ms | TFLOP/s | vs cuDNN | err outlier | err gauss | note |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for r in report["sweep"]:
-            ms = r.get("time_ms", float("nan"))
-            vs = f"{cudnn / ms:.2f}x" if cudnn and r.get("time_ms") else "—"
-            lines.append(f"| {r['backend']} | {r.get('variant', '')} | {r['config']} | {ms:.2f} | "
-                         f"{r.get('tflops', float('nan')):.0f} | {vs} | {r.get('err_outlier', float('nan')):.4f} | "
-                         f"{r.get('err_gauss', float('nan')):.4f} | {r.get('error', '')[:100]} |")
-    if report.get("families"):
-        lines += ["", *families_markdown(report["families"], FAMILY_BACKENDS)]
-    lines += ["", "## Autotuner picks", "", "```", json.dumps(report["autotune"], indent=1), "```", ""]
-    lines += ["## Correctness checks (outlier inputs)", "", "```",
-              *[json.dumps(r) for r in report["checks"]], "```", ""]
-    return "\n".join(lines)
+    return lines
+
+
+def to_markdown(report: dict) -> list[str]:
+    """The report: environment, timings, error per input family, the kernel vs its emulation, autotuner picks."""
+    env, kitchen = report["env"], report["bench"] == KITCHEN_STEM
+    title = ("attention_kitchen: the 8-bit attention vs cuDNN and comfy-kitchen versions" if kitchen else
+             "attention_int8: the 8-bit attention kernel vs cuDNN, flash and comfy-kitchen")
+    lines = reports.header(title, env, [
+        f"auto formats: {env.get('formats_auto')}; comfy-kitchen versions measured: {report['kitchen'] or '—'}",
+        "time: median of CUDA-event timings, Gaussian inputs, all heads; TFLOP/s = 4·B·H·Lq·Lk·D / t; errors: "
+        f"‖out − fp32‖ / ‖fp32‖ on {ERR_HEADS} heads"])
+    lines += [*_timing_table(report["rows"]), ""]
+    if report["families"]:
+        lines += families_markdown(report["families"])
+    lines += ["## Kernel vs its emulation", "",
+              "| shape | family | backend | vs emulation | vs fp32 | emulation vs fp32 | note |", "|---|---|---|---|---|---|---|"]
+    for r in report["checks"]:
+        f = lambda key: f"{r[key]:.4f}" if key in r else "—"  # noqa: E731
+        lines.append(f"| {r['shape']} | {r['family']} | {r['backend']} | {f('err_vs_emulation')} | "
+                     f"{f('err_vs_fp32')} | {f('emulation_vs_fp32')} | {r.get('error', '')[:100]} |")
+    return [*lines, "", "## Autotuner picks", "", "```", json.dumps(report["autotune"], indent=1), "```", ""]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the run
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command line; --shapes and --backends names are checked against the known ones."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="correctness + Wan 480p self/cross only, no sweep")
-    parser.add_argument("--no-sweep", action="store_true", help="skip the tile-config sweep")
-    parser.add_argument("--no-checks", action="store_true", help="skip the small-shape correctness checks")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--kitchen", action="store_true", help="the attention_kitchen scenario (module docstring)")
+    parser.add_argument("--quick", action="store_true", help="Wan 480p self/cross only")
+    parser.add_argument("--no-sweep", action="store_true", help=argparse.SUPPRESS)  # recorded commands pass it
+    parser.add_argument("--no-checks", action="store_true", help="skip the kernel vs emulation checks")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 10; 6 with --kitchen)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
-                        help="time these shapes (default: all, or the --quick ones)")
-    parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS),
-                        help="timed rows per shape (default: all)")
+                        help="time these shapes (default: all; --quick: Wan 480p; --kitchen: Wan 480p and 720p)")
+    parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=None,
+                        help="timed rows per shape (default: all; --kitchen: cuDNN and our fp8 / int8 P·V)")
     parser.add_argument("--families", nargs="*", default=None, metavar="FAMILY",
-                        help="also measure the error of cuDNN, ours (new and old scheme) and comfy-kitchen's int8 on "
-                             "these input families (default: every family and combination) at every timed shape")
+                        help="also measure the error per input family (no name: every family and combination; "
+                             "always on with --kitchen)")
+    parser.add_argument("--wheels", nargs="*", type=Path, default=[],
+                        help="--kitchen: folders of comfy-kitchen wheels, each version measured in its own process")
+    parser.add_argument("--no-installed", action="store_true", help="--kitchen: skip the comfy-kitchen installed here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU: the family errors of ours (fp32 emulation) at a tiny shape; no timing")
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
     parser.add_argument("--out", type=Path, default=reports.RESULTS)
-    return parser.parse_args(argv)
-
-
-def time_shapes(shape_names: list[str], names: list[str], repeats: int) -> list[dict]:
-    """The timed rows: every backend at every shape, with its speed-up over cuDNN."""
-    rows = []
-    for shape_name in shape_names:
-        shape = SHAPES[shape_name]
-        say(f"{shape_name} {shape}:")
-        reps = repeats if shape[2] * shape[3] < 2e9 else max(3, repeats // 2)
-        cudnn_ms = None
-        for name in names:
-            row = measure(name, shape, reps, 2)
-            row["shape_name"] = shape_name
-            if name == "sdpa_cudnn":
-                cudnn_ms = row.get("time_ms")
-            if cudnn_ms and row.get("time_ms") and not name.startswith("prologue"):
-                row["speedup_vs_cudnn"] = cudnn_ms / row["time_ms"]
-            say(f"  {name:10s} " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                           for k, v in row.items() if k not in ("shape", "shape_name", "backend")))
-            rows.append(row)
-    return rows
+    args = parser.parse_args(argv)
+    args.repeats = args.repeats or (6 if args.kitchen else 10)
+    args.shapes = args.shapes or list(KITCHEN_SHAPES if args.kitchen else QUICK_SHAPES if args.quick else SHAPES)
+    args.backends = args.backends or list(KITCHEN_BACKENDS if args.kitchen else BACKENDS)
+    if args.families == [] or (args.kitchen and args.families is None):
+        args.families = list(families_module().ALL_FAMILIES)
+    return args
 
 
 def smoke(args: argparse.Namespace) -> int:
     """--smoke: every family's error for ours (the emulation of the new and the old scheme) on the CPU, tiny shape."""
-    names = ("int8_fp16", "int8_fp8", "int8_fp8_old")
-    fns = {n: backend_fn(n) for n in names}
+    fns = {n: backend_fn(n) for n in ("int8_fp16", "int8_fp8", "int8_fp8_old")}
     families = args.families or list(families_module().ALL_FAMILIES)
-    rows = family_errors("smoke", (1, FAMILY_HEADS, 256, 256, 128), fns, {}, families, device="cpu")
+    rows = family_errors("smoke", (1, FAMILY_HEADS, 256, 256, 128), fns, families, device="cpu")
     bad = [r["family"] for r in rows if r["errors"].get("int8_fp16", 1.0) > ERROR_BUDGET or r["notes"]]
-    say("\n".join(families_markdown(rows, names)))
+    say("\n".join(families_markdown(rows)))
     say(f"smoke: {len(rows)} families, over budget with int8_fp16: {bad or 'none'}")
     return 1 if bad else 0
 
 
+def run_kitchen_versions(args: argparse.Namespace, report: dict, write) -> None:  # noqa: ANN001 - write()
+    """Each comfy-kitchen version (the installed one, the wheels of --wheels) in its own process, merged in."""
+    with tempfile.TemporaryDirectory(prefix="ck_sites_") as tmp:
+        sites = [] if args.no_installed else [{"wheel": "installed", "site": ""}]
+        for entry in sites + install_wheels(args.wheels, Path(tmp)):
+            say(f"comfy-kitchen {entry['wheel']}:")
+            merge(report, run_worker(entry["site"], args) if "site" in entry else {"error": entry["error"]},
+                  entry["wheel"])
+            write()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.worker is not None:
+        return worker(args)
     if args.smoke:
         return smoke(args)
     if not torch.cuda.is_available():
@@ -367,31 +476,32 @@ def main(argv: list[str] | None = None) -> int:
     env["formats_auto"] = list(A.resolve_formats(dev)) if A.is_supported(dev, torch.bfloat16, 128) else None
     say(f"device {env['gpu']} (sm{env['compute_capability']}), torch {env['torch']}, "
         f"triton {env['triton']}, comfy_kitchen {env['comfy_kitchen']}, auto formats {env['formats_auto']}")
-
-    stem = "bench_attention_int8" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
-    report = {"bench": "bench_attention_int8", "env": env, "rows": [], "sweep": [], "families": [],
-              "autotune": {}, "checks": []}
+    stem = KITCHEN_STEM if args.kitchen else ("bench_attention_int8" + ("_quick" if args.quick else "")
+                                              + (f"_{args.tag}" if args.tag else ""))
+    report = {"bench": stem, "env": env, "kitchen": [], "rows": [], "families": [], "autotune": {}, "checks": []}
 
     def write() -> None:  # after every stage, so a run cut short still leaves what it measured
         report["autotune"] = A.chosen_configs()
-        reports.write(args.out, stem, report, [to_markdown(report)])
+        reports.write(args.out, stem, report, to_markdown(report))
 
-    report["checks"] = [] if args.no_checks else (say("correctness:") or check_correctness(args.backends))
-    shape_names = args.shapes or list(QUICK_SHAPES if args.quick else SHAPES)
-    report["rows"] = time_shapes(shape_names, args.backends, args.repeats)
+    if not args.no_checks:
+        say("kernel vs emulation:")
+        report["checks"] = check_kernel([n for n in OURS if n in args.backends])
+    report["rows"] = time_shapes(args.shapes, backend_fns(args.backends), args.repeats, errors=not args.kitchen)
     write()
     if args.families is not None:
         say(f"error per input family ({FAMILY_HEADS} heads):")
-        fns, skipped = family_backends(FAMILY_BACKENDS)
-        families = args.families or list(families_module().ALL_FAMILIES)
-        for shape_name in shape_names:
-            report["families"] += family_errors(shape_name, SHAPES[shape_name], fns, skipped, families)
+        names = [n for n in args.backends if not n.startswith("prologue")] if args.kitchen else FAMILY_BACKENDS
+        fns = backend_fns(names)
+        for shape_name in args.shapes:
+            report["families"] += family_errors(shape_name, SHAPES[shape_name], fns, args.families)
             write()
-    if not (args.no_sweep or args.quick):
-        say("kernel variants, Wan 480p self-attention:")
-        report["sweep"] = sweep_configs(SHAPES["wan14b_480p_self"], max(3, args.repeats // 2))
+    if args.kitchen:
+        run_kitchen_versions(args, report, write)
     write()
-    say(f"autotuner picks: {json.dumps(report['autotune'], indent=1)}")
     say(f"wrote {args.out / stem}.json and .md")
     return 0
 
+
+if __name__ == "__main__":
+    sys.exit(main())
