@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_lowvram_dit.benchmarks import report as reports
+from comfyui_lowvram_dit.benchmarks.report import say
 from comfyui_lowvram_dit.benchmarks.timing import time_fn
 from comfyui_lowvram_dit.kernels import attention_int8 as A
 
@@ -63,10 +64,6 @@ KITCHEN_STEM = "bench_attention_kitchen"
 
 class BackendUnavailable(RuntimeError):
     """A backend that cannot run in this environment; its rows carry the reason instead of numbers."""
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
 
 
 def _error_text(exc: BaseException, limit: int = 400) -> str:

@@ -17,14 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_lowvram_dit.benchmarks import report
+from comfyui_lowvram_dit.benchmarks.report import say
 from comfyui_lowvram_dit.benchmarks.timing import time_interleaved
 from comfyui_lowvram_dit.kernels import fp8, fp8_triton
 
 ERR_ROWS = 2048  # error is measured on the first rows only (an fp32 GEMM per variant otherwise dominates)
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
 
 
 # (name, input, N out, K in): the block's linears that see every video token, in call order
@@ -77,16 +74,21 @@ def block_inputs(family: str, m: int, width: int, ffn: int, device: torch.device
             "x_gelu": F.gelu(h, approximate="tanh").bfloat16()}
 
 
+def outlier_weight(n: int, k: int, device: torch.device, g: torch.Generator) -> torch.Tensor:
+    """A bf16 weight [N, K] with outlier input channels (8-20x, one per 512 inputs, as synthetic/checkpoints.py)."""
+    w = torch.randn(n, k, device=device, generator=g) / k**0.5
+    cols = torch.randperm(k, device=device, generator=g)[: max(1, k // 512)]
+    w[:, cols] *= 8 + 12 * torch.rand(cols.numel(), device=device, generator=g)
+    return w.bfloat16()
+
+
 def block_weights(linears: list, device: torch.device, seed: int = 1) -> dict:
     """Per linear: bf16 weight with outlier input channels (synthetic/checkpoints.py's kind), its per-tensor fp8
     (the pack's files), the plain cast native fp8_e4m3fn_fast makes, and a bf16 bias."""
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, _, n, k in linears:
-        w = torch.randn(n, k, device=device, generator=g) / k**0.5
-        cols = torch.randperm(k, device=device, generator=g)[: max(1, k // 512)]
-        w[:, cols] *= 8 + 12 * torch.rand(cols.numel(), device=device, generator=g)
-        w = w.bfloat16()
+        w = outlier_weight(n, k, device, g)
         qt, st = fp8.quantize_per_tensor(w)
         out[name] = {"w": w, "q": qt, "s": st, "native": w.to(fp8.FP8_DTYPE),
                      "b": (0.02 * torch.randn(n, device=device, generator=g)).bfloat16()}
@@ -177,7 +179,8 @@ def block_runner(spec: dict, weights: dict, linears: list, native: dict) -> Call
     return run
 
 
-def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """||y - ref|| / ||ref||."""
     return ((y - ref).norm() / ref.norm()).item()
 
 
@@ -190,7 +193,7 @@ def block_errors(runners: dict, inputs: dict, native_inputs: dict, refs: dict, n
         try:
             run(src, names)
             ys = run(src, names, keep=True)
-            out[vname] = {n: _rel(ys[n], refs[n]) for n in names}
+            out[vname] = {n: relative_error(ys[n], refs[n]) for n in names}
         except Exception as exc:  # noqa: BLE001 - reported as the variant's result
             out[vname] = f"{type(exc).__name__}: {exc}"[:300]
     return out

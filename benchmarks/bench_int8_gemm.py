@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_lowvram_dit.benchmarks import report
+from comfyui_lowvram_dit.benchmarks.bench_fp8_gemm import ERR_ROWS, outlier_weight, relative_error
+from comfyui_lowvram_dit.benchmarks.report import say
 from comfyui_lowvram_dit.benchmarks.timing import time_fn
 from comfyui_lowvram_dit.kernels import fp8, int8, int8_triton
 
@@ -24,14 +26,9 @@ SHAPES: dict[str, tuple[int, int, int]] = {
 QUICK = ("wan14b_qkvo", "wan14b_ffn_up", "wan14b_ffn_down")
 TINY: dict[str, tuple[int, int, int]] = {"tiny_qkvo": (96, 256, 256), "tiny_ffn_up": (96, 256, 640),
                                          "tiny_ffn_down": (96, 640, 256)}
-ERR_ROWS = 2048  # error on the first rows only (the fp32 reference GEMM would dominate otherwise)
 BLOCK_ROWS = 512  # tokens through the Wan block chain
 WAN_BLOCK = (5120, 13824)  # model width, FFN width
 TINY_BLOCK = (256, 640)
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
 
 
 def make_operands(m: int, k: int, n: int, device: torch.device, seed: int = 0):
@@ -40,11 +37,8 @@ def make_operands(m: int, k: int, n: int, device: torch.device, seed: int = 0):
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(m, k, device=device, generator=g)
     x[:, torch.randperm(k, device=device, generator=g)[:4]] *= torch.tensor([20.0, 30.0, 40.0, 50.0], device=device)
-    w = torch.randn(n, k, device=device, generator=g) / k**0.5
-    cols = torch.randperm(k, device=device, generator=g)[: max(1, k // 512)]
-    w[:, cols] *= 8 + 12 * torch.rand(cols.numel(), device=device, generator=g)
-    b = 0.02 * torch.randn(n, device=device, generator=g)
-    return x.bfloat16(), w.bfloat16(), b.bfloat16()
+    w = outlier_weight(n, k, device, g)
+    return x.bfloat16(), w, (0.02 * torch.randn(n, device=device, generator=g)).bfloat16()
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
@@ -93,8 +87,7 @@ def int8_variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str
 
 def rel_error(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error of ``out``'s first rows against fp32 math on the same bf16 operands."""
-    ref = F.linear(x[:ERR_ROWS].float(), w.float(), b.float())
-    return ((out[:ERR_ROWS].float() - ref).norm() / ref.norm()).item()
+    return relative_error(out[:ERR_ROWS].float(), F.linear(x[:ERR_ROWS].float(), w.float(), b.float()))
 
 
 def _row(name: str, shape: tuple[int, int, int], vname: str, fn, x, w, b, repeats: int, warmup: int,
@@ -174,7 +167,7 @@ def block_errors(device: torch.device, tiny: bool) -> list[dict]:
     rows = []
     for name, lin in list(paths.items())[1:]:
         y = _run_block(lin, x).float()
-        rows.append({"path": name, "block_rel_err": ((y - ref).norm() / ref.norm()).item(), "width": width,
+        rows.append({"path": name, "block_rel_err": relative_error(y, ref), "width": width,
                      "ffn": ffn, "tokens": BLOCK_ROWS})
         say(f"  block {name:28s} rel. err {rows[-1]['block_rel_err']:.4%}")
     return rows

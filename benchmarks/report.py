@@ -144,6 +144,11 @@ def environment(module: str, argv: list[str] | None, device: Any = None, comfyui
     return env
 
 
+def say(msg: str) -> None:
+    """A progress line, flushed at once (a scenario's output is often piped to a log)."""
+    print(msg, flush=True)
+
+
 def header(title: str, env: dict, notes: Iterable[str] = ()) -> list[str]:
     """A report's first lines: its title, the device and versions, the commit, date and command, then ``notes``."""
     device = env.get("gpu") or (f"CPU ({env['cpu']})" if env.get("cpu") else env.get("device") or "not recorded")
