@@ -35,8 +35,8 @@ class ScaleChooser:
     """Cached per-shape choices between per-token and per-call activation scales for per-tensor fp8 weights."""
 
     def __init__(self) -> None:
-        # a path that raises is not chosen (cuBLASLt has no row-wise kernel with a bias epilogue for some shapes:
-        # linear 12288->3072 at <= 16 rows on an H200); timed choices go to the decisions file
+        # a path that raises is not chosen (cuBLASLt has no row-wise, fast-accumulating kernel with a bias epilogue
+        # for some shapes: linear 12288->3072 at <= 16 rows on an H200); timed choices go to the decisions file
         self._fastest = FastestPerKey(self._decided, self._failed, kept_as="fp8 scales",
                                       describe_kept=self._kept)
         # the helper's own dicts, read directly: plain str values, so dynamo guards on a hit

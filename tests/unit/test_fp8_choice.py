@@ -126,8 +126,8 @@ def test_real_choice_on_the_gpu_matches_the_chosen_path() -> None:
                     reason="needs an SM89/SM90 GPU (both scaled_mm variants)")
 def test_a_shape_cublaslt_refuses_row_wise_still_runs() -> None:
     """Qwen-Image's text MLP down-projection (12288->3072, bias) at a short negative prompt's rows: cuBLASLt had no
-    row-wise kernel with a bias epilogue on an H200 (CUBLAS_STATUS_NOT_SUPPORTED), and the chooser used to settle on
-    that path. Whatever this GPU supports, the chosen path runs and is right."""
+    row-wise, fast-accumulating kernel with a bias epilogue on an H200 (CUBLAS_STATUS_NOT_SUPPORTED), and the chooser
+    used to settle on that path. Whatever this GPU supports, the chosen path runs and is right."""
     chooser = fp8_choice.ScaleChooser()
     w, s = (t.cuda() for t in _weights(3072, 12288))
     bias = torch.randn(3072, device="cuda", dtype=torch.bfloat16)
