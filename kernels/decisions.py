@@ -99,8 +99,8 @@ class FastestPerKey:
     on), ``timings`` a timed key to each candidate's milliseconds. A caller reads ``decisions`` itself and calls
     ``decide`` on a miss. ``describe_decision(key, winner, timings)`` and ``describe_failure(key, name, error)``
     write the log lines. A candidate that raises is never chosen: the others are timed without it. With none timed,
-    the first candidate is the decision (not kept in the decisions file). ``decide`` runs the candidates, so a compiled caller reaches it through a function under
-    ``torch.compiler.disable``.
+    the first candidate is the decision (not kept in the decisions file). ``decide`` runs the candidates, so a
+    compiled caller reaches it through a function under ``torch.compiler.disable``.
 
     ``kept_as`` names the topic under which timed winners go to the decisions file, when one is set (``keep_in``):
     a winner kept there by an earlier process that is one of the candidates' names is used without timing, and

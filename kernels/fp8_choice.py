@@ -35,8 +35,8 @@ class ScaleChooser:
     """Cached per-shape choices between per-token and per-call activation scales for per-tensor fp8 weights."""
 
     def __init__(self) -> None:
-        # a path that raises is not chosen (cuBLASLt has no row-wise, fast-accumulating kernel with a bias epilogue
-        # for some shapes: linear 12288->3072 at <= 16 rows on an H200); timed choices go to the decisions file
+        # a path that raises is not chosen (cuBLASLt lacks row-wise, fast-accumulating kernels with a bias epilogue
+        # for some shapes); timed choices go to the decisions file
         self._fastest = FastestPerKey(self._decided, self._failed, kept_as="fp8 scales",
                                       describe_kept=self._kept)
         # the helper's own dicts, read directly: plain str values, so dynamo guards on a hit
@@ -66,9 +66,9 @@ class ScaleChooser:
             return self._fastest.decide(key, candidates, x.device)
 
     def _decided(self, key: tuple, best: str, times: dict[str, float]) -> str:
-        said = (f"{times[p]:.2f} ms" if p in times else "cannot run" for p in CANDIDATES)
-        return (f"lowvram_dit fp8 {self.describe(key)}: per-token scales {next(said)}, per-call scale {next(said)} "
-                f"-> {fp8.describe_path(best)}")
+        token, call = (f"{times[p]:.2f} ms" if p in times else "cannot run" for p in CANDIDATES)
+        return (f"lowvram_dit fp8 {self.describe(key)}: per-token scales {token}, per-call scale {call} -> "
+                f"{fp8.describe_path(best)}")
 
     def _kept(self, key: tuple, best: str) -> str:
         return f"lowvram_dit fp8 {self.describe(key)}: {fp8.describe_path(best)} (kept from an earlier run)"
