@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, Sequence
@@ -303,10 +304,13 @@ class BlockStreamer:
         streamed = self.plan.streamed
         for b in streamed:
             self._owners.setdefault(b, self._build_owners(b))
+        t0 = time.perf_counter()
         if streamed and not self._arena_is_current():
             self._build_arena()
+        t1 = time.perf_counter()
         if streamed and self.pinned and self.device.type == "cuda":
             self.arena.pin()
+        self.took = {"copy": t1 - t0, "pin": time.perf_counter() - t1}  # for the load's log line
         self._sync = _Sync(self.device, self.debug)
         self.slots = [
             _Slot(torch.empty(self.plan.slot_bytes, dtype=torch.uint8, device=self.device),
