@@ -113,9 +113,16 @@ class SwapController:
         if self.config.vram_budget_gb > 0:
             user = swap_plan.budget_bytes_from_gb(self.config.vram_budget_gb) - self.activation_bytes
             budget = user if budget is None else min(budget, user)
-        return swap_plan.plan_swap(self.block_bytes, self.config,
-                                 budget_bytes=None if budget is None else int(budget),
-                                 fixed_bytes=self.fixed_bytes())
+        plan = swap_plan.plan_swap(self.block_bytes, self.config, budget_bytes=None if budget is None else int(budget),
+                                   fixed_bytes=self.fixed_bytes())
+        need = swap_plan.minimum_bytes(self.block_bytes, self.config, self.fixed_bytes())
+        if budget is not None and need > budget and self.config.blocks_to_swap < 0:
+            # once per distinct shortfall: ComfyUI asks a model's size several times per load
+            say_once(log, f"lowvram_dit Block Swap: {_budget_text(self.config, weight_budget, self.activation_bytes)} "
+                          f"leaves {budget / 1e9:.2f} GB for weights, below the {need / 1e9:.2f} GB of a ring with "
+                          "every block streamed; streaming every block anyway (its 'Block Swap measured' line says "
+                          "whether that costs speed). Raise vram_budget_gb or lower prefetch if it runs out of memory.")
+        return plan
 
     def gpu_bytes(self, plan: SwapPlan) -> int:
         """What a load with ``plan`` puts on the GPU: fixed + resident blocks + ring."""
@@ -412,6 +419,14 @@ class BlockSwapMixin:
         if self._swap is not None:
             self._swap.deactivate(self, unload=unpatch_all)
         return super().detach(unpatch_all)
+
+
+def _budget_text(config: SwapConfig, offered: float | None, activations: int) -> str:
+    """Where a load's weight budget came from, for the log line."""
+    if config.vram_budget_gb <= 0:
+        return f"the {offered / 1e9:.2f} GB ComfyUI offers for weights"
+    text = f"vram_budget_gb {config.vram_budget_gb:g} less ComfyUI's activation estimate ({activations / 1e9:.2f} GB)"
+    return text if offered is None else f"{text}, capped at the {offered / 1e9:.2f} GB ComfyUI offers,"
 
 
 def _took(marks: dict[str, float], streamer_took: dict[str, float] | None = None) -> str:

@@ -50,6 +50,13 @@ def aligned(nbytes: int, align: int = ALIGN) -> int:
     return (nbytes + align - 1) // align * align
 
 
+def minimum_bytes(block_bytes: Sequence[int], config: SwapConfig, fixed_bytes: int = 0,
+                  activation_bytes: int = 0) -> int:
+    """The least GPU memory a load can run in: fixed weights, activations and a ring with every block streamed."""
+    n = len(block_bytes)
+    return fixed_bytes + activation_bytes + ring_slots(config.prefetch, n) * aligned(max(block_bytes, default=0))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Scheduling (pure functions)
 
@@ -137,13 +144,6 @@ def plan_swap(
         s = 0
     else:
         s = blocks_to_swap_for_budget(block_bytes, budget_bytes, fixed_bytes, activation_bytes, config.prefetch)
-        if s == n:
-            need = fixed_bytes + activation_bytes + ring_slots(config.prefetch, n) * aligned(max(block_bytes, default=0))
-            if need > budget_bytes:
-                log.warning(
-                    "lowvram_dit block swap: budget %.2f GB is below the minimum %.2f GB (ring of %d blocks + "
-                    "fixed weights + activations); streaming every block anyway. Raise vram_budget_gb or lower "
-                    "prefetch.", budget_bytes / 1e9, need / 1e9, ring_slots(config.prefetch, n))
     streamed = tuple(streamed_block_indices(n, s))
     slot = max((aligned(block_bytes[i]) for i in streamed), default=0)
     return SwapPlan(num_blocks=n, streamed=streamed, ring=ring_slots(config.prefetch, s), slot_bytes=slot)
