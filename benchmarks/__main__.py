@@ -1,9 +1,6 @@
 """The benchmark suite's one entry point: ``python -m comfyui_lowvram_dit.benchmarks SCENARIO [--out DIR] [options]``.
 
-``--list`` prints the scenarios. A scenario is a row of SCENARIOS: the module that runs it and the arguments it
-starts with; options after the name are passed on (and win over the scenario's own). Every scenario measures the
-pack against stock ComfyUI in the same run on the same GPU; docs/benchmarks.md has the numbers and
-``benchmarks/README.md`` what is measured and how.
+``--list`` prints the scenarios (benchmarks/README.md); options after the name win over the scenario's own.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ PKG = "comfyui_lowvram_dit.benchmarks"
 @dataclass(frozen=True)
 class Scenario:
     """What a scenario measures, the module whose ``main(argv)`` runs it, and the arguments it starts with."""
-
     what: str
     module: str
     args: tuple[str, ...] = ()
