@@ -1,17 +1,11 @@
-"""Scenarios ``fp8_gemm`` and ``int8_gemm`` (README), the first argument.
-
-``fp8_gemm``: the fp8 linears of one Wan 14B block in call order (kernels/fp8.py), native fp8_e4m3fn_fast (ComfyUI's
-own Linear when COMFYUI_PATH imports, else its steps replicated) vs bf16 and the pack's default and forced paths, on
-three activation families: time per block interleaved, error vs fp32, each linear and each quantizer alone; ``--dry``
-runs it on the CPU at tiny widths. ``int8_gemm``: the int8 W8A8 linear (kernels/int8.py) vs bf16, native fp8 and the
-pack's fp8 paths at Wan 2.2 14B / Qwen-Image GEMM shapes: time, TFLOP/s, ratio to bf16, error; and the error of one
-Wan block's linears in a chain; ``--tiny`` runs scaled-down shapes (on the CPU too: a check, not a measurement).
+"""Scenarios ``fp8_gemm`` (the fp8 linears of one Wan 14B block: native fp8_e4m3fn_fast vs bf16 and the pack's paths,
+per activation family) and ``int8_gemm`` (the int8 W8A8 linear vs bf16 and fp8 at Wan 14B / Qwen-Image GEMM shapes,
+and one Wan block's linears in a chain), named by the first argument; benchmarks/README.md says what each measures.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -453,9 +447,8 @@ def summarize(rows: list[dict], blocks: list[dict]) -> list[str]:
         if r["status"] == "ok" and "vs_bf16" in r:
             by.setdefault(r["variant"], []).append(r)
     out = ["## Summary (geometric mean over shapes)", ""]
-    for v, rs in by.items():
-        gm = math.exp(sum(math.log(r["vs_bf16"]) for r in rs) / len(rs))
-        out.append(f"- {v}: {gm:.2f}x vs bf16, mean rel. err {statistics.mean(r['rel_err'] for r in rs):.3%}")
+    out += [f"- {v}: {statistics.geometric_mean(r['vs_bf16'] for r in rs):.2f}x vs bf16, mean rel. err "
+            f"{statistics.mean(r['rel_err'] for r in rs):.3%}" for v, rs in by.items()]
     out += ["", "## One Wan block's linears in a chain (error vs fp32)", ""]
     out += [f"- {b['path']}: {b['block_rel_err']:.3%}" for b in blocks]
     err = {b["path"].split(" (")[0]: b["block_rel_err"] for b in blocks}

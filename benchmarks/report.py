@@ -31,14 +31,11 @@ PLACEHOLDERS = ("$OUT", "~", "<ComfyUI>", "<tmp>")
 
 def git_sha(repo: Path = PACK_ROOT) -> str | None:
     """``HEAD`` of the pack checkout, with ``-dirty`` when tracked files differ; None outside git."""
-    try:
-        sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+    try:  # every tag excluded: the full sha, never a tag's name
+        return subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty", "--abbrev=40", "--exclude=*"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-    return f"{sha}-dirty" if dirty else sha
 
 
 def public_text(text: str, comfyui: str = "ComfyUI") -> str:
