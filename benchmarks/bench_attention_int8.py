@@ -1,7 +1,8 @@
-"""Scenarios ``attention_int8`` and ``attention_kitchen`` (``--kitchen``): the 8-bit attention kernel vs cuDNN, flash,
-comfy-kitchen and torch's fp8 SDPA (README). attention_kitchen runs each comfy-kitchen version in a child process of
-this script with only that version on its path (two versions of one package cannot share a process). Inputs come from
-fixed seeds, so every process sees the same values; a backend, version or shape that fails is a row, not the end.
+"""Scenarios ``attention_int8`` and ``attention_kitchen`` (``--kitchen``): 8-bit attention vs cuDNN and comfy-kitchen.
+
+Flash and torch's fp8 SDPA are timed too (README). attention_kitchen runs each comfy-kitchen version in a child process
+of this script with only that version on its path (two versions of one package cannot share a process). Inputs come
+from fixed seeds, so every process sees the same values; a backend, version or shape that fails is a row, not the end.
 """
 
 from __future__ import annotations

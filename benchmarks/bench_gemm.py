@@ -1,6 +1,8 @@
-"""Scenarios ``fp8_gemm`` (the fp8 linears of one Wan 14B block: native fp8_e4m3fn_fast vs bf16 and the pack's paths,
-per activation family) and ``int8_gemm`` (the int8 W8A8 linear vs bf16 and fp8 at Wan 14B / Qwen-Image GEMM shapes,
-and one Wan block's linears in a chain), named by the first argument; benchmarks/README.md says what each measures.
+"""Scenarios ``fp8_gemm`` and ``int8_gemm``, named by the first argument (benchmarks/README.md says what each measures).
+
+``fp8_gemm``: the fp8 linears of one Wan 14B block, native fp8_e4m3fn_fast vs bf16 and the pack's paths, per
+activation family. ``int8_gemm``: the int8 W8A8 linear vs bf16 and fp8 at Wan 14B / Qwen-Image GEMM shapes, and one
+Wan block's linears in a chain.
 """
 
 from __future__ import annotations
