@@ -43,7 +43,7 @@ def public_text(text: str, comfyui: str = "ComfyUI") -> str:
     repo = Path(__file__).parent.parent
     roots = {os.environ.get("COMFYUI_PATH"): comfyui, os.environ.get("OUT"): "$OUT", str(repo): "",
              str(repo.resolve()): "", str(Path.home()): "~", tempfile.gettempdir(): "<tmp>"}
-    names = {str(Path(root)): name for root, name in roots.items() if root}
+    names = {str(Path(root)): name for root, name in roots.items() if root and os.path.isabs(root)}
     # Longest first, so that a folder inside another one wins; a folder only where a path starts and ends, so that
     # the temporary folder /tmp is not found inside /var/tmp or /tmpx. The repository's own files: repo-relative.
     pattern = "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
