@@ -1,9 +1,6 @@
 """The benchmark suite's one entry point: ``python -m comfyui_lowvram_dit.benchmarks SCENARIO [--out DIR] [options]``.
 
-``--list`` prints the scenarios. A scenario is a row of SCENARIOS: the module that runs it and the arguments it
-starts with; options after the name are passed on (and win over the scenario's own). Every scenario measures the
-pack against stock ComfyUI in the same run on the same GPU; docs/benchmarks.md has the numbers and
-``benchmarks/README.md`` what is measured and how.
+``--list`` prints the scenarios (benchmarks/README.md); options after the name win over the scenario's own.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ PKG = "comfyui_lowvram_dit.benchmarks"
 @dataclass(frozen=True)
 class Scenario:
     """What a scenario measures, the module whose ``main(argv)`` runs it, and the arguments it starts with."""
-
     what: str
     module: str
     args: tuple[str, ...] = ()
@@ -32,10 +28,10 @@ SCENARIOS: dict[str, Scenario] = {
                                   "in its own process, --wheels DIR): error per input family, time at Wan 480p/720p "
                                   "self and cross", "bench_attention_int8", ("--kitchen",)),
     "fp8_gemm": Scenario("fp8 GEMMs of one Wan 14B block: native fp8_e4m3fn_fast vs bf16 and the pack's paths, per "
-                         "activation family: time, error (--dry on the CPU)", "bench_fp8_gemm"),
+                         "activation family: time, error (--dry on the CPU)", "bench_gemm", ("fp8_gemm",)),
     "int8_gemm": Scenario("int8 W8A8 GEMMs (GPUs without fp8 matmul) at Wan 14B / Qwen-Image shapes vs bf16, native "
                           "fp8 and ours fp8: time, TFLOP/s, error, one Wan block's error (--quick, --tiny on the CPU)",
-                          "bench_int8_gemm"),
+                          "bench_gemm", ("int8_gemm",)),
     # through a real ComfyUI server, one fresh server per row
     "server_render": Scenario("whole renders, Queue to output file, first-ever / warm / cold, through fresh servers: "
                               "each shipped workflow vs its native equivalent per card, split by stage",

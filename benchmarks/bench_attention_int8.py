@@ -1,14 +1,8 @@
-"""Scenarios ``attention_int8`` and ``attention_kitchen``: the 8-bit attention kernel vs cuDNN, flash, comfy-kitchen
-and torch's fp8 SDPA (README).
+"""Scenarios ``attention_int8`` and ``attention_kitchen`` (``--kitchen``): 8-bit attention vs cuDNN and comfy-kitchen.
 
-``attention_int8``: time, TFLOP/s, speed-up vs cuDNN and error (Gaussian and outlier inputs) of every backend at the
-Wan 2.2 / Qwen-Image shapes, the autotuner's picks, the error per input family (``--families``, the families of
-tests/unit/attention_families.py) and the kernel against its fp32 emulation on small shapes.
-``attention_kitchen`` (``--kitchen``): the same at Wan 480p / 720p for cuDNN and our fp8 / int8 P·V, with each
-comfy-kitchen version in a child process of this script with only that version on its path (two versions of one
-package cannot share a process): the installed one, and each wheel of ``--wheels DIR...`` (installed with ``pip
-install --no-index --no-deps --target``). Inputs are made from fixed seeds, so every process sees the same values. A
-backend that cannot run, a version that does not install, a shape out of memory: each is a row, never the run's end.
+Flash and torch's fp8 SDPA are timed too (README). attention_kitchen runs each comfy-kitchen version in a child process
+of this script with only that version on its path (two versions of one package cannot share a process). Inputs come
+from fixed seeds, so every process sees the same values; a backend, version or shape that fails is a row, not the end.
 """
 
 from __future__ import annotations
@@ -213,8 +207,7 @@ def time_shapes(shape_names: list[str], fns: dict, repeats: int, errors: bool) -
 
 
 def check_kernel(names: list[str]) -> list[dict]:
-    """The Triton kernel against its fp32 emulation and fp32 attention on small shapes, per family and format:
-    run first, so a broken kernel shows before the long timings."""
+    """The Triton kernel against its fp32 emulation and fp32 attention on small shapes, per family and format."""
     families, rows = families_module(), []
     for shape in CHECK_SHAPES:
         for family in CHECK_FAMILIES:
@@ -246,8 +239,7 @@ def families_module():  # noqa: ANN201 - a module
 
 def family_errors(shape_name: str, shape: tuple[int, ...], fns: dict, families: list[str],
                   device: str = "cuda") -> list[dict]:
-    """Error vs fp32 of each backend of ``fns`` (see backend_fns) on each input family at a shape's sequence
-    lengths, FAMILY_HEADS heads."""
+    """Error vs fp32 of each backend of ``fns`` on each input family at a shape's lengths, FAMILY_HEADS heads."""
     af = families_module()
     skipped = {n: why for n, why in fns.items() if isinstance(why, str)}
     b, _, lq, lk, d = shape
@@ -271,10 +263,7 @@ def family_errors(shape_name: str, shape: tuple[int, ...], fns: dict, families: 
     return rows
 
 
-# ----------------------------------------------------------------------------------------------------------
 # comfy-kitchen versions, each in its own process
-
-
 def worker(args: argparse.Namespace) -> int:
     """--worker: time the comfy-kitchen importable here (its site dir first on sys.path); JSON on stdout."""
     from importlib import metadata
@@ -341,43 +330,35 @@ def merge(report: dict, result: dict, label: str) -> None:
             mine["notes"].update(row["notes"])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the report
-
-
 def families_markdown(rows: list[dict]) -> list[str]:
     """One table per shape: family x backend error, over-budget cells in bold."""
     lines = [f"## Error vs fp32 per input family ({FAMILY_HEADS} heads; budget {ERROR_BUDGET:.0%}; "
              "families: tests/unit/attention_families.py)", ""]
     backends = list(dict.fromkeys(n for r in rows for n in r["errors"]))
+    bold = lambda e: "—" if e is None else f"**{e:.2%}**" if e > ERROR_BUDGET else f"{e:.2%}"  # noqa: E731
     for shape_name in dict.fromkeys(r["shape_name"] for r in rows):
-        lines += [f"### {shape_name}", "", "| family | logit std per head | " + " | ".join(backends) + " |",
-                  "|---|---|" + "---|" * len(backends)]
-        for r in (r for r in rows if r["shape_name"] == shape_name):
-            cells = []
-            for name in backends:
-                e = r["errors"].get(name)
-                cells.append("—" if e is None else (f"**{e:.2%}**" if e > ERROR_BUDGET else f"{e:.2%}"))
-            lines.append(f"| {r['family']} | {r.get('logit_std', '—')} | " + " | ".join(cells) + " |")
-        notes = {k: v for r in rows if r["shape_name"] == shape_name for k, v in r["notes"].items()}
-        lines += ["", *[f"- {k}: {v}" for k, v in notes.items()], ""]
+        mine = [r for r in rows if r["shape_name"] == shape_name]
+        table = [[r["family"], r.get("logit_std", "—"), *(bold(r["errors"].get(n)) for n in backends)] for r in mine]
+        notes = {k: v for r in mine for k, v in r["notes"].items()}
+        lines += [f"### {shape_name}", "", *reports.table(["family", "logit std per head", *backends], table), "",
+                  *[f"- {k}: {v}" for k, v in notes.items()], ""]
     return lines
 
 
 def _timing_table(rows: list[dict]) -> list[str]:
     """One line per shape and backend: ms, TFLOP/s, speed-up over the cuDNN row of the shape, errors."""
     cudnn = {r["shape_name"]: r["time_ms"] for r in rows if r["backend"] == "sdpa_cudnn" and "time_ms" in r}
-    lines = ["| shape | backend | ms | TFLOP/s | vs cuDNN | err gauss | err outlier | first call s | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    table = []
     for r in rows:
-        f = lambda key, fmt: fmt.format(r[key]) if isinstance(r.get(key), (int, float)) else "—"  # noqa: E731
         base, ms = cudnn.get(r["shape_name"]), r.get("time_ms")
         vs = f"{base / ms:.2f}x" if base and ms and not r["backend"].startswith("prologue") else "—"
         note = r.get("error") or (f"skipped: {r['skipped']}" if r.get("skipped") else "")
-        lines.append(f"| {r['shape_name']} | {r['backend']} | {f('time_ms', '{:.2f}')} | {f('tflops', '{:.0f}')} | "
-                     f"{vs} | {f('err_gauss', '{:.4f}')} | {f('err_outlier', '{:.4f}')} | "
-                     f"{f('first_call_s', '{:.1f}')} | {note[:160]} |")
-    return lines
+        num = lambda key, fmt: reports.cell(r.get(key), fmt)  # noqa: E731
+        table.append([r["shape_name"], r["backend"], num("time_ms", "{:.2f}"), num("tflops", "{:.0f}"), vs,
+                      num("err_gauss", "{:.4f}"), num("err_outlier", "{:.4f}"), num("first_call_s", "{:.1f}"),
+                      reports.cell(note[:160])])
+    return reports.table(["shape", "backend", "ms", "TFLOP/s", "vs cuDNN", "err gauss", "err outlier", "first call s",
+                          "note"], table)
 
 
 def to_markdown(report: dict) -> list[str]:
@@ -392,17 +373,12 @@ def to_markdown(report: dict) -> list[str]:
     lines += [*_timing_table(report["rows"]), ""]
     if report["families"]:
         lines += families_markdown(report["families"])
-    lines += ["## Kernel vs its emulation", "",
-              "| shape | family | backend | vs emulation | vs fp32 | emulation vs fp32 | note |", "|---|---|---|---|---|---|---|"]
-    for r in report["checks"]:
-        f = lambda key: f"{r[key]:.4f}" if key in r else "—"  # noqa: E731
-        lines.append(f"| {r['shape']} | {r['family']} | {r['backend']} | {f('err_vs_emulation')} | "
-                     f"{f('err_vs_fp32')} | {f('emulation_vs_fp32')} | {r.get('error', '')[:100]} |")
+    checks = [[r["shape"], r["family"], r["backend"], *(reports.cell(r.get(k), "{:.4f}") for k in (
+        "err_vs_emulation", "err_vs_fp32", "emulation_vs_fp32")), reports.cell(r.get("error", "")[:100])]
+        for r in report["checks"]]
+    lines += ["## Kernel vs its emulation", "", *reports.table(["shape", "family", "backend", "vs emulation", "vs fp32",
+                                                                "emulation vs fp32", "note"], checks)]
     return [*lines, "", "## Autotuner picks", "", "```", json.dumps(report["autotune"], indent=1), "```", ""]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the run
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -460,6 +436,7 @@ def run_kitchen_versions(args: argparse.Namespace, report: dict, write) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Either scenario (``--kitchen``), the ``--worker`` child or the CPU ``--smoke``, from ``argv``."""
     args = parse_args(argv)
     if args.worker is not None:
         return worker(args)
@@ -481,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         report["autotune"] = A.chosen_configs()
         reports.write(args.out, stem, report, to_markdown(report))
 
-    if not args.no_checks:
+    if not args.no_checks:  # first, so that a broken kernel shows before the long timings
         say("kernel vs emulation:")
         report["checks"] = check_kernel([n for n in OURS if n in args.backends])
     report["rows"] = time_shapes(args.shapes, backend_fns(args.backends), args.repeats, errors=not args.kitchen)

@@ -76,7 +76,7 @@ def slim(wheel: Path, sm: int, drop: list[str]) -> None:
     with zipfile.ZipFile(wheel) as src:
         files = {i.filename: src.read(i) for i in src.infolist() if not i.is_dir()}
     record = next(n for n in files if n.endswith(".dist-info/RECORD"))
-    rows, freed = [], 0
+    freed = 0
     for name in list(files):
         if any(fnmatch.fnmatch(name, g) for g in drop):
             del files[name]

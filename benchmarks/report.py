@@ -1,9 +1,6 @@
-"""The suite's one reporter: the environment a result records (no machine paths: ``$OUT``, ``<ComfyUI>``, ``~``,
-``<tmp>``, ``python3``), and every scenario's ``<stem>.json`` + ``<stem>.md`` (environment header, command, tables).
-
-The environment is the common format's ``env`` (benchmarks/README.md: device, gpu, torch, comfyui, comfy_kitchen,
-commit, date, command) plus Triton, comfy-aimdo, Python and, on a GPU, its compute capability and memory. Only the
-standard library at module level (torch inside functions).
+"""The suite's one reporter: the environment a result records (the common format's ``env`` of benchmarks/README.md,
+plus Triton, comfy-aimdo, Python and the GPU's compute capability and memory; no machine paths) and every scenario's
+``<stem>.json`` + ``<stem>.md`` (environment header, command, tables). Only the standard library at module level.
 """
 
 from __future__ import annotations
@@ -34,68 +31,31 @@ PLACEHOLDERS = ("$OUT", "~", "<ComfyUI>", "<tmp>")
 
 def git_sha(repo: Path = PACK_ROOT) -> str | None:
     """``HEAD`` of the pack checkout, with ``-dirty`` when tracked files differ; None outside git."""
-    try:
-        sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+    try:  # every tag excluded: the full sha, never a tag's name
+        return subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty", "--abbrev=40", "--exclude=*"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-    return f"{sha}-dirty" if dirty else sha
 
 
-
-def public_path(arg: str) -> str:
-    """A command-line word as results may show it: no path of the machine that ran the benchmark.
-
-    The output folder becomes ``$OUT``, ComfyUI's folder ``<ComfyUI>``, the repository's own files repo-relative,
-    the home folder ``~``, the temporary folder ``<tmp>`` and the interpreter ``python3``; other words are kept.
-    """
-    if arg == sys.executable:
-        return "python3"
-    repo = Path(__file__).resolve().parent.parent
-    # In this order, so that the more telling name wins where one folder lies in another: $OUT or ComfyUI in the
-    # home or temporary folder, the repository (or a link to it) there too.
-    roots = ((os.environ.get("OUT"), "$OUT"), (os.environ.get("COMFYUI_PATH"), "<ComfyUI>"), (str(repo), None),
-             (str(Path.home()), "~"), (tempfile.gettempdir(), "<tmp>"))
-    for root, name in roots:
-        if not root or not arg.startswith("/"):
-            continue
-        for candidate in (Path(arg), Path(arg).resolve()):
-            try:
-                rel = candidate.relative_to(root)
-                break
-            except ValueError:
-                rel = None
-        if rel is None:
-            continue
-        if name is None:
-            return str(rel)
-        return name if str(rel) == "." else f"{name}/{rel}"
-    return arg
-
+def public_text(text: str, comfyui: str = "ComfyUI") -> str:
+    """Text (a command word, a child's stderr, a traceback) with no path of the machine that ran the benchmark."""
+    repo = Path(__file__).parent.parent
+    roots = {os.environ.get("COMFYUI_PATH"): comfyui, os.environ.get("OUT"): "$OUT", str(repo): "",
+             str(repo.resolve()): "", str(Path.home()): "~", tempfile.gettempdir(): "<tmp>"}
+    names = {str(Path(root)): name for root, name in roots.items() if root and os.path.isabs(root)}
+    # Longest first, so that a folder inside another one wins; a folder only where a path starts and ends, so that
+    # the temporary folder /tmp is not found inside /var/tmp or /tmpx. The repository's own files: repo-relative.
+    pattern = "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
+    return re.sub(rf"(?<![\w.~/-])({pattern})(/|(?![\w.~-]))",
+                  lambda m: names[m[1]] + m[2] if names[m[1]] else "" if m[2] else ".", text)
 
 
 def public_command(words: list[str]) -> str:
-    """A command line as results may show it: each word through ``public_path``, shell-quoted unless it starts with
-    a placeholder (quotes would only hide that ``$OUT`` and ``~`` stand for folders)."""
-    return " ".join(w if w.startswith(PLACEHOLDERS) else shlex.quote(w) for w in map(public_path, words))
-
-
-
-def public_text(text: str) -> str:
-    """Free text (a child's stderr, a traceback) as results may show it: ComfyUI's folder as ``ComfyUI/``, the
-    output folder as ``$OUT/``, the repository's files repo-relative (through a link to it too), home as ``~/``,
-    the temporary folder as ``<tmp>/``."""
-    repo = Path(__file__).parent.parent
-    roots = {os.environ.get("COMFYUI_PATH"): "ComfyUI/", os.environ.get("OUT"): "$OUT/", str(repo): "",
-             str(repo.resolve()): "", str(Path.home()): "~/", tempfile.gettempdir(): "<tmp>/"}
-    names = {str(Path(root)) + os.sep: name for root, name in roots.items() if root}
-    # Longest first, so that a folder inside another one wins; a folder only where a path starts, so that the
-    # temporary folder /tmp is not found inside /var/tmp.
-    pattern = "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
-    return re.sub(rf"(?<![\w.~/-])(?:{pattern})", lambda m: names[m.group(0)], text)
-
+    """A command line as results may show it (``public_text``; ComfyUI's folder ``<ComfyUI>``, Python ``python3``)."""
+    # no quotes around a word that starts with a placeholder: they would only hide that $OUT and ~ are folders
+    public = ["python3" if w == sys.executable else public_text(w, "<ComfyUI>") for w in words]
+    return " ".join(w if w.startswith(PLACEHOLDERS) else shlex.quote(w) for w in public)
 
 
 def command_argv(module: str, argv: list[str] | None) -> list[str]:
@@ -104,7 +64,6 @@ def command_argv(module: str, argv: list[str] | None) -> list[str]:
     if sys.argv[:2] == ["-m", SUITE]:
         return list(sys.argv)
     return ["-m", module, *(sys.argv[1:] if argv is None else argv)]
-
 
 
 def software_facts() -> dict:

@@ -1,10 +1,8 @@
 """The index of current benchmark results: benchmarks/results/INDEX.md and index.json (every measured setup, one row
 each) and docs/by-card.md (per card size, model and file format: the fastest pack setup against native's best).
 
-``python -m comfyui_lowvram_dit.benchmarks.results_index`` rewrites the three files from every result JSON under
-benchmarks/results/ (``investigations/`` holds dated evidence, not current results; ``*.api.json`` are workflows);
-``--check`` only says whether they are current. Every file is in the common format of benchmarks/README.md (``env`` +
-``rows``); a file without setup rows (a kernel or correctness result) is a component. Plain JSON: no ComfyUI, no torch.
+Read from every result JSON under benchmarks/results/ in the common format of benchmarks/README.md (``env`` + ``rows``;
+a file without setup rows, a kernel or correctness result, is a component). Plain JSON: no ComfyUI, no torch.
 """
 
 from __future__ import annotations
@@ -43,18 +41,15 @@ def result_files(root: Path) -> list[Path]:
 
 
 def run_env(env: dict) -> dict:
-    """The index's environment fields from a result's ``env`` (a kernel scenario's too: ``device_name``,
-    ``git_sha``, ``timestamp``, ``comfyui_version``)."""
+    """The index's environment fields from a result's ``env`` (older kernel results: ``device_name``, ``git_sha``,
+    ``timestamp``, ``comfyui_version``); the commit short, keeping the mark of a tree that differed from it."""
     gpu = env.get("gpu") or env.get("device_name") or (env.get("gpus") or [None])[0]
-    stamp = env.get("date") or env.get("timestamp") or ""
     commit = env.get("commit") or env.get("git_sha")
-    if commit:  # short sha, keeping the mark of a tree that differed from it
-        commit = commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
-    return {"device": env.get("device") or ("cuda" if gpu else None),
-            "gpu": gpu.removeprefix("NVIDIA ") if gpu else None,
+    return {"device": env.get("device") or ("cuda" if gpu else None), "gpu": gpu and gpu.removeprefix("NVIDIA "),
             "torch": env.get("torch"), "comfyui": env.get("comfyui") or env.get("comfyui_version"),
-            "comfy_kitchen": env.get("comfy_kitchen"), "commit": commit, "date": stamp[:10] or None,
-            "command": env.get("command")}
+            "comfy_kitchen": env.get("comfy_kitchen"),
+            "commit": commit and commit[:7] + ("-dirty" if commit.endswith("-dirty") else ""),
+            "date": (env.get("date") or env.get("timestamp") or "")[:10] or None, "command": env.get("command")}
 
 
 def read(data: object, source: str) -> tuple[dict, list[dict]]:
@@ -302,15 +297,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.strip().splitlines()[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated file is stale")
     args = parser.parse_args(argv)
-    stale = [path for path, text in outputs().items()
-             if not path.is_file() or path.read_text(encoding="utf-8") != text]
+    files = outputs()
+    stale = [path for path, text in files.items() if not path.is_file() or path.read_text(encoding="utf-8") != text]
     if args.check:
         for path in stale:
             print(f"{path.name} is stale: run {COMMAND}", file=sys.stderr)
         return 1 if stale else 0
-    for path, text in outputs().items():
-        write_report(path, text)
-    print(f"wrote {', '.join(p.name for p in outputs())}" if stale else "already current")
+    for path in stale:
+        write_report(path, files[path])
+    print(f"wrote {', '.join(p.name for p in stale)}" if stale else "already current")
     return 0
 
 

@@ -9,60 +9,43 @@ from typing import Any
 import torch
 
 
-def time_fn(fn: Callable[[], Any], device: Any, repeats: int, warmup: int) -> list[float]:
-    """Milliseconds of each of ``repeats`` calls of ``fn`` after ``warmup`` calls (CUDA events on GPU)."""
+def time_fn(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int) -> list[float]:
+    """Milliseconds of each of ``repeats`` calls of ``fn`` after ``warmup`` calls; an error in any call is raised."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     for _ in range(warmup):
         fn()
-    times: list[float] = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(float(start.elapsed_time(end)))
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    return time_interleaved({"fn": fn}, device, repeats, 0)["fn"]
 
 
 def time_interleaved(fns: dict, device: torch.device, repeats: int, warmup: int) -> dict[str, list[float] | str]:
-    """Milliseconds per call of each fn, in rounds that run every fn once (rotating the order), so clock and
-    power drift hit all alike (the H100 runs these GEMMs at its power limit); CUDA events on a GPU."""
+    """Milliseconds per call of each fn, in rounds that run every fn once (order rotating); a fn failing its warm-up
+    gives its error instead."""
+    # rounds, so that clock and power drift hit all alike (the H100 runs these GEMMs at its power limit)
     out: dict[str, list[float] | str] = {}
-    live = {}
     for name, fn in fns.items():
         try:
             for _ in range(warmup):
                 fn()
-            live[name] = fn
             out[name] = []
         except Exception as exc:  # noqa: BLE001 - a path this GPU / torch cannot run is a result
             out[name] = f"{type(exc).__name__}: {exc}"[:300]
-    names = list(live)
+    names = [name for name, times in out.items() if isinstance(times, list)]
     for r in range(repeats):
-        order = names[r % len(names):] + names[: r % len(names)] if names else []
         marks = {}
-        for name in order:
+        for name in names[r % len(names):] + names[: r % len(names)] if names else []:
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                live[name]()
+                fns[name]()
                 end.record()
                 marks[name] = (start, end)
             else:
                 t0 = time.perf_counter()
-                live[name]()
+                fns[name]()
                 out[name].append((time.perf_counter() - t0) * 1e3)
-        if device.type == "cuda":
+        if marks:
             torch.cuda.synchronize(device)
-            for name, (start, end) in marks.items():
-                out[name].append(float(start.elapsed_time(end)))
+        for name, (start, end) in marks.items():
+            out[name].append(float(start.elapsed_time(end)))
     return out

@@ -22,7 +22,7 @@ from triton_interpreter import interpreter_problem
 
 def _operands(m: int, k: int, n: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
     """Activations with 4 outlier channels (20-50x) and weights with outlier input channels (8-20x, one per 512),
-    as benchmarks/bench_int8_gemm.py and the synthetic checkpoints make them, plus a small bias."""
+    as benchmarks/bench_gemm.py and the synthetic checkpoints make them, plus a small bias."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
     x[:, torch.randperm(k, generator=g)[:4]] *= torch.tensor([20.0, 30.0, 40.0, 50.0])

@@ -1,0 +1,551 @@
+"""Scenarios ``fp8_gemm`` and ``int8_gemm``, named by the first argument (benchmarks/README.md says what each measures).
+
+``fp8_gemm``: the fp8 linears of one Wan 14B block, native fp8_e4m3fn_fast vs bf16 and the pack's paths, per
+activation family. ``int8_gemm``: the int8 W8A8 linear vs bf16 and fp8 at Wan 14B / Qwen-Image GEMM shapes, and one
+Wan block's linears in a chain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from comfyui_lowvram_dit.benchmarks import report
+from comfyui_lowvram_dit.benchmarks.report import say
+from comfyui_lowvram_dit.benchmarks.timing import time_fn, time_interleaved
+from comfyui_lowvram_dit.kernels import fp8, fp8_triton, int8, int8_triton
+
+ERR_ROWS = 2048  # error is measured on the first rows only (an fp32 GEMM per variant otherwise dominates)
+# (name, input, N out, K in): the block's linears that see every video token, in call order
+# (comfy/ldm/wan/model.py WanAttentionBlock). cross_attn.k/v see the 512 text tokens only and are left out.
+BLOCK_LINEARS: tuple[tuple[str, str, int, int], ...] = (
+    ("self_attn.q", "x_self", 5120, 5120), ("self_attn.k", "x_self", 5120, 5120),
+    ("self_attn.v", "x_self", 5120, 5120), ("self_attn.o", "x_attn", 5120, 5120),
+    ("cross_attn.q", "x_cross", 5120, 5120), ("cross_attn.o", "x_attn", 5120, 5120),
+    ("ffn.0", "x_ffn", 13824, 5120), ("ffn.2", "x_gelu", 5120, 13824),
+)
+SIX = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.0", "ffn.2")  # the brief's 6-linear subset
+BLOCK_TOKENS = 32760  # Wan 14B 832x480x81
+FAMILIES = ("ln_mod", "gaussian", "massive")
+DRY_DIV = 40  # --dry: widths / 40 (rounded to 16), 64 tokens, on the CPU
+
+
+def _dims(dry: bool) -> tuple[int, list[tuple[str, str, int, int]]]:
+    if not dry:
+        return BLOCK_TOKENS, list(BLOCK_LINEARS)
+    shrink = lambda d: max(16, (d // DRY_DIV) // 16 * 16)  # noqa: E731
+    return 64, [(n, key, shrink(o), shrink(i)) for n, key, o, i in BLOCK_LINEARS]
+
+
+def block_inputs(family: str, m: int, width: int, ffn: int, device: torch.device, seed: int = 0) -> dict:
+    """Activations with the structure each input of a Wan block has (``FAMILIES``)."""
+    # ln_mod: LayerNorm output modulated per channel as adaLN, 4 outlier channels (20-50x), 0.2% outlier tokens (8x);
+    # attention outputs milder; the FFN's second input GELU(tanh) of a projection with outlier channels. massive:
+    # ln_mod plus 2 channels of 1000-3000, past the +-448 that native fp8_e4m3fn_fast clamps to.
+    g = torch.Generator(device=device).manual_seed(seed)
+    rn = lambda *s: torch.randn(*s, device=device, generator=g)  # noqa: E731
+    if family == "gaussian":
+        return {k: rn(m, d).bfloat16() for k, d in (("x_self", width), ("x_attn", width), ("x_cross", width),
+                                                       ("x_ffn", width), ("x_gelu", ffn))}
+
+    def ln_mod() -> torch.Tensor:
+        x = F.layer_norm(rn(m, width), (width,)) * (1 + 0.5 * rn(width)) + 0.3 * rn(width)
+        x[:, torch.randperm(width, device=device, generator=g)[:4]] *= torch.tensor([20., 30., 40., 50.], device=device)
+        x[torch.randperm(m, device=device, generator=g)[: max(1, m // 500)]] *= 8
+        if family == "massive":
+            x[:, torch.randperm(width, device=device, generator=g)[:2]] = torch.tensor([1000., -3000.], device=device)
+        return x.bfloat16()
+
+    attn = 0.6 * rn(m, width)
+    attn[torch.randperm(m, device=device, generator=g)[: max(1, m // 500)]] *= 8
+    h = 1.5 * rn(m, ffn)
+    h[:, torch.randperm(ffn, device=device, generator=g)[:8]] *= 10
+    return {"x_self": ln_mod(), "x_attn": attn.bfloat16(), "x_cross": ln_mod(), "x_ffn": ln_mod(),
+            "x_gelu": F.gelu(h, approximate="tanh").bfloat16()}
+
+
+def outlier_weight(n: int, k: int, device: torch.device, g: torch.Generator) -> torch.Tensor:
+    """A bf16 weight [N, K] with outlier input channels (8-20x, one per 512 inputs, as synthetic/checkpoints.py)."""
+    w = torch.randn(n, k, device=device, generator=g) / k**0.5
+    cols = torch.randperm(k, device=device, generator=g)[: max(1, k // 512)]
+    w[:, cols] *= 8 + 12 * torch.rand(cols.numel(), device=device, generator=g)
+    return w.bfloat16()
+
+
+def block_weights(linears: list, device: torch.device, seed: int = 1) -> dict:
+    """Per linear: bf16 weight, its per-tensor fp8 (the pack's files), native's plain fp8 cast, a bf16 bias."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, _, n, k in linears:
+        w = outlier_weight(n, k, device, g)
+        qt, st = fp8.quantize_per_tensor(w)
+        out[name] = {"w": w, "q": qt, "s": st, "native": w.to(fp8.FP8_DTYPE),
+                     "b": (0.02 * torch.randn(n, device=device, generator=g)).bfloat16()}
+    return out
+
+
+def native_linears(weights: dict, device: torch.device) -> tuple[dict, str]:
+    """name -> callable(x) running ComfyUI's fp8_e4m3fn_fast Linear (else its steps replicated), and how it runs."""
+    try:
+        root = os.environ["COMFYUI_PATH"]
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        from comfy.cli_args import args  # before comfy.model_management picks the device
+
+        args.cpu = args.cpu or device.type == "cpu"
+        import comfy.ops
+
+        mods = {}
+        for name, wd in weights.items():
+            n, k = wd["native"].shape
+            mod = comfy.ops.fp8_ops.Linear(k, n, bias=True, device="meta", dtype=torch.bfloat16)
+            mod.weight = torch.nn.Parameter(wd["native"], requires_grad=False)  # the plain cast UNETLoader makes
+            mod.bias = torch.nn.Parameter(wd["b"], requires_grad=False)
+            mods[name] = mod
+        calls, orig = [], comfy.ops.fp8_linear
+        comfy.ops.fp8_linear = lambda self, inp: calls.append(1) or orig(self, inp)
+        try:
+            probe = next(iter(mods.values()))
+            probe(torch.zeros(1, 16, probe.in_features, device=device, dtype=torch.bfloat16))
+        finally:
+            comfy.ops.fp8_linear = orig
+        if not calls:
+            raise RuntimeError("comfy.ops.fp8_ops.Linear did not reach comfy.ops.fp8_linear")
+        how = f"ComfyUI {report.comfyui_version(root)} comfy.ops.fp8_ops.Linear"
+        return {name: (lambda x, m=m: m(x)) for name, m in mods.items()}, how
+    except Exception as exc:  # noqa: BLE001 - no ComfyUI here: the same steps, replicated
+        one = torch.ones((), device=device)
+
+        def replicated(x: torch.Tensor, wd: dict) -> torch.Tensor:
+            x2 = x.reshape(-1, x.shape[-1])
+            xq = torch.clamp(x2, min=-448, max=448, out=x2).to(fp8.FP8_DTYPE).contiguous()
+            y = torch._scaled_mm(xq, wd["native"].t(), scale_a=one, scale_b=one, bias=wd["b"], out_dtype=x.dtype)
+            return y.reshape(*x.shape[:-1], -1)
+
+        how = (f"replicated (ComfyUI not importable: {type(exc).__name__}: {str(exc)[:120]}): clamp_(+-448) in place, "
+               "cast, torch._scaled_mm with unit scales and the bias")
+        return {name: (lambda x, wd=wd: replicated(x, wd)) for name, wd in weights.items()}, how
+
+
+def _pack(path: str | None, act: fp8.ActQuant | None = None):
+    """A pack variant: fp8_linear on ``path`` with ``act``; path None: what the pack runs (the scale chooser's)."""
+    from comfyui_lowvram_dit.kernels import opaque_ops
+
+    def run(x: torch.Tensor, wd: dict) -> torch.Tensor:
+        if path is None:
+            auto = fp8.select_path(x.device, None, *wd["q"].shape)
+            return opaque_ops.fp8_linear(x, wd["q"], wd["s"], wd["b"], None, auto)
+        return fp8.fp8_linear(x, wd["q"], wd["s"], wd["b"], path=path, act=act)
+    return run
+
+
+def block_variants(device: torch.device) -> dict[str, dict]:
+    """name -> {run(x, weights of one linear)} or {native: True}; one this GPU cannot run fails when timed."""
+    tw, rw = "scaled_mm_tensorwise", "scaled_mm_rowwise"
+    return {"bf16 F.linear": {"run": lambda x, wd: F.linear(x, wd["w"], wd["b"])},
+            "native fp8_e4m3fn_fast": {"native": True},
+            "pack today (scale chooser, fast accum)": {"run": _pack(None)},
+            "pack row-wise, no fast accum": {"run": _pack(rw, fp8.ActQuant())},
+            "pack tensor-wise (amax pass), no fast accum": {"run": _pack(tw, fp8.ActQuant())},
+            "pack row-wise + fast accum": {"run": _pack(rw)}}
+
+
+def block_runner(spec: dict, setup: dict, inputs: dict, native_inputs: dict) -> Callable[..., dict | None]:
+    """run(names, keep) on the variant's inputs -> {name: first ERR_ROWS output rows} (keep) or None."""
+    keys = {name: key for name, key, _, _ in setup["linears"]}
+    src = native_inputs if spec.get("native") else inputs  # native clamps its input in place
+
+    def run(names: tuple[str, ...], keep: bool = False) -> dict | None:
+        outs = {n: setup["native"][n](src[keys[n]]) if spec.get("native") else
+                spec["run"](src[keys[n]], setup["weights"][n]) for n in names}
+        return {n: y.reshape(-1, y.shape[-1])[:ERR_ROWS].float() for n, y in outs.items()} if keep else None
+    return run
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """||y - ref|| / ||ref||."""
+    return ((y - ref).norm() / ref.norm()).item()
+
+
+def block_errors(runners: dict, refs: dict, names: tuple) -> dict:
+    """variant -> {linear: rel. error vs fp32} (or an error string), after one warm call as in a run's later steps."""
+    out: dict[str, dict | str] = {}
+    for vname, run in runners.items():
+        try:
+            run(names)
+            ys = run(names, keep=True)
+            out[vname] = {n: relative_error(ys[n], refs[n]) for n in names}
+        except Exception as exc:  # noqa: BLE001 - reported as the variant's result
+            out[vname] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
+
+
+def quant_fns(inputs: dict, native_inputs: dict, device: torch.device) -> dict[str, object]:
+    """Activation quantizers alone on each distinct block input: what each path pays before its GEMM."""
+    fns: dict[str, object] = {}
+    for key in sorted(inputs):
+        x2, xn = inputs[key].reshape(-1, inputs[key].shape[-1]), native_inputs[key].reshape(-1, inputs[key].shape[-1])
+        tag = f"{key} K={x2.shape[1]}"
+        fns[f"{tag}: native clamp_ + cast"] = lambda xn=xn: torch.clamp(xn, -448, 448, out=xn).to(fp8.FP8_DTYPE)
+        if device.type == "cuda" and fp8_triton.TRITON_AVAILABLE:
+            fns[f"{tag}: row (Triton)"] = lambda x2=x2: fp8_triton.quantize_rowwise(x2)
+            fns[f"{tag}: tensor (norm + Triton)"] = lambda x2=x2: fp8_triton.quantize_tensorwise(x2)
+        else:
+            fns[f"{tag}: row (torch)"] = lambda x2=x2: fp8.quantize_rowwise_torch(x2)
+    return fns
+
+
+def _med(t: list[float] | str) -> float | None:
+    return statistics.median(t) if isinstance(t, list) and t else None
+
+
+def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> list[dict]:
+    """One family: errors, the block (8 linears, and 6), each linear and each quantizer alone, timed interleaved."""
+    device, linears, m, weights = setup["device"], setup["linears"], setup["m"], setup["weights"]
+    names = tuple(n for n, _, _, _ in linears)
+    raw = block_inputs(family, m, linears[0][3], linears[6][2], device)
+    inputs = {k: v.unsqueeze(0) for k, v in raw.items()}  # [1, tokens, C], as the model calls them
+    native_inputs = {k: v.clone() for k, v in inputs.items()}  # native clamps its input in place
+    refs = {n: F.linear(inputs[key].reshape(-1, k)[:ERR_ROWS].float(), weights[n]["w"].float(),
+                        weights[n]["b"].float()) for n, key, _, k in linears}
+    runners = {v: block_runner(spec, setup, inputs, native_inputs) for v, spec in block_variants(device).items()}
+    errs = block_errors(runners, refs, names)
+    rows: list[dict] = []
+    for kind, subset in (("block8", names), ("block6", SIX)):
+        fns = {v: (lambda r=r: r(subset)) for v, r in runners.items()}
+        for v, t in time_interleaved(fns, device, repeats, warmup).items():
+            e = errs[v] if isinstance(errs[v], dict) else {}
+            sub = [e[n] for n in subset if n in e]
+            rows.append({"kind": kind, "family": family, "variant": v, "time_ms": _med(t),
+                         "status": "ok" if _med(t) is not None and e else "error",
+                         "error": t if isinstance(t, str) else (errs[v] if isinstance(errs[v], str) else None),
+                         "err_mean": statistics.mean(sub) if sub else None, "err_max": max(sub) if sub else None,
+                         "errors": {n: e[n] for n in subset if n in e}})
+    for n in names:
+        fns = {v: (lambda r=r: r((n,))) for v, r in runners.items()}
+        for v, t in time_interleaved(fns, device, repeats, warmup).items():
+            rows.append({"kind": "linear", "family": family, "variant": v, "linear": n, "time_ms": _med(t),
+                         "err": (errs[v] or {}).get(n) if isinstance(errs[v], dict) else None})
+    for q, t in time_interleaved(quant_fns(inputs, native_inputs, device), device, repeats, warmup).items():
+        rows.append({"kind": "quant", "family": family, "variant": q, "time_ms": _med(t)})
+    return rows
+
+
+def _x(a: float | None, b: float | None) -> str:
+    return f"{a / b:.3f}x" if a and b else ""
+
+
+def block_markdown(rows: list[dict], env: dict, m: int, native_how: str, repeats: int, warmup: int) -> list[str]:
+    """Per family: the block table (vs native), then each linear and each quantizer."""
+    lines = report.header("fp8_gemm: one Wan 14B block's fp8 linears", env, [
+        f"native fp8_e4m3fn_fast: {native_how}",
+        f"{m} tokens; block = {', '.join(n for n, *_ in BLOCK_LINEARS)} (cross_attn.k/v: text tokens, left out); "
+        f"block6 = {', '.join(SIX)}",
+        f"timing: CUDA events, {warmup} warm-up rounds then {repeats} rounds, every variant once per round (order "
+        f"rotating), median; error: rel. Frobenius error vs fp32 on the first {ERR_ROWS} tokens, after one warm call"])
+    for fam in dict.fromkeys(r["family"] for r in rows):
+        fr = [r for r in rows if r["family"] == fam]
+        by = {(r["kind"], r["variant"]): r for r in fr}
+        nat8, nat6 = (by.get((k, "native fp8_e4m3fn_fast"), {}).get("time_ms") for k in ("block8", "block6"))
+        nat_err = by.get(("block8", "native fp8_e4m3fn_fast"), {}).get("err_mean")
+        block = []
+        for r in (r for r in fr if r["kind"] == "block8"):
+            r6 = by.get(("block6", r["variant"]), {})
+            block.append([r["variant"], f"{r['status']}: {report.cell(r.get('error'))[:100]}", "", "", "", "", "", ""]
+                         if r["status"] != "ok" else
+                         [r["variant"], f"{r['time_ms']:.3f}", _x(nat8, r["time_ms"]), f"{r6.get('time_ms') or 0:.3f}",
+                          _x(nat6, r6.get("time_ms")), f"{r['err_mean']:.3%}", f"{r['err_max']:.3%}",
+                          _x(r["err_mean"], nat_err)])
+        names = list(dict.fromkeys(r["linear"] for r in fr if r["kind"] == "linear"))
+        per = {(r["variant"], r["linear"]): r.get("time_ms") for r in fr if r["kind"] == "linear"}
+        linears = [[v, *(report.cell(per.get((v, n)), "{:.3f}") for n in names)]
+                   for v in dict.fromkeys(r["variant"] for r in fr if r["kind"] == "linear")]
+        quant = [[r["variant"], report.cell(r["time_ms"], "{:.3f}")] for r in fr if r["kind"] == "quant"]
+        lines += [f"## {fam}", "", *report.table(["variant", "ms / block (8)", "vs native", "ms (6)", "vs native",
+                                                  "mean rel. err", "max rel. err", "err vs native"], block), "",
+                  *report.table(["variant", *names], linears), "", *report.table(["quantizer alone", "ms"], quant), ""]
+    return lines + block_summary(rows)
+
+
+def block_summary(rows: list[dict]) -> list[str]:
+    """Per pack variant: speed vs native per family and whether it meets >= 1.05x at <= native's error in all."""
+    out = ["## Verdict (target: >= 1.05x native per block at equal or lower error, every family)", ""]
+    fams = list(dict.fromkeys(r["family"] for r in rows))
+    b8 = {(r["family"], r["variant"]): r for r in rows if r["kind"] == "block8" and r["status"] == "ok"}
+    for v in dict.fromkeys(r["variant"] for r in rows if r["kind"] == "block8"):
+        if v in ("bf16 F.linear", "native fp8_e4m3fn_fast"):
+            continue
+        parts, ok = [], True
+        for f in fams:
+            r, n = b8.get((f, v)), b8.get((f, "native fp8_e4m3fn_fast"))
+            if not r or not n:
+                parts.append(f"{f}: n/a")
+                ok = False
+                continue
+            sp = n["time_ms"] / r["time_ms"]
+            ok &= sp >= 1.05 and r["err_mean"] <= n["err_mean"]
+            parts.append(f"{f} {sp:.3f}x, err {r['err_mean']:.3%} vs {n['err_mean']:.3%}")
+        out.append(f"- {v}: {'; '.join(parts)} -> {'MEETS' if ok else 'does not meet'} the target")
+    return out
+
+
+# (M tokens, K in, N out): Wan 14B 832x480x81 -> 21x30x52 = 32,760 tokens; Qwen-Image 1328x1328 -> 83x83 = 6,889.
+SHAPES: dict[str, tuple[int, int, int]] = {
+    "wan14b_qkvo": (32760, 5120, 5120), "wan14b_ffn_up": (32760, 5120, 13824), "wan14b_ffn_down": (32760, 13824, 5120),
+    "qwen_attn": (6889, 3072, 3072), "qwen_mlp_up": (6889, 3072, 12288), "qwen_mlp_down": (6889, 12288, 3072)}
+QUICK = ("wan14b_qkvo", "wan14b_ffn_up", "wan14b_ffn_down")
+TINY: dict[str, tuple[int, int, int]] = {"tiny_qkvo": (96, 256, 256), "tiny_ffn_up": (96, 256, 640),
+                                         "tiny_ffn_down": (96, 640, 256)}
+BLOCK_ROWS = 512  # tokens through the Wan block chain
+WAN_BLOCK = (5120, 13824)  # model width, FFN width
+TINY_BLOCK = (256, 640)
+
+
+def make_operands(m: int, k: int, n: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """bf16 activations [M, K] with 4 outlier channels (20-50x), an ``outlier_weight`` [N, K], a bf16 bias."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, device=device, generator=g)
+    x[:, torch.randperm(k, device=device, generator=g)[:4]] *= torch.tensor([20.0, 30.0, 40.0, 50.0], device=device)
+    w = outlier_weight(n, k, device, g)
+    return x.bfloat16(), w, (0.02 * torch.randn(n, device=device, generator=g)).bfloat16()
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def fp8_variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, object]:
+    """bf16 and the fp8 rows: name -> zero-arg callable, or why it cannot run here."""
+    cap = _capability(x.device)
+    out: dict[str, object] = {"bf16 F.linear": lambda: F.linear(x, w, b)}
+    qt, st = fp8.quantize_per_tensor(w)
+    fp8_mm = cap is not None and cap >= (8, 9)
+    # native-style fp8 (ComfyUI's fp8_e4m3fn_fast): per-tensor weight, input clamped and cast, one _scaled_mm
+    one = torch.ones((), device=x.device)
+    out["native fp8 _scaled_mm per-tensor"] = (
+        (lambda: torch._scaled_mm(x.clamp(-448, 448).to(fp8.FP8_DTYPE), qt.t(), scale_a=one, scale_b=st.float(),
+                                  bias=b, out_dtype=x.dtype)) if fp8_mm else f"needs fp8 matmul (8.9+), have {cap}")
+    out["ours fp8 row-wise (scaled_mm_rowwise)"] = (
+        (lambda: fp8.fp8_linear(x, qt, st, b, path="scaled_mm_rowwise")) if cap in ((8, 9), (9, 0))
+        else f"row-wise scaled_mm needs compute capability 8.9 or 9.0, have {cap}")
+    out["ours fp8 dequantize (today on 20xx/30xx)"] = lambda: fp8.fp8_linear(x, qt, st, b, path="dequantize")
+    return out
+
+
+def int8_variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, object]:
+    """The int8 rows: quantize + GEMM and GEMM alone, per GEMM and with / without rotation."""
+    qt, st = fp8.quantize_per_tensor(w)
+    out: dict[str, object] = {}
+    triton_ok = int8_triton.gemm_available(x.device)
+    for rotate in (True, False):
+        wq, ws = int8.weight_from_fp8(qt, st, None, rotate=rotate)
+        xq, xs = int8.quantize_activation(x, rotate)
+        tag = "rotated" if rotate else "plain"
+        for gemm in ("int_mm", "triton"):
+            if gemm == "triton" and not triton_ok:
+                out[f"int8 {gemm} {tag}"] = out[f"int8 {gemm} {tag}, GEMM only"] = \
+                    "Triton GEMM needs Triton and compute capability 8.0+"
+                continue
+            out[f"int8 {gemm} {tag}"] = (lambda g=gemm, r=rotate, q=wq, s=ws:
+                                         int8.int8_linear(x, q, s, b, gemm=g, rotate=r))
+            out[f"int8 {gemm} {tag}, GEMM only"] = (lambda g=gemm, q=wq, s=ws, aq=xq, a_s=xs:
+                                                     int8._run_gemm(g, aq, a_s, q, s, b, x.dtype))
+        out[f"int8 act quant {tag} (alone)"] = lambda r=rotate: int8.quantize_activation(x, r)
+    return out
+
+
+def _row(name: str, shape: tuple[int, int, int], vname: str, fn, x, w, b, repeats: int, warmup: int,
+         bf16_ms: float | None) -> dict:
+    m, k, n = shape
+    row = {"shape": name, "M": m, "K": k, "N": n, "variant": vname}
+    if isinstance(fn, str):
+        return {**row, "status": "skipped", "error": fn}
+    try:
+        out = fn()
+        err = relative_error(out[:ERR_ROWS].float(), F.linear(x[:ERR_ROWS].float(), w.float(), b.float())) \
+            if isinstance(out, torch.Tensor) else None  # vs fp32 math on the same bf16 operands
+        del out
+        ms = statistics.median(time_fn(fn, x.device, repeats, warmup))
+    except Exception as exc:  # a path this torch/GPU rejects is a result, not a crash
+        return {**row, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
+    row.update(status="ok", time_ms=ms, rel_err=err)
+    if err is not None:  # a GEMM (the activation quantizer alone has no FLOPs or error)
+        row.update(tflops=2 * m * n * k / ms / 1e9, vs_bf16=(bf16_ms / ms) if bf16_ms else 1.0)
+    return row
+
+
+def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, repeats: int, warmup: int) -> list[dict]:
+    """Every variant at one shape; the first (bf16) sets the ratio."""
+    x, w, b = make_operands(*shape, device)
+    rows: list[dict] = []
+    bf16_ms = None
+    for vname, fn in {**fp8_variants(x, w, b), **int8_variants(x, w, b)}.items():
+        row = _row(name, shape, vname, fn, x, w, b, repeats, warmup, bf16_ms)
+        bf16_ms = bf16_ms or row.get("time_ms")
+        rows.append(row)
+        done = f"{row['time_ms']:8.3f} ms" if row["status"] == "ok" else f"{row['status']}: {row['error'][:100]}"
+        gemm = f" {row['tflops']:7.1f} TFLOP/s {row['vs_bf16']:5.2f}x err {row['rel_err']:.4%}" if "tflops" in row \
+            else ""
+        say(f"  {name:16s} {vname:42s} {done}{gemm}")
+    del x, w, b
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _block_linears(device: torch.device, width: int, ffn: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    shapes = {"q": (width, width), "k": (width, width), "v": (width, width), "o": (width, width),
+              "ffn_up": (width, ffn), "ffn_down": (ffn, width)}
+    return {name: make_operands(1, kin, kout, device, seed=10 + i)[1:] for i, (name, (kin, kout)) in
+            enumerate(shapes.items())}
+
+
+def _run_block(lin, x: torch.Tensor) -> torch.Tensor:
+    """One Wan block's linears in order, attention replaced by a gate (the linears' error is what is measured)."""
+    h = lin("o", lin("q", x) * torch.sigmoid(lin("k", x).float()).to(x.dtype) + lin("v", x))
+    h = h + x
+    return lin("ffn_down", F.gelu(lin("ffn_up", h).float(), approximate="tanh").to(x.dtype)) + h
+
+
+def chain_errors(device: torch.device, tiny: bool) -> list[dict]:
+    """Error of the block chain against fp32 math on the bf16 weights, per compute path."""
+    width, ffn = TINY_BLOCK if tiny else WAN_BLOCK
+    lins = _block_linears(device, width, ffn)
+    x = make_operands(BLOCK_ROWS, width, 8, device, seed=99)[0]
+    cap = _capability(device)
+    fp8_real = cap in ((8, 9), (9, 0))
+    q8 = {n: fp8.quantize_per_tensor(w) for n, (w, _) in lins.items()}
+    i8 = {r: {n: int8.weight_from_fp8(*q8[n], None, rotate=r) for n in lins} for r in (True, False)}
+    paths = {
+        "fp32 (reference)": lambda n, t: F.linear(t.float(), lins[n][0].float(), lins[n][1].float()).to(t.dtype),
+        "bf16 F.linear": lambda n, t: F.linear(t, *lins[n]),
+        "fp8 dequantize": lambda n, t: fp8.fp8_linear(t, *q8[n], lins[n][1], path="dequantize"),
+        "fp8 row-wise" + ("" if fp8_real else " (emulated)"): lambda n, t: (
+            fp8.fp8_linear if fp8_real else fp8.fp8_linear_reference)(t, *q8[n], lins[n][1], path="scaled_mm_rowwise"),
+        "int8 rotated": lambda n, t: int8.int8_linear(t, *i8[True][n], lins[n][1], rotate=True),
+        "int8 plain": lambda n, t: int8.int8_linear(t, *i8[False][n], lins[n][1], rotate=False),
+    }
+    ref = _run_block(paths["fp32 (reference)"], x).float()
+    rows = []
+    for name, lin in list(paths.items())[1:]:
+        y = _run_block(lin, x).float()
+        rows.append({"path": name, "block_rel_err": relative_error(y, ref), "width": width,
+                     "ffn": ffn, "tokens": BLOCK_ROWS})
+        say(f"  block {name:28s} rel. err {rows[-1]['block_rel_err']:.4%}")
+    return rows
+
+
+def summarize(rows: list[dict], blocks: list[dict]) -> list[str]:
+    """Geometric-mean ratio to bf16 and mean error per variant; the block errors; the goal's verdict."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["status"] == "ok" and "vs_bf16" in r:
+            by.setdefault(r["variant"], []).append(r)
+    out = ["## Summary (geometric mean over shapes)", ""]
+    out += [f"- {v}: {statistics.geometric_mean(r['vs_bf16'] for r in rs):.2f}x vs bf16, mean rel. err "
+            f"{statistics.mean(r['rel_err'] for r in rs):.3%}" for v, rs in by.items()]
+    out += ["", "## One Wan block's linears in a chain (error vs fp32)", ""]
+    out += [f"- {b['path']}: {b['block_rel_err']:.3%}" for b in blocks]
+    err = {b["path"].split(" (")[0]: b["block_rel_err"] for b in blocks}
+    if "int8 rotated" in err and "fp8 row-wise" in err:
+        out.append(f"- int8 rotated block error {'<=' if err['int8 rotated'] <= err['fp8 row-wise'] else '>'} "
+                   "the fp8 row-wise path's")
+    return out
+
+
+def int8_markdown(rows: list[dict], env: dict, summary: list[str]) -> list[str]:
+    """The report: environment, one row per shape and variant, the summary."""
+    table = []
+    for r in rows:
+        head = [f"{r['shape']} ({r['M']}, {r['K']} -> {r['N']})", r["variant"]]
+        if r["status"] != "ok":
+            table.append([*head, f"{r['status']}: {report.cell(r.get('error'))[:120]}", "", "", ""])
+        else:
+            table.append([*head, f"{r['time_ms']:.3f}", report.cell(r.get("tflops"), "{:.1f}"),
+                          report.cell(r.get("vs_bf16"), "{:.2f}x"), report.cell(r.get("rel_err"), "{:.3%}")])
+    return [*report.header("int8_gemm: int8 W8A8 GEMMs vs bf16, native fp8 and the pack's fp8", env, [
+        "timing: CUDA events (perf_counter on the CPU), median; bf16 activations with 4 outlier channels, weights "
+        f"with outlier input channels, bias; error vs fp32 on the first {ERR_ROWS} rows"]),
+        *report.table(["shape (M, K -> N)", "variant", "ms", "TFLOP/s", "vs bf16", "rel. err"], table), "", *summary]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command line: the scenario, then its options (an option of the other scenario is an error)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", choices=("fp8_gemm", "int8_gemm"))
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out-dir", "--out", type=Path, default=report.RESULTS)
+    parser.add_argument("--families", nargs="+", choices=FAMILIES, default=None,
+                        help="fp8_gemm: activation families (default: all)")
+    parser.add_argument("--dry", action="store_true",
+                        help="fp8_gemm on the CPU at tiny widths, 2 rounds: exercises every code path, times nothing")
+    parser.add_argument("--block", action="store_true", help=argparse.SUPPRESS)  # fp8_gemm's only mode: recorded
+    parser.add_argument("--quick", action="store_true", help="int8_gemm: Wan 14B shapes only")
+    parser.add_argument("--tiny", action="store_true", help="int8_gemm: scaled-down shapes, runs on the CPU too")
+    args = parser.parse_args(argv)
+    fp8_only, int8_only = args.families or args.dry or args.block, args.quick or args.tiny
+    if fp8_only if args.scenario == "int8_gemm" else int8_only:
+        parser.error("--families, --dry, --block are fp8_gemm's options, --quick, --tiny int8_gemm's")
+    args.families = args.families or list(FAMILIES)
+    return args
+
+
+def run_fp8(args: argparse.Namespace, env: dict) -> tuple[str, dict, list[str]]:
+    """fp8_gemm: every variant on every family; the report's stem, JSON and markdown."""
+    device = torch.device(env["device"])
+    m, linears = _dims(args.dry)
+    weights = block_weights(linears, device)
+    native, how = native_linears(weights, device)
+    say(f"native: {how}")
+    setup = {"device": device, "linears": linears, "m": m, "weights": weights, "native": native}
+    rows: list[dict] = []
+    for fam in args.families:
+        rows += bench_block_family(fam, setup, args.repeats, args.warmup)
+        for r in rows:
+            if r["family"] == fam and r["kind"] == "block8":
+                say(f"  {fam:9s} {r['variant']:44s} " + (f"{r['time_ms']:8.3f} ms err {r['err_mean']:.3%}"
+                                                        if r["status"] == "ok" else f"ERROR {r.get('error')!s:.100}"))
+    say("\n".join(block_summary(rows)))
+    doc = {"env": env, "native": how, "tokens": m, "rows": rows}
+    markdown = block_markdown(rows, env, m, how, args.repeats, args.warmup)
+    return "bench_fp8_gemm_block" + ("_dry" if args.dry else ""), doc, markdown
+
+
+def run_int8(args: argparse.Namespace, env: dict) -> tuple[str, dict, list[str]]:
+    """int8_gemm: every variant at every shape, the block chain's error; the report's stem, JSON and markdown."""
+    device = torch.device(env["device"])
+    shapes = TINY if args.tiny else {n: SHAPES[n] for n in (QUICK if args.quick else SHAPES)}
+    rows: list[dict] = []
+    with torch.no_grad():
+        for name, shape in shapes.items():
+            rows += bench_shape(name, shape, device, args.repeats, args.warmup)
+        blocks = chain_errors(device, args.tiny)
+    summary = summarize(rows, blocks)
+    say("\n".join(summary))
+    return ("bench_int8_gemm" + ("_tiny" if args.tiny else "_quick" if args.quick else ""),
+            {"env": env, "rows": rows, "block": blocks}, int8_markdown(rows, env, summary))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the scenario named first in ``argv``; ``<out>/<stem>.json`` and ``.md``."""
+    args = parse_args(argv)
+    if args.dry:
+        args.repeats, args.warmup = min(args.repeats, 2), min(args.warmup, 1)
+    elif not (torch.cuda.is_available() or args.tiny):
+        say(f"{args.scenario} needs a CUDA GPU (--{'dry' if args.scenario == 'fp8_gemm' else 'tiny'} runs on the CPU)")
+        return 2
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry else "cpu")
+    env = report.environment(f"{report.SUITE}.bench_gemm", argv, device)
+    say(f"{env['gpu'] or env['cpu']} torch {env['torch']} triton {env['triton']}")
+    stem, doc, markdown = (run_fp8 if args.scenario == "fp8_gemm" else run_int8)(args, env)
+    report.write(args.out_dir, stem, doc, markdown)
+    say(f"wrote {args.out_dir / stem}.json and .md")
+    return 0
