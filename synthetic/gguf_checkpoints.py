@@ -22,6 +22,7 @@ from ..checkpoints.safe_write import commit, discard, refuse_unowned, temp_besid
 SYNTHETIC_KEY, SYNTHETIC_MARK = "synthetic", "comfyui_lowvram_dit"  # the mark synthetic/checkpoints.py's files carry
 QTYPES = ("Q8_0", "Q4_K")
 Q4_K_BLOCK, Q4_K_BYTES = 256, 144
+CHUNK_ELEMS = 1 << 22
 
 
 def arch_of(model: str) -> str:
@@ -38,6 +39,11 @@ def tensor_type(shape: Sequence[int], qtype: str) -> str:
 
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     """The Q8_0 bytes of a 2-D weight, (rows, cols / 32 * 34) uint8 on its device: what gguf.quants.quantize gives."""
+    rows = max(1, CHUNK_ELEMS // w.shape[1])  # a few chunk-sized temporaries at a time, not ten of the whole matrix
+    return torch.cat([_q8_0_rows(w[r:r + rows]) for r in range(0, w.shape[0], rows)])
+
+
+def _q8_0_rows(w: torch.Tensor) -> torch.Tensor:
     blocks = w.float().reshape(-1, 32)
     d = blocks.abs().amax(1, keepdim=True) / 127
     x = blocks * torch.where(d == 0, 0.0, 1 / d)

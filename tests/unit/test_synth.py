@@ -249,9 +249,10 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_gguf_q8_0_bytes_are_gguf_own_quantization() -> None:
-    """Q8_0 computed with torch is byte for byte gguf's (its rounding half away from zero, a zero block's scale 0)."""
+    """Q8_0 computed with torch, chunk by chunk, is byte for byte gguf's (its rounding half away from zero, a zero
+    block's scale 0)."""
     gguf = pytest.importorskip("gguf", reason="the gguf package is missing: pip install -e '.[test]' adds it")
-    w = synth.synthetic_tensor("blocks.0.ffn.2.weight", (64, 512), torch.bfloat16).float()
+    w = synth.synthetic_tensor("blocks.0.ffn.2.weight", (1030, 4096), torch.bfloat16).float()  # two row chunks
     w[0, :32] = 0
     w[1, :32] = torch.arange(32) - 15.5  # with the 127 below, d = 1: every value a half, where rounding differs
     w[1, 0] = 127
