@@ -175,11 +175,13 @@ def describe(row: RenderRow) -> str:
 def memory_manager(row: RenderRow) -> str:
     """Who keeps the diffusion model's weights, as the results index names it: Block Swap where the graph streams
     (the Qwen-Image staged loaders always do; a Block Swap node under DynamicVRAM when set to stream, or ``auto``,
-    whose pick depends on the machine's RAM), else ComfyUI by the server's flag."""
+    whose pick depends on the machine's RAM), else ComfyUI by the server's flag (ComfyUI-GGUF's own patcher is never
+    DynamicVRAM's, so Block Swap always streams it)."""
     setup = rg.SETUPS[row.setup]
+    dynamic = row.dynamic_vram and row.file_format not in rg.GGUF_TYPES
     if setup.native or setup.drop_block_swap:
-        return "DynamicVRAM" if row.dynamic_vram else "ComfyUI legacy loading"
-    if row.dynamic_vram and row.spec.swaps_blocks and not setup.block_swap_mode:
+        return "DynamicVRAM" if dynamic else "ComfyUI legacy loading"
+    if dynamic and row.spec.swaps_blocks and not setup.block_swap_mode:
         return "Block Swap auto"
     return "Block Swap"
 
