@@ -42,6 +42,8 @@ WHEELS=(
     pydantic-settings==2.16.3 python-dotenv==1.2.4           # pyproject.toml of custom nodes (else a warning)
     kornia==0.9.0 kornia_rs==0.2.0                           # nodes_post_processing, which nodes_latent imports:
                                                             # ImageScaleToTotalPixels (Qwen-Image-Edit), LatentConcat
+    gguf==0.19.0                                            # ComfyUI-GGUF (tests/vendor): the render's GGUF rows;
+                                                            # pure Python on numpy, pyyaml, tqdm, requests (all there)
 )
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
            manylinux2014_x86_64 manylinux1_x86_64)

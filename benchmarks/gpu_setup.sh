@@ -72,7 +72,7 @@ _lowvram_check() {  # the imports ComfyUI needs, ComfyUI's own start with the pa
     python3 - <<'EOF'
 import importlib, importlib.metadata as md, re, sys
 for name in ("torch", "triton", "comfy_aimdo", "comfy_kitchen", "torchsde", "sqlalchemy", "alembic", "pydantic",
-             "blake3", "simpleeval", "kornia", "av"):
+             "blake3", "simpleeval", "kornia", "av", "gguf"):
     try:
         importlib.import_module(name)
     except Exception as e:

@@ -26,6 +26,7 @@ from comfyui_lowvram_dit.cli import workflow_models
 from comfyui_lowvram_dit.cli.memwatch import MemoryWatch
 
 PACK_ROOT, GIB = report.PACK_ROOT, report.GIB
+VENDORED_GGUF = PACK_ROOT / "tests" / "vendor" / "ComfyUI-GGUF"  # ComfyUI-GGUF verbatim (its README: which commit)
 WORK_MARK = "$WORK"  # stands for the scratch folder in recorded server flags (no machine paths in results)
 R = TypeVar("R")
 
@@ -77,7 +78,7 @@ def node_times(events: list[tuple[float, dict]]) -> dict[str, float]:
 
 LOG_KEEP = re.compile(r"lowvram_dit|DynamicVRAM|loaded (completely|partially)|Requested to load|model weight dtype|"
                       r"Prompt executed|ComfyUI version|comfy-(kitchen|aimdo) version|Total VRAM|pytorch version|"
-                      r"attention|multigpu|Error|error|Traceback|out of memory|OutOfMemory", re.IGNORECASE)
+                      r"attention|multigpu|EasyCache|gguf|Error|Traceback|out of memory|OutOfMemory", re.IGNORECASE)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -127,11 +128,17 @@ class EventRecorder:
             self._ready.set()
 
 
-def prepare_base(base: Path, models: Path) -> list[str]:
-    """A hermetic ComfyUI base dir with this pack in custom_nodes; returns its path flags."""
-    for sub in ("custom_nodes", "input", "output", "temp"):
-        (base / sub).mkdir(parents=True, exist_ok=True)
-    (base / "custom_nodes" / cli_server.REGISTRY_FOLDER_NAME).symlink_to(PACK_ROOT, target_is_directory=True)
+def gguf_custom_nodes(python: str) -> dict[str, Path]:
+    """The vendored ComfyUI-GGUF as ``{folder: path}`` for ``custom_nodes`` when ``python`` (the server's) has the
+    ``gguf`` package it needs; empty otherwise."""
+    has_gguf = subprocess.run([python, "-c", "import gguf"], capture_output=True, check=False).returncode == 0
+    return {"ComfyUI-GGUF": VENDORED_GGUF} if has_gguf else {}  # the folder name users clone it as
+
+
+def prepare_base(base: Path, models: Path, custom_nodes: dict[str, Path] | None = None) -> list[str]:
+    """A hermetic ComfyUI base dir with this pack (and ``custom_nodes``: folder -> path) in custom_nodes; returns its
+    path flags."""
+    cli_server.prepare_base_dir(base, cli_server.REGISTRY_FOLDER_NAME, custom_nodes)
     yaml = workflow_models.extra_model_paths_yaml(models.resolve(), base / "extra_model_paths.yaml")
     return ["--extra-model-paths-config", str(yaml), "--output-directory", str(base / "output")]
 

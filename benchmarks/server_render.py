@@ -23,6 +23,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +56,7 @@ RENDER_ESTIMATE_S = {"wan_t2v_4step": 40, "wan_t2v": 220, "wan_i2v": 220, "wan_i
 SMALL_CARD_FACTOR = 1.3  # 12 GB and less: weights streamed every step
 SERVER_START_S = 20.0
 OOM = re.compile(r"out of memory|OutOfMemory|OOM", re.IGNORECASE)
+EASYCACHE_SKIPS = re.compile(r"EasyCache - skipped (\d+)/(\d+) steps")  # logged after each sampler, verbose or not
 SMOKE_OUT = Path(tempfile.gettempdir()) / "server_render_smoke"
 SMOKE_NATIVE = ("stock UNETLoader and CLIPLoader build Qwen-Image and Qwen2.5-VL at their full widths, which the tiny "
                 "smoke files do not fill; the native rows need the full-size files")
@@ -150,14 +152,17 @@ def pick_rows(opts: argparse.Namespace) -> list[RenderRow]:
 
 def setup_text(row: RenderRow) -> str:
     """The row's nodes and options as a user would wire them."""
-    wf, setup = row.spec, rg.SETUPS[row.setup]
+    wf, setup, what = row.spec, rg.SETUPS[row.setup], rg.SETUPS[row.setup].what
     source = f"workflows/{wf.shipped}.json" if wf.shipped else "the Qwen-Image-Edit 2509 graph"
+    if row.file_format in rg.GGUF_TYPES:
+        gguf = f"UnetLoaderGGUF (ComfyUI-GGUF) {rg.GGUF_TYPES[row.file_format]}"
+        what = re.sub(r"UNETLoader [^,]+", gguf, what) if setup.native else f"{gguf} in place of the Wan Loader, {what}"
     if setup.native:
-        return f"native equivalent of {source}: {setup.what}"
+        return f"native equivalent of {source}: {what}"
     if setup.drop_block_swap:
-        return f"{source}, {setup.what}"
+        return f"{source}, {what}"
     budget = wf.budgets[row.card_gib]
-    return f"{source}, {setup.what}, Block Swap budget {budget:g} GB" + ("" if budget else " (all free VRAM)")
+    return f"{source}, {what}, Block Swap budget {budget:g} GB" + ("" if budget else " (all free VRAM)")
 
 
 def describe(row: RenderRow) -> str:
@@ -170,11 +175,13 @@ def describe(row: RenderRow) -> str:
 def memory_manager(row: RenderRow) -> str:
     """Who keeps the diffusion model's weights, as the results index names it: Block Swap where the graph streams
     (the Qwen-Image staged loaders always do; a Block Swap node under DynamicVRAM when set to stream, or ``auto``,
-    whose pick depends on the machine's RAM), else ComfyUI by the server's flag."""
+    whose pick depends on the machine's RAM), else ComfyUI by the server's flag (ComfyUI-GGUF's own patcher is never
+    DynamicVRAM's, so Block Swap always streams it)."""
     setup = rg.SETUPS[row.setup]
+    dynamic = row.dynamic_vram and row.file_format not in rg.GGUF_TYPES
     if setup.native or setup.drop_block_swap:
-        return "DynamicVRAM" if row.dynamic_vram else "ComfyUI legacy loading"
-    if row.dynamic_vram and row.spec.swaps_blocks and not setup.block_swap_mode:
+        return "DynamicVRAM" if dynamic else "ComfyUI legacy loading"
+    if dynamic and row.spec.swaps_blocks and not setup.block_swap_mode:
         return "Block Swap auto"
     return "Block Swap"
 
@@ -328,10 +335,15 @@ def _row_dirs(ctx: RunContext, row: RenderRow) -> tuple[Path, dict[str, str], li
         env[var] = str(folder / "cache" / sub)
     (folder / "user").mkdir(parents=True)
     (opts.work / "frontend").mkdir(parents=True, exist_ok=True)
-    flags = [*server.prepare_base(folder / "base", opts.models), "--user-directory", str(folder / "user"),
+    nodes = {FIXTURE_FOLDER: FIXTURE_NODES} if opts.smoke else {}
+    if row.file_format in rg.GGUF_TYPES:
+        gguf = server.gguf_custom_nodes(sys.executable)
+        if not gguf:
+            raise cli_server.RunError("ComfyUI-GGUF needs the gguf package in this Python: pip install gguf (on the "
+                                      "GPU machine benchmarks/gpu_kit.sh puts it in .whl/)")
+        nodes.update(gguf)
+    flags = [*server.prepare_base(folder / "base", opts.models, nodes), "--user-directory", str(folder / "user"),
              "--front-end-root", str(opts.work / "frontend")]
-    if opts.smoke:
-        (folder / "base" / "custom_nodes" / FIXTURE_FOLDER).symlink_to(FIXTURE_NODES, target_is_directory=True)
     return folder, env, flags
 
 
@@ -357,8 +369,11 @@ def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: 
                     write_input_image(base / "input" / rg.EDIT_IMAGE, *EDIT_IMAGE)
                 cli_workflow.ensure_input_images(graph, base / "input", True, [cli_workflow.WORKFLOWS_DIR])
             for i, kind in enumerate(kinds):
+                seen = len(srv.log_text())
                 r = render(srv, graph_for(graph, kind), kind, opts.timeout, base / "output", opts.work / "latents",
                            row.name, i == 0)
+                if skips := EASYCACHE_SKIPS.findall(srv.log_text()[seen:]):  # one line per sampler, in run order
+                    r["easycache_skipped"] = [[int(k), int(n)] for k, n in skips]
                 if r.get("error"):
                     r["error"] = public(r["error"], opts)
                 rec["renders"][kind] = r

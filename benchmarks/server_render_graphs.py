@@ -3,8 +3,9 @@
 A pack graph is a shipped workflow (workflows/*.json) converted to API format against the node schemas
 (``ui_to_api``: each widget value lands on the input the schema names at its place, as the front end sends it), so
 it cannot drift from what users load. On it: the card's Block Swap budget from the workflow's own note
-(``budgets``), the file format (the 16-bit files instead of the fp8 ones), the setup (Block Swap removed, 8-bit
-attention, Torch Compile with the node's defaults), and a SaveLatent of the final latent for output comparisons.
+(``budgets``), the file format (the 16-bit files instead of the fp8 ones; GGUF files through ComfyUI-GGUF's
+UnetLoaderGGUF in place of the loader), the setup (Block Swap removed, 8-bit attention, Torch Compile with the node's
+defaults, core's EasyCache before each sampler), and a SaveLatent of the final latent for output comparisons.
 The native graph is the same graph with each pack node replaced by what ComfyUI's official template wires there
 (``to_native``: UNETLoader, CLIPLoader + CLIPTextEncode x2, VAELoader, VAEDecode; Block Swap / Attention / Torch
 Compile dropped), so both render the same sizes, steps, prompts and seed. Qwen-Image-Edit has no shipped workflow:
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -240,10 +242,15 @@ EDIT_PROMPT = "Replace the cat with a dalmatian, keeping the environment and sce
 T2V, I2V, TI2V, QWEN, EDIT = ("Wan 2.2 T2V-A14B", "Wan 2.2 I2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image",
                                "Qwen-Image-Edit")
 QWEN_FORMATS = {"formats": ("fp8_scaled", "bf16"), "layouts": ("fp8_e4m3fn", "bf16"), "swaps_blocks": False}
+# ComfyUI-GGUF's UnetLoaderGGUF in place of the diffusion model's loader: format -> GGML type of the Linear weights
+GGUF_TYPES = {"gguf_q8_0": "Q8_0", "gguf_q4_k": "Q4_K"}
+WAN_T2V_FORMATS = {"formats": ("fp8_scaled", "bf16", "pack_fp8", *GGUF_TYPES),
+                   "layouts": ("fp8_scaled", "fp16", "pack_fp8", *GGUF_TYPES)}
 WORKFLOWS: dict[str, RenderWorkflow] = {w.key: w for w in (
     RenderWorkflow("wan_t2v_4step", "Wan 2.2 T2V-A14B 4-step", T2V, "wan22_t2v_a14b_4step", WAN14B_BUDGETS,
-                   _wan_16bit("t2v")),
-    RenderWorkflow("wan_t2v", "Wan 2.2 T2V-A14B", T2V, "wan22_t2v_a14b", WAN14B_BUDGETS, _wan_16bit("t2v")),
+                   _wan_16bit("t2v"), **WAN_T2V_FORMATS),
+    RenderWorkflow("wan_t2v", "Wan 2.2 T2V-A14B", T2V, "wan22_t2v_a14b", WAN14B_BUDGETS, _wan_16bit("t2v"),
+                   **WAN_T2V_FORMATS),
     RenderWorkflow("wan_i2v", "Wan 2.2 I2V-A14B", I2V, "wan22_i2v_a14b", WAN14B_BUDGETS, _wan_16bit("i2v")),
     RenderWorkflow("wan_i2v_4step", "Wan 2.2 I2V-A14B 4-step", I2V, "wan22_i2v_a14b", WAN14B_BUDGETS,
                    _wan_16bit("i2v"), four_step_loras=I2V_LORAS),
@@ -269,10 +276,14 @@ class Setup:
     block_swap_mode: str | None = None  # every Block Swap node's dynamic_vram option (the shipped "auto" otherwise)
     attention: str | None = None  # every Attention node's backend (one is added where the workflow has none)
     compile: bool = False  # Torch Compile (the node's defaults) after each Attention node
+    easycache: bool = False  # core's EasyCache (its defaults) on the MODEL right before each sampler
 
 
+NATIVE_BEST = "UNETLoader fp8_e4m3fn_fast, --use-ck-attention"
+EASYCACHE = "EasyCache (its defaults) before each sampler"
 SETUPS: dict[str, Setup] = {
-    "native_best": Setup(True, "UNETLoader fp8_e4m3fn_fast, --use-ck-attention", "fp8_e4m3fn_fast", True),
+    "native_best": Setup(True, NATIVE_BEST, "fp8_e4m3fn_fast", True),
+    "native_best_easycache": Setup(True, f"{NATIVE_BEST}, {EASYCACHE}", "fp8_e4m3fn_fast", True, easycache=True),
     "native_default": Setup(True, "UNETLoader default, default attention"),
     "pack": Setup(False, "as shipped"),
     "pack_no_blockswap": Setup(False, "Block Swap removed", drop_block_swap=True),
@@ -280,6 +291,7 @@ SETUPS: dict[str, Setup] = {
                          block_swap_mode="stream"),
     "pack_int8": Setup(False, "Attention 8-bit", attention=INT8_BACKEND),
     "pack_compile": Setup(False, "+ Torch Compile (the node's defaults)", compile=True),
+    "pack_easycache": Setup(False, f"+ {EASYCACHE}", easycache=True),
 }
 
 
@@ -307,7 +319,16 @@ def model_files(workflow: RenderWorkflow, file_format: str) -> list[str]:
     names |= {workflow.four_step_loras[n] for n in names if n in workflow.four_step_loras}
     if file_format in ("bf16", "pack_fp8"):
         names = {workflow.sixteen_bit.get(n, n) for n in names}
+    if file_format in GGUF_TYPES:
+        names = {gguf_name(n, file_format) if n in workflow.sixteen_bit else n for n in names}
     return sorted(names)
+
+
+def gguf_name(name: str, file_format: str) -> str:
+    """The GGUF file of diffusion model file ``name`` in ``file_format``: its name with the GGML type in place of its
+    dtype (``wan2.2_t2v_high_noise_14B_Q8_0.gguf``)."""
+    stem = re.sub(r"_(fp8_scaled|fp8_e4m3fn|fp16|bf16)$", "", name.removesuffix(".safetensors"))
+    return f"{stem}_{GGUF_TYPES[file_format]}.gguf"
 
 
 def edit_graph(kind: str, card_gib: float | None) -> dict:
@@ -493,13 +514,21 @@ def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | No
         apply_pack_setup(graph, setup, object_info)
     if file_format in ("bf16", "pack_fp8"):
         rename_files(graph, workflow.sixteen_bit)
+    for nid in of_type(graph, "LowVRAM_WanLoader", "UNETLoader") if file_format in GGUF_TYPES else ():
+        graph[nid] = node("UnetLoaderGGUF", "Unet Loader (GGUF)",  # every node after it kept: Block Swap streams it
+                          unet_name=gguf_name(graph[nid]["inputs"]["unet_name"], file_format))
+    for sampler in of_type(graph, *SAMPLERS) if setup.easycache else ():  # on the MODEL right before each sampler
+        nid = new_id(graph)
+        graph[nid] = node_defaults("EasyCache", object_info, model=graph[sampler]["inputs"]["model"])
+        graph[sampler]["inputs"]["model"] = [nid, 0]
     add_latent_save(graph, latent_prefix)
     return graph
 
 
 def node_types_needed(workflow: RenderWorkflow) -> set[str]:
     """Node types whose schemas ``render_graph`` reads for ``workflow`` (its shipped nodes, the added pack nodes)."""
-    extra = {"LowVRAM_Attention", "LowVRAM_TorchCompile", "KSamplerAdvanced", "LoraLoaderModelOnly", "ModelSamplingSD3"}
+    extra = {"LowVRAM_Attention", "LowVRAM_TorchCompile", "KSamplerAdvanced", "LoraLoaderModelOnly", "ModelSamplingSD3",
+             "EasyCache"}
     if not workflow.shipped:
         return extra
     return ui_node_types(shipped_workflow(workflow.shipped)) | ui_node_types(shipped_workflow(

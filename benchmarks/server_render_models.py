@@ -1,9 +1,11 @@
 """The model files of a render run: written when a row first needs them, freed for later rows, and the Wan Loader's
-saved fp8 copies a ``pack_fp8`` row loads (and a 16-bit pack row must not).
+saved fp8 copies a ``pack_fp8`` row loads (and a 16-bit pack row must not). GGUF files are the synthetic models
+Q8_0- or Q4_K-quantized (synthetic/gguf_checkpoints.py), written tensor by tensor.
 
 Full-size synthetic files are generated on the GPU in a child process, as are the saved copies: the runner itself
 never holds a CUDA context, whose memory would shrink an emulated card (``--reserve-vram`` is taken from what is
-free). ``--free-disk`` deletes only files this pack wrote (a synthetic file's header says so, a saved copy's name).
+free). ``--free-disk`` deletes only files this pack wrote (a synthetic file's header or GGUF key says so, a saved
+copy's name).
 """
 
 from __future__ import annotations
@@ -33,9 +35,32 @@ WRITE_GB_PER_S = 0.8  # --write-models: synthetic files generated on the GPU and
 
 
 def _synthetic(path: Path) -> bool:
-    """Whether ``path`` is a file this pack wrote: a synthetic model / LoRA, or a quantized copy."""
+    """Whether ``path`` is a file this pack wrote: a synthetic model / LoRA / GGUF model, or a quantized copy."""
+    if path.suffix == ".gguf":
+        from comfyui_lowvram_dit.synthetic.gguf_checkpoints import is_synthetic  # imports torch: only here
+
+        return is_synthetic(path)
     meta = workflow_models._header(path).get("__metadata__", {})
     return meta.get("synthetic") == workflow_models.SYNTHETIC_MARK or "lowvram-fp8" in path.name
+
+
+def gguf_files() -> dict[str, tuple[str, str]]:
+    """Each GGUF file a row may load -> (its synthetic model, the GGML type of its Linear weights)."""
+    return {rg.gguf_name(name, fmt): (model, qtype) for name, (folder, model, _) in
+            workflow_models.KNOWN_MODEL_FILES.items() if folder == "diffusion_models"
+            for fmt, qtype in rg.GGUF_TYPES.items()}
+
+
+def write_gguf_models(models: Path, names: set[str], size: str, device: str) -> None:
+    """The synthetic GGUF files ``names`` (of gguf_files) in ``models``/diffusion_models, missing ones only."""
+    from comfyui_lowvram_dit.synthetic.gguf_checkpoints import write_synthetic_gguf
+
+    for name in sorted(names):
+        path, (model, qtype) = models / "diffusion_models" / name, gguf_files()[name]
+        if not path.is_file():
+            print(f"model {name}: writing a synthetic {size} {qtype} GGUF file", flush=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_synthetic_gguf(model, path, qtype, size, device=device)
 
 
 @dataclass
@@ -64,7 +89,8 @@ class ModelFiles:
                                       "pass --write-models (full-size synthetic files)")
         if self.free_disk:
             keep = {n for r in (row, *later) for n in rg.model_files(r.spec, r.file_format)}
-            for path in sorted(p for p in self.models.glob("*/*.safetensors") if p.name not in keep):
+            for path in sorted(p for p in self.models.glob("*/*") if p.suffix in (".safetensors", ".gguf")
+                               and p.name not in keep):
                 if _synthetic(path):
                     path.unlink()
                     self.freed.append(path.name)
@@ -102,11 +128,16 @@ def write_models(models: Path, names: Sequence[str]) -> dict[str, float]:
 
     took = {}
     for name in names:
-        if name not in workflow_models.KNOWN_MODEL_FILES and name not in KNOWN_LORA_FILES:
+        if name not in {**workflow_models.KNOWN_MODEL_FILES, **KNOWN_LORA_FILES, **gguf_files()}:
             print(f"model {name}: no synthetic writer for it; put the real file under {models}", flush=True)
             continue
         t0 = time.monotonic()
-        workflow_models.write_synthetic_models({name}, models, "full")
+        if name.endswith(".gguf"):
+            import torch  # in the writer child only (WRITE_CHILD)
+
+            write_gguf_models(models, {name}, "full", "cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            workflow_models.write_synthetic_models({name}, models, "full")
         took[name] = round(time.monotonic() - t0, 1)
         print(f"model {name}: {took[name]} s", flush=True)
     return took
@@ -156,7 +187,8 @@ def pack_copies_for(row: RenderRow, models: Path, device: str, record: dict) -> 
 
 def file_gb(name: str) -> float:
     """A full-size model file's size in GB, roughly, from its name (a LoRA's when no other key matches)."""
-    for key, gb in (("wan2.2_vae", 1.4), ("vae", 0.3), ("14B_fp16", 28.6), ("14B_fp8", 14.3), ("5B", 10.0),
+    for key, gb in (("wan2.2_vae", 1.4), ("vae", 0.3), ("14B_fp16", 28.6), ("14B_fp8", 14.3), ("14B_Q8_0", 15.2),
+                    ("14B_Q4_K", 8.1), ("5B", 10.0),
                     ("qwen_image_bf16", 40.9), ("qwen_image", 20.4), ("umt5", 6.7), ("qwen_2.5_vl_7b_fp8", 8.3),
                     ("qwen_2.5_vl", 16.6)):
         if key in name:
@@ -170,4 +202,6 @@ def write_smoke_models(rows: Sequence[RenderRow], models: Path) -> None:
     names = {n for r in rows for n in rg.model_files(r.spec, r.file_format)}
     names |= {workflow_models.TINY_VAE_SWAPS.get(n, n) for n in names}
     encoders = {n for n in names if workflow_models.KNOWN_MODEL_FILES.get(n, ("",))[0] == "text_encoders"}
-    workflow_models.write_synthetic_models(names, models, "tiny", reduced_text_encoders=encoders)
+    gguf = {n for n in names if n.endswith(".gguf")}
+    workflow_models.write_synthetic_models(names - gguf, models, "tiny", reduced_text_encoders=encoders)
+    write_gguf_models(models, gguf, "tiny", "cpu")

@@ -127,8 +127,9 @@ def _seconds(row: dict, kind: str, native: dict | None) -> str:
 
 
 def _warm_split(row: dict) -> str:
-    """The warm render's load / text / steps / decode / save / other seconds and each sampler's total with its first
-    and median steps (the GPU runs behind the progress messages, so with few steps the totals are the firm part)."""
+    """The warm render's load / text / steps / decode / save / other seconds, each sampler's total with its first
+    and median steps (the GPU runs behind the progress messages, so with few steps the totals are the firm part) and
+    the steps EasyCache skipped per sampler."""
     w = (row.get("renders") or {}).get("warm") or (row.get("renders") or {}).get("first_ever") or {}
     if "total_s" not in w:
         return "—"
@@ -138,7 +139,8 @@ def _warm_split(row: dict) -> str:
                       + (f" + {s['steps'] - 1} x {_f(s['median_step_s'], 2)}"
                          if s["steps"] > 1 and s.get("median_step_s") else "")
                       for s in w.get("samplers", []) if s.get("steps"))
-    return f"{parts} ({steps})" if steps else parts
+    skipped = ", ".join(f"{k}/{n}" for k, n in w.get("easycache_skipped") or [])
+    return (f"{parts} ({steps})" if steps else parts) + (f"; EasyCache skipped {skipped} steps" if skipped else "")
 
 
 def _cell(text: str) -> str:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from comfyui_lowvram_dit.benchmarks.server import gguf_custom_nodes
 from comfyui_lowvram_dit.cli.server import (
     ComfyServer, comfyui_command, launch, pack_import_problems, prepare_base_dir, stop_process,
 )
@@ -250,15 +251,6 @@ def pack_import_line_seen(log: str, pack_dir: Path) -> bool:
     # 0.8 logs the bare line; newer ComfyUI prefixes a (coloured) level name.
     rx = re.compile(rf"(^|\s)[\d.]+ seconds( \(IMPORT FAILED\))?: {re.escape(str(pack_dir))}\s*$", re.M)
     return rx.search(log) is not None
-
-
-def gguf_custom_nodes(python: str) -> dict[str, Path]:
-    """The vendored ComfyUI-GGUF (tests/vendor) as ``{folder: path}`` for ``custom_nodes`` when ``python`` (the
-    server's) has the ``gguf`` package it needs; empty otherwise (the GGUF tests then skip, saying so)."""
-    from gguf_files import GGUF_NODES_FOLDER, VENDORED_GGUF
-
-    has_gguf = subprocess.run([python, "-c", "import gguf"], capture_output=True).returncode == 0
-    return {GGUF_NODES_FOLDER: VENDORED_GGUF} if has_gguf else {}
 
 
 def _prepare_base(base: Path, pack_folder: str, fixtures: dict[str, Path]) -> Path:

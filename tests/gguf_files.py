@@ -1,10 +1,8 @@
 """Tiny synthetic GGUF files (ComfyUI-GGUF's format) and the vendored ComfyUI-GGUF that reads them, for tests.
 
-A file holds the pack's synthetic state dict (synthetic/: real key names and shapes, random weights) the way
-ComfyUI-GGUF's converter stores a diffusion model: ``general.architecture`` names the model, 2-D Linear weights are
-quantized (``Q8_0``: ``gguf``'s own quantizer; ``Q4_K``: the ``gguf`` package cannot quantize K-quants, so their
-144-byte super-blocks are written from random bytes with small finite scales, which is a valid Q4_K tensor of random
-weights), everything else stays F32. Needs the ``gguf`` package (in the ``[test]`` extra); tests skip without it.
+A file holds the pack's synthetic model (synthetic/: real key names and shapes, random weights) as
+synthetic/gguf_checkpoints.py writes it (Q8_0 or Q4_K Linear weights, the rest F32), tiny here and full-size in the
+render benchmark. Needs the ``gguf`` package (in the ``[test]`` extra); tests skip without it.
 
 ``tests/vendor/ComfyUI-GGUF`` is ComfyUI-GGUF's loader, ops, dequant and nodes, verbatim (its README says from
 which commit): the test server loads it as a custom node and in-process tests import it as a package.
@@ -17,12 +15,10 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import torch
 
-VENDORED_GGUF = Path(__file__).resolve().parent / "vendor" / "ComfyUI-GGUF"
-GGUF_NODES_FOLDER = "ComfyUI-GGUF"  # its folder name under custom_nodes, as users clone it
-ARCH = {"wan": "wan", "qwen": "qwen_image"}  # general.architecture ComfyUI-GGUF expects per model family
+from comfyui_lowvram_dit.benchmarks.server import VENDORED_GGUF
+from comfyui_lowvram_dit.synthetic.gguf_checkpoints import write_synthetic_gguf
 
 
 def gguf_or_skip() -> ModuleType:
@@ -32,54 +28,11 @@ def gguf_or_skip() -> ModuleType:
     return pytest.importorskip("gguf", reason="the gguf package is missing: pip install -e '.[test]' adds it")
 
 
-def q4_k_blocks(rows: int, cols: int, gen: np.random.Generator) -> np.ndarray:
-    """Random Q4_K super-blocks (256 weights in 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales, 128 of
-    nibbles) with d and dmin small enough for a random Linear of width ``cols``."""
-    blocks = gen.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
-    scale = np.float16(0.6 / (63 * 15 * np.sqrt(cols)))
-    blocks[..., 0:2] = np.frombuffer(scale.tobytes(), dtype=np.uint8)
-    blocks[..., 2:4] = np.frombuffer(np.float16(scale * 4).tobytes(), dtype=np.uint8)
-    return blocks.reshape(rows, cols // 256 * 144)
-
-
-def quantized_bytes(gguf: ModuleType, w: torch.Tensor, qtype: str, gen: np.random.Generator) -> tuple[np.ndarray, object]:
-    """(bytes, GGML type) of a 2-D weight in ``qtype``, or in Q8_0 where its width does not fit ``qtype``'s blocks."""
-    Q = gguf.GGMLQuantizationType
-    rows, cols = w.shape
-    if qtype == "Q4_K" and cols % 256 == 0:
-        return q4_k_blocks(rows, cols, gen), Q.Q4_K
-    return gguf.quants.quantize(w.float().numpy(), Q.Q8_0), Q.Q8_0
-
-
-def write_gguf(path: Path, state_dict: dict[str, torch.Tensor], arch: str, qtype: str = "Q8_0",
-               seed: int = 0) -> dict[str, str]:
-    """Write ``state_dict`` as a GGUF diffusion model (``qtype``: "Q8_0" or "Q4_K"); returns key -> GGML type name."""
-    gguf = gguf_or_skip()
-    gen = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), arch=arch)
-    types = {}
-    for key, t in state_dict.items():
-        if t.ndim == 2 and t.numel() >= 1024 and t.shape[1] % 32 == 0:
-            data, raw = quantized_bytes(gguf, t, qtype, gen)
-            writer.add_tensor(key, data, raw_dtype=raw)
-            types[key] = raw.name
-        else:
-            writer.add_tensor(key, t.float().numpy())
-            types[key] = "F32"
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return types
-
-
 def write_tiny_gguf(path: Path, model: str = "wan22_t2v_14B", qtype: str = "Q8_0", seed: int = 0,
                     num_layers: int = 6) -> dict[str, str]:
     """A tiny synthetic ``model`` (synthetic/specs.py) as a GGUF file at ``path``; returns key -> GGML type name."""
-    from comfyui_lowvram_dit.synthetic import checkpoints as synth
-
-    sd = synth.synthetic_state_dict(model, size="tiny", fmt="bf16", seed=seed, num_layers=num_layers)
-    return write_gguf(path, sd, ARCH["qwen" if model.startswith("qwen") else "wan"], qtype, seed)
+    gguf_or_skip()
+    return write_synthetic_gguf(model, path, qtype, "tiny", seed, num_layers=num_layers)
 
 
 def import_vendored_gguf() -> ModuleType:

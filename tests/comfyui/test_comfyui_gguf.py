@@ -42,6 +42,20 @@ def wan_gguf(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_comfyui_gguf_reads_the_synthetic_file_with_its_types_and_shapes(tmp_path: Path, qtype: str) -> None:
+    """What the render benchmark writes full-size (synthetic/gguf_checkpoints.py), read by ComfyUI-GGUF's loader."""
+    comfyui_in_process_or_skip()
+    from comfyui_lowvram_dit.synthetic.checkpoints import file_layout
+    from gguf_files import import_vendored_gguf
+
+    types = write_tiny_gguf(tmp_path / "m.gguf", "wan22_t2v_14B", qtype, num_layers=2)
+    sd = import_vendored_gguf().loader.gguf_sd_loader(str(tmp_path / "m.gguf"))
+    assert {k: tuple(t.tensor_shape) for k, t in sd.items()} == {n: s for n, s, _ in file_layout(
+        "wan22_t2v_14B", "tiny", "bf16", 2)}
+    assert {k: t.tensor_type.name for k, t in sd.items()} == types and qtype in types.values()
+
+
 def _swapped(model: Any, blocks: int = 3, **options: Any) -> Any:
     from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
     from comfyui_lowvram_dit.offload.plan import SwapConfig

@@ -1,7 +1,8 @@
 """The render scenario through real ComfyUI servers (benchmarks/server_render.py): every row graph against the running
 version's /object_info, and the core group's Wan 2.2 T2V-A14B 4-step rows (native's best and the pack's shipped
 workflow) end to end with ``--smoke``: tiny models on the CPU, every render kind (first-ever, warm, warm with a new
-prompt, cold in a second server) producing its output file and its split."""
+prompt, cold in a second server) producing its output file and its split; and the GGUF rows (ComfyUI-GGUF linked in,
+tiny GGUF files written) and the EasyCache rows (skipped steps per sampler and render, from the server log)."""
 
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ NATIVE, PACK = "wan_t2v_4step_native_best_whole", "wan_t2v_4step_pack_whole"
 
 def test_every_render_graph_validates_against_the_running_comfyui(comfy_server: ComfyServer) -> None:
     info = comfy_server.object_info()
+    gguf = "UnetLoaderGGUF" in info  # the test server links ComfyUI-GGUF where its Python has gguf
     for key, wf in rg.WORKFLOWS.items():
         for setup in rg.SETUPS:
-            fmt = wf.default_format
-            if rg.setup_applies(wf, setup, fmt) is None:
-                graph = rg.render_graph(wf, setup, 12.0, fmt, info, "row")
-                problems = [p for p in _problems(graph, info) if not re.match(r"\d+\.image: ", p)]
-                assert problems == [], (key, setup)
+            for fmt in [wf.default_format, *(f for f in rg.GGUF_TYPES if gguf and f in wf.formats)]:
+                if rg.setup_applies(wf, setup, fmt) is None:
+                    graph = rg.render_graph(wf, setup, 12.0, fmt, info, "row")
+                    problems = [p for p in _problems(graph, info) if not re.match(r"\d+\.image: ", p)]
+                    assert problems == [], (key, setup, fmt, problems)
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +80,27 @@ def test_smoke_compares_the_pack_with_native(smoke_run: dict) -> None:
     logs = [line for lives in smoke_run["logs"].values() for life in lives for line in life]
     assert len(smoke_run["logs"][PACK]) == 2 and any("lowvram_dit" in line for line in logs)
     assert not any(str(Path.home()) in line or "/tmp/" in line for line in logs)  # $WORK, <ComfyUI>, python3
+
+
+GGUF_ROWS = ("wan_t2v_4step_native_best_whole_gguf_q8_0", "wan_t2v_4step_pack_whole_gguf_q4_k")
+EASYCACHE_ROWS = ("wan_t2v_native_best_easycache_whole", "wan_t2v_pack_easycache_whole")
+
+
+def test_smoke_gguf_and_easycache_rows(tmp_path: Path) -> None:
+    """GGUF rows: ComfyUI-GGUF loads the tiny GGUF files the runner wrote (native alone, the pack's graph with Block
+    Swap); EasyCache rows: each render records the steps skipped per sampler (the smoke's one step each: none)."""
+    pytest.importorskip("gguf", reason="the gguf package is missing: pip install -e '.[test]' adds it")
+    rc = sr.main(["--smoke", "--comfyui", os.environ["COMFYUI_PATH"], "--rows", ",".join(GGUF_ROWS + EASYCACHE_ROWS),
+                  "--renders", "first_ever,warm", "--out", str(tmp_path / "out"), "--stem", "smoke",
+                  "--work", str(tmp_path / "work")])
+    doc = json.loads((tmp_path / "out" / "smoke.json").read_text())
+    rows = {r["name"]: r for r in doc["rows"]}
+    assert rc == 0 and all(r["status"] == "ok" for r in rows.values()), json.dumps(doc["rows"], indent=1)[-4000:]
+    for name, qtype in zip(GGUF_ROWS, ("Q8_0", "Q4_K"), strict=True):
+        log = [line for life in doc["logs"][name] for line in life]
+        assert rows[name]["file_format"] == f"gguf_{qtype.lower()}"
+        assert any(re.search(rf"gguf qtypes: F32 \(\d+\), {qtype} \(\d+\)", line) for line in log), log
+    assert rows[GGUF_ROWS[1]]["against"] == GGUF_ROWS[0]
+    for name in EASYCACHE_ROWS:
+        assert [r["easycache_skipped"] for r in rows[name]["renders"].values()] == [[[0, 1], [0, 1]]] * 2
+    assert "easycache_skipped" not in rows[GGUF_ROWS[0]]["renders"]["warm"]

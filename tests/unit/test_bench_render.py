@@ -10,6 +10,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from comfyui_lowvram_dit.benchmarks import server_render as sr
 from comfyui_lowvram_dit.benchmarks import server_render_models as sm
@@ -247,12 +248,81 @@ def test_formats_rename_to_files_the_runner_can_write() -> None:
         assert set(wf.sixteen_bit) <= set(shipped) | set(rg.I2V_LORAS), key  # a renamed shipped file breaks this
         for fmt in wf.formats:
             names = rg.model_files(wf, fmt)
-            assert set(names) <= KNOWN_MODEL_FILES.keys() | KNOWN_LORA_FILES.keys(), (key, fmt)
+            assert set(names) <= KNOWN_MODEL_FILES.keys() | KNOWN_LORA_FILES.keys() | sm.gguf_files().keys(), (key, fmt)
             g = _graph(key, "pack", 12.0, fmt)
             used = {v for n in g.values() for v in n["inputs"].values() if isinstance(v, str) and v.endswith(
-                ".safetensors")}
+                (".safetensors", ".gguf"))}
             assert used == set(names), (key, fmt)
     assert "wan2.2_t2v_high_noise_14B_fp16.safetensors" in rg.model_files(rg.WORKFLOWS["wan_t2v_4step"], "bf16")
+
+
+def _without(graph: dict, kind: str) -> dict:
+    return {k: n for k, n in graph.items() if n["class_type"] != kind}
+
+
+def test_gguf_rows_load_the_gguf_files_through_unet_loader_gguf() -> None:
+    """Native: ComfyUI-GGUF's UnetLoaderGGUF in place of UNETLoader, the rest of native's graph and its attention flag
+    kept; pack: UnetLoaderGGUF in place of the Wan Loader, every other node kept (Block Swap at the card's budget)."""
+    q8 = {f"wan2.2_t2v_{e}_noise_14B_Q8_0.gguf" for e in ("high", "low")}
+    native = _graph("wan_t2v_4step", "native_best", 8.0, "gguf_q8_0")
+    assert {i["unet_name"] for i in _types(native)["UnetLoaderGGUF"]} == q8 == set(sm.gguf_files()) & q8
+    assert _without(native, "UnetLoaderGGUF") == _without(_graph("wan_t2v_4step", "native_best", 8.0), "UNETLoader")
+    assert _model_chain(native, "15") == ["ModelSamplingSD3", "LoraLoaderModelOnly", "UnetLoaderGGUF"]
+    row = sr.make_row("wan_t2v_4step", "native_best", 8.0, True, "gguf_q8_0")
+    assert row.name == "wan_t2v_4step_native_best_8gb_gguf_q8_0" and row.name in sr.all_rows()
+    assert row.server_args(140.0) == ["--use-ck-attention", "--reserve-vram=132.00"]
+    assert sr.head(row)["setup"].endswith(": UnetLoaderGGUF (ComfyUI-GGUF) Q8_0, --use-ck-attention")
+    pack = _graph("wan_t2v_4step", "pack", 8.0, "gguf_q4_k")
+    assert {i["unet_name"] for i in _types(pack)["UnetLoaderGGUF"]} == {n.replace("Q8_0", "Q4_K") for n in q8}
+    assert _without(pack, "UnetLoaderGGUF") == _without(_graph("wan_t2v_4step", "pack", 8.0), "LowVRAM_WanLoader")
+    assert _model_chain(pack, "16") == ["ModelSamplingSD3", "LowVRAM_Attention", "LowVRAM_BlockSwap",
+                                        "LoraLoaderModelOnly", "UnetLoaderGGUF"]
+    assert [i["vram_budget_gb"] for i in _types(pack)["LowVRAM_BlockSwap"]] == [6.5, 6.5]
+    stream = _graph("wan_t2v_4step", "pack_stream", 12.0, "gguf_q8_0")
+    assert [i["dynamic_vram"] for i in _types(stream)["LowVRAM_BlockSwap"]] == ["stream", "stream"]
+    head = sr.head(sr.make_row("wan_t2v_4step", "pack", 8.0, True, "gguf_q4_k"))
+    assert (head["name"], head["file_format"], head["memory_manager"]) == (  # auto: DynamicVRAM does not manage it
+        "wan_t2v_4step_pack_8gb_gguf_q4_k", "gguf_q4_k", "Block Swap")
+    assert sr.head(row)["memory_manager"] == "ComfyUI legacy loading"  # ComfyUI-GGUF's patcher, either server flag
+    assert head["setup"] == ("workflows/wan22_t2v_a14b_4step.json, UnetLoaderGGUF (ComfyUI-GGUF) Q4_K in place of the "
+                             "Wan Loader, as shipped, Block Swap budget 6.5 GB")
+    picked = sr.pick_rows(_opts(rows="wan_t2v_4step", cards="8,12", formats="gguf_q8_0", setups="native_best,pack"))
+    assert [r.name for r in picked] == [f"wan_t2v_4step_{s}_{c}gb_gguf_q8_0" for c in (8, 12) for s in ("native_best",
+                                                                                                       "pack")]
+    assert rg.setup_applies(rg.WORKFLOWS["qwen_t2i_4step"], "pack", "gguf_q8_0")  # no GGUF rows for Qwen-Image
+    assert sm.file_gb("wan2.2_t2v_low_noise_14B_Q4_K.gguf") < sm.file_gb("wan2.2_t2v_low_noise_14B_Q8_0.gguf") < 16
+
+
+@pytest.mark.parametrize("key", ["wan_t2v", "qwen_t2i", "wan_t2v_4step"])
+@pytest.mark.parametrize("setup", ["native_best_easycache", "pack_easycache"])
+def test_easycache_sits_on_the_model_right_before_each_sampler(key: str, setup: str) -> None:
+    """Core's EasyCache with the defaults its schema declares, between each sampler and what fed its model; the rest
+    of the graph is the setup without it."""
+    graph, plain = _graph(key, setup, 24.0), _graph(key, setup.removesuffix("_easycache"), 24.0)
+    samplers = rg.of_type(graph, *rg.SAMPLERS)
+    declared = {k: spec[1]["default"] for k, spec in OBJECT_INFO["EasyCache"]["input"]["required"].items()
+                if k != "model"}
+    assert declared == {"reuse_threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}
+    for nid in samplers:
+        cache = graph[graph[nid]["inputs"]["model"][0]]
+        assert cache["class_type"] == "EasyCache" and cache["inputs"] == {**declared, "model": plain[nid]["inputs"][
+            "model"]}
+    assert len(rg.of_type(graph, "EasyCache")) == len(samplers) >= 1
+    kinds = sorted(n["class_type"] for n in graph.values())
+    assert kinds == sorted([n["class_type"] for n in plain.values()] + ["EasyCache"] * len(samplers))
+    assert sr.make_row(key, setup, 24.0).name == f"{key}_{setup}_24gb"
+    assert "EasyCache (its defaults) before each sampler" in sr.head(sr.make_row(key, setup, 24.0))["setup"]
+
+
+def test_easycache_skips_are_read_per_sampler_and_reported() -> None:
+    log = ("EasyCache enabled - threshold: 0.2, start_percent: 0.15, end_percent: 0.95\n"
+           "EasyCache - skipped 3/10 steps (1.43x speedup).\nPrompt executed in 9 s\n"
+           "EasyCache - skipped 4/10 steps (1.67x speedup).\n")
+    assert sr.EASYCACHE_SKIPS.findall(log) == [("3", "10"), ("4", "10")]
+    row = _row("e", "pack_easycache", 24.0, 20.0)
+    row["renders"]["warm"]["easycache_skipped"] = [[3, 10], [4, 10]]
+    assert rr._warm_split(row).endswith("; EasyCache skipped 3/10, 4/10 steps")
+    assert "EasyCache" not in rr._warm_split(_row("p", "pack", 24.0, 20.0))
 
 
 def test_i2v_4step_is_the_i2v_workflow_with_the_t2v_4step_sampling() -> None:
@@ -374,6 +444,26 @@ def test_model_files_written_when_needed_and_only_synthetic_ones_freed(tmp_path:
     assert set(files.freed) == set(rg.model_files(wan.spec, wan.file_format)) - set(written)
     assert files.took == {n: 1.0 for n in written} and not (tmp_path / ".write_models.json").exists()
     assert (tmp_path / "vae" / "users_own_vae.safetensors").is_file()
+
+
+def test_free_disk_deletes_the_synthetic_gguf_files_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF file the runner wrote (its ``synthetic`` key) is freed for a later row; a user's GGUF file is not."""
+    gguf = pytest.importorskip("gguf", reason="the gguf package is missing: pip install -e '.[test]' adds it")
+    monkeypatch.setattr(sm, "run_child", lambda code, models, result, *names: Path(result).write_text("{}"))
+    ours = tmp_path / "diffusion_models" / "wan2.2_t2v_high_noise_14B_Q8_0.gguf"
+    sm.write_gguf_models(tmp_path, {ours.name}, "tiny", "cpu")
+    users = tmp_path / "diffusion_models" / "users_own_Q8_0.gguf"
+    writer = gguf.GGUFWriter(str(users), arch="wan")
+    writer.add_tensor("blocks.0.norm3.weight", np.ones(256, dtype=np.float32))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        step()
+    assert sm._synthetic(ours) and not sm._synthetic(users)
+    files = sm.ModelFiles(tmp_path, write=True, free_disk=True)
+    gguf_row = sr.make_row("wan_t2v_4step", "pack", 8.0, True, "gguf_q8_0")
+    files.prepare(sr.make_row("qwen_t2i_4step", "pack", 12.0), [gguf_row])
+    assert ours.is_file() and files.freed == []  # a later row loads it
+    files.prepare(sr.make_row("qwen_t2i_4step", "pack", 24.0), [])
+    assert not ours.exists() and files.freed == [ours.name] and users.is_file()
 
 
 def test_estimates_grow_with_renders_cards_and_missing_files(tmp_path: Path) -> None:

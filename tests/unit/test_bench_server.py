@@ -13,8 +13,11 @@ import pytest
 from comfyui_lowvram_dit.benchmarks import server as run
 
 TESTS = Path(__file__).resolve().parents[1]
+# + ComfyUI-GGUF's loader as /object_info lists it (tests/vendor/ComfyUI-GGUF/nodes.py: a combo of the .gguf files)
 OBJECT_INFO = {**json.loads((TESTS / "object_info-0.8.0.schema.json").read_text()),
-               **json.loads((TESTS / "pack_object_info.json").read_text())}
+               **json.loads((TESTS / "pack_object_info.json").read_text()),
+               "UnetLoaderGGUF": {"input": {"required": {"unet_name": [[]]}}, "input_order": {"required": ["unet_name"]},
+                                  "output": ["MODEL"], "output_name": ["MODEL"], "display_name": "Unet Loader (GGUF)"}}
 FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name"}
 
 

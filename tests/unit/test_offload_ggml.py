@@ -12,13 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf_files import q4_k_blocks
-
 from comfyui_lowvram_dit.offload import engine as offload
 from comfyui_lowvram_dit.offload import ggml_tensors as ggml
 from comfyui_lowvram_dit.offload import host_memory
 from comfyui_lowvram_dit.offload.engine import BlockStreamer
 from comfyui_lowvram_dit.offload.plan import SwapConfig, plan_swap
+from comfyui_lowvram_dit.synthetic.gguf_checkpoints import q4_k_blocks
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is missing: pip install -e '.[test]' adds it")
 
@@ -61,7 +60,8 @@ class GGMLLinear(torch.nn.Module):
         super().__init__()
         Q = gguf.GGMLQuantizationType
         if qtype == "Q4_K":
-            raw, kind = q4_k_blocks(fout, fin, gen), Q.Q4_K
+            seeded = torch.Generator().manual_seed(int(gen.integers(1 << 31)))
+            raw, kind = q4_k_blocks(fout, fin, seeded).numpy(), Q.Q4_K
         else:
             raw, kind = gguf.quants.quantize(gen.standard_normal((fout, fin)).astype(np.float32) * 0.05, Q.Q8_0), Q.Q8_0
         self.weight = as_ggml(torch.from_numpy(raw), kind, (fout, fin))

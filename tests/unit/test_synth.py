@@ -8,9 +8,11 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from comfyui_lowvram_dit.synthetic import gguf_checkpoints as gguf_synth
 from comfyui_lowvram_dit.synthetic import specs as model_specs, checkpoints as synth
 from comfyui_lowvram_dit.checkpoints.safetensors_io import iter_tensors, read_header
 from comfyui_lowvram_dit.synthetic.tiny import tiny_text_encoder_config
@@ -241,6 +243,50 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert synth.cli(["wan21_vae", "wan22_vae", "--output", str(out)]) == 2
     with pytest.raises(SystemExit):
         synth.cli(["nope-model-format", "--format", "int3"])
+
+
+# GGUF (synthetic/gguf_checkpoints.py)
+
+
+def test_gguf_q8_0_bytes_are_gguf_own_quantization() -> None:
+    """Q8_0 computed with torch, chunk by chunk, is byte for byte gguf's (its rounding half away from zero, a zero
+    block's scale 0)."""
+    gguf = pytest.importorskip("gguf", reason="the gguf package is missing: pip install -e '.[test]' adds it")
+    w = synth.synthetic_tensor("blocks.0.ffn.2.weight", (1030, 4096), torch.bfloat16).float()  # two row chunks
+    w[0, :32] = 0
+    w[1, :32] = torch.arange(32) - 15.5  # with the 127 below, d = 1: every value a half, where rounding differs
+    w[1, 0] = 127
+    ours = gguf_synth.quantize_q8_0(w)
+    assert ours.dtype == torch.uint8 and torch.equal(ours, torch.from_numpy(
+        gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_gguf_file_has_the_layout_types_and_mark(tmp_path: Path, qtype: str) -> None:
+    """Every tensor of the synthetic model in file order with its shape, quantized by the layout rule (2-D Linear
+    weights; Q4_K where the width fits its super-blocks), Q8_0 = the bf16 file's weights quantized; the synthetic
+    mark a runner deletes by, and a user's file at the name left alone."""
+    gguf = pytest.importorskip("gguf", reason="the gguf package is missing: pip install -e '.[test]' adds it")
+    path = tmp_path / "m.gguf"
+    types = gguf_synth.write_synthetic_gguf("wan22_t2v_14B", path, qtype, "tiny", seed=3, num_layers=2)
+    layout = synth.file_layout("wan22_t2v_14B", "tiny", "bf16", 2)
+    reader = gguf.GGUFReader(path)
+    assert [(t.name, tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors] == [(n, s) for n, s, _ in layout]
+    assert {t.name: t.tensor_type.name for t in reader.tensors} == types
+    assert {n: types[n] for n, s, _ in layout if len(s) != 2} == {n: "F32" for n, s, _ in layout if len(s) != 2}
+    assert set(types.values()) == {"F32", qtype}
+    q = next(t for t in reader.tensors if t.name == "blocks.1.ffn.0.weight")
+    if qtype == "Q8_0":
+        w = synth.synthetic_tensor(q.name, tuple(reversed([int(d) for d in q.shape])), torch.bfloat16, seed=3)
+        assert np.array_equal(np.asarray(q.data), gguf_synth.quantize_q8_0(w).numpy())
+    assert np.isfinite(gguf.quants.dequantize(np.asarray(q.data), q.tensor_type)).all()
+    assert gguf_synth.is_synthetic(path) and reader.get_field("general.architecture") is not None
+    theirs = tmp_path / "theirs.gguf"
+    theirs.write_bytes(b"GGUF not ours")
+    with pytest.raises(FileExistsError, match="not written by this pack"):
+        gguf_synth.write_synthetic_gguf("wan22_t2v_14B", theirs, qtype, "tiny", num_layers=2)
+    assert theirs.read_bytes() == b"GGUF not ours" and not gguf_synth.is_synthetic(theirs)
+    assert list(tmp_path.glob(".*.tmp")) == []
 
 
 @pytest.mark.cuda
