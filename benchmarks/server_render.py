@@ -44,6 +44,7 @@ from comfyui_lowvram_dit.cli import workflow_models
 
 RENDERS = ("first_ever", "warm", "warm_new_prompt", "cold")
 SEED_OFFSET = {"first_ever": 0, "warm": 1, "warm_new_prompt": 2, "cold": 0}
+REPEAT_SEED_STEP = 100  # each further warm render (--warm-repeats) adds this to the seed: never another kind's seed
 CARDS = (8.0, 12.0, 16.0, 24.0, None)
 FIXTURE_NODES = reports.PACK_ROOT / "tests" / "fixture_nodes"  # smoke only: the stand-in CLIPLoader
 FIXTURE_FOLDER = "zz_lowvram_dit_test_nodes"
@@ -313,6 +314,26 @@ def render(srv: cli_server.ComfyServer, graph: dict, kind: str, timeout: float, 
     return rec
 
 
+def render_kind(srv: cli_server.ComfyServer, graph: dict, kind: str, opts: argparse.Namespace, base: Path, row: str,
+                first_of_life: bool) -> dict:
+    """A render kind's record: for ``warm``, ``--warm-repeats`` renders (each a new seed, so ComfyUI's cache answers
+    none) and the median one's record with every total in ``repeats_s``; else one render. Stops at a failure."""
+    records: list[dict] = []
+    for i in range(max(opts.warm_repeats, 1) if kind == "warm" else 1):
+        seen = len(srv.log_text())
+        r = render(srv, rg.with_seed(graph_for(graph, kind), REPEAT_SEED_STEP * i), kind, opts.timeout,
+                   base / "output", opts.work / "latents", row, first_of_life and i == 0)
+        if skips := EASYCACHE_SKIPS.findall(srv.log_text()[seen:]):  # one line per sampler, in run order
+            r["easycache_skipped"] = [[int(k), int(n)] for k, n in skips]
+        records.append(r)
+        if r["status"] != "ok":
+            return r
+    if len(records) == 1:
+        return records[0]
+    median = sorted(records, key=lambda r: r["total_s"])[(len(records) - 1) // 2]  # the lower one of an even count
+    return {**median, "repeats_s": [r["total_s"] for r in records]}
+
+
 def write_input_image(path: Path, width: int, height: int) -> None:
     """A deterministic RGB gradient PNG: the Edit graph's reference image (LoadImage reads it from the input folder)."""
     import numpy as np
@@ -369,11 +390,7 @@ def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: 
                     write_input_image(base / "input" / rg.EDIT_IMAGE, *EDIT_IMAGE)
                 cli_workflow.ensure_input_images(graph, base / "input", True, [cli_workflow.WORKFLOWS_DIR])
             for i, kind in enumerate(kinds):
-                seen = len(srv.log_text())
-                r = render(srv, graph_for(graph, kind), kind, opts.timeout, base / "output", opts.work / "latents",
-                           row.name, i == 0)
-                if skips := EASYCACHE_SKIPS.findall(srv.log_text()[seen:]):  # one line per sampler, in run order
-                    r["easycache_skipped"] = [[int(k), int(n)] for k, n in skips]
+                r = render_kind(srv, graph, kind, opts, base, row.name, i == 0)
                 if r.get("error"):
                     r["error"] = public(r["error"], opts)
                 rec["renders"][kind] = r
@@ -462,7 +479,9 @@ def estimate_s(ctx: RunContext, row: RenderRow) -> float:
     small = row.card_gib is not None and row.card_gib <= 12
     per = RENDER_ESTIMATE_S[row.workflow] * (SMALL_CARD_FACTOR if small else 1.0)
     lives = 1 + ("cold" in ctx.renders)
-    seconds = per * (1 + len([k for k in ctx.renders if k != "first_ever"])) + SERVER_START_S * lives
+    more_warm = ("warm" in ctx.renders) * (ctx.opts.warm_repeats - 1)
+    renders = len(ctx.renders) + ("first_ever" not in ctx.renders) + more_warm
+    seconds = per * renders + SERVER_START_S * lives
     if ctx.models.write:
         missing = ctx.models.missing(rg.model_files(row.spec, row.file_format))
         seconds += sum(models.file_gb(n) for n in missing) / models.WRITE_GB_PER_S
@@ -537,6 +556,8 @@ def parser() -> argparse.ArgumentParser:
                    "would not finish in time (skipped rows are recorded)")
     p.add_argument("--reserve-estimate", type=float, default=0.0, help="seconds a row is assumed to take (default: "
                    "from its workflow, card and renders)")
+    p.add_argument("--warm-repeats", type=int, default=1, help="warm renders per row, each a new seed; the report "
+                   "gives their median and range (single renders of a few seconds vary by 20 %% and more)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one render may take")
     p.add_argument("--out", type=Path, default=None, help="where the json/md go (default benchmarks/results/render; "
                    f"with --smoke {SMOKE_OUT}, never the results the index reads)")

@@ -123,7 +123,9 @@ def _seconds(row: dict, kind: str, native: dict | None) -> str:
         return r.get("status", "?")
     n = ((native or {}).get("renders") or {}).get(kind) or {}
     ratio = f" ({n['total_s'] / r['total_s']:.2f}x)" if n.get("status") == "ok" and r.get("total_s") else ""
-    return f"{r['total_s']:.1f}{ratio}"
+    spread = r.get("repeats_s") or []
+    spread = f" [{min(spread):.1f}-{max(spread):.1f}, {len(spread)} renders]" if len(spread) > 1 else ""
+    return f"{r['total_s']:.1f}{ratio}{spread}"
 
 
 def _warm_split(row: dict) -> str:
@@ -186,9 +188,10 @@ def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
         f"renders: {', '.join(settings.get('renders', []))}; smoke: {settings.get('smoke')}; page cache: "
         f"{settings.get('page_cache')}",
         "first-ever: a fresh server with empty Triton / TorchInductor / CUDA caches and user folder; warm: the same "
-        "graph, new seed; warm, new prompt: new seed and prompt; cold: a fresh server keeping the first one's caches "
-        "and user folder. Seconds from Queue (POST /prompt) until the output file is written; in brackets native's "
-        "best seconds / these (the row in 'against'). Split from the websocket events: load = loader nodes + each "
+        "graph, new seed (with --warm-repeats: the median render, their range in square brackets); warm, new "
+        "prompt: new seed and prompt; cold: a fresh server keeping the first one's caches and user folder. Seconds "
+        "from Queue (POST /prompt) until the output file is written; in brackets native's best seconds / these (the "
+        "row in 'against'). Split from the websocket events: load = loader nodes + each "
         "sampler's first step above its median step; peak RSS: the server process's VmHWM (first render of a server) "
         "or sampled RSS; VRAM: the process per nvidia-smi. Output vs native: ||a - b|| / ||b|| of the final latents "
         "of the first-ever renders (same seed)."])

@@ -467,7 +467,7 @@ def test_free_disk_deletes_the_synthetic_gguf_files_only(tmp_path: Path, monkeyp
 
 
 def test_estimates_grow_with_renders_cards_and_missing_files(tmp_path: Path) -> None:
-    opts = argparse.Namespace(reserve_estimate=0.0)
+    opts = argparse.Namespace(reserve_estimate=0.0, warm_repeats=1)
     ctx = sr.RunContext(opts, sm.ModelFiles(tmp_path), 143.0, "", "0.33.0", ("first_ever", "warm", "cold"))
     small, whole = sr.make_row("wan_t2v_4step", "pack", 12.0), sr.make_row("wan_t2v_4step", "pack", None)
     assert sr.estimate_s(ctx, small) > sr.estimate_s(ctx, whole) > 2 * sr.RENDER_ESTIMATE_S["wan_t2v_4step"]
@@ -476,6 +476,9 @@ def test_estimates_grow_with_renders_cards_and_missing_files(tmp_path: Path) -> 
     assert sm.file_gb("qwen_image_vae.safetensors") < 1 < sm.file_gb("qwen_image_fp8_e4m3fn.safetensors")
     assert sr.estimate_s(sr.RunContext(argparse.Namespace(reserve_estimate=7.0), ctx.models, 1.0, "", "", ()),
                          whole) == 7.0
+    repeats = sr.RunContext(argparse.Namespace(reserve_estimate=0.0, warm_repeats=3), ctx.models, 143.0, "", "",
+                            ctx.renders)
+    assert sr.estimate_s(repeats, whole) == sr.estimate_s(ctx, whole) + 2 * sr.RENDER_ESTIMATE_S["wan_t2v_4step"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -685,7 +688,7 @@ def test_cli_defaults_and_refusals(tmp_path: Path) -> None:
 def test_the_deadline_stops_the_run_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a row would not finish in time, it and every later row are skipped (even a shorter one), so --resume
     continues where the run stopped."""
-    opts = argparse.Namespace(reserve_estimate=0.0, deadline=400.0)
+    opts = argparse.Namespace(reserve_estimate=0.0, deadline=400.0, warm_repeats=1)
     ctx = sr.RunContext(opts, sm.ModelFiles(tmp_path), 143.0, "", "0.33.0", sr.CORE_RENDERS)
     rows = [sr.make_row("wan_t2v_4step", "pack", 12.0), sr.make_row("wan_t2v_4step", "pack", None),
             sr.make_row("qwen_t2i_4step", "pack", 24.0)]
@@ -697,3 +700,42 @@ def test_the_deadline_stops_the_run_in_order(tmp_path: Path, monkeypatch: pytest
     assert sr.estimate_s(ctx, rows[1]) + 250 > opts.deadline > sr.estimate_s(ctx, rows[2]) + 250
     assert ran == [rows[0].name]  # the Qwen row would fit, but it comes after one that does not
     assert [r["status"] for r in results] == ["ok", "skipped", "skipped"]
+
+
+class _FakeServer:
+    """A server whose log grows by one EasyCache line per render."""
+
+    def __init__(self) -> None:
+        self.log = ""
+
+    def log_text(self) -> str:
+        return self.log
+
+
+def test_warm_repeats_render_new_seeds_and_keep_the_median(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    srv, seeds, totals = _FakeServer(), [], iter([3.0, 9.0, 5.0, 4.0])
+
+    def render(server, graph, kind, timeout, output, latents, row, first):  # noqa: ANN001, ANN202
+        seeds.append(next(n["inputs"]["noise_seed"] for n in graph.values() if "noise_seed" in n["inputs"]))
+        server.log += f"EasyCache - skipped {len(seeds)}/4 steps\n"
+        return {"kind": kind, "status": "ok", "total_s": next(totals), "first": first}
+
+    monkeypatch.setattr(sr, "render", render)
+    graph = {"1": {"class_type": "KSamplerAdvanced", "inputs": {"noise_seed": 10, "add_noise": "enable"}}}
+    opts = argparse.Namespace(warm_repeats=3, timeout=1.0, work=tmp_path)
+    warm = sr.render_kind(srv, graph, "warm", opts, tmp_path, "row", False)
+    assert seeds == [11, 111, 211]  # the warm seed, then REPEAT_SEED_STEP above it each time
+    assert warm["repeats_s"] == [3.0, 9.0, 5.0] and warm["total_s"] == 5.0
+    assert warm["easycache_skipped"] == [[3, 4]]  # the median render's own log line
+    first = sr.render_kind(srv, graph, "first_ever", opts, tmp_path, "row", True)  # other kinds render once
+    assert first["total_s"] == 4.0 and "repeats_s" not in first and first["first"] and seeds[-1] == 10
+    assert rr._seconds({"renders": {"warm": warm}}, "warm", None) == "5.0 [3.0-9.0, 3 renders]"
+
+
+def test_a_failed_warm_repeat_is_the_record(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    results = iter([{"kind": "warm", "status": "ok", "total_s": 2.0}, {"kind": "warm", "status": "error",
+                                                                        "error": "OOM"}])
+    monkeypatch.setattr(sr, "render", lambda *a: next(results))
+    opts = argparse.Namespace(warm_repeats=3, timeout=1.0, work=tmp_path)
+    out = sr.render_kind(_FakeServer(), {}, "warm", opts, tmp_path, "row", False)
+    assert out == {"kind": "warm", "status": "error", "error": "OOM"}
