@@ -109,19 +109,21 @@ class SwapController:
 
     def make_plan(self, weight_budget: float | None) -> SwapPlan:
         """Plan for a load: ``weight_budget`` is what ComfyUI offers for weights (None = unlimited)."""
-        budget = weight_budget
+        budget, why = weight_budget, f"the {(weight_budget or 0) / 1e9:.1f} GB ComfyUI offers for weights"
         if self.config.vram_budget_gb > 0:
             user = swap_plan.budget_bytes_from_gb(self.config.vram_budget_gb) - self.activation_bytes
-            budget = user if budget is None else min(budget, user)
+            if budget is None or user <= budget:
+                budget, why = user, (f"vram_budget_gb {self.config.vram_budget_gb:g} less ComfyUI's activation "
+                                     f"estimate ({self.activation_bytes / 1e9:.1f} GB)")
         plan = swap_plan.plan_swap(self.block_bytes, self.config, budget_bytes=None if budget is None else int(budget),
                                    fixed_bytes=self.fixed_bytes())
         need = swap_plan.minimum_bytes(self.block_bytes, self.config, self.fixed_bytes())
         if budget is not None and need > budget and self.config.blocks_to_swap < 0:
-            # once per distinct shortfall: ComfyUI asks a model's size several times per load
-            say_once(log, f"lowvram_dit Block Swap: {_budget_text(self.config, weight_budget, self.activation_bytes)} "
-                          f"leaves {budget / 1e9:.2f} GB for weights, below the {need / 1e9:.2f} GB of a ring with "
-                          "every block streamed; streaming every block anyway (its 'Block Swap measured' line says "
-                          "whether that costs speed). Raise vram_budget_gb or lower prefetch if it runs out of memory.")
+            # once per distinct shortfall (0.1 GB steps): ComfyUI asks a model's size several times per load
+            say_once(log, f"lowvram_dit Block Swap: {why} leaves {budget / 1e9:.1f} GB for weights, below the "
+                          f"{need / 1e9:.1f} GB of a ring with every block streamed; streaming every block anyway "
+                          "(its 'Block Swap measured' line says whether that costs speed). Raise vram_budget_gb or "
+                          "lower prefetch if it runs out of memory.")
         return plan
 
     def gpu_bytes(self, plan: SwapPlan) -> int:
@@ -419,14 +421,6 @@ class BlockSwapMixin:
         if self._swap is not None:
             self._swap.deactivate(self, unload=unpatch_all)
         return super().detach(unpatch_all)
-
-
-def _budget_text(config: SwapConfig, offered: float | None, activations: int) -> str:
-    """Where a load's weight budget came from, for the log line."""
-    if config.vram_budget_gb <= 0:
-        return f"the {offered / 1e9:.2f} GB ComfyUI offers for weights"
-    text = f"vram_budget_gb {config.vram_budget_gb:g} less ComfyUI's activation estimate ({activations / 1e9:.2f} GB)"
-    return text if offered is None else f"{text}, capped at the {offered / 1e9:.2f} GB ComfyUI offers,"
 
 
 def _took(marks: dict[str, float], streamer_took: dict[str, float] | None = None) -> str:
