@@ -27,11 +27,11 @@ MODELS = ("Wan 2.2 T2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image", "Qwen-Image-Edit"
 ROW_FIELDS = ("name", "model", "resolution", "frames", "steps", "card_gib", "file_format", "setup", "memory_manager",
               "s_per_step", "render_s", "peak_vram_gib", "peak_rss_gib", "against", "ratio")
 ENV_FIELDS = ("device", "gpu", "torch", "comfyui", "comfy_kitchen", "commit", "date", "command")
-OPTIONAL = {"side": "pack", "how": "server", "cfg": None, "gpus": 1, "lora": None, "status": "ok"}
+OPTIONAL = {"side": "pack", "how": "server", "cfg": None, "gpus": 1, "lora": None, "step_cache": None, "status": "ok"}
 FORMATS = ("fp8_scaled", "fp8_e4m3fn", "bf16")
 CARDS = (8.0, 12.0, 16.0, 24.0)
 # The run keys of a row: rows of one run that share these are one workload, compared with each other.
-WORKLOAD = ("model", "resolution", "frames", "steps", "cfg", "card_gib", "gpus", "lora", "how")
+WORKLOAD = ("model", "resolution", "frames", "steps", "cfg", "card_gib", "gpus", "lora", "step_cache", "how")
 
 
 def result_files(root: Path) -> list[Path]:
@@ -138,7 +138,8 @@ def _workload(row: dict) -> str:
     """Resolution x frames, steps and cfg as one cell."""
     size = row["resolution"] + (f"x{row['frames']}" if row["frames"] else "") if row["resolution"] else "—"
     steps = f"{row['steps']} steps" if row["steps"] else "one forward"
-    return f"{size}, {steps}, cfg {_fmt(row['cfg'])}" + (f", {row['lora']}" if row["lora"] else "")
+    extras = "".join(f", {row[k]}" for k in ("lora", "step_cache") if row[k])
+    return f"{size}, {steps}, cfg {_fmt(row['cfg'])}{extras}"
 
 
 def _run_line(rows: list[dict]) -> str:
@@ -212,10 +213,10 @@ def _best(rows: Iterable[dict], side: str) -> dict | None:
 
 def _cell_lines(rows: list[dict]) -> list[tuple[dict | None, dict | None]]:
     """(fastest pack row, native's best row) per workload of one card / model / file cell: the newest run that has
-    both sides (else the newest run), per kind of measurement, resolution, frames, cfg and LoRA."""
+    both sides (else the newest run), per kind of measurement, resolution, frames, cfg, LoRA and step cache."""
     runs: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        runs[(r["how"], r["resolution"], r["frames"], r["cfg"], r["lora"])][r["run"]].append(r)
+        runs[(r["how"], r["resolution"], r["frames"], r["cfg"], r["lora"], r["step_cache"])][r["run"]].append(r)
     lines = []
     for key in sorted(runs, key=lambda k: tuple(str(x) for x in k)):
         newest = sorted(runs[key].values(), key=lambda g: _neg_date(g[0]))

@@ -196,6 +196,7 @@ def head(row: RenderRow) -> dict:
             "how": "server", "card_gib": row.card_gib, "format": row.file_format,
             "file_format": wf.layout(row.file_format), "memory_manager": memory_manager(row),
             "dynamic_vram": row.dynamic_vram, "lora": "4-step LoRA" if "4step" in row.workflow else None,
+            "step_cache": "EasyCache" if setup.easycache else None,  # its own workload: it changes the output
             "files": rg.model_files(wf, row.file_format)}
 
 

@@ -23,6 +23,7 @@ from comfyui_lowvram_dit.benchmarks.server import compare_latents
 KINDS = ("first_ever", "cold", "warm", "warm_new_prompt")
 KIND_LABEL = {"first_ever": "first-ever", "cold": "cold", "warm": "warm", "warm_new_prompt": "warm, new prompt"}
 NATIVE = "native_best"
+CACHED_NATIVE = {"EasyCache": "native_best_easycache"}  # step cache -> native's best with it (setup ids)
 REFERENCE = ("native_default", "bf16")  # the 16-bit reference: setup and file format
 # Every row has these (None where not measured): the keys the results index reads.
 ROW_KEYS = ("name", "model", "resolution", "frames", "steps", "card_gib", "file_format", "setup", "memory_manager",
@@ -49,10 +50,14 @@ def finished_rows(path: Path) -> list[dict]:
 
 def native_row(row: dict, rows: list[dict]) -> dict | None:
     """The finished native's-best row ``row`` is compared with: same workflow and card, the same memory manager and
-    file format where such a row ran, else the nearest; None for a native's-best row itself or when none finished."""
+    file format where such a row ran, else the nearest; a pack row with a step cache against native's best with the
+    same cache (native's with a cache against native's without it); None for a native's-best row itself or when none
+    finished."""
     if row.get("setup_id") == NATIVE:
         return None
-    same = [r for r in rows if r.get("setup_id") == NATIVE and r.get("workflow") == row.get("workflow")
+    cached = row.get("step_cache") and row.get("side") != "native"
+    want = CACHED_NATIVE[row["step_cache"]] if cached else NATIVE
+    same = [r for r in rows if r.get("setup_id") == want and r.get("workflow") == row.get("workflow")
             and r.get("card_gib") == row.get("card_gib") and r is not row and _ok(r)]
 
     def rank(r: dict) -> tuple[bool, bool]:

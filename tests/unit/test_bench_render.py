@@ -739,3 +739,15 @@ def test_a_failed_warm_repeat_is_the_record(monkeypatch: pytest.MonkeyPatch, tmp
     opts = argparse.Namespace(warm_repeats=3, timeout=1.0, work=tmp_path)
     out = sr.render_kind(_FakeServer(), {}, "warm", opts, tmp_path, "row", False)
     assert out == {"kind": "warm", "status": "error", "error": "OOM"}
+
+
+def test_a_cached_pack_row_is_compared_with_native_under_the_same_cache(tmp_path: Path) -> None:
+    rows = [_row("n", "native_best", 24.0, 40.0), _row("nc", "native_best_easycache", 24.0, 30.0, side="native",
+                                                        step_cache="EasyCache"),
+            _row("pc", "pack_easycache", 24.0, 20.0, side="pack", step_cache="EasyCache")]
+    rr.compare(rows, tmp_path)
+    assert (rows[2]["against"], rows[2]["ratio"]) == ("nc", 1.5)  # cache against cache
+    assert (rows[1]["against"], rows[1]["ratio"]) == ("n", pytest.approx(1.333, abs=1e-3))  # what the cache gains
+    row = sr.make_row("wan_t2v", "pack_easycache", 24.0)
+    assert sr.head(row)["step_cache"] == "EasyCache"
+    assert sr.head(sr.make_row("wan_t2v", "pack", 24.0))["step_cache"] is None

@@ -128,3 +128,18 @@ def test_check_reports_stale_files(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert results_index.main(["--check"]) == 1 and "INDEX.md is stale" in capsys.readouterr().err
     assert results_index.main([]) == 0 and target.read_text() == "fresh\n"
     assert results_index.main(["--check"]) == 0
+
+
+def test_a_step_cache_is_its_own_workload(tmp_path: Path) -> None:
+    """EasyCache rows change the output: they are compared with native's row under the same cache, never made
+    native's best of the uncached rows, and get their own line on the by-card page."""
+    cached = {"step_cache": "EasyCache"}
+    rows = [_row("native", "native", 6.0), _row("pack", "pack", 4.8), _row("native_cache", "native", 3.0, **cached),
+            _row("pack_cache", "pack", 2.0, **cached)]
+    (tmp_path / "render").mkdir()
+    (tmp_path / "render" / "cache.json").write_text(json.dumps({"env": ENV, "rows": rows}), encoding="utf-8")
+    by = _by_name(results_index.collect(tmp_path)[0])
+    assert (by["pack"]["against"], by["pack"]["ratio"]) == ("native", 1.25)
+    assert (by["pack_cache"]["against"], by["pack_cache"]["ratio"]) == ("native_cache", 1.5)
+    eight = results_index.by_card_markdown(list(by.values())).split("## 8 GB card")[1].split("## ")[0]
+    assert "| 832x480x81, 6 steps, cfg 3.5 |" in eight and "| 832x480x81, 6 steps, cfg 3.5, EasyCache |" in eight
