@@ -7,7 +7,6 @@ sizes and a ``SwapConfig``: tested on CPU, consumed by offload/engine.py's ``Blo
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 from dataclasses import dataclass
@@ -15,7 +14,6 @@ from typing import Sequence
 
 from .dynamic_vram_policy import CHOICES as DYNAMIC_VRAM_CHOICES
 
-log = logging.getLogger("comfyui_lowvram_dit")
 
 ALIGN = 256  # bytes; cuBLAS/cuDNN and fp8 scaled_mm want >= 16-byte aligned operands, 256 matches the allocator
 MAX_PREFETCH = 3
@@ -50,11 +48,9 @@ def aligned(nbytes: int, align: int = ALIGN) -> int:
     return (nbytes + align - 1) // align * align
 
 
-def minimum_bytes(block_bytes: Sequence[int], config: SwapConfig, fixed_bytes: int = 0,
-                  activation_bytes: int = 0) -> int:
-    """The least GPU memory a load can run in: fixed weights, activations and a ring with every block streamed."""
-    n = len(block_bytes)
-    return fixed_bytes + activation_bytes + ring_slots(config.prefetch, n) * aligned(max(block_bytes, default=0))
+def minimum_bytes(block_bytes: Sequence[int], config: SwapConfig, fixed_bytes: int = 0) -> int:
+    """The least GPU memory a load's weights can take: fixed weights and a ring with every block streamed."""
+    return fixed_bytes + ring_slots(config.prefetch, len(block_bytes)) * aligned(max(block_bytes, default=0))
 
 
 # ----------------------------------------------------------------------------------------------------------

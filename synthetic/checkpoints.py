@@ -44,6 +44,7 @@ from .specs import (
 
 ModelConfig = UMT5Config | Qwen25VLConfig | QwenImageConfig  # explicit configs write files of other sizes
 FORMATS: tuple[str, ...] = ("bf16", "fp16", "fp8", "fp8_scaled")
+SYNTHETIC_KEY, SYNTHETIC_MARK = "synthetic", "comfyui_lowvram_dit"  # header entry of a file written here (deletable)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 CHUNK_ELEMS = 1 << 22  # rows per generator chunk ~ 4M values (16 MB fp32 temp per worker)
@@ -375,7 +376,7 @@ def write_synthetic(
     prefixes of tensors that are all zeros, skipped over rather than written (a sparse file: no disk space).
     """
     layout, _ = _plan(model, size, fmt, num_layers, config)
-    metadata = {**(metadata or {}), "synthetic": "comfyui_lowvram_dit", "model": model, "size": size, "format": fmt,
+    metadata = {**(metadata or {}), SYNTHETIC_KEY: SYNTHETIC_MARK, "model": model, "size": size, "format": fmt,
                 "seed": str(seed)}
     dev = torch.device(device)
     n_threads = threads or (torch.get_num_threads() if dev.type == "cpu" else 1)
@@ -398,7 +399,7 @@ def write_synthetic(
                 pass
 
     # an earlier synthetic file is replaced; a user's file or a link at that name is not
-    writer = StreamingSafetensorsWriter(path, layout, metadata, owned=written_with("synthetic", "comfyui_lowvram_dit"))
+    writer = StreamingSafetensorsWriter(path, layout, metadata, owned=written_with(SYNTHETIC_KEY, SYNTHETIC_MARK))
     thread = threading.Thread(target=drain, args=(writer,), name="synth-writer", daemon=True)
     thread.start()
     ok = False

@@ -18,11 +18,10 @@ from pathlib import Path
 import torch
 
 from ..checkpoints.safe_write import commit, discard, refuse_unowned, temp_beside
+from .checkpoints import CHUNK_ELEMS, SYNTHETIC_KEY, SYNTHETIC_MARK, file_layout, synthetic_tensor
 
-SYNTHETIC_KEY, SYNTHETIC_MARK = "synthetic", "comfyui_lowvram_dit"  # the mark synthetic/checkpoints.py's files carry
 QTYPES = ("Q8_0", "Q4_K")
 Q4_K_BLOCK, Q4_K_BYTES = 256, 144
-CHUNK_ELEMS = 1 << 22
 
 
 def arch_of(model: str) -> str:
@@ -115,8 +114,6 @@ def write_synthetic_gguf(model: str, path: str | Path, qtype: str = "Q8_0", size
                          device: str | torch.device = "cpu", num_layers: int | None = None) -> dict[str, str]:
     """The synthetic ``model`` (synthetic/checkpoints.py, the weights of its bf16 file) as a GGUF file of ``qtype``,
     each tensor made on ``device`` when written; returns name -> GGML type name."""
-    from .checkpoints import file_layout, synthetic_tensor
-
     layout = file_layout(model, size, "bf16", num_layers)
     tensors = (synthetic_tensor(name, shape, dtype, seed, device) for name, shape, dtype in layout)
     metadata = {"model": model, "size": size, "format": qtype, "seed": str(seed)}
