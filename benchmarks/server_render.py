@@ -558,7 +558,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve-estimate", type=float, default=0.0, help="seconds a row is assumed to take (default: "
                    "from its workflow, card and renders)")
     p.add_argument("--warm-repeats", type=int, default=1, help="warm renders per row, each a new seed; the report "
-                   "gives their median and range (single renders of a few seconds vary by 20 %% and more)")
+                   "gives their median and range (a single render of a few seconds is noisy)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one render may take")
     p.add_argument("--out", type=Path, default=None, help="where the json/md go (default benchmarks/results/render; "
                    f"with --smoke {SMOKE_OUT}, never the results the index reads)")
