@@ -383,6 +383,12 @@ class BlockSwapMixin:
             offered = None if (full_load or lowvram_model_memory <= 0 or lowvram_model_memory >= 1e30) \
                 else lowvram_model_memory
             ctl.plan = ctl.make_plan(offered)
+            if ctl.plan.streamed and getattr(self, "mmap_released", None) is False:
+                # ComfyUI-GGUF's first load copies every weight it leaves on the CPU to the GPU and back to detach
+                # it from the file mapping: the streamed blocks would reach the arena from anonymous copies, so an
+                # idle expert's arena could never be dropped for its file pages. They are copied into the arena
+                # straight from the file instead; the resident modules go to the GPU either way.
+                self.mmap_released = True
         if not ctl.plan.streamed and not ctl.config.offload_embeddings:
             if not ctl.active:
                 log.info("lowvram_dit Block Swap: everything fits (%s); nothing to stream",

@@ -96,6 +96,38 @@ def test_block_swap_on_a_gguf_model_equals_it_alone(wan_gguf: Path) -> None:
     assert torch.equal(_sample(model), ref)  # the GGUF model is intact after Block Swap unloaded
 
 
+def test_block_swap_copies_a_gguf_model_s_streamed_blocks_from_its_file(wan_gguf: Path, monkeypatch: Any) -> None:
+    """ComfyUI-GGUF's first load would detach the weights left on the CPU from the file (a copy through the GPU;
+    on this CPU device it copies nothing, so its flag is what is checked): Block Swap turns that off for a model it
+    streams, so the arena is filled from the file and an idle model goes back to its file pages."""
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
+    from comfyui_lowvram_dit.offload.host_memory import is_file_backed
+    from gguf_files import import_vendored_gguf
+
+    patcher_cls = import_vendored_gguf().nodes.GGUFModelPatcher
+    released_at_load: list[bool] = []
+    stock_load = patcher_cls.load
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        released_at_load.append(self.mmap_released)
+        return stock_load(self, *args, **kwargs)
+
+    monkeypatch.setattr(patcher_cls, "load", spy)
+    model = load_gguf_in_process(wan_gguf)
+    ref = _sample(model)
+    assert released_at_load == [False]  # alone, ComfyUI-GGUF releases the mapping at its first load
+    swapped = _swapped(load_gguf_in_process(wan_gguf))
+    assert torch.equal(_sample(swapped), ref)
+    assert released_at_load[1:] == [True]
+    ctl = swapped.attachments[SWAP_KEY]
+    assert ctl.streamer.drops_arena_on_release()
+    mm.unload_all_models()
+    assert ctl.streamer.arena is None
+    assert all(is_file_backed(p) for p in swapped.model.diffusion_model.blocks[1].parameters() if p.ndim == 2)
+
+
 def test_a_lora_before_or_after_block_swap_on_a_gguf_model_equals_it_without(wan_gguf: Path) -> None:
     """LoRA patches on quantized weights ride on the streamed tensors (applied on dequantization, as ComfyUI-GGUF
     applies them); the F32 biases' patches merge into the arena and come back out on unload."""
