@@ -235,7 +235,7 @@ def _by_card_row(model: str, fmt: str, pack: dict | None, native: dict | None) -
         if row is None:
             return "—"
         if row["render_s"]:
-            step = f" ({_fmt(row['s_per_step'])} s/step)" if row["s_per_step"] else ""
+            step = f" ({_fmt(row['s_per_step'])} s/step{_cache_skips(row)})" if row["s_per_step"] else ""
             return f"{_fmt(row['render_s'], 1)} s render{step}"
         return f"{_fmt(row['s_per_step'])} s/step"
 
@@ -245,6 +245,16 @@ def _by_card_row(model: str, fmt: str, pack: dict | None, native: dict | None) -
     return (f"| {model} | {fmt} | {_workload(r)} | {where} | {_fmt(pack and pack['setup'])} | {shown(pack)} | "
             f"{_fmt(native and native['setup'])} | {shown(native)} | {ratio} | {ram} | "
             f"[{anchor}](../benchmarks/results/INDEX.md#{_slug(anchor)}) |")
+
+
+def _cache_skips(row: dict) -> str:
+    """``, EasyCache skipped 0/20 steps`` from the warm render (else the first) of a step-cached render row."""
+    renders = row.get("renders") if row["step_cache"] else None
+    render = isinstance(renders, dict) and (renders.get("warm") or next(iter(renders.values()), None))
+    skipped = render.get("easycache_skipped") if isinstance(render, dict) else None
+    if not skipped:
+        return ""
+    return f", {row['step_cache']} skipped {sum(k for k, _ in skipped)}/{sum(n for _, n in skipped)} steps"
 
 
 def _slug(heading: str) -> str:

@@ -135,7 +135,9 @@ def test_a_step_cache_is_its_own_workload(tmp_path: Path) -> None:
     native's best of the uncached rows, and get their own line on the by-card page."""
     cached = {"step_cache": "EasyCache"}
     rows = [_row("native", "native", 6.0), _row("pack", "pack", 4.8), _row("native_cache", "native", 3.0, **cached),
-            _row("pack_cache", "pack", 2.0, **cached)]
+            _row("pack_cache", "pack", 2.0, render_s=41.0, renders={
+                "first_ever": {"easycache_skipped": [[2, 6]]}, "warm": {"easycache_skipped": [[1, 3], [2, 3]]}},
+                **cached)]
     (tmp_path / "render").mkdir()
     (tmp_path / "render" / "cache.json").write_text(json.dumps({"env": ENV, "rows": rows}), encoding="utf-8")
     by = _by_name(results_index.collect(tmp_path)[0])
@@ -143,3 +145,5 @@ def test_a_step_cache_is_its_own_workload(tmp_path: Path) -> None:
     assert (by["pack_cache"]["against"], by["pack_cache"]["ratio"]) == ("native_cache", 1.5)
     eight = results_index.by_card_markdown(list(by.values())).split("## 8 GB card")[1].split("## ")[0]
     assert "| 832x480x81, 6 steps, cfg 3.5 |" in eight and "| 832x480x81, 6 steps, cfg 3.5, EasyCache |" in eight
+    assert "41 s render (2 s/step, EasyCache skipped 3/6 steps) |" in eight  # the warm render's, both samplers'
+    assert "skipped" not in eight.split("EasyCache skipped")[0]  # the uncached and native rows say nothing of it
