@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,7 @@ class RenderRow:
     card_gib: float | None = None  # None: the whole GPU
     dynamic_vram: bool = True  # False: --disable-dynamic-vram
     file_format: str = "fp8_scaled"
+    easycache_threshold: float | None = None  # EasyCache's reuse_threshold (None: its node's default)
 
     @property
     def spec(self) -> rg.RenderWorkflow:
@@ -148,7 +149,9 @@ def pick_rows(opts: argparse.Namespace) -> list[RenderRow]:
         else:
             raise SystemExit(f"--rows: unknown {item!r}: a row name, a group ({', '.join(GROUPS)}), a workflow "
                              f"({', '.join(rg.WORKFLOWS)}) or all")
-    return list({r.name: r for r in picked}.values())
+    threshold = getattr(opts, "easycache_threshold", None)
+    return [replace(r, easycache_threshold=threshold) if rg.SETUPS[r.setup].easycache else r
+            for r in {r.name: r for r in picked}.values()]
 
 
 def setup_text(row: RenderRow) -> str:
@@ -158,6 +161,9 @@ def setup_text(row: RenderRow) -> str:
     if row.file_format in rg.GGUF_TYPES:
         gguf = f"UnetLoaderGGUF (ComfyUI-GGUF) {rg.GGUF_TYPES[row.file_format]}"
         what = re.sub(r"UNETLoader [^,]+", gguf, what) if setup.native else f"{gguf} in place of the Wan Loader, {what}"
+    if row.easycache_threshold is not None:
+        what = what.replace(rg.EASYCACHE, rg.EASYCACHE.replace("its defaults", f"reuse_threshold "
+                                                                              f"{row.easycache_threshold:g}"))
     if setup.native:
         return f"native equivalent of {source}: {what}"
     if setup.drop_block_swap:
@@ -187,6 +193,14 @@ def memory_manager(row: RenderRow) -> str:
     return "Block Swap"
 
 
+def step_cache(row: RenderRow) -> str | None:
+    """The row's step cache, its own workload (it changes the output); a threshold set apart from the default."""
+    if not rg.SETUPS[row.setup].easycache:
+        return None
+    return "EasyCache" + (f" (reuse_threshold {row.easycache_threshold:g})" if row.easycache_threshold is not None
+                          else "")
+
+
 def head(row: RenderRow) -> dict:
     """The keys every record of ``row`` starts with (the results index's common row fields among them)."""
     wf, setup = row.spec, rg.SETUPS[row.setup]
@@ -196,7 +210,7 @@ def head(row: RenderRow) -> dict:
             "how": "server", "card_gib": row.card_gib, "format": row.file_format,
             "file_format": wf.layout(row.file_format), "memory_manager": memory_manager(row),
             "dynamic_vram": row.dynamic_vram, "lora": "4-step LoRA" if "4step" in row.workflow else None,
-            "step_cache": "EasyCache" if setup.easycache else None,  # its own workload: it changes the output
+            "step_cache": step_cache(row),
             "files": rg.model_files(wf, row.file_format)}
 
 
@@ -254,6 +268,8 @@ def build_graph(row: RenderRow, srv: cli_server.ComfyServer, opts: argparse.Name
     info = {t: srv.object_info(t) for t in rg.node_types_needed(row.spec)}
     info = {t: i for t, i in info.items() if i}
     graph = rg.render_graph(row.spec, row.setup, row.card_gib, row.file_format, info, row.name)
+    for n in rg.of_type(graph, "EasyCache") if row.easycache_threshold is not None else ():
+        graph[n]["inputs"]["reuse_threshold"] = row.easycache_threshold
     graph = empty_images(graph) if opts.empty_image else graph
     return smoke_graph(graph, rg.SETUPS[row.setup].native) if opts.smoke else graph
 
@@ -559,6 +575,9 @@ def parser() -> argparse.ArgumentParser:
                    "from its workflow, card and renders)")
     p.add_argument("--warm-repeats", type=int, default=1, help="warm renders per row, each a new seed; the report "
                    "gives their median and range (a single render of a few seconds is noisy)")
+    p.add_argument("--easycache-threshold", type=float, default=None, help="EasyCache rows: its reuse_threshold "
+                   "(default: the node's); random synthetic weights change too much per step for the default to "
+                   "skip any")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one render may take")
     p.add_argument("--out", type=Path, default=None, help="where the json/md go (default benchmarks/results/render; "
                    f"with --smoke {SMOKE_OUT}, never the results the index reads)")

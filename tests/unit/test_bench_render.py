@@ -314,6 +314,27 @@ def test_easycache_sits_on_the_model_right_before_each_sampler(key: str, setup: 
     assert "EasyCache (its defaults) before each sampler" in sr.head(sr.make_row(key, setup, 24.0))["setup"]
 
 
+def test_easycache_threshold_option_sets_every_cache_node_and_names_its_own_workload() -> None:
+    """--easycache-threshold: the EasyCache rows' nodes get it (the other rows are untouched), their setup text and
+    step cache name it, so the index never compares them with rows at the default."""
+    class Server:
+        def object_info(self, kind: str) -> dict | None:
+            return OBJECT_INFO.get(kind)
+
+    opts = _opts(rows="qwen_t2i_native_best_24gb,qwen_t2i_pack_easycache_24gb", easycache_threshold=0.5,
+                 empty_image=False, smoke=False)
+    plain, cached = sr.pick_rows(opts)
+    assert (plain.easycache_threshold, cached.easycache_threshold) == (None, 0.5)
+    caches = [n for n in sr.build_graph(cached, Server(), opts).values() if n["class_type"] == "EasyCache"]
+    assert [n["inputs"]["reuse_threshold"] for n in caches] == [0.5]
+    assert caches[0]["inputs"]["start_percent"] == 0.15  # the rest at the node's defaults
+    head = sr.head(cached)
+    assert head["step_cache"] == "EasyCache (reuse_threshold 0.5)" and "EasyCache (reuse_threshold 0.5) before" in \
+        head["setup"]
+    assert sr.head(sr.make_row("qwen_t2i", "pack_easycache", 24.0))["step_cache"] == "EasyCache"
+    assert sr.head(plain)["step_cache"] is None
+
+
 def test_easycache_skips_are_read_per_sampler_and_reported() -> None:
     log = ("EasyCache enabled - threshold: 0.2, start_percent: 0.15, end_percent: 0.95\n"
            "EasyCache - skipped 3/10 steps (1.43x speedup).\nPrompt executed in 9 s\n"
