@@ -156,15 +156,19 @@ class SwapController:
         self._patcher = weakref.ref(patcher)
         took = {"start": time.perf_counter()}
         if plan.streamed:
+            old = None
             if self.streamer is None or self.streamer.plan != plan or self.streamer.device != device:
                 if self.streamer is not None:
                     # a new plan: the old arena goes first, and file-backed weights go back to the file, so the
                     # new arena is copied from the file (its masters stay file-backed) and RAM does not double
                     self.lora.restore(arena_dropped=self.streamer.drops_arena_on_release())
                     self.streamer.deactivate(release_host=True)
+                    old = self.streamer
                 self.streamer = BlockStreamer(self.blocks, plan, device, pinned=self.config.pinned,
                                               debug=self.config.debug, pin_budget=ComfyPinBudget())
             self.streamer.activate()
+            if old is not None and old.spare is not None:  # the old arena's memory, unless the new one took it
+                old.spare.release()
             took["arena"] = time.perf_counter()
             self._merge_lora(patcher, device)
             took["lora"] = time.perf_counter()
@@ -434,8 +438,11 @@ def _took(marks: dict[str, float], streamer_took: dict[str, float] | None = None
     now = time.perf_counter()
     parts = []
     if "arena" in marks:
-        parts.append(f"host arena {marks['arena'] - marks['start']:.2f} s" + (
-            " (copy {copy:.2f} s, pin {pin:.2f} s)".format(**streamer_took) if streamer_took else ""))
+        split = ""
+        if streamer_took:
+            reused = ", into the memory of a dropped arena" if streamer_took.get("reused") else ""
+            split = f" (copy {streamer_took['copy']:.2f} s, pin {streamer_took['pin']:.2f} s{reused})"
+        parts.append(f"host arena {marks['arena'] - marks['start']:.2f} s{split}")
     if "lora" in marks:
         parts.append(f"LoRA merge {marks['lora'] - marks['arena']:.2f} s")
     return f"activated in {now - marks['start']:.2f} s" + (f" ({', '.join(parts)})" if parts else "")

@@ -37,7 +37,7 @@ import torch
 
 from ..kernels.hooks import HookRegistry, ModelHook, PerModel
 from . import ggml_tensors as ggml
-from .host_memory import HostArena, PinBudget, file_backed_ranges, is_file_backed, page_out
+from .host_memory import HostArena, PinBudget, SpareArena, file_backed_ranges, is_file_backed, page_out, take_spare
 from .plan import ALIGN, SwapPlan, aligned, prefetch_targets
 from .verdict import CallTimer, StreamStats, format_stats
 
@@ -207,6 +207,7 @@ class BlockStreamer:
         self.ordinal = {b: j for j, b in enumerate(plan.streamed)}
         self.active = False
         self.arena: HostArena | None = None
+        self.spare: SpareArena | None = None  # the memory of this model's dropped arena, until an arena takes it
         self.originals: dict[int, dict[str, torch.Tensor]] = {}  # file-backed tensors restored on deactivate
         self._layouts: dict[int, tuple[list[TensorSlot], int]] = {}
         self._cpu_views: dict[int, dict[str, torch.Tensor]] = {}
@@ -305,12 +306,13 @@ class BlockStreamer:
         for b in streamed:
             self._owners.setdefault(b, self._build_owners(b))
         t0 = time.perf_counter()
+        self.took = {"reused": False}  # for the load's log line: and copy, pin
         if streamed and not self._arena_is_current():
             self._build_arena()
         t1 = time.perf_counter()
         if streamed and self.pinned and self.device.type == "cuda":
             self.arena.pin()
-        self.took = {"copy": t1 - t0, "pin": time.perf_counter() - t1}  # for the load's log line
+        self.took.update(copy=t1 - t0, pin=time.perf_counter() - t1)
         self._sync = _Sync(self.device, self.debug)
         self.slots = [
             _Slot(torch.empty(self.plan.slot_bytes, dtype=torch.uint8, device=self.device),
@@ -334,7 +336,12 @@ class BlockStreamer:
             total += self._layout(b)[1]
         if self.arena is not None:
             self.arena.unpin()  # the old buffer is freed below (its views are rebound to the new one)
-        self.arena = HostArena(total, pin=False, budget=self.pin_budget)
+        self.arena = take_spare(total, self.device, first=self.spare)  # its own first: the other's stays offered
+        self.took["reused"] = self.arena is not None
+        self.arena = self.arena or HostArena(total, pin=False, budget=self.pin_budget)
+        if self.spare is not None:  # its own memory, unless just taken: not needed beside the one it now has
+            self.spare.release()
+            self.spare = None
         maps = file_backed_ranges()
         self.originals.clear()
         mapped = 0
@@ -385,17 +392,20 @@ class BlockStreamer:
             self._pending.clear()
             self.active = False
         if self.arena is not None and release_host:
-            self.arena.unpin()
             if self._mostly_file_backed():
                 # Idle model ~0 RSS (two-expert Wan 2.2): file-backed masters go back to the file mapping, the
-                # rest (biases, norms, modulation: ~0.1 % of a block) gets small private copies, the arena goes.
+                # rest (biases, norms, modulation: ~0.1 % of a block) gets small private copies, the arena's
+                # memory is offered to the next arena of its size (the other expert's, at the next switch).
                 for b in self.plan.streamed:
                     keep = self.originals.get(b, {})
                     self._bind(b, self._as_params(b, {n: keep[n] if n in keep else _private_copy(v)
                                                       for n, v in self._cpu_views[b].items()}))
                 self.originals.clear()
+                self.spare = SpareArena(self.arena, self.device)
                 self.arena = None
                 self._cpu_views.clear()
+            else:
+                self.arena.unpin()
 
     def drops_arena_on_release(self) -> bool:
         """True when ``deactivate(release_host=True)`` frees the arena and rebinds to the file-backed originals."""

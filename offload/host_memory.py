@@ -2,12 +2,13 @@
 
 An arena is pinned with ``cudaHostRegister`` (exact size, unlike ``pin_memory()``, which rounds to powers of
 two). A tensor whose storage lies in a file mapping (a mapped safetensors file) costs page cache, not anonymous
-RAM, so an idle model can go back to it.
+RAM, so an idle model can go back to it, offering its arena's memory to the next arena of the same size.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Iterable, Protocol
 
 import torch
@@ -137,6 +138,44 @@ class HostArena:
 
 
 _UNFREED: list[torch.Tensor] = []  # buffers whose unregistration failed (see HostArena.unpin)
+_SPARES: weakref.WeakSet[SpareArena] = weakref.WeakSet()  # offered, not yet taken
+
+
+class SpareArena:
+    """The memory of an arena its model dropped (pinned, if it was), kept by that model for the next arena of the
+    same size on the same device to take.
+
+    Two-expert Wan 2.2 switches experts twice per render: the expert going idle drops its arena for its file pages
+    and the other copies its blocks into that same memory, so neither allocates, first-touches nor (un)pins one.
+    Whatever no arena takes goes with the idle model, or when that model builds an arena of another size.
+    """
+
+    def __init__(self, arena: HostArena, device: torch.device) -> None:
+        if arena.last_copy is not None:
+            arena.last_copy.synchronize()  # the next owner overwrites it: no copy out of it may still be running
+            arena.last_copy = None
+        self.arena: HostArena | None = arena
+        self.device = device
+        _SPARES.add(self)
+
+    def release(self) -> None:
+        """Unpin and free the memory now, unless an arena took it."""
+        _SPARES.discard(self)
+        if self.arena is not None:
+            self.arena.unpin()
+            self.arena = None
+
+
+def take_spare(nbytes: int, device: torch.device, first: SpareArena | None = None) -> HostArena | None:
+    """A spare arena of exactly ``nbytes`` offered on ``device`` (``first`` if it is one), now the caller's; None
+    when there is none."""
+    for spare in [first] * (first is not None) + list(_SPARES):
+        arena = spare.arena
+        if arena is not None and spare.device == device and arena.buffer.numel() == max(nbytes, 1):
+            spare.arena = None
+            _SPARES.discard(spare)
+            return arena
+    return None
 
 
 def discard_cuda_error() -> None:

@@ -1,6 +1,7 @@
 """The two-expert RAM design through ComfyUI's real load/unload path: a pre-quantized Wan file is mapped,
 Block Swap copies the streamed blocks into its host buffer while the model is loaded, and when ComfyUI unloads the
-model the buffer is freed and the weights point back at the file (the idle expert costs page cache, not RSS).
+model the weights point back at the file (the idle expert costs page cache, not RSS) and the buffer's memory is the
+next expert's buffer (one allocation between the two).
 In process, tiny Wan on the CPU; needs COMFYUI_PATH."""
 
 from __future__ import annotations
@@ -48,14 +49,17 @@ def test_unloaded_expert_goes_back_to_its_file(tmp_path: Path) -> None:
     assert len(streamed) == STREAMED
     assert ctl.streamer.arena is not None and ctl.streamer.arena.contains(_weight(high, streamed[0]))
 
+    memory = ctl.streamer.arena.buffer.data_ptr()
     mm.unload_all_models()  # what ComfyUI does to the idle expert when the other one needs the memory
     assert ctl.streamer.arena is None, "the unloaded expert kept its host buffer"
     assert all(is_file_backed(_weight(high, b)) for b in streamed)
 
     out_low = sample_wan(low, seed=5)  # the other expert runs while the first is back on its file
     assert torch.isfinite(out_low).all() and not torch.equal(out_low, ref_high)
+    low_streamer = low.attachments[SWAP_KEY].streamer
+    assert low_streamer.arena.buffer.data_ptr() == memory and low_streamer.took["reused"]
     mm.unload_all_models()
     again = sample_wan(high, seed=5)  # and the first comes back with the same answer
     torch.testing.assert_close(again, ref_high, rtol=0, atol=0)
-    assert ctl.streamer.arena is not None
+    assert ctl.streamer.arena is not None and ctl.streamer.arena.buffer.data_ptr() == memory
     mm.unload_all_models()

@@ -242,8 +242,10 @@ def test_a_new_swap_plan_builds_its_arena_from_the_file(tmp_path: Path, comfy_pi
     old = ctl.plan.streamed
     new = tuple(sorted({*old, 0}))  # overlaps the old plan: those blocks now point into the old arena
     ctl.plan = dataclasses.replace(ctl.plan, streamed=new)
+    before = ctl.streamer
     ctl.activate(swapped, torch.device("cpu"))
     assert all(ctl.streamer.originals.get(b) for b in new), "the new arena was copied from the old one"
+    assert before.spare.arena is None  # the old arena's memory (another size) was freed, not kept beside the new
     ctl.deactivate(swapped)
     assert ctl.streamer.arena is None
     assert all(is_file_backed(_weight(swapped, f"diffusion_model.blocks.{b}.ffn.0.weight")) for b in new)

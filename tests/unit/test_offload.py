@@ -363,6 +363,90 @@ def test_deactivate_restores_file_backed_originals(tmp_path):
         assert torch.equal(out, model(x, e, ctx))
 
 
+def _mapped_wan(path: Path, seed: int) -> TinyWan:
+    """A TinyWan whose weights are the mapped tensors of a safetensors file (as ComfyUI's loaders leave them)."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(seed)
+    model = TinyWan(n=4)
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, path)
+    model.load_state_dict(load_file(path), assign=True)
+    if not host_memory.is_file_backed(model.blocks[1].ffn[0].weight):
+        pytest.skip("safetensors did not return mmap-backed tensors on this platform")
+    return model
+
+
+def _forward(model: TinyWan, st: BlockStreamer | None) -> torch.Tensor:
+    x, e, ctx = _inputs()
+    with torch.no_grad():
+        if st is None:
+            return model(x, e, ctx)
+        st.begin_forward()
+        out = model(x, e, ctx, streamer=st)
+        st.end_forward()
+        return out
+
+
+def test_an_expert_switch_copies_into_the_memory_the_idle_expert_dropped(tmp_path):
+    """Two experts of one layout (Wan 2.2's two 14B models): the one going idle offers its arena's memory, the next
+    arena of that size takes it (no new allocation, no pinning); each still computes with its own weights."""
+    high, low = _mapped_wan(tmp_path / "high.safetensors", 1), _mapped_wan(tmp_path / "low.safetensors", 2)
+    refs = [_forward(high, None), _forward(low, None)]
+    assert not torch.equal(*refs)
+    plan = plan_swap([offload.block_nbytes(b) for b in high.blocks], SwapConfig(blocks_to_swap=2))
+    streamers = [BlockStreamer(m.blocks, plan, "cpu", pinned=False) for m in (high, low)]
+    for render in range(2):
+        for (model, st), ref in zip(zip((high, low), streamers), refs):
+            st.activate()
+            assert st.took["reused"] == (render > 0 or st is streamers[1])
+            assert torch.equal(_forward(model, st), ref)
+            memory = st.arena.buffer.data_ptr()
+            st.deactivate()
+            assert st.arena is None and st.spare.arena.buffer.data_ptr() == memory  # offered, not freed
+    assert streamers[1].spare.arena is not None and streamers[0].spare.arena is None  # one memory between them
+    other = BlockStreamer(high.blocks, plan_swap([offload.block_nbytes(b) for b in high.blocks],
+                                                 SwapConfig(blocks_to_swap=1)), "cpu", pinned=False)
+    other.activate()  # another size: a new arena, the offered memory stays with its model
+    assert not other.took["reused"] and streamers[1].spare.arena is not None
+    other.deactivate()
+    streamers[1].spare.release()
+    assert host_memory.take_spare(other.streamed_bytes, torch.device("cpu")) is not None  # other's, for the taking
+    assert host_memory.take_spare(streamers[0].streamed_bytes, torch.device("cpu")) is None  # released: gone
+
+
+def test_two_offered_memories_each_go_back_to_their_own_model(tmp_path):
+    """Both experts dropped their arenas (both had been active): each takes its own back, neither keeps two."""
+    models = [_mapped_wan(tmp_path / f"{i}.safetensors", i) for i in range(2)]
+    plan = plan_swap([offload.block_nbytes(b) for b in models[0].blocks], SwapConfig(blocks_to_swap=2))
+    streamers = [BlockStreamer(m.blocks, plan, "cpu", pinned=False) for m in models]
+    for st in streamers:
+        st.activate()
+    memories = [st.arena.buffer.data_ptr() for st in streamers]
+    for st in streamers:
+        st.deactivate()
+    for st, memory in zip(streamers, memories):
+        st.activate()
+        assert st.took["reused"] and st.arena.buffer.data_ptr() == memory and st.spare is None
+        st.deactivate()
+
+
+def test_offered_pinned_memory_stays_pinned_until_released(monkeypatch):
+    """A taker gets the registration too (no cudaHostRegister of its own); release() unregisters what nobody took."""
+    from fake_cudart import FakeCudart
+
+    cudart = FakeCudart.install(monkeypatch)
+    arena = host_memory.HostArena(4096, pin=True)
+    assert arena.pinned and [c[0] for c in cudart.calls] == ["register"]
+    spare = host_memory.SpareArena(arena, torch.device("cuda", 0))
+    assert host_memory.take_spare(4096, torch.device("cuda", 1)) is None  # pinned for another device's streamer
+    assert host_memory.take_spare(2048, torch.device("cuda", 0)) is None
+    taken = host_memory.take_spare(4096, torch.device("cuda", 0))
+    assert taken is arena and taken.pinned and spare.arena is None and [c[0] for c in cudart.calls] == ["register"]
+    host_memory.SpareArena(taken, torch.device("cuda", 0)).release()
+    assert [c[0] for c in cudart.calls] == ["register", "unregister"] and not cudart.registered
+    assert host_memory.take_spare(4096, torch.device("cuda", 0)) is None
+
+
 def test_mostly_file_backed_blocks_leave_the_arena_when_idle(tmp_path):
     """Weights mapped from the file, small tensors (biases, norms) private: idle = weights back on the file."""
     from safetensors.torch import save_file
