@@ -53,7 +53,9 @@ CACHE_ENV = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"
 # Rough mean seconds of one render on one H100/H200 (page cache warm; first-ever and cold above it, warm below),
 # for --deadline, from the server scenarios' step times and walls at the workflows' steps and sizes.
 RENDER_ESTIMATE_S = {"wan_t2v_4step": 40, "wan_t2v": 220, "wan_i2v": 220, "wan_i2v_4step": 45, "wan_ti2v_5b": 150,
-                     "qwen_t2i_4step": 25, "qwen_t2i": 70, "qwen_edit": 90}
+                     "qwen_t2i_4step": 25, "qwen_t2i": 70, "qwen_edit": 90}  # a first-ever or cold render
+WARM_ESTIMATE_S = {"wan_t2v_4step": 25, "wan_t2v": 150, "wan_i2v": 150, "wan_i2v_4step": 28, "wan_ti2v_5b": 90,
+                   "qwen_t2i_4step": 5, "qwen_t2i": 20, "qwen_edit": 40}  # models loaded: about half, or less
 SMALL_CARD_FACTOR = 1.3  # 12 GB and less: weights streamed every step
 SERVER_START_S = 20.0
 OOM = re.compile(r"out of memory|OutOfMemory|OOM", re.IGNORECASE)
@@ -494,11 +496,11 @@ def estimate_s(ctx: RunContext, row: RenderRow) -> float:
     if ctx.opts.reserve_estimate:
         return ctx.opts.reserve_estimate
     small = row.card_gib is not None and row.card_gib <= 12
-    per = RENDER_ESTIMATE_S[row.workflow] * (SMALL_CARD_FACTOR if small else 1.0)
-    lives = 1 + ("cold" in ctx.renders)
-    more_warm = ("warm" in ctx.renders) * (ctx.opts.warm_repeats - 1)
-    renders = len(ctx.renders) + ("first_ever" not in ctx.renders) + more_warm
-    seconds = per * renders + SERVER_START_S * lives
+    factor = SMALL_CARD_FACTOR if small else 1.0
+    lives = 1 + ("cold" in ctx.renders)  # first-ever always runs
+    warm = ("warm" in ctx.renders) * ctx.opts.warm_repeats + ("warm_new_prompt" in ctx.renders)
+    seconds = (RENDER_ESTIMATE_S[row.workflow] * lives + WARM_ESTIMATE_S[row.workflow] * warm) * factor \
+        + SERVER_START_S * lives
     if ctx.models.write:
         missing = ctx.models.missing(rg.model_files(row.spec, row.file_format))
         seconds += sum(models.file_gb(n) for n in missing) / models.WRITE_GB_PER_S

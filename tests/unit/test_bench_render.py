@@ -499,7 +499,9 @@ def test_estimates_grow_with_renders_cards_and_missing_files(tmp_path: Path) -> 
                          whole) == 7.0
     repeats = sr.RunContext(argparse.Namespace(reserve_estimate=0.0, warm_repeats=3), ctx.models, 143.0, "", "",
                             ctx.renders)
-    assert sr.estimate_s(repeats, whole) == sr.estimate_s(ctx, whole) + 2 * sr.RENDER_ESTIMATE_S["wan_t2v_4step"]
+    assert sr.estimate_s(repeats, whole) == sr.estimate_s(ctx, whole) + 2 * sr.WARM_ESTIMATE_S["wan_t2v_4step"]
+    assert set(sr.WARM_ESTIMATE_S) == set(sr.RENDER_ESTIMATE_S) == set(rg.WORKFLOWS)
+    assert all(sr.WARM_ESTIMATE_S[w] < sr.RENDER_ESTIMATE_S[w] for w in rg.WORKFLOWS)  # the models are loaded
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -709,7 +711,7 @@ def test_cli_defaults_and_refusals(tmp_path: Path) -> None:
 def test_the_deadline_stops_the_run_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a row would not finish in time, it and every later row are skipped (even a shorter one), so --resume
     continues where the run stopped."""
-    opts = argparse.Namespace(reserve_estimate=0.0, deadline=400.0, warm_repeats=1)
+    opts = argparse.Namespace(reserve_estimate=0.0, deadline=380.0, warm_repeats=1)
     ctx = sr.RunContext(opts, sm.ModelFiles(tmp_path), 143.0, "", "0.33.0", sr.CORE_RENDERS)
     rows = [sr.make_row("wan_t2v_4step", "pack", 12.0), sr.make_row("wan_t2v_4step", "pack", None),
             sr.make_row("qwen_t2i_4step", "pack", 24.0)]
