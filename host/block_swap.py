@@ -47,6 +47,7 @@ from ..offload import engine as offload
 from ..offload import ggml_tensors as ggml
 from ..offload import plan as swap_plan
 from ..offload.engine import BlockStreamer, StreamHook
+from ..offload.host_memory import file_backed_ranges, is_file_backed, release_spares
 from ..offload.plan import SwapConfig, SwapPlan
 from ..offload.verdict import StreamStats, SwapSetup, swap_verdict
 from .core_quant import model_layouts
@@ -131,6 +132,12 @@ class SwapController:
         streamed = sum(self.block_state_bytes[i] for i in plan.streamed)
         return self.fixed_bytes() + sum(self.block_state_bytes) - streamed + plan.ring_bytes
 
+    def streams_from_file(self) -> bool:
+        """True when the first streamed block's largest weight lies in a file mapping (Linux tells; elsewhere False)."""
+        maps = file_backed_ranges()
+        largest = max(self.blocks[self.plan.streamed[0]].parameters(), key=lambda p: ggml.stored(p).nbytes)
+        return bool(maps) and is_file_backed(ggml.stored(largest), maps)
+
     def is_swapped_module(self, name: str) -> bool:
         """True for modules ComfyUI must not load: streamed blocks' modules and offloaded embeddings."""
         plan = self.plan
@@ -156,19 +163,17 @@ class SwapController:
         self._patcher = weakref.ref(patcher)
         took = {"start": time.perf_counter()}
         if plan.streamed:
-            old = None
             if self.streamer is None or self.streamer.plan != plan or self.streamer.device != device:
                 if self.streamer is not None:
                     # a new plan: the old arena goes first, and file-backed weights go back to the file, so the
                     # new arena is copied from the file (its masters stay file-backed) and RAM does not double
                     self.lora.restore(arena_dropped=self.streamer.drops_arena_on_release())
                     self.streamer.deactivate(release_host=True)
-                    old = self.streamer
+                spare = self.streamer.spare if self.streamer is not None else None
                 self.streamer = BlockStreamer(self.blocks, plan, device, pinned=self.config.pinned,
                                               debug=self.config.debug, pin_budget=ComfyPinBudget())
+                self.streamer.spare = spare  # the old arena's memory: taken, or freed before a new one is allocated
             self.streamer.activate()
-            if old is not None and old.spare is not None:  # the old arena's memory, unless the new one took it
-                old.spare.release()
             took["arena"] = time.perf_counter()
             self._merge_lora(patcher, device)
             took["lora"] = time.perf_counter()
@@ -387,13 +392,15 @@ class BlockSwapMixin:
             offered = None if (full_load or lowvram_model_memory <= 0 or lowvram_model_memory >= 1e30) \
                 else lowvram_model_memory
             ctl.plan = ctl.make_plan(offered)
-            if ctl.plan.streamed and getattr(self, "mmap_released", None) is False:
+            if ctl.plan.streamed and getattr(self, "mmap_released", None) is False and ctl.streams_from_file():
                 # ComfyUI-GGUF's first load copies every weight it leaves on the CPU to the GPU and back to detach
                 # it from the file mapping: the streamed blocks would reach the arena from anonymous copies, so an
                 # idle expert's arena could never be dropped for its file pages. They are copied into the arena
-                # straight from the file instead; the resident modules go to the GPU either way.
+                # straight from the file instead (where this platform says what is mapped: Linux); the resident
+                # modules go to the GPU either way.
                 self.mmap_released = True
         if not ctl.plan.streamed and not ctl.config.offload_embeddings:
+            release_spares(torch.device(device_to))  # nothing streams: no arena to take one
             if not ctl.active:
                 log.info("lowvram_dit Block Swap: everything fits (%s); nothing to stream",
                          "no budget set on a CPU device" if torch.device(device_to).type == "cpu" else "budget")
@@ -471,7 +478,10 @@ class _SwapPrepare:
                 other.owner.activation_bytes = estimate
         except Exception as exc:  # an estimate must never break sampling
             log.debug("lowvram_dit Block Swap: no activation estimate (%s)", exc)
-        return executor(model, noise_shape, conds, *args, **kwargs)
+        out = executor(model, noise_shape, conds, *args, **kwargs)
+        # the models are loaded: an arena's memory dropped in this load and not taken by it is not waited for
+        release_spares(torch.device(model.load_device))
+        return out
 
 
 # ComfyUI's MultiGPU split (0.23+) calls these on every model copy it makes for another GPU.

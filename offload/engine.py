@@ -37,7 +37,8 @@ import torch
 
 from ..kernels.hooks import HookRegistry, ModelHook, PerModel
 from . import ggml_tensors as ggml
-from .host_memory import HostArena, PinBudget, SpareArena, file_backed_ranges, is_file_backed, page_out, take_spare
+from .host_memory import (HostArena, PinBudget, SpareArena, file_backed_ranges, is_file_backed, page_out,
+                          release_spares, take_spare)
 from .plan import ALIGN, SwapPlan, aligned, prefetch_targets
 from .verdict import CallTimer, StreamStats, format_stats
 
@@ -336,12 +337,14 @@ class BlockStreamer:
             total += self._layout(b)[1]
         if self.arena is not None:
             self.arena.unpin()  # the old buffer is freed below (its views are rebound to the new one)
-        self.arena = take_spare(total, self.device, first=self.spare)  # its own first: the other's stays offered
-        self.took["reused"] = self.arena is not None
-        self.arena = self.arena or HostArena(total, pin=False, budget=self.pin_budget)
-        if self.spare is not None:  # its own memory, unless just taken: not needed beside the one it now has
-            self.spare.release()
-            self.spare = None
+        own, self.spare = self.spare, None
+        arena = take_spare(total, self.device, first=own)  # its own first: another model's stays offered
+        if arena is None:
+            release_spares(self.device)  # none of this size: freed before a new arena is allocated, never beside it
+        elif own is not None:
+            own.release()  # its own memory, unless just taken: not needed beside the one it now has
+        self.took["reused"] = arena is not None
+        self.arena = arena or HostArena(total, pin=False, budget=self.pin_budget)
         maps = file_backed_ranges()
         self.originals.clear()
         mapped = 0

@@ -147,7 +147,8 @@ class SpareArena:
 
     Two-expert Wan 2.2 switches experts twice per render: the expert going idle drops its arena for its file pages
     and the other copies its blocks into that same memory, so neither allocates, first-touches nor (un)pins one.
-    Whatever no arena takes goes with the idle model, or when that model builds an arena of another size.
+    What no arena takes is freed before any new arena is allocated (RAM never holds both), at the end of the next
+    load of a streamed model (``release_spares``), or with the idle model.
     """
 
     def __init__(self, arena: HostArena, device: torch.device) -> None:
@@ -164,6 +165,13 @@ class SpareArena:
         if self.arena is not None:
             self.arena.unpin()
             self.arena = None
+
+
+def release_spares(device: torch.device | None = None) -> None:
+    """Free every spare no arena has taken (those offered on ``device``; all of them without one)."""
+    for spare in list(_SPARES):
+        if device is None or spare.device == device:
+            spare.release()
 
 
 def take_spare(nbytes: int, device: torch.device, first: SpareArena | None = None) -> HostArena | None:

@@ -31,14 +31,15 @@ def test_unloaded_expert_goes_back_to_its_file(tmp_path: Path) -> None:
 
     from comfyui_lowvram_dit.synthetic import checkpoints as synth
     from comfyui_lowvram_dit.offload.plan import SwapConfig
-    from comfyui_lowvram_dit.offload.host_memory import is_file_backed
+    from comfyui_lowvram_dit.offload.host_memory import HostArena, SpareArena, is_file_backed
     from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
     from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
-    experts = []
+    experts, paths = [], []
     for seed in (1, 2):  # high- and low-noise stand-ins
         path = synth.write_synthetic(MODEL, tmp_path / f"expert{seed}.safetensors", size="tiny", fmt="fp8_scaled",
                                      seed=seed, num_layers=6)
+        paths.append(path)
         experts.append(apply_block_swap(load_wan_model(path, "fp8 per-tensor"), SwapConfig(blocks_to_swap=STREAMED)))
     high, low = experts
     ctl = high.attachments[SWAP_KEY]
@@ -62,4 +63,14 @@ def test_unloaded_expert_goes_back_to_its_file(tmp_path: Path) -> None:
     again = sample_wan(high, seed=5)  # and the first comes back with the same answer
     torch.testing.assert_close(again, ref_high, rtol=0, atol=0)
     assert ctl.streamer.arena is not None and ctl.streamer.arena.buffer.data_ptr() == memory
+
+    # memory no arena takes is not kept: at the end of a streamed model's load, or when nothing streams
+    stray = SpareArena(HostArena(4096, pin=False), torch.device("cpu"))
+    torch.testing.assert_close(sample_wan(high, seed=5), ref_high, rtol=0, atol=0)  # loaded already: no arena built
+    assert stray.arena is None
+    mm.unload_all_models()
+    assert ctl.streamer.spare.arena is not None  # offered to the next expert
+    whole = apply_block_swap(load_wan_model(paths[0], "fp8 per-tensor"), SwapConfig(blocks_to_swap=0))
+    sample_wan(whole, seed=5)
+    assert ctl.streamer.spare.arena is None
     mm.unload_all_models()

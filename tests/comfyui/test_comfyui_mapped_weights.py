@@ -228,7 +228,8 @@ def test_in_place_patching_turns_file_rebinding_off(tmp_path: Path, comfy_pinnin
     torch.testing.assert_close(sample_wan(base, seed=9), ref, rtol=0, atol=0)
 
 
-def test_a_new_swap_plan_builds_its_arena_from_the_file(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
+def test_a_new_swap_plan_builds_its_arena_from_the_file(tmp_path: Path, comfy_pinning: FakeCudart,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A different plan on re-activation (auto budget, other resolution): the old arena is released first, so the
     new one's masters are the file views again (not copies of the old arena) and the idle model stays file-backed."""
     from comfyui_lowvram_dit.offload.plan import SwapConfig
@@ -242,10 +243,15 @@ def test_a_new_swap_plan_builds_its_arena_from_the_file(tmp_path: Path, comfy_pi
     old = ctl.plan.streamed
     new = tuple(sorted({*old, 0}))  # overlaps the old plan: those blocks now point into the old arena
     ctl.plan = dataclasses.replace(ctl.plan, streamed=new)
-    before = ctl.streamer
+    from comfyui_lowvram_dit.offload import engine, host_memory
+
+    held_at_allocation: list[list] = []
+    allocate = engine.HostArena
+    monkeypatch.setattr(engine, "HostArena", lambda *a, **k: held_at_allocation.append(
+        [s.arena for s in host_memory._SPARES if s.arena is not None]) or allocate(*a, **k))
     ctl.activate(swapped, torch.device("cpu"))
     assert all(ctl.streamer.originals.get(b) for b in new), "the new arena was copied from the old one"
-    assert before.spare.arena is None  # the old arena's memory (another size) was freed, not kept beside the new
+    assert held_at_allocation == [[]]  # the old arena's memory (another size) was freed first, never held beside it
     ctl.deactivate(swapped)
     assert ctl.streamer.arena is None
     assert all(is_file_backed(_weight(swapped, f"diffusion_model.blocks.{b}.ffn.0.weight")) for b in new)

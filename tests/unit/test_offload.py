@@ -363,6 +363,14 @@ def test_deactivate_restores_file_backed_originals(tmp_path):
         assert torch.equal(out, model(x, e, ctx))
 
 
+@pytest.fixture(autouse=True)
+def _no_spare_arenas():
+    """Each test starts and ends with no arena memory on offer (a spare another test left would be taken)."""
+    host_memory.release_spares()
+    yield
+    host_memory.release_spares()
+
+
 def _mapped_wan(path: Path, seed: int) -> TinyWan:
     """A TinyWan whose weights are the mapped tensors of a safetensors file (as ComfyUI's loaders leave them)."""
     from safetensors.torch import load_file, save_file
@@ -406,12 +414,13 @@ def test_an_expert_switch_copies_into_the_memory_the_idle_expert_dropped(tmp_pat
     assert streamers[1].spare.arena is not None and streamers[0].spare.arena is None  # one memory between them
     other = BlockStreamer(high.blocks, plan_swap([offload.block_nbytes(b) for b in high.blocks],
                                                  SwapConfig(blocks_to_swap=1)), "cpu", pinned=False)
-    other.activate()  # another size: a new arena, the offered memory stays with its model
-    assert not other.took["reused"] and streamers[1].spare.arena is not None
+    other.activate()  # another size: the offered memory is freed before a new arena is allocated, never beside it
+    assert not other.took["reused"] and streamers[1].spare.arena is None
+    assert torch.equal(_forward(high, other), refs[0])
     other.deactivate()
-    streamers[1].spare.release()
-    assert host_memory.take_spare(other.streamed_bytes, torch.device("cpu")) is not None  # other's, for the taking
-    assert host_memory.take_spare(streamers[0].streamed_bytes, torch.device("cpu")) is None  # released: gone
+    assert host_memory.take_spare(streamers[0].streamed_bytes, torch.device("cpu")) is None  # freed: gone
+    host_memory.release_spares()  # what the end of a load does with what no arena took
+    assert other.spare.arena is None and host_memory.take_spare(other.streamed_bytes, torch.device("cpu")) is None
 
 
 def test_two_offered_memories_each_go_back_to_their_own_model(tmp_path):
