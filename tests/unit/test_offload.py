@@ -448,8 +448,10 @@ def test_offered_pinned_memory_stays_pinned_until_released(monkeypatch):
     assert arena.pinned and [c[0] for c in cudart.calls] == ["register"]
     spare = host_memory.SpareArena(arena, torch.device("cuda", 0))
     assert host_memory.take_spare(4096, torch.device("cuda", 1)) is None  # pinned for another device's streamer
+    host_memory.release_spares(torch.device("cuda", 1))
+    assert spare.arena is arena  # another device's release leaves it
     assert host_memory.take_spare(2048, torch.device("cuda", 0)) is None
-    taken = host_memory.take_spare(4096, torch.device("cuda", 0))
+    taken = host_memory.take_spare(4096, torch.device("cuda"))  # torch's name for the same device
     assert taken is arena and taken.pinned and spare.arena is None and [c[0] for c in cudart.calls] == ["register"]
     host_memory.SpareArena(taken, torch.device("cuda", 0)).release()
     assert [c[0] for c in cudart.calls] == ["register", "unregister"] and not cudart.registered
