@@ -334,35 +334,6 @@ def test_engine_event_order_with_a_recording_sync(monkeypatch):
     assert all(op != "wait" or stream in ("copy", "compute") for op, stream, _ in log)
 
 
-def test_deactivate_restores_file_backed_originals(tmp_path):
-    """The idle expert costs no anonymous RAM when its weights came from a file mapping (two-expert RSS goal)."""
-    from safetensors.torch import load_file, save_file
-
-    model = TinyWan(n=4)
-    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(sd, tmp_path / "m.safetensors")
-    mapped = load_file(tmp_path / "m.safetensors")  # safetensors CPU tensors are mmap-backed
-    model.load_state_dict(mapped, assign=True)
-    if not host_memory.is_file_backed(model.blocks[1].ffn[0].weight):
-        pytest.skip("safetensors did not return mmap-backed tensors on this platform")
-    plan = plan_swap([offload.block_nbytes(b) for b in model.blocks], SwapConfig(blocks_to_swap=2))
-    st = BlockStreamer(model.blocks, plan, "cpu", pinned=False)
-    st.activate()
-    assert st.arena is not None
-    st.deactivate()
-    assert st.arena is None
-    assert host_memory.is_file_backed(model.blocks[plan.streamed[0]].ffn[0].weight)
-    st.activate()  # and comes back
-    x, e, ctx = _inputs()
-    with torch.no_grad():
-        st.begin_forward()
-        out = model(x, e, ctx, streamer=st)
-        st.end_forward()
-    st.deactivate()
-    with torch.no_grad():
-        assert torch.equal(out, model(x, e, ctx))
-
-
 @pytest.fixture(autouse=True)
 def _no_spare_arenas():
     """Each test starts and ends with no arena memory on offer (a spare another test left would be taken)."""
@@ -393,6 +364,22 @@ def _forward(model: TinyWan, st: BlockStreamer | None) -> torch.Tensor:
         out = model(x, e, ctx, streamer=st)
         st.end_forward()
         return out
+
+
+def test_deactivate_restores_file_backed_originals(tmp_path):
+    """The idle expert costs no anonymous RAM when its weights came from a file mapping (two-expert RSS goal)."""
+    model = _mapped_wan(tmp_path / "m.safetensors", 0)
+    plan = plan_swap([offload.block_nbytes(b) for b in model.blocks], SwapConfig(blocks_to_swap=2))
+    st = BlockStreamer(model.blocks, plan, "cpu", pinned=False)
+    st.activate()
+    assert st.arena is not None
+    st.deactivate()
+    assert st.arena is None
+    assert host_memory.is_file_backed(model.blocks[plan.streamed[0]].ffn[0].weight)
+    st.activate()  # and comes back
+    out = _forward(model, st)
+    st.deactivate()
+    assert torch.equal(out, _forward(model, None))
 
 
 def test_an_expert_switch_copies_into_the_memory_the_idle_expert_dropped(tmp_path):
