@@ -164,8 +164,7 @@ def setup_text(row: RenderRow) -> str:
         gguf = f"UnetLoaderGGUF (ComfyUI-GGUF) {rg.GGUF_TYPES[row.file_format]}"
         what = re.sub(r"UNETLoader [^,]+", gguf, what) if setup.native else f"{gguf} in place of the Wan Loader, {what}"
     if row.easycache_threshold is not None:
-        what = what.replace(rg.EASYCACHE, rg.EASYCACHE.replace("its defaults", f"reuse_threshold "
-                                                                              f"{row.easycache_threshold:g}"))
+        what = what.replace("EasyCache (its defaults)", step_cache(row))
     if setup.native:
         return f"native equivalent of {source}: {what}"
     if setup.drop_block_swap:
