@@ -15,8 +15,8 @@ How it cooperates with ComfyUI (v0.8.0, comfy/model_patcher.py + comfy/model_man
 - The pinned host arena is counted in ComfyUI's pinned-memory account while it is registered, and stays pageable
   when that account has no room (host/pin_budget.py), so ComfyUI's own pins never push past its cap.
 - LoRA on streamed blocks is merged once per load into their host arena (host/lora_merge.py: ComfyUI's own
-  convert / calculate_weight / set steps, so fp8 layers re-quantize with their own scales) and restored exactly on
-  unload; every step streams the merged bytes. Offloaded embeddings keep ComfyUI's ``LowVramPatch`` (per call).
+  convert / calculate_weight / set steps, so fp8 layers re-quantize with their own scales), each block while the
+  next is copied into the arena, and restored exactly on unload; every step streams the merged bytes. Offloaded embeddings keep ComfyUI's ``LowVramPatch`` (per call).
 - Once per load, after its first model calls, one log line says whether compute hid the copies or by how much
   they stalled it and what would help (offload/verdict.py, from the engine's CUDA-event timings); the Doctor
   node shows the latest line of each model. A CPU run times nothing and says nothing.
@@ -54,7 +54,7 @@ from .core_quant import model_layouts
 from .dynamic_vram import legacy_clone
 from .hooks import register_hook
 from .log import say_once
-from .lora_merge import StreamedMerge
+from .lora_merge import BlockMerge, StreamedMerge
 from .patchers import dynamic_vram_manages, mixed_class
 from .pin_budget import ComfyPinBudget
 
@@ -173,10 +173,12 @@ class SwapController:
                 self.streamer = BlockStreamer(self.blocks, plan, device, pinned=self.config.pinned,
                                               debug=self.config.debug, pin_budget=ComfyPinBudget())
                 self.streamer.spare = spare  # the old arena's memory: taken, or freed before a new one is allocated
-            self.streamer.activate()
+            fill = self._lora_fill(patcher, device)
+            self.streamer.activate(fill)
             took["arena"] = time.perf_counter()
-            self._merge_lora(patcher, device)
-            took["lora"] = time.perf_counter()
+            if fill is not None:
+                self._merge_lora(fill)
+                took["lora"] = time.perf_counter()
         model = patcher.model
         swapped = [(n, m) for n, m in model.named_modules() if self.is_swapped_module(n)]
         for n, m in swapped:  # LoRA on offloaded embeddings: ComfyUI's LowVramPatch, computed on the GPU per call
@@ -221,25 +223,34 @@ class SwapController:
                  "resident %.2f GB + ring %.2f GB on %s; %s", len(plan.streamed), plan.num_blocks, list(plan.streamed),
                  plan.ring, plan.slot_bytes / 2**20, self.config.prefetch, self.config.pinned,
                  (self.gpu_bytes(plan) - plan.ring_bytes) / 1e9, plan.ring_bytes / 1e9, where,
-                 _took(took, self.streamer.took if plan.streamed and self.streamer else None))
+                 _took(took, self.streamer.took if plan.streamed and self.streamer else None, self.lora.overlapped))
 
-    def _merge_lora(self, patcher, device: torch.device) -> None:  # noqa: ANN001 - ModelPatcher
-        """Merge ``patcher``'s patches on streamed blocks into the host arena, unless they are merged already."""
+    def _lora_fill(self, patcher, device: torch.device) -> BlockMerge | None:  # noqa: ANN001 - ModelPatcher
+        """A merge of ``patcher``'s patches on streamed blocks for the arena copy to run block by block, or None when
+        the arena holds them already. The arena gets its original bytes back first."""
         if self.lora.is_current(patcher):
-            return
-        self.lora.restore()
+            return None
+        keys: dict[int, list[str]] = {}
         streamed = set(self.plan.streamed)
-        keys, originals = [], {}
         for key in patcher.patches:
-            idx, _, name = key[len(self.prefix):].partition(".") if key.startswith(self.prefix) else ("", "", "")
-            if not (idx.isdigit() and int(idx) in streamed):
-                continue
-            keys.append(key)
-            original = self.streamer.originals.get(int(idx), {}).get(name)
-            if original is not None:
-                originals[key] = original
+            idx, _, _ = key[len(self.prefix):].partition(".") if key.startswith(self.prefix) else ("", "", "")
+            if idx.isdigit() and int(idx) in streamed:
+                keys.setdefault(int(idx), []).append(key)
+        self.lora.begin()
         # LoRA math on the GPU when there is one: one weight at a time goes there and back
-        self.lora.merge(patcher, keys, originals, device, attach=self._attach_patches)
+        return BlockMerge(self.lora, patcher, keys, self._block_originals, device, attach=self._attach_patches)
+
+    def _block_originals(self, b: int) -> dict[str, torch.Tensor]:
+        """Block ``b``'s file-backed tensors (what its arena bytes were copied from), by the patcher's key."""
+        return {f"{self.prefix}{b}.{name}": t for name, t in self.streamer.originals.get(b, {}).items()}
+
+    def _merge_lora(self, fill: BlockMerge) -> None:
+        """End the merge: the blocks the arena copy did not hand over (all of them when the arena was kept, or was
+        copied before being pinned) are merged now; then wait for the GPU and log it."""
+        for b, keys in fill.keys.items():
+            if b not in fill.blocks:
+                self.lora.merge_keys(fill.patcher, keys, self._block_originals(b), fill.device, self._attach_patches)
+        self.lora.finish(fill.patcher, fill.device)
 
     def _attach_patches(self, key: str, patches: list) -> None:
         """Give the streamed GGML weight ``key`` these LoRA patches, applied by its layer on dequantization."""
@@ -440,7 +451,7 @@ class BlockSwapMixin:
         return super().detach(unpatch_all)
 
 
-def _took(marks: dict[str, float], streamer_took: dict[str, float] | None = None) -> str:
+def _took(marks: dict[str, float], streamer_took: dict[str, float] | None = None, lora_beside: bool = False) -> str:
     """``activated in 2.10 s (host arena 1.50 s, LoRA merge 0.40 s)`` from perf_counter marks taken in order."""
     now = time.perf_counter()
     parts = []
@@ -451,7 +462,8 @@ def _took(marks: dict[str, float], streamer_took: dict[str, float] | None = None
             split = f" (copy {streamer_took['copy']:.2f} s, pin {streamer_took['pin']:.2f} s{reused})"
         parts.append(f"host arena {marks['arena'] - marks['start']:.2f} s{split}")
     if "lora" in marks:
-        parts.append(f"LoRA merge {marks['lora'] - marks['arena']:.2f} s")
+        parts.append(f"LoRA merge {marks['lora'] - marks['arena']:.2f} s"
+                     + (" after the copy it ran beside" if lora_beside else ""))
     return f"activated in {now - marks['start']:.2f} s" + (f" ({', '.join(parts)})" if parts else "")
 
 

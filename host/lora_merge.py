@@ -33,6 +33,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -98,17 +99,24 @@ class StreamedMerge:
         self._shared: dict = {}  # the patcher's backup dict (shared by its clones) holding our entries
         self.merges = 0  # tensors merged so far (a counter for logs and tests)
         self.last_seconds = 0.0  # wall time of the last merge that merged anything
+        # the merge under way (begin -> merge_keys -> finish): its start, tensors and bytes merged, whether it ran
+        # beside the arena copy
+        self._started, self._done, self._nbytes, self._overlapped = 0.0, 0, 0, False
 
     @property
     def merged(self) -> bool:
         """True while the arena holds merged weights."""
         return self.uuid is not None
 
+    @property
+    def overlapped(self) -> bool:
+        """True when the last merge ran block by block beside the arena copy."""
+        return self._overlapped
+
     def is_current(self, patcher: Any) -> bool:
         """True when the arena already holds exactly ``patcher``'s patches."""
         return self.uuid is not None and self.uuid == patcher.patches_uuid
 
-    @torch.no_grad()
     def merge(self, patcher: Any, keys: list[str], originals: dict[str, torch.Tensor], device: torch.device,
               attach: AttachPatches | None = None) -> int:
         """Merge ``patcher``'s patches of ``keys`` (parameters bound to the host arena) in place; returns the count.
@@ -116,10 +124,25 @@ class StreamedMerge:
         ``originals``: key -> file-backed tensor holding the same bytes as the arena (restored from; never written).
         ``attach``: sets a quantized GGML weight's patches on every view the streamer binds (GGUF models).
         """
+        self.begin()
+        self.merge_keys(patcher, keys, originals, device, attach)
+        return self.finish(patcher, device)
+
+    def ran_beside_copy(self) -> None:
+        """Mark the merge under way as run block by block beside the arena copy (for its log line)."""
+        self._overlapped = True
+
+    def begin(self) -> None:
+        """Start a merge: the arena gets its original bytes back first."""
+        self.restore()
+        self._started, self._done, self._nbytes, self._overlapped = time.perf_counter(), 0, 0, False
+
+    @torch.no_grad()
+    def merge_keys(self, patcher: Any, keys: list[str], originals: dict[str, torch.Tensor], device: torch.device,
+                   attach: AttachPatches | None = None) -> None:
+        """Merge (or attach) ``keys`` of a merge begun with ``begin``; its GPU copies may still be under way."""
         import comfy.utils
 
-        self.restore()
-        start, done, nbytes = time.perf_counter(), 0, 0
         for key in keys:
             target = comfy.utils.get_attr(patcher.model, key)
             if ggml.is_quantized(target) and attach is not None:
@@ -139,21 +162,25 @@ class StreamedMerge:
             # GPU -> arena without staging: asynchronous into pinned memory (the caching allocator hands ``new``'s
             # block only to later work on this stream, which runs after the copy), synchronous into pageable memory
             stored.copy_(new, non_blocking=True)
-            done += 1
-            nbytes += stored.numel() * stored.element_size()
-        if device.type == "cuda" and done:
+            self._done += 1
+            self._nbytes += stored.numel() * stored.element_size()
+
+    def finish(self, patcher: Any, device: torch.device) -> int:
+        """End a merge begun with ``begin``: wait for its copies, log it; returns the count of merged tensors."""
+        if device.type == "cuda" and self._done:
             torch.cuda.current_stream(device).synchronize()  # the arena is read on the CPU and by the copy stream
         # nothing to merge: nothing to keep track of
         self.uuid = patcher.patches_uuid if self._backups or self._attached else None
-        self.merges += done
-        if done:
-            self.last_seconds = time.perf_counter() - start
-            log.info("lowvram_dit Block Swap: LoRA merged into %d streamed weights (%.2f GB) in %.1f s, once for this "
-                     "load (no per-step patching)", done, nbytes / 1e9, self.last_seconds)
+        self.merges += self._done
+        if self._done:
+            self.last_seconds = time.perf_counter() - self._started
+            log.info("lowvram_dit Block Swap: LoRA merged into %d streamed weights (%.2f GB) in %.1f s%s, once for "
+                     "this load (no per-step patching)", self._done, self._nbytes / 1e9, self.last_seconds,
+                     ", each block while the next was copied into the arena" if self._overlapped else "")
         if self._attached:
             log.info("lowvram_dit Block Swap: LoRA on %d streamed GGUF-quantized weights applies when they are "
                      "dequantized, as ComfyUI-GGUF applies it", len(self._attached))
-        return done
+        return self._done
 
     @torch.no_grad()
     def restore(self, arena_dropped: bool = False) -> None:
@@ -171,6 +198,52 @@ class StreamedMerge:
             self._attach(key, [])
         self._attached.clear()
         self.uuid = None
+
+
+class BlockMerge:
+    """A merge begun with ``StreamedMerge.begin``, done block by block while the streamer fills the arena (the
+    engine's ``BlockFill``): a block's weights are merged in one worker thread as soon as the block is copied, so the
+    CPU's copy of the next block and the GPU round trip of this block's weights run at the same time instead of one
+    after the other. The worker computes in the loading thread's inference / grad mode (torch keeps them per thread),
+    so what it makes is what the loading thread would have made."""
+
+    def __init__(self, merge: StreamedMerge, patcher: Any, keys: dict[int, list[str]],
+                 originals: Callable[[int], dict[str, torch.Tensor]], device: torch.device,
+                 attach: AttachPatches | None = None) -> None:
+        self._merge, self.patcher, self.keys, self._originals = merge, patcher, keys, originals
+        self.device, self._attach = device, attach
+        self._inference = torch.is_inference_mode_enabled()
+        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: list[Future] = []
+        self.blocks: set[int] = set()  # the blocks handed over so far
+
+    def block(self, b: int) -> None:
+        """Block ``b`` is in the arena: merge its keys in the worker."""
+        self.blocks.add(b)
+        keys = self.keys.get(b)
+        if not keys:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lowvram_dit_lora_merge")
+            self._merge.ran_beside_copy()
+        self._jobs.append(self._pool.submit(self._run, keys, self._originals(b)))
+
+    def _run(self, keys: list[str], originals: dict[str, torch.Tensor]) -> None:
+        with torch.inference_mode(self._inference), torch.no_grad():
+            self._merge.merge_keys(self.patcher, keys, originals, self.device, self._attach)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # this thread's copies into the arena are done
+
+    def wait(self) -> None:
+        """Return once every handed-over block is merged; raises the first error a block's merge raised."""
+        if self._pool is None:
+            return
+        try:
+            for job in self._jobs:
+                job.result()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool, self._jobs = None, []
 
 
 def _patch_device(patcher: Any) -> torch.device:

@@ -187,6 +187,15 @@ class _Slot:
     pending: bool = False  # loaded but not consumed yet
 
 
+class BlockFill(Protocol):
+    """Work on each streamed block's arena bytes right after they are copied (Block Swap's LoRA merge), so it can
+    run while the next block is copied; ``wait`` returns once all of it is done (raising what it raised)."""
+
+    def block(self, b: int) -> None: ...
+
+    def wait(self) -> None: ...
+
+
 class BlockStreamer:
     """Streams the planned blocks of a block list through a GPU ring; resident blocks are not touched.
 
@@ -299,17 +308,21 @@ class BlockStreamer:
         return True
 
     @torch.no_grad()
-    def activate(self) -> None:
-        """Copy streamed blocks into the host arena (once), pin it, allocate the ring. Idempotent."""
+    def activate(self, fill: BlockFill | None = None) -> None:
+        """Copy streamed blocks into the host arena (once), pin it, allocate the ring. Idempotent.
+
+        ``fill`` gets each block as soon as it is copied when the arena's memory is already what it will stay
+        (pinned, or never to be pinned): registering memory that is being written is not done. ``took["filled"]``
+        says whether it got them; if not, the caller does that work after this returns."""
         if self.active:
             return
         streamed = self.plan.streamed
         for b in streamed:
             self._owners.setdefault(b, self._build_owners(b))
         t0 = time.perf_counter()
-        self.took = {"reused": False}  # for the load's log line: and copy, pin
+        self.took = {"reused": False, "filled": False}  # for the load's log line: and copy, pin
         if streamed and not self._arena_is_current():
-            self._build_arena()
+            self._build_arena(fill)
         t1 = time.perf_counter()
         if streamed and self.pinned and self.device.type == "cuda":
             self.arena.pin()
@@ -329,7 +342,7 @@ class BlockStreamer:
         self._measured.clear()
         self.active = True
 
-    def _build_arena(self) -> None:
+    def _build_arena(self, fill: BlockFill | None) -> None:
         streamed = self.plan.streamed
         offsets, total = {}, 0
         for b in streamed:
@@ -345,10 +358,23 @@ class BlockStreamer:
             own.release()  # its own memory, unless just taken: not needed beside the one it now has
         self.took["reused"] = arena is not None
         self.arena = arena or HostArena(total, pin=False, budget=self.pin_budget)
+        final = self.arena.pinned or not (self.pinned and self.device.type == "cuda")
+        self.took["filled"] = fill is not None and final
+        try:
+            mapped = self._copy_blocks(offsets, fill if self.took["filled"] else None)
+        finally:
+            if self.took["filled"]:
+                fill.wait()  # before the arena is pinned, bound to the ring or freed
+        self._arena_offsets = offsets
+        log.info("lowvram_dit block swap: %d blocks (%.2f GB) copied into a host arena%s", len(streamed), total / 1e9,
+                 f"; {mapped / 1e9:.2f} GB of it stays file-backed for when the model goes idle" if mapped else "")
+
+    def _copy_blocks(self, offsets: dict[int, int], fill: BlockFill | None) -> int:
+        """Copy every streamed block into its arena region and bind it there; the file-backed bytes among them."""
         maps = file_backed_ranges()
         self.originals.clear()
         mapped = 0
-        for b in streamed:
+        for b in self.plan.streamed:
             layout = self._layout(b)[0]
             views = flat_views(self.arena.buffer, layout, base=offsets[b])
             originals = {}
@@ -362,9 +388,9 @@ class BlockStreamer:
             mapped += page_out(originals.values())  # per block: the file pages just read never pile up in RSS
             self._cpu_views[b] = self._stamp(b, self._as_params(b, views))
             self._bind(b, self._cpu_views[b])
-        self._arena_offsets = offsets
-        log.info("lowvram_dit block swap: %d blocks (%.2f GB) copied into a host arena%s", len(streamed), total / 1e9,
-                 f"; {mapped / 1e9:.2f} GB of it stays file-backed for when the model goes idle" if mapped else "")
+            if fill is not None:
+                fill.block(b)
+        return mapped
 
     def _gpu(self, b: int, slot: int) -> dict[str, torch.Tensor]:
         key = (b, slot)

@@ -146,6 +146,7 @@ def test_block_swap_lora_equals_resident_merge_and_merges_once(files: dict, quan
     assert len(streamed_keys) == 2 * 21  # per streamed block: 10 Linear weights, their 10 biases, norm3
     assert calls.n == len(model.patches)  # each patch applied once (resident by ComfyUI, streamed by Block Swap)
     assert torch.equal(out, ref)  # bit-identical to ComfyUI merging every layer itself
+    assert ctl.lora.overlapped  # each block merged in the worker while the next was copied (CPU: arena never pinned)
     # the op class's shared default list was never appended to (it would patch every layer of the class)
     lin = model.model.diffusion_model.blocks[ctl.plan.streamed[0]].ffn[0]
     assert type(lin).weight_function == [] and lin.weight_function == []
@@ -224,6 +225,47 @@ def test_unload_of_a_file_backed_arena_does_not_read_the_file_back(files: dict,
     assert all(_same_bytes(after[k], before[k]) for k in before)  # private copies (biases, norms) restored too
     assert torch.equal(sample_wan(patched, steps=2), strong)  # re-loaded: merged again from the original bytes
     assert torch.equal(sample_wan(base, steps=2), no_lora)
+    mm.unload_all_models()
+
+
+def test_merge_beside_the_arena_copy_under_inference_mode_equals_it_outside(files: dict) -> None:
+    """ComfyUI runs a prompt under inference mode, so the arena is an inference tensor that the merge worker (another
+    thread) writes: same output as a load outside inference mode."""
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
+
+    lora = wan_lora(files["sd"], style="lightx2v")
+    ref = sample_wan(_with_lora(_swapped(_load(files["fp8_scaled"], "fp8 per-tensor")), lora), steps=2)
+    mm.unload_all_models()
+    model = _with_lora(_swapped(_load(files["fp8_scaled"], "fp8 per-tensor")), lora)
+    with torch.inference_mode():
+        out = sample_wan(model, steps=2)
+    ctl = model.attachments[SWAP_KEY]
+    assert ctl.lora.overlapped and ctl.streamer.arena.buffer.is_inference()
+    assert torch.equal(out, ref)
+    mm.unload_all_models()
+
+
+def test_a_merge_error_in_the_worker_reaches_the_caller(files: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block whose merge fails in the worker fails the load with that error (no hang, no silent unmerged block)."""
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.host import lora_merge
+
+    lora = wan_lora(files["sd"], style="lightx2v")
+    model = _with_lora(_swapped(_load(files["fp8_scaled"], "fp8 per-tensor")), lora)
+    merged = lora_merge.merged_weight
+
+    def failing(patcher: Any, key: str, device: torch.device) -> torch.Tensor:
+        if key.endswith("blocks.1.ffn.2.weight"):
+            raise TypeError(f"{key}: planted merge failure")
+        return merged(patcher, key, device)
+
+    monkeypatch.setattr(lora_merge, "merged_weight", failing)
+    with pytest.raises(TypeError, match="blocks.1.ffn.2.weight: planted merge failure"):
+        sample_wan(model, steps=1)
+    monkeypatch.setattr(lora_merge, "merged_weight", merged)
     mm.unload_all_models()
 
 
