@@ -101,7 +101,8 @@ class StreamedMerge:
         self.last_seconds = 0.0  # wall time of the last merge that merged anything
         # the merge under way (begin -> merge_keys -> finish): its start, tensors and bytes merged, whether it ran
         # beside the arena copy
-        self._started, self._done, self._nbytes, self._overlapped = 0.0, 0, 0, False
+        self._started: float | None = None
+        self._done, self._nbytes, self._overlapped = 0, 0, False
 
     @property
     def merged(self) -> bool:
@@ -135,7 +136,8 @@ class StreamedMerge:
     def begin(self) -> None:
         """Start a merge: the arena gets its original bytes back first."""
         self.restore()
-        self._started, self._done, self._nbytes, self._overlapped = time.perf_counter(), 0, 0, False
+        # timed from its first merged tensor (the arena copy before it is not the merge's)
+        self._started, self._done, self._nbytes, self._overlapped = None, 0, 0, False
 
     @torch.no_grad()
     def merge_keys(self, patcher: Any, keys: list[str], originals: dict[str, torch.Tensor], device: torch.device,
@@ -143,6 +145,8 @@ class StreamedMerge:
         """Merge (or attach) ``keys`` of a merge begun with ``begin``; its GPU copies may still be under way."""
         import comfy.utils
 
+        if self._started is None:
+            self._started = time.perf_counter()
         for key in keys:
             target = comfy.utils.get_attr(patcher.model, key)
             if ggml.is_quantized(target) and attach is not None:
