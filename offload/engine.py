@@ -358,6 +358,8 @@ class BlockStreamer:
             own.release()  # its own memory, unless just taken: not needed beside the one it now has
         self.took["reused"] = arena is not None
         self.arena = arena or HostArena(total, pin=False, budget=self.pin_budget)
+        # A fresh arena is filled before it is pinned: registering untouched memory faults every page in one
+        # thread, several times slower than the copy and the pin together (docs/investigations, expert switch)
         final = self.arena.pinned or not (self.pinned and self.device.type == "cuda")
         self.took["filled"] = fill is not None and final
         try:
