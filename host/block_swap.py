@@ -34,6 +34,7 @@ model through with a log line.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 import uuid
@@ -70,6 +71,23 @@ def measured_verdicts() -> list[str]:
     return list(_measured.values())
 
 
+class SwapState(enum.Enum):
+    """Where one Block Swap model is in ComfyUI's load cycle (``SwapController.state``)."""
+
+    UNLOADED = "unloaded"  # no plan: the next load plans afresh (resolution or free VRAM may have changed)
+    PLANNED = "planned"  # planned for the load under way; nothing of ours on the GPU yet
+    ACTIVE = "active"  # ring on the GPU, streamed blocks bound to the host arena, ring counted in ComfyUI's account
+    DETACHED = "detached"  # the weights went to a clone for a re-load: ring freed, plan, arena and LoRA merge kept
+
+
+# What each ComfyUI event does to a Block Swap model (BlockSwapMixin carries it out):
+#   load(), not ACTIVE ............................ plan_load(), then activate() when a block streams
+#   partially_load() after the stock early return . activate() (the stock path skipped load())
+#   detach(unpatch_all=False) ..................... detach(): ring freed, arena kept for the re-load
+#   detach(unpatch_all=True), unpatch_model() ..... unload(): LoRA restored, ring and arena freed, plan dropped
+#   a forward while not ACTIVE .................... ensure_active(): activate() with the kept plan and device
+
+
 class SwapController:
     """State shared by every clone of one Block Swap MODEL: the plan, the streamer, what was moved and why."""
 
@@ -89,7 +107,7 @@ class SwapController:
         self.activation_bytes = 0  # ComfyUI's own estimate at the current resolution (PREPARE_SAMPLING wrapper)
         self.plan: SwapPlan | None = None
         self.streamer: BlockStreamer | None = None
-        self.active = False
+        self.state = SwapState.UNLOADED
         self.device: torch.device | None = None
         self._moved: dict[str, torch.Tensor] = {}  # non-leaf params moved to the GPU -> their CPU originals
         self._flagged: list[torch.nn.Module] = []  # modules whose comfy_cast_weights we set
@@ -101,12 +119,27 @@ class SwapController:
     def __deepcopy__(self, memo: dict) -> "SwapController":
         return self  # model_options are deep-copied on clone: the controller (GPU ring) must be shared
 
+    @property
+    def active(self) -> bool:
+        """True while the ring is on the GPU and the streamed blocks are served from the arena."""
+        return self.state is SwapState.ACTIVE
+
+    @staticmethod
+    def _account(patcher, delta: int) -> None:  # noqa: ANN001 - ModelPatcher
+        """Add ``delta`` bytes (ring + moved params) to what ComfyUI counts as loaded for ``patcher``'s model."""
+        patcher.model.model_loaded_weight_memory = max(0, patcher.model.model_loaded_weight_memory + delta)
+
     # -- planning ------------------------------------------------------------------------------------------
 
     def fixed_bytes(self) -> int:
         """Weights that stay on the GPU besides blocks (embeddings/head unless offloaded)."""
         nonblock = self.full_bytes - sum(self.block_state_bytes)
         return nonblock - (self.embed_bytes if self.config.offload_embeddings else 0)
+
+    def plan_load(self, weight_budget: float | None) -> None:
+        """UNLOADED / PLANNED / DETACHED -> PLANNED: the plan for the load under way (an equal plan keeps the arena)."""
+        self.plan = self.make_plan(weight_budget)
+        self.state = SwapState.PLANNED
 
     def make_plan(self, weight_budget: float | None) -> SwapPlan:
         """Plan for a load: ``weight_budget`` is what ComfyUI offers for weights (None = unlimited)."""
@@ -216,8 +249,8 @@ class SwapController:
                     offload.set_param(model, key, t.to(device))
                     moved += t.numel() * t.element_size()
         self._extra_loaded = plan.ring_bytes + moved
-        model.model_loaded_weight_memory += self._extra_loaded
-        self.active = True
+        self._account(patcher, self._extra_loaded)
+        self.state = SwapState.ACTIVE
         where = "GPU" if device.type == "cuda" else f"{device.type} (no VRAM to save: test path)"
         log.info("lowvram_dit Block Swap: %d of %d blocks streamed %s, ring %d x %.0f MB, prefetch %d, pinned %s, "
                  "resident %.2f GB + ring %.2f GB on %s; %s", len(plan.streamed), plan.num_blocks, list(plan.streamed),
@@ -258,28 +291,44 @@ class SwapController:
         self.streamer.set_tensor_attr(int(idx), name, "patches", patches)
 
     @torch.no_grad()
-    def deactivate(self, patcher, unload: bool = True) -> None:  # noqa: ANN001 - ModelPatcher
-        """Free the ring, restore flags and moved params, take the ring out of the accounting.
+    def detach(self, patcher) -> None:  # noqa: ANN001 - ModelPatcher
+        """ACTIVE -> DETACHED (ComfyUI detaches the model before every re-load): the ring is freed; the plan, the
+        pinned arena and its merged LoRA stay, so the next load re-activates at the cost of a cached allocation."""
+        if not self.active:
+            return
+        self._hand_over_timings()
+        self.streamer.deactivate(release_host=False)
+        self._release_gpu(patcher)
+        self.state = SwapState.DETACHED
 
-        ``unload=False`` (ComfyUI detaches the model before every re-load) keeps the plan and the pinned arena,
-        so the next ``partially_load`` re-activates at the cost of a cached allocation.
-        """
-        if self.active and self.streamer is not None:  # a load too short for the hook to hand its timings over
+    @torch.no_grad()
+    def unload(self, patcher) -> None:  # noqa: ANN001 - ModelPatcher
+        """Any state -> UNLOADED: the arena gets its original bytes back (or, when it is dropped for the file
+        mapping, only its private copies), the ring and the arena are freed and the plan is dropped."""
+        was_active = self.active
+        self._hand_over_timings()
+        t0 = time.perf_counter()
+        if self.streamer is not None:
+            self.lora.restore(arena_dropped=self.streamer.drops_arena_on_release())
+        t1 = time.perf_counter()
+        if self.streamer is not None:
+            self.streamer.deactivate(release_host=True)
+        if was_active:
+            self._release_gpu(patcher)
+        self.plan, self.state = None, SwapState.UNLOADED
+        if was_active:
+            log.info("lowvram_dit Block Swap: unloaded in %.2f s (LoRA restore %.2f s)", time.perf_counter() - t0,
+                     t1 - t0)
+
+    def _hand_over_timings(self) -> None:
+        """A load too short for the hook to hand its timings over: take them now."""
+        if self.active and self.streamer is not None:
             calls = self.streamer.take_measurement(wait=True)
             if calls:
                 self.swap_measured(calls)
-        t0 = time.perf_counter()
-        if unload:  # the arena gets the original bytes back before it is re-used (or, when dropped, the private ones)
-            self.lora.restore(arena_dropped=self.streamer is not None and self.streamer.drops_arena_on_release())
-        t1 = time.perf_counter()
-        if not self.active:
-            if unload:
-                self.plan = None
-                if self.streamer is not None:
-                    self.streamer.deactivate(release_host=True)  # unpin a kept arena
-            return
-        if self.streamer is not None:
-            self.streamer.deactivate(release_host=unload)
+
+    def _release_gpu(self, patcher) -> None:  # noqa: ANN001 - ModelPatcher
+        """Undo what ``activate`` did besides the streamer: layer flags, pins, moved params, the accounting."""
         for m in self._flagged:
             if hasattr(m, "prev_comfy_cast_weights"):
                 m.comfy_cast_weights = m.prev_comfy_cast_weights
@@ -293,17 +342,11 @@ class SwapController:
         for key in self._pinned_keys:
             patcher.unpin_weight(key)
         self._pinned_keys.clear()
-        model = patcher.model
         for key, cpu in self._moved.items():
-            offload.set_param(model, key, cpu)
+            offload.set_param(patcher.model, key, cpu)
         self._moved.clear()
-        model.model_loaded_weight_memory = max(0, model.model_loaded_weight_memory - self._extra_loaded)
+        self._account(patcher, -self._extra_loaded)
         self._extra_loaded = 0
-        self.active = False
-        if unload:
-            self.plan = None  # re-planned at the next load (resolution or free VRAM may have changed)
-            log.info("lowvram_dit Block Swap: unloaded in %.2f s (LoRA restore %.2f s)", time.perf_counter() - t0,
-                     t1 - t0)
 
     def ensure_active(self) -> bool:
         """Safety net for a forward that finds the ring inactive (ComfyUI skipped ``load``): activate lazily."""
@@ -402,7 +445,7 @@ class BlockSwapMixin:
         if not ctl.active:
             offered = None if (full_load or lowvram_model_memory <= 0 or lowvram_model_memory >= 1e30) \
                 else lowvram_model_memory
-            ctl.plan = ctl.make_plan(offered)
+            ctl.plan_load(offered)
             if ctl.plan.streamed and getattr(self, "mmap_released", None) is False and ctl.streams_from_file():
                 # ComfyUI-GGUF's first load copies every weight it leaves on the CPU to the GPU and back to detach
                 # it from the file mapping: the streamed blocks would reach the arena from anonymous copies, so an
@@ -422,12 +465,12 @@ class BlockSwapMixin:
         # weights) would otherwise leave some resident layers on the CPU, cast and LoRA-patched on every call.
         fits = full_load or lowvram_model_memory <= 0 or ctl.gpu_bytes(ctl.plan) <= lowvram_model_memory
         weights = 1e32 if fits else lowvram_model_memory - ctl.plan.ring_bytes
-        if ctl.active:
-            self.model.model_loaded_weight_memory -= ctl._extra_loaded
+        if ctl.active:  # a re-load while active: the stock load recounts what it loads, ours is added back after
+            ctl._account(self, -ctl._extra_loaded)
         super().load(device_to, lowvram_model_memory=max(weights, 0.1), force_patch_weights=force_patch_weights,
                      full_load=False)
         if ctl.active:
-            self.model.model_loaded_weight_memory += ctl._extra_loaded
+            ctl._account(self, ctl._extra_loaded)
         else:
             ctl.activate(self, torch.device(device_to))
 
@@ -440,14 +483,14 @@ class BlockSwapMixin:
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):  # noqa: ANN001
         if unpatch_weights and self._swap is not None:
-            self._swap.deactivate(self)
+            self._swap.unload(self)
         return super().unpatch_model(device_to, unpatch_weights)
 
     def detach(self, unpatch_all=True):  # noqa: ANN001
         # unpatch_all=False: ComfyUI hands the weights to a clone (often this very patcher, re-loaded for the next
         # sampler run): free the ring now, keep the plan and the pinned arena for partially_load to re-activate.
         if self._swap is not None:
-            self._swap.deactivate(self, unload=unpatch_all)
+            self._swap.unload(self) if unpatch_all else self._swap.detach(self)
         return super().detach(unpatch_all)
 
 

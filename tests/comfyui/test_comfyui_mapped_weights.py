@@ -239,7 +239,7 @@ def test_a_new_swap_plan_builds_its_arena_from_the_file(tmp_path: Path, comfy_pi
     swapped = apply_block_swap(_load(tmp_path, "fp8_scaled"), SwapConfig(blocks_to_swap=2))
     ref = sample_wan(swapped, seed=2)
     ctl = swapped.attachments[SWAP_KEY]
-    ctl.deactivate(swapped, unload=False)  # detach(unpatch_all=False): arena kept
+    ctl.detach(swapped)  # detach(unpatch_all=False): arena kept
     old = ctl.plan.streamed
     new = tuple(sorted({*old, 0}))  # overlaps the old plan: those blocks now point into the old arena
     ctl.plan = dataclasses.replace(ctl.plan, streamed=new)
@@ -252,7 +252,7 @@ def test_a_new_swap_plan_builds_its_arena_from_the_file(tmp_path: Path, comfy_pi
     ctl.activate(swapped, torch.device("cpu"))
     assert all(ctl.streamer.originals.get(b) for b in new), "the new arena was copied from the old one"
     assert held_at_allocation == [[]]  # the old arena's memory (another size) was freed first, never held beside it
-    ctl.deactivate(swapped)
+    ctl.unload(swapped)
     assert ctl.streamer.arena is None
     assert all(is_file_backed(_weight(swapped, f"diffusion_model.blocks.{b}.ffn.0.weight")) for b in new)
     torch.testing.assert_close(sample_wan(swapped, seed=2), ref, rtol=0, atol=0)
