@@ -200,8 +200,7 @@ class SwapController:
                 if self.streamer is not None:
                     # a new plan: the old arena goes first, and file-backed weights go back to the file, so the
                     # new arena is copied from the file (its masters stay file-backed) and RAM does not double
-                    self.lora.restore(arena_dropped=self.streamer.drops_arena_on_release())
-                    self.streamer.deactivate(release_host=True)
+                    self._release_arena()
                 spare = self.streamer.spare if self.streamer is not None else None
                 self.streamer = BlockStreamer(self.blocks, plan, device, pinned=self.config.pinned,
                                               debug=self.config.debug, pin_budget=ComfyPinBudget())
@@ -297,7 +296,7 @@ class SwapController:
         if not self.active:
             return
         self._hand_over_timings()
-        self.streamer.deactivate(release_host=False)
+        self.streamer.detach()
         self._release_gpu(patcher)
         self.state = SwapState.DETACHED
 
@@ -308,17 +307,23 @@ class SwapController:
         was_active = self.active
         self._hand_over_timings()
         t0 = time.perf_counter()
-        if self.streamer is not None:
-            self.lora.restore(arena_dropped=self.streamer.drops_arena_on_release())
-        t1 = time.perf_counter()
-        if self.streamer is not None:
-            self.streamer.deactivate(release_host=True)
+        restore_s = self._release_arena() if self.streamer is not None else 0.0
         if was_active:
             self._release_gpu(patcher)
         self.plan, self.state = None, SwapState.UNLOADED
         if was_active:
             log.info("lowvram_dit Block Swap: unloaded in %.2f s (LoRA restore %.2f s)", time.perf_counter() - t0,
-                     t1 - t0)
+                     restore_s)
+
+    def _release_arena(self) -> float:
+        """The streamer lets go of its arena (and ring), after the merged LoRA is undone as far as the arena needs
+        it: all of it when the arena stays, only the private copies when it is dropped for the file mapping.
+        Returns the seconds the restore took."""
+        t0 = time.perf_counter()
+        self.lora.restore(arena_dropped=self.streamer.drops_arena_on_release())
+        restored = time.perf_counter() - t0
+        self.streamer.release()
+        return restored
 
     def _hand_over_timings(self) -> None:
         """A load too short for the hook to hand its timings over: take them now."""

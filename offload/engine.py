@@ -201,7 +201,8 @@ class BlockStreamer:
 
     Life cycle: ``BlockStreamer(blocks, plan, device)`` -> ``activate()`` (host arena, ring, CPU views) ->
     per forward ``begin_forward()``, ``before_block(i)`` / ``after_block(i)`` around every block,
-    ``end_forward()`` -> ``deactivate()`` (frees the ring; streamed blocks stay valid CPU tensors).
+    ``end_forward()`` -> ``detach()`` (frees the ring, keeps the arena) or ``release()`` (the arena too); streamed
+    blocks stay valid CPU tensors.
     """
 
     def __init__(self, blocks: Sequence[torch.nn.Module], plan: SwapPlan, device: torch.device | str,
@@ -218,7 +219,7 @@ class BlockStreamer:
         self.active = False
         self.arena: HostArena | None = None
         self.spare: SpareArena | None = None  # the memory of this model's dropped arena, until an arena takes it
-        self.originals: dict[int, dict[str, torch.Tensor]] = {}  # file-backed tensors restored on deactivate
+        self.originals: dict[int, dict[str, torch.Tensor]] = {}  # file-backed tensors restored on release
         self._layouts: dict[int, tuple[list[TensorSlot], int]] = {}
         self._cpu_views: dict[int, dict[str, torch.Tensor]] = {}
         self._gpu_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -402,44 +403,48 @@ class BlockStreamer:
         return self._gpu_views[key]
 
     @torch.no_grad()
-    def deactivate(self, release_host: bool = True) -> None:
-        """Free the ring; with ``release_host`` also unpin and go back to file-backed originals when there are any.
+    def detach(self) -> None:
+        """Free the ring; the arena stays (pinned) for a quick re-``activate``: ComfyUI detaches and re-loads the
+        same model around every sampler run. Streamed blocks stay valid CPU tensors."""
+        if not self.active:
+            return
+        for b in list(self._bound):
+            self._bind(b, self._cpu_views[b])
+        self._bound.clear()
+        if self._sync is not None and self._sync.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._sync.copy_stream)
+            self._sync.copy_stream.synchronize()  # not the hot loop: copies must finish before unpin/free
+        self.slots = []
+        self._gpu_views.clear()
+        self._where.clear()
+        self._sync = None
+        self._timer = None
+        self._pending.clear()
+        self.active = False
 
-        ``release_host=False`` keeps the arena pinned for a quick re-``activate`` (ComfyUI detaches and re-loads
-        the same model around every sampler run).
-        """
-        if self.active:
-            for b in list(self._bound):
-                self._bind(b, self._cpu_views[b])
-            self._bound.clear()
-            if self._sync is not None and self._sync.cuda:
-                torch.cuda.current_stream(self.device).wait_stream(self._sync.copy_stream)
-                self._sync.copy_stream.synchronize()  # not the hot loop: copies must finish before unpin/free
-            self.slots = []
-            self._gpu_views.clear()
-            self._where.clear()
-            self._sync = None
-            self._timer = None
-            self._pending.clear()
-            self.active = False
-        if self.arena is not None and release_host:
-            if self._mostly_file_backed():
-                # Idle model ~0 RSS (two-expert Wan 2.2): file-backed masters go back to the file mapping, the
-                # rest (biases, norms, modulation: ~0.1 % of a block) gets small private copies, the arena's
-                # memory is offered to the next arena of its size (the other expert's, at the next switch).
-                for b in self.plan.streamed:
-                    keep = self.originals.get(b, {})
-                    self._bind(b, self._as_params(b, {n: keep[n] if n in keep else _private_copy(v)
-                                                      for n, v in self._cpu_views[b].items()}))
-                self.originals.clear()
-                self.spare = SpareArena(self.arena, self.device)
-                self.arena = None
-                self._cpu_views.clear()
-            else:
-                self.arena.unpin()
+    def release(self) -> None:
+        """Free the ring and let go of the arena: back to the file-backed originals when there are any (its memory
+        offered to the next arena of its size), else unpinned and kept as the blocks' CPU copy."""
+        self.detach()
+        if self.arena is None:
+            return
+        if self._mostly_file_backed():
+            # Idle model ~0 RSS (two-expert Wan 2.2): file-backed masters go back to the file mapping, the
+            # rest (biases, norms, modulation: ~0.1 % of a block) gets small private copies, the arena's
+            # memory is offered to the next arena of its size (the other expert's, at the next switch).
+            for b in self.plan.streamed:
+                keep = self.originals.get(b, {})
+                self._bind(b, self._as_params(b, {n: keep[n] if n in keep else _private_copy(v)
+                                                  for n, v in self._cpu_views[b].items()}))
+            self.originals.clear()
+            self.spare = SpareArena(self.arena, self.device)
+            self.arena = None
+            self._cpu_views.clear()
+        else:
+            self.arena.unpin()
 
     def drops_arena_on_release(self) -> bool:
-        """True when ``deactivate(release_host=True)`` frees the arena and rebinds to the file-backed originals."""
+        """True when ``release`` frees the arena and rebinds to the file-backed originals."""
         return self.arena is not None and self._mostly_file_backed()
 
     def _mostly_file_backed(self) -> bool:

@@ -62,7 +62,7 @@ def test_swapped_equals_resident_bit_exact(fp8, swap, prefetch):
             stats = st.end_forward()
             assert torch.equal(out, ref)
             assert stats.on_demand == 0
-    st.deactivate()
+    st.release()
 
 
 def test_no_cpu_synchronization_in_the_loop():
@@ -91,7 +91,7 @@ def test_no_cpu_synchronization_in_the_loop():
         assert c.timed and c.copies == c.blocks_run == len(plan.streamed)
         assert 0 < c.compute_ms < c.call_ms and c.transfer_ms > 0 and 0 <= c.stall_ms < c.call_ms
     torch.cuda.synchronize()
-    st.deactivate()
+    st.release()
 
 
 def test_memory_within_plan_and_no_allocator_churn():
@@ -125,7 +125,7 @@ def test_memory_within_plan_and_no_allocator_churn():
     expected = resident_peak - len(plan.streamed) * block + plan.ring_bytes  # streamed blocks out, ring in
     assert peak <= expected + 2**20, (peak, resident_peak, expected)
     assert torch.cuda.memory_reserved() == reserved  # no allocator growth across forwards
-    st.deactivate()
+    st.release()
 
 
 def test_debug_reports_transfer_and_overlap():
@@ -141,7 +141,7 @@ def test_debug_reports_transfer_and_overlap():
     assert stats.transfer_ms > 0 and stats.compute_ms > 0 and 0.0 <= stats.overlap <= 1.0
     assert set(stats.per_block) >= set(plan.streamed)
     assert "overlap" in offload.format_stats(stats)
-    st.deactivate()
+    st.release()
 
 
 @pytest.mark.skipif(not os.environ.get("COMFYUI_PATH"), reason="COMFYUI_PATH not set")

@@ -209,8 +209,8 @@ def test_swapped_output_equals_resident_on_cpu(fp8, swap, prefetch):
             stats = st.end_forward()
             assert torch.equal(out, ref)
             assert stats.on_demand == 0
-        st.deactivate()
-        assert torch.equal(model(x, e, ctx), ref)  # the model is intact after deactivate
+        st.release()
+        assert torch.equal(model(x, e, ctx), ref)  # the model is intact after release
 
 
 def test_streamed_blocks_point_at_the_arena_between_blocks_and_the_ring_inside():
@@ -366,19 +366,19 @@ def _forward(model: TinyWan, st: BlockStreamer | None) -> torch.Tensor:
         return out
 
 
-def test_deactivate_restores_file_backed_originals(tmp_path):
+def test_release_restores_file_backed_originals(tmp_path):
     """The idle expert costs no anonymous RAM when its weights came from a file mapping (two-expert RSS goal)."""
     model = _mapped_wan(tmp_path / "m.safetensors", 0)
     plan = plan_swap([offload.block_nbytes(b) for b in model.blocks], SwapConfig(blocks_to_swap=2))
     st = BlockStreamer(model.blocks, plan, "cpu", pinned=False)
     st.activate()
     assert st.arena is not None
-    st.deactivate()
+    st.release()
     assert st.arena is None
     assert host_memory.is_file_backed(model.blocks[plan.streamed[0]].ffn[0].weight)
     st.activate()  # and comes back
     out = _forward(model, st)
-    st.deactivate()
+    st.release()
     assert torch.equal(out, _forward(model, None))
 
 
@@ -396,7 +396,7 @@ def test_an_expert_switch_copies_into_the_memory_the_idle_expert_dropped(tmp_pat
             assert st.took["reused"] == (render > 0 or st is streamers[1])
             assert torch.equal(_forward(model, st), ref)
             memory = st.arena.buffer.data_ptr()
-            st.deactivate()
+            st.release()
             assert st.arena is None and st.spare.arena.buffer.data_ptr() == memory  # offered, not freed
     assert streamers[1].spare.arena is not None and streamers[0].spare.arena is None  # one memory between them
     other = BlockStreamer(high.blocks, plan_swap([offload.block_nbytes(b) for b in high.blocks],
@@ -404,7 +404,7 @@ def test_an_expert_switch_copies_into_the_memory_the_idle_expert_dropped(tmp_pat
     other.activate()  # another size: the offered memory is freed before a new arena is allocated, never beside it
     assert not other.took["reused"] and streamers[1].spare.arena is None
     assert torch.equal(_forward(high, other), refs[0])
-    other.deactivate()
+    other.release()
     assert host_memory.take_spare(streamers[0].streamed_bytes, torch.device("cpu")) is None  # freed: gone
     host_memory.release_spares()  # what the end of a load does with what no arena took
     assert other.spare.arena is None and host_memory.take_spare(other.streamed_bytes, torch.device("cpu")) is None
@@ -419,11 +419,11 @@ def test_two_offered_memories_each_go_back_to_their_own_model(tmp_path):
         st.activate()
     memories = [st.arena.buffer.data_ptr() for st in streamers]
     for st in streamers:
-        st.deactivate()
+        st.release()
     for st, memory in zip(streamers, memories):
         st.activate()
         assert st.took["reused"] and st.arena.buffer.data_ptr() == memory and st.spare is None
-        st.deactivate()
+        st.release()
 
 
 def test_offered_pinned_memory_stays_pinned_until_released(monkeypatch):
@@ -470,9 +470,9 @@ def test_mostly_file_backed_blocks_leave_the_arena_when_idle(tmp_path):
     b = plan.streamed[0]
     assert st.arena is not None and st.arena.contains(model.blocks[b].ffn[0].weight)
     assert host_memory.page_out([model.blocks[b].ffn[0].weight]) >= 0  # never raises, data stays valid
-    st.deactivate(release_host=False)
+    st.detach()
     assert st.arena is not None  # a detach before a re-load keeps the arena
-    st.deactivate()
+    st.release()
     assert st.arena is None
     assert host_memory.is_file_backed(model.blocks[b].ffn[0].weight)
     assert not host_memory.is_file_backed(model.blocks[b].ffn[0].bias)
@@ -482,7 +482,7 @@ def test_mostly_file_backed_blocks_leave_the_arena_when_idle(tmp_path):
             st.begin_forward()
             out = model(x, e, ctx, streamer=st)
             st.end_forward()
-        st.deactivate()
+        st.release()
         assert torch.equal(out, ref)
     assert st.arena is None and host_memory.is_file_backed(model.blocks[b].ffn[0].weight)
 
@@ -492,7 +492,7 @@ def test_a_mostly_private_model_keeps_its_arena():
     plan = plan_swap([offload.block_nbytes(b) for b in model.blocks], SwapConfig(blocks_to_swap=2))
     st = BlockStreamer(model.blocks, plan, "cpu", pinned=False)
     st.activate()
-    st.deactivate()
+    st.release()
     assert st.arena is not None  # nothing to fall back to: the arena is the only copy
 
 
@@ -539,7 +539,7 @@ def test_a_pinned_arena_is_unregistered_when_its_streamer_is_dropped(monkeypatch
     st = BlockStreamer(model.blocks, plan, "cpu", pinned=True)
     st.activate()
     assert st.arena.pin() and list(cudart.registered) == [st.arena.buffer.data_ptr()]
-    st.deactivate(release_host=False)  # what detach(unpatch_all=False) does: keep the arena pinned for a re-load
+    st.detach()  # what detach(unpatch_all=False) does: keep the arena pinned for a re-load
     assert cudart.registered
     del st
     gc.collect()
@@ -558,14 +558,14 @@ def test_rebuilding_the_arena_unregisters_the_old_one(monkeypatch):
     st.arena.pin()
     old_arena = st.arena  # held here, so only the rebuild itself can unregister it (not its __del__)
     old = old_arena.buffer.data_ptr()
-    st.deactivate(release_host=False)
+    st.detach()
     b = plan.streamed[0]
     w = model.blocks[b].ffn[0].weight  # someone (ComfyUI, a LoRA merge) rebinds a streamed weight
     model.blocks[b].ffn[0].weight = torch.nn.Parameter(w.detach().clone(), requires_grad=False)
     st.activate()  # the arena is stale: rebuilt
     assert st.arena is not old_arena
     assert not old_arena.pinned and old not in cudart.registered
-    st.deactivate()
+    st.release()
 
 
 def test_unpin_waits_for_the_last_copy_and_keeps_a_buffer_it_cannot_unregister(monkeypatch):

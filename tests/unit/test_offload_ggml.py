@@ -137,7 +137,7 @@ def test_ggml_blocks_stream_their_own_bytes_and_give_the_same_output(qtype: str)
         assert type(between) is GGMLTensor and st.arena.contains(between)
         for n, t in model.blocks[1].named_parameters():
             assert torch.equal(ggml.stored(t), originals[n]), n
-        st.deactivate()
+        st.release()
         assert torch.equal(model(x), ref)
 
 
@@ -155,12 +155,12 @@ def test_patches_set_on_a_streamed_tensor_reach_every_view_it_is_bound_to() -> N
         st.set_tensor_attr(1, "q.weight", "patches", [(delta, "blocks.1.q.weight")])
         for _ in range(2):
             assert torch.equal(_forward(model, st, x), ref_patched)
-        st.deactivate(release_host=False)
+        st.detach()
         st.activate()  # a kept arena: the patches stay
         assert torch.equal(_forward(model, st, x), ref_patched)
         st.set_tensor_attr(1, "q.weight", "patches", [])
         assert torch.equal(_forward(model, st, x), ref)
-        st.deactivate()
+        st.release()
 
 
 def test_an_idle_gguf_block_goes_back_to_the_file_and_its_private_tensors_get_copies(tmp_path) -> None:
@@ -187,7 +187,7 @@ def test_an_idle_gguf_block_goes_back_to_the_file_and_its_private_tensors_get_co
         b = st.plan.streamed[0]
         arena_bias = model.blocks[b].q.bias
         assert st.arena.contains(arena_bias) and st.drops_arena_on_release()
-        st.deactivate()
+        st.release()
         assert st.arena is None and host_memory.is_file_backed(model.blocks[b].q.weight)
         bias = model.blocks[b].q.bias
         assert type(bias) is GGMLTensor and bias.tensor_type == gguf.GGMLQuantizationType.F32
@@ -195,7 +195,7 @@ def test_an_idle_gguf_block_goes_back_to_the_file_and_its_private_tensors_get_co
         assert torch.equal(model(x), ref)
         st.activate()  # and back into a new arena
         assert torch.equal(_forward(model, st, x), ref)
-        st.deactivate()
+        st.release()
 
 
 def test_a_tensor_with_a_ggml_type_but_no_real_shape_is_not_streamed() -> None:

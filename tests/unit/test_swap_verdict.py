@@ -250,7 +250,7 @@ def test_the_engine_times_forwards_two_and_three_then_stops(timed_sync):
     for _ in range(3):
         _forward(model, st)
     assert timed_sync.created == created and st.take_measurement() == []  # handed over once, then no timing
-    st.deactivate(release_host=False)
+    st.detach()
     st.activate()  # the next load is measured afresh
     for _ in range(3):
         _forward(model, st)
