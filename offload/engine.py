@@ -388,7 +388,7 @@ class BlockStreamer:
                 if is_file_backed(src, maps):
                     originals[s.name] = src  # costs no anonymous RAM: restore it when idle (two-expert RSS goal)
             self.originals[b] = originals
-            mapped += page_out(originals.values())  # per block: the file pages just read never pile up in RSS
+            mapped += page_out(originals.values(), maps)  # per block: the file pages just read never pile up in RSS
             self._cpu_views[b] = self._stamp(b, self._as_params(b, views))
             self._bind(b, self._cpu_views[b])
             if fill is not None:

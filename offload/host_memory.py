@@ -7,6 +7,7 @@ RAM, so an idle model can go back to it, offering its arena's memory to the next
 
 from __future__ import annotations
 
+import bisect
 import logging
 import weakref
 from typing import Iterable, Protocol
@@ -19,7 +20,9 @@ log = logging.getLogger("comfyui_lowvram_dit")
 
 
 def file_backed_ranges() -> list[tuple[int, int]]:
-    """Address ranges of file-backed mappings of this process (Linux /proc/self/maps; empty elsewhere)."""
+    """Address ranges of file-backed mappings of this process, by address (Linux /proc/self/maps; empty elsewhere).
+
+    A ComfyUI process has well over a thousand (every library it loaded): read them once per batch of tensors."""
     ranges = []
     try:
         with open("/proc/self/maps") as f:
@@ -30,10 +33,10 @@ def file_backed_ranges() -> list[tuple[int, int]]:
                     ranges.append((int(lo, 16), int(hi, 16)))
     except OSError:
         pass
-    return ranges
+    return sorted(ranges)
 
 
-def page_out(tensors: Iterable[torch.Tensor]) -> int:
+def page_out(tensors: Iterable[torch.Tensor], ranges: list[tuple[int, int]] | None = None) -> int:
     """Drop the pages under file-backed CPU tensors from this process's RSS (Linux); returns bytes advised.
 
     After the arena copy the mapped file pages are only needed again when the model is re-activated, so they
@@ -41,19 +44,24 @@ def page_out(tensors: Iterable[torch.Tensor]) -> int:
     reclaims it under pressure), so the next load of the same file (the next render, the other expert's switch
     back) reads RAM, not the disk. MADV_PAGEOUT would evict them from the page cache as well, making every later
     load re-read the whole file. The tensors are never written, so nothing is lost either way. A no-op elsewhere.
+    ``ranges``: ``file_backed_ranges()`` read by the caller (read here when not given).
     """
     # Only tensors inside a file mapping: MADV_DONTNEED on anonymous memory (an arena view, a private copy) would
     # zero it.
-    maps = file_backed_ranges()
+    maps = file_backed_ranges() if ranges is None else ranges
     return advise_mapped([t for t in tensors if is_file_backed(t, maps)], MADV_DONTNEED)
 
 
 def is_file_backed(t: torch.Tensor, ranges: list[tuple[int, int]] | None = None) -> bool:
-    """True if ``t``'s CPU storage lies in a file mapping (e.g. a safetensors mmap): it costs no anonymous RAM."""
+    """True if ``t``'s CPU storage lies in a file mapping (e.g. a safetensors mmap): it costs no anonymous RAM.
+
+    ``ranges``: ``file_backed_ranges()`` (sorted, not overlapping) read by the caller; read here when not given."""
     if t.device.type != "cpu" or t.numel() == 0:
         return False
     ptr = t.data_ptr()
-    return any(lo <= ptr < hi for lo, hi in (ranges if ranges is not None else file_backed_ranges()))
+    ranges = file_backed_ranges() if ranges is None else ranges
+    i = bisect.bisect_right(ranges, (ptr, float("inf"))) - 1  # the last range starting at or below ptr
+    return i >= 0 and ranges[i][0] <= ptr < ranges[i][1]
 
 
 class PinBudget(Protocol):

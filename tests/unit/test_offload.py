@@ -366,6 +366,20 @@ def _forward(model: TinyWan, st: BlockStreamer | None) -> torch.Tensor:
         return out
 
 
+def test_is_file_backed_finds_the_range_around_a_pointer() -> None:
+    """A lookup among the sorted ranges of /proc/self/maps (a ComfyUI process has over a thousand): the start of a
+    range is inside it, its end is not, and a pointer between ranges or before the first is in none."""
+    t = torch.empty(16, dtype=torch.uint8)
+    p = t.data_ptr()
+    assert host_memory.is_file_backed(t, [(p - 64, p - 32), (p, p + 16), (p + 32, p + 64)])
+    assert host_memory.is_file_backed(t, [(p - 8, p + 1)])
+    assert not host_memory.is_file_backed(t, [(p - 64, p), (p + 1, p + 64)])  # ends at p, starts after p
+    assert not host_memory.is_file_backed(t, [(p + 1, p + 2)])
+    assert not host_memory.is_file_backed(t, [])
+    ranges = host_memory.file_backed_ranges()
+    assert ranges == sorted(ranges)
+
+
 def test_release_restores_file_backed_originals(tmp_path):
     """The idle expert costs no anonymous RAM when its weights came from a file mapping (two-expert RSS goal)."""
     model = _mapped_wan(tmp_path / "m.safetensors", 0)
