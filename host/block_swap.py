@@ -16,7 +16,8 @@ How it cooperates with ComfyUI (v0.8.0, comfy/model_patcher.py + comfy/model_man
   when that account has no room (host/pin_budget.py), so ComfyUI's own pins never push past its cap.
 - LoRA on streamed blocks is merged once per load into their host arena (host/lora_merge.py: ComfyUI's own
   convert / calculate_weight / set steps, so fp8 layers re-quantize with their own scales), each block while the
-  next is copied into the arena, and restored exactly on unload; every step streams the merged bytes. Offloaded embeddings keep ComfyUI's ``LowVramPatch`` (per call).
+  next is copied into the arena, and restored exactly on unload; every step streams the merged bytes. Offloaded
+  embeddings keep ComfyUI's ``LowVramPatch`` (per call).
 - Once per load, after its first model calls, one log line says whether compute hid the copies or by how much
   they stalled it and what would help (offload/verdict.py, from the engine's CUDA-event timings); the Doctor
   node shows the latest line of each model. A CPU run times nothing and says nothing.

@@ -10,16 +10,20 @@ in place. Every later step streams the merged bytes: no per-step LoRA cost.
 
 Each merged tensor goes back from the GPU straight into the pinned arena with an asynchronous copy (no pageable
 staging copy, no wait per tensor; one wait at the end), so a load pays about one host round trip of the merged bytes.
+Where the arena is being filled into memory that is already pinned (an expert switch re-using the memory the idle
+expert left), ``BlockMerge`` merges each block in a worker thread while the next one is copied, so that round trip
+and the CPU's copy overlap.
 
 Restoring is exact, and any clone can do it: each merged weight's original is also entered in the patcher's
 ``backup`` (ComfyUI shares one backup dict among a model's clones, in place), so when another clone of the same
 weights loads with other patches (ComfyUI detaches ours without unpatching and unpatches from the shared backup), the
-arena gets its original bytes back before that clone reads it. The original bytes come back from the file-backed tensor the arena was copied from (the
-checkpoint's mapping, which is never written) or, for weights that were not file-backed, from a copy taken before
-the merge. When the arena is about to be dropped and its parameters rebound to those file-backed tensors (an idle
-expert going back to the file), only the private copies are restored: reading the file back into an arena that is
-freed next would cost the whole file in time and page cache for nothing. A merge is keyed by the patcher's ``patches_uuid`` (ComfyUI gives every clone with new patches or a new
-strength a new one), so a re-load of the same patcher merges nothing, and other patches restore first.
+arena gets its original bytes back before that clone reads it. The original bytes come back from the file-backed
+tensor the arena was copied from (the checkpoint's mapping, which is never written) or, for weights that were not
+file-backed, from a copy taken before the merge. When the arena is about to be dropped and its parameters rebound to
+those file-backed tensors (an idle expert going back to the file), only the private copies are restored: reading the
+file back into an arena that is freed next would cost the whole file in time and page cache for nothing. A merge is
+keyed by the patcher's ``patches_uuid`` (ComfyUI gives every clone with new patches or a new strength a new one), so
+a re-load of the same patcher merges nothing, and other patches restore first.
 
 GGUF models (ComfyUI-GGUF): a quantized GGML weight is never merged (re-quantizing would change it); its patches are
 attached to the streamed tensor as ComfyUI-GGUF's ``GGUFModelPatcher.patch_weight_to_device`` attaches them
