@@ -23,10 +23,11 @@ How it cooperates with ComfyUI (v0.8.0, comfy/model_patcher.py + comfy/model_man
   node shows the latest line of each model. A CPU run times nothing and says nothing.
 
 Two-expert Wan 2.2 A14B (RAM): only the loaded expert's streamed blocks sit in the pinned host arena. When an
-expert is unloaded its arena is unpinned, and when its weights came from a file mapping (a loader that maps the
-safetensors file instead of copying) the arena is dropped and the blocks point at the file again, so the idle
-expert costs page cache, not RSS. With ComfyUI's stock loader (anonymous copies) the arena simply replaces the
-original tensors: RAM never holds two copies of a streamed block.
+expert's weights came from a file mapping (a loader that maps the safetensors file instead of copying) and it is
+unloaded, its blocks point at the file again and the arena's memory, still pinned, is offered to the next arena of
+its size (the other expert's), so the idle expert costs page cache, not RSS, and a switch neither allocates nor pins.
+Otherwise the arena is unpinned and stays the blocks' CPU copy: with ComfyUI's stock loader (anonymous copies) it
+replaces the original tensors, so RAM never holds two copies of a streamed block.
 
 On a CPU-only ComfyUI there is no VRAM to save: with ``blocks_to_swap`` or ``vram_budget_gb`` set the node runs
 the same code path with a CPU "ring" (synchronous copies; used by the integration tests), otherwise it passes the

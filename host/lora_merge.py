@@ -122,17 +122,6 @@ class StreamedMerge:
         """True when the arena already holds exactly ``patcher``'s patches."""
         return self.uuid is not None and self.uuid == patcher.patches_uuid
 
-    def merge(self, patcher: Any, keys: list[str], originals: dict[str, torch.Tensor], device: torch.device,
-              attach: AttachPatches | None = None) -> int:
-        """Merge ``patcher``'s patches of ``keys`` (parameters bound to the host arena) in place; returns the count.
-
-        ``originals``: key -> file-backed tensor holding the same bytes as the arena (restored from; never written).
-        ``attach``: sets a quantized GGML weight's patches on every view the streamer binds (GGUF models).
-        """
-        self.begin()
-        self.merge_keys(patcher, keys, originals, device, attach)
-        return self.finish(patcher, device)
-
     def ran_beside_copy(self) -> None:
         """Mark the merge under way as run block by block beside the arena copy (for its log line)."""
         self._overlapped = True
@@ -146,7 +135,11 @@ class StreamedMerge:
     @torch.no_grad()
     def merge_keys(self, patcher: Any, keys: list[str], originals: dict[str, torch.Tensor], device: torch.device,
                    attach: AttachPatches | None = None) -> None:
-        """Merge (or attach) ``keys`` of a merge begun with ``begin``; its GPU copies may still be under way."""
+        """Merge (or attach) ``keys`` of a merge begun with ``begin`` in place; its GPU copies may still be under way.
+
+        ``keys``: parameters bound to the host arena. ``originals``: key -> file-backed tensor holding the same bytes
+        as the arena (restored from; never written). ``attach``: sets a quantized GGML weight's patches on every view
+        the streamer binds (GGUF models)."""
         import comfy.utils
 
         if self._started is None:
