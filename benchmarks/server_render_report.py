@@ -56,8 +56,9 @@ def native_row(row: dict, rows: list[dict]) -> dict | None:
     if row.get("setup_id") == NATIVE:
         return None
     cached = row.get("step_cache") and row.get("side") != "native"
-    want = CACHED_NATIVE[row["step_cache"]] if cached else NATIVE
+    want = CACHED_NATIVE[row["step_cache"].split(" (")[0]] if cached else NATIVE  # the cache, its threshold aside
     same = [r for r in rows if r.get("setup_id") == want and r.get("workflow") == row.get("workflow")
+            and r.get("step_cache") == (row["step_cache"] if cached else None)
             and r.get("card_gib") == row.get("card_gib") and r is not row and _ok(r)]
 
     def rank(r: dict) -> tuple[bool, bool]:

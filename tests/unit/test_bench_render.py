@@ -346,6 +346,19 @@ def test_easycache_skips_are_read_per_sampler_and_reported() -> None:
     assert "EasyCache" not in rr._warm_split(_row("p", "pack", 24.0, 20.0))
 
 
+def test_a_cached_row_is_compared_with_native_under_the_same_cache_and_threshold() -> None:
+    """A pack row with EasyCache at a set threshold against native's best with that cache and threshold, never one
+    at another threshold; native's cached row against native's best without a cache."""
+    cache = "EasyCache (reuse_threshold 1)"
+    rows = [_row("n", "native_best", 24.0, 30.0, side="native"),
+            _row("nc", "native_best_easycache", 24.0, 20.0, step_cache=cache, side="native"),
+            _row("nd", "native_best_easycache", 24.0, 25.0, step_cache="EasyCache", side="native"),
+            _row("pc", "pack_easycache", 24.0, 15.0, step_cache=cache)]
+    assert rr.native_row(rows[3], rows)["name"] == "nc"
+    assert rr.native_row(rows[1], rows)["name"] == "n"
+    assert rr.native_row(rows[3], rows[:1] + rows[2:]) is None
+
+
 def test_i2v_4step_is_the_i2v_workflow_with_the_t2v_4step_sampling() -> None:
     i2v, t2v = _graph("wan_i2v_4step"), _graph("wan_t2v_4step")
     loras = _types(i2v)["LoraLoaderModelOnly"]
