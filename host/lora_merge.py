@@ -193,6 +193,9 @@ class StreamedMerge:
         """End a merge begun with ``begin``: wait for its copies, log it; returns the count of merged tensors."""
         if self._done:
             self.wait_copies(device)
+            from . import fp8_ops  # imports ComfyUI
+
+            fp8_ops.check_deferred_clips()  # the fp8 layers' clipping checks of this merge, in one read
         # nothing to merge: nothing to keep track of
         self.uuid = patcher.patches_uuid if self._backups or self._attached else None
         self.merges += self._done
