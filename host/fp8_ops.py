@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -263,7 +262,7 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             """Store a patched weight: re-quantized with this layer's scale (fp8) or rounded (others)."""
             if self.is_fp8:
                 codes = weight.float() / self._full_scale(weight)
-                _warn_if_clipped(codes, tuple(self.weight.shape), defer=return_weight)
+                _warn_if_clipped(codes, tuple(self.weight.shape))
                 new = codes.clamp_(-fp8_math.FP8_MAX, fp8_math.FP8_MAX).to(self.weight.dtype)
             else:
                 new = comfy.float.stochastic_rounding(weight, self.weight.dtype, seed=seed or 0)
@@ -371,54 +370,22 @@ CLIP_WARNING_QUIET_S = 30.0
 _clip_warned_at = [-math.inf]
 
 
-# A merge that returns its weights (Block Swap's, once per load) defers its checks: one GPU->CPU read for a whole
-# merge (check_deferred_clips) instead of a sync per layer that would stall the merge's copies; at most this many wait.
-DEFERRED_CLIP_CHECKS = 64
-_deferred_clips: list[tuple[torch.Tensor, tuple[int, ...]]] = []
-_deferred_lock = threading.Lock()
-
-
-def _warn_if_clipped(codes: torch.Tensor, shape: tuple[int, ...], defer: bool = False) -> None:
+def _warn_if_clipped(codes: torch.Tensor, shape: tuple[int, ...]) -> None:
     """Warn when a patched weight, divided by the layer's own scale, goes far past fp8's range (it is clipped).
 
     Re-quantizing with the layer's scale keeps the merge exact for every LoRA that stays in range; one that does
     not (an extreme alpha or strength) is clipped to +-448 codes. Checking costs one GPU->CPU sync per patched layer,
-    at the LoRA merge (once per load), never per step; with ``defer`` the check waits for ``check_deferred_clips``.
-    NaN is not counted (the clamp keeps it NaN, and NaN Guard sees it at the next fp8 GEMM)."""
-    if not codes.numel():
-        return
+    at the LoRA merge (once per load), never per step; the count is read only for a layer that warns. NaN is not
+    counted (the clamp keeps it NaN, and NaN Guard sees it at the next fp8 GEMM)."""
     mag = codes.abs()
-    past = mag > fp8_math.FP8_MAX
-    stats = torch.stack([torch.where(past, mag, 0.0).amax().double() / fp8_math.FP8_MAX, past.sum().double()])
-    if not defer:
-        _warn_clipped(*stats.tolist(), shape)
-        return
-    with _deferred_lock:
-        _deferred_clips.append((stats, shape))
-        full = len(_deferred_clips) >= DEFERRED_CLIP_CHECKS
-    if full:
-        check_deferred_clips()
-
-
-def check_deferred_clips() -> None:
-    """Run the clipping checks deferred so far, with one GPU->CPU read per device."""
-    with _deferred_lock:
-        items = list(_deferred_clips)
-        _deferred_clips.clear()
-    for device in {stats.device for stats, _ in items}:
-        mine = [(stats, shape) for stats, shape in items if stats.device == device]
-        for (peak, n), (_, shape) in zip(torch.stack([s for s, _ in mine]).tolist(), mine, strict=True):
-            _warn_clipped(peak, n, shape)
-
-
-def _warn_clipped(peak: float, n: float, shape: tuple[int, ...]) -> None:
-    """The clipping warning, when ``peak`` (the largest value over the range) is far enough past it."""
+    peak = float(torch.where(mag > fp8_math.FP8_MAX, mag, 0.0).amax()) / fp8_math.FP8_MAX if mag.numel() else 0.0
     if not peak > CLIP_WARN_FACTOR:
         return
     now = time.monotonic()
     if now - _clip_warned_at[0] < CLIP_WARNING_QUIET_S:
         return
     _clip_warned_at[0] = now
+    n = int((mag > fp8_math.FP8_MAX).sum())
     log.warning("lowvram_dit: a LoRA pushes %d values of an fp8 Linear %s up to %.3g times past its fp8 scale's range; "
                 "they are clipped - check the LoRA's alpha/strength (other layers of this merge are not listed)",
-                int(n), list(shape), peak)
+                n, list(shape), peak)

@@ -8,9 +8,8 @@ of a streamed block is computed with ComfyUI's own pieces (the op's ``convert_*`
 per-tensor or per-block scale; layers without one round stochastically, as ComfyUI does) and written into the arena
 in place. Every later step streams the merged bytes: no per-step LoRA cost.
 
-Each merged tensor goes back from the GPU straight into the pinned arena with an asynchronous copy on a stream of its
-own (no pageable staging copy, no wait per tensor; one wait at the end), so the copy back of one tensor overlaps the
-upload and merge of the next and a load pays about one host round trip of the merged bytes.
+Each merged tensor goes back from the GPU straight into the pinned arena with an asynchronous copy (no pageable
+staging copy, no wait per tensor; one wait at the end), so a load pays about one host round trip of the merged bytes.
 Where the arena is being filled into memory that is already pinned (an expert switch re-using the memory the idle
 expert left), ``BlockMerge`` merges each block in a worker thread while the next one is copied, so that round trip
 and the CPU's copy overlap.
@@ -108,7 +107,6 @@ class StreamedMerge:
         # beside the arena copy
         self._started: float | None = None
         self._done, self._nbytes, self._overlapped = 0, 0, False
-        self._side: torch.cuda.Stream | None = None  # where merged tensors are copied back into a pinned arena
 
     @property
     def merged(self) -> bool:
@@ -162,40 +160,16 @@ class StreamedMerge:
             self._backups[key] = (target, original, file_backed)
             patcher.backup[key] = _Backup(original, True)  # copied in place into the arena by any clone's unpatch
             self._shared = patcher.backup
-            self._copy_back(stored, new)
+            # GPU -> arena without staging: asynchronous into pinned memory (the caching allocator hands ``new``'s
+            # block only to later work on this stream, which runs after the copy), synchronous into pageable memory
+            stored.copy_(new, non_blocking=True)
             self._done += 1
             self._nbytes += stored.numel() * stored.element_size()
 
-    def _copy_back(self, stored: torch.Tensor, new: torch.Tensor) -> None:
-        """Write a merged tensor into the arena without staging. From the GPU into pinned memory the copy runs on a
-        stream of its own, after the merge that made ``new``, so it overlaps the next tensor's upload and merge
-        (``record_stream`` keeps ``new``'s memory from being reused before it is read); into pageable memory or on the
-        CPU it is a plain synchronous copy."""
-        if new.device.type != "cuda" or not stored.is_pinned():
-            stored.copy_(new, non_blocking=True)
-            return
-        if self._side is None or self._side.device != new.device:
-            self._side = torch.cuda.Stream(new.device)
-        self._side.wait_stream(torch.cuda.current_stream(new.device))
-        with torch.cuda.stream(self._side):
-            stored.copy_(new, non_blocking=True)
-        new.record_stream(self._side)
-
-    def wait_copies(self, device: torch.device) -> None:
-        """Wait for this thread's merged tensors to be in the arena (the arena is read on the CPU and by the copy
-        stream next)."""
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-            if self._side is not None:
-                self._side.synchronize()
-
     def finish(self, patcher: Any, device: torch.device) -> int:
         """End a merge begun with ``begin``: wait for its copies, log it; returns the count of merged tensors."""
-        if self._done:
-            self.wait_copies(device)
-            from . import fp8_ops  # imports ComfyUI
-
-            fp8_ops.check_deferred_clips()  # the fp8 layers' clipping checks of this merge, in one read
+        if device.type == "cuda" and self._done:
+            torch.cuda.current_stream(device).synchronize()  # the arena is read on the CPU and by the copy stream
         # nothing to merge: nothing to keep track of
         self.uuid = patcher.patches_uuid if self._backups or self._attached else None
         self.merges += self._done
@@ -258,7 +232,8 @@ class BlockMerge:
     def _run(self, keys: list[str], originals: dict[str, torch.Tensor]) -> None:
         with torch.inference_mode(self._inference), torch.no_grad():
             self._merge.merge_keys(self.patcher, keys, originals, self.device, self._attach)
-        self._merge.wait_copies(self.device)  # this block's merged weights are in the arena
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # this thread's copies into the arena are done
 
     def wait(self) -> None:
         """Return once every handed-over block is merged; raises the first error a block's merge raised."""

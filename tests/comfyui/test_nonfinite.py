@@ -122,40 +122,27 @@ def test_a_lora_past_the_fp8_range_warns_once_per_merge(monkeypatch: pytest.Monk
         return [r.getMessage() for r in caplog.records if "clipped" in r.getMessage()]
 
     real = layer.convert_weight(q.float())
-
-    def merged(w: torch.Tensor) -> torch.Tensor:  # Block Swap's merge: weights returned, checked at its end
-        out = layer.set_weight(w, return_weight=True)
-        fp8_layers.check_deferred_clips()
-        return out
-
-    same = merged(real + 0.01 * torch.randn(32, 64, generator=g))  # in range
+    same = layer.set_weight(real + 0.01 * torch.randn(32, 64, generator=g), return_weight=True)  # in range
     assert same.dtype == q.dtype and not clip_lines()
     edge = real.clone()
     edge[0, 0] = s * 449  # a normal LoRA's sliver past the largest weight: clipped silently, as always
-    assert merged(edge).float()[0, 0] == 448 and not clip_lines()
+    assert layer.set_weight(edge, return_weight=True).float()[0, 0] == 448 and not clip_lines()
     big = real.clone()
     big[0, :5] = s * 448 * 1e6  # 5 values a million times past the range
     new = layer.set_weight(big, return_weight=True)
     assert new.float()[0, :5].eq(448).all()  # still clipped, as before
-    assert not clip_lines()  # a returned weight is checked with the rest of its merge, in one GPU->CPU read
-    fp8_layers.check_deferred_clips()
     (line,) = clip_lines()
     assert "5 values" in line and "[32, 64]" in line and "1e+06 times" in line and "alpha/strength" in line, line
-    merged(big)  # the next layer of the same merge: not listed again
+    layer.set_weight(big, return_weight=True)  # the next layer of the same merge: not listed again
     assert len(clip_lines()) == 1
     clock[0] += fp8_layers.CLIP_WARNING_QUIET_S + 1  # a later merge (another load) warns again
-    merged(big)
+    layer.set_weight(big, return_weight=True)
     assert len(clip_lines()) == 2
     nan = real.clone()
     nan[1, 1] = math.nan
     clock[0] += fp8_layers.CLIP_WARNING_QUIET_S + 1
-    assert merged(nan).float()[1, 1].isnan()  # NaN stays NaN, not a clip
+    assert layer.set_weight(nan, return_weight=True).float()[1, 1].isnan()  # NaN stays NaN, not a clip
     assert len(clip_lines()) == 2
-    layer.set_weight(big)  # ComfyUI's own merge of a loaded weight: checked at once
-    assert len(clip_lines()) == 3
-    for _ in range(fp8_layers.DEFERRED_CLIP_CHECKS):  # returned weights never pile up unchecked
-        layer.set_weight(real, return_weight=True)
-    assert not fp8_layers._deferred_clips
 
 
 # ---- findings 1 and 2 on the GPU: the Triton quantizers ---------------------------------------------------
