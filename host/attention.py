@@ -256,9 +256,6 @@ def apply_attention(model: Any, backend_label: str) -> Any:
     node put there stays and runs first, with the pack's attention as the function it falls back to."""
     if backend_label not in BACKEND_CHOICES:
         raise ValueError(f"Attention: backend '{backend_label}' is not one of {list(BACKEND_CHOICES)}")
-    from . import files
-
-    files.keep_decisions()  # auto's timed choice is kept per machine
     m = model.clone()
     opts = m.model_options.setdefault("transformer_options", {})
     outer = foreign_part(opts.get(OVERRIDE_KEY))

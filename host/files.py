@@ -79,7 +79,8 @@ def embedding_cache() -> Any:  # checkpoints.embedding_cache.EmbeddingCache
 def keep_decisions() -> None:
     """Keep the kernels' timed choices (fp8 activation scales, int8 GEMM, attention auto) in ComfyUI's user
     directory, so a restarted server runs what this machine timed before instead of timing a near tie anew. Called
-    when a model node runs, never at import; without a user directory the choices stay in memory (said once)."""
+    once when ComfyUI loads the pack's nodes, never at import; without a user directory the choices stay in memory
+    (said once)."""
     if not KEEP_DECISIONS:
         return
     from ..kernels.decision_store import keep_in

@@ -58,9 +58,6 @@ def load_diffusion_model(state_dict: dict, model_options: dict, reload: tuple[Ca
 
     import comfy.sd
 
-    from . import files
-
-    files.keep_decisions()  # the model's fp8 layers time their choices on first use: keep them per machine
     kwargs = {}
     if "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters:
         kwargs["disable_dynamic"] = disable_dynamic or ("custom_operations" in model_options and not dynamic_ops)

@@ -65,13 +65,20 @@ def make_extension():  # noqa: ANN201 - comfy_api.latest.ComfyExtension
     class LowVramDitExtension(ComfyExtension):
         async def get_node_list(self) -> list[type]:
             # Called once when ComfyUI loads the pack (0.8.0 has no on_load): the 8-bit attention warm-up hooks
-            # into queued prompts here, never at import.
+            # into queued prompts and the decisions file is set here, never at import.
             try:
                 from ..host.attention import register_prompt_warmup
 
                 register_prompt_warmup()
             except Exception as exc:  # noqa: BLE001 - the nodes load without it (load_node_classes says why)
                 logging.getLogger("comfyui_lowvram_dit").debug("lowvram_dit: no prompt warm-up hook (%s)", exc)
+            try:  # the kernels' timed choices are kept per machine from here on (one place, set once)
+                from ..host.files import keep_decisions
+
+                keep_decisions()
+            except Exception as exc:  # noqa: BLE001 - the choices then stay in memory
+                logging.getLogger("comfyui_lowvram_dit").warning("lowvram_dit: kernel choices are not kept across "
+                                                                 "restarts (%s)", exc)
             try:  # options that write files take only real booleans (host/prompt_inputs.py says why)
                 from ..host.prompt_inputs import add_prompt_handler, check_strict_booleans
 

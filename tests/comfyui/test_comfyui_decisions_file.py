@@ -1,4 +1,4 @@
-"""The kept kernel decisions file under ComfyUI's user directory, set when a model node runs (in-process, CPU)."""
+"""The kept kernel decisions file under ComfyUI's user directory, set when ComfyUI loads the pack's nodes."""
 
 from __future__ import annotations
 
@@ -25,22 +25,28 @@ def user_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "user"
 
 
-def test_the_attention_node_keeps_decisions_under_the_user_directory(user_dir: Path) -> None:
+def test_loading_the_nodes_keeps_decisions_under_the_user_directory(user_dir: Path) -> None:
+    """The decisions file is set once, when ComfyUI loads the pack's nodes; running a node sets nothing."""
+    import asyncio
+
     import comfy.model_patcher
     import torch
 
     from comfyui_lowvram_dit.host.attention import apply_attention
     from comfyui_lowvram_dit.kernels import decision_store
+    from comfyui_lowvram_dit.nodes import make_extension
 
     assert decision_store.kept_in() is None  # nothing is set at import
     model: Any = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), torch.device("cpu"), torch.device("cpu"))
     apply_attention(model, "ComfyUI default")
+    assert decision_store.kept_in() is None
+    assert asyncio.run(make_extension().get_node_list())
     assert decision_store.kept_in() == user_dir / "comfyui-lowvram-dit" / "decisions.json"
     decision_store.keep("t", ("k",), "w")
     assert decision_store.kept_in().is_file()
 
 
-def test_a_model_load_keeps_decisions_there_too(user_dir: Path) -> None:
+def test_the_decisions_file_names_the_pack_version(user_dir: Path) -> None:
     from comfyui_lowvram_dit.host import files
     from comfyui_lowvram_dit.kernels import decision_store
 
