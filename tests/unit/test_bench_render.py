@@ -237,7 +237,7 @@ def test_pack_setups() -> None:
     assert compile_inputs == {"mode": "default", "backend": "inductor", "dynamic": "auto", "fullgraph": False,
                               "cache_size_limit": 64, "fallback": True, "scope": "blocks"}
     q = _graph("qwen_t2i_4step", "pack_int8")
-    assert _model_chain(q, "6")[:3] == ["ModelSamplingAuraFlow", "LowVRAM_Attention", "LoraLoaderModelOnly"]
+    assert _model_chain(q, "6")[:3] == ["ModelSamplingAuraFlow", "LoraLoaderModelOnly", "LowVRAM_Attention"]
     assert rg.setup_applies(rg.WORKFLOWS["qwen_t2i_4step"], "pack_no_blockswap", "fp8_scaled")
     assert rg.setup_applies(rg.WORKFLOWS["wan_t2v"], "native_best", "pack_fp8")
 
