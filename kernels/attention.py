@@ -26,8 +26,7 @@ from .attention_backends import (
     unavailable_reason,
 )
 from .attention_check import check_output
-from . import decision_store
-from .decisions import DECIDING, describe_kind, device_kind, time_call
+from .decisions import KeptChoices, describe_kind, device_kind, time_call
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -94,8 +93,10 @@ class AttentionSelector:
     """Runs attention through a requested backend with fallback, first-use checks and cached auto choices."""
 
     def __init__(self) -> None:
-        # key -> backend name. Plain str values so dynamo can guard on a hit and trace straight into the kernel.
-        self.decisions: dict[tuple, str] = {}
+        # key -> backend name. Plain str values so dynamo can guard on a hit and trace straight into the kernel;
+        # auto's timed winners are kept in the decisions file under KEPT_AS.
+        self._choices = KeptChoices(KEPT_AS)
+        self.decisions: dict[tuple, str] = self._choices.winners
         self.details: dict[tuple, Decision] = {}
         self.host_backends: dict[str, AttentionBackend] = {}
         self._said: set[str] = set()
@@ -127,7 +128,7 @@ class AttentionSelector:
 
     def clear(self) -> None:
         """Forget every cached choice (next call measures and checks again)."""
-        self.decisions.clear()
+        self._choices.clear()
         self.details.clear()
         self.host_backends.clear()
 
@@ -135,21 +136,25 @@ class AttentionSelector:
     def _decide_and_run(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], backend: str,
                         host: Optional[HostAttention]) -> Tensor:
         key = _key(backend, q, k, mask, host)
-        with DECIDING:  # another GPU deciding the same key: wait, then use its choice
-            if (known := self.decisions.get(key)) is not None:  # also a graph traced before the decision landed
-                return self.backend(known).call(q, k, v, mask)
-            return self._decide(key, q, k, v, mask, backend, host)
+        ran: list[Tensor] = []  # the output of the call that decided (the winner already ran on these inputs)
 
-    def _decide(self, key: tuple, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], backend: str,
-                host: Optional[HostAttention]) -> Tensor:
+        def fresh(kept: Optional[str]) -> tuple[str, bool]:
+            out, decision = self._decide(key, kept if backend == "auto" else None, q, k, v, mask, backend, host)
+            ran.append(out)
+            return decision.backend, backend == "auto" and decision.backend in decision.timings_ms  # timed: keep
+
+        name = self._choices.decide(key, fresh)  # another GPU deciding the same key: wait, then use its choice
+        return ran[0] if ran else self.backend(name).call(q, k, v, mask)
+
+    def _decide(self, key: tuple, kept: Optional[str], q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+                backend: str, host: Optional[HostAttention]) -> tuple[Tensor, Decision]:
+        """Decide ``key`` (``kept``: auto's winner of an earlier process); the output and the decision."""
         decision = Decision(backend="sdpa_math", requested=backend)
         exact, quantized = self._candidates(backend, host, decision)
-        result = self._kept(key, [*exact, *quantized], q, k, v, mask, decision) if backend == "auto" else None
+        result = self._kept(kept, [*exact, *quantized], q, k, v, mask, decision) if kept is not None else None
         if result is None:
             result = self._measure(key, exact, quantized, q, k, v, mask, decision)
-            if backend == "auto" and decision.backend in decision.timings_ms:  # a timed winner, not a fallback
-                decision_store.keep(KEPT_AS, key, decision.backend)
-        self.decisions[key], self.details[key] = decision.backend, decision
+        self.details[key] = decision
         if backend == "auto" and host is not None and host.default is not None:
             self.say_once(f"lowvram_dit attention auto for {describe_key(key)}: {decision.versus_host(host)}; "
                           f"measured: {decision.describe()}", logging.INFO)
@@ -157,7 +162,7 @@ class AttentionSelector:
             level = logging.INFO if decision.backend == backend or backend == "auto" or decision.note \
                 else logging.WARNING
             self.say_once(f"lowvram_dit attention {backend} {describe_key(key)} -> {decision.describe()}", level)
-        return result
+        return result, decision
 
     def _measure(self, key: tuple, exact: list[str], quantized: list[str], q: Tensor, k: Tensor, v: Tensor,
                  mask: Optional[Tensor], decision: Decision) -> Tensor:
@@ -172,12 +177,11 @@ class AttentionSelector:
             result = self._prefer_faster_exact(q, k, v, mask, decision, result)
         return result
 
-    def _kept(self, key: tuple, names: list[str], q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+    def _kept(self, name: str, names: list[str], q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
               decision: Decision) -> Optional[Tensor]:
-        """Auto's backend as an earlier process chose it (decisions file), when it is still a candidate, can run
-        these inputs and passes the first-use check; its output, or None to decide afresh."""
-        name = decision_store.kept(KEPT_AS, key)
-        if name is None or name not in names or self._unavailable(name, q, mask) is not None:
+        """Auto's backend ``name`` as an earlier process chose it (decisions file), when it is still a candidate,
+        can run these inputs and passes the first-use check; its output, or None to decide afresh."""
+        if name not in names or self._unavailable(name, q, mask) is not None:
             return None
         out, _ = self._try(name, q, k, v, mask, decision)
         if out is None:

@@ -6,8 +6,8 @@ choice must not depend on which GPU of a machine runs the call, nor on how many 
 MultiGPU CFG split runs cond and uncond on two GPUs, one sample each, and has to give the picture that one GPU gives
 with both in one batch. So decision keys name the device kind (type, name, compute capability) and per-sample
 shapes, and the first call of a key decides while holding ``DECIDING``: a call of the same key on another GPU waits
-and then uses that decision. ``time_call`` times a candidate; ``FastestPerKey`` keeps the fastest of a few named
-candidates per key, timed once.
+and then uses that decision (``KeptChoices``, the one protocol of every timed choice). ``time_call`` times a
+candidate; ``FastestPerKey`` keeps the fastest of a few named candidates per key, timed once.
 
 Near ties must not flip between processes either: with a decisions file set (``keep_in``, kernels/decision_store.py)
 a winner timed once on this machine is written there and read back by the next process instead of timing again.
@@ -92,6 +92,35 @@ def time_call(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int
     return sorted(times)[len(times) // 2]
 
 
+class KeptChoices:
+    """The winners of one topic's decisions, per key: read lock-free, decided once, kept across processes.
+
+    The one protocol every timed choice goes through (the fp8 activation scales, the int8 GEMM, attention ``auto``):
+    a caller reads ``winners`` itself (plain str values, so a compiled caller's read of a hit is guarded on) and calls
+    ``decide`` on a miss. ``decide`` holds ``DECIDING``, so the same key met on another GPU waits and then gets this
+    winner, and a winner timed here goes to the decisions file under ``topic`` (when one is set: ``keep_in``)."""
+
+    def __init__(self, topic: str) -> None:
+        self.topic = topic
+        self.winners: dict[tuple, str] = {}
+
+    def decide(self, key: tuple, fresh: Callable[[str | None], tuple[str, bool]]) -> str:
+        """The winner for ``key``: the one already decided, else ``fresh(kept)``'s, where ``kept`` is the winner an
+        earlier process kept (None when none) and ``fresh`` returns (winner, whether it was timed here: kept then)."""
+        with DECIDING:
+            if (known := self.winners.get(key)) is not None:  # also a graph traced before the decision landed
+                return known
+            winner, timed = fresh(decision_store.kept(self.topic, key))
+            self.winners[key] = winner
+            if timed:  # a fallback for want of timings is not kept: the next process times again
+                decision_store.keep(self.topic, key, winner)
+            return winner
+
+    def clear(self) -> None:
+        """Forget every winner (the next call of each key decides again)."""
+        self.winners.clear()
+
+
 class FastestPerKey:
     """The fastest of a few named candidates, timed once per key and then looked up.
 
@@ -111,11 +140,11 @@ class FastestPerKey:
                  describe_failure: Callable[[tuple, str, Exception], str],
                  kept_as: str = "",
                  describe_kept: Callable[[tuple, str], str] | None = None) -> None:
-        self.decisions: dict[tuple, str] = {}
+        self._choices = KeptChoices(kept_as)
+        self.decisions: dict[tuple, str] = self._choices.winners
         self.timings: dict[tuple, dict[str, float]] = {}
         self._describe_decision = describe_decision
         self._describe_failure = describe_failure
-        self._kept_as = kept_as
         self._describe_kept = describe_kept or (lambda key, winner: f"lowvram_dit {kept_as} {key}: {winner} "
                                                                     "(kept from an earlier run)")
 
@@ -126,17 +155,17 @@ class FastestPerKey:
         ``candidates`` builds the name -> callable mapping (in order, the first being the fallback) only when this
         call decides, so a call that finds the decision made builds nothing. A winner an earlier process kept
         (``kept_as``) is used when it is one of the candidates' names; a timed winner is kept."""
-        with DECIDING:  # another GPU deciding the same key: wait, then use its choice
-            if (known := self.decisions.get(key)) is not None:  # also a graph traced before the decision landed
-                return known
+        def fresh(kept: str | None) -> tuple[str, bool]:
             built = candidates()
-            if (stored := decision_store.kept(self._kept_as, key)) is not None and stored in built:
-                self.decisions[key] = stored
-                log.info(self._describe_kept(key, stored))
-                return stored
+            if kept is not None and kept in built:
+                log.info(self._describe_kept(key, kept))
+                return kept, False
             return self._time(key, built, device)
 
-    def _time(self, key: tuple, candidates: Mapping[str, Callable[[], torch.Tensor]], device: torch.device) -> str:
+        return self._choices.decide(key, fresh)
+
+    def _time(self, key: tuple, candidates: Mapping[str, Callable[[], torch.Tensor]],
+              device: torch.device) -> tuple[str, bool]:
         first = next(iter(candidates))
         times: dict[str, float] = {}
         for name, fn in candidates.items():
@@ -145,13 +174,11 @@ class FastestPerKey:
             except (RuntimeError, torch.OutOfMemoryError) as exc:  # a candidate that cannot run is never chosen
                 log.info(self._describe_failure(key, name, exc))
         best = min(times, key=times.get) if times else first
-        self.decisions[key], self.timings[key] = best, times
+        self.timings[key] = times
         log.info(self._describe_decision(key, best, times))
-        if times:  # a fallback for want of timings is not kept: the next process times again
-            decision_store.keep(self._kept_as, key, best)
-        return best
+        return best, bool(times)
 
     def clear(self) -> None:
         """Forget every decision and its timings (the next call of each key times again)."""
-        self.decisions.clear()
+        self._choices.clear()
         self.timings.clear()

@@ -128,3 +128,26 @@ def test_a_second_thread_waits_for_the_decision(monkeypatch: pytest.MonkeyPatch)
     second.join(10)
     assert answers == {"first": "b", "second": "b"}
     assert planted.built == 1 and planted.timed == ["a", "b"]
+
+
+def test_kept_choices_is_the_one_protocol(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KeptChoices``: ``fresh`` runs once per key and is handed what an earlier process kept; a timed winner is
+    kept under the topic, an untimed one is not; the fp8 / int8 choosers and attention ``auto`` all decide through it."""
+    from comfyui_lowvram_dit.kernels import attention, decision_store, fp8_choice, int8_choice
+
+    decision_store.keep_in(tmp_path / "decisions.json")
+    try:
+        seen: list[str | None] = []
+        choices = decisions.KeptChoices("topic")
+        assert choices.decide(("a",), lambda kept: (seen.append(kept) or "x", True)) == "x"
+        assert choices.decide(("a",), lambda kept: pytest.fail("decided twice")) == "x"
+        assert choices.decide(("b",), lambda kept: (seen.append(kept) or "y", False)) == "y"
+        assert seen == [None, None] and choices.winners == {("a",): "x", ("b",): "y"}
+        assert decision_store.kept("topic", ("a",)) == "x" and decision_store.kept("topic", ("b",)) is None
+        later = decisions.KeptChoices("topic")  # another process reading the same file
+        assert later.decide(("a",), lambda kept: (seen.append(kept) or kept, False)) == "x" and seen[-1] == "x"
+    finally:
+        decision_store.keep_in(None)
+    assert isinstance(attention.AttentionSelector()._choices, decisions.KeptChoices)
+    assert isinstance(fp8_choice.ScaleChooser()._fastest._choices, decisions.KeptChoices)
+    assert isinstance(int8_choice.GemmChooser()._fastest._choices, decisions.KeptChoices)
