@@ -19,8 +19,7 @@ def time_fn(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: i
 
 
 def time_interleaved(fns: dict, device: torch.device, repeats: int, warmup: int) -> dict[str, list[float] | str]:
-    """Milliseconds per call of each fn, in rounds that run every fn once (order rotating); a fn failing its warm-up
-    gives its error instead."""
+    """Milliseconds per call of each fn, in rounds running each once (order rotating); a failed warm-up: its error."""
     # rounds, so that clock and power drift hit all alike (the H100 runs these GEMMs at its power limit)
     out: dict[str, list[float] | str] = {}
     for name, fn in fns.items():
