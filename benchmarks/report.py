@@ -57,7 +57,7 @@ def public_command(words: list[str]) -> str:
 
 
 def command_argv(module: str, argv: list[str] | None) -> list[str]:
-    """The command a report records: the suite's as typed, else ``-m module`` and ``argv`` (``main`` called directly)."""
+    """The command a report records: the suite's as typed, else ``-m module`` and ``argv`` (``main`` called)."""
     if sys.argv[:2] == ["-m", SUITE]:
         return list(sys.argv)
     return ["-m", module, *(sys.argv[1:] if argv is None else argv)]
@@ -77,7 +77,7 @@ def software_facts() -> dict:
 
 
 def environment(module: str, argv: list[str] | None, device: Any = None, comfyui: str | Path | None = None) -> dict:
-    """The ``env`` of a run of ``module`` with ``argv``, with what torch knows of ``device`` and ``comfyui``'s version."""
+    """The ``env`` of a run of ``module`` with ``argv``: what torch knows of ``device``, ``comfyui``'s version."""
     comfy = os.environ.get("COMFYUI_PATH")
     prefix = f"COMFYUI_PATH={public_command([comfy])} " if comfy else ""
     soft = software_facts()
@@ -96,6 +96,11 @@ def environment(module: str, argv: list[str] | None, device: Any = None, comfyui
         else:
             env["cpu"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     return env
+
+
+def error_text(exc: BaseException, limit: int = 300) -> str:
+    """An exception as a result records it: its type and message, cut to ``limit`` characters."""
+    return f"{type(exc).__name__}: {exc}"[:limit]
 
 
 def say(msg: str) -> None:

@@ -1,4 +1,4 @@
-"""Scenario ``server_render``: whole renders, Queue to output file, through fresh ComfyUI servers (benchmarks/README.md).
+"""Scenario ``server_render``: whole renders, Queue to output file, through fresh ComfyUI servers (see the README).
 
 A row (workflow x card x memory manager x file format x setup) renders first-ever (fresh caches and user folder),
 warm (new seed), warm with a new prompt, then cold (a new server keeping the caches); each render split by stage.
@@ -76,17 +76,12 @@ class RenderRow:
                                    self.dynamic_vram)
 
 
-def card_label(card: float | None) -> str:
-    """``12gb`` or ``whole``."""
-    return "whole" if card is None else f"{card:g}gb"
-
-
 def make_row(workflow: str, setup: str, card: float | None, dynamic_vram: bool = True,
              file_format: str | None = None) -> RenderRow:
     """The row named ``<workflow>_<setup>_<card>[_legacy][_<format>]`` (default format and DynamicVRAM unnamed)."""
     wf = rg.WORKFLOWS[workflow]
     fmt = file_format or wf.default_format
-    name = "_".join([workflow, setup, card_label(card), *([] if dynamic_vram else ["legacy"]),
+    name = "_".join([workflow, setup, "whole" if card is None else f"{card:g}gb", *([] if dynamic_vram else ["legacy"]),
                      *([] if fmt == wf.default_format else [fmt])])
     return RenderRow(name, workflow, setup, card, dynamic_vram, fmt)
 
@@ -108,12 +103,8 @@ GROUPS = {"core": [r.name for r in CORE]}
 
 def parse_cards(spec: str | None) -> list[float | None] | None:
     """``12,24,whole`` -> [12.0, 24.0, None]; None when not given."""
-    if not spec:
-        return None
-    out: list[float | None] = []
-    for item in (s.strip().lower() for s in spec.split(",") if s.strip()):
-        out.append(None if item in ("whole", "none", "all") else float(item.removesuffix("gb")))
-    return out
+    items = [s.strip().lower() for s in (spec or "").split(",") if s.strip()]
+    return [None if i in ("whole", "none", "all") else float(i.removesuffix("gb")) for i in items] if spec else None
 
 
 def pick_rows(opts: argparse.Namespace) -> list[RenderRow]:
@@ -284,7 +275,7 @@ def render(srv: cli_server.ComfyServer, graph: dict, kind: str, timeout: float, 
     try:
         run = server.run_prompt(srv, graph, timeout)
     except Exception as exc:  # noqa: BLE001 - a refused graph or a dead server is this render's result
-        rec["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+        rec["error"] = reports.error_text(exc, 4000)
         return rec
     rec.update(split(run.events, graph, run.posted_at, run.wall_s))
     mem = run.watch.summary()
@@ -377,7 +368,7 @@ def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: 
                 if r["status"] != "ok":
                     break
     except Exception as exc:  # noqa: BLE001 - a server that does not start is this row's result
-        life["error"] = public(f"{type(exc).__name__}: {exc}"[:4000], opts)
+        life["error"] = public(reports.error_text(exc, 4000), opts)
     log_path = base / "comfyui.log"
     if log_path.exists():
         text = log_path.read_text(errors="replace")
@@ -409,7 +400,7 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
                     break  # the first life failed: a cold start of the same row would fail the same way
                 graph = _life(ctx, row, kinds, folder, env, [*base_flags, *flags], rec, graph)
     except Exception as exc:  # noqa: BLE001 - one row's failure must not stop the others
-        rec["error"] = public(f"{type(exc).__name__}: {exc}"[:4000], opts)
+        rec["error"] = public(reports.error_text(exc, 4000), opts)
     finally:
         if folder is not None and not opts.keep_logs:
             shutil.rmtree(folder, ignore_errors=True)
@@ -577,8 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, kinds, own_work = _prepare(opts)
     env = environment(opts, argv)
     host = (Path(opts.comfyui) / "comfy" / "cli_args.py").read_text(encoding="utf-8", errors="replace")
-    ctx = RunContext(opts, models.ModelFiles(opts.models, opts.write_models, opts.free_disk), env.get("vram_total_gib") or 0.0,
-                     host, env.get("comfyui") or "?", kinds)
+    ctx = RunContext(opts, models.ModelFiles(opts.models, opts.write_models, opts.free_disk),
+                     env.get("vram_total_gib") or 0.0, host, env.get("comfyui") or "?", kinds)
     settings = {"renders": list(kinds), "smoke": opts.smoke, "empty_image": opts.empty_image,
                 "rows": [r.name for r in rows],
                 "page_cache": "not dropped: files written or read earlier in the run come from RAM"}

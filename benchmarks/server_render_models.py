@@ -59,7 +59,7 @@ def write_gguf_models(models: Path, names: set[str], size: str, device: str) -> 
 
 @dataclass
 class ModelFiles:
-    """A run's model folder: synthetic files written when first needed, ``free_disk`` deletes ones no later row needs."""
+    """A run's model folder: synthetic files written when first needed; ``free_disk``: ones no later row needs gone."""
 
     models: Path
     write: bool = False

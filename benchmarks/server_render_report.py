@@ -10,6 +10,7 @@ from typing import Any
 
 from comfyui_lowvram_dit.benchmarks import report
 from comfyui_lowvram_dit.benchmarks.server import compare_latents
+from comfyui_lowvram_dit.benchmarks.server_render_split import PARTS
 
 KINDS = ("first_ever", "cold", "warm", "warm_new_prompt")
 KIND_LABEL = {"first_ever": "first-ever", "cold": "cold", "warm": "warm", "warm_new_prompt": "warm, new prompt"}
@@ -119,8 +120,7 @@ def _warm_split(row: dict) -> str:
     w = (row.get("renders") or {}).get("warm") or (row.get("renders") or {}).get("first_ever") or {}
     if "total_s" not in w:
         return "—"
-    parts = " / ".join(report.cell(w.get(k), "{:.1f}") for k in ("load_s", "text_encode_s", "sampling_s", "vae_decode_s", "save_s",
-                                              "other_s"))
+    parts = " / ".join(report.cell(w.get(k), "{:.1f}") for k in PARTS)
     steps = ", ".join((f"{s['node_s']:.1f}: " if s.get("node_s") else "") + report.cell(s["first_step_s"], "{:.1f}")
                       + (f" + {s['steps'] - 1} x {s['median_step_s']:.2f}"
                          if s["steps"] > 1 and s.get("median_step_s") else "")
