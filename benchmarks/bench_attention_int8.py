@@ -1,8 +1,7 @@
 """Scenarios ``attention_int8`` and ``attention_kitchen`` (``--kitchen``): 8-bit attention vs cuDNN and comfy-kitchen.
 
-Flash and torch's fp8 SDPA are timed too (README). attention_kitchen runs each comfy-kitchen version in a child process
-of this script with only that version on its path (two versions of one package cannot share a process). Inputs come
-from fixed seeds, so every process sees the same values; a backend, version or shape that fails is a row, not the end.
+attention_kitchen runs each comfy-kitchen version in a child process with only that version on its path (two versions
+of one package cannot share a process); inputs come from fixed seeds, so every process sees the same values.
 """
 
 from __future__ import annotations
@@ -60,10 +59,6 @@ class BackendUnavailable(RuntimeError):
     """A backend that cannot run in this environment; its rows carry the reason instead of numbers."""
 
 
-def _error_text(exc: BaseException, limit: int = 400) -> str:
-    return f"{type(exc).__name__}: {exc}"[:limit]
-
-
 def make_inputs(b: int, h: int, lq: int, lk: int, d: int, kind: str, seed: int = 0):
     """bf16 [B, H, L, D] on the GPU; "outlier": 4 channels 20-50x, K channel bias, per-token RMSNorm."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -86,7 +81,7 @@ def _comfy_kitchen_int8():
     try:
         import comfy_kitchen
     except Exception as exc:  # ImportError, or its CUDA extension failing to load
-        raise BackendUnavailable(f"comfy_kitchen does not import: {_error_text(exc, 280)}") from exc
+        raise BackendUnavailable(f"comfy_kitchen does not import: {reports.error_text(exc, 280)}") from exc
     if not hasattr(comfy_kitchen, "int8_attention"):
         raise BackendUnavailable(f"comfy_kitchen {getattr(comfy_kitchen, '__version__', '?')} has no int8_attention")
     if not comfy_kitchen.int8_attention_is_available():
@@ -115,7 +110,7 @@ def _sdpa_fp8():
         run(*(torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)))
         torch.cuda.synchronize()
     except Exception as exc:  # any failure of the probe is the reason this row is skipped
-        raise BackendUnavailable(f"fp8 SDPA does not run here: {_error_text(exc, 270)}") from exc
+        raise BackendUnavailable(f"fp8 SDPA does not run here: {reports.error_text(exc, 270)}") from exc
     return run
 
 
@@ -184,7 +179,7 @@ def measure(name: str, fn, shape: tuple[int, ...], repeats: int, errors: bool = 
                 row.update(rel_errors(fn, shape))
         q = k = v = None  # free the inputs before empty_cache (the lambda above is done with them)
     except Exception as exc:  # out of memory, an unsupported shape: a result, not a crash
-        row["error"] = _error_text(exc, 500)
+        row["error"] = reports.error_text(exc, 500)
     torch.cuda.empty_cache()
     return row
 
@@ -222,7 +217,7 @@ def check_kernel(names: list[str]) -> list[dict]:
                     row.update(err_vs_emulation=A.relative_error(out, emu), err_vs_fp32=A.relative_error(out, ref),
                                emulation_vs_fp32=A.relative_error(emu, ref))
                 except Exception as exc:  # a failing check is a result
-                    row["error"] = _error_text(exc)
+                    row["error"] = reports.error_text(exc, 400)
                 rows.append(row)
         say(f"  checked {shape}: worst kernel vs emulation "
             f"{max((r.get('err_vs_emulation', 1.0) for r in rows if r['shape'] == list(shape)), default=1.0):.4f}")
@@ -254,10 +249,10 @@ def family_errors(shape_name: str, shape: tuple[int, ...], fns: dict, families: 
                 try:
                     row["errors"][name] = A.relative_error(fn(q, k, v), ref)
                 except Exception as exc:  # one backend failing on one family is a result
-                    row["notes"][name] = _error_text(exc, 300)
+                    row["notes"][name] = reports.error_text(exc, 300)
             del ref
         except Exception as exc:  # e.g. out of memory building a family: record it, keep going
-            row["notes"]["family"] = _error_text(exc, 300)
+            row["notes"]["family"] = reports.error_text(exc, 300)
         say(f"  {shape_name} {family:40s} " + " ".join(f"{n}={e:.4f}" for n, e in row["errors"].items()))
         rows.append(row)
     return rows
@@ -275,7 +270,7 @@ def worker(args: argparse.Namespace) -> int:
         out["rows"] = time_shapes(args.shapes, fns, args.repeats, errors=False)
         out["families"] = [r for s in args.shapes for r in family_errors(s, SHAPES[s], fns, args.families)]
     except Exception as exc:  # not installed, too old for int8 attention, extension not loading
-        out["error"] = _error_text(exc)
+        out["error"] = reports.error_text(exc, 400)
     print("RESULT" + json.dumps(out, default=str), flush=True)
     return 0
 

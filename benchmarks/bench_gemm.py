@@ -1,8 +1,4 @@
 """Scenarios ``fp8_gemm`` and ``int8_gemm``, named by the first argument (benchmarks/README.md says what each measures).
-
-``fp8_gemm``: the fp8 linears of one Wan 14B block, native fp8_e4m3fn_fast vs bf16 and the pack's paths, per
-activation family. ``int8_gemm``: the int8 W8A8 linear vs bf16 and fp8 at Wan 14B / Qwen-Image GEMM shapes, and one
-Wan block's linears in a chain.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ from comfyui_lowvram_dit.benchmarks import report
 from comfyui_lowvram_dit.benchmarks.report import say
 from comfyui_lowvram_dit.benchmarks.timing import time_fn, time_interleaved
 from comfyui_lowvram_dit.kernels import fp8, fp8_triton, int8, int8_triton
+from comfyui_lowvram_dit.kernels.attention_int8 import relative_error
 
 ERR_ROWS = 2048  # error is measured on the first rows only (an fp32 GEMM per variant otherwise dominates)
 # (name, input, N out, K in): the block's linears that see every video token, in call order
@@ -169,11 +166,6 @@ def block_runner(spec: dict, setup: dict, inputs: dict, native_inputs: dict) -> 
     return run
 
 
-def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
-    """||y - ref|| / ||ref||."""
-    return ((y - ref).norm() / ref.norm()).item()
-
-
 def block_errors(runners: dict, refs: dict, names: tuple) -> dict:
     """variant -> {linear: rel. error vs fp32} (or an error string), after one warm call as in a run's later steps."""
     out: dict[str, dict | str] = {}
@@ -183,7 +175,7 @@ def block_errors(runners: dict, refs: dict, names: tuple) -> dict:
             ys = run(names, keep=True)
             out[vname] = {n: relative_error(ys[n], refs[n]) for n in names}
         except Exception as exc:  # noqa: BLE001 - reported as the variant's result
-            out[vname] = f"{type(exc).__name__}: {exc}"[:300]
+            out[vname] = report.error_text(exc)
     return out
 
 
@@ -317,13 +309,9 @@ def make_operands(m: int, k: int, n: int, device: torch.device, seed: int = 0) -
     return x.bfloat16(), w, (0.02 * torch.randn(n, device=device, generator=g)).bfloat16()
 
 
-def _capability(device: torch.device) -> tuple[int, int] | None:
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-
-
 def fp8_variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, object]:
     """bf16 and the fp8 rows: name -> zero-arg callable, or why it cannot run here."""
-    cap = _capability(x.device)
+    cap = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
     out: dict[str, object] = {"bf16 F.linear": lambda: F.linear(x, w, b)}
     qt, st = fp8.quantize_per_tensor(w)
     fp8_mm = cap is not None and cap >= (8, 9)
@@ -374,7 +362,7 @@ def _row(name: str, shape: tuple[int, int, int], vname: str, fn, x, w, b, repeat
         del out
         ms = statistics.median(time_fn(fn, x.device, repeats, warmup))
     except Exception as exc:  # a path this torch/GPU rejects is a result, not a crash
-        return {**row, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
+        return {**row, "status": "error", "error": report.error_text(exc)}
     row.update(status="ok", time_ms=ms, rel_err=err)
     if err is not None:  # a GEMM (the activation quantizer alone has no FLOPs or error)
         row.update(tflops=2 * m * n * k / ms / 1e9, vs_bf16=(bf16_ms / ms) if bf16_ms else 1.0)
@@ -419,7 +407,7 @@ def chain_errors(device: torch.device, tiny: bool) -> list[dict]:
     width, ffn = TINY_BLOCK if tiny else WAN_BLOCK
     lins = _block_linears(device, width, ffn)
     x = make_operands(BLOCK_ROWS, width, 8, device, seed=99)[0]
-    cap = _capability(device)
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     fp8_real = cap in ((8, 9), (9, 0))
     q8 = {n: fp8.quantize_per_tensor(w) for n, (w, _) in lins.items()}
     i8 = {r: {n: int8.weight_from_fp8(*q8[n], None, rotate=r) for n in lins} for r in (True, False)}

@@ -1,9 +1,7 @@
 """Slim a CUDA wheel for one GPU architecture so it fits the GPU machine's 64 MiB transfer (used by gpu_kit.sh).
 
-Every ``.nv_fatbin`` container in the wheel's shared objects keeps only its machine-code (ELF) entries for the given
-SM (90: H100/H200); the bytes freed are zeroed in place, so the library keeps its layout and compresses to little.
-A container with no entry for that SM is kept whole. ``--drop GLOB`` removes files (ROCm builds on a CUDA machine).
-The wheel's RECORD is rewritten with the new hashes. Usage: python gpu_slim_wheel.py WHEEL --sm 90 [--drop GLOB].
+Each ``.nv_fatbin`` container keeps only its ELF entries for the SM (one with none is kept whole), the rest zeroed in
+place; ``--drop GLOB`` removes files; RECORD is rewritten. Usage: python gpu_slim_wheel.py WHEEL --sm 90 [--drop GLOB].
 """
 from __future__ import annotations
 

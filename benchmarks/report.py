@@ -1,7 +1,5 @@
-"""The suite's one reporter: the environment a result records (the common format's ``env`` of benchmarks/README.md,
-plus Triton, comfy-aimdo, Python and the GPU's compute capability and memory; no machine paths) and every scenario's
-``<stem>.json`` + ``<stem>.md`` (environment header, command, tables). Only the standard library at module level.
-"""
+"""The suite's one reporter: a result's ``env`` (benchmarks/README.md, no machine paths), markdown header, cells and
+tables, and every scenario's ``<stem>.json`` + ``<stem>.md``. Only the standard library at module level."""
 
 from __future__ import annotations
 
@@ -59,8 +57,7 @@ def public_command(words: list[str]) -> str:
 
 
 def command_argv(module: str, argv: list[str] | None) -> list[str]:
-    """The command line a report records: the suite's as typed (``-m PKG SCENARIO ...``) when run through it, else
-    ``-m module`` plus ``argv`` (a scenario's ``main`` called directly)."""
+    """The command a report records: the suite's as typed, else ``-m module`` and ``argv`` (``main`` called)."""
     if sys.argv[:2] == ["-m", SUITE]:
         return list(sys.argv)
     return ["-m", module, *(sys.argv[1:] if argv is None else argv)]
@@ -80,9 +77,7 @@ def software_facts() -> dict:
 
 
 def environment(module: str, argv: list[str] | None, device: Any = None, comfyui: str | Path | None = None) -> dict:
-    """The environment of a run of ``module`` with ``argv`` (its command as typed, see ``command_argv``); ``device``
-    (a torch.device) adds what torch knows of it; ``comfyui``: the checkout to read the version of (default
-    ``COMFYUI_PATH``)."""
+    """The ``env`` of a run of ``module`` with ``argv``: what torch knows of ``device``, ``comfyui``'s version."""
     comfy = os.environ.get("COMFYUI_PATH")
     prefix = f"COMFYUI_PATH={public_command([comfy])} " if comfy else ""
     soft = software_facts()
@@ -101,6 +96,11 @@ def environment(module: str, argv: list[str] | None, device: Any = None, comfyui
         else:
             env["cpu"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     return env
+
+
+def error_text(exc: BaseException, limit: int = 300) -> str:
+    """An exception as a result records it: its type and message, cut to ``limit`` characters."""
+    return f"{type(exc).__name__}: {exc}"[:limit]
 
 
 def say(msg: str) -> None:
@@ -138,8 +138,7 @@ def table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
 
 
 def write(out_dir: Path, stem: str, doc: dict, markdown: Sequence[str]) -> list[Path]:
-    """``<stem>.json`` (``doc``, its ``env`` among its keys) and ``<stem>.md`` (the lines of ``markdown``) into
-    ``out_dir``; the two paths. Called after every stage of a run, so one cut short keeps what it measured."""
+    """``<stem>.json`` (``doc``) and ``<stem>.md`` (``markdown``) into ``out_dir``, after every stage of a run."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
     write_report(paths[0], json.dumps(doc, indent=1, default=str))

@@ -1,9 +1,5 @@
-"""The index of current benchmark results: benchmarks/results/INDEX.md and index.json (every measured setup, one row
-each) and docs/by-card.md (per card size, model and file format: the fastest pack setup against native's best).
-
-Read from every result JSON under benchmarks/results/ in the common format of benchmarks/README.md (``env`` + ``rows``;
-a file without setup rows, a kernel or correctness result, is a component). Plain JSON: no ComfyUI, no torch.
-"""
+"""The index of current results: benchmarks/results/INDEX.md, index.json and docs/by-card.md, from every result JSON
+under benchmarks/results/ in the common format of benchmarks/README.md. Plain JSON: no ComfyUI, no torch."""
 
 from __future__ import annotations
 
@@ -41,8 +37,7 @@ def result_files(root: Path) -> list[Path]:
 
 
 def run_env(env: dict) -> dict:
-    """The index's environment fields from a result's ``env`` (older kernel results: ``device_name``, ``git_sha``,
-    ``timestamp``, ``comfyui_version``); the commit short, keeping the mark of a tree that differed from it."""
+    """The index's fields of a result's ``env`` (older results' key names too); the commit short, ``-dirty`` kept."""
     gpu = env.get("gpu") or env.get("device_name") or (env.get("gpus") or [None])[0]
     commit = env.get("commit") or env.get("git_sha")
     return {"device": env.get("device") or ("cuda" if gpu else None), "gpu": gpu and gpu.removeprefix("NVIDIA "),
@@ -212,8 +207,7 @@ def _best(rows: Iterable[dict], side: str) -> dict | None:
 
 
 def _cell_lines(rows: list[dict]) -> list[tuple[dict | None, dict | None]]:
-    """(fastest pack row, native's best row) per workload of one card / model / file cell: the newest run that has
-    both sides (else the newest run), per kind of measurement, resolution, frames, cfg, LoRA and step cache."""
+    """(fastest pack row, native's best) per workload of one cell, from the newest run with both (else the newest)."""
     runs: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         runs[(r["how"], r["resolution"], r["frames"], r["cfg"], r["lora"], r["step_cache"])][r["run"]].append(r)

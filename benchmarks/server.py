@@ -1,11 +1,10 @@
-"""A ComfyUI server as the render scenario drives it: the flags of a row, a hermetic base folder with the pack
-linked in, one graph queued with its websocket events and memory recorded, the log lines that explain a run, and how
-far two saved latents are apart. The runner itself never starts CUDA.
-"""
+"""One ComfyUI server as the render scenario drives it: flags, base folder, a queued graph's events and memory, the log
+digest, latent comparison. The runner itself never starts CUDA."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import shutil
@@ -14,11 +13,10 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
 from comfyui_lowvram_dit.benchmarks import report
 from comfyui_lowvram_dit.cli import server as cli_server
@@ -28,7 +26,6 @@ from comfyui_lowvram_dit.cli.memwatch import MemoryWatch
 PACK_ROOT, GIB = report.PACK_ROOT, report.GIB
 VENDORED_GGUF = PACK_ROOT / "tests" / "vendor" / "ComfyUI-GGUF"  # ComfyUI-GGUF verbatim (its README: which commit)
 WORK_MARK = "$WORK"  # stands for the scratch folder in recorded server flags (no machine paths in results)
-R = TypeVar("R")
 
 
 def server_flags(name: str, total_vram_gib: float, card_gib: float | None, ck_attention: bool = False,
@@ -52,8 +49,7 @@ def node(class_type: str, title: str, **inputs: Any) -> dict:
 
 
 def step_times(events: list[tuple[float, dict]], node_id: str) -> dict:
-    """Per-step times of one sampler node from ``(arrival time, message)`` pairs of the server's websocket:
-    ``first_s`` from its 'executing' to its first 'progress', ``steps_s`` between later progress values."""
+    """A sampler node's ``first_s`` ('executing' to first 'progress') and ``steps_s`` from websocket events."""
     start = next((t for t, m in events if m.get("type") == "executing" and m["data"].get("node") == node_id), None)
     seen: dict[int, float] = {}
     for t, m in events:
@@ -129,15 +125,13 @@ class EventRecorder:
 
 
 def gguf_custom_nodes(python: str) -> dict[str, Path]:
-    """The vendored ComfyUI-GGUF as ``{folder: path}`` for ``custom_nodes`` when ``python`` (the server's) has the
-    ``gguf`` package it needs; empty otherwise."""
+    """The vendored ComfyUI-GGUF as ``{folder: path}`` when ``python`` has the ``gguf`` package; else empty."""
     has_gguf = subprocess.run([python, "-c", "import gguf"], capture_output=True, check=False).returncode == 0
     return {"ComfyUI-GGUF": VENDORED_GGUF} if has_gguf else {}  # the folder name users clone it as
 
 
 def prepare_base(base: Path, models: Path, custom_nodes: dict[str, Path] | None = None) -> list[str]:
-    """A hermetic ComfyUI base dir with this pack (and ``custom_nodes``: folder -> path) in custom_nodes; returns its
-    path flags."""
+    """A hermetic ComfyUI base dir with this pack (and ``custom_nodes``) linked in; its path flags."""
     cli_server.prepare_base_dir(base, cli_server.REGISTRY_FOLDER_NAME, custom_nodes)
     yaml = workflow_models.extra_model_paths_yaml(models.resolve(), base / "extra_model_paths.yaml")
     return ["--extra-model-paths-config", str(yaml), "--output-directory", str(base / "output")]
@@ -152,15 +146,12 @@ class PromptRun:
     posted_at: float  # time.monotonic() right before the POST
     wall_s: float  # from the POST until /history showed the prompt finished
     watch: MemoryWatch  # the server process's memory, sampled from before the POST
-    watch_started: float  # time.monotonic() when the memory samples' clock started
 
 
 def run_prompt(server: cli_server.ComfyServer, graph: dict, timeout: float) -> PromptRun:
-    """Queue ``graph`` with the websocket and the memory watch on, and wait until it finished (or failed); a graph
-    the server refuses raises RunError naming the node errors."""
+    """Queue ``graph`` with websocket and memory watch on and wait for it; RunError naming a refused graph's errors."""
     cid = uuid.uuid4().hex
     with EventRecorder(server.url, cid) as rec:
-        t_watch = time.monotonic()
         with MemoryWatch(server.pid) as watch:
             t0 = time.monotonic()
             status, body = server.post_prompt(graph, client_id=cid)
@@ -170,7 +161,7 @@ def run_prompt(server: cli_server.ComfyServer, graph: dict, timeout: float) -> P
             entry = server.wait(body["prompt_id"], timeout)
             wall = time.monotonic() - t0
         time.sleep(0.3)  # the last websocket messages
-    return PromptRun(rec.events, entry, t0, wall, watch, t_watch)
+    return PromptRun(rec.events, entry, t0, wall, watch)
 
 
 def scrub_work(flags: list[str], work: Path) -> list[str]:
@@ -179,22 +170,14 @@ def scrub_work(flags: list[str], work: Path) -> list[str]:
 
 
 def public_log(lines: list[str], comfyui: Path, work: Path) -> list[str]:
-    """Server log lines as results may show them: the scratch folder as $WORK, ComfyUI's folder as <ComfyUI>, the
-    interpreter as python3, other machine paths through ``report.public_text`` (a log's first line names all
-    three)."""
+    """Log lines with $WORK, <ComfyUI>, python3 for their paths, other machine paths through ``report.public_text``."""
     swaps = ((str(comfyui), "<ComfyUI>"), (sys.executable, "python3"))
-    shown = []
-    for line in scrub_work(lines, work):
-        for path, mark in swaps:
-            line = line.replace(path, mark)
-        shown.append(report.public_text(line))
-    return shown
+    return [report.public_text(functools.reduce(lambda text, s: text.replace(*s), swaps, line))
+            for line in scrub_work(lines, work)]
 
 
 def compare_latents(path: Path, reference: Path) -> dict:
-    """How far the latent in ``path`` is from the one in ``reference`` (SaveLatent files, key ``latent_tensor``):
-    ``rel_diff`` = ||a - b|| / ||b|| and ``max_abs`` = max |a - b| in float64 on the CPU; ``identical`` when the
-    tensors are bit-equal (same dtype, shape and values)."""
+    """``rel_diff`` ||a - b|| / ||b||, ``max_abs`` and bit-``identical`` of two SaveLatent files (float64, CPU)."""
     import torch  # the runner itself never starts CUDA: the tensors stay on the CPU
     from safetensors.torch import load_file
 
@@ -209,33 +192,8 @@ def compare_latents(path: Path, reference: Path) -> dict:
             "max_abs": float(diff.abs().max()) if diff.numel() else 0.0, "shape": list(a.shape)}
 
 
-def run_rows(rows: Sequence[R], run_one: Callable[[R], dict], head: Callable[[R], dict],
-             written: Callable[[list[dict]], object], results: list[dict], started: float, deadline: float = 0.0,
-             reserve_estimate: float | Callable[[R], float] = 90.0) -> list[dict]:
-    """``run_one`` each row, appending to ``results`` and calling ``written(results)`` after each. A row that would
-    start later than ``deadline`` s after ``started`` minus ``reserve_estimate`` (seconds, or a function of the row;
-    0: no deadline) is recorded as skipped; ``head(row)`` gives the name/what/variant keys."""
-    for row in rows:
-        what = head(row)
-        elapsed = time.monotonic() - started
-        needs = reserve_estimate(row) if callable(reserve_estimate) else reserve_estimate
-        if deadline and elapsed + needs > deadline:
-            print(f"skip {what['name']}: {elapsed:.0f} s used of the {deadline:.0f} s deadline", flush=True)
-            results.append({**what, "status": "skipped", "error": "not started: time budget"})
-            continue
-        print(f"== {what['name']}: {what['what']}", flush=True)
-        rec = run_one(row)
-        results.append(rec)
-        print(f"   {rec['status']} s/step={rec.get('s_per_step')} first={rec.get('first_step_s')} "
-              f"wall={rec.get('wall_s')} gpu={rec.get('peak_gpu_gib')} rss={rec.get('peak_rss_hwm_gib')} "
-              f"{rec.get('error', '')[:300]}", flush=True)
-        written(results)
-    return results
-
-
 def gpu_facts() -> dict:
-    """GPU name, total memory and driver of the first GPU, and the number of GPUs, from nvidia-smi (no CUDA context
-    in this process); {} without it."""
+    """The first GPU's name, total memory and driver per nvidia-smi (no CUDA context here); {} without it."""
     smi = shutil.which("nvidia-smi")
     if not smi:
         return {}
@@ -245,5 +203,4 @@ def gpu_facts() -> dict:
     fields = [f.strip() for f in (lines[0] if lines else "").split(",")]
     if len(fields) != 3:
         return {}
-    return {"device_name": fields[0], "vram_total_gib": round(int(fields[1]) / 1024, 2), "driver": fields[2],
-            "gpu_count": len(lines)}
+    return {"device_name": fields[0], "vram_total_gib": round(int(fields[1]) / 1024, 2), "driver": fields[2]}

@@ -1,25 +1,12 @@
-"""Scenario ``server_render``: the render users feel, Queue to output file through a real ComfyUI server.
+"""Scenario ``server_render``: whole renders, Queue to output file, through fresh ComfyUI servers (see the README).
 
-A row is a workflow (server_render_graphs.WORKFLOWS) x card (``--reserve-vram`` = total - card, or the whole GPU) x
-memory manager (DynamicVRAM on, ComfyUI's default, or ``--disable-dynamic-vram``) x model file format x setup
-(native's best, the pack's shipped workflow, the pack with other node settings). Each row renders, one server
-life after another:
-1. ``first_ever``: a fresh server with empty caches: its own Triton, TorchInductor and CUDA kernel caches and its
-   own ComfyUI user folder (where the pack keeps its timed decisions and text embeddings);
-2. ``warm``: the same graph again, only the noise seed changed (an identical prompt would come from ComfyUI's cache);
-3. ``warm_new_prompt``: a new seed and a new positive prompt (the text encode runs again);
-4. ``cold``: the server stopped, a fresh one started with the first one's caches and user folder, the graph queued.
-Each render is timed from the POST to /history showing it done, its output files checked, and split
-(server_render_split) into load, text encode, each sampler's steps, VAE decode and save; the server's peak RSS
-(anonymous and file-backed) and GPU memory are sampled during it. A failed render or row is recorded and the next
-row runs; the reports (server_render_report) are rewritten after every row. The OS page cache is not dropped:
-model files read by an earlier row (or written just before) come from RAM.
+A row (workflow x card x memory manager x file format x setup) renders first-ever (fresh caches and user folder),
+warm (new seed), warm with a new prompt, then cold (a new server keeping the caches); each render split by stage.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import shutil
@@ -33,8 +20,8 @@ from typing import Any
 
 from comfyui_lowvram_dit.benchmarks import report as reports
 from comfyui_lowvram_dit.benchmarks import server
-from comfyui_lowvram_dit.benchmarks import server_render_models as models
 from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
+from comfyui_lowvram_dit.benchmarks import server_render_models as models
 from comfyui_lowvram_dit.benchmarks import server_render_report as report
 from comfyui_lowvram_dit.benchmarks.server_render_split import split
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
@@ -89,18 +76,12 @@ class RenderRow:
                                    self.dynamic_vram)
 
 
-def card_label(card: float | None) -> str:
-    """``12gb`` or ``whole``."""
-    return "whole" if card is None else f"{card:g}gb"
-
-
 def make_row(workflow: str, setup: str, card: float | None, dynamic_vram: bool = True,
              file_format: str | None = None) -> RenderRow:
-    """The row of these settings, named ``<workflow>_<setup>_<card>[_legacy][_<format>]`` (the workflow's own file
-    format and DynamicVRAM left out of the name)."""
+    """The row named ``<workflow>_<setup>_<card>[_legacy][_<format>]`` (default format and DynamicVRAM unnamed)."""
     wf = rg.WORKFLOWS[workflow]
     fmt = file_format or wf.default_format
-    name = "_".join([workflow, setup, card_label(card), *([] if dynamic_vram else ["legacy"]),
+    name = "_".join([workflow, setup, "whole" if card is None else f"{card:g}gb", *([] if dynamic_vram else ["legacy"]),
                      *([] if fmt == wf.default_format else [fmt])])
     return RenderRow(name, workflow, setup, card, dynamic_vram, fmt)
 
@@ -122,17 +103,12 @@ GROUPS = {"core": [r.name for r in CORE]}
 
 def parse_cards(spec: str | None) -> list[float | None] | None:
     """``12,24,whole`` -> [12.0, 24.0, None]; None when not given."""
-    if not spec:
-        return None
-    out: list[float | None] = []
-    for item in (s.strip().lower() for s in spec.split(",") if s.strip()):
-        out.append(None if item in ("whole", "none", "all") else float(item.removesuffix("gb")))
-    return out
+    items = [s.strip().lower() for s in (spec or "").split(",") if s.strip()]
+    return [None if i in ("whole", "none", "all") else float(i.removesuffix("gb")) for i in items] if spec else None
 
 
 def pick_rows(opts: argparse.Namespace) -> list[RenderRow]:
-    """The rows of ``--rows`` (row names, ``core``, workflow keys or ``all``; a workflow expands over
-    ``--setups`` x ``--cards`` x ``--memory`` x ``--formats``), filtered to ``--cards`` when given, each once."""
+    """The rows of ``--rows`` (a workflow or ``all`` expands over setups x cards x memory x formats), each once."""
     table, cards = all_rows(), parse_cards(opts.cards)
     setups = [s.strip() for s in opts.setups.split(",") if s.strip()]
     memory = [m.strip() == "on" for m in opts.memory.split(",") if m.strip()]
@@ -181,10 +157,7 @@ def describe(row: RenderRow) -> str:
 
 
 def memory_manager(row: RenderRow) -> str:
-    """Who keeps the diffusion model's weights, as the results index names it: Block Swap where the graph streams
-    (the Qwen-Image staged loaders always do; a Block Swap node under DynamicVRAM when set to stream, or ``auto``,
-    whose pick depends on the machine's RAM), else ComfyUI by the server's flag (ComfyUI-GGUF's own patcher is never
-    DynamicVRAM's, so Block Swap always streams it)."""
+    """Who keeps the diffusion model's weights, as the results index names it (Block Swap always streams GGUF)."""
     setup = rg.SETUPS[row.setup]
     dynamic = row.dynamic_vram and row.file_format not in rg.GGUF_TYPES
     if setup.native or setup.drop_block_swap:
@@ -215,10 +188,6 @@ def head(row: RenderRow) -> dict:
             "files": rg.model_files(wf, row.file_format)}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# one row
-
-
 @dataclass
 class RunContext:
     """What every row of a run shares."""
@@ -241,8 +210,7 @@ def supported_flags(flags: list[str], host_flags: str) -> tuple[list[str], list[
 
 
 def smoke_graph(graph: dict, native: bool) -> dict:
-    """A graph shrunk for tiny models on the CPU (64 px, 5 frames, 2 steps; the tiny stand-in of a fixed-size VAE;
-    for a native graph the stand-in CLIPLoader that reads the 2-layer encoder's sizes from the file)."""
+    """A graph shrunk for tiny models on the CPU (tiny VAE; native: the stand-in CLIPLoader for 2-layer encoders)."""
     graph = cli_workflow.apply_overrides(graph, cli_workflow.tiny_overrides(graph))
     workflow_models.swap_tiny_vaes(graph)
     if native:
@@ -253,10 +221,8 @@ def smoke_graph(graph: dict, native: bool) -> dict:
 
 
 def empty_images(graph: dict) -> dict:
-    """``graph`` with each LoadImage replaced by a one-colour EmptyImage of the size the graph renders (the reference
-    image of Qwen-Image-Edit: 1024x1024): for a host whose LoadImage cannot decode files (no PyAV); the compute is
-    that of any picture of that size."""
-    size = (graph_facts(graph)["resolution"] or "{0}x{1}".format(*EDIT_IMAGE)).split("x")
+    """Each LoadImage as a one-colour EmptyImage of the rendered size (hosts without PyAV); the same compute."""
+    size = (graph_facts(graph)["resolution"] or "{}x{}".format(*EDIT_IMAGE)).split("x")
     for n in graph.values():
         if n["class_type"] == "LoadImage":
             n["class_type"] = "EmptyImage"
@@ -292,7 +258,7 @@ def graph_facts(graph: dict) -> dict:
         if n["class_type"] in rg.SAMPLERS and isinstance(i.get("steps"), int):
             out["steps"], out["cfg"] = i["steps"], i.get("cfg")
     if out["resolution"] is None and any(n["class_type"] == "LoadImage" for n in graph.values()):
-        out["resolution"] = "{0}x{1}".format(*EDIT_IMAGE)
+        out["resolution"] = "{}x{}".format(*EDIT_IMAGE)
     return out
 
 
@@ -309,7 +275,7 @@ def render(srv: cli_server.ComfyServer, graph: dict, kind: str, timeout: float, 
     try:
         run = server.run_prompt(srv, graph, timeout)
     except Exception as exc:  # noqa: BLE001 - a refused graph or a dead server is this render's result
-        rec["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+        rec["error"] = reports.error_text(exc, 4000)
         return rec
     rec.update(split(run.events, graph, run.posted_at, run.wall_s))
     mem = run.watch.summary()
@@ -334,8 +300,7 @@ def render(srv: cli_server.ComfyServer, graph: dict, kind: str, timeout: float, 
 
 def render_kind(srv: cli_server.ComfyServer, graph: dict, kind: str, opts: argparse.Namespace, base: Path, row: str,
                 first_of_life: bool) -> dict:
-    """A render kind's record: for ``warm``, ``--warm-repeats`` renders (each a new seed, so ComfyUI's cache answers
-    none) and the median one's record with every total in ``repeats_s``; else one render. Stops at a failure."""
+    """One render, or for ``warm`` the median of ``--warm-repeats`` (new seeds; totals in ``repeats_s``)."""
     records: list[dict] = []
     for i in range(max(opts.warm_repeats, 1) if kind == "warm" else 1):
         seen = len(srv.log_text())
@@ -350,17 +315,6 @@ def render_kind(srv: cli_server.ComfyServer, graph: dict, kind: str, opts: argpa
         return records[0]
     median = sorted(records, key=lambda r: r["total_s"])[(len(records) - 1) // 2]  # the lower one of an even count
     return {**median, "repeats_s": [r["total_s"] for r in records]}
-
-
-def write_input_image(path: Path, width: int, height: int) -> None:
-    """A deterministic RGB gradient PNG: the Edit graph's reference image (LoadImage reads it from the input folder)."""
-    import numpy as np
-    from PIL import Image
-
-    y, x = np.mgrid[0:height, 0:width]
-    rgb = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], -1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(rgb.astype(np.uint8)).save(path, format="PNG")
 
 
 def _row_dirs(ctx: RunContext, row: RenderRow) -> tuple[Path, dict[str, str], list[str]]:
@@ -403,9 +357,7 @@ def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: 
                 raise cli_server.RunError(f"the pack failed to import: {problems[0].strip()}")
             if graph is None:
                 graph = build_graph(row, srv, opts)
-                rec.update(graph_facts(graph))
-                if row.workflow == "qwen_edit":
-                    write_input_image(base / "input" / rg.EDIT_IMAGE, *EDIT_IMAGE)
+                rec.update(graph_facts(graph))  # synthetic: Edit's reference image drawn (scaled to 1 MP anyway)
                 cli_workflow.ensure_input_images(graph, base / "input", True, [cli_workflow.WORKFLOWS_DIR])
             for i, kind in enumerate(kinds):
                 r = render_kind(srv, graph, kind, opts, base, row.name, i == 0)
@@ -416,7 +368,7 @@ def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: 
                 if r["status"] != "ok":
                     break
     except Exception as exc:  # noqa: BLE001 - a server that does not start is this row's result
-        life["error"] = public(f"{type(exc).__name__}: {exc}"[:4000], opts)
+        life["error"] = public(reports.error_text(exc, 4000), opts)
     log_path = base / "comfyui.log"
     if log_path.exists():
         text = log_path.read_text(errors="replace")
@@ -448,7 +400,7 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
                     break  # the first life failed: a cold start of the same row would fail the same way
                 graph = _life(ctx, row, kinds, folder, env, [*base_flags, *flags], rec, graph)
     except Exception as exc:  # noqa: BLE001 - one row's failure must not stop the others
-        rec["error"] = public(f"{type(exc).__name__}: {exc}"[:4000], opts)
+        rec["error"] = public(reports.error_text(exc, 4000), opts)
     finally:
         if folder is not None and not opts.keep_logs:
             shutil.rmtree(folder, ignore_errors=True)
@@ -456,8 +408,7 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
 
 
 def cpu_flags(row: RenderRow) -> tuple[list[str], list[str]]:
-    """A row's flags on the CPU (smoke, --cpu): its memory manager, no card; ``--use-ck-attention`` left out (ComfyUI
-    exits at startup when comfy-kitchen has no attention backend, as on the CPU)."""
+    """A row's flags on the CPU: no card, no ``--use-ck-attention`` (ComfyUI exits without a kitchen backend)."""
     flags = server.server_flags(row.name, 0.0, None, False, row.dynamic_vram)
     left = ["--use-ck-attention (no comfy-kitchen attention on the CPU)"] if rg.SETUPS[row.setup].ck_attention else []
     return flags, left
@@ -485,13 +436,8 @@ def finish(rec: dict, renders: Sequence[str]) -> dict:
     return rec
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the run
-
-
 def estimate_s(ctx: RunContext, row: RenderRow) -> float:
-    """Seconds the row is expected to take (for --deadline): its renders and server starts, slower on small cards,
-    plus writing its missing model files."""
+    """Seconds the row should take (--deadline): renders, server starts, writing its missing model files."""
     if ctx.opts.reserve_estimate:
         return ctx.opts.reserve_estimate
     small = row.card_gib is not None and row.card_gib <= 12
@@ -506,20 +452,22 @@ def estimate_s(ctx: RunContext, row: RenderRow) -> float:
     return seconds
 
 
-def in_order(ctx: RunContext, started: float) -> Callable[[RenderRow], float]:
-    """The time estimate ``server.run_rows`` checks against ``--deadline``, made to stop the run at the first row
-    that would not finish in time: that row and every later one are recorded as skipped, so ``--resume`` goes on
-    in the same order (and no later row's model files replace the ones a skipped row needs)."""
-    stopped = []
-
-    def estimate(row: RenderRow) -> float:
-        seconds = estimate_s(ctx, row)
-        if stopped or (ctx.opts.deadline and time.monotonic() - started + seconds > ctx.opts.deadline):
-            stopped.append(row.name)
-            return math.inf
-        return seconds
-
-    return estimate
+def run_all(ctx: RunContext, written: Callable[[list[dict]], object], results: list[dict], started: float) -> None:
+    """Each row into ``results``, ``written`` after each; from the first that --deadline leaves no time for, it and
+    every later row are skipped (so --resume goes on in order, and no later row replaces a skipped row's files)."""
+    stopped = False
+    for row in ctx.rows:
+        elapsed, deadline = time.monotonic() - started, ctx.opts.deadline
+        stopped = stopped or bool(deadline and elapsed + estimate_s(ctx, row) > deadline)
+        if stopped:
+            print(f"skip {row.name}: {elapsed:.0f} s used of the {deadline:.0f} s deadline", flush=True)
+            results.append({**head(row), "status": "skipped", "error": "not started: time budget"})
+            continue
+        print(f"== {row.name}: {describe(row)}", flush=True)
+        results.append(run_row(ctx, row))
+        print(f"   {results[-1]['status']} render_s={results[-1].get('render_s')} "
+              f"{results[-1].get('error', '')[:300]}", flush=True)
+        written(results)
 
 
 def smoke_skip(row: RenderRow) -> str | None:
@@ -532,8 +480,7 @@ def smoke_skip(row: RenderRow) -> str | None:
 
 
 def environment(opts: argparse.Namespace, argv: list[str] | None) -> dict:
-    """The run's environment in the common format (report.environment), with the GPU as nvidia-smi names it (this
-    process never starts CUDA)."""
+    """The run's ``env`` with the GPU as nvidia-smi names it (this process never starts CUDA)."""
     env = reports.environment("comfyui_lowvram_dit.benchmarks.server_render", argv, comfyui=opts.comfyui)
     gpu = server.gpu_facts()
     env.update(device="cpu" if opts.cpu or opts.smoke or not gpu else "cuda", gpu=gpu.get("device_name"),
@@ -621,8 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, kinds, own_work = _prepare(opts)
     env = environment(opts, argv)
     host = (Path(opts.comfyui) / "comfy" / "cli_args.py").read_text(encoding="utf-8", errors="replace")
-    ctx = RunContext(opts, models.ModelFiles(opts.models, opts.write_models, opts.free_disk), env.get("vram_total_gib") or 0.0,
-                     host, env.get("comfyui") or "?", kinds)
+    ctx = RunContext(opts, models.ModelFiles(opts.models, opts.write_models, opts.free_disk),
+                     env.get("vram_total_gib") or 0.0, host, env.get("comfyui") or "?", kinds)
     settings = {"renders": list(kinds), "smoke": opts.smoke, "empty_image": opts.empty_image,
                 "rows": [r.name for r in rows],
                 "page_cache": "not dropped: files written or read earlier in the run come from RAM"}
@@ -641,8 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         settings["model_write_s"], settings["model_files_deleted"] = ctx.models.took, ctx.models.freed
         return report.write(opts.out, opts.stem, records, env, settings, opts.work / "latents")
 
-    server.run_rows(ctx.rows, lambda r: run_row(ctx, r), head, written, results, started, opts.deadline,
-                    in_order(ctx, started))
+    run_all(ctx, written, results, started)
     paths = written(results)
     if own_work and not opts.keep_logs:
         shutil.rmtree(opts.work, ignore_errors=True)

@@ -1,23 +1,12 @@
-"""The render scenario's API graphs: the shipped workflows converted node for node, and their native equivalents.
-
-A pack graph is a shipped workflow (workflows/*.json) converted to API format against the node schemas
-(``ui_to_api``: each widget value lands on the input the schema names at its place, as the front end sends it), so
-it cannot drift from what users load. On it: the card's Block Swap budget from the workflow's own note
-(``budgets``), the file format (the 16-bit files instead of the fp8 ones; GGUF files through ComfyUI-GGUF's
-UnetLoaderGGUF in place of the loader), the setup (Block Swap removed, 8-bit attention, Torch Compile with the node's
-defaults, core's EasyCache before each sampler), and a SaveLatent of the final latent for output comparisons.
-The native graph is the same graph with each pack node replaced by what ComfyUI's official template wires there
-(``to_native``: UNETLoader, CLIPLoader + CLIPTextEncode x2, VAELoader, VAEDecode; Block Swap / Attention / Torch
-Compile dropped), so both render the same sizes, steps, prompts and seed. Qwen-Image-Edit has no shipped workflow:
-its graph is edit_graph (the 2509 template and the Edit Staged Loader).
-"""
+"""The render scenario's API graphs: the shipped workflows converted node for node (``ui_to_api``, as the front end
+sends them, so they cannot drift from what users load) with a row's card, file format and setup, and their native
+equivalents (``to_native``: each pack node replaced by what ComfyUI's official template wires there)."""
 
 from __future__ import annotations
 
 import copy
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,10 +30,6 @@ class GraphError(ValueError):
     """A shipped workflow or setup this module cannot turn into a render graph; the message names it."""
 
 
-# ----------------------------------------------------------------------------------------------------------
-# UI -> API
-
-
 def _is_widget(spec: list) -> bool:
     """Whether an input spec from /object_info is a widget (a value in widgets_values) rather than a socket."""
     return bool(spec) and (isinstance(spec[0], list) or spec[0] in WIDGET_TYPES)
@@ -63,17 +48,9 @@ def _extra(spec: list) -> dict:
     return spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
 
 
-def widget_names(info: dict) -> list[tuple[str, bool]]:
-    """A node type's widgets in the order of its ``widgets_values``: (input name, whether a 'control after
-    generate' value follows it, as the front end stores one after every seed)."""
-    specs = _specs(info.get("input", {}), info.get("input_order") or {})
-    return [(name, bool(_extra(spec).get("control_after_generate"))) for name, spec in specs if _is_widget(spec)]
-
-
 def widget_inputs(inputs: dict, values: list, order: dict | None = None, prefix: str = "") -> dict:
-    """The inputs a node's ``widgets_values`` set (``values`` is consumed), as the front end sends them: each widget
-    its value in schema order (a seed's 'control after generate' value skipped), a widget past the last value its
-    schema default, a dynamic combo's chosen option's widgets right after it as ``combo.widget``."""
+    """The inputs ``values`` (consumed) set, as the front end sends them: in schema order, a seed's control value
+    skipped, a missing one at its default, a dynamic combo's chosen option's widgets after it as ``combo.widget``."""
     out: dict[str, Any] = {}
     for name, spec in _specs(inputs, order or {}):
         dynamic = bool(spec) and spec[0] == DYNAMIC_COMBO
@@ -93,8 +70,7 @@ def widget_inputs(inputs: dict, values: list, order: dict | None = None, prefix:
 
 
 def ui_to_api(workflow: dict, object_info: dict, source: str = "workflow") -> dict:
-    """A UI-format workflow without subgraphs as the API graph the front end queues: node ids kept, each widget value
-    on the input the node's schema names at its place, each link as ``[origin id, slot]``; notes left out."""
+    """A UI workflow without subgraphs as the API graph the front end queues (ids kept, notes left out)."""
     if (workflow.get("definitions") or {}).get("subgraphs"):
         raise GraphError(f"{source}: subgraphs are not supported here (convert it with comfy-cli)")
     links = {int(lk[0]): lk for lk in workflow.get("links") or []}
@@ -127,28 +103,17 @@ def ui_node_types(workflow: dict) -> set[str]:
     return {n["type"] for n in workflow["nodes"] if n["type"] not in FRONTEND_ONLY}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# editing an API graph
-
-
 def new_id(graph: dict) -> str:
     """A node id above every numeric id in ``graph``."""
     return str(max((int(k) for k in graph if k.isdigit()), default=0) + 1)
 
 
-def links_to(graph: dict, source: str, slot: int = 0) -> Iterator[tuple[dict, str]]:
-    """(node, input name) of every input fed by output ``slot`` of node ``source``."""
-    for n in graph.values():
-        for key, value in n["inputs"].items():
-            if isinstance(value, list) and value == [source, slot]:
-                yield n, key
-
-
 def rewire(graph: dict, old: list, new: list, skip: dict | None = None) -> None:
     """Every input fed by ``old`` ([id, slot]) is fed by ``new`` instead (``skip``: a node left as it is)."""
-    for n, key in list(links_to(graph, old[0], old[1])):
-        if n is not skip:
-            n["inputs"][key] = list(new)
+    for n in graph.values():
+        for key, value in n["inputs"].items():
+            if value == list(old) and n is not skip:
+                n["inputs"][key] = list(new)
 
 
 def bypass(graph: dict, nid: str) -> None:
@@ -180,7 +145,7 @@ def node_defaults(kind: str, object_info: dict, **overrides: Any) -> dict:
     for section in ("required", "optional"):
         for name, spec in (info["input"].get(section) or {}).items():
             if _is_widget(spec):
-                extra = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+                extra = _extra(spec)
                 options = spec[0] if isinstance(spec[0], list) else extra.get("options")
                 if "default" in extra:
                     inputs[name] = extra["default"]
@@ -188,10 +153,6 @@ def node_defaults(kind: str, object_info: dict, **overrides: Any) -> dict:
                     inputs[name] = options[0]
     inputs.update(overrides)
     return {"class_type": kind, "inputs": inputs, "_meta": {"title": info.get("display_name") or kind}}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# workflows, setups, formats
 
 
 @dataclass(frozen=True)
@@ -215,8 +176,7 @@ class RenderWorkflow:
         return self.formats[0]
 
     def layout(self, file_format: str) -> str:
-        """The diffusion model file's layout in ``file_format`` (Wan's 16-bit files are fp16, Qwen-Image's fp8 file
-        is plain fp8_e4m3fn): the results index's ``file_format``."""
+        """The diffusion model file's layout in ``file_format``: the results index's ``file_format``."""
         return self.layouts[self.formats.index(file_format)]
 
 
@@ -325,16 +285,14 @@ def model_files(workflow: RenderWorkflow, file_format: str) -> list[str]:
 
 
 def gguf_name(name: str, file_format: str) -> str:
-    """The GGUF file of diffusion model file ``name`` in ``file_format``: its name with the GGML type in place of its
-    dtype (``wan2.2_t2v_high_noise_14B_Q8_0.gguf``)."""
+    """``name`` with the GGML type in place of its dtype: ``wan2.2_t2v_high_noise_14B_Q8_0.gguf``."""
     stem = re.sub(r"_(fp8_scaled|fp8_e4m3fn|fp16|bf16)$", "", name.removesuffix(".safetensors"))
     return f"{stem}_{GGUF_TYPES[file_format]}.gguf"
 
 
 def edit_graph(kind: str, card_gib: float | None) -> dict:
-    """The Qwen-Image-Edit 2509 graph (no shipped workflow): the official template's nodes (UNETLoader, CLIPLoader on
-    the CPU, TextEncodeQwenImageEditPlus x2; ``native``) or the Edit Staged Loader with Block Swap at the card in
-    their place (``pack``); the reference image through FluxKontextImageScale (about 1 MP), VAE decode, SaveImage."""
+    """The Qwen-Image-Edit 2509 graph (no shipped workflow): the official template's (``native``) or the Edit Staged
+    Loader's (``pack``)."""
     g: dict[str, dict] = {"1": node("LoadImage", "Load Image", image=EDIT_IMAGE),
                           "2": node("FluxKontextImageScale", "FluxKontextImageScale", image=["1", 0])}
     if kind == "native":
@@ -362,13 +320,8 @@ def edit_graph(kind: str, card_gib: float | None) -> dict:
     return g
 
 
-# ----------------------------------------------------------------------------------------------------------
-# pack graphs
-
-
 def _four_step(graph: dict, workflow: RenderWorkflow, object_info: dict) -> None:
-    """A LoRA after each expert's loader and the sampling of the shipped T2V 4-step workflow (steps, cfg, split,
-    shift, LoRA strength), read from that workflow so the variant follows it."""
+    """A LoRA after each expert's loader and the sampling of the shipped T2V 4-step workflow, read from it."""
     ref = ui_to_api(shipped_workflow("wan22_t2v_a14b_4step"), object_info, "wan22_t2v_a14b_4step")
     strength = ref[of_type(ref, "LoraLoaderModelOnly")[0]]["inputs"]["strength_model"]
     for nid in of_type(graph, "LowVRAM_WanLoader"):
@@ -419,10 +372,6 @@ def apply_pack_setup(graph: dict, setup: Setup, object_info: dict) -> None:
             insert_after(graph, [nid, 0], node_defaults("LowVRAM_TorchCompile", object_info, model=None))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# native graphs
-
-
 def _text_pair(graph: dict, nid: str, clip_name: str, kind: str, positive: str, negative: str,
                slots: tuple[int, int]) -> None:
     """CLIPLoader + CLIPTextEncode x2 for the positive / negative outputs ``slots`` of pack node ``nid``."""
@@ -450,8 +399,7 @@ def _native_qwen_loader(graph: dict, nid: str, weight_dtype: str) -> None:
 
 
 def to_native(graph: dict, weight_dtype: str) -> dict:
-    """The native equivalent of a pack graph: each pack node replaced by what ComfyUI's official template wires there
-    (model-only pack nodes left out); GraphError naming a pack node it has no equivalent for."""
+    """The native equivalent of a pack graph; GraphError naming a pack node it has no equivalent for."""
     g = copy.deepcopy(graph)
     for nid in list(g):
         n = g.get(nid)
@@ -470,10 +418,6 @@ def to_native(graph: dict, weight_dtype: str) -> dict:
         elif kind and kind.startswith("LowVRAM_"):
             raise GraphError(f"{kind}: no native equivalent is known to the render scenario; add one to to_native")
     return g
-
-
-# ----------------------------------------------------------------------------------------------------------
-# a row's graph
 
 
 def rename_files(graph: dict, names: dict[str, str]) -> None:
@@ -497,8 +441,7 @@ def add_latent_save(graph: dict, prefix: str) -> str:
 
 def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | None, file_format: str,
                  object_info: dict, latent_prefix: str) -> dict:
-    """The API graph of one row: the pack's shipped workflow (or its native equivalent) for the card, the file
-    format and the setup, plus a SaveLatent of the final latent."""
+    """The API graph of one row, plus a SaveLatent of the final latent."""
     setup = SETUPS[setup_name]
     reason = setup_applies(workflow, setup_name, file_format)
     if reason:
@@ -533,10 +476,6 @@ def node_types_needed(workflow: RenderWorkflow) -> set[str]:
         return extra
     return ui_node_types(shipped_workflow(workflow.shipped)) | ui_node_types(shipped_workflow(
         "wan22_t2v_a14b_4step")) | extra
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the renders' changes
 
 
 def with_seed(graph: dict, offset: int) -> dict:

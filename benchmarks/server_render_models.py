@@ -1,12 +1,6 @@
-"""The model files of a render run: written when a row first needs them, freed for later rows, and the Wan Loader's
-saved fp8 copies a ``pack_fp8`` row loads (and a 16-bit pack row must not). GGUF files are the synthetic models
-Q8_0- or Q4_K-quantized (synthetic/gguf_checkpoints.py), written tensor by tensor.
-
-Full-size synthetic files are generated on the GPU in a child process, as are the saved copies: the runner itself
-never holds a CUDA context, whose memory would shrink an emulated card (``--reserve-vram`` is taken from what is
-free). ``--free-disk`` deletes only files this pack wrote (a synthetic file's header or GGUF key says so, a saved
-copy's name).
-"""
+"""The model files of a render run: synthetic ones (GGUF too) written when a row first needs them, in a child process
+(the runner never holds a CUDA context, which would shrink an emulated card), freed for later rows (``--free-disk``:
+only files this pack wrote), and the Wan Loader's saved fp8 copies."""
 
 from __future__ import annotations
 
@@ -65,8 +59,7 @@ def write_gguf_models(models: Path, names: set[str], size: str, device: str) -> 
 
 @dataclass
 class ModelFiles:
-    """The model folder of a run: full-size synthetic files written when a row first needs them, the files no
-    later row needs deleted first (``free_disk``); only files this pack wrote are ever deleted."""
+    """A run's model folder: synthetic files written when first needed; ``free_disk``: ones no later row needs gone."""
 
     models: Path
     write: bool = False
@@ -122,8 +115,7 @@ QUANTIZE_CHILD = ("import sys; from comfyui_lowvram_dit.checkpoints import wan a
 
 
 def write_models(models: Path, names: Sequence[str]) -> dict[str, float]:
-    """Write the full-size synthetic files ``names`` (missing ones only); seconds per file. A name there is no
-    synthetic writer for is reported and left out: its real file must be in ``models``."""
+    """Write the missing full-size synthetic files ``names`` (a name without a writer is reported); seconds each."""
     from comfyui_lowvram_dit.synthetic.lora import KNOWN_LORA_FILES
 
     took = {}
@@ -155,8 +147,7 @@ def run_child(code: str, *args: str) -> None:
 
 
 def save_pack_copies(copies: list[tuple[Path, Path]], device: str) -> float:
-    """Write the Wan Loader's saved fp8 copy of each source that has none (what its save_quantized does), in a child
-    process; seconds taken."""
+    """Write the Wan Loader's saved fp8 copy of each source that has none, in a child process; seconds taken."""
     t0 = time.monotonic()
     for src, copy in copies:
         if not copy.is_file():
@@ -167,8 +158,7 @@ def save_pack_copies(copies: list[tuple[Path, Path]], device: str) -> float:
 
 @contextmanager
 def pack_copies_for(row: RenderRow, models: Path, device: str, record: dict) -> Iterator[None]:
-    """The Wan Loader picks its saved fp8 copy up by itself: a ``pack_fp8`` row gets the copies (written when
-    missing), a 16-bit pack row runs with them moved aside (restored afterwards)."""
+    """The saved fp8 copies the Wan Loader picks up: written for a ``pack_fp8`` row, moved aside for a 16-bit one."""
     copies = quantized_copies(models, row) if row.workflow.startswith("wan") else []
     hidden: list[tuple[Path, Path]] = []
     if row.file_format == "pack_fp8":
@@ -197,8 +187,7 @@ def file_gb(name: str) -> float:
 
 
 def write_smoke_models(rows: Sequence[RenderRow], models: Path) -> None:
-    """The tiny synthetic files every row loads (text encoders 2 layers deep: the pack's streamed encoders and the
-    smoke's stand-in CLIPLoader read their sizes from the file)."""
+    """The tiny synthetic files every row loads (text encoders 2 layers deep, their sizes read from the file)."""
     names = {n for r in rows for n in rg.model_files(r.spec, r.file_format)}
     names |= {workflow_models.TINY_VAE_SWAPS.get(n, n) for n in names}
     encoders = {n for n in names if workflow_models.KNOWN_MODEL_FILES.get(n, ("",))[0] == "text_encoders"}

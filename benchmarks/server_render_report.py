@@ -1,15 +1,6 @@
-"""The render scenario's report: rows in the results index's common format, output comparisons, a markdown table.
-
-JSON: ``env`` (device, gpu, versions, commit, date, command), ``rows`` in the results index's common format
-(benchmarks/README.md; plus each render's split under ``renders``) and the server log digests under ``logs``. Each
-row names the native row it is compared with (``against``: native's best of the same workflow and card, the same
-DynamicVRAM flag and file format where one ran) and ``ratio`` = that row's warm render seconds / this row's (above
-1: this row is faster). Outputs are compared on the final latent each
-render saved (SaveLatent): the first-ever render of a row against the native row's (same seed and prompt) and
-against a 16-bit native default row of the workflow where one ran, and the row's cold render against its first-ever
-one; each as ``||a - b|| / ||b||`` (server.compare_latents). The markdown has one table per workflow and card: each
-render kind's seconds for native's best and each pack setup, with the ratio naming the native row.
-"""
+"""The render scenario's report: rows in the results index's common format, each compared with native's best of its
+workflow and card (``against``, ``ratio`` = its warm render seconds / this row's) and on its final latents
+(``||a - b|| / ||b||``), and a markdown table per workflow and card; written by ``report.write``."""
 
 from __future__ import annotations
 
@@ -19,6 +10,7 @@ from typing import Any
 
 from comfyui_lowvram_dit.benchmarks import report
 from comfyui_lowvram_dit.benchmarks.server import compare_latents
+from comfyui_lowvram_dit.benchmarks.server_render_split import PARTS
 
 KINDS = ("first_ever", "cold", "warm", "warm_new_prompt")
 KIND_LABEL = {"first_ever": "first-ever", "cold": "cold", "warm": "warm", "warm_new_prompt": "warm, new prompt"}
@@ -36,8 +28,7 @@ def _ok(r: dict) -> bool:
 
 
 def finished_rows(path: Path) -> list[dict]:
-    """The finished rows of an earlier report (``--resume``) with their server logs, each marked with the file it
-    came from; [] when none."""
+    """The finished rows of an earlier report (``--resume``) with their server logs and the file they came from."""
     if not path.is_file():
         return []
     doc = json.loads(path.read_text(encoding="utf-8"))
@@ -49,10 +40,8 @@ def finished_rows(path: Path) -> list[dict]:
 
 
 def native_row(row: dict, rows: list[dict]) -> dict | None:
-    """The finished native's-best row ``row`` is compared with: same workflow and card, the same memory manager and
-    file format where such a row ran, else the nearest; a pack row with a step cache against native's best with the
-    same cache (native's with a cache against native's without it); None for a native's-best row itself or when none
-    finished."""
+    """The finished native's-best row of ``row``'s workflow, card and step cache (a native one's: without it), the same
+    memory manager and file format where one ran; None for native's best itself or when none finished."""
     if row.get("setup_id") == NATIVE:
         return None
     cached = row.get("step_cache") and row.get("side") != "native"
@@ -83,8 +72,7 @@ def _latent_check(latents: Path, mine: tuple[str, str], theirs: tuple[str, str],
 
 
 def compare(rows: list[dict], latents: Path) -> list[dict]:
-    """Each finished row gets ``against``, ``ratio`` and ``outputs_compared`` (see the module docstring); returns
-    ``rows``."""
+    """Each finished row gets ``against``, ``ratio`` and ``outputs_compared``; returns ``rows``."""
     for row in rows:
         for key in ROW_KEYS:
             row.setdefault(key, None)
@@ -112,14 +100,6 @@ def compare(rows: list[dict], latents: Path) -> list[dict]:
     return rows
 
 
-# ----------------------------------------------------------------------------------------------------------
-# markdown
-
-
-def _f(v: Any, digits: int = 1) -> str:
-    return "—" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
-
-
 def _seconds(row: dict, kind: str, native: dict | None) -> str:
     """One render's seconds, with native's seconds / these in brackets."""
     r = (row.get("renders") or {}).get(kind)
@@ -135,53 +115,43 @@ def _seconds(row: dict, kind: str, native: dict | None) -> str:
 
 
 def _warm_split(row: dict) -> str:
-    """The warm render's load / text / steps / decode / save / other seconds, each sampler's total with its first
-    and median steps (the GPU runs behind the progress messages, so with few steps the totals are the firm part) and
-    the steps EasyCache skipped per sampler."""
+    """The warm render's parts, each sampler's total (the firm part: the GPU runs behind the progress messages) with
+    its first and median steps, and the steps EasyCache skipped."""
     w = (row.get("renders") or {}).get("warm") or (row.get("renders") or {}).get("first_ever") or {}
     if "total_s" not in w:
         return "—"
-    parts = " / ".join(_f(w.get(k)) for k in ("load_s", "text_encode_s", "sampling_s", "vae_decode_s", "save_s",
-                                              "other_s"))
-    steps = ", ".join((f"{_f(s['node_s'])}: " if s.get("node_s") else "") + _f(s["first_step_s"])
-                      + (f" + {s['steps'] - 1} x {_f(s['median_step_s'], 2)}"
+    parts = " / ".join(report.cell(w.get(k), "{:.1f}") for k in PARTS)
+    steps = ", ".join((f"{s['node_s']:.1f}: " if s.get("node_s") else "") + report.cell(s["first_step_s"], "{:.1f}")
+                      + (f" + {s['steps'] - 1} x {s['median_step_s']:.2f}"
                          if s["steps"] > 1 and s.get("median_step_s") else "")
                       for s in w.get("samplers", []) if s.get("steps"))
     skipped = ", ".join(f"{k}/{n}" for k, n in w.get("easycache_skipped") or [])
     return (f"{parts} ({steps})" if steps else parts) + (f"; EasyCache skipped {skipped} steps" if skipped else "")
 
 
-def _cell(text: str) -> str:
-    """Text that fits in one markdown table cell."""
-    return " ".join(str(text).split()).replace("|", "/")
-
-
 def _error(row: dict) -> str:
     """The output error against the native row, and against the 16-bit reference where one ran."""
-    cells = []
-    for key, label in (("vs_native", ""), ("vs_bf16", "bf16: ")):
-        c = (row.get("outputs_compared") or {}).get(key) or {}
-        if c.get("error"):
-            cells.append(label + _cell(c["error"]))
-        elif c.get("rel_diff") is not None:
-            cells.append(f"{label}{c['rel_diff']:.3g}")
-    return "; ".join(cells) or "—"
+    checks = [(label, (row.get("outputs_compared") or {}).get(key) or {}) for key, label in (("vs_native", ""),
+                                                                                          ("vs_bf16", "bf16: "))]
+    return "; ".join(label + (report.cell(c["error"]) if c.get("error") else f"{c['rel_diff']:.3g}")
+                     for label, c in checks if c.get("error") or c.get("rel_diff") is not None) or "—"
 
 
 def table(rows: list[dict], all_rows: list[dict]) -> list[str]:
     """The markdown table of one workflow and card."""
-    lines = ["| setup | row | " + " | ".join(f"{KIND_LABEL[k]} s" for k in KINDS) + " | split of the warm render: "
-             "load / text / sampling / decode / save / other s (each sampler's node total: its first + n x median step) | s/step | "
-             "peak VRAM GiB | peak RSS GiB | output error vs native (; vs bf16) | against | status |",
-             "|" + "---|" * (9 + len(KINDS))]
+    cells = []
     for r in rows:
         native = next((n for n in all_rows if n["name"] == r.get("against")), None)
-        status = r.get("status", "?") + (f": {_cell(r['error'])[:160]}" if r.get("error") else "")
+        status = r.get("status", "?") + (f": {report.cell(r['error'])[:160]}" if r.get("error") else "")
         status += f" (from {r['source']})" if r.get("source") else ""
-        lines.append(f"| {r.get('setup_id')} | {r['name']} | " + " | ".join(_seconds(r, k, native) for k in KINDS)
-                     + f" | {_warm_split(r)} | {_f(r.get('s_per_step'), 3)} | {_f(r.get('peak_vram_gib'), 2)} | "
-                     f"{_f(r.get('peak_rss_gib'), 2)} | {_error(r)} | {(native or {}).get('name', '—')} | {status} |")
-    return lines
+        cells.append([r.get("setup_id"), r["name"], *(_seconds(r, k, native) for k in KINDS), _warm_split(r),
+                      *(report.cell(r.get(k), f) for k, f in (("s_per_step", "{:.3f}"), ("peak_vram_gib", "{:.2f}"),
+                                                              ("peak_rss_gib", "{:.2f}"))),
+                      _error(r), (native or {}).get("name", "—"), status])
+    return report.table(["setup", "row", *(f"{KIND_LABEL[k]} s" for k in KINDS), ("split of the warm render: load / "
+                         "text / sampling / decode / save / other s (each sampler's node total: its first + n x median "
+                         "step)"), "s/step", "peak VRAM GiB", "peak RSS GiB", "output error vs native (; vs bf16)",
+                         "against", "status"], cells)
 
 
 def _card(card: float | None) -> str:
@@ -191,16 +161,16 @@ def _card(card: float | None) -> str:
 def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
     """The report as markdown: environment, what was timed, one table per workflow and card."""
     lines = report.header("Renders through a ComfyUI server: Queue to output file", env, [
-        f"renders: {', '.join(settings.get('renders', []))}; smoke: {settings.get('smoke')}; page cache: "
-        f"{settings.get('page_cache')}",
-        "first-ever: a fresh server with empty Triton / TorchInductor / CUDA caches and user folder; warm: the same "
+        (f"renders: {', '.join(settings.get('renders', []))}; smoke: {settings.get('smoke')}; page cache: "
+         f"{settings.get('page_cache')}"),
+        ("first-ever: a fresh server with empty Triton / TorchInductor / CUDA caches and user folder; warm: the same "
         "graph, new seed (with --warm-repeats: the median render, their range in square brackets); warm, new "
         "prompt: new seed and prompt; cold: a fresh server keeping the first one's caches and user folder. Seconds "
         "from Queue (POST /prompt) until the output file is written; in brackets native's best seconds / these (the "
         "row in 'against'). Split from the websocket events: load = loader nodes + each "
         "sampler's first step above its median step; peak RSS: the server process's VmHWM (first render of a server) "
         "or sampled RSS; VRAM: the process per nvidia-smi. Output vs native: ||a - b|| / ||b|| of the final latents "
-        "of the first-ever renders (same seed)."])
+        "of the first-ever renders (same seed).")])
     groups: dict[tuple[str, Any], list[dict]] = {}
     for r in rows:
         groups.setdefault((r.get("title") or r.get("model") or "?", r.get("card_gib")), []).append(r)

@@ -1,12 +1,5 @@
-"""A render's wall time split by what each node does, from the server's websocket events.
-
-Each executed node's time runs from its 'executing' message to the next node's (server.node_times). Nodes are
-sorted by their type into load (loaders, LoRA, Block Swap, Attention, Torch Compile, model sampling), text encode,
-sampling, VAE decode and save; anything else (empty latents, image-to-video conditioning) is 'other', as is the
-time from the POST to the first node and the rest of the total. A sampler's time before its first progress message
-holds the model's loading (weights moved, LoRA merged, kernels compiled, attention timed) and its first step: the
-part above the sampler's median later step counts as load, so the parts add up to the total.
-"""
+"""A render's wall time split by node type (load, text encode, sampling, VAE decode, save, other) from the server's
+websocket events; a sampler's first step above its median step counts as load, so the parts add up to the total."""
 
 from __future__ import annotations
 
@@ -49,8 +42,7 @@ def _sampler(events: list[tuple[float, dict]], nid: str, spent: float, title: st
 
 
 def split(events: list[tuple[float, dict]], graph: dict, posted_at: float, total_s: float) -> dict[str, Any]:
-    """The parts of one render of ``graph`` (POSTed at ``posted_at``, finished ``total_s`` later) from its
-    ``(arrival time, message)`` websocket events: seconds per part, per node and per sampler, the cached nodes."""
+    """Seconds per part, node and sampler, and the cached nodes, of a render POSTed at ``posted_at``."""
     spent = node_times(events)
     parts = dict.fromkeys(PARTS, 0.0)
     nodes, samplers = {}, []

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from comfyui_lowvram_dit.benchmarks.report import error_text
+
 
 def time_fn(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int) -> list[float]:
     """Milliseconds of each of ``repeats`` calls of ``fn`` after ``warmup`` calls; an error in any call is raised."""
@@ -19,8 +21,7 @@ def time_fn(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: i
 
 
 def time_interleaved(fns: dict, device: torch.device, repeats: int, warmup: int) -> dict[str, list[float] | str]:
-    """Milliseconds per call of each fn, in rounds that run every fn once (order rotating); a fn failing its warm-up
-    gives its error instead."""
+    """Milliseconds per call of each fn, in rounds running each once (order rotating); a failed warm-up: its error."""
     # rounds, so that clock and power drift hit all alike (the H100 runs these GEMMs at its power limit)
     out: dict[str, list[float] | str] = {}
     for name, fn in fns.items():
@@ -29,7 +30,7 @@ def time_interleaved(fns: dict, device: torch.device, repeats: int, warmup: int)
                 fn()
             out[name] = []
         except Exception as exc:  # noqa: BLE001 - a path this GPU / torch cannot run is a result
-            out[name] = f"{type(exc).__name__}: {exc}"[:300]
+            out[name] = error_text(exc)
     names = [name for name, times in out.items() if isinstance(times, list)]
     for r in range(repeats):
         marks = {}

@@ -44,7 +44,10 @@ def _types(graph: dict) -> dict[str, list[dict]]:
 def _widget_values(node: dict, api: dict) -> list:
     """The API node's widget inputs in the order the UI stores them (control values put back after seeds)."""
     values = []
-    for name, control in rg.widget_names(OBJECT_INFO[node["type"]]):
+    info = OBJECT_INFO[node["type"]]
+    widgets = [(name, rg._extra(spec).get("control_after_generate"))  # the order of a UI node's widgets_values
+               for name, spec in rg._specs(info["input"], info.get("input_order") or {}) if rg._is_widget(spec)]
+    for name, control in widgets:
         values.append(api["inputs"][name])
         if control:
             values.append(node["widgets_values"][len(values)])
@@ -728,14 +731,20 @@ def test_the_deadline_stops_the_run_in_order(tmp_path: Path, monkeypatch: pytest
     ctx = sr.RunContext(opts, sm.ModelFiles(tmp_path), 143.0, "", "0.33.0", sr.CORE_RENDERS)
     rows = [sr.make_row("wan_t2v_4step", "pack", 12.0), sr.make_row("wan_t2v_4step", "pack", None),
             sr.make_row("qwen_t2i_4step", "pack", 24.0)]
+    ctx.rows = rows
     ran: list[str] = []
     monkeypatch.setattr(sr.time, "monotonic", lambda: 250.0 if ran else 0.0)  # the first row took 250 s
-    results: list[dict] = []
-    sr.server.run_rows(rows, lambda r: ran.append(r.name) or {"status": "ok"}, sr.head, lambda done: None, results,
-                       0.0, opts.deadline, sr.in_order(ctx, 0.0))
+    monkeypatch.setattr(sr, "run_row", lambda _ctx, r: ran.append(r.name) or {"name": r.name, "status": "ok"})
+    results: list[dict] = [{"name": "merged"}]
+    written: list[int] = []
+    sr.run_all(ctx, lambda done: written.append(len(done)), results, 0.0)
     assert sr.estimate_s(ctx, rows[1]) + 250 > opts.deadline > sr.estimate_s(ctx, rows[2]) + 250
     assert ran == [rows[0].name]  # the Qwen row would fit, but it comes after one that does not
-    assert [r["status"] for r in results] == ["ok", "skipped", "skipped"]
+    assert [r.get("status") for r in results] == [None, "ok", "skipped", "skipped"] and written == [2]
+    assert [r["what"] for r in results[2:]] == [sr.describe(r) for r in rows[1:]]  # a skipped row says what it was
+    ctx.opts.deadline, ran[:], results[:] = 0.0, [], []  # no deadline: every row runs, the reports after each
+    sr.run_all(ctx, lambda done: written.append(len(done)), results, 0.0)
+    assert ran == [r.name for r in rows] and written == [2, 1, 2, 3]
 
 
 class _FakeServer:

@@ -1,12 +1,11 @@
 """The render scenario's server side on the CPU, without ComfyUI (benchmarks/server.py): a row's flags, step and
-node times from websocket events, the log digest, paths kept out of the record, the deadline; and the schema check
+node times from websocket events, the log digest, paths kept out of the record; and the schema check
 (``_problems``) the render graphs are validated with here and against a live server."""
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -136,16 +135,3 @@ def test_base_folder_links_this_pack(tmp_path: Path) -> None:
     assert (tmp_path / "base" / "custom_nodes" / "comfyui-lowvram-dit").resolve() == run.PACK_ROOT
     assert flags[0] == "--extra-model-paths-config" and Path(flags[1]).is_file()
     assert flags[2:] == ["--output-directory", str(tmp_path / "base" / "output")]
-
-
-def test_run_rows_skips_what_the_deadline_leaves_no_time_for() -> None:
-    rows = ["a", "b"]
-    head = lambda row: {"name": row, "what": f"row {row}"}  # noqa: E731
-    written: list[int] = []
-    done = run.run_rows(rows, lambda r: {"name": r, "status": "ok"}, head, lambda res: written.append(len(res)), [],
-                        time.monotonic())
-    assert [r["status"] for r in done] == ["ok", "ok"] and written == [1, 2]
-    done = run.run_rows(rows, lambda r: pytest.fail("started past the deadline"), head, written.append,
-                        [{"name": "merged"}], time.monotonic() - 100, deadline=150, reserve_estimate=60)
-    assert [(r["name"], r["status"], r["what"]) for r in done[1:]] == [("a", "skipped", "row a"),
-                                                                       ("b", "skipped", "row b")]
