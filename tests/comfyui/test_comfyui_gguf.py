@@ -1,6 +1,6 @@
 """GGUF models (ComfyUI-GGUF's ``UnetLoaderGGUF``) through the pack's nodes. Needs COMFYUI_PATH and ``gguf``.
 
-In process: tiny Wan 2.2 14B-shaped and Qwen-Image files, Q8_0 and Q4_K (tests/gguf_files.py), loaded as
+In process: tiny Wan 2.2 14B-shaped, TI2V 5B and Qwen-Image files, Q8_0 and Q4_K (tests/gguf_files.py), loaded as
 ``UnetLoaderGGUF`` loads them (the vendored ComfyUI-GGUF in tests/vendor); Block Swap streams their blocks and samples
 exactly what the GGUF model samples alone, with a LoRA before or after it too. On the real server (ComfyUI-GGUF
 linked into its ``custom_nodes``): ``UnetLoaderGGUF -> [LoraLoaderModelOnly] -> Block Swap -> KSampler`` equals the
@@ -173,6 +173,39 @@ def test_block_swap_on_a_gguf_qwen_image_equals_it_alone(tmp_path: Path) -> None
     lora = tiny_lora("qwen_image", num_layers=4)
     import comfy.sd
 
+    ref_lora = sample(comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0])
+    swapped = _swapped(comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0], blocks=2)
+    assert torch.equal(sample(swapped), ref_lora) and not torch.equal(ref_lora, ref)
+
+
+def test_block_swap_on_a_gguf_wan22_ti2v_5b_equals_it_alone(tmp_path: Path) -> None:
+    """Wan 2.2 TI2V 5B (48-channel latents) as a Q4_K GGUF file: Block Swap streams its quantized blocks and samples
+    exactly what the model samples alone, with a LoRA too."""
+    comfyui_in_process_or_skip()
+    gguf_or_skip()
+    import comfy.sample
+    import comfy.sd
+
+    path = tmp_path / "wan22_ti2v_5b_tiny_Q4_K.gguf"
+    assert "Q4_K" in set(write_tiny_gguf(path, "wan22_ti2v_5B", "Q4_K", num_layers=4).values())
+    model = load_gguf_in_process(path)
+
+    def sample(patcher: Any) -> torch.Tensor:
+        g = torch.Generator().manual_seed(0)
+        latent = torch.zeros(1, 48, 3, 8, 8)
+        pos, neg = ([[torch.randn(1, 12, 4096, generator=g), {}]] for _ in range(2))
+        return comfy.sample.sample(patcher, torch.randn(latent.shape, generator=g), 2, 2.0, "euler", "simple", pos,
+                                   neg, latent, seed=0, disable_pbar=True)
+
+    ref = sample(model)
+    assert ref.shape[1] == 48 and torch.isfinite(ref).all()
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
+
+    swapped = _swapped(model, blocks=2)
+    assert torch.equal(sample(swapped), ref)
+    ctl = swapped.attachments[SWAP_KEY]
+    assert len(ctl.plan.streamed) == 2 and ctl.streamer.stats.loads > 0  # its blocks streamed, not passed through
+    lora = tiny_lora("wan22_ti2v_5B", num_layers=4)
     ref_lora = sample(comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0])
     swapped = _swapped(comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0], blocks=2)
     assert torch.equal(sample(swapped), ref_lora) and not torch.equal(ref_lora, ref)
