@@ -200,3 +200,33 @@ def test_input_images_are_drawn_for_synthetic_runs_and_required_otherwise(tmp_pa
         workflow.ensure_input_images(wf, tmp_path / "in", False, [tmp_path])
     placed = workflow.ensure_input_images(wf, tmp_path / "in", True, [tmp_path])
     assert len(placed) == 1 and placed[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+SAMPLERS = {"KSampler", "KSamplerAdvanced"}
+MODEL_LOADERS = {"LowVRAM_WanLoader", "LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageEditStagedLoader"}
+
+
+def _model_path(wf: dict, node: dict) -> list[str]:
+    """The node types on the MODEL input chain from ``node`` up to (and with) the node that has no MODEL input."""
+    by_id, links = {n["id"]: n for n in wf["nodes"]}, {lk[0]: lk for lk in wf["links"]}
+    path = []
+    while True:
+        model = next((i for i in node.get("inputs") or [] if i.get("type") == "MODEL" and i.get("link") is not None),
+                     None)
+        if model is None:
+            return path
+        node = by_id[links[model["link"]][1]]
+        path.append(node["type"])
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_every_sampler_runs_the_pack_s_attention(path: Path) -> None:
+    """Each sampler's model comes from a pack loader through Attention (LowVRAM): without it a render runs
+    ComfyUI's own attention (SDPA, flash first), which the shipped Qwen-Image workflows once did."""
+    wf = _workflow(path)
+    samplers = [n for n in wf["nodes"] if n["type"] in SAMPLERS]
+    assert samplers, path.name
+    for node in samplers:
+        chain = _model_path(wf, node)
+        assert chain and chain[-1] in MODEL_LOADERS, (path.name, node["id"], chain)
+        assert "LowVRAM_Attention" in chain, (path.name, node["id"], chain)
