@@ -34,7 +34,7 @@ def _quantize_device() -> torch.device:
 
 def load_wan_model(
     path: str | Path,
-    quantization: str = "fp8 block-wise",
+    quantization: str = "fp8 per-tensor",
     block_size: int = 128,
     compute: str = "auto",
     save_quantized: bool = False,
