@@ -151,31 +151,41 @@ def test_a_lora_before_or_after_block_swap_on_a_gguf_model_equals_it_without(wan
     assert torch.equal(_sample(model), ref)
 
 
+def _sample_latent(patcher: Any, latent_shape: tuple[int, ...], text_shape: tuple[int, ...]) -> torch.Tensor:
+    """KSampler's path on a zero latent of ``latent_shape`` with random conditioning of ``text_shape`` (2 steps)."""
+    import comfy.sample
+
+    g = torch.Generator().manual_seed(0)
+    latent = torch.zeros(latent_shape)
+    pos, neg = ([[torch.randn(text_shape, generator=g), {}]] for _ in range(2))
+    return comfy.sample.sample(patcher, torch.randn(latent.shape, generator=g), 2, 2.0, "euler", "simple", pos, neg,
+                               latent, seed=0, disable_pbar=True)
+
+
+def _swap_equals_alone(model: Any, arch: str, latent_shape: tuple[int, ...],
+                       text_shape: tuple[int, ...]) -> tuple[Any, torch.Tensor]:
+    """Block Swap streaming 2 blocks of ``model`` samples exactly what it samples alone, and so with a tiny LoRA of
+    ``arch`` before it; returns the swapped model (no LoRA) and its latent."""
+    import comfy.sd
+
+    sample = functools.partial(_sample_latent, latent_shape=latent_shape, text_shape=text_shape)
+    ref = sample(model)
+    assert torch.isfinite(ref).all()
+    swapped = _swapped(model, blocks=2)
+    assert torch.equal(sample(swapped), ref)
+    lora = tiny_lora(arch, num_layers=4)
+    ref_lora = sample(comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0])
+    with_lora = _swapped(comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0], blocks=2)
+    assert torch.equal(sample(with_lora), ref_lora) and not torch.equal(ref_lora, ref)
+    return swapped, ref
+
+
 def test_block_swap_on_a_gguf_qwen_image_equals_it_alone(tmp_path: Path) -> None:
     comfyui_in_process_or_skip()
     gguf_or_skip()
-    import comfy.sample
-
     path = tmp_path / "qwen_image_tiny_Q8_0.gguf"
     write_tiny_gguf(path, "qwen_image", "Q8_0", num_layers=4)
-    model = load_gguf_in_process(path, QWEN_WIDTHS)
-
-    def sample(patcher: Any) -> torch.Tensor:
-        g = torch.Generator().manual_seed(0)
-        latent = torch.zeros(1, 16, 1, 8, 8)
-        pos, neg = ([[torch.randn(1, 7, 128, generator=g), {}]] for _ in range(2))
-        return comfy.sample.sample(patcher, torch.randn(latent.shape, generator=g), 2, 2.0, "euler", "simple", pos,
-                                   neg, latent, seed=0, disable_pbar=True)
-
-    ref = sample(model)
-    assert torch.isfinite(ref).all()
-    assert torch.equal(sample(_swapped(model, blocks=2)), ref)
-    lora = tiny_lora("qwen_image", num_layers=4)
-    import comfy.sd
-
-    ref_lora = sample(comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0])
-    swapped = _swapped(comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0], blocks=2)
-    assert torch.equal(sample(swapped), ref_lora) and not torch.equal(ref_lora, ref)
+    _swap_equals_alone(load_gguf_in_process(path, QWEN_WIDTHS), "qwen_image", (1, 16, 1, 8, 8), (1, 7, 128))
 
 
 def test_block_swap_on_a_gguf_wan22_ti2v_5b_equals_it_alone(tmp_path: Path) -> None:
@@ -183,32 +193,14 @@ def test_block_swap_on_a_gguf_wan22_ti2v_5b_equals_it_alone(tmp_path: Path) -> N
     exactly what the model samples alone, with a LoRA too."""
     comfyui_in_process_or_skip()
     gguf_or_skip()
-    import comfy.sample
-    import comfy.sd
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
 
     path = tmp_path / "wan22_ti2v_5b_tiny_Q4_K.gguf"
     assert "Q4_K" in set(write_tiny_gguf(path, "wan22_ti2v_5B", "Q4_K", num_layers=4).values())
-    model = load_gguf_in_process(path)
-
-    def sample(patcher: Any) -> torch.Tensor:
-        g = torch.Generator().manual_seed(0)
-        latent = torch.zeros(1, 48, 3, 8, 8)
-        pos, neg = ([[torch.randn(1, 12, 4096, generator=g), {}]] for _ in range(2))
-        return comfy.sample.sample(patcher, torch.randn(latent.shape, generator=g), 2, 2.0, "euler", "simple", pos,
-                                   neg, latent, seed=0, disable_pbar=True)
-
-    ref = sample(model)
-    assert ref.shape[1] == 48 and torch.isfinite(ref).all()
-    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
-
-    swapped = _swapped(model, blocks=2)
-    assert torch.equal(sample(swapped), ref)
+    swapped, ref = _swap_equals_alone(load_gguf_in_process(path), "wan22_ti2v_5B", (1, 48, 3, 8, 8), (1, 12, 4096))
+    assert ref.shape[1] == 48
     ctl = swapped.attachments[SWAP_KEY]
     assert len(ctl.plan.streamed) == 2 and ctl.streamer.stats.loads > 0  # its blocks streamed, not passed through
-    lora = tiny_lora("wan22_ti2v_5B", num_layers=4)
-    ref_lora = sample(comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0])
-    swapped = _swapped(comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0], blocks=2)
-    assert torch.equal(sample(swapped), ref_lora) and not torch.equal(ref_lora, ref)
 
 
 def test_a_model_block_swap_cannot_stream_passes_through_in_one_line_and_leaves_no_clone_behind(
