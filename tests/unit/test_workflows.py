@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from comfyui_lowvram_dit.cli import server, workflow, workflow_models
+from comfyui_lowvram_dit.cli import server, ui_graph, workflow, workflow_models
 from comfyui_lowvram_dit.synthetic import tiny
 from comfyui_lowvram_dit.synthetic.lora import KNOWN_LORA_FILES
 
@@ -206,27 +206,23 @@ SAMPLERS = {"KSampler", "KSamplerAdvanced"}
 MODEL_LOADERS = {"LowVRAM_WanLoader", "LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageEditStagedLoader"}
 
 
-def _model_path(wf: dict, node: dict) -> list[str]:
-    """The node types on the MODEL input chain from ``node`` up to (and with) the node that has no MODEL input."""
-    by_id, links = {n["id"]: n for n in wf["nodes"]}, {lk[0]: lk for lk in wf["links"]}
+def _model_path(graph: ui_graph.Graph, node: dict) -> list[str]:
+    """The node types on the ``model`` input chain from ``node`` up to (and with) the node that has no such input."""
     path = []
-    while True:
-        model = next((i for i in node.get("inputs") or [] if i.get("type") == "MODEL" and i.get("link") is not None),
-                     None)
-        if model is None:
-            return path
-        node = by_id[links[model["link"]][1]]
+    while (link := graph.input_link(node, "model")) is not None:
+        node = graph.node(link["origin_id"])
         path.append(node["type"])
+    return path
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
 def test_every_sampler_runs_the_pack_s_attention(path: Path) -> None:
     """Each sampler's model comes from a pack loader through Attention (LowVRAM): without it a render runs
     ComfyUI's own attention (SDPA, flash first), which the shipped Qwen-Image workflows once did."""
-    wf = _workflow(path)
-    samplers = [n for n in wf["nodes"] if n["type"] in SAMPLERS]
+    graph = ui_graph.Workflow(_workflow(path), path.name).root
+    samplers = [n for n in graph.nodes if n["type"] in SAMPLERS]
     assert samplers, path.name
     for node in samplers:
-        chain = _model_path(wf, node)
+        chain = _model_path(graph, node)
         assert chain and chain[-1] in MODEL_LOADERS, (path.name, node["id"], chain)
         assert "LowVRAM_Attention" in chain, (path.name, node["id"], chain)
