@@ -4,7 +4,6 @@ digest, latent comparison. The runner itself never starts CUDA."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import re
 import shutil
@@ -172,8 +171,12 @@ def scrub_work(flags: list[str], work: Path) -> list[str]:
 def public_log(lines: list[str], comfyui: Path, work: Path) -> list[str]:
     """Log lines with $WORK, <ComfyUI>, python3 for their paths, other machine paths through ``report.public_text``."""
     swaps = ((str(comfyui), "<ComfyUI>"), (sys.executable, "python3"))
-    return [report.public_text(functools.reduce(lambda text, s: text.replace(*s), swaps, line))
-            for line in scrub_work(lines, work)]
+    shown = []
+    for line in scrub_work(lines, work):
+        for path, mark in swaps:
+            line = line.replace(path, mark)
+        shown.append(report.public_text(line))
+    return shown
 
 
 def compare_latents(path: Path, reference: Path) -> dict:
