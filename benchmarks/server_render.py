@@ -300,7 +300,8 @@ def render(srv: cli_server.ComfyServer, graph: dict, kind: str, timeout: float, 
 
 def render_kind(srv: cli_server.ComfyServer, graph: dict, kind: str, opts: argparse.Namespace, base: Path, row: str,
                 first_of_life: bool) -> dict:
-    """One render, or for ``warm`` the median of ``--warm-repeats`` (new seeds; totals in ``repeats_s``)."""
+    """One render, or for ``warm`` the median of ``--warm-repeats`` (new seeds; totals in ``repeats_s``); stops at a
+    failed render."""
     records: list[dict] = []
     for i in range(max(opts.warm_repeats, 1) if kind == "warm" else 1):
         seen = len(srv.log_text())

@@ -70,7 +70,8 @@ def widget_inputs(inputs: dict, values: list, order: dict | None = None, prefix:
 
 
 def ui_to_api(workflow: dict, object_info: dict, source: str = "workflow") -> dict:
-    """A UI workflow without subgraphs as the API graph the front end queues (ids kept, notes left out)."""
+    """A UI workflow without subgraphs as the API graph the front end queues: ids kept, each widget value on the
+    input the node's schema names at its place, each link as ``[origin id, slot]``, notes left out."""
     if (workflow.get("definitions") or {}).get("subgraphs"):
         raise GraphError(f"{source}: subgraphs are not supported here (convert it with comfy-cli)")
     links = {int(lk[0]): lk for lk in workflow.get("links") or []}
@@ -291,8 +292,9 @@ def gguf_name(name: str, file_format: str) -> str:
 
 
 def edit_graph(kind: str, card_gib: float | None) -> dict:
-    """The Qwen-Image-Edit 2509 graph (no shipped workflow): the official template's (``native``) or the Edit Staged
-    Loader's (``pack``)."""
+    """The Qwen-Image-Edit 2509 graph (no shipped workflow): the official template's nodes (``native``: UNETLoader,
+    CLIPLoader on the CPU, TextEncodeQwenImageEditPlus x2) or the Edit Staged Loader with Block Swap at the card
+    (``pack``); the reference image through FluxKontextImageScale (about 1 MP), VAE decode, SaveImage."""
     g: dict[str, dict] = {"1": node("LoadImage", "Load Image", image=EDIT_IMAGE),
                           "2": node("FluxKontextImageScale", "FluxKontextImageScale", image=["1", 0])}
     if kind == "native":
