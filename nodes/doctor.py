@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from ..doctor import report as doctor
-from ..host.doctor_info import block_swap_verdicts, comfyui_host_info, selftest_report
+from ..doctor.comfyui_info import block_swap_verdicts, comfyui_host_info, selftest_report
 from ..host.names import CATEGORY_UTILS, display_name, node_id
 from ..host.seams import seam_status
 

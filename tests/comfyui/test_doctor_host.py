@@ -63,7 +63,7 @@ def test_the_node_reports_the_running_comfyuis_settings() -> None:
     comfyui_in_process_or_skip()
     from comfy.cli_args import args
 
-    from comfyui_lowvram_dit.host.doctor_info import comfyui_host_info
+    from comfyui_lowvram_dit.doctor.comfyui_info import comfyui_host_info
 
     _, host = comfyui_host_info()
     for key, flag in (("comfy_compiler", "disable_comfy_compiler"), ("cuda_graphs", "disable_cuda_graphs"),
@@ -71,3 +71,18 @@ def test_the_node_reports_the_running_comfyuis_settings() -> None:
         assert (host[key] == dh.MISSING) == (not hasattr(args, flag)), key
     assert host["fast"] == "none" and host["pinned_memory"] != ""
     assert "engine_settings_error" not in host
+
+
+@pytest.mark.comfyui
+def test_the_node_reads_block_swaps_verdicts_from_the_loaded_host_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Doctor finds Block Swap's module under the pack's own name (read from sys.modules, never imported)."""
+    comfyui_in_process_or_skip()
+    import sys
+
+    from comfyui_lowvram_dit.doctor import comfyui_info
+    from comfyui_lowvram_dit.host import block_swap
+
+    monkeypatch.setattr(block_swap, "_measured", {"m": "Block Swap measured (WanModel): copies are hidden"})
+    assert comfyui_info.block_swap_verdicts() == ["Block Swap measured (WanModel): copies are hidden"]
+    monkeypatch.delitem(sys.modules, block_swap.__name__)
+    assert comfyui_info.block_swap_verdicts() is None

@@ -1,5 +1,6 @@
 """The pack's layout rules, read statically (ast) from every module: no import circle, and each layer imports only
-the layers below it (kernels / offload / checkpoints are plain torch; host never imports nodes; nodes never the CLI).
+the layers below it (kernels < checkpoints < offload < host < the rest; kernels / checkpoints / offload are plain
+torch; nodes never import the CLI).
 """
 
 from __future__ import annotations
@@ -12,8 +13,14 @@ import pytest
 PACK_ROOT = Path(__file__).resolve().parents[2]
 SKIP_DIRS = {"tests", "benchmarks", "workflows", "docs", ".ci", ".git", "__pycache__"}
 PLAIN_TORCH = ("kernels", "offload", "checkpoints")
-# package -> the pack's packages it must not import
-FORBIDDEN = {**{pkg: ("host", "nodes", "cli", "doctor") for pkg in PLAIN_TORCH}, "host": ("nodes",), "nodes": ("cli",)}
+# The layers in the order docs/development.md gives: each imports only those before it; nodes, doctor, cli,
+# synthetic and the root build on all of them (nodes never on cli).
+ORDER = ("kernels", "checkpoints", "offload", "host")
+TOP = ("nodes", "doctor", "cli", "synthetic")
+FORBIDDEN = {**{pkg: ORDER[i + 1:] + TOP for i, pkg in enumerate(ORDER)}, "nodes": ("cli",)}
+# The one crossing the order allows: checkpoints' two file helpers (no pack imports of their own) keep the
+# decisions file of kernels/ as safe as every other file the pack writes.
+ALLOWED = {"kernels.decision_store": {"checkpoints.safe_read", "checkpoints.safe_write"}}
 # ComfyUI's top-level modules, which plain-torch packages never import
 COMFYUI = ("comfy*", "folder_paths", "server", "nodes", "node_helpers", "latent_preview", "execution")
 
@@ -126,7 +133,8 @@ def layer_violations(graph: dict[str, set[str]], outside: dict[str, set[str]]) -
     found = []
     for module in sorted(graph):
         package = module.split(".")[0]
-        inside = {t.split(".")[0] for t in graph[module] if t.split(".")[0] in FORBIDDEN.get(package, ())}
+        inside = {t.split(".")[0] for t in graph[module] - ALLOWED.get(module, set())
+                  if t.split(".")[0] in FORBIDDEN.get(package, ())}
         comfy = {t for t in outside[module] if package in PLAIN_TORCH and any(_matches(t, p) for p in COMFYUI)}
         found += [f"{module} imports {t}" for t in sorted(inside | comfy)]
     return found
@@ -168,6 +176,25 @@ def test_a_planted_circle_is_found(tmp_path: Path) -> None:
     assert find_cycles(graph) == [["host.a", "host.b"]]
     assert layer_violations(graph, outside) == ["kernels.c imports comfy", "kernels.c imports host",
                                                  "nodes.n imports cli"]
+
+
+def test_the_layer_order_is_checked_between_lower_layers(tmp_path: Path) -> None:
+    """Each of kernels < checkpoints < offload < host imports only those before it; the allowed crossing is
+    exactly kernels.decision_store -> checkpoints' file helpers."""
+    pkg = _write(tmp_path / "pkg", {
+        "__init__.py": "",
+        **{f"{p}/__init__.py": "" for p in (*ORDER, "doctor")},
+        "checkpoints/safe_read.py": "", "checkpoints/safe_write.py": "", "checkpoints/load.py": "",
+        "kernels/decision_store.py": "from ..checkpoints.safe_read import f\nfrom ..checkpoints import safe_write\n",
+        "kernels/other.py": "from ..checkpoints.safe_read import f\n",
+        "checkpoints/c.py": "from ..kernels import other\nfrom ..offload import o\n",
+        "offload/o.py": "from ..checkpoints import load\nfrom ..host import h\n",
+        "host/h.py": "from ..offload import o\nfrom ..doctor import d\n",
+        "doctor/d.py": "from ..host import h\n",
+    })
+    graph, outside = import_graph(pkg, pkg_name="pkg")
+    assert layer_violations(graph, outside) == ["checkpoints.c imports offload", "host.h imports doctor",
+                                                 "kernels.other imports checkpoints", "offload.o imports host"]
 
 
 @pytest.mark.parametrize("text, expect", [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from ..doctor import host as doctor_host
-from .version import comfyui_version
+from ..host.version import comfyui_version
+from . import host as doctor_host
 
 
 def comfyui_host_info() -> tuple[str | None, dict]:
@@ -34,7 +34,7 @@ def comfyui_engine_settings() -> dict[str, str]:
         import torch
         from comfy.cli_args import args
 
-        from .pin_budget import pinned_by_pack
+        from ..host.pin_budget import pinned_by_pack
 
         accumulate = getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", None)
         return doctor_host.engine_settings(args, mm, sys.modules.get("comfy.model_prefetch"), mm.get_torch_device(),
@@ -46,13 +46,13 @@ def comfyui_engine_settings() -> dict[str, str]:
 def block_swap_verdicts() -> list[str] | None:
     """The Block Swap node's measured verdicts in this server (None when its module did not load here)."""
     # read, never imported here: a Block Swap module that failed to load must not take the Doctor with it
-    block_swap = sys.modules.get(f"{__package__}.block_swap")
+    block_swap = sys.modules.get(f"{__package__.rpartition('.')[0]}.host.block_swap")
     return None if block_swap is None else block_swap.measured_verdicts()
 
 
 def selftest_report() -> str:
     """The selftest's verdict lines, run in this server on its device (doctor/selftest.py)."""
-    from ..doctor import selftest  # imported on use only: the checks import the node modules themselves
+    from . import selftest  # imported on use only: the checks import the node modules themselves
 
     lines = ["Self-test (each node vs its stock ComfyUI equivalent, tiny synthetic models)"]
     verdicts = selftest.run_selftest(emit=lines.append)
