@@ -17,7 +17,9 @@ call is its own torch.compile invocation, which cudagraph trees treat as a new s
 outputs (this block's input) would be overwritten by the next replay, so block outputs are cloned outside the
 compiled region (one copy of the hidden states per block).
 
-``CompileHook`` attaches the regions to a model through kernels/hooks.py. Never imports ComfyUI.
+Where compiling pays is timed per model and input shapes on the GPU (kernels/compile_pays.py, ``pays``): a model
+whose compiled call is not faster runs eager. ``CompileHook`` attaches the regions to a model through
+kernels/hooks.py. Never imports ComfyUI.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from .compile_gate import GATE, input_signature
+from .compile_pays import COMPILED, EAGER, CallTimer, CompilePays
+from .decisions import device_kind
 from .hooks import BLOCK_LISTS, HookRegistry, ModelHook
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -343,13 +347,16 @@ class CompiledRegions:
 
     def __init__(self, config: CompileConfig, paths: list[str], *,
                  guard_filter_fn: Optional[Callable] = None,
-                 compile_fn: Callable[..., Any] = torch.compile) -> None:
+                 compile_fn: Callable[..., Any] = torch.compile,
+                 pays: Optional[CompilePays] = None) -> None:
         if not paths:
             raise ValueError("CompiledRegions needs at least one submodule path to compile")
         self.requested = config
         self.paths = list(paths)
         self.guard_filter_fn = guard_filter_fn
         self.compile_fn = compile_fn  # injectable: tests force failures at compile or first run
+        self.pays = pays  # None: always compiled; else compiled only where a timed call says it pays (GPU only)
+        self.eager_because = ""  # why the last call ran eager although a compile config is in use
         self.chain = fallback_chain(config)
         self.level = 0
         self.streaming_adjusted = False
@@ -369,6 +376,8 @@ class CompiledRegions:
     def status(self) -> str:
         """Human summary: requested config, config in use, why it differs."""
         now = "eager (not compiled)" if self.current is None else self.current.describe()
+        if self.current is not None and self.eager_because:
+            now = f"eager ({self.eager_because})"
         text = f"torch.compile {self.requested.describe()}: running {now} over {len(self.paths)} region(s)"
         if self.streaming_adjusted:
             text += "; CUDA graphs disabled because weights stream"
@@ -392,14 +401,36 @@ class CompiledRegions:
         """Run ``call()`` with the regions of ``root`` compiled; on compile failure or OOM step down and retry.
 
         ``signature`` (``compile_gate.input_signature`` of the model call): a call of one not seen yet for this
-        root may compile, so it runs alone (``compile_gate.GATE``); others run beside other threads' calls."""
+        root may compile, so it runs alone (``compile_gate.GATE``); others run beside other threads' calls. With
+        ``pays`` a call may run eager instead: while it is timed, or where compiling did not pay."""
         if streaming:
             self.adapt_to_streaming()
-        seen = (id(root), signature, self.level)
-        with GATE.call(may_compile=seen not in self._seen or id(root) not in self._verified):
-            result = self._run(root, call)
-        self._seen.add((id(root), signature, self.level))
+        how, timer = self._plan(root, signature)
+        if timer is not None:
+            timer.start()
+        if how == EAGER:
+            result = call()
+        else:
+            seen = (id(root), signature, self.level)
+            with GATE.call(may_compile=seen not in self._seen or id(root) not in self._verified):
+                result = self._run(root, call)
+            self._seen.add((id(root), signature, self.level))
+        if timer is not None:
+            timer.stop()
         return result
+
+    def _plan(self, root: torch.nn.Module, signature: tuple) -> tuple[str, Optional[CallTimer]]:
+        """How this call runs: compiled (with no ``pays``, off the GPU, or once eager is the chain's end) or as
+        ``pays`` says for this model, input shapes, device kind and config (eager while it measures)."""
+        self.eager_because = ""
+        if self.pays is None or self.current is None or not any(s[2] == "cuda" for s in signature):
+            return COMPILED, None
+        key = (type(root).__name__, signature, device_kind(torch.device("cuda")), self.current.describe())
+        how, timer = self.pays.plan(key)
+        if how == EAGER:
+            self.eager_because = "compiling did not pay" if self.pays.winners.get(key) == EAGER else \
+                "timing whether compiling pays"
+        return how, timer
 
     def _run(self, root: torch.nn.Module, call: Callable[[], T]) -> T:
         while True:

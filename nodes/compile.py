@@ -8,7 +8,7 @@ from comfy_api.latest import io
 
 from ..host.names import CATEGORY_PATCHES, display_name, node_id
 from ..host.seams import PASS_THROUGH
-from ..host.torch_compile import DYNAMIC_CHOICES, SCOPES, apply_compile
+from ..host.torch_compile import DYNAMIC_CHOICES, SCOPES, WHEN, apply_compile
 from ..kernels.compile import MODES, CompileConfig
 
 
@@ -57,16 +57,21 @@ class TorchCompile(io.ComfyNode):
                 io.Combo.Input("scope", options=list(SCOPES), default="blocks",
                                tooltip="blocks: compile the repeated transformer block (fast first compile, "
                                        "block swap stays outside). whole model: one graph for everything."),
+                io.Combo.Input("when", options=list(WHEN), default="it pays", optional=True,
+                               tooltip="it pays: on a GPU, one eager and one compiled call are timed per model and "
+                                       "resolution; compile stays only if it is 5 % faster, else the model runs "
+                                       "eager (the log says which; kept, so later runs skip the compile). "
+                                       "always: compile regardless."),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
     def execute(cls, model: Any, mode: str, backend: str, dynamic: str, fullgraph: bool, cache_size_limit: int,
-                fallback: bool, scope: str = "blocks") -> io.NodeOutput:
+                fallback: bool, scope: str = "blocks", when: str = "it pays") -> io.NodeOutput:
         config = CompileConfig(mode=mode, backend=backend, dynamic=DYNAMIC_CHOICES[dynamic], fullgraph=fullgraph,
                                cache_size_limit=cache_size_limit, fallback=fallback)
-        return io.NodeOutput(apply_compile(model, config, scope))
+        return io.NodeOutput(apply_compile(model, config, scope, when=when))
 
 
 NODES = [TorchCompile]

@@ -1,0 +1,133 @@
+"""Whether Torch Compile pays on a model: a compiled call timed against an eager one, decided once, kept.
+
+Compiled regions are faster only where the GPU spends its time on elementwise work that Inductor fuses. Where a
+model call is bound by the GPU's GEMMs and attention, or by the CPU issuing it (Qwen-Image at 1328x1328 through a
+server: compiled 0.92x of native's best, eager 1.02x), compiling gains nothing per call and costs its compile on
+every fresh server. So, per model, input shapes, device kind and compile config, the second eager call and the
+second compiled call are timed (CUDA events, read once the GPU has passed them, never waited on) and compile is kept
+where the compiled call is at least ``MIN_GAIN`` faster; otherwise the model runs eager from then on. The winner goes
+to the decisions file (kernels/decision_store.py) under ``TOPIC``: a later process neither measures again nor, where
+eager won, compiles. Only GPUs are measured; elsewhere compile always runs (nothing to keep).
+
+Plain torch, no ComfyUI import.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from . import decision_store
+from .decisions import KeptChoices, describe_kind
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+TOPIC = "torch compile pays"
+MIN_GAIN = 0.05  # the compiled call must be at least 5 % faster than the eager one
+EAGER, COMPILED = "eager", "compiled"
+# Calls per key before a decision: eager warm-up, eager timed, compiled (compiles), compiled timed.
+TIMED_EAGER_CALL, FIRST_COMPILED_CALL, TIMED_COMPILED_CALL = 1, 2, 3
+
+
+class CallTimer:
+    """Milliseconds of one call as the GPU ran it (CUDA events on the current stream), read without waiting."""
+
+    def __init__(self, cuda: bool) -> None:
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        self._t0 = self._ms = None
+
+    def start(self) -> None:
+        if self._events is None:
+            self._t0 = time.perf_counter()
+        else:
+            self._events[0].record()
+
+    def stop(self) -> None:
+        if self._events is None:
+            self._ms = (time.perf_counter() - self._t0) * 1e3
+        else:
+            self._events[1].record()
+
+    def ms(self) -> Optional[float]:
+        """The call's milliseconds, or None while the GPU has not finished it."""
+        if self._ms is None and self._events is not None and self._events[1].query():
+            self._ms = self._events[0].elapsed_time(self._events[1])
+        return self._ms
+
+
+@dataclass
+class _Measure:
+    calls: int = 0
+    timers: dict[str, CallTimer] = field(default_factory=dict)
+
+
+class CompilePays:
+    """Per key (model, input shapes, device kind, compile config): which way a call runs, and its timing."""
+
+    def __init__(self, timer: Callable[[bool], CallTimer] = CallTimer) -> None:
+        self._choices = KeptChoices(TOPIC)
+        self.winners = self._choices.winners
+        self._measures: dict[tuple, _Measure] = {}
+        self._lock = threading.Lock()
+        self._timer = timer  # injectable: tests plant timings
+
+    def plan(self, key: tuple) -> tuple[str, Optional[CallTimer]]:
+        """(EAGER or COMPILED for this call of ``key``, a timer to start and stop around it or None)."""
+        if (winner := self.winners.get(key)) is not None:
+            return winner, None
+        with self._lock:
+            m = self._measures.setdefault(key, _Measure())
+            if m.calls == 0 and (kept := self._kept(key)) is not None:
+                return kept, None
+            if (winner := self._decide_if_timed(key, m)) is not None:
+                return winner, None
+            call, m.calls = m.calls, m.calls + 1
+        how = EAGER if call < FIRST_COMPILED_CALL else COMPILED
+        if call in (TIMED_EAGER_CALL, TIMED_COMPILED_CALL):
+            m.timers[how] = timer = self._timer(key[2][0] == "cuda")
+            return how, timer
+        return how, None
+
+    def _kept(self, key: tuple) -> Optional[str]:
+        """The winner an earlier process kept for ``key`` (None when none: then this process measures)."""
+        kept = decision_store.kept(TOPIC, key)
+        if kept not in (EAGER, COMPILED):
+            return None
+        self._choices.decide(key, lambda _: (kept, False))
+        log.info("lowvram_dit compile: %s: %s (kept from an earlier run)", describe(key), _verdict(kept))
+        return kept
+
+    def _decide_if_timed(self, key: tuple, m: _Measure) -> Optional[str]:
+        times = {how: t.ms() for how, t in m.timers.items()}
+        if len(times) < 2 or None in times.values():
+            return None
+        winner = COMPILED if times[COMPILED] <= (1 - MIN_GAIN) * times[EAGER] else EAGER
+        self._choices.decide(key, lambda kept: (winner, True))
+        del self._measures[key]
+        log.info("lowvram_dit compile: %s: compiled call %.1f ms, eager %.1f ms: %s", describe(key),
+                 times[COMPILED], times[EAGER], _verdict(winner, fresh=True))
+        return winner
+
+    def clear(self) -> None:
+        """Forget every decision and measurement (the next calls measure again)."""
+        self._choices.clear()
+        self._measures.clear()
+
+
+def describe(key: tuple) -> str:
+    """A key as a log phrase: the model, its input shapes, the device kind and the compile config."""
+    model, signature, kind, config = key
+    shapes = ", ".join("x".join(map(str, s[0])) for s in signature) or "no tensors"
+    return f"{model} ({shapes}) on {describe_kind(kind)}, {config}"
+
+
+def _verdict(winner: str, fresh: bool = False) -> str:
+    if winner == COMPILED:
+        return "compiling pays, compiled from now on" if fresh else "compiling paid, compiled"
+    return ("compiling does not pay here, runs eager from now on (no compile in later runs either)" if fresh
+            else "compiling did not pay, runs eager without compiling")

@@ -1,0 +1,148 @@
+"""Torch Compile only where it pays: the decision from planted call timings, its log, and its kept verdict."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+from torch import nn
+
+from comfyui_lowvram_dit.kernels import compile as cmp
+from comfyui_lowvram_dit.kernels import compile_pays as cp
+from comfyui_lowvram_dit.kernels import decision_store
+from comfyui_lowvram_dit.kernels.compile import CompileConfig, CompiledRegions
+
+KIND = ("cuda", "NVIDIA H200", 9, 0)
+SIG = (((1, 16, 1, 166, 166), torch.bfloat16, "cuda"),)
+
+
+class PlantedTimer:
+    """A CallTimer whose milliseconds are planted; ``done`` says whether the GPU has passed the call yet."""
+
+    def __init__(self, ms: float) -> None:
+        self.planted, self.done, self.started, self.stopped = ms, True, 0, 0
+
+    def start(self) -> None:
+        self.started += 1
+
+    def stop(self) -> None:
+        self.stopped += 1
+
+    def ms(self) -> Optional[float]:
+        return self.planted if self.done else None
+
+
+def planted(eager_ms: float, compiled_ms: float) -> tuple[cp.CompilePays, list[PlantedTimer]]:
+    made: list[PlantedTimer] = []
+
+    def timer(cuda: bool) -> PlantedTimer:
+        made.append(PlantedTimer(eager_ms if not made else compiled_ms))
+        return made[-1]
+
+    return cp.CompilePays(timer=timer), made
+
+
+def key(config: str = "inductor/default") -> tuple:
+    return ("QwenImage", SIG, KIND, config)
+
+
+def plans(pays: cp.CompilePays, calls: int, k: tuple = key()) -> list[tuple[str, bool]]:
+    return [(how, timer is not None) for how, timer in (pays.plan(k) for _ in range(calls))]
+
+
+@pytest.fixture(autouse=True)
+def _no_store() -> None:
+    decision_store.keep_in(None)
+    yield
+    decision_store.keep_in(None)
+
+
+def test_compile_that_does_not_pay_leaves_the_model_eager(caplog: pytest.LogCaptureFixture) -> None:
+    """Eager warm-up, eager timed, compiled (compiles), compiled timed; then a compiled call only 3 % faster: eager."""
+    pays, _ = planted(eager_ms=320.0, compiled_ms=310.0)
+    with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
+        got = plans(pays, 6)
+    assert got == [("eager", False), ("eager", True), ("compiled", False), ("compiled", True),
+                   ("eager", False), ("eager", False)]
+    assert pays.winners == {key(): "eager"}
+    line = next(r.getMessage() for r in caplog.records if "compiled call" in r.getMessage())
+    assert "QwenImage (1x16x1x166x166) on cuda NVIDIA H200 (SM 9.0), inductor/default" in line
+    assert "compiled call 310.0 ms, eager 320.0 ms: compiling does not pay here" in line
+
+
+def test_compile_that_pays_stays_compiled() -> None:
+    pays, _ = planted(eager_ms=210.0, compiled_ms=113.0)
+    assert plans(pays, 6)[4:] == [("compiled", False), ("compiled", False)]
+    assert pays.winners == {key(): "compiled"}
+
+
+def test_the_decision_waits_for_the_gpu_and_never_syncs() -> None:
+    """Until the timed calls' events have completed, calls go on compiled and nothing is decided."""
+    pays, made = planted(eager_ms=300.0, compiled_ms=100.0)
+    plans(pays, 4)
+    made[1].done = False
+    assert plans(pays, 3) == [("compiled", False)] * 3 and pays.winners == {}
+    made[1].done = True
+    assert plans(pays, 1) == [("compiled", False)] and pays.winners == {key(): "compiled"}
+
+
+def test_keys_are_measured_apart() -> None:
+    """Another resolution or config is its own model call: measured on its own."""
+    pays, _ = planted(eager_ms=300.0, compiled_ms=299.0)
+    plans(pays, 5)
+    other = key("inductor/max-autotune-no-cudagraphs")
+    assert plans(pays, 2, other) == [("eager", False), ("eager", True)]
+    assert pays.winners == {key(): "eager"}
+
+
+def test_a_verdict_is_kept_and_read_back_without_timing(tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    decision_store.keep_in(tmp_path / "decisions.json")
+    pays, _ = planted(eager_ms=320.0, compiled_ms=330.0)
+    plans(pays, 5)
+    assert decision_store.kept(cp.TOPIC, key()) == "eager"
+    fresh, made = planted(eager_ms=1.0, compiled_ms=1.0)  # a new process: nothing may be timed
+    with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
+        assert plans(fresh, 3) == [("eager", False)] * 3
+    assert made == [] and "compiling did not pay, runs eager without compiling (kept from an earlier run)" in caplog.text
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_regions_run_eager_where_compiling_does_not_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CompiledRegions asks ``pays`` per call on a GPU signature: eager calls never reach the compiler, the status
+    says why; a CPU call (nothing to measure) always compiles."""
+    monkeypatch.setattr(cmp, "device_kind", lambda device: KIND)
+    compiled: list[str] = []
+
+    def compile_fn(module: nn.Module, **kw: object) -> nn.Module:
+        compiled.append(type(module).__name__)
+        return module
+
+    pays, made = planted(eager_ms=100.0, compiled_ms=100.0)
+    regions = CompiledRegions(CompileConfig(), ["blocks.0", "blocks.1"], compile_fn=compile_fn, pays=pays)
+    model, x = Blocks(), torch.randn(2, 8)
+    want = model(x)
+    for _ in range(2):
+        assert torch.equal(regions.run(model, lambda: model(x), signature=SIG), want)
+    assert compiled == [] and "eager (timing whether compiling pays)" in regions.status()
+    for _ in range(3):
+        regions.run(model, lambda: model(x), signature=SIG)
+    assert compiled == ["Linear", "Linear"] and [(t.started, t.stopped) for t in made] == [(1, 1), (1, 1)]
+    assert pays.winners == {("Blocks", SIG, KIND, "inductor/default"): "eager"}
+    assert "eager (compiling did not pay)" in regions.status()
+    cpu_sig = (((2, 8), torch.float32, "cpu"),)
+    regions.run(model, lambda: model(x), signature=cpu_sig)
+    assert "eager" not in regions.status() and len(compiled) == 2  # compiled modules are cached per root
