@@ -182,8 +182,7 @@ def head(row: RenderRow) -> dict:
             "how": "server", "card_gib": row.card_gib, "format": row.file_format,
             "file_format": wf.layout(row.file_format), "memory_manager": memory_manager(row),
             "dynamic_vram": row.dynamic_vram, "lora": "4-step LoRA" if "4step" in row.workflow else None,
-            "step_cache": step_cache(row),
-            "files": rg.model_files(wf, row.file_format)}
+            "step_cache": step_cache(row), "files": rg.model_files(wf, row.file_format)}
 
 
 @dataclass
@@ -256,7 +255,6 @@ def graph_facts(graph: dict) -> dict:
     if out["resolution"] is None and any(n["class_type"] == "LoadImage" for n in graph.values()):
         out["resolution"] = "{}x{}".format(*EDIT_IMAGE)
     return out
-
 
 
 def public(text: str, opts: argparse.Namespace) -> str:
