@@ -276,23 +276,18 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def install_wheels(dirs: list[Path], into: Path) -> list[dict]:
-    """Each comfy-kitchen wheel in dirs installed into its own --target folder: [{wheel, site} or {wheel, error}]."""
+    """Each comfy-kitchen wheel in dirs unzipped into its own folder (a wheel is a zip of its installed files, which
+    is what ``pip install --target`` puts there): [{wheel, site} or {wheel, error}]."""
     sites = []
     for wheel in sorted(w for d in dirs for w in d.glob("comfy_kitchen-*.whl")):
         site = into / wheel.name.split("-")[1]
-        entry = {"wheel": wheel.name, "site": str(site)}
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--target",
-                               str(site), str(wheel)], capture_output=True, text=True, check=False)
-        if proc.returncode:  # no pip in this Python: a wheel is a zip of the installed files
-            try:
-                with zipfile.ZipFile(wheel) as whl:
-                    whl.extractall(site)
-                entry["note"] = f"unzipped (pip failed: {(proc.stderr or proc.stdout)[-200:]})"
-            except (OSError, zipfile.BadZipFile) as exc:
-                entry = {"wheel": wheel.name, "error": f"pip: {(proc.stderr or proc.stdout)[-200:]}; unzip: {exc}"}
-        sites.append(entry)
-    sites += [{"wheel": str(d), "error": "no such folder"} for d in dirs if not d.is_dir()]
-    return sites
+        try:
+            with zipfile.ZipFile(wheel) as whl:
+                whl.extractall(site)
+            sites.append({"wheel": wheel.name, "site": str(site)})
+        except (OSError, zipfile.BadZipFile) as exc:
+            sites.append({"wheel": wheel.name, "error": f"unzip: {exc}"})
+    return sites + [{"wheel": str(d), "error": "no such folder"} for d in dirs if not d.is_dir()]
 
 
 def run_worker(site: str, args: argparse.Namespace) -> dict:
@@ -382,7 +377,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kitchen", action="store_true", help="the attention_kitchen scenario (module docstring)")
     parser.add_argument("--quick", action="store_true", help="Wan 480p self/cross only")
     parser.add_argument("--no-sweep", action="store_true", help=argparse.SUPPRESS)  # recorded commands pass it
-    parser.add_argument("--no-checks", action="store_true", help="skip the kernel vs emulation checks")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 10; 6 with --kitchen)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
                         help="time these shapes (default: all; --quick: Wan 480p; --kitchen: Wan 480p and 720p)")
@@ -393,7 +387,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "always on with --kitchen)")
     parser.add_argument("--wheels", nargs="*", type=Path, default=[],
                         help="--kitchen: folders of comfy-kitchen wheels, each version measured in its own process")
-    parser.add_argument("--no-installed", action="store_true", help="--kitchen: skip the comfy-kitchen installed here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU: the family errors of ours (fp32 emulation) at a tiny shape; no timing")
@@ -422,8 +415,7 @@ def smoke(args: argparse.Namespace) -> int:
 def run_kitchen_versions(args: argparse.Namespace, report: dict, write) -> None:  # noqa: ANN001 - write()
     """Each comfy-kitchen version (the installed one, the wheels of --wheels) in its own process, merged in."""
     with tempfile.TemporaryDirectory(prefix="ck_sites_") as tmp:
-        sites = [] if args.no_installed else [{"wheel": "installed", "site": ""}]
-        for entry in sites + install_wheels(args.wheels, Path(tmp)):
+        for entry in [{"wheel": "installed", "site": ""}, *install_wheels(args.wheels, Path(tmp))]:
             say(f"comfy-kitchen {entry['wheel']}:")
             merge(report, run_worker(entry["site"], args) if "site" in entry else {"error": entry["error"]},
                   entry["wheel"])
@@ -453,9 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         report["autotune"] = A.chosen_configs()
         reports.write(args.out, stem, report, to_markdown(report))
 
-    if not args.no_checks:  # first, so that a broken kernel shows before the long timings
-        say("kernel vs emulation:")
-        report["checks"] = check_kernel([n for n in OURS if n in args.backends])
+    say("kernel vs emulation:")  # first, so that a broken kernel shows before the long timings
+    report["checks"] = check_kernel([n for n in OURS if n in args.backends])
     report["rows"] = time_shapes(args.shapes, backend_fns(args.backends), args.repeats, errors=not args.kitchen)
     write()
     if args.families is not None:

@@ -37,12 +37,10 @@ FIXTURE_NODES = reports.PACK_ROOT / "tests" / "fixture_nodes"  # smoke only: the
 FIXTURE_FOLDER = "zz_lowvram_dit_test_nodes"
 STAND_IN_CLIP = "LowVRAMTest_StreamedCLIPLoader"
 CACHE_ENV = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor", "CUDA_CACHE_PATH": "cuda"}
-# Rough mean seconds of one render on one H100/H200 (page cache warm; first-ever and cold above it, warm below),
-# for --deadline, from the server scenarios' step times and walls at the workflows' steps and sizes.
-RENDER_ESTIMATE_S = {"wan_t2v_4step": 40, "wan_t2v": 220, "wan_i2v": 220, "wan_i2v_4step": 45, "wan_ti2v_5b": 150,
-                     "qwen_t2i_4step": 25, "qwen_t2i": 70, "qwen_edit": 90}  # a first-ever or cold render
-WARM_ESTIMATE_S = {"wan_t2v_4step": 25, "wan_t2v": 150, "wan_i2v": 150, "wan_i2v_4step": 28, "wan_ti2v_5b": 90,
-                   "qwen_t2i_4step": 5, "qwen_t2i": 20, "qwen_edit": 40}  # models loaded: about half, or less
+# Rough seconds of one render on one H100/H200 (page cache warm) for --deadline, from the server scenarios' step
+# times and walls at the workflows' steps and sizes: (first-ever or cold, warm: the models loaded, about half or less).
+ESTIMATE_S = {"wan_t2v_4step": (40, 25), "wan_t2v": (220, 150), "wan_i2v": (220, 150), "wan_i2v_4step": (45, 28),
+              "wan_ti2v_5b": (150, 90), "qwen_t2i_4step": (25, 5), "qwen_t2i": (70, 20), "qwen_edit": (90, 40)}
 SMALL_CARD_FACTOR = 1.3  # 12 GB and less: weights streamed every step
 SERVER_START_S = 20.0
 OOM = re.compile(r"out of memory|OutOfMemory|OOM", re.IGNORECASE)
@@ -184,8 +182,7 @@ def head(row: RenderRow) -> dict:
             "how": "server", "card_gib": row.card_gib, "format": row.file_format,
             "file_format": wf.layout(row.file_format), "memory_manager": memory_manager(row),
             "dynamic_vram": row.dynamic_vram, "lora": "4-step LoRA" if "4step" in row.workflow else None,
-            "step_cache": step_cache(row),
-            "files": rg.model_files(wf, row.file_format)}
+            "step_cache": step_cache(row), "files": rg.model_files(wf, row.file_format)}
 
 
 @dataclass
@@ -203,10 +200,8 @@ class RunContext:
 
 def supported_flags(flags: list[str], host_flags: str) -> tuple[list[str], list[str]]:
     """(flags this ComfyUI knows, the ones it does not) by their names in its cli_args.py."""
-    known, left = [], []
-    for f in flags:
-        (known if f.split("=")[0] in host_flags else left).append(f)
-    return known, left
+    known = [f for f in flags if f.split("=")[0] in host_flags]
+    return known, [f for f in flags if f not in known]
 
 
 def smoke_graph(graph: dict, native: bool) -> dict:
@@ -260,7 +255,6 @@ def graph_facts(graph: dict) -> dict:
     if out["resolution"] is None and any(n["class_type"] == "LoadImage" for n in graph.values()):
         out["resolution"] = "{}x{}".format(*EDIT_IMAGE)
     return out
-
 
 
 def public(text: str, opts: argparse.Namespace) -> str:
@@ -441,12 +435,11 @@ def estimate_s(ctx: RunContext, row: RenderRow) -> float:
     """Seconds the row should take (--deadline): renders, server starts, writing its missing model files."""
     if ctx.opts.reserve_estimate:
         return ctx.opts.reserve_estimate
-    small = row.card_gib is not None and row.card_gib <= 12
-    factor = SMALL_CARD_FACTOR if small else 1.0
+    factor = SMALL_CARD_FACTOR if row.card_gib is not None and row.card_gib <= 12 else 1.0
     lives = 1 + ("cold" in ctx.renders)  # first-ever always runs
     warm = ("warm" in ctx.renders) * ctx.opts.warm_repeats + ("warm_new_prompt" in ctx.renders)
-    seconds = (RENDER_ESTIMATE_S[row.workflow] * lives + WARM_ESTIMATE_S[row.workflow] * warm) * factor \
-        + SERVER_START_S * lives
+    first_s, warm_s = ESTIMATE_S[row.workflow]
+    seconds = (first_s * lives + warm_s * warm) * factor + SERVER_START_S * lives
     if ctx.models.write:
         missing = ctx.models.missing(rg.model_files(row.spec, row.file_format))
         seconds += sum(models.file_gb(n) for n in missing) / models.WRITE_GB_PER_S

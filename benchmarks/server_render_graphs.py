@@ -123,13 +123,12 @@ def bypass(graph: dict, nid: str) -> None:
     del graph[nid]
 
 
-def insert_after(graph: dict, source: list, new: dict) -> str:
-    """Put ``new`` (a MODEL -> MODEL node) between ``source`` ([id, slot]) and everything it fed; its id."""
+def insert_after(graph: dict, source: list, new: dict) -> None:
+    """Put ``new`` (a MODEL -> MODEL node) between ``source`` ([id, slot]) and everything it fed."""
     nid = new_id(graph)
     new["inputs"]["model"] = list(source)
     graph[nid] = new
     rewire(graph, source, [nid, 0], skip=new)
-    return nid
 
 
 def of_type(graph: dict, *kinds: str) -> list[str]:
@@ -143,15 +142,14 @@ def node_defaults(kind: str, object_info: dict, **overrides: Any) -> dict:
     if info is None:
         raise GraphError(f"the node schemas do not list {kind}: is the pack loaded in this ComfyUI?")
     inputs = {}
-    for section in ("required", "optional"):
-        for name, spec in (info["input"].get(section) or {}).items():
-            if _is_widget(spec):
-                extra = _extra(spec)
-                options = spec[0] if isinstance(spec[0], list) else extra.get("options")
-                if "default" in extra:
-                    inputs[name] = extra["default"]
-                elif options:
-                    inputs[name] = options[0]
+    for name, spec in _specs(info["input"], {}):
+        if _is_widget(spec):
+            extra = _extra(spec)
+            options = spec[0] if isinstance(spec[0], list) else extra.get("options")
+            if "default" in extra:
+                inputs[name] = extra["default"]
+            elif options:
+                inputs[name] = options[0]
     inputs.update(overrides)
     return {"class_type": kind, "inputs": inputs, "_meta": {"title": info.get("display_name") or kind}}
 
@@ -352,11 +350,6 @@ def shipped_graph(workflow: RenderWorkflow, object_info: dict, card_gib: float |
     return graph
 
 
-def _model_sampling_inputs(graph: dict) -> list[list]:
-    """The model link of every ModelSampling node: where a model node goes in when the workflow has none."""
-    return [graph[k]["inputs"]["model"] for k in of_type(graph, "ModelSamplingSD3", "ModelSamplingAuraFlow")]
-
-
 def apply_pack_setup(graph: dict, setup: Setup, object_info: dict) -> None:
     """Change a pack graph in place as ``setup`` says: Block Swap removed, the Attention backend, Torch Compile."""
     if setup.drop_block_swap:
@@ -364,9 +357,9 @@ def apply_pack_setup(graph: dict, setup: Setup, object_info: dict) -> None:
             bypass(graph, nid)
     for nid in of_type(graph, "LowVRAM_BlockSwap") if setup.block_swap_mode else ():
         graph[nid]["inputs"]["dynamic_vram"] = setup.block_swap_mode
-    if (setup.attention or setup.compile) and not of_type(graph, "LowVRAM_Attention"):
-        for src in _model_sampling_inputs(graph):
-            insert_after(graph, src, node_defaults("LowVRAM_Attention", object_info))
+    if (setup.attention or setup.compile) and not of_type(graph, "LowVRAM_Attention"):  # one on each ModelSampling's
+        for nid in of_type(graph, "ModelSamplingSD3", "ModelSamplingAuraFlow"):  # model input
+            insert_after(graph, graph[nid]["inputs"]["model"], node_defaults("LowVRAM_Attention", object_info))
     for nid in of_type(graph, "LowVRAM_Attention"):
         if setup.attention:
             graph[nid]["inputs"]["backend"] = setup.attention
@@ -383,12 +376,6 @@ def _text_pair(graph: dict, nid: str, clip_name: str, kind: str, positive: str, 
         enc = new_id(graph)
         graph[enc] = node("CLIPTextEncode", f"CLIP Text Encode ({title})", text=text, clip=[clip, 0])
         rewire(graph, [nid, slot], [enc, 0])
-
-
-def _native_wan_text(graph: dict, nid: str) -> None:
-    i = graph[nid]["inputs"]
-    _text_pair(graph, nid, i["clip_name"], "wan", i["positive"], i["negative"], (0, 1))
-    del graph[nid]
 
 
 def _native_qwen_loader(graph: dict, nid: str, weight_dtype: str) -> None:
@@ -412,7 +399,9 @@ def to_native(graph: dict, weight_dtype: str) -> dict:
         elif kind in MODEL_PASS_THROUGH:
             bypass(g, nid)
         elif kind == "LowVRAM_WanTextEncode":
-            _native_wan_text(g, nid)
+            i = n["inputs"]
+            _text_pair(g, nid, i["clip_name"], "wan", i["positive"], i["negative"], (0, 1))
+            del g[nid]
         elif kind == "LowVRAM_QwenImageStagedLoader":
             _native_qwen_loader(g, nid, weight_dtype)
         elif kind == "LowVRAM_QwenImageDecode":
@@ -430,15 +419,13 @@ def rename_files(graph: dict, names: dict[str, str]) -> None:
                 n["inputs"][key] = names[value]
 
 
-def add_latent_save(graph: dict, prefix: str) -> str:
-    """A SaveLatent of the latent the decoder reads (the final one), for output comparisons; its id."""
+def add_latent_save(graph: dict, prefix: str) -> None:
+    """A SaveLatent of the latent the decoder reads (the final one), for output comparisons."""
     decoders = of_type(graph, *DECODERS)
     if not decoders:
         raise GraphError("the graph has no VAE decode node whose latent could be saved")
-    nid = new_id(graph)
-    graph[nid] = node("SaveLatent", "Save final latent", samples=graph[decoders[0]]["inputs"]["samples"],
-                      filename_prefix=f"{LATENT_PREFIX}/{prefix}")
-    return nid
+    graph[new_id(graph)] = node("SaveLatent", "Save final latent", samples=graph[decoders[0]]["inputs"]["samples"],
+                                filename_prefix=f"{LATENT_PREFIX}/{prefix}")
 
 
 def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | None, file_format: str,
@@ -490,16 +477,12 @@ def with_seed(graph: dict, offset: int) -> dict:
     return g
 
 
-def _positive_sources(graph: dict) -> set[tuple[str, int]]:
-    return {tuple(graph[k]["inputs"]["positive"]) for k in of_type(graph, *SAMPLERS)
-            if isinstance(graph[k]["inputs"].get("positive"), list)}
-
-
 def with_new_prompt(graph: dict, suffix: str = NEW_PROMPT) -> dict:
     """A copy of ``graph`` whose positive prompt text ends in ``suffix`` (the node that encodes it runs again)."""
     g = copy.deepcopy(graph)
     changed = 0
-    for nid, _slot in _positive_sources(g):
+    for nid in {g[k]["inputs"]["positive"][0] for k in of_type(g, *SAMPLERS)
+                if isinstance(g[k]["inputs"].get("positive"), list)}:
         src = g[nid]
         while src["class_type"] in ("WanImageToVideo", "FluxKontextMultiReferenceLatentMethod"):  # conditioning pass
             src = g[(src["inputs"].get("positive") or src["inputs"]["conditioning"])[0]]

@@ -63,12 +63,13 @@ def reference_row(row: dict, rows: list[dict]) -> dict | None:
     return min(refs, key=lambda r: r.get("card_gib") != row.get("card_gib")) if refs else None
 
 
-def _latent_check(latents: Path, mine: tuple[str, str], theirs: tuple[str, str], old: Any) -> dict | None:
-    """``||a - b|| / ||b||`` of two kept latents (name, render kind); the earlier result when a file is gone."""
-    a, b = latents / f"{mine[0]}.{mine[1]}.latent", latents / f"{theirs[0]}.{theirs[1]}.latent"
+def _latent_check(latents: Path, name: str, kind: str, against: str, old: Any) -> dict | None:
+    """``||a - b|| / ||b||`` of row ``name``'s ``kind`` latent and row ``against``'s first-ever one, both kept; the
+    earlier result when a file is gone."""
+    a, b = latents / f"{name}.{kind}.latent", latents / f"{against}.first_ever.latent"
     if not (a.is_file() and b.is_file()):
-        return old if old else {"against": f"{theirs[0]} ({theirs[1]})", "error": "latent not kept in this run"}
-    return {"against": f"{theirs[0]} ({theirs[1]})", **compare_latents(a, b)}
+        return old if old else {"against": f"{against} (first_ever)", "error": "latent not kept in this run"}
+    return {"against": f"{against} (first_ever)", **compare_latents(a, b)}
 
 
 def compare(rows: list[dict], latents: Path) -> list[dict]:
@@ -83,19 +84,11 @@ def compare(rows: list[dict], latents: Path) -> list[dict]:
         warm = native.get("render_s") if native else None
         row["ratio"] = round(warm / row["render_s"], 3) if warm and row.get("render_s") else None
         old = row.get("outputs_compared") or {}
-        checks = {}
-        if native:
-            checks["vs_native"] = _latent_check(latents, (row["name"], "first_ever"),
-                                                (native["name"], "first_ever"), old.get("vs_native"))
-        if ref:
-            checks["vs_bf16"] = _latent_check(latents, (row["name"], "first_ever"), (ref["name"], "first_ever"),
-                                              old.get("vs_bf16"))
-        if "cold" in (row.get("renders") or {}):
-            checks["cold_vs_first_ever"] = _latent_check(latents, (row["name"], "cold"), (row["name"], "first_ever"),
-                                                         old.get("cold_vs_first_ever"))
-        row["outputs_compared"] = checks
-        vs = checks.get("vs_native") or {}
-        row["error_vs_native"] = vs.get("rel_diff")
+        pairs = {"vs_native": ("first_ever", native), "vs_bf16": ("first_ever", ref),  # (this row's render, against)
+                 "cold_vs_first_ever": ("cold", row if "cold" in (row.get("renders") or {}) else None)}
+        row["outputs_compared"] = checks = {key: _latent_check(latents, row["name"], kind, other["name"], old.get(key))
+                                            for key, (kind, other) in pairs.items() if other}
+        row["error_vs_native"] = (checks.get("vs_native") or {}).get("rel_diff")
         row["error_vs_bf16"] = (checks.get("vs_bf16") or {}).get("rel_diff")
     return rows
 

@@ -507,7 +507,7 @@ def test_estimates_grow_with_renders_cards_and_missing_files(tmp_path: Path) -> 
     opts = argparse.Namespace(reserve_estimate=0.0, warm_repeats=1)
     ctx = sr.RunContext(opts, sm.ModelFiles(tmp_path), 143.0, "", "0.33.0", ("first_ever", "warm", "cold"))
     small, whole = sr.make_row("wan_t2v_4step", "pack", 12.0), sr.make_row("wan_t2v_4step", "pack", None)
-    assert sr.estimate_s(ctx, small) > sr.estimate_s(ctx, whole) > 2 * sr.RENDER_ESTIMATE_S["wan_t2v_4step"]
+    assert sr.estimate_s(ctx, small) > sr.estimate_s(ctx, whole) > 2 * sr.ESTIMATE_S["wan_t2v_4step"][0]
     writing = sr.RunContext(opts, sm.ModelFiles(tmp_path, write=True), 143.0, "", "0.33.0", ctx.renders)
     assert sr.estimate_s(writing, whole) > sr.estimate_s(ctx, whole) + 40  # ~38 GB to write
     assert sm.file_gb("qwen_image_vae.safetensors") < 1 < sm.file_gb("qwen_image_fp8_e4m3fn.safetensors")
@@ -515,9 +515,9 @@ def test_estimates_grow_with_renders_cards_and_missing_files(tmp_path: Path) -> 
                          whole) == 7.0
     repeats = sr.RunContext(argparse.Namespace(reserve_estimate=0.0, warm_repeats=3), ctx.models, 143.0, "", "",
                             ctx.renders)
-    assert sr.estimate_s(repeats, whole) == sr.estimate_s(ctx, whole) + 2 * sr.WARM_ESTIMATE_S["wan_t2v_4step"]
-    assert set(sr.WARM_ESTIMATE_S) == set(sr.RENDER_ESTIMATE_S) == set(rg.WORKFLOWS)
-    assert all(sr.WARM_ESTIMATE_S[w] < sr.RENDER_ESTIMATE_S[w] for w in rg.WORKFLOWS)  # the models are loaded
+    assert sr.estimate_s(repeats, whole) == sr.estimate_s(ctx, whole) + 2 * sr.ESTIMATE_S["wan_t2v_4step"][1]
+    assert set(sr.ESTIMATE_S) == set(rg.WORKFLOWS)
+    assert all(warm < cold for cold, warm in sr.ESTIMATE_S.values())  # the models are loaded
 
 
 # ----------------------------------------------------------------------------------------------------------
