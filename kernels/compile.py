@@ -36,7 +36,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from .compile_gate import GATE, input_signature
-from .compile_pays import COMPILED, EAGER, CallTimer, CompilePays
+from .compile_pays import COMPILED, EAGER, CallTimer, CompilePays, call_device
 from .decisions import device_kind
 from .hooks import BLOCK_LISTS, HookRegistry, ModelHook
 
@@ -397,15 +397,16 @@ class CompiledRegions:
                     fixed.describe())
 
     def run(self, root: torch.nn.Module, call: Callable[[], T], *, streaming: bool = False,
-            signature: tuple = ()) -> T:
+            signature: tuple = (), device: Optional[torch.device] = None) -> T:
         """Run ``call()`` with the regions of ``root`` compiled; on compile failure or OOM step down and retry.
 
         ``signature`` (``compile_gate.input_signature`` of the model call): a call of one not seen yet for this
         root may compile, so it runs alone (``compile_gate.GATE``); others run beside other threads' calls. With
-        ``pays`` a call may run eager instead: while it is timed, or where compiling did not pay."""
+        ``pays`` a call on a GPU (``device``, ``compile_pays.call_device``) may run eager instead: while it is
+        timed, or where compiling did not pay."""
         if streaming:
             self.adapt_to_streaming()
-        how, timer = self._plan(root, signature)
+        how, timer = self._plan(root, signature, device)
         if timer is not None:
             timer.start()
         if how == EAGER:
@@ -419,14 +420,15 @@ class CompiledRegions:
             timer.stop()
         return result
 
-    def _plan(self, root: torch.nn.Module, signature: tuple) -> tuple[str, Optional[CallTimer]]:
+    def _plan(self, root: torch.nn.Module, signature: tuple,
+              device: Optional[torch.device]) -> tuple[str, Optional[CallTimer]]:
         """How this call runs: compiled (with no ``pays``, off the GPU, or once eager is the chain's end) or as
         ``pays`` says for this model, input shapes, device kind and config (eager while it measures)."""
         self.eager_because = ""
-        if self.pays is None or self.current is None or not any(s[2] == "cuda" for s in signature):
+        if self.pays is None or self.current is None or device is None or device.type != "cuda":
             return COMPILED, None
-        key = (type(root).__name__, signature, device_kind(torch.device("cuda")), self.current.describe())
-        how, timer = self.pays.plan(key)
+        key = (type(root).__name__, signature, device_kind(device), self.current.describe())
+        how, timer = self.pays.plan(key, device)
         if how == EAGER:
             self.eager_because = "compiling did not pay" if self.pays.winners.get(key) == EAGER else \
                 "timing whether compiling pays"
@@ -525,7 +527,9 @@ class CompileHook(ModelHook):
         """Run ``call`` with ``module``'s regions compiled; log the mode in use whenever it changes."""
         streaming = registry.moves_weights() or bool(self.partial_load(module))
         self.regions.recompile_cause = self.recompile_cause(registry.call_inputs())
-        out = self.regions.run(module, call, streaming=streaming, signature=input_signature(*registry.call_inputs()))
+        inputs = registry.call_inputs()
+        out = self.regions.run(module, call, streaming=streaming, signature=input_signature(*inputs),
+                               device=call_device(*inputs))
         status = self.regions.status()
         if status != self._last_status:
             self._last_status = status

@@ -34,24 +34,36 @@ EAGER, COMPILED = "eager", "compiled"
 TIMED_EAGER_CALL, FIRST_COMPILED_CALL, TIMED_COMPILED_CALL = 1, 2, 3
 
 
-class CallTimer:
-    """Milliseconds of one call as the GPU ran it (CUDA events on the current stream), read without waiting."""
+def call_device(args: tuple, kwargs: dict) -> Optional[torch.device]:
+    """The GPU a model call runs on: the device of its first top-level CUDA tensor (None without one)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+            return value.device
+    return None
 
-    def __init__(self, cuda: bool) -> None:
-        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+
+class CallTimer:
+    """Milliseconds of one call as ``device`` ran it (CUDA events on its current stream), read without waiting;
+    perf_counter where ``device`` is None."""
+
+    def __init__(self, device: Optional[torch.device]) -> None:
+        self._device = device
+        self._events = None
+        if device is not None:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         self._t0 = self._ms = None
 
     def start(self) -> None:
         if self._events is None:
             self._t0 = time.perf_counter()
         else:
-            self._events[0].record()
+            self._events[0].record(torch.cuda.current_stream(self._device))
 
     def stop(self) -> None:
         if self._events is None:
             self._ms = (time.perf_counter() - self._t0) * 1e3
         else:
-            self._events[1].record()
+            self._events[1].record(torch.cuda.current_stream(self._device))
 
     def ms(self) -> Optional[float]:
         """The call's milliseconds, or None while the GPU has not finished it."""
@@ -69,15 +81,15 @@ class _Measure:
 class CompilePays:
     """Per key (model, input shapes, device kind, compile config): which way a call runs, and its timing."""
 
-    def __init__(self, timer: Callable[[bool], CallTimer] = CallTimer) -> None:
+    def __init__(self, timer: Callable[[Optional[torch.device]], CallTimer] = CallTimer) -> None:
         self._choices = KeptChoices(TOPIC)
         self.winners = self._choices.winners
         self._measures: dict[tuple, _Measure] = {}
         self._lock = threading.Lock()
         self._timer = timer  # injectable: tests plant timings
 
-    def plan(self, key: tuple) -> tuple[str, Optional[CallTimer]]:
-        """(EAGER or COMPILED for this call of ``key``, a timer to start and stop around it or None)."""
+    def plan(self, key: tuple, device: Optional[torch.device] = None) -> tuple[str, Optional[CallTimer]]:
+        """(EAGER or COMPILED for this call of ``key`` on ``device``, a timer to start and stop around it or None)."""
         if (winner := self.winners.get(key)) is not None:
             return winner, None
         with self._lock:
@@ -89,7 +101,7 @@ class CompilePays:
             call, m.calls = m.calls, m.calls + 1
         how = EAGER if call < FIRST_COMPILED_CALL else COMPILED
         if call in (TIMED_EAGER_CALL, TIMED_COMPILED_CALL):
-            m.timers[how] = timer = self._timer(key[2][0] == "cuda")
+            m.timers[how] = timer = self._timer(device)
             return how, timer
         return how, None
 

@@ -14,6 +14,7 @@ from comfyui_lowvram_dit.kernels import compile as cmp
 from comfyui_lowvram_dit.kernels import compile_pays as cp
 from comfyui_lowvram_dit.kernels import decision_store
 from comfyui_lowvram_dit.kernels.compile import CompileConfig, CompiledRegions
+from comfyui_lowvram_dit.kernels.compile_pays import call_device
 
 KIND = ("cuda", "NVIDIA H200", 9, 0)
 SIG = (((1, 16, 1, 166, 166), torch.bfloat16, "cuda"),)
@@ -38,7 +39,7 @@ class PlantedTimer:
 def planted(eager_ms: float, compiled_ms: float) -> tuple[cp.CompilePays, list[PlantedTimer]]:
     made: list[PlantedTimer] = []
 
-    def timer(cuda: bool) -> PlantedTimer:
+    def timer(device: Optional[torch.device]) -> PlantedTimer:
         made.append(PlantedTimer(eager_ms if not made else compiled_ms))
         return made[-1]
 
@@ -135,14 +136,26 @@ def test_regions_run_eager_where_compiling_does_not_pay(monkeypatch: pytest.Monk
     regions = CompiledRegions(CompileConfig(), ["blocks.0", "blocks.1"], compile_fn=compile_fn, pays=pays)
     model, x = Blocks(), torch.randn(2, 8)
     want = model(x)
+    gpu = torch.device("cuda", 0)  # as the call's tensors would say; nothing runs on it here
     for _ in range(2):
-        assert torch.equal(regions.run(model, lambda: model(x), signature=SIG), want)
+        assert torch.equal(regions.run(model, lambda: model(x), signature=SIG, device=gpu), want)
     assert compiled == [] and "eager (timing whether compiling pays)" in regions.status()
     for _ in range(3):
-        regions.run(model, lambda: model(x), signature=SIG)
+        regions.run(model, lambda: model(x), signature=SIG, device=gpu)
     assert compiled == ["Linear", "Linear"] and [(t.started, t.stopped) for t in made] == [(1, 1), (1, 1)]
     assert pays.winners == {("Blocks", SIG, KIND, "inductor/default"): "eager"}
     assert "eager (compiling did not pay)" in regions.status()
     cpu_sig = (((2, 8), torch.float32, "cpu"),)
-    regions.run(model, lambda: model(x), signature=cpu_sig)
+    regions.run(model, lambda: model(x), signature=cpu_sig, device=call_device((x,), {}))
     assert "eager" not in regions.status() and len(compiled) == 2  # compiled modules are cached per root
+
+
+def test_the_call_device_is_the_first_gpu_tensors() -> None:
+    """Events are recorded on the GPU the call runs on (the second of two under MultiGPU), not the current one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.zeros(1)
+    assert call_device((x, 1.0), {"t": x}) is None
+    with FakeTensorMode():  # CUDA tensors in name only: no GPU needed
+        on_1 = torch.empty(2, device="cuda:1")
+    assert call_device((x, 0.5), {"context": on_1}) == torch.device("cuda", 1)
