@@ -234,7 +234,7 @@ class Setup:
     drop_block_swap: bool = False
     block_swap_mode: str | None = None  # every Block Swap node's dynamic_vram option (the shipped "auto" otherwise)
     attention: str | None = None  # every Attention node's backend (one is added where the workflow has none)
-    compile: bool = False  # Torch Compile (the node's defaults) after each Attention node
+    compile: dict | None = None  # Torch Compile after each Attention node: its defaults with these inputs
     easycache: bool = False  # core's EasyCache (its defaults) on the MODEL right before each sampler
 
 
@@ -249,7 +249,9 @@ SETUPS: dict[str, Setup] = {
     "pack_stream": Setup(False, "Block Swap dynamic_vram = stream (auto's pick where RAM is short)",
                          block_swap_mode="stream"),
     "pack_int8": Setup(False, "Attention 8-bit", attention=INT8_BACKEND),
-    "pack_compile": Setup(False, "+ Torch Compile (the node's defaults)", compile=True),
+    "pack_compile": Setup(False, "+ Torch Compile (the node's defaults)", compile={}),
+    "pack_compile_graphs": Setup(False, "+ Torch Compile reduce-overhead, CUDA graphs where no weight streams",
+                                 compile={"mode": "reduce-overhead"}),
     "pack_easycache": Setup(False, f"+ {EASYCACHE}", easycache=True),
 }
 
@@ -357,14 +359,15 @@ def apply_pack_setup(graph: dict, setup: Setup, object_info: dict) -> None:
             bypass(graph, nid)
     for nid in of_type(graph, "LowVRAM_BlockSwap") if setup.block_swap_mode else ():
         graph[nid]["inputs"]["dynamic_vram"] = setup.block_swap_mode
-    if (setup.attention or setup.compile) and not of_type(graph, "LowVRAM_Attention"):  # one on each ModelSampling's
+    if (setup.attention or setup.compile is not None) and not of_type(graph, "LowVRAM_Attention"):  # one on each ModelSampling's
         for nid in of_type(graph, "ModelSamplingSD3", "ModelSamplingAuraFlow"):  # model input
             insert_after(graph, graph[nid]["inputs"]["model"], node_defaults("LowVRAM_Attention", object_info))
     for nid in of_type(graph, "LowVRAM_Attention"):
         if setup.attention:
             graph[nid]["inputs"]["backend"] = setup.attention
-        if setup.compile:
-            insert_after(graph, [nid, 0], node_defaults("LowVRAM_TorchCompile", object_info, model=None))
+        if setup.compile is not None:
+            insert_after(graph, [nid, 0], node_defaults("LowVRAM_TorchCompile", object_info, model=None,
+                                                        **setup.compile))
 
 
 def _text_pair(graph: dict, nid: str, clip_name: str, kind: str, positive: str, negative: str,

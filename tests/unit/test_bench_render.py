@@ -238,7 +238,10 @@ def test_pack_setups() -> None:
     assert _model_chain(g, "16")[:3] == ["ModelSamplingSD3", "LowVRAM_TorchCompile", "LowVRAM_Attention"]
     compile_inputs = {k: v for k, v in _types(g)["LowVRAM_TorchCompile"][0].items() if k != "model"}
     assert compile_inputs == {"mode": "default", "backend": "inductor", "dynamic": "auto", "fullgraph": False,
-                              "cache_size_limit": 64, "fallback": True, "scope": "blocks"}
+                              "cache_size_limit": 64, "fallback": True, "scope": "blocks", "when": "it pays"}
+    graphs = _types(_graph("qwen_t2i", "pack_compile_graphs"))["LowVRAM_TorchCompile"]
+    assert [{k: i[k] for k in ("mode", "backend", "scope")} for i in graphs] == [
+        {"mode": "reduce-overhead", "backend": "inductor", "scope": "blocks"}]
     q = _graph("qwen_t2i_4step", "pack_int8")
     assert _model_chain(q, "6")[:3] == ["ModelSamplingAuraFlow", "LoraLoaderModelOnly", "LowVRAM_Attention"]
     assert rg.setup_applies(rg.WORKFLOWS["qwen_t2i_4step"], "pack_no_blockswap", "fp8_scaled")
