@@ -4,7 +4,7 @@ Compiled regions are faster only where the GPU spends its time on elementwise wo
 model call is bound by the GPU's GEMMs and attention, or by the CPU issuing it (Qwen-Image at 1328x1328 through a
 server: compiled 0.92x of native's best, eager 1.02x), compiling gains nothing per call and costs its compile on
 every fresh server. So, per model, input shapes, device kind and compile config, the second eager call and the
-second compiled call are timed (CUDA events, read once the GPU has passed them, never waited on) and compile is kept
+third compiled call are timed (CUDA events, read once the GPU has passed them, never waited on) and compile is kept
 where the compiled call is at least ``MIN_GAIN`` faster; otherwise the model runs eager from then on. The winner goes
 to the decisions file (kernels/decision_store.py) under ``TOPIC``: a later process neither measures again nor, where
 eager won, compiles. Only GPUs are measured; elsewhere compile always runs (nothing to keep).
@@ -30,8 +30,9 @@ log = logging.getLogger("comfyui_lowvram_dit")
 TOPIC = "torch compile pays"
 MIN_GAIN = 0.05  # the compiled call must be at least 5 % faster than the eager one
 EAGER, COMPILED = "eager", "compiled"
-# Calls per key before a decision: eager warm-up, eager timed, compiled (compiles), compiled timed.
-TIMED_EAGER_CALL, FIRST_COMPILED_CALL, TIMED_COMPILED_CALL = 1, 2, 3
+# Calls per key before a decision: eager warm-up, eager timed, compiled (compiles), compiled (a CUDA-graph mode
+# records its graphs here), compiled timed.
+TIMED_EAGER_CALL, FIRST_COMPILED_CALL, TIMED_COMPILED_CALL = 1, 2, 4
 
 
 def call_device(args: tuple, kwargs: dict) -> Optional[torch.device]:
