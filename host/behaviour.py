@@ -133,3 +133,35 @@ def custom_operations(load_diffusion_model_state_dict: Callable) -> bool:
         load_diffusion_model_state_dict).parameters else {}  # build no DynamicVRAM patcher state for a probe
     load_diffusion_model_state_dict(state_dict, model_options={"custom_operations": CountingOps}, **kwargs)
     return bool(made)
+
+
+def qwen_image_text_mask(qwen_model_class: type) -> bool:
+    """Qwen-Image's forward gives zero-padded text masked by ``attention_mask`` the output of the unpadded text."""
+    import torch
+
+    model = qwen_model_class(**_QWEN_TINY, operations=_eager_ops(), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        x, context = torch.randn(1, 4, 1, 4, 4, generator=g), torch.randn(1, 3, 16, generator=g)
+        padded = torch.cat([context, torch.zeros(1, 2, 16)], dim=1)
+        mask = torch.tensor([[1, 1, 1, 0, 0]])
+        opts, t = {"optimized_attention_override": _cpu_attention}, torch.full((1,), 0.5)
+        alone = model(x, t, context, transformer_options=opts)
+        masked = model(x, t, padded, attention_mask=mask, transformer_options=opts)
+        unmasked = model(x, t, padded, transformer_options=opts)
+    # the padding unmasked must change the output, or the check would prove nothing
+    return torch.allclose(alone, masked, atol=1e-5) and not torch.allclose(alone, unmasked, atol=1e-5)
+
+
+def qwen_image_mask_cond(qwen_base_model_class: type) -> bool:
+    """Qwen-Image's ``extra_conds`` hands a conditioning's ``attention_mask`` to the model."""
+    import torch
+
+    model = object.__new__(qwen_base_model_class)  # extra_conds reads no weights: an instance without __init__
+    for name in ("concat_cond", "encode_adm"):  # BaseModel.extra_conds' own inputs, none here
+        object.__setattr__(model, name, lambda **kwargs: None)
+    out = qwen_base_model_class.extra_conds(model, cross_attn=torch.zeros(1, 2, 16),
+                                            attention_mask=torch.ones(1, 2, dtype=torch.long))
+    return "attention_mask" in out

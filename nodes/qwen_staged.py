@@ -7,6 +7,7 @@ from comfy_api.latest import io
 from ..host import text_encoders
 from ..host.files import file_fingerprint
 from ..host.names import CATEGORY_LOADERS, CATEGORY_UTILS, display_name, node_id
+from ..host.qwen_cfg_batch import batched_conditioning
 from ..host.qwen_stages import (
     COMPUTE, QUANTIZATION, decode_staged, encode_prompts, load_staged_model, load_vae, prepare_files,
 )
@@ -77,6 +78,12 @@ class QwenImageStagedLoader(io.ComfyNode):
                                        "ComfyUI runs text encoders (the GPU on NVIDIA, the CPU under --cpu or a "
                                        "low-VRAM mode). cpu: least VRAM, but a first encode of about half a "
                                        "minute. gpu: the GPU always."),
+                io.Boolean.Input("batch_cfg", default=False, optional=True,
+                                 tooltip="Pad the shorter prompt's text tokens (masked, so the picture is the same) "
+                                         "so that KSampler can run positive and negative as one batch: one model "
+                                         "call per step instead of two where VRAM allows, for steps bound by the "
+                                         "CPU (large images on fast GPUs). Needs ComfyUI's Qwen-Image text mask "
+                                         "(0.33 has it). Not yet measured on a GPU: off by default."),
             ],
             outputs=[io.Model.Output(), io.Conditioning.Output("positive"), io.Conditioning.Output("negative"),
                      io.Vae.Output()],
@@ -96,11 +103,13 @@ class QwenImageStagedLoader(io.ComfyNode):
     @classmethod
     def execute(cls, unet_name: str, clip_name: str, vae_name: str, positive: str, negative: str,
                 quantization: str, vram_budget_gb: float, blocks_to_swap: int, cache_embeddings: bool,
-                compute: str = "auto", text_encoder_device: str = "auto") -> io.NodeOutput:
+                compute: str = "auto", text_encoder_device: str = "auto", batch_cfg: bool = False) -> io.NodeOutput:
         where = text_encoders.resolve_device(text_encoder_device,
                                              f"{display_name('Qwen-Image Staged Loader')}, text_encoder_device")
         unet, te, vae_path = prepare_files(unet_name, clip_name, vae_name, vram_budget_gb)
         (pos, neg), _ = encode_prompts(te, [positive, negative], use_cache=cache_embeddings, device=where)
+        if batch_cfg:
+            pos, neg = batched_conditioning(pos, neg)
         model, _ = load_staged_model(unet, quantization, vram_budget_gb, blocks_to_swap, compute)
         vae = load_vae(vae_path)
         return io.NodeOutput(model, pos, neg, vae)
