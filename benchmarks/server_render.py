@@ -200,8 +200,10 @@ class RunContext:
 
 def supported_flags(flags: list[str], host_flags: str) -> tuple[list[str], list[str]]:
     """(flags this ComfyUI knows, the ones it does not) by their names in its cli_args.py."""
-    known = [f for f in flags if f.split("=")[0] in host_flags]
-    return known, [f for f in flags if f not in known]
+    known, left = [], []
+    for f in flags:
+        (known if f.split("=")[0] in host_flags else left).append(f)
+    return known, left
 
 
 def smoke_graph(graph: dict, native: bool) -> dict:

@@ -62,9 +62,7 @@ def batched_conditioning(positive: list, negative: list) -> tuple[list, list]:
     if missing := [p.describe() for p in TEXT_MASK if not p.ok()]:
         say_once(log, f"lowvram_dit Qwen-Image: batch_cfg left off: this ComfyUI lacks {'; '.join(missing)}")
         return positive, negative
-    lengths = text_lengths(positive, negative)
-    out = one_batch(positive, negative)
-    if out[0] is not positive:
+    if len(set(lengths := text_lengths(positive, negative))) > 1:
         log.info("lowvram_dit Qwen-Image: prompts of %s text tokens padded to %d (masked) so that cond and uncond "
                  "can run as one batch", " / ".join(map(str, lengths)), max(lengths))
-    return out
+    return one_batch(positive, negative)

@@ -526,8 +526,8 @@ class CompileHook(ModelHook):
     def wrap_forward(self, module: Any, call: Callable[[], T], registry: HookRegistry) -> T:
         """Run ``call`` with ``module``'s regions compiled; log the mode in use whenever it changes."""
         streaming = registry.moves_weights() or bool(self.partial_load(module))
-        self.regions.recompile_cause = self.recompile_cause(registry.call_inputs())
         inputs = registry.call_inputs()
+        self.regions.recompile_cause = self.recompile_cause(inputs)
         out = self.regions.run(module, call, streaming=streaming, signature=input_signature(*inputs),
                                device=call_device(*inputs))
         status = self.regions.status()

@@ -10,6 +10,7 @@ from ..host.names import CATEGORY_PATCHES, display_name, node_id
 from ..host.seams import PASS_THROUGH
 from ..host.torch_compile import DYNAMIC_CHOICES, SCOPES, WHEN, apply_compile
 from ..kernels.compile import MODES, CompileConfig
+from ..kernels.compile_pays import MIN_GAIN
 
 
 class TorchCompile(io.ComfyNode):
@@ -59,9 +60,9 @@ class TorchCompile(io.ComfyNode):
                                        "block swap stays outside). whole model: one graph for everything."),
                 io.Combo.Input("when", options=list(WHEN), default="it pays", optional=True,
                                tooltip="it pays: on a GPU, one eager and one compiled call are timed per model and "
-                                       "resolution; compile stays only if it is 5 % faster, else the model runs "
-                                       "eager (the log says which; kept, so later runs skip the compile). "
-                                       "always: compile regardless."),
+                                       f"resolution; compile stays only if it is {MIN_GAIN * 100:g} % faster, else "
+                                       "the model runs eager (the log says which; kept, so later runs skip the "
+                                       "compile). always: compile regardless."),
             ],
             outputs=[io.Model.Output()],
         )
