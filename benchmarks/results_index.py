@@ -23,7 +23,7 @@ MODELS = ("Wan 2.2 T2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image", "Qwen-Image-Edit"
 # Fields of a common-format row (benchmarks/README.md); `side`, `how`, `cfg`, `gpus`, `lora`, `status` are optional.
 ROW_FIELDS = ("name", "model", "resolution", "frames", "steps", "card_gib", "file_format", "setup", "memory_manager",
               "s_per_step", "render_s", "peak_vram_gib", "peak_rss_gib", "against", "ratio")
-ENV_FIELDS = ("device", "gpu", "torch", "comfyui", "comfy_kitchen", "commit", "date", "command")
+ENV_FIELDS = ("device", "gpu", "torch", "comfyui", "comfy_kitchen", "commit", "date", "started", "command")
 OPTIONAL = {"side": "pack", "how": "server", "cfg": None, "gpus": 1, "lora": None, "step_cache": None, "status": "ok"}
 FORMATS = ("fp8_scaled", "fp8_e4m3fn", "bf16")
 CARDS = (8.0, 12.0, 16.0, 24.0)
@@ -45,7 +45,8 @@ def run_env(env: dict) -> dict:
             "torch": env.get("torch"), "comfyui": env.get("comfyui") or env.get("comfyui_version"),
             "comfy_kitchen": env.get("comfy_kitchen"),
             "commit": commit and commit[:7] + ("-dirty" if commit.endswith("-dirty") else ""),
-            "date": (env.get("date") or env.get("timestamp") or "")[:10] or None, "command": env.get("command")}
+            "date": (env.get("date") or env.get("timestamp") or "")[:10] or None, "command": env.get("command"),
+            "started": env.get("date") or env.get("timestamp")}  # the full time: runs of one day in order
 
 
 def read(data: object, source: str) -> tuple[dict, list[dict]]:
@@ -102,8 +103,8 @@ def collect(root: Path = RESULTS) -> tuple[list[dict], list[dict]]:
 
 
 def _neg_date(row: dict) -> str:
-    """A sort key that puts newer dates first (dates are YYYY-MM-DD)."""
-    return "".join(chr(0x7F - ord(c)) for c in row.get("date") or "0")
+    """A sort key that puts newer runs first (ISO times, YYYY-MM-DD... where a result gives only its day)."""
+    return "".join(chr(0x7F - ord(c)) for c in row.get("started") or row.get("date") or "0")
 
 
 def _what(path: Path, env: dict) -> str:
