@@ -2,12 +2,12 @@
 
 Compiled regions are faster only where the GPU spends its time on elementwise work that Inductor fuses. Where a
 model call is bound by the GPU's GEMMs and attention, or by the CPU issuing it (Qwen-Image at 1328x1328 through a
-server: compiled 0.92x of native's best, eager 1.02x), compiling gains nothing per call and costs its compile on
-every fresh server. So, per model, input shapes, device kind and compile config, the second eager call and the
-third compiled call are timed (CUDA events, read once the GPU has passed them, never waited on) and compile is kept
-where the compiled call is at least ``MIN_GAIN`` faster; otherwise the model runs eager from then on. The winner goes
-to the decisions file (kernels/decision_store.py) under ``TOPIC``: a later process neither measures again nor, where
-eager won, compiles. Only GPUs are measured; elsewhere compile always runs (nothing to keep).
+server), compiling gains nothing per call and costs its compile on every fresh server. So, per model, input
+shapes, device kind and compile config, a compiled call and an eager call are timed back to back once both are warm
+(``SCHEDULE``; CUDA events, read once the GPU has passed them, never waited on) and compile is kept where the
+compiled call is at least ``MIN_GAIN`` faster; otherwise the model runs eager from then on. The winner goes to the
+decisions file (kernels/decision_store.py) under ``TOPIC``: a later process neither measures again nor, where eager
+won, compiles. Only GPUs are measured; elsewhere compile always runs (nothing to keep).
 
 Plain torch, no ComfyUI import.
 """
@@ -30,9 +30,13 @@ log = logging.getLogger("comfyui_lowvram_dit")
 TOPIC = "torch compile pays"
 MIN_GAIN = 0.05  # the compiled call must be at least 5 % faster than the eager one
 EAGER, COMPILED = "eager", "compiled"
-# Calls per key before a decision: eager warm-up, eager timed, compiled (compiles), compiled (a CUDA-graph mode
-# records its graphs here), compiled timed.
-TIMED_EAGER_CALL, FIRST_COMPILED_CALL, TIMED_COMPILED_CALL = 1, 2, 4
+# How the calls of one key run until a decision: two eager warm-ups, a compiled call that compiles, one in which a
+# CUDA-graph mode records its graphs, then one compiled and one eager call timed back to back. The eager call is
+# timed last, once everything is warm: the early calls of a fresh server can be slower (kernel choices timed once,
+# memory still growing), and timing the second call made compiling look faster per call than it was per step
+# (docs/benchmarks.md, Qwen-Image with Torch Compile).
+SCHEDULE = (EAGER, EAGER, COMPILED, COMPILED, COMPILED, EAGER)
+TIMED_CALLS = (4, 5)
 
 
 def call_device(args: tuple, kwargs: dict) -> Optional[torch.device]:
@@ -100,8 +104,8 @@ class CompilePays:
             if (winner := self._decide_if_timed(key, m)) is not None:
                 return winner, None
             call, m.calls = m.calls, m.calls + 1
-        how = EAGER if call < FIRST_COMPILED_CALL else COMPILED
-        if call in (TIMED_EAGER_CALL, TIMED_COMPILED_CALL):
+        how = SCHEDULE[call] if call < len(SCHEDULE) else COMPILED  # compiled until the timed calls are read
+        if call in TIMED_CALLS:
             m.timers[how] = timer = self._timer(device)
             return how, timer
         return how, None
