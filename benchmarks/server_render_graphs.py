@@ -236,7 +236,7 @@ class Setup:
     attention: str | None = None  # every Attention node's backend (one is added where the workflow has none)
     compile: dict | None = None  # Torch Compile after each Attention node: its defaults with these inputs
     easycache: bool = False  # core's EasyCache (its defaults) on the MODEL right before each sampler
-    batch_cfg: bool = False  # the Qwen-Image Staged Loader's batch_cfg (both prompts as one batch)
+    batch_cfg: bool | None = None  # the Qwen-Image Staged Loader's batch_cfg (None: as shipped)
 
 
 NATIVE_BEST = "UNETLoader fp8_e4m3fn_fast, --use-ck-attention"
@@ -251,7 +251,8 @@ SETUPS: dict[str, Setup] = {
                          block_swap_mode="stream"),
     "pack_int8": Setup(False, "Attention 8-bit", attention=INT8_BACKEND),
     "pack_compile": Setup(False, "+ Torch Compile (the node's defaults)", compile={}),
-    "pack_batch_cfg": Setup(False, "+ Staged Loader batch_cfg (both prompts one batch)", batch_cfg=True),
+    "pack_no_batch_cfg": Setup(False, "Staged Loader batch_cfg off (each prompt its own model call)",
+                               batch_cfg=False),
     "pack_compile_graphs": Setup(False, "+ Torch Compile reduce-overhead, CUDA graphs where no weight streams",
                                  compile={"mode": "reduce-overhead"}),
     "pack_easycache": Setup(False, f"+ {EASYCACHE}", easycache=True),
@@ -359,8 +360,8 @@ def apply_pack_setup(graph: dict, setup: Setup, object_info: dict) -> None:
     if setup.drop_block_swap:
         for nid in of_type(graph, "LowVRAM_BlockSwap"):
             bypass(graph, nid)
-    for nid in of_type(graph, "LowVRAM_QwenImageStagedLoader") if setup.batch_cfg else ():
-        graph[nid]["inputs"]["batch_cfg"] = True
+    for nid in of_type(graph, "LowVRAM_QwenImageStagedLoader") if setup.batch_cfg is not None else ():
+        graph[nid]["inputs"]["batch_cfg"] = setup.batch_cfg
     for nid in of_type(graph, "LowVRAM_BlockSwap") if setup.block_swap_mode else ():
         graph[nid]["inputs"]["dynamic_vram"] = setup.block_swap_mode
     if (setup.attention or setup.compile is not None) and not of_type(graph, "LowVRAM_Attention"):  # one on each ModelSampling's

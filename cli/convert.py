@@ -325,7 +325,7 @@ def _convert_qwen_edit(wf: Workflow, graph: Graph, unet: dict, clip_loader: dict
             3: [lk for lk in graph.out_links(vae_loader, 0) if lk["target_id"] not in (pos["id"], neg["id"])]}
     widgets = [_widget(unet, 0), _widget(clip_loader, 0), _widget(vae_loader, 0), _widget(pos, 0) or "",
                _widget(neg, 0) or "", FP8_CHOICES[opts.fp8], opts.budget_gb, -1, True, "auto",
-               "auto"]  # ..., compute, text_encoder_device (the images between them are links, not widgets)
+               "auto", True]  # ..., compute, text_encoder_device, batch_cfg (the images are links, not widgets)
     _retype(unet, "LowVRAM_QwenImageEditStagedLoader", widgets)
     _set_inputs(graph, unet, QWEN_EDIT_INPUTS, moved)
     _set_outputs(graph, unet, STAGED_OUTPUTS)
@@ -374,7 +374,8 @@ def _convert_qwen(wf: Workflow, graph: Graph, unet: dict, opts: ConvertOptions, 
     unet_link = graph.input_link(unet, "unet_name")
     widgets = [_widget(unet, 0), _widget(clip_loader, 0), _widget(vae_loaders[0], 0), _widget(pos, 0) or "",
                (_widget(neg, 0) if neg else "") or STAGED_NEGATIVE_DEFAULT,
-               FP8_CHOICES[opts.fp8], opts.budget_gb, -1, True, "auto", "auto"]  # ..., compute, text_encoder_device
+               FP8_CHOICES[opts.fp8], opts.budget_gb, -1, True, "auto", "auto",
+               True]  # ..., compute, text_encoder_device, batch_cfg
     _retype(unet, "LowVRAM_QwenImageStagedLoader", widgets)
     _absorb_prompts(wf, graph, unet, clip_loader, pos, neg, {"unet_name": unet_link}, (1, 2))
     gone = f"UNETLoader {unet['id']} + CLIPLoader {clip_loader['id']} + CLIPTextEncode {pos['id']}" + (

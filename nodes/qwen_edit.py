@@ -7,6 +7,7 @@ from comfy_api.latest import io
 
 from ..host import text_encoders
 from ..host.names import CATEGORY_LOADERS, display_name, node_id
+from ..host.qwen_cfg_batch import batched_conditioning
 from ..host.qwen_edit import MAX_IMAGES, QWEN25_VL_EDIT, encode_edit_prompts
 from ..host.qwen_stages import load_staged_model, load_vae, prepare_files
 from . import qwen_staged
@@ -60,6 +61,7 @@ class QwenImageEditStagedLoader(io.ComfyNode):
                                        "--cpu or a low-VRAM mode). cpu: least VRAM, but each new prompt or image "
                                        "is a CPU encode through the 7B encoder and its vision tower. gpu: the GPU "
                                        "always."),
+                base["batch_cfg"],
             ],
             outputs=[io.Model.Output(), io.Conditioning.Output("positive"), io.Conditioning.Output("negative"),
                      io.Vae.Output()],
@@ -79,7 +81,8 @@ class QwenImageEditStagedLoader(io.ComfyNode):
     def execute(cls, unet_name: str, clip_name: str, vae_name: str, positive: str, negative: str,
                 quantization: str, vram_budget_gb: float, blocks_to_swap: int, cache_embeddings: bool,
                 compute: str = "auto", image1: torch.Tensor | None = None, image2: torch.Tensor | None = None,
-                image3: torch.Tensor | None = None, text_encoder_device: str = "auto") -> io.NodeOutput:
+                image3: torch.Tensor | None = None, text_encoder_device: str = "auto",
+                batch_cfg: bool = True) -> io.NodeOutput:
         where = text_encoders.resolve_device(text_encoder_device,
                                              f"{display_name('Qwen-Image-Edit Staged Loader')}, text_encoder_device")
         unet, te, vae_path = prepare_files(unet_name, clip_name, vae_name, vram_budget_gb,
@@ -87,6 +90,8 @@ class QwenImageEditStagedLoader(io.ComfyNode):
         vae = load_vae(vae_path)
         (pos, neg), _ = encode_edit_prompts(te, [positive, negative], [image1, image2, image3], vae,
                                             use_cache=cache_embeddings, device=where)
+        if batch_cfg:
+            pos, neg = batched_conditioning(pos, neg)
         model, _ = load_staged_model(unet, quantization, vram_budget_gb, blocks_to_swap, compute)
         return io.NodeOutput(model, pos, neg, vae)
 

@@ -277,7 +277,7 @@ def test_edit_loader_through_the_server(comfy_server: ComfyServer, files: dict[s
     # last and optional: a workflow saved before it keeps its widget order, and an API prompt without it runs (auto)
     order = info["input_order"]
     assert order["required"][-1] == "compute", order
-    assert order["optional"] == ["image1", "image2", "image3", "text_encoder_device"], order
+    assert order["optional"] == ["image1", "image2", "image3", "text_encoder_device", "batch_cfg"], order
     kind, spec = info["input"]["optional"]["text_encoder_device"]
     assert kind == "COMBO" and spec["options"] == ["auto", "cpu", "gpu"] and spec["default"] == "auto", spec
     assert info["output"] == ["MODEL", "CONDITIONING", "CONDITIONING", "VAE"]

@@ -97,7 +97,7 @@ def test_schema_lists_files_and_options(comfy_server: ComfyServer, files: dict[s
     kind, spec = info["input"]["optional"]["text_encoder_device"]
     assert kind == "COMBO" and spec["options"] == ["auto", "cpu", "gpu"] and spec["default"] == "auto", spec
     kind, spec = info["input"]["optional"]["batch_cfg"]
-    assert kind == "BOOLEAN" and spec["default"] is False, spec
+    assert kind == "BOOLEAN" and spec["default"] is True, spec
 
 
 def test_end_to_end_cache_miss_hit_and_encoder_change(comfy_server: ComfyServer, files: dict[str, str]) -> None:
@@ -263,20 +263,13 @@ def test_on_the_gpu_equals_stock_load_clip_on_the_gpu(comfy_on_gpu: None, tmp_pa
         assert torch.equal(a[0][0].cpu(), b[0][0].cpu()) and bool(a[0][0].abs().sum() > 0)
 
 
-def test_batch_cfg_samples_both_prompts_as_one_batch_with_the_same_latent(tmp_path: Path) -> None:
-    """In process: with batch_cfg the prompt and the negative reach the model as one batch of 2 (one call per step
-    instead of two) and the latent equals the unbatched one within bf16 rounding; on a ComfyUI without Qwen-Image's
-    text mask the conditioning is left as it is."""
-    comfyui_in_process_or_skip()
+def _check_batched_sampling(tmp_path: Path, pos: list, neg: list, latent_hw: int = 8) -> None:
+    """Sampled through a tiny Qwen-Image: the padded prompt pair reaches the model as one batch of 2 (one call per
+    step instead of two) with the latent of the unbatched pair within bf16 rounding; without the mask, not."""
     import comfy.sample
     import torch
     from comfyui_lowvram_dit.host import qwen_cfg_batch, qwen_stages
 
-    te = write_small_text_encoder(tmp_path / "te.safetensors", "bf16", seed=0)
-    (pos, neg), _ = qwen_stages.encode_prompts(te, PROMPTS, use_cache=False, target_device=torch.device("cpu"))
-    if not all(p.ok() for p in qwen_cfg_batch.TEXT_MASK):  # 0.8.0: its Qwen-Image has no text mask
-        assert qwen_cfg_batch.batched_conditioning(pos, neg) == (pos, neg)
-        return
     unet = tmp_path / "qwen.safetensors"
     synth.write_synthetic("qwen_image", unet, "tiny", "bf16", seed=3)
     model = qwen_stages.load_transformer(unet, "none").clone()
@@ -287,7 +280,7 @@ def test_batch_cfg_samples_both_prompts_as_one_batch_with_the_same_latent(tmp_pa
         return apply_model(args["input"], args["timestep"], **args["c"])
 
     model.set_model_unet_function_wrapper(counting)
-    latent = torch.zeros(1, 16, 1, 8, 8)  # a Qwen-Image latent: the Wan VAE's channels, frames, height, width
+    latent = torch.zeros(1, 16, 1, latent_hw, latent_hw)  # a Qwen-Image latent: Wan VAE channels, frames, h, w
 
     def sample(positive: list, negative: list) -> tuple[torch.Tensor, list[int]]:
         batches.clear()
@@ -305,3 +298,35 @@ def test_batch_cfg_samples_both_prompts_as_one_batch_with_the_same_latent(tmp_pa
     assert err(batched) < 1e-5, err(batched)  # measured 1.8e-7
     unmasked = [[[e, {k: v for k, v in x.items() if k != "attention_mask"}] for e, x in c] for c in (p, n)]
     assert err(sample(*unmasked)[0]) > 1e-3  # the padding alone would change the picture: the mask is what keeps it
+
+
+def test_batch_cfg_samples_both_prompts_as_one_batch_with_the_same_latent(tmp_path: Path) -> None:
+    """In process: the Staged Loader's prompts, padded by batch_cfg, sample as one batch with the same latent; on a
+    ComfyUI without Qwen-Image's text mask the conditioning is left as it is."""
+    comfyui_in_process_or_skip()
+    import torch
+    from comfyui_lowvram_dit.host import qwen_cfg_batch, qwen_stages
+
+    te = write_small_text_encoder(tmp_path / "te.safetensors", "bf16", seed=0)
+    (pos, neg), _ = qwen_stages.encode_prompts(te, PROMPTS, use_cache=False, target_device=torch.device("cpu"))
+    if not all(p.ok() for p in qwen_cfg_batch.TEXT_MASK):  # 0.8.0: its Qwen-Image has no text mask
+        assert qwen_cfg_batch.batched_conditioning(pos, neg) == (pos, neg)
+        return
+    _check_batched_sampling(tmp_path, pos, neg)
+
+
+def test_batch_cfg_with_reference_latents_as_the_edit_loader_gives(tmp_path: Path) -> None:
+    """In process: Edit conditioning (both prompts with the same reference latents, which join the image tokens the
+    text mask is laid beside) also samples as one batch with the same latent."""
+    comfyui_in_process_or_skip()
+    import torch
+    from comfyui_lowvram_dit.host import qwen_cfg_batch
+    from comfyui_lowvram_dit.synthetic.specs import model_config
+
+    if not all(p.ok() for p in qwen_cfg_batch.TEXT_MASK):
+        pytest.skip("this ComfyUI's Qwen-Image has no text mask: batch_cfg stays off")
+    gen = torch.Generator().manual_seed(5)
+    ref = torch.randn(1, 16, 1, 6, 6, generator=gen)  # another size than the latent, as a reference image may be
+    pos, neg = ([[torch.randn(1, n, model_config("qwen_image", "tiny").joint_dim, generator=gen),
+                  {"reference_latents": [ref], "reference_latents_method": "index"}]] for n in (9, 4))
+    _check_batched_sampling(tmp_path, pos, neg)

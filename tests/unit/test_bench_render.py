@@ -239,9 +239,9 @@ def test_pack_setups() -> None:
     compile_inputs = {k: v for k, v in _types(g)["LowVRAM_TorchCompile"][0].items() if k != "model"}
     assert compile_inputs == {"mode": "default", "backend": "inductor", "dynamic": "auto", "fullgraph": False,
                               "cache_size_limit": 64, "fallback": True, "scope": "blocks", "when": "it pays"}
-    assert [i["batch_cfg"] for i in _types(_graph("qwen_t2i", "pack_batch_cfg"))["LowVRAM_QwenImageStagedLoader"]] \
-        == [True]
-    assert [i["batch_cfg"] for i in _types(_graph("qwen_t2i", "pack"))["LowVRAM_QwenImageStagedLoader"]] == [False]
+    assert [i["batch_cfg"] for i in _types(_graph("qwen_t2i", "pack_no_batch_cfg"))["LowVRAM_QwenImageStagedLoader"]] \
+        == [False]
+    assert [i["batch_cfg"] for i in _types(_graph("qwen_t2i", "pack"))["LowVRAM_QwenImageStagedLoader"]] == [True]
     graphs = _types(_graph("qwen_t2i", "pack_compile_graphs"))["LowVRAM_TorchCompile"]
     assert [{k: i[k] for k in ("mode", "backend", "scope")} for i in graphs] == [
         {"mode": "reduce-overhead", "backend": "inductor", "scope": "blocks"}]

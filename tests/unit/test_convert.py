@@ -150,10 +150,11 @@ def test_qwen_image_t2i_becomes_the_staged_loader() -> None:
     (sid, (staged, graph)), = [(i, v) for i, v in after.items() if v[0]["type"] == "LowVRAM_QwenImageStagedLoader"]
     assert before[sid][0]["type"] == "UNETLoader"
     vae = next(n for n, _ in after.values() if n["type"] == "VAELoader")
-    unet_name, clip_name, vae_name, _, _, quant, budget, blocks, cache, compute, te_device = staged["widgets_values"]
-    assert (unet_name, vae_name, quant, budget, blocks, cache, compute, te_device) == (
+    unet_name, clip_name, vae_name, _, _, quant, budget, blocks, cache, compute, te_device, batch_cfg = \
+        staged["widgets_values"]
+    assert (unet_name, vae_name, quant, budget, blocks, cache, compute, te_device, batch_cfg) == (
         before[sid][0]["widgets_values"][0], vae["widgets_values"][0], "fp8 per-tensor", 14.0, -1, True, "auto",
-        "auto")
+        "auto", True)
     assert clip_name == next(n for n, _ in before.values() if n["type"] == "CLIPLoader")["widgets_values"][0]
     attn = _chain(graph, sid, ["LowVRAM_Attention"])
     assert _consumers(graph, attn) == _consumers(before[sid][1], sid)
@@ -184,7 +185,7 @@ def test_qwen_image_edit_becomes_the_edit_staged_loader(name: str) -> None:
     assert {clip["id"], vae["id"], pos["id"], neg["id"]}.isdisjoint(nodes)
     assert loader["widgets_values"] == [unet["widgets_values"][0], clip["widgets_values"][0], vae["widgets_values"][0],
                                         pos["widgets_values"][0], neg["widgets_values"][0], "fp8 per-tensor", 8.0, -1,
-                                        True, "auto", "auto"]  # ..., compute, text_encoder_device
+                                        True, "auto", "auto", True]  # ..., compute, text_encoder_device, batch_cfg
     old_links, new_links = links_of(old_graph), links_of(graph)
     held = {i["name"]: i["link"] for i in loader["inputs"]}
     for name_in in ("image1", "image2", "image3"):
