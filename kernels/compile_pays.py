@@ -33,7 +33,7 @@ EAGER, COMPILED = "eager", "compiled"
 # How the calls of one key run until a decision: two eager warm-ups, a compiled call that compiles, one in which a
 # CUDA-graph mode records its graphs, then one compiled and one eager call timed back to back. The eager call is
 # timed last, once everything is warm: the early calls of a fresh server can be slower (kernel choices timed once,
-# memory still growing), and timing the second call made compiling look faster per call than it was per step
+# memory still growing), and timing one of them makes compiling look faster per call than it is per step
 # (docs/benchmarks.md, Qwen-Image with Torch Compile).
 SCHEDULE = (EAGER, EAGER, COMPILED, COMPILED, COMPILED, EAGER)
 TIMED_CALLS = (4, 5)
