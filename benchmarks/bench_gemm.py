@@ -1,5 +1,4 @@
-"""Scenarios ``fp8_gemm`` and ``int8_gemm``, named by the first argument (benchmarks/README.md says what each measures).
-"""
+"""Scenarios ``fp8_gemm`` and ``int8_gemm``, named by the first argument (benchmarks/README.md: what each measures)."""
 
 from __future__ import annotations
 
@@ -7,8 +6,9 @@ import argparse
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -28,17 +28,21 @@ BLOCK_LINEARS: tuple[tuple[str, str, int, int], ...] = (
     ("cross_attn.q", "x_cross", 5120, 5120), ("cross_attn.o", "x_attn", 5120, 5120),
     ("ffn.0", "x_ffn", 13824, 5120), ("ffn.2", "x_gelu", 5120, 13824),
 )
-SIX = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.0", "ffn.2")  # the brief's 6-linear subset
+SIX = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.0", "ffn.2")  # block6: no cross-attention
 BLOCK_TOKENS = 32760  # Wan 14B 832x480x81
 FAMILIES = ("ln_mod", "gaussian", "massive")
 DRY_DIV = 40  # --dry: widths / 40 (rounded to 16), 64 tokens, on the CPU
-
-
-def _dims(dry: bool) -> tuple[int, list[tuple[str, str, int, int]]]:
-    if not dry:
-        return BLOCK_TOKENS, list(BLOCK_LINEARS)
-    shrink = lambda d: max(16, (d // DRY_DIV) // 16 * 16)  # noqa: E731
-    return 64, [(n, key, shrink(o), shrink(i)) for n, key, o, i in BLOCK_LINEARS]
+NATIVE = "native fp8_e4m3fn_fast"
+# int8_gemm's (M tokens, K in, N out): Wan 14B 832x480x81 -> 21x30x52 = 32,760 tokens; Qwen-Image 1328x1328 -> 6,889.
+SHAPES: dict[str, tuple[int, int, int]] = {
+    "wan14b_qkvo": (32760, 5120, 5120), "wan14b_ffn_up": (32760, 5120, 13824), "wan14b_ffn_down": (32760, 13824, 5120),
+    "qwen_attn": (6889, 3072, 3072), "qwen_mlp_up": (6889, 3072, 12288), "qwen_mlp_down": (6889, 12288, 3072)}
+QUICK = ("wan14b_qkvo", "wan14b_ffn_up", "wan14b_ffn_down")
+TINY: dict[str, tuple[int, int, int]] = {"tiny_qkvo": (96, 256, 256), "tiny_ffn_up": (96, 256, 640),
+                                         "tiny_ffn_down": (96, 640, 256)}
+BLOCK_ROWS = 512  # tokens through the Wan block chain
+WAN_BLOCK = (5120, 13824)  # model width, FFN width
+TINY_BLOCK = (256, 640)
 
 
 def block_inputs(family: str, m: int, width: int, ffn: int, device: torch.device, seed: int = 0) -> dict:
@@ -68,28 +72,27 @@ def block_inputs(family: str, m: int, width: int, ffn: int, device: torch.device
             "x_gelu": F.gelu(h, approximate="tanh").bfloat16()}
 
 
-def outlier_weight(n: int, k: int, device: torch.device, g: torch.Generator) -> torch.Tensor:
-    """A bf16 weight [N, K] with outlier input channels (8-20x, one per 512 inputs, as synthetic/checkpoints.py)."""
+def outlier_weight(n: int, k: int, device: torch.device, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 weight [N, K] with outlier input channels (8-20x, one per 512 inputs) and a bf16 bias [N]."""
     w = torch.randn(n, k, device=device, generator=g) / k**0.5
     cols = torch.randperm(k, device=device, generator=g)[: max(1, k // 512)]
     w[:, cols] *= 8 + 12 * torch.rand(cols.numel(), device=device, generator=g)
-    return w.bfloat16()
+    return w.bfloat16(), (0.02 * torch.randn(n, device=device, generator=g)).bfloat16()
 
 
 def block_weights(linears: list, device: torch.device, seed: int = 1) -> dict:
-    """Per linear: bf16 weight, its per-tensor fp8 (the pack's files), native's plain fp8 cast, a bf16 bias."""
+    """Per linear: bf16 weight and bias, its per-tensor fp8 (the pack's files), native's plain fp8 cast."""
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, _, n, k in linears:
-        w = outlier_weight(n, k, device, g)
-        qt, st = fp8.quantize_per_tensor(w)
-        out[name] = {"w": w, "q": qt, "s": st, "native": w.to(fp8.FP8_DTYPE),
-                     "b": (0.02 * torch.randn(n, device=device, generator=g)).bfloat16()}
+        w, b = outlier_weight(n, k, device, g)
+        q, s = fp8.quantize_per_tensor(w)
+        out[name] = {"w": w, "q": q, "s": s, "native": w.to(fp8.FP8_DTYPE), "b": b}
     return out
 
 
 def native_linears(weights: dict, device: torch.device) -> tuple[dict, str]:
-    """name -> callable(x) running ComfyUI's fp8_e4m3fn_fast Linear (else its steps replicated), and how it runs."""
+    """name -> ComfyUI's fp8_e4m3fn_fast Linear (else its steps replicated), and how it runs."""
     try:
         root = os.environ["COMFYUI_PATH"]
         if root not in sys.path:
@@ -102,21 +105,15 @@ def native_linears(weights: dict, device: torch.device) -> tuple[dict, str]:
         mods = {}
         for name, wd in weights.items():
             n, k = wd["native"].shape
-            mod = comfy.ops.fp8_ops.Linear(k, n, bias=True, device="meta", dtype=torch.bfloat16)
-            mod.weight = torch.nn.Parameter(wd["native"], requires_grad=False)  # the plain cast UNETLoader makes
-            mod.bias = torch.nn.Parameter(wd["b"], requires_grad=False)
-            mods[name] = mod
-        calls, orig = [], comfy.ops.fp8_linear
-        comfy.ops.fp8_linear = lambda self, inp: calls.append(1) or orig(self, inp)
-        try:
-            probe = next(iter(mods.values()))
+            mods[name] = comfy.ops.fp8_ops.Linear(k, n, bias=True, device="meta", dtype=torch.bfloat16)
+            mods[name].weight = torch.nn.Parameter(wd["native"], requires_grad=False)  # the plain cast UNETLoader makes
+            mods[name].bias = torch.nn.Parameter(wd["b"], requires_grad=False)
+        probe = next(iter(mods.values()))
+        with mock.patch.object(comfy.ops, "fp8_linear", wraps=comfy.ops.fp8_linear) as spy:
             probe(torch.zeros(1, 16, probe.in_features, device=device, dtype=torch.bfloat16))
-        finally:
-            comfy.ops.fp8_linear = orig
-        if not calls:
+        if not spy.called:
             raise RuntimeError("comfy.ops.fp8_ops.Linear did not reach comfy.ops.fp8_linear")
-        how = f"ComfyUI {report.comfyui_version(root)} comfy.ops.fp8_ops.Linear"
-        return {name: (lambda x, m=m: m(x)) for name, m in mods.items()}, how
+        return mods, f"ComfyUI {report.comfyui_version(root)} comfy.ops.fp8_ops.Linear"
     except Exception as exc:  # noqa: BLE001 - no ComfyUI here: the same steps, replicated
         one = torch.ones((), device=device)
 
@@ -131,11 +128,12 @@ def native_linears(weights: dict, device: torch.device) -> tuple[dict, str]:
         return {name: (lambda x, wd=wd: replicated(x, wd)) for name, wd in weights.items()}, how
 
 
-def _pack(path: str | None, act: fp8.ActQuant | None = None):
+def _pack(weights: dict, path: str | None, act: fp8.ActQuant | None = None) -> Callable:
     """A pack variant: fp8_linear on ``path`` with ``act``; path None: what the pack runs (the scale chooser's)."""
     from comfyui_lowvram_dit.kernels import opaque_ops
 
-    def run(x: torch.Tensor, wd: dict) -> torch.Tensor:
+    def run(name: str, x: torch.Tensor) -> torch.Tensor:
+        wd = weights[name]
         if path is None:
             auto = fp8.select_path(x.device, None, *wd["q"].shape)
             return opaque_ops.fp8_linear(x, wd["q"], wd["s"], wd["b"], None, auto)
@@ -143,25 +141,21 @@ def _pack(path: str | None, act: fp8.ActQuant | None = None):
     return run
 
 
-def block_variants(device: torch.device) -> dict[str, dict]:
-    """name -> {run(x, weights of one linear)} or {native: True}; one this GPU cannot run fails when timed."""
-    tw, rw = "scaled_mm_tensorwise", "scaled_mm_rowwise"
-    return {"bf16 F.linear": {"run": lambda x, wd: F.linear(x, wd["w"], wd["b"])},
-            "native fp8_e4m3fn_fast": {"native": True},
-            "pack today (scale chooser, fast accum)": {"run": _pack(None)},
-            "pack row-wise, no fast accum": {"run": _pack(rw, fp8.ActQuant())},
-            "pack tensor-wise (amax pass), no fast accum": {"run": _pack(tw, fp8.ActQuant())},
-            "pack row-wise + fast accum": {"run": _pack(rw)}}
+def block_variants(setup: dict) -> dict[str, Callable[[str, torch.Tensor], torch.Tensor]]:
+    """variant -> fn(linear's name, its input); one this GPU cannot run fails when timed."""
+    w, tw, rw = setup["weights"], "scaled_mm_tensorwise", "scaled_mm_rowwise"
+    return {"bf16 F.linear": lambda n, x: F.linear(x, w[n]["w"], w[n]["b"]),
+            NATIVE: lambda n, x: setup["native"][n](x),
+            "pack today (scale chooser, fast accum)": _pack(w, None),
+            "pack row-wise, no fast accum": _pack(w, rw, fp8.ActQuant()),
+            "pack tensor-wise (amax pass), no fast accum": _pack(w, tw, fp8.ActQuant()),
+            "pack row-wise + fast accum": _pack(w, rw)}
 
 
-def block_runner(spec: dict, setup: dict, inputs: dict, native_inputs: dict) -> Callable[..., dict | None]:
-    """run(names, keep) on the variant's inputs -> {name: first ERR_ROWS output rows} (keep) or None."""
-    keys = {name: key for name, key, _, _ in setup["linears"]}
-    src = native_inputs if spec.get("native") else inputs  # native clamps its input in place
-
+def block_runner(fn: Callable, inputs: dict, keys: dict) -> Callable[..., dict | None]:
+    """run(names, keep) of ``fn`` on ``inputs`` -> {name: first ERR_ROWS output rows} (keep) or None."""
     def run(names: tuple[str, ...], keep: bool = False) -> dict | None:
-        outs = {n: setup["native"][n](src[keys[n]]) if spec.get("native") else
-                spec["run"](src[keys[n]], setup["weights"][n]) for n in names}
+        outs = {n: fn(n, inputs[keys[n]]) for n in names}
         return {n: y.reshape(-1, y.shape[-1])[:ERR_ROWS].float() for n, y in outs.items()} if keep else None
     return run
 
@@ -200,31 +194,31 @@ def _med(t: list[float] | str) -> float | None:
 
 def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> list[dict]:
     """One family: errors, the block (8 linears, and 6), each linear and each quantizer alone, timed interleaved."""
-    device, linears, m, weights = setup["device"], setup["linears"], setup["m"], setup["weights"]
-    names = tuple(n for n, _, _, _ in linears)
-    raw = block_inputs(family, m, linears[0][3], linears[6][2], device)
+    device, linears, weights = setup["device"], setup["linears"], setup["weights"]
+    names, keys = tuple(n for n, *_ in linears), {n: key for n, key, _, _ in linears}
+    raw = block_inputs(family, setup["m"], linears[0][3], linears[6][2], device)
     inputs = {k: v.unsqueeze(0) for k, v in raw.items()}  # [1, tokens, C], as the model calls them
     native_inputs = {k: v.clone() for k, v in inputs.items()}  # native clamps its input in place
     refs = {n: F.linear(inputs[key].reshape(-1, k)[:ERR_ROWS].float(), weights[n]["w"].float(),
                         weights[n]["b"].float()) for n, key, _, k in linears}
-    runners = {v: block_runner(spec, setup, inputs, native_inputs) for v, spec in block_variants(device).items()}
+    runners = {v: block_runner(fn, native_inputs if v == NATIVE else inputs, keys)
+               for v, fn in block_variants(setup).items()}
     errs = block_errors(runners, refs, names)
     rows: list[dict] = []
     for kind, subset in (("block8", names), ("block6", SIX)):
         fns = {v: (lambda r=r: r(subset)) for v, r in runners.items()}
         for v, t in time_interleaved(fns, device, repeats, warmup).items():
-            e = errs[v] if isinstance(errs[v], dict) else {}
-            sub = [e[n] for n in subset if n in e]
+            e = {n: errs[v][n] for n in subset} if isinstance(errs[v], dict) else {}
             rows.append({"kind": kind, "family": family, "variant": v, "time_ms": _med(t),
                          "status": "ok" if _med(t) is not None and e else "error",
                          "error": t if isinstance(t, str) else (errs[v] if isinstance(errs[v], str) else None),
-                         "err_mean": statistics.mean(sub) if sub else None, "err_max": max(sub) if sub else None,
-                         "errors": {n: e[n] for n in subset if n in e}})
+                         "err_mean": statistics.mean(e.values()) if e else None,
+                         "err_max": max(e.values(), default=None), "errors": e})
     for n in names:
         fns = {v: (lambda r=r: r((n,))) for v, r in runners.items()}
         for v, t in time_interleaved(fns, device, repeats, warmup).items():
             rows.append({"kind": "linear", "family": family, "variant": v, "linear": n, "time_ms": _med(t),
-                         "err": (errs[v] or {}).get(n) if isinstance(errs[v], dict) else None})
+                         "err": errs[v].get(n) if isinstance(errs[v], dict) else None})
     for q, t in time_interleaved(quant_fns(inputs, native_inputs, device), device, repeats, warmup).items():
         rows.append({"kind": "quant", "family": family, "variant": q, "time_ms": _med(t)})
     return rows
@@ -245,8 +239,7 @@ def block_markdown(rows: list[dict], env: dict, m: int, native_how: str, repeats
     for fam in dict.fromkeys(r["family"] for r in rows):
         fr = [r for r in rows if r["family"] == fam]
         by = {(r["kind"], r["variant"]): r for r in fr}
-        nat8, nat6 = (by.get((k, "native fp8_e4m3fn_fast"), {}).get("time_ms") for k in ("block8", "block6"))
-        nat_err = by.get(("block8", "native fp8_e4m3fn_fast"), {}).get("err_mean")
+        nat8, nat6 = (by.get((k, NATIVE), {}).get("time_ms") for k in ("block8", "block6"))
         block = []
         for r in (r for r in fr if r["kind"] == "block8"):
             r6 = by.get(("block6", r["variant"]), {})
@@ -254,11 +247,11 @@ def block_markdown(rows: list[dict], env: dict, m: int, native_how: str, repeats
                          if r["status"] != "ok" else
                          [r["variant"], f"{r['time_ms']:.3f}", _x(nat8, r["time_ms"]), f"{r6.get('time_ms') or 0:.3f}",
                           _x(nat6, r6.get("time_ms")), f"{r['err_mean']:.3%}", f"{r['err_max']:.3%}",
-                          _x(r["err_mean"], nat_err)])
-        names = list(dict.fromkeys(r["linear"] for r in fr if r["kind"] == "linear"))
+                          _x(r["err_mean"], by.get(("block8", NATIVE), {}).get("err_mean"))])
         per = {(r["variant"], r["linear"]): r.get("time_ms") for r in fr if r["kind"] == "linear"}
+        names = list(dict.fromkeys(n for _, n in per))
         linears = [[v, *(report.cell(per.get((v, n)), "{:.3f}") for n in names)]
-                   for v in dict.fromkeys(r["variant"] for r in fr if r["kind"] == "linear")]
+                   for v in dict.fromkeys(v for v, _ in per)]
         quant = [[r["variant"], report.cell(r["time_ms"], "{:.3f}")] for r in fr if r["kind"] == "quant"]
         lines += [f"## {fam}", "", *report.table(["variant", "ms / block (8)", "vs native", "ms (6)", "vs native",
                                                   "mean rel. err", "max rel. err", "err vs native"], block), "",
@@ -269,14 +262,11 @@ def block_markdown(rows: list[dict], env: dict, m: int, native_how: str, repeats
 def block_summary(rows: list[dict]) -> list[str]:
     """Per pack variant: speed vs native per family and whether it meets >= 1.05x at <= native's error in all."""
     out = ["## Verdict (target: >= 1.05x native per block at equal or lower error, every family)", ""]
-    fams = list(dict.fromkeys(r["family"] for r in rows))
     b8 = {(r["family"], r["variant"]): r for r in rows if r["kind"] == "block8" and r["status"] == "ok"}
-    for v in dict.fromkeys(r["variant"] for r in rows if r["kind"] == "block8"):
-        if v in ("bf16 F.linear", "native fp8_e4m3fn_fast"):
-            continue
+    for v in dict.fromkeys(r["variant"] for r in rows if r["kind"] == "block8" and r["variant"].startswith("pack")):
         parts, ok = [], True
-        for f in fams:
-            r, n = b8.get((f, v)), b8.get((f, "native fp8_e4m3fn_fast"))
+        for f in dict.fromkeys(r["family"] for r in rows):
+            r, n = b8.get((f, v)), b8.get((f, NATIVE))
             if not r or not n:
                 parts.append(f"{f}: n/a")
                 ok = False
@@ -288,25 +278,12 @@ def block_summary(rows: list[dict]) -> list[str]:
     return out
 
 
-# (M tokens, K in, N out): Wan 14B 832x480x81 -> 21x30x52 = 32,760 tokens; Qwen-Image 1328x1328 -> 83x83 = 6,889.
-SHAPES: dict[str, tuple[int, int, int]] = {
-    "wan14b_qkvo": (32760, 5120, 5120), "wan14b_ffn_up": (32760, 5120, 13824), "wan14b_ffn_down": (32760, 13824, 5120),
-    "qwen_attn": (6889, 3072, 3072), "qwen_mlp_up": (6889, 3072, 12288), "qwen_mlp_down": (6889, 12288, 3072)}
-QUICK = ("wan14b_qkvo", "wan14b_ffn_up", "wan14b_ffn_down")
-TINY: dict[str, tuple[int, int, int]] = {"tiny_qkvo": (96, 256, 256), "tiny_ffn_up": (96, 256, 640),
-                                         "tiny_ffn_down": (96, 640, 256)}
-BLOCK_ROWS = 512  # tokens through the Wan block chain
-WAN_BLOCK = (5120, 13824)  # model width, FFN width
-TINY_BLOCK = (256, 640)
-
-
 def make_operands(m: int, k: int, n: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """bf16 activations [M, K] with 4 outlier channels (20-50x), an ``outlier_weight`` [N, K], a bf16 bias."""
+    """bf16 activations [M, K] with 4 outlier channels (20-50x), an ``outlier_weight`` [N, K] and its bias."""
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(m, k, device=device, generator=g)
     x[:, torch.randperm(k, device=device, generator=g)[:4]] *= torch.tensor([20.0, 30.0, 40.0, 50.0], device=device)
-    w = outlier_weight(n, k, device, g)
-    return x.bfloat16(), w, (0.02 * torch.randn(n, device=device, generator=g)).bfloat16()
+    return x.bfloat16(), *outlier_weight(n, k, device, g)
 
 
 def fp8_variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, object]:
@@ -375,12 +352,10 @@ def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, re
     rows: list[dict] = []
     bf16_ms = None
     for vname, fn in {**fp8_variants(x, w, b), **int8_variants(x, w, b)}.items():
-        row = _row(name, shape, vname, fn, x, w, b, repeats, warmup, bf16_ms)
-        bf16_ms = bf16_ms or row.get("time_ms")
-        rows.append(row)
-        done = f"{row['time_ms']:8.3f} ms" if row["status"] == "ok" else f"{row['status']}: {row['error'][:100]}"
-        gemm = f" {row['tflops']:7.1f} TFLOP/s {row['vs_bf16']:5.2f}x err {row['rel_err']:.4%}" if "tflops" in row \
-            else ""
+        rows.append(r := _row(name, shape, vname, fn, x, w, b, repeats, warmup, bf16_ms))
+        bf16_ms = bf16_ms or r.get("time_ms")
+        done = f"{r['time_ms']:8.3f} ms" if r["status"] == "ok" else f"{r['status']}: {r['error'][:100]}"
+        gemm = f" {r['tflops']:7.1f} TFLOP/s {r['vs_bf16']:5.2f}x err {r['rel_err']:.4%}" if "tflops" in r else ""
         say(f"  {name:16s} {vname:42s} {done}{gemm}")
     del x, w, b
     if device.type == "cuda":
@@ -388,14 +363,7 @@ def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, re
     return rows
 
 
-def _block_linears(device: torch.device, width: int, ffn: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    shapes = {"q": (width, width), "k": (width, width), "v": (width, width), "o": (width, width),
-              "ffn_up": (width, ffn), "ffn_down": (ffn, width)}
-    return {name: make_operands(1, kin, kout, device, seed=10 + i)[1:] for i, (name, (kin, kout)) in
-            enumerate(shapes.items())}
-
-
-def _run_block(lin, x: torch.Tensor) -> torch.Tensor:
+def _run_block(lin: Callable, x: torch.Tensor) -> torch.Tensor:
     """One Wan block's linears in order, attention replaced by a gate (the linears' error is what is measured)."""
     h = lin("o", lin("q", x) * torch.sigmoid(lin("k", x).float()).to(x.dtype) + lin("v", x))
     h = h + x
@@ -405,14 +373,16 @@ def _run_block(lin, x: torch.Tensor) -> torch.Tensor:
 def chain_errors(device: torch.device, tiny: bool) -> list[dict]:
     """Error of the block chain against fp32 math on the bf16 weights, per compute path."""
     width, ffn = TINY_BLOCK if tiny else WAN_BLOCK
-    lins = _block_linears(device, width, ffn)
+    shapes = {"q": (width, width), "k": (width, width), "v": (width, width), "o": (width, width),
+              "ffn_up": (width, ffn), "ffn_down": (ffn, width)}
+    lins = {n: make_operands(1, kin, kout, device, seed=10 + i)[1:]
+            for i, (n, (kin, kout)) in enumerate(shapes.items())}
     x = make_operands(BLOCK_ROWS, width, 8, device, seed=99)[0]
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     fp8_real = cap in ((8, 9), (9, 0))
     q8 = {n: fp8.quantize_per_tensor(w) for n, (w, _) in lins.items()}
     i8 = {r: {n: int8.weight_from_fp8(*q8[n], None, rotate=r) for n in lins} for r in (True, False)}
     paths = {
-        "fp32 (reference)": lambda n, t: F.linear(t.float(), lins[n][0].float(), lins[n][1].float()).to(t.dtype),
         "bf16 F.linear": lambda n, t: F.linear(t, *lins[n]),
         "fp8 dequantize": lambda n, t: fp8.fp8_linear(t, *q8[n], lins[n][1], path="dequantize"),
         "fp8 row-wise" + ("" if fp8_real else " (emulated)"): lambda n, t: (
@@ -420,11 +390,10 @@ def chain_errors(device: torch.device, tiny: bool) -> list[dict]:
         "int8 rotated": lambda n, t: int8.int8_linear(t, *i8[True][n], lins[n][1], rotate=True),
         "int8 plain": lambda n, t: int8.int8_linear(t, *i8[False][n], lins[n][1], rotate=False),
     }
-    ref = _run_block(paths["fp32 (reference)"], x).float()
+    ref = _run_block(lambda n, t: F.linear(t.float(), lins[n][0].float(), lins[n][1].float()).to(t.dtype), x).float()
     rows = []
-    for name, lin in list(paths.items())[1:]:
-        y = _run_block(lin, x).float()
-        rows.append({"path": name, "block_rel_err": relative_error(y, ref), "width": width,
+    for name, lin in paths.items():
+        rows.append({"path": name, "block_rel_err": relative_error(_run_block(lin, x).float(), ref), "width": width,
                      "ffn": ffn, "tokens": BLOCK_ROWS})
         say(f"  block {name:28s} rel. err {rows[-1]['block_rel_err']:.4%}")
     return rows
@@ -489,7 +458,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_fp8(args: argparse.Namespace, env: dict) -> tuple[str, dict, list[str]]:
     """fp8_gemm: every variant on every family; the report's stem, JSON and markdown."""
     device = torch.device(env["device"])
-    m, linears = _dims(args.dry)
+    m, linears = BLOCK_TOKENS, list(BLOCK_LINEARS)
+    if args.dry:
+        shrink = lambda d: max(16, (d // DRY_DIV) // 16 * 16)  # noqa: E731
+        m, linears = 64, [(n, key, shrink(o), shrink(i)) for n, key, o, i in BLOCK_LINEARS]
     weights = block_weights(linears, device)
     native, how = native_linears(weights, device)
     say(f"native: {how}")
@@ -497,10 +469,9 @@ def run_fp8(args: argparse.Namespace, env: dict) -> tuple[str, dict, list[str]]:
     rows: list[dict] = []
     for fam in args.families:
         rows += bench_block_family(fam, setup, args.repeats, args.warmup)
-        for r in rows:
-            if r["family"] == fam and r["kind"] == "block8":
-                say(f"  {fam:9s} {r['variant']:44s} " + (f"{r['time_ms']:8.3f} ms err {r['err_mean']:.3%}"
-                                                        if r["status"] == "ok" else f"ERROR {r.get('error')!s:.100}"))
+        for r in (r for r in rows if r["family"] == fam and r["kind"] == "block8"):
+            say(f"  {fam:9s} {r['variant']:44s} " + (f"{r['time_ms']:8.3f} ms err {r['err_mean']:.3%}"
+                                                    if r["status"] == "ok" else f"ERROR {r.get('error')!s:.100}"))
     say("\n".join(block_summary(rows)))
     doc = {"env": env, "native": how, "tokens": m, "rows": rows}
     markdown = block_markdown(rows, env, m, how, args.repeats, args.warmup)
