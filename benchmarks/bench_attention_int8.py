@@ -1,8 +1,7 @@
 """Scenarios ``attention_int8`` and ``attention_kitchen`` (``--kitchen``): 8-bit attention vs cuDNN and comfy-kitchen.
 
 attention_kitchen runs each comfy-kitchen version in a child process with only that version on its path (two versions
-of one package cannot share a process); inputs come from fixed seeds, so every process sees the same values.
-"""
+of one package cannot share a process); inputs come from fixed seeds, so every process sees the same values."""
 
 from __future__ import annotations
 
@@ -150,20 +149,8 @@ def backend_fns(names) -> dict:  # noqa: ANN001 - names of BACKENDS
     return fns
 
 
-def rel_errors(fn, shape: tuple[int, ...]) -> dict[str, float]:
-    """Relative error vs fp32 math on the first ERR_HEADS heads, Gaussian and outlier-heavy inputs."""
-    b, h, lq, lk, d = shape
-    out = {}
-    for kind in ("gauss", "outlier"):
-        q, k, v = make_inputs(b, min(h, ERR_HEADS), lq, lk, d, kind, seed=1)
-        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-        out[f"err_{kind}"] = A.relative_error(fn(q, k, v), ref)
-        del ref
-    return out
-
-
 def measure(name: str, fn, shape: tuple[int, ...], repeats: int, errors: bool = True) -> dict:  # noqa: ANN001
-    """One timed (backend, shape) row on Gaussian inputs at the full head count; a failure is a row with an error."""
+    """One timed (backend, shape) row on Gaussian inputs at all heads, errors on ERR_HEADS; a failure: its error."""
     b, h, lq, lk, d = shape
     row: dict = {"backend": name, "shape": list(shape)}
     try:
@@ -175,9 +162,11 @@ def measure(name: str, fn, shape: tuple[int, ...], repeats: int, errors: bool = 
         row["time_ms"] = statistics.median(time_fn(lambda: fn(q, k, v), q.device, repeats, 2))
         if not name.startswith("prologue"):
             row["tflops"] = 4 * b * h * lq * lk * d / (row["time_ms"] * 1e-3) / 1e12
-            if errors:
-                row.update(rel_errors(fn, shape))
-        q = k = v = None  # free the inputs before empty_cache (the lambda above is done with them)
+            for kind in ("gauss", "outlier") if errors else ():  # vs fp32 math, Gaussian and outlier-heavy inputs
+                q, k, v = make_inputs(b, min(h, ERR_HEADS), lq, lk, d, kind, seed=1)
+                ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+                row[f"err_{kind}"] = A.relative_error(fn(q, k, v), ref)
+        q = k = v = ref = None  # free the inputs before empty_cache (the lambda above is done with them)
     except Exception as exc:  # out of memory, an unsupported shape: a result, not a crash
         row["error"] = reports.error_text(exc, 500)
     torch.cuda.empty_cache()
@@ -276,9 +265,8 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def install_wheels(dirs: list[Path], into: Path) -> list[dict]:
-    """Each comfy-kitchen wheel in dirs unzipped into its own folder (a wheel is a zip of its installed files, which
-    is what ``pip install --target`` puts there): [{wheel, site} or {wheel, error}]."""
-    sites = []
+    """Each comfy-kitchen wheel in ``dirs`` unzipped into its own folder: [{wheel, site} or {wheel, error}]."""
+    sites = []  # a wheel is a zip of its installed files, which is what ``pip install --target`` puts there
     for wheel in sorted(w for d in dirs for w in d.glob("comfy_kitchen-*.whl")):
         site = into / wheel.name.split("-")[1]
         try:
@@ -412,16 +400,6 @@ def smoke(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def run_kitchen_versions(args: argparse.Namespace, report: dict, write) -> None:  # noqa: ANN001 - write()
-    """Each comfy-kitchen version (the installed one, the wheels of --wheels) in its own process, merged in."""
-    with tempfile.TemporaryDirectory(prefix="ck_sites_") as tmp:
-        for entry in [{"wheel": "installed", "site": ""}, *install_wheels(args.wheels, Path(tmp))]:
-            say(f"comfy-kitchen {entry['wheel']}:")
-            merge(report, run_worker(entry["site"], args) if "site" in entry else {"error": entry["error"]},
-                  entry["wheel"])
-            write()
-
-
 def main(argv: list[str] | None = None) -> int:
     """Either scenario (``--kitchen``), the ``--worker`` child or the CPU ``--smoke``, from ``argv``."""
     args = parse_args(argv)
@@ -456,8 +434,13 @@ def main(argv: list[str] | None = None) -> int:
         for shape_name in args.shapes:
             report["families"] += family_errors(shape_name, SHAPES[shape_name], fns, args.families)
             write()
-    if args.kitchen:
-        run_kitchen_versions(args, report, write)
+    if args.kitchen:  # each comfy-kitchen version in its own process: the installed one, the wheels of --wheels
+        with tempfile.TemporaryDirectory(prefix="ck_sites_") as tmp:
+            for entry in [{"wheel": "installed", "site": ""}, *install_wheels(args.wheels, Path(tmp))]:
+                say(f"comfy-kitchen {entry['wheel']}:")
+                result = run_worker(entry["site"], args) if "site" in entry else {"error": entry["error"]}
+                merge(report, result, entry["wheel"])
+                write()
     write()
     say(f"wrote {args.out / stem}.json and .md")
     return 0
