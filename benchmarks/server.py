@@ -22,8 +22,7 @@ from comfyui_lowvram_dit.cli import server as cli_server
 from comfyui_lowvram_dit.cli import workflow_models
 from comfyui_lowvram_dit.cli.memwatch import MemoryWatch
 
-PACK_ROOT, GIB = report.PACK_ROOT, report.GIB
-VENDORED_GGUF = PACK_ROOT / "tests" / "vendor" / "ComfyUI-GGUF"  # ComfyUI-GGUF verbatim (its README: which commit)
+VENDORED_GGUF = report.PACK_ROOT / "tests" / "vendor" / "ComfyUI-GGUF"  # verbatim (its README: which commit)
 WORK_MARK = "$WORK"  # stands for the scratch folder in recorded server flags (no machine paths in results)
 
 
@@ -163,20 +162,11 @@ def run_prompt(server: cli_server.ComfyServer, graph: dict, timeout: float) -> P
     return PromptRun(rec.events, entry, t0, wall, watch)
 
 
-def scrub_work(flags: list[str], work: Path) -> list[str]:
-    """``flags`` with the scratch folder written as $WORK (the recorded flags name no machine path)."""
-    return [f.replace(str(work), WORK_MARK) for f in flags]
-
-
-def public_log(lines: list[str], comfyui: Path, work: Path) -> list[str]:
-    """Log lines with $WORK, <ComfyUI>, python3 for their paths, other machine paths through ``report.public_text``."""
-    swaps = ((str(comfyui), "<ComfyUI>"), (sys.executable, "python3"))
-    shown = []
-    for line in scrub_work(lines, work):
-        for path, mark in swaps:
-            line = line.replace(path, mark)
-        shown.append(report.public_text(line))
-    return shown
+def public(text: str, comfyui: Path, work: Path) -> str:
+    """A flag or log line with $WORK, <ComfyUI>, python3 for their paths, other machine paths by ``public_text``."""
+    for path, mark in ((str(work), WORK_MARK), (str(comfyui), "<ComfyUI>"), (sys.executable, "python3")):
+        text = text.replace(path, mark)
+    return report.public_text(text)
 
 
 def compare_latents(path: Path, reference: Path) -> dict:
@@ -202,8 +192,7 @@ def gpu_facts() -> dict:
         return {}
     res = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, timeout=30, check=False)
-    lines = res.stdout.strip().splitlines() if res.returncode == 0 else []
-    fields = [f.strip() for f in (lines[0] if lines else "").split(",")]
+    fields = [f.strip() for f in res.stdout.strip().split("\n")[0].split(",")] if res.returncode == 0 else []
     if len(fields) != 3:
         return {}
     return {"device_name": fields[0], "vram_total_gib": round(int(fields[1]) / 1024, 2), "driver": fields[2]}

@@ -198,14 +198,6 @@ class RunContext:
     rows: list[RenderRow] = field(default_factory=list)
 
 
-def supported_flags(flags: list[str], host_flags: str) -> tuple[list[str], list[str]]:
-    """(flags this ComfyUI knows, the ones it does not) by their names in its cli_args.py."""
-    known, left = [], []
-    for f in flags:
-        (known if f.split("=")[0] in host_flags else left).append(f)
-    return known, left
-
-
 def smoke_graph(graph: dict, native: bool) -> dict:
     """A graph shrunk for tiny models on the CPU (tiny VAE; native: the stand-in CLIPLoader for 2-layer encoders)."""
     graph = cli_workflow.apply_overrides(graph, cli_workflow.tiny_overrides(graph))
@@ -238,12 +230,6 @@ def build_graph(row: RenderRow, srv: cli_server.ComfyServer, opts: argparse.Name
     return smoke_graph(graph, rg.SETUPS[row.setup].native) if opts.smoke else graph
 
 
-def graph_for(graph: dict, kind: str) -> dict:
-    """The graph a render kind queues: the seed moved by its offset, a new prompt for ``warm_new_prompt``."""
-    g = rg.with_seed(graph, SEED_OFFSET[kind])
-    return rg.with_new_prompt(g) if kind == "warm_new_prompt" else g
-
-
 def graph_facts(graph: dict) -> dict:
     """Resolution, frames and total steps the graph renders."""
     out: dict[str, Any] = {"resolution": None, "frames": None, "steps": None, "cfg": None}
@@ -261,7 +247,7 @@ def graph_facts(graph: dict) -> dict:
 
 def public(text: str, opts: argparse.Namespace) -> str:
     """Text as results may show it: the scratch folder as $WORK, ComfyUI's as <ComfyUI>, no other machine path."""
-    return server.public_log([text], opts.comfyui, opts.work)[0]
+    return server.public(text, opts.comfyui, opts.work)
 
 
 def render(srv: cli_server.ComfyServer, graph: dict, kind: str, timeout: float, output: Path, latents: Path,
@@ -299,9 +285,10 @@ def render_kind(srv: cli_server.ComfyServer, graph: dict, kind: str, opts: argpa
     """One render, or for ``warm`` the median of ``--warm-repeats`` (new seeds; totals in ``repeats_s``); stops at a
     failed render."""
     records: list[dict] = []
+    graph = rg.with_new_prompt(graph) if kind == "warm_new_prompt" else graph
     for i in range(max(opts.warm_repeats, 1) if kind == "warm" else 1):
         seen = len(srv.log_text())
-        r = render(srv, rg.with_seed(graph_for(graph, kind), REPEAT_SEED_STEP * i), kind, opts.timeout,
+        r = render(srv, rg.with_seed(graph, SEED_OFFSET[kind] + REPEAT_SEED_STEP * i), kind, opts.timeout,
                    base / "output", opts.work / "latents", row, first_of_life and i == 0)
         if skips := EASYCACHE_SKIPS.findall(srv.log_text()[seen:]):  # one line per sampler, in run order
             r["easycache_skipped"] = [[int(k), int(n)] for k, n in skips]
@@ -345,7 +332,7 @@ def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: 
     rec["lives"].append(life)
     t0 = time.monotonic()
     try:
-        with cli_server.ComfyServer.start(opts.comfyui, base, cpu=opts.cpu or opts.smoke, extra_args=flags, env=env,
+        with cli_server.ComfyServer.start(opts.comfyui, base, cpu=opts.smoke, extra_args=flags, env=env,
                                           timeout=300) as srv:
             life["startup_s"] = round(time.monotonic() - t0, 1)
             problems = cli_server.pack_import_problems(srv.log_text(), base / "custom_nodes" /
@@ -383,14 +370,12 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
     folder = None
     try:
         ctx.models.prepare(row, later)
-        on_cpu, off = cpu_flags(row) if opts.smoke or opts.cpu else (row.server_args(ctx.total_vram_gib), [])
-        flags, left = supported_flags(on_cpu, ctx.host_flags)
-        rec["flags_left_out"] = off + [f"{f} (not a flag of ComfyUI {ctx.comfyui_version})" for f in left]
+        flags, rec["flags_left_out"] = row_flags(ctx, row)
         folder, env, base_flags = _row_dirs(ctx, row)
-        rec["server_flags"] = server.scrub_work(flags, opts.work)
+        rec["server_flags"] = [public(f, opts) for f in flags]
         lives = [[k for k in ("first_ever", "warm", "warm_new_prompt") if k == "first_ever" or k in ctx.renders],
                  [k for k in ("cold",) if k in ctx.renders]]
-        with models.pack_copies_for(row, opts.models, "cpu" if opts.smoke or opts.cpu else "cuda", rec):
+        with models.pack_copies_for(row, opts.models, "cpu" if opts.smoke else "cuda", rec):
             graph = None
             for kinds in filter(None, lives):
                 if rec["lives"] and any(r["status"] != "ok" for r in rec["renders"].values()):
@@ -404,11 +389,17 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
     return finish(rec, ctx.renders)
 
 
-def cpu_flags(row: RenderRow) -> tuple[list[str], list[str]]:
-    """A row's flags on the CPU: no card, no ``--use-ck-attention`` (ComfyUI exits without a kitchen backend)."""
-    flags = server.server_flags(row.name, 0.0, None, False, row.dynamic_vram)
-    left = ["--use-ck-attention (no comfy-kitchen attention on the CPU)"] if rg.SETUPS[row.setup].ck_attention else []
-    return flags, left
+def row_flags(ctx: RunContext, row: RenderRow) -> tuple[list[str], list[str]]:
+    """The row's ComfyUI flags this host knows (by their names in its cli_args.py), and the ones left out and why."""
+    left = []
+    if ctx.opts.smoke:  # no card, and ComfyUI exits at --use-ck-attention without a kitchen backend
+        flags = server.server_flags(row.name, 0.0, None, False, row.dynamic_vram)
+        if rg.SETUPS[row.setup].ck_attention:
+            left.append("--use-ck-attention (no comfy-kitchen attention on the CPU)")
+    else:
+        flags = row.server_args(ctx.total_vram_gib)
+    known = [f for f in flags if f.split("=")[0] in ctx.host_flags]
+    return known, left + [f"{f} (not a flag of ComfyUI {ctx.comfyui_version})" for f in flags if f not in known]
 
 
 def finish(rec: dict, renders: Sequence[str]) -> dict:
@@ -479,7 +470,7 @@ def environment(opts: argparse.Namespace, argv: list[str] | None) -> dict:
     """The run's ``env`` with the GPU as nvidia-smi names it (this process never starts CUDA)."""
     env = reports.environment("comfyui_lowvram_dit.benchmarks.server_render", argv, comfyui=opts.comfyui)
     gpu = server.gpu_facts()
-    env.update(device="cpu" if opts.cpu or opts.smoke or not gpu else "cuda", gpu=gpu.get("device_name"),
+    env.update(device="cpu" if opts.smoke or not gpu else "cuda", gpu=gpu.get("device_name"),
                vram_total_gib=gpu.get("vram_total_gib"), driver=gpu.get("driver"))
     env["commit"] = opts.git_sha or env["commit"]
     return env
@@ -510,7 +501,6 @@ def parser() -> argparse.ArgumentParser:
                    "row loads before writing new ones (Wan's before Qwen-Image's)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny synthetic files, renders shrunk (64 px, 5 frames, "
                    "2 steps), no card")
-    p.add_argument("--cpu", action="store_true", help="run ComfyUI on the CPU")
     p.add_argument("--empty-image", action="store_true", help="image inputs (I2V start image, Edit reference) as a "
                    "one-colour EmptyImage, not LoadImage (for a ComfyUI without PyAV, which decodes loaded images)")
     p.add_argument("--deadline", type=float, default=0.0, help="seconds from start after which no row starts that "

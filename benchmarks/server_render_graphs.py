@@ -294,14 +294,14 @@ def gguf_name(name: str, file_format: str) -> str:
     return f"{stem}_{GGUF_TYPES[file_format]}.gguf"
 
 
-def edit_graph(kind: str, card_gib: float | None) -> dict:
+def edit_graph(kind: str, budget: float, weight_dtype: str = "default") -> dict:
     """The Qwen-Image-Edit 2509 graph (no shipped workflow): the official template's nodes (``native``: UNETLoader,
     CLIPLoader on the CPU, TextEncodeQwenImageEditPlus x2) or the Edit Staged Loader with Block Swap at the card
     (``pack``); the reference image through FluxKontextImageScale (about 1 MP), VAE decode, SaveImage."""
     g: dict[str, dict] = {"1": node("LoadImage", "Load Image", image=EDIT_IMAGE),
                           "2": node("FluxKontextImageScale", "FluxKontextImageScale", image=["1", 0])}
     if kind == "native":
-        g["3"] = node("UNETLoader", "Load Diffusion Model", unet_name=EDIT_UNET, weight_dtype="default")
+        g["3"] = node("UNETLoader", "Load Diffusion Model", unet_name=EDIT_UNET, weight_dtype=weight_dtype)
         g["4"] = node("CLIPLoader", "Load CLIP", clip_name=EDIT_TEXT_ENCODER, type="qwen_image", device="cpu")
         g["5"] = node("VAELoader", "Load VAE", vae_name=EDIT_VAE)
         for nid, text in (("6", EDIT_PROMPT), ("7", "")):
@@ -311,7 +311,7 @@ def edit_graph(kind: str, card_gib: float | None) -> dict:
     else:
         g["3"] = node("LowVRAM_QwenImageEditStagedLoader", "Qwen-Image-Edit Staged Loader (LowVRAM)",
                       unet_name=EDIT_UNET, clip_name=EDIT_TEXT_ENCODER, vae_name=EDIT_VAE, positive=EDIT_PROMPT,
-                      negative="", quantization="fp8 per-tensor", vram_budget_gb=card_gib or 0.0, blocks_to_swap=-1,
+                      negative="", quantization="fp8 per-tensor", vram_budget_gb=budget, blocks_to_swap=-1,
                       cache_embeddings=True, compute="auto", image1=["2", 0])
         model, pos, neg, vae = ["3", 0], ["3", 1], ["3", 2], ["3", 3]
     g["10"] = node("ModelSamplingAuraFlow", "ModelSamplingAuraFlow", model=model, shift=EDIT_SHIFT)
@@ -341,20 +341,6 @@ def _four_step(graph: dict, workflow: RenderWorkflow, object_info: dict) -> None
         graph[nid]["inputs"]["shift"] = shift
 
 
-def shipped_graph(workflow: RenderWorkflow, object_info: dict, card_gib: float | None) -> dict:
-    """The pack's graph of ``workflow`` as shipped, with the Block Swap budget its note gives for the card."""
-    budget = workflow.budgets[card_gib]
-    if not workflow.shipped:
-        return edit_graph("pack", budget)
-    graph = ui_to_api(shipped_workflow(workflow.shipped), object_info, f"workflows/{workflow.shipped}.json")
-    if workflow.four_step_loras:
-        _four_step(graph, workflow, object_info)
-    for n in graph.values():
-        if "vram_budget_gb" in n["inputs"]:
-            n["inputs"]["vram_budget_gb"] = budget
-    return graph
-
-
 def apply_pack_setup(graph: dict, setup: Setup, object_info: dict) -> None:
     """Change a pack graph in place as ``setup`` says: Block Swap removed, the Attention backend, Torch Compile."""
     if setup.drop_block_swap:
@@ -364,8 +350,8 @@ def apply_pack_setup(graph: dict, setup: Setup, object_info: dict) -> None:
         graph[nid]["inputs"]["batch_cfg"] = setup.batch_cfg
     for nid in of_type(graph, "LowVRAM_BlockSwap") if setup.block_swap_mode else ():
         graph[nid]["inputs"]["dynamic_vram"] = setup.block_swap_mode
-    if (setup.attention or setup.compile is not None) and not of_type(graph, "LowVRAM_Attention"):  # one on each ModelSampling's
-        for nid in of_type(graph, "ModelSamplingSD3", "ModelSamplingAuraFlow"):  # model input
+    if (setup.attention or setup.compile is not None) and not of_type(graph, "LowVRAM_Attention"):
+        for nid in of_type(graph, "ModelSamplingSD3", "ModelSamplingAuraFlow"):  # one on each one's model input
             insert_after(graph, graph[nid]["inputs"]["model"], node_defaults("LowVRAM_Attention", object_info))
     for nid in of_type(graph, "LowVRAM_Attention"):
         if setup.attention:
@@ -386,15 +372,6 @@ def _text_pair(graph: dict, nid: str, clip_name: str, kind: str, positive: str, 
         rewire(graph, [nid, slot], [enc, 0])
 
 
-def _native_qwen_loader(graph: dict, nid: str, weight_dtype: str) -> None:
-    i = graph[nid]["inputs"]
-    graph[nid] = node("UNETLoader", "Load Diffusion Model", unet_name=i["unet_name"], weight_dtype=weight_dtype)
-    _text_pair(graph, nid, i["clip_name"], "qwen_image", i["positive"], i["negative"], (1, 2))
-    vae = new_id(graph)
-    graph[vae] = node("VAELoader", "Load VAE", vae_name=i["vae_name"])
-    rewire(graph, [nid, 3], [vae, 0])
-
-
 def to_native(graph: dict, weight_dtype: str) -> dict:
     """The native equivalent of a pack graph; GraphError naming a pack node it has no equivalent for."""
     g = copy.deepcopy(graph)
@@ -411,7 +388,12 @@ def to_native(graph: dict, weight_dtype: str) -> dict:
             _text_pair(g, nid, i["clip_name"], "wan", i["positive"], i["negative"], (0, 1))
             del g[nid]
         elif kind == "LowVRAM_QwenImageStagedLoader":
-            _native_qwen_loader(g, nid, weight_dtype)
+            i = n["inputs"]
+            g[nid] = node("UNETLoader", "Load Diffusion Model", unet_name=i["unet_name"], weight_dtype=weight_dtype)
+            _text_pair(g, nid, i["clip_name"], "qwen_image", i["positive"], i["negative"], (1, 2))
+            vae = new_id(g)
+            g[vae] = node("VAELoader", "Load VAE", vae_name=i["vae_name"])
+            rewire(g, [nid, 3], [vae, 0])
         elif kind == "LowVRAM_QwenImageDecode":
             g[nid] = node("VAEDecode", "VAE Decode", samples=n["inputs"]["samples"], vae=n["inputs"]["vae"])
         elif kind and kind.startswith("LowVRAM_"):
@@ -419,41 +401,29 @@ def to_native(graph: dict, weight_dtype: str) -> dict:
     return g
 
 
-def rename_files(graph: dict, names: dict[str, str]) -> None:
-    """Every input naming a file of ``names`` names its replacement."""
-    for n in graph.values():
-        for key, value in n["inputs"].items():
-            if isinstance(value, str) and value in names:
-                n["inputs"][key] = names[value]
-
-
-def add_latent_save(graph: dict, prefix: str) -> None:
-    """A SaveLatent of the latent the decoder reads (the final one), for output comparisons."""
-    decoders = of_type(graph, *DECODERS)
-    if not decoders:
-        raise GraphError("the graph has no VAE decode node whose latent could be saved")
-    graph[new_id(graph)] = node("SaveLatent", "Save final latent", samples=graph[decoders[0]]["inputs"]["samples"],
-                                filename_prefix=f"{LATENT_PREFIX}/{prefix}")
-
-
 def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | None, file_format: str,
                  object_info: dict, latent_prefix: str) -> dict:
-    """The API graph of one row, plus a SaveLatent of the final latent."""
+    """The API graph of one row, plus a SaveLatent of the latent the decoder reads (for output comparisons)."""
     setup = SETUPS[setup_name]
     reason = setup_applies(workflow, setup_name, file_format)
     if reason:
         raise GraphError(reason)
-    if setup.native and not workflow.shipped:
-        graph = edit_graph("native", None)
-        for nid in of_type(graph, "UNETLoader"):
-            graph[nid]["inputs"]["weight_dtype"] = setup.weight_dtype
-    else:
-        graph = shipped_graph(workflow, object_info, card_gib)
+    if workflow.shipped:
+        graph = ui_to_api(shipped_workflow(workflow.shipped), object_info, f"workflows/{workflow.shipped}.json")
+        if workflow.four_step_loras:
+            _four_step(graph, workflow, object_info)
+        for n in graph.values():  # the Block Swap budget the workflow's note gives for the card
+            if "vram_budget_gb" in n["inputs"]:
+                n["inputs"]["vram_budget_gb"] = workflow.budgets[card_gib]
         graph = to_native(graph, setup.weight_dtype) if setup.native else graph
+    else:
+        graph = edit_graph("native" if setup.native else "pack", workflow.budgets[card_gib], setup.weight_dtype)
     if not setup.native:
         apply_pack_setup(graph, setup, object_info)
-    if file_format in ("bf16", "pack_fp8"):
-        rename_files(graph, workflow.sixteen_bit)
+    for n in graph.values() if file_format in ("bf16", "pack_fp8") else ():  # the 16-bit files' names
+        for key, value in n["inputs"].items():
+            if isinstance(value, str) and value in workflow.sixteen_bit:
+                n["inputs"][key] = workflow.sixteen_bit[value]
     for nid in of_type(graph, "LowVRAM_WanLoader", "UNETLoader") if file_format in GGUF_TYPES else ():
         graph[nid] = node("UnetLoaderGGUF", "Unet Loader (GGUF)",  # every node after it kept: Block Swap streams it
                           unet_name=gguf_name(graph[nid]["inputs"]["unet_name"], file_format))
@@ -461,7 +431,11 @@ def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | No
         nid = new_id(graph)
         graph[nid] = node_defaults("EasyCache", object_info, model=graph[sampler]["inputs"]["model"])
         graph[sampler]["inputs"]["model"] = [nid, 0]
-    add_latent_save(graph, latent_prefix)
+    decoders = of_type(graph, *DECODERS)
+    if not decoders:
+        raise GraphError("the graph has no VAE decode node whose latent could be saved")
+    graph[new_id(graph)] = node("SaveLatent", "Save final latent", samples=graph[decoders[0]]["inputs"]["samples"],
+                                filename_prefix=f"{LATENT_PREFIX}/{latent_prefix}")
     return graph
 
 

@@ -73,8 +73,7 @@ class ModelFiles:
 
     def prepare(self, row: RenderRow, later: Sequence[RenderRow]) -> None:
         """Make the files of ``row`` present (``later``: the rows after it, whose files are kept)."""
-        need = rg.model_files(row.spec, row.file_format)
-        missing = self.missing(need)
+        missing = self.missing(rg.model_files(row.spec, row.file_format))
         if not missing:
             return
         if not self.write:
@@ -98,8 +97,7 @@ def quantized_copies(models: Path, row: RenderRow) -> list[tuple[Path, Path]]:
     """(16-bit source, the Wan Loader's saved fp8 copy of it) for every Wan Loader file of ``row``'s graph."""
     from comfyui_lowvram_dit.checkpoints import wan as wc
 
-    wf = row.spec
-    sources = [n for n in rg.model_files(wf, "bf16") if "_14B_" in n or "_5B_" in n]
+    sources = [n for n in rg.model_files(row.spec, "bf16") if "_14B_" in n or "_5B_" in n]
     found = [p for n in sources for p in models.glob(f"diffusion_models/{n}")]
     return [(p, wc.quantized_path_for(p, "per_tensor", 128)) for p in found]
 
@@ -146,23 +144,18 @@ def run_child(code: str, *args: str) -> None:
         shutil.rmtree(shim, ignore_errors=True)
 
 
-def save_pack_copies(copies: list[tuple[Path, Path]], device: str) -> float:
-    """Write the Wan Loader's saved fp8 copy of each source that has none, in a child process; seconds taken."""
-    t0 = time.monotonic()
-    for src, copy in copies:
-        if not copy.is_file():
-            print(f"model {copy.name}: writing the pack's saved fp8 copy", flush=True)
-            run_child(QUANTIZE_CHILD, str(src), device)
-    return round(time.monotonic() - t0, 1)
-
-
 @contextmanager
 def pack_copies_for(row: RenderRow, models: Path, device: str, record: dict) -> Iterator[None]:
     """The saved fp8 copies the Wan Loader picks up: written for a ``pack_fp8`` row, moved aside for a 16-bit one."""
     copies = quantized_copies(models, row) if row.workflow.startswith("wan") else []
     hidden: list[tuple[Path, Path]] = []
+    t0 = time.monotonic()
     if row.file_format == "pack_fp8":
-        record["pack_copy_write_s"] = save_pack_copies(copies, device)
+        for src, copy in copies:
+            if not copy.is_file():
+                print(f"model {copy.name}: writing the pack's saved fp8 copy", flush=True)
+                run_child(QUANTIZE_CHILD, str(src), device)
+        record["pack_copy_write_s"] = round(time.monotonic() - t0, 1)
     elif row.file_format == "bf16" and not rg.SETUPS[row.setup].native:
         for _, copy in copies:
             if copy.is_file():

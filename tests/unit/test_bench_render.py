@@ -448,10 +448,12 @@ def test_flags_left_out_where_the_host_or_the_cpu_lacks_them() -> None:
     flags = row.server_args(143.0)
     assert flags == ["--use-ck-attention", "--disable-dynamic-vram", "--reserve-vram=131.00"]
     host_080 = '"--reserve-vram", type=float'  # ComfyUI 0.8.0 has neither other flag
-    assert sr.supported_flags(flags, host_080) == (["--reserve-vram=131.00"],
-                                                   ["--use-ck-attention", "--disable-dynamic-vram"])
-    assert sr.cpu_flags(row) == (["--disable-dynamic-vram"], ["--use-ck-attention (no comfy-kitchen attention on "
-                                                             "the CPU)"])
+    ctx = sr.RunContext(argparse.Namespace(smoke=False), None, 143.0, host_080, "0.8.0", ())
+    assert sr.row_flags(ctx, row) == (["--reserve-vram=131.00"], [f"{f} (not a flag of ComfyUI 0.8.0)" for f in (
+        "--use-ck-attention", "--disable-dynamic-vram")])
+    ctx.opts.smoke, ctx.host_flags = True, '"--disable-dynamic-vram", "--use-ck-attention"'
+    assert sr.row_flags(ctx, row) == (["--disable-dynamic-vram"], ["--use-ck-attention (no comfy-kitchen attention on "
+                                                                  "the CPU)"])
     with pytest.raises(ValueError, match="drop the capped"):
         row.server_args(8.0)
 
@@ -649,8 +651,13 @@ def test_resumed_rows_keep_their_comparisons(tmp_path: Path) -> None:
 def test_pack_fp8_rows_get_the_saved_copies_and_16bit_pack_rows_run_without_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Wan Loader picks its saved fp8 copy up by itself: a 16-bit pack row would silently load it."""
-    saved: list[list] = []
-    monkeypatch.setattr(sm, "save_pack_copies", lambda copies, device: saved.append(copies) or 1.5)
+    saved: list[str] = []
+
+    def quantize(code: str, src: str, device: str) -> None:  # the child that writes the Wan Loader's saved copy
+        saved.append(src)
+        Path(src.replace(".safetensors", ".lowvram-fp8-per-tensor.safetensors")).write_bytes(b"copy")
+
+    monkeypatch.setattr(sm, "run_child", quantize)
     for name in rg.model_files(rg.WORKFLOWS["wan_t2v_4step"], "bf16"):
         (tmp_path / "diffusion_models").mkdir(exist_ok=True)
         if "_14B_" in name:
@@ -659,10 +666,11 @@ def test_pack_fp8_rows_get_the_saved_copies_and_16bit_pack_rows_run_without_them
              ).write_bytes(b"copy")
     copies = [c for _, c in sm.quantized_copies(tmp_path, sr.make_row("wan_t2v_4step", "pack", None, True, "bf16"))]
     assert len(copies) == 2
+    copies[0].unlink()
     rec: dict = {}
     with sm.pack_copies_for(sr.make_row("wan_t2v_4step", "pack", None, True, "pack_fp8"), tmp_path, "cpu", rec):
         assert all(c.is_file() for c in copies)
-    assert rec == {"pack_copy_write_s": 1.5} and len(saved) == 1
+    assert list(rec) == ["pack_copy_write_s"] and len(saved) == 1  # only the missing copy written
     with sm.pack_copies_for(sr.make_row("wan_t2v_4step", "pack", None, True, "bf16"), tmp_path, "cpu", rec):
         assert not any(c.is_file() for c in copies)
     assert all(c.read_bytes() == b"copy" for c in copies)

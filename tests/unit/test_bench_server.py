@@ -124,14 +124,14 @@ def test_log_lines_and_flags_name_no_machine_path(tmp_path: Path) -> None:
     comfyui, work = tmp_path / "comfy", tmp_path / "work"
     header = (f"# comfyui_lowvram_dit: ComfyUI log: {sys.executable} {comfyui}/main.py --base-directory "
               f"{work}/bench_row_x1 --user-directory {work}/user")
-    assert run.public_log([header], comfyui, work) == [
+    assert run.public(header, comfyui, work) == (
         "# comfyui_lowvram_dit: ComfyUI log: python3 <ComfyUI>/main.py --base-directory $WORK/bench_row_x1 "
-        "--user-directory $WORK/user"]
-    assert run.scrub_work(["--user-directory", f"{work}/user"], work) == ["--user-directory", "$WORK/user"]
+        "--user-directory $WORK/user")
+    assert run.public(f"{work}/user", comfyui, work) == "$WORK/user"
 
 
 def test_base_folder_links_this_pack(tmp_path: Path) -> None:
     flags = run.prepare_base(tmp_path / "base", tmp_path / "models")
-    assert (tmp_path / "base" / "custom_nodes" / "comfyui-lowvram-dit").resolve() == run.PACK_ROOT
+    assert (tmp_path / "base" / "custom_nodes" / "comfyui-lowvram-dit").resolve() == run.report.PACK_ROOT
     assert flags[0] == "--extra-model-paths-config" and Path(flags[1]).is_file()
     assert flags[2:] == ["--output-directory", str(tmp_path / "base" / "output")]
