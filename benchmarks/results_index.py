@@ -12,10 +12,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from comfyui_lowvram_dit.benchmarks.__main__ import SCENARIOS
-from comfyui_lowvram_dit.benchmarks.report import table
+from comfyui_lowvram_dit.benchmarks.report import RESULTS, table
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BY_CARD = RESULTS.parents[1] / "docs" / "by-card.md"
 SKIPPED_DIRS = ("investigations",)
 COMMAND = "python -m comfyui_lowvram_dit.benchmarks.results_index"
@@ -213,9 +212,8 @@ def _cell_lines(rows: list[dict]) -> list[tuple[dict | None, dict | None]]:
     for key in sorted(runs, key=lambda k: tuple(str(x) for x in k)):
         newest = sorted(runs[key].values(), key=lambda g: _neg_date(g[0]))
         both = [g for g in newest if _best(g, "pack") and _best(g, "native")]
-        group = (both or newest)[0]
-        if _best(group, "pack") or _best(group, "native"):
-            lines.append((_best(group, "pack"), _best(group, "native")))
+        pair = (_best((both or newest)[0], "pack"), _best((both or newest)[0], "native"))
+        lines += [pair] if any(pair) else []
     return lines
 
 
@@ -280,17 +278,12 @@ def by_card_markdown(rows: list[dict]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def index_json(rows: list[dict], components: list[dict]) -> str:
-    """index.json: the rows and components as data."""
-    return json.dumps({"generated_by": COMMAND, "rows": rows, "components": components}, indent=1,
-                      ensure_ascii=False) + "\n"
-
-
 def outputs(root: Path = RESULTS, by_card: Path = BY_CARD) -> dict[Path, str]:
     """Each generated file and the text it should hold."""
     rows, components = collect(root)
-    return {root / "INDEX.md": index_markdown(rows, components), root / "index.json": index_json(rows, components),
-            by_card: by_card_markdown(rows)}
+    data = {"generated_by": COMMAND, "rows": rows, "components": components}  # index.json
+    return {root / "INDEX.md": index_markdown(rows, components),
+            root / "index.json": json.dumps(data, indent=1, ensure_ascii=False) + "\n", by_card: by_card_markdown(rows)}
 
 
 def main(argv: list[str] | None = None) -> int:

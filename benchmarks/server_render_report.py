@@ -9,18 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from comfyui_lowvram_dit.benchmarks import report
+from comfyui_lowvram_dit.benchmarks.results_index import ROW_FIELDS
 from comfyui_lowvram_dit.benchmarks.server import compare_latents
 from comfyui_lowvram_dit.benchmarks.server_render_split import PARTS
 
-KINDS = ("first_ever", "cold", "warm", "warm_new_prompt")
 KIND_LABEL = {"first_ever": "first-ever", "cold": "cold", "warm": "warm", "warm_new_prompt": "warm, new prompt"}
 NATIVE = "native_best"
 CACHED_NATIVE = {"EasyCache": "native_best_easycache"}  # step cache -> native's best with it (setup ids)
 REFERENCE = ("native_default", "bf16")  # the 16-bit reference: setup and file format
-# Every row has these (None where not measured): the keys the results index reads.
-ROW_KEYS = ("name", "model", "resolution", "frames", "steps", "card_gib", "file_format", "setup", "memory_manager",
-            "s_per_step", "render_s", "peak_vram_gib", "peak_rss_gib", "against", "ratio", "renders", "side", "how",
-            "cfg", "lora", "status")
+ROW_KEYS = (*ROW_FIELDS, "renders", "side", "how", "cfg", "lora", "status")  # every row's (None: not measured)
 
 
 def _ok(r: dict) -> bool:
@@ -40,8 +37,7 @@ def finished_rows(path: Path) -> list[dict]:
 
 
 def native_row(row: dict, rows: list[dict]) -> dict | None:
-    """The finished native's-best row of ``row``'s workflow, card and step cache (a native one's: without it), the same
-    memory manager and file format where one ran; None for native's best itself or when none finished."""
+    """The finished native's-best row of ``row``'s workflow, card and step cache (for a native row: none), if any."""
     if row.get("setup_id") == NATIVE:
         return None
     cached = row.get("step_cache") and row.get("side") != "native"
@@ -49,11 +45,8 @@ def native_row(row: dict, rows: list[dict]) -> dict | None:
     same = [r for r in rows if r.get("setup_id") == want and r.get("workflow") == row.get("workflow")
             and r.get("step_cache") == (row["step_cache"] if cached else None)
             and r.get("card_gib") == row.get("card_gib") and r is not row and _ok(r)]
-
-    def rank(r: dict) -> tuple[bool, bool]:
-        return r.get("dynamic_vram") != row.get("dynamic_vram"), r.get("format") != row.get("format")
-
-    return min(same, key=rank) if same else None
+    mine = (row.get("dynamic_vram"), row.get("format"))  # the same memory manager and file format where one ran
+    return min(same, key=lambda r: (r.get("dynamic_vram") != mine[0], r.get("format") != mine[1]), default=None)
 
 
 def reference_row(row: dict, rows: list[dict]) -> dict | None:
@@ -137,14 +130,14 @@ def table(rows: list[dict], all_rows: list[dict]) -> list[str]:
         native = next((n for n in all_rows if n["name"] == r.get("against")), None)
         status = r.get("status", "?") + (f": {report.cell(r['error'])[:160]}" if r.get("error") else "")
         status += f" (from {r['source']})" if r.get("source") else ""
-        cells.append([r.get("setup_id"), r["name"], *(_seconds(r, k, native) for k in KINDS), _warm_split(r),
+        cells.append([r.get("setup_id"), r["name"], *(_seconds(r, k, native) for k in KIND_LABEL), _warm_split(r),
                       *(report.cell(r.get(k), f) for k, f in (("s_per_step", "{:.3f}"), ("peak_vram_gib", "{:.2f}"),
                                                               ("peak_rss_gib", "{:.2f}"))),
                       _error(r), (native or {}).get("name", "—"), status])
-    return report.table(["setup", "row", *(f"{KIND_LABEL[k]} s" for k in KINDS), ("split of the warm render: load / "
-                         "text / sampling / decode / save / other s (each sampler's node total: its first + n x median "
-                         "step)"), "s/step", "peak VRAM GiB", "peak RSS GiB", "output error vs native (; vs bf16)",
-                         "against", "status"], cells)
+    return report.table(["setup", "row", *(f"{label} s" for label in KIND_LABEL.values()), (
+        "split of the warm render: load / text / sampling / decode / save / other s (each sampler's node total: its "
+        "first + n x median step)"), "s/step", "peak VRAM GiB", "peak RSS GiB", "output error vs native (; vs bf16)",
+        "against", "status"], cells)
 
 
 def _card(card: float | None) -> str:
@@ -160,10 +153,10 @@ def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
         "graph, new seed (with --warm-repeats: the median render, their range in square brackets); warm, new "
         "prompt: new seed and prompt; cold: a fresh server keeping the first one's caches and user folder. Seconds "
         "from Queue (POST /prompt) until the output file is written; in brackets native's best seconds / these (the "
-        "row in 'against'). Split from the websocket events: load = loader nodes + each "
-        "sampler's first step above its median step; peak RSS: the server process's VmHWM (first render of a server) "
-        "or sampled RSS; VRAM: the process per nvidia-smi. Output vs native: ||a - b|| / ||b|| of the final latents "
-        "of the first-ever renders (same seed).")])
+        "row in 'against'). Split from the websocket events: load = loader nodes + each sampler's first step above its "
+        "median step; peak RSS: the server process's VmHWM (first render of a server) or sampled RSS; VRAM: the "
+        "process per nvidia-smi. Output vs native: ||a - b|| / ||b|| of the final latents of the first-ever renders "
+        "(same seed).")])
     groups: dict[tuple[str, Any], list[dict]] = {}
     for r in rows:
         groups.setdefault((r.get("title") or r.get("model") or "?", r.get("card_gib")), []).append(r)
@@ -178,8 +171,7 @@ def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
 
 
 def write(out_dir: Path, stem: str, rows: list[dict], env: dict, settings: dict, latents: Path) -> list[Path]:
-    """``<stem>.json`` (``env``, ``settings``, ``rows``, each row's server log digests under ``logs``) and
-    ``<stem>.md`` into ``out_dir``; the paths."""
+    """``<stem>.json`` (``env``, ``settings``, ``rows``, their server log digests as ``logs``) and ``<stem>.md``."""
     compare(rows, latents)
     logs = {r["name"]: [life.get("log", []) for life in r["lives"]] for r in rows if r.get("lives")}
     shown = [{**r, "lives": [{k: v for k, v in life.items() if k != "log"} for life in r["lives"]]}
