@@ -25,6 +25,8 @@ EDIT_TE_FILE = "lowvram_selftest_qwen25_vl_2layer_vision_bf16.safetensors"
 VAE_FILE = "lowvram_selftest_wan21_vae_tiny_bf16.safetensors"
 UMT5_FILE = "lowvram_selftest_umt5_24layer_narrow_bf16.safetensors"
 STOCK_TEXT = "CLIPLoader on the CPU + CLIPTextEncode"
+# batch_cfg's padded, masked prompts against the unbatched stock ones: the mask keeps the output, to rounding
+BATCH_TOLERANCE = 1e-4
 
 
 def _write_umt5(path: Path) -> None:
@@ -129,7 +131,7 @@ def check_qwen_staged(env: SelfTestEnv) -> Iterator[Verdict]:
         model, pos, neg, _ = QwenImageStagedLoader.execute(
             unet_name=unet, clip_name=te, vae_name=vae, positive=PROMPTS[0], negative=PROMPTS[1],
             quantization=mode, vram_budget_gb=0.0, blocks_to_swap=-1, cache_embeddings=False, compute="auto",
-            text_encoder_device="cpu").args  # where stock_clip encodes: bit-identical there
+            text_encoder_device="cpu", batch_cfg=False).args  # where stock_clip encodes: bit-identical there
         tolerance, label = 0.0, mode
         if mode == "none":
             for which, got, want in (("positive", pos, stock[0]), ("negative", neg, stock[1])):
@@ -140,6 +142,17 @@ def check_qwen_staged(env: SelfTestEnv) -> Iterator[Verdict]:
             label = f"{mode}, {path}"
         yield compare(f"Qwen-Image Staged Loader [{label}, one step]", env.sample(model, pos, neg, latent=QWEN_LATENT),
                       ref[mode], tolerance, f"ComfyUI's {versus} model with the stock conditioning")
+        if mode == "none":
+            yield _batched("Qwen-Image Staged Loader", env, model, pos, neg, ref[mode])
+
+
+def _batched(node: str, env: SelfTestEnv, model: Any, pos: list, neg: list, ref: torch.Tensor) -> Verdict:
+    """batch_cfg (on by default): the prompts padded to one length and masked sample as the unbatched ones."""
+    from ..host.qwen_cfg_batch import batched_conditioning
+
+    return compare(f"{node} [batch_cfg, one step]", env.sample(model, *batched_conditioning(pos, neg),
+                                                                latent=QWEN_LATENT),
+                   ref, BATCH_TOLERANCE, "the unbatched prompts on UNETLoader's model")
 
 
 def check_qwen_edit(env: SelfTestEnv) -> Iterator[Verdict]:
@@ -158,7 +171,7 @@ def check_qwen_edit(env: SelfTestEnv) -> Iterator[Verdict]:
     model, pos, neg, _ = QwenImageEditStagedLoader.execute(
         unet_name=unet, clip_name=te, vae_name=vae_name, positive=EDIT_PROMPTS[0], negative=EDIT_PROMPTS[1],
         quantization="none", vram_budget_gb=0.0, blocks_to_swap=-1, cache_embeddings=False, compute="auto",
-        image1=image, text_encoder_device="cpu").args  # where stock_clip encodes: bit-identical there
+        image1=image, text_encoder_device="cpu", batch_cfg=False).args  # where stock_clip encodes: bit-identical
     clip = stock_clip(te, "QWEN_IMAGE", "qwen25_7b_model_config", _qwen_te_config(te))
     vae = comfy_nodes().VAELoader().load_vae(vae_name)[0]
     stock = [TextEncodeQwenImageEditPlus.execute(clip, p, vae, image, None, None).args[0] for p in EDIT_PROMPTS]
@@ -169,6 +182,7 @@ def check_qwen_edit(env: SelfTestEnv) -> Iterator[Verdict]:
     ref = env.sample(stock_qwen_model(unet), *stock, latent=QWEN_LATENT)
     yield compare("Qwen-Image-Edit Staged Loader [none, one step]", env.sample(model, pos, neg, latent=QWEN_LATENT),
                   ref, 0.0, "UNETLoader (default) with the stock conditioning")
+    yield _batched("Qwen-Image-Edit Staged Loader", env, model, pos, neg, ref)
 
 
 CHECKS = [
