@@ -1,11 +1,14 @@
-"""Building a native MODEL from a state dict with ComfyUI's loader (DynamicVRAM rule, detected-config defaults)."""
+"""Building a native MODEL from a state dict with ComfyUI's loader, as a build recipe says (checkpoints/build_recipe.py)."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from ..checkpoints.build_recipe import BuildRecipe
 
 _DETECTION_LOCK = threading.Lock()
 
@@ -41,28 +44,27 @@ def detected_config_defaults(values: dict[str, Any]) -> Iterator[None]:
             md.detect_unet_config = original
 
 
-def load_diffusion_model(state_dict: dict, model_options: dict, reload: tuple[Callable, tuple],
-                         disable_dynamic: bool = False, unet_config: dict[str, Any] | None = None,
-                         dynamic_ops: bool = False) -> Any:
-    """``comfy.sd.load_diffusion_model_state_dict``, with the pack's rule for ComfyUI's DynamicVRAM.
-
-    A model built with ComfyUI's own layers stays as UNETLoader builds it. A model built with the pack's ops
-    (``model_options["custom_operations"]``) gets DynamicVRAM only where its layers take their weights through
-    ComfyUI's ``cast_bias_weight`` (``dynamic_ops``: the Wan Loader's fp8 layers do); otherwise the legacy patcher
-    (ComfyUI's own torch.compile node does the same), and Block Swap and the file-backed offload manage it.
+def build_model(state_dict: dict, recipe: BuildRecipe, compute: str, reload: tuple[Callable, tuple],
+                disable_dynamic: bool = False, unet_config: dict[str, Any] | None = None) -> Any:
+    """A native MODEL from ``state_dict`` as ``recipe`` says: the pack's fp8 layers (running ``compute``) or
+    ComfyUI's own, exactly as UNETLoader builds them; DynamicVRAM off where ``disable_dynamic`` or the recipe says so.
     ``reload`` = (loader, args) is registered as ``cached_patcher_init``, which ComfyUI calls with
-    ``disable_dynamic=True`` for a fresh copy.
-    ``unet_config``: model-config values read from the file that ComfyUI's detection leaves at its defaults
-    (see ``detected_config_defaults``)."""
-    import inspect
-
+    ``disable_dynamic=True`` for a fresh copy. ``unet_config``: model-config values read from the file that ComfyUI's
+    detection leaves at its defaults (see ``detected_config_defaults``)."""
     import comfy.sd
 
+    from .fp8_ops import Fp8OpsConfig, make_fp8_ops  # imports ComfyUI's ops
+
+    options: dict[str, Any] = {}
+    if recipe.fp8_block_size is not None:
+        options["custom_operations"] = make_fp8_ops(Fp8OpsConfig(block_size=recipe.fp8_block_size, compute=compute))
+    if recipe.dtype is not None:
+        options["dtype"] = recipe.dtype
     kwargs = {}
     if "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters:
-        kwargs["disable_dynamic"] = disable_dynamic or ("custom_operations" in model_options and not dynamic_ops)
+        kwargs["disable_dynamic"] = disable_dynamic or not recipe.dynamic_vram
     with detected_config_defaults(unet_config or {}):
-        model = comfy.sd.load_diffusion_model_state_dict(state_dict, model_options=model_options, **kwargs)
+        model = comfy.sd.load_diffusion_model_state_dict(state_dict, model_options=options, **kwargs)
     if model is not None and hasattr(model, "cached_patcher_init"):
         model.cached_patcher_init = reload
     return model

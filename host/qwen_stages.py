@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..checkpoints import qwen_image
+from ..checkpoints.build_recipe import qwen_image_recipe
 from ..checkpoints.safetensors_io import CheckpointError, check_quantization, read_header
 from ..checkpoints.text_encoders import qwen25_vl_config_from_header
 from ..offload import stage_meter
@@ -37,7 +38,7 @@ from .core_quant import announce, check_host_reads
 from .files import checked_input, use_mmap
 from .graph_checks import WAN_VAE_KEY
 from .mapped_weights import keep_file_backed
-from .model_loading import load_diffusion_model
+from .model_loading import build_model
 from .names import display_name
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -139,9 +140,6 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
                      compute: str = "auto", disable_dynamic: bool = False):  # noqa: ANN201 - ModelPatcher
     """Read a Qwen-Image file (fp8-quantizing while streaming) and build a native MODEL from it
     (``disable_dynamic``: see wan_loader.load_wan_model)."""
-
-    from .fp8_ops import Fp8OpsConfig, make_fp8_ops  # imports ComfyUI's ops
-
     mode = QUANTIZATION[quantization]
     check_quantization(read_header(unet_path))  # malformed configs / bad scales: named before any weight is read
     check_host_reads(unet_path, LOADER)  # layouts this ComfyUI cannot build, likewise
@@ -154,15 +152,11 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
         announce(Path(unet_path).name, info.layers, LOADER)
     elif mode != "none" and info.format != "high_precision":
         log.info("lowvram_dit: %s is already %s fp8; kept as stored", Path(unet_path).name, info.format)
-    if out_mode == "none":
-        opts: dict = {}  # exactly UNETLoader(weight_dtype="default")
-    else:
-        ops = make_fp8_ops(Fp8OpsConfig(block_size=block_size, compute=COMPUTE[compute]))
-        opts = {"custom_operations": ops, "dtype": torch.bfloat16}  # Qwen-Image runs in bf16 (no fp16 support)
     # ComfyUI reads only in_channels and the block count; the widths come from the file (its defaults for the
     # released 20B file), so same-architecture files of other widths load too.
-    model = load_diffusion_model(sd, opts, (load_transformer, (unet_path, quantization, block_size, compute)),
-                                 disable_dynamic, unet_config=info.widths)
+    model = build_model(sd, qwen_image_recipe(out_mode, block_size), COMPUTE[compute],
+                        (load_transformer, (unet_path, quantization, block_size, compute)), disable_dynamic,
+                        unet_config=info.widths)
     del sd
     if model is None:
         raise RuntimeError(f"{Path(unet_path).name}: ComfyUI could not detect this Qwen-Image file")

@@ -10,17 +10,21 @@ from typing import Any
 import torch
 
 from ..checkpoints import wan as wc
+from ..checkpoints.build_recipe import wan_recipe
+from ..checkpoints.fp8_state import QuantMode
+from ..kernels.int8_choice import Compute
 from . import graph_checks
 from .core_quant import announce, check_host_reads
 from .file_slices import file_slice_hook
 from .files import use_mmap
 from .mapped_weights import keep_file_backed
-from .model_loading import load_diffusion_model
+from .model_loading import build_model
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
-QUANTIZATION = {"none": "none", "fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise"}
-COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "int8 matmul": "int8", "dequantize": "dequantize"}
+# The node's labels -> what load_wan_model takes
+QUANTIZATION: dict[str, QuantMode] = {"none": "none", "fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise"}
+COMPUTE: dict[str, Compute] = {"auto": "auto", "fp8 matmul": "fp8", "int8 matmul": "int8", "dequantize": "dequantize"}
 LOADER = "Wan Loader"
 
 
@@ -34,21 +38,22 @@ def _quantize_device() -> torch.device:
 
 def load_wan_model(
     path: str | Path,
-    quantization: str = "fp8 per-tensor",
+    mode: QuantMode = "per_tensor",
     block_size: int = 128,
-    compute: str = "auto",
+    compute: Compute = "auto",
     save_quantized: bool = False,
     disable_dynamic: bool = False,
 ):  # noqa: ANN201 - comfy.model_patcher.ModelPatcher
-    """Load a Wan file (quantizing while streaming if asked) and build a native ComfyUI MODEL from it.
+    """Load a Wan file (quantizing while streaming to ``mode`` if it is high precision) and build a native ComfyUI
+    MODEL from it whose fp8 layers run ``compute`` (the node's labels map to both: ``QUANTIZATION``, ``COMPUTE``).
 
     ``disable_dynamic`` as in ComfyUI's loaders (its ``cached_patcher_init`` protocol); where DynamicVRAM is on,
-    it manages the fp8 model as it manages UNETLoader's (see host/model_loading.py ``load_diffusion_model``)."""
+    it manages the fp8 model as it manages UNETLoader's (checkpoints/build_recipe.py)."""
     import comfy.utils
 
-    from .fp8_ops import Fp8OpsConfig, make_fp8_ops  # imports ComfyUI's ops
-
-    mode = QUANTIZATION[quantization]
+    if mode not in QUANTIZATION.values() or compute not in COMPUTE.values():
+        raise ValueError(f"{LOADER}: quantization must be one of {sorted(QUANTIZATION.values())} and compute one "
+                         f"of {sorted(COMPUTE.values())}, got {mode!r} and {compute!r}")
     source = Path(path)
     check_host_reads(source, LOADER)  # a layout this ComfyUI cannot build: refused before any weight is read
     saved = wc.find_quantized(source, mode, block_size)
@@ -83,19 +88,11 @@ def load_wan_model(
         except (OSError, wc.CheckpointError) as exc:  # a read-only folder or a user's file there must not fail the load
             log.warning("lowvram_dit: could not save %s: %s", dest.name, exc)
 
-    reload = (load_wan_model, (path, quantization, block_size, compute))
     if loaded.info.format == "core_quant":
         announce(source.name, loaded.info.layers, LOADER)
-        model = load_diffusion_model(loaded.state_dict, {}, reload, disable_dynamic)  # exactly as UNETLoader
-    elif loaded.fp8_layers == 0:
-        # Nothing quantized: exactly what UNETLoader(weight_dtype="default") builds.
-        model = load_diffusion_model(loaded.state_dict, {}, reload, disable_dynamic)
-    else:
-        ops = make_fp8_ops(Fp8OpsConfig(block_size=loaded.block_size or block_size, compute=COMPUTE[compute]))
-        # bf16 for the high-precision layers and activations: fp8 dequant/GEMM outputs are bf16-native, and
-        # Wan's default fp16 pick risks overflow in the residual stream.
-        opts = {"custom_operations": ops, "dtype": torch.bfloat16}
-        model = load_diffusion_model(loaded.state_dict, opts, reload, disable_dynamic, dynamic_ops=True)
+    recipe = wan_recipe(loaded.fp8_layers, loaded.block_size or block_size)
+    model = build_model(loaded.state_dict, recipe, compute, (load_wan_model, (path, mode, block_size, compute)),
+                        disable_dynamic)
     if model is None:
         raise RuntimeError(f"{source.name}: ComfyUI could not detect the model type of this Wan file")
     return keep_file_backed(model)

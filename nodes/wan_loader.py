@@ -90,7 +90,8 @@ class WanLoader(io.ComfyNode):
         hidden = getattr(cls, "hidden", None)
         if hidden is not None:
             check_decoding_vae(path, getattr(hidden, "prompt", None), getattr(hidden, "unique_id", None))
-        return io.NodeOutput(load_wan_model(path, quantization, int(block_size), compute, save_quantized))
+        return io.NodeOutput(load_wan_model(path, QUANTIZATION[quantization], int(block_size), COMPUTE[compute],
+                                            save_quantized))
 
 
 NODES = [WanLoader]

@@ -71,14 +71,14 @@ def _loaders(path: str, qwen_path: str) -> dict[str, Callable[[], Any]]:
     from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
     def fp8() -> Any:
-        return load_wan_model(path, "fp8 per-tensor", 128, "auto")
+        return load_wan_model(path, "per_tensor", 128, "auto")
 
     return {
         "native_best": lambda: comfy.sd.load_diffusion_model(
             path, model_options={"dtype": torch.float8_e4m3fn, "fp8_optimizations": True}),
         "native_default": lambda: comfy.sd.load_diffusion_model(path),
         "pack_fp8": fp8,
-        "pack_fp8_blockwise": lambda: load_wan_model(path, "fp8 block-wise", 128, "auto"),
+        "pack_fp8_blockwise": lambda: load_wan_model(path, "blockwise", 128, "auto"),
         "pack_attn_auto": lambda: apply_attention(fp8(), "auto"),
         "pack_attn_cudnn": lambda: apply_attention(fp8(), "SDPA cuDNN"),
         "pack_int8": lambda: apply_attention(fp8(), "lowvram 8-bit"),

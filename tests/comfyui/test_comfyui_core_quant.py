@@ -81,14 +81,14 @@ def test_wan_loader_builds_core_layers_like_unetloader(comfy: Any, tmp_path: Pat
     path = _wan_file(tmp_path, layout)
     stock = comfy.sd.load_diffusion_model(str(path))  # what UNETLoader(weight_dtype="default") builds
     with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
-        ours = load_wan_model(path, "fp8 per-tensor", 128, "auto")
+        ours = load_wan_model(path, "per_tensor", 128, "auto")
     lines = [r.getMessage() for r in caplog.records if "ComfyUI's own quantized layers" in r.getMessage()]
     assert len(lines) == 1 and layout in lines[0] and path.name in lines[0], lines
     assert _quantized_layouts(ours) == _quantized_layouts(stock) == {layout}
     assert "custom_operations" not in ours.model_options and type(ours.model).__name__ == "WAN21"
     assert not any("LowVramFp8" in type(m).__name__ for m in ours.model.modules())
     if hasattr(stock, "cached_patcher_init"):  # ComfyUI's reload protocol (not in 0.8.0)
-        assert ours.cached_patcher_init == (load_wan_model, (path, "fp8 per-tensor", 128, "auto"))
+        assert ours.cached_patcher_init == (load_wan_model, (path, "per_tensor", 128, "auto"))
     assert torch.equal(_wan_forward(ours), _wan_forward(stock))
 
 
@@ -180,7 +180,7 @@ def test_loaders_refuse_a_layout_the_host_cannot_build(comfy: Any, tmp_path: Pat
 
     for module in (core_quant, wan_checkpoint, checkpoint_io):
         monkeypatch.setattr(module, "read_tensors", no_weights, raising=False)
-    for path, load, loader in ((wan, lambda: load_wan_model(wan, "fp8 per-tensor", 128, "auto"), "Wan Loader"),
+    for path, load, loader in ((wan, lambda: load_wan_model(wan, "per_tensor", 128, "auto"), "Wan Loader"),
                                (qwen, lambda: qwen_stages.load_transformer(qwen, "fp8 per-tensor"), "Qwen-Image")):
         with pytest.raises(ValueError) as info:
             load()
@@ -222,7 +222,7 @@ def core_wan(comfy: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any,
     if layout is None:
         pytest.skip("this ComfyUI builds neither int8 ConvRot nor nvfp4")
     path = _wan_file(tmp_path_factory.mktemp("core"), layout)
-    return load_wan_model(path, "fp8 per-tensor", 128, "auto"), comfy.sd.load_diffusion_model(str(path)), layout
+    return load_wan_model(path, "per_tensor", 128, "auto"), comfy.sd.load_diffusion_model(str(path)), layout
 
 
 _sample = functools.partial(sample_wan, frames=1)

@@ -44,18 +44,18 @@ def test_block_swap_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCapture
     log._SAID_ONCE.clear()
     caplog.set_level(logging.INFO, logger=LOGGER)
     path = _tiny_wan(tmp_path, "dyn.safetensors")
-    legacy = load_wan_model(path, "fp8 per-tensor")
+    legacy = load_wan_model(path, "per_tensor")
     swapped = apply_block_swap(legacy, SwapConfig(blocks_to_swap=2))
     assert swapped is not legacy and SWAP_KEY in swapped.attachments  # the legacy patcher gets Block Swap
 
     if "disable_dynamic" in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
-        dynamic = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
+        dynamic = _as_dynamic(load_wan_model(path, "per_tensor"))
         rebuilt = apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2, dynamic_vram="stream"))
         assert rebuilt.model is not dynamic.model and not rebuilt.is_dynamic() and SWAP_KEY in rebuilt.attachments
         assert sum("leaves ComfyUI's DynamicVRAM" in r.getMessage() for r in caplog.records) == 1
         assert torch.isfinite(sample_wan(rebuilt, seed=2)).all()
 
-    unbuildable = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
+    unbuildable = _as_dynamic(load_wan_model(path, "per_tensor"))
     unbuildable.cached_patcher_init = None
     for _ in range(2):
         assert apply_block_swap(unbuildable, SwapConfig(blocks_to_swap=2, dynamic_vram="stream")) is unbuildable
@@ -85,7 +85,7 @@ def test_block_swap_auto_under_dynamic_vram_follows_the_ram(tmp_path: Path, capl
         pytest.skip("this ComfyUI has no DynamicVRAM (ModelPatcher.clone(disable_dynamic=...))")
     log._SAID_ONCE.clear()
     caplog.set_level(logging.INFO, logger=LOGGER)
-    dynamic = _as_dynamic(load_wan_model(_tiny_wan(tmp_path, "auto.safetensors"), "fp8 per-tensor"))
+    dynamic = _as_dynamic(load_wan_model(_tiny_wan(tmp_path, "auto.safetensors"), "per_tensor"))
     dynamic.model_size = lambda: 5 << 30  # a 5 GiB model wants 26 GiB: 24 are too few, 64 enough
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=ram_gib << 30))
     out = apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2))
@@ -105,7 +105,7 @@ def test_file_backed_offload_steps_aside_under_dynamic_vram(tmp_path: Path,
 
     log._SAID_ONCE.clear()
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    patcher = load_wan_model(_tiny_wan(tmp_path, "mapped.safetensors"), "fp8 per-tensor")
+    patcher = load_wan_model(_tiny_wan(tmp_path, "mapped.safetensors"), "per_tensor")
     assert isinstance(patcher, MappedWeightsMixin)  # the loader keeps mapped weights file-backed by default
 
     dynamic = _as_dynamic(patcher.clone())
@@ -135,7 +135,7 @@ def test_fp8_models_are_built_as_unetloader_builds_and_keep_a_reload_factory(tmp
         return real(*args, **kwargs)
 
     monkeypatch.setattr(comfy.sd, "load_diffusion_model_state_dict", spy)
-    fp8 = load_wan_model(_tiny_wan(tmp_path, "legacy.safetensors"), "fp8 per-tensor")
+    fp8 = load_wan_model(_tiny_wan(tmp_path, "legacy.safetensors"), "per_tensor")
     plain = load_wan_model(_tiny_wan(tmp_path, "plain.safetensors", "bf16"), "none")
     if "disable_dynamic" not in inspect.signature(real).parameters:  # a host without DynamicVRAM
         assert asked == [None, None] and not hasattr(fp8, "cached_patcher_init")
@@ -185,10 +185,10 @@ def test_torch_compile_takes_the_model_off_dynamic_vram(tmp_path: Path, caplog: 
     log._SAID_ONCE.clear()
     caplog.set_level(logging.INFO, logger=LOGGER)
     path = _tiny_wan(tmp_path, "compile.safetensors")
-    dynamic = _as_dynamic(load_wan_model(path, "fp8 per-tensor"))
+    dynamic = _as_dynamic(load_wan_model(path, "per_tensor"))
     compiled = apply_compile(dynamic, CompileConfig(), compile_fn=lambda module, **_: module)
     assert compiled.model is not dynamic.model and not compiled.is_dynamic()
     assert isinstance(compiled, MappedWeightsMixin) and COMPILE_KEY in compiled.attachments
     assert sum("leaves ComfyUI's DynamicVRAM" in r.getMessage() for r in caplog.records) == 1
-    legacy = load_wan_model(path, "fp8 per-tensor")
+    legacy = load_wan_model(path, "per_tensor")
     assert apply_compile(legacy, CompileConfig(), compile_fn=lambda module, **_: module).model is legacy.model

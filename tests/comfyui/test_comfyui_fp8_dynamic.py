@@ -17,7 +17,7 @@ import torch
 from comfy_server import comfyui_in_process_or_skip
 
 pytestmark = pytest.mark.comfyui
-MODES = ["fp8 per-tensor", "fp8 block-wise"]
+MODES = ["per_tensor", "blockwise"]
 
 
 def _dynamic_cast_or_skip() -> Any:
@@ -151,7 +151,7 @@ def test_mapped_weights_are_read_by_comfyui_from_the_file(tmp_path: Path, monkey
     monkeypatch.setattr(wan_loader, "file_slice_hook",
                         lambda p: file_slices.tag_with(cmm.TensorFileSlice, handle, handle))
     try:
-        model = wan_loader.load_wan_model(path, "fp8 per-tensor")
+        model = wan_loader.load_wan_model(path, "per_tensor")
         weights = [m.weight for m in model.model.modules() if isinstance(m, LowVramFp8Ops.Linear) and m.is_fp8]
         assert weights
         for w in weights:

@@ -40,7 +40,7 @@ def test_unloaded_expert_goes_back_to_its_file(tmp_path: Path) -> None:
         path = synth.write_synthetic(MODEL, tmp_path / f"expert{seed}.safetensors", size="tiny", fmt="fp8_scaled",
                                      seed=seed, num_layers=6)
         paths.append(path)
-        experts.append(apply_block_swap(load_wan_model(path, "fp8 per-tensor"), SwapConfig(blocks_to_swap=STREAMED)))
+        experts.append(apply_block_swap(load_wan_model(path, "per_tensor"), SwapConfig(blocks_to_swap=STREAMED)))
     high, low = experts
     ctl = high.attachments[SWAP_KEY]
     assert all(is_file_backed(_weight(high, b)) for b in range(6)), "the loader copied a pre-quantized file"
@@ -70,7 +70,7 @@ def test_unloaded_expert_goes_back_to_its_file(tmp_path: Path) -> None:
     assert stray.arena is None
     mm.unload_all_models()
     assert ctl.streamer.spare.arena is not None  # offered to the next expert
-    whole = apply_block_swap(load_wan_model(paths[0], "fp8 per-tensor"), SwapConfig(blocks_to_swap=0))
+    whole = apply_block_swap(load_wan_model(paths[0], "per_tensor"), SwapConfig(blocks_to_swap=0))
     sample_wan(whole, seed=5)
     assert ctl.streamer.spare.arena is None
     mm.unload_all_models()

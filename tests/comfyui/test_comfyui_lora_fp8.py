@@ -29,7 +29,7 @@ from comfyui_lowvram_dit.synthetic import checkpoints as synth
 
 pytestmark = pytest.mark.comfyui
 MODEL = "wan22_t2v_14B"
-MODES = ["fp8 per-tensor", "fp8 block-wise"]
+MODES = ["per_tensor", "blockwise"]
 
 
 def wan_lora(sd: dict[str, torch.Tensor], style: str = "kijai", rank: int = 8, ratio: float = 0.1,
@@ -166,7 +166,7 @@ def test_unpatch_restores_bytes_and_strength_change_remerges(files: dict, source
 
     digest = _sha(files[source])
     lora = wan_lora(files["sd"], style="lightx2v")
-    base = _swapped(_load(files[source], "fp8 per-tensor"))
+    base = _swapped(_load(files[source], "per_tensor"))
     ctl = base.attachments[SWAP_KEY]
     no_lora = sample_wan(base, steps=2)
     b = ctl.plan.streamed[0]
@@ -197,7 +197,7 @@ def test_unload_of_a_file_backed_arena_does_not_read_the_file_back(files: dict,
     from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
 
     lora = wan_lora(files["sd"], style="lightx2v")
-    base = _swapped(_load(files["fp8_scaled"], "fp8 per-tensor"))
+    base = _swapped(_load(files["fp8_scaled"], "per_tensor"))
     ctl = base.attachments[SWAP_KEY]
     no_lora = sample_wan(base, steps=2)
     b = ctl.plan.streamed[0]
@@ -236,9 +236,9 @@ def test_merge_beside_the_arena_copy_under_inference_mode_equals_it_outside(file
     from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
 
     lora = wan_lora(files["sd"], style="lightx2v")
-    ref = sample_wan(_with_lora(_swapped(_load(files["fp8_scaled"], "fp8 per-tensor")), lora), steps=2)
+    ref = sample_wan(_with_lora(_swapped(_load(files["fp8_scaled"], "per_tensor")), lora), steps=2)
     mm.unload_all_models()
-    model = _with_lora(_swapped(_load(files["fp8_scaled"], "fp8 per-tensor")), lora)
+    model = _with_lora(_swapped(_load(files["fp8_scaled"], "per_tensor")), lora)
     with torch.inference_mode():
         out = sample_wan(model, steps=2)
     ctl = model.attachments[SWAP_KEY]
@@ -254,7 +254,7 @@ def test_a_merge_error_in_the_worker_reaches_the_caller(files: dict, monkeypatch
     from comfyui_lowvram_dit.host import lora_merge
 
     lora = wan_lora(files["sd"], style="lightx2v")
-    model = _with_lora(_swapped(_load(files["fp8_scaled"], "fp8 per-tensor")), lora)
+    model = _with_lora(_swapped(_load(files["fp8_scaled"], "per_tensor")), lora)
     merged = lora_merge.merged_weight
 
     def failing(patcher: Any, key: str, device: torch.device) -> torch.Tensor:

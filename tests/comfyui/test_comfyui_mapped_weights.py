@@ -40,7 +40,7 @@ def _load(tmp_path: Path, fmt: str, seed: int = 1):  # noqa: ANN202 - ModelPatch
 
     path = synth.write_synthetic(MODEL, tmp_path / f"m_{fmt}_{seed}.safetensors", size="tiny", fmt=fmt, seed=seed,
                                  num_layers=4)
-    return load_wan_model(path, "fp8 per-tensor")
+    return load_wan_model(path, "per_tensor")
 
 
 def _mapped_registered(cudart: FakeCudart) -> int:

@@ -67,7 +67,7 @@ def _split(model):  # noqa: ANN001, ANN202 - ModelPatcher in, (split ModelPatche
 def _fp8(path: Path):  # noqa: ANN202
     from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
-    return load_wan_model(path, "fp8 per-tensor", 128, "auto")
+    return load_wan_model(path, "per_tensor", 128, "auto")
 
 
 def _variants(path: Path) -> dict:
@@ -84,7 +84,7 @@ def _variants(path: Path) -> dict:
     return {
         "native": lambda: comfy.sd.load_diffusion_model(str(path)),
         "wan_loader_fp8": lambda: _fp8(path),
-        "wan_loader_blockwise": lambda: load_wan_model(path, "fp8 block-wise", 64),
+        "wan_loader_blockwise": lambda: load_wan_model(path, "blockwise", 64),
         "attention_auto": lambda: apply_attention(_fp8(path), "auto"),
         "attention_math": lambda: apply_attention(_fp8(path), "SDPA math"),
         "nan_guard": lambda: apply_nan_guard(_fp8(path), "raise"),

@@ -47,7 +47,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _wan(path: Path):  # noqa: ANN202 - ModelPatcher
     from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
-    return load_wan_model(path, "fp8 per-tensor", 128, "auto")
+    return load_wan_model(path, "per_tensor", 128, "auto")
 
 
 def test_prequantized_wan_file_split_equals_one_device(two_devices: None, files: dict[str, Path]) -> None:

@@ -97,12 +97,12 @@ def _native(sd: dict[str, torch.Tensor]) -> Any:
 def test_fp8_model_is_native_and_close_to_bf16(tiny: dict, quantization: str, block_size: int) -> None:
     import comfy.model_patcher
 
-    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import QUANTIZATION, load_wan_model
 
     if quantization == "fp8 per-tensor" and block_size == 64:
         pytest.skip("block_size only matters for block-wise")
     ref = _forward(_native(tiny["sd"]), tiny["inputs"])
-    m = load_wan_model(tiny["path"], quantization, block_size, "auto")
+    m = load_wan_model(tiny["path"], QUANTIZATION[quantization], block_size, "auto")
     assert isinstance(m, comfy.model_patcher.ModelPatcher) and type(m.model).__name__ == "WAN21"
     lin = m.model.diffusion_model.blocks[1].ffn[2]
     assert lin.weight.dtype == torch.float8_e4m3fn and lin.weight_scale.dtype == torch.float32
@@ -132,7 +132,7 @@ def test_none_mode_is_exactly_native(tiny: dict) -> None:
 def test_to_keeps_fp8_and_fp32_scales(tiny: dict) -> None:
     from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
-    m = load_wan_model(tiny["path"], "fp8 block-wise", 128, "auto")
+    m = load_wan_model(tiny["path"], "blockwise", 128, "auto")
     lin = m.model.diffusion_model.blocks[0].self_attn.q
     before = lin.weight.clone()
     m.model.to(torch.bfloat16)
@@ -146,7 +146,7 @@ def test_to_keeps_fp8_and_fp32_scales(tiny: dict) -> None:
 def test_lora_on_fp8_layers_matches_bf16_with_merged_lora(tiny: dict, quantization: str, lowvram: bool) -> None:
     import comfy.sd
 
-    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import QUANTIZATION, load_wan_model
 
     strength = 0.8
     lora = _lora_sd(tiny["sd"])
@@ -154,7 +154,7 @@ def test_lora_on_fp8_layers_matches_bf16_with_merged_lora(tiny: dict, quantizati
     plain_ref = _forward(_native(tiny["sd"]), tiny["inputs"])
     assert _rel(merged_ref, plain_ref) > 0.05  # the LoRA matters
 
-    m = load_wan_model(tiny["path"], quantization, 128, "auto")
+    m = load_wan_model(tiny["path"], QUANTIZATION[quantization], 128, "auto")
     lin = m.model.diffusion_model.blocks[0].ffn[0]
     w0, s0 = lin.weight.clone(), lin.weight_scale.clone()
     patched, _ = comfy.sd.load_lora_for_models(m, None, lora, strength, 0)
@@ -279,7 +279,7 @@ def test_gpu_fast_and_offloaded_paths_match_bf16(tmp_path: Path, comfy_on_gpu: N
     import comfy.sd
 
     from comfyui_lowvram_dit.kernels import fp8
-    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.host.wan_loader import QUANTIZATION, load_wan_model
 
     sd = synth.synthetic_state_dict(MODEL, size="tiny", fmt="bf16", seed=13)
     path = tmp_path / "gpu_bf16.safetensors"
@@ -295,7 +295,7 @@ def test_gpu_fast_and_offloaded_paths_match_bf16(tmp_path: Path, comfy_on_gpu: N
     ref_model = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options={"dtype": torch.bfloat16})
     mm.load_models_gpu([ref_model], force_full_load=True)
     ref = run(ref_model)
-    m = load_wan_model(path, quantization, 128, "auto")
+    m = load_wan_model(path, QUANTIZATION[quantization], 128, "auto")
     mm.unload_all_models()
     m.load(dev, lowvram_model_memory=1 if lowvram else 0, full_load=not lowvram)
     lin = m.model.diffusion_model.blocks[0].ffn[0]
@@ -319,7 +319,7 @@ def test_prequantized_file_is_mapped_unless_comfyui_disables_mmap(tiny: dict, tm
 
     path = synth.write_synthetic(MODEL, tmp_path / "scaled.safetensors", size="tiny", fmt="fp8_scaled", seed=11)
     monkeypatch.setattr(comfy.utils, "DISABLE_MMAP", disable_mmap)
-    patcher = load_wan_model(path, "fp8 per-tensor")
+    patcher = load_wan_model(path, "per_tensor")
     w = patcher.model.diffusion_model.blocks[0].ffn[0].weight
     assert w.dtype == torch.float8_e4m3fn
     assert is_file_backed(w) is (not disable_mmap)

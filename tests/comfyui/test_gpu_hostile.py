@@ -293,7 +293,7 @@ def case_here(case: str, what: str) -> Iterator[dict]:
 def _fp8(path: Path) -> Any:
     from comfyui_lowvram_dit.host.wan_loader import load_wan_model
 
-    return load_wan_model(path, "fp8 per-tensor", 128, "auto")
+    return load_wan_model(path, "per_tensor", 128, "auto")
 
 
 def _sample(model: Any, seed: int = 0, steps: int = 2, frames: int = 3, latent_value: float | None = None) -> Any:

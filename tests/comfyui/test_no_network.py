@@ -86,7 +86,7 @@ def test_wan_path_runs_offline(tmp_path: Path, no_network: list[tuple], monkeypa
 
     wan = synth.write_synthetic("wan22_t2v_14B", tmp_path / "wan.safetensors", size="tiny", fmt="bf16", seed=3,
                                 num_layers=4)
-    model = apply_block_swap(apply_attention(load_wan_model(wan, "fp8 per-tensor"), "auto"),
+    model = apply_block_swap(apply_attention(load_wan_model(wan, "per_tensor"), "auto"),
                              SwapConfig(blocks_to_swap=2))
     assert torch.isfinite(sample_wan(model, seed=1)).all()
 
