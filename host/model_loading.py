@@ -1,4 +1,4 @@
-"""Building a native MODEL from a state dict with ComfyUI's loader, as a build recipe says (checkpoints/build_recipe.py)."""
+"""Building a native MODEL from a state dict with ComfyUI's loader, as checkpoints/build_recipe.py says."""
 
 from __future__ import annotations
 
