@@ -27,8 +27,10 @@ import torch
 
 from ..checkpoints import qwen_image
 from ..checkpoints.build_recipe import qwen_image_recipe
+from ..checkpoints.fp8_state import QuantMode
 from ..checkpoints.safetensors_io import CheckpointError, check_quantization, read_header
 from ..checkpoints.text_encoders import qwen25_vl_config_from_header
+from ..kernels.int8_choice import Compute
 from ..offload import stage_meter
 from ..offload.plan import SwapConfig, check_budget
 from ..offload.stage_meter import StageReport
@@ -43,8 +45,9 @@ from .names import display_name
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
-QUANTIZATION = {"fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise", "none": "none"}
-COMPUTE = {"auto": "auto", "fp8 matmul": "fp8", "int8 matmul": "int8", "dequantize": "dequantize"}
+# The nodes' labels -> what load_transformer and load_staged_model take
+QUANTIZATION: dict[str, QuantMode] = {"fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise", "none": "none"}
+COMPUTE: dict[str, Compute] = {"auto": "auto", "fp8 matmul": "fp8", "int8 matmul": "int8", "dequantize": "dequantize"}
 LOADER = "Qwen-Image staged loader"  # the Staged and the Edit Staged Loader share this transformer load
 
 
@@ -136,11 +139,13 @@ def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = Tr
 # Stage 2: transformer
 
 
-def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor", block_size: int = 128,
-                     compute: str = "auto", disable_dynamic: bool = False):  # noqa: ANN201 - ModelPatcher
-    """Read a Qwen-Image file (fp8-quantizing while streaming) and build a native MODEL from it
-    (``disable_dynamic``: see wan_loader.load_wan_model)."""
-    mode = QUANTIZATION[quantization]
+def load_transformer(unet_path: str | Path, mode: QuantMode = "per_tensor", block_size: int = 128,
+                     compute: Compute = "auto", disable_dynamic: bool = False):  # noqa: ANN201 - ModelPatcher
+    """Read a Qwen-Image file (fp8-quantizing a high-precision one to ``mode`` while streaming) and build a native
+    MODEL from it whose fp8 layers run ``compute`` (``disable_dynamic``: see wan_loader.load_wan_model)."""
+    if mode not in QUANTIZATION.values() or compute not in COMPUTE.values():
+        raise ValueError(f"{LOADER}: quantization must be one of {sorted(QUANTIZATION.values())} and compute one "
+                         f"of {sorted(COMPUTE.values())}, got {mode!r} and {compute!r}")
     check_quantization(read_header(unet_path))  # malformed configs / bad scales: named before any weight is read
     check_host_reads(unet_path, LOADER)  # layouts this ComfyUI cannot build, likewise
     dev = _compute_device()
@@ -154,8 +159,8 @@ def load_transformer(unet_path: str | Path, quantization: str = "fp8 per-tensor"
         log.info("lowvram_dit: %s is already %s fp8; kept as stored", Path(unet_path).name, info.format)
     # ComfyUI reads only in_channels and the block count; the widths come from the file (its defaults for the
     # released 20B file), so same-architecture files of other widths load too.
-    model = build_model(sd, qwen_image_recipe(out_mode, block_size), COMPUTE[compute],
-                        (load_transformer, (unet_path, quantization, block_size, compute)), disable_dynamic,
+    model = build_model(sd, qwen_image_recipe(out_mode, block_size), compute,
+                        (load_transformer, (unet_path, mode, block_size, compute)), disable_dynamic,
                         unet_config=info.widths)
     del sd
     if model is None:
@@ -226,12 +231,12 @@ def prepare_files(unet_name: str, clip_name: str, vae_name: str, vram_budget_gb:
     return unet, te, vae_path
 
 
-def load_staged_model(unet_path: str | Path, quantization: str = "fp8 per-tensor", vram_budget_gb: float = 0.0,
-                      blocks_to_swap: int = -1, compute: str = "auto",
+def load_staged_model(unet_path: str | Path, mode: QuantMode = "per_tensor", vram_budget_gb: float = 0.0,
+                      blocks_to_swap: int = -1, compute: Compute = "auto",
                       reset_cuda_peak: bool = False):  # noqa: ANN201 - (ModelPatcher, StageReport)
     """Stage 2: the fp8 transformer wrapped by Block Swap (the GPU load itself happens when sampling starts)."""
     with stage_meter.StageMeter("stage 2 (transformer load)", reset_cuda_peak=reset_cuda_peak) as meter:
-        model = load_transformer(unet_path, quantization, 128, compute)
+        model = load_transformer(unet_path, mode, 128, compute)
         stage_meter.release_host_memory()
         model = apply_block_swap(model, SwapConfig(vram_budget_gb=vram_budget_gb, blocks_to_swap=blocks_to_swap))
     meter.report.notes.append(f"block swap budget {vram_budget_gb:g} GB, blocks_to_swap {blocks_to_swap} "

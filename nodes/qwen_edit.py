@@ -9,7 +9,7 @@ from ..host import text_encoders
 from ..host.names import CATEGORY_LOADERS, display_name, node_id
 from ..host.qwen_cfg_batch import batched_conditioning
 from ..host.qwen_edit import MAX_IMAGES, QWEN25_VL_EDIT, encode_edit_prompts
-from ..host.qwen_stages import load_staged_model, load_vae, prepare_files
+from ..host.qwen_stages import COMPUTE, QUANTIZATION, load_staged_model, load_vae, prepare_files
 from . import qwen_staged
 
 
@@ -92,7 +92,8 @@ class QwenImageEditStagedLoader(io.ComfyNode):
                                             use_cache=cache_embeddings, device=where)
         if batch_cfg:
             pos, neg = batched_conditioning(pos, neg)
-        model, _ = load_staged_model(unet, quantization, vram_budget_gb, blocks_to_swap, compute)
+        model, _ = load_staged_model(unet, QUANTIZATION[quantization], vram_budget_gb, blocks_to_swap,
+                                     COMPUTE[compute])
         return io.NodeOutput(model, pos, neg, vae)
 
 

@@ -112,7 +112,8 @@ class QwenImageStagedLoader(io.ComfyNode):
         (pos, neg), _ = encode_prompts(te, [positive, negative], use_cache=cache_embeddings, device=where)
         if batch_cfg:
             pos, neg = batched_conditioning(pos, neg)
-        model, _ = load_staged_model(unet, quantization, vram_budget_gb, blocks_to_swap, compute)
+        model, _ = load_staged_model(unet, QUANTIZATION[quantization], vram_budget_gb, blocks_to_swap,
+                                     COMPUTE[compute])
         vae = load_vae(vae_path)
         return io.NodeOutput(model, pos, neg, vae)
 

@@ -89,7 +89,7 @@ def _loaders(path: str, qwen_path: str) -> dict[str, Callable[[], Any]]:
                                                     CompileConfig(dynamic=True)),
         "pack_lora": lambda: _with_lora(fp8()),
         "qwen_native": lambda: comfy.sd.load_diffusion_model(qwen_path),
-        "qwen_staged": lambda: apply_attention(load_staged_model(qwen_path, "fp8 per-tensor")[0], "auto"),
+        "qwen_staged": lambda: apply_attention(load_staged_model(qwen_path, "per_tensor")[0], "auto"),
     }
 
 

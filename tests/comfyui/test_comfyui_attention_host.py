@@ -276,7 +276,7 @@ def test_8bit_warmup_reads_qwen_image_heads(core: Any, warmups: list, tmp_path: 
 
     path = tmp_path / "qwen_bf16.safetensors"
     synth.write_synthetic("qwen_image", path, "tiny", "bf16", seed=3)
-    qwen = load_transformer(path, "fp8 per-tensor", 128, "auto")
+    qwen = load_transformer(path, "per_tensor", 128, "auto")
     attn = next(m for m in qwen.model.diffusion_model.modules() if isinstance(getattr(m, "heads", None), int))
     apply_attention(qwen, "lowvram 8-bit")
     assert warmups[0][2:4] == (attn.heads, attn.inner_dim // attn.heads)

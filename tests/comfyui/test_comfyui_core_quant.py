@@ -143,7 +143,7 @@ def test_qwen_staged_loader_builds_core_layers_like_unetloader(comfy: Any, tmp_p
     with detected_config_defaults(widths):
         stock = comfy.sd.load_diffusion_model(str(path))
     with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
-        ours = qwen_stages.load_transformer(path, "fp8 block-wise")
+        ours = qwen_stages.load_transformer(path, "blockwise")
     lines = [r.getMessage() for r in caplog.records if "ComfyUI's own quantized layers" in r.getMessage()]
     assert len(lines) == 1 and layout in lines[0] and "Qwen-Image" in lines[0], lines
     assert _quantized_layouts(ours) == _quantized_layouts(stock) == {layout}
@@ -181,7 +181,7 @@ def test_loaders_refuse_a_layout_the_host_cannot_build(comfy: Any, tmp_path: Pat
     for module in (core_quant, wan_checkpoint, checkpoint_io):
         monkeypatch.setattr(module, "read_tensors", no_weights, raising=False)
     for path, load, loader in ((wan, lambda: load_wan_model(wan, "per_tensor", 128, "auto"), "Wan Loader"),
-                               (qwen, lambda: qwen_stages.load_transformer(qwen, "fp8 per-tensor"), "Qwen-Image")):
+                               (qwen, lambda: qwen_stages.load_transformer(qwen, "per_tensor"), "Qwen-Image")):
         with pytest.raises(ValueError) as info:
             load()
         msg = str(info.value)

@@ -340,12 +340,12 @@ def test_qwen_image_streamed_blocks_hold_comfyui_merge(tmp_path: Path, monkeypat
     path = tmp_path / "qwen_bf16.safetensors"
     synth.write_synthetic("qwen_image", path, "tiny", "bf16", seed=3)
     lora = qwen_lora(load_file(str(path)))
-    resident = _with_lora(load_transformer(path, "fp8 per-tensor", 128, "auto"), lora)
+    resident = _with_lora(load_transformer(path, "per_tensor", 128, "auto"), lora)
     assert len(resident.patches) == len(lora) // 2
     mm.load_models_gpu([resident])
     ref = {k: v.clone() for k, v in resident.model.state_dict().items()}
     mm.unload_all_models()
-    model = _with_lora(_swapped(load_transformer(path, "fp8 per-tensor", 128, "auto"), blocks=1), lora)
+    model = _with_lora(_swapped(load_transformer(path, "per_tensor", 128, "auto"), blocks=1), lora)
     calls = _CountCalculate(monkeypatch)
     mm.load_models_gpu([model])
     ctl = model.attachments[SWAP_KEY]
@@ -426,7 +426,7 @@ def test_qwen_image_lora_adds_no_per_call_work_on_streamed_or_resident_layers(
     _offer_exactly_the_plan(monkeypatch)
     seen = {}
     for with_lora in (False, True):
-        model = _swapped(load_transformer(path, "fp8 per-tensor", 128, "auto"), blocks=2)
+        model = _swapped(load_transformer(path, "per_tensor", 128, "auto"), blocks=2)
         model.model.manual_cast_dtype = torch.bfloat16  # what a GPU gets: every fp8 weight costs a bf16 cast
         if with_lora:
             model = _with_lora(model, lora)

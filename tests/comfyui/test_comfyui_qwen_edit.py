@@ -215,7 +215,7 @@ def test_2511_marker_reaches_comfyui_detection(tmp_path: Path) -> None:
     del sd
     methods = {}
     for name in ("edit_2509", "edit_2511"):
-        patcher = qwen_stages.load_transformer(tmp_path / f"{name}.safetensors", "fp8 per-tensor")
+        patcher = qwen_stages.load_transformer(tmp_path / f"{name}.safetensors", "per_tensor")
         methods[name] = patcher.model.diffusion_model.default_ref_method
         del patcher
     assert methods == {"edit_2509": "index", "edit_2511": "index_timestep_zero"}, methods

@@ -185,7 +185,7 @@ def test_transformer_widths_come_from_the_file(tmp_path: Path) -> None:
 
     original = md.detect_unet_config
     path = synth.write_synthetic("qwen_image", tmp_path / "q.safetensors", "tiny", "fp8")
-    patcher = qwen_stages.load_transformer(path, "fp8 per-tensor")
+    patcher = qwen_stages.load_transformer(path, "per_tensor")
     dm = patcher.model.diffusion_model
     assert dm.inner_dim == 256 and dm.txt_in.in_features == SMALL_TE.hidden and len(dm.transformer_blocks) == 1
     assert patcher.model.model_config.unet_config["num_attention_heads"] == 2
