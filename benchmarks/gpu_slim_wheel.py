@@ -1,8 +1,7 @@
 """Slim a CUDA wheel for one GPU architecture so it fits the GPU machine's 64 MiB transfer (used by gpu_kit.sh).
 
 Each ``.nv_fatbin`` container keeps only its ELF entries for the SM (one with none is kept whole), the rest zeroed in
-place; ``--drop GLOB`` removes files; RECORD is rewritten. Usage: python gpu_slim_wheel.py WHEEL --sm 90 [--drop GLOB].
-"""
+place; ``--drop GLOB`` removes files; RECORD is rewritten."""
 from __future__ import annotations
 
 import argparse

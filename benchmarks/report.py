@@ -3,6 +3,7 @@ tables, and every scenario's ``<stem>.json`` + ``<stem>.md``. Only the standard 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -67,12 +68,10 @@ def software_facts() -> dict:
     """Versions of torch, Triton, comfy-kitchen and comfy-aimdo in this Python (read without importing them)."""
     from importlib import metadata
 
-    out = {}
-    for dist in ("torch", "triton", "comfy-kitchen", "comfy-aimdo"):
-        try:
-            out[dist.replace("-", "_")] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist.replace("-", "_")] = None
+    out = dict.fromkeys(("torch", "triton", "comfy_kitchen", "comfy_aimdo"))
+    for key in out:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[key] = metadata.version(key.replace("_", "-"))
     return out
 
 

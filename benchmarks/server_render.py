@@ -221,8 +221,7 @@ def empty_images(graph: dict) -> dict:
 
 def build_graph(row: RenderRow, srv: cli_server.ComfyServer, opts: argparse.Namespace) -> dict:
     """The row's graph against the running server's node schemas (shrunk for --smoke, --empty-image applied)."""
-    info = {t: srv.object_info(t) for t in rg.node_types_needed(row.spec)}
-    info = {t: i for t, i in info.items() if i}
+    info = {t: i for t in rg.node_types_needed(row.spec) if (i := srv.object_info(t))}
     graph = rg.render_graph(row.spec, row.setup, row.card_gib, row.file_format, info, row.name)
     for n in rg.of_type(graph, "EasyCache") if row.easycache_threshold is not None else ():
         graph[n]["inputs"]["reuse_threshold"] = row.easycache_threshold

@@ -23,11 +23,9 @@ PARTS = ("load_s", "text_encode_s", "sampling_s", "vae_decode_s", "save_s", "oth
 
 def node_kind(class_type: str) -> str:
     """Which part of the split a node of ``class_type`` counts in."""
-    for kinds, part in ((LOAD_NODES, "load_s"), (TEXT_NODES, "text_encode_s"), (SAMPLER_NODES, "sampling_s"),
-                        (DECODE_NODES, "vae_decode_s"), (SAVE_NODES, "save_s")):
-        if class_type in kinds:
-            return part
-    return "other_s"
+    parts = ((LOAD_NODES, "load_s"), (TEXT_NODES, "text_encode_s"), (SAMPLER_NODES, "sampling_s"),
+             (DECODE_NODES, "vae_decode_s"), (SAVE_NODES, "save_s"))
+    return next((part for kinds, part in parts if class_type in kinds), "other_s")
 
 
 def _sampler(events: list[tuple[float, dict]], nid: str, spent: float, title: str) -> dict:
