@@ -352,8 +352,9 @@ def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, re
     rows: list[dict] = []
     bf16_ms = None
     for vname, fn in {**fp8_variants(x, w, b), **int8_variants(x, w, b)}.items():
-        rows.append(r := _row(name, shape, vname, fn, x, w, b, repeats, warmup, bf16_ms))
+        r = _row(name, shape, vname, fn, x, w, b, repeats, warmup, bf16_ms)
         bf16_ms = bf16_ms or r.get("time_ms")
+        rows.append(r)
         done = f"{r['time_ms']:8.3f} ms" if r["status"] == "ok" else f"{r['status']}: {r['error'][:100]}"
         gemm = f" {r['tflops']:7.1f} TFLOP/s {r['vs_bf16']:5.2f}x err {r['rel_err']:.4%}" if "tflops" in r else ""
         say(f"  {name:16s} {vname:42s} {done}{gemm}")
