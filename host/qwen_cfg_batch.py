@@ -60,7 +60,8 @@ def one_batch(positive: list, negative: list) -> tuple[list, list]:
 def batched_conditioning(positive: list, negative: list) -> tuple[list, list]:
     """``one_batch`` where this ComfyUI masks Qwen-Image text tokens; elsewhere both unchanged, said once."""
     if missing := [p.describe() for p in TEXT_MASK if not p.ok()]:
-        say_once(log, f"lowvram_dit Qwen-Image: batch_cfg left off: this ComfyUI lacks {'; '.join(missing)}")
+        say_once(log, "lowvram_dit Qwen-Image: batch_cfg not applied (each prompt runs its own model call): this "
+                      f"ComfyUI's Qwen-Image has no text mask ({'; '.join(missing)})")
         return positive, negative
     if len(set(lengths := text_lengths(positive, negative))) > 1:
         log.info("lowvram_dit Qwen-Image: prompts of %s text tokens padded to %d (masked) so that cond and uncond "
