@@ -6,9 +6,14 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, get_args
 
 from ..checkpoints.build_recipe import BuildRecipe
+from ..checkpoints.fp8_state import QuantMode
+from ..kernels.int8_choice import COMPUTE as COMPUTE_MODES, Compute
+
+# The loader nodes' compute labels -> the compute mode the loading functions take
+COMPUTE: dict[str, Compute] = {"auto": "auto", "fp8 matmul": "fp8", "int8 matmul": "int8", "dequantize": "dequantize"}
 
 _DETECTION_LOCK = threading.Lock()
 
@@ -42,6 +47,14 @@ def detected_config_defaults(values: dict[str, Any]) -> Iterator[None]:
             yield
         finally:
             md.detect_unet_config = original
+
+
+def check_load_options(loader: str, mode: str, compute: str) -> None:
+    """ValueError naming ``loader`` unless ``mode`` is a quantization mode and ``compute`` a compute mode (the
+    pack's vocabulary, not the nodes' labels)."""
+    if mode not in get_args(QuantMode) or compute not in COMPUTE_MODES:
+        raise ValueError(f"{loader}: quantization must be one of {sorted(get_args(QuantMode))} and compute one of "
+                         f"{sorted(COMPUTE_MODES)}, got {mode!r} and {compute!r}")
 
 
 def build_model(state_dict: dict, recipe: BuildRecipe, compute: str, reload: tuple[Callable, tuple],

@@ -40,14 +40,13 @@ from .core_quant import announce, check_host_reads
 from .files import checked_input, use_mmap
 from .graph_checks import WAN_VAE_KEY
 from .mapped_weights import keep_file_backed
-from .model_loading import build_model
+from .model_loading import build_model, check_load_options
 from .names import display_name
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
-# The nodes' labels -> what load_transformer and load_staged_model take
+# The nodes' quantization labels -> what load_transformer / load_staged_model take (compute: model_loading.COMPUTE)
 QUANTIZATION: dict[str, QuantMode] = {"fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise", "none": "none"}
-COMPUTE: dict[str, Compute] = {"auto": "auto", "fp8 matmul": "fp8", "int8 matmul": "int8", "dequantize": "dequantize"}
 LOADER = "Qwen-Image staged loader"  # the Staged and the Edit Staged Loader share this transformer load
 
 
@@ -143,9 +142,7 @@ def load_transformer(unet_path: str | Path, mode: QuantMode = "per_tensor", bloc
                      compute: Compute = "auto", disable_dynamic: bool = False):  # noqa: ANN201 - ModelPatcher
     """Read a Qwen-Image file (fp8-quantizing a high-precision one to ``mode`` while streaming) and build a native
     MODEL from it whose fp8 layers run ``compute`` (``disable_dynamic``: see wan_loader.load_wan_model)."""
-    if mode not in QUANTIZATION.values() or compute not in COMPUTE.values():
-        raise ValueError(f"{LOADER}: quantization must be one of {sorted(QUANTIZATION.values())} and compute one "
-                         f"of {sorted(COMPUTE.values())}, got {mode!r} and {compute!r}")
+    check_load_options(LOADER, mode, compute)
     check_quantization(read_header(unet_path))  # malformed configs / bad scales: named before any weight is read
     check_host_reads(unet_path, LOADER)  # layouts this ComfyUI cannot build, likewise
     dev = _compute_device()

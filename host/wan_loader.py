@@ -18,13 +18,12 @@ from .core_quant import announce, check_host_reads
 from .file_slices import file_slice_hook
 from .files import use_mmap
 from .mapped_weights import keep_file_backed
-from .model_loading import build_model
+from .model_loading import build_model, check_load_options
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
-# The node's labels -> what load_wan_model takes
+# The node's quantization labels -> what load_wan_model takes (its compute labels: model_loading.COMPUTE)
 QUANTIZATION: dict[str, QuantMode] = {"none": "none", "fp8 per-tensor": "per_tensor", "fp8 block-wise": "blockwise"}
-COMPUTE: dict[str, Compute] = {"auto": "auto", "fp8 matmul": "fp8", "int8 matmul": "int8", "dequantize": "dequantize"}
 LOADER = "Wan Loader"
 
 
@@ -45,15 +44,14 @@ def load_wan_model(
     disable_dynamic: bool = False,
 ):  # noqa: ANN201 - comfy.model_patcher.ModelPatcher
     """Load a Wan file (quantizing while streaming to ``mode`` if it is high precision) and build a native ComfyUI
-    MODEL from it whose fp8 layers run ``compute`` (the node's labels map to both: ``QUANTIZATION``, ``COMPUTE``).
+    MODEL from it whose fp8 layers run ``compute`` (the node maps its labels: ``QUANTIZATION``,
+    model_loading ``COMPUTE``).
 
     ``disable_dynamic`` as in ComfyUI's loaders (its ``cached_patcher_init`` protocol); where DynamicVRAM is on,
     it manages the fp8 model as it manages UNETLoader's (checkpoints/build_recipe.py)."""
     import comfy.utils
 
-    if mode not in QUANTIZATION.values() or compute not in COMPUTE.values():
-        raise ValueError(f"{LOADER}: quantization must be one of {sorted(QUANTIZATION.values())} and compute one "
-                         f"of {sorted(COMPUTE.values())}, got {mode!r} and {compute!r}")
+    check_load_options(LOADER, mode, compute)
     source = Path(path)
     check_host_reads(source, LOADER)  # a layout this ComfyUI cannot build: refused before any weight is read
     saved = wc.find_quantized(source, mode, block_size)

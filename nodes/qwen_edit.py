@@ -9,7 +9,8 @@ from ..host import text_encoders
 from ..host.names import CATEGORY_LOADERS, display_name, node_id
 from ..host.qwen_cfg_batch import batched_conditioning
 from ..host.qwen_edit import MAX_IMAGES, QWEN25_VL_EDIT, encode_edit_prompts
-from ..host.qwen_stages import COMPUTE, QUANTIZATION, load_staged_model, load_vae, prepare_files
+from ..host.model_loading import COMPUTE
+from ..host.qwen_stages import QUANTIZATION, load_staged_model, load_vae, prepare_files
 from . import qwen_staged
 
 

@@ -7,9 +7,10 @@ from comfy_api.latest import io
 from ..host import text_encoders
 from ..host.files import file_fingerprint
 from ..host.names import CATEGORY_LOADERS, CATEGORY_UTILS, display_name, node_id
+from ..host.model_loading import COMPUTE
 from ..host.qwen_cfg_batch import batched_conditioning
 from ..host.qwen_stages import (
-    COMPUTE, QUANTIZATION, decode_staged, encode_prompts, load_staged_model, load_vae, prepare_files,
+    QUANTIZATION, decode_staged, encode_prompts, load_staged_model, load_vae, prepare_files,
 )
 from ..host.seams import BLOCK_SWAP_SEAMS, DISABLE
 from ..offload.plan import budget_problem, check_budget

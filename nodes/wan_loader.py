@@ -8,7 +8,8 @@ from ..checkpoints import wan as wc
 from ..host.files import file_fingerprint
 from ..host.names import CATEGORY_LOADERS, display_name, node_id
 from ..host.seams import DISABLE
-from ..host.wan_loader import COMPUTE, QUANTIZATION, check_decoding_vae, load_wan_model
+from ..host.model_loading import COMPUTE
+from ..host.wan_loader import QUANTIZATION, check_decoding_vae, load_wan_model
 
 
 class WanLoader(io.ComfyNode):
