@@ -2,8 +2,8 @@
 
 ComfyUI runs cond and uncond in one model call only when their conditioning tensors have one shape
 (``comfy.conds.CONDRegular.can_concat``); a Qwen-Image prompt and its negative almost never have the same token count,
-so every step makes two calls. Where a step is bound by the CPU issuing it (Qwen-Image at 1328x1328 through a server:
-0.3-0.6 s to issue a call holding 0.21 s of GPU work), one call of two samples costs the issuing once. The shorter
+so every step makes two calls. One call of two samples costs the CPU's issuing once, where a step is bound by it
+(docs/benchmarks.md, Qwen-Image), and copies each streamed block once. The shorter
 prompts' text tokens are zero-padded to the longest and masked by ``attention_mask`` (1 = token, 0 = padding), which
 ComfyUI's Qwen-Image turns into -inf on those keys in every block: no token attends to the padding, so the output is
 that of the unpadded prompt (``TEXT_MASK`` checks exactly that on a tiny model).
