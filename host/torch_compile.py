@@ -6,7 +6,9 @@ into the BaseModel only while ``apply_model`` runs, so weight patching, LoRA and
 modules (no ``_orig_mod.`` keys). Differences: mode,
 dynamic, fullgraph and a per-model recompile limit; blocks compiled as regions (one trace serves all blocks);
 failures (compile errors, OOM during compile or the first run) step down the chain and retry the same step;
-CUDA-graph modes are replaced when weights stream (our block swap, ComfyUI partial loading).
+CUDA-graph modes are replaced when Block Swap streams whole blocks. Where ComfyUI streams single layers (its
+partial loading; DynamicVRAM on a card smaller than the model) compiled blocks would break at every streamed layer:
+such a model is passed through under DynamicVRAM (``too_big_for_card``) and runs eager under partial loading.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from ..kernels.compile import (
 from ..kernels.compile_pays import MIN_GAIN, CompilePays
 from .dynamic_vram import legacy_clone
 from .hooks import APPLY_MODEL_PARAMS, register_hook
+from .log import say_once
+from .patchers import dynamic_vram_manages
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -56,6 +60,19 @@ def traced_wrappers(inputs: tuple) -> Optional[str]:
             "the compiled code")
 
 
+def too_big_for_card(model: Any) -> Optional[str]:
+    """Why ``model``'s weights cannot all stay on its GPU beside ComfyUI's reserves (None when they fit)."""
+    import comfy.model_management as mm
+
+    device = model.load_device
+    card = mm.get_total_memory(device) - mm.extra_reserved_memory() - mm.minimum_inference_memory()
+    size = model.model_size()
+    if size <= card:
+        return None
+    return f"its weights ({size / 2**30:.1f} GiB) do not fit the {card / 2**30:.1f} GiB of {device} left beside " \
+           "ComfyUI's reserves"
+
+
 def apply_compile(model: Any, config: CompileConfig, scope: str = "blocks",
                   compile_fn: Callable[..., Any] = torch.compile, when: str = "it pays") -> Any:
     """A clone of ``model`` (ModelPatcher) that runs compiled (``when`` 'it pays': only where a timed call on the GPU
@@ -64,6 +81,11 @@ def apply_compile(model: Any, config: CompileConfig, scope: str = "blocks",
         raise ValueError(f"Torch Compile: scope '{scope}' is not one of {SCOPES}")
     if when not in WHEN:
         raise ValueError(f"Torch Compile: when '{when}' is not one of {WHEN}")
+    if dynamic_vram_manages(model) and (why := too_big_for_card(model)):
+        say_once(log, f"lowvram_dit Torch Compile passes this model through: {why}, so ComfyUI's DynamicVRAM keeps "
+                      "streaming it (leaving it for the legacy loading would stream it slower, layer by layer, and "
+                      "break every compiled block at each streamed layer)")
+        return model
     m = legacy_clone(model, "Torch Compile") or model.clone()  # compiled regions must not hold DynamicVRAM casts
     from comfy.patcher_extension import WrappersMP
 

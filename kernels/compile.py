@@ -384,7 +384,7 @@ class CompiledRegions:
         return text
 
     def adapt_to_streaming(self) -> None:
-        """Weights move between calls (block swap, ComfyUI partial load): drop CUDA-graph configs, say so once."""
+        """Weights move between calls (Block Swap streams blocks): drop CUDA-graph configs, say so once."""
         if self.streaming_adjusted or self.current is None or not self.current.uses_cuda_graphs:
             return
         fixed = without_cuda_graphs(self.current)
@@ -393,7 +393,7 @@ class CompiledRegions:
         self.streaming_adjusted = True
         self._drop_compiled()
         log.warning("lowvram_dit compile: %s records CUDA graphs, which need fixed weight addresses; weights "
-                    "stream (block swap / partial load), so using %s instead", self.requested.describe(),
+                    "stream (Block Swap), so using %s instead", self.requested.describe(),
                     fixed.describe())
 
     def run(self, root: torch.nn.Module, call: Callable[[], T], *, streaming: bool = False,
@@ -519,17 +519,20 @@ class CompileHook(ModelHook):
                  partial_load: Callable[[Any], bool] = lambda module: False,
                  recompile_cause: Callable[[tuple], Optional[str]] = lambda inputs: None) -> None:
         self.regions = regions
-        self.partial_load = partial_load  # the host's own partial (low-VRAM) loading also moves weights
+        self.partial_load = partial_load  # the host's own partial (low-VRAM) loading: runs eager
         self.recompile_cause = recompile_cause  # the host's reading of a call's inputs: what recompiles per step
         self._last_status = ""
 
     def wrap_forward(self, module: Any, call: Callable[[], T], registry: HookRegistry) -> T:
         """Run ``call`` with ``module``'s regions compiled; log the mode in use whenever it changes."""
-        streaming = registry.moves_weights() or bool(self.partial_load(module))
         inputs = registry.call_inputs()
-        self.regions.recompile_cause = self.recompile_cause(inputs)
-        out = self.regions.run(module, call, streaming=streaming, signature=input_signature(*inputs),
-                               device=call_device(*inputs))
+        if self.partial_load(module):  # every offloaded layer copies its weight per call: a graph break each
+            self.regions.eager_because = "the host loaded this model partially; its layers copy weights per call"
+            out = call()
+        else:
+            self.regions.recompile_cause = self.recompile_cause(inputs)
+            out = self.regions.run(module, call, streaming=registry.moves_weights(),
+                                   signature=input_signature(*inputs), device=call_device(*inputs))
         status = self.regions.status()
         if status != self._last_status:
             self._last_status = status

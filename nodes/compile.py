@@ -35,11 +35,12 @@ class TorchCompile(io.ComfyNode):
                         "the same step; the log names the mode in use.",
             inputs=[
                 io.Model.Input("model", tooltip="Diffusion model to compile (works after Block Swap and fp8 "
-                                                "loaders; LoRA and saving keep seeing the plain model)."),
+                                                "loaders; LoRA and saving keep seeing the plain model). A model "
+                                                "larger than the card is passed through, uncompiled."),
                 io.Combo.Input("mode", options=list(MODES), default="default",
                                tooltip="torch.compile mode. reduce-overhead and max-autotune record CUDA graphs: "
-                                       "not possible while weights stream (block swap, partial loading), so "
-                                       "their no-cudagraphs twin is used then. max-autotune compiles for minutes."),
+                                       "not possible while Block Swap streams weights, so their no-cudagraphs "
+                                       "twin is used then. max-autotune compiles for minutes."),
                 io.Combo.Input("backend", options=["inductor", "cudagraphs"], default="inductor",
                                tooltip="inductor generates fused Triton kernels; cudagraphs only records graphs."),
                 io.Combo.Input("dynamic", options=list(DYNAMIC_CHOICES), default="auto",

@@ -192,3 +192,33 @@ def test_torch_compile_takes_the_model_off_dynamic_vram(tmp_path: Path, caplog: 
     assert sum("leaves ComfyUI's DynamicVRAM" in r.getMessage() for r in caplog.records) == 1
     legacy = load_wan_model(path, "per_tensor")
     assert apply_compile(legacy, CompileConfig(), compile_fn=lambda module, **_: module).model is legacy.model
+
+
+def test_torch_compile_passes_through_a_model_larger_than_the_card(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Under DynamicVRAM, a model whose weights do not fit the card stays with DynamicVRAM, uncompiled, with one log
+    line: the legacy loading would stream it layer by layer (slower), and each streamed layer breaks a compiled
+    block. One that fits is taken off DynamicVRAM and compiled as before."""
+    comfyui_in_process_or_skip()
+    import inspect
+
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    if "disable_dynamic" not in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
+        pytest.skip("this ComfyUI has no DynamicVRAM (ModelPatcher.clone takes no disable_dynamic)")
+    from comfyui_lowvram_dit.host import log
+    from comfyui_lowvram_dit.host.torch_compile import COMPILE_KEY, apply_compile
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.kernels.compile import CompileConfig
+
+    log._SAID_ONCE.clear()
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    dynamic = _as_dynamic(load_wan_model(_tiny_wan(tmp_path, "big.safetensors"), "per_tensor"))
+    reserves = mm.extra_reserved_memory() + mm.minimum_inference_memory()
+    for spare, passes in ((-1, True), (0, False)):  # the card's memory beside the reserves, minus the model's size
+        monkeypatch.setattr(mm, "get_total_memory", lambda *a, **k: dynamic.model_size() + reserves + spare)
+        out = apply_compile(dynamic, CompileConfig(), compile_fn=lambda module, **_: module)
+        assert (out is dynamic) == passes and (COMPILE_KEY in out.attachments) != passes
+    said = [r.getMessage() for r in caplog.records if "passes this model through" in r.getMessage()]
+    assert len(said) == 1 and "do not fit" in said[0] and "DynamicVRAM keeps streaming it" in said[0], said
