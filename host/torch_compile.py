@@ -65,7 +65,7 @@ def too_big_for_card(model: Any) -> Optional[str]:
     import comfy.model_management as mm
 
     device = model.load_device
-    card = mm.get_total_memory(device) - mm.extra_reserved_memory() - mm.minimum_inference_memory()
+    card = mm.get_total_memory(device) - mm.minimum_inference_memory()  # 0.8 GiB + --reserve-vram
     size = model.model_size()
     if size <= card:
         return None
