@@ -10,6 +10,7 @@ except conventions no fp8 GEMM takes (musubi row groups, e5m2), which are re-qua
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,52 @@ SourceFormat = Literal[
 ]
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")  # ComfyUI per-layer quant formats this normaliser reads
+
+
+# Keys ComfyUI / musubi files carry next to a layer's weight that the fp8 Linear does not use.
+LAYER_EXTRA_KEYS = ("comfy_quant", "input_scale", "scale_input", "scale_weight_tensor")
+
+
+def comfy_quant_format(raw: torch.Tensor) -> str | None:
+    """The ``format`` field of a ``<layer>.comfy_quant`` uint8 JSON tensor (None if unreadable)."""
+    try:
+        return json.loads(bytes(raw.to(torch.uint8).tolist()).decode("utf-8")).get("format")
+    except (ValueError, AttributeError):
+        return None
+
+
+def pop_fp8_layer(state_dict: dict[str, torch.Tensor], prefix: str,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Take one Linear's fp8 weight and scale out of ``state_dict`` in the form the fp8 ops hold (float8_e4m3fn,
+    fp32 scale: 0-d per-tensor or the block grid), whatever file convention named them; the layer's other
+    file-only keys are dropped. None (the state dict unchanged but for those keys) when the weight is not fp8.
+
+    For state dicts that did not come through ``read_fp8_state_dict`` (which already gives this form)."""
+    conf = state_dict.get(prefix + "comfy_quant")
+    if conf is not None and comfy_quant_format(conf) not in FP8_FORMATS:
+        raise ValueError(f"{prefix[:-1]}: ComfyUI quant format {comfy_quant_format(conf)!r} is not "
+                         "supported by the LowVRAM fp8 ops; load this file with UNETLoader")
+    for k in LAYER_EXTRA_KEYS:
+        state_dict.pop(prefix + k, None)
+    w = state_dict.get(prefix + "weight")
+    scale = state_dict.pop(prefix + "weight_scale", None)
+    legacy = state_dict.pop(prefix + "scale_weight", None)  # ComfyUI's legacy scaled fp8 name
+    scale = scale if scale is not None else legacy
+    if w is None or w.dtype not in FP8_DTYPES:
+        return None
+    state_dict.pop(prefix + "weight")
+    if w.dtype != torch.float8_e4m3fn:  # e5m2: re-quantized to the e4m3fn the GEMMs take
+        s = scale.float() if scale is not None else torch.ones(())
+        w, scale = fp8_math.quantize_per_tensor(
+            w.float() * fp8_math.expand_scale(s, tuple(w.shape), block_size, w.device))
+    scale = torch.ones((), dtype=torch.float32) if scale is None else scale.float()
+    if scale.numel() == 1:
+        return w, scale.reshape(())
+    if tuple(scale.shape) != fp8_math.blockwise_scale_shape(*w.shape, block_size):
+        raise ValueError(f"{prefix}weight_scale has shape {list(scale.shape)}, expected a scalar or "
+                         f"{list(fp8_math.blockwise_scale_shape(*w.shape, block_size))} for block size {block_size}; "
+                         "load the file through the LowVRAM Wan loader")
+    return w, scale
 
 
 def quantize_weight(w: torch.Tensor, mode: QuantMode, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

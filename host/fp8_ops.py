@@ -9,10 +9,11 @@ The Linear keeps the CastWeightBiasOp contract:
 - resident, no LoRA functions: ``kernels.fp8.fp8_linear`` on the fp8 weight (fp8 matmul where the GPU has it),
   or, where the compute mode is int8 (kernels/int8_choice.py: "auto" on GPUs with int8 but no fp8 tensor cores),
   ``kernels.int8.int8_linear`` on a per-channel int8 copy of the weight made once per weight and device and kept
-  on the module (``_int8``). The copy is dropped whenever the weight may have changed: ``set_weight`` (LoRA merges),
-  a state-dict load, a move (``_apply``), and any new weight Parameter (ComfyUI's unpatching re-binds the
-  original). A weight updated in place (``set_weight(inplace_update=True)``) could later be restored in place
-  without this layer seeing it (``comfy.utils.copy_to_param``), so from then on its int8 copy is made per call;
+  on the module (``_derived``, beside the GEMM path picked per device). The copy is dropped whenever the weight
+  may have changed: ``set_weight`` (LoRA merges), a state-dict load, a move (``_apply``), and any new weight
+  Parameter (ComfyUI's unpatching re-binds the original). A weight updated in place
+  (``set_weight(inplace_update=True)``) could later be restored in place without this layer seeing it
+  (``comfy.utils.copy_to_param``), so from then on its int8 copy is made per call;
   so is that of a weight that is a view into a larger buffer (Block Swap's GPU ring slots: caching those would keep
   every streamed block's copy on the GPU), and of every weight while torch.compile traces;
 - lowvram-offloaded: the fp8 weight + its scale are copied on ComfyUI's offload stream (``uncast_bias_weight``
@@ -21,12 +22,12 @@ The Linear keeps the CastWeightBiasOp contract:
 - merged LoRA (resident): ``convert_weight`` dequantizes, ComfyUI adds the LoRA, ``set_weight`` re-quantizes
   with the layer's existing scale. The scale is never changed by patching, because ModelPatcher backs up and
   restores only ``<layer>.weight``; a new scale would survive unpatching and corrupt the restored weight.
-Weights are plain tensors (float8 ``weight``, fp32 ``weight_scale``), so block swap moves them like any other.
+Weights are plain tensors (float8 ``weight``, fp32 ``weight_scale``), so block swap moves them like any other. A
+state dict in another file convention is brought to that form by ``checkpoints.fp8_state.pop_fp8_layer``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -42,13 +43,11 @@ import torch
 from ..kernels import fp8 as fp8_math
 from ..kernels import int8 as int8_math
 from ..kernels import int8_choice, opaque_ops
+from ..checkpoints.fp8_state import pop_fp8_layer
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-# Keys ComfyUI / musubi files carry next to a weight; accepted here too, in case a state dict was not
-# converted by checkpoints/wan.py first (passing custom_operations disables convert_old_quants).
-IGNORED_KEYS = ("comfy_quant", "input_scale", "scale_input", "scale_weight_tensor")
 
 
 @dataclass(frozen=True)
@@ -72,9 +71,7 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.register_parameter("weight_scale", None)
-            self._fp8_path: tuple[torch.device, str] | None = None
-            self._int8: _Int8Copy | None = None  # the int8 copy of the weight on one device (see the module doc)
-            self._int8_in_place = False  # the weight was updated in place: int8 copies are made per call
+            self._derived = _Derived()  # what calls derive from the weight and keep (see the module doc)
 
         @property
         def is_fp8(self) -> bool:
@@ -98,31 +95,9 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
         # ---- loading -----------------------------------------------------------------------------
         def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                                   unexpected_keys, error_msgs) -> None:  # noqa: ANN001 - torch signature
-            conf = state_dict.get(prefix + "comfy_quant")
-            if conf is not None and _comfy_quant_format(conf) not in ("float8_e4m3fn", "float8_e5m2"):
-                raise ValueError(f"{prefix[:-1]}: ComfyUI quant format {_comfy_quant_format(conf)!r} is not "
-                                 "supported by the LowVRAM fp8 ops; load this file with UNETLoader")
-            for k in IGNORED_KEYS:
-                state_dict.pop(prefix + k, None)
-            w = state_dict.get(prefix + "weight")
-            scale = state_dict.pop(prefix + "weight_scale", None)
-            legacy = state_dict.pop(prefix + "scale_weight", None)  # ComfyUI legacy scaled fp8 name
-            scale = scale if scale is not None else legacy
-            if w is not None and w.dtype in FP8_DTYPES:
-                state_dict.pop(prefix + "weight")
-                if w.dtype != torch.float8_e4m3fn:  # e5m2: re-quantize to the e4m3fn the GEMMs take
-                    s = scale.float() if scale is not None else torch.ones(())
-                    w, scale = fp8_math.quantize_per_tensor(
-                        w.float() * fp8_math.expand_scale(s, tuple(w.shape), self.fp8_config.block_size, w.device))
-                scale = torch.ones((), dtype=torch.float32) if scale is None else scale.float()
-                if scale.numel() == 1:
-                    scale = scale.reshape(())
-                elif tuple(scale.shape) != fp8_math.blockwise_scale_shape(*w.shape, self.fp8_config.block_size):
-                    raise ValueError(
-                        f"{prefix}weight_scale has shape {list(scale.shape)}, expected a scalar or "
-                        f"{list(fp8_math.blockwise_scale_shape(*w.shape, self.fp8_config.block_size))} for block size "
-                        f"{self.fp8_config.block_size}; load the file through the LowVRAM Wan loader"
-                    )
+            found = pop_fp8_layer(state_dict, prefix, self.fp8_config.block_size)
+            if found is not None:
+                w, scale = found
                 if tuple(w.shape) != (self.out_features, self.in_features):
                     raise ValueError(f"{prefix}weight has shape {list(w.shape)}, the model expects "
                                      f"{[self.out_features, self.in_features]}")
@@ -131,8 +106,7 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
                 self.weight_scale = torch.nn.Parameter(scale.to(device), requires_grad=False)
                 # ComfyUI recorded the dtype the layer was built with (bf16); DynamicVRAM casts to the recorded one
                 self.weight_comfy_model_dtype = w.dtype
-                self._fp8_path = None
-            self._int8 = None
+            self._derived.invalidate()
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                           unexpected_keys, error_msgs)
             for k in (prefix + "weight", prefix + "weight_scale"):
@@ -141,7 +115,7 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
 
         # ---- forward -----------------------------------------------------------------------------
         def _path(self, device: torch.device) -> str:
-            cached = self._fp8_path
+            cached = self._derived.path
             if cached is not None and cached[0] == device:
                 return cached[1]
             n, k = self.weight.shape
@@ -151,7 +125,7 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             else:
                 path = fp8_math.select_path(device, self._block_size(), n, k, mode)
             if not torch.compiler.is_compiling():  # no module mutation inside a compiled region
-                self._fp8_path = (device, path)
+                self._derived.path = (device, path)
             return path
 
         def forward(self, input, *args, **kwargs):  # noqa: ANN001, ANN201 - ComfyUI op signature
@@ -231,19 +205,19 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
         def _cacheable(self) -> bool:
             """Whether this layer's int8 copy may be kept (see the module doc for when it is made per call)."""
             w = self.weight
-            return (not self._int8_in_place and not torch.compiler.is_compiling()
+            return (not self._derived.updated_in_place and not torch.compiler.is_compiling()
                     and w.untyped_storage().nbytes() == w.numel() * w.element_size())
 
         def _int8_linear(self, input, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                          cacheable: bool) -> torch.Tensor:  # noqa: ANN001 - ComfyUI op signature
             rotate = int8_choice.rotate_for(weight.shape[1])
-            found = self._int8
+            found = self._derived.int8
             if found is not None and cacheable and found.matches(weight, rotate):
                 wq, ws = found.q, found.scale
             else:
                 wq, ws = int8_math.weight_from_fp8(weight, scale, self._block_size(), rotate)
                 if cacheable:  # never set while torch.compile traces (no module mutation in a compiled region)
-                    self._int8 = _Int8Copy.of(weight, rotate, wq, ws)
+                    self._derived.int8 = _Int8Copy.of(weight, rotate, wq, ws)
             return int8_choice.linear(input, wq, ws, bias, rotate)
 
         # ---- LoRA (merged into resident weights by ModelPatcher.patch_weight_to_device) ------------
@@ -268,8 +242,8 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
                 new = comfy.float.stochastic_rounding(weight, self.weight.dtype, seed=seed or 0)
             if return_weight:
                 return new
-            self._int8 = None  # the int8 copy follows the weight: made again at the next call
-            self._int8_in_place = self._int8_in_place or bool(inplace_update)
+            self._derived.invalidate()  # the int8 copy follows the weight: made again at the next call
+            self._derived.updated_in_place |= bool(inplace_update)
             if inplace_update:
                 self.weight.data.copy_(new)
             else:
@@ -288,9 +262,24 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             for key, buf in self._buffers.items():
                 if buf is not None:
                     self._buffers[key] = fn(buf)
-            self._fp8_path = None
-            self._int8 = None
+            self._derived.invalidate()
             return self
+
+
+class _Derived:
+    """What an fp8 Linear derives from its weight and keeps between calls: the GEMM path picked for a device and the
+    int8 copy of the weight (one device). ``invalidate()`` drops both wherever the weight may have changed (a state
+    dict load, ``set_weight``, a move); an int8 copy also checks the very Parameter and its version it was made from.
+    ``updated_in_place``: once set, int8 copies are made per call (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.path: tuple[torch.device, str] | None = None
+        self.int8: _Int8Copy | None = None
+        self.updated_in_place = False
+
+    def invalidate(self) -> None:
+        self.path = None
+        self.int8 = None
 
 
 @dataclass(frozen=True)
@@ -335,14 +324,6 @@ def _version_of(t: torch.Tensor) -> int:
     """The version counter of ``t``; -1 for inference tensors (ComfyUI loads under inference mode), which have
     none: for them only the identity of the Parameter and ``set_weight`` tell that the weight changed."""
     return -1 if t.is_inference() else t._version
-
-
-def _comfy_quant_format(raw: torch.Tensor) -> str | None:
-    """The ``format`` field of a ``<layer>.comfy_quant`` uint8 JSON tensor (None if unreadable)."""
-    try:
-        return json.loads(bytes(raw.to(torch.uint8).tolist()).decode("utf-8")).get("format")
-    except (ValueError, AttributeError):
-        return None
 
 
 _CONFIGURED: dict[Fp8OpsConfig, type] = {}
