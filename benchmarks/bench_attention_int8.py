@@ -29,20 +29,17 @@ from comfyui_lowvram_dit.kernels import attention_int8 as A
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "wan14b_480p_self": (1, 40, 32760, 32760, 128),  # 832x480x81 -> 21 x 60 x 104 / (1x2x2) patches
     "wan14b_480p_cross": (1, 40, 32760, 512, 128),  # umT5 text context, 512 tokens
-    "qwen_image_1328_joint": (1, 24, 6889 + 128, 6889 + 128, 128),  # 83x83 patches + text
     "wan14b_720p_self": (1, 40, 75600, 75600, 128),  # 1280x720x81 -> 21 x 90 x 160 / 4
     "wan14b_720p_cross": (1, 40, 75600, 512, 128),
 }
-QUICK_SHAPES = ("wan14b_480p_self", "wan14b_480p_cross")
 KITCHEN_SHAPES = ("wan14b_480p_self", "wan14b_480p_cross", "wan14b_720p_self", "wan14b_720p_cross")
 # ours: (Q·Kᵀ format, P·V format, hi_keys). "int8_int8" is what "auto" runs where int8 P·V is chosen, "int8_fp8" on
 # other sm89+ GPUs, "int8_fp16" on sm80/86 and the selectable precise scheme; "int8_fp8_old" the scheme before the
 # 16-bit keys (the speed baseline). hi_keys None = hi_key_count(Lk), 0 = none.
 OURS = {"int8_fp16": ("int8", "fp16", None), "int8_fp8": ("int8", "fp8", None), "int8_fp8_old": ("int8", "fp8", 0),
-        "fp8_fp8": ("fp8", "fp8", None), "int8_int8": ("int8", "int8", None)}
-# comfy-kitchen's INT8 attention (as ComfyUI's --use-ck-attention runs it) and torch's experimental fp8 SDPA
-RIVALS = ("comfy_kitchen_int8", "sdpa_fp8")
-BACKENDS = ("sdpa_cudnn", "sdpa_flash", *OURS, *RIVALS, "prologue", "prologue_old")
+        "int8_int8": ("int8", "int8", None)}
+RIVALS = ("comfy_kitchen_int8",)  # comfy-kitchen's INT8 attention, as ComfyUI's --use-ck-attention runs it
+BACKENDS = ("sdpa_cudnn", *OURS, *RIVALS, "prologue", "prologue_old")
 KITCHEN_BACKENDS = ("sdpa_cudnn", "int8_int8", "int8_fp8")
 FAMILY_BACKENDS = ("sdpa_cudnn", "int8_fp16", "int8_fp8", "int8_int8", "int8_fp8_old", "comfy_kitchen_int8")
 FAMILY_HEADS = ERR_HEADS = 2
@@ -88,44 +85,15 @@ def _comfy_kitchen_int8():
     return lambda q, k, v: comfy_kitchen.int8_attention(q, k, v)
 
 
-def _sdpa_fp8():
-    """torch's experimental fp8 SDPA (per-head descales; the quantization to e4m3 in torch is timed with it)."""
-    try:
-        from torch.nn.attention.experimental._scaled_dot_product_attention_quantized import (
-            _scaled_dot_product_attention_quantized as sdpa_quantized,
-        )
-    except ImportError as exc:
-        raise BackendUnavailable(f"torch {torch.__version__} has no fp8 SDPA API: {exc}"[:300]) from exc
-
-    def to_fp8(x):
-        descale = x.abs().amax(dim=(2, 3)).float().clamp_min(1e-6) / 448.0  # [B, H]
-        return (x / descale[:, :, None, None].to(x.dtype)).to(torch.float8_e4m3fn), descale
-
-    def run(q, k, v):
-        (q8, qd), (k8, kd), (v8, vd) = to_fp8(q), to_fp8(k), to_fp8(v)
-        return sdpa_quantized(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
-
-    try:  # probe once: the API exists in torch builds whose fp8 kernels (FA3 / cuDNN) are not there
-        run(*(torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)))
-        torch.cuda.synchronize()
-    except Exception as exc:  # any failure of the probe is the reason this row is skipped
-        raise BackendUnavailable(f"fp8 SDPA does not run here: {reports.error_text(exc, 270)}") from exc
-    return run
-
-
 def backend_fn(name: str):
     """callable(q, k, v) -> out for a backend name (BackendUnavailable when it cannot run here)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if name == "comfy_kitchen_int8":
         return _comfy_kitchen_int8()
-    if name == "sdpa_fp8":
-        return _sdpa_fp8()
-    if name in ("sdpa_cudnn", "sdpa_flash"):
-        which = SDPBackend.CUDNN_ATTENTION if name == "sdpa_cudnn" else SDPBackend.FLASH_ATTENTION
-
+    if name == "sdpa_cudnn":
         def run(q, k, v):
-            with sdpa_kernel(which):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(q, k, v)
         return run
     if name in ("prologue", "prologue_old"):  # the auto formats' prologue; _old: without the key sort (hi_keys=0)
@@ -343,7 +311,7 @@ def to_markdown(report: dict) -> list[str]:
     """The report: environment, timings, error per input family, the kernel vs its emulation, autotuner picks."""
     env, kitchen = report["env"], report["bench"] == KITCHEN_STEM
     title = ("attention_kitchen: the 8-bit attention vs cuDNN and comfy-kitchen versions" if kitchen else
-             "attention_int8: the 8-bit attention kernel vs cuDNN, flash and comfy-kitchen")
+             "attention_int8: the 8-bit attention kernel vs cuDNN and comfy-kitchen")
     lines = reports.header(title, env, [
         f"auto formats: {env.get('formats_auto')}; comfy-kitchen versions measured: {report['kitchen'] or '—'}",
         "time: median of CUDA-event timings, Gaussian inputs, all heads; TFLOP/s = 4·B·H·Lq·Lk·D / t; errors: "
@@ -363,11 +331,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command line; --shapes and --backends names are checked against the known ones."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kitchen", action="store_true", help="the attention_kitchen scenario (module docstring)")
-    parser.add_argument("--quick", action="store_true", help="Wan 480p self/cross only")
     parser.add_argument("--no-sweep", action="store_true", help=argparse.SUPPRESS)  # recorded commands pass it
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 10; 6 with --kitchen)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
-                        help="time these shapes (default: all; --quick: Wan 480p; --kitchen: Wan 480p and 720p)")
+                        help="time these shapes (default: all; --kitchen: Wan 480p and 720p)")
     parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=None,
                         help="timed rows per shape (default: all; --kitchen: cuDNN and our fp8 / int8 P·V)")
     parser.add_argument("--families", nargs="*", default=None, metavar="FAMILY",
@@ -378,11 +345,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU: the family errors of ours (fp32 emulation) at a tiny shape; no timing")
-    parser.add_argument("--tag", default="", help="suffix of the result files' names")
     parser.add_argument("--out", type=Path, default=reports.RESULTS)
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (6 if args.kitchen else 10)
-    args.shapes = args.shapes or list(KITCHEN_SHAPES if args.kitchen else QUICK_SHAPES if args.quick else SHAPES)
+    args.shapes = args.shapes or list(KITCHEN_SHAPES if args.kitchen else SHAPES)
     args.backends = args.backends or list(KITCHEN_BACKENDS if args.kitchen else BACKENDS)
     if args.families == [] or (args.kitchen and args.families is None):
         args.families = list(families_module().ALL_FAMILIES)
@@ -415,8 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     env["formats_auto"] = list(A.resolve_formats(dev)) if A.is_supported(dev, torch.bfloat16, 128) else None
     say(f"device {env['gpu']} (sm{env['compute_capability']}), torch {env['torch']}, "
         f"triton {env['triton']}, comfy_kitchen {env['comfy_kitchen']}, auto formats {env['formats_auto']}")
-    stem = KITCHEN_STEM if args.kitchen else ("bench_attention_int8" + ("_quick" if args.quick else "")
-                                              + (f"_{args.tag}" if args.tag else ""))
+    stem = KITCHEN_STEM if args.kitchen else "bench_attention_int8"
     report = {"bench": stem, "env": env, "kitchen": [], "rows": [], "families": [], "autotune": {}, "checks": []}
 
     def write() -> None:  # after every stage, so a run cut short still leaves what it measured
