@@ -1,5 +1,5 @@
 """One ComfyUI server as the render scenario drives it: flags, base folder, a queued graph's events and memory, the log
-digest, latent comparison. The runner itself never starts CUDA."""
+digest, latent comparison (the events' times: server_render_split). The runner itself never starts CUDA."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 from typing import Any, Self
 
@@ -44,30 +43,6 @@ def server_flags(name: str, total_vram_gib: float, card_gib: float | None, ck_at
 def node(class_type: str, title: str, **inputs: Any) -> dict:
     """One API-graph node."""
     return {"class_type": class_type, "inputs": inputs, "_meta": {"title": title}}
-
-
-def step_times(events: list[tuple[float, dict]], node_id: str) -> dict:
-    """A sampler node's ``first_s`` ('executing' to first 'progress') and ``steps_s`` from websocket events."""
-    start = next((t for t, m in events if m.get("type") == "executing" and m["data"].get("node") == node_id), None)
-    seen: dict[int, float] = {}
-    for t, m in events:
-        if m.get("type") == "progress" and str(m["data"].get("node")) == node_id:
-            seen.setdefault(int(m["data"]["value"]), t)  # a re-sent value counts once
-    values = sorted(seen)
-    stamps = [seen[v] for v in values]
-    return {"node": node_id, "progress_values": values,
-            "first_s": round(stamps[0] - start, 3) if stamps and start is not None else None,
-            "steps_s": [round(b - a, 3) for a, b in pairwise(stamps)]}
-
-
-def node_times(events: list[tuple[float, dict]]) -> dict[str, float]:
-    """Seconds each executed node took: from its 'executing' message to the next node's (or the end)."""
-    marks = [(t, m["data"].get("node")) for t, m in events if m.get("type") == "executing"]
-    out: dict[str, float] = {}
-    for (t, nid), (t_next, _) in pairwise(marks):
-        if nid is not None:
-            out[str(nid)] = round(out.get(str(nid), 0.0) + t_next - t, 3)
-    return out
 
 
 LOG_KEEP = re.compile(r"lowvram_dit|DynamicVRAM|loaded (completely|partially)|Requested to load|model weight dtype|"

@@ -4,9 +4,8 @@ websocket events; a sampler's first step above its median step counts as load, s
 from __future__ import annotations
 
 import statistics
+from itertools import pairwise
 from typing import Any
-
-from comfyui_lowvram_dit.benchmarks.server import node_times, step_times
 
 LOAD_NODES = frozenset({
     "UNETLoader", "CLIPLoader", "VAELoader", "CLIPVisionLoader", "LoraLoaderModelOnly", "LowVRAM_WanLoader",
@@ -28,15 +27,31 @@ def node_kind(class_type: str) -> str:
     return next((part for kinds, part in parts if class_type in kinds), "other_s")
 
 
-def _sampler(events: list[tuple[float, dict]], nid: str, spent: float, title: str) -> dict:
-    """One sampler node: its first step (load inside), the median of its later steps, and the load part."""
-    st = step_times(events, nid)
-    later = st["steps_s"]
+def node_times(events: list[tuple[float, dict]]) -> dict[str, float]:
+    """Seconds each executed node took: from its 'executing' message to the next node's (or the end)."""
+    marks = [(t, m["data"].get("node")) for t, m in events if m.get("type") == "executing"]
+    out: dict[str, float] = {}
+    for (t, nid), (t_next, _) in pairwise(marks):
+        if nid is not None:
+            out[str(nid)] = round(out.get(str(nid), 0.0) + t_next - t, 3)
+    return out
+
+
+def sampler_steps(events: list[tuple[float, dict]], nid: str, spent: float = 0.0, title: str = "") -> dict:
+    """One sampler node from its websocket 'progress' messages (a re-sent value counts once): its first step
+    ('executing' to the first 'progress', load inside), its later steps and their median, and the load part."""
+    start = next((t for t, m in events if m.get("type") == "executing" and m["data"].get("node") == nid), None)
+    seen: dict[int, float] = {}
+    for t, m in events:
+        if m.get("type") == "progress" and str(m["data"].get("node")) == nid:
+            seen.setdefault(int(m["data"]["value"]), t)
+    stamps = [seen[v] for v in sorted(seen)]
+    first = round(stamps[0] - start, 3) if stamps and start is not None else None
+    later = [round(b - a, 3) for a, b in pairwise(stamps)]
     median = round(statistics.median(later), 3) if later else None
-    first = st["first_s"]
     load = round(max(first - median, 0.0), 3) if first is not None and median is not None else None
-    return {"node": nid, "title": title, "steps": len(st["progress_values"]), "first_step_s": first,
-            "median_step_s": median, "later_steps_s": later, "load_part_s": load, "node_s": spent}
+    return {"node": nid, "title": title, "steps": len(stamps), "first_step_s": first, "median_step_s": median,
+            "later_steps_s": later, "load_part_s": load, "node_s": spent}
 
 
 def split(events: list[tuple[float, dict]], graph: dict, posted_at: float, total_s: float) -> dict[str, Any]:
@@ -49,7 +64,7 @@ def split(events: list[tuple[float, dict]], graph: dict, posted_at: float, total
         part = node_kind(kind)
         nodes[nid] = {"type": kind, "part": part, "s": seconds}
         if part == "sampling_s":
-            s = _sampler(events, nid, seconds, graph[nid].get("_meta", {}).get("title", kind))
+            s = sampler_steps(events, nid, seconds, graph[nid].get("_meta", {}).get("title", kind))
             samplers.append(s)
             moved = s["load_part_s"] or 0.0
             parts["load_s"] += moved

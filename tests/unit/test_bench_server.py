@@ -1,6 +1,6 @@
 """The render scenario's server side on the CPU, without ComfyUI (benchmarks/server.py): a row's flags, step and
-node times from websocket events, the log digest, paths kept out of the record; and the schema check
-(``_problems``) the render graphs are validated with here and against a live server."""
+node times from websocket events (server_render_split.py), the log digest, paths kept out of the record; and the
+schema check (``_problems``) the render graphs are validated with here and against a live server."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from comfyui_lowvram_dit.benchmarks import server as run
+from comfyui_lowvram_dit.benchmarks.server_render_split import node_times, sampler_steps
 
 TESTS = Path(__file__).resolve().parents[1]
 # + ComfyUI-GGUF's loader as /object_info lists it (tests/vendor/ComfyUI-GGUF/nodes.py: a combo of the .gguf files)
@@ -96,14 +97,16 @@ EVENTS = [
 
 
 def test_step_times_from_progress_events() -> None:
-    hi, lo = run.step_times(EVENTS, "15"), run.step_times(EVENTS, "16")
-    assert hi == {"node": "15", "progress_values": [1, 2], "first_s": 4.0, "steps_s": [2.5]}
-    assert lo["first_s"] == 8.0 and lo["steps_s"] == [2.0]
-    assert run.step_times(EVENTS, "99") == {"node": "99", "progress_values": [], "first_s": None, "steps_s": []}
+    hi, lo = sampler_steps(EVENTS, "15"), sampler_steps(EVENTS, "16")
+    assert {k: hi[k] for k in ("steps", "first_step_s", "later_steps_s", "load_part_s")} == {
+        "steps": 2, "first_step_s": 4.0, "later_steps_s": [2.5], "load_part_s": 1.5}
+    assert lo["first_step_s"] == 8.0 and lo["later_steps_s"] == [2.0]
+    none = sampler_steps(EVENTS, "99")
+    assert (none["steps"], none["first_step_s"], none["later_steps_s"], none["median_step_s"]) == (0, None, [], None)
 
 
 def test_node_times() -> None:
-    assert run.node_times(EVENTS) == {"11": 4.9, "15": 7.0, "16": 10.5}
+    assert node_times(EVENTS) == {"11": 4.9, "15": 7.0, "16": 10.5}
 
 
 LOG_033 = ("got prompt\n  0%|          | 0/2 [00:00<?, ?it/s]\r 50%|█████     | 1/2 [00:06<00:06,  6.47s/it]\r"
