@@ -39,8 +39,8 @@ STAND_IN_CLIP = "LowVRAMTest_StreamedCLIPLoader"
 CACHE_ENV = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor", "CUDA_CACHE_PATH": "cuda"}
 # Rough seconds of one render on one H100/H200 (page cache warm) for --deadline, from the server scenarios' step
 # times and walls at the workflows' steps and sizes: (first-ever or cold, warm: the models loaded, about half or less).
-ESTIMATE_S = {"wan_t2v_4step": (40, 25), "wan_t2v": (220, 150), "wan_i2v": (220, 150), "wan_ti2v_5b": (150, 90),
-              "qwen_t2i_4step": (25, 5), "qwen_t2i": (70, 20)}
+ESTIMATE_S = {"wan_t2v_4step": (40, 25), "wan_t2v": (220, 150), "wan_i2v": (220, 150), "wan_i2v_4step": (45, 28),
+              "wan_ti2v_5b": (150, 90), "qwen_t2i_4step": (25, 5), "qwen_t2i": (70, 20), "qwen_edit": (90, 40)}
 SMALL_CARD_FACTOR = 1.3  # 12 GB and less: weights streamed every step
 SERVER_START_S = 20.0
 OOM = re.compile(r"out of memory|OutOfMemory|OOM", re.IGNORECASE)
@@ -48,6 +48,7 @@ EASYCACHE_SKIPS = re.compile(r"EasyCache - skipped (\d+)/(\d+) steps")  # logged
 SMOKE_OUT = Path(tempfile.gettempdir()) / "server_render_smoke"
 SMOKE_NATIVE = ("stock UNETLoader and CLIPLoader build Qwen-Image and Qwen2.5-VL at their full widths, which the tiny "
                 "smoke files do not fill; the native rows need the full-size files")
+EDIT_IMAGE = (1024, 1024)  # the Edit reference image: FluxKontextImageScale keeps 1024x1024 (1 MP)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def all_rows() -> dict[str, RenderRow]:
 CORE = [make_row("wan_t2v_4step", s, c) for c in (12.0, 24.0, None) for s in ("native_best", "pack", "pack_stream")]
 CORE += [make_row("qwen_t2i_4step", s, c) for c in (12.0, 24.0) for s in ("native_best", "pack")]
 CORE_RENDERS = ("first_ever", "cold", "warm")
-DEFAULT_SETUPS = ("native_best", "pack", "pack_stream")  # a workflow named in --rows: these on each card
+DEFAULT_SETUPS = ("native_best", "pack", "pack_stream")
 GROUPS = {"core": [r.name for r in CORE]}
 
 
@@ -105,20 +106,25 @@ def parse_cards(spec: str | None) -> list[float | None] | None:
 
 
 def pick_rows(opts: argparse.Namespace) -> list[RenderRow]:
-    """The rows of ``--rows`` (a workflow expands over its DEFAULT_SETUPS x cards in its own files), each once."""
+    """The rows of ``--rows`` (a workflow or ``all`` expands over setups x cards x memory x formats), each once."""
     table, cards = all_rows(), parse_cards(opts.cards)
+    setups = [s.strip() for s in opts.setups.split(",") if s.strip()]
+    memory = [m.strip() == "on" for m in opts.memory.split(",") if m.strip()]
+    formats = [f.strip() for f in opts.formats.split(",") if f.strip()] if opts.formats else [None]
     picked: list[RenderRow] = []
     for item in (s.strip() for s in opts.rows.split(",") if s.strip()):
         if item in GROUPS:
             picked += [table[n] for n in GROUPS[item] if cards is None or table[n].card_gib in cards]
-        elif item in rg.WORKFLOWS:
-            candidates = [make_row(item, s, c) for c in (cards or [12.0, 24.0, None]) for s in DEFAULT_SETUPS]
+        elif item in rg.WORKFLOWS or item == "all":
+            keys = list(rg.WORKFLOWS) if item == "all" else [item]
+            candidates = [make_row(w, s, c, d, f or rg.WORKFLOWS[w].default_format) for w in keys for c in
+                          (cards or [12.0, 24.0, None]) for f in formats for d in memory for s in setups]
             picked += [r for r in candidates if r.name in table]
         elif item in table:
             picked.append(table[item])
         else:
-            raise SystemExit(f"--rows: unknown {item!r}: a row name, a group ({', '.join(GROUPS)}) or a workflow "
-                             f"({', '.join(rg.WORKFLOWS)})")
+            raise SystemExit(f"--rows: unknown {item!r}: a row name, a group ({', '.join(GROUPS)}), a workflow "
+                             f"({', '.join(rg.WORKFLOWS)}) or all")
     threshold = getattr(opts, "easycache_threshold", None)
     return [replace(r, easycache_threshold=threshold) if rg.SETUPS[r.setup].easycache else r
             for r in {r.name: r for r in picked}.values()]
@@ -127,7 +133,7 @@ def pick_rows(opts: argparse.Namespace) -> list[RenderRow]:
 def setup_text(row: RenderRow) -> str:
     """The row's nodes and options as a user would wire them."""
     wf, setup, what = row.spec, rg.SETUPS[row.setup], rg.SETUPS[row.setup].what
-    source = f"workflows/{wf.shipped}.json"
+    source = f"workflows/{wf.shipped}.json" if wf.shipped else "the Qwen-Image-Edit 2509 graph"
     if row.file_format in rg.GGUF_TYPES:
         gguf = f"UnetLoaderGGUF (ComfyUI-GGUF) {rg.GGUF_TYPES[row.file_format]}"
         what = re.sub(r"UNETLoader [^,]+", gguf, what) if setup.native else f"{gguf} in place of the Wan Loader, {what}"
@@ -135,6 +141,8 @@ def setup_text(row: RenderRow) -> str:
         what = what.replace("EasyCache (its defaults)", step_cache(row))
     if setup.native:
         return f"native equivalent of {source}: {what}"
+    if setup.drop_block_swap:
+        return f"{source}, {what}"
     budget = wf.budgets[row.card_gib]
     return f"{source}, {what}, Block Swap budget {budget:g} GB" + ("" if budget else " (all free VRAM)")
 
@@ -150,7 +158,7 @@ def memory_manager(row: RenderRow) -> str:
     """Who keeps the diffusion model's weights, as the results index names it (Block Swap always streams GGUF)."""
     setup = rg.SETUPS[row.setup]
     dynamic = row.dynamic_vram and row.file_format not in rg.GGUF_TYPES
-    if setup.native:
+    if setup.native or setup.drop_block_swap:
         return "DynamicVRAM" if dynamic else "ComfyUI legacy loading"
     if dynamic and row.spec.swaps_blocks and not setup.block_swap_mode:
         return "Block Swap auto"
@@ -169,7 +177,7 @@ def head(row: RenderRow) -> dict:
     """The keys every record of ``row`` starts with (the results index's common row fields among them)."""
     wf, setup = row.spec, rg.SETUPS[row.setup]
     return {"name": row.name, "what": describe(row), "variant": asdict(row), "workflow": row.workflow,
-            "title": wf.title, "model": wf.model, "shipped": f"workflows/{wf.shipped}.json",
+            "title": wf.title, "model": wf.model, "shipped": f"workflows/{wf.shipped}.json" if wf.shipped else None,
             "setup": setup_text(row), "setup_id": row.setup, "side": "native" if setup.native else "pack",
             "how": "server", "card_gib": row.card_gib, "format": row.file_format,
             "file_format": wf.layout(row.file_format), "memory_manager": memory_manager(row),
@@ -203,7 +211,7 @@ def smoke_graph(graph: dict, native: bool) -> dict:
 
 def empty_images(graph: dict) -> dict:
     """Each LoadImage as a one-colour EmptyImage of the rendered size (hosts without PyAV); the same compute."""
-    size = graph_facts(graph)["resolution"].split("x")
+    size = (graph_facts(graph)["resolution"] or "{}x{}".format(*EDIT_IMAGE)).split("x")
     for n in graph.values():
         if n["class_type"] == "LoadImage":
             n["class_type"] = "EmptyImage"
@@ -231,6 +239,8 @@ def graph_facts(graph: dict) -> dict:
             out["frames"] = i.get("length") if isinstance(i.get("length"), int) else None
         if n["class_type"] in rg.SAMPLERS and isinstance(i.get("steps"), int):
             out["steps"], out["cfg"] = i["steps"], i.get("cfg")
+    if out["resolution"] is None and any(n["class_type"] == "LoadImage" for n in graph.values()):
+        out["resolution"] = "{}x{}".format(*EDIT_IMAGE)
     return out
 
 
@@ -330,7 +340,7 @@ def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: 
                 raise cli_server.RunError(f"the pack failed to import: {problems[0].strip()}")
             if graph is None:
                 graph = build_graph(row, srv, opts)
-                rec.update(graph_facts(graph))  # I2V's start image: a synthetic one drawn
+                rec.update(graph_facts(graph))  # synthetic: Edit's reference image drawn (scaled to 1 MP anyway)
                 cli_workflow.ensure_input_images(graph, base / "input", True, [cli_workflow.WORKFLOWS_DIR])
             for i, kind in enumerate(kinds):
                 r = render_kind(srv, graph, kind, opts, base, row.name, i == 0)
@@ -364,7 +374,7 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
         rec["server_flags"] = [public(f, opts) for f in flags]
         lives = [[k for k in ("first_ever", "warm", "warm_new_prompt") if k == "first_ever" or k in ctx.renders],
                  [k for k in ("cold",) if k in ctx.renders]]
-        with models.pack_copies_aside(row, opts.models):
+        with models.pack_copies_for(row, opts.models, "cpu" if opts.smoke else "cuda", rec):
             graph = None
             for kinds in filter(None, lives):
                 if rec["lives"] and any(r["status"] != "ok" for r in rec["renders"].values()):
@@ -448,7 +458,11 @@ def run_all(ctx: RunContext, written: Callable[[list[dict]], object], results: l
 
 def smoke_skip(row: RenderRow) -> str | None:
     """Why a row cannot run on the tiny smoke models (None when it can)."""
-    return SMOKE_NATIVE if row.workflow.startswith("qwen") and rg.SETUPS[row.setup].native else None
+    if row.workflow == "qwen_edit":
+        return "the Edit graphs need the full-size vision tower; the smoke covers Wan and Qwen-Image t2i"
+    if row.workflow.startswith("qwen") and rg.SETUPS[row.setup].native:
+        return SMOKE_NATIVE
+    return None
 
 
 def environment(opts: argparse.Namespace, argv: list[str] | None) -> dict:
@@ -469,10 +483,15 @@ def parser() -> argparse.ArgumentParser:
                    help="ComfyUI checkout (default: $COMFYUI_PATH)")
     p.add_argument("--models", type=Path, default=None, help="folder with diffusion_models/ text_encoders/ vae/ "
                    "loras/ (default: <work>/models with --smoke)")
-    p.add_argument("--rows", default="core", help="comma list of row names, groups (core) or workflows "
-                   f"({', '.join(rg.WORKFLOWS)}: {', '.join(DEFAULT_SETUPS)} in its own files)")
+    p.add_argument("--rows", default="core", help="comma list of row names, groups (core), workflows "
+                   f"({', '.join(rg.WORKFLOWS)}) or all")
     p.add_argument("--cards", default=None, help="cards in GiB or 'whole', e.g. 12,24,whole (filters groups; "
                    "a workflow's rows default to 12,24,whole)")
+    p.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"for workflows: {', '.join(rg.SETUPS)}")
+    p.add_argument("--formats", default=None, help="for workflows: fp8_scaled, bf16 (the 16-bit files), pack_fp8 "
+                   "(the Wan Loader's saved fp8 copy); default each workflow's own")
+    p.add_argument("--memory", default="on", help="for workflows: DynamicVRAM on, off (--disable-dynamic-vram) "
+                   "or on,off")
     p.add_argument("--renders", default=None, help=f"render kinds among {', '.join(RENDERS)} (first_ever always "
                    f"runs); default {','.join(CORE_RENDERS)} for core, all four otherwise")
     p.add_argument("--write-models", action="store_true", help="write missing full-size synthetic files, each right "
@@ -481,8 +500,8 @@ def parser() -> argparse.ArgumentParser:
                    "row loads before writing new ones (Wan's before Qwen-Image's)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny synthetic files, renders shrunk (64 px, 5 frames, "
                    "2 steps), no card")
-    p.add_argument("--empty-image", action="store_true", help="I2V's start image as a one-colour EmptyImage, not "
-                   "LoadImage (for a ComfyUI without PyAV, which decodes loaded images)")
+    p.add_argument("--empty-image", action="store_true", help="image inputs (I2V start image, Edit reference) as a "
+                   "one-colour EmptyImage, not LoadImage (for a ComfyUI without PyAV, which decodes loaded images)")
     p.add_argument("--deadline", type=float, default=0.0, help="seconds from start after which no row starts that "
                    "would not finish in time (skipped rows are recorded)")
     p.add_argument("--reserve-estimate", type=float, default=0.0, help="seconds a row is assumed to take (default: "

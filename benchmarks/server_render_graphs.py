@@ -21,6 +21,7 @@ DECODERS = frozenset({"VAEDecode", "LowVRAM_QwenImageDecode"})
 SEED_INPUTS = ("seed", "noise_seed")
 # Pack nodes that only change how a MODEL runs: native graphs leave them out (their model input goes straight on).
 MODEL_PASS_THROUGH = frozenset({"LowVRAM_BlockSwap", "LowVRAM_Attention", "LowVRAM_TorchCompile", "LowVRAM_NanGuard"})
+INT8_BACKEND = "lowvram 8-bit"
 NEW_PROMPT = ", seen from a low angle in light rain"  # appended to the positive prompt: new text, same scene
 LATENT_PREFIX = "render"  # SaveLatent's folder in the server's output
 
@@ -160,12 +161,13 @@ class RenderWorkflow:
     key: str  # the row-name prefix
     title: str  # the report's heading
     model: str  # the model as the results index names it
-    shipped: str  # workflows/<shipped>.json
+    shipped: str  # workflows/<shipped>.json ("" = built by edit_graph: Qwen-Image-Edit)
     budgets: dict[float | None, float]  # Block Swap vram_budget_gb per card (None: whole GPU), the note's table
     sixteen_bit: dict[str, str] = field(default_factory=dict)  # fp8 file -> its 16-bit file (format 'bf16')
-    formats: tuple[str, ...] = ("fp8_scaled", "bf16")  # the first: the files the shipped workflow names
-    layouts: tuple[str, ...] = ("fp8_scaled", "fp16")  # each format's diffusion model file layout
-    swaps_blocks: bool = True  # has Block Swap nodes (its dynamic_vram can be set: setup pack_stream)
+    formats: tuple[str, ...] = ("fp8_scaled", "bf16", "pack_fp8")  # the first: the files the shipped workflow names
+    layouts: tuple[str, ...] = ("fp8_scaled", "fp16", "pack_fp8")  # each format's diffusion model file layout
+    four_step_loras: dict[str, str] = field(default_factory=dict)  # a derived 4-step variant: expert file -> LoRA
+    swaps_blocks: bool = True  # has Block Swap nodes (setup pack_no_blockswap)
 
     @property
     def default_format(self) -> str:
@@ -187,23 +189,37 @@ def _wan_16bit(kind: str) -> dict[str, str]:
             for e in ("high", "low")}
 
 
+I2V_LORAS = {f"wan2.2_i2v_{e}_noise_14B_{f}.safetensors": f"wan2.2_i2v_lightx2v_4steps_lora_v1_{e}_noise.safetensors"
+             for e in ("high", "low") for f in ("fp8_scaled", "fp16")}
 QWEN_16BIT = {"qwen_image_fp8_e4m3fn.safetensors": "qwen_image_bf16.safetensors"}
-T2V, I2V, TI2V, QWEN = "Wan 2.2 T2V-A14B", "Wan 2.2 I2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image"
+# The official image_qwen_image_edit_2509 template: its files, steps, cfg and ModelSamplingAuraFlow shift
+EDIT_UNET, EDIT_TEXT_ENCODER, EDIT_VAE = ("qwen_image_edit_2509_fp8_e4m3fn.safetensors",
+                                          "qwen_2.5_vl_7b.safetensors", "qwen_image_vae.safetensors")
+EDIT_STEPS, EDIT_CFG, EDIT_SHIFT, EDIT_SEED = 20, 2.5, 3.0, 42
+EDIT_IMAGE = "lowvram_edit_bench.png"  # the reference image the runner writes into the server's input folder
+EDIT_PROMPT = "Replace the cat with a dalmatian, keeping the environment and scene consistent"
+T2V, I2V, TI2V, QWEN, EDIT = ("Wan 2.2 T2V-A14B", "Wan 2.2 I2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image",
+                               "Qwen-Image-Edit")
 QWEN_FORMATS = {"formats": ("fp8_scaled", "bf16"), "layouts": ("fp8_e4m3fn", "bf16"), "swaps_blocks": False}
 # ComfyUI-GGUF's UnetLoaderGGUF in place of the diffusion model's loader: format -> GGML type of the Linear weights
 GGUF_TYPES = {"gguf_q8_0": "Q8_0", "gguf_q4_k": "Q4_K"}
-WAN_T2V_FORMATS = {"formats": ("fp8_scaled", "bf16", *GGUF_TYPES), "layouts": ("fp8_scaled", "fp16", *GGUF_TYPES)}
+WAN_T2V_FORMATS = {"formats": ("fp8_scaled", "bf16", "pack_fp8", *GGUF_TYPES),
+                   "layouts": ("fp8_scaled", "fp16", "pack_fp8", *GGUF_TYPES)}
 WORKFLOWS: dict[str, RenderWorkflow] = {w.key: w for w in (
     RenderWorkflow("wan_t2v_4step", "Wan 2.2 T2V-A14B 4-step", T2V, "wan22_t2v_a14b_4step", WAN14B_BUDGETS,
                    _wan_16bit("t2v"), **WAN_T2V_FORMATS),
     RenderWorkflow("wan_t2v", "Wan 2.2 T2V-A14B", T2V, "wan22_t2v_a14b", WAN14B_BUDGETS, _wan_16bit("t2v"),
                    **WAN_T2V_FORMATS),
     RenderWorkflow("wan_i2v", "Wan 2.2 I2V-A14B", I2V, "wan22_i2v_a14b", WAN14B_BUDGETS, _wan_16bit("i2v")),
-    RenderWorkflow("wan_ti2v_5b", "Wan 2.2 TI2V-5B", TI2V, "wan22_ti2v_5b", WAN5B_BUDGETS, formats=("bf16",),
-                   layouts=("fp16",)),
+    RenderWorkflow("wan_i2v_4step", "Wan 2.2 I2V-A14B 4-step", I2V, "wan22_i2v_a14b", WAN14B_BUDGETS,
+                   _wan_16bit("i2v"), four_step_loras=I2V_LORAS),
+    RenderWorkflow("wan_ti2v_5b", "Wan 2.2 TI2V-5B", TI2V, "wan22_ti2v_5b", WAN5B_BUDGETS, formats=("bf16", "pack_fp8"),
+                   layouts=("fp16", "pack_fp8")),
     RenderWorkflow("qwen_t2i_4step", "Qwen-Image 4-step", QWEN, "qwen_image_t2i_4step", QWEN_BUDGETS, QWEN_16BIT,
                    **QWEN_FORMATS),
     RenderWorkflow("qwen_t2i", "Qwen-Image", QWEN, "qwen_image_t2i", QWEN_BUDGETS, QWEN_16BIT, **QWEN_FORMATS),
+    RenderWorkflow("qwen_edit", "Qwen-Image-Edit 2509", EDIT, "", QWEN_BUDGETS, formats=("fp8_scaled",),
+                   layouts=("fp8_e4m3fn",), swaps_blocks=False),
 )}
 
 
@@ -215,7 +231,9 @@ class Setup:
     what: str
     weight_dtype: str = "default"  # native UNETLoader
     ck_attention: bool = False  # server flag --use-ck-attention
+    drop_block_swap: bool = False
     block_swap_mode: str | None = None  # every Block Swap node's dynamic_vram option (the shipped "auto" otherwise)
+    attention: str | None = None  # every Attention node's backend (one is added where the workflow has none)
     compile: dict | None = None  # Torch Compile after each Attention node: its defaults with these inputs
     easycache: bool = False  # core's EasyCache (its defaults) on the MODEL right before each sampler
     batch_cfg: bool | None = None  # the Qwen-Image Staged Loader's batch_cfg (None: as shipped)
@@ -228,11 +246,15 @@ SETUPS: dict[str, Setup] = {
     "native_best_easycache": Setup(True, f"{NATIVE_BEST}, {EASYCACHE}", "fp8_e4m3fn_fast", True, easycache=True),
     "native_default": Setup(True, "UNETLoader default, default attention"),
     "pack": Setup(False, "as shipped"),
+    "pack_no_blockswap": Setup(False, "Block Swap removed", drop_block_swap=True),
     "pack_stream": Setup(False, "Block Swap dynamic_vram = stream (auto's pick where RAM is short)",
                          block_swap_mode="stream"),
+    "pack_int8": Setup(False, "Attention 8-bit", attention=INT8_BACKEND),
     "pack_compile": Setup(False, "+ Torch Compile (the node's defaults)", compile={}),
     "pack_no_batch_cfg": Setup(False, "Staged Loader batch_cfg off (each prompt its own model call)",
                                batch_cfg=False),
+    "pack_compile_graphs": Setup(False, "+ Torch Compile reduce-overhead, CUDA graphs where no weight streams",
+                                 compile={"mode": "reduce-overhead"}),
     "pack_easycache": Setup(False, f"+ {EASYCACHE}", easycache=True),
 }
 
@@ -242,17 +264,24 @@ def setup_applies(workflow: RenderWorkflow, setup: str, file_format: str) -> str
     s = SETUPS[setup]
     if file_format not in workflow.formats:
         return f"{workflow.key} has no {file_format} files (formats: {', '.join(workflow.formats)})"
-    if s.block_swap_mode and not workflow.swaps_blocks:
-        return f"{workflow.key}: Block Swap is part of its loader, its dynamic_vram cannot be set"
+    if (s.drop_block_swap or s.block_swap_mode) and not workflow.swaps_blocks:
+        return f"{workflow.key}: Block Swap is part of its loader, it cannot be removed or set"
+    if s.native and file_format == "pack_fp8":
+        return "the pack's saved fp8 file is read by the Wan Loader only"
+    if file_format == "pack_fp8" and not workflow.key.startswith("wan"):
+        return "only the Wan Loader saves its quantized file"
     return None
 
 
 def model_files(workflow: RenderWorkflow, file_format: str) -> list[str]:
     """The model files a row of ``workflow`` in ``file_format`` loads, as the graph names them."""
+    if not workflow.shipped:
+        return [EDIT_UNET, EDIT_TEXT_ENCODER, EDIT_VAE]
     from comfyui_lowvram_dit.cli.workflow_models import referenced_model_files
 
     names = referenced_model_files(shipped_workflow(workflow.shipped))
-    if file_format == "bf16":
+    names |= {workflow.four_step_loras[n] for n in names if n in workflow.four_step_loras}
+    if file_format in ("bf16", "pack_fp8"):
         names = {workflow.sixteen_bit.get(n, n) for n in names}
     if file_format in GGUF_TYPES:
         names = {gguf_name(n, file_format) if n in workflow.sixteen_bit else n for n in names}
@@ -265,14 +294,71 @@ def gguf_name(name: str, file_format: str) -> str:
     return f"{stem}_{GGUF_TYPES[file_format]}.gguf"
 
 
+def edit_graph(kind: str, budget: float, weight_dtype: str = "default") -> dict:
+    """The Qwen-Image-Edit 2509 graph (no shipped workflow): the official template's nodes (``native``: UNETLoader,
+    CLIPLoader on the CPU, TextEncodeQwenImageEditPlus x2) or the Edit Staged Loader with Block Swap at the card
+    (``pack``); the reference image through FluxKontextImageScale (about 1 MP), VAE decode, SaveImage."""
+    g: dict[str, dict] = {"1": node("LoadImage", "Load Image", image=EDIT_IMAGE),
+                          "2": node("FluxKontextImageScale", "FluxKontextImageScale", image=["1", 0])}
+    if kind == "native":
+        g["3"] = node("UNETLoader", "Load Diffusion Model", unet_name=EDIT_UNET, weight_dtype=weight_dtype)
+        g["4"] = node("CLIPLoader", "Load CLIP", clip_name=EDIT_TEXT_ENCODER, type="qwen_image", device="cpu")
+        g["5"] = node("VAELoader", "Load VAE", vae_name=EDIT_VAE)
+        for nid, text in (("6", EDIT_PROMPT), ("7", "")):
+            g[nid] = node("TextEncodeQwenImageEditPlus", "TextEncodeQwenImageEditPlus", clip=["4", 0], prompt=text,
+                          vae=["5", 0], image1=["2", 0])
+        model, pos, neg, vae = ["3", 0], ["6", 0], ["7", 0], ["5", 0]
+    else:
+        g["3"] = node("LowVRAM_QwenImageEditStagedLoader", "Qwen-Image-Edit Staged Loader (LowVRAM)",
+                      unet_name=EDIT_UNET, clip_name=EDIT_TEXT_ENCODER, vae_name=EDIT_VAE, positive=EDIT_PROMPT,
+                      negative="", quantization="fp8 per-tensor", vram_budget_gb=budget, blocks_to_swap=-1,
+                      cache_embeddings=True, compute="auto", image1=["2", 0])
+        model, pos, neg, vae = ["3", 0], ["3", 1], ["3", 2], ["3", 3]
+    g["10"] = node("ModelSamplingAuraFlow", "ModelSamplingAuraFlow", model=model, shift=EDIT_SHIFT)
+    g["11"] = node("CFGNorm", "CFGNorm", model=["10", 0], strength=1.0)
+    g["12"] = node("VAEEncode", "VAE Encode", pixels=["2", 0], vae=vae)
+    g["15"] = node("KSampler", "KSampler", model=["11", 0], positive=pos, negative=neg, latent_image=["12", 0],
+                   seed=EDIT_SEED, steps=EDIT_STEPS, cfg=EDIT_CFG, sampler_name="euler", scheduler="simple",
+                   denoise=1.0)
+    g["17"] = node("VAEDecode", "VAE Decode", samples=["15", 0], vae=vae)
+    g["19"] = node("SaveImage", "Save", images=["17", 0], filename_prefix=f"bench/{kind}_edit")
+    return g
+
+
+def _four_step(graph: dict, workflow: RenderWorkflow, object_info: dict) -> None:
+    """A LoRA after each expert's loader and the sampling of the shipped T2V 4-step workflow, read from it."""
+    ref = ui_to_api(shipped_workflow("wan22_t2v_a14b_4step"), object_info, "wan22_t2v_a14b_4step")
+    strength = ref[of_type(ref, "LoraLoaderModelOnly")[0]]["inputs"]["strength_model"]
+    for nid in of_type(graph, "LowVRAM_WanLoader"):
+        lora = workflow.four_step_loras[graph[nid]["inputs"]["unet_name"]]
+        insert_after(graph, [nid, 0], node("LoraLoaderModelOnly", "LoRA 4-step", model=None, lora_name=lora,
+                                           strength_model=strength))
+    keys = ("steps", "cfg", "start_at_step", "end_at_step")
+    for mine, theirs in zip(of_type(graph, "KSamplerAdvanced"), of_type(ref, "KSamplerAdvanced"), strict=True):
+        graph[mine]["inputs"].update({k: ref[theirs]["inputs"][k] for k in keys})
+    shift = {ref[k]["inputs"]["shift"] for k in of_type(ref, "ModelSamplingSD3")}.pop()
+    for nid in of_type(graph, "ModelSamplingSD3"):
+        graph[nid]["inputs"]["shift"] = shift
+
+
 def apply_pack_setup(graph: dict, setup: Setup, object_info: dict) -> None:
-    """Change a pack graph in place as ``setup`` says: batch_cfg, Block Swap's dynamic_vram, Torch Compile."""
+    """Change a pack graph in place as ``setup`` says: Block Swap removed, the Attention backend, Torch Compile."""
+    if setup.drop_block_swap:
+        for nid in of_type(graph, "LowVRAM_BlockSwap"):
+            bypass(graph, nid)
     for nid in of_type(graph, "LowVRAM_QwenImageStagedLoader") if setup.batch_cfg is not None else ():
         graph[nid]["inputs"]["batch_cfg"] = setup.batch_cfg
     for nid in of_type(graph, "LowVRAM_BlockSwap") if setup.block_swap_mode else ():
         graph[nid]["inputs"]["dynamic_vram"] = setup.block_swap_mode
-    for nid in of_type(graph, "LowVRAM_Attention") if setup.compile is not None else ():
-        insert_after(graph, [nid, 0], node_defaults("LowVRAM_TorchCompile", object_info, model=None, **setup.compile))
+    if (setup.attention or setup.compile is not None) and not of_type(graph, "LowVRAM_Attention"):
+        for nid in of_type(graph, "ModelSamplingSD3", "ModelSamplingAuraFlow"):  # one on each one's model input
+            insert_after(graph, graph[nid]["inputs"]["model"], node_defaults("LowVRAM_Attention", object_info))
+    for nid in of_type(graph, "LowVRAM_Attention"):
+        if setup.attention:
+            graph[nid]["inputs"]["backend"] = setup.attention
+        if setup.compile is not None:
+            insert_after(graph, [nid, 0], node_defaults("LowVRAM_TorchCompile", object_info, model=None,
+                                                        **setup.compile))
 
 
 def _text_pair(graph: dict, nid: str, clip_name: str, kind: str, positive: str, negative: str,
@@ -322,15 +408,19 @@ def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | No
     reason = setup_applies(workflow, setup_name, file_format)
     if reason:
         raise GraphError(reason)
-    graph = ui_to_api(shipped_workflow(workflow.shipped), object_info, f"workflows/{workflow.shipped}.json")
-    for n in graph.values():  # the Block Swap budget the workflow's note gives for the card
-        if "vram_budget_gb" in n["inputs"]:
-            n["inputs"]["vram_budget_gb"] = workflow.budgets[card_gib]
-    if setup.native:
-        graph = to_native(graph, setup.weight_dtype)
+    if workflow.shipped:
+        graph = ui_to_api(shipped_workflow(workflow.shipped), object_info, f"workflows/{workflow.shipped}.json")
+        if workflow.four_step_loras:
+            _four_step(graph, workflow, object_info)
+        for n in graph.values():  # the Block Swap budget the workflow's note gives for the card
+            if "vram_budget_gb" in n["inputs"]:
+                n["inputs"]["vram_budget_gb"] = workflow.budgets[card_gib]
+        graph = to_native(graph, setup.weight_dtype) if setup.native else graph
     else:
+        graph = edit_graph("native" if setup.native else "pack", workflow.budgets[card_gib], setup.weight_dtype)
+    if not setup.native:
         apply_pack_setup(graph, setup, object_info)
-    for n in graph.values() if file_format == "bf16" else ():  # the 16-bit files' names
+    for n in graph.values() if file_format in ("bf16", "pack_fp8") else ():  # the 16-bit files' names
         for key, value in n["inputs"].items():
             if isinstance(value, str) and value in workflow.sixteen_bit:
                 n["inputs"][key] = workflow.sixteen_bit[value]
@@ -350,8 +440,13 @@ def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | No
 
 
 def node_types_needed(workflow: RenderWorkflow) -> set[str]:
-    """Node types whose schemas ``render_graph`` reads for ``workflow`` (its shipped nodes, the added ones)."""
-    return ui_node_types(shipped_workflow(workflow.shipped)) | {"LowVRAM_TorchCompile", "EasyCache"}
+    """Node types whose schemas ``render_graph`` reads for ``workflow`` (its shipped nodes, the added pack nodes)."""
+    extra = {"LowVRAM_Attention", "LowVRAM_TorchCompile", "KSamplerAdvanced", "LoraLoaderModelOnly", "ModelSamplingSD3",
+             "EasyCache"}
+    if not workflow.shipped:
+        return extra
+    return ui_node_types(shipped_workflow(workflow.shipped)) | ui_node_types(shipped_workflow(
+        "wan22_t2v_a14b_4step")) | extra
 
 
 def with_seed(graph: dict, offset: int) -> dict:
@@ -371,7 +466,7 @@ def with_new_prompt(graph: dict, suffix: str = NEW_PROMPT) -> dict:
     for nid in {g[k]["inputs"]["positive"][0] for k in of_type(g, *SAMPLERS)
                 if isinstance(g[k]["inputs"].get("positive"), list)}:
         src = g[nid]
-        while src["class_type"] == "WanImageToVideo":  # it passes the conditioning on
+        while src["class_type"] in ("WanImageToVideo", "FluxKontextMultiReferenceLatentMethod"):  # conditioning pass
             src = g[(src["inputs"].get("positive") or src["inputs"]["conditioning"])[0]]
         for key in ("text", "positive", "prompt"):
             if isinstance(src["inputs"].get(key), str):

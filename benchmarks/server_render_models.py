@@ -1,6 +1,6 @@
 """The model files of a render run: synthetic ones (GGUF too) written when a row first needs them, in a child process
 (the runner never holds a CUDA context, which would shrink an emulated card), freed for later rows (``--free-disk``:
-only files this pack wrote), and the Wan Loader's saved fp8 copies kept out of a 16-bit row."""
+only files this pack wrote), and the Wan Loader's saved fp8 copies."""
 
 from __future__ import annotations
 
@@ -93,19 +93,23 @@ class ModelFiles:
         result.unlink()
 
 
-def quantized_copies(models: Path, row: RenderRow) -> list[Path]:
-    """Where the Wan Loader's saved fp8 copy of each 16-bit Wan Loader file of ``row``'s graph in ``models`` goes."""
+def quantized_copies(models: Path, row: RenderRow) -> list[tuple[Path, Path]]:
+    """(16-bit source, the Wan Loader's saved fp8 copy of it) for every Wan Loader file of ``row``'s graph."""
     from comfyui_lowvram_dit.checkpoints import wan as wc
 
     sources = [n for n in rg.model_files(row.spec, "bf16") if "_14B_" in n or "_5B_" in n]
-    return [wc.quantized_path_for(p, "per_tensor", 128) for n in sources for p in models.glob(f"diffusion_models/{n}")]
+    found = [p for n in sources for p in models.glob(f"diffusion_models/{n}")]
+    return [(p, wc.quantized_path_for(p, "per_tensor", 128)) for p in found]
 
 
-# The child that writes models, so this process never holds a CUDA context (an emulated card is total - reserve of
+# Children that touch the GPU, so this process never holds a CUDA context (an emulated card is total - reserve of
 # what is free: memory held here would shrink it).
 WRITE_CHILD = ("import json, sys; from pathlib import Path; from comfyui_lowvram_dit.benchmarks import "
                "server_render_models as m; from comfyui_lowvram_dit.checkpoints.safe_write import write_report; "
                "write_report(sys.argv[2], json.dumps(m.write_models(Path(sys.argv[1]), sys.argv[3:])))")
+QUANTIZE_CHILD = ("import sys; from comfyui_lowvram_dit.checkpoints import wan as wc; src = sys.argv[1]; "
+                  "loaded = wc.load_wan_state_dict(src, 'per_tensor', 128, device=sys.argv[2]); "
+                  "wc.save_quantized(loaded, wc.quantized_path_for(src, 'per_tensor', 128), src)")
 
 
 def write_models(models: Path, names: Sequence[str]) -> dict[str, float]:
@@ -141,11 +145,19 @@ def run_child(code: str, *args: str) -> None:
 
 
 @contextmanager
-def pack_copies_aside(row: RenderRow, models: Path) -> Iterator[None]:
-    """The Wan Loader's saved fp8 copies moved aside for a 16-bit pack row (the loader would pick them up itself)."""
+def pack_copies_for(row: RenderRow, models: Path, device: str, record: dict) -> Iterator[None]:
+    """The saved fp8 copies the Wan Loader picks up: written for a ``pack_fp8`` row, moved aside for a 16-bit one."""
+    copies = quantized_copies(models, row) if row.workflow.startswith("wan") else []
     hidden: list[tuple[Path, Path]] = []
-    if row.workflow.startswith("wan") and row.file_format == "bf16" and not rg.SETUPS[row.setup].native:
-        for copy in quantized_copies(models, row):
+    t0 = time.monotonic()
+    if row.file_format == "pack_fp8":
+        for src, copy in copies:
+            if not copy.is_file():
+                print(f"model {copy.name}: writing the pack's saved fp8 copy", flush=True)
+                run_child(QUANTIZE_CHILD, str(src), device)
+        record["pack_copy_write_s"] = round(time.monotonic() - t0, 1)
+    elif row.file_format == "bf16" and not rg.SETUPS[row.setup].native:
+        for _, copy in copies:
             if copy.is_file():
                 hidden.append((copy, copy.with_name(copy.name + ".aside")))
                 copy.rename(hidden[-1][1])

@@ -64,7 +64,7 @@ def test_pack_graph_is_the_shipped_workflow_node_for_node(name: str) -> None:
     (the card the workflows are set for) and nothing else but the final latent's SaveLatent: a change to a shipped
     workflow is a change to its render rows."""
     ui = rg.shipped_workflow(name)
-    key = next(k for k, w in rg.WORKFLOWS.items() if w.shipped == name)
+    key = next(k for k, w in rg.WORKFLOWS.items() if w.shipped == name and not w.four_step_loras)
     graph = _graph(key)
     sent = [n for n in ui["nodes"] if n["type"] not in FRONTEND_ONLY]
     assert {str(n["id"]) for n in sent} | {max(graph, key=int)} == set(graph)
@@ -161,19 +161,22 @@ def test_every_row_graph_validates(key: str, setup: str) -> None:
 
 
 @pytest.mark.parametrize("key, template", [("wan_t2v_4step", "video_wan2_2_14B_t2v"),
-                                           ("wan_i2v", "video_wan2_2_14B_i2v"),
+                                           ("wan_i2v_4step", "video_wan2_2_14B_i2v"),
                                            ("wan_ti2v_5b", "video_wan2_2_5B_ti2v"),
-                                           ("qwen_t2i_4step", "image_qwen_image")])
+                                           ("qwen_t2i_4step", "image_qwen_image"),
+                                           ("qwen_edit", "image_qwen_image_edit_2509")])
 def test_native_graph_is_made_of_the_official_templates_nodes(key: str, template: str) -> None:
-    """Native's best: the official template's nodes (plus the latent save), no pack node, UNETLoader fp8_e4m3fn_fast,
-    the server's ck attention flag; the same sampling as the pack graph."""
+    """Native's best: the official template's nodes (plus the latent save, and SaveImage for Edit: 0.8.0 lacks its
+    template's saver), no pack node, UNETLoader fp8_e4m3fn_fast, the server's ck attention flag; the same sampling
+    as the pack graph."""
     from comfyui_lowvram_dit.cli.ui_graph import all_nodes
     from template_files import load_template
 
     official = {n["type"] for n in all_nodes(load_template(template), instances=False)}
     native, pack = _graph(key, "native_best"), _graph(key, "pack")
     kinds = set(_types(native))
-    assert kinds - official == {"SaveLatent"}, kinds - official
+    older_saver = {"SaveImage"} if key == "qwen_edit" else set()  # the 2509 template's SaveImageAdvanced is 0.33+
+    assert kinds - official == {"SaveLatent", *older_saver}, kinds - official
     assert not any(k.startswith("LowVRAM_") for k in kinds)
     assert {i["weight_dtype"] for i in _types(native)["UNETLoader"]} == {"fp8_e4m3fn_fast"}
     assert sr.make_row(key, "native_best", 12.0).server_args(140.0) == ["--use-ck-attention", "--reserve-vram=128.00"]
@@ -222,9 +225,15 @@ def _model_chain(graph: dict, sampler: str) -> list[str]:
 
 
 def test_pack_setups() -> None:
+    g = _graph("wan_t2v_4step", "pack_no_blockswap")
+    assert "LowVRAM_BlockSwap" not in _types(g)
+    assert _model_chain(g, "15") == ["ModelSamplingSD3", "LowVRAM_Attention", "LoraLoaderModelOnly",
+                                     "LowVRAM_WanLoader"]
     g = _graph("wan_t2v_4step", "pack_stream")
     assert [i["dynamic_vram"] for i in _types(g)["LowVRAM_BlockSwap"]] == ["stream", "stream"]
     assert [i["dynamic_vram"] for i in _types(_graph("wan_t2v_4step", "pack"))["LowVRAM_BlockSwap"]] == ["auto"] * 2
+    g = _graph("wan_t2v_4step", "pack_int8")
+    assert {i["backend"] for i in _types(g)["LowVRAM_Attention"]} == {rg.INT8_BACKEND}
     g = _graph("wan_t2v_4step", "pack_compile")
     assert _model_chain(g, "16")[:3] == ["ModelSamplingSD3", "LowVRAM_TorchCompile", "LowVRAM_Attention"]
     compile_inputs = {k: v for k, v in _types(g)["LowVRAM_TorchCompile"][0].items() if k != "model"}
@@ -233,17 +242,19 @@ def test_pack_setups() -> None:
     assert [i["batch_cfg"] for i in _types(_graph("qwen_t2i", "pack_no_batch_cfg"))["LowVRAM_QwenImageStagedLoader"]] \
         == [False]
     assert [i["batch_cfg"] for i in _types(_graph("qwen_t2i", "pack"))["LowVRAM_QwenImageStagedLoader"]] == [True]
-    q = _graph("qwen_t2i_4step", "pack_compile")
-    assert _model_chain(q, "6")[:4] == ["ModelSamplingAuraFlow", "LoraLoaderModelOnly", "LowVRAM_TorchCompile",
-                                        "LowVRAM_Attention"]
-    assert rg.setup_applies(rg.WORKFLOWS["qwen_t2i_4step"], "pack_stream", "fp8_scaled")  # Block Swap in its loader
-    assert rg.setup_applies(rg.WORKFLOWS["wan_ti2v_5b"], "pack", "fp8_scaled")  # 5B ships 16-bit files only
+    graphs = _types(_graph("qwen_t2i", "pack_compile_graphs"))["LowVRAM_TorchCompile"]
+    assert [{k: i[k] for k in ("mode", "backend", "scope")} for i in graphs] == [
+        {"mode": "reduce-overhead", "backend": "inductor", "scope": "blocks"}]
+    q = _graph("qwen_t2i_4step", "pack_int8")
+    assert _model_chain(q, "6")[:3] == ["ModelSamplingAuraFlow", "LoraLoaderModelOnly", "LowVRAM_Attention"]
+    assert rg.setup_applies(rg.WORKFLOWS["qwen_t2i_4step"], "pack_no_blockswap", "fp8_scaled")
+    assert rg.setup_applies(rg.WORKFLOWS["wan_t2v"], "native_best", "pack_fp8")
 
 
 def test_formats_rename_to_files_the_runner_can_write() -> None:
     for key, wf in rg.WORKFLOWS.items():
         shipped = rg.model_files(wf, wf.default_format)
-        assert set(wf.sixteen_bit) <= set(shipped), key  # a renamed shipped file breaks this
+        assert set(wf.sixteen_bit) <= set(shipped) | set(rg.I2V_LORAS), key  # a renamed shipped file breaks this
         for fmt in wf.formats:
             names = rg.model_files(wf, fmt)
             assert set(names) <= KNOWN_MODEL_FILES.keys() | KNOWN_LORA_FILES.keys() | sm.gguf_files().keys(), (key, fmt)
@@ -284,9 +295,9 @@ def test_gguf_rows_load_the_gguf_files_through_unet_loader_gguf() -> None:
     assert sr.head(row)["memory_manager"] == "ComfyUI legacy loading"  # ComfyUI-GGUF's patcher, either server flag
     assert head["setup"] == ("workflows/wan22_t2v_a14b_4step.json, UnetLoaderGGUF (ComfyUI-GGUF) Q4_K in place of the "
                              "Wan Loader, as shipped, Block Swap budget 6.5 GB")
-    picked = sr.pick_rows(_opts(rows="wan_t2v_4step_native_best_12gb_gguf_q8_0,wan_t2v_4step_pack_12gb_gguf_q8_0"))
-    assert [(r.setup, r.card_gib, r.file_format) for r in picked] == [(s, 12.0, "gguf_q8_0") for s in ("native_best",
-                                                                                                      "pack")]
+    picked = sr.pick_rows(_opts(rows="wan_t2v_4step", cards="8,12", formats="gguf_q8_0", setups="native_best,pack"))
+    assert [r.name for r in picked] == [f"wan_t2v_4step_{s}_{c}gb_gguf_q8_0" for c in (8, 12) for s in ("native_best",
+                                                                                                       "pack")]
     assert rg.setup_applies(rg.WORKFLOWS["qwen_t2i_4step"], "pack", "gguf_q8_0")  # no GGUF rows for Qwen-Image
     assert sm.file_gb("wan2.2_t2v_low_noise_14B_Q4_K.gguf") < sm.file_gb("wan2.2_t2v_low_noise_14B_Q8_0.gguf") < 16
 
@@ -357,6 +368,18 @@ def test_a_cached_row_is_compared_with_native_under_the_same_cache_and_threshold
     assert rr.native_row(rows[3], rows[:1] + rows[2:]) is None
 
 
+def test_i2v_4step_is_the_i2v_workflow_with_the_t2v_4step_sampling() -> None:
+    i2v, t2v = _graph("wan_i2v_4step"), _graph("wan_t2v_4step")
+    loras = _types(i2v)["LoraLoaderModelOnly"]
+    assert {i["lora_name"] for i in loras} <= KNOWN_LORA_FILES.keys() and len(loras) == 2
+    keys = ("steps", "cfg", "start_at_step", "end_at_step", "shift")
+    for kind in ("KSamplerAdvanced", "ModelSamplingSD3"):
+        assert [{k: v for k, v in i.items() if k in keys} for i in _types(i2v)[kind]] == \
+            [{k: v for k, v in i.items() if k in keys} for i in _types(t2v)[kind]], kind
+    assert _model_chain(i2v, "16") == ["ModelSamplingSD3", "LowVRAM_Attention", "LowVRAM_BlockSwap",
+                                       "LoraLoaderModelOnly", "LowVRAM_WanLoader"]
+
+
 def test_seed_and_prompt_changes() -> None:
     g = _graph("wan_t2v_4step")
     warm = rg.with_seed(g, 1)
@@ -365,7 +388,7 @@ def test_seed_and_prompt_changes() -> None:
     new = rg.with_new_prompt(warm)
     assert new["11"]["inputs"]["positive"].endswith(rg.NEW_PROMPT) and new["11"]["inputs"]["negative"] == \
         g["11"]["inputs"]["negative"]
-    for key in ("wan_i2v", "qwen_t2i_4step"):
+    for key in ("wan_i2v", "qwen_t2i_4step", "qwen_edit"):
         for setup in ("pack", "native_best"):
             g = _graph(key, setup)
             assert rg.with_new_prompt(g) != g, (key, setup)
@@ -383,7 +406,7 @@ def test_smoke_graph_shrinks_and_stands_in_for_the_stock_text_encoder() -> None:
     assert sr.graph_facts(_graph("wan_t2v")) == {"resolution": "832x480", "frames": 81, "steps": 20, "cfg": 3.5}
     assert sr.graph_facts(_graph("qwen_t2i_4step")) == {"resolution": "1328x1328", "frames": None, "steps": 4,
                                                         "cfg": 1.0}
-    assert sr.graph_facts(_graph("wan_i2v"))["resolution"] == "832x480"
+    assert sr.graph_facts(_graph("qwen_edit"))["resolution"] == "1024x1024"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -391,7 +414,7 @@ def test_smoke_graph_shrinks_and_stands_in_for_the_stock_text_encoder() -> None:
 
 
 def _opts(**kw: object) -> argparse.Namespace:
-    base = {"rows": "core", "cards": None}
+    base = {"rows": "core", "cards": None, "setups": ",".join(sr.DEFAULT_SETUPS), "memory": "on", "formats": None}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -408,11 +431,12 @@ def test_core_group() -> None:
 
 
 def test_pick_rows_expands_workflows() -> None:
-    rows = sr.pick_rows(_opts(rows="wan_t2v", cards="8,whole"))
-    assert [r.name for r in rows] == [f"wan_t2v_{s}_{c}" for c in ("8gb", "whole") for s in sr.DEFAULT_SETUPS]
-    assert "wan_t2v_pack_8gb_legacy_bf16" in sr.all_rows()  # other rows by name
+    rows = sr.pick_rows(_opts(rows="wan_t2v", cards="8", setups="native_default,pack", formats="fp8_scaled,bf16",
+                              memory="on,off"))
+    assert len(rows) == 8 and {r.card_gib for r in rows} == {8.0}
+    assert "wan_t2v_pack_8gb_legacy_bf16" in {r.name for r in rows}
     assert sr.make_row("wan_t2v", "pack", None, False, "bf16").server_args(140.0) == ["--disable-dynamic-vram"]
-    q = sr.pick_rows(_opts(rows="qwen_t2i_4step"))  # its Block Swap is in its loader: pack_stream is left out
+    q = sr.pick_rows(_opts(rows="qwen_t2i_4step"))  # no Block Swap to remove: that setup is left out
     assert {r.setup for r in q} == {"native_best", "pack"}
     with pytest.raises(SystemExit, match="unknown"):
         sr.pick_rows(_opts(rows="core,nope"))
@@ -624,23 +648,34 @@ def test_resumed_rows_keep_their_comparisons(tmp_path: Path) -> None:
     assert rows[1]["error_vs_native"] == 0.25
 
 
-def test_16bit_pack_rows_run_without_the_saved_fp8_copies(tmp_path: Path) -> None:
+def test_pack_fp8_rows_get_the_saved_copies_and_16bit_pack_rows_run_without_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Wan Loader picks its saved fp8 copy up by itself: a 16-bit pack row would silently load it."""
+    saved: list[str] = []
+
+    def quantize(code: str, src: str, device: str) -> None:  # the child that writes the Wan Loader's saved copy
+        saved.append(src)
+        Path(src.replace(".safetensors", ".lowvram-fp8-per-tensor.safetensors")).write_bytes(b"copy")
+
+    monkeypatch.setattr(sm, "run_child", quantize)
     for name in rg.model_files(rg.WORKFLOWS["wan_t2v_4step"], "bf16"):
         (tmp_path / "diffusion_models").mkdir(exist_ok=True)
         if "_14B_" in name:
             (tmp_path / "diffusion_models" / name).write_bytes(b"x")
             (tmp_path / "diffusion_models" / name.replace(".safetensors", ".lowvram-fp8-per-tensor.safetensors")
              ).write_bytes(b"copy")
-    copies = sm.quantized_copies(tmp_path, sr.make_row("wan_t2v_4step", "pack", None, True, "bf16"))
-    assert len(copies) == 2 and all(c.is_file() for c in copies)
-    with sm.pack_copies_aside(sr.make_row("wan_t2v_4step", "pack", None, True, "bf16"), tmp_path):
+    copies = [c for _, c in sm.quantized_copies(tmp_path, sr.make_row("wan_t2v_4step", "pack", None, True, "bf16"))]
+    assert len(copies) == 2
+    copies[0].unlink()
+    rec: dict = {}
+    with sm.pack_copies_for(sr.make_row("wan_t2v_4step", "pack", None, True, "pack_fp8"), tmp_path, "cpu", rec):
+        assert all(c.is_file() for c in copies)
+    assert list(rec) == ["pack_copy_write_s"] and len(saved) == 1  # only the missing copy written
+    with sm.pack_copies_for(sr.make_row("wan_t2v_4step", "pack", None, True, "bf16"), tmp_path, "cpu", rec):
         assert not any(c.is_file() for c in copies)
     assert all(c.read_bytes() == b"copy" for c in copies)
-    for row in (sr.make_row("wan_t2v_4step", "native_default", None, True, "bf16"), sr.make_row("wan_t2v_4step", "pack",
-                                                                                                  None)):
-        with sm.pack_copies_aside(row, tmp_path):
-            assert all(c.is_file() for c in copies)  # UNETLoader never reads them; an fp8 row loads no 16-bit file
+    with sm.pack_copies_for(sr.make_row("wan_t2v_4step", "native_default", None, True, "bf16"), tmp_path, "cpu", rec):
+        assert all(c.is_file() for c in copies)  # UNETLoader never reads them
 
 
 def test_the_model_writer_child_runs(tmp_path: Path) -> None:
@@ -662,18 +697,20 @@ def test_rows_carry_the_common_format_fields() -> None:
     assert (qwen["model"], qwen["file_format"], qwen["memory_manager"], qwen["side"]) == \
         ("Qwen-Image", "fp8_e4m3fn", "DynamicVRAM", "native")
     assert qwen["setup"].endswith("UNETLoader fp8_e4m3fn_fast, --use-ck-attention")
-    assert sr.head(sr.make_row("wan_t2v_4step", "native_best", None))["memory_manager"] == "DynamicVRAM"
+    assert sr.head(sr.make_row("wan_t2v_4step", "pack_no_blockswap", None))["memory_manager"] == "DynamicVRAM"
     legacy = sr.head(sr.make_row("wan_t2v", "native_default", None, False, "bf16"))
     assert (legacy["memory_manager"], legacy["file_format"], legacy["lora"]) == ("ComfyUI legacy loading", "fp16", None)
     assert sr.head(sr.make_row("wan_t2v_4step", "pack", None))["setup"].endswith("budget 0 GB (all free VRAM)")
-    assert {h["model"] for h in map(sr.head, sr.all_rows().values())} == {
-        "Wan 2.2 T2V-A14B", "Wan 2.2 I2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image"}
+    assert {h["model"] for h in map(sr.head, sr.all_rows().values())} <= {
+        "Wan 2.2 T2V-A14B", "Wan 2.2 I2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image", "Qwen-Image-Edit"}
 
 
 def test_empty_image_replaces_the_loaded_image_at_the_rendered_size() -> None:
     g = sr.empty_images(_graph("wan_i2v"))
     assert "LoadImage" not in _types(g) and _types(g)["EmptyImage"][0]["width"] == 832
     assert _problems(g) == []
+    e = sr.empty_images(_graph("qwen_edit", "native_best"))
+    assert (_types(e)["EmptyImage"][0]["width"], _types(e)["EmptyImage"][0]["height"]) == (1024, 1024)
 
 
 def test_cli_defaults_and_refusals(tmp_path: Path) -> None:
