@@ -522,6 +522,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def video_problem(rows: list[RenderRow]) -> str | None:
+    """Why rows that save video would fail at their last node here (PyAV is the GPU kit's stub), else None."""
+    import importlib.util
+
+    if importlib.util.find_spec("av") is None:
+        return None
+    import av
+
+    video = sorted({r.workflow for r in rows if r.spec.shipped
+                    and "SaveVideo" in rg.ui_node_types(rg.shipped_workflow(r.spec.shipped))})
+    if not video or not str(getattr(av, "__version__", "")).endswith("+stub"):
+        return None
+    return (f"--rows: {', '.join(video)} save video (SaveVideo), and PyAV here is the stub of benchmarks/gpu_kit.sh: "
+            "every render would fail at its last node. Fill the kit with `bash benchmarks/gpu_kit.sh --av`")
+
+
 def _prepare(opts: argparse.Namespace) -> tuple[list[RenderRow], tuple[str, ...], bool]:
     """Checked options: the rows, the render kinds and whether the work folder is this run's own."""
     if opts.comfyui is None or not (Path(opts.comfyui) / "main.py").is_file():
@@ -529,6 +545,8 @@ def _prepare(opts: argparse.Namespace) -> tuple[list[RenderRow], tuple[str, ...]
     if opts.smoke and opts.write_models:
         raise SystemExit("--smoke writes tiny files and --write-models full-size ones: pick one")
     rows = pick_rows(opts)
+    if problem := video_problem(rows):
+        raise SystemExit(problem)
     kinds = tuple(k.strip() for k in (opts.renders or (",".join(CORE_RENDERS) if opts.rows == "core" else
                                                         ",".join(RENDERS))).split(",") if k.strip())
     if unknown := [k for k in kinds if k not in RENDERS]:

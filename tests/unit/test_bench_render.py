@@ -6,6 +6,7 @@ rows, flags and model files, and the report."""
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import re
 from pathlib import Path
@@ -736,6 +737,26 @@ def test_cli_defaults_and_refusals(tmp_path: Path) -> None:
             prepare(*bad)
     with pytest.raises(SystemExit, match="main.py"):
         sr._prepare(sr.parser().parse_args(["--comfyui", str(tmp_path / "nowhere"), "--smoke"]))
+
+
+def test_rows_that_save_video_are_refused_up_front_where_pyav_is_the_gpu_kits_stub(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kit's PyAV stub every SaveVideo fails after the whole render: refused before any model is written."""
+    import importlib.machinery
+    import types
+
+    stub = types.ModuleType("av")
+    stub.__version__ = "0.0.0+stub"
+    stub.__spec__ = importlib.machinery.ModuleSpec("av", None)
+    monkeypatch.setitem(sys.modules, "av", stub)
+    (tmp_path / "main.py").write_text("")
+    base = ["--comfyui", str(tmp_path), "--work", str(tmp_path / "work"), "--smoke", "--cards", "whole"]
+    with pytest.raises(SystemExit, match=r"wan_t2v_4step save video .*gpu_kit\.sh --av"):
+        sr._prepare(sr.parser().parse_args([*base, "--rows", "wan_t2v_4step"]))
+    rows, _, _ = sr._prepare(sr.parser().parse_args([*base, "--rows", "qwen_t2i_4step"]))  # saves PNG
+    assert rows
+    stub.__version__ = "19.0.2"
+    assert sr.video_problem(rows + sr.pick_rows(sr.parser().parse_args([*base, "--rows", "wan_t2v_4step"]))) is None
 
 
 def test_the_deadline_stops_the_run_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
