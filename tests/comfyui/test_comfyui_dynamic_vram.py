@@ -28,6 +28,24 @@ def _tiny_wan(tmp_path: Path, name: str, fmt: str = "fp8_scaled") -> Path:
     return synth.write_synthetic("wan22_t2v_14B", tmp_path / name, size="tiny", fmt=fmt, seed=3, num_layers=4)
 
 
+def _dynamic_wan(tmp_path: Path, name: str, caplog: pytest.LogCaptureFixture) -> Any:
+    """A tiny fp8 Wan as DynamicVRAM would hold it, with the said-once log lines forgotten and INFO captured; skips
+    where this ComfyUI has no DynamicVRAM (its ModelPatcher.clone takes no disable_dynamic)."""
+    comfyui_in_process_or_skip()
+    import inspect
+
+    import comfy.model_patcher
+
+    from comfyui_lowvram_dit.host import log
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+
+    if "disable_dynamic" not in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
+        pytest.skip("this ComfyUI has no DynamicVRAM (ModelPatcher.clone takes no disable_dynamic)")
+    log._SAID_ONCE.clear()
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    return _as_dynamic(load_wan_model(_tiny_wan(tmp_path, name), "per_tensor"))
+
+
 def test_block_swap_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """dynamic_vram = stream: Block Swap takes a model it can rebuild off DynamicVRAM (ComfyUI's own protocol) and
     streams it; one it cannot rebuild (no ``cached_patcher_init``) it leaves to DynamicVRAM, saying so once."""
@@ -199,22 +217,12 @@ def test_torch_compile_passes_through_a_model_larger_than_the_card(tmp_path: Pat
     """Under DynamicVRAM, a model whose weights do not fit the card stays with DynamicVRAM, uncompiled, with one log
     line: the legacy loading would stream it layer by layer (slower), and each streamed layer breaks a compiled
     block. One that fits is taken off DynamicVRAM and compiled as before."""
-    comfyui_in_process_or_skip()
-    import inspect
-
+    dynamic = _dynamic_wan(tmp_path, "big.safetensors", caplog)
     import comfy.model_management as mm
-    import comfy.model_patcher
 
-    if "disable_dynamic" not in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
-        pytest.skip("this ComfyUI has no DynamicVRAM (ModelPatcher.clone takes no disable_dynamic)")
-    from comfyui_lowvram_dit.host import log
     from comfyui_lowvram_dit.host.torch_compile import COMPILE_KEY, apply_compile
-    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
     from comfyui_lowvram_dit.kernels.compile import CompileConfig
 
-    log._SAID_ONCE.clear()
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    dynamic = _as_dynamic(load_wan_model(_tiny_wan(tmp_path, "big.safetensors"), "per_tensor"))
     gib = 1 << 30
     dynamic.model_size = lambda: 14.3 * gib  # a Wan 2.2 14B expert in fp8
     monkeypatch.setattr(mm, "get_total_memory", lambda *a, **k: 140 * gib)  # an H200
