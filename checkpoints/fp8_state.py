@@ -55,7 +55,8 @@ def pop_fp8_layer(state_dict: dict[str, torch.Tensor], prefix: str,
                   block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Take one Linear's fp8 weight and scale out of ``state_dict`` in the form the fp8 ops hold (float8_e4m3fn,
     fp32 scale: 0-d per-tensor or the block grid), whatever file convention named them; the layer's other
-    file-only keys are dropped. None (the state dict unchanged but for those keys) when the weight is not fp8.
+    file-only keys are dropped. None when the weight is not fp8 (its weight left in place, those keys and any scale
+    dropped all the same).
 
     For state dicts that did not come through ``read_fp8_state_dict`` (which already gives this form)."""
     conf = state_dict.get(prefix + "comfy_quant")
