@@ -22,8 +22,8 @@ class Scenario:
 
 SCENARIOS: dict[str, Scenario] = {
     # kernels (no ComfyUI unless said)
-    "attention_int8": Scenario("the 8-bit attention kernel vs cuDNN, flash and comfy-kitchen: time, TFLOP/s, error "
-                               "per input family, kernel vs emulation (--quick, --families)", "bench_attention_int8"),
+    "attention_int8": Scenario("the 8-bit attention kernel vs cuDNN and comfy-kitchen: time, TFLOP/s, error per "
+                               "input family, kernel vs emulation (--families)", "bench_attention_int8"),
     "attention_kitchen": Scenario("the 8-bit attention (fp8 and int8 P·V) vs cuDNN and comfy-kitchen versions (each "
                                   "in its own process, --wheels DIR): error per input family, time at Wan 480p/720p "
                                   "self and cross", "bench_attention_int8", ("--kitchen",)),
