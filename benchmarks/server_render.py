@@ -530,8 +530,8 @@ def video_problem(rows: list[RenderRow]) -> str | None:
         return None
     import av
 
-    video = sorted({r.workflow for r in rows if r.spec.shipped
-                    and "SaveVideo" in rg.ui_node_types(rg.shipped_workflow(r.spec.shipped))})
+    shipped = {r.workflow: r.spec.shipped for r in rows if r.spec.shipped}  # each workflow file read once
+    video = sorted(w for w, name in shipped.items() if "SaveVideo" in rg.ui_node_types(rg.shipped_workflow(name)))
     if not video or not str(getattr(av, "__version__", "")).endswith("+stub"):
         return None
     return (f"--rows: {', '.join(video)} save video (SaveVideo), and PyAV here is the stub of benchmarks/gpu_kit.sh: "
