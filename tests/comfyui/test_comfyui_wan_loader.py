@@ -185,9 +185,9 @@ def _apply_model(patcher: Any, inputs: tuple) -> torch.Tensor:
 def test_compile_runs_eager_while_the_host_streams_single_layers(tiny: dict) -> None:
     """A card too small for the model under the legacy loading (partial load) with a LoRA: every offloaded fp8 layer
     copies its weight and applies its own LoRA patch per call. Compiled, each such layer was a graph break and each
-    patch's key a guarded constant: recompiles per layer and per shape (21 graphs for this 2-block model where a
-    resident one takes 7) until dynamo's limit sent the blocks back to eager, one compile at a time (minutes per
-    step on Wan 14B at 12 GB). Torch Compile runs such a model eager and says why."""
+    patch's key a guarded constant: recompiles per layer and per shape until dynamo's limit sent the blocks back to
+    eager, one compile at a time (docs/investigations/2026-11-29-compile-12gb.md). Torch Compile runs such a model
+    eager and says why."""
     import comfy.sd
 
     from comfyui_lowvram_dit.host.torch_compile import COMPILE_KEY, apply_compile
