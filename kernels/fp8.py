@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -180,12 +179,17 @@ def quantize_tensorwise_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def quantize_activation(
-    x: torch.Tensor, mode: Literal["row", "group", "tensor"], group_size: int = DEFAULT_BLOCK_SIZE, pad_rows_to: int = 1
+    x: torch.Tensor, mode: Literal["row", "group", "tensor"], group_size: int = DEFAULT_BLOCK_SIZE, pad_rows_to: int = 1,
+    fold: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D activation in one fused pass on CUDA (Triton), or with the torch versions elsewhere."""
+    """Quantize a 2-D activation in one fused pass on CUDA (Triton), or with the torch versions elsewhere.
+    ``fold`` (mode "row" only): a one-element fp32 tensor multiplied into the returned row scales."""
     tq = fp8_triton if x.is_cuda and fp8_triton.TRITON_AVAILABLE else None
     if mode == "row":
-        return tq.quantize_rowwise(x) if tq else quantize_rowwise_torch(x)
+        if tq:
+            return tq.quantize_rowwise(x, fold)
+        q, s = quantize_rowwise_torch(x)
+        return q, s if fold is None else s * fold
     if mode == "group":
         if tq:
             return tq.quantize_groupwise(x, group_size, pad_rows_to)
@@ -306,31 +310,19 @@ def select_path(
 # The fp8 linear
 
 
-# id(scale) -> (weak reference to it, its version, N, the expanded row). Not a WeakKeyDictionary: its lookups
-# compare keys with ==, which for tensors is an elementwise op and a GPU sync on every call.
-_ROW_SCALES: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+# (device, N) -> a (1, N) fp32 row of ones: row-wise scaled_mm wants a (1, N) scale_b. The weight's per-tensor scale
+# is folded into the activation's row scales by the quantizer instead (fp8_triton, FOLD), so that a linear call
+# launches no kernel to expand it. ComfyUI loads weights under inference mode, and an inference tensor has no version
+# counter to tell whether a kept expansion of its scale is still current; these rows never change.
+_ONES_ROWS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _forget_row_scale(key: int, ref: weakref.ref) -> None:
-    entry = _ROW_SCALES.get(key)
-    if entry is not None and entry[0] is ref:
-        del _ROW_SCALES[key]
-
-
-def _weight_scale_row(weight_scale: torch.Tensor, n: int) -> torch.Tensor:
-    """Row-wise scaled_mm wants scale_b as a contiguous (1, N) fp32 tensor: the per-tensor scale expanded.
-
-    Kept per scale tensor (and its version, so an in-place reload is seen) while it lives: the copy is a kernel
-    launch per linear call, and models of many short linears (Qwen-Image) are bound by such launches."""
-    if torch.compiler.is_compiling() or weight_scale.is_inference():  # an inference tensor has no version
-        return weight_scale.float().reshape(1, 1).expand(1, n).contiguous()
-    key = id(weight_scale)
-    hit = _ROW_SCALES.get(key)
-    if hit is not None and hit[0]() is weight_scale and hit[1] == weight_scale._version and hit[2] == n:
-        return hit[3]
-    row = weight_scale.float().reshape(1, 1).expand(1, n).contiguous()
-    ref = weakref.ref(weight_scale, lambda r, k=key: _forget_row_scale(k, r))
-    _ROW_SCALES[key] = (ref, weight_scale._version, n, row)
+def _ones_row(device: torch.device, n: int) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return torch.ones((1, n), dtype=torch.float32, device=device)
+    row = _ONES_ROWS.get((device, n))
+    if row is None:
+        row = _ONES_ROWS[(device, n)] = torch.ones((1, n), dtype=torch.float32, device=device)
     return row
 
 
@@ -387,11 +379,14 @@ def _linear_scaled_mm(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torc
                       act: ActQuant = DEFAULT_ACT) -> torch.Tensor:
     """One fp8 GEMM on [M, K] rows (written into ``out`` when given)."""
     n = weight.shape[0]
-    if path in ("scaled_mm_rowwise", "scaled_mm_tensorwise"):
-        row = path == "scaled_mm_rowwise"
-        xq, xs = quantize_activation(x2, "row" if row else "tensor")
-        ws = _weight_scale_row(weight_scale, n) if row else weight_scale.float()
-        return _gemm(xq, xs, weight, ws, bias, out_dtype, act.fast_accum, out)
+    if path == "scaled_mm_rowwise":  # per-tensor weight scale folded into the row scales, ones for scale_b
+        if weight_scale.device != x2.device:  # the quantizer reads it through a raw pointer
+            raise ValueError(f"fp8 linear: weight scale on {weight_scale.device}, activations on {x2.device}")
+        xq, xs = quantize_activation(x2, "row", fold=weight_scale)
+        return _gemm(xq, xs, weight, _ones_row(x2.device, n), bias, out_dtype, act.fast_accum, out)
+    if path == "scaled_mm_tensorwise":
+        xq, xs = quantize_activation(x2, "tensor")
+        return _gemm(xq, xs, weight, weight_scale.float(), bias, out_dtype, act.fast_accum, out)
     # scaled_mm_blockwise
     m = x2.shape[0]
     xq, xs = quantize_activation(x2, "group", 128, pad_rows_to=4)

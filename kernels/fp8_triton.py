@@ -42,8 +42,10 @@ if TRITON_AVAILABLE:
     _SCALE_MIN_C = tl.constexpr(SCALE_MIN)
 
     @triton.jit
-    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
-        """One program per row: pass 1 finds the row amax (NaN kept per lane), pass 2 scales, saturates and casts."""
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, fold_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr,
+                           FOLD: tl.constexpr):
+        """One program per row: pass 1 finds the row amax (NaN kept per lane), pass 2 scales, saturates and casts.
+        FOLD: the stored scale is the row's times the scalar at fold_ptr (a per-tensor weight scale)."""
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_xm
         q_row = q_ptr + row * stride_qm
@@ -60,6 +62,8 @@ if TRITON_AVAILABLE:
             v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
             tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+        if FOLD:
+            scale = scale * tl.load(fold_ptr).to(tl.float32)
         tl.store(s_ptr + row, scale)
 
     @triton.jit
@@ -93,12 +97,14 @@ if TRITON_AVAILABLE:
             tl.store(s_ptr, scale)
 
 
-def _launch_rows(x: torch.Tensor, q_dtype: torch.dtype, wrap) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_rows(x: torch.Tensor, fold: torch.Tensor | None, q_dtype: torch.dtype,
+                 wrap) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     q = torch.empty((m, k), dtype=q_dtype, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        wrap(_quant_rows_kernel)[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=_ROW_BLOCK_K)
+        wrap(_quant_rows_kernel)[(m,)](x, q, s, s if fold is None else fold, k, x.stride(0), q.stride(0),
+                                       BLOCK_K=_ROW_BLOCK_K, FOLD=fold is not None)
     return q, s
 
 
@@ -143,7 +149,10 @@ def _register_ops() -> None:
     from torch.library import triton_op, wrap_triton
 
     def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _launch_rows(x, torch.float8_e4m3fn, wrap_triton)
+        return _launch_rows(x, None, torch.float8_e4m3fn, wrap_triton)
+
+    def rows_folded(x: torch.Tensor, fold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch_rows(x, fold, torch.float8_e4m3fn, wrap_triton)
 
     def groups(x: torch.Tensor, group_size: int, pad_rows_to: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _launch_groups(x, group_size, pad_rows_to, torch.float8_e4m3fn, wrap_triton)
@@ -151,7 +160,8 @@ def _register_ops() -> None:
     def scalar(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _launch_scalar(x, torch.float8_e4m3fn, wrap_triton)
 
-    for name, fn in (("fp8_quant_rows", rows), ("fp8_quant_groups", groups), ("fp8_quant_tensor", scalar)):
+    for name, fn in (("fp8_quant_rows", rows), ("fp8_quant_rows_folded", rows_folded), ("fp8_quant_groups", groups),
+                     ("fp8_quant_tensor", scalar)):
         try:
             _OPS[name] = triton_op(f"{_NS}::{name}", fn, mutates_args=())
         except RuntimeError:  # already registered by another import of this file (e.g. ComfyUI + editable install)
@@ -174,11 +184,12 @@ def _op(name: str):
     return _OPS[name]
 
 
-def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] contiguous -> (q e4m3fn [M, K], scale fp32 [M, 1]) in one fused kernel."""
+def quantize_rowwise(x: torch.Tensor, fold: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] contiguous -> (q e4m3fn [M, K], scale fp32 [M, 1]) in one fused kernel. ``fold`` (a one-element fp32
+    tensor on x's device) multiplies the returned scales: a per-tensor weight scale then costs no launch of its own."""
     if _traced():
-        return _op("fp8_quant_rows")(x)
-    return _launch_rows(x, torch.float8_e4m3fn, _direct)
+        return _op("fp8_quant_rows")(x) if fold is None else _op("fp8_quant_rows_folded")(x, fold)
+    return _launch_rows(x, fold, torch.float8_e4m3fn, _direct)
 
 
 def quantize_groupwise(x: torch.Tensor, group_size: int = 128, pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -210,8 +210,11 @@ def test_triton_quantizers_match_torch_in_interpreter():
         x = torch.randn(37, 300, dtype=torch.bfloat16); x[3] = 0; x[:, 7] *= 40
         e4 = torch.float8_e4m3fn
         same = lambda qf, qr: torch.equal(qf.to(e4).view(torch.uint8), qr.view(torch.uint8))
-        qf, s = ft._launch_rows(x, torch.float32, ft._direct); qr, sr = fp8.quantize_rowwise_torch(x)
+        qf, s = ft._launch_rows(x, None, torch.float32, ft._direct); qr, sr = fp8.quantize_rowwise_torch(x)
         assert torch.equal(s, sr) and same(qf, qr), "rows"
+        w = torch.tensor(0.37)  # a per-tensor weight scale folded into the row scales: same codes, scales times w
+        qf, s = ft._launch_rows(x, w, torch.float32, ft._direct)
+        assert torch.equal(s, sr * w) and same(qf, qr), "rows, folded"
         for g in (128, 64):
             qf, s = ft._launch_groups(x, g, 4, torch.float32, ft._direct)
             qr, sr = fp8.quantize_groupwise_torch(x, g, 4)

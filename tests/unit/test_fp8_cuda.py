@@ -66,6 +66,10 @@ def test_triton_quantizers_are_bit_exact(dtype, m, k):
         _assert_same_quant(q, s, qr, sr, f"{what}: triton vs torch on cuda")
         qc, sc = torch_fn(xc)
         _assert_same_quant(q.cpu(), s.cpu(), qc, sc, f"{what}: triton vs torch on cpu")
+    w = torch.tensor(0.0123, device=x.device)  # a per-tensor weight scale folded into the row scales
+    q, s = fp8.quantize_activation(x, "row", fold=w)
+    qr, sr = fp8.quantize_activation(xc, "row", fold=w.cpu())
+    _assert_same_quant(q.cpu(), s.cpu(), qr, sr, "row, folded: triton vs torch on cpu")
 
 
 def test_weight_quantization_on_gpu_matches_cpu():
