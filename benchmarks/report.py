@@ -57,32 +57,21 @@ def public_command(words: list[str]) -> str:
     return " ".join(w if w.startswith(PLACEHOLDERS) else shlex.quote(w) for w in public)
 
 
-def command_argv(module: str, argv: list[str] | None) -> list[str]:
-    """The command a report records: the suite's as typed, else ``-m module`` and ``argv`` (``main`` called)."""
-    if sys.argv[:2] == ["-m", SUITE]:
-        return list(sys.argv)
-    return ["-m", module, *(sys.argv[1:] if argv is None else argv)]
-
-
-def software_facts() -> dict:
-    """Versions of torch, Triton, comfy-kitchen and comfy-aimdo in this Python (read without importing them)."""
+def environment(module: str, argv: list[str] | None, device: Any = None, comfyui: str | Path | None = None) -> dict:
+    """The ``env`` of a run of ``module`` with ``argv``: what torch knows of ``device``, ``comfyui``'s version, the
+    command as typed (the suite's, else ``-m module`` and ``argv`` when ``main`` was called)."""
     from importlib import metadata
 
-    out = dict.fromkeys(("torch", "triton", "comfy_kitchen", "comfy_aimdo"))
-    for key in out:
+    soft = dict.fromkeys(("torch", "triton", "comfy_kitchen", "comfy_aimdo"))  # read without importing them
+    for key in soft:
         with contextlib.suppress(metadata.PackageNotFoundError):
-            out[key] = metadata.version(key.replace("_", "-"))
-    return out
-
-
-def environment(module: str, argv: list[str] | None, device: Any = None, comfyui: str | Path | None = None) -> dict:
-    """The ``env`` of a run of ``module`` with ``argv``: what torch knows of ``device``, ``comfyui``'s version."""
+            soft[key] = metadata.version(key.replace("_", "-"))
+    words = sys.argv if sys.argv[:2] == ["-m", SUITE] else ["-m", module, *(sys.argv[1:] if argv is None else argv)]
     comfy = os.environ.get("COMFYUI_PATH")
     prefix = f"COMFYUI_PATH={public_command([comfy])} " if comfy else ""
-    soft = software_facts()
     env = {"device": None, "gpu": None, "torch": soft["torch"], "comfyui": comfyui_version(comfyui or comfy),
            "comfy_kitchen": soft["comfy_kitchen"], "commit": git_sha(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "command": prefix + public_command(["python3", *command_argv(module, argv)]), "triton": soft["triton"],
+           "command": prefix + public_command(["python3", *words]), "triton": soft["triton"],
            "comfy_aimdo": soft["comfy_aimdo"], "python": platform.python_version()}
     if device is not None:
         import torch
