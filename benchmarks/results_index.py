@@ -30,12 +30,6 @@ CARDS = (8.0, 12.0, 16.0, 24.0)
 WORKLOAD = ("model", "resolution", "frames", "steps", "cfg", "card_gib", "gpus", "lora", "step_cache", "how")
 
 
-def result_files(root: Path) -> list[Path]:
-    """Every current result JSON under ``root``: not investigations/, not the index, not workflow inputs."""
-    return sorted(p for p in root.rglob("*.json") if p.name != "index.json" and not p.name.endswith(".api.json")
-                  and not set(p.relative_to(root).parts[:-1]) & set(SKIPPED_DIRS))
-
-
 def run_env(env: dict) -> dict:
     """The index's fields of a result's ``env`` (older results' key names too); the commit short, ``-dirty`` kept."""
     gpu = env.get("gpu") or env.get("device_name") or (env.get("gpus") or [None])[0]
@@ -81,8 +75,9 @@ def _link_against(rows: list[dict]) -> None:
 
 def collect(root: Path = RESULTS) -> tuple[list[dict], list[dict]]:
     """(setup rows, component entries) of every current result file under ``root``."""
-    rows, components = [], []
-    for path in result_files(root):
+    rows, components = [], []  # every result JSON: not investigations/, not the index, not workflow inputs
+    for path in sorted(p for p in root.rglob("*.json") if p.name != "index.json" and not p.name.endswith(".api.json")
+                       and not set(p.relative_to(root).parts[:-1]) & set(SKIPPED_DIRS)):
         rel = path.relative_to(root).as_posix()
         env, found = read(json.loads(path.read_text(encoding="utf-8")), rel)
         # the report: <stem>.md, else the README of the run's folder (a run reported by hand), else the JSON itself
@@ -231,10 +226,11 @@ def _by_card_row(model: str, fmt: str, pack: dict | None, native: dict | None) -
 
     ratio = f"**{_metric(native) / _metric(pack):.2f}x**" if pack and native else "—"
     ram = f"{_fmt(pack and pack['peak_rss_gib'], 1)} / {_fmt(native and native['peak_rss_gib'], 1)}"
-    anchor = Path(r["run"]).name
+    anchor = Path(r["run"]).name  # GitHub's anchor of its heading in INDEX.md
+    slug = re.sub(r"[^\w\- ]", "", anchor.strip().lower()).replace(" ", "-")
     return [model, fmt, _workload(r), where, _fmt(pack and pack["setup"]), shown(pack),
             _fmt(native and native["setup"]), shown(native), ratio, ram,
-            f"[{anchor}](../benchmarks/results/INDEX.md#{_slug(anchor)})"]
+            f"[{anchor}](../benchmarks/results/INDEX.md#{slug})"]
 
 
 def _cache_skips(row: dict) -> str:
@@ -245,11 +241,6 @@ def _cache_skips(row: dict) -> str:
     if not skipped:
         return ""
     return f", {row['step_cache']} skipped {sum(k for k, _ in skipped)}/{sum(n for _, n in skipped)} steps"
-
-
-def _slug(heading: str) -> str:
-    """GitHub's anchor of a Markdown heading."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
 def by_card_markdown(rows: list[dict]) -> str:
