@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -152,27 +153,6 @@ def block_variants(setup: dict) -> dict[str, Callable[[str, torch.Tensor], torch
             "pack row-wise + fast accum": _pack(w, rw)}
 
 
-def block_runner(fn: Callable, inputs: dict, keys: dict) -> Callable[..., dict | None]:
-    """run(names, keep) of ``fn`` on ``inputs`` -> {name: first ERR_ROWS output rows} (keep) or None."""
-    def run(names: tuple[str, ...], keep: bool = False) -> dict | None:
-        outs = {n: fn(n, inputs[keys[n]]) for n in names}
-        return {n: y.reshape(-1, y.shape[-1])[:ERR_ROWS].float() for n, y in outs.items()} if keep else None
-    return run
-
-
-def block_errors(runners: dict, refs: dict, names: tuple) -> dict:
-    """variant -> {linear: rel. error vs fp32} (or an error string), after one warm call as in a run's later steps."""
-    out: dict[str, dict | str] = {}
-    for vname, run in runners.items():
-        try:
-            run(names)
-            ys = run(names, keep=True)
-            out[vname] = {n: relative_error(ys[n], refs[n]) for n in names}
-        except Exception as exc:  # noqa: BLE001 - reported as the variant's result
-            out[vname] = report.error_text(exc)
-    return out
-
-
 def quant_fns(inputs: dict, native_inputs: dict, device: torch.device) -> dict[str, object]:
     """Activation quantizers alone on each distinct block input: what each path pays before its GEMM."""
     fns: dict[str, object] = {}
@@ -201,12 +181,23 @@ def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> l
     native_inputs = {k: v.clone() for k, v in inputs.items()}  # native clamps its input in place
     refs = {n: F.linear(inputs[key].reshape(-1, k)[:ERR_ROWS].float(), weights[n]["w"].float(),
                         weights[n]["b"].float()) for n, key, _, k in linears}
-    runners = {v: block_runner(fn, native_inputs if v == NATIVE else inputs, keys)
-               for v, fn in block_variants(setup).items()}
-    errs = block_errors(runners, refs, names)
+    variants = block_variants(setup)
+
+    def run(v: str, subset: tuple[str, ...]) -> dict[str, torch.Tensor]:  # variant v's outputs of the linears
+        x = native_inputs if v == NATIVE else inputs
+        return {n: variants[v](n, x[keys[n]]) for n in subset}
+
+    errs: dict[str, dict | str] = {}  # variant -> {linear: rel. error vs fp32}, after one warm call as in later steps
+    for v in variants:
+        try:
+            run(v, names)
+            errs[v] = {n: relative_error(y.reshape(-1, y.shape[-1])[:ERR_ROWS].float(), refs[n])
+                       for n, y in run(v, names).items()}
+        except Exception as exc:  # noqa: BLE001 - reported as the variant's result
+            errs[v] = report.error_text(exc)
     rows: list[dict] = []
     for kind, subset in (("block8", names), ("block6", SIX)):
-        fns = {v: (lambda r=r: r(subset)) for v, r in runners.items()}
+        fns = {v: functools.partial(run, v, subset) for v in variants}
         for v, t in time_interleaved(fns, device, repeats, warmup).items():
             e = {n: errs[v][n] for n in subset} if isinstance(errs[v], dict) else {}
             rows.append({"kind": kind, "family": family, "variant": v, "time_ms": _med(t),
@@ -215,7 +206,7 @@ def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> l
                          "err_mean": statistics.mean(e.values()) if e else None,
                          "err_max": max(e.values(), default=None), "errors": e})
     for n in names:
-        fns = {v: (lambda r=r: r((n,))) for v, r in runners.items()}
+        fns = {v: functools.partial(run, v, (n,)) for v in variants}
         for v, t in time_interleaved(fns, device, repeats, warmup).items():
             rows.append({"kind": "linear", "family": family, "variant": v, "linear": n, "time_ms": _med(t),
                          "err": errs[v].get(n) if isinstance(errs[v], dict) else None})
@@ -326,35 +317,30 @@ def int8_variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str
     return out
 
 
-def _row(name: str, shape: tuple[int, int, int], vname: str, fn, x, w, b, repeats: int, warmup: int,
-         bf16_ms: float | None) -> dict:
-    m, k, n = shape
-    row = {"shape": name, "M": m, "K": k, "N": n, "variant": vname}
-    if isinstance(fn, str):
-        return {**row, "status": "skipped", "error": fn}
-    try:
-        out = fn()
-        err = relative_error(out[:ERR_ROWS].float(), F.linear(x[:ERR_ROWS].float(), w.float(), b.float())) \
-            if isinstance(out, torch.Tensor) else None  # vs fp32 math on the same bf16 operands
-        del out
-        ms = statistics.median(time_fn(fn, x.device, repeats, warmup))
-    except Exception as exc:  # a path this torch/GPU rejects is a result, not a crash
-        return {**row, "status": "error", "error": report.error_text(exc)}
-    row.update(status="ok", time_ms=ms, rel_err=err)
-    if err is not None:  # a GEMM (the activation quantizer alone has no FLOPs or error)
-        row.update(tflops=2 * m * n * k / ms / 1e9, vs_bf16=(bf16_ms / ms) if bf16_ms else 1.0)
-    return row
-
-
 def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, repeats: int, warmup: int) -> list[dict]:
-    """Every variant at one shape; the first (bf16) sets the ratio."""
-    x, w, b = make_operands(*shape, device)
+    """Every variant at one shape: its time; a GEMM's error vs fp32 math on the same operands, TFLOP/s and ratio to
+    the first variant (bf16); a path this torch / GPU rejects is a row saying why."""
+    (m, k, n), (x, w, b) = shape, make_operands(*shape, device)
     rows: list[dict] = []
     bf16_ms = None
     for vname, fn in {**fp8_variants(x, w, b), **int8_variants(x, w, b)}.items():
-        r = _row(name, shape, vname, fn, x, w, b, repeats, warmup, bf16_ms)
-        bf16_ms = bf16_ms or r.get("time_ms")
+        r = {"shape": name, "M": m, "K": k, "N": n, "variant": vname}
         rows.append(r)
+        if isinstance(fn, str):
+            r.update(status="skipped", error=fn)
+        else:
+            try:
+                out = fn()
+                err = relative_error(out[:ERR_ROWS].float(), F.linear(x[:ERR_ROWS].float(), w.float(), b.float())) \
+                    if isinstance(out, torch.Tensor) else None  # an activation quantizer alone: no FLOPs or error
+                del out
+                ms = statistics.median(time_fn(fn, device, repeats, warmup))
+                r.update(status="ok", time_ms=ms, rel_err=err)
+                if err is not None:
+                    r.update(tflops=2 * m * n * k / ms / 1e9, vs_bf16=(bf16_ms / ms) if bf16_ms else 1.0)
+            except Exception as exc:  # noqa: BLE001 - a result, not a crash
+                r.update(status="error", error=report.error_text(exc))
+        bf16_ms = bf16_ms or r.get("time_ms")
         done = f"{r['time_ms']:8.3f} ms" if r["status"] == "ok" else f"{r['status']}: {r['error'][:100]}"
         gemm = f" {r['tflops']:7.1f} TFLOP/s {r['vs_bf16']:5.2f}x err {r['rel_err']:.4%}" if "tflops" in r else ""
         say(f"  {name:16s} {vname:42s} {done}{gemm}")
