@@ -58,9 +58,7 @@ class BackendUnavailable(RuntimeError):
 def make_inputs(b: int, h: int, lq: int, lk: int, d: int, kind: str, seed: int = 0):
     """bf16 [B, H, L, D] on the GPU; "outlier": 4 channels 20-50x, K channel bias, per-token RMSNorm."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, h, lq, d, device="cuda", generator=g)
-    k = torch.randn(b, h, lk, d, device="cuda", generator=g)
-    v = torch.randn(b, h, lk, d, device="cuda", generator=g)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=g) for n in (lq, lk, lk))
     if kind == "outlier":
         ch = torch.randperm(d, device="cuda", generator=g)[:4]
         mult = torch.tensor([20.0, 30.0, 40.0, 50.0], device="cuda")
@@ -72,25 +70,20 @@ def make_inputs(b: int, h: int, lq: int, lk: int, d: int, kind: str, seed: int =
     return q.bfloat16(), k.bfloat16(), v.bfloat16()
 
 
-def _comfy_kitchen_int8():
-    """comfy_kitchen.int8_attention on [B, H, L, D] (last dim contiguous), default scale 1/sqrt(D)."""
-    try:
-        import comfy_kitchen
-    except Exception as exc:  # ImportError, or its CUDA extension failing to load
-        raise BackendUnavailable(f"comfy_kitchen does not import: {reports.error_text(exc, 280)}") from exc
-    if not hasattr(comfy_kitchen, "int8_attention"):
-        raise BackendUnavailable(f"comfy_kitchen {getattr(comfy_kitchen, '__version__', '?')} has no int8_attention")
-    if not comfy_kitchen.int8_attention_is_available():
-        raise BackendUnavailable("comfy_kitchen.int8_attention_is_available() is False on this GPU")
-    return lambda q, k, v: comfy_kitchen.int8_attention(q, k, v)
-
-
 def backend_fn(name: str):
     """callable(q, k, v) -> out for a backend name (BackendUnavailable when it cannot run here)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if name == "comfy_kitchen_int8":
-        return _comfy_kitchen_int8()
+    if name == "comfy_kitchen_int8":  # as ComfyUI runs it: [B, H, L, D] (last dim contiguous), scale 1/sqrt(D)
+        try:
+            import comfy_kitchen
+        except Exception as exc:  # ImportError, or its CUDA extension failing to load
+            raise BackendUnavailable(f"comfy_kitchen does not import: {reports.error_text(exc, 280)}") from exc
+        if not hasattr(comfy_kitchen, "int8_attention"):
+            raise BackendUnavailable(f"comfy_kitchen {getattr(comfy_kitchen, '__version__', '?')} has no int8_attention")
+        if not comfy_kitchen.int8_attention_is_available():
+            raise BackendUnavailable("comfy_kitchen.int8_attention_is_available() is False on this GPU")
+        return lambda q, k, v: comfy_kitchen.int8_attention(q, k, v)
     if name == "sdpa_cudnn":
         def run(q, k, v):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -291,22 +284,6 @@ def families_markdown(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _timing_table(rows: list[dict]) -> list[str]:
-    """One line per shape and backend: ms, TFLOP/s, speed-up over the cuDNN row of the shape, errors."""
-    cudnn = {r["shape_name"]: r["time_ms"] for r in rows if r["backend"] == "sdpa_cudnn" and "time_ms" in r}
-    table = []
-    for r in rows:
-        base, ms = cudnn.get(r["shape_name"]), r.get("time_ms")
-        vs = f"{base / ms:.2f}x" if base and ms and not r["backend"].startswith("prologue") else "—"
-        note = r.get("error") or (f"skipped: {r['skipped']}" if r.get("skipped") else "")
-        num = lambda key, fmt: reports.cell(r.get(key), fmt)  # noqa: E731
-        table.append([r["shape_name"], r["backend"], num("time_ms", "{:.2f}"), num("tflops", "{:.0f}"), vs,
-                      num("err_gauss", "{:.4f}"), num("err_outlier", "{:.4f}"), num("first_call_s", "{:.1f}"),
-                      reports.cell(note[:160])])
-    return reports.table(["shape", "backend", "ms", "TFLOP/s", "vs cuDNN", "err gauss", "err outlier", "first call s",
-                          "note"], table)
-
-
 def to_markdown(report: dict) -> list[str]:
     """The report: environment, timings, error per input family, the kernel vs its emulation, autotuner picks."""
     env, kitchen = report["env"], report["bench"] == KITCHEN_STEM
@@ -316,7 +293,17 @@ def to_markdown(report: dict) -> list[str]:
         f"auto formats: {env.get('formats_auto')}; comfy-kitchen versions measured: {report['kitchen'] or '—'}",
         "time: median of CUDA-event timings, Gaussian inputs, all heads; TFLOP/s = 4·B·H·Lq·Lk·D / t; errors: "
         f"‖out − fp32‖ / ‖fp32‖ on {ERR_HEADS} heads"])
-    lines += [*_timing_table(report["rows"]), ""]
+    cudnn = {r["shape_name"]: r["time_ms"] for r in report["rows"] if r["backend"] == "sdpa_cudnn" and "time_ms" in r}
+    timings = []  # per shape and backend: ms, TFLOP/s, speed-up over the shape's cuDNN row, errors
+    for r in report["rows"]:
+        base, ms = cudnn.get(r["shape_name"]), r.get("time_ms")
+        vs = f"{base / ms:.2f}x" if base and ms and not r["backend"].startswith("prologue") else "—"
+        note = r.get("error") or (f"skipped: {r['skipped']}" if r.get("skipped") else "")
+        num = [reports.cell(r.get(k), f) for k, f in (("time_ms", "{:.2f}"), ("tflops", "{:.0f}"), ("err_gauss", "{:.4f}"),
+                                                       ("err_outlier", "{:.4f}"), ("first_call_s", "{:.1f}"))]
+        timings.append([r["shape_name"], r["backend"], *num[:2], vs, *num[2:], reports.cell(note[:160])])
+    lines += [*reports.table(["shape", "backend", "ms", "TFLOP/s", "vs cuDNN", "err gauss", "err outlier",
+                              "first call s", "note"], timings), ""]
     if report["families"]:
         lines += families_markdown(report["families"])
     checks = [[r["shape"], r["family"], r["backend"], *(reports.cell(r.get(k), "{:.4f}") for k in (
