@@ -127,11 +127,7 @@ def run_prompt(server: cli_server.ComfyServer, graph: dict, timeout: float) -> P
     with EventRecorder(server.url, cid) as rec:
         with MemoryWatch(server.pid) as watch:
             t0 = time.monotonic()
-            status, body = server.post_prompt(graph, client_id=cid)
-            if status != 200:
-                raise cli_server.RunError(f"ComfyUI rejected the graph ({status}): "
-                                      f"{json.dumps(body.get('node_errors') or body)[:2000]}")
-            entry = server.wait(body["prompt_id"], timeout)
+            entry = server.wait(server.queue(graph, client_id=cid), timeout)  # a refused graph: RunError
             wall = time.monotonic() - t0
         time.sleep(0.3)  # the last websocket messages
     return PromptRun(rec.events, entry, t0, wall, watch)
