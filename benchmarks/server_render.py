@@ -418,8 +418,8 @@ def finish(rec: dict, renders: Sequence[str]) -> dict:
     rec["render_s"] = warm.get("total_s") if warm.get("status") == "ok" else None
     rec["s_per_step"] = warm.get("s_per_step")
     ok = [r for r in done.values() if r.get("status") == "ok"]
-    rec["peak_vram_gib"] = max((r["peak_vram_gib"] for r in ok if r.get("peak_vram_gib") is not None), default=None)
-    rec["peak_rss_gib"] = max((r["peak_rss_gib"] for r in ok if r.get("peak_rss_gib") is not None), default=None)
+    for key in ("peak_vram_gib", "peak_rss_gib"):
+        rec[key] = max((r[key] for r in ok if r.get(key) is not None), default=None)
     return rec
 
 
@@ -454,25 +454,6 @@ def run_all(ctx: RunContext, written: Callable[[list[dict]], object], results: l
         print(f"   {results[-1]['status']} render_s={results[-1].get('render_s')} "
               f"{results[-1].get('error', '')[:300]}", flush=True)
         written(results)
-
-
-def smoke_skip(row: RenderRow) -> str | None:
-    """Why a row cannot run on the tiny smoke models (None when it can)."""
-    if row.workflow == "qwen_edit":
-        return "the Edit graphs need the full-size vision tower; the smoke covers Wan and Qwen-Image t2i"
-    if row.workflow.startswith("qwen") and rg.SETUPS[row.setup].native:
-        return SMOKE_NATIVE
-    return None
-
-
-def environment(opts: argparse.Namespace, argv: list[str] | None) -> dict:
-    """The run's ``env`` with the GPU as nvidia-smi names it (this process never starts CUDA)."""
-    env = reports.environment("comfyui_lowvram_dit.benchmarks.server_render", argv, comfyui=opts.comfyui)
-    gpu = server.gpu_facts()
-    env.update(device="cpu" if opts.smoke or not gpu else "cuda", gpu=gpu.get("device_name"),
-               vram_total_gib=gpu.get("vram_total_gib"), driver=gpu.get("driver"))
-    env["commit"] = opts.git_sha or env["commit"]
-    return env
 
 
 def parser() -> argparse.ArgumentParser:
@@ -569,7 +550,10 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser().parse_args(argv)
     started = time.monotonic()
     rows, kinds, own_work = _prepare(opts)
-    env = environment(opts, argv)
+    env = reports.environment("comfyui_lowvram_dit.benchmarks.server_render", argv, comfyui=opts.comfyui)
+    gpu = server.gpu_facts()  # as nvidia-smi names it: this process never starts CUDA
+    env.update(device="cpu" if opts.smoke or not gpu else "cuda", gpu=gpu.get("device_name"),
+               vram_total_gib=gpu.get("vram_total_gib"), driver=gpu.get("driver"), commit=opts.git_sha or env["commit"])
     host = (Path(opts.comfyui) / "comfy" / "cli_args.py").read_text(encoding="utf-8", errors="replace")
     ctx = RunContext(opts, models.ModelFiles(opts.models, opts.write_models, opts.free_disk),
                      env.get("vram_total_gib") or 0.0, host, env.get("comfyui") or "?", kinds)
@@ -578,8 +562,12 @@ def main(argv: list[str] | None = None) -> int:
                 "page_cache": "not dropped: files written or read earlier in the run come from RAM"}
     results = report.finished_rows(opts.out / f"{opts.stem}.json") if opts.resume else []
     done = {r["name"] for r in results}
-    for row in [r for r in rows if r.name not in done]:
-        reason = smoke_skip(row) if opts.smoke else None
+    for row in [r for r in rows if r.name not in done]:  # a smoke run skips what the tiny files cannot run
+        reason = None
+        if opts.smoke and row.workflow == "qwen_edit":
+            reason = "the Edit graphs need the full-size vision tower; the smoke covers Wan and Qwen-Image t2i"
+        elif opts.smoke and row.workflow.startswith("qwen") and rg.SETUPS[row.setup].native:
+            reason = SMOKE_NATIVE
         if reason:
             results.append({**head(row), "status": "skipped", "error": reason})
         else:
