@@ -80,7 +80,8 @@ def backend_fn(name: str):
         except Exception as exc:  # ImportError, or its CUDA extension failing to load
             raise BackendUnavailable(f"comfy_kitchen does not import: {reports.error_text(exc, 280)}") from exc
         if not hasattr(comfy_kitchen, "int8_attention"):
-            raise BackendUnavailable(f"comfy_kitchen {getattr(comfy_kitchen, '__version__', '?')} has no int8_attention")
+            version = getattr(comfy_kitchen, "__version__", "?")
+            raise BackendUnavailable(f"comfy_kitchen {version} has no int8_attention")
         if not comfy_kitchen.int8_attention_is_available():
             raise BackendUnavailable("comfy_kitchen.int8_attention_is_available() is False on this GPU")
         return lambda q, k, v: comfy_kitchen.int8_attention(q, k, v)
@@ -299,8 +300,8 @@ def to_markdown(report: dict) -> list[str]:
         base, ms = cudnn.get(r["shape_name"]), r.get("time_ms")
         vs = f"{base / ms:.2f}x" if base and ms and not r["backend"].startswith("prologue") else "—"
         note = r.get("error") or (f"skipped: {r['skipped']}" if r.get("skipped") else "")
-        num = [reports.cell(r.get(k), f) for k, f in (("time_ms", "{:.2f}"), ("tflops", "{:.0f}"), ("err_gauss", "{:.4f}"),
-                                                       ("err_outlier", "{:.4f}"), ("first_call_s", "{:.1f}"))]
+        num = [reports.cell(r.get(k), f) for k, f in (("time_ms", "{:.2f}"), ("tflops", "{:.0f}"),
+               ("err_gauss", "{:.4f}"), ("err_outlier", "{:.4f}"), ("first_call_s", "{:.1f}"))]
         timings.append([r["shape_name"], r["backend"], *num[:2], vs, *num[2:], reports.cell(note[:160])])
     lines += [*reports.table(["shape", "backend", "ms", "TFLOP/s", "vs cuDNN", "err gauss", "err outlier",
                               "first call s", "note"], timings), ""]

@@ -81,17 +81,6 @@ def outlier_weight(n: int, k: int, device: torch.device, g: torch.Generator) -> 
     return w.bfloat16(), (0.02 * torch.randn(n, device=device, generator=g)).bfloat16()
 
 
-def block_weights(linears: list, device: torch.device, seed: int = 1) -> dict:
-    """Per linear: bf16 weight and bias, its per-tensor fp8 (the pack's files), native's plain fp8 cast."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    out = {}
-    for name, _, n, k in linears:
-        w, b = outlier_weight(n, k, device, g)
-        q, s = fp8.quantize_per_tensor(w)
-        out[name] = {"w": w, "q": q, "s": s, "native": w.to(fp8.FP8_DTYPE), "b": b}
-    return out
-
-
 def native_linears(weights: dict, device: torch.device) -> tuple[dict, str]:
     """name -> ComfyUI's fp8_e4m3fn_fast Linear (else its steps replicated), and how it runs."""
     try:
@@ -129,17 +118,15 @@ def native_linears(weights: dict, device: torch.device) -> tuple[dict, str]:
         return {name: (lambda x, wd=wd: replicated(x, wd)) for name, wd in weights.items()}, how
 
 
-def _pack(weights: dict, path: str | None, act: fp8.ActQuant | None = None) -> Callable:
+def _pack(weights: dict, path: str | None, act: fp8.ActQuant | None, name: str, x: torch.Tensor) -> torch.Tensor:
     """A pack variant: fp8_linear on ``path`` with ``act``; path None: what the pack runs (the scale chooser's)."""
     from comfyui_lowvram_dit.kernels import opaque_ops
 
-    def run(name: str, x: torch.Tensor) -> torch.Tensor:
-        wd = weights[name]
-        if path is None:
-            auto = fp8.select_path(x.device, None, *wd["q"].shape)
-            return opaque_ops.fp8_linear(x, wd["q"], wd["s"], wd["b"], None, auto)
-        return fp8.fp8_linear(x, wd["q"], wd["s"], wd["b"], path=path, act=act)
-    return run
+    wd = weights[name]
+    if path is None:
+        auto = fp8.select_path(x.device, None, *wd["q"].shape)
+        return opaque_ops.fp8_linear(x, wd["q"], wd["s"], wd["b"], None, auto)
+    return fp8.fp8_linear(x, wd["q"], wd["s"], wd["b"], path=path, act=act)
 
 
 def block_variants(setup: dict) -> dict[str, Callable[[str, torch.Tensor], torch.Tensor]]:
@@ -147,10 +134,10 @@ def block_variants(setup: dict) -> dict[str, Callable[[str, torch.Tensor], torch
     w, tw, rw = setup["weights"], "scaled_mm_tensorwise", "scaled_mm_rowwise"
     return {"bf16 F.linear": lambda n, x: F.linear(x, w[n]["w"], w[n]["b"]),
             NATIVE: lambda n, x: setup["native"][n](x),
-            "pack today (scale chooser, fast accum)": _pack(w, None),
-            "pack row-wise, no fast accum": _pack(w, rw, fp8.ActQuant()),
-            "pack tensor-wise (amax pass), no fast accum": _pack(w, tw, fp8.ActQuant()),
-            "pack row-wise + fast accum": _pack(w, rw)}
+            "pack today (scale chooser, fast accum)": functools.partial(_pack, w, None, None),
+            "pack row-wise, no fast accum": functools.partial(_pack, w, rw, fp8.ActQuant()),
+            "pack tensor-wise (amax pass), no fast accum": functools.partial(_pack, w, tw, fp8.ActQuant()),
+            "pack row-wise + fast accum": functools.partial(_pack, w, rw, None)}
 
 
 def quant_fns(inputs: dict, native_inputs: dict, device: torch.device) -> dict[str, object]:
@@ -360,8 +347,7 @@ def _run_block(lin: Callable, x: torch.Tensor) -> torch.Tensor:
 def chain_errors(device: torch.device, tiny: bool) -> list[dict]:
     """Error of the block chain against fp32 math on the bf16 weights, per compute path."""
     width, ffn = TINY_BLOCK if tiny else WAN_BLOCK
-    shapes = {"q": (width, width), "k": (width, width), "v": (width, width), "o": (width, width),
-              "ffn_up": (width, ffn), "ffn_down": (ffn, width)}
+    shapes = {**dict.fromkeys(("q", "k", "v", "o"), (width, width)), "ffn_up": (width, ffn), "ffn_down": (ffn, width)}
     lins = {n: make_operands(1, kin, kout, device, seed=10 + i)[1:]
             for i, (n, (kin, kout)) in enumerate(shapes.items())}
     x = make_operands(BLOCK_ROWS, width, 8, device, seed=99)[0]
@@ -449,7 +435,11 @@ def run_fp8(args: argparse.Namespace, env: dict) -> tuple[str, dict, list[str]]:
     if args.dry:
         shrink = lambda d: max(16, (d // DRY_DIV) // 16 * 16)  # noqa: E731
         m, linears = 64, [(n, key, shrink(o), shrink(i)) for n, key, o, i in BLOCK_LINEARS]
-    weights = block_weights(linears, device)
+    g, weights = torch.Generator(device=device).manual_seed(1), {}
+    for name, _, n, k in linears:  # bf16 weight and bias, its per-tensor fp8 (the pack's files), native's fp8 cast
+        w, b = outlier_weight(n, k, device, g)
+        q, s = fp8.quantize_per_tensor(w)
+        weights[name] = {"w": w, "q": q, "s": s, "native": w.to(fp8.FP8_DTYPE), "b": b}
     native, how = native_linears(weights, device)
     say(f"native: {how}")
     setup = {"device": device, "linears": linears, "m": m, "weights": weights, "native": native}
