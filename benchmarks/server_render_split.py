@@ -18,13 +18,8 @@ SAMPLER_NODES = frozenset({"KSampler", "KSamplerAdvanced"})
 DECODE_NODES = frozenset({"VAEDecode", "VAEDecodeTiled", "LowVRAM_QwenImageDecode"})
 SAVE_NODES = frozenset({"SaveAnimatedWEBP", "SaveImage", "SaveLatent", "SaveVideo", "CreateVideo", "SaveWEBM"})
 PARTS = ("load_s", "text_encode_s", "sampling_s", "vae_decode_s", "save_s", "other_s")
-
-
-def node_kind(class_type: str) -> str:
-    """Which part of the split a node of ``class_type`` counts in."""
-    parts = ((LOAD_NODES, "load_s"), (TEXT_NODES, "text_encode_s"), (SAMPLER_NODES, "sampling_s"),
-             (DECODE_NODES, "vae_decode_s"), (SAVE_NODES, "save_s"))
-    return next((part for kinds, part in parts if class_type in kinds), "other_s")
+NODE_PARTS = ((LOAD_NODES, "load_s"), (TEXT_NODES, "text_encode_s"), (SAMPLER_NODES, "sampling_s"),
+              (DECODE_NODES, "vae_decode_s"), (SAVE_NODES, "save_s"))  # any other node type: other_s
 
 
 def node_times(events: list[tuple[float, dict]]) -> dict[str, float]:
@@ -61,7 +56,7 @@ def split(events: list[tuple[float, dict]], graph: dict, posted_at: float, total
     nodes, samplers = {}, []
     for nid, seconds in spent.items():
         kind = graph.get(nid, {}).get("class_type", "?")
-        part = node_kind(kind)
+        part = next((part for kinds, part in NODE_PARTS if kind in kinds), "other_s")
         nodes[nid] = {"type": kind, "part": part, "s": seconds}
         if part == "sampling_s":
             s = sampler_steps(events, nid, seconds, graph[nid].get("_meta", {}).get("title", kind))
