@@ -57,7 +57,7 @@ DEFAULT_QK_FORMAT: Literal["int8", "fp8"] = "int8"
 # comfy-kitchen's error on every family (docs/attention_int8_accuracy.md), but its loop issues ~1.7x the
 # instructions of the fp8 one on sm90 (tests/unit/sass_attention_int8.py --pv int8), which this kernel does not
 # overlap with its tensor-core work: expected slower than cuDNN there until measured otherwise
-# (benchmarks/bench_attention_kitchen.py times both).
+# (`attention_int8 --kitchen` times both: benchmarks/results/bench_attention_kitchen.md).
 DEFAULT_PV_FORMAT: Literal["int8", "fp8", "fp16"] = "fp8"
 PV_FORMATS = ("int8", "fp8", "fp16")
 SUPPORTED_HEAD_DIMS = (64, 128)
