@@ -49,38 +49,30 @@ def native_row(row: dict, rows: list[dict]) -> dict | None:
     return min(same, key=lambda r: (r.get("dynamic_vram") != mine[0], r.get("format") != mine[1]), default=None)
 
 
-def reference_row(row: dict, rows: list[dict]) -> dict | None:
-    """The 16-bit native default row of the workflow (the same card first), if one ran; None for itself."""
-    refs = [r for r in rows if (r.get("setup_id"), r.get("format")) == REFERENCE and _ok(r)
-            and r.get("workflow") == row.get("workflow") and r is not row]
-    return min(refs, key=lambda r: r.get("card_gib") != row.get("card_gib")) if refs else None
-
-
-def _latent_check(latents: Path, name: str, kind: str, against: str, old: Any) -> dict | None:
-    """``||a - b|| / ||b||`` of row ``name``'s ``kind`` latent and row ``against``'s first-ever one, both kept; the
-    earlier result when a file is gone."""
-    a, b = latents / f"{name}.{kind}.latent", latents / f"{against}.first_ever.latent"
-    if not (a.is_file() and b.is_file()):
-        return old if old else {"against": f"{against} (first_ever)", "error": "latent not kept in this run"}
-    return {"against": f"{against} (first_ever)", **compare_latents(a, b)}
-
-
 def compare(rows: list[dict], latents: Path) -> list[dict]:
-    """Each finished row gets ``against``, ``ratio`` and ``outputs_compared``; returns ``rows``."""
+    """Each finished row gets ``against``, ``ratio`` and ``outputs_compared``: ``||a - b|| / ||b||`` of its kept
+    latents and the other row's first-ever one (the earlier result when a file is gone); returns ``rows``."""
     for row in rows:
         for key in ROW_KEYS:
             row.setdefault(key, None)
         if not _ok(row):
             continue
-        native, ref = native_row(row, rows), reference_row(row, rows)
+        native = native_row(row, rows)
+        refs = [r for r in rows if (r.get("setup_id"), r.get("format")) == REFERENCE and _ok(r)
+                and r.get("workflow") == row.get("workflow") and r is not row]  # the same card first
+        ref = min(refs, key=lambda r: r.get("card_gib") != row.get("card_gib")) if refs else None
         row["against"] = native["name"] if native else None
         warm = native.get("render_s") if native else None
         row["ratio"] = round(warm / row["render_s"], 3) if warm and row.get("render_s") else None
-        old = row.get("outputs_compared") or {}
+        old, checks = row.get("outputs_compared") or {}, {}
         pairs = {"vs_native": ("first_ever", native), "vs_bf16": ("first_ever", ref),  # (this row's render, against)
                  "cold_vs_first_ever": ("cold", row if "cold" in (row.get("renders") or {}) else None)}
-        row["outputs_compared"] = checks = {key: _latent_check(latents, row["name"], kind, other["name"], old.get(key))
-                                            for key, (kind, other) in pairs.items() if other}
+        for key, (kind, other) in ((k, v) for k, v in pairs.items() if v[1]):
+            a, b = latents / f"{row['name']}.{kind}.latent", latents / f"{other['name']}.first_ever.latent"
+            against = f"{other['name']} (first_ever)"
+            checks[key] = ({"against": against, **compare_latents(a, b)} if a.is_file() and b.is_file() else
+                           old.get(key) or {"against": against, "error": "latent not kept in this run"})
+        row["outputs_compared"] = checks
         row["error_vs_native"] = (checks.get("vs_native") or {}).get("rel_diff")
         row["error_vs_bf16"] = (checks.get("vs_bf16") or {}).get("rel_diff")
     return rows
@@ -140,10 +132,6 @@ def table(rows: list[dict], all_rows: list[dict]) -> list[str]:
         "against", "status"], cells)
 
 
-def _card(card: float | None) -> str:
-    return "whole GPU" if card is None else f"{card:g} GB card (--reserve-vram = total - {card:g} GiB)"
-
-
 def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
     """The report as markdown: environment, what was timed, one table per workflow and card."""
     lines = report.header("Renders through a ComfyUI server: Queue to output file", env, [
@@ -165,7 +153,8 @@ def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
         first = members[0]
         facts = ", ".join(str(x) for x in (first.get("resolution"), first.get("frames") and f"{first['frames']} "
                                            "frames", first.get("steps") and f"{first['steps']} steps") if x)
-        lines += [f"## {title}, {_card(card)}", "", f"{facts}; in brackets: the 'against' row's seconds / the row's",
+        where = "whole GPU" if card is None else f"{card:g} GB card (--reserve-vram = total - {card:g} GiB)"
+        lines += [f"## {title}, {where}", "", f"{facts}; in brackets: the 'against' row's seconds / the row's",
                   "", *table(members, rows), ""]
     return lines
 
