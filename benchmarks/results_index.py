@@ -133,17 +133,6 @@ def _workload(row: dict) -> str:
     return f"{size}, {steps}, cfg {_fmt(row['cfg'])}{extras}"
 
 
-def _run_line(rows: list[dict]) -> str:
-    """The line under a run's heading: its file, how it ran, GPU, versions, date and commit."""
-    r = rows[0]
-    versions = ", ".join(f"{name} {r[key]}" for name, key in (("ComfyUI", "comfyui"), ("torch", "torch"),
-                                                              ("comfy-kitchen", "comfy_kitchen")) if r[key])
-    gpus = max(x["gpus"] for x in rows)
-    gpu = f"{gpus}x {r['gpu']}" if gpus > 1 and r["gpu"] else r["gpu"] or "GPU not recorded"
-    return (f"[{r['link']}]({r['link']}) · {r['how']} · {gpu} · {versions or 'versions not recorded'} · "
-            f"{r['date'] or 'date not recorded'} · commit {r['commit'] or 'not recorded'}")
-
-
 def index_markdown(rows: list[dict], components: list[dict]) -> str:
     """INDEX.md: a section per model, a table per run (the heading is the run's anchor), then the components."""
     runs: dict[str, list[dict]] = defaultdict(list)
@@ -178,7 +167,13 @@ def index_markdown(rows: list[dict], components: list[dict]) -> str:
                   r["file_format"], _fmt(r["memory_manager"]), _fmt(r["s_per_step"]), _fmt(r["render_s"], 1),
                   _fmt(r["peak_vram_gib"], 2), _fmt(r["peak_rss_gib"], 2), _fmt(r["against"]),
                   _fmt(r["ratio"], 2) + "x" if r["ratio"] else "—"] for r in group]
-        out += [f"### {Path(run).name}", "", _run_line(group), "", *table(
+        r, gpus = group[0], max(x["gpus"] for x in group)  # under the heading: file, how, GPU, versions, date, commit
+        versions = ", ".join(f"{name} {r[key]}" for name, key in (("ComfyUI", "comfyui"), ("torch", "torch"),
+                                                                  ("comfy-kitchen", "comfy_kitchen")) if r[key])
+        gpu = f"{gpus}x {r['gpu']}" if gpus > 1 and r["gpu"] else r["gpu"] or "GPU not recorded"
+        line = (f"[{r['link']}]({r['link']}) · {r['how']} · {gpu} · {versions or 'versions not recorded'} · "
+                f"{r['date'] or 'date not recorded'} · commit {r['commit'] or 'not recorded'}")
+        out += [f"### {Path(run).name}", "", line, "", *table(
             ["row", "side", "setup", "workload", "card", "file", "memory", "s/step", "render s", "VRAM GiB", "RAM GiB",
              "against", "ratio"], cells), ""]
     out += ["## Kernels and correctness", "", "Results that measure a kernel or a property, not a setup.", "", *table(
@@ -219,10 +214,14 @@ def _by_card_row(model: str, fmt: str, pack: dict | None, native: dict | None) -
     def shown(row: dict | None) -> str:
         if row is None:
             return "—"
-        if row["render_s"]:
-            step = f" ({_fmt(row['s_per_step'])} s/step{_cache_skips(row)})" if row["s_per_step"] else ""
-            return f"{_fmt(row['render_s'], 1)} s render{step}"
-        return f"{_fmt(row['s_per_step'])} s/step"
+        if not row["render_s"]:
+            return f"{_fmt(row['s_per_step'])} s/step"
+        renders = row.get("renders") if row["step_cache"] else None  # its warm render's skips, else the first's
+        render = isinstance(renders, dict) and (renders.get("warm") or next(iter(renders.values()), None))
+        skipped = (render.get("easycache_skipped") if isinstance(render, dict) else None) or []
+        skips = f", {row['step_cache']} skipped {sum(k for k, _ in skipped)}/{sum(n for _, n in skipped)} steps"
+        step = f" ({_fmt(row['s_per_step'])} s/step{skips if skipped else ''})" if row["s_per_step"] else ""
+        return f"{_fmt(row['render_s'], 1)} s render{step}"
 
     ratio = f"**{_metric(native) / _metric(pack):.2f}x**" if pack and native else "—"
     ram = f"{_fmt(pack and pack['peak_rss_gib'], 1)} / {_fmt(native and native['peak_rss_gib'], 1)}"
@@ -231,16 +230,6 @@ def _by_card_row(model: str, fmt: str, pack: dict | None, native: dict | None) -
     return [model, fmt, _workload(r), where, _fmt(pack and pack["setup"]), shown(pack),
             _fmt(native and native["setup"]), shown(native), ratio, ram,
             f"[{anchor}](../benchmarks/results/INDEX.md#{slug})"]
-
-
-def _cache_skips(row: dict) -> str:
-    """``, EasyCache skipped 0/20 steps`` from the warm render (else the first) of a step-cached render row."""
-    renders = row.get("renders") if row["step_cache"] else None
-    render = isinstance(renders, dict) and (renders.get("warm") or next(iter(renders.values()), None))
-    skipped = render.get("easycache_skipped") if isinstance(render, dict) else None
-    if not skipped:
-        return ""
-    return f", {row['step_cache']} skipped {sum(k for k, _ in skipped)}/{sum(n for _, n in skipped)} steps"
 
 
 def by_card_markdown(rows: list[dict]) -> str:
