@@ -179,9 +179,8 @@ class RenderWorkflow:
         return self.layouts[self.formats.index(file_format)]
 
 
-WAN14B_BUDGETS = {8.0: 6.5, 12.0: 10.0, 16.0: 14.0, 24.0: 21.0, None: 0.0}  # workflows/wan22_*_a14b*.json's table
+BUDGETS = {8.0: 6.5, 12.0: 10.0, 16.0: 14.0, 24.0: 21.0, None: 0.0}  # wan22_*_a14b*.json's and qwen_image_t2i's table
 WAN5B_BUDGETS = {8.0: 6.5, 12.0: 10.0, 16.0: 14.0, 24.0: 0.0, None: 0.0}  # workflows/wan22_ti2v_5b.json's note
-QWEN_BUDGETS = {8.0: 6.5, 12.0: 10.0, 16.0: 14.0, 24.0: 21.0, None: 0.0}  # workflows/qwen_image_t2i.json's table
 
 
 def _wan_16bit(kind: str) -> dict[str, str]:
@@ -206,19 +205,19 @@ GGUF_TYPES = {"gguf_q8_0": "Q8_0", "gguf_q4_k": "Q4_K"}
 WAN_T2V_FORMATS = {"formats": ("fp8_scaled", "bf16", "pack_fp8", *GGUF_TYPES),
                    "layouts": ("fp8_scaled", "fp16", "pack_fp8", *GGUF_TYPES)}
 WORKFLOWS: dict[str, RenderWorkflow] = {w.key: w for w in (
-    RenderWorkflow("wan_t2v_4step", "Wan 2.2 T2V-A14B 4-step", T2V, "wan22_t2v_a14b_4step", WAN14B_BUDGETS,
+    RenderWorkflow("wan_t2v_4step", "Wan 2.2 T2V-A14B 4-step", T2V, "wan22_t2v_a14b_4step", BUDGETS,
                    _wan_16bit("t2v"), **WAN_T2V_FORMATS),
-    RenderWorkflow("wan_t2v", "Wan 2.2 T2V-A14B", T2V, "wan22_t2v_a14b", WAN14B_BUDGETS, _wan_16bit("t2v"),
+    RenderWorkflow("wan_t2v", "Wan 2.2 T2V-A14B", T2V, "wan22_t2v_a14b", BUDGETS, _wan_16bit("t2v"),
                    **WAN_T2V_FORMATS),
-    RenderWorkflow("wan_i2v", "Wan 2.2 I2V-A14B", I2V, "wan22_i2v_a14b", WAN14B_BUDGETS, _wan_16bit("i2v")),
-    RenderWorkflow("wan_i2v_4step", "Wan 2.2 I2V-A14B 4-step", I2V, "wan22_i2v_a14b", WAN14B_BUDGETS,
+    RenderWorkflow("wan_i2v", "Wan 2.2 I2V-A14B", I2V, "wan22_i2v_a14b", BUDGETS, _wan_16bit("i2v")),
+    RenderWorkflow("wan_i2v_4step", "Wan 2.2 I2V-A14B 4-step", I2V, "wan22_i2v_a14b", BUDGETS,
                    _wan_16bit("i2v"), four_step_loras=I2V_LORAS),
     RenderWorkflow("wan_ti2v_5b", "Wan 2.2 TI2V-5B", TI2V, "wan22_ti2v_5b", WAN5B_BUDGETS, formats=("bf16", "pack_fp8"),
                    layouts=("fp16", "pack_fp8")),
-    RenderWorkflow("qwen_t2i_4step", "Qwen-Image 4-step", QWEN, "qwen_image_t2i_4step", QWEN_BUDGETS, QWEN_16BIT,
+    RenderWorkflow("qwen_t2i_4step", "Qwen-Image 4-step", QWEN, "qwen_image_t2i_4step", BUDGETS, QWEN_16BIT,
                    **QWEN_FORMATS),
-    RenderWorkflow("qwen_t2i", "Qwen-Image", QWEN, "qwen_image_t2i", QWEN_BUDGETS, QWEN_16BIT, **QWEN_FORMATS),
-    RenderWorkflow("qwen_edit", "Qwen-Image-Edit 2509", EDIT, "", QWEN_BUDGETS, formats=("fp8_scaled",),
+    RenderWorkflow("qwen_t2i", "Qwen-Image", QWEN, "qwen_image_t2i", BUDGETS, QWEN_16BIT, **QWEN_FORMATS),
+    RenderWorkflow("qwen_edit", "Qwen-Image-Edit 2509", EDIT, "", BUDGETS, formats=("fp8_scaled",),
                    layouts=("fp8_e4m3fn",), swaps_blocks=False),
 )}
 
@@ -437,16 +436,6 @@ def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | No
     graph[new_id(graph)] = node("SaveLatent", "Save final latent", samples=graph[decoders[0]]["inputs"]["samples"],
                                 filename_prefix=f"{LATENT_PREFIX}/{latent_prefix}")
     return graph
-
-
-def node_types_needed(workflow: RenderWorkflow) -> set[str]:
-    """Node types whose schemas ``render_graph`` reads for ``workflow`` (its shipped nodes, the added pack nodes)."""
-    extra = {"LowVRAM_Attention", "LowVRAM_TorchCompile", "KSamplerAdvanced", "LoraLoaderModelOnly", "ModelSamplingSD3",
-             "EasyCache"}
-    if not workflow.shipped:
-        return extra
-    return ui_node_types(shipped_workflow(workflow.shipped)) | ui_node_types(shipped_workflow(
-        "wan22_t2v_a14b_4step")) | extra
 
 
 def with_seed(graph: dict, offset: int) -> dict:
