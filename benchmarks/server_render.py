@@ -464,46 +464,40 @@ def parser() -> argparse.ArgumentParser:
     """The scenario's options."""
     p = argparse.ArgumentParser(prog="python -m comfyui_lowvram_dit.benchmarks server_render",
                                 description=__doc__.strip().splitlines()[0])
-    p.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"),
-                   help="ComfyUI checkout (default: $COMFYUI_PATH)")
-    p.add_argument("--models", type=Path, default=None, help="folder with diffusion_models/ text_encoders/ vae/ "
-                   "loras/ (default: <work>/models with --smoke)")
-    p.add_argument("--rows", default="core", help="comma list of row names, groups (core), workflows "
+    p.add_argument("--comfyui", type=Path, default=os.getenv("COMFYUI_PATH"), help="ComfyUI checkout ($COMFYUI_PATH)")
+    p.add_argument("--models", type=Path, help="folder of diffusion_models/ text_encoders/ vae/ loras/ (default "
+                   "with --smoke: <work>/models)")
+    p.add_argument("--rows", default="core", help=f"comma list of row names, groups (core), workflows "
                    f"({', '.join(rg.WORKFLOWS)}) or all")
-    p.add_argument("--cards", default=None, help="cards in GiB or 'whole', e.g. 12,24,whole (filters groups; "
-                   "a workflow's rows default to 12,24,whole)")
+    p.add_argument("--cards", help="cards in GiB or 'whole', e.g. 12,24,whole (a workflow's default); filters groups")
     p.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"for workflows: {', '.join(rg.SETUPS)}")
-    p.add_argument("--formats", default=None, help="for workflows: fp8_scaled, bf16 (the 16-bit files), pack_fp8 "
-                   "(the Wan Loader's saved fp8 copy); default each workflow's own")
-    p.add_argument("--memory", default="on", help="for workflows: DynamicVRAM on, off (--disable-dynamic-vram) "
-                   "or on,off")
-    p.add_argument("--renders", default=None, help=f"render kinds among {', '.join(RENDERS)} (first_ever always "
-                   f"runs); default {','.join(CORE_RENDERS)} for core, all four otherwise")
-    p.add_argument("--write-models", action="store_true", help="write missing full-size synthetic files, each right "
-                   "before the first row that loads it")
-    p.add_argument("--free-disk", action="store_true", help="with --write-models: delete synthetic files no later "
-                   "row loads before writing new ones (Wan's before Qwen-Image's)")
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny synthetic files, renders shrunk (64 px, 5 frames, "
-                   "2 steps), no card")
-    p.add_argument("--empty-image", action="store_true", help="image inputs (I2V start image, Edit reference) as a "
-                   "one-colour EmptyImage, not LoadImage (for a ComfyUI without PyAV, which decodes loaded images)")
-    p.add_argument("--deadline", type=float, default=0.0, help="seconds from start after which no row starts that "
-                   "would not finish in time (skipped rows are recorded)")
+    p.add_argument("--formats", help="for workflows: fp8_scaled, bf16 (the 16-bit files), pack_fp8 (the Wan Loader's "
+                   "saved fp8 copy); default each workflow's own")
+    p.add_argument("--memory", default="on", help="for workflows: DynamicVRAM on, off (--disable-dynamic-vram), on,off")
+    p.add_argument("--renders", help=f"among {', '.join(RENDERS)} (first_ever always runs); default "
+                   f"{','.join(CORE_RENDERS)} for core, all four otherwise")
+    p.add_argument("--write-models", action="store_true", help="write missing full-size synthetic files as needed")
+    p.add_argument("--free-disk", action="store_true", help="with --write-models: first delete synthetic files no "
+                   "later row loads (Wan's before Qwen-Image's)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny synthetic files, 64 px, 5 frames, 2 steps, no card")
+    p.add_argument("--empty-image", action="store_true", help="image inputs as a one-colour EmptyImage, not LoadImage "
+                   "(a ComfyUI without PyAV, which decodes loaded images)")
+    p.add_argument("--deadline", type=float, default=0.0, help="seconds from start; no row starts that would not end "
+                   "in time (skipped rows are recorded)")
     p.add_argument("--reserve-estimate", type=float, default=0.0, help="seconds a row is assumed to take (default: "
-                   "from its workflow, card and renders)")
-    p.add_argument("--warm-repeats", type=int, default=1, help="warm renders per row, each a new seed; the report "
-                   "gives their median and range (a single render of a few seconds is noisy)")
-    p.add_argument("--easycache-threshold", type=float, default=None, help="EasyCache rows: its reuse_threshold "
-                   "(default: the node's); random synthetic weights change too much per step for the default to "
-                   "skip any")
+                   "by workflow, card and renders)")
+    p.add_argument("--warm-repeats", type=int, default=1, help="warm renders per row, new seeds; reported as median "
+                   "and range (one render of a few seconds is noisy)")
+    p.add_argument("--easycache-threshold", type=float, help="EasyCache rows: its reuse_threshold (default: the "
+                   "node's, which skips no step of random synthetic weights)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one render may take")
-    p.add_argument("--out", type=Path, default=None, help="where the json/md go (default benchmarks/results/render; "
-                   f"with --smoke {SMOKE_OUT}, never the results the index reads)")
-    p.add_argument("--stem", default=None, help="result file name stem (default: the --rows text)")
-    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir, removed after)")
+    p.add_argument("--out", type=Path, help="for json/md (default benchmarks/results/render; with --smoke "
+                   f"{SMOKE_OUT}, never the results the index reads)")
+    p.add_argument("--stem", help="result file name stem (default: the --rows text)")
+    p.add_argument("--work", type=Path, help="scratch folder (default: a temp dir, removed after)")
     p.add_argument("--resume", action="store_true", help="keep the finished rows of <out>/<stem>.json, run the rest")
     p.add_argument("--keep-logs", action="store_true", help="keep each server log and row folder in the work folder")
-    p.add_argument("--git-sha", default=None, help="pack commit to record (default: git rev-parse here)")
+    p.add_argument("--git-sha", help="pack commit to record (default: git rev-parse here)")
     return p
 
 
