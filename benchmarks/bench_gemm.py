@@ -140,21 +140,6 @@ def block_variants(setup: dict) -> dict[str, Callable[[str, torch.Tensor], torch
             "pack row-wise + fast accum": functools.partial(_pack, w, rw, None)}
 
 
-def quant_fns(inputs: dict, native_inputs: dict, device: torch.device) -> dict[str, object]:
-    """Activation quantizers alone on each distinct block input: what each path pays before its GEMM."""
-    fns: dict[str, object] = {}
-    for key in sorted(inputs):
-        x2, xn = inputs[key].reshape(-1, inputs[key].shape[-1]), native_inputs[key].reshape(-1, inputs[key].shape[-1])
-        tag = f"{key} K={x2.shape[1]}"
-        fns[f"{tag}: native clamp_ + cast"] = lambda xn=xn: torch.clamp(xn, -448, 448, out=xn).to(fp8.FP8_DTYPE)
-        if device.type == "cuda" and fp8_triton.TRITON_AVAILABLE:
-            fns[f"{tag}: row (Triton)"] = lambda x2=x2: fp8_triton.quantize_rowwise(x2)
-            fns[f"{tag}: tensor (norm + Triton)"] = lambda x2=x2: fp8_triton.quantize_tensorwise(x2)
-        else:
-            fns[f"{tag}: row (torch)"] = lambda x2=x2: fp8.quantize_rowwise_torch(x2)
-    return fns
-
-
 def _med(t: list[float] | str) -> float | None:
     return statistics.median(t) if isinstance(t, list) and t else None
 
@@ -197,7 +182,17 @@ def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> l
         for v, t in time_interleaved(fns, device, repeats, warmup).items():
             rows.append({"kind": "linear", "family": family, "variant": v, "linear": n, "time_ms": _med(t),
                          "err": errs[v].get(n) if isinstance(errs[v], dict) else None})
-    for q, t in time_interleaved(quant_fns(inputs, native_inputs, device), device, repeats, warmup).items():
+    quant: dict[str, Callable] = {}  # the activation quantizers alone per distinct input: what a path pays first
+    for key in sorted(inputs):
+        x2, xn = inputs[key].reshape(-1, inputs[key].shape[-1]), native_inputs[key].reshape(-1, inputs[key].shape[-1])
+        tag = f"{key} K={x2.shape[1]}"
+        quant[f"{tag}: native clamp_ + cast"] = lambda xn=xn: torch.clamp(xn, -448, 448, out=xn).to(fp8.FP8_DTYPE)
+        if device.type == "cuda" and fp8_triton.TRITON_AVAILABLE:
+            quant[f"{tag}: row (Triton)"] = lambda x2=x2: fp8_triton.quantize_rowwise(x2)
+            quant[f"{tag}: tensor (norm + Triton)"] = lambda x2=x2: fp8_triton.quantize_tensorwise(x2)
+        else:
+            quant[f"{tag}: row (torch)"] = lambda x2=x2: fp8.quantize_rowwise_torch(x2)
+    for q, t in time_interleaved(quant, device, repeats, warmup).items():
         rows.append({"kind": "quant", "family": family, "variant": q, "time_ms": _med(t)})
     return rows
 
@@ -372,40 +367,6 @@ def chain_errors(device: torch.device, tiny: bool) -> list[dict]:
     return rows
 
 
-def summarize(rows: list[dict], blocks: list[dict]) -> list[str]:
-    """Geometric-mean ratio to bf16 and mean error per variant; the block errors; the goal's verdict."""
-    by: dict[str, list[dict]] = {}
-    for r in rows:
-        if r["status"] == "ok" and "vs_bf16" in r:
-            by.setdefault(r["variant"], []).append(r)
-    out = ["## Summary (geometric mean over shapes)", ""]
-    out += [f"- {v}: {statistics.geometric_mean(r['vs_bf16'] for r in rs):.2f}x vs bf16, mean rel. err "
-            f"{statistics.mean(r['rel_err'] for r in rs):.3%}" for v, rs in by.items()]
-    out += ["", "## One Wan block's linears in a chain (error vs fp32)", ""]
-    out += [f"- {b['path']}: {b['block_rel_err']:.3%}" for b in blocks]
-    err = {b["path"].split(" (")[0]: b["block_rel_err"] for b in blocks}
-    if "int8 rotated" in err and "fp8 row-wise" in err:
-        out.append(f"- int8 rotated block error {'<=' if err['int8 rotated'] <= err['fp8 row-wise'] else '>'} "
-                   "the fp8 row-wise path's")
-    return out
-
-
-def int8_markdown(rows: list[dict], env: dict, summary: list[str]) -> list[str]:
-    """The report: environment, one row per shape and variant, the summary."""
-    table = []
-    for r in rows:
-        head = [f"{r['shape']} ({r['M']}, {r['K']} -> {r['N']})", r["variant"]]
-        if r["status"] != "ok":
-            table.append([*head, f"{r['status']}: {report.cell(r.get('error'))[:120]}", "", "", ""])
-        else:
-            table.append([*head, f"{r['time_ms']:.3f}", report.cell(r.get("tflops"), "{:.1f}"),
-                          report.cell(r.get("vs_bf16"), "{:.2f}x"), report.cell(r.get("rel_err"), "{:.3%}")])
-    return [*report.header("int8_gemm: int8 W8A8 GEMMs vs bf16, native fp8 and the pack's fp8", env, [
-        "timing: CUDA events (perf_counter on the CPU), median; bf16 activations with 4 outlier channels, weights "
-        f"with outlier input channels, bias; error vs fp32 on the first {ERR_ROWS} rows"]),
-        *report.table(["shape (M, K -> N)", "variant", "ms", "TFLOP/s", "vs bf16", "rel. err"], table), "", *summary]
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command line: the scenario, then its options (an option of the other scenario is an error)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -464,10 +425,34 @@ def run_int8(args: argparse.Namespace, env: dict) -> tuple[str, dict, list[str]]
         for name, shape in shapes.items():
             rows += bench_shape(name, shape, device, args.repeats, args.warmup)
         blocks = chain_errors(device, args.tiny)
-    summary = summarize(rows, blocks)
+    by: dict[str, list[dict]] = {}  # the summary: per variant, geometric-mean ratio to bf16 and mean error
+    for r in rows:
+        if r["status"] == "ok" and "vs_bf16" in r:
+            by.setdefault(r["variant"], []).append(r)
+    summary = ["## Summary (geometric mean over shapes)", ""]
+    summary += [f"- {v}: {statistics.geometric_mean(r['vs_bf16'] for r in rs):.2f}x vs bf16, mean rel. err "
+                f"{statistics.mean(r['rel_err'] for r in rs):.3%}" for v, rs in by.items()]
+    summary += ["", "## One Wan block's linears in a chain (error vs fp32)", ""]
+    summary += [f"- {b['path']}: {b['block_rel_err']:.3%}" for b in blocks]
+    err = {b["path"].split(" (")[0]: b["block_rel_err"] for b in blocks}
+    if "int8 rotated" in err and "fp8 row-wise" in err:  # the goal's verdict
+        summary.append(f"- int8 rotated block error {'<=' if err['int8 rotated'] <= err['fp8 row-wise'] else '>'} "
+                       "the fp8 row-wise path's")
     say("\n".join(summary))
+    table = []  # one row per shape and variant
+    for r in rows:
+        head = [f"{r['shape']} ({r['M']}, {r['K']} -> {r['N']})", r["variant"]]
+        if r["status"] != "ok":
+            table.append([*head, f"{r['status']}: {report.cell(r.get('error'))[:120]}", "", "", ""])
+        else:
+            table.append([*head, f"{r['time_ms']:.3f}", report.cell(r.get("tflops"), "{:.1f}"),
+                          report.cell(r.get("vs_bf16"), "{:.2f}x"), report.cell(r.get("rel_err"), "{:.3%}")])
+    markdown = [*report.header("int8_gemm: int8 W8A8 GEMMs vs bf16, native fp8 and the pack's fp8", env, [
+        "timing: CUDA events (perf_counter on the CPU), median; bf16 activations with 4 outlier channels, weights "
+        f"with outlier input channels, bias; error vs fp32 on the first {ERR_ROWS} rows"]),
+        *report.table(["shape (M, K -> N)", "variant", "ms", "TFLOP/s", "vs bf16", "rel. err"], table), "", *summary]
     return ("bench_int8_gemm" + ("_tiny" if args.tiny else "_quick" if args.quick else ""),
-            {"env": env, "rows": rows, "block": blocks}, int8_markdown(rows, env, summary))
+            {"env": env, "rows": rows, "block": blocks}, markdown)
 
 
 def main(argv: list[str] | None = None) -> int:
