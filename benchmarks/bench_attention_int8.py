@@ -343,24 +343,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def smoke(args: argparse.Namespace) -> int:
-    """--smoke: every family's error for ours (the emulation of the new and the old scheme) on the CPU, tiny shape."""
-    fns = {n: backend_fn(n) for n in ("int8_fp16", "int8_fp8", "int8_fp8_old")}
-    families = args.families or list(families_module().ALL_FAMILIES)
-    rows = family_errors("smoke", (1, FAMILY_HEADS, 256, 256, 128), fns, families, device="cpu")
-    bad = [r["family"] for r in rows if r["errors"].get("int8_fp16", 1.0) > ERROR_BUDGET or r["notes"]]
-    say("\n".join(families_markdown(rows)))
-    say(f"smoke: {len(rows)} families, over budget with int8_fp16: {bad or 'none'}")
-    return 1 if bad else 0
-
-
 def main(argv: list[str] | None = None) -> int:
     """Either scenario (``--kitchen``), the ``--worker`` child or the CPU ``--smoke``, from ``argv``."""
     args = parse_args(argv)
     if args.worker is not None:
         return worker(args)
-    if args.smoke:
-        return smoke(args)
+    if args.smoke:  # every family's error for ours (the emulation of the new and the old scheme), tiny shape
+        fns = {n: backend_fn(n) for n in ("int8_fp16", "int8_fp8", "int8_fp8_old")}
+        families = args.families or list(families_module().ALL_FAMILIES)
+        rows = family_errors("smoke", (1, FAMILY_HEADS, 256, 256, 128), fns, families, device="cpu")
+        bad = [r["family"] for r in rows if r["errors"].get("int8_fp16", 1.0) > ERROR_BUDGET or r["notes"]]
+        say("\n".join(families_markdown(rows)))
+        say(f"smoke: {len(rows)} families, over budget with int8_fp16: {bad or 'none'}")
+        return 1 if bad else 0
     if not torch.cuda.is_available():
         say("bench_attention_int8: needs a CUDA GPU (--smoke runs the family errors on the CPU)")
         return 2
