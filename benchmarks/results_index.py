@@ -30,20 +30,9 @@ CARDS = (8.0, 12.0, 16.0, 24.0)
 WORKLOAD = ("model", "resolution", "frames", "steps", "cfg", "card_gib", "gpus", "lora", "step_cache", "how")
 
 
-def run_env(env: dict) -> dict:
-    """The index's fields of a result's ``env`` (older results' key names too); the commit short, ``-dirty`` kept."""
-    gpu = env.get("gpu") or env.get("device_name") or (env.get("gpus") or [None])[0]
-    commit = env.get("commit") or env.get("git_sha")
-    return {"device": env.get("device") or ("cuda" if gpu else None), "gpu": gpu and gpu.removeprefix("NVIDIA "),
-            "torch": env.get("torch"), "comfyui": env.get("comfyui") or env.get("comfyui_version"),
-            "comfy_kitchen": env.get("comfy_kitchen"),
-            "commit": commit and commit[:7] + ("-dirty" if commit.endswith("-dirty") else ""),
-            "date": (env.get("date") or env.get("timestamp") or "")[:10] or None, "command": env.get("command"),
-            "started": env.get("date") or env.get("timestamp")}  # the full time: runs of one day in order
-
-
 def read(data: object, source: str) -> tuple[dict, list[dict]]:
-    """(environment, setup rows) of one result file; no rows for a component (kernel) result."""
+    """(environment, setup rows) of one result file; no rows for a component (kernel) result. The environment: the
+    index's fields of its ``env`` (older results' key names too), the commit short with ``-dirty`` kept."""
     env = data.get("env") or data.get("environment") if isinstance(data, dict) else None
     if not isinstance(env, dict):
         raise ValueError(f"{source}: not a result in the common format of benchmarks/README.md (top-level keys "
@@ -51,7 +40,14 @@ def read(data: object, source: str) -> tuple[dict, list[dict]]:
                          "superseded file out of benchmarks/results/")
     rows = data.get("rows") if isinstance(data.get("rows"), list) else []
     setups = [{**{k: None for k in ROW_FIELDS}, **OPTIONAL, **r} for r in rows if isinstance(r, dict) and "setup" in r]
-    return run_env(env), setups
+    gpu = env.get("gpu") or env.get("device_name") or (env.get("gpus") or [None])[0]
+    commit = env.get("commit") or env.get("git_sha")
+    return {"device": env.get("device") or ("cuda" if gpu else None), "gpu": gpu and gpu.removeprefix("NVIDIA "),
+            "torch": env.get("torch"), "comfyui": env.get("comfyui") or env.get("comfyui_version"),
+            "comfy_kitchen": env.get("comfy_kitchen"),
+            "commit": commit and commit[:7] + ("-dirty" if commit.endswith("-dirty") else ""),
+            "date": (env.get("date") or env.get("timestamp") or "")[:10] or None, "command": env.get("command"),
+            "started": env.get("date") or env.get("timestamp")}, setups  # started: runs of one day in order
 
 
 def _link_against(rows: list[dict]) -> None:
