@@ -129,17 +129,6 @@ def _pack(weights: dict, path: str | None, act: fp8.ActQuant | None, name: str, 
     return fp8.fp8_linear(x, wd["q"], wd["s"], wd["b"], path=path, act=act)
 
 
-def block_variants(setup: dict) -> dict[str, Callable[[str, torch.Tensor], torch.Tensor]]:
-    """variant -> fn(linear's name, its input); one this GPU cannot run fails when timed."""
-    w, tw, rw = setup["weights"], "scaled_mm_tensorwise", "scaled_mm_rowwise"
-    return {"bf16 F.linear": lambda n, x: F.linear(x, w[n]["w"], w[n]["b"]),
-            NATIVE: lambda n, x: setup["native"][n](x),
-            "pack today (scale chooser, fast accum)": functools.partial(_pack, w, None, None),
-            "pack row-wise, no fast accum": functools.partial(_pack, w, rw, fp8.ActQuant()),
-            "pack tensor-wise (amax pass), no fast accum": functools.partial(_pack, w, tw, fp8.ActQuant()),
-            "pack row-wise + fast accum": functools.partial(_pack, w, rw, None)}
-
-
 def _med(t: list[float] | str) -> float | None:
     return statistics.median(t) if isinstance(t, list) and t else None
 
@@ -153,7 +142,14 @@ def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> l
     native_inputs = {k: v.clone() for k, v in inputs.items()}  # native clamps its input in place
     refs = {n: F.linear(inputs[key].reshape(-1, k)[:ERR_ROWS].float(), weights[n]["w"].float(),
                         weights[n]["b"].float()) for n, key, _, k in linears}
-    variants = block_variants(setup)
+    # variant -> fn(linear's name, its input); one this GPU cannot run fails when timed
+    w, tw, rw = weights, "scaled_mm_tensorwise", "scaled_mm_rowwise"
+    variants = {"bf16 F.linear": lambda n, x: F.linear(x, w[n]["w"], w[n]["b"]),
+                NATIVE: lambda n, x: setup["native"][n](x),
+                "pack today (scale chooser, fast accum)": functools.partial(_pack, w, None, None),
+                "pack row-wise, no fast accum": functools.partial(_pack, w, rw, fp8.ActQuant()),
+                "pack tensor-wise (amax pass), no fast accum": functools.partial(_pack, w, tw, fp8.ActQuant()),
+                "pack row-wise + fast accum": functools.partial(_pack, w, rw, None)}
 
     def run(v: str, subset: tuple[str, ...]) -> dict[str, torch.Tensor]:  # variant v's outputs of the linears
         x = native_inputs if v == NATIVE else inputs
