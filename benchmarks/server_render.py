@@ -304,29 +304,6 @@ def render_kind(srv: cli_server.ComfyServer, graph: dict, kind: str, opts: argpa
     return {**median, "repeats_s": [r["total_s"] for r in records]}
 
 
-def _row_dirs(ctx: RunContext, row: RenderRow) -> tuple[Path, dict[str, str], list[str]]:
-    """The row's folder (fresh), the server environment with its own kernel caches, and its ComfyUI flags."""
-    opts = ctx.opts
-    folder = opts.work / "rows" / row.name
-    shutil.rmtree(folder, ignore_errors=True)
-    env = dict(os.environ)
-    for var, sub in CACHE_ENV.items():
-        (folder / "cache" / sub).mkdir(parents=True, exist_ok=True)
-        env[var] = str(folder / "cache" / sub)
-    (folder / "user").mkdir(parents=True)
-    (opts.work / "frontend").mkdir(parents=True, exist_ok=True)
-    nodes = {FIXTURE_FOLDER: FIXTURE_NODES} if opts.smoke else {}
-    if row.file_format in rg.GGUF_TYPES:
-        gguf = server.gguf_custom_nodes(sys.executable)
-        if not gguf:
-            raise cli_server.RunError("ComfyUI-GGUF needs the gguf package in this Python: pip install gguf (on the "
-                                      "GPU machine benchmarks/gpu_kit.sh puts it in .whl/)")
-        nodes.update(gguf)
-    flags = [*server.prepare_base(folder / "base", opts.models, nodes), "--user-directory", str(folder / "user"),
-             "--front-end-root", str(opts.work / "frontend")]
-    return folder, env, flags
-
-
 def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: dict, flags: list[str],
           rec: dict, graph: dict | None) -> dict | None:
     """One server life: start, build the graph (first life), render ``kinds`` in order until one fails."""
@@ -374,7 +351,23 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
     try:
         ctx.models.prepare(row, later)
         flags, rec["flags_left_out"] = row_flags(ctx, row)
-        folder, env, base_flags = _row_dirs(ctx, row)
+        folder = opts.work / "rows" / row.name  # fresh: its own kernel caches, user folder and ComfyUI base dir
+        shutil.rmtree(folder, ignore_errors=True)
+        env = dict(os.environ)
+        for var, sub in CACHE_ENV.items():
+            (folder / "cache" / sub).mkdir(parents=True, exist_ok=True)
+            env[var] = str(folder / "cache" / sub)
+        (folder / "user").mkdir(parents=True)
+        (opts.work / "frontend").mkdir(parents=True, exist_ok=True)
+        nodes = {FIXTURE_FOLDER: FIXTURE_NODES} if opts.smoke else {}
+        if row.file_format in rg.GGUF_TYPES:
+            gguf = server.gguf_custom_nodes(sys.executable)
+            if not gguf:
+                raise cli_server.RunError("ComfyUI-GGUF needs the gguf package in this Python: pip install gguf (on "
+                                          "the GPU machine benchmarks/gpu_kit.sh puts it in .whl/)")
+            nodes.update(gguf)
+        base_flags = [*server.prepare_base(folder / "base", opts.models, nodes), "--user-directory",
+                      str(folder / "user"), "--front-end-root", str(opts.work / "frontend")]
         rec["server_flags"] = [public(f, opts) for f in flags]
         lives = [[k for k in ("first_ever", "warm", "warm_new_prompt") if k == "first_ever" or k in ctx.renders],
                  [k for k in ("cold",) if k in ctx.renders]]
