@@ -340,26 +340,6 @@ def _four_step(graph: dict, workflow: RenderWorkflow, object_info: dict) -> None
         graph[nid]["inputs"]["shift"] = shift
 
 
-def apply_pack_setup(graph: dict, setup: Setup, object_info: dict) -> None:
-    """Change a pack graph in place as ``setup`` says: Block Swap removed, the Attention backend, Torch Compile."""
-    if setup.drop_block_swap:
-        for nid in of_type(graph, "LowVRAM_BlockSwap"):
-            bypass(graph, nid)
-    for nid in of_type(graph, "LowVRAM_QwenImageStagedLoader") if setup.batch_cfg is not None else ():
-        graph[nid]["inputs"]["batch_cfg"] = setup.batch_cfg
-    for nid in of_type(graph, "LowVRAM_BlockSwap") if setup.block_swap_mode else ():
-        graph[nid]["inputs"]["dynamic_vram"] = setup.block_swap_mode
-    if (setup.attention or setup.compile is not None) and not of_type(graph, "LowVRAM_Attention"):
-        for nid in of_type(graph, "ModelSamplingSD3", "ModelSamplingAuraFlow"):  # one on each one's model input
-            insert_after(graph, graph[nid]["inputs"]["model"], node_defaults("LowVRAM_Attention", object_info))
-    for nid in of_type(graph, "LowVRAM_Attention"):
-        if setup.attention:
-            graph[nid]["inputs"]["backend"] = setup.attention
-        if setup.compile is not None:
-            insert_after(graph, [nid, 0], node_defaults("LowVRAM_TorchCompile", object_info, model=None,
-                                                        **setup.compile))
-
-
 def _text_pair(graph: dict, nid: str, clip_name: str, kind: str, positive: str, negative: str,
                slots: tuple[int, int]) -> None:
     """CLIPLoader + CLIPTextEncode x2 for the positive / negative outputs ``slots`` of pack node ``nid``."""
@@ -417,8 +397,23 @@ def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | No
         graph = to_native(graph, setup.weight_dtype) if setup.native else graph
     else:
         graph = edit_graph("native" if setup.native else "pack", workflow.budgets[card_gib], setup.weight_dtype)
-    if not setup.native:
-        apply_pack_setup(graph, setup, object_info)
+    # as the setup says (only pack setups set these): Block Swap removed or its mode, batch_cfg, Attention, Compile
+    if setup.drop_block_swap:
+        for nid in of_type(graph, "LowVRAM_BlockSwap"):
+            bypass(graph, nid)
+    for nid in of_type(graph, "LowVRAM_QwenImageStagedLoader") if setup.batch_cfg is not None else ():
+        graph[nid]["inputs"]["batch_cfg"] = setup.batch_cfg
+    for nid in of_type(graph, "LowVRAM_BlockSwap") if setup.block_swap_mode else ():
+        graph[nid]["inputs"]["dynamic_vram"] = setup.block_swap_mode
+    if (setup.attention or setup.compile is not None) and not of_type(graph, "LowVRAM_Attention"):
+        for nid in of_type(graph, "ModelSamplingSD3", "ModelSamplingAuraFlow"):  # one on each one's model input
+            insert_after(graph, graph[nid]["inputs"]["model"], node_defaults("LowVRAM_Attention", object_info))
+    for nid in of_type(graph, "LowVRAM_Attention"):
+        if setup.attention:
+            graph[nid]["inputs"]["backend"] = setup.attention
+        if setup.compile is not None:
+            insert_after(graph, [nid, 0], node_defaults("LowVRAM_TorchCompile", object_info, model=None,
+                                                        **setup.compile))
     for n in graph.values() if file_format in ("bf16", "pack_fp8") else ():  # the 16-bit files' names
         for key, value in n["inputs"].items():
             if isinstance(value, str) and value in workflow.sixteen_bit:
