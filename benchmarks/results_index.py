@@ -77,10 +77,16 @@ def collect(root: Path = RESULTS) -> tuple[list[dict], list[dict]]:
         rel = path.relative_to(root).as_posix()
         env, found = read(json.loads(path.read_text(encoding="utf-8")), rel)
         # the report: <stem>.md, else the README of the run's folder (a run reported by hand), else the JSON itself
-        reports = (path.with_suffix(".md"), *([path.parent / "README.md"] if path.parent != root else []))
+        md = path.with_suffix(".md")
+        reports = (md, *([path.parent / "README.md"] if path.parent != root else []))
         link = next((p for p in reports if p.is_file()), path).relative_to(root).as_posix()
-        if not found:
-            components.append({"source": rel, "link": link, "what": _what(path, env), **env})
+        if not found:  # a component: what it measures is its report's title, else its scenario's description
+            title = md.read_text(encoding="utf-8").splitlines()[0].lstrip("# ").strip() if md.is_file() else ""
+            match = re.search(r"benchmarks(?: |\.|/)(\w+)", env.get("command") or "")
+            name = match.group(1) if match else path.stem
+            scenario = next((s for key, s in SCENARIOS.items() if name in (key, s.module)), None)
+            what = title if " " in title else scenario.what if scenario else f"`{name}`"  # a title: a sentence
+            components.append({"source": rel, "link": link, "what": what, **env})
             continue
         run = rel.removesuffix(".json")
         for row in found:
@@ -95,18 +101,6 @@ def collect(root: Path = RESULTS) -> tuple[list[dict], list[dict]]:
 def _neg_date(row: dict) -> str:
     """A sort key that puts newer runs first (ISO times, YYYY-MM-DD... where a result gives only its day)."""
     return "".join(chr(0x7F - ord(c)) for c in row.get("started") or row.get("date") or "0")
-
-
-def _what(path: Path, env: dict) -> str:
-    """What a component result measures: its report's title, else its scenario's description, else its name."""
-    report = path.with_suffix(".md")
-    title = report.read_text(encoding="utf-8").splitlines()[0].lstrip("# ").strip() if report.is_file() else ""
-    if " " in title:  # a sentence, not just the file's name
-        return title
-    match = re.search(r"benchmarks(?: |\.|/)(\w+)", env.get("command") or "")
-    name = match.group(1) if match else path.stem
-    scenario = next((s for key, s in SCENARIOS.items() if name in (key, s.module)), None)
-    return scenario.what if scenario else f"`{name}`"
 
 
 def _fmt(value: object, digits: int = 3) -> str:
