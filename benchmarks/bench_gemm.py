@@ -255,8 +255,9 @@ def make_operands(m: int, k: int, n: int, device: torch.device, seed: int = 0) -
     return x.bfloat16(), *outlier_weight(n, k, device, g)
 
 
-def fp8_variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, object]:
-    """bf16 and the fp8 rows: name -> zero-arg callable, or why it cannot run here."""
+def variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, object]:
+    """Every row at one shape, name -> zero-arg callable or why it cannot run here: bf16, the fp8 rows, then the int8
+    ones (quantize + GEMM and GEMM alone, per GEMM and with / without rotation)."""
     cap = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
     out: dict[str, object] = {"bf16 F.linear": lambda: F.linear(x, w, b)}
     qt, st = fp8.quantize_per_tensor(w)
@@ -270,13 +271,6 @@ def fp8_variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str,
         (lambda: fp8.fp8_linear(x, qt, st, b, path="scaled_mm_rowwise")) if cap in ((8, 9), (9, 0))
         else f"row-wise scaled_mm needs compute capability 8.9 or 9.0, have {cap}")
     out["ours fp8 dequantize (today on 20xx/30xx)"] = lambda: fp8.fp8_linear(x, qt, st, b, path="dequantize")
-    return out
-
-
-def int8_variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, object]:
-    """The int8 rows: quantize + GEMM and GEMM alone, per GEMM and with / without rotation."""
-    qt, st = fp8.quantize_per_tensor(w)
-    out: dict[str, object] = {}
     triton_ok = int8_triton.gemm_available(x.device)
     for rotate in (True, False):
         wq, ws = int8.weight_from_fp8(qt, st, None, rotate=rotate)
@@ -301,7 +295,7 @@ def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, re
     (m, k, n), (x, w, b) = shape, make_operands(*shape, device)
     rows: list[dict] = []
     bf16_ms = None
-    for vname, fn in {**fp8_variants(x, w, b), **int8_variants(x, w, b)}.items():
+    for vname, fn in variants(x, w, b).items():
         r = {"shape": name, "M": m, "K": k, "N": n, "variant": vname}
         rows.append(r)
         if isinstance(fn, str):
