@@ -384,8 +384,7 @@ def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | No
                  object_info: dict, latent_prefix: str) -> dict:
     """The API graph of one row, plus a SaveLatent of the latent the decoder reads (for output comparisons)."""
     setup = SETUPS[setup_name]
-    reason = setup_applies(workflow, setup_name, file_format)
-    if reason:
+    if reason := setup_applies(workflow, setup_name, file_format):
         raise GraphError(reason)
     if workflow.shipped:
         graph = ui_to_api(shipped_workflow(workflow.shipped), object_info, f"workflows/{workflow.shipped}.json")
