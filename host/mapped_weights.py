@@ -10,6 +10,8 @@ ModelPatcher steps would turn them into anonymous copies:
 - Unloading (``unpatch_model`` / ``partially_unload``: ``module.to(offload_device)``) copies each GPU weight into
   fresh CPU memory. An unpatched weight is identical to its file view, so it is pointed back at the view
   instead: the copy is never made (full unload) or freed at once (partial unload, at the pin step).
+- Loading (``module.to(device)``) reads each weight's file pages for the copy, and they would stay in RSS beside the
+  GPU copy (peak RSS = the loaded size again). They are dropped as each module moves; the page cache keeps them.
 
 A mapped file that is truncated or rewritten in place while the model lives would crash the process (SIGBUS) or
 mix old and new weights the next time its pages are read. Each file's size, mtime and inode are recorded with the
@@ -24,6 +26,7 @@ after the model is built, on the model itself, so clones share them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoints.safetensors_io import CheckpointError
+from ..checkpoints.safetensors_io import MADV_DONTNEED, CheckpointError, advise_mapped
 from ..offload.host_memory import file_backed_ranges, is_file_backed
 from .log import say_once
 from .patchers import dynamic_vram_manages, mixed_class
@@ -155,7 +158,12 @@ class MappedWeightsMixin:
             # in-place patches write into the mapping, so its pages may no longer hold the file's weights
             file_views(self.model).clear()
             log.info("lowvram_dit: weight_inplace_update patcher: weights are no longer pointed back at the file")
-        return super().load(*args, **kwargs)  # type: ignore[misc]
+        with _PageOutAsMoved(self.model) as moved:
+            out = super().load(*args, **kwargs)  # type: ignore[misc]
+        if moved.bytes:
+            log.info("lowvram_dit: %.2f GB of file pages under weights now on the GPU left this process's RSS as they "
+                     "were copied (the page cache keeps them for the next load)", moved.bytes / 1e9)
+        return out
 
     def pin_weight_to_device(self, key: str) -> None:
         import comfy.model_patcher as mp
@@ -191,6 +199,45 @@ class MappedWeightsMixin:
             comfy.utils.set_attr_param(self.model, key, view)
             done += view.numel() * view.element_size()
         return done
+
+
+class _PageOutAsMoved:
+    """While ComfyUI loads a model, drop each file view's pages from this process's RSS as soon as its module has moved
+    the weight off the CPU (``module.to(device)`` runs the module's ``_apply``; a LoRA-merged weight was already put
+    on the device by ``patch_weight_to_device``). The copy read those pages; until the weight comes back to the CPU
+    (pointed at its view again) nothing reads them, so keeping them would only raise peak RSS by the loaded size.
+    Per module, not after the load, so that the peak stays low too. ``offload.host_memory.page_out`` says why
+    MADV_DONTNEED (the page cache stays warm). The wrappers are instance attributes of this model's modules, removed
+    on exit."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.bytes = 0
+        self._owners: dict[int, tuple[torch.nn.Module, list[tuple[str, torch.Tensor]]]] = {}
+        for key, fv in file_views(model).items():
+            owner = fv.owner()
+            if owner is not None:
+                self._owners.setdefault(id(owner), (owner, []))[1].append((key.rpartition(".")[2], fv.tensor))
+
+    def __enter__(self) -> _PageOutAsMoved:
+        for module, views in self._owners.values():
+            module.__dict__["_apply"] = functools.partial(self._apply_then_page_out, module, module._apply, views)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module, _ in self._owners.values():
+            module.__dict__.pop("_apply", None)
+
+    def _apply_then_page_out(self, module: torch.nn.Module, apply: Any, views: list[tuple[str, torch.Tensor]],
+                             fn: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        out = apply(fn, *args, **kwargs)
+        gone = []
+        for attr, view in views:
+            now = module._parameters.get(attr)
+            if now is not None and now.device.type != "cpu":
+                gone.append(view)
+        if gone:
+            self.bytes += advise_mapped(gone, MADV_DONTNEED)  # recorded file views: never anonymous memory
+        return out
 
 
 def keep_file_backed(patcher):  # noqa: ANN001, ANN201 - ModelPatcher in, the same object out

@@ -6,6 +6,7 @@ limit is raised, so its pinning path runs as it does on a GPU. Needs COMFYUI_PAT
 from __future__ import annotations
 
 import dataclasses
+import re
 import gc
 from pathlib import Path
 
@@ -25,6 +26,7 @@ def comfy_pinning(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
     """ComfyUI's pin_memory/unpin_memory enabled on the CPU, registering into a fake table."""
     comfyui_in_process_or_skip()
     import comfy.model_management as mm
+    import comfy.sd  # noqa: F401 - imported before is_available() turns true: its import asks the (absent) GPU
 
     cudart = FakeCudart.install(monkeypatch)
     monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1 << 40)
@@ -256,3 +258,53 @@ def test_a_new_swap_plan_builds_its_arena_from_the_file(tmp_path: Path, comfy_pi
     assert ctl.streamer.arena is None
     assert all(is_file_backed(_weight(swapped, f"diffusion_model.blocks.{b}.ffn.0.weight")) for b in new)
     torch.testing.assert_close(sample_wan(swapped, seed=2), ref, rtol=0, atol=0)
+
+
+def _mapping_rss_kb(path: Path) -> int:
+    """This process's resident kB inside mappings of ``path`` (Linux smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
+def test_loading_drops_the_file_pages_of_moved_weights(tmp_path: Path, comfy_pinning: FakeCudart,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """ComfyUI's load copies each mapped weight to the device; the copy read its file pages, which then only raised
+    RSS (peak RSS counted the loaded model twice beside the GPU copy). The pages leave as each module moves (``meta``
+    stands in for the GPU), the views still read the file's values, and the modules lose their wrappers."""
+    import comfy.utils
+
+    from comfyui_lowvram_dit.host.mapped_weights import file_views
+
+    patcher = _load(tmp_path, "fp8_scaled")
+    sample_wan(patcher, seed=3)  # every weight read: its pages are resident
+    path = next(tmp_path.glob("m_fp8_scaled_*.safetensors"))
+    views = {k: fv.tensor for k, fv in file_views(patcher.model).items()}
+    before_values = {k: v.clone() for k, v in views.items()}
+    before = _mapping_rss_kb(path)
+    with caplog.at_level("INFO", logger="comfyui_lowvram_dit"):
+        patcher.load(device_to=torch.device("meta"), full_load=True)
+    after = _mapping_rss_kb(path)
+    assert before > 1024 and after < before * 0.3, (before, after)
+    assert "left this process's RSS" in caplog.text
+    assert all(torch.equal(v, before_values[k]) for k, v in views.items())  # re-read from the file
+    assert not any("_apply" in m.__dict__ for m in patcher.model.modules())
+    for k, v in views.items():  # back on the CPU as the unload would leave them: the file views again
+        comfy.utils.set_attr_param(patcher.model, k, v)
+
+
+def test_a_cpu_load_drops_nothing(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
+    """Weights that stay on the CPU are the views themselves and are read every step: their pages stay."""
+    patcher = _load(tmp_path, "fp8_scaled")
+    ref = sample_wan(patcher, seed=5)
+    path = next(tmp_path.glob("m_fp8_scaled_*.safetensors"))
+    before = _mapping_rss_kb(path)
+    patcher.load(device_to=torch.device("cpu"), full_load=True)
+    assert _mapping_rss_kb(path) >= before * 0.95
+    torch.testing.assert_close(sample_wan(patcher, seed=5), ref, rtol=0, atol=0)
