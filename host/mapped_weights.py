@@ -219,7 +219,10 @@ class _PageOutAsMoved:
                 self._owners.setdefault(id(owner), (owner, []))[1].append((key.rpartition(".")[2], fv.tensor))
 
     def __enter__(self) -> _PageOutAsMoved:
-        for module, views in self._owners.values():
+        for key, (module, views) in list(self._owners.items()):
+            if "_apply" in module.__dict__:  # someone else's instance override: leave that module alone
+                del self._owners[key]
+                continue
             module.__dict__["_apply"] = functools.partial(self._apply_then_page_out, module, module._apply, views)
         return self
 

@@ -295,6 +295,11 @@ def test_loading_drops_the_file_pages_of_moved_weights(tmp_path: Path, comfy_pin
     assert "left this process's RSS" in caplog.text
     assert all(torch.equal(v, before_values[k]) for k, v in views.items())  # re-read from the file
     assert not any("_apply" in m.__dict__ for m in patcher.model.modules())
+    theirs = patcher.model.diffusion_model.blocks[0].ffn[0]
+    theirs.__dict__["_apply"] = marker = theirs._apply  # another extension's instance override survives a load
+    patcher.load(device_to=torch.device("meta"), full_load=True)
+    assert theirs.__dict__["_apply"] is marker
+    del theirs.__dict__["_apply"]
     for k, v in views.items():  # back on the CPU as the unload would leave them: the file views again
         comfy.utils.set_attr_param(patcher.model, k, v)
 
