@@ -123,8 +123,8 @@ def _launch_groups(x: torch.Tensor, group_size: int, pad_rows_to: int, q_dtype: 
 
 
 def _launch_scalar(x: torch.Tensor, q_dtype: torch.dtype, wrap) -> tuple[torch.Tensor, torch.Tensor]:
-    # inf-norm = max |x| in one reduction kernel (abs and max fused by torch).
-    amax = torch.linalg.vector_norm(x, ord=float("inf")).float()
+    # inf-norm = max |x| in one reduction kernel (abs, max and the fp32 result fused by torch; exact in any dtype).
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dtype=torch.float32)
     q = torch.empty_like(x, dtype=q_dtype)
     n = x.numel()
     if not n:
