@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import attention_families as AF  # tests/unit/attention_families.py
 from comfyui_lowvram_dit.kernels import attention_int8 as A
-from triton_interpreter import interpreter_problem
+from triton_interpreter import interpreter_env, interpreter_problem
 
 BUDGET = 0.02
 DEFAULT_FORMATS = (A.DEFAULT_QK_FORMAT, A.DEFAULT_PV_FORMAT)  # what "auto" runs on sm89+ (sm80/86: fp16 P·V)
@@ -176,7 +176,7 @@ def test_triton_kernels_on_outlier_families_under_interpreter() -> None:
     if (problem := interpreter_problem()) is not None:
         pytest.skip(problem)
     families = ["k_channel_outliers", "k_token_outliers", "qk_mean_offsets+k_token_outliers", "token_outliers"]
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = interpreter_env()
     proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT, json.dumps(families), os.path.dirname(__file__)],
                           check=False, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

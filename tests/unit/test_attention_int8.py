@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_lowvram_dit.kernels import attention_int8 as A
-from triton_interpreter import interpreter_problem
+from triton_interpreter import interpreter_env, interpreter_problem
 
 HAS_TRITON = A._triton_module() is not None
 
@@ -216,7 +216,7 @@ def test_triton_kernels_under_interpreter() -> None:
         [2, 1, 65, 129, 128, "int8", "int8", "BLHD", {"BLOCK_N": 128}],
         [1, 1, 70, 200, 64, "int8", "int8", "BHLD", {"EXP_EMU": 1}],
     ]
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = interpreter_env()
     proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT, os.path.dirname(__file__), json.dumps(cases)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_lowvram_dit.kernels import fp8
-from triton_interpreter import interpreter_problem
+from triton_interpreter import interpreter_env, interpreter_problem
 
 U8 = torch.uint8
 
@@ -225,7 +224,7 @@ def test_triton_quantizers_match_torch_in_interpreter():
         assert q.dtype == e4 and q.shape == (40, 300) and s.stride() == (1, 40)
         print("OK")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = interpreter_env()
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 

@@ -6,7 +6,6 @@ planted GEMMs). GPU checks are ``cuda``."""
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_lowvram_dit.kernels import fp8, int8, int8_choice
-from triton_interpreter import interpreter_problem
+from triton_interpreter import interpreter_env, interpreter_problem
 
 
 def _operands(m: int, k: int, n: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
@@ -237,7 +236,7 @@ def test_triton_kernels_under_the_interpreter() -> None:
             assert torch.equal(c, int8._gemm_float(a, sa, b, sb.reshape(-1), bias, dt, torch.float64)), dt
         print("OK")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = interpreter_env()
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
