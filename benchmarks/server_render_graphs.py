@@ -237,6 +237,12 @@ class Setup:
     easycache: bool = False  # core's EasyCache (its defaults) on the MODEL right before each sampler
     batch_cfg: bool | None = None  # the Qwen-Image Staged Loader's batch_cfg (None: as shipped)
 
+    def __post_init__(self) -> None:
+        pack_only = (self.drop_block_swap, self.block_swap_mode, self.attention, self.compile, self.batch_cfg)
+        if self.native and any(v not in (None, False) for v in pack_only):
+            raise ValueError(f"native setup {self.what!r} sets a pack node's option; render_graph applies those to "
+                             "every graph")
+
 
 NATIVE_BEST = "UNETLoader fp8_e4m3fn_fast, --use-ck-attention"
 EASYCACHE = "EasyCache (its defaults) before each sampler"
@@ -396,7 +402,8 @@ def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | No
         graph = to_native(graph, setup.weight_dtype) if setup.native else graph
     else:
         graph = edit_graph("native" if setup.native else "pack", workflow.budgets[card_gib], setup.weight_dtype)
-    # as the setup says (only pack setups set these): Block Swap removed or its mode, batch_cfg, Attention, Compile
+    # as the setup says (only pack setups set these, Setup checks): Block Swap removed or its mode, batch_cfg,
+    # Attention, Compile
     if setup.drop_block_swap:
         for nid in of_type(graph, "LowVRAM_BlockSwap"):
             bypass(graph, nid)

@@ -225,6 +225,13 @@ def _model_chain(graph: dict, sampler: str) -> list[str]:
     return out
 
 
+def test_a_native_setup_cannot_set_a_pack_option() -> None:
+    """render_graph applies the pack-only options to any graph: a native row that set one would change its graph."""
+    with pytest.raises(ValueError, match="native setup 'x' sets a pack node's option"):
+        rg.Setup(True, "x", compile={})
+    assert rg.Setup(True, "x", "fp8_e4m3fn_fast", True, easycache=True).native
+
+
 def test_pack_setups() -> None:
     g = _graph("wan_t2v_4step", "pack_no_blockswap")
     assert "LowVRAM_BlockSwap" not in _types(g)
