@@ -97,7 +97,9 @@ def prepare_base_dir(base: Path, pack_folder: str = REGISTRY_FOLDER_NAME,
         (base / sub).mkdir(parents=True, exist_ok=True)
     for name, target in {pack_folder: PACK_DIR, **(extra_custom_nodes or {})}.items():
         link = base / "custom_nodes" / name
-        if not link.exists():
+        if link.is_symlink() and link.resolve() != Path(target).resolve():
+            link.unlink()  # a reused base folder's link to another or a deleted checkout: ComfyUI would load that one
+        if not link.exists():  # a real folder of that name is left as it is
             link.symlink_to(target, target_is_directory=True)
     return base / "custom_nodes" / pack_folder
 

@@ -138,3 +138,23 @@ def test_base_folder_links_this_pack(tmp_path: Path) -> None:
     assert (tmp_path / "base" / "custom_nodes" / "comfyui-lowvram-dit").resolve() == run.report.PACK_ROOT
     assert flags[0] == "--extra-model-paths-config" and Path(flags[1]).is_file()
     assert flags[2:] == ["--output-directory", str(tmp_path / "base" / "output")]
+
+
+def test_a_reused_base_folder_links_this_checkout(tmp_path: Path) -> None:
+    """--resume reuses a row's base folder: a link left there to another checkout (or a deleted one, where ComfyUI
+    fails with an unbound local) is replaced, so the server loads the pack being measured; a real folder stays."""
+    from comfyui_lowvram_dit.cli import server as cli_server
+
+    nodes = tmp_path / "base" / "custom_nodes"
+    nodes.mkdir(parents=True)
+    old = tmp_path / "old_checkout"
+    old.mkdir()
+    (nodes / cli_server.REGISTRY_FOLDER_NAME).symlink_to(old, target_is_directory=True)
+    (nodes / "other").symlink_to(tmp_path / "deleted", target_is_directory=True)
+    link = cli_server.prepare_base_dir(tmp_path / "base", extra_custom_nodes={"other": old})
+    assert link.resolve() == cli_server.PACK_DIR.resolve()
+    assert (nodes / "other").resolve() == old.resolve()
+    real = tmp_path / "real" / "custom_nodes" / cli_server.REGISTRY_FOLDER_NAME
+    real.mkdir(parents=True)
+    (real / "keep.txt").write_text("x")
+    assert cli_server.prepare_base_dir(tmp_path / "real") == real and (real / "keep.txt").exists()
