@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from ..checkpoints.safetensors_io import MADV_DONTNEED, CheckpointError, advise_mapped
-from ..offload.host_memory import file_backed_ranges, is_file_backed
+from ..checkpoints.safetensors_io import CheckpointError
+from ..offload.host_memory import file_backed_ranges, is_file_backed, page_out
 from .log import say_once
 from .patchers import dynamic_vram_manages, mixed_class
 
@@ -212,6 +212,7 @@ class _PageOutAsMoved:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.bytes = 0
+        self._ranges: list[tuple[int, int]] | None = None  # the process's file mappings, read at the first page-out
         self._owners: dict[int, tuple[torch.nn.Module, list[tuple[str, torch.Tensor]]]] = {}
         for key, fv in file_views(model).items():
             owner = fv.owner()
@@ -239,7 +240,9 @@ class _PageOutAsMoved:
             if now is not None and now.device.type != "cpu":
                 gone.append(view)
         if gone:
-            self.bytes += advise_mapped(gone, MADV_DONTNEED)  # recorded file views: never anonymous memory
+            if self._ranges is None:
+                self._ranges = file_backed_ranges()
+            self.bytes += page_out(gone, self._ranges)
         return out
 
 
