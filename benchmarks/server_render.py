@@ -221,11 +221,7 @@ def empty_images(graph: dict) -> dict:
 
 def build_graph(row: RenderRow, srv: cli_server.ComfyServer, opts: argparse.Namespace) -> dict:
     """The row's graph against the running server's node schemas (shrunk for --smoke, --empty-image applied)."""
-    # the schemas render_graph reads: the shipped workflow's nodes, the T2V 4-step one's (_four_step), those it adds
-    files = [rg.shipped_workflow(w) for w in (row.spec.shipped, "wan22_t2v_a14b_4step") if row.spec.shipped]
-    types = set().union({"LowVRAM_Attention", "LowVRAM_TorchCompile", "KSamplerAdvanced", "LoraLoaderModelOnly",
-                         "ModelSamplingSD3", "EasyCache"}, *map(rg.ui_node_types, files))
-    info = {t: i for t in types if (i := srv.object_info(t))}
+    info = {t: i for t in rg.node_types_needed(row.spec) if (i := srv.object_info(t))}
     graph = rg.render_graph(row.spec, row.setup, row.card_gib, row.file_format, info, row.name)
     for n in rg.of_type(graph, "EasyCache") if row.easycache_threshold is not None else ():
         graph[n]["inputs"]["reuse_threshold"] = row.easycache_threshold

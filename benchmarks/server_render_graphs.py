@@ -386,6 +386,14 @@ def to_native(graph: dict, weight_dtype: str) -> dict:
     return g
 
 
+def node_types_needed(workflow: RenderWorkflow) -> set[str]:
+    """Node types whose schemas ``render_graph`` reads for ``workflow``: the shipped workflow's nodes, the T2V 4-step
+    one's (``_four_step``), the nodes it adds."""
+    files = [shipped_workflow(w) for w in (workflow.shipped, "wan22_t2v_a14b_4step") if workflow.shipped]
+    return set().union({"LowVRAM_Attention", "LowVRAM_TorchCompile", "KSamplerAdvanced", "LoraLoaderModelOnly",
+                        "ModelSamplingSD3", "EasyCache"}, *map(ui_node_types, files))
+
+
 def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | None, file_format: str,
                  object_info: dict, latent_prefix: str) -> dict:
     """The API graph of one row, plus a SaveLatent of the latent the decoder reads (for output comparisons)."""
