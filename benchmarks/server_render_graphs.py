@@ -372,6 +372,16 @@ def to_native(graph: dict, weight_dtype: str) -> dict:
             i = n["inputs"]
             _text_pair(g, nid, i["clip_name"], "wan", i["positive"], i["negative"], (0, 1))
             del g[nid]
+        elif kind == "LowVRAM_QwenImageLoader":
+            i = n["inputs"]
+            g[nid] = node("UNETLoader", "Load Diffusion Model", unet_name=i["unet_name"], weight_dtype=weight_dtype)
+            vae = new_id(g)
+            g[vae] = node("VAELoader", "Load VAE", vae_name=i["vae_name"])
+            rewire(g, [nid, 1], [vae, 0])
+        elif kind == "LowVRAM_QwenImageTextEncode":
+            i = n["inputs"]
+            _text_pair(g, nid, i["clip_name"], "qwen_image", i["positive"], i["negative"], (0, 1))
+            del g[nid]
         elif kind == "LowVRAM_QwenImageStagedLoader":
             i = n["inputs"]
             g[nid] = node("UNETLoader", "Load Diffusion Model", unet_name=i["unet_name"], weight_dtype=weight_dtype)
@@ -415,7 +425,7 @@ def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | No
     if setup.drop_block_swap:
         for nid in of_type(graph, "LowVRAM_BlockSwap"):
             bypass(graph, nid)
-    for nid in of_type(graph, "LowVRAM_QwenImageStagedLoader") if setup.batch_cfg is not None else ():
+    for nid in of_type(graph, "LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageTextEncode") if setup.batch_cfg is not None else ():
         graph[nid]["inputs"]["batch_cfg"] = setup.batch_cfg
     for nid in of_type(graph, "LowVRAM_BlockSwap") if setup.block_swap_mode else ():
         graph[nid]["inputs"]["dynamic_vram"] = setup.block_swap_mode

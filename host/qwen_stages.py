@@ -206,26 +206,42 @@ def prepare_files(unet_name: str, clip_name: str, vae_name: str, vram_budget_gb:
     """The opening of a staged Qwen-Image loader: the budget checked, the three files' paths, each file checked
     (transformer, text encoder, the VAE against the transformer; a wrong file fails now, naming ``node``, the input
     and the file, not after the long text stage) and RAM freed."""
+    unet, vae_path = prepare_model_files(unet_name, vae_name, vram_budget_gb, node)
+    return unet, text_encoder_file(clip_name, node, encoder), vae_path
+
+
+def prepare_model_files(unet_name: str, vae_name: str, vram_budget_gb: float,
+                        node: str = "Qwen-Image Loader") -> tuple[str, str]:
+    """The budget checked, the transformer's and the VAE's paths, both files checked (naming ``node``, the input
+    and the file), and a previous run's transformer freed."""
     import comfy.model_management as mm
     import folder_paths
 
     check_budget(vram_budget_gb)
     unet = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-    te = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
     vae_path = folder_paths.get_full_path_or_raise("vae", vae_name)
     node = display_name(node)
     with checked_input(node, "unet_name"):
         qwen_image.inspect_qwen_image(read_header(unet))
         check_host_reads(unet, LOADER)  # before the long text stage, as the VAE check
-    with checked_input(node, "clip_name"):
-        text_encoders.check_file(encoder or QWEN25_VL, te)
     with checked_input(node, "vae_name"):
         check_vae_fits(vae_path, unet)
     # A previous run's transformer (dropped from ComfyUI's cache when the inputs changed) must be gone before the
-    # encoder loads: the two do not fit in RAM together on the machines these nodes are for.
+    # encoder or the next transformer loads: two do not fit in RAM together on the machines these nodes are for.
     mm.cleanup_models_gc()
     stage_meter.release_host_memory()
-    return unet, te, vae_path
+    return unet, vae_path
+
+
+def text_encoder_file(clip_name: str, node: str = "Qwen-Image Text Encode",
+                      encoder: text_encoders.StreamedTextEncoder | None = None) -> str:
+    """The Qwen2.5-VL file's path, checked (CheckpointError naming ``node``, the input and the file)."""
+    import folder_paths
+
+    te = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+    with checked_input(display_name(node), "clip_name"):
+        text_encoders.check_file(encoder or QWEN25_VL, te)
+    return te
 
 
 def load_staged_model(unet_path: str | Path, mode: QuantMode = "per_tensor", vram_budget_gb: float = 0.0,

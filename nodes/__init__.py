@@ -21,6 +21,7 @@ NODE_MODULES: tuple[str, ...] = (
     "block_swap",
     "attention",
     "compile",
+    "qwen_image",
     "qwen_staged",
     "qwen_edit",
     "wan_text",

@@ -330,3 +330,40 @@ def test_batch_cfg_with_reference_latents_as_the_edit_loader_gives(tmp_path: Pat
     pos, neg = ([[torch.randn(1, n, model_config("qwen_image", "tiny").joint_dim, generator=gen),
                   {"reference_latents": [ref], "reference_latents_method": "index"}]] for n in (9, 4))
     _check_batched_sampling(tmp_path, pos, neg)
+
+
+def _split_graph(files: dict[str, str], prompt: str, seed: int) -> dict:
+    """The staged graph with Qwen-Image Loader + Qwen-Image Text Encode in place of the Staged Loader (the shipped
+    workflows' pair)."""
+    g = _graph(files, prompt)
+    staged = g.pop("1")["inputs"]
+    g["1"] = {"class_type": "LowVRAM_QwenImageLoader", "inputs": {
+        k: staged[k] for k in ("unet_name", "vae_name", "quantization", "vram_budget_gb", "blocks_to_swap", "compute")}}
+    g["9"] = {"class_type": "LowVRAM_QwenImageTextEncode", "inputs": {
+        k: staged[k] for k in ("clip_name", "positive", "negative", "cache_embeddings")}}
+    g["3"]["inputs"].update(positive=["9", 0], negative=["9", 1], seed=seed)
+    g["4"]["inputs"]["vae"] = ["1", 1]
+    g["6"]["inputs"]["conditioning"] = ["9", 0]
+    return g
+
+
+def test_split_nodes_equal_the_staged_loader_and_a_new_prompt_keeps_the_transformer(
+        comfy_server: ComfyServer, files: dict[str, str]) -> None:
+    """Qwen-Image Loader + Qwen-Image Text Encode give the Staged Loader's picture; a second prompt re-runs only the
+    text node (the transformer is built once), as CLIPTextEncode does beside UNETLoader."""
+    tag = uuid.uuid4().hex[:6]
+    staged = _graph(files, f"a lighthouse at dusk {tag}")
+    staged["3"]["inputs"]["seed"] = 4242
+    ref = _ui(comfy_server.run(staged, timeout=900), "5", "latent_stats")
+    built = "lowvram_dit Qwen-Image transformer " + files["unet"]
+    before = len(comfy_server.log_text())
+    first = comfy_server.run(_split_graph(files, f"a lighthouse at dusk {tag}", 4242), timeout=900)
+    log = comfy_server.log_text()[before:]
+    assert _ui(first, "5", "latent_stats") == ref
+    assert log.count(built) == 1 and "2 of 2 prompts from the embedding cache" in _stages(log)["stage 1"]["notes"]
+    before = len(comfy_server.log_text())
+    second = comfy_server.run(_split_graph(files, f"a harbour at dawn {tag}", 4242), timeout=900)
+    log2 = comfy_server.log_text()[before:]
+    assert built not in log2 and "stage 2" not in _stages(log2), log2[-3000:]
+    assert "1 of 2 prompts from the embedding cache" in _stages(log2)["stage 1"]["notes"], log2[-3000:]
+    assert _ui(second, "5", "latent_stats") != ref and _ui(second, "5", "latent_stats")["finite"]

@@ -207,7 +207,8 @@ def test_every_pack_node_of_a_shipped_workflow_has_a_native_equivalent() -> None
     for name in SHIPPED + ["wan22_t2v_a14b_2gpu"]:
         kinds = rg.ui_node_types(rg.shipped_workflow(name))
         unknown = {k for k in kinds if k.startswith("LowVRAM_")} - rg.MODEL_PASS_THROUGH - {
-            "LowVRAM_WanLoader", "LowVRAM_WanTextEncode", "LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageDecode"}
+            "LowVRAM_WanLoader", "LowVRAM_WanTextEncode", "LowVRAM_QwenImageLoader", "LowVRAM_QwenImageTextEncode",
+            "LowVRAM_QwenImageDecode"}
         assert not unknown, (name, unknown)
 
 
@@ -247,9 +248,9 @@ def test_pack_setups() -> None:
     compile_inputs = {k: v for k, v in _types(g)["LowVRAM_TorchCompile"][0].items() if k != "model"}
     assert compile_inputs == {"mode": "default", "backend": "inductor", "dynamic": "auto", "fullgraph": False,
                               "cache_size_limit": 64, "fallback": True, "scope": "blocks", "when": "it pays"}
-    assert [i["batch_cfg"] for i in _types(_graph("qwen_t2i", "pack_no_batch_cfg"))["LowVRAM_QwenImageStagedLoader"]] \
+    assert [i["batch_cfg"] for i in _types(_graph("qwen_t2i", "pack_no_batch_cfg"))["LowVRAM_QwenImageTextEncode"]] \
         == [False]
-    assert [i["batch_cfg"] for i in _types(_graph("qwen_t2i", "pack"))["LowVRAM_QwenImageStagedLoader"]] == [True]
+    assert [i["batch_cfg"] for i in _types(_graph("qwen_t2i", "pack"))["LowVRAM_QwenImageTextEncode"]] == [True]
     graphs = _types(_graph("qwen_t2i", "pack_compile_graphs"))["LowVRAM_TorchCompile"]
     assert [{k: i[k] for k in ("mode", "backend", "scope")} for i in graphs] == [
         {"mode": "reduce-overhead", "backend": "inductor", "scope": "blocks"}]

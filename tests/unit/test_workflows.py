@@ -203,7 +203,8 @@ def test_input_images_are_drawn_for_synthetic_runs_and_required_otherwise(tmp_pa
 
 
 SAMPLERS = {"KSampler", "KSamplerAdvanced"}
-MODEL_LOADERS = {"LowVRAM_WanLoader", "LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageEditStagedLoader"}
+MODEL_LOADERS = {"LowVRAM_WanLoader", "LowVRAM_QwenImageLoader", "LowVRAM_QwenImageStagedLoader",
+                 "LowVRAM_QwenImageEditStagedLoader"}
 
 
 def _model_path(graph: ui_graph.Graph, node: dict) -> list[str]:
