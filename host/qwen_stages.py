@@ -123,13 +123,11 @@ def conditioning_to(cond: list, dev: torch.device) -> list:
 
 def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = True,
                    target_device: torch.device | None = None, reset_cuda_peak: bool = False,
-                   device: torch.device = text_encoders.CPU,
-                   keep_encoder: str = "auto") -> tuple[list[list], StageReport]:
+                   device: torch.device = text_encoders.CPU) -> tuple[list[list], StageReport]:
     """Stage 1: CONDITIONING for each prompt on ``target_device`` (default the compute device), from the cache or a
-    streamed encoder run on ``device``, kept or freed after as ``keep_encoder`` says."""
+    streamed encoder run on ``device`` and freed after."""
     out, report = text_encoders.encode_prompts(QWEN25_VL, te_path, prompts, stage=f"stage 1 (text encoder, {device})",
-                                               use_cache=use_cache, reset_cuda_peak=reset_cuda_peak, device=device,
-                                               keep_encoder=keep_encoder)
+                                               use_cache=use_cache, reset_cuda_peak=reset_cuda_peak, device=device)
     dev = target_device or _compute_device()
     result = [conditioning_to(cond, dev) for cond in out]
     _log_stage(report)

@@ -5,8 +5,7 @@ in host/qwen_stages.py): how ComfyUI detects and builds it, where its tokenizer 
 takes the sizes read from the file, and which weights a text prompt never needs. ``build_streaming`` makes the
 ``comfy.sd.CLIP`` that CLIPLoader would make, with an empty state dict, then streams the weights in one module at
 a time (checkpoints/streaming.py): ``load_clip`` maps the whole file and copies it, so RSS briefly holds two copies.
-``encode_prompts`` encodes as CLIPTextEncode does, from the cache where it can, and keeps the encoder for the next
-prompt or frees it (host/kept_text_encoders.py).
+``encode_prompts`` encodes as CLIPTextEncode does, from the cache where it can, and frees the encoder after.
 Cache keys hold the prompt, the template or tokenizer, and the encoder's identity (content fingerprint, format,
 dtype, config, ComfyUI version).
 """
@@ -30,7 +29,6 @@ from ..checkpoints.safetensors_io import (
 )
 from ..checkpoints.text_encoders import text_encoder_format
 from ..offload import stage_meter
-from . import kept_text_encoders
 from .files import embedding_cache, use_mmap
 from .version import comfyui_version
 
@@ -68,11 +66,6 @@ def check_file(enc: StreamedTextEncoder, te_path: str | Path) -> tuple[Safetenso
 
 
 DEVICES = ("auto", "cpu", "gpu")  # the text encoder nodes' device choices (resolve_device)
-KEEP_CHOICES = kept_text_encoders.CHOICES  # the text encoder nodes' keep_encoder choices
-KEEP_TOOLTIP = ("After encoding. auto: keep the encoder in RAM for the next new prompt on a machine with 48 GB of RAM "
-                "or more (a new prompt then skips loading it from the file: seconds), free it on a smaller one. keep / "
-                "free: always. A kept encoder holds about its file size of RAM; ComfyUI moves it off the GPU when a "
-                "model needs the room. Running with free (or another encoder file) lets it go.")
 CPU = torch.device("cpu")
 
 
@@ -189,15 +182,13 @@ def _check_complete(enc: StreamedTextEncoder, name: str, missing: list[str]) -> 
 
 def encode_prompts(enc: StreamedTextEncoder, te_path: str | Path, prompts: list[str], *, stage: str,
                    use_cache: bool = True, reset_cuda_peak: bool = False,
-                   device: torch.device = CPU, keep_encoder: str = "auto") -> tuple[list[list], Any]:
+                   device: torch.device = CPU) -> tuple[list[list], Any]:
     """CONDITIONING (as CLIPTextEncode returns it) per prompt, from the cache or a streamed encoder run on
-    ``device``, kept for the next prompt or freed afterwards as ``keep_encoder`` says (host/kept_text_encoders.py);
-    and the stage's ``StageReport``."""
+    ``device`` and freed afterwards; and the stage's ``StageReport``."""
     import comfy.model_management as mm
     import comfy.utils
 
     cache = embedding_cache() if use_cache else None
-    keep, why = kept_text_encoders.keeps(keep_encoder, kept_text_encoders.ram_total())
     meter = stage_meter.StageMeter(stage, reset_cuda_peak=reset_cuda_peak)
     with meter:
         keys: list[str | None] = [None] * len(prompts)
@@ -209,36 +200,19 @@ def encode_prompts(enc: StreamedTextEncoder, te_path: str | Path, prompts: list[
                 keys[i] = embedding_cache_key(p, context, ident)
                 out[i] = cache.get(keys[i], expect_dim=ident["config"][enc.width_key])
         todo = [i for i, c in enumerate(out) if c is None]
-        kept_key = kept_text_encoders.key_of(te_path, device)
-        if not keep:
-            kept_text_encoders.release(enc.label)
         if todo:
             bar = comfy.utils.ProgressBar(1000 + 1000 * len(todo))
-            clip = kept_text_encoders.take(enc.label, kept_key) if keep else None
-            reused = clip is not None
-            if clip is None:
-                mm.cleanup_models_gc()  # an encoder let go by take() leaves RAM before the next one streams in
-                clip = build_streaming(enc, te_path, lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))),
-                                       device)
-                if keep:
-                    kept_text_encoders.keep_home(clip)
+            clip = build_streaming(enc, te_path, lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))), device)
             for n, i in enumerate(todo):
                 out[i] = clip.encode_from_tokens_scheduled(clip.tokenize(prompts[i]))
                 bar.update_absolute(1000 + 1000 * (n + 1))
                 if cache is not None:
                     cache.put(keys[i], out[i], info={"encoder": Path(te_path).name})
-            if keep:
-                kept_text_encoders.keep(enc.label, kept_key, clip)
             del clip
-            if not keep:
-                mm.cleanup_models_gc()
-                stage_meter.release_host_memory()
-            fate = (("encoder reused from the last prompt and kept" if reused else "encoder kept for the next prompt")
-                    if keep else "encoder freed") + f" ({why})"
-        else:
-            fate = "encoder not loaded"
-        meter.report.notes.append(f"{len(prompts) - len(todo)} of {len(prompts)} prompts from the embedding cache, "
-                                  + fate)
+            mm.cleanup_models_gc()
+            stage_meter.release_host_memory()
+        meter.report.notes.append(f"{len(prompts) - len(todo)} of {len(prompts)} prompts from the embedding cache"
+                                  + (", encoder freed" if todo else ", encoder not loaded"))
     return out, meter.report  # type: ignore[return-value]
 
 

@@ -71,11 +71,9 @@ def build_umt5_streaming(te_path: str | Path, progress: ProgressFn | None = None
 
 
 def encode_wan_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = True,
-                       device: torch.device = text_encoders.CPU,
-                       keep_encoder: str = "auto") -> tuple[list[list], StageReport]:
-    """CONDITIONING (as CLIPTextEncode returns it) per prompt: from the cache or a streamed encoder on ``device``,
-    kept or freed after as ``keep_encoder`` says."""
+                       device: torch.device = text_encoders.CPU) -> tuple[list[list], StageReport]:
+    """CONDITIONING (as CLIPTextEncode returns it) per prompt: from the cache or a streamed encoder on ``device``."""
     out, report = text_encoders.encode_prompts(UMT5_XXL, te_path, prompts, stage=f"Wan text encoder ({device})",
-                                               use_cache=use_cache, device=device, keep_encoder=keep_encoder)
+                                               use_cache=use_cache, device=device)
     log.info("lowvram_dit %s", report.format())
     return out, report

@@ -22,6 +22,10 @@ from ..offload.plan import budget_problem
 from . import qwen_staged
 
 
+def _staged_inputs() -> dict[str, io.Input]:
+    return {i.id: i for i in qwen_staged.QwenImageStagedLoader.define_schema().inputs}
+
+
 class QwenImageLoader(io.ComfyNode):
     """The Qwen-Image transformer as fp8 with Block Swap, and its VAE; prompts go through Qwen-Image Text Encode.
 
@@ -34,7 +38,7 @@ class QwenImageLoader(io.ComfyNode):
 
     @classmethod
     def define_schema(cls) -> io.Schema:
-        base = {i.id: i for i in qwen_staged.QwenImageStagedLoader.define_schema().inputs}
+        base = _staged_inputs()
         return io.Schema(
             node_id=node_id("QwenImageLoader"),
             display_name=display_name("Qwen-Image Loader"),
@@ -82,7 +86,7 @@ class QwenImageTextEncode(io.ComfyNode):
 
     @classmethod
     def define_schema(cls) -> io.Schema:
-        base = {i.id: i for i in qwen_staged.QwenImageStagedLoader.define_schema().inputs}
+        base = _staged_inputs()
         return io.Schema(
             node_id=node_id("QwenImageTextEncode"),
             display_name=display_name("Qwen-Image Text Encode"),
@@ -93,7 +97,7 @@ class QwenImageTextEncode(io.ComfyNode):
                 "copies in RAM), freed after encoding, and embeddings are cached on disk so an unchanged prompt "
                 "skips the encoder."),
             inputs=[base[k] for k in ("clip_name", "positive", "negative", "cache_embeddings", "text_encoder_device",
-                                      "batch_cfg", "keep_encoder")],
+                                      "batch_cfg")],
             outputs=[io.Conditioning.Output("positive"), io.Conditioning.Output("negative")],
         )
 
@@ -104,13 +108,11 @@ class QwenImageTextEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, clip_name: str, positive: str, negative: str, cache_embeddings: bool = True,
-                text_encoder_device: str = "auto", batch_cfg: bool = True,
-                keep_encoder: str = "auto") -> io.NodeOutput:
+                text_encoder_device: str = "auto", batch_cfg: bool = True) -> io.NodeOutput:
         node = "Qwen-Image Text Encode"
         where = text_encoders.resolve_device(text_encoder_device, f"{display_name(node)}, text_encoder_device")
         te = text_encoder_file(clip_name, node)
-        (pos, neg), _ = encode_prompts(te, [positive, negative], use_cache=cache_embeddings, device=where,
-                                       keep_encoder=keep_encoder)
+        (pos, neg), _ = encode_prompts(te, [positive, negative], use_cache=cache_embeddings, device=where)
         if batch_cfg:
             pos, neg = batched_conditioning(pos, neg)
         return io.NodeOutput(pos, neg)

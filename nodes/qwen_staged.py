@@ -87,8 +87,6 @@ class QwenImageStagedLoader(io.ComfyNode):
                                          "cfg > 1, most on cards that stream blocks (cfg 1 runs no negative). "
                                          "Needs ComfyUI's Qwen-Image text mask (0.33 has it; elsewhere it stays "
                                          "off with one log line)."),
-                io.Combo.Input("keep_encoder", options=list(text_encoders.KEEP_CHOICES), default="auto",
-                               optional=True, tooltip=text_encoders.KEEP_TOOLTIP),
             ],
             outputs=[io.Model.Output(), io.Conditioning.Output("positive"), io.Conditioning.Output("negative"),
                      io.Vae.Output()],
@@ -108,13 +106,11 @@ class QwenImageStagedLoader(io.ComfyNode):
     @classmethod
     def execute(cls, unet_name: str, clip_name: str, vae_name: str, positive: str, negative: str,
                 quantization: str, vram_budget_gb: float, blocks_to_swap: int, cache_embeddings: bool,
-                compute: str = "auto", text_encoder_device: str = "auto", batch_cfg: bool = True,
-                keep_encoder: str = "auto") -> io.NodeOutput:
+                compute: str = "auto", text_encoder_device: str = "auto", batch_cfg: bool = True) -> io.NodeOutput:
         where = text_encoders.resolve_device(text_encoder_device,
                                              f"{display_name('Qwen-Image Staged Loader')}, text_encoder_device")
         unet, te, vae_path = prepare_files(unet_name, clip_name, vae_name, vram_budget_gb)
-        (pos, neg), _ = encode_prompts(te, [positive, negative], use_cache=cache_embeddings, device=where,
-                                       keep_encoder=keep_encoder)
+        (pos, neg), _ = encode_prompts(te, [positive, negative], use_cache=cache_embeddings, device=where)
         if batch_cfg:
             pos, neg = batched_conditioning(pos, neg)
         model, _ = load_staged_model(unet, QUANTIZATION[quantization], vram_budget_gb, blocks_to_swap,

@@ -52,8 +52,6 @@ class WanTextEncode(io.ComfyNode):
                                        "NVIDIA; ComfyUI frees it for the sampler, as it does CLIP Text Encode's): "
                                        "a first encode in seconds. cpu: no VRAM at all, but a first encode of "
                                        "about half a minute. gpu: the GPU always."),
-                io.Combo.Input("keep_encoder", options=list(text_encoders.KEEP_CHOICES), default="auto",
-                               optional=True, tooltip=text_encoders.KEEP_TOOLTIP),
             ],
             outputs=[io.Conditioning.Output("positive"), io.Conditioning.Output("negative")],
         )
@@ -65,15 +63,14 @@ class WanTextEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, clip_name: str, positive: str, negative: str, cache_embeddings: bool = True,
-                device: str = "auto", keep_encoder: str = "auto") -> io.NodeOutput:
+                device: str = "auto") -> io.NodeOutput:
         import folder_paths
 
         te = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
         with checked_input(display_name("Wan Text Encode"), "clip_name"):
             text_encoders.check_file(UMT5_XXL, te)  # the same message with the cache on or off
         where = text_encoders.resolve_device(device, f"{display_name('Wan Text Encode')}, device")
-        (pos, neg), _ = encode_wan_prompts(te, [positive, negative], use_cache=cache_embeddings, device=where,
-                                          keep_encoder=keep_encoder)
+        (pos, neg), _ = encode_wan_prompts(te, [positive, negative], use_cache=cache_embeddings, device=where)
         return io.NodeOutput(pos, neg)
 
 

@@ -173,7 +173,6 @@ def check_stage_1_devices(monkeypatch: Any, encode: Callable[[Any, Any], tuple[l
         return real(enc, te_path, progress)
 
     monkeypatch.setattr(text_encoders, "build_streaming", spy)
-    monkeypatch.setattr(text_encoders.kept_text_encoders, "ram_total", lambda: 16 << 30)  # auto frees, as checked
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     first, r1 = encode(gpu, cpu)
     assert seen == [gpu] and r1.name == f"stage 1 ({stage}, cuda:0)", (seen, r1.name)

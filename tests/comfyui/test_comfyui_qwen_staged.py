@@ -57,8 +57,7 @@ def _graph(files: dict[str, str], prompt: str, *, quantization: str = "fp8 block
         "1": {"class_type": "LowVRAM_QwenImageStagedLoader", "inputs": {
             "unet_name": files["unet"], "clip_name": files["te"], "vae_name": files["vae"], "positive": prompt,
             "negative": " ", "quantization": quantization, "vram_budget_gb": vram_budget_gb,
-            "blocks_to_swap": blocks_to_swap, "cache_embeddings": True, "compute": "auto",
-            "keep_encoder": "free"}},
+            "blocks_to_swap": blocks_to_swap, "cache_embeddings": True, "compute": "auto"}},
         "2": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
         "3": {"class_type": "KSampler", "inputs": {
             "model": ["1", 0], "positive": ["1", 1], "negative": ["1", 2], "latent_image": ["2", 0], "seed": seed,
@@ -94,8 +93,7 @@ def test_schema_lists_files_and_options(comfy_server: ComfyServer, files: dict[s
     assert "LowVRAM_QwenImageDecode" in comfy_server.object_info()
     # last and optional: a workflow saved before it keeps its widget order, and an API prompt without it runs (auto)
     order = info["input_order"]
-    assert order["required"][-1] == "compute" and order["optional"] == ["text_encoder_device", "batch_cfg",
-                                                                         "keep_encoder"], order
+    assert order["required"][-1] == "compute" and order["optional"] == ["text_encoder_device", "batch_cfg"], order
     kind, spec = info["input"]["optional"]["text_encoder_device"]
     assert kind == "COMBO" and spec["options"] == ["auto", "cpu", "gpu"] and spec["default"] == "auto", spec
     kind, spec = info["input"]["optional"]["batch_cfg"]
@@ -212,7 +210,7 @@ def test_the_node_hands_the_chosen_device_to_stage_1(monkeypatch: pytest.MonkeyP
     calls: list = []
     monkeypatch.setattr(qwen_staged, "prepare_files", lambda *a: calls.append("files") or ("u", "t", "v"))
     monkeypatch.setattr(qwen_staged, "encode_prompts",
-                        lambda te, prompts, use_cache, device, keep_encoder: calls.append(device) or (([], []), None))
+                        lambda te, prompts, use_cache, device: calls.append(device) or (([], []), None))
     monkeypatch.setattr(qwen_staged, "load_staged_model", lambda *a: ("model", None))
     monkeypatch.setattr(qwen_staged, "load_vae", lambda path: "vae")
     args = {"unet_name": "u", "clip_name": "t", "vae_name": "v", "positive": "p", "negative": " ",
@@ -342,7 +340,7 @@ def _split_graph(files: dict[str, str], prompt: str, seed: int) -> dict:
     g["1"] = {"class_type": "LowVRAM_QwenImageLoader", "inputs": {
         k: staged[k] for k in ("unet_name", "vae_name", "quantization", "vram_budget_gb", "blocks_to_swap", "compute")}}
     g["9"] = {"class_type": "LowVRAM_QwenImageTextEncode", "inputs": {
-        k: staged[k] for k in ("clip_name", "positive", "negative", "cache_embeddings", "keep_encoder")}}
+        k: staged[k] for k in ("clip_name", "positive", "negative", "cache_embeddings")}}
     g["3"]["inputs"].update(positive=["9", 0], negative=["9", 1], seed=seed)
     g["4"]["inputs"]["vae"] = ["1", 1]
     g["6"]["inputs"]["conditioning"] = ["9", 0]
@@ -369,61 +367,3 @@ def test_split_nodes_equal_the_staged_loader_and_a_new_prompt_keeps_the_transfor
     assert built not in log2 and "stage 2" not in _stages(log2), log2[-3000:]
     assert "1 of 2 prompts from the embedding cache" in _stages(log2)["stage 1"]["notes"], log2[-3000:]
     assert _ui(second, "5", "latent_stats") != ref and _ui(second, "5", "latent_stats")["finite"]
-
-
-def test_a_kept_encoder_serves_the_next_prompt_and_is_let_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """keep_encoder = keep: a second prompt is encoded by the encoder the first one loaded (built once), with the
-    embeddings a freshly built one gives; another file lets the first go and builds its own; free lets it go."""
-    comfyui_in_process_or_skip()
-    import torch
-    from comfyui_lowvram_dit.host import kept_text_encoders, qwen_stages, text_encoders
-
-    monkeypatch.setattr(qwen_stages, "_compute_device", lambda: torch.device("cpu"))
-    real, built = text_encoders.build_streaming, []
-    monkeypatch.setattr(text_encoders, "build_streaming", lambda *a, **k: built.append(a[1]) or real(*a, **k))
-    te = write_small_text_encoder(tmp_path / "te.safetensors", "bf16", seed=4)
-    other = write_small_text_encoder(tmp_path / "te2.safetensors", "bf16", seed=5)
-
-    def encode(path: Path, prompt: str, keep: str) -> tuple[torch.Tensor, str]:
-        (cond,), report = qwen_stages.encode_prompts(path, [prompt], use_cache=False, keep_encoder=keep)
-        return cond[0][0], report.notes[0]
-
-    try:
-        encode(te, "a red cat", "keep")
-        kept, notes = encode(te, "a blue dog", "keep")
-        assert built == [te] and "encoder reused from the last prompt and kept (keep_encoder = keep)" in notes, notes
-        fresh, notes = encode(te, "a blue dog", "free")
-        assert built == [te, te] and "encoder freed" in notes, notes
-        assert qwen_stages.QWEN25_VL.label not in kept_text_encoders._KEPT  # free let it go
-        assert torch.equal(kept, fresh)
-        encode(te, "a red cat", "keep")
-        label = qwen_stages.QWEN25_VL.label
-        first = kept_text_encoders._KEPT[label].clip
-        encode(other, "a red cat", "keep")
-        assert built == [te, te, te, other] and kept_text_encoders._KEPT[label].clip is not first
-    finally:
-        kept_text_encoders.release(qwen_stages.QWEN25_VL.label)
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_scaled"])
-def test_a_kept_encoder_unloads_by_pointing_back_at_its_cpu_weights(tmp_path: Path, fmt: str) -> None:
-    """An unload of a kept encoder copies nothing: every weight that a load replaced (here by a copy, as a move to the
-    GPU does) points at its recorded CPU tensor again, ComfyUI never unloads it in part, and it encodes as before."""
-    comfyui_in_process_or_skip()
-    import comfy.utils
-    import torch
-    from comfyui_lowvram_dit.host import kept_text_encoders, qwen_stages
-
-    te = write_small_text_encoder(tmp_path / "te.safetensors", fmt, seed=4)
-    clip = kept_text_encoders.keep_home(qwen_stages.build_text_encoder_streaming(te))
-    patcher = clip.patcher
-    home = getattr(patcher, kept_text_encoders.HOME_ATTR)
-    assert home and isinstance(patcher, kept_text_encoders.HomeWeightsMixin)
-    before = clip.encode_from_tokens_scheduled(clip.tokenize(PROMPTS[0]))[0][0]
-    for key in home:  # what a load leaves: other tensors under every key
-        comfy.utils.set_attr_param(patcher.model, key, comfy.utils.get_attr(patcher.model, key).data.clone())
-    assert all(comfy.utils.get_attr(patcher.model, k).data_ptr() != t.data_ptr() for k, t in home.items())
-    assert patcher.partially_unload(torch.device("cpu"), 1 << 30) == 0
-    patcher.unpatch_model(torch.device("cpu"))
-    assert all(comfy.utils.get_attr(patcher.model, k).data_ptr() == t.data_ptr() for k, t in home.items())
-    assert torch.equal(clip.encode_from_tokens_scheduled(clip.tokenize(PROMPTS[0]))[0][0], before)

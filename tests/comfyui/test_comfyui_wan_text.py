@@ -125,8 +125,8 @@ def test_embedding_cache_hit_miss_and_encoder_swap(comfy: types.ModuleType, tmp_
     monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path / "user"))
     cfg = UMT5Config(num_layers=2, d_ff=64, num_heads=2, vocab_size=512)
     te = synth.write_synthetic("umt5_xxl_enc", tmp_path / "umt5.safetensors", fmt="fp8_scaled", seed=1, config=cfg)
-    first, r1 = wan_text.encode_wan_prompts(te, PROMPTS, keep_encoder="free")
-    assert "0 of 2 prompts from the embedding cache, encoder freed (keep_encoder = free)" in r1.notes
+    first, r1 = wan_text.encode_wan_prompts(te, PROMPTS)
+    assert "0 of 2 prompts from the embedding cache, encoder freed" in r1.notes
     assert len(files.embedding_cache().entries()) == 2
     second, r2 = wan_text.encode_wan_prompts(te, PROMPTS)
     assert "2 of 2 prompts from the embedding cache, encoder not loaded" in r2.notes
@@ -134,11 +134,11 @@ def test_embedding_cache_hit_miss_and_encoder_swap(comfy: types.ModuleType, tmp_
         assert torch.equal(a[0][0], b[0][0]) and a[0][1] == b[0][1]
     _assert_same(second, _ours(te))
     synth.write_synthetic("umt5_xxl_enc", te, fmt="fp8_scaled", seed=2, config=cfg)  # same name, new weights
-    third, r3 = wan_text.encode_wan_prompts(te, PROMPTS, keep_encoder="free")
-    assert "0 of 2 prompts from the embedding cache, encoder freed (keep_encoder = free)" in r3.notes
+    third, r3 = wan_text.encode_wan_prompts(te, PROMPTS)
+    assert "0 of 2 prompts from the embedding cache, encoder freed" in r3.notes
     assert not torch.equal(third[0][0][0], first[0][0][0])
-    uncached, r4 = wan_text.encode_wan_prompts(te, PROMPTS[:1], use_cache=False, keep_encoder="free")
-    assert "0 of 1 prompts from the embedding cache, encoder freed (keep_encoder = free)" in r4.notes
+    uncached, r4 = wan_text.encode_wan_prompts(te, PROMPTS[:1], use_cache=False)
+    assert "0 of 1 prompts from the embedding cache, encoder freed" in r4.notes
     assert torch.equal(uncached[0][0][0], third[0][0][0])
 
 
