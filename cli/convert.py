@@ -37,6 +37,9 @@ WAN_LOADER_INPUTS = [("unet_name", "COMBO", True), ("quantization", "COMBO", Tru
                      ("compute", "COMBO", True), ("save_quantized", "BOOLEAN", True)]
 WAN_TEXT_INPUTS = [("clip_name", "COMBO", True), ("positive", "STRING", True), ("negative", "STRING", True),
                    ("cache_embeddings", "BOOLEAN", True)]
+QWEN_LOADER_INPUTS = [("unet_name", "COMBO", True), ("vae_name", "COMBO", True), ("quantization", "COMBO", True),
+                      ("vram_budget_gb", "FLOAT", True), ("blocks_to_swap", "INT", True), ("compute", "COMBO", True)]
+QWEN_TEXT_INPUTS = WAN_TEXT_INPUTS  # clip_name, positive, negative, cache_embeddings (the options are optional)
 QWEN_STAGED_INPUTS = [("unet_name", "COMBO", True), ("clip_name", "COMBO", True), ("vae_name", "COMBO", True),
                       ("positive", "STRING", True), ("negative", "STRING", True), ("quantization", "COMBO", True),
                       ("vram_budget_gb", "FLOAT", True), ("blocks_to_swap", "INT", True),
@@ -206,7 +209,8 @@ def _absorb_prompts(wf: Workflow, graph: Graph, target: dict, clip_loader: dict,
     moved = {"clip_name": graph.input_link(clip_loader, "clip_name"), "positive": graph.input_link(pos, "text"),
              "negative": graph.input_link(neg, "text") if neg else None, **links}
     pos_out, neg_out = graph.out_links(pos, 0), graph.out_links(neg, 0) if neg else []
-    spec = WAN_TEXT_INPUTS if target["type"] == "LowVRAM_WanTextEncode" else QWEN_STAGED_INPUTS
+    spec = {"LowVRAM_WanTextEncode": WAN_TEXT_INPUTS, "LowVRAM_QwenImageTextEncode": QWEN_TEXT_INPUTS}.get(
+        target["type"], QWEN_STAGED_INPUTS)
     _set_inputs(graph, target, spec, moved)
     outputs = ([("positive", "CONDITIONING"), ("negative", "CONDITIONING")] if slots == (0, 1) else
                STAGED_OUTPUTS)
@@ -353,7 +357,8 @@ def _keep_qwen_loader(graph: Graph, unet: dict, why: str, report: Report) -> Non
 
 
 def _convert_qwen(wf: Workflow, graph: Graph, unet: dict, opts: ConvertOptions, report: Report) -> None:
-    """Qwen-Image text-to-image / Edit -> the staged loaders; other Qwen-Image graphs keep the loader + Attention."""
+    """Qwen-Image text-to-image -> Qwen-Image Loader + Text Encode, Edit -> the Edit staged loader; other Qwen-Image
+    graphs keep the loader + Attention."""
     clip_loader = _find_one(graph, "CLIPLoader", 1, "qwen_image")
     vae_loaders = [n for n in graph.nodes if _active(n, "VAELoader")]
     edit = _edit_pair(graph, clip_loader) if clip_loader else None
@@ -371,18 +376,21 @@ def _convert_qwen(wf: Workflow, graph: Graph, unet: dict, opts: ConvertOptions, 
                           "replace", report)
         return
     pos, neg = pair
-    unet_link = graph.input_link(unet, "unet_name")
-    widgets = [_widget(unet, 0), _widget(clip_loader, 0), _widget(vae_loaders[0], 0), _widget(pos, 0) or "",
-               (_widget(neg, 0) if neg else "") or STAGED_NEGATIVE_DEFAULT,
-               FP8_CHOICES[opts.fp8], opts.budget_gb, -1, True, "auto", "auto",
-               True]  # ..., compute, text_encoder_device, batch_cfg
-    _retype(unet, "LowVRAM_QwenImageStagedLoader", widgets)
-    _absorb_prompts(wf, graph, unet, clip_loader, pos, neg, {"unet_name": unet_link}, (1, 2))
-    gone = f"UNETLoader {unet['id']} + CLIPLoader {clip_loader['id']} + CLIPTextEncode {pos['id']}" + (
-        f", {neg['id']}" if neg else "")
-    report.changes.append(f"{graph.name}: replaced {gone} -> node {unet['id']} LowVRAM_QwenImageStagedLoader "
-                          f"({FP8_CHOICES[opts.fp8]}, vram_budget_gb {opts.budget_gb:g}; VAE Loader "
-                          f"{vae_loaders[0]['id']} kept)")
+    vae_name = _widget(vae_loaders[0], 0)
+    _retype(unet, "LowVRAM_QwenImageLoader", [_widget(unet, 0), vae_name, FP8_CHOICES[opts.fp8], opts.budget_gb, -1,
+                                              "auto"])  # ..., blocks_to_swap, compute
+    _set_inputs(graph, unet, QWEN_LOADER_INPUTS, {"unet_name": graph.input_link(unet, "unet_name")})
+    _set_outputs(graph, unet, [("MODEL", "MODEL"), ("VAE", "VAE")])
+    widgets = [_widget(clip_loader, 0), _widget(pos, 0) or "",
+               (_widget(neg, 0) if neg else "") or STAGED_NEGATIVE_DEFAULT, True, "auto",
+               True]  # ..., cache_embeddings, text_encoder_device, batch_cfg
+    _retype(pos, "LowVRAM_QwenImageTextEncode", widgets)
+    gone = f"CLIPLoader {clip_loader['id']} + CLIPTextEncode {pos['id']}" + (f", {neg['id']}" if neg else "")
+    _absorb_prompts(wf, graph, pos, clip_loader, pos, neg, {}, (0, 1))
+    report.changes.append(f"{graph.name}: replaced UNETLoader {unet['id']} -> node {unet['id']} "
+                          f"LowVRAM_QwenImageLoader ({FP8_CHOICES[opts.fp8]}, vram_budget_gb {opts.budget_gb:g}; VAE "
+                          f"Loader {vae_loaders[0]['id']} kept) and {gone} -> node {pos['id']} "
+                          "LowVRAM_QwenImageTextEncode (a new prompt re-runs only this node)")
     _insert_after(graph, unet, "LowVRAM_Attention", ["auto"], report, "backend auto")
 
 

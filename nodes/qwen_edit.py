@@ -1,4 +1,5 @@
-"""Qwen-Image-Edit Staged Loader node: the schema; the image-conditioned text stage is host/qwen_edit.py."""
+"""Qwen-Image-Edit Staged Loader and Qwen-Image-Edit Text Encode nodes: the schemas; the image-conditioned text stage
+is host/qwen_edit.py."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import torch
 from comfy_api.latest import io
 
 from ..host import text_encoders
+from ..host.files import file_fingerprint
 from ..host.names import CATEGORY_LOADERS, display_name, node_id
 from ..host.qwen_cfg_batch import batched_conditioning
 from ..host.qwen_edit import MAX_IMAGES, QWEN25_VL_EDIT, encode_edit_prompts
 from ..host.model_loading import COMPUTE
-from ..host.qwen_stages import QUANTIZATION, load_staged_model, load_vae, prepare_files
+from ..host.qwen_stages import QUANTIZATION, load_staged_model, load_vae, prepare_files, text_encoder_file
 from . import qwen_staged
 
 
@@ -98,4 +100,54 @@ class QwenImageEditStagedLoader(io.ComfyNode):
         return io.NodeOutput(model, pos, neg, vae)
 
 
-NODES = [QwenImageEditStagedLoader]
+class QwenImageEditTextEncode(io.ComfyNode):
+    """The Edit Staged Loader's text stage as its own node, beside Qwen-Image Loader: a new instruction re-runs only it.
+
+    Produces CONDITIONING (nothing to pass through): without its seams it is left out with one warning, and CLIPLoader
+    + TextEncodeQwenImageEditPlus remain the way to encode.
+    """
+
+    COMFY_SEAMS = ("folder_paths", "text_encoder.qwen25_vl", "text_encoder.qwen_image_edit", "model_management", "vae")
+    IF_SEAMS_MISSING = QwenImageEditStagedLoader.IF_SEAMS_MISSING
+    STRICT_BOOLEANS = QwenImageEditStagedLoader.STRICT_BOOLEANS
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        base = {i.id: i for i in QwenImageEditStagedLoader.define_schema().inputs}
+        return io.Schema(
+            node_id=node_id("QwenImageEditTextEncode"),
+            display_name=display_name("Qwen-Image-Edit Text Encode"),
+            category=CATEGORY_LOADERS,
+            description=(
+                "The prompts and up to three reference images through ComfyUI's TextEncodeQwenImageEditPlus with a "
+                "streamed Qwen2.5-VL encoder (vision tower included), freed after encoding, embeddings cached on "
+                "disk; the reference latents come from the VAE. With Qwen-Image Loader for the transformer, a new "
+                "instruction re-runs only this node: the transformer stays loaded."),
+            inputs=[base["clip_name"], io.Vae.Input("vae", tooltip="The Qwen-Image VAE (from Qwen-Image Loader): it "
+                                                                   "encodes the reference latents."),
+                    *(base[k] for k in ("positive", "negative", "cache_embeddings", "image1", "image2", "image3",
+                                        "text_encoder_device", "batch_cfg"))],
+            outputs=[io.Conditioning.Output("positive"), io.Conditioning.Output("negative")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, clip_name: str, **kwargs) -> str:
+        """Re-run when the selected file changes on disk under the same name (size/mtime)."""
+        return file_fingerprint("text_encoders", clip_name)
+
+    @classmethod
+    def execute(cls, clip_name: str, vae, positive: str, negative: str, cache_embeddings: bool = True,  # noqa: ANN001
+                image1: torch.Tensor | None = None, image2: torch.Tensor | None = None,
+                image3: torch.Tensor | None = None, text_encoder_device: str = "auto",
+                batch_cfg: bool = True) -> io.NodeOutput:
+        node = "Qwen-Image-Edit Text Encode"
+        where = text_encoders.resolve_device(text_encoder_device, f"{display_name(node)}, text_encoder_device")
+        te = text_encoder_file(clip_name, node, QWEN25_VL_EDIT)
+        (pos, neg), _ = encode_edit_prompts(te, [positive, negative], [image1, image2, image3], vae,
+                                            use_cache=cache_embeddings, device=where)
+        if batch_cfg:
+            pos, neg = batched_conditioning(pos, neg)
+        return io.NodeOutput(pos, neg)
+
+
+NODES = [QwenImageEditStagedLoader, QwenImageEditTextEncode]

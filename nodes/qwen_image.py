@@ -22,10 +22,6 @@ from ..offload.plan import budget_problem
 from . import qwen_staged
 
 
-def _staged_inputs() -> dict[str, io.Input]:
-    return {i.id: i for i in qwen_staged.QwenImageStagedLoader.define_schema().inputs}
-
-
 class QwenImageLoader(io.ComfyNode):
     """The Qwen-Image transformer as fp8 with Block Swap, and its VAE; prompts go through Qwen-Image Text Encode.
 
@@ -38,7 +34,7 @@ class QwenImageLoader(io.ComfyNode):
 
     @classmethod
     def define_schema(cls) -> io.Schema:
-        base = _staged_inputs()
+        base = {i.id: i for i in qwen_staged.QwenImageStagedLoader.define_schema().inputs}
         return io.Schema(
             node_id=node_id("QwenImageLoader"),
             display_name=display_name("Qwen-Image Loader"),
@@ -86,7 +82,7 @@ class QwenImageTextEncode(io.ComfyNode):
 
     @classmethod
     def define_schema(cls) -> io.Schema:
-        base = _staged_inputs()
+        base = {i.id: i for i in qwen_staged.QwenImageStagedLoader.define_schema().inputs}
         return io.Schema(
             node_id=node_id("QwenImageTextEncode"),
             display_name=display_name("Qwen-Image Text Encode"),

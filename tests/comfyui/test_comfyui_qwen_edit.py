@@ -340,3 +340,38 @@ def test_shared_images_run_the_vision_tower_and_the_vae_once() -> None:
     latents = [vae.encode(image), vae.encode(image.clone()), vae.encode(image * 0.5)]
     assert calls.count("vae") == 2 and torch.equal(latents[0], latents[1]) and not torch.equal(latents[0], latents[2])
     assert vae.downscale_ratio == 8  # everything else is the VAE's own
+
+
+def _split_graph(files: dict[str, str], prompt: str, seed: int) -> dict:
+    """The same edit with Qwen-Image Loader + Qwen-Image-Edit Text Encode in place of the Edit Staged Loader."""
+    g = _graph(files, prompt, "fp8 per-tensor", seed)
+    staged = g.pop("2")["inputs"]
+    g["2"] = {"class_type": "LowVRAM_QwenImageLoader", "inputs": {
+        k: staged[k] for k in ("unet_name", "vae_name", "quantization", "vram_budget_gb", "blocks_to_swap", "compute")}}
+    g["8"] = {"class_type": "LowVRAM_QwenImageEditTextEncode", "inputs": {
+        "clip_name": staged["clip_name"], "vae": ["2", 1], "positive": staged["positive"],
+        "negative": staged["negative"], "cache_embeddings": True, "image1": ["1", 0]}}
+    g["3"]["inputs"]["conditioning"] = ["8", 0]
+    g["4"]["inputs"]["vae"] = ["2", 1]
+    g["5"]["inputs"]["negative"] = ["8", 1]
+    return g
+
+
+def test_edit_split_nodes_equal_the_staged_loader_and_keep_the_transformer(comfy_server: ComfyServer,
+                                                                          files: dict[str, str]) -> None:
+    """Qwen-Image Loader + Qwen-Image-Edit Text Encode give the Edit Staged Loader's picture; a new instruction
+    re-runs only the text node (the transformer is built once)."""
+    tag = uuid.uuid4().hex[:6]
+    ref = comfy_server.run(_graph(files, f"make the roof red {tag}", "fp8 per-tensor", 77), timeout=1500)
+    built = "lowvram_dit Qwen-Image transformer " + files["unet"]
+    before = len(comfy_server.log_text())
+    first = comfy_server.run(_split_graph(files, f"make the roof red {tag}", 77), timeout=1500)
+    log = comfy_server.log_text()[before:]
+    assert first["outputs"]["6"] == ref["outputs"]["6"] and first["outputs"]["7"] == ref["outputs"]["7"]
+    assert log.count(built) == 1, log[-3000:]
+    before = len(comfy_server.log_text())
+    second = comfy_server.run(_split_graph(files, f"make the door blue {tag}", 77), timeout=1500)
+    log2 = comfy_server.log_text()[before:]
+    assert built not in log2, log2[-3000:]
+    assert "1 of 2 prompts from the embedding cache, 1 reference image(s)" in _stage1(log2)[3]
+    assert second["outputs"]["7"] != ref["outputs"]["7"] and second["outputs"]["6"]["latent_stats"][0]["finite"]

@@ -257,18 +257,19 @@ def test_missing_wrapper_makes_model_patches_pass_through_and_loaders_disappear(
         assert out.args == (model,)
     assert _warnings(caplog) == [f"lowvram_dit: {guard.SEAM_PROBLEM}"]  # once, at the first run
     # The Qwen-Image loader calls Block Swap, which needs it too: a loader has nothing to pass, so it is left out.
-    assert "QwenImageStagedLoader" not in classes and "QwenImageEditStagedLoader" not in classes
-    for label in ("Qwen-Image Staged Loader", "Qwen-Image-Edit Staged Loader"):
+    assert {"QwenImageStagedLoader", "QwenImageEditStagedLoader", "QwenImageLoader"}.isdisjoint(classes)
+    for label in ("Qwen-Image Staged Loader", "Qwen-Image-Edit Staged Loader", "Qwen-Image Loader"):
         assert any(m.startswith(f"lowvram_dit: {label} (LowVRAM) is disabled: this ComfyUI (0.7.2) "
                                 "lacks comfy.patcher_extension.WrappersMP.APPLY_MODEL") for m in startup), label
     # Nodes that do not use it are untouched.
-    for name in ("WanLoader", "AttentionSelect", "QwenImageDecode", "WanTextEncode", "Doctor"):
+    for name in ("WanLoader", "AttentionSelect", "QwenImageDecode", "WanTextEncode", "QwenImageTextEncode",
+                 "QwenImageEditTextEncode", "Doctor"):
         assert name in classes and not hasattr(classes[name], "SEAM_PROBLEM"), name
     # Block Swap needs the wrapper too and passes the model through (ComfyUI's own partial loading still works).
     assert any(m.startswith("lowvram_dit: Block Swap (LowVRAM) passes the model through unchanged") for m in startup)
     # Torch Compile runs in the same hook chain: it passes the model through (it runs eager).
     assert any(m.startswith("lowvram_dit: Torch Compile (LowVRAM) passes the model through unchanged") for m in startup)
-    assert len(startup) == 5  # one line per affected node
+    assert len(startup) == 6  # one line per affected node
 
 
 def test_missing_folder_paths_function_disables_the_loaders_naming_a_newer_comfyui(fake_comfy, caplog) -> None:

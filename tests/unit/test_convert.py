@@ -144,22 +144,27 @@ def test_converting_twice_changes_nothing(name: str) -> None:
     assert report.changes == []
 
 
-def test_qwen_image_t2i_becomes_the_staged_loader() -> None:
-    original, work, _ = _converted("image_qwen_image", vram_gb=16)
+def test_qwen_image_t2i_becomes_the_qwen_image_loader_and_text_encode() -> None:
+    """UNETLoader -> Qwen-Image Loader (then Attention auto), the CLIPLoader + CLIPTextEncode pair -> Qwen-Image Text
+    Encode feeding both samplers' conditioning: a new prompt re-runs only the text node."""
+    original, work, report = _converted("image_qwen_image", vram_gb=16)
     before, after = _nodes(original), _nodes(work)
-    (sid, (staged, graph)), = [(i, v) for i, v in after.items() if v[0]["type"] == "LowVRAM_QwenImageStagedLoader"]
+    (sid, (loader, graph)), = [(i, v) for i, v in after.items() if v[0]["type"] == "LowVRAM_QwenImageLoader"]
     assert before[sid][0]["type"] == "UNETLoader"
     vae = next(n for n, _ in after.values() if n["type"] == "VAELoader")
-    unet_name, clip_name, vae_name, _, _, quant, budget, blocks, cache, compute, te_device, batch_cfg = \
-        staged["widgets_values"]
-    assert (unet_name, vae_name, quant, budget, blocks, cache, compute, te_device, batch_cfg) == (
-        before[sid][0]["widgets_values"][0], vae["widgets_values"][0], "fp8 per-tensor", 14.0, -1, True, "auto",
-        "auto", True)
+    assert loader["widgets_values"] == [before[sid][0]["widgets_values"][0], vae["widgets_values"][0],
+                                        "fp8 per-tensor", 14.0, -1, "auto"]
+    assert [o["type"] for o in loader["outputs"]] == ["MODEL", "VAE"]
+    (tid, (text, _)), = [(i, v) for i, v in after.items() if v[0]["type"] == "LowVRAM_QwenImageTextEncode"]
+    clip_name, positive, negative, cache, te_device, batch_cfg = text["widgets_values"]
     assert clip_name == next(n for n, _ in before.values() if n["type"] == "CLIPLoader")["widgets_values"][0]
+    assert positive and (cache, te_device, batch_cfg) == (True, "auto", True)
+    assert not any(n["type"] in ("CLIPLoader", "CLIPTextEncode") for n, _ in after.values())
     attn = _chain(graph, sid, ["LowVRAM_Attention"])
     assert _consumers(graph, attn) == _consumers(before[sid][1], sid)
-    assert {t for t, _ in _consumers(graph, sid, 1)} == {t for t, _ in _consumers(graph, sid, 2)} == {
+    assert {t for t, _ in _consumers(graph, tid, 0)} == {t for t, _ in _consumers(graph, tid, 1)} == {
         n["id"] for n in graph["nodes"] if n["type"] == "KSampler"}
+    assert any("LowVRAM_QwenImageTextEncode" in c for c in report.changes), report.changes
 
 
 def _edit_template_parts(workflow: dict) -> tuple[dict, dict, dict, dict, dict, dict]:
