@@ -301,8 +301,9 @@ def gguf_name(name: str, file_format: str) -> str:
 
 def edit_graph(kind: str, budget: float, weight_dtype: str = "default") -> dict:
     """The Qwen-Image-Edit 2509 graph (no shipped workflow): the official template's nodes (``native``: UNETLoader,
-    CLIPLoader on the CPU, TextEncodeQwenImageEditPlus x2) or the Edit Staged Loader with Block Swap at the card
-    (``pack``); the reference image through FluxKontextImageScale (about 1 MP), VAE decode, SaveImage."""
+    CLIPLoader on the CPU, TextEncodeQwenImageEditPlus x2) or Qwen-Image Loader with Block Swap at the card and
+    Qwen-Image-Edit Text Encode (``pack``); the reference image through FluxKontextImageScale (about 1 MP), VAE
+    decode, SaveImage."""
     g: dict[str, dict] = {"1": node("LoadImage", "Load Image", image=EDIT_IMAGE),
                           "2": node("FluxKontextImageScale", "FluxKontextImageScale", image=["1", 0])}
     if kind == "native":
@@ -314,11 +315,12 @@ def edit_graph(kind: str, budget: float, weight_dtype: str = "default") -> dict:
                           vae=["5", 0], image1=["2", 0])
         model, pos, neg, vae = ["3", 0], ["6", 0], ["7", 0], ["5", 0]
     else:
-        g["3"] = node("LowVRAM_QwenImageEditStagedLoader", "Qwen-Image-Edit Staged Loader (LowVRAM)",
-                      unet_name=EDIT_UNET, clip_name=EDIT_TEXT_ENCODER, vae_name=EDIT_VAE, positive=EDIT_PROMPT,
-                      negative="", quantization="fp8 per-tensor", vram_budget_gb=budget, blocks_to_swap=-1,
-                      cache_embeddings=True, compute="auto", image1=["2", 0])
-        model, pos, neg, vae = ["3", 0], ["3", 1], ["3", 2], ["3", 3]
+        g["3"] = node("LowVRAM_QwenImageLoader", "Qwen-Image Loader (LowVRAM)", unet_name=EDIT_UNET, vae_name=EDIT_VAE,
+                      quantization="fp8 per-tensor", vram_budget_gb=budget, blocks_to_swap=-1, compute="auto")
+        g["6"] = node("LowVRAM_QwenImageEditTextEncode", "Qwen-Image-Edit Text Encode (LowVRAM)",
+                      clip_name=EDIT_TEXT_ENCODER, vae=["3", 1], positive=EDIT_PROMPT, negative="",
+                      cache_embeddings=True, image1=["2", 0])
+        model, pos, neg, vae = ["3", 0], ["6", 0], ["6", 1], ["3", 1]
     g["10"] = node("ModelSamplingAuraFlow", "ModelSamplingAuraFlow", model=model, shift=EDIT_SHIFT)
     g["11"] = node("CFGNorm", "CFGNorm", model=["10", 0], strength=1.0)
     g["12"] = node("VAEEncode", "VAE Encode", pixels=["2", 0], vae=vae)
@@ -425,7 +427,8 @@ def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | No
     if setup.drop_block_swap:
         for nid in of_type(graph, "LowVRAM_BlockSwap"):
             bypass(graph, nid)
-    for nid in of_type(graph, "LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageTextEncode") if setup.batch_cfg is not None else ():
+    text_nodes = ("LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageTextEncode", "LowVRAM_QwenImageEditTextEncode")
+    for nid in of_type(graph, *text_nodes) if setup.batch_cfg is not None else ():
         graph[nid]["inputs"]["batch_cfg"] = setup.batch_cfg
     for nid in of_type(graph, "LowVRAM_BlockSwap") if setup.block_swap_mode else ():
         graph[nid]["inputs"]["dynamic_vram"] = setup.block_swap_mode

@@ -40,14 +40,11 @@ WAN_TEXT_INPUTS = [("clip_name", "COMBO", True), ("positive", "STRING", True), (
 QWEN_LOADER_INPUTS = [("unet_name", "COMBO", True), ("vae_name", "COMBO", True), ("quantization", "COMBO", True),
                       ("vram_budget_gb", "FLOAT", True), ("blocks_to_swap", "INT", True), ("compute", "COMBO", True)]
 QWEN_TEXT_INPUTS = WAN_TEXT_INPUTS  # clip_name, positive, negative, cache_embeddings (the options are optional)
-QWEN_STAGED_INPUTS = [("unet_name", "COMBO", True), ("clip_name", "COMBO", True), ("vae_name", "COMBO", True),
-                      ("positive", "STRING", True), ("negative", "STRING", True), ("quantization", "COMBO", True),
-                      ("vram_budget_gb", "FLOAT", True), ("blocks_to_swap", "INT", True),
-                      ("cache_embeddings", "BOOLEAN", True), ("compute", "COMBO", True)]
 EDIT_ENCODER = "TextEncodeQwenImageEditPlus"
 EDIT_IMAGES = ("image1", "image2", "image3")
-QWEN_EDIT_INPUTS = QWEN_STAGED_INPUTS + [(name, "IMAGE", False) for name in EDIT_IMAGES]
-STAGED_OUTPUTS = [("MODEL", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"), ("VAE", "VAE")]
+QWEN_EDIT_TEXT_INPUTS = [("clip_name", "COMBO", True), ("vae", "VAE", False), ("positive", "STRING", True),
+                         ("negative", "STRING", True), ("cache_embeddings", "BOOLEAN", True),
+                         *((name, "IMAGE", False) for name in EDIT_IMAGES)]
 INSERT_OFFSET = (40.0, 140.0)  # where an inserted node goes, relative to the node it follows
 WAN_FILE = re.compile(r"wan2[._][12][_-](t2v|i2v|ti2v)[_-]")  # official Wan 2.1 / 2.2 T2V, I2V, TI2V file names
 
@@ -198,24 +195,18 @@ def _prompt_pair(graph: Graph, clip_loader: dict) -> tuple[dict, dict | None] | 
     return (roles["positive"], roles.get("negative")) if "positive" in roles else None
 
 
-def _absorb_prompts(wf: Workflow, graph: Graph, target: dict, clip_loader: dict, pos: dict, neg: dict | None,
-                    links: dict[str, dict | None], slots: tuple[int, int]) -> None:
-    """Move the text side onto ``target`` (already given its new type and widgets) and drop what it replaces.
-
-    The CLIPLoader's ``clip_name`` and the encoders' ``text`` widget links go to ``target``'s inputs
-    clip_name / positive / negative (with ``links``, already its own), the encoders' outputs leave ``target``'s
-    output ``slots`` (positive, negative), promoted subgraph widgets follow, and the loader and encoders go.
-    """
+def _absorb_prompts(wf: Workflow, graph: Graph, target: dict, clip_loader: dict, pos: dict, neg: dict | None) -> None:
+    """Move the text side onto ``target`` (a text node, already given its new type and widgets) and drop what it
+    replaces: the CLIPLoader's ``clip_name`` and the encoders' ``text`` widget links go to ``target``'s inputs
+    clip_name / positive / negative, the encoders' outputs leave ``target``'s outputs 0 and 1, promoted subgraph
+    widgets follow, and the loader and encoders go."""
     moved = {"clip_name": graph.input_link(clip_loader, "clip_name"), "positive": graph.input_link(pos, "text"),
-             "negative": graph.input_link(neg, "text") if neg else None, **links}
+             "negative": graph.input_link(neg, "text") if neg else None}
     pos_out, neg_out = graph.out_links(pos, 0), graph.out_links(neg, 0) if neg else []
-    spec = {"LowVRAM_WanTextEncode": WAN_TEXT_INPUTS, "LowVRAM_QwenImageTextEncode": QWEN_TEXT_INPUTS}.get(
-        target["type"], QWEN_STAGED_INPUTS)
+    spec = {"LowVRAM_WanTextEncode": WAN_TEXT_INPUTS, "LowVRAM_QwenImageTextEncode": QWEN_TEXT_INPUTS}[target["type"]]
     _set_inputs(graph, target, spec, moved)
-    outputs = ([("positive", "CONDITIONING"), ("negative", "CONDITIONING")] if slots == (0, 1) else
-               STAGED_OUTPUTS)
-    _set_outputs(graph, target, outputs)
-    for lk, slot in [*((lk, slots[0]) for lk in pos_out), *((lk, slots[1]) for lk in neg_out)]:
+    _set_outputs(graph, target, [("positive", "CONDITIONING"), ("negative", "CONDITIONING")])
+    for lk, slot in [*((lk, 0) for lk in pos_out), *((lk, 1) for lk in neg_out)]:
         if (lk["origin_id"], lk["origin_slot"]) != (target["id"], slot):
             graph.set_origin(lk, target, slot)
     for old in (clip_loader, pos, neg):
@@ -246,7 +237,7 @@ def _convert_wan_text(wf: Workflow, graph: Graph, clip_loader: dict, report: Rep
     widgets = [_widget(clip_loader, 0), _widget(pos, 0) or "", (_widget(neg, 0) if neg else "") or "", True,
                "auto"]  # ..., cache_embeddings, device
     _retype(pos, "LowVRAM_WanTextEncode", widgets)
-    _absorb_prompts(wf, graph, pos, clip_loader, pos, neg, {}, (0, 1))
+    _absorb_prompts(wf, graph, pos, clip_loader, pos, neg)
     gone = f"CLIPLoader {clip_loader['id']} + CLIPTextEncode {pos['id']}" + (f", {neg['id']}" if neg else "")
     report.changes.append(f"{graph.name}: replaced {gone} -> node {pos['id']} LowVRAM_WanTextEncode "
                           "(umT5 where ComfyUI runs text encoders, embeddings cached)")
@@ -320,31 +311,38 @@ def _edit_problem(graph: Graph, pos: dict, neg: dict, vae_loader: dict) -> str:
 
 def _convert_qwen_edit(wf: Workflow, graph: Graph, unet: dict, clip_loader: dict, pair: tuple[dict, dict],
                        vae_loader: dict, opts: ConvertOptions, report: Report) -> None:
-    """UNETLoader + CLIPLoader + VAELoader + the two Edit encoders -> the Edit staged loader (``unet``'s id)."""
+    """UNETLoader + VAELoader -> Qwen-Image Loader (``unet``'s id, its VAE output feeding what the VAE Loader fed), and
+    CLIPLoader + the two Edit encoders -> Qwen-Image-Edit Text Encode (the positive encoder's id)."""
     pos, neg = pair  # the negative's image links duplicate the positive's (_edit_problem): they go with it
-    moved = {"unet_name": graph.input_link(unet, "unet_name"), "clip_name": graph.input_link(clip_loader, "clip_name"),
-             "vae_name": graph.input_link(vae_loader, "vae_name"), "positive": graph.input_link(pos, "prompt"),
-             "negative": graph.input_link(neg, "prompt"), **{n: graph.input_link(pos, n) for n in EDIT_IMAGES}}
-    outs = {1: graph.out_links(pos, 0), 2: graph.out_links(neg, 0),
-            3: [lk for lk in graph.out_links(vae_loader, 0) if lk["target_id"] not in (pos["id"], neg["id"])]}
-    widgets = [_widget(unet, 0), _widget(clip_loader, 0), _widget(vae_loader, 0), _widget(pos, 0) or "",
-               _widget(neg, 0) or "", FP8_CHOICES[opts.fp8], opts.budget_gb, -1, True, "auto",
-               "auto", True]  # ..., compute, text_encoder_device, batch_cfg (the images are links, not widgets)
-    _retype(unet, "LowVRAM_QwenImageEditStagedLoader", widgets)
-    _set_inputs(graph, unet, QWEN_EDIT_INPUTS, moved)
-    _set_outputs(graph, unet, STAGED_OUTPUTS)
-    for slot, links in outs.items():
-        for lk in links:
-            graph.set_origin(lk, unet, slot)
-    for old in (clip_loader, pos, neg, vae_loader):
+    vae_outs = [lk for lk in graph.out_links(vae_loader, 0) if lk["target_id"] != neg["id"]]  # the positive's too
+    neg_outs = graph.out_links(neg, 0)
+    text_links = {"clip_name": graph.input_link(clip_loader, "clip_name"), "vae": graph.input_link(pos, "vae"),
+                  "positive": graph.input_link(pos, "prompt"), "negative": graph.input_link(neg, "prompt"),
+                  **{n: graph.input_link(pos, n) for n in EDIT_IMAGES}}
+    _retype(unet, "LowVRAM_QwenImageLoader", [_widget(unet, 0), _widget(vae_loader, 0), FP8_CHOICES[opts.fp8],
+                                              opts.budget_gb, -1, "auto"])  # ..., blocks_to_swap, compute
+    _set_inputs(graph, unet, QWEN_LOADER_INPUTS, {"unet_name": graph.input_link(unet, "unet_name"),
+                                                  "vae_name": graph.input_link(vae_loader, "vae_name")})
+    _set_outputs(graph, unet, [("MODEL", "MODEL"), ("VAE", "VAE")])
+    for lk in vae_outs:
+        graph.set_origin(lk, unet, 1)
+    _retype(pos, "LowVRAM_QwenImageEditTextEncode", [_widget(clip_loader, 0), _widget(pos, 0) or "",
+                                                     _widget(neg, 0) or "", True, "auto", True])
+    _set_inputs(graph, pos, QWEN_EDIT_TEXT_INPUTS, text_links)  # ... cache, text_encoder_device, batch_cfg
+    _set_outputs(graph, pos, [("positive", "CONDITIONING"), ("negative", "CONDITIONING")])
+    for lk in neg_outs:
+        graph.set_origin(lk, pos, 1)
+    for old in (clip_loader, neg, vae_loader):
         graph.remove_node(old)
-    for old, widget, new in ((clip_loader, "clip_name", "clip_name"), (vae_loader, "vae_name", "vae_name"),
-                             (pos, "prompt", "positive"), (neg, "prompt", "negative")):
-        wf.rename_proxy_widget((old["id"], widget), (unet["id"], new))
-    report.changes.append(f"{graph.name}: replaced UNETLoader {unet['id']} + CLIPLoader {clip_loader['id']} + "
-                          f"VAELoader {vae_loader['id']} + {EDIT_ENCODER} {pos['id']}, {neg['id']} -> node "
-                          f"{unet['id']} LowVRAM_QwenImageEditStagedLoader ({FP8_CHOICES[opts.fp8]}, vram_budget_gb "
-                          f"{opts.budget_gb:g}; text and images encoded where ComfyUI runs text encoders)")
+    for old, widget, new in ((clip_loader, "clip_name", (pos, "clip_name")), (vae_loader, "vae_name",
+                             (unet, "vae_name")), (pos, "prompt", (pos, "positive")), (neg, "prompt",
+                             (pos, "negative"))):
+        wf.rename_proxy_widget((old["id"], widget), (new[0]["id"], new[1]))
+    report.changes.append(f"{graph.name}: replaced UNETLoader {unet['id']} + VAELoader {vae_loader['id']} -> node "
+                          f"{unet['id']} LowVRAM_QwenImageLoader ({FP8_CHOICES[opts.fp8]}, vram_budget_gb "
+                          f"{opts.budget_gb:g}) and CLIPLoader {clip_loader['id']} + {EDIT_ENCODER} {pos['id']}, "
+                          f"{neg['id']} -> node {pos['id']} LowVRAM_QwenImageEditTextEncode (text and images encoded "
+                          "where ComfyUI runs text encoders; a new instruction re-runs only this node)")
     _insert_after(graph, unet, "LowVRAM_Attention", ["auto"], report, "backend auto")
 
 
@@ -386,7 +384,7 @@ def _convert_qwen(wf: Workflow, graph: Graph, unet: dict, opts: ConvertOptions, 
                True]  # ..., cache_embeddings, text_encoder_device, batch_cfg
     _retype(pos, "LowVRAM_QwenImageTextEncode", widgets)
     gone = f"CLIPLoader {clip_loader['id']} + CLIPTextEncode {pos['id']}" + (f", {neg['id']}" if neg else "")
-    _absorb_prompts(wf, graph, pos, clip_loader, pos, neg, {}, (0, 1))
+    _absorb_prompts(wf, graph, pos, clip_loader, pos, neg)
     report.changes.append(f"{graph.name}: replaced UNETLoader {unet['id']} -> node {unet['id']} "
                           f"LowVRAM_QwenImageLoader ({FP8_CHOICES[opts.fp8]}, vram_budget_gb {opts.budget_gb:g}; VAE "
                           f"Loader {vae_loaders[0]['id']} kept) and {gone} -> node {pos['id']} "

@@ -46,11 +46,11 @@ KNOWN_MODEL_FILES: dict[str, tuple[str, str, str]] = {
 # Nodes that stream their text encoder and read its sizes from the file: --synthetic tiny writes them a
 # TINY_TE_LAYERS-layer encoder; stock CLIPLoader needs ComfyUI's fixed full-size one (6.7 GB umT5 / 8.3 GB Qwen2.5-VL
 # fp8).
-STAGED_TEXT_NODES = ("LowVRAM_WanTextEncode", "LowVRAM_QwenImageTextEncode", "LowVRAM_QwenImageStagedLoader",
-                     "LowVRAM_QwenImageEditStagedLoader")
+STAGED_TEXT_NODES = ("LowVRAM_WanTextEncode", "LowVRAM_QwenImageTextEncode", "LowVRAM_QwenImageEditTextEncode",
+                     "LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageEditStagedLoader")
 QWEN_IMAGE_NODES = ("LowVRAM_QwenImageLoader", "LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageEditStagedLoader")
 # Staged nodes that also run the Qwen2.5-VL vision tower (image prompts): their tiny encoder carries it.
-VISION_TEXT_NODES = ("LowVRAM_QwenImageEditStagedLoader",)
+VISION_TEXT_NODES = ("LowVRAM_QwenImageEditStagedLoader", "LowVRAM_QwenImageEditTextEncode")
 VISION_KEY = "visual.merger.mlp.2.weight"  # present in a text encoder file with the vision tower
 
 # VAEs that ComfyUI builds at full size whatever the file holds (the Wan 2.2 VAE's widths are fixed in comfy/sd.py:

@@ -178,42 +178,45 @@ def _edit_template_parts(workflow: dict) -> tuple[dict, dict, dict, dict, dict, 
 
 
 @pytest.mark.parametrize("name", EDIT_TEMPLATES)
-def test_qwen_image_edit_becomes_the_edit_staged_loader(name: str) -> None:
-    """One Edit staged loader (the UNETLoader's id) + Attention: the encoders' image links and prompts go in, its
-    positive / negative / VAE outputs reach what the encoders and the VAE Loader fed; every other node stays."""
+def test_qwen_image_edit_becomes_the_loader_and_the_edit_text_encode(name: str) -> None:
+    """Qwen-Image Loader (the UNETLoader's id) + Attention, and Qwen-Image-Edit Text Encode (the positive encoder's id)
+    with the encoders' image links, prompts and the loader's VAE; the loader's VAE output and the text node's
+    positive / negative reach what the VAE Loader and the encoders fed; every other node stays."""
     original, work, report = _converted(name, vram_gb=10)
     old_graph, unet, clip, vae, pos, neg = _edit_template_parts(original)
     (graph,) = [g for _, g in graphs(work) if g.get("id") == old_graph.get("id")]
     nodes = {n["id"]: n for n in graph["nodes"]}
-    loader = nodes[unet["id"]]
-    assert loader["type"] == "LowVRAM_QwenImageEditStagedLoader"
-    assert {clip["id"], vae["id"], pos["id"], neg["id"]}.isdisjoint(nodes)
-    assert loader["widgets_values"] == [unet["widgets_values"][0], clip["widgets_values"][0], vae["widgets_values"][0],
-                                        pos["widgets_values"][0], neg["widgets_values"][0], "fp8 per-tensor", 8.0, -1,
-                                        True, "auto", "auto", True]  # ..., compute, text_encoder_device, batch_cfg
+    loader, text = nodes[unet["id"]], nodes[pos["id"]]
+    assert (loader["type"], text["type"]) == ("LowVRAM_QwenImageLoader", "LowVRAM_QwenImageEditTextEncode")
+    assert {clip["id"], vae["id"], neg["id"]}.isdisjoint(nodes)
+    assert loader["widgets_values"] == [unet["widgets_values"][0], vae["widgets_values"][0], "fp8 per-tensor", 8.0,
+                                        -1, "auto"]
+    assert text["widgets_values"] == [clip["widgets_values"][0], pos["widgets_values"][0], neg["widgets_values"][0],
+                                      True, "auto", True]  # ..., cache, text_encoder_device, batch_cfg
     old_links, new_links = links_of(old_graph), links_of(graph)
-    held = {i["name"]: i["link"] for i in loader["inputs"]}
+    held = {i["name"]: i["link"] for i in text["inputs"]}
+    assert (new_links[held["vae"]]["origin_id"], new_links[held["vae"]]["origin_slot"]) == (unet["id"], 1)
     for name_in in ("image1", "image2", "image3"):
         old = next(i["link"] for i in pos["inputs"] if i["name"] == name_in)
         assert (old is None) == (held[name_in] is None)
         if old is not None:  # the same origin as before (a LoadImage / scale node, or the subgraph's input side)
             assert (new_links[held[name_in]]["origin_id"], new_links[held[name_in]]["origin_slot"]) == (
                 old_links[old]["origin_id"], old_links[old]["origin_slot"])
-    for slot, old_id, old_slot in ((0, unet["id"], 0), (1, pos["id"], 0), (2, neg["id"], 0), (3, vae["id"], 0)):
-        want = _consumers(old_graph, old_id, old_slot) - {(pos["id"], s) for s in range(6)} - {
-            (neg["id"], s) for s in range(6)}
-        got = _consumers(graph, unet["id"], slot)
-        if slot == 0:
-            got = _consumers(graph, _chain(graph, unet["id"], ["LowVRAM_Attention"]))
-        assert got == want, (slot, got, want)
+    gone = {(n, s) for n in (pos["id"], neg["id"]) for s in range(6)}
+    assert _consumers(graph, _chain(graph, unet["id"], ["LowVRAM_Attention"])) == _consumers(old_graph, unet["id"])
+    assert _consumers(graph, unet["id"], 1) - {(pos["id"], 1)} == _consumers(old_graph, vae["id"]) - gone
+    assert _consumers(graph, pos["id"], 0) == _consumers(old_graph, pos["id"]) - gone
+    assert _consumers(graph, pos["id"], 1) == _consumers(old_graph, neg["id"]) - gone
     assert {n["type"] for n in graph["nodes"]} >= {"KSampler", "VAEEncode", "VAEDecode", "LoraLoaderModelOnly",
                                                    "FluxKontextImageScale", "ModelSamplingAuraFlow", "CFGNorm"}
     proxies = [tuple(p) for _, g in graphs(work) for n in g["nodes"] for p in
                (n.get("properties") or {}).get("proxyWidgets") or []]
-    moved = {(str(unet["id"]), w) for w in ("positive", "negative", "clip_name", "vae_name", "unet_name")}
+    moved = {(str(pos["id"]), w) for w in ("positive", "negative", "clip_name")} | {
+        (str(unet["id"]), w) for w in ("vae_name", "unet_name")}
     assert moved <= set(proxies) and not {p for p in proxies if p[0] in {str(clip["id"]), str(vae["id"])}}
-    (change,) = [c for c in report.changes if "LowVRAM_QwenImageEditStagedLoader" in c]
-    assert "text and images encoded where ComfyUI runs text encoders" in change and not report.notes, change
+    (change,) = [c for c in report.changes if "LowVRAM_QwenImageEditTextEncode" in c]
+    assert "a new instruction re-runs only this node" in change and not report.notes, change
+    assert link_problems(work) == []
 
 
 def _edit_link(graph: dict, node: dict, input_name: str) -> dict:
@@ -255,7 +258,7 @@ def test_qwen_image_edit_that_does_not_fit_keeps_stock(name: str, change: object
     report = convert.convert_workflow(work, convert.ConvertOptions(), name)
     assert any(words in n and f"UNETLoader {unet['id']}" in n for n in report.notes), report.lines()
     types = [n["type"] for _, g in graphs(work) for n in g["nodes"]]
-    assert types.count("TextEncodeQwenImageEditPlus") == 2 and "LowVRAM_QwenImageEditStagedLoader" not in types
+    assert types.count("TextEncodeQwenImageEditPlus") == 2 and "LowVRAM_QwenImageEditTextEncode" not in types
     (g,) = [g for _, g in graphs(work) if g.get("id") == graph.get("id")]
     assert _consumers(g, _chain(g, unet["id"], ["LowVRAM_Attention"])) == _consumers(
         [gg for _, gg in graphs(before) if gg.get("id") == graph.get("id")][0], unet["id"])
