@@ -348,12 +348,14 @@ def _four_step(graph: dict, workflow: RenderWorkflow, object_info: dict) -> None
         graph[nid]["inputs"]["shift"] = shift
 
 
-def _text_pair(graph: dict, nid: str, clip_name: str, kind: str, positive: str, negative: str,
-               slots: tuple[int, int]) -> None:
-    """CLIPLoader + CLIPTextEncode x2 for the positive / negative outputs ``slots`` of pack node ``nid``."""
+NATIVE_TEXT = {"LowVRAM_WanTextEncode": "wan", "LowVRAM_QwenImageTextEncode": "qwen_image"}  # CLIPLoader type
+
+
+def _text_pair(graph: dict, nid: str, clip_name: str, kind: str, positive: str, negative: str) -> None:
+    """CLIPLoader + CLIPTextEncode x2 for the positive / negative outputs (0, 1) of pack text node ``nid``."""
     clip = new_id(graph)
     graph[clip] = node("CLIPLoader", "Load CLIP", clip_name=clip_name, type=kind, device="default")
-    for slot, text, title in ((slots[0], positive, "Positive Prompt"), (slots[1], negative, "Negative Prompt")):
+    for slot, text, title in ((0, positive, "Positive Prompt"), (1, negative, "Negative Prompt")):
         enc = new_id(graph)
         graph[enc] = node("CLIPTextEncode", f"CLIP Text Encode ({title})", text=text, clip=[clip, 0])
         rewire(graph, [nid, slot], [enc, 0])
@@ -370,9 +372,9 @@ def to_native(graph: dict, weight_dtype: str) -> dict:
                           weight_dtype=weight_dtype)
         elif kind in MODEL_PASS_THROUGH:
             bypass(g, nid)
-        elif kind == "LowVRAM_WanTextEncode":
+        elif kind in NATIVE_TEXT:
             i = n["inputs"]
-            _text_pair(g, nid, i["clip_name"], "wan", i["positive"], i["negative"], (0, 1))
+            _text_pair(g, nid, i["clip_name"], NATIVE_TEXT[kind], i["positive"], i["negative"])
             del g[nid]
         elif kind == "LowVRAM_QwenImageLoader":
             i = n["inputs"]
@@ -380,17 +382,6 @@ def to_native(graph: dict, weight_dtype: str) -> dict:
             vae = new_id(g)
             g[vae] = node("VAELoader", "Load VAE", vae_name=i["vae_name"])
             rewire(g, [nid, 1], [vae, 0])
-        elif kind == "LowVRAM_QwenImageTextEncode":
-            i = n["inputs"]
-            _text_pair(g, nid, i["clip_name"], "qwen_image", i["positive"], i["negative"], (0, 1))
-            del g[nid]
-        elif kind == "LowVRAM_QwenImageStagedLoader":
-            i = n["inputs"]
-            g[nid] = node("UNETLoader", "Load Diffusion Model", unet_name=i["unet_name"], weight_dtype=weight_dtype)
-            _text_pair(g, nid, i["clip_name"], "qwen_image", i["positive"], i["negative"], (1, 2))
-            vae = new_id(g)
-            g[vae] = node("VAELoader", "Load VAE", vae_name=i["vae_name"])
-            rewire(g, [nid, 3], [vae, 0])
         elif kind == "LowVRAM_QwenImageDecode":
             g[nid] = node("VAEDecode", "VAE Decode", samples=n["inputs"]["samples"], vae=n["inputs"]["vae"])
         elif kind and kind.startswith("LowVRAM_"):
@@ -427,8 +418,8 @@ def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | No
     if setup.drop_block_swap:
         for nid in of_type(graph, "LowVRAM_BlockSwap"):
             bypass(graph, nid)
-    text_nodes = ("LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageTextEncode", "LowVRAM_QwenImageEditTextEncode")
-    for nid in of_type(graph, *text_nodes) if setup.batch_cfg is not None else ():
+    qwen_text = ("LowVRAM_QwenImageTextEncode", "LowVRAM_QwenImageEditTextEncode")
+    for nid in of_type(graph, *qwen_text) if setup.batch_cfg is not None else ():
         graph[nid]["inputs"]["batch_cfg"] = setup.batch_cfg
     for nid in of_type(graph, "LowVRAM_BlockSwap") if setup.block_swap_mode else ():
         graph[nid]["inputs"]["dynamic_vram"] = setup.block_swap_mode

@@ -11,10 +11,8 @@ LOAD_NODES = frozenset({
     "UNETLoader", "CLIPLoader", "VAELoader", "CLIPVisionLoader", "LoraLoaderModelOnly", "LowVRAM_WanLoader",
     "LowVRAM_BlockSwap", "LowVRAM_Attention", "LowVRAM_TorchCompile", "LowVRAM_NanGuard", "ModelSamplingSD3",
     "ModelSamplingAuraFlow", "CFGNorm", "LowVRAMTest_StreamedCLIPLoader", "LowVRAM_QwenImageLoader"})
-# The staged loaders encode the prompt and set up the transformer in one node: most of their time is the encode.
 TEXT_NODES = frozenset({"CLIPTextEncode", "LowVRAM_WanTextEncode", "TextEncodeQwenImageEditPlus",
-                        "LowVRAM_QwenImageTextEncode", "LowVRAM_QwenImageEditTextEncode",
-                        "LowVRAM_QwenImageStagedLoader", "LowVRAM_QwenImageEditStagedLoader"})
+                        "LowVRAM_QwenImageTextEncode", "LowVRAM_QwenImageEditTextEncode"})
 SAMPLER_NODES = frozenset({"KSampler", "KSamplerAdvanced"})
 DECODE_NODES = frozenset({"VAEDecode", "VAEDecodeTiled", "LowVRAM_QwenImageDecode"})
 SAVE_NODES = frozenset({"SaveAnimatedWEBP", "SaveImage", "SaveLatent", "SaveVideo", "CreateVideo", "SaveWEBM"})
