@@ -355,8 +355,8 @@ def _keep_qwen_loader(graph: Graph, unet: dict, why: str, report: Report) -> Non
 
 
 def _convert_qwen(wf: Workflow, graph: Graph, unet: dict, opts: ConvertOptions, report: Report) -> None:
-    """Qwen-Image text-to-image -> Qwen-Image Loader + Text Encode, Edit -> the Edit staged loader; other Qwen-Image
-    graphs keep the loader + Attention."""
+    """Qwen-Image text-to-image -> Qwen-Image Loader + Qwen-Image Text Encode, Edit -> Qwen-Image Loader +
+    Qwen-Image-Edit Text Encode; other Qwen-Image graphs keep the loader + Attention."""
     clip_loader = _find_one(graph, "CLIPLoader", 1, "qwen_image")
     vae_loaders = [n for n in graph.nodes if _active(n, "VAELoader")]
     edit = _edit_pair(graph, clip_loader) if clip_loader else None
@@ -374,21 +374,27 @@ def _convert_qwen(wf: Workflow, graph: Graph, unet: dict, opts: ConvertOptions, 
                           "replace", report)
         return
     pos, neg = pair
-    vae_name = _widget(vae_loaders[0], 0)
-    _retype(unet, "LowVRAM_QwenImageLoader", [_widget(unet, 0), vae_name, FP8_CHOICES[opts.fp8], opts.budget_gb, -1,
-                                              "auto"])  # ..., blocks_to_swap, compute
-    _set_inputs(graph, unet, QWEN_LOADER_INPUTS, {"unet_name": graph.input_link(unet, "unet_name")})
+    vae = vae_loaders[0]
+    vae_outs = graph.out_links(vae, 0)
+    _retype(unet, "LowVRAM_QwenImageLoader", [_widget(unet, 0), _widget(vae, 0), FP8_CHOICES[opts.fp8],
+                                              opts.budget_gb, -1, "auto"])  # ..., blocks_to_swap, compute
+    _set_inputs(graph, unet, QWEN_LOADER_INPUTS, {"unet_name": graph.input_link(unet, "unet_name"),
+                                                  "vae_name": graph.input_link(vae, "vae_name")})
     _set_outputs(graph, unet, [("MODEL", "MODEL"), ("VAE", "VAE")])
+    for lk in vae_outs:  # the loader's VAE (the same file) feeds what the VAE Loader fed: it is loaded once
+        graph.set_origin(lk, unet, 1)
+    graph.remove_node(vae)
+    wf.rename_proxy_widget((vae["id"], "vae_name"), (unet["id"], "vae_name"))
     widgets = [_widget(clip_loader, 0), _widget(pos, 0) or "",
                (_widget(neg, 0) if neg else "") or STAGED_NEGATIVE_DEFAULT, True, "auto",
                True]  # ..., cache_embeddings, text_encoder_device, batch_cfg
     _retype(pos, "LowVRAM_QwenImageTextEncode", widgets)
     gone = f"CLIPLoader {clip_loader['id']} + CLIPTextEncode {pos['id']}" + (f", {neg['id']}" if neg else "")
     _absorb_prompts(wf, graph, pos, clip_loader, pos, neg)
-    report.changes.append(f"{graph.name}: replaced UNETLoader {unet['id']} -> node {unet['id']} "
-                          f"LowVRAM_QwenImageLoader ({FP8_CHOICES[opts.fp8]}, vram_budget_gb {opts.budget_gb:g}; VAE "
-                          f"Loader {vae_loaders[0]['id']} kept) and {gone} -> node {pos['id']} "
-                          "LowVRAM_QwenImageTextEncode (a new prompt re-runs only this node)")
+    report.changes.append(f"{graph.name}: replaced UNETLoader {unet['id']} + VAELoader {vae['id']} -> node "
+                          f"{unet['id']} LowVRAM_QwenImageLoader ({FP8_CHOICES[opts.fp8]}, vram_budget_gb "
+                          f"{opts.budget_gb:g}) and {gone} -> node {pos['id']} LowVRAM_QwenImageTextEncode (a new "
+                          "prompt re-runs only this node)")
     _insert_after(graph, unet, "LowVRAM_Attention", ["auto"], report, "backend auto")
 
 

@@ -145,15 +145,18 @@ def test_converting_twice_changes_nothing(name: str) -> None:
 
 
 def test_qwen_image_t2i_becomes_the_qwen_image_loader_and_text_encode() -> None:
-    """UNETLoader -> Qwen-Image Loader (then Attention auto), the CLIPLoader + CLIPTextEncode pair -> Qwen-Image Text
-    Encode feeding both samplers' conditioning: a new prompt re-runs only the text node."""
+    """UNETLoader + VAELoader -> Qwen-Image Loader (then Attention auto; its VAE feeds the decode), the CLIPLoader +
+    CLIPTextEncode pair -> Qwen-Image Text Encode feeding both samplers' conditioning: a new prompt re-runs only the
+    text node."""
     original, work, report = _converted("image_qwen_image", vram_gb=16)
     before, after = _nodes(original), _nodes(work)
     (sid, (loader, graph)), = [(i, v) for i, v in after.items() if v[0]["type"] == "LowVRAM_QwenImageLoader"]
     assert before[sid][0]["type"] == "UNETLoader"
-    vae = next(n for n, _ in after.values() if n["type"] == "VAELoader")
+    (vid, (vae, old_graph)), = [(i, v) for i, v in before.items() if v[0]["type"] == "VAELoader"]
+    assert vid not in after and not any(n["type"] == "VAELoader" for n, _ in after.values())
     assert loader["widgets_values"] == [before[sid][0]["widgets_values"][0], vae["widgets_values"][0],
                                         "fp8 per-tensor", 14.0, -1, "auto"]
+    assert _consumers(graph, sid, 1) == _consumers(old_graph, vid)  # the loader's VAE feeds the decode
     assert [o["type"] for o in loader["outputs"]] == ["MODEL", "VAE"]
     (tid, (text, _)), = [(i, v) for i, v in after.items() if v[0]["type"] == "LowVRAM_QwenImageTextEncode"]
     clip_name, positive, negative, cache, te_device, batch_cfg = text["widgets_values"]
