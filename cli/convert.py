@@ -309,16 +309,10 @@ def _edit_problem(graph: Graph, pos: dict, neg: dict, vae_loader: dict) -> str:
     return ""
 
 
-def _convert_qwen_edit(wf: Workflow, graph: Graph, unet: dict, clip_loader: dict, pair: tuple[dict, dict],
-                       vae_loader: dict, opts: ConvertOptions, report: Report) -> None:
-    """UNETLoader + VAELoader -> Qwen-Image Loader (``unet``'s id, its VAE output feeding what the VAE Loader fed), and
-    CLIPLoader + the two Edit encoders -> Qwen-Image-Edit Text Encode (the positive encoder's id)."""
-    pos, neg = pair  # the negative's image links duplicate the positive's (_edit_problem): they go with it
-    vae_outs = [lk for lk in graph.out_links(vae_loader, 0) if lk["target_id"] != neg["id"]]  # the positive's too
-    neg_outs = graph.out_links(neg, 0)
-    text_links = {"clip_name": graph.input_link(clip_loader, "clip_name"), "vae": graph.input_link(pos, "vae"),
-                  "positive": graph.input_link(pos, "prompt"), "negative": graph.input_link(neg, "prompt"),
-                  **{n: graph.input_link(pos, n) for n in EDIT_IMAGES}}
+def _to_qwen_loader(wf: Workflow, graph: Graph, unet: dict, vae_loader: dict, opts: ConvertOptions) -> None:
+    """UNETLoader + VAELoader -> Qwen-Image Loader (``unet``'s id, the VAE Loader's file). Its VAE output feeds what
+    the VAE Loader fed, so the VAE loads once; the VAE Loader goes."""
+    vae_outs = graph.out_links(vae_loader, 0)
     _retype(unet, "LowVRAM_QwenImageLoader", [_widget(unet, 0), _widget(vae_loader, 0), FP8_CHOICES[opts.fp8],
                                               opts.budget_gb, -1, "auto"])  # ..., blocks_to_swap, compute
     _set_inputs(graph, unet, QWEN_LOADER_INPUTS, {"unet_name": graph.input_link(unet, "unet_name"),
@@ -326,18 +320,31 @@ def _convert_qwen_edit(wf: Workflow, graph: Graph, unet: dict, clip_loader: dict
     _set_outputs(graph, unet, [("MODEL", "MODEL"), ("VAE", "VAE")])
     for lk in vae_outs:
         graph.set_origin(lk, unet, 1)
+    graph.remove_node(vae_loader)
+    wf.rename_proxy_widget((vae_loader["id"], "vae_name"), (unet["id"], "vae_name"))
+
+
+def _convert_qwen_edit(wf: Workflow, graph: Graph, unet: dict, clip_loader: dict, pair: tuple[dict, dict],
+                       vae_loader: dict, opts: ConvertOptions, report: Report) -> None:
+    """UNETLoader + VAELoader -> Qwen-Image Loader (``unet``'s id, its VAE output feeding what the VAE Loader fed), and
+    CLIPLoader + the two Edit encoders -> Qwen-Image-Edit Text Encode (the positive encoder's id)."""
+    pos, neg = pair  # the negative's image links duplicate the positive's (_edit_problem): they go with it
+    neg_outs = graph.out_links(neg, 0)
+    text_links = {"clip_name": graph.input_link(clip_loader, "clip_name"), "vae": graph.input_link(pos, "vae"),
+                  "positive": graph.input_link(pos, "prompt"), "negative": graph.input_link(neg, "prompt"),
+                  **{n: graph.input_link(pos, n) for n in EDIT_IMAGES}}
+    _to_qwen_loader(wf, graph, unet, vae_loader, opts)  # the encoders' vae inputs now come from the loader
     _retype(pos, "LowVRAM_QwenImageEditTextEncode", [_widget(clip_loader, 0), _widget(pos, 0) or "",
                                                      _widget(neg, 0) or "", True, "auto", True])
     _set_inputs(graph, pos, QWEN_EDIT_TEXT_INPUTS, text_links)  # ... cache, text_encoder_device, batch_cfg
     _set_outputs(graph, pos, [("positive", "CONDITIONING"), ("negative", "CONDITIONING")])
     for lk in neg_outs:
         graph.set_origin(lk, pos, 1)
-    for old in (clip_loader, neg, vae_loader):
+    for old in (clip_loader, neg):
         graph.remove_node(old)
-    for old, widget, new in ((clip_loader, "clip_name", (pos, "clip_name")), (vae_loader, "vae_name",
-                             (unet, "vae_name")), (pos, "prompt", (pos, "positive")), (neg, "prompt",
-                             (pos, "negative"))):
-        wf.rename_proxy_widget((old["id"], widget), (new[0]["id"], new[1]))
+    for old, widget, new in ((clip_loader, "clip_name", "clip_name"), (pos, "prompt", "positive"),
+                             (neg, "prompt", "negative")):
+        wf.rename_proxy_widget((old["id"], widget), (pos["id"], new))
     report.changes.append(f"{graph.name}: replaced UNETLoader {unet['id']} + VAELoader {vae_loader['id']} -> node "
                           f"{unet['id']} LowVRAM_QwenImageLoader ({FP8_CHOICES[opts.fp8]}, vram_budget_gb "
                           f"{opts.budget_gb:g}) and CLIPLoader {clip_loader['id']} + {EDIT_ENCODER} {pos['id']}, "
@@ -375,16 +382,7 @@ def _convert_qwen(wf: Workflow, graph: Graph, unet: dict, opts: ConvertOptions, 
         return
     pos, neg = pair
     vae = vae_loaders[0]
-    vae_outs = graph.out_links(vae, 0)
-    _retype(unet, "LowVRAM_QwenImageLoader", [_widget(unet, 0), _widget(vae, 0), FP8_CHOICES[opts.fp8],
-                                              opts.budget_gb, -1, "auto"])  # ..., blocks_to_swap, compute
-    _set_inputs(graph, unet, QWEN_LOADER_INPUTS, {"unet_name": graph.input_link(unet, "unet_name"),
-                                                  "vae_name": graph.input_link(vae, "vae_name")})
-    _set_outputs(graph, unet, [("MODEL", "MODEL"), ("VAE", "VAE")])
-    for lk in vae_outs:  # the loader's VAE (the same file) feeds what the VAE Loader fed: it is loaded once
-        graph.set_origin(lk, unet, 1)
-    graph.remove_node(vae)
-    wf.rename_proxy_widget((vae["id"], "vae_name"), (unet["id"], "vae_name"))
+    _to_qwen_loader(wf, graph, unet, vae, opts)
     widgets = [_widget(clip_loader, 0), _widget(pos, 0) or "",
                (_widget(neg, 0) if neg else "") or STAGED_NEGATIVE_DEFAULT, True, "auto",
                True]  # ..., cache_embeddings, text_encoder_device, batch_cfg
