@@ -335,8 +335,9 @@ def _convert_qwen_edit(wf: Workflow, graph: Graph, unet: dict, clip_loader: dict
                   **{n: graph.input_link(pos, n) for n in EDIT_IMAGES}}
     _to_qwen_loader(wf, graph, unet, vae_loader, opts)  # the encoders' vae inputs now come from the loader
     _retype(pos, "LowVRAM_QwenImageEditTextEncode", [_widget(clip_loader, 0), _widget(pos, 0) or "",
-                                                     _widget(neg, 0) or "", True, "auto", True])
-    _set_inputs(graph, pos, QWEN_EDIT_TEXT_INPUTS, text_links)  # ... cache, text_encoder_device, batch_cfg
+                                                     _widget(neg, 0) or "", True, "auto",
+                                                     True])  # ..., cache_embeddings, text_encoder_device, batch_cfg
+    _set_inputs(graph, pos, QWEN_EDIT_TEXT_INPUTS, text_links)
     _set_outputs(graph, pos, [("positive", "CONDITIONING"), ("negative", "CONDITIONING")])
     for lk in neg_outs:
         graph.set_origin(lk, pos, 1)
