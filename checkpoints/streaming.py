@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .safetensors_io import MADV_DONTNEED, CheckpointError, SafetensorsHeader, advise_mapped, read_tensors
+from .safetensors_io import (
+    MADV_DONTNEED, CheckpointError, MapHook, SafetensorsHeader, advise_mapped, read_tensors,
+)
 
 ProgressFn = Callable[[int, int], None]
 
@@ -51,6 +53,7 @@ def iter_owner_groups(
     prefetch: bool = True,
     already_read: Iterable[str] = (),
     mmap: bool = False,
+    on_map: MapHook | None = None,
 ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """Yield ``(owner, {param_name: tensor})`` for every owning module, as soon as all its tensors are read.
 
@@ -63,7 +66,8 @@ def iter_owner_groups(
     ``mmap``: the streamed tensors are views of a file mapping instead of copies read into RAM (one memory
     pass less: the consumer copies straight out of the page cache). Once the consumer asks for the next group,
     the previous group's pages are dropped from this process (MADV_DONTNEED; the page cache stays warm), so
-    they never add up in RSS. The consumer must copy, not keep, the tensors it is given.
+    they never add up in RSS. A consumer may keep the views only if it never writes into them (their pages are
+    read from the file again when touched). ``on_map`` sees each mapped view (safetensors_io.map_tensors).
     """
     stats = stats if stats is not None else StreamStats()
     keep = (lambda n: not skip(n)) if skip is not None else (lambda n: True)
@@ -106,7 +110,7 @@ def iter_owner_groups(
     for name, t in small.items():
         if keep(name) and owner_of(name) in big_owners:
             pending.setdefault(owner_of(name), {})[name] = t
-    for name, t in read_tensors(header, big, mmap=mmap, prefetch=prefetch):
+    for name, t in read_tensors(header, big, mmap=mmap, prefetch=prefetch, on_map=on_map):
         stats.bytes_read += t.numel() * t.element_size()
         stats.tensors += 1
         yield from add(name, t, streamed=True)
@@ -119,11 +123,14 @@ def iter_owner_groups(
 def load_streaming(
     root: torch.nn.Module,
     groups: Iterable[tuple[str, dict[str, torch.Tensor]]],
+    assign: bool = False,
 ) -> list[str]:
     """Load each ``(owner, tensors)`` group into ``root.get_submodule(owner)``; returns the full keys loaded.
 
     Each call goes through the module's own ``load_state_dict`` (so custom ops, e.g. ComfyUI's mixed-precision
-    Linear, see exactly the keys they would in a full load). Unknown owners or unexpected keys raise.
+    Linear, see exactly the keys they would in a full load); ``assign`` as in ``load_state_dict`` (the module
+    takes the given tensors instead of copying them, as ComfyUI's loaders do for a DynamicVRAM model). Unknown owners
+    or unexpected keys raise.
     """
     loaded: list[str] = []
     for owner, tensors in groups:
@@ -132,7 +139,7 @@ def load_streaming(
         except AttributeError:
             raise CheckpointError(f"the file has tensors for {owner!r}, which this model does not have "
                                   f"({sorted(tensors)[:3]}); it is not the model the loader expects") from None
-        result = module.load_state_dict(tensors, strict=False)
+        result = module.load_state_dict(tensors, strict=False, assign=assign)
         if result.unexpected_keys:
             raise CheckpointError(f"{owner}: unexpected tensors {result.unexpected_keys} for "
                                   f"{type(module).__name__}; the file does not match the model")

@@ -82,11 +82,19 @@ def _call_once(memo: dict[str, Any], fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 def reuse_vision_features(visual: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Make the vision tower run once per distinct input: the positive and negative prompts carry the same images,
-    and its output depends on the pixels and the patch grid only. Returns the memo (freed with the encoder)."""
+    and its output depends on the pixels and the patch grid only. Returns the memo, which the caller clears after its
+    run (a kept encoder's tower is wrapped once; its next run gets the same memo)."""
+    memo = getattr(visual, MEMO_ATTR, None)
+    if memo is not None:
+        return memo
     forward = visual.forward
-    memo: dict[str, torch.Tensor] = {}
+    memo = {}
     visual.forward = lambda *args, **kwargs: _call_once(memo, forward, *args, **kwargs)
+    setattr(visual, MEMO_ATTR, memo)
     return memo
+
+
+MEMO_ATTR = "lowvram_dit_vision_memo"
 
 
 class ReusedVAEEncodes:
@@ -113,6 +121,8 @@ class StagedEditEncoder:
         self.cache = embedding_cache() if use_cache else None
         self.identity = text_encoders.encoder_identity(QWEN25_VL_EDIT, te_path, device)
         self.clip: Any = None
+        self.fate = "encoder not loaded"  # text_encoders.encoder_for's, for the stage report
+        self.memo: dict[str, torch.Tensor] = {}  # the vision tower's results of this run (reuse_vision_features)
         self.done: dict[str, list] = {}  # this run's results by key: the node's second (VAE) pass reads them
         self.hits = 0
         self.misses = 0
@@ -141,26 +151,27 @@ class StagedEditEncoder:
             import comfy.utils
 
             bar = comfy.utils.ProgressBar(1000)
-            self.clip = text_encoders.build_streaming(QWEN25_VL_EDIT, self.te_path,
-                                                      lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))),
-                                                      device=self.device)
+            self.clip, self.fate = text_encoders.encoder_for(
+                QWEN25_VL_EDIT, self.te_path, self.device, lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))))
             csm = self.clip.cond_stage_model
             visual = getattr(getattr(csm, csm.clip).transformer, "visual", None)
             if isinstance(visual, torch.nn.Module):
-                reuse_vision_features(visual)
+                self.memo = reuse_vision_features(visual)
         out = self.clip.encode_from_tokens_scheduled(self.clip.tokenize(request.text, **request.kwargs), **kwargs)
         if key is not None and self.cache is not None:
             self.cache.put(key, out, info={"encoder": self.te_path.name, "images": "edit"})
         return out
 
     def close(self) -> None:
-        """Free the encoder (RSS falls back to what it was before stage 1)."""
+        """Let go of the encoder: freed (RSS falls back to what it was before stage 1) unless it is kept."""
         import comfy.model_management as mm
 
+        self.memo.clear()  # this run's vision features
         if self.clip is not None:
             self.clip = None
-            mm.cleanup_models_gc()
-            stage_meter.release_host_memory()
+            if self.fate == text_encoders.FREED:
+                mm.cleanup_models_gc()
+                stage_meter.release_host_memory()
 
 
 class ServedClip:
@@ -201,7 +212,6 @@ def encode_edit_prompts(te_path: str | Path, prompts: list[str], images: list[to
         try:  # text + vision first, without the VAE: the encoder is freed before any reference latent is made
             out = [node.execute(clip, p, None, *images).args[0] for p in prompts]
         finally:
-            loaded = encoder.clip is not None
             encoder.close()
         if vae is not None:  # the node again, its encodes served from this run's results: VAE + reference_latents
             once = ReusedVAEEncodes(vae)
@@ -209,8 +219,7 @@ def encode_edit_prompts(te_path: str | Path, prompts: list[str], images: list[to
             stage_meter.release_host_memory()
         n_img = sum(i is not None for i in images)
         meter.report.notes.append(f"{encoder.hits} of {encoder.hits + encoder.misses} prompts from the embedding "
-                                  f"cache, {n_img} reference image(s)"
-                                  + (", encoder freed" if loaded else ", encoder not loaded"))
+                                  f"cache, {n_img} reference image(s), {encoder.fate}")
     if target_device is None:
         import comfy.model_management as mm
 

@@ -5,7 +5,9 @@ in host/qwen_stages.py): how ComfyUI detects and builds it, where its tokenizer 
 takes the sizes read from the file, and which weights a text prompt never needs. ``build_streaming`` makes the
 ``comfy.sd.CLIP`` that CLIPLoader would make, with an empty state dict, then streams the weights in one module at
 a time (checkpoints/streaming.py): ``load_clip`` maps the whole file and copies it, so RSS briefly holds two copies.
-``encode_prompts`` encodes as CLIPTextEncode does, from the cache where it can, and frees the encoder after.
+``encode_prompts`` encodes as CLIPTextEncode does, from the cache where it can; the encoder is kept for the next
+prompt where ComfyUI's DynamicVRAM manages it, as CLIPLoader's is (mapped from its file, host/kept_text_encoders.py),
+and freed after otherwise.
 Cache keys hold the prompt, the template or tokenizer, and the encoder's identity (content fingerprint, format,
 dtype, config, ComfyUI version).
 """
@@ -25,11 +27,14 @@ import torch
 from ..checkpoints import streaming
 from ..checkpoints.embedding_cache import embedding_cache_key, file_identity
 from ..checkpoints.safetensors_io import (
-    CheckpointError, SafetensorsHeader, check_quantization, iter_tensors, read_header,
+    CheckpointError, MapHook, SafetensorsHeader, check_quantization, iter_tensors, read_header,
 )
 from ..checkpoints.text_encoders import text_encoder_format
 from ..offload import stage_meter
+from . import kept_text_encoders
+from .file_slices import file_slice_hook
 from .files import embedding_cache, use_mmap
+from .patchers import dynamic_vram_manages
 from .version import comfyui_version
 
 log = logging.getLogger("comfyui_lowvram_dit")
@@ -117,29 +122,44 @@ def build_streaming(enc: StreamedTextEncoder, te_path: str | Path, progress: str
     target = enc.build_target(probe, name)
     del probe
     cpu = torch.device("cpu")
-    # initial_device "cpu:0" builds the model on the CPU like "cpu" does, but compares unequal to load_device, so
-    # CLIP.__init__ skips its load_models_gpu call: that call sizes the model through state_dict(), which an
-    # fp8 (mixed-precision) Linear cannot produce before its weight is loaded. Encoding loads it as usual.
-    options = {"load_device": device, "offload_device": cpu, "initial_device": torch.device("cpu", 0),
+    hook, patcher_kind = _dynamic_vram_hook(te_path, device)
+    # initial_device "cpu:0" builds the model on the CPU like "cpu" does, but compares unequal to a CPU load_device,
+    # so CLIP.__init__ skips its load_models_gpu call: that call sizes the model through state_dict(), which an fp8
+    # (mixed-precision) Linear cannot produce before its weight is loaded. Encoding loads it as usual. A mapped
+    # encoder (it runs on a GPU) is built on "cpu": ComfyUI's ops then take each view as it is ("cpu:0" copies it).
+    options = {"load_device": device, "offload_device": cpu, "initial_device": cpu if hook else torch.device("cpu", 0),
                enc.config_option: cfg}
-    # ComfyUI's legacy patcher, also under DynamicVRAM: a one-shot encoder gains nothing from comfy-aimdo's pinned
-    # copy, which would be a second copy of the weights in RAM; the legacy one moves these to the GPU and back.
-    legacy = {"disable_dynamic": True} if "disable_dynamic" in inspect.signature(comfy.sd.CLIP).parameters else {}
     clip = comfy.sd.CLIP(target, embedding_directory=folder_paths.get_folder_paths("embeddings"),
-                         tokenizer_data=tokenizer_data, parameters=0, state_dict=[], model_options=options, **legacy)
+                         tokenizer_data=tokenizer_data, parameters=0, state_dict=[], model_options=options,
+                         **patcher_kind)
     csm = clip.cond_stage_model
     transformer = getattr(csm, csm.clip).transformer
     _leave_out_absent_parts(enc, name, header, transformer)
     stats = streaming.StreamStats()
     groups = streaming.iter_owner_groups(header, small, skip=is_tokenizer, progress=progress, stats=stats,
-                                         already_read=raw_small, mmap=use_mmap())
-    with torch.no_grad():
-        loaded = set(streaming.load_streaming(transformer, groups))
+                                         already_read=raw_small, mmap=hook is not None or use_mmap(), on_map=hook)
+    with torch.no_grad():  # mapped views are taken as they are (ComfyUI's assign for DynamicVRAM models), not copied
+        loaded = set(streaming.load_streaming(transformer, groups, assign=hook is not None))
     _check_complete(enc, name, [n for n, _ in transformer.named_parameters() if n not in loaded])
-    log.info("lowvram_dit %s %s streamed to the CPU: %.2f GB read in %d modules, at most %.2f GB held besides the "
-             "model (format %s, %d layers); encodes on %s", enc.label, name, stats.bytes_read / 1e9, stats.groups,
-             stats.max_held_bytes / 1e9, text_encoder_format(header), cfg[enc.layers_key], device)
+    how = ("mapped from its file for DynamicVRAM" if hook is not None else
+           f"streamed to the CPU: {stats.bytes_read / 1e9:.2f} GB read in {stats.groups} modules, at most "
+           f"{stats.max_held_bytes / 1e9:.2f} GB held besides the model")
+    log.info("lowvram_dit %s %s %s (format %s, %d layers); encodes on %s", enc.label, name, how,
+             text_encoder_format(header), cfg[enc.layers_key], device)
     return clip
+
+
+def _dynamic_vram_hook(te_path: str | Path, device: torch.device) -> tuple[MapHook | None, dict]:
+    """How the encoder is held: where ComfyUI's DynamicVRAM would manage it (a GPU, comfy-aimdo on), as CLIPLoader's
+    is, on views of its file tagged for aimdo's reader (the hook tags them) and ComfyUI's dynamic patcher; elsewhere
+    in RAM under the legacy patcher (``disable_dynamic``, where this ComfyUI has it), which moves the weights to the
+    GPU and back, as aimdo's pinned copies would be a second copy of RAM weights."""
+    import comfy.sd
+
+    if "disable_dynamic" not in inspect.signature(comfy.sd.CLIP).parameters:
+        return None, {}  # ComfyUI before DynamicVRAM
+    hook = file_slice_hook(te_path) if device.type != "cpu" else None
+    return hook, ({} if hook is not None else {"disable_dynamic": True})
 
 
 class AbsentPart(torch.nn.Module):
@@ -183,8 +203,8 @@ def _check_complete(enc: StreamedTextEncoder, name: str, missing: list[str]) -> 
 def encode_prompts(enc: StreamedTextEncoder, te_path: str | Path, prompts: list[str], *, stage: str,
                    use_cache: bool = True, reset_cuda_peak: bool = False,
                    device: torch.device = CPU) -> tuple[list[list], Any]:
-    """CONDITIONING (as CLIPTextEncode returns it) per prompt, from the cache or a streamed encoder run on
-    ``device`` and freed afterwards; and the stage's ``StageReport``."""
+    """CONDITIONING (as CLIPTextEncode returns it) per prompt, from the cache or an encoder run on ``device``
+    (``encoder_for``: kept or freed after); and the stage's ``StageReport``."""
     import comfy.model_management as mm
     import comfy.utils
 
@@ -200,20 +220,42 @@ def encode_prompts(enc: StreamedTextEncoder, te_path: str | Path, prompts: list[
                 keys[i] = embedding_cache_key(p, context, ident)
                 out[i] = cache.get(keys[i], expect_dim=ident["config"][enc.width_key])
         todo = [i for i, c in enumerate(out) if c is None]
+        fate = "encoder not loaded"
         if todo:
             bar = comfy.utils.ProgressBar(1000 + 1000 * len(todo))
-            clip = build_streaming(enc, te_path, lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))), device)
+            clip, fate = encoder_for(enc, te_path, device,
+                                     lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))))
             for n, i in enumerate(todo):
                 out[i] = clip.encode_from_tokens_scheduled(clip.tokenize(prompts[i]))
                 bar.update_absolute(1000 + 1000 * (n + 1))
                 if cache is not None:
                     cache.put(keys[i], out[i], info={"encoder": Path(te_path).name})
             del clip
-            mm.cleanup_models_gc()
-            stage_meter.release_host_memory()
-        meter.report.notes.append(f"{len(prompts) - len(todo)} of {len(prompts)} prompts from the embedding cache"
-                                  + (", encoder freed" if todo else ", encoder not loaded"))
+            if fate == FREED:
+                mm.cleanup_models_gc()
+                stage_meter.release_host_memory()
+        meter.report.notes.append(f"{len(prompts) - len(todo)} of {len(prompts)} prompts from the embedding cache, "
+                                  + fate)
     return out, meter.report  # type: ignore[return-value]
+
+
+FREED = "encoder freed"  # encoder_for's fate of an encoder the caller frees after encoding
+
+
+def encoder_for(enc: StreamedTextEncoder, te_path: str | Path, device: torch.device,
+                progress: streaming.ProgressFn | None = None) -> tuple[Any, str]:
+    """The ``comfy.sd.CLIP`` that encodes a prompt with ``enc``'s file on ``device``, and its fate for the stage
+    report: the one kept from an earlier prompt, or one built now and kept where ComfyUI's DynamicVRAM manages it
+    (host/kept_text_encoders.py), or one built now that the caller frees after encoding (``FREED``)."""
+    key = kept_text_encoders.key_of(te_path, device)
+    clip = kept_text_encoders.take(enc.label, key)
+    if clip is not None:
+        return clip, "encoder kept from an earlier prompt"
+    clip = build_streaming(enc, te_path, progress, device)
+    if not dynamic_vram_manages(clip.patcher):
+        return clip, FREED
+    kept_text_encoders.keep(enc.label, key, clip)
+    return clip, "encoder kept for the next prompt (DynamicVRAM manages it, as CLIPLoader's)"
 
 
 def clip_target(encoder_class: Any, tokenizer_class: Any) -> Any:
