@@ -32,7 +32,6 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "wan14b_720p_self": (1, 40, 75600, 75600, 128),  # 1280x720x81 -> 21 x 90 x 160 / 4
     "wan14b_720p_cross": (1, 40, 75600, 512, 128),
 }
-KITCHEN_SHAPES = ("wan14b_480p_self", "wan14b_480p_cross", "wan14b_720p_self", "wan14b_720p_cross")
 # ours: (Q·Kᵀ format, P·V format, hi_keys). "int8_int8" is what "auto" runs where int8 P·V is chosen, "int8_fp8" on
 # other sm89+ GPUs, "int8_fp16" on sm80/86 and the selectable precise scheme; "int8_fp8_old" the scheme before the
 # 16-bit keys (the speed baseline). hi_keys None = hi_key_count(Lk), 0 = none.
@@ -44,7 +43,7 @@ KITCHEN_BACKENDS = ("sdpa_cudnn", "int8_int8", "int8_fp8")
 FAMILY_BACKENDS = ("sdpa_cudnn", "int8_fp16", "int8_fp8", "int8_int8", "int8_fp8_old", "comfy_kitchen_int8")
 FAMILY_HEADS = ERR_HEADS = 2
 ERROR_BUDGET = 0.02
-FAMILIES_FILE = Path(__file__).resolve().parents[1] / "tests" / "unit" / "attention_families.py"
+FAMILIES_FILE = reports.PACK_ROOT / "tests" / "unit" / "attention_families.py"
 CHECK_SHAPES = ((1, 2, 77, 513, 64), (1, 2, 1000, 512, 128), (2, 2, 4097, 4097, 128))
 CHECK_FAMILIES = ("gauss", "k_token_outliers", "token_outliers", "attention_sinks", "heavy_tailed_v")
 WORKER_TIMEOUT_S = 240
@@ -322,7 +321,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-sweep", action="store_true", help=argparse.SUPPRESS)  # recorded commands pass it
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 10; 6 with --kitchen)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
-                        help="time these shapes (default: all; --kitchen: Wan 480p and 720p)")
+                        help="time these shapes (default: all)")
     parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=None,
                         help="timed rows per shape (default: all; --kitchen: cuDNN and our fp8 / int8 P·V)")
     parser.add_argument("--families", nargs="*", default=None, metavar="FAMILY",
@@ -336,9 +335,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=reports.RESULTS)
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (6 if args.kitchen else 10)
-    args.shapes = args.shapes or list(KITCHEN_SHAPES if args.kitchen else SHAPES)
+    args.shapes = args.shapes or list(SHAPES)
     args.backends = args.backends or list(KITCHEN_BACKENDS if args.kitchen else BACKENDS)
-    if args.families == [] or (args.kitchen and args.families is None):
+    if args.families == [] or (args.families is None and (args.kitchen or args.smoke)):
         args.families = list(families_module().ALL_FAMILIES)
     return args
 
@@ -350,8 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     if args.smoke:  # every family's error for ours (the emulation of the new and the old scheme), tiny shape
         fns = {n: backend_fn(n) for n in ("int8_fp16", "int8_fp8", "int8_fp8_old")}
-        families = args.families or list(families_module().ALL_FAMILIES)
-        rows = family_errors("smoke", (1, FAMILY_HEADS, 256, 256, 128), fns, families, device="cpu")
+        rows = family_errors("smoke", (1, FAMILY_HEADS, 256, 256, 128), fns, args.families, device="cpu")
         bad = [r["family"] for r in rows if r["errors"].get("int8_fp16", 1.0) > ERROR_BUDGET or r["notes"]]
         say("\n".join(families_markdown(rows)))
         say(f"smoke: {len(rows)} families, over budget with int8_fp16: {bad or 'none'}")

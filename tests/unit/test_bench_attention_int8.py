@@ -26,7 +26,7 @@ def test_kitchen_scenario_defaults() -> None:
     scenario = SCENARIOS["attention_kitchen"]
     args = B.parse_args([*scenario.args])
     assert scenario.module == "bench_attention_int8" and args.kitchen and args.repeats == 6
-    assert args.shapes == list(B.KITCHEN_SHAPES) and args.backends == list(B.KITCHEN_BACKENDS)
+    assert args.shapes == list(B.SHAPES) and args.backends == list(B.KITCHEN_BACKENDS)
     assert args.families == list(B.families_module().ALL_FAMILIES)
 
 
