@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
 from comfyui_lowvram_dit.benchmarks import report
 from comfyui_lowvram_dit.cli import server as cli_server
@@ -38,11 +38,6 @@ def server_flags(name: str, total_vram_gib: float, card_gib: float | None, ck_at
                              f"{card_gib} GiB card to emulate; drop the capped variants")
         args.append(f"--reserve-vram={reserve:.2f}")
     return args
-
-
-def node(class_type: str, title: str, **inputs: Any) -> dict:
-    """One API-graph node."""
-    return {"class_type": class_type, "inputs": inputs, "_meta": {"title": title}}
 
 
 LOG_KEEP = re.compile(r"lowvram_dit|DynamicVRAM|loaded (completely|partially)|Requested to load|model weight dtype|"

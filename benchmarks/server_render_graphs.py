@@ -10,7 +10,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from comfyui_lowvram_dit.benchmarks.server import node
 from comfyui_lowvram_dit.cli.ui_graph import BYPASSED_MODES, FRONTEND_ONLY
 from comfyui_lowvram_dit.cli.workflow import WORKFLOWS_DIR
 
@@ -28,6 +27,11 @@ LATENT_PREFIX = "render"  # SaveLatent's folder in the server's output
 
 class GraphError(ValueError):
     """A shipped workflow or setup this module cannot turn into a render graph; the message names it."""
+
+
+def node(class_type: str, title: str, /, **inputs: Any) -> dict:
+    """One API-graph node."""
+    return {"class_type": class_type, "inputs": inputs, "_meta": {"title": title}}
 
 
 def _is_widget(spec: list) -> bool:
@@ -90,7 +94,7 @@ def ui_to_api(workflow: dict, object_info: dict, source: str = "workflow") -> di
             if inp.get("link") is not None:
                 link = links[int(inp["link"])]
                 inputs[inp["name"]] = [str(link[1]), int(link[2])]
-        api[str(n["id"])] = {"class_type": kind, "inputs": inputs, "_meta": {"title": n.get("title") or kind}}
+        api[str(n["id"])] = node(kind, n.get("title") or kind, **inputs)
     return api
 
 
@@ -150,8 +154,7 @@ def node_defaults(kind: str, object_info: dict, **overrides: Any) -> dict:
                 inputs[name] = extra["default"]
             elif options:
                 inputs[name] = options[0]
-    inputs.update(overrides)
-    return {"class_type": kind, "inputs": inputs, "_meta": {"title": info.get("display_name") or kind}}
+    return node(kind, info.get("display_name") or kind, **{**inputs, **overrides})
 
 
 @dataclass(frozen=True)

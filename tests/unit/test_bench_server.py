@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from comfyui_lowvram_dit.benchmarks import server as run
+from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
 from comfyui_lowvram_dit.benchmarks.server_render_split import node_times, sampler_steps
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -75,12 +76,12 @@ def test_server_flags() -> None:
 
 
 def test_schema_check_catches_a_broken_graph() -> None:
-    graph = {"1": run.node("UNETLoader", "u", unet_name="x.safetensors", weight_dtype="fp9"),
-             "2": run.node("KSampler", "k", model=["1", 0], positive=["9", 0], bogus=1)}
+    graph = {"1": rg.node("UNETLoader", "u", unet_name="x.safetensors", weight_dtype="fp9"),
+             "2": rg.node("KSampler", "k", model=["1", 0], positive=["9", 0], bogus=1)}
     found = _problems(graph)
     assert any(p.startswith("1.weight_dtype: 'fp9' not in") for p in found), found
     assert "2.positive: link to missing node 9" in found and "2: unknown input bogus" in found
-    assert "2: missing seed" in found and _problems({"1": run.node("NoSuchNode", "n")}) == ["1: unknown node NoSuchNode"]
+    assert "2: missing seed" in found and _problems({"1": rg.node("NoSuchNode", "n")}) == ["1: unknown node NoSuchNode"]
 
 
 def _ev(t: float, kind: str, **data: object) -> tuple[float, dict]:
