@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from comfyui_lowvram_dit.benchmarks.__main__ import SCENARIOS
-from comfyui_lowvram_dit.benchmarks.report import RESULTS, table
+from comfyui_lowvram_dit.benchmarks.report import RESULTS, cell, table
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 
 BY_CARD = RESULTS.parents[1] / "docs" / "by-card.md"
@@ -104,11 +104,10 @@ def _neg_date(row: dict) -> str:
 
 
 def _fmt(value: object, digits: int = 3) -> str:
-    if value is None:
-        return "—"
+    """A cell (``report.cell``) with a float's trailing zeros cut."""
     if isinstance(value, float):
         return f"{value:.{digits}f}".rstrip("0").rstrip(".") if digits else f"{value:.0f}"
-    return str(value).replace("|", "\\|")
+    return cell(value)
 
 
 def _card(gib: float | None) -> str:

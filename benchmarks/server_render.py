@@ -92,10 +92,10 @@ def all_rows() -> dict[str, RenderRow]:
 
 
 # What most users run: Wan 2.2 T2V-A14B 4-step at 12 GB, 24 GB and the whole GPU, Qwen-Image 4-step at 12 and 24 GB.
-CORE = [make_row("wan_t2v_4step", s, c) for c in (12.0, 24.0, None) for s in ("native_best", "pack", "pack_stream")]
+DEFAULT_SETUPS = ("native_best", "pack", "pack_stream")
+CORE = [make_row("wan_t2v_4step", s, c) for c in (12.0, 24.0, None) for s in DEFAULT_SETUPS]
 CORE += [make_row("qwen_t2i_4step", s, c) for c in (12.0, 24.0) for s in ("native_best", "pack")]
 CORE_RENDERS = ("first_ever", "cold", "warm")
-DEFAULT_SETUPS = ("native_best", "pack", "pack_stream")
 GROUPS = {"core": [r.name for r in CORE]}
 
 
