@@ -15,7 +15,9 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +56,7 @@ class BackendUnavailable(RuntimeError):
     """A backend that cannot run in this environment; its rows carry the reason instead of numbers."""
 
 
-def make_inputs(b: int, h: int, lq: int, lk: int, d: int, kind: str, seed: int = 0):
+def make_inputs(b: int, h: int, lq: int, lk: int, d: int, kind: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """bf16 [B, H, L, D] on the GPU; "outlier": 4 channels 20-50x, K channel bias, per-token RMSNorm."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=g) for n in (lq, lk, lk))
@@ -69,7 +71,7 @@ def make_inputs(b: int, h: int, lq: int, lk: int, d: int, kind: str, seed: int =
     return q.bfloat16(), k.bfloat16(), v.bfloat16()
 
 
-def backend_fn(name: str):
+def backend_fn(name: str) -> Callable[..., torch.Tensor]:
     """callable(q, k, v) -> out for a backend name (BackendUnavailable when it cannot run here)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -83,9 +85,9 @@ def backend_fn(name: str):
             raise BackendUnavailable(f"comfy_kitchen {version} has no int8_attention")
         if not comfy_kitchen.int8_attention_is_available():
             raise BackendUnavailable("comfy_kitchen.int8_attention_is_available() is False on this GPU")
-        return lambda q, k, v: comfy_kitchen.int8_attention(q, k, v)
+        return comfy_kitchen.int8_attention
     if name == "sdpa_cudnn":
-        def run(q, k, v):
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(q, k, v)
         return run
@@ -99,9 +101,9 @@ def backend_fn(name: str):
     return lambda q, k, v: A.attention_int8(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
 
 
-def backend_fns(names) -> dict:  # noqa: ANN001 - names of BACKENDS
+def backend_fns(names: Iterable[str]) -> dict[str, Callable[..., torch.Tensor] | str]:
     """{backend: fn} in the order of ``names``, and for a backend that cannot run here the reason (a string)."""
-    fns: dict = {}
+    fns: dict[str, Callable[..., torch.Tensor] | str] = {}
     for name in names:
         try:
             fns[name] = backend_fn(name)
@@ -110,7 +112,8 @@ def backend_fns(names) -> dict:  # noqa: ANN001 - names of BACKENDS
     return fns
 
 
-def measure(name: str, fn, shape: tuple[int, ...], repeats: int, errors: bool = True) -> dict:  # noqa: ANN001
+def measure(name: str, fn: Callable[..., torch.Tensor], shape: tuple[int, ...], repeats: int,
+            errors: bool = True) -> dict:
     """One timed (backend, shape) row on Gaussian inputs at all heads, errors on ERR_HEADS; a failure: its error."""
     b, h, lq, lk, d = shape
     row: dict = {"backend": name, "shape": list(shape)}
@@ -174,7 +177,7 @@ def check_kernel(names: list[str]) -> list[dict]:
     return rows
 
 
-def families_module():  # noqa: ANN201 - a module
+def families_module() -> ModuleType:
     """tests/unit/attention_families.py, loaded by path (the tests are not a package)."""
     spec = importlib.util.spec_from_file_location("attention_families", FAMILIES_FILE)
     module = importlib.util.module_from_spec(spec)
