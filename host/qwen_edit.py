@@ -9,7 +9,8 @@ ComfyUI's TextEncodeQwenImageEditPlus sets them) and VAE, so the official templa
   or from the Qwen2.5-VL encoder streamed into RAM (vision tower included; host/text_encoders.py), built on the
   first miss and run on the device the node's ``text_encoder_device`` names (ComfyUI's model management loads it
   onto a GPU as it loads CLIPLoader's; the encoder moves the reference images to its device itself). The node runs
-  twice per prompt: without the VAE first (text + vision only), then the encoder is freed, then with the VAE, its
+  twice per prompt: without the VAE first (text + vision only), then the encoder is let go (text_encoders.encoder_for:
+  freed, or kept for the next prompt under DynamicVRAM, whose GPU copy aimdo evicts on demand), then with the VAE, its
   encodes answered from the first pass, so the encoder and the VAE encode never hold memory at the same time. The
   prompts share their images, so the vision tower runs once per distinct image and the VAE encodes each reference
   image once (both deterministic: the same result as a run per prompt). The cache key holds the full text, the
@@ -200,7 +201,7 @@ def encode_edit_prompts(te_path: str | Path, prompts: list[str], images: list[to
                         device: torch.device = text_encoders.CPU) -> tuple[list[list], StageReport]:
     """Stage 1 for Edit: CONDITIONING per prompt on ``target_device`` (default the compute device) exactly as
     TextEncodeQwenImageEditPlus(clip, prompt, vae, image1..3) gives it with CLIPLoader's encoder on ``device``, from
-    the cache or a streamed encoder run on ``device`` and freed afterwards."""
+    the cache or a streamed encoder run on ``device`` (kept or freed afterwards: text_encoders.encoder_for)."""
     if len(images) > MAX_IMAGES:
         raise ValueError(f"Qwen-Image-Edit takes at most {MAX_IMAGES} reference images, got {len(images)}")
     images = list(images) + [None] * (MAX_IMAGES - len(images))

@@ -4,8 +4,8 @@ The Staged Loader returns native MODEL, positive/negative CONDITIONING and VAE (
 ModelSampling nodes work on them):
 - Stage 1, text: the Qwen2.5-VL encoder that ``load_text_encoder_state_dicts(clip_type=QWEN_IMAGE)`` builds,
   streamed into RAM, run on the device the node's ``text_encoder_device`` names (by default where ComfyUI runs text
-  encoders) and freed after encoding, embeddings cached on disk (host/text_encoders.py); the embeddings end on the
-  compute device.
+  encoders), kept for the next run under DynamicVRAM and freed after encoding otherwise, embeddings cached on disk
+  (host/text_encoders.py); the embeddings end on the compute device.
 - Stage 2, transformer: read tensor by tensor, block Linear weights quantized to fp8 (block-wise or per-tensor)
   while streaming (on the GPU when there is one), built with host/fp8_ops.py's custom operations, then
   wrapped by the Block Swap node's ``apply_block_swap`` under the VRAM budget.
@@ -125,7 +125,7 @@ def encode_prompts(te_path: str | Path, prompts: list[str], use_cache: bool = Tr
                    target_device: torch.device | None = None, reset_cuda_peak: bool = False,
                    device: torch.device = text_encoders.CPU) -> tuple[list[list], StageReport]:
     """Stage 1: CONDITIONING for each prompt on ``target_device`` (default the compute device), from the cache or a
-    streamed encoder run on ``device`` and freed after."""
+    streamed encoder run on ``device`` (kept or freed after: text_encoders.encoder_for)."""
     out, report = text_encoders.encode_prompts(QWEN25_VL, te_path, prompts, stage=f"stage 1 (text encoder, {device})",
                                                use_cache=use_cache, reset_cuda_peak=reset_cuda_peak, device=device)
     dev = target_device or _compute_device()

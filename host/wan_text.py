@@ -3,8 +3,8 @@
 ``LowVRAM_WanTextEncode`` gives the positive and negative CONDITIONING that stock ``CLIPLoader(type=wan)`` +
 ``CLIPTextEncode`` give (bit-equal on the CPU for the released file: same ComfyUI classes, same dtype, same
 tokenizer), but streamed into RAM with one copy, run where the node's ``device`` says (by default where ComfyUI
-runs text encoders, the GPU on NVIDIA), freed after encoding, with its embeddings cached on disk
-(host/text_encoders.py). The layer count and widths are read from the file, so reduced-layer files of the same
+runs text encoders, the GPU on NVIDIA), kept for the next prompt where ComfyUI's DynamicVRAM manages it and freed
+after encoding otherwise, with its embeddings cached on disk (host/text_encoders.py). The layer count and widths are read from the file, so reduced-layer files of the same
 architecture load too.
 """
 

@@ -42,9 +42,10 @@ class QwenImageEditStagedLoader(io.ComfyNode):
                 "Runs Qwen-Image-Edit (2509 / 2511) on small machines: the prompts and up to three reference images "
                 "go through ComfyUI's TextEncodeQwenImageEditPlus with a streamed Qwen2.5-VL encoder (vision tower "
                 "included; never two copies in RAM) run where text_encoder_device says, by default where ComfyUI "
-                "runs text encoders, and freed afterwards (embeddings cached on disk by prompt, image content and "
-                "encoder); the reference latents are VAE-encoded; then the transformer loads as fp8 with block swap "
-                "under a VRAM budget. Outputs native MODEL / CONDITIONING / VAE for KSampler."),
+                "runs text encoders, kept for the next prompt under DynamicVRAM (as CLIPLoader's is) and freed "
+                "afterwards otherwise (embeddings cached on disk by prompt, image content and encoder); the "
+                "reference latents are VAE-encoded; then the transformer loads as fp8 with block swap under a VRAM "
+                "budget. Outputs native MODEL / CONDITIONING / VAE for KSampler."),
             inputs=[
                 base["unet_name"], base["clip_name"], base["vae_name"],
                 io.String.Input("positive", multiline=True, default="",
@@ -59,7 +60,7 @@ class QwenImageEditStagedLoader(io.ComfyNode):
                 base["compute"], *images,
                 io.Combo.Input("text_encoder_device", options=list(text_encoders.DEVICES), default="auto",
                                optional=True,
-                               tooltip="Where Qwen2.5-VL and its vision tower run (freed after encoding either way). "
+                               tooltip="Where Qwen2.5-VL and its vision tower run. "
                                        "auto: where ComfyUI runs text encoders (the GPU on NVIDIA, the CPU under "
                                        "--cpu or a low-VRAM mode). cpu: least VRAM, but each new prompt or image "
                                        "is a CPU encode through the 7B encoder and its vision tower. gpu: the GPU "
@@ -120,9 +121,10 @@ class QwenImageEditTextEncode(io.ComfyNode):
             category=CATEGORY_LOADERS,
             description=(
                 "The prompts and up to three reference images through ComfyUI's TextEncodeQwenImageEditPlus with a "
-                "streamed Qwen2.5-VL encoder (vision tower included), freed after encoding, embeddings cached on "
-                "disk; the reference latents come from the VAE. With Qwen-Image Loader for the transformer, a new "
-                "instruction re-runs only this node: the transformer stays loaded."),
+                "streamed Qwen2.5-VL encoder (vision tower included), kept for the next instruction under DynamicVRAM "
+                "(as CLIPLoader's is) and freed after encoding otherwise, embeddings cached on disk; the reference "
+                "latents come from the VAE. With Qwen-Image Loader for the transformer, a new instruction re-runs "
+                "only this node: the transformer stays loaded."),
             inputs=[base["clip_name"], io.Vae.Input("vae", tooltip="The Qwen-Image VAE (from Qwen-Image Loader): it "
                                                                    "encodes the reference latents."),
                     *(base[k] for k in ("positive", "negative", "cache_embeddings", "image1", "image2", "image3",

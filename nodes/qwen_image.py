@@ -70,7 +70,7 @@ class QwenImageLoader(io.ComfyNode):
 
 
 class QwenImageTextEncode(io.ComfyNode):
-    """Qwen-Image prompts with a streamed Qwen2.5-VL, freed after encoding, embeddings cached on disk.
+    """Qwen-Image prompts with a streamed Qwen2.5-VL, kept under DynamicVRAM, embeddings cached on disk.
 
     Produces CONDITIONING from text (nothing to pass through): without its seams it is left out with one
     warning, and CLIPLoader(type=qwen_image) + CLIPTextEncode remain the way to encode.
@@ -90,7 +90,8 @@ class QwenImageTextEncode(io.ComfyNode):
             description=(
                 "Encodes the positive and negative prompts for Qwen-Image with Qwen2.5-VL: the same CONDITIONING as "
                 "Load CLIP (type qwen_image) + CLIP Text Encode, but the encoder is streamed from its file (never two "
-                "copies in RAM), freed after encoding, and embeddings are cached on disk so an unchanged prompt "
+                "copies in RAM), kept for the next prompt where ComfyUI's DynamicVRAM manages it (as CLIPLoader's "
+                "is) and freed after encoding otherwise, and embeddings are cached on disk so an unchanged prompt "
                 "skips the encoder."),
             inputs=[base[k] for k in ("clip_name", "positive", "negative", "cache_embeddings", "text_encoder_device",
                                       "batch_cfg")],

@@ -47,7 +47,8 @@ class QwenImageStagedLoader(io.ComfyNode):
                                tooltip="Qwen-Image transformer (diffusion_models): bf16, fp8_e4m3fn or fp8 scaled."),
                 io.Combo.Input("clip_name", options=folder_paths.get_filename_list("text_encoders"),
                                tooltip="Qwen2.5-VL 7B text encoder (text_encoders), bf16 or *_fp8_scaled. It is "
-                                       "streamed into RAM and freed after encoding."),
+                                       "streamed from its file; kept for the next run under DynamicVRAM (as "
+                                       "CLIPLoader's is), freed after encoding otherwise."),
                 io.Combo.Input("vae_name", options=folder_paths.get_filename_list("vae"),
                                tooltip="Qwen-Image VAE (vae folder)."),
                 io.String.Input("positive", multiline=True, default="",
@@ -75,7 +76,7 @@ class QwenImageStagedLoader(io.ComfyNode):
                                        "RTX 20xx/30xx/A-series GPUs (what auto does there). dequantize: bf16 matmul."),
                 io.Combo.Input("text_encoder_device", options=list(text_encoders.DEVICES), default="auto",
                                optional=True,
-                               tooltip="Where Qwen2.5-VL runs (freed after encoding either way). auto: where "
+                               tooltip="Where Qwen2.5-VL runs. auto: where "
                                        "ComfyUI runs text encoders (the GPU on NVIDIA, the CPU under --cpu or a "
                                        "low-VRAM mode). cpu: least VRAM, but a first encode of about half a "
                                        "minute. gpu: the GPU always."),

@@ -12,7 +12,7 @@ from ..host.wan_text import UMT5_XXL, encode_wan_prompts
 
 
 class WanTextEncode(io.ComfyNode):
-    """umT5-XXL prompts, streamed (one copy in RAM), on the GPU or the CPU, freed after encoding, embeddings cached.
+    """umT5-XXL prompts, streamed (one copy in RAM), on the GPU or the CPU, kept under DynamicVRAM, embeddings cached.
 
     Produces CONDITIONING from text (nothing to pass through): without its seams it is left out with one
     warning, and CLIPLoader(type=wan) + CLIPTextEncode remain the way to encode.
@@ -33,7 +33,8 @@ class WanTextEncode(io.ComfyNode):
             description=(
                 "Encodes the positive and negative prompts for Wan 2.1/2.2 with umT5-XXL: the same CONDITIONING as "
                 "Load CLIP (type wan) + CLIP Text Encode, but the encoder is streamed from its file (never two "
-                "copies in RAM), is freed after encoding, and embeddings are cached on disk so an unchanged prompt "
+                "copies in RAM), is kept for the next prompt where ComfyUI's DynamicVRAM manages it (as CLIPLoader's "
+                "is) and freed after encoding otherwise, and embeddings are cached on disk so an unchanged prompt "
                 "skips the encoder."),
             inputs=[
                 io.Combo.Input("clip_name", options=folder_paths.get_filename_list("text_encoders"),

@@ -121,3 +121,75 @@ def test_the_vision_memo_is_one_per_tower() -> None:
     memo = qwen_edit.reuse_vision_features(tower)
     wrapped = tower.forward
     assert qwen_edit.reuse_vision_features(tower) is memo and tower.forward is wrapped
+
+
+# Runs in a fresh process: comfy-aimdo must be set up before CUDA is, as ComfyUI's main.py does it.
+_DYNAMIC_VRAM_CHILD = r'''
+import sys, tempfile
+from pathlib import Path
+sys.path.append(sys.argv[1])
+from comfy.cli_args import args
+import comfy_aimdo.control
+try:
+    comfy_aimdo.control.init()
+except TypeError:
+    comfy_aimdo.control.init(simple_vram_headroom=None)
+import comfy.memory_management, comfy.model_management as mm, comfy.model_patcher, comfy.sd, torch
+try:
+    ok = comfy_aimdo.control.init_devices((d.index, 0) for d in mm.get_all_torch_devices())
+except TypeError:
+    ok = comfy_aimdo.control.init_devices(d.index for d in mm.get_all_torch_devices())
+if not ok:
+    print("SKIP comfy-aimdo did not start"); sys.exit(0)
+comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+comfy.memory_management.aimdo_enabled = True
+from comfyui_lowvram_dit.checkpoints import safetensors_io, streaming, text_encoders as te_files
+from comfyui_lowvram_dit.host import kept_text_encoders, text_encoders, wan_text
+from comfyui_lowvram_dit.synthetic import checkpoints as synth
+from comfyui_lowvram_dit.synthetic.specs import UMT5Config
+streaming.SMALL_TENSOR_BYTES = 0  # the tiny file's weights mapped as a real file's are
+prompts = ["a red fox runs through fresh snow, golden hour", "a boat"]
+te = synth.write_synthetic("umt5_xxl_enc", Path(tempfile.mkdtemp()) / "umt5.safetensors", fmt="fp8_scaled", seed=5,
+                           config=UMT5Config(num_layers=24, d_ff=64, num_heads=2, vocab_size=512))
+gpu = mm.get_torch_device()
+first, r1 = wan_text.encode_wan_prompts(te, prompts[:1], use_cache=False, device=gpu)
+second, r2 = wan_text.encode_wan_prompts(te, prompts[1:], use_cache=False, device=gpu)
+clip = kept_text_encoders._KEPT[wan_text.UMT5_XXL.label][1]
+assert clip.patcher.is_dynamic(), type(clip.patcher)
+assert "encoder kept for the next prompt" in r1.notes[0] and "kept from an earlier prompt" in r2.notes[0], (r1, r2)
+cfg = te_files.umt5_config_from_header(safetensors_io.read_header(te))
+comfy.sd.detect_te_model = lambda sd: comfy.sd.TEModel.T5_XXL
+with torch.inference_mode():
+    stock = comfy.sd.load_clip([str(te)], clip_type=comfy.sd.CLIPType.WAN, model_options={
+        "load_device": gpu, "offload_device": torch.device("cpu"), "umt5xxl_model_config": cfg})
+    assert stock.patcher.is_dynamic()
+    want = [stock.encode_from_tokens_scheduled(stock.tokenize(p)) for p in prompts]
+for ours, ref in zip([first[0], second[0]], want):
+    assert torch.equal(ours[0][0].cpu(), ref[0][0].cpu()), (ours[0][0] - ref[0][0]).abs().max()
+print("OK")
+'''
+
+
+@pytest.mark.cuda
+def test_under_dynamic_vram_on_the_gpu_equals_stock_and_is_kept(tmp_path: Path) -> None:
+    """The real thing, in a process set up as ComfyUI's main.py sets up comfy-aimdo: the Wan encoder is built under
+    ComfyUI's dynamic patcher, kept for the second prompt, and both prompts' CONDITIONING equals stock load_clip +
+    CLIPTextEncode under DynamicVRAM on that GPU, bit for bit."""
+    import subprocess
+    import sys
+
+    from comfy_server import comfyui_path_or_reason
+
+    comfy, reason = comfyui_path_or_reason()
+    if comfy is None:
+        pytest.skip(reason)
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    proc = subprocess.run([sys.executable, "-c", _DYNAMIC_VRAM_CHILD, str(comfy)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout.strip().splitlines()
+    if out and out[-1].startswith("SKIP"):
+        pytest.skip(out[-1])
+    assert proc.returncode == 0 and out and out[-1] == "OK", (proc.stdout[-2000:], proc.stderr[-4000:])

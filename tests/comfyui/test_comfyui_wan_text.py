@@ -194,8 +194,9 @@ def test_on_the_gpu_equals_stock_load_clip_on_the_gpu(comfy_on_gpu: None, tmp_pa
 
 def test_the_streamed_encoder_keeps_comfyuis_legacy_patcher(comfy: types.ModuleType, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under DynamicVRAM ComfyUI builds text encoders with its dynamic patcher (comfy-aimdo keeps a pinned copy);
-    the streamed one-shot encoder asks for the legacy one, so RAM never holds its weights twice."""
+    """Where the streamed encoder holds its weights in RAM (here the CPU; a GPU with DynamicVRAM off) it asks for
+    ComfyUI's legacy patcher, also on a ComfyUI with DynamicVRAM, whose pinned copy would hold its weights twice in
+    RAM (on a GPU under DynamicVRAM it is mapped and dynamic: test_comfyui_kept_text_encoders.py)."""
     import inspect
 
     import comfy.model_patcher
