@@ -38,10 +38,10 @@ class QwenImageStagedLoader(io.ComfyNode):
             category=CATEGORY_LOADERS,
             description=(
                 "Runs Qwen-Image on small machines: encodes the prompts with a streamed text encoder (never two "
-                "copies in RAM) where text_encoder_device says, by default where ComfyUI runs text encoders, and "
-                "frees it afterwards (embeddings cached on disk), then loads the transformer as fp8 with block swap "
-                "under a VRAM budget. Outputs native MODEL / CONDITIONING / VAE for KSampler; decode with "
-                "'Qwen-Image Decode (LowVRAM)'."),
+                "copies in RAM) where text_encoder_device says, by default where ComfyUI runs text encoders, keeps "
+                "it under DynamicVRAM and frees it otherwise (embeddings cached on disk), then loads the transformer "
+                "as fp8 with block swap under a VRAM budget. Outputs native MODEL / CONDITIONING / VAE for "
+                "KSampler; decode with 'Qwen-Image Decode (LowVRAM)'."),
             inputs=[
                 io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
                                tooltip="Qwen-Image transformer (diffusion_models): bf16, fp8_e4m3fn or fp8 scaled."),

@@ -50,9 +50,9 @@ class WanTextEncode(io.ComfyNode):
                                          "skips loading the encoder. Keyed by prompt + encoder file content."),
                 io.Combo.Input("device", options=list(text_encoders.DEVICES), default="auto", optional=True,
                                tooltip="Where umT5 runs. auto: where ComfyUI runs text encoders (the GPU on "
-                                       "NVIDIA; ComfyUI frees it for the sampler, as it does CLIP Text Encode's): "
-                                       "a first encode in seconds. cpu: no VRAM at all, but a first encode of "
-                                       "about half a minute. gpu: the GPU always."),
+                                       "NVIDIA; ComfyUI moves it off the GPU for the sampler, as it does CLIP Text "
+                                       "Encode's): a first encode in seconds. cpu: no VRAM at all, but a first "
+                                       "encode of about half a minute. gpu: the GPU always."),
             ],
             outputs=[io.Conditioning.Output("positive"), io.Conditioning.Output("negative")],
         )
