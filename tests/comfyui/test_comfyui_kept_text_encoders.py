@@ -166,6 +166,12 @@ with torch.inference_mode():
     want = [stock.encode_from_tokens_scheduled(stock.tokenize(p)) for p in prompts]
 for ours, ref in zip([first[0], second[0]], want):
     assert torch.equal(ours[0][0].cpu(), ref[0][0].cpu()), (ours[0][0] - ref[0][0]).abs().max()
+# the encoder held in RAM under the legacy patcher (DynamicVRAM off) gives what the embedding cache may hold: the same
+kept_text_encoders.release(wan_text.UMT5_XXL.label)
+text_encoders._dynamic_vram_hook = lambda te_path, device: (None, {"disable_dynamic": True})
+legacy, r3 = wan_text.encode_wan_prompts(te, prompts[:1], use_cache=False, device=gpu)
+assert r3.notes[0].endswith("encoder freed"), r3.notes
+assert torch.equal(legacy[0][0][0].cpu(), first[0][0][0].cpu())
 print("OK")
 '''
 
@@ -174,7 +180,7 @@ print("OK")
 def test_under_dynamic_vram_on_the_gpu_equals_stock_and_is_kept(tmp_path: Path) -> None:
     """The real thing, in a process set up as ComfyUI's main.py sets up comfy-aimdo: the Wan encoder is built under
     ComfyUI's dynamic patcher, kept for the second prompt, and both prompts' CONDITIONING equals stock load_clip +
-    CLIPTextEncode under DynamicVRAM on that GPU, bit for bit."""
+    CLIPTextEncode under DynamicVRAM on that GPU, bit for bit, and the legacy (freed) encoder's."""
     import subprocess
     import sys
 
