@@ -71,6 +71,10 @@ def check_url(url: str) -> str:
     return url.rstrip("/")
 
 
+PORT_ATTEMPTS = 3  # ComfyServer.start: ports tried when another server takes the chosen one first
+PORT_IN_USE = re.compile(r"address already in use|Errno 98|error while attempting to bind", re.IGNORECASE)
+
+
 def free_port() -> int:
     """A free TCP port on the loopback interface."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -176,27 +180,40 @@ class ComfyServer:
               error: type[Exception] = RunError) -> ComfyServer:
         """Start ComfyUI on a free loopback port and wait until it answers; ``with`` it to stop it again.
 
-        ``progress`` gets a line every few seconds while ComfyUI starts (elapsed time and its last log line)."""
+        ``progress`` gets a line every few seconds while ComfyUI starts (elapsed time and its last log line). The
+        port is free when chosen, but another process (another ComfyUI started at the same moment) may bind it
+        before this one does: a server that answers there with another command line is not taken for this one,
+        and this one is started again on another port."""
         if not (comfyui_path / "main.py").is_file():
             raise error(f"{comfyui_path}: no main.py here; point --comfyui (or COMFYUI_PATH) at a ComfyUI checkout")
-        port = free_port()
-        cmd = comfyui_command(comfyui_path, base_dir, python, cpu,
-                              ["--listen", "127.0.0.1", "--port", str(port), *(extra_args or [])])
-        log_path = base_dir / "comfyui.log"
-        server = cls(f"http://127.0.0.1:{port}", launch(cmd, comfyui_path, log_path, env), log_path, base_dir,
-                     pack_dir, error)
-        try:
-            server._wait_ready(timeout, progress)
-        except BaseException:
+        for _ in range(PORT_ATTEMPTS):
+            port = free_port()
+            cmd = comfyui_command(comfyui_path, base_dir, python, cpu,
+                                  ["--listen", "127.0.0.1", "--port", str(port), *(extra_args or [])])
+            log_path = base_dir / "comfyui.log"
+            server = cls(f"http://127.0.0.1:{port}", launch(cmd, comfyui_path, log_path, env), log_path, base_dir,
+                         pack_dir, error)
+            try:
+                if server._wait_ready(timeout, progress):
+                    return server
+            except BaseException:
+                server.stop()
+                raise
             server.stop()
-            raise
-        return server
+            if progress is not None:
+                progress(f"  another server took port {port} first; starting ComfyUI on another port")
+        raise error(f"another server took the port chosen for ComfyUI {PORT_ATTEMPTS} times in a row; try again")
 
-    def _wait_ready(self, timeout: float, progress: Callable[[str], None] | None) -> None:
+    def _wait_ready(self, timeout: float, progress: Callable[[str], None] | None) -> bool:
+        """Wait until this server answers: True; False when another server holds its port (one answers there whose
+        command line, which ComfyUI's /system_stats lists, names another base folder; or this one exits, unable to
+        bind it)."""
         t0 = time.monotonic()
         next_note = t0 + STARTUP_NOTE_S
-        while self.request("GET", "/system_stats", timeout=2, quiet=True)[0] != 200:
+        while (answer := self.request("GET", "/system_stats", timeout=2, quiet=True))[0] != 200:
             if self.proc.poll() is not None:
+                if PORT_IN_USE.search(self.log_tail()):
+                    return False
                 raise self.error(f"ComfyUI exited at startup (rc={self.proc.returncode}); log:\n{self.log_tail()}")
             now = time.monotonic()
             if now > t0 + timeout:
@@ -206,8 +223,12 @@ class ComfyServer:
                 last = next((ln for ln in reversed(self.log_text().splitlines()) if ln.strip()), "")
                 progress(f"  ComfyUI starting ({now - t0:.0f} s){': ' + last.strip()[:100] if last else ''}")
             time.sleep(0.25)
+        argv = answer[1].get("system", {}).get("argv") if isinstance(answer[1], dict) else None
+        if isinstance(argv, list) and str(self.base_dir) not in argv:  # each server started here has its own base
+            return False
         if progress is not None:
             progress(f"ComfyUI ready in {time.monotonic() - t0:.1f} s")
+        return True
 
     def __enter__(self) -> ComfyServer:
         return self

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,54 @@ def test_run_help_describes_every_option(capsys: pytest.CaptureFixture) -> None:
 def test_default_output_folder_is_ignored_by_git() -> None:
     default = runner._parser().get_default("output")
     assert f"{default}/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+# A stand-in for ComfyUI's main.py: binds --port and answers /system_stats with its argv, as ComfyUI does.
+FAKE_MAIN = r'''
+import http.server, json, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Stats(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"system": {"argv": sys.argv}}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+try:
+    http.server.HTTPServer(("127.0.0.1", port), Stats).serve_forever()
+except OSError as exc:
+    print(f"error while attempting to bind on address ('127.0.0.1', {port}): {exc}", flush=True)
+    sys.exit(1)
+'''
+
+
+def test_a_server_that_took_the_chosen_port_is_not_taken_for_comfyui(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ComfyUIs started at once can pick the same free port: the one that binds it second must not talk to the
+    first (its prompts would reach another server's folders). Another server holds the first port chosen here, so
+    the start moves on to the next port and answers from its own process."""
+    comfy = tmp_path / "ComfyUI"
+    comfy.mkdir()
+    (comfy / "main.py").write_text(FAKE_MAIN)
+    other_base = tmp_path / "other"
+    other_base.mkdir()
+    taken = server.free_port()
+    other = subprocess.Popen([sys.executable, str(comfy / "main.py"), "--base-directory", str(other_base),
+                              "--port", str(taken)])
+    try:
+        probe, deadline = server.ComfyServer(f"http://127.0.0.1:{taken}"), time.monotonic() + 30
+        while probe.request("GET", "/system_stats", timeout=2, quiet=True)[0] != 200:  # the other one is up
+            assert time.monotonic() < deadline and other.poll() is None
+            time.sleep(0.1)
+        ports = iter([taken, server.free_port()])
+        monkeypatch.setattr(server, "free_port", lambda: next(ports))
+        lines: list[str] = []
+        base = tmp_path / "mine"
+        base.mkdir()
+        with server.ComfyServer.start(comfy, base, timeout=30, progress=lines.append) as mine:
+            assert not mine.url.endswith(f":{taken}"), mine.url
+            assert str(base) in mine.get("/system_stats")["system"]["argv"]
+        assert any("another server took port" in line for line in lines), lines
+    finally:
+        other.terminate()
+        other.wait(timeout=30)
