@@ -81,6 +81,9 @@ def _call_once(memo: dict[str, Any], fn: Any, *args: Any, **kwargs: Any) -> Any:
     return out.clone() if isinstance(out, torch.Tensor) else out
 
 
+MEMO_ATTR = "lowvram_dit_vision_memo"  # reuse_vision_features' memo on the vision tower it wrapped
+
+
 def reuse_vision_features(visual: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Make the vision tower run once per distinct input: the positive and negative prompts carry the same images,
     and its output depends on the pixels and the patch grid only. Returns the memo, which the caller clears after its
@@ -93,9 +96,6 @@ def reuse_vision_features(visual: torch.nn.Module) -> dict[str, torch.Tensor]:
     visual.forward = lambda *args, **kwargs: _call_once(memo, forward, *args, **kwargs)
     setattr(visual, MEMO_ATTR, memo)
     return memo
-
-
-MEMO_ATTR = "lowvram_dit_vision_memo"
 
 
 class ReusedVAEEncodes:
@@ -122,7 +122,7 @@ class StagedEditEncoder:
         self.cache = embedding_cache() if use_cache else None
         self.identity = text_encoders.encoder_identity(QWEN25_VL_EDIT, te_path, device)
         self.clip: Any = None
-        self.fate = "encoder not loaded"  # text_encoders.encoder_for's, for the stage report
+        self.fate = text_encoders.NOT_LOADED  # or text_encoders.encoder_for's, for the stage report
         self.memo: dict[str, torch.Tensor] = {}  # the vision tower's results of this run (reuse_vision_features)
         self.done: dict[str, list] = {}  # this run's results by key: the node's second (VAE) pass reads them
         self.hits = 0

@@ -72,6 +72,8 @@ def check_file(enc: StreamedTextEncoder, te_path: str | Path) -> tuple[Safetenso
 
 DEVICES = ("auto", "cpu", "gpu")  # the text encoder nodes' device choices (resolve_device)
 CPU = torch.device("cpu")
+FREED = "encoder freed"  # the stage report: encoder_for built an encoder the caller frees after encoding
+NOT_LOADED = "encoder not loaded"  # the stage report: every prompt came from the embedding cache
 
 
 def resolve_device(choice: str, option: str = "device") -> torch.device:
@@ -220,7 +222,7 @@ def encode_prompts(enc: StreamedTextEncoder, te_path: str | Path, prompts: list[
                 keys[i] = embedding_cache_key(p, context, ident)
                 out[i] = cache.get(keys[i], expect_dim=ident["config"][enc.width_key])
         todo = [i for i, c in enumerate(out) if c is None]
-        fate = "encoder not loaded"
+        fate = NOT_LOADED
         if todo:
             bar = comfy.utils.ProgressBar(1000 + 1000 * len(todo))
             clip, fate = encoder_for(enc, te_path, device,
@@ -237,9 +239,6 @@ def encode_prompts(enc: StreamedTextEncoder, te_path: str | Path, prompts: list[
         meter.report.notes.append(f"{len(prompts) - len(todo)} of {len(prompts)} prompts from the embedding cache, "
                                   + fate)
     return out, meter.report  # type: ignore[return-value]
-
-
-FREED = "encoder freed"  # encoder_for's fate of an encoder the caller frees after encoding
 
 
 def encoder_for(enc: StreamedTextEncoder, te_path: str | Path, device: torch.device,
