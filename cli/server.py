@@ -186,11 +186,11 @@ class ComfyServer:
         and this one is started again on another port."""
         if not (comfyui_path / "main.py").is_file():
             raise error(f"{comfyui_path}: no main.py here; point --comfyui (or COMFYUI_PATH) at a ComfyUI checkout")
+        log_path = base_dir / "comfyui.log"  # each attempt replaces it
         for _ in range(PORT_ATTEMPTS):
             port = free_port()
             cmd = comfyui_command(comfyui_path, base_dir, python, cpu,
                                   ["--listen", "127.0.0.1", "--port", str(port), *(extra_args or [])])
-            log_path = base_dir / "comfyui.log"
             server = cls(f"http://127.0.0.1:{port}", launch(cmd, comfyui_path, log_path, env), log_path, base_dir,
                          pack_dir, error)
             try:
