@@ -58,6 +58,7 @@ from .dynamic_vram import legacy_clone
 from .hooks import register_hook
 from .log import say_once
 from .lora_merge import BlockMerge, StreamedMerge
+from .parked_weights import ParkedWeights, regular_weights
 from .patchers import dynamic_vram_manages, mixed_class
 from .pin_budget import ComfyPinBudget
 
@@ -117,6 +118,7 @@ class SwapController:
         self._extra_loaded = 0
         self._patcher: weakref.ref | None = None
         self.lora = StreamedMerge()  # LoRA patches merged into the streamed blocks' host arena
+        self.parked = ParkedWeights(ComfyPinBudget())  # resident weights ComfyUI unloaded partially, for the reload
 
     def __deepcopy__(self, memo: dict) -> "SwapController":
         return self  # model_options are deep-copied on clone: the controller (GPU ring) must be shared
@@ -310,6 +312,7 @@ class SwapController:
         self._hand_over_timings()
         t0 = time.perf_counter()
         restore_s = self._release_arena() if self.streamer is not None else 0.0
+        self.parked.drop()
         if was_active:
             self._release_gpu(patcher)
         self.plan, self.state = None, SwapState.UNLOADED
@@ -465,7 +468,9 @@ class BlockSwapMixin:
             if not ctl.active:
                 log.info("lowvram_dit Block Swap: everything fits (%s); nothing to stream",
                          "no budget set on a CPU device" if torch.device(device_to).type == "cpu" else "budget")
-            return super().load(device_to, lowvram_model_memory, force_patch_weights, full_load)
+            out = super().load(device_to, lowvram_model_memory, force_patch_weights, full_load)
+            ctl.parked.say_restored()
+            return out
         # The stock loader handles every resident module (LoRA baking, pinning, partial loading if VRAM is short),
         # but must never `model.to(device)` (full_load) since that would move the streamed blocks too. When the plan
         # fits what ComfyUI offered it gets no budget to split: its per-module offload reserve (larger for patched
@@ -476,6 +481,7 @@ class BlockSwapMixin:
             ctl._account(self, -ctl._extra_loaded)
         super().load(device_to, lowvram_model_memory=max(weights, 0.1), force_patch_weights=force_patch_weights,
                      full_load=False)
+        ctl.parked.say_restored()
         if ctl.active:
             ctl._account(self, ctl._extra_loaded)
         else:
@@ -487,6 +493,29 @@ class BlockSwapMixin:
         if ctl is not None and not ctl.active and ctl.plan is not None and ctl.plan.streamed:
             ctl.activate(self, torch.device(device_to))  # the stock early return skipped load()
         return out
+
+    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):  # noqa: ANN001
+        # The weights ComfyUI moves off the GPU here are kept, as they were there, for the next load to copy back
+        # (host/parked_weights.py); force_patch_weights and in-place patching leave patched values on the CPU.
+        ctl = self._swap
+        if ctl is None or force_patch_weights or self.weight_inplace_update:
+            return super().partially_unload(device_to, memory_to_free, force_patch_weights)
+        before = regular_weights(self)
+        freed = super().partially_unload(device_to, memory_to_free, force_patch_weights)
+        try:
+            ctl.parked.park(self, before)
+        except (RuntimeError, MemoryError) as exc:  # parking only saves time: never fail ComfyUI's unload for it
+            log.warning("lowvram_dit Block Swap: could not keep the unloaded weights in pinned memory (%s); the next "
+                        "load reads them from their files", exc)
+            ctl.parked.drop()
+        return freed
+
+    def patch_weight_to_device(self, key, device_to=None, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        ctl = self._swap
+        if (ctl is not None and ctl.parked.slots and device_to is not None and not args and not kwargs
+                and not self.weight_inplace_update and ctl.parked.restore(self, key, device_to)):
+            return None
+        return super().patch_weight_to_device(key, device_to, *args, **kwargs)
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):  # noqa: ANN001
         if unpatch_weights and self._swap is not None:

@@ -64,3 +64,25 @@ class ComfyPinBudget:
 def pinned_by_pack() -> int:
     """Bytes of Block Swap arenas counted in ComfyUI's pinned-memory account now."""
     return _HELD[0]
+
+
+# Free RAM left after a new pinned allocation where ComfyUI has no RAM check of its own (0.8.0): page-locked memory
+# cannot be swapped, so the rest of the process and the page cache need room beside it.
+RAM_HEADROOM = 4 << 30
+
+
+def ram_allows(nbytes: int) -> bool:
+    """Whether ``nbytes`` of new page-locked RAM fits: ComfyUI's own check (``ensure_pin_budget``, which first frees
+    idle models' pins) where it has one, else free RAM above RAM_HEADROOM."""
+    import comfy.model_management as mm
+
+    ensure = getattr(mm, "ensure_pin_budget", None)
+    if callable(ensure):
+        try:
+            takes_evict = "evict_active" in inspect.signature(ensure).parameters
+        except (TypeError, ValueError):
+            takes_evict = False
+        return bool(ensure(nbytes, evict_active=False) if takes_evict else ensure(nbytes))
+    import psutil
+
+    return psutil.virtual_memory().available - nbytes >= RAM_HEADROOM

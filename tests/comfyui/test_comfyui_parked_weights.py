@@ -1,0 +1,173 @@
+"""A Block Swap model that ComfyUI unloads partially (to make room for a DynamicVRAM text encoder or VAE) gets its
+weights back from pinned memory, LoRA already merged, and samples bit for bit as before (host/parked_weights.py).
+
+In process, tiny Wan 2.2 with a LoRA, ComfyUI's real ModelPatcher code: on the CPU with ``torch.cuda.cudart()``
+replaced by a registration table (tests/fake_cudart.py), so the arena is pinned as on a GPU; the ``cuda`` test runs
+the same lifecycle on a GPU (``pytest FILE -m cuda``). Two models: ComfyUI's own bf16 load and the pack's Wan Loader
+on an ``fp8_scaled`` file (fp8 layers whose weights are the file's mapping). Needs COMFYUI_PATH.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from comfy_server import comfyui_in_process_or_skip, sample_wan
+from fake_cudart import FakeCudart
+
+pytestmark = pytest.mark.comfyui
+
+LORA = "wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors"
+
+
+def _model(kind: str, tmp_path: Path) -> Any:
+    """A tiny Wan 2.2 14B patcher: ComfyUI's bf16 load (``stock``) or the pack's loader on a mapped fp8 file."""
+    import comfy.sd
+
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.synthetic import checkpoints as synth
+
+    if kind == "stock":
+        sd = synth.synthetic_state_dict("wan22_t2v_14B", size="tiny", fmt="bf16", seed=3, num_layers=4)
+        return comfy.sd.load_diffusion_model_state_dict(sd, {"dtype": torch.bfloat16})
+    path = synth.write_synthetic("wan22_t2v_14B", tmp_path / "wan.safetensors", size="tiny", fmt="fp8_scaled",
+                                 seed=3, num_layers=4)
+    return load_wan_model(path, "per_tensor")
+
+
+def _with_lora(plain: Any, strength: float) -> Any:
+    import comfy.sd
+
+    from comfyui_lowvram_dit.synthetic.lora import synthetic_lora
+
+    return comfy.sd.load_lora_for_models(plain, None, synthetic_lora(LORA, size="tiny"), strength, 0)[0]
+
+
+def _merges(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys ComfyUI merges a LoRA into from now on (comfy.lora.calculate_weight's calls)."""
+    import comfy.lora
+
+    keys: list[str] = []
+    real = comfy.lora.calculate_weight
+
+    def counting(patches, weight, key, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        keys.append(key)
+        return real(patches, weight, key, *args, **kwargs)
+
+    monkeypatch.setattr(comfy.lora, "calculate_weight", counting)
+    return keys
+
+
+def _lifecycle(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sample, unload a third partially, sample again: the moved weights come back from the arena without a LoRA
+    merge and the output is the same bit for bit; another LoRA strength afterwards gets its own weights; a full
+    unload frees the arena."""
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.offload.plan import SwapConfig
+
+    plain = _model(kind, tmp_path)
+    other = _with_lora(plain, 2.0)
+    ref_other = sample_wan(other)
+    swapped = apply_block_swap(_with_lora(plain, 1.0), SwapConfig(blocks_to_swap=1))
+    ctl = swapped.attachments[SWAP_KEY]
+    ref = sample_wan(swapped)
+    assert not torch.equal(ref, ref_other)
+
+    freed = swapped.partially_unload(swapped.offload_device, swapped.model.model_loaded_weight_memory // 3)
+    parked = dict(ctl.parked.slots)
+    assert freed > 0 and parked and ctl.parked.arena is not None and ctl.parked.arena.pinned
+    patched = {k for k in parked if k in swapped.patches}
+    assert patched, "no LoRA-patched weight among the parked ones"
+    merges = _merges(monkeypatch)
+    assert torch.equal(sample_wan(swapped), ref)
+    assert not ctl.parked.slots, "the reload left parked weights unused"
+    assert not patched & set(merges), "a parked weight was merged with its LoRA again"
+
+    # the same Block Swap with other patches (same controller): nothing parked for the first reaches it
+    swapped.partially_unload(swapped.offload_device, swapped.model.model_loaded_weight_memory // 3)
+    assert ctl.parked.slots
+    stronger = swapped.clone()
+    stronger.patches = {k: list(v) for k, v in other.patches.items()}  # the LoRA at 2.0, as `other` has it
+    stronger.patches_uuid = uuid.uuid4()
+    assert torch.equal(sample_wan(stronger), ref_other)
+    mm.unload_all_models()
+    assert ctl.parked.arena is None and not ctl.parked.slots
+
+
+@pytest.fixture
+def comfy_pinning(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    """ComfyUI on the CPU with its pinned-memory account on and cudaHostRegister answered by a table (for the arena)."""
+    comfyui_in_process_or_skip()
+    import comfy.model_management as mm
+    import comfy.sd  # noqa: F401 - imported before is_available() turns true: its import asks the (absent) GPU
+
+    cudart = FakeCudart.install(monkeypatch)
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1 << 40)
+    monkeypatch.setattr(mm, "discard_cuda_async_error", lambda: None)
+    monkeypatch.setattr(mm, "soft_empty_cache", lambda *args, **kwargs: None)  # it would ask the absent GPU
+    # ComfyUI's own pins of the tiny model's CPU weights would share pages with the arena in the table (real weights
+    # are page-sized); they are not what these tests check
+    monkeypatch.setattr(mm, "pin_memory", lambda tensor: False)
+    monkeypatch.setattr(mm, "PINNED_MEMORY", {})
+    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
+    # free RAM is the test machine's (another test process may hold it): the refusal has its own test
+    monkeypatch.setattr("comfyui_lowvram_dit.host.parked_weights.ram_allows", lambda nbytes: True)
+    return cudart
+
+
+@pytest.mark.parametrize("kind", ["stock", "mapped_fp8"])
+def test_partially_unloaded_weights_come_back_from_pinned_memory(kind: str, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 comfy_pinning: FakeCudart) -> None:
+    _lifecycle(kind, tmp_path, monkeypatch)
+    assert comfy_pinning.registered == {}, "a registration outlived the arena"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["stock", "mapped_fp8"])
+def test_partially_unloaded_weights_come_back_on_the_gpu(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        comfy_on_gpu: None) -> None:
+    _lifecycle(kind, tmp_path, monkeypatch)
+
+
+def test_a_parked_weight_serves_only_the_patches_it_was_merged_with(tmp_path: Path,
+                                                                    comfy_pinning: FakeCudart) -> None:
+    """restore() for a patcher whose patches changed since the park puts nothing back and forgets the rest."""
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.offload.plan import SwapConfig
+
+    swapped = apply_block_swap(_with_lora(_model("stock", tmp_path), 1.0), SwapConfig(blocks_to_swap=1))
+    ctl = swapped.attachments[SWAP_KEY]
+    sample_wan(swapped)
+    swapped.partially_unload(swapped.offload_device, swapped.model.model_loaded_weight_memory // 3)
+    key = next(iter(ctl.parked.slots))
+    swapped.patches_uuid = uuid.uuid4()
+    assert not ctl.parked.restore(swapped, key, swapped.load_device)
+    assert not ctl.parked.slots
+
+
+def test_without_free_ram_nothing_is_parked_and_comfyui_reloads_as_usual(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          comfy_pinning: FakeCudart) -> None:
+    """Where RAM has no room for the arena (ComfyUI's own check says no), the unload and reload are ComfyUI's."""
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.host import pin_budget
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.offload.plan import SwapConfig
+
+    asked: list[int] = []
+    monkeypatch.setattr(mm, "ensure_pin_budget", lambda size, **kw: asked.append(size) or False, raising=False)
+    monkeypatch.setattr("comfyui_lowvram_dit.host.parked_weights.ram_allows", pin_budget.ram_allows)
+    swapped = apply_block_swap(_with_lora(_model("stock", tmp_path), 1.0), SwapConfig(blocks_to_swap=1))
+    ctl = swapped.attachments[SWAP_KEY]
+    ref = sample_wan(swapped)
+    assert swapped.partially_unload(swapped.offload_device, swapped.model.model_loaded_weight_memory // 3) > 0
+    assert asked and not ctl.parked.slots and ctl.parked.arena is None
+    assert torch.equal(sample_wan(swapped), ref)
+    mm.unload_all_models()
