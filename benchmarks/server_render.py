@@ -281,13 +281,13 @@ def render(srv: cli_server.ComfyServer, graph: dict, kind: str, timeout: float, 
 
 def render_kind(srv: cli_server.ComfyServer, graph: dict, kind: str, opts: argparse.Namespace, base: Path, row: str,
                 first_of_life: bool) -> dict:
-    """One render, or for ``warm`` the median of ``--warm-repeats`` (new seeds; totals in ``repeats_s``); stops at a
-    failed render."""
+    """One render, or for ``warm`` and ``warm_new_prompt`` the median of ``--warm-repeats`` (new seeds, and each new
+    prompt another one; totals in run order in ``repeats_s``); stops at a failed render."""
     records: list[dict] = []
-    graph = rg.with_new_prompt(graph) if kind == "warm_new_prompt" else graph
-    for i in range(max(opts.warm_repeats, 1) if kind == "warm" else 1):
+    for i in range(max(opts.warm_repeats, 1) if kind in ("warm", "warm_new_prompt") else 1):
         seen = len(srv.log_text())
-        r = render(srv, rg.with_seed(graph, SEED_OFFSET[kind] + REPEAT_SEED_STEP * i), kind, opts.timeout,
+        g = rg.with_new_prompt(graph, rg.NEW_PROMPT + f" ({i + 1})" * (i > 0)) if kind == "warm_new_prompt" else graph
+        r = render(srv, rg.with_seed(g, SEED_OFFSET[kind] + REPEAT_SEED_STEP * i), kind, opts.timeout,
                    base / "output", opts.work / "latents", row, first_of_life and i == 0)
         if skips := EASYCACHE_SKIPS.findall(srv.log_text()[seen:]):  # one line per sampler, in run order
             r["easycache_skipped"] = [[int(k), int(n)] for k, n in skips]
@@ -422,7 +422,7 @@ def estimate_s(ctx: RunContext, row: RenderRow) -> float:
         return ctx.opts.reserve_estimate
     factor = SMALL_CARD_FACTOR if row.card_gib is not None and row.card_gib <= 12 else 1.0
     lives = 1 + ("cold" in ctx.renders)  # first-ever always runs
-    warm = ("warm" in ctx.renders) * ctx.opts.warm_repeats + ("warm_new_prompt" in ctx.renders)
+    warm = (("warm" in ctx.renders) + ("warm_new_prompt" in ctx.renders)) * ctx.opts.warm_repeats
     first_s, warm_s = ESTIMATE_S[row.workflow]
     seconds = (first_s * lives + warm_s * warm) * factor + SERVER_START_S * lives
     if ctx.models.write:
@@ -475,8 +475,8 @@ def parser() -> argparse.ArgumentParser:
                    "in time (skipped rows are recorded)")
     p.add_argument("--reserve-estimate", type=float, default=0.0, help="seconds a row is assumed to take (default: "
                    "by workflow, card and renders)")
-    p.add_argument("--warm-repeats", type=int, default=1, help="warm renders per row, new seeds; reported as median "
-                   "and range (one render of a few seconds is noisy)")
+    p.add_argument("--warm-repeats", type=int, default=1, help="warm renders (and new prompts) per row, new seeds; "
+                   "reported as median and range (one render of a few seconds is noisy)")
     p.add_argument("--easycache-threshold", type=float, help="EasyCache rows: its reuse_threshold (default: the "
                    "node's, which skips no step of random synthetic weights)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one render may take")

@@ -120,11 +120,14 @@ class ParkedWeights:
         size = max(need, self.arena.buffer.numel() if self.arena is not None else 0)
         self.drop()
         if not ram_allows(size):
-            say_once(log, "lowvram_dit Block Swap: not enough free RAM to keep the weights ComfyUI unloads partially in "
-                          "pinned memory; they are loaded again from their files as ComfyUI does")
+            say_once(log, "lowvram_dit Block Swap: not enough free RAM to keep the weights ComfyUI unloads partially "
+                          "in pinned memory; they are loaded again from their files as ComfyUI does")
             return False
-        self.arena = HostArena(size, pin=True, budget=self.budget)
-        if not self.arena.pinned:
+        self.arena = HostArena(size, pin=False, budget=self.budget)
+        # touched first, by torch's threads: registering untouched memory faults every page in one thread, several
+        # times slower than the fill and the registration together
+        self.arena.buffer.zero_()
+        if not self.arena.pin():
             say_once(log, "lowvram_dit Block Swap: no pinned memory for the weights ComfyUI unloads partially; they "
                           "are loaded again from their files as ComfyUI does")
             self.drop()

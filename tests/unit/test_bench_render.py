@@ -820,6 +820,24 @@ def test_warm_repeats_render_new_seeds_and_keep_the_median(monkeypatch: pytest.M
     assert rr._seconds({"renders": {"warm": warm}}, "warm", None) == "5.0 [3.0-9.0, 3 renders]"
 
 
+def test_new_prompt_repeats_each_encode_another_prompt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--warm-repeats also repeats the new-prompt render, each with a prompt none before it had (the text encoder
+    runs every time), the first one as a single new-prompt render has it."""
+    texts = []
+
+    def render(server, graph, kind, timeout, output, latents, row, first):  # noqa: ANN001, ANN202
+        texts.append(graph["2"]["inputs"]["text"])
+        return {"kind": kind, "status": "ok", "total_s": float(len(texts))}
+
+    monkeypatch.setattr(sr, "render", render)
+    graph = {"1": {"class_type": "KSampler", "inputs": {"seed": 10, "positive": ["2", 0]}},
+             "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat"}}}
+    opts = argparse.Namespace(warm_repeats=3, timeout=1.0, work=tmp_path)
+    out = sr.render_kind(_FakeServer(), graph, "warm_new_prompt", opts, tmp_path, "row", False)
+    assert texts[0] == "a cat" + rg.NEW_PROMPT and len(set(texts + ["a cat"])) == 4
+    assert out["repeats_s"] == [1.0, 2.0, 3.0] and out["total_s"] == 2.0
+
+
 def test_a_failed_warm_repeat_is_the_record(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     results = iter([{"kind": "warm", "status": "ok", "total_s": 2.0}, {"kind": "warm", "status": "error",
                                                                         "error": "OOM"}])
