@@ -34,6 +34,9 @@ from .pin_budget import ram_allows
 log = logging.getLogger("comfyui_lowvram_dit")
 
 ALIGN = 512  # bytes between parked weights' starts (any dtype's alignment; whole cache lines for the copies)
+# The arena is allocated in steps of this size: the next partial unload of the same model may free a little more,
+# and a new arena pays its first touch and registration again
+ARENA_STEP = 512 << 20
 # What ModelPatcher.patch_weight_to_device keeps in ``backup`` (a namedtuple of this name and these fields)
 _Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])
 
@@ -117,7 +120,7 @@ class ParkedWeights:
             return True
         if self.slots:
             return self.arena is not None and self.used < self.arena.buffer.numel()  # park what fits
-        size = max(need, self.arena.buffer.numel() if self.arena is not None else 0)
+        size = max(-(-need // ARENA_STEP) * ARENA_STEP, self.arena.buffer.numel() if self.arena is not None else 0)
         self.drop()
         if not ram_allows(size):
             say_once(log, "lowvram_dit Block Swap: not enough free RAM to keep the weights ComfyUI unloads partially "

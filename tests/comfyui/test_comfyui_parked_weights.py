@@ -79,8 +79,8 @@ def _lifecycle(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert not torch.equal(ref, ref_other)
 
     freed = swapped.partially_unload(swapped.offload_device, swapped.model.model_loaded_weight_memory // 3)
-    parked = dict(ctl.parked.slots)
-    assert freed > 0 and parked and ctl.parked.arena is not None and ctl.parked.arena.pinned
+    parked, arena = dict(ctl.parked.slots), ctl.parked.arena
+    assert freed > 0 and parked and arena is not None and arena.pinned
     patched = {k for k in parked if k in swapped.patches}
     assert patched, "no LoRA-patched weight among the parked ones"
     merges = _merges(monkeypatch)
@@ -90,7 +90,7 @@ def _lifecycle(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
     # the same Block Swap with other patches (same controller): nothing parked for the first reaches it
     swapped.partially_unload(swapped.offload_device, swapped.model.model_loaded_weight_memory // 3)
-    assert ctl.parked.slots
+    assert ctl.parked.slots and ctl.parked.arena is arena, "the second park allocated another arena"
     stronger = swapped.clone()
     stronger.patches = {k: list(v) for k, v in other.patches.items()}  # the LoRA at 2.0, as `other` has it
     stronger.patches_uuid = uuid.uuid4()
