@@ -53,3 +53,17 @@ class FakeCudart:
         monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         return fake
+
+
+def install_comfy_pinning(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    """ComfyUI (importable in this process, on the CPU) with its pinned-memory account on: pin_memory/unpin_memory
+    and every other cudaHostRegister call register into a fake table, as they do on a GPU."""
+    import comfy.model_management as mm
+    import comfy.sd  # noqa: F401 - imported before is_available() turns true: its import asks the (absent) GPU
+
+    cudart = FakeCudart.install(monkeypatch)
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1 << 40)
+    monkeypatch.setattr(mm, "discard_cuda_async_error", lambda: None)
+    monkeypatch.setattr(mm, "PINNED_MEMORY", {})
+    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
+    return cudart

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from comfy_server import comfyui_in_process_or_skip, sample_wan
-from fake_cudart import FakeCudart
+from fake_cudart import FakeCudart, install_comfy_pinning
 
 pytestmark = pytest.mark.comfyui
 
@@ -25,15 +25,7 @@ KEY = "diffusion_model.blocks.1.ffn.0.weight"
 def comfy_pinning(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
     """ComfyUI's pin_memory/unpin_memory enabled on the CPU, registering into a fake table."""
     comfyui_in_process_or_skip()
-    import comfy.model_management as mm
-    import comfy.sd  # noqa: F401 - imported before is_available() turns true: its import asks the (absent) GPU
-
-    cudart = FakeCudart.install(monkeypatch)
-    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1 << 40)
-    monkeypatch.setattr(mm, "discard_cuda_async_error", lambda: None)
-    monkeypatch.setattr(mm, "PINNED_MEMORY", {})
-    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
-    return cudart
+    return install_comfy_pinning(monkeypatch)
 
 
 def _load(tmp_path: Path, fmt: str, seed: int = 1):  # noqa: ANN202 - ModelPatcher

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from comfy_server import comfyui_in_process_or_skip, sample_wan
-from fake_cudart import FakeCudart
+from fake_cudart import FakeCudart, install_comfy_pinning
 
 pytestmark = pytest.mark.comfyui
 
@@ -104,17 +104,12 @@ def comfy_pinning(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
     """ComfyUI on the CPU with its pinned-memory account on and cudaHostRegister answered by a table (for the arena)."""
     comfyui_in_process_or_skip()
     import comfy.model_management as mm
-    import comfy.sd  # noqa: F401 - imported before is_available() turns true: its import asks the (absent) GPU
 
-    cudart = FakeCudart.install(monkeypatch)
-    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1 << 40)
-    monkeypatch.setattr(mm, "discard_cuda_async_error", lambda: None)
+    cudart = install_comfy_pinning(monkeypatch)
     monkeypatch.setattr(mm, "soft_empty_cache", lambda *args, **kwargs: None)  # it would ask the absent GPU
     # ComfyUI's own pins of the tiny model's CPU weights would share pages with the arena in the table (real weights
     # are page-sized); they are not what these tests check
     monkeypatch.setattr(mm, "pin_memory", lambda tensor: False)
-    monkeypatch.setattr(mm, "PINNED_MEMORY", {})
-    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
     # free RAM is the test machine's (another test process may hold it): the refusal has its own test
     monkeypatch.setattr("comfyui_lowvram_dit.host.parked_weights.ram_allows", lambda nbytes: True)
     return cudart
