@@ -26,17 +26,22 @@ def _account() -> Any | None:
     return None
 
 
+def _ensure(ensure: Any, nbytes: int) -> bool:
+    """ComfyUI's ``ensure_pin_*(nbytes)``: True when it made room. evict_active=False where it takes it: the pins of
+    the model being loaded (often this one's embeddings) stay where they are."""
+    try:
+        takes_evict = "evict_active" in inspect.signature(ensure).parameters
+    except (TypeError, ValueError):
+        takes_evict = False
+    return bool(ensure(nbytes, evict_active=False) if takes_evict else ensure(nbytes))
+
+
 def _room(mm: Any, nbytes: int) -> bool:
     """Whether ComfyUI's account can take ``nbytes`` more, after ComfyUI freed what it is willing to free."""
     ensure = getattr(mm, "ensure_pin_registerable", None)
     if not callable(ensure):
         return mm.TOTAL_PINNED_MEMORY + nbytes <= mm.MAX_PINNED_MEMORY
-    try:
-        takes_evict = "evict_active" in inspect.signature(ensure).parameters
-    except (TypeError, ValueError):
-        takes_evict = False
-    # evict_active=False: the pins of the model being loaded (often this one's embeddings) stay where they are
-    return bool(ensure(nbytes, evict_active=False) if takes_evict else ensure(nbytes))
+    return _ensure(ensure, nbytes)
 
 
 class ComfyPinBudget:
@@ -78,11 +83,7 @@ def ram_allows(nbytes: int) -> bool:
 
     ensure = getattr(mm, "ensure_pin_budget", None)
     if callable(ensure):
-        try:
-            takes_evict = "evict_active" in inspect.signature(ensure).parameters
-        except (TypeError, ValueError):
-            takes_evict = False
-        return bool(ensure(nbytes, evict_active=False) if takes_evict else ensure(nbytes))
+        return _ensure(ensure, nbytes)
     import psutil
 
     return psutil.virtual_memory().available - nbytes >= RAM_HEADROOM

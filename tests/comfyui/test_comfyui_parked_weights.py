@@ -166,3 +166,20 @@ def test_without_free_ram_nothing_is_parked_and_comfyui_reloads_as_usual(tmp_pat
     assert asked and not ctl.parked.slots and ctl.parked.arena is None
     assert torch.equal(sample_wan(swapped), ref)
     mm.unload_all_models()
+
+
+def test_without_comfyuis_ram_check_free_ram_decides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ComfyUI without ensure_pin_budget (0.8.0): new pinned RAM only with RAM_HEADROOM left free beside it."""
+    comfyui_in_process_or_skip()
+    import types
+
+    import comfy.model_management as mm
+    import psutil
+
+    from comfyui_lowvram_dit.host import pin_budget
+
+    monkeypatch.delattr(mm, "ensure_pin_budget", raising=False)
+    free = 10 << 30
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=free))
+    assert pin_budget.ram_allows(free - pin_budget.RAM_HEADROOM)
+    assert not pin_budget.ram_allows(free - pin_budget.RAM_HEADROOM + 1)
