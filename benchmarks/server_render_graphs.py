@@ -186,11 +186,8 @@ BUDGETS = {8.0: 6.5, 12.0: 10.0, 16.0: 14.0, 24.0: 21.0, None: 0.0}  # wan22_*_a
 WAN5B_BUDGETS = {8.0: 6.5, 12.0: 10.0, 16.0: 14.0, 24.0: 0.0, None: 0.0}  # workflows/wan22_ti2v_5b.json's note
 
 
-def _wan_16bit(kind: str) -> dict[str, str]:
-    return {f"wan2.2_{kind}_{e}_noise_14B_fp8_scaled.safetensors": f"wan2.2_{kind}_{e}_noise_14B_fp16.safetensors"
-            for e in ("high", "low")}
-
-
+WAN_16BIT = {k: {f"wan2.2_{k}_{e}_noise_14B_fp8_scaled.safetensors": f"wan2.2_{k}_{e}_noise_14B_fp16.safetensors"
+                  for e in ("high", "low")} for k in ("t2v", "i2v")}  # fp8 file -> 16-bit file, per Wan 14B model
 I2V_LORAS = {f"wan2.2_i2v_{e}_noise_14B_{f}.safetensors": f"wan2.2_i2v_lightx2v_4steps_lora_v1_{e}_noise.safetensors"
              for e in ("high", "low") for f in ("fp8_scaled", "fp16")}
 QWEN_16BIT = {"qwen_image_fp8_e4m3fn.safetensors": "qwen_image_bf16.safetensors"}
@@ -209,12 +206,12 @@ WAN_T2V_FORMATS = {"formats": ("fp8_scaled", "bf16", "pack_fp8", *GGUF_TYPES),
                    "layouts": ("fp8_scaled", "fp16", "pack_fp8", *GGUF_TYPES)}
 WORKFLOWS: dict[str, RenderWorkflow] = {w.key: w for w in (
     RenderWorkflow("wan_t2v_4step", "Wan 2.2 T2V-A14B 4-step", T2V, "wan22_t2v_a14b_4step", BUDGETS,
-                   _wan_16bit("t2v"), **WAN_T2V_FORMATS),
-    RenderWorkflow("wan_t2v", "Wan 2.2 T2V-A14B", T2V, "wan22_t2v_a14b", BUDGETS, _wan_16bit("t2v"),
+                   WAN_16BIT["t2v"], **WAN_T2V_FORMATS),
+    RenderWorkflow("wan_t2v", "Wan 2.2 T2V-A14B", T2V, "wan22_t2v_a14b", BUDGETS, WAN_16BIT["t2v"],
                    **WAN_T2V_FORMATS),
-    RenderWorkflow("wan_i2v", "Wan 2.2 I2V-A14B", I2V, "wan22_i2v_a14b", BUDGETS, _wan_16bit("i2v")),
+    RenderWorkflow("wan_i2v", "Wan 2.2 I2V-A14B", I2V, "wan22_i2v_a14b", BUDGETS, WAN_16BIT["i2v"]),
     RenderWorkflow("wan_i2v_4step", "Wan 2.2 I2V-A14B 4-step", I2V, "wan22_i2v_a14b", BUDGETS,
-                   _wan_16bit("i2v"), four_step_loras=I2V_LORAS),
+                   WAN_16BIT["i2v"], four_step_loras=I2V_LORAS),
     RenderWorkflow("wan_ti2v_5b", "Wan 2.2 TI2V-5B", TI2V, "wan22_ti2v_5b", WAN5B_BUDGETS, formats=("bf16", "pack_fp8"),
                    layouts=("fp16", "pack_fp8")),
     RenderWorkflow("qwen_t2i_4step", "Qwen-Image 4-step", QWEN, "qwen_image_t2i_4step", BUDGETS, QWEN_16BIT,
@@ -303,10 +300,8 @@ def gguf_name(name: str, file_format: str) -> str:
 
 
 def edit_graph(kind: str, budget: float, weight_dtype: str = "default") -> dict:
-    """The Qwen-Image-Edit 2509 graph (no shipped workflow): the official template's nodes (``native``: UNETLoader,
-    CLIPLoader on the CPU, TextEncodeQwenImageEditPlus x2) or Qwen-Image Loader with Block Swap at the card and
-    Qwen-Image-Edit Text Encode (``pack``); the reference image through FluxKontextImageScale (about 1 MP), VAE
-    decode, SaveImage."""
+    """The Qwen-Image-Edit 2509 graph (no shipped workflow): the official template's nodes (``native``) or the pack's
+    Qwen-Image Loader with Block Swap at the card and Qwen-Image-Edit Text Encode (``pack``)."""
     g: dict[str, dict] = {"1": node("LoadImage", "Load Image", image=EDIT_IMAGE),
                           "2": node("FluxKontextImageScale", "FluxKontextImageScale", image=["1", 0])}
     if kind == "native":
@@ -369,24 +364,20 @@ def to_native(graph: dict, weight_dtype: str) -> dict:
     g = copy.deepcopy(graph)
     for nid in list(g):
         n = g.get(nid)
-        kind = n["class_type"] if n else None
-        if kind == "LowVRAM_WanLoader":
-            g[nid] = node("UNETLoader", "Load Diffusion Model", unet_name=n["inputs"]["unet_name"],
-                          weight_dtype=weight_dtype)
+        kind, i = (n["class_type"], n["inputs"]) if n else (None, {})
+        if kind in ("LowVRAM_WanLoader", "LowVRAM_QwenImageLoader"):
+            g[nid] = node("UNETLoader", "Load Diffusion Model", unet_name=i["unet_name"], weight_dtype=weight_dtype)
+            if kind == "LowVRAM_QwenImageLoader":  # its VAE output: a VAELoader
+                vae = new_id(g)
+                g[vae] = node("VAELoader", "Load VAE", vae_name=i["vae_name"])
+                rewire(g, [nid, 1], [vae, 0])
         elif kind in MODEL_PASS_THROUGH:
             bypass(g, nid)
         elif kind in NATIVE_TEXT:
-            i = n["inputs"]
             _text_pair(g, nid, i["clip_name"], NATIVE_TEXT[kind], i["positive"], i["negative"])
             del g[nid]
-        elif kind == "LowVRAM_QwenImageLoader":
-            i = n["inputs"]
-            g[nid] = node("UNETLoader", "Load Diffusion Model", unet_name=i["unet_name"], weight_dtype=weight_dtype)
-            vae = new_id(g)
-            g[vae] = node("VAELoader", "Load VAE", vae_name=i["vae_name"])
-            rewire(g, [nid, 1], [vae, 0])
         elif kind == "LowVRAM_QwenImageDecode":
-            g[nid] = node("VAEDecode", "VAE Decode", samples=n["inputs"]["samples"], vae=n["inputs"]["vae"])
+            g[nid] = node("VAEDecode", "VAE Decode", samples=i["samples"], vae=i["vae"])
         elif kind and kind.startswith("LowVRAM_"):
             raise GraphError(f"{kind}: no native equivalent is known to the render scenario; add one to to_native")
     return g
@@ -416,11 +407,9 @@ def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | No
         graph = to_native(graph, setup.weight_dtype) if setup.native else graph
     else:
         graph = edit_graph("native" if setup.native else "pack", workflow.budgets[card_gib], setup.weight_dtype)
-    # as the setup says (only pack setups set these, Setup checks): Block Swap removed or its mode, batch_cfg,
-    # Attention, Compile
-    if setup.drop_block_swap:
-        for nid in of_type(graph, "LowVRAM_BlockSwap"):
-            bypass(graph, nid)
+    # as the setup says (only pack setups set these, Setup checks): Block Swap, batch_cfg, Attention, Compile
+    for nid in of_type(graph, "LowVRAM_BlockSwap") if setup.drop_block_swap else ():
+        bypass(graph, nid)
     qwen_text = ("LowVRAM_QwenImageTextEncode", "LowVRAM_QwenImageEditTextEncode")
     for nid in of_type(graph, *qwen_text) if setup.batch_cfg is not None else ():
         graph[nid]["inputs"]["batch_cfg"] = setup.batch_cfg
