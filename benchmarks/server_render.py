@@ -1,8 +1,4 @@
-"""Scenario ``server_render``: whole renders, Queue to output file, through fresh ComfyUI servers (see the README).
-
-A row (workflow x card x memory manager x file format x setup) renders first-ever (fresh caches and user folder),
-warm (new seed), warm with a new prompt, then cold (a new server keeping the caches); each render split by stage.
-"""
+"""Scenario ``server_render``: whole renders, Queue to output file, through fresh ComfyUI servers (see the README)."""
 
 from __future__ import annotations
 
@@ -202,20 +198,17 @@ def smoke_graph(graph: dict, native: bool) -> dict:
     """A graph shrunk for tiny models on the CPU (tiny VAE; native: the stand-in CLIPLoader for 2-layer encoders)."""
     graph = cli_workflow.apply_overrides(graph, cli_workflow.tiny_overrides(graph))
     workflow_models.swap_tiny_vaes(graph)
-    if native:
-        for n in graph.values():
-            if n["class_type"] == "CLIPLoader":
-                n["class_type"] = STAND_IN_CLIP
+    for nid in rg.of_type(graph, "CLIPLoader") if native else ():
+        graph[nid]["class_type"] = STAND_IN_CLIP
     return graph
 
 
 def empty_images(graph: dict) -> dict:
     """Each LoadImage as a one-colour EmptyImage of the rendered size (hosts without PyAV); the same compute."""
     size = (graph_facts(graph)["resolution"] or "{}x{}".format(*EDIT_IMAGE)).split("x")
-    for n in graph.values():
-        if n["class_type"] == "LoadImage":
-            n["class_type"] = "EmptyImage"
-            n["inputs"] = {"width": int(size[0]), "height": int(size[1]), "batch_size": 1, "color": 0x5A7D9A}
+    for nid in rg.of_type(graph, "LoadImage"):
+        graph[nid]["class_type"] = "EmptyImage"
+        graph[nid]["inputs"] = {"width": int(size[0]), "height": int(size[1]), "batch_size": 1, "color": 0x5A7D9A}
     return graph
 
 
@@ -239,7 +232,7 @@ def graph_facts(graph: dict) -> dict:
             out["frames"] = i.get("length") if isinstance(i.get("length"), int) else None
         if n["class_type"] in rg.SAMPLERS and isinstance(i.get("steps"), int):
             out["steps"], out["cfg"] = i["steps"], i.get("cfg")
-    if out["resolution"] is None and any(n["class_type"] == "LoadImage" for n in graph.values()):
+    if out["resolution"] is None and rg.of_type(graph, "LoadImage"):
         out["resolution"] = "{}x{}".format(*EDIT_IMAGE)
     return out
 
@@ -311,9 +304,8 @@ def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: 
         with cli_server.ComfyServer.start(opts.comfyui, base, cpu=opts.smoke, extra_args=flags, env=env,
                                           timeout=300) as srv:
             life["startup_s"] = round(time.monotonic() - t0, 1)
-            problems = cli_server.pack_import_problems(srv.log_text(), base / "custom_nodes" /
-                                                       cli_server.REGISTRY_FOLDER_NAME)
-            if problems:
+            if problems := cli_server.pack_import_problems(srv.log_text(),
+                                                           base / "custom_nodes" / cli_server.REGISTRY_FOLDER_NAME):
                 raise cli_server.RunError(f"the pack failed to import: {problems[0].strip()}")
             if graph is None:
                 graph = build_graph(row, srv, opts)
@@ -443,9 +435,8 @@ def run_all(ctx: RunContext, written: Callable[[list[dict]], object], results: l
             results.append({**head(row), "status": "skipped", "error": "not started: time budget"})
             continue
         print(f"== {row.name}: {describe(row)}", flush=True)
-        results.append(run_row(ctx, row))
-        print(f"   {results[-1]['status']} render_s={results[-1].get('render_s')} "
-              f"{results[-1].get('error', '')[:300]}", flush=True)
+        results.append(rec := run_row(ctx, row))
+        print(f"   {rec['status']} render_s={rec.get('render_s')} {rec.get('error', '')[:300]}", flush=True)
         written(results)
 
 
