@@ -349,8 +349,7 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
         (opts.work / "frontend").mkdir(parents=True, exist_ok=True)
         nodes = {FIXTURE_FOLDER: FIXTURE_NODES} if opts.smoke else {}
         if row.file_format in rg.GGUF_TYPES:
-            gguf = server.gguf_custom_nodes(sys.executable)
-            if not gguf:
+            if not (gguf := server.gguf_custom_nodes(sys.executable)):
                 raise cli_server.RunError("ComfyUI-GGUF needs the gguf package in this Python: pip install gguf (on "
                                           "the GPU machine benchmarks/gpu_kit.sh puts it in .whl/)")
             nodes.update(gguf)
@@ -483,12 +482,10 @@ def parser() -> argparse.ArgumentParser:
 
 def video_problem(rows: list[RenderRow]) -> str | None:
     """Why rows that save video would fail at their last node here (PyAV is the GPU kit's stub), else None."""
-    import importlib.util
-
-    if importlib.util.find_spec("av") is None:
+    try:
+        import av
+    except ImportError:
         return None
-    import av
-
     shipped = {r.workflow: r.spec.shipped for r in rows if r.spec.shipped}  # each workflow file read once
     video = sorted(w for w, name in shipped.items() if "SaveVideo" in rg.ui_node_types(rg.shipped_workflow(name)))
     if not video or not str(getattr(av, "__version__", "")).endswith("+stub"):

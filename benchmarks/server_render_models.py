@@ -73,8 +73,7 @@ class ModelFiles:
 
     def prepare(self, row: RenderRow, later: Sequence[RenderRow]) -> None:
         """Make the files of ``row`` present (``later``: the rows after it, whose files are kept)."""
-        missing = self.missing(rg.model_files(row.spec, row.file_format))
-        if not missing:
+        if not (missing := self.missing(rg.model_files(row.spec, row.file_format))):
             return
         if not self.write:
             raise cli_server.RunError(f"model files missing under --models: {', '.join(missing)}; put them there or "
