@@ -323,8 +323,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kitchen", action="store_true", help="the attention_kitchen scenario (module docstring)")
     parser.add_argument("--no-sweep", action="store_true", help=argparse.SUPPRESS)  # recorded commands pass it
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 10; 6 with --kitchen)")
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
-                        help="time these shapes (default: all)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="time these shapes (default: all)")
     parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=None,
                         help="timed rows per shape (default: all; --kitchen: cuDNN and our fp8 / int8 P·V)")
     parser.add_argument("--families", nargs="*", default=None, metavar="FAMILY",
@@ -390,7 +389,6 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_worker(entry["site"], args) if "site" in entry else {"error": entry["error"]}
                 merge(report, result, entry["wheel"])
                 write()
-    write()
     say(f"wrote {args.out / stem}.json and .md")
     return 0
 

@@ -293,8 +293,7 @@ def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, re
     """Every variant at one shape: its time; a GEMM's error vs fp32 math on the same operands, TFLOP/s and ratio to
     the first variant (bf16); a path this torch / GPU rejects is a row saying why."""
     (m, k, n), (x, w, b) = shape, make_operands(*shape, device)
-    rows: list[dict] = []
-    bf16_ms = None
+    rows, bf16_ms = [], None
     for vname, fn in variants(x, w, b).items():
         r = {"shape": name, "M": m, "K": k, "N": n, "variant": vname}
         rows.append(r)
@@ -415,9 +414,8 @@ def run_int8(args: argparse.Namespace, env: dict) -> tuple[str, dict, list[str]]
             rows += bench_shape(name, shape, device, args.repeats, args.warmup)
         blocks = chain_errors(device, args.tiny)
     by: dict[str, list[dict]] = {}  # the summary: per variant, geometric-mean ratio to bf16 and mean error
-    for r in rows:
-        if r["status"] == "ok" and "vs_bf16" in r:
-            by.setdefault(r["variant"], []).append(r)
+    for r in (r for r in rows if r["status"] == "ok" and "vs_bf16" in r):
+        by.setdefault(r["variant"], []).append(r)
     summary = ["## Summary (geometric mean over shapes)", ""]
     summary += [f"- {v}: {statistics.geometric_mean(r['vs_bf16'] for r in rs):.2f}x vs bf16, mean rel. err "
                 f"{statistics.mean(r['rel_err'] for r in rs):.3%}" for v, rs in by.items()]
