@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..offload.host_memory import HostArena, PinBudget
+from ..offload.host_memory import HostArena, PinBudget, device_key
 from .log import say_once
 from .pin_budget import ram_allows
 
@@ -54,20 +54,15 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _same_device(a: torch.device, b: Any) -> bool:
-    b = torch.device(b)
-    return a.type == b.type and (a.index or 0) == (b.index or 0)
-
-
 def regular_weights(patcher: Any) -> dict[str, tuple[torch.nn.Module, torch.Tensor]]:
     """The plain weights, by key, of every module ComfyUI has loaded whole onto ``patcher``'s load device (what
     ``partially_unload`` may move), each with its module: taken just before ComfyUI unloads part of the model."""
-    out = {}
+    out, device = {}, device_key(patcher.load_device)
     for name, m in patcher.model.named_modules():
         if getattr(m, "comfy_patched_weights", False) is not True or not hasattr(m, "comfy_cast_weights"):
             continue
         for attr, p in m.named_parameters(recurse=False):
-            if type(p.data) is torch.Tensor and _same_device(p.device, patcher.load_device):
+            if type(p.data) is torch.Tensor and device_key(p.device) == device:
                 out[f"{name}.{attr}" if name else attr] = (m, p.data)
     return out
 

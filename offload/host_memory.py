@@ -164,7 +164,7 @@ class SpareArena:
             arena.last_copy.synchronize()  # the next owner overwrites it: no copy out of it may still be running
             arena.last_copy = None
         self.arena: HostArena | None = arena
-        self.device = _device_key(device)
+        self.device = device_key(device)
         _SPARES.add(self)
 
     def release(self) -> None:
@@ -175,7 +175,7 @@ class SpareArena:
             self.arena = None
 
 
-def _device_key(device: torch.device | str) -> tuple[str, int]:
+def device_key(device: torch.device | str) -> tuple[str, int]:
     """``cuda`` and ``cuda:0`` as one device (ComfyUI names its devices with an index, torch not always)."""
     device = torch.device(device)
     return device.type, device.index or 0
@@ -184,7 +184,7 @@ def _device_key(device: torch.device | str) -> tuple[str, int]:
 def release_spares(device: torch.device | None = None) -> None:
     """Free every spare no arena has taken (those offered on ``device``; all of them without one)."""
     for spare in list(_SPARES):
-        if device is None or spare.device == _device_key(device):
+        if device is None or spare.device == device_key(device):
             spare.release()
 
 
@@ -193,7 +193,7 @@ def take_spare(nbytes: int, device: torch.device, first: SpareArena | None = Non
     when there is none."""
     for spare in [first] * (first is not None) + list(_SPARES):
         arena = spare.arena
-        if arena is not None and spare.device == _device_key(device) and arena.buffer.numel() == max(nbytes, 1):
+        if arena is not None and spare.device == device_key(device) and arena.buffer.numel() == max(nbytes, 1):
             spare.arena = None
             _SPARES.discard(spare)
             return arena
