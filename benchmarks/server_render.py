@@ -132,7 +132,8 @@ def setup_text(row: RenderRow) -> str:
     source = f"workflows/{wf.shipped}.json" if wf.shipped else "the Qwen-Image-Edit 2509 graph"
     if row.file_format in rg.GGUF_TYPES:
         gguf = f"UnetLoaderGGUF (ComfyUI-GGUF) {rg.GGUF_TYPES[row.file_format]}"
-        what = re.sub(r"UNETLoader [^,]+", gguf, what) if setup.native else f"{gguf} in place of the Wan Loader, {what}"
+        loader = "the Wan Loader" if wf.key.startswith("wan") else "the Qwen-Image Loader (+ Block Swap, Load VAE)"
+        what = re.sub(r"UNETLoader [^,]+", gguf, what) if setup.native else f"{gguf} in place of {loader}, {what}"
     if row.easycache_threshold is not None:
         what = what.replace("EasyCache (its defaults)", step_cache(row))
     if setup.native:

@@ -199,9 +199,10 @@ EDIT_IMAGE = "lowvram_edit_bench.png"  # the reference image the runner writes i
 EDIT_PROMPT = "Replace the cat with a dalmatian, keeping the environment and scene consistent"
 T2V, I2V, TI2V, QWEN, EDIT = ("Wan 2.2 T2V-A14B", "Wan 2.2 I2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image",
                                "Qwen-Image-Edit")
-QWEN_FORMATS = {"formats": ("fp8_scaled", "bf16"), "layouts": ("fp8_e4m3fn", "bf16"), "swaps_blocks": False}
 # ComfyUI-GGUF's UnetLoaderGGUF in place of the diffusion model's loader: format -> GGML type of the Linear weights
 GGUF_TYPES = {"gguf_q8_0": "Q8_0", "gguf_q4_k": "Q4_K"}
+QWEN_FORMATS = {"formats": ("fp8_scaled", "bf16", *GGUF_TYPES), "layouts": ("fp8_e4m3fn", "bf16", *GGUF_TYPES),
+                "swaps_blocks": False}
 WAN_T2V_FORMATS = {"formats": ("fp8_scaled", "bf16", "pack_fp8", *GGUF_TYPES),
                    "layouts": ("fp8_scaled", "fp16", "pack_fp8", *GGUF_TYPES)}
 WORKFLOWS: dict[str, RenderWorkflow] = {w.key: w for w in (
@@ -359,6 +360,16 @@ def _text_pair(graph: dict, nid: str, clip_name: str, kind: str, positive: str, 
         rewire(graph, [nid, slot], [enc, 0])
 
 
+def split_loader(graph: dict, nid: str, weight_dtype: str = "default") -> None:
+    """Pack loader ``nid`` as UNETLoader (same id); a Qwen-Image Loader's VAE output from a VAELoader."""
+    i = graph[nid]["inputs"]
+    graph[nid] = node("UNETLoader", "Load Diffusion Model", unet_name=i["unet_name"], weight_dtype=weight_dtype)
+    if "vae_name" in i:
+        vae = new_id(graph)
+        graph[vae] = node("VAELoader", "Load VAE", vae_name=i["vae_name"])
+        rewire(graph, [nid, 1], [vae, 0])
+
+
 def to_native(graph: dict, weight_dtype: str) -> dict:
     """The native equivalent of a pack graph; GraphError naming a pack node it has no equivalent for."""
     g = copy.deepcopy(graph)
@@ -366,11 +377,7 @@ def to_native(graph: dict, weight_dtype: str) -> dict:
         n = g.get(nid)
         kind, i = (n["class_type"], n["inputs"]) if n else (None, {})
         if kind in ("LowVRAM_WanLoader", "LowVRAM_QwenImageLoader"):
-            g[nid] = node("UNETLoader", "Load Diffusion Model", unet_name=i["unet_name"], weight_dtype=weight_dtype)
-            if kind == "LowVRAM_QwenImageLoader":  # its VAE output: a VAELoader
-                vae = new_id(g)
-                g[vae] = node("VAELoader", "Load VAE", vae_name=i["vae_name"])
-                rewire(g, [nid, 1], [vae, 0])
+            split_loader(g, nid, weight_dtype)
         elif kind in MODEL_PASS_THROUGH:
             bypass(g, nid)
         elif kind in NATIVE_TEXT:
@@ -428,6 +435,11 @@ def render_graph(workflow: RenderWorkflow, setup_name: str, card_gib: float | No
         for key, value in n["inputs"].items():
             if isinstance(value, str) and value in workflow.sixteen_bit:
                 n["inputs"][key] = workflow.sixteen_bit[value]
+    for nid in of_type(graph, "LowVRAM_QwenImageLoader") if file_format in GGUF_TYPES else ():  # swap as a node
+        budget = graph[nid]["inputs"]["vram_budget_gb"]
+        split_loader(graph, nid)
+        insert_after(graph, [nid, 0], node_defaults("LowVRAM_BlockSwap", object_info, model=None,
+                                                    vram_budget_gb=budget))
     for nid in of_type(graph, "LowVRAM_WanLoader", "UNETLoader") if file_format in GGUF_TYPES else ():
         graph[nid] = node("UnetLoaderGGUF", "Unet Loader (GGUF)",  # every node after it kept: Block Swap streams it
                           unet_name=gguf_name(graph[nid]["inputs"]["unet_name"], file_format))

@@ -307,8 +307,31 @@ def test_gguf_rows_load_the_gguf_files_through_unet_loader_gguf() -> None:
     picked = sr.pick_rows(_opts(rows="wan_t2v_4step", cards="8,12", formats="gguf_q8_0", setups="native_best,pack"))
     assert [r.name for r in picked] == [f"wan_t2v_4step_{s}_{c}gb_gguf_q8_0" for c in (8, 12) for s in ("native_best",
                                                                                                        "pack")]
-    assert rg.setup_applies(rg.WORKFLOWS["qwen_t2i_4step"], "pack", "gguf_q8_0")  # no GGUF rows for Qwen-Image
     assert sm.file_gb("wan2.2_t2v_low_noise_14B_Q4_K.gguf") < sm.file_gb("wan2.2_t2v_low_noise_14B_Q8_0.gguf") < 16
+
+
+def test_qwen_image_gguf_rows_put_block_swap_and_a_vae_loader_where_the_qwen_image_loader_was() -> None:
+    """Native: UnetLoaderGGUF in place of UNETLoader; pack: UnetLoaderGGUF, then Block Swap at the loader's budget
+    (the Qwen-Image Loader swaps blocks itself), its VAE from a VAELoader, every other node kept."""
+    native = _graph("qwen_t2i_4step", "native_best", 12.0, "gguf_q8_0")
+    assert [i["unet_name"] for i in _types(native)["UnetLoaderGGUF"]] == ["qwen_image_Q8_0.gguf"]
+    assert _without(native, "UnetLoaderGGUF") == _without(_graph("qwen_t2i_4step", "native_best", 12.0), "UNETLoader")
+    plain, pack = _graph("qwen_t2i_4step", "pack", 12.0), _graph("qwen_t2i_4step", "pack", 12.0, "gguf_q4_k")
+    types = _types(pack)
+    assert [i["unet_name"] for i in types["UnetLoaderGGUF"]] == ["qwen_image_Q4_K.gguf"]
+    assert [i["vram_budget_gb"] for i in types["LowVRAM_BlockSwap"]] == [10.0]
+    assert "LowVRAM_QwenImageLoader" not in types
+    loader = _types(plain)["LowVRAM_QwenImageLoader"][0]
+    assert [i["vae_name"] for i in types["VAELoader"]] == [loader["vae_name"]]
+    sampler = next(k for k, n in pack.items() if n["class_type"] == "KSampler")
+    assert _model_chain(pack, sampler) == ["ModelSamplingAuraFlow", "LoraLoaderModelOnly", "LowVRAM_Attention",
+                                           "LowVRAM_BlockSwap", "UnetLoaderGGUF"]
+    decode = _types(pack)["LowVRAM_QwenImageDecode"][0]
+    assert pack[decode["vae"][0]]["class_type"] == "VAELoader"
+    assert sm.file_gb("qwen_image_Q4_K.gguf") < sm.file_gb("qwen_image_Q8_0.gguf") < sm.file_gb("qwen_image_bf16")
+    head = sr.head(sr.make_row("qwen_t2i_4step", "pack", 12.0, True, "gguf_q8_0"))
+    assert head["setup"].startswith("workflows/qwen_image_t2i_4step.json, UnetLoaderGGUF (ComfyUI-GGUF) Q8_0 in place "
+                                    "of the Qwen-Image Loader (+ Block Swap, Load VAE), as shipped")
 
 
 @pytest.mark.parametrize("key", ["wan_t2v", "qwen_t2i", "wan_t2v_4step"])
