@@ -58,6 +58,7 @@ from .dynamic_vram import legacy_clone
 from .hooks import register_hook
 from .log import say_once
 from .lora_merge import BlockMerge, StreamedMerge
+from .mapped_weights import PageOutAsMoved
 from .parked_weights import ParkedWeights, regular_weights
 from .patchers import dynamic_vram_manages, mixed_class
 from .pin_budget import ComfyPinBudget
@@ -413,6 +414,23 @@ class SwapController:
             del _measured[next(iter(_measured))]
 
 
+def resident_file_views(patcher) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:  # noqa: ANN001
+    """The GGML weights of the modules ComfyUI loads that still lie in their file's mapping (Block Swap kept
+    ComfyUI-GGUF from copying them out of it, see ``load``), for PageOutAsMoved; empty once they were moved."""
+    ctl = patcher.attachments.get(SWAP_KEY)
+    maps = file_backed_ranges() if ctl is not None and getattr(patcher, "mmap_released", None) is True else []
+    if not maps:
+        return []
+    views = []
+    for name, module in patcher.model.named_modules():
+        if ctl.is_swapped_module(name):
+            continue
+        for attr, p in module.named_parameters(recurse=False):
+            if ggml.is_ggml(p) and p.device.type == "cpu" and is_file_backed(ggml.stored(p), maps):
+                views.append((module, attr, ggml.stored(p)))
+    return views
+
+
 class BlockSwapMixin:
     """ModelPatcher behaviour for block swap; mixed in front of the MODEL's own patcher class.
 
@@ -479,8 +497,12 @@ class BlockSwapMixin:
         weights = 1e32 if fits else lowvram_model_memory - ctl.plan.ring_bytes
         if ctl.active:  # a re-load while active: the stock load recounts what it loads, ours is added back after
             ctl._account(self, -ctl._extra_loaded)
-        super().load(device_to, lowvram_model_memory=max(weights, 0.1), force_patch_weights=force_patch_weights,
-                     full_load=False)
+        with PageOutAsMoved(resident_file_views(self)) as moved:
+            super().load(device_to, lowvram_model_memory=max(weights, 0.1), force_patch_weights=force_patch_weights,
+                         full_load=False)
+        if moved.bytes:
+            log.info("lowvram_dit Block Swap: %.2f GB of file pages under the GGUF weights now on the GPU left this "
+                     "process's RSS as they were copied (the page cache keeps them)", moved.bytes / 1e9)
         ctl.parked.say_restored()
         if ctl.active:
             ctl._account(self, ctl._extra_loaded)

@@ -31,6 +31,7 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -158,7 +159,8 @@ class MappedWeightsMixin:
             # in-place patches write into the mapping, so its pages may no longer hold the file's weights
             file_views(self.model).clear()
             log.info("lowvram_dit: weight_inplace_update patcher: weights are no longer pointed back at the file")
-        with _PageOutAsMoved(self.model) as moved:
+        views = [(fv.owner(), key.rpartition(".")[2], fv.tensor) for key, fv in file_views(self.model).items()]
+        with PageOutAsMoved(views) as moved:
             out = super().load(*args, **kwargs)  # type: ignore[misc]
         if moved.bytes:
             log.info("lowvram_dit: %.2f GB of file pages under weights now on the GPU left this process's RSS as they "
@@ -201,25 +203,25 @@ class MappedWeightsMixin:
         return done
 
 
-class _PageOutAsMoved:
+class PageOutAsMoved:
     """While ComfyUI loads a model, drop each file view's pages from this process's RSS as soon as its module has moved
     the weight off the CPU (``module.to(device)`` runs the module's ``_apply``; a LoRA-merged weight was already put
     on the device by ``patch_weight_to_device``). The copy read those pages; until the weight comes back to the CPU
     (pointed at its view again) nothing reads them, so keeping them would only raise peak RSS by the loaded size.
     Per module, not after the load, so that the peak stays low too. ``offload.host_memory.page_out`` says why
     MADV_DONTNEED (the page cache stays warm). The wrappers are instance attributes of this model's modules, removed
-    on exit."""
+    on exit. ``views``: (module, parameter name, the plain CPU tensor over its file pages); a None module is skipped.
+    """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, views: Iterable[tuple[torch.nn.Module | None, str, torch.Tensor]]) -> None:
         self.bytes = 0
         self._ranges: list[tuple[int, int]] | None = None  # the process's file mappings, read at the first page-out
         self._owners: dict[int, tuple[torch.nn.Module, list[tuple[str, torch.Tensor]]]] = {}
-        for key, fv in file_views(model).items():
-            owner = fv.owner()
+        for owner, attr, tensor in views:
             if owner is not None:
-                self._owners.setdefault(id(owner), (owner, []))[1].append((key.rpartition(".")[2], fv.tensor))
+                self._owners.setdefault(id(owner), (owner, []))[1].append((attr, tensor))
 
-    def __enter__(self) -> _PageOutAsMoved:
+    def __enter__(self) -> PageOutAsMoved:
         for key, (module, views) in list(self._owners.items()):
             if "_apply" in module.__dict__:  # someone else's instance override: leave that module alone
                 del self._owners[key]

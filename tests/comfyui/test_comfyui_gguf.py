@@ -322,3 +322,32 @@ def test_server_gguf_model_through_block_swap_lora_and_the_other_nodes(comfy_ser
     assert "Block Swap: 3 of 6 blocks streamed" in log_text
     assert "LoRA on 30 streamed GGUF-quantized weights applies when they are dequantized" in log_text
     assert "passes this model through" not in log_text and "KeyError" not in log_text
+
+
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
+def test_block_swap_drops_the_file_pages_of_resident_gguf_weights_as_they_move(wan_gguf: Path,
+                                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Block Swap keeps ComfyUI-GGUF's weights in their file mapping (above), so ComfyUI's copy of each resident
+    module to the GPU reads file pages that would then only raise RSS (peak RSS above native's on Qwen-Image Q4_K at
+    8 GB): they leave it as each module moves (``meta`` stands in for the GPU), as the streamed blocks' pages leave
+    it once copied into the arena, and the weights still read the file."""
+    from comfyui_lowvram_dit.host.block_swap import resident_file_views
+    from comfyui_lowvram_dit.offload import ggml_tensors as ggml
+    from test_comfyui_mapped_weights import _mapping_rss_kb
+
+    model = load_gguf_in_process(wan_gguf)
+    assert resident_file_views(model) == []  # not Block Swap's: ComfyUI-GGUF releases the mapping itself
+    swapped = _swapped(model)
+    quantized = {k: ggml.stored(p) for k, p in swapped.model.named_parameters() if ggml.is_quantized(p)}
+    values = {k: v.clone() for k, v in quantized.items()}  # reads every page
+    before = _mapping_rss_kb(wan_gguf)
+    with caplog.at_level("INFO", logger="comfyui_lowvram_dit"):
+        swapped.load(device_to=torch.device("meta"), lowvram_model_memory=0, full_load=False)
+    after = _mapping_rss_kb(wan_gguf)
+    assert before > 1024 and after < 0.2 * before, (before, after)  # without: the resident half stays
+    assert "file pages under the GGUF weights now on the GPU left this process's RSS" in caplog.text
+    assert resident_file_views(swapped) == []  # on the device now: nothing left to drop at the next load
+    assert all(torch.equal(v, values[k]) for k, v in quantized.items())  # re-read from the file
+    assert not any("_apply" in m.__dict__ for m in swapped.model.modules())
