@@ -10,7 +10,6 @@ import functools
 import json
 import os
 import runpy
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -117,7 +116,7 @@ def time_shapes(shape_names: list[str], fns: dict, repeats: int, errors: bool) -
                 fn(q, k, v)  # first call: compile + autotune for ours
                 torch.cuda.synchronize()
                 row["first_call_s"] = round(time.perf_counter() - t0, 2)
-                row["time_ms"] = statistics.median(time_fn(functools.partial(fn, q, k, v), q.device, reps, 2))
+                row["time_ms"] = time_fn(functools.partial(fn, q, k, v), q.device, reps, 2)
                 if not name.startswith("prologue"):
                     row["tflops"] = 4 * b * h * lq * lk * d / (row["time_ms"] * 1e-3) / 1e12
                     for kind in ("gauss", "outlier") if errors else ():  # vs fp32 math, Gaussian and outlier-heavy

@@ -129,10 +129,6 @@ def _pack(weights: dict, path: str | None, act: fp8.ActQuant | None, name: str, 
     return fp8.fp8_linear(x, wd["q"], wd["s"], wd["b"], path=path, act=act)
 
 
-def _med(t: list[float] | str) -> float | None:
-    return statistics.median(t) if isinstance(t, list) and t else None
-
-
 def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> list[dict]:
     """One family: errors, the block (8 linears, and 6), each linear and each quantizer alone, timed interleaved."""
     device, linears, weights = setup["device"], setup["linears"], setup["weights"]
@@ -163,21 +159,6 @@ def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> l
                        for n, y in run(v, names).items()}
         except Exception as exc:  # noqa: BLE001 - reported as the variant's result
             errs[v] = report.error_text(exc)
-    rows: list[dict] = []
-    for kind, subset in (("block8", names), ("block6", SIX)):
-        fns = {v: functools.partial(run, v, subset) for v in variants}
-        for v, t in time_interleaved(fns, device, repeats, warmup).items():
-            e = {n: errs[v][n] for n in subset} if isinstance(errs[v], dict) else {}
-            rows.append({"kind": kind, "family": family, "variant": v, "time_ms": _med(t),
-                         "status": "ok" if _med(t) is not None and e else "error",
-                         "error": t if isinstance(t, str) else (errs[v] if isinstance(errs[v], str) else None),
-                         "err_mean": statistics.mean(e.values()) if e else None,
-                         "err_max": max(e.values(), default=None), "errors": e})
-    for n in names:
-        fns = {v: functools.partial(run, v, (n,)) for v in variants}
-        for v, t in time_interleaved(fns, device, repeats, warmup).items():
-            rows.append({"kind": "linear", "family": family, "variant": v, "linear": n, "time_ms": _med(t),
-                         "err": errs[v].get(n) if isinstance(errs[v], dict) else None})
     quant: dict[str, Callable] = {}  # the activation quantizers alone per distinct input: what a path pays first
     for key in sorted(inputs):
         x2, xn = inputs[key].reshape(-1, inputs[key].shape[-1]), native_inputs[key].reshape(-1, inputs[key].shape[-1])
@@ -188,8 +169,21 @@ def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> l
             quant[f"{tag}: tensor (norm + Triton)"] = lambda x2=x2: fp8_triton.quantize_tensorwise(x2)
         else:
             quant[f"{tag}: row (torch)"] = lambda x2=x2: fp8.quantize_rowwise_torch(x2)
-    for q, t in time_interleaved(quant, device, repeats, warmup).items():
-        rows.append({"kind": "quant", "family": family, "variant": q, "time_ms": _med(t)})
+    rows: list[dict] = []  # the block (8 linears, then 6), each linear alone, the quantizers alone
+    for kind, subset in (("block8", names), ("block6", SIX), *(("linear", (n,)) for n in names), ("quant", ())):
+        fns = quant if kind == "quant" else {v: functools.partial(run, v, subset) for v in variants}
+        for v, t in time_interleaved(fns, device, repeats, warmup).items():
+            row = {"kind": kind, "family": family, "variant": v, **({"linear": subset[0]} if kind == "linear" else {}),
+                   "time_ms": t if isinstance(t, float) else None}
+            e = {n: errs[v][n] for n in subset} if kind != "quant" and isinstance(errs[v], dict) else {}
+            if kind == "linear":
+                row["err"] = e.get(subset[0])
+            elif kind != "quant":
+                row.update(status="ok" if row["time_ms"] is not None and e else "error",
+                           error=t if isinstance(t, str) else (errs[v] if isinstance(errs[v], str) else None),
+                           err_mean=statistics.mean(e.values()) if e else None, err_max=max(e.values(), default=None),
+                           errors=e)
+            rows.append(row)
     return rows
 
 
@@ -305,7 +299,7 @@ def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, re
                 err = relative_error(out[:ERR_ROWS].float(), F.linear(x[:ERR_ROWS].float(), w.float(), b.float())) \
                     if isinstance(out, torch.Tensor) else None  # an activation quantizer alone: no FLOPs or error
                 del out
-                ms = statistics.median(time_fn(fn, device, repeats, warmup))
+                ms = time_fn(fn, device, repeats, warmup)
                 r.update(status="ok", time_ms=ms, rel_err=err)
                 if err is not None:
                     r.update(tflops=2 * m * n * k / ms / 1e9, vs_bf16=(bf16_ms / ms) if bf16_ms else 1.0)
