@@ -20,16 +20,12 @@ REFERENCE = ("native_default", "bf16")  # the 16-bit reference: setup and file f
 ROW_KEYS = (*ROW_FIELDS, "renders", "side", "how", "cfg", "lora", "status")  # every row's (None: not measured)
 
 
-def _ok(r: dict) -> bool:
-    return r.get("status") == "ok"
-
-
 def finished_rows(path: Path) -> list[dict]:
     """The finished rows of an earlier report (``--resume``) with their server logs and the file they came from."""
     if not path.is_file():
         return []
     doc = json.loads(path.read_text(encoding="utf-8"))
-    rows = [{**r, "source": r.get("source") or path.name} for r in doc.get("rows", []) if _ok(r)]
+    rows = [{**r, "source": r.get("source") or path.name} for r in doc.get("rows", []) if r.get("status") == "ok"]
     for r in rows:
         for life, log in zip(r.get("lives") or [], (doc.get("logs") or {}).get(r["name"], []), strict=False):
             life["log"] = log
@@ -44,7 +40,7 @@ def native_row(row: dict, rows: list[dict]) -> dict | None:
     want = CACHED_NATIVE[row["step_cache"].split(" (")[0]] if cached else NATIVE  # the cache, its threshold aside
     same = [r for r in rows if r.get("setup_id") == want and r.get("workflow") == row.get("workflow")
             and r.get("step_cache") == (row["step_cache"] if cached else None)
-            and r.get("card_gib") == row.get("card_gib") and r is not row and _ok(r)]
+            and r.get("card_gib") == row.get("card_gib") and r is not row and r.get("status") == "ok"]
     mine = (row.get("dynamic_vram"), row.get("format"))  # the same memory manager and file format where one ran
     return min(same, key=lambda r: (r.get("dynamic_vram") != mine[0], r.get("format") != mine[1]), default=None)
 
@@ -55,12 +51,12 @@ def compare(rows: list[dict], latents: Path) -> list[dict]:
     for row in rows:
         for key in ROW_KEYS:
             row.setdefault(key, None)
-        if not _ok(row):
+        if row.get("status") != "ok":
             continue
         native = native_row(row, rows)
-        refs = [r for r in rows if (r.get("setup_id"), r.get("format")) == REFERENCE and _ok(r)
-                and r.get("workflow") == row.get("workflow") and r is not row]  # the same card first
-        ref = min(refs, key=lambda r: r.get("card_gib") != row.get("card_gib")) if refs else None
+        ref = min((r for r in rows if (r.get("setup_id"), r.get("format"), r.get("status")) == (*REFERENCE, "ok")
+                   and r.get("workflow") == row.get("workflow") and r is not row),
+                  key=lambda r: r.get("card_gib") != row.get("card_gib"), default=None)  # the same card first
         row["against"] = native["name"] if native else None
         warm = native.get("render_s") if native else None
         row["ratio"] = round(warm / row["render_s"], 3) if warm and row.get("render_s") else None
