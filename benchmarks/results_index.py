@@ -8,7 +8,6 @@ import json
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Iterable
 from pathlib import Path
 
 from comfyui_lowvram_dit.benchmarks.__main__ import SCENARIOS
@@ -105,9 +104,7 @@ def _neg_date(row: dict) -> str:
 
 def _fmt(value: object, digits: int = 3) -> str:
     """A cell (``report.cell``) with a float's trailing zeros cut."""
-    if isinstance(value, float):
-        return f"{value:.{digits}f}".rstrip("0").rstrip(".") if digits else f"{value:.0f}"
-    return cell(value)
+    return f"{value:.{digits}f}".rstrip("0").rstrip(".") if isinstance(value, float) else cell(value)
 
 
 def _card(gib: float | None) -> str:
@@ -177,21 +174,18 @@ def _metric(row: dict) -> float | None:
     return row["render_s"] or row["s_per_step"]
 
 
-def _best(rows: Iterable[dict], side: str) -> dict | None:
-    timed = [r for r in rows if r["side"] == side and r["status"] == "ok" and _metric(r)]
-    return min(timed, key=_metric, default=None)
-
-
 def _cell_lines(rows: list[dict]) -> list[tuple[dict | None, dict | None]]:
     """(fastest pack row, native's best) per workload of one cell, from the newest run with both (else the newest)."""
     runs: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         runs[(r["how"], r["resolution"], r["frames"], r["cfg"], r["lora"], r["step_cache"])][r["run"]].append(r)
-    lines = []
+    lines = []  # the fastest timed row of a side in a run: best(run, side)
+    best = lambda g, side: min((r for r in g if r["side"] == side and r["status"] == "ok" and _metric(r)), key=_metric,
+                               default=None)
     for key in sorted(runs, key=lambda k: tuple(str(x) for x in k)):
         newest = sorted(runs[key].values(), key=lambda g: _neg_date(g[0]))
-        both = [g for g in newest if _best(g, "pack") and _best(g, "native")]
-        pair = (_best((both or newest)[0], "pack"), _best((both or newest)[0], "native"))
+        both = [g for g in newest if best(g, "pack") and best(g, "native")]
+        pair = (best((both or newest)[0], "pack"), best((both or newest)[0], "native"))
         lines += [pair] if any(pair) else []
     return lines
 
