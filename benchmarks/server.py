@@ -14,7 +14,6 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
 
 from comfyui_lowvram_dit.benchmarks import report
 from comfyui_lowvram_dit.cli import server as cli_server
@@ -52,46 +51,6 @@ def log_digest(log: str, limit: int = 200) -> list[str]:
     return [ln for ln in lines if LOG_KEEP.search(ln) and "it/s]" not in ln and "s/it]" not in ln][-limit:]
 
 
-class EventRecorder:
-    """Every JSON message of the server's websocket for ``client_id``, stamped with ``time.monotonic()`` on arrival."""
-
-    def __init__(self, url: str, client_id: str) -> None:
-        self.ws_url = url.replace("http://", "ws://", 1) + f"/ws?clientId={client_id}"
-        self.events: list[tuple[float, dict]] = []
-        self.error: str | None = None
-        self._ready, self._stop = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._listen()), name="bench-ws", daemon=True)
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        if not self._ready.wait(30) or self.error:
-            raise cli_server.RunError(f"websocket {self.ws_url} did not open: {self.error or 'timeout'}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    async def _listen(self) -> None:
-        import aiohttp  # ComfyUI's own dependency: present wherever its server runs
-
-        try:
-            async with aiohttp.ClientSession() as session, session.ws_connect(self.ws_url, max_msg_size=0) as ws:
-                self._ready.set()
-                while not self._stop.is_set():
-                    try:
-                        msg = await ws.receive(timeout=0.5)
-                    except asyncio.TimeoutError:
-                        continue
-                    if msg.type == aiohttp.WSMsgType.TEXT:
-                        self.events.append((time.monotonic(), json.loads(msg.data)))
-                    elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
-                        break
-        except Exception as exc:  # noqa: BLE001 - reported by __enter__ or in the row's record
-            self.error = f"{type(exc).__name__}: {exc}"
-            self._ready.set()
-
-
 def gguf_custom_nodes(python: str) -> dict[str, Path]:
     """The vendored ComfyUI-GGUF as ``{folder: path}`` when ``python`` has the ``gguf`` package; else empty."""
     has_gguf = subprocess.run([python, "-c", "import gguf"], capture_output=True, check=False).returncode == 0
@@ -118,14 +77,43 @@ class PromptRun:
 
 def run_prompt(server: cli_server.ComfyServer, graph: dict, timeout: float) -> PromptRun:
     """Queue ``graph`` with websocket and memory watch on and wait for it; RunError naming a refused graph's errors."""
+    import aiohttp  # ComfyUI's own dependency: present wherever its server runs
+
     cid = uuid.uuid4().hex
-    with EventRecorder(server.url, cid) as rec:
+    url, events, error = server.url.replace("http://", "ws://", 1) + f"/ws?clientId={cid}", [], []
+    ready, stop = threading.Event(), threading.Event()
+
+    async def listen() -> None:  # every JSON message for this client, stamped with time.monotonic() on arrival
+        try:
+            async with aiohttp.ClientSession() as session, session.ws_connect(url, max_msg_size=0) as ws:
+                ready.set()
+                while not stop.is_set():
+                    try:
+                        msg = await ws.receive(timeout=0.5)
+                    except asyncio.TimeoutError:
+                        continue
+                    if msg.type == aiohttp.WSMsgType.TEXT:
+                        events.append((time.monotonic(), json.loads(msg.data)))
+                    elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                        break
+        except Exception as exc:  # noqa: BLE001 - before the socket opened: raised below
+            error.append(f"{type(exc).__name__}: {exc}")
+            ready.set()
+
+    thread = threading.Thread(target=lambda: asyncio.run(listen()), name="bench-ws", daemon=True)
+    thread.start()
+    if not ready.wait(30) or error:
+        raise cli_server.RunError(f"websocket {url} did not open: {error[0] if error else 'timeout'}")
+    try:
         with MemoryWatch(server.pid) as watch:
             t0 = time.monotonic()
             entry = server.wait(server.queue(graph, client_id=cid), timeout)  # a refused graph: RunError
             wall = time.monotonic() - t0
         time.sleep(0.3)  # the last websocket messages
-    return PromptRun(rec.events, entry, t0, wall, watch)
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    return PromptRun(events, entry, t0, wall, watch)
 
 
 def public(text: str, comfyui: Path, work: Path) -> str:
