@@ -27,12 +27,9 @@ WORK_MARK = "$WORK"  # stands for the scratch folder in recorded server flags (n
 def server_flags(name: str, total_vram_gib: float, card_gib: float | None, ck_attention: bool = False,
                  dynamic_vram: bool = True) -> list[str]:
     """``--use-ck-attention``, ``--disable-dynamic-vram`` and the card cap ``--reserve-vram`` = total - card."""
-    args = ["--use-ck-attention"] if ck_attention else []
-    if not dynamic_vram:
-        args.append("--disable-dynamic-vram")
+    args = ["--use-ck-attention"] * ck_attention + ["--disable-dynamic-vram"] * (not dynamic_vram)
     if card_gib is not None:
-        reserve = total_vram_gib - card_gib
-        if reserve <= 0:
+        if (reserve := total_vram_gib - card_gib) <= 0:
             raise ValueError(f"variant {name}: the GPU has {total_vram_gib:.2f} GiB, not more than the "
                              f"{card_gib} GiB card to emulate; drop the capped variants")
         args.append(f"--reserve-vram={reserve:.2f}")
@@ -132,8 +129,7 @@ def compare_latents(path: Path, reference: Path) -> dict:
     if a.shape != b.shape:
         return {"identical": False, "error": f"shapes differ: {list(a.shape)} vs {list(b.shape)}"}
     diff = a.double() - b.double()
-    ref = float(torch.linalg.vector_norm(b.double()))
-    err = float(torch.linalg.vector_norm(diff))
+    ref, err = (float(torch.linalg.vector_norm(t)) for t in (b.double(), diff))
     return {"identical": a.dtype == b.dtype and torch.equal(a, b),
             "rel_diff": err / ref if ref else (0.0 if err == 0 else float("inf")),
             "max_abs": float(diff.abs().max()) if diff.numel() else 0.0, "shape": list(a.shape)}
@@ -142,11 +138,8 @@ def compare_latents(path: Path, reference: Path) -> dict:
 def gpu_facts() -> dict:
     """The first GPU's name, total memory and driver per nvidia-smi (no CUDA context here); {} without it."""
     smi = shutil.which("nvidia-smi")
-    if not smi:
-        return {}
-    res = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30, check=False)
-    fields = [f.strip() for f in res.stdout.strip().split("\n")[0].split(",")] if res.returncode == 0 else []
-    if len(fields) != 3:
-        return {}
-    return {"device_name": fields[0], "vram_total_gib": round(int(fields[1]) / 1024, 2), "driver": fields[2]}
+    res = smi and subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=30, check=False)
+    fields = [f.strip() for f in res.stdout.strip().split("\n")[0].split(",")] if res and res.returncode == 0 else []
+    return ({"device_name": fields[0], "vram_total_gib": round(int(fields[1]) / 1024, 2), "driver": fields[2]}
+            if len(fields) == 3 else {})
