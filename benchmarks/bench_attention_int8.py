@@ -34,8 +34,7 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "wan14b_480p_self": (1, 40, 32760, 32760, 128),  # 832x480x81 -> 21 x 60 x 104 / (1x2x2) patches
     "wan14b_480p_cross": (1, 40, 32760, 512, 128),  # umT5 text context, 512 tokens
     "wan14b_720p_self": (1, 40, 75600, 75600, 128),  # 1280x720x81 -> 21 x 90 x 160 / 4
-    "wan14b_720p_cross": (1, 40, 75600, 512, 128),
-}
+    "wan14b_720p_cross": (1, 40, 75600, 512, 128)}
 # ours: (Q·Kᵀ format, P·V format, hi_keys). "int8_int8" is what "auto" runs where int8 P·V is chosen, "int8_fp8" on
 # other sm89+ GPUs, "int8_fp16" on sm80/86 and the selectable precise scheme; "int8_fp8_old" the scheme before the
 # 16-bit keys (the speed baseline). hi_keys None = hi_key_count(Lk), 0 = none.
@@ -83,19 +82,15 @@ def backend_fn(name: str) -> Callable[..., torch.Tensor] | str:
         if not comfy_kitchen.int8_attention_is_available():
             return "comfy_kitchen.int8_attention_is_available() is False on this GPU"
         return comfy_kitchen.int8_attention
-    if name == "sdpa_cudnn":
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v)
-        return run
+    if name == "sdpa_cudnn":  # SDPA with only its cuDNN backend allowed (sdpa_kernel used as a decorator)
+        return sdpa_kernel(SDPBackend.CUDNN_ATTENTION)(F.scaled_dot_product_attention)
     if name in ("prologue", "prologue_old"):  # the auto formats' prologue; _old: without the key sort (hi_keys=0)
         qk, pv = A.resolve_formats(torch.device("cuda"))
         hi = 0 if name == "prologue_old" else None
         return lambda q, k, v: A.quantize_qkv(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
     qk, pv, hi = OURS[name]
-    if not torch.cuda.is_available():  # the CPU smoke run: the fp32 emulation of the same scheme
-        return lambda q, k, v: A.attention_int8_reference(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
-    return lambda q, k, v: A.attention_int8(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
+    ours = A.attention_int8 if torch.cuda.is_available() else A.attention_int8_reference  # CPU smoke: fp32 emulation
+    return lambda q, k, v: ours(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
 
 
 def time_shapes(shape_names: list[str], fns: dict, repeats: int, errors: bool) -> list[dict]:
