@@ -17,6 +17,10 @@ KIND_LABEL = {"first_ever": "first-ever", "cold": "cold", "warm": "warm", "warm_
 NATIVE = "native_best"
 CACHED_NATIVE = {"EasyCache": "native_best_easycache"}  # step cache -> native's best with it (setup ids)
 REFERENCE = ("native_default", "bf16")  # the 16-bit reference: setup and file format
+COLUMNS = ("setup", "row", *(f"{label} s" for label in KIND_LABEL.values()), (  # a workflow and card's table
+    "split of the warm render: load / text / sampling / decode / save / other s (each sampler's node total: its first "
+    "+ n x median step)"), "s/step", "peak VRAM GiB", "peak RSS GiB", "output error vs native (; vs bf16)", "against",
+    "status")
 ROW_KEYS = (*ROW_FIELDS, "renders", "side", "how", "cfg", "lora", "status")  # every row's (None: not measured)
 
 
@@ -103,31 +107,6 @@ def _warm_split(row: dict) -> str:
     return (f"{parts} ({steps})" if steps else parts) + (f"; EasyCache skipped {skipped} steps" if skipped else "")
 
 
-def _error(row: dict) -> str:
-    """The output error against the native row, and against the 16-bit reference where one ran."""
-    checks = [(label, (row.get("outputs_compared") or {}).get(key) or {}) for key, label in (("vs_native", ""),
-                                                                                          ("vs_bf16", "bf16: "))]
-    return "; ".join(label + (report.cell(c["error"]) if c.get("error") else f"{c['rel_diff']:.3g}")
-                     for label, c in checks if c.get("error") or c.get("rel_diff") is not None) or "—"
-
-
-def table(rows: list[dict], all_rows: list[dict]) -> list[str]:
-    """The markdown table of one workflow and card."""
-    cells = []
-    for r in rows:
-        native = next((n for n in all_rows if n["name"] == r.get("against")), None)
-        status = r.get("status", "?") + (f": {report.cell(r['error'])[:160]}" if r.get("error") else "")
-        status += f" (from {r['source']})" if r.get("source") else ""
-        cells.append([r.get("setup_id"), r["name"], *(_seconds(r, k, native) for k in KIND_LABEL), _warm_split(r),
-                      *(report.cell(r.get(k), f) for k, f in (("s_per_step", "{:.3f}"), ("peak_vram_gib", "{:.2f}"),
-                                                              ("peak_rss_gib", "{:.2f}"))),
-                      _error(r), (native or {}).get("name", "—"), status])
-    return report.table(["setup", "row", *(f"{label} s" for label in KIND_LABEL.values()), (
-        "split of the warm render: load / text / sampling / decode / save / other s (each sampler's node total: its "
-        "first + n x median step)"), "s/step", "peak VRAM GiB", "peak RSS GiB", "output error vs native (; vs bf16)",
-        "against", "status"], cells)
-
-
 def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
     """The report as markdown: environment, what was timed, one table per workflow and card."""
     lines = report.header("Renders through a ComfyUI server: Queue to output file", env, [
@@ -144,14 +123,26 @@ def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
     groups: dict[tuple[str, Any], list[dict]] = {}
     for r in rows:
         groups.setdefault((r.get("title") or r.get("model") or "?", r.get("card_gib")), []).append(r)
-    for (title, card), members in groups.items():
+    for (title, card), members in groups.items():  # a table per workflow and card
         members.sort(key=lambda r: (r.get("setup_id") != NATIVE, r.get("name")))
-        first = members[0]
+        first, cells = members[0], []
         facts = ", ".join(str(x) for x in (first.get("resolution"), first.get("frames") and f"{first['frames']} "
                                            "frames", first.get("steps") and f"{first['steps']} steps") if x)
         where = "whole GPU" if card is None else f"{card:g} GB card (--reserve-vram = total - {card:g} GiB)"
+        for r in members:
+            native = next((n for n in rows if n["name"] == r.get("against")), None)
+            status = r.get("status", "?") + (f": {report.cell(r['error'])[:160]}" if r.get("error") else "")
+            status += f" (from {r['source']})" if r.get("source") else ""
+            checks = [(label, (r.get("outputs_compared") or {}).get(key) or {})  # vs native, vs the 16-bit reference
+                      for key, label in (("vs_native", ""), ("vs_bf16", "bf16: "))]
+            error = "; ".join(label + (report.cell(c["error"]) if c.get("error") else f"{c['rel_diff']:.3g}")
+                              for label, c in checks if c.get("error") or c.get("rel_diff") is not None) or "—"
+            cells.append([r.get("setup_id"), r["name"], *(_seconds(r, k, native) for k in KIND_LABEL), _warm_split(r),
+                          *(report.cell(r.get(k), f) for k, f in (("s_per_step", "{:.3f}"), ("peak_vram_gib", "{:.2f}"),
+                                                                  ("peak_rss_gib", "{:.2f}"))),
+                          error, (native or {}).get("name", "—"), status])
         lines += [f"## {title}, {where}", "", f"{facts}; in brackets: the 'against' row's seconds / the row's",
-                  "", *table(members, rows), ""]
+                  "", *report.table(COLUMNS, cells), ""]
     return lines
 
 
