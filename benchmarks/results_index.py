@@ -174,25 +174,14 @@ def _metric(row: dict) -> float | None:
     return row["render_s"] or row["s_per_step"]
 
 
-def _cell_lines(rows: list[dict]) -> list[tuple[dict | None, dict | None]]:
-    """(fastest pack row, native's best) per workload of one cell, from the newest run with both (else the newest)."""
+def _by_card_rows(model: str, fmt: str, rows: list[dict]) -> list[list[str]]:
+    """One cell's by-card rows, per workload: the fastest pack row against native's best, from the newest run with both
+    (else the newest)."""
     runs: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         runs[(r["how"], r["resolution"], r["frames"], r["cfg"], r["lora"], r["step_cache"])][r["run"]].append(r)
-    lines = []  # the fastest timed row of a side in a run: best(run, side)
     best = lambda g, side: min((r for r in g if r["side"] == side and r["status"] == "ok" and _metric(r)), key=_metric,
-                               default=None)
-    for key in sorted(runs, key=lambda k: tuple(str(x) for x in k)):
-        newest = sorted(runs[key].values(), key=lambda g: _neg_date(g[0]))
-        both = [g for g in newest if best(g, "pack") and best(g, "native")]
-        pair = (best((both or newest)[0], "pack"), best((both or newest)[0], "native"))
-        lines += [pair] if any(pair) else []
-    return lines
-
-
-def _by_card_row(model: str, fmt: str, pack: dict | None, native: dict | None) -> list[str]:
-    r = pack or native
-    where = f"{r['how']}, {r['gpu'] or '—'}, ComfyUI {r['comfyui'] or '—'}, {r['date'] or '—'}"
+                               default=None)  # the fastest timed row of a side in a run
 
     def shown(row: dict | None) -> str:
         if row is None:
@@ -206,13 +195,21 @@ def _by_card_row(model: str, fmt: str, pack: dict | None, native: dict | None) -
         step = f" ({_fmt(row['s_per_step'])} s/step{skips if skipped else ''})" if row["s_per_step"] else ""
         return f"{_fmt(row['render_s'], 1)} s render{step}"
 
-    ratio = f"**{_metric(native) / _metric(pack):.2f}x**" if pack and native else "—"
-    ram = f"{_fmt(pack and pack['peak_rss_gib'], 1)} / {_fmt(native and native['peak_rss_gib'], 1)}"
-    anchor = Path(r["run"]).name  # GitHub's anchor of its heading in INDEX.md
-    slug = re.sub(r"[^\w\- ]", "", anchor.strip().lower()).replace(" ", "-")
-    return [model, fmt, _workload(r), where, _fmt(pack and pack["setup"]), shown(pack),
-            _fmt(native and native["setup"]), shown(native), ratio, ram,
-            f"[{anchor}](../benchmarks/results/INDEX.md#{slug})"]
+    lines = []
+    for key in sorted(runs, key=lambda k: tuple(str(x) for x in k)):
+        newest = sorted(runs[key].values(), key=lambda g: _neg_date(g[0]))
+        both = [g for g in newest if best(g, "pack") and best(g, "native")]
+        pack, native = (best((both or newest)[0], side) for side in ("pack", "native"))
+        if r := pack or native:
+            where = f"{r['how']}, {r['gpu'] or '—'}, ComfyUI {r['comfyui'] or '—'}, {r['date'] or '—'}"
+            ratio = f"**{_metric(native) / _metric(pack):.2f}x**" if pack and native else "—"
+            ram = f"{_fmt(pack and pack['peak_rss_gib'], 1)} / {_fmt(native and native['peak_rss_gib'], 1)}"
+            anchor = Path(r["run"]).name  # GitHub's anchor of its heading in INDEX.md
+            slug = re.sub(r"[^\w\- ]", "", anchor.strip().lower()).replace(" ", "-")
+            lines.append([model, fmt, _workload(r), where, _fmt(pack and pack["setup"]), shown(pack),
+                          _fmt(native and native["setup"]), shown(native), ratio, ram,
+                          f"[{anchor}](../benchmarks/results/INDEX.md#{slug})"])
+    return lines
 
 
 def by_card_markdown(rows: list[dict]) -> str:
@@ -233,8 +230,7 @@ def by_card_markdown(rows: list[dict]) -> str:
         for model in models:
             for fmt in formats:
                 cell = [r for r in one_gpu if (r["card_gib"], r["model"], r["file_format"]) == (card, model, fmt)]
-                cells += [_by_card_row(model, fmt, *line) for line in _cell_lines(cell)] or \
-                    [[model, fmt, "not measured" + " |" * 8]]  # the other eight cells empty
+                cells += _by_card_rows(model, fmt, cell) or [[model, fmt, "not measured" + " |" * 8]]  # 8 empty cells
         out += [f"## {_card(card).replace('GB', 'GB card').replace('whole', 'Whole')}", "", *table(
             ["model", "file", "workload", "how, GPU, ComfyUI, date", "fastest pack setup", "time", "native's best",
              "time", "pack vs native", "peak RAM GiB pack / native", "run"], cells), ""]
