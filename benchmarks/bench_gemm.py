@@ -27,8 +27,7 @@ BLOCK_LINEARS: tuple[tuple[str, str, int, int], ...] = (
     ("self_attn.q", "x_self", 5120, 5120), ("self_attn.k", "x_self", 5120, 5120),
     ("self_attn.v", "x_self", 5120, 5120), ("self_attn.o", "x_attn", 5120, 5120),
     ("cross_attn.q", "x_cross", 5120, 5120), ("cross_attn.o", "x_attn", 5120, 5120),
-    ("ffn.0", "x_ffn", 13824, 5120), ("ffn.2", "x_gelu", 5120, 13824),
-)
+    ("ffn.0", "x_ffn", 13824, 5120), ("ffn.2", "x_gelu", 5120, 13824))
 SIX = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.0", "ffn.2")  # block6: no cross-attention
 BLOCK_TOKENS = 32760  # Wan 14B 832x480x81
 FAMILIES = ("ln_mod", "gaussian", "massive")
@@ -119,17 +118,6 @@ def native_linears(weights: dict, device: torch.device) -> tuple[dict, str]:
         return {name: (lambda x, wd=wd: replicated(x, wd)) for name, wd in weights.items()}, how
 
 
-def _pack(weights: dict, path: str | None, act: fp8.ActQuant | None, name: str, x: torch.Tensor) -> torch.Tensor:
-    """A pack variant: fp8_linear on ``path`` with ``act``; path None: what the pack runs (the scale chooser's)."""
-    from comfyui_lowvram_dit.kernels import opaque_ops
-
-    wd = weights[name]
-    if path is None:
-        auto = fp8.select_path(x.device, None, *wd["q"].shape)
-        return opaque_ops.fp8_linear(x, wd["q"], wd["s"], wd["b"], None, auto)
-    return fp8.fp8_linear(x, wd["q"], wd["s"], wd["b"], path=path, act=act)
-
-
 def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> list[dict]:
     """One family: errors, the block (8 linears, and 6), each linear and each quantizer alone, timed interleaved."""
     device, linears, weights = setup["device"], setup["linears"], setup["weights"]
@@ -139,14 +127,22 @@ def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> l
     native_inputs = {k: v.clone() for k, v in inputs.items()}  # native clamps its input in place
     refs = {n: F.linear(inputs[key].reshape(-1, k)[:ERR_ROWS].float(), weights[n]["w"].float(),
                         weights[n]["b"].float()) for n, key, _, k in linears}
+    from comfyui_lowvram_dit.kernels import opaque_ops
+
+    def pack(path: str | None, act: fp8.ActQuant | None, n: str, x: torch.Tensor) -> torch.Tensor:
+        q, s, b = (weights[n][k] for k in "qsb")  # fp8_linear on path; None: what the pack runs (the scale chooser's)
+        if path is None:
+            return opaque_ops.fp8_linear(x, q, s, b, None, fp8.select_path(x.device, None, *q.shape))
+        return fp8.fp8_linear(x, q, s, b, path=path, act=act)
+
     # variant -> fn(linear's name, its input); one this GPU cannot run fails when timed
     w, tw, rw = weights, "scaled_mm_tensorwise", "scaled_mm_rowwise"
     variants = {"bf16 F.linear": lambda n, x: F.linear(x, w[n]["w"], w[n]["b"]),
                 NATIVE: lambda n, x: setup["native"][n](x),
-                "pack today (scale chooser, fast accum)": functools.partial(_pack, w, None, None),
-                "pack row-wise, no fast accum": functools.partial(_pack, w, rw, fp8.ActQuant()),
-                "pack tensor-wise (amax pass), no fast accum": functools.partial(_pack, w, tw, fp8.ActQuant()),
-                "pack row-wise + fast accum": functools.partial(_pack, w, rw, None)}
+                "pack today (scale chooser, fast accum)": functools.partial(pack, None, None),
+                "pack row-wise, no fast accum": functools.partial(pack, rw, fp8.ActQuant()),
+                "pack tensor-wise (amax pass), no fast accum": functools.partial(pack, tw, fp8.ActQuant()),
+                "pack row-wise + fast accum": functools.partial(pack, rw, None)}
 
     def run(v: str, subset: tuple[str, ...]) -> dict[str, torch.Tensor]:  # variant v's outputs of the linears
         x = native_inputs if v == NATIVE else inputs
