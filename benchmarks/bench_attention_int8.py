@@ -94,8 +94,7 @@ def backend_fn(name: str) -> Callable[..., torch.Tensor] | str:
 
 
 def time_shapes(shape_names: list[str], fns: dict, repeats: int, errors: bool) -> list[dict]:
-    """The timed rows: every backend of ``fns`` at every shape on Gaussian inputs at all heads, errors on ERR_HEADS (a
-    backend that cannot run here: a row saying why; a failure: its error)."""
+    """Every backend of ``fns`` timed at every shape (Gaussian inputs, all heads), its errors (ERR_HEADS) or why not."""
     rows = []
     for shape_name in shape_names:
         b, h, lq, lk, d = shape = SHAPES[shape_name]

@@ -185,8 +185,7 @@ def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> l
 
 
 def block_markdown(rows: list[dict], env: dict, m: int, native_how: str, repeats: int, warmup: int) -> list[str]:
-    """Per family: the block table (vs native), each linear and each quantizer; last the verdict: each pack variant's
-    speed vs native per family and whether it meets >= 1.05x at <= native's error in all."""
+    """Per family: the block table (vs native), each linear and each quantizer; last the verdict per pack variant."""
     lines = report.header("fp8_gemm: one Wan 14B block's fp8 linears", env, [
         f"native fp8_e4m3fn_fast: {native_how}",
         f"{m} tokens; block = {', '.join(n for n, *_ in BLOCK_LINEARS)} (cross_attn.k/v: text tokens, left out); "

@@ -175,8 +175,7 @@ def _metric(row: dict) -> float | None:
 
 
 def _by_card_rows(model: str, fmt: str, rows: list[dict]) -> list[list[str]]:
-    """One cell's by-card rows, per workload: the fastest pack row against native's best, from the newest run with both
-    (else the newest)."""
+    """A cell's rows: per workload, the pack's fastest vs native's best in the newest run with both (else newest)."""
     runs: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         runs[(r["how"], r["resolution"], r["frames"], r["cfg"], r["lora"], r["step_cache"])][r["run"]].append(r)

@@ -22,8 +22,7 @@ def time_fn(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: i
 
 
 def time_interleaved(fns: dict, device: torch.device, repeats: int, warmup: int) -> dict[str, float | str | None]:
-    """Median milliseconds per call of each fn, in rounds running each once (order rotating); a failed warm-up: its
-    error; no rounds: None."""
+    """Median ms per call of each fn, in rounds running each once (order rotating); a failed warm-up: its error."""
     # rounds, so that clock and power drift hit all alike (the H100 runs these GEMMs at its power limit)
     out: dict[str, list[float] | str] = {}
     for name, fn in fns.items():
@@ -51,4 +50,5 @@ def time_interleaved(fns: dict, device: torch.device, repeats: int, warmup: int)
             torch.cuda.synchronize(device)
         for name, (start, end) in marks.items():
             out[name].append(float(start.elapsed_time(end)))
-    return {name: t if isinstance(t, str) else statistics.median(t) if t else None for name, t in out.items()}
+    return {name: t if isinstance(t, str) else statistics.median(t) if t else None  # None: no rounds
+            for name, t in out.items()}
