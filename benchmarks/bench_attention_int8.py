@@ -62,8 +62,7 @@ def make_inputs(b: int, h: int, lq: int, lk: int, d: int, kind: str, seed: int =
         mult = torch.tensor([20.0, 30.0, 40.0, 50.0], device="cuda")
         q[..., ch] *= mult
         k[..., ch] = k[..., ch] * mult + 2 * mult
-        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True))
-        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True))
+        q, k = (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True)) for t in (q, k))  # per-token RMSNorm
         v = v + 0.5 * torch.randn(d, device="cuda", generator=g)
     return q.bfloat16(), k.bfloat16(), v.bfloat16()
 
@@ -221,8 +220,7 @@ def merge(report: dict, result: dict, label: str) -> None:
     report["rows"] += result.get("rows", [])
     by_key = {(r["shape_name"], r["family"]): r for r in report["families"]}
     for row in result.get("families", []):
-        mine = by_key.get((row["shape_name"], row["family"]))
-        if mine is None:
+        if (mine := by_key.get((row["shape_name"], row["family"]))) is None:
             report["families"].append(row)
         else:
             mine["errors"].update(row["errors"])
