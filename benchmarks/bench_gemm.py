@@ -384,9 +384,8 @@ def run_int8(args: argparse.Namespace, env: dict, device: torch.device) -> tuple
         for name, shape in shapes.items():
             rows += bench_shape(name, shape, device, args.repeats, args.warmup)
         blocks = chain_errors(device, args.tiny)
-    by: dict[str, list[dict]] = {}  # the summary: per variant, geometric-mean ratio to bf16 and mean error
-    for r in (r for r in rows if r["status"] == "ok" and "vs_bf16" in r):
-        by.setdefault(r["variant"], []).append(r)
+    ok = [r for r in rows if r["status"] == "ok" and "vs_bf16" in r]  # the summary: GEMMs that ran, per variant
+    by = {v: [r for r in ok if r["variant"] == v] for v in dict.fromkeys(r["variant"] for r in ok)}
     summary = ["## Summary (geometric mean over shapes)", ""]
     summary += [f"- {v}: {statistics.geometric_mean(r['vs_bf16'] for r in rs):.2f}x vs bf16, mean rel. err "
                 f"{statistics.mean(r['rel_err'] for r in rs):.3%}" for v, rs in by.items()]
