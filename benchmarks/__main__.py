@@ -1,7 +1,6 @@
 """The benchmark suite's one entry point: ``python -m comfyui_lowvram_dit.benchmarks SCENARIO [--out DIR] [options]``.
 
-``--list`` prints the scenarios; options after the name win over the scenario's own.
-"""
+``--list`` prints the scenarios; options after the name win over the scenario's own."""
 
 from __future__ import annotations
 
