@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from comfyui_lowvram_dit.benchmarks import report
 from comfyui_lowvram_dit.benchmarks.results_index import ROW_FIELDS
@@ -120,10 +119,9 @@ def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
         "median step; peak RSS: the server process's VmHWM (first render of a server) or sampled RSS; VRAM: the "
         "process per nvidia-smi. Output vs native: ||a - b|| / ||b|| of the final latents of the first-ever renders "
         "(same seed).")])
-    groups: dict[tuple[str, Any], list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r.get("title") or r.get("model") or "?", r.get("card_gib")), []).append(r)
-    for (title, card), members in groups.items():  # a table per workflow and card
+    group = lambda r: (r.get("title") or r.get("model") or "?", r.get("card_gib"))  # a table per workflow and card
+    for title, card in dict.fromkeys(map(group, rows)):
+        members = [r for r in rows if group(r) == (title, card)]
         members.sort(key=lambda r: (r.get("setup_id") != NATIVE, r.get("name")))
         first, cells = members[0], []
         facts = ", ".join(str(x) for x in (first.get("resolution"), first.get("frames") and f"{first['frames']} "
