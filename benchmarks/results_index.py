@@ -107,10 +107,6 @@ def _fmt(value: object, digits: int = 3) -> str:
     return f"{value:.{digits}f}".rstrip("0").rstrip(".") if isinstance(value, float) else cell(value)
 
 
-def _card(gib: float | None) -> str:
-    return "whole GPU" if gib is None else f"{gib:g} GB"
-
-
 def _workload(row: dict) -> str:
     """Resolution x frames, steps and cfg as one cell."""
     size = row["resolution"] + (f"x{row['frames']}" if row["frames"] else "") if row["resolution"] else "—"
@@ -147,7 +143,8 @@ def index_markdown(rows: list[dict], components: list[dict]) -> str:
             model = group[0]["model"]
             out += [f"## {model}", ""]
         cells = [[r["name"] + ("" if r["status"] == "ok" else f" ({r['status']})"), r["side"], _fmt(r["setup"]),
-                  _workload(r), _card(r["card_gib"]) + (f" x{r['gpus']} GPUs" if r["gpus"] > 1 else ""),
+                  _workload(r), ("whole GPU" if r["card_gib"] is None else f"{r['card_gib']:g} GB")
+                  + (f" x{r['gpus']} GPUs" if r["gpus"] > 1 else ""),
                   r["file_format"], _fmt(r["memory_manager"]), _fmt(r["s_per_step"]), _fmt(r["render_s"], 1),
                   _fmt(r["peak_vram_gib"], 2), _fmt(r["peak_rss_gib"], 2), _fmt(r["against"]),
                   _fmt(r["ratio"], 2) + "x" if r["ratio"] else "—"] for r in group]
@@ -167,17 +164,13 @@ def index_markdown(rows: list[dict], components: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _metric(row: dict) -> float | None:
-    """What a row is ranked by: the render time where one was measured (what users wait for), else s/step."""
-    return row["render_s"] or row["s_per_step"]
-
-
 def _by_card_rows(model: str, fmt: str, rows: list[dict]) -> list[list[str]]:
     """A cell's rows: per workload, the pack's fastest vs native's best in the newest run with both (else newest)."""
     runs: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         runs[(r["how"], r["resolution"], r["frames"], r["cfg"], r["lora"], r["step_cache"])][r["run"]].append(r)
-    best = lambda g, side: min((r for r in g if r["side"] == side and r["status"] == "ok" and _metric(r)), key=_metric,
+    metric = lambda r: r["render_s"] or r["s_per_step"]  # a row's rank: the render time users wait for, else s/step
+    best = lambda g, side: min((r for r in g if r["side"] == side and r["status"] == "ok" and metric(r)), key=metric,
                                default=None)  # the fastest timed row of a side in a run
 
     def shown(row: dict | None) -> str:
@@ -199,7 +192,7 @@ def _by_card_rows(model: str, fmt: str, rows: list[dict]) -> list[list[str]]:
         pack, native = (best((both or newest)[0], side) for side in ("pack", "native"))
         if r := pack or native:
             where = f"{r['how']}, {r['gpu'] or '—'}, ComfyUI {r['comfyui'] or '—'}, {r['date'] or '—'}"
-            ratio = f"**{_metric(native) / _metric(pack):.2f}x**" if pack and native else "—"
+            ratio = f"**{metric(native) / metric(pack):.2f}x**" if pack and native else "—"
             ram = f"{_fmt(pack and pack['peak_rss_gib'], 1)} / {_fmt(native and native['peak_rss_gib'], 1)}"
             anchor = Path(r["run"]).name  # GitHub's anchor of its heading in INDEX.md
             slug = re.sub(r"[^\w\- ]", "", anchor.strip().lower()).replace(" ", "-")
@@ -228,7 +221,7 @@ def by_card_markdown(rows: list[dict]) -> str:
             for fmt in formats:
                 cell = [r for r in one_gpu if (r["card_gib"], r["model"], r["file_format"]) == (card, model, fmt)]
                 cells += _by_card_rows(model, fmt, cell) or [[model, fmt, "not measured" + " |" * 8]]  # 8 empty cells
-        out += [f"## {_card(card).replace('GB', 'GB card').replace('whole', 'Whole')}", "", *table(
+        out += [f"## {'Whole GPU' if card is None else f'{card:g} GB card'}", "", *table(
             ["model", "file", "workload", "how, GPU, ComfyUI, date", "fastest pack setup", "time", "native's best",
              "time", "pack vs native", "peak RAM GiB pack / native", "run"], cells), ""]
     return "\n".join(out).rstrip() + "\n"
