@@ -79,11 +79,8 @@ def compare(rows: list[dict], latents: Path) -> list[dict]:
 
 def _seconds(row: dict, kind: str, native: dict | None) -> str:
     """One render's seconds, with native's seconds / these in brackets."""
-    r = (row.get("renders") or {}).get(kind)
-    if not r:
-        return "—"
-    if r.get("status") != "ok":
-        return r.get("status", "?")
+    if not (r := (row.get("renders") or {}).get(kind)) or r.get("status") != "ok":
+        return r.get("status", "?") if r else "—"
     n = ((native or {}).get("renders") or {}).get(kind) or {}
     ratio = f" ({n['total_s'] / r['total_s']:.2f}x)" if n.get("status") == "ok" and r.get("total_s") else ""
     spread = r.get("repeats_s") or []
