@@ -51,10 +51,8 @@ def read(data: object, source: str) -> tuple[dict, list[dict]]:
 
 def _link_against(rows: list[dict]) -> None:
     """Give every row without one the fastest native row of its run and workload as ``against``, and the ratio."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for row in rows:
-        groups[(row["run"], *(row[k] for k in WORKLOAD))].append(row)
-    for group in groups.values():
+    key = lambda r: (r["run"], *(r[k] for k in WORKLOAD))  # rows of one run and workload: a group
+    for group in ([r for r in rows if key(r) == k] for k in dict.fromkeys(map(key, rows))):
         timed = [r for r in group if r["status"] == "ok" and r["s_per_step"]]
         for row in timed:
             natives = [r for r in timed if r["side"] == "native" and r is not row]
