@@ -89,8 +89,7 @@ def main() -> None:
     p.add_argument("wheel", type=Path)
     p.add_argument("--sm", type=int, required=True, help="SM to keep, e.g. 90 for H100/H200")
     p.add_argument("--drop", action="append", default=[], help="glob of wheel paths to remove")
-    a = p.parse_args()
-    slim(a.wheel, a.sm, a.drop)
+    slim(**vars(p.parse_args()))  # wheel, sm, drop
 
 
 if __name__ == "__main__":

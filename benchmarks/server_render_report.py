@@ -52,8 +52,7 @@ def compare(rows: list[dict], latents: Path) -> list[dict]:
     """Each finished row gets ``against``, ``ratio`` and ``outputs_compared``: ``||a - b|| / ||b||`` of its kept
     latents and the other row's first-ever one (the earlier result when a file is gone); returns ``rows``."""
     for row in rows:
-        for key in ROW_KEYS:
-            row.setdefault(key, None)
+        row.update({key: row.get(key) for key in ROW_KEYS})  # every key, appended as None where it is missing
         if row.get("status") != "ok":
             continue
         native = native_row(row, rows)
