@@ -1,7 +1,6 @@
 """The benchmark suite's one entry point: ``python -m comfyui_lowvram_dit.benchmarks SCENARIO [--out DIR] [options]``.
 
-``--list`` prints the scenarios; options after the name win over the scenario's own.
-"""
+``--list`` prints the scenarios; options after the name win over the scenario's own."""
 
 from __future__ import annotations
 
@@ -39,18 +38,13 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-def listing() -> str:
-    """One line per scenario: name, module and starting arguments, what it measures."""
-    width = max(map(len, SCENARIOS))
-    return "\n".join(f"{name:<{width}}  {s.what} [{s.module}{' ' + ' '.join(s.args) if s.args else ''}]"
-                     for name, s in SCENARIOS.items())
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the scenario named first in ``argv`` with the rest of ``argv``; ``--list`` lists them."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("--list", "-l", "--help", "-h"):
-        print(__doc__.strip().splitlines()[0] + "\n\n" + listing())
+        width = max(map(len, SCENARIOS))  # one line per scenario: what it measures, module and starting arguments
+        print(__doc__.strip().splitlines()[0], "", *(f"{name:<{width}}  {s.what} [{' '.join((s.module, *s.args))}]"
+                                                      for name, s in SCENARIOS.items()), sep="\n")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in SCENARIOS:

@@ -6,18 +6,19 @@ of one package cannot share a process); inputs come from fixed seeds, so every p
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import functools
 import json
 import os
-import statistics
+import runpy
 import subprocess
 import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
-from types import ModuleType
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -26,14 +27,14 @@ from comfyui_lowvram_dit.benchmarks import report as reports
 from comfyui_lowvram_dit.benchmarks.report import say
 from comfyui_lowvram_dit.benchmarks.timing import time_fn
 from comfyui_lowvram_dit.kernels import attention_int8 as A
+from comfyui_lowvram_dit.kernels.attention_backends import BackendUnavailable
 
 # (B, H, Lq, Lk, D): the token counts of Wan 2.2 and Qwen-Image at these resolutions
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "wan14b_480p_self": (1, 40, 32760, 32760, 128),  # 832x480x81 -> 21 x 60 x 104 / (1x2x2) patches
     "wan14b_480p_cross": (1, 40, 32760, 512, 128),  # umT5 text context, 512 tokens
     "wan14b_720p_self": (1, 40, 75600, 75600, 128),  # 1280x720x81 -> 21 x 90 x 160 / 4
-    "wan14b_720p_cross": (1, 40, 75600, 512, 128),
-}
+    "wan14b_720p_cross": (1, 40, 75600, 512, 128)}
 # ours: (Q·Kᵀ format, P·V format, hi_keys). "int8_int8" is what "auto" runs where int8 P·V is chosen, "int8_fp8" on
 # other sm89+ GPUs, "int8_fp16" on sm80/86 and the selectable precise scheme; "int8_fp8_old" the scheme before the
 # 16-bit keys (the speed baseline). hi_keys None = hi_key_count(Lk), 0 = none.
@@ -52,10 +53,6 @@ WORKER_TIMEOUT_S = 240
 KITCHEN_STEM = "bench_attention_kitchen"
 
 
-class BackendUnavailable(RuntimeError):
-    """A backend that cannot run in this environment; its rows carry the reason instead of numbers."""
-
-
 def make_inputs(b: int, h: int, lq: int, lk: int, d: int, kind: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """bf16 [B, H, L, D] on the GPU; "outlier": 4 channels 20-50x, K channel bias, per-token RMSNorm."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -65,88 +62,66 @@ def make_inputs(b: int, h: int, lq: int, lk: int, d: int, kind: str, seed: int =
         mult = torch.tensor([20.0, 30.0, 40.0, 50.0], device="cuda")
         q[..., ch] *= mult
         k[..., ch] = k[..., ch] * mult + 2 * mult
-        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True))
-        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True))
+        q, k = (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True)) for t in (q, k))  # per-token RMSNorm
         v = v + 0.5 * torch.randn(d, device="cuda", generator=g)
     return q.bfloat16(), k.bfloat16(), v.bfloat16()
 
 
-def backend_fn(name: str) -> Callable[..., torch.Tensor]:
-    """callable(q, k, v) -> out for a backend name (BackendUnavailable when it cannot run here)."""
+def backend_fn(name: str) -> Callable[..., torch.Tensor] | str:
+    """callable(q, k, v) -> out for a backend name, or why it cannot run here (a string)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if name == "comfy_kitchen_int8":  # as ComfyUI runs it: [B, H, L, D] (last dim contiguous), scale 1/sqrt(D)
         try:
             import comfy_kitchen
-        except Exception as exc:  # ImportError, or its CUDA extension failing to load
-            raise BackendUnavailable(f"comfy_kitchen does not import: {reports.error_text(exc, 280)}") from exc
+        except Exception as exc:  # noqa: BLE001 - ImportError, or its CUDA extension failing to load
+            return f"comfy_kitchen does not import: {reports.error_text(exc, 280)}"
         if not hasattr(comfy_kitchen, "int8_attention"):
-            version = getattr(comfy_kitchen, "__version__", "?")
-            raise BackendUnavailable(f"comfy_kitchen {version} has no int8_attention")
+            return f"comfy_kitchen {getattr(comfy_kitchen, '__version__', '?')} has no int8_attention"
         if not comfy_kitchen.int8_attention_is_available():
-            raise BackendUnavailable("comfy_kitchen.int8_attention_is_available() is False on this GPU")
+            return "comfy_kitchen.int8_attention_is_available() is False on this GPU"
         return comfy_kitchen.int8_attention
-    if name == "sdpa_cudnn":
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v)
-        return run
+    if name == "sdpa_cudnn":  # SDPA with only its cuDNN backend allowed (sdpa_kernel used as a decorator)
+        return sdpa_kernel(SDPBackend.CUDNN_ATTENTION)(F.scaled_dot_product_attention)
     if name in ("prologue", "prologue_old"):  # the auto formats' prologue; _old: without the key sort (hi_keys=0)
         qk, pv = A.resolve_formats(torch.device("cuda"))
         hi = 0 if name == "prologue_old" else None
         return lambda q, k, v: A.quantize_qkv(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
     qk, pv, hi = OURS[name]
-    if not torch.cuda.is_available():  # the CPU smoke run: the fp32 emulation of the same scheme
-        return lambda q, k, v: A.attention_int8_reference(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
-    return lambda q, k, v: A.attention_int8(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
-
-
-def backend_fns(names: Iterable[str]) -> dict[str, Callable[..., torch.Tensor] | str]:
-    """{backend: fn} in the order of ``names``, and for a backend that cannot run here the reason (a string)."""
-    fns: dict[str, Callable[..., torch.Tensor] | str] = {}
-    for name in names:
-        try:
-            fns[name] = backend_fn(name)
-        except BackendUnavailable as exc:
-            fns[name] = str(exc)
-    return fns
-
-
-def measure(name: str, fn: Callable[..., torch.Tensor], shape: tuple[int, ...], repeats: int,
-            errors: bool = True) -> dict:
-    """One timed (backend, shape) row on Gaussian inputs at all heads, errors on ERR_HEADS; a failure: its error."""
-    b, h, lq, lk, d = shape
-    row: dict = {"backend": name, "shape": list(shape)}
-    try:
-        q, k, v = make_inputs(b, h, lq, lk, d, "gauss")
-        t0 = time.perf_counter()
-        fn(q, k, v)  # first call: compile + autotune for ours
-        torch.cuda.synchronize()
-        row["first_call_s"] = round(time.perf_counter() - t0, 2)
-        row["time_ms"] = statistics.median(time_fn(lambda: fn(q, k, v), q.device, repeats, 2))
-        if not name.startswith("prologue"):
-            row["tflops"] = 4 * b * h * lq * lk * d / (row["time_ms"] * 1e-3) / 1e12
-            for kind in ("gauss", "outlier") if errors else ():  # vs fp32 math, Gaussian and outlier-heavy inputs
-                q, k, v = make_inputs(b, min(h, ERR_HEADS), lq, lk, d, kind, seed=1)
-                ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-                row[f"err_{kind}"] = A.relative_error(fn(q, k, v), ref)
-        q = k = v = ref = None  # free the inputs before empty_cache (the lambda above is done with them)
-    except Exception as exc:  # out of memory, an unsupported shape: a result, not a crash
-        row["error"] = reports.error_text(exc, 500)
-    torch.cuda.empty_cache()
-    return row
+    ours = A.attention_int8 if torch.cuda.is_available() else A.attention_int8_reference  # CPU smoke: fp32 emulation
+    return lambda q, k, v: ours(q, k, v, qk_format=qk, pv_format=pv, hi_keys=hi)
 
 
 def time_shapes(shape_names: list[str], fns: dict, repeats: int, errors: bool) -> list[dict]:
-    """The timed rows: every backend of ``fns`` at every shape (one that cannot run here: a row saying why)."""
+    """Every backend of ``fns`` timed at every shape (Gaussian inputs, all heads), its errors (ERR_HEADS) or why not."""
     rows = []
     for shape_name in shape_names:
-        shape = SHAPES[shape_name]
+        b, h, lq, lk, d = shape = SHAPES[shape_name]
         say(f"{shape_name} {shape}:")
-        reps = repeats if shape[2] * shape[3] < 2e9 else max(3, repeats // 2)
+        reps = repeats if lq * lk < 2e9 else max(3, repeats // 2)
         for name, fn in fns.items():
-            row = (measure(name, fn, shape, reps, errors) if callable(fn)
-                   else {"backend": name, "shape": list(shape), "skipped": fn})
+            row: dict = {"backend": name, "shape": list(shape)}
+            try:
+                if isinstance(fn, str):
+                    raise BackendUnavailable(fn)
+                q, k, v = make_inputs(b, h, lq, lk, d, "gauss")
+                t0 = time.perf_counter()
+                fn(q, k, v)  # first call: compile + autotune for ours
+                torch.cuda.synchronize()
+                row["first_call_s"] = round(time.perf_counter() - t0, 2)
+                row["time_ms"] = time_fn(functools.partial(fn, q, k, v), q.device, reps, 2)
+                if not name.startswith("prologue"):
+                    row["tflops"] = 4 * b * h * lq * lk * d / (row["time_ms"] * 1e-3) / 1e12
+                    for kind in ("gauss", "outlier") if errors else ():  # vs fp32 math, Gaussian and outlier-heavy
+                        q, k, v = make_inputs(b, min(h, ERR_HEADS), lq, lk, d, kind, seed=1)
+                        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+                        row[f"err_{kind}"] = A.relative_error(fn(q, k, v), ref)
+                q = k = v = ref = None  # free the inputs before empty_cache (the timed partial is done with them)
+            except BackendUnavailable as exc:
+                row["skipped"] = str(exc)
+            except Exception as exc:  # out of memory, an unsupported shape: a result, not a crash
+                row["error"] = reports.error_text(exc, 500)
+            torch.cuda.empty_cache()
             row["shape_name"] = shape_name
             say(f"  {name:10s} " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in row.items() if k not in ("shape", "shape_name", "backend")))
@@ -177,12 +152,9 @@ def check_kernel(names: list[str]) -> list[dict]:
     return rows
 
 
-def families_module() -> ModuleType:
-    """tests/unit/attention_families.py, loaded by path (the tests are not a package)."""
-    spec = importlib.util.spec_from_file_location("attention_families", FAMILIES_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def families_module() -> SimpleNamespace:
+    """tests/unit/attention_families.py, run by path (the tests are not a package)."""
+    return SimpleNamespace(**runpy.run_path(str(FAMILIES_FILE)))
 
 
 def family_errors(shape_name: str, shape: tuple[int, ...], fns: dict, families: list[str],
@@ -211,23 +183,7 @@ def family_errors(shape_name: str, shape: tuple[int, ...], fns: dict, families: 
     return rows
 
 
-# comfy-kitchen versions, each in its own process
-def worker(args: argparse.Namespace) -> int:
-    """--worker: time the comfy-kitchen importable here (its site dir first on sys.path); JSON on stdout."""
-    from importlib import metadata
-
-    out: dict = {"site": args.worker}
-    try:
-        fns = {f"comfy_kitchen {metadata.version('comfy-kitchen')}": backend_fn("comfy_kitchen_int8")}
-        out["versions"] = list(fns)
-        out["rows"] = time_shapes(args.shapes, fns, args.repeats, errors=False)
-        out["families"] = [r for s in args.shapes for r in family_errors(s, SHAPES[s], fns, args.families)]
-    except Exception as exc:  # not installed, too old for int8 attention, extension not loading
-        out["error"] = reports.error_text(exc, 400)
-    print("RESULT" + json.dumps(out, default=str), flush=True)
-    return 0
-
-
+# comfy-kitchen versions, each in its own process (the --worker child: main)
 def install_wheels(dirs: list[Path], into: Path) -> list[dict]:
     """Each comfy-kitchen wheel in ``dirs`` unzipped into its own folder: [{wheel, site} or {wheel, error}]."""
     sites = []  # a wheel is a zip of its installed files, which is what ``pip install --target`` puts there
@@ -264,8 +220,7 @@ def merge(report: dict, result: dict, label: str) -> None:
     report["rows"] += result.get("rows", [])
     by_key = {(r["shape_name"], r["family"]): r for r in report["families"]}
     for row in result.get("families", []):
-        mine = by_key.get((row["shape_name"], row["family"]))
-        if mine is None:
+        if (mine := by_key.get((row["shape_name"], row["family"]))) is None:
             report["families"].append(row)
         else:
             mine["errors"].update(row["errors"])
@@ -347,8 +302,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Either scenario (``--kitchen``), the ``--worker`` child or the CPU ``--smoke``, from ``argv``."""
     args = parse_args(argv)
-    if args.worker is not None:
-        return worker(args)
+    if args.worker is not None:  # the child timing the comfy-kitchen importable here (its site first on sys.path)
+        out: dict = {"site": args.worker}
+        try:
+            label, fn = f"comfy_kitchen {metadata.version('comfy-kitchen')}", backend_fn("comfy_kitchen_int8")
+            if isinstance(fn, str):  # not importable, too old for int8 attention, or not on this GPU
+                raise BackendUnavailable(fn)
+            out["versions"] = [label]
+            out["rows"] = time_shapes(args.shapes, {label: fn}, args.repeats, errors=False)
+            out["families"] = [r for s in args.shapes for r in family_errors(s, SHAPES[s], {label: fn}, args.families)]
+        except Exception as exc:  # not installed, too old for int8 attention, extension not loading
+            out["error"] = reports.error_text(exc, 400)
+        print("RESULT" + json.dumps(out, default=str), flush=True)  # JSON on stdout, read by run_worker
+        return 0
     if args.smoke:  # every family's error for ours (the emulation of the new and the old scheme), tiny shape
         fns = {n: backend_fn(n) for n in ("int8_fp16", "int8_fp8", "int8_fp8_old")}
         rows = family_errors("smoke", (1, FAMILY_HEADS, 256, 256, 128), fns, args.families, device="cpu")
@@ -373,12 +339,13 @@ def main(argv: list[str] | None = None) -> int:
 
     say("kernel vs emulation:")  # first, so that a broken kernel shows before the long timings
     report["checks"] = check_kernel([n for n in OURS if n in args.backends])
-    report["rows"] = time_shapes(args.shapes, backend_fns(args.backends), args.repeats, errors=not args.kitchen)
+    fns = {n: backend_fn(n) for n in args.backends}
+    report["rows"] = time_shapes(args.shapes, fns, args.repeats, errors=not args.kitchen)
     write()
     if args.families is not None:
         say(f"error per input family ({FAMILY_HEADS} heads):")
         names = [n for n in args.backends if not n.startswith("prologue")] if args.kitchen else FAMILY_BACKENDS
-        fns = backend_fns(names)
+        fns = {n: backend_fn(n) for n in names}
         for shape_name in args.shapes:
             report["families"] += family_errors(shape_name, SHAPES[shape_name], fns, args.families)
             write()

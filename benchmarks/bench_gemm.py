@@ -27,13 +27,13 @@ BLOCK_LINEARS: tuple[tuple[str, str, int, int], ...] = (
     ("self_attn.q", "x_self", 5120, 5120), ("self_attn.k", "x_self", 5120, 5120),
     ("self_attn.v", "x_self", 5120, 5120), ("self_attn.o", "x_attn", 5120, 5120),
     ("cross_attn.q", "x_cross", 5120, 5120), ("cross_attn.o", "x_attn", 5120, 5120),
-    ("ffn.0", "x_ffn", 13824, 5120), ("ffn.2", "x_gelu", 5120, 13824),
-)
+    ("ffn.0", "x_ffn", 13824, 5120), ("ffn.2", "x_gelu", 5120, 13824))
 SIX = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.0", "ffn.2")  # block6: no cross-attention
 BLOCK_TOKENS = 32760  # Wan 14B 832x480x81
 FAMILIES = ("ln_mod", "gaussian", "massive")
 DRY_DIV = 40  # --dry: widths / 40 (rounded to 16), 64 tokens, on the CPU
 NATIVE = "native fp8_e4m3fn_fast"
+VERDICT = "## Verdict (target: >= 1.05x native per block at equal or lower error, every family)"
 # int8_gemm's (M tokens, K in, N out): Wan 14B 832x480x81 -> 21x30x52 = 32,760 tokens; Qwen-Image 1328x1328 -> 6,889.
 SHAPES: dict[str, tuple[int, int, int]] = {
     "wan14b_qkvo": (32760, 5120, 5120), "wan14b_ffn_up": (32760, 5120, 13824), "wan14b_ffn_down": (32760, 13824, 5120),
@@ -118,21 +118,6 @@ def native_linears(weights: dict, device: torch.device) -> tuple[dict, str]:
         return {name: (lambda x, wd=wd: replicated(x, wd)) for name, wd in weights.items()}, how
 
 
-def _pack(weights: dict, path: str | None, act: fp8.ActQuant | None, name: str, x: torch.Tensor) -> torch.Tensor:
-    """A pack variant: fp8_linear on ``path`` with ``act``; path None: what the pack runs (the scale chooser's)."""
-    from comfyui_lowvram_dit.kernels import opaque_ops
-
-    wd = weights[name]
-    if path is None:
-        auto = fp8.select_path(x.device, None, *wd["q"].shape)
-        return opaque_ops.fp8_linear(x, wd["q"], wd["s"], wd["b"], None, auto)
-    return fp8.fp8_linear(x, wd["q"], wd["s"], wd["b"], path=path, act=act)
-
-
-def _med(t: list[float] | str) -> float | None:
-    return statistics.median(t) if isinstance(t, list) and t else None
-
-
 def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> list[dict]:
     """One family: errors, the block (8 linears, and 6), each linear and each quantizer alone, timed interleaved."""
     device, linears, weights = setup["device"], setup["linears"], setup["weights"]
@@ -142,14 +127,22 @@ def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> l
     native_inputs = {k: v.clone() for k, v in inputs.items()}  # native clamps its input in place
     refs = {n: F.linear(inputs[key].reshape(-1, k)[:ERR_ROWS].float(), weights[n]["w"].float(),
                         weights[n]["b"].float()) for n, key, _, k in linears}
+    from comfyui_lowvram_dit.kernels import opaque_ops
+
+    def pack(path: str | None, act: fp8.ActQuant | None, n: str, x: torch.Tensor) -> torch.Tensor:
+        q, s, b = (weights[n][k] for k in "qsb")  # fp8_linear on path; None: what the pack runs (the scale chooser's)
+        if path is None:
+            return opaque_ops.fp8_linear(x, q, s, b, None, fp8.select_path(x.device, None, *q.shape))
+        return fp8.fp8_linear(x, q, s, b, path=path, act=act)
+
     # variant -> fn(linear's name, its input); one this GPU cannot run fails when timed
     w, tw, rw = weights, "scaled_mm_tensorwise", "scaled_mm_rowwise"
     variants = {"bf16 F.linear": lambda n, x: F.linear(x, w[n]["w"], w[n]["b"]),
                 NATIVE: lambda n, x: setup["native"][n](x),
-                "pack today (scale chooser, fast accum)": functools.partial(_pack, w, None, None),
-                "pack row-wise, no fast accum": functools.partial(_pack, w, rw, fp8.ActQuant()),
-                "pack tensor-wise (amax pass), no fast accum": functools.partial(_pack, w, tw, fp8.ActQuant()),
-                "pack row-wise + fast accum": functools.partial(_pack, w, rw, None)}
+                "pack today (scale chooser, fast accum)": functools.partial(pack, None, None),
+                "pack row-wise, no fast accum": functools.partial(pack, rw, fp8.ActQuant()),
+                "pack tensor-wise (amax pass), no fast accum": functools.partial(pack, tw, fp8.ActQuant()),
+                "pack row-wise + fast accum": functools.partial(pack, rw, None)}
 
     def run(v: str, subset: tuple[str, ...]) -> dict[str, torch.Tensor]:  # variant v's outputs of the linears
         x = native_inputs if v == NATIVE else inputs
@@ -163,21 +156,6 @@ def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> l
                        for n, y in run(v, names).items()}
         except Exception as exc:  # noqa: BLE001 - reported as the variant's result
             errs[v] = report.error_text(exc)
-    rows: list[dict] = []
-    for kind, subset in (("block8", names), ("block6", SIX)):
-        fns = {v: functools.partial(run, v, subset) for v in variants}
-        for v, t in time_interleaved(fns, device, repeats, warmup).items():
-            e = {n: errs[v][n] for n in subset} if isinstance(errs[v], dict) else {}
-            rows.append({"kind": kind, "family": family, "variant": v, "time_ms": _med(t),
-                         "status": "ok" if _med(t) is not None and e else "error",
-                         "error": t if isinstance(t, str) else (errs[v] if isinstance(errs[v], str) else None),
-                         "err_mean": statistics.mean(e.values()) if e else None,
-                         "err_max": max(e.values(), default=None), "errors": e})
-    for n in names:
-        fns = {v: functools.partial(run, v, (n,)) for v in variants}
-        for v, t in time_interleaved(fns, device, repeats, warmup).items():
-            rows.append({"kind": "linear", "family": family, "variant": v, "linear": n, "time_ms": _med(t),
-                         "err": errs[v].get(n) if isinstance(errs[v], dict) else None})
     quant: dict[str, Callable] = {}  # the activation quantizers alone per distinct input: what a path pays first
     for key in sorted(inputs):
         x2, xn = inputs[key].reshape(-1, inputs[key].shape[-1]), native_inputs[key].reshape(-1, inputs[key].shape[-1])
@@ -188,35 +166,44 @@ def bench_block_family(family: str, setup: dict, repeats: int, warmup: int) -> l
             quant[f"{tag}: tensor (norm + Triton)"] = lambda x2=x2: fp8_triton.quantize_tensorwise(x2)
         else:
             quant[f"{tag}: row (torch)"] = lambda x2=x2: fp8.quantize_rowwise_torch(x2)
-    for q, t in time_interleaved(quant, device, repeats, warmup).items():
-        rows.append({"kind": "quant", "family": family, "variant": q, "time_ms": _med(t)})
+    rows: list[dict] = []  # the block (8 linears, then 6), each linear alone, the quantizers alone
+    for kind, subset in (("block8", names), ("block6", SIX), *(("linear", (n,)) for n in names), ("quant", ())):
+        fns = quant if kind == "quant" else {v: functools.partial(run, v, subset) for v in variants}
+        for v, t in time_interleaved(fns, device, repeats, warmup).items():
+            row = {"kind": kind, "family": family, "variant": v, **({"linear": subset[0]} if kind == "linear" else {}),
+                   "time_ms": t if isinstance(t, float) else None}
+            e = {n: errs[v][n] for n in subset} if kind != "quant" and isinstance(errs[v], dict) else {}
+            if kind == "linear":
+                row["err"] = e.get(subset[0])
+            elif kind != "quant":
+                row.update(status="ok" if row["time_ms"] is not None and e else "error",
+                           error=t if isinstance(t, str) else (errs[v] if isinstance(errs[v], str) else None),
+                           err_mean=statistics.mean(e.values()) if e else None, err_max=max(e.values(), default=None),
+                           errors=e)
+            rows.append(row)
     return rows
 
 
-def _x(a: float | None, b: float | None) -> str:
-    return f"{a / b:.3f}x" if a and b else ""
-
-
 def block_markdown(rows: list[dict], env: dict, m: int, native_how: str, repeats: int, warmup: int) -> list[str]:
-    """Per family: the block table (vs native), then each linear and each quantizer."""
+    """Per family: the block table (vs native), each linear and each quantizer; last the verdict per pack variant."""
     lines = report.header("fp8_gemm: one Wan 14B block's fp8 linears", env, [
         f"native fp8_e4m3fn_fast: {native_how}",
         f"{m} tokens; block = {', '.join(n for n, *_ in BLOCK_LINEARS)} (cross_attn.k/v: text tokens, left out); "
         f"block6 = {', '.join(SIX)}",
         f"timing: CUDA events, {warmup} warm-up rounds then {repeats} rounds, every variant once per round (order "
         f"rotating), median; error: rel. Frobenius error vs fp32 on the first {ERR_ROWS} tokens, after one warm call"])
-    for fam in dict.fromkeys(r["family"] for r in rows):
+    x = lambda a, b: f"{a / b:.3f}x" if a and b else ""  # a ratio cell, empty without both
+    families = list(dict.fromkeys(r["family"] for r in rows))
+    for fam in families:
         fr = [r for r in rows if r["family"] == fam]
         by = {(r["kind"], r["variant"]): r for r in fr}
-        nat8, nat6 = (by.get((k, NATIVE), {}).get("time_ms") for k in ("block8", "block6"))
-        block = []
-        for r in (r for r in fr if r["kind"] == "block8"):
-            r6 = by.get(("block6", r["variant"]), {})
-            block.append([r["variant"], f"{r['status']}: {report.cell(r.get('error'))[:100]}", "", "", "", "", "", ""]
-                         if r["status"] != "ok" else
-                         [r["variant"], f"{r['time_ms']:.3f}", _x(nat8, r["time_ms"]), f"{r6.get('time_ms') or 0:.3f}",
-                          _x(nat6, r6.get("time_ms")), f"{r['err_mean']:.3%}", f"{r['err_max']:.3%}",
-                          _x(r["err_mean"], by.get(("block8", NATIVE), {}).get("err_mean"))])
+        n8, n6 = by.get(("block8", NATIVE), {}), by.get(("block6", NATIVE), {})
+        block = [[r["variant"], f"{r['status']}: {report.cell(r.get('error'))[:100]}", *[""] * 6]
+                 if r["status"] != "ok" else
+                 [r["variant"], f"{r['time_ms']:.3f}", x(n8.get("time_ms"), r["time_ms"]),
+                  f"{r6.get('time_ms') or 0:.3f}", x(n6.get("time_ms"), r6.get("time_ms")), f"{r['err_mean']:.3%}",
+                  f"{r['err_max']:.3%}", x(r["err_mean"], n8.get("err_mean"))]
+                 for r, r6 in ((r, by.get(("block6", r["variant"]), {})) for r in fr if r["kind"] == "block8")]
         per = {(r["variant"], r["linear"]): r.get("time_ms") for r in fr if r["kind"] == "linear"}
         names = list(dict.fromkeys(n for _, n in per))
         linears = [[v, *(report.cell(per.get((v, n)), "{:.3f}") for n in names)]
@@ -225,26 +212,16 @@ def block_markdown(rows: list[dict], env: dict, m: int, native_how: str, repeats
         lines += [f"## {fam}", "", *report.table(["variant", "ms / block (8)", "vs native", "ms (6)", "vs native",
                                                   "mean rel. err", "max rel. err", "err vs native"], block), "",
                   *report.table(["variant", *names], linears), "", *report.table(["quantizer alone", "ms"], quant), ""]
-    return lines + block_summary(rows)
-
-
-def block_summary(rows: list[dict]) -> list[str]:
-    """Per pack variant: speed vs native per family and whether it meets >= 1.05x at <= native's error in all."""
-    out = ["## Verdict (target: >= 1.05x native per block at equal or lower error, every family)", ""]
+    lines += [VERDICT, ""]
     b8 = {(r["family"], r["variant"]): r for r in rows if r["kind"] == "block8" and r["status"] == "ok"}
     for v in dict.fromkeys(r["variant"] for r in rows if r["kind"] == "block8" and r["variant"].startswith("pack")):
-        parts, ok = [], True
-        for f in dict.fromkeys(r["family"] for r in rows):
-            r, n = b8.get((f, v)), b8.get((f, NATIVE))
-            if not r or not n:
-                parts.append(f"{f}: n/a")
-                ok = False
-                continue
-            sp = n["time_ms"] / r["time_ms"]
-            ok &= sp >= 1.05 and r["err_mean"] <= n["err_mean"]
-            parts.append(f"{f} {sp:.3f}x, err {r['err_mean']:.3%} vs {n['err_mean']:.3%}")
-        out.append(f"- {v}: {'; '.join(parts)} -> {'MEETS' if ok else 'does not meet'} the target")
-    return out
+        pairs = {f: (b8.get((f, v)), b8.get((f, NATIVE))) for f in families}  # (this variant, native) per family
+        ok = all(r and n and n["time_ms"] / r["time_ms"] >= 1.05 and r["err_mean"] <= n["err_mean"]
+                 for r, n in pairs.values())
+        parts = [f"{f} {n['time_ms'] / r['time_ms']:.3f}x, err {r['err_mean']:.3%} vs {n['err_mean']:.3%}"
+                 if r and n else f"{f}: n/a" for f, (r, n) in pairs.items()]
+        lines.append(f"- {v}: {'; '.join(parts)} -> {'MEETS' if ok else 'does not meet'} the target")
+    return lines
 
 
 def make_operands(m: int, k: int, n: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -305,7 +282,7 @@ def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, re
                 err = relative_error(out[:ERR_ROWS].float(), F.linear(x[:ERR_ROWS].float(), w.float(), b.float())) \
                     if isinstance(out, torch.Tensor) else None  # an activation quantizer alone: no FLOPs or error
                 del out
-                ms = statistics.median(time_fn(fn, device, repeats, warmup))
+                ms = time_fn(fn, device, repeats, warmup)
                 r.update(status="ok", time_ms=ms, rel_err=err)
                 if err is not None:
                     r.update(tflops=2 * m * n * k / ms / 1e9, vs_bf16=(bf16_ms / ms) if bf16_ms else 1.0)
@@ -320,13 +297,6 @@ def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, re
     return rows
 
 
-def _run_block(lin: Callable, x: torch.Tensor) -> torch.Tensor:
-    """One Wan block's linears in order, attention replaced by a gate (the linears' error is what is measured)."""
-    h = lin("o", lin("q", x) * torch.sigmoid(lin("k", x).float()).to(x.dtype) + lin("v", x))
-    h = h + x
-    return lin("ffn_down", F.gelu(lin("ffn_up", h).float(), approximate="tanh").to(x.dtype)) + h
-
-
 def chain_errors(device: torch.device, tiny: bool) -> list[dict]:
     """Error of the block chain against fp32 math on the bf16 weights, per compute path."""
     width, ffn = TINY_BLOCK if tiny else WAN_BLOCK
@@ -336,20 +306,24 @@ def chain_errors(device: torch.device, tiny: bool) -> list[dict]:
     x = make_operands(BLOCK_ROWS, width, 8, device, seed=99)[0]
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     fp8_real = cap in ((8, 9), (9, 0))
+    rowwise = fp8.fp8_linear if fp8_real else fp8.fp8_linear_reference  # fp32 emulation without the matmul
     q8 = {n: fp8.quantize_per_tensor(w) for n, (w, _) in lins.items()}
     i8 = {r: {n: int8.weight_from_fp8(*q8[n], None, rotate=r) for n in lins} for r in (True, False)}
-    paths = {
-        "bf16 F.linear": lambda n, t: F.linear(t, *lins[n]),
-        "fp8 dequantize": lambda n, t: fp8.fp8_linear(t, *q8[n], lins[n][1], path="dequantize"),
-        "fp8 row-wise" + ("" if fp8_real else " (emulated)"): lambda n, t: (
-            fp8.fp8_linear if fp8_real else fp8.fp8_linear_reference)(t, *q8[n], lins[n][1], path="scaled_mm_rowwise"),
-        "int8 rotated": lambda n, t: int8.int8_linear(t, *i8[True][n], lins[n][1], rotate=True),
-        "int8 plain": lambda n, t: int8.int8_linear(t, *i8[False][n], lins[n][1], rotate=False),
-    }
-    ref = _run_block(lambda n, t: F.linear(t.float(), lins[n][0].float(), lins[n][1].float()).to(t.dtype), x).float()
+    paths = {"bf16 F.linear": lambda n, t: F.linear(t, *lins[n]),
+             "fp8 dequantize": lambda n, t: fp8.fp8_linear(t, *q8[n], lins[n][1], path="dequantize"),
+             "fp8 row-wise" + ("" if fp8_real else " (emulated)"):
+                 lambda n, t: rowwise(t, *q8[n], lins[n][1], path="scaled_mm_rowwise"),
+             "int8 rotated": lambda n, t: int8.int8_linear(t, *i8[True][n], lins[n][1], rotate=True),
+             "int8 plain": lambda n, t: int8.int8_linear(t, *i8[False][n], lins[n][1], rotate=False)}
+
+    def block(lin: Callable) -> torch.Tensor:  # the linears in order, attention replaced by a gate: their error shows
+        h = lin("o", lin("q", x) * torch.sigmoid(lin("k", x).float()).to(x.dtype) + lin("v", x)) + x
+        return lin("ffn_down", F.gelu(lin("ffn_up", h).float(), approximate="tanh").to(x.dtype)) + h
+
+    ref = block(lambda n, t: F.linear(t.float(), lins[n][0].float(), lins[n][1].float()).to(t.dtype)).float()
     rows = []
     for name, lin in paths.items():
-        rows.append({"path": name, "block_rel_err": relative_error(_run_block(lin, x).float(), ref), "width": width,
+        rows.append({"path": name, "block_rel_err": relative_error(block(lin).float(), ref), "width": width,
                      "ffn": ffn, "tokens": BLOCK_ROWS})
         say(f"  block {name:28s} rel. err {rows[-1]['block_rel_err']:.4%}")
     return rows
@@ -370,16 +344,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="int8_gemm: Wan 14B shapes only")
     parser.add_argument("--tiny", action="store_true", help="int8_gemm: scaled-down shapes, runs on the CPU too")
     args = parser.parse_args(argv)
-    fp8_only, int8_only = args.families or args.dry or args.block, args.quick or args.tiny
-    if fp8_only if args.scenario == "int8_gemm" else int8_only:
+    if (args.families or args.dry or args.block) if args.scenario == "int8_gemm" else (args.quick or args.tiny):
         parser.error("--families, --dry, --block are fp8_gemm's options, --quick, --tiny int8_gemm's")
     args.families = args.families or list(FAMILIES)
     return args
 
 
-def run_fp8(args: argparse.Namespace, env: dict) -> tuple[str, dict, list[str]]:
+def run_fp8(args: argparse.Namespace, env: dict, device: torch.device) -> tuple[str, dict, list[str]]:
     """fp8_gemm: every variant on every family; the report's stem, JSON and markdown."""
-    device = torch.device(env["device"])
     m, linears = BLOCK_TOKENS, list(BLOCK_LINEARS)
     if args.dry:
         shrink = lambda d: max(16, (d // DRY_DIV) // 16 * 16)  # noqa: E731
@@ -398,24 +370,22 @@ def run_fp8(args: argparse.Namespace, env: dict) -> tuple[str, dict, list[str]]:
         for r in (r for r in rows if r["family"] == fam and r["kind"] == "block8"):
             say(f"  {fam:9s} {r['variant']:44s} " + (f"{r['time_ms']:8.3f} ms err {r['err_mean']:.3%}"
                                                     if r["status"] == "ok" else f"ERROR {r.get('error')!s:.100}"))
-    say("\n".join(block_summary(rows)))
-    doc = {"env": env, "native": how, "tokens": m, "rows": rows}
     markdown = block_markdown(rows, env, m, how, args.repeats, args.warmup)
+    say("\n".join(markdown[markdown.index(VERDICT):]))
+    doc = {"env": env, "native": how, "tokens": m, "rows": rows}
     return "bench_fp8_gemm_block" + ("_dry" if args.dry else ""), doc, markdown
 
 
-def run_int8(args: argparse.Namespace, env: dict) -> tuple[str, dict, list[str]]:
+def run_int8(args: argparse.Namespace, env: dict, device: torch.device) -> tuple[str, dict, list[str]]:
     """int8_gemm: every variant at every shape, the block chain's error; the report's stem, JSON and markdown."""
-    device = torch.device(env["device"])
     shapes = TINY if args.tiny else {n: SHAPES[n] for n in (QUICK if args.quick else SHAPES)}
     rows: list[dict] = []
     with torch.no_grad():
         for name, shape in shapes.items():
             rows += bench_shape(name, shape, device, args.repeats, args.warmup)
         blocks = chain_errors(device, args.tiny)
-    by: dict[str, list[dict]] = {}  # the summary: per variant, geometric-mean ratio to bf16 and mean error
-    for r in (r for r in rows if r["status"] == "ok" and "vs_bf16" in r):
-        by.setdefault(r["variant"], []).append(r)
+    ok = [r for r in rows if r["status"] == "ok" and "vs_bf16" in r]  # the summary: GEMMs that ran, per variant
+    by = {v: [r for r in ok if r["variant"] == v] for v in dict.fromkeys(r["variant"] for r in ok)}
     summary = ["## Summary (geometric mean over shapes)", ""]
     summary += [f"- {v}: {statistics.geometric_mean(r['vs_bf16'] for r in rs):.2f}x vs bf16, mean rel. err "
                 f"{statistics.mean(r['rel_err'] for r in rs):.3%}" for v, rs in by.items()]
@@ -426,14 +396,10 @@ def run_int8(args: argparse.Namespace, env: dict) -> tuple[str, dict, list[str]]
         summary.append(f"- int8 rotated block error {'<=' if err['int8 rotated'] <= err['fp8 row-wise'] else '>'} "
                        "the fp8 row-wise path's")
     say("\n".join(summary))
-    table = []  # one row per shape and variant
-    for r in rows:
-        head = [f"{r['shape']} ({r['M']}, {r['K']} -> {r['N']})", r["variant"]]
-        if r["status"] != "ok":
-            table.append([*head, f"{r['status']}: {report.cell(r.get('error'))[:120]}", "", "", ""])
-        else:
-            table.append([*head, f"{r['time_ms']:.3f}", report.cell(r.get("tflops"), "{:.1f}"),
-                          report.cell(r.get("vs_bf16"), "{:.2f}x"), report.cell(r.get("rel_err"), "{:.3%}")])
+    table = [[f"{r['shape']} ({r['M']}, {r['K']} -> {r['N']})", r["variant"], *(
+        [f"{r['status']}: {report.cell(r.get('error'))[:120]}", "", "", ""] if r["status"] != "ok" else
+        [f"{r['time_ms']:.3f}", *(report.cell(r.get(k), f) for k, f in (("tflops", "{:.1f}"), ("vs_bf16", "{:.2f}x"),
+                                                                          ("rel_err", "{:.3%}")))])] for r in rows]
     markdown = [*report.header("int8_gemm: int8 W8A8 GEMMs vs bf16, native fp8 and the pack's fp8", env, [
         "timing: CUDA events (perf_counter on the CPU), median; bf16 activations with 4 outlier channels, weights "
         f"with outlier input channels, bias; error vs fp32 on the first {ERR_ROWS} rows"]),
@@ -453,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry else "cpu")
     env = report.environment(f"{report.SUITE}.bench_gemm", argv, device)
     say(f"{env['gpu'] or env['cpu']} torch {env['torch']} triton {env['triton']}")
-    stem, doc, markdown = (run_fp8 if args.scenario == "fp8_gemm" else run_int8)(args, env)
+    stem, doc, markdown = (run_fp8 if args.scenario == "fp8_gemm" else run_int8)(args, env, device)
     report.write(args.out_dir, stem, doc, markdown)
     say(f"wrote {args.out_dir / stem}.json and .md")
     return 0

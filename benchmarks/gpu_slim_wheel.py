@@ -16,18 +16,6 @@ FATBIN_MAGIC = 0xBA55ED50
 ELF_KIND = 2
 
 
-def fatbin_range(lib: bytes) -> tuple[int, int] | None:
-    """Offset and size of the ELF section ``.nv_fatbin``, or None."""
-    shoff, = struct.unpack_from("<Q", lib, 0x28)
-    entsize, count, strndx = struct.unpack_from("<HHH", lib, 0x3A)
-    heads = [struct.unpack_from("<IIQQQQIIQQ", lib, shoff + i * entsize) for i in range(count)]
-    names = heads[strndx][4]
-    for h in heads:
-        if lib[names + h[0]:].split(b"\0", 1)[0] == b".nv_fatbin":
-            return h[4], h[5]
-    return None
-
-
 def prune_container(buf: bytearray, start: int, sm: int) -> tuple[int, int]:
     """Keep one container's ELF entries for ``sm``; returns (the container's end, bytes zeroed)."""
     _, _, head, size = struct.unpack_from("<IHHQ", buf, start)
@@ -47,8 +35,12 @@ def prune_container(buf: bytearray, start: int, sm: int) -> tuple[int, int]:
 
 
 def prune_library(lib: bytes, sm: int) -> tuple[bytes, int]:
-    """The library with every fatbin container pruned to ``sm``, and the bytes zeroed."""
-    where = fatbin_range(lib)
+    """The library with each fatbin container of its ELF section ``.nv_fatbin`` pruned to ``sm``; the bytes zeroed."""
+    shoff, = struct.unpack_from("<Q", lib, 0x28)
+    entsize, count, strndx = struct.unpack_from("<HHH", lib, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQIIQQ", lib, shoff + i * entsize) for i in range(count)]
+    names = heads[strndx][4]  # where the section names start: a section's name is at names + its first field
+    where = next((h[4:6] for h in heads if lib[names + h[0]:].split(b"\0", 1)[0] == b".nv_fatbin"), None)
     if where is None:
         return lib, 0
     buf, (pos, size) = bytearray(lib), where
@@ -97,8 +89,7 @@ def main() -> None:
     p.add_argument("wheel", type=Path)
     p.add_argument("--sm", type=int, required=True, help="SM to keep, e.g. 90 for H100/H200")
     p.add_argument("--drop", action="append", default=[], help="glob of wheel paths to remove")
-    a = p.parse_args()
-    slim(a.wheel, a.sm, a.drop)
+    slim(**vars(p.parse_args()))  # wheel, sm, drop
 
 
 if __name__ == "__main__":

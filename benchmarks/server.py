@@ -14,7 +14,6 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
 
 from comfyui_lowvram_dit.benchmarks import report
 from comfyui_lowvram_dit.cli import server as cli_server
@@ -28,12 +27,9 @@ WORK_MARK = "$WORK"  # stands for the scratch folder in recorded server flags (n
 def server_flags(name: str, total_vram_gib: float, card_gib: float | None, ck_attention: bool = False,
                  dynamic_vram: bool = True) -> list[str]:
     """``--use-ck-attention``, ``--disable-dynamic-vram`` and the card cap ``--reserve-vram`` = total - card."""
-    args = ["--use-ck-attention"] if ck_attention else []
-    if not dynamic_vram:
-        args.append("--disable-dynamic-vram")
+    args = ["--use-ck-attention"] * ck_attention + ["--disable-dynamic-vram"] * (not dynamic_vram)
     if card_gib is not None:
-        reserve = total_vram_gib - card_gib
-        if reserve <= 0:
+        if (reserve := total_vram_gib - card_gib) <= 0:
             raise ValueError(f"variant {name}: the GPU has {total_vram_gib:.2f} GiB, not more than the "
                              f"{card_gib} GiB card to emulate; drop the capped variants")
         args.append(f"--reserve-vram={reserve:.2f}")
@@ -50,46 +46,6 @@ def log_digest(log: str, limit: int = 200) -> list[str]:
     """The server log lines that explain a run (loading, attention, memory, errors); colours and tqdm bars dropped."""
     lines = [_ANSI.sub("", ln).strip() for ln in log.replace("\r", "\n").split("\n")]
     return [ln for ln in lines if LOG_KEEP.search(ln) and "it/s]" not in ln and "s/it]" not in ln][-limit:]
-
-
-class EventRecorder:
-    """Every JSON message of the server's websocket for ``client_id``, stamped with ``time.monotonic()`` on arrival."""
-
-    def __init__(self, url: str, client_id: str) -> None:
-        self.ws_url = url.replace("http://", "ws://", 1) + f"/ws?clientId={client_id}"
-        self.events: list[tuple[float, dict]] = []
-        self.error: str | None = None
-        self._ready, self._stop = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._listen()), name="bench-ws", daemon=True)
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        if not self._ready.wait(30) or self.error:
-            raise cli_server.RunError(f"websocket {self.ws_url} did not open: {self.error or 'timeout'}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    async def _listen(self) -> None:
-        import aiohttp  # ComfyUI's own dependency: present wherever its server runs
-
-        try:
-            async with aiohttp.ClientSession() as session, session.ws_connect(self.ws_url, max_msg_size=0) as ws:
-                self._ready.set()
-                while not self._stop.is_set():
-                    try:
-                        msg = await ws.receive(timeout=0.5)
-                    except asyncio.TimeoutError:
-                        continue
-                    if msg.type == aiohttp.WSMsgType.TEXT:
-                        self.events.append((time.monotonic(), json.loads(msg.data)))
-                    elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
-                        break
-        except Exception as exc:  # noqa: BLE001 - reported by __enter__ or in the row's record
-            self.error = f"{type(exc).__name__}: {exc}"
-            self._ready.set()
 
 
 def gguf_custom_nodes(python: str) -> dict[str, Path]:
@@ -118,14 +74,43 @@ class PromptRun:
 
 def run_prompt(server: cli_server.ComfyServer, graph: dict, timeout: float) -> PromptRun:
     """Queue ``graph`` with websocket and memory watch on and wait for it; RunError naming a refused graph's errors."""
+    import aiohttp  # ComfyUI's own dependency: present wherever its server runs
+
     cid = uuid.uuid4().hex
-    with EventRecorder(server.url, cid) as rec:
+    url, events, error = server.url.replace("http://", "ws://", 1) + f"/ws?clientId={cid}", [], []
+    ready, stop = threading.Event(), threading.Event()
+
+    async def listen() -> None:  # every JSON message for this client, stamped with time.monotonic() on arrival
+        try:
+            async with aiohttp.ClientSession() as session, session.ws_connect(url, max_msg_size=0) as ws:
+                ready.set()
+                while not stop.is_set():
+                    try:
+                        msg = await ws.receive(timeout=0.5)
+                    except asyncio.TimeoutError:
+                        continue
+                    if msg.type == aiohttp.WSMsgType.TEXT:
+                        events.append((time.monotonic(), json.loads(msg.data)))
+                    elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                        break
+        except Exception as exc:  # noqa: BLE001 - before the socket opened: raised below
+            error.append(f"{type(exc).__name__}: {exc}")
+            ready.set()
+
+    thread = threading.Thread(target=lambda: asyncio.run(listen()), name="bench-ws", daemon=True)
+    thread.start()
+    if not ready.wait(30) or error:
+        raise cli_server.RunError(f"websocket {url} did not open: {error[0] if error else 'timeout'}")
+    try:
         with MemoryWatch(server.pid) as watch:
             t0 = time.monotonic()
             entry = server.wait(server.queue(graph, client_id=cid), timeout)  # a refused graph: RunError
             wall = time.monotonic() - t0
         time.sleep(0.3)  # the last websocket messages
-    return PromptRun(rec.events, entry, t0, wall, watch)
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    return PromptRun(events, entry, t0, wall, watch)
 
 
 def public(text: str, comfyui: Path, work: Path) -> str:
@@ -144,8 +129,7 @@ def compare_latents(path: Path, reference: Path) -> dict:
     if a.shape != b.shape:
         return {"identical": False, "error": f"shapes differ: {list(a.shape)} vs {list(b.shape)}"}
     diff = a.double() - b.double()
-    ref = float(torch.linalg.vector_norm(b.double()))
-    err = float(torch.linalg.vector_norm(diff))
+    ref, err = (float(torch.linalg.vector_norm(t)) for t in (b.double(), diff))
     return {"identical": a.dtype == b.dtype and torch.equal(a, b),
             "rel_diff": err / ref if ref else (0.0 if err == 0 else float("inf")),
             "max_abs": float(diff.abs().max()) if diff.numel() else 0.0, "shape": list(a.shape)}
@@ -154,11 +138,8 @@ def compare_latents(path: Path, reference: Path) -> dict:
 def gpu_facts() -> dict:
     """The first GPU's name, total memory and driver per nvidia-smi (no CUDA context here); {} without it."""
     smi = shutil.which("nvidia-smi")
-    if not smi:
-        return {}
-    res = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30, check=False)
-    fields = [f.strip() for f in res.stdout.strip().split("\n")[0].split(",")] if res.returncode == 0 else []
-    if len(fields) != 3:
-        return {}
-    return {"device_name": fields[0], "vram_total_gib": round(int(fields[1]) / 1024, 2), "driver": fields[2]}
+    res = smi and subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=30, check=False)
+    fields = [f.strip() for f in res.stdout.strip().split("\n")[0].split(",")] if res and res.returncode == 0 else []
+    return ({"device_name": fields[0], "vram_total_gib": round(int(fields[1]) / 1024, 2), "driver": fields[2]}
+            if len(fields) == 3 else {})

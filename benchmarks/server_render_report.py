@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from comfyui_lowvram_dit.benchmarks import report
 from comfyui_lowvram_dit.benchmarks.results_index import ROW_FIELDS
@@ -17,11 +16,11 @@ KIND_LABEL = {"first_ever": "first-ever", "cold": "cold", "warm": "warm", "warm_
 NATIVE = "native_best"
 CACHED_NATIVE = {"EasyCache": "native_best_easycache"}  # step cache -> native's best with it (setup ids)
 REFERENCE = ("native_default", "bf16")  # the 16-bit reference: setup and file format
+COLUMNS = ("setup", "row", *(f"{label} s" for label in KIND_LABEL.values()), (  # a workflow and card's table
+    "split of the warm render: load / text / sampling / decode / save / other s (each sampler's node total: its first "
+    "+ n x median step)"), "s/step", "peak VRAM GiB", "peak RSS GiB", "output error vs native (; vs bf16)", "against",
+    "status")
 ROW_KEYS = (*ROW_FIELDS, "renders", "side", "how", "cfg", "lora", "status")  # every row's (None: not measured)
-
-
-def _ok(r: dict) -> bool:
-    return r.get("status") == "ok"
 
 
 def finished_rows(path: Path) -> list[dict]:
@@ -29,7 +28,7 @@ def finished_rows(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     doc = json.loads(path.read_text(encoding="utf-8"))
-    rows = [{**r, "source": r.get("source") or path.name} for r in doc.get("rows", []) if _ok(r)]
+    rows = [{**r, "source": r.get("source") or path.name} for r in doc.get("rows", []) if r.get("status") == "ok"]
     for r in rows:
         for life, log in zip(r.get("lives") or [], (doc.get("logs") or {}).get(r["name"], []), strict=False):
             life["log"] = log
@@ -44,7 +43,7 @@ def native_row(row: dict, rows: list[dict]) -> dict | None:
     want = CACHED_NATIVE[row["step_cache"].split(" (")[0]] if cached else NATIVE  # the cache, its threshold aside
     same = [r for r in rows if r.get("setup_id") == want and r.get("workflow") == row.get("workflow")
             and r.get("step_cache") == (row["step_cache"] if cached else None)
-            and r.get("card_gib") == row.get("card_gib") and r is not row and _ok(r)]
+            and r.get("card_gib") == row.get("card_gib") and r is not row and r.get("status") == "ok"]
     mine = (row.get("dynamic_vram"), row.get("format"))  # the same memory manager and file format where one ran
     return min(same, key=lambda r: (r.get("dynamic_vram") != mine[0], r.get("format") != mine[1]), default=None)
 
@@ -53,14 +52,13 @@ def compare(rows: list[dict], latents: Path) -> list[dict]:
     """Each finished row gets ``against``, ``ratio`` and ``outputs_compared``: ``||a - b|| / ||b||`` of its kept
     latents and the other row's first-ever one (the earlier result when a file is gone); returns ``rows``."""
     for row in rows:
-        for key in ROW_KEYS:
-            row.setdefault(key, None)
-        if not _ok(row):
+        row.update({key: row.get(key) for key in ROW_KEYS})  # every key, appended as None where it is missing
+        if row.get("status") != "ok":
             continue
         native = native_row(row, rows)
-        refs = [r for r in rows if (r.get("setup_id"), r.get("format")) == REFERENCE and _ok(r)
-                and r.get("workflow") == row.get("workflow") and r is not row]  # the same card first
-        ref = min(refs, key=lambda r: r.get("card_gib") != row.get("card_gib")) if refs else None
+        ref = min((r for r in rows if (r.get("setup_id"), r.get("format"), r.get("status")) == (*REFERENCE, "ok")
+                   and r.get("workflow") == row.get("workflow") and r is not row),
+                  key=lambda r: r.get("card_gib") != row.get("card_gib"), default=None)  # the same card first
         row["against"] = native["name"] if native else None
         warm = native.get("render_s") if native else None
         row["ratio"] = round(warm / row["render_s"], 3) if warm and row.get("render_s") else None
@@ -80,11 +78,8 @@ def compare(rows: list[dict], latents: Path) -> list[dict]:
 
 def _seconds(row: dict, kind: str, native: dict | None) -> str:
     """One render's seconds, with native's seconds / these in brackets."""
-    r = (row.get("renders") or {}).get(kind)
-    if not r:
-        return "—"
-    if r.get("status") != "ok":
-        return r.get("status", "?")
+    if not (r := (row.get("renders") or {}).get(kind)) or r.get("status") != "ok":
+        return r.get("status", "?") if r else "—"
     n = ((native or {}).get("renders") or {}).get(kind) or {}
     ratio = f" ({n['total_s'] / r['total_s']:.2f}x)" if n.get("status") == "ok" and r.get("total_s") else ""
     spread = r.get("repeats_s") or []
@@ -107,31 +102,6 @@ def _warm_split(row: dict) -> str:
     return (f"{parts} ({steps})" if steps else parts) + (f"; EasyCache skipped {skipped} steps" if skipped else "")
 
 
-def _error(row: dict) -> str:
-    """The output error against the native row, and against the 16-bit reference where one ran."""
-    checks = [(label, (row.get("outputs_compared") or {}).get(key) or {}) for key, label in (("vs_native", ""),
-                                                                                          ("vs_bf16", "bf16: "))]
-    return "; ".join(label + (report.cell(c["error"]) if c.get("error") else f"{c['rel_diff']:.3g}")
-                     for label, c in checks if c.get("error") or c.get("rel_diff") is not None) or "—"
-
-
-def table(rows: list[dict], all_rows: list[dict]) -> list[str]:
-    """The markdown table of one workflow and card."""
-    cells = []
-    for r in rows:
-        native = next((n for n in all_rows if n["name"] == r.get("against")), None)
-        status = r.get("status", "?") + (f": {report.cell(r['error'])[:160]}" if r.get("error") else "")
-        status += f" (from {r['source']})" if r.get("source") else ""
-        cells.append([r.get("setup_id"), r["name"], *(_seconds(r, k, native) for k in KIND_LABEL), _warm_split(r),
-                      *(report.cell(r.get(k), f) for k, f in (("s_per_step", "{:.3f}"), ("peak_vram_gib", "{:.2f}"),
-                                                              ("peak_rss_gib", "{:.2f}"))),
-                      _error(r), (native or {}).get("name", "—"), status])
-    return report.table(["setup", "row", *(f"{label} s" for label in KIND_LABEL.values()), (
-        "split of the warm render: load / text / sampling / decode / save / other s (each sampler's node total: its "
-        "first + n x median step)"), "s/step", "peak VRAM GiB", "peak RSS GiB", "output error vs native (; vs bf16)",
-        "against", "status"], cells)
-
-
 def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
     """The report as markdown: environment, what was timed, one table per workflow and card."""
     lines = report.header("Renders through a ComfyUI server: Queue to output file", env, [
@@ -145,17 +115,28 @@ def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
         "median step; peak RSS: the server process's VmHWM (first render of a server) or sampled RSS; VRAM: the "
         "process per nvidia-smi. Output vs native: ||a - b|| / ||b|| of the final latents of the first-ever renders "
         "(same seed).")])
-    groups: dict[tuple[str, Any], list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r.get("title") or r.get("model") or "?", r.get("card_gib")), []).append(r)
-    for (title, card), members in groups.items():
+    group = lambda r: (r.get("title") or r.get("model") or "?", r.get("card_gib"))  # a table per workflow and card
+    for title, card in dict.fromkeys(map(group, rows)):
+        members = [r for r in rows if group(r) == (title, card)]
         members.sort(key=lambda r: (r.get("setup_id") != NATIVE, r.get("name")))
-        first = members[0]
+        first, cells = members[0], []
         facts = ", ".join(str(x) for x in (first.get("resolution"), first.get("frames") and f"{first['frames']} "
                                            "frames", first.get("steps") and f"{first['steps']} steps") if x)
         where = "whole GPU" if card is None else f"{card:g} GB card (--reserve-vram = total - {card:g} GiB)"
+        for r in members:
+            native = next((n for n in rows if n["name"] == r.get("against")), None)
+            status = r.get("status", "?") + (f": {report.cell(r['error'])[:160]}" if r.get("error") else "")
+            status += f" (from {r['source']})" if r.get("source") else ""
+            checks = [(label, (r.get("outputs_compared") or {}).get(key) or {})  # vs native, vs the 16-bit reference
+                      for key, label in (("vs_native", ""), ("vs_bf16", "bf16: "))]
+            error = "; ".join(label + (report.cell(c["error"]) if c.get("error") else f"{c['rel_diff']:.3g}")
+                              for label, c in checks if c.get("error") or c.get("rel_diff") is not None) or "—"
+            cells.append([r.get("setup_id"), r["name"], *(_seconds(r, k, native) for k in KIND_LABEL), _warm_split(r),
+                          *(report.cell(r.get(k), f) for k, f in (("s_per_step", "{:.3f}"), ("peak_vram_gib", "{:.2f}"),
+                                                                  ("peak_rss_gib", "{:.2f}"))),
+                          error, (native or {}).get("name", "—"), status])
         lines += [f"## {title}, {where}", "", f"{facts}; in brackets: the 'against' row's seconds / the row's",
-                  "", *table(members, rows), ""]
+                  "", *report.table(COLUMNS, cells), ""]
     return lines
 
 

@@ -7,18 +7,17 @@ import statistics
 from itertools import pairwise
 from typing import Any
 
-LOAD_NODES = frozenset({
-    "UNETLoader", "CLIPLoader", "VAELoader", "CLIPVisionLoader", "LoraLoaderModelOnly", "LowVRAM_WanLoader",
-    "LowVRAM_BlockSwap", "LowVRAM_Attention", "LowVRAM_TorchCompile", "LowVRAM_NanGuard", "ModelSamplingSD3",
-    "ModelSamplingAuraFlow", "CFGNorm", "LowVRAMTest_StreamedCLIPLoader", "LowVRAM_QwenImageLoader"})
-TEXT_NODES = frozenset({"CLIPTextEncode", "LowVRAM_WanTextEncode", "TextEncodeQwenImageEditPlus",
-                        "LowVRAM_QwenImageTextEncode", "LowVRAM_QwenImageEditTextEncode"})
-SAMPLER_NODES = frozenset({"KSampler", "KSamplerAdvanced"})
-DECODE_NODES = frozenset({"VAEDecode", "VAEDecodeTiled", "LowVRAM_QwenImageDecode"})
-SAVE_NODES = frozenset({"SaveAnimatedWEBP", "SaveImage", "SaveLatent", "SaveVideo", "CreateVideo", "SaveWEBM"})
 PARTS = ("load_s", "text_encode_s", "sampling_s", "vae_decode_s", "save_s", "other_s")
-NODE_PARTS = ((LOAD_NODES, "load_s"), (TEXT_NODES, "text_encode_s"), (SAMPLER_NODES, "sampling_s"),
-              (DECODE_NODES, "vae_decode_s"), (SAVE_NODES, "save_s"))  # any other node type: other_s
+PART_OF = {  # node type -> the part its seconds go to (any other node type: other_s)
+    **dict.fromkeys(("UNETLoader", "CLIPLoader", "VAELoader", "CLIPVisionLoader", "LoraLoaderModelOnly",
+                     "LowVRAM_WanLoader", "LowVRAM_BlockSwap", "LowVRAM_Attention", "LowVRAM_TorchCompile",
+                     "LowVRAM_NanGuard", "ModelSamplingSD3", "ModelSamplingAuraFlow", "CFGNorm",
+                     "LowVRAMTest_StreamedCLIPLoader", "LowVRAM_QwenImageLoader"), "load_s"),
+    **dict.fromkeys(("CLIPTextEncode", "LowVRAM_WanTextEncode", "TextEncodeQwenImageEditPlus",
+                     "LowVRAM_QwenImageTextEncode", "LowVRAM_QwenImageEditTextEncode"), "text_encode_s"),
+    **dict.fromkeys(("KSampler", "KSamplerAdvanced"), "sampling_s"),
+    **dict.fromkeys(("VAEDecode", "VAEDecodeTiled", "LowVRAM_QwenImageDecode"), "vae_decode_s"),
+    **dict.fromkeys(("SaveAnimatedWEBP", "SaveImage", "SaveLatent", "SaveVideo", "CreateVideo", "SaveWEBM"), "save_s")}
 
 
 def node_times(events: list[tuple[float, dict]]) -> dict[str, float]:
@@ -35,10 +34,8 @@ def sampler_steps(events: list[tuple[float, dict]], nid: str, spent: float = 0.0
     """One sampler node from its websocket 'progress' messages (a re-sent value counts once): its first step
     ('executing' to the first 'progress', load inside), its later steps and their median, and the load part."""
     start = next((t for t, m in events if m.get("type") == "executing" and m["data"].get("node") == nid), None)
-    seen: dict[int, float] = {}
-    for t, m in events:
-        if m.get("type") == "progress" and str(m["data"].get("node")) == nid:
-            seen.setdefault(int(m["data"]["value"]), t)
+    seen = {int(m["data"]["value"]): t for t, m in reversed(events)  # read backwards: a value's first arrival stays
+            if m.get("type") == "progress" and str(m["data"].get("node")) == nid}
     stamps = [seen[v] for v in sorted(seen)]
     first = round(stamps[0] - start, 3) if stamps and start is not None else None
     later = [round(b - a, 3) for a, b in pairwise(stamps)]
@@ -55,7 +52,7 @@ def split(events: list[tuple[float, dict]], graph: dict, posted_at: float, total
     nodes, samplers = {}, []
     for nid, seconds in spent.items():
         kind = graph.get(nid, {}).get("class_type", "?")
-        part = next((part for kinds, part in NODE_PARTS if kind in kinds), "other_s")
+        part = PART_OF.get(kind, "other_s")
         nodes[nid] = {"type": kind, "part": part, "s": seconds}
         if part == "sampling_s":
             s = sampler_steps(events, nid, seconds, graph[nid].get("_meta", {}).get("title", kind))
@@ -64,8 +61,8 @@ def split(events: list[tuple[float, dict]], graph: dict, posted_at: float, total
             parts["load_s"] += moved
             seconds -= moved
         parts[part] += seconds
-    starts = [t for t, m in events if m.get("type") == "executing" and m["data"].get("node") is not None]
-    queue = round(starts[0] - posted_at, 3) if starts else None
+    queue = next((round(t - posted_at, 3) for t, m in events  # from the POST to the first node's start
+                  if m.get("type") == "executing" and m["data"].get("node") is not None), None)
     parts["other_s"] += max(total_s - sum(parts.values()), 0.0)
     cached = next((m["data"].get("nodes", []) for _, m in events if m.get("type") == "execution_cached"), [])
     later = [s for d in samplers for s in d["later_steps_s"]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,8 +12,8 @@ import torch
 from comfyui_lowvram_dit.benchmarks.report import error_text
 
 
-def time_fn(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int) -> list[float]:
-    """Milliseconds of each of ``repeats`` calls of ``fn`` after ``warmup`` calls; an error in any call is raised."""
+def time_fn(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int) -> float:
+    """Median milliseconds of ``repeats`` calls of ``fn`` after ``warmup`` calls; an error in any call is raised."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     for _ in range(warmup):
@@ -20,8 +21,8 @@ def time_fn(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: i
     return time_interleaved({"fn": fn}, device, repeats, 0)["fn"]
 
 
-def time_interleaved(fns: dict, device: torch.device, repeats: int, warmup: int) -> dict[str, list[float] | str]:
-    """Milliseconds per call of each fn, in rounds running each once (order rotating); a failed warm-up: its error."""
+def time_interleaved(fns: dict, device: torch.device, repeats: int, warmup: int) -> dict[str, float | str | None]:
+    """Median ms per call of each fn, in rounds running each once (order rotating); a failed warm-up: its error."""
     # rounds, so that clock and power drift hit all alike (the H100 runs these GEMMs at its power limit)
     out: dict[str, list[float] | str] = {}
     for name, fn in fns.items():
@@ -49,4 +50,5 @@ def time_interleaved(fns: dict, device: torch.device, repeats: int, warmup: int)
             torch.cuda.synchronize(device)
         for name, (start, end) in marks.items():
             out[name].append(float(start.elapsed_time(end)))
-    return out
+    return {name: t if isinstance(t, str) else statistics.median(t) if t else None  # None: no rounds
+            for name, t in out.items()}

@@ -33,7 +33,7 @@ def test_kitchen_scenario_defaults() -> None:
 def test_rivals_without_a_gpu_are_skipped_with_a_reason() -> None:
     if torch.cuda.is_available():
         pytest.skip("on a GPU the rivals may run")
-    fns = B.backend_fns(B.RIVALS)
+    fns = {n: B.backend_fn(n) for n in B.RIVALS}
     assert all(isinstance(why, str) and why for why in fns.values())
     rows = B.time_shapes(["wan14b_480p_cross"], fns, 1, errors=True)
     assert [r["backend"] for r in rows] == list(B.RIVALS)
