@@ -213,8 +213,8 @@ WORKFLOWS: dict[str, RenderWorkflow] = {w.key: w for w in (
     RenderWorkflow("wan_i2v", "Wan 2.2 I2V-A14B", I2V, "wan22_i2v_a14b", BUDGETS, WAN_16BIT["i2v"]),
     RenderWorkflow("wan_i2v_4step", "Wan 2.2 I2V-A14B 4-step", I2V, "wan22_i2v_a14b", BUDGETS,
                    WAN_16BIT["i2v"], four_step_loras=I2V_LORAS),
-    RenderWorkflow("wan_ti2v_5b", "Wan 2.2 TI2V-5B", TI2V, "wan22_ti2v_5b", WAN5B_BUDGETS, formats=("bf16", "pack_fp8"),
-                   layouts=("fp16", "pack_fp8")),
+    RenderWorkflow("wan_ti2v_5b", "Wan 2.2 TI2V-5B", TI2V, "wan22_ti2v_5b", WAN5B_BUDGETS,
+                   formats=("bf16", "pack_fp8", *GGUF_TYPES), layouts=("fp16", "pack_fp8", *GGUF_TYPES)),
     RenderWorkflow("qwen_t2i_4step", "Qwen-Image 4-step", QWEN, "qwen_image_t2i_4step", BUDGETS, QWEN_16BIT,
                    **QWEN_FORMATS),
     RenderWorkflow("qwen_t2i", "Qwen-Image", QWEN, "qwen_image_t2i", BUDGETS, QWEN_16BIT, **QWEN_FORMATS),
@@ -283,14 +283,15 @@ def model_files(workflow: RenderWorkflow, file_format: str) -> list[str]:
     """The model files a row of ``workflow`` in ``file_format`` loads, as the graph names them."""
     if not workflow.shipped:
         return [EDIT_UNET, EDIT_TEXT_ENCODER, EDIT_VAE]
-    from comfyui_lowvram_dit.cli.workflow_models import referenced_model_files
+    from comfyui_lowvram_dit.cli.workflow_models import KNOWN_MODEL_FILES, referenced_model_files
 
     names = referenced_model_files(shipped_workflow(workflow.shipped))
     names |= {workflow.four_step_loras[n] for n in names if n in workflow.four_step_loras}
     if file_format in ("bf16", "pack_fp8"):
         names = {workflow.sixteen_bit.get(n, n) for n in names}
     if file_format in GGUF_TYPES:
-        names = {gguf_name(n, file_format) if n in workflow.sixteen_bit else n for n in names}
+        names = {gguf_name(n, file_format) if KNOWN_MODEL_FILES.get(n, ("",))[0] == "diffusion_models" else n
+                 for n in names}
     return sorted(names)
 
 

@@ -83,7 +83,8 @@ def test_smoke_compares_the_pack_with_native(smoke_run: dict) -> None:
     assert not any(str(Path.home()) in line or "/tmp/" in line for line in logs)  # $WORK, <ComfyUI>, python3
 
 
-GGUF_ROWS = ("wan_t2v_4step_native_best_whole_gguf_q8_0", "wan_t2v_4step_pack_whole_gguf_q4_k")
+GGUF_ROWS = ("wan_t2v_4step_native_best_whole_gguf_q8_0", "wan_t2v_4step_pack_whole_gguf_q4_k",
+             "wan_ti2v_5b_pack_whole_gguf_q8_0")
 EASYCACHE_ROWS = ("wan_t2v_pack_easycache_whole",)  # native's EasyCache graph: validated above, same node placing
 
 
@@ -97,7 +98,7 @@ def test_smoke_gguf_and_easycache_rows(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "out" / "smoke.json").read_text())
     rows = {r["name"]: r for r in doc["rows"]}
     assert rc == 0 and all(r["status"] == "ok" for r in rows.values()), json.dumps(doc["rows"], indent=1)[-4000:]
-    for name, qtype in zip(GGUF_ROWS, ("Q8_0", "Q4_K"), strict=True):
+    for name, qtype in zip(GGUF_ROWS, ("Q8_0", "Q4_K", "Q8_0"), strict=True):
         log = [line for life in doc["logs"][name] for line in life]
         assert rows[name]["file_format"] == f"gguf_{qtype.lower()}"
         assert any(re.search(rf"gguf qtypes: F32 \(\d+\), {qtype} \(\d+\)", line) for line in log), log
