@@ -27,7 +27,9 @@ WORK_MARK = "$WORK"  # stands for the scratch folder in recorded server flags (n
 def server_flags(name: str, total_vram_gib: float, card_gib: float | None, ck_attention: bool = False,
                  dynamic_vram: bool = True) -> list[str]:
     """``--use-ck-attention``, ``--disable-dynamic-vram`` and the card cap ``--reserve-vram`` = total - card."""
-    args = ["--use-ck-attention"] * ck_attention + ["--disable-dynamic-vram"] * (not dynamic_vram)
+    args = ["--use-ck-attention"] if ck_attention else []
+    if not dynamic_vram:
+        args.append("--disable-dynamic-vram")
     if card_gib is not None:
         if (reserve := total_vram_gib - card_gib) <= 0:
             raise ValueError(f"variant {name}: the GPU has {total_vram_gib:.2f} GiB, not more than the "
@@ -138,8 +140,10 @@ def compare_latents(path: Path, reference: Path) -> dict:
 def gpu_facts() -> dict:
     """The first GPU's name, total memory and driver per nvidia-smi (no CUDA context here); {} without it."""
     smi = shutil.which("nvidia-smi")
-    res = smi and subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=30, check=False)
-    fields = [f.strip() for f in res.stdout.strip().split("\n")[0].split(",")] if res and res.returncode == 0 else []
+    if not smi:
+        return {}
+    res = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30, check=False)
+    fields = [f.strip() for f in res.stdout.strip().split("\n")[0].split(",")] if res.returncode == 0 else []
     return ({"device_name": fields[0], "vram_total_gib": round(int(fields[1]) / 1024, 2), "driver": fields[2]}
             if len(fields) == 3 else {})
