@@ -76,6 +76,40 @@ def budgeted_pin_memory(tensor: torch.Tensor, evict_active: bool = True) -> bool
     return True
 
 
+@contextlib.contextmanager
+def cpu_patching_partial_unload(shape_changing: set[str]) -> Iterator[list[str]]:
+    """``ModelPatcher.partially_unload`` as newer ComfyUI (about 0.38) runs it for a weight whose patches change its
+    shape (``comfy.lora.calculate_shape`` differs from the weight's; here: the keys in ``shape_changing``, whatever
+    their patches): as its module leaves the GPU, the weight is patched on the CPU (``patch_weight_to_device(key)``,
+    ComfyUI's backup of the original made there) instead of getting a LowVramPatch that patches it at each cast.
+    Written over ComfyUI's own partially_unload: for the modules that call moved, each such key's LowVramPatch is
+    taken back and the weight patched. Yields the keys patched so, in order."""
+    import comfy.model_patcher as mp
+
+    real, done = mp.ModelPatcher.partially_unload, []
+
+    def partially_unload(self: Any, device_to: Any, memory_to_free: int = 0, force_patch_weights: bool = False) -> int:
+        loaded = [(n, m) for n, m in self.model.named_modules() if getattr(m, "comfy_patched_weights", False)]
+        freed = real(self, device_to, memory_to_free, force_patch_weights)
+        for name, m in loaded:
+            for attr in ("weight", "bias") if m.comfy_patched_weights is False else ():
+                key, funcs = f"{name}.{attr}", getattr(m, f"{attr}_function", [])
+                if key not in shape_changing or key not in self.patches:
+                    continue
+                kept = [f for f in funcs if getattr(f, "key", None) != key]
+                self.model.lowvram_patch_counter -= len(funcs) - len(kept)
+                setattr(m, f"{attr}_function", kept)
+                self.patch_weight_to_device(key)
+                done.append(key)
+        return freed
+
+    mp.ModelPatcher.partially_unload = partially_unload
+    try:
+        yield done
+    finally:
+        mp.ModelPatcher.partially_unload = real
+
+
 SPARSE_OVERRIDE_KEY = "optimized_attention_override"
 SPARSE_CALLBACK_KEY = "block_sparse_attention"
 

@@ -146,6 +146,32 @@ def test_a_parked_weight_serves_only_the_patches_it_was_merged_with(tmp_path: Pa
     assert not ctl.parked.slots
 
 
+def test_a_weight_newer_comfyui_patches_on_the_cpu_at_unload_comes_back_patched_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, comfy_pinning: FakeCudart) -> None:
+    """Newer ComfyUI patches a weight whose patches change its shape on the CPU as it unloads it, keeping its backup
+    of the original (tests/newer_comfyui.py; every LoRA key here): the GPU's weight is parked over that CPU weight,
+    put back without a merge, the output stays the same bit for bit, and the full unload restores the originals."""
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.offload.plan import SwapConfig
+    from newer_comfyui import cpu_patching_partial_unload
+
+    plain = _model("stock", tmp_path)
+    originals = {k: v.clone() for k, v in plain.model.state_dict().items()}
+    swapped = apply_block_swap(_with_lora(plain, 1.0), SwapConfig(blocks_to_swap=1))
+    ctl = swapped.attachments[SWAP_KEY]
+    ref = sample_wan(swapped)
+    with cpu_patching_partial_unload(set(swapped.patches)) as cpu_patched:
+        swapped.partially_unload(swapped.offload_device, swapped.model.model_loaded_weight_memory // 3)
+    assert cpu_patched and set(cpu_patched) <= set(ctl.parked.slots) and set(cpu_patched) <= set(swapped.backup)
+    merges = _merges(monkeypatch)
+    assert torch.equal(sample_wan(swapped), ref)
+    assert not ctl.parked.slots and not set(cpu_patched) & set(merges), "merged again over the CPU-patched weight"
+    mm.unload_all_models()
+    assert all(torch.equal(v, originals[k]) for k, v in plain.model.state_dict().items())
+
+
 def test_without_free_ram_nothing_is_parked_and_comfyui_reloads_as_usual(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch,
                                                                           comfy_pinning: FakeCudart) -> None:
