@@ -170,8 +170,8 @@ def pack_copies_for(row: RenderRow, models: Path, device: str, record: dict) -> 
 def file_gb(name: str) -> float:
     """A full-size model file's size in GB, roughly, from its name (a LoRA's when no other key matches)."""
     for key, gb in (("wan2.2_vae", 1.4), ("vae", 0.3), ("14B_fp16", 28.6), ("14B_fp8", 14.3), ("14B_Q8_0", 15.2),
-                    ("14B_Q4_K", 8.1), ("5B_Q8_0", 5.4), ("5B_Q4_K", 2.9), ("5B", 10.0), ("qwen_image_bf16", 40.9), ("qwen_image_Q8_0", 21.7),
-                    ("qwen_image_Q4_K", 11.6), ("qwen_image", 20.4), ("umt5", 6.7),
+                    ("14B_Q4_K", 8.1), ("5B_Q8_0", 5.4), ("5B_Q4_K", 2.9), ("5B", 10.0), ("qwen_image_bf16", 40.9),
+                    ("qwen_image_Q8_0", 21.7), ("qwen_image_Q4_K", 11.6), ("qwen_image", 20.4), ("umt5", 6.7),
                     ("qwen_2.5_vl_7b_fp8", 8.3), ("qwen_2.5_vl", 16.6)):
         if key in name:
             return gb

@@ -30,8 +30,8 @@ import functools
 import logging
 import os
 import weakref
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
