@@ -99,10 +99,11 @@ def say(msg: str) -> None:
 def header(title: str, env: dict, notes: Iterable[str] = ()) -> list[str]:
     """A report's first lines: its title, the device and versions, the commit, date and command, then ``notes``."""
     device = env.get("gpu") or (f"CPU ({env['cpu']})" if env.get("cpu") else env.get("device") or "not recorded")
-    extra, versions = (", ".join(text.format(env[key]) for text, key in pairs if env.get(key)) for pairs in (
-        (("compute capability {}", "compute_capability"), ("{} GiB", "vram_total_gib"), ("driver {}", "driver")),
-        (("torch {}", "torch"), ("CUDA {}", "torch_cuda"), ("Triton {}", "triton"), ("ComfyUI {}", "comfyui"),
-         ("comfy-kitchen {}", "comfy_kitchen"), ("comfy-aimdo {}", "comfy_aimdo"))))
+    facts = (("compute capability {}", "compute_capability"), ("{} GiB", "vram_total_gib"), ("driver {}", "driver"))
+    names = (("torch {}", "torch"), ("CUDA {}", "torch_cuda"), ("Triton {}", "triton"), ("ComfyUI {}", "comfyui"),
+             ("comfy-kitchen {}", "comfy_kitchen"), ("comfy-aimdo {}", "comfy_aimdo"))
+    extra = ", ".join(text.format(env[key]) for text, key in facts if env.get(key))
+    versions = ", ".join(text.format(env[key]) for text, key in names if env.get(key))
     return [f"# {title}", "", f"- device: {device}" + (f" ({extra})" if extra else ""), f"- {versions}",
             f"- pack: `{env.get('commit')}`, {env.get('date')}", f"- command: `{env.get('command')}`",
             *(f"- {note}" for note in notes), ""]

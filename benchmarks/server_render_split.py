@@ -34,8 +34,10 @@ def sampler_steps(events: list[tuple[float, dict]], nid: str, spent: float = 0.0
     """One sampler node from its websocket 'progress' messages (a re-sent value counts once): its first step
     ('executing' to the first 'progress', load inside), its later steps and their median, and the load part."""
     start = next((t for t, m in events if m.get("type") == "executing" and m["data"].get("node") == nid), None)
-    seen = {int(m["data"]["value"]): t for t, m in reversed(events)  # read backwards: a value's first arrival stays
-            if m.get("type") == "progress" and str(m["data"].get("node")) == nid}
+    seen: dict[int, float] = {}
+    for t, m in events:
+        if m.get("type") == "progress" and str(m["data"].get("node")) == nid:
+            seen.setdefault(int(m["data"]["value"]), t)  # a re-sent value keeps its first arrival
     stamps = [seen[v] for v in sorted(seen)]
     first = round(stamps[0] - start, 3) if stamps and start is not None else None
     later = [round(b - a, 3) for a, b in pairwise(stamps)]
