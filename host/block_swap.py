@@ -418,17 +418,15 @@ def resident_file_views(patcher) -> list[tuple[torch.nn.Module, str, torch.Tenso
     """The GGML weights of the modules ComfyUI loads that still lie in their file's mapping (Block Swap kept
     ComfyUI-GGUF from copying them out of it, see ``load``), for PageOutAsMoved; empty once they were moved."""
     ctl = patcher.attachments.get(SWAP_KEY)
-    maps = file_backed_ranges() if ctl is not None and getattr(patcher, "mmap_released", None) is True else []
-    if not maps:
+    if ctl is None or getattr(patcher, "mmap_released", None) is not True:
         return []
-    views = []
+    on_cpu = []
     for name, module in patcher.model.named_modules():
-        if ctl.is_swapped_module(name):
-            continue
-        for attr, p in module.named_parameters(recurse=False):
-            if ggml.is_ggml(p) and p.device.type == "cpu" and is_file_backed(ggml.stored(p), maps):
-                views.append((module, attr, ggml.stored(p)))
-    return views
+        if not ctl.is_swapped_module(name):
+            on_cpu += [(module, attr, ggml.stored(p)) for attr, p in module.named_parameters(recurse=False)
+                       if ggml.is_ggml(p) and p.device.type == "cpu"]
+    maps = file_backed_ranges() if on_cpu else []  # the process's mappings, read only when a weight may lie in one
+    return [view for view in on_cpu if is_file_backed(view[2], maps)]
 
 
 class BlockSwapMixin:
