@@ -198,12 +198,14 @@ def block_markdown(rows: list[dict], env: dict, m: int, native_how: str, repeats
         fr = [r for r in rows if r["family"] == fam]
         by = {(r["kind"], r["variant"]): r for r in fr}
         n8, n6 = by.get(("block8", NATIVE), {}), by.get(("block6", NATIVE), {})
-        block = [[r["variant"], f"{r['status']}: {report.cell(r.get('error'))[:100]}", *[""] * 6]
-                 if r["status"] != "ok" else
-                 [r["variant"], f"{r['time_ms']:.3f}", x(n8.get("time_ms"), r["time_ms"]),
-                  f"{r6.get('time_ms') or 0:.3f}", x(n6.get("time_ms"), r6.get("time_ms")), f"{r['err_mean']:.3%}",
-                  f"{r['err_max']:.3%}", x(r["err_mean"], n8.get("err_mean"))]
-                 for r, r6 in ((r, by.get(("block6", r["variant"]), {})) for r in fr if r["kind"] == "block8")]
+        block = []
+        for r in (r for r in fr if r["kind"] == "block8"):
+            r6 = by.get(("block6", r["variant"]), {})
+            block.append([r["variant"], f"{r['status']}: {report.cell(r.get('error'))[:100]}", *[""] * 6]
+                         if r["status"] != "ok" else
+                         [r["variant"], f"{r['time_ms']:.3f}", x(n8.get("time_ms"), r["time_ms"]),
+                          f"{r6.get('time_ms') or 0:.3f}", x(n6.get("time_ms"), r6.get("time_ms")),
+                          f"{r['err_mean']:.3%}", f"{r['err_max']:.3%}", x(r["err_mean"], n8.get("err_mean"))])
         per = {(r["variant"], r["linear"]): r.get("time_ms") for r in fr if r["kind"] == "linear"}
         names = list(dict.fromkeys(n for _, n in per))
         linears = [[v, *(report.cell(per.get((v, n)), "{:.3f}") for n in names)]
