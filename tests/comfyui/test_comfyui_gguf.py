@@ -330,9 +330,9 @@ def test_server_gguf_model_through_block_swap_lora_and_the_other_nodes(comfy_ser
 def test_block_swap_drops_the_file_pages_of_resident_gguf_weights_as_they_move(
         wan_gguf: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Block Swap keeps ComfyUI-GGUF's weights in their file mapping (above), so ComfyUI's copy of each resident
-    module to the GPU reads file pages that would then only raise RSS (peak RSS above native's on Qwen-Image Q4_K at
-    8 GB): they leave it as each module moves (``meta`` stands in for the GPU), as the streamed blocks' pages leave
-    it once copied into the arena, and the weights still read the file."""
+    module to the GPU reads file pages that would then only raise RSS: they leave it as each module moves (``meta``
+    stands in for the GPU), as the streamed blocks' pages leave it once copied into the arena, and the weights still
+    read the file."""
     from comfyui_lowvram_dit.host.block_swap import resident_file_views
     from comfyui_lowvram_dit.offload import ggml_tensors as ggml
     from test_comfyui_mapped_weights import _mapping_rss_kb
