@@ -571,7 +571,11 @@ def _swap_class(base: type) -> type:
 
 
 class _SwapPrepare:
-    """PREPARE_SAMPLING wrapper: record ComfyUI's activation estimate at this resolution before the load."""
+    """PREPARE_SAMPLING wrapper: record ComfyUI's activation estimate at this resolution before the load.
+
+    The estimate is the one ComfyUI sizes its own partial load by: one model call's batch (``estimate_memory``'s
+    second value). Its first value, for a cond+uncond batch, is about twice that, and ComfyUI batches the two only
+    when they fit in what is free; reserving it would stream blocks that stock loading keeps on the GPU."""
 
     def __init__(self, ctl: SwapController, hook: StreamHook | None = None) -> None:
         self.ctl, self.hook = ctl, hook
@@ -583,7 +587,7 @@ class _SwapPrepare:
         import comfy.sampler_helpers
 
         try:
-            estimate = int(comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)[0])
+            estimate = int(comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)[1])
             self.ctl.activation_bytes = estimate
             for other in self.hook.models.others() if self.hook is not None else ():  # MultiGPU copies
                 other.owner.activation_bytes = estimate

@@ -61,6 +61,33 @@ def test_in_process_swapped_sampling_equals_plain_and_accounts_memory():
     assert not ctl.active and swapped.model.model_loaded_weight_memory == 0
 
 
+def test_block_swap_reserves_for_activations_what_comfyui_reserves_for_its_own_partial_load(monkeypatch):  # noqa: ANN001
+    """The budget's activation share is the single-batch estimate ComfyUI passes as ``minimum_memory_required``;
+    the cond+uncond estimate (``memory_required``, about twice) would stream blocks that stock loading keeps."""
+    _comfy()
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.offload.plan import SwapConfig
+
+    asked = []
+    load = mm.load_models_gpu
+
+    def recording(models, memory_required=0, force_patch_weights=False, minimum_memory_required=None, **kw):  # noqa: ANN001, ANN202
+        asked.append((memory_required, minimum_memory_required))
+        return load(models, memory_required=memory_required, force_patch_weights=force_patch_weights,
+                    minimum_memory_required=minimum_memory_required, **kw)
+
+    monkeypatch.setattr(mm, "load_models_gpu", recording)
+    swapped = apply_block_swap(_tiny_wan_patcher(), SwapConfig(vram_budget_gb=4.0, prefetch=1))
+    ctl = swapped.attachments[SWAP_KEY]
+    _sample(swapped)  # cfg 2: a cond and an uncond
+    mm.unload_all_models()
+    full, minimum = asked[0]
+    assert full > minimum > 0  # the two estimates differ, so the test tells them apart
+    assert ctl.activation_bytes == int(minimum)
+
+
 def test_in_process_interrupt_mid_step_leaves_the_model_usable():
     _comfy()
     import comfy.model_management as mm
