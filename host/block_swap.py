@@ -465,9 +465,11 @@ class BlockSwapMixin:
         return [x for x in super()._load_list(*args, **kwargs) if ctl is None or not ctl.is_swapped_module(x[-3])]
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):  # noqa: ANN001
+        # options go on by keyword: ComfyUI-GGUF's load(*args, force_patch_weights=..., **kwargs) sets its own
         ctl = self._swap
         if device_to is None or ctl is None:
-            return super().load(device_to, lowvram_model_memory, force_patch_weights, full_load)
+            return super().load(device_to, lowvram_model_memory, force_patch_weights=force_patch_weights,
+                                full_load=full_load)
         if not ctl.active:
             offered = None if (full_load or lowvram_model_memory <= 0 or lowvram_model_memory >= 1e30) \
                 else lowvram_model_memory
@@ -484,7 +486,8 @@ class BlockSwapMixin:
             if not ctl.active:
                 log.info("lowvram_dit Block Swap: everything fits (%s); nothing to stream",
                          "no budget set on a CPU device" if torch.device(device_to).type == "cpu" else "budget")
-            out = super().load(device_to, lowvram_model_memory, force_patch_weights, full_load)
+            out = super().load(device_to, lowvram_model_memory, force_patch_weights=force_patch_weights,
+                                full_load=full_load)
             ctl.parked.say_restored()
             return out
         # The stock loader handles every resident module (LoRA baking, pinning, partial loading if VRAM is short),
@@ -508,7 +511,7 @@ class BlockSwapMixin:
             ctl.activate(self, torch.device(device_to))
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):  # noqa: ANN001
-        out = super().partially_load(device_to, extra_memory, force_patch_weights)
+        out = super().partially_load(device_to, extra_memory, force_patch_weights=force_patch_weights)
         ctl = self._swap
         if ctl is not None and not ctl.active and ctl.plan is not None and ctl.plan.streamed:
             ctl.activate(self, torch.device(device_to))  # the stock early return skipped load()
@@ -519,9 +522,9 @@ class BlockSwapMixin:
         # (host/parked_weights.py); force_patch_weights and in-place patching leave patched values on the CPU.
         ctl = self._swap
         if ctl is None or force_patch_weights or self.weight_inplace_update:
-            return super().partially_unload(device_to, memory_to_free, force_patch_weights)
+            return super().partially_unload(device_to, memory_to_free, force_patch_weights=force_patch_weights)
         before = regular_weights(self)
-        freed = super().partially_unload(device_to, memory_to_free, force_patch_weights)
+        freed = super().partially_unload(device_to, memory_to_free, force_patch_weights=force_patch_weights)
         try:
             ctl.parked.park(self, before)
         except (RuntimeError, MemoryError) as exc:  # parking only saves time: never fail ComfyUI's unload for it
@@ -540,7 +543,7 @@ class BlockSwapMixin:
     def unpatch_model(self, device_to=None, unpatch_weights=True):  # noqa: ANN001
         if unpatch_weights and self._swap is not None:
             self._swap.unload(self)
-        return super().unpatch_model(device_to, unpatch_weights)
+        return super().unpatch_model(device_to=device_to, unpatch_weights=unpatch_weights)
 
     def detach(self, unpatch_all=True):  # noqa: ANN001
         # unpatch_all=False: ComfyUI hands the weights to a clone (often this very patcher, re-loaded for the next

@@ -92,6 +92,9 @@ def test_block_swap_on_a_gguf_model_equals_it_alone(wan_gguf: Path) -> None:
     assert type(swapped.clone()) is type(swapped)  # ComfyUI-GGUF's clone resets the class: Block Swap stays
     assert torch.equal(_sample(swapped.clone(), seed=0), ref)
     assert torch.equal(_sample(_swapped(model, offload_embeddings=True)), ref)
+    # a budget the whole model fits: nothing streams, ComfyUI-GGUF's own load runs (it takes its options by keyword)
+    roomy = _swapped(model, blocks=-1, vram_budget_gb=8.0)
+    assert torch.equal(_sample(roomy), ref) and not roomy.attachments[SWAP_KEY].plan.streamed
     mm.unload_all_models()
     assert torch.equal(_sample(model), ref)  # the GGUF model is intact after Block Swap unloaded
 
