@@ -61,7 +61,7 @@ def test_in_process_swapped_sampling_equals_plain_and_accounts_memory():
     assert not ctl.active and swapped.model.model_loaded_weight_memory == 0
 
 
-def test_block_swap_reserves_for_activations_what_comfyui_reserves_for_its_own_partial_load(monkeypatch):  # noqa: ANN001
+def test_block_swap_leaves_for_activations_what_comfyui_leaves_in_its_own_partial_load(monkeypatch):  # noqa: ANN001
     """The budget's activation share is the single-batch estimate ComfyUI passes as ``minimum_memory_required``;
     the cond+uncond estimate (``memory_required``, about twice) would stream blocks that stock loading keeps."""
     _comfy()
@@ -73,10 +73,9 @@ def test_block_swap_reserves_for_activations_what_comfyui_reserves_for_its_own_p
     asked = []
     load = mm.load_models_gpu
 
-    def recording(models, memory_required=0, force_patch_weights=False, minimum_memory_required=None, **kw):  # noqa: ANN001, ANN202
+    def recording(models, memory_required=0, minimum_memory_required=None, **kw):  # noqa: ANN001, ANN202
         asked.append((memory_required, minimum_memory_required))
-        return load(models, memory_required=memory_required, force_patch_weights=force_patch_weights,
-                    minimum_memory_required=minimum_memory_required, **kw)
+        return load(models, memory_required=memory_required, minimum_memory_required=minimum_memory_required, **kw)
 
     monkeypatch.setattr(mm, "load_models_gpu", recording)
     swapped = apply_block_swap(_tiny_wan_patcher(), SwapConfig(vram_budget_gb=4.0, prefetch=1))
