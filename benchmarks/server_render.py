@@ -36,7 +36,7 @@ CACHE_ENV = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"
 # Rough seconds of one render on one H100/H200 (page cache warm) for --deadline, from the server scenarios' step
 # times and walls at the workflows' steps and sizes: (first-ever or cold, warm: the models loaded, about half or less).
 ESTIMATE_S = {"wan_t2v_4step": (40, 25), "wan_t2v": (220, 150), "wan_i2v": (220, 150), "wan_i2v_4step": (45, 28),
-              "wan_ti2v_5b": (150, 90), "qwen_t2i_4step": (25, 5), "qwen_t2i": (70, 20), "qwen_edit": (90, 40)}
+              "wan_ti2v_5b": (65, 60), "qwen_t2i_4step": (25, 5), "qwen_t2i": (70, 20), "qwen_edit": (90, 40)}
 SMALL_CARD_FACTOR = 1.3  # 12 GB and less: weights streamed every step
 SERVER_START_S = 20.0
 OOM = re.compile(r"out of memory|OutOfMemory|OOM", re.IGNORECASE)
