@@ -34,7 +34,7 @@ FIXTURE_FOLDER = "zz_lowvram_dit_test_nodes"
 STAND_IN_CLIP = "LowVRAMTest_StreamedCLIPLoader"
 CACHE_ENV = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor", "CUDA_CACHE_PATH": "cuda"}
 # Rough seconds of one render on one H100/H200 (page cache warm) for --deadline, from the server scenarios' step
-# times and walls at the workflows' steps and sizes: (first-ever or cold, warm: the models loaded, about half or less).
+# times and walls at the workflows' steps and sizes: (first-ever or cold, warm: the models already loaded).
 ESTIMATE_S = {"wan_t2v_4step": (40, 25), "wan_t2v": (220, 150), "wan_i2v": (220, 150), "wan_i2v_4step": (45, 28),
               "wan_ti2v_5b": (65, 60), "qwen_t2i_4step": (25, 5), "qwen_t2i": (70, 20), "qwen_edit": (90, 40)}
 SMALL_CARD_FACTOR = 1.3  # 12 GB and less: weights streamed every step

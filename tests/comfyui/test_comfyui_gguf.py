@@ -327,8 +327,6 @@ def test_server_gguf_model_through_block_swap_lora_and_the_other_nodes(comfy_ser
     assert "passes this model through" not in log_text and "KeyError" not in log_text
 
 
-
-
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
 def test_block_swap_drops_the_file_pages_of_resident_gguf_weights_as_they_move(
         wan_gguf: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -330,7 +330,7 @@ def test_qwen_image_gguf_rows_put_block_swap_and_a_vae_loader_where_the_qwen_ima
     sampler = next(k for k, n in pack.items() if n["class_type"] == "KSampler")
     assert _model_chain(pack, sampler) == ["ModelSamplingAuraFlow", "LoraLoaderModelOnly", "LowVRAM_Attention",
                                            "LowVRAM_BlockSwap", "UnetLoaderGGUF"]
-    decode = _types(pack)["LowVRAM_QwenImageDecode"][0]
+    decode = types["LowVRAM_QwenImageDecode"][0]
     assert pack[decode["vae"][0]]["class_type"] == "VAELoader"
     assert sm.file_gb("qwen_image_Q4_K.gguf") < sm.file_gb("qwen_image_Q8_0.gguf") < sm.file_gb("qwen_image_bf16")
     head = sr.head(sr.make_row("qwen_t2i_4step", "pack", 12.0, True, "gguf_q8_0"))
