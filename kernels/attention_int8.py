@@ -21,6 +21,10 @@ fp32 torch):
   product scaled into an fp32 accumulator, and the 16-bit keys' P·V in fp16 from their input values (there the
   key sort also counts ||v - mean(v)||², so values 10-100x the rest leave the int8 blocks); "fp16" P and V in fp16.
   out = acc / l (· V's channel scale) + v_mean.
+- on sm90 (H100 / H200) with Triton >= 3.6 the fp16 P·V main loop runs in kernels/attention_int8_gluon.py, a
+  warp-specialized Gluon kernel (TMA loader + two consumer warpgroups, FlashAttention-3's schedule) that Triton's own
+  pipeliner does not produce; there "auto" picks fp16 P·V (resolve_formats; docs/benchmarks.md has both schemes'
+  speed and error). Elsewhere (or if it fails) Triton's loop runs.
 
 Where each part's error comes from and what each choice bought is measured on the emulation in
 docs/attention_int8_accuracy.md. `qk_format="fp8"` swaps the Q·Kᵀ operands to e4m3 for comparison; `hi_keys=0` is
@@ -58,6 +62,7 @@ DEFAULT_QK_FORMAT: Literal["int8", "fp8"] = "int8"
 # instructions of the fp8 one on sm90 (tests/unit/sass_attention_int8.py --pv int8), which this kernel does not
 # overlap with its tensor-core work: expected slower than cuDNN there until measured otherwise
 # (`attention_int8 --kitchen` times both: benchmarks/results/bench_attention_kitchen.md).
+# On sm90 with the Gluon loop "auto" picks fp16 instead (resolve_formats).
 DEFAULT_PV_FORMAT: Literal["int8", "fp8", "fp16"] = "fp8"
 PV_FORMATS = ("int8", "fp8", "fp16")
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -82,6 +87,52 @@ def _triton_module():
     except Exception:  # ImportError, or a Triton that fails to initialise (no driver, old version)
         return None
     return attention_int8_triton
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_module():
+    """kernels.attention_int8_gluon (the warp-specialized sm90 loop), or None where Triton has no Gluon for Hopper
+    in the form it is written for (Triton 3.6's)."""
+    try:
+        from . import attention_int8_gluon
+    except Exception:  # ImportError on older / newer Gluon APIs, or a Triton that fails to initialise
+        return None
+    return attention_int8_gluon if attention_int8_gluon.supported_triton() else None
+
+
+_GLUON_FAILED: list[str] = []  # the first failure of the Gluon loop (compile or launch); Triton's loop after it
+
+
+def gluon_loop_failure() -> str | None:
+    """Why the Gluon loop stopped being used in this process (its first error), or None."""
+    return _GLUON_FAILED[0] if _GLUON_FAILED else None
+
+
+def gluon_loop_usable(device: torch.device) -> bool:
+    """True where the fp16 P·V main loop runs in the warp-specialized Gluon kernel: an sm90 GPU (H100 / H200), its
+    Triton's Gluon importable, and no earlier failure of it in this process."""
+    if device.type != "cuda" or _interpreting() or _GLUON_FAILED:
+        return False
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    if _gluon_module() is None:
+        _log_once("lowvram_dit 8-bit attention: the warp-specialized sm90 loop needs Triton >= 3.6 with Gluon "
+                  f"(this is Triton {_triton_version()}); fp16 P·V runs in Triton's loop")
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    log.info(message)
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except Exception:  # noqa: BLE001 - only for a log line
+        return "not importable"
+    return getattr(triton, "__version__", "?")
 
 
 def _interpreting() -> bool:
@@ -111,8 +162,12 @@ def resolve_formats(device: torch.device, qk_format: QkFormat = "auto",
         cap = (9, 0)
     has_fp8 = cap >= (8, 9)
     qk = DEFAULT_QK_FORMAT if qk_format == "auto" else qk_format
-    pv = (DEFAULT_PV_FORMAT if has_fp8 or DEFAULT_PV_FORMAT != "fp8" else "fp16") if pv_format == "auto" \
-        else pv_format
+    if pv_format != "auto":
+        pv = pv_format
+    elif device.type == "cuda" and qk == "int8" and gluon_loop_usable(device):
+        pv = "fp16"  # the Gluon loop: fp16 P·V near the fp8 loop's speed (docs/benchmarks.md)
+    else:
+        pv = DEFAULT_PV_FORMAT if has_fp8 or DEFAULT_PV_FORMAT != "fp8" else "fp16"
     if qk not in ("int8", "fp8") or pv not in PV_FORMATS:
         raise ValueError(f"attention_int8: qk_format={qk_format!r}, pv_format={pv_format!r}; use qk_format in "
                          "{'auto','int8','fp8'} and pv_format in {'auto','int8','fp8','fp16'}")
@@ -357,6 +412,13 @@ def attention_from_quantized(qq: QuantizedQKV, out: torch.Tensor, lq: int, lk: i
             v_sum, v_hi, v_hi_scale,
             *out.stride(), *qq.q16.stride(), h, lq, lk, lq_pad, lk_pad, _bucket(lq), _bucket(lk), qq.n_hi // KBLK,
             qq.sm_scale * LOG2E)
+    if config is None and not compile_only and _gluon_loop_fits(qq, out):
+        try:
+            return _gluon_module().attention_from_quantized(qq, out, lq, lk, qq.sm_scale * LOG2E)
+        except Exception as exc:  # noqa: BLE001 - a Triton whose Gluon differs: Triton's own loop instead
+            _GLUON_FAILED.append(f"{type(exc).__name__}: {exc}")
+            log.warning("lowvram_dit 8-bit attention: the Gluon (sm90) loop failed (%s: %s); using the Triton loop",
+                        type(exc).__name__, str(exc)[:300])
     flags = dict(HEAD_DIM=d, KBLK_=KBLK, QK_FP8=qq.qk_format == "fp8", PV_FP8=qq.pv_format == "fp8",
                  F32_DOT=_interpreting(), PV_INT8=int8_pv)
     if config is None and _interpreting():
@@ -374,6 +436,13 @@ def attention_from_quantized(qq: QuantizedQKV, out: torch.Tensor, lq: int, lk: i
     else:
         _autotuned_kernel()[lambda meta: (triton_cdiv(lq, meta["BLOCK_M"]), b * h)](*args, **flags)
     return out
+
+
+def _gluon_loop_fits(qq: QuantizedQKV, out: torch.Tensor) -> bool:
+    """The Gluon loop takes int8 Q·Kᵀ with fp16 P·V at head dim 128, with unit last strides on q and out."""
+    if not gluon_loop_usable(out.device) or (qq.qk_format, qq.pv_format) != ("int8", "fp16"):
+        return False
+    return out.shape[-1] in _gluon_module().HEAD_DIMS and out.stride(-1) == 1 and qq.q16.stride(-1) == 1
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -472,6 +541,8 @@ def _warm(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, f
                 # their extra configs on their first call.
                 long = WARMUP_AUTOTUNE_LENGTH
                 attention_from_quantized(qq, torch.empty_like(x), long, long, compile_only=True)
+                if _gluon_loop_fits(qq, x):  # no autotuner there: one real call compiles it
+                    attention_from_quantized(qq, torch.empty_like(x), length, length)
             if cuda:
                 torch.cuda.current_stream().synchronize()
     except Exception as exc:  # noqa: BLE001 - the first real call compiles instead; never take the server down
