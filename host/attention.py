@@ -39,12 +39,13 @@ BACKEND_CHOICES: dict[str, Optional[str]] = {
     "xformers": "xformers",
     "lowvram 8-bit": "int8",
     "lowvram 8-bit, int8 P·V": "int8_pv8",
+    "lowvram 8-bit, fp8 P·V": "int8_pvfp8",
     "comfy-kitchen int8": "ck_int8",
     SOL_ATTN_LABEL: "ck_sol",  # an approximation, and its label says so
     COMFY_DEFAULT: None,
 }
 # The pack's 8-bit backends and the P·V format each one's kernel is compiled for (its background warm-up)
-INT8_PV_FORMATS = {"int8": "auto", "int8_pv8": "int8"}
+INT8_PV_FORMATS = {"int8": "auto", "int8_pv8": "int8", "int8_pvfp8": "fp8"}
 _ARG_NAMES = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
 CORE_PREFIX = "comfy:"
 # ComfyUI's registered functions whose numerics are known. Exact ones join auto; quantized ones join only when

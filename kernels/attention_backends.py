@@ -164,6 +164,19 @@ def _int8_int8_pv(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Te
     return attention_int8.attention_int8(q, k, v, layout="BHLD", pv_format="int8")
 
 
+def _int8_fp8_pv(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+    from . import attention_int8  # optional (needs Triton)
+
+    return attention_int8.attention_int8(q, k, v, layout="BHLD", pv_format="fp8")
+
+
+def _int8_fp8_pv_reason(device: torch.device, dtype: torch.dtype, head_dim: int, has_mask: bool) -> Optional[str]:
+    reason = _int8_reason(device, dtype, head_dim, has_mask)
+    if reason is None and torch.cuda.get_device_capability(device) < (8, 9):
+        return "fp8 P·V needs fp8 tensor cores (sm89+: RTX 40xx, H100 and newer)"
+    return reason
+
+
 def _int8_reason(device: torch.device, dtype: torch.dtype, head_dim: int, has_mask: bool) -> Optional[str]:
     mod = _optional_module(f"{__package__}.attention_int8")
     if mod is None:
@@ -259,6 +272,10 @@ def _register_builtin() -> None:
                                       trades_accuracy=True))
     # the same kernel with int8 P·V: at most comfy-kitchen's error on every test family, more instructions per tile
     register_backend(AttentionBackend("int8_pv8", "lowvram 8-bit, int8 P·V", _int8_int8_pv, _int8_reason,
+                                      tolerance=QUANTIZED_TOLERANCE, trades_accuracy=True))
+    # fp8 P·V wherever fp8 runs: what "lowvram 8-bit" runs on sm89+ GPUs but sm90 with Gluon, kept as a choice there
+    # (faster than the fp16 P·V loop, 4-7 % error on near-Gaussian inputs)
+    register_backend(AttentionBackend("int8_pvfp8", "lowvram 8-bit, fp8 P·V", _int8_fp8_pv, _int8_fp8_pv_reason,
                                       tolerance=QUANTIZED_TOLERANCE, trades_accuracy=True))
     from .int8_comfy_kitchen import SOL_ATTN_LABEL  # a constant; comfy-kitchen itself is imported on first use
 

@@ -40,15 +40,18 @@ class AttentionSelect(io.ComfyNode):
                 io.Combo.Input(
                     "backend", options=list(BACKEND_CHOICES), default="auto",
                     tooltip="auto: time every available exact backend once per shape and keep the fastest "
-                            "(recommended). SageAttention and lowvram 8-bit quantize Q/K (lowvram 8-bit: 1.15-1.25x "
-                            "cuDNN on Wan's long self-attention on an H200, 0.2-2.4 % error on outlier-heavy inputs, "
-                            "4-7 % on near-Gaussian ones). lowvram 8-bit, int8 P·V: the same kernel with P·V in "
-                            "int8, 1.2-1.5 % on near-Gaussian inputs, but 0.86x cuDNN on an H200, so there the exact "
-                            "backend runs instead. comfy-kitchen int8 needs comfy-kitchen >= "
-                            f"{'.'.join(map(str, MIN_VERSION))}. {SOL_ATTN_LABEL}: block-sparse, self-attention "
-                            "only; about 0.2 % error on locally smooth inputs, 17-93 % on unstructured ones (over "
-                            "15 % it falls back). A quantized choice runs a shape only where it is faster than the "
-                            "best exact backend. ComfyUI default: whatever ComfyUI's launch flags chose."),
+                            "(recommended). SageAttention and lowvram 8-bit quantize Q/K. lowvram 8-bit: on an H100 / "
+                            "H200 (with Triton >= 3.6) P·V in fp16, 1.10-1.16x cuDNN on Wan's long self-attention "
+                            "and at most comfy-kitchen int8's error on every tested input (0.9-1.2 % on "
+                            "near-Gaussian ones); on other GPUs P·V in fp8 (below). lowvram 8-bit, fp8 P·V: "
+                            "1.18-1.25x cuDNN on an H200, 0.2-2.4 % error on outlier-heavy inputs, 4-7 % on "
+                            "near-Gaussian ones. lowvram 8-bit, int8 P·V: 1.2-1.5 % on near-Gaussian inputs, but "
+                            "0.84x cuDNN on an H200, so there the exact backend runs instead. comfy-kitchen int8 "
+                            f"needs comfy-kitchen >= {'.'.join(map(str, MIN_VERSION))}. {SOL_ATTN_LABEL}: "
+                            "block-sparse, self-attention only; about 0.2 % error on locally smooth inputs, 17-93 % "
+                            "on unstructured ones (over 15 % it falls back). A quantized choice runs a shape only "
+                            "where it is faster than the best exact backend. ComfyUI default: whatever ComfyUI's "
+                            "launch flags chose."),
             ],
             outputs=[io.Model.Output()],
         )

@@ -53,7 +53,7 @@ def test_registry_reports_what_cpu_can_run() -> None:
         assert attn.unavailable_reason(gpu_only, CPU, torch.float32, 128)
     assert "unknown attention backend" in attn.unavailable_reason("nope", CPU, torch.float32, 128)
     # the 8-bit and comfy-kitchen backends are optional: absent or unsupported on CPU, never a crash
-    for optional in ("int8", "int8_pv8", "ck_int8", "ck_sol"):
+    for optional in ("int8", "int8_pv8", "int8_pvfp8", "ck_int8", "ck_sol"):
         assert optional not in names and attn.unavailable_reason(optional, CPU, torch.bfloat16, 128)
 
 
@@ -62,7 +62,7 @@ def test_every_node_choice_is_a_backend_logged_by_its_label() -> None:
     from comfyui_lowvram_dit.host.attention import BACKEND_CHOICES
 
     named = {label: name for label, name in BACKEND_CHOICES.items() if name not in (None, "auto")}
-    assert {"int8_pv8", "ck_int8", "ck_sol"} <= set(named.values())
+    assert {"int8_pv8", "int8_pvfp8", "ck_int8", "ck_sol"} <= set(named.values())
     assert {label: attn.BACKENDS[name].label for label, name in named.items()} == {label: label for label in named}
     assert "approximate" in next(label for label, name in named.items() if name == "ck_sol")
 
