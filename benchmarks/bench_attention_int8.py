@@ -35,10 +35,9 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "wan14b_480p_cross": (1, 40, 32760, 512, 128),  # umT5 text context, 512 tokens
     "wan14b_720p_self": (1, 40, 75600, 75600, 128),  # 1280x720x81 -> 21 x 90 x 160 / 4
     "wan14b_720p_cross": (1, 40, 75600, 512, 128)}
-# ours: (Q·Kᵀ format, P·V format, hi_keys). "int8_fp16" is what "auto" runs on sm90 where Triton has Gluon (the
-# warp-specialized loop) and on sm80/86 (Triton's loop), "int8_fp8" on other sm89+ GPUs, "int8_int8" the int8 P·V
-# choice; "int8_fp8_old" the scheme before the 16-bit keys (the speed baseline). hi_keys None = hi_key_count(Lk),
-# 0 = none.
+# ours: (Q·Kᵀ format, P·V format, hi_keys). "auto" runs "int8_fp16" on sm90 with Gluon (the warp-specialized loop)
+# and sm80/86, "int8_fp8" on other sm89+ GPUs; "int8_int8" is the int8 P·V choice, "int8_fp8_old" the scheme before
+# the 16-bit keys (the speed baseline). hi_keys None = hi_key_count(Lk), 0 = none.
 OURS = {"int8_fp16": ("int8", "fp16", None), "int8_fp8": ("int8", "fp8", None), "int8_fp8_old": ("int8", "fp8", 0),
         "int8_int8": ("int8", "int8", None)}
 RIVALS = ("comfy_kitchen_int8",)  # comfy-kitchen's INT8 attention, as ComfyUI's --use-ck-attention runs it
@@ -330,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda")
     env = reports.environment(f"{reports.SUITE}.bench_attention_int8", argv, dev)
     env["formats_auto"] = list(A.resolve_formats(dev)) if A.is_supported(dev, torch.bfloat16, 128) else None
-    env["fp16_pv_loop"] = "gluon (warp-specialized)" if A.gluon_loop_usable(dev) else "triton"
+    loop = env["fp16_pv_loop"] = "gluon (warp-specialized)" if A.gluon_loop_usable(dev) else "triton"
     say(f"device {env['gpu']} (sm{env['compute_capability']}), torch {env['torch']}, "
         f"triton {env['triton']}, comfy_kitchen {env['comfy_kitchen']}, auto formats {env['formats_auto']}")
     stem = KITCHEN_STEM if args.kitchen else "bench_attention_int8"
@@ -338,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def write() -> None:  # after every stage, so a run cut short still leaves what it measured
         report["autotune"] = A.chosen_configs()
-        if A.gluon_loop_failure():  # it fell back to Triton's loop mid-run
-            env["fp16_pv_loop"] = f"triton (the Gluon loop failed: {A.gluon_loop_failure()})"
+        failure = A.gluon_loop_failure()  # the Gluon loop failed mid-run: Triton's loop ran from then on
+        env["fp16_pv_loop"] = f"{loop} (failed, then Triton's: {failure})" if failure else loop
         reports.write(args.out, stem, report, to_markdown(report))
 
     say("kernel vs emulation:")  # first, so that a broken kernel shows before the long timings
