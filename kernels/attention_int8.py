@@ -540,9 +540,10 @@ def _warm(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, f
                 # 8-bit kernel is used: Wan video) are picked by passing a long length; shorter sequences compile
                 # their extra configs on their first call.
                 long = WARMUP_AUTOTUNE_LENGTH
-                attention_from_quantized(qq, torch.empty_like(x), long, long, compile_only=True)
-                if _gluon_loop_fits(qq, x):  # no autotuner there: one real call compiles it
+                if _gluon_loop_fits(qq, x):  # the Gluon loop has no autotuner: one real call compiles it
                     attention_from_quantized(qq, torch.empty_like(x), length, length)
+                else:
+                    attention_from_quantized(qq, torch.empty_like(x), long, long, compile_only=True)
             if cuda:
                 torch.cuda.current_stream().synchronize()
     except Exception as exc:  # noqa: BLE001 - the first real call compiles instead; never take the server down

@@ -80,6 +80,15 @@ def test_heads_divisible_by_16_get_their_own_warmup(recorder: list) -> None:
     assert sorted({c[1][1] for c in recorder if c[0] == "quantize"}) == [40, 48]
 
 
+def test_where_the_gluon_loop_runs_the_warmup_compiles_it_not_the_autotuner(recorder: list,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """sm90 with Gluon: one real call per length kind compiles the Gluon loop (it has no autotuner); Triton's
+    autotuned loop, only its fallback, is not compiled ahead."""
+    monkeypatch.setattr(ai, "_gluon_loop_fits", lambda qq, out: True)
+    ai.start_warmup("cpu", torch.bfloat16, 40, 128, pv_format="fp16").join()
+    assert [c[2:] for c in recorder if c[0] == "main"] == [(264, 264, False), (256, 256, False)]
+
+
 def test_each_pv_format_gets_its_own_warmup(recorder: list) -> None:
     """The int8 P·V backend is another kernel (a compile-time flag): its warm-up compiles that one."""
     a = ai.start_warmup("cpu", torch.bfloat16, 40, 128)
