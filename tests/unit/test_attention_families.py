@@ -202,7 +202,9 @@ def test_cuda_families_match_emulation_and_budget(name: str) -> None:
     # are the CPU tests' at 1024 keys; at 4096 some token-outlier families sit up to a point above them.
     err = A.relative_error(out, ref)
     assert err <= A.relative_error(emu, ref) + 0.005, name
-    assert pv == "fp8" or err <= BUDGET, name  # fp16 P·V (sm80/86) holds 2 % on every family
+    # fp16 P·V ("auto" on sm80/86, and on sm90 in the Gluon loop) holds 2 % wherever its scheme does: on every family
+    # but outlier queries stacked with mean offsets and head scales (the emulation's own 2.6 % at 4,096 keys)
+    assert pv == "fp8" or err <= BUDGET or A.relative_error(emu, ref) > BUDGET, name
     out8 = A.attention_int8(q, k, v, qk_format="int8", pv_format="int8")
     emu8 = A.attention_int8_reference(q, k, v, qk_format="int8", pv_format="int8", block_n=128)
     assert A.relative_error(out8, emu8) <= 0.015, name
@@ -250,14 +252,16 @@ def _kitchen_attention():  # noqa: ANN202 - comfy_kitchen.int8_attention or None
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("pv", ["int8", "fp16"])
 @pytest.mark.parametrize("lk", [32760, 512])
 @pytest.mark.parametrize("name", AF.FAMILIES)
-def test_cuda_error_not_above_kitchen(name: str, lk: int) -> None:
-    """The kernel with int8 P·V at Wan 480p key counts (2 heads, 2048 queries) against comfy-kitchen >= 0.2.40 on
-    the same inputs where it runs here, else against its measured error (KITCHEN_MEASURED); 2 % on gauss."""
+def test_cuda_error_not_above_kitchen(name: str, lk: int, pv: str) -> None:
+    """The kernel with int8 or fp16 P·V (the latter in the Gluon loop on sm90, where "auto" picks it) at Wan 480p key
+    counts (2 heads, 2048 queries) against comfy-kitchen >= 0.2.40 on the same inputs where it runs here, else
+    against its measured error (KITCHEN_MEASURED); 2 % on gauss."""
     q, k, v = AF.make_family(name, 1, 2, 2048, lk, 128, seed=0, device="cuda")
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    err = A.relative_error(A.attention_int8(q, k, v, pv_format="int8"), ref)
+    err = A.relative_error(A.attention_int8(q, k, v, pv_format=pv), ref)
     kitchen = _kitchen_attention()
     bound = A.relative_error(kitchen(q, k, v), ref) + 5e-4 if kitchen is not None \
         else KITCHEN_MEASURED[lk].get(name)
