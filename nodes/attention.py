@@ -43,7 +43,7 @@ class AttentionSelect(io.ComfyNode):
                             "(recommended). SageAttention and lowvram 8-bit quantize Q/K. lowvram 8-bit: on an H100 / "
                             "H200 (with Triton >= 3.6) P·V in fp16, 1.10-1.16x cuDNN on Wan's long self-attention "
                             "and at most comfy-kitchen int8's error on every tested input (0.9-1.2 % on "
-                            "near-Gaussian ones); on other GPUs P·V in fp8 (below). lowvram 8-bit, fp8 P·V: "
+                            "near-Gaussian ones); on RTX 40xx / 50xx P·V in fp8 (below). lowvram 8-bit, fp8 P·V: "
                             "1.18-1.25x cuDNN on an H200, 0.2-2.4 % error on outlier-heavy inputs, 4-7 % on "
                             "near-Gaussian ones. lowvram 8-bit, int8 P·V: 1.2-1.5 % on near-Gaussian inputs, but "
                             "0.84x cuDNN on an H200, so there the exact backend runs instead. comfy-kitchen int8 "
