@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 KERNEL_FILE = Path(__file__).resolve().parents[2] / "kernels" / "attention_int8_triton.py"
+GLUON_FILE = KERNEL_FILE.with_name("attention_int8_gluon.py")
 SAFE_WRITE_FILE = KERNEL_FILE.parents[1] / "checkpoints" / "safe_write.py"
 SM_REGS, SM_SMEM, SM_WARPS = 65536, 227 * 1024, 64  # sm80/sm89/sm90 per-SM limits (sm90/sm80 smem; sm89 has 99 KB)
 POINTERS = ("Q8", "QScale", "K8", "KScale", "VT", "VScale", "VMean", "Out", "Q16", "KHi", "KMean", "VSum", "VHi",
@@ -33,6 +34,8 @@ POINTERS = ("Q8", "QScale", "K8", "KScale", "VT", "VScale", "VMean", "Out", "Q16
 DIV16_INTS = ("stride_ob", "stride_oh", "stride_om", "stride_qb", "stride_qh", "stride_qm", "Lq_pad", "Lk_pad")
 WATCH = ("MUFU", "F2FP", "I2F", "IGMMA", "QGMMA", "HGMMA", "LDGSTS", "UTMALDG", "LDG", "LDS", "LDSM", "STS", "LDL",
          "STL", "BAR", "SYNCS", "SHFL")
+GLUON_WATCH = (*WATCH, "WARPGROUP", "FFMA", "FADD", "FMUL", "FMNMX", "IADD3", "VIADD")
+KERNEL_WATCH = ("LDL", "STL", "USETMAXREG", "UTMALDG", "IGMMA", "HGMMA", "QGMMA", "WARPGROUP")
 
 
 def _load_kernel_module(name: str = "attention_int8_triton_aot", path: Path = KERNEL_FILE):  # noqa: ANN202
@@ -71,15 +74,54 @@ def compile_kernel(arch: int, block_m: int, block_n: int, warps: int, stages: in
                           options={"num_warps": warps, "num_stages": stages})
 
 
+def compile_gluon_kernel(arch: int = 90):  # noqa: ANN201 - triton CompiledKernel
+    """attention_int8_gluon.attn_fwd_kernel built for ``sm{arch}`` as a Wan 480p call specialises it (its shipped
+    block shapes, [B, L, H, D] memory); needs torch and a Triton whose Gluon has that file's API (3.6 on)."""
+    import torch
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    g, d = _load_kernel_module("attention_int8_gluon_aot", GLUON_FILE), 128
+
+    def desc(shape: tuple[int, int], dtype: torch.dtype, block: list[int]):  # noqa: ANN202
+        return g._descriptor(torch.zeros(*shape, dtype=dtype), block, g._GL_DTYPES[dtype])
+
+    ptr, out = torch.zeros(16), torch.zeros(16, dtype=torch.bfloat16)
+    values = dict(q_desc=desc((512, d), torch.int8, [g.BLOCK_M // 2, d]),
+                  k_desc=desc((512, d), torch.int8, [g.BLOCK_N, d]),
+                  vt_desc=desc((2 * d, 256), torch.float16, [d, g.BLOCK_N]),
+                  khi_desc=desc((256, d), torch.bfloat16, [g.BLOCK_N, d]),
+                  QScale=ptr, KScale=ptr, VScale=ptr, VMean=ptr, KMean=ptr, Out=out, Q16=out,
+                  stride_ob=40 * 32760 * d, stride_oh=d, stride_om=40 * d, stride_qb=40 * 32760 * d, stride_qh=d,
+                  stride_qm=40 * d, Lq_pad=32768, Lk_pad=32768, N_HI=384,
+                  **{name: 32760 for name in g.attn_fwd_kernel.do_not_specialize}, hi_scale=0.1)
+    fn = g.attn_fwd_kernel
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name not in values:
+            sig[name] = "constexpr"
+            continue
+        spec = native_specialize_impl(BaseBackend, values[name], False, True, True)[0]
+        sig[name] = "i32" if name in fn.do_not_specialize else spec
+        if spec.startswith("*"):
+            attrs[(i, )] = [["tt.divisibility", 16]]
+    const = dict(BLOCK_M=g.BLOCK_M, BLOCK_N=g.BLOCK_N, STAGES=g.STAGES)
+    return triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": 4, "maxnreg": 168})
+
+
 def _tool(name: str) -> str:
     import triton
 
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def main_loop_mix(sass: str) -> tuple[int, collections.Counter]:
+def main_loop_mix(sass: str, innermost: bool = False) -> tuple[int, collections.Counter]:
     """Instruction count and opcode mix of the K/V tile loop: of the backward-branch bodies, the one with the
-    most 8-bit wgmmas (IGMMA / QGMMA; the 16-bit-key loop has fewer), then the longest."""
+    most 8-bit wgmmas (IGMMA / QGMMA; the 16-bit-key loop has fewer), then the longest; with ``innermost`` (the
+    Gluon kernel, whose partitions sit in outer loops) the shortest body holding an 8-bit wgmma."""
     instrs: list[str] = []
     labels: dict[str, int] = {}
     for line in sass.splitlines():
@@ -89,19 +131,21 @@ def main_loop_mix(sass: str) -> tuple[int, collections.Counter]:
         label = re.match(r"\.(L_x_\d+):", line.strip())
         if label:
             labels[label.group(1)] = len(instrs)
-    best = (0, 0, 0, -1)
+    best: tuple = (0, 0, 0, -1)
     for i, ins in enumerate(instrs):
         m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", ins)
         if m and m.group(1) in labels and labels[m.group(1)] <= i:
             lo = labels[m.group(1)]
             wgmma8 = sum(op.startswith(("IGMMA", "QGMMA")) for op in instrs[lo:i + 1])
-            best = max(best, (wgmma8, i - lo + 1, lo, i))
-    _, n, lo, hi = best
-    return n, collections.Counter(ins.split()[0].split(".")[0] for ins in instrs[lo:hi + 1])
+            key = (wgmma8 > 0, lo - i) if innermost else (wgmma8, i - lo + 1)  # innermost: the shortest such body
+            best = max(best, (*key, lo, i))
+    lo, hi = best[2], best[3]
+    return hi - lo + 1, collections.Counter(ins.split()[0].split(".")[0] for ins in instrs[lo:hi + 1])
 
 
-def profile(kernel, warps: int) -> dict:  # noqa: ANN001
-    """Registers, shared memory, CTAs per SM and the main loop's instruction mix of a compiled kernel."""
+def profile(kernel, warps: int, gluon: bool = False) -> dict:  # noqa: ANN001
+    """Registers, shared memory, CTAs per SM, stack bytes (spills), the main loop's instruction mix and, over the
+    whole kernel, the count of each opcode in KERNEL_WATCH of a compiled kernel."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         _load_kernel_module("lowvram_safe_write", SAFE_WRITE_FILE).write_atomic(cubin, kernel.asm["cubin"])
@@ -111,9 +155,12 @@ def profile(kernel, warps: int) -> dict:  # noqa: ANN001
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     smem = int(kernel.metadata.shared)
     ctas = min(SM_REGS // (regs * 32 * warps), SM_SMEM // max(smem, 1), SM_WARPS // warps)
-    n, mix = main_loop_mix(sass)
+    n, mix = main_loop_mix(sass, innermost=gluon)
+    ops = collections.Counter(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass, re.M))
     return {"regs": regs, "shared_bytes": smem, "ctas_per_sm": ctas, "loop_instructions": n,
-            "loop_mix": {k: mix[k] for k in WATCH if mix[k]}}
+            "stack_bytes": int(re.search(r"STACK:(\d+)", res).group(1)),
+            "loop_mix": {k: mix[k] for k in (GLUON_WATCH if gluon else WATCH) if mix[k]},
+            "kernel_ops": {k: ops[k] for k in KERNEL_WATCH}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,8 +170,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="tile config (repeatable); default: the autotune set")
     parser.add_argument("--qk", choices=("int8", "fp8"), default="int8")
     parser.add_argument("--pv", choices=("int8", "fp8", "fp16"), default="fp16")
+    parser.add_argument("--gluon", action="store_true", help="the warp-specialized sm90 loop (attention_int8_gluon)")
     args = parser.parse_args(argv)
     import triton
+
+    if args.gluon:  # 12 warps: the loader's warpgroup and two consumer warpgroups
+        p = profile(compile_gluon_kernel(args.arch), 12, gluon=True)
+        print(f"triton {triton.__version__}, sm{args.arch}, Gluon loop (int8 Q·Kᵀ, fp16 P·V): {p['regs']} registers "
+              f"per thread at entry, {p['shared_bytes'] / 1024:.0f} KB shared, {p['loop_instructions']} loop "
+              f"instructions per warp and tile: " + " ".join(f"{k}={v}" for k, v in p["loop_mix"].items()))
+        return 0
 
     configs = args.config or [list(c[:4]) for c in _load_kernel_module().ATTN_CONFIGS if c[4] == 0]
     print(f"triton {triton.__version__}, sm{args.arch}, Q·Kᵀ {args.qk}, P·V {args.pv}, head dim 128")
