@@ -16,7 +16,7 @@ Only imported when Triton's Gluon for Hopper is importable (kernels.attention_in
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import triton
@@ -24,9 +24,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-if TYPE_CHECKING:
-    from .attention_int8 import QuantizedQKV
 
 # int8 dot products of length <= 256 fit in |x| < 2^22, where float(x) == bits(x + 0x4B400000) - 1.5*2^23
 # (one integer add instead of an int->float conversion, as in attention_int8_triton).
@@ -299,9 +296,10 @@ def _descriptor(x: torch.Tensor, block: list[int], dtype: gl.dtype) -> TensorDes
 _GL_DTYPES = {torch.int8: gl.int8, torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
-def attention_from_quantized(qq: QuantizedQKV, out: torch.Tensor, lq: int, lk: int, hi_scale: float) -> torch.Tensor:
-    """Runs attn_fwd_kernel on kernels.attention_int8.QuantizedQKV qq (int8 Q·Kᵀ, fp16 vt); out [B, H, Lq, D]
-    written in place; hi_scale = sm_scale·log2(e) for the 16-bit keys' logits."""
+def attention_from_quantized(qq: Any, out: torch.Tensor, lq: int, lk: int, hi_scale: float) -> torch.Tensor:
+    """Runs attn_fwd_kernel on qq, a kernels.attention_int8.QuantizedQKV (int8 Q·Kᵀ, fp16 vt; not imported here:
+    that module imports this one); out [B, H, Lq, D] written in place; hi_scale = sm_scale·log2(e) for the 16-bit
+    keys' logits."""
     bh, lq_pad, d = qq.q8.shape
     lk_pad = qq.k8.shape[1]
     n_hi = qq.n_hi

@@ -390,8 +390,10 @@ def test_pack_imports_and_reports_without_triton(tmp_path: Path) -> None:
                           timeout=240, env=env, cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    # The Triton kernel file itself needs Triton; its one importer (attention_int8._triton_module) guards it.
-    assert set(r["failed"]) <= {"comfyui_lowvram_dit.kernels.attention_int8_triton"}, r["failed"]
+    # The Triton and Gluon kernel files themselves need Triton; their one importer (attention_int8._triton_module,
+    # ._gluon_module) guards each.
+    assert set(r["failed"]) <= {"comfyui_lowvram_dit.kernels.attention_int8_triton",
+                                "comfyui_lowvram_dit.kernels.attention_int8_gluon"}, r["failed"]
     assert all("triton" in v for v in r["failed"].values()), r["failed"]
     assert r["fp8_triton"] is False and r["int8_supported"] is False
     assert r["int8_reason"]  # reported unavailable, with a reason
