@@ -152,22 +152,14 @@ def _xformers(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor
     return out.transpose(1, 2)
 
 
-def _int8(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
-    from . import attention_int8  # optional (needs Triton)
+def _int8_with(pv_format: str) -> AttentionFn:
+    """The pack's 8-bit kernel with P·V in ``pv_format`` ("auto": the format resolve_formats picks for the GPU)."""
+    def call(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+        from . import attention_int8  # optional (needs Triton)
 
-    return attention_int8.attention_int8(q, k, v, layout="BHLD")
+        return attention_int8.attention_int8(q, k, v, layout="BHLD", pv_format=pv_format)
 
-
-def _int8_int8_pv(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
-    from . import attention_int8  # optional (needs Triton)
-
-    return attention_int8.attention_int8(q, k, v, layout="BHLD", pv_format="int8")
-
-
-def _int8_fp8_pv(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
-    from . import attention_int8  # optional (needs Triton)
-
-    return attention_int8.attention_int8(q, k, v, layout="BHLD", pv_format="fp8")
+    return call
 
 
 def _int8_fp8_pv_reason(device: torch.device, dtype: torch.dtype, head_dim: int, has_mask: bool) -> Optional[str]:
@@ -268,14 +260,14 @@ def _register_builtin() -> None:
                                       tolerance=QUANTIZED_TOLERANCE, trades_accuracy=True))
     register_backend(AttentionBackend("xformers", "xformers", _xformers,
                                       _cuda_half((7, 5), 256, False, "xformers.ops")))
-    register_backend(AttentionBackend("int8", "lowvram 8-bit", _int8, _int8_reason, tolerance=QUANTIZED_TOLERANCE,
-                                      trades_accuracy=True))
+    register_backend(AttentionBackend("int8", "lowvram 8-bit", _int8_with("auto"), _int8_reason,
+                                      tolerance=QUANTIZED_TOLERANCE, trades_accuracy=True))
     # the same kernel with int8 P·V: at most comfy-kitchen's error on every test family, more instructions per tile
-    register_backend(AttentionBackend("int8_pv8", "lowvram 8-bit, int8 P·V", _int8_int8_pv, _int8_reason,
+    register_backend(AttentionBackend("int8_pv8", "lowvram 8-bit, int8 P·V", _int8_with("int8"), _int8_reason,
                                       tolerance=QUANTIZED_TOLERANCE, trades_accuracy=True))
     # fp8 P·V wherever fp8 runs: what "lowvram 8-bit" runs on sm89+ GPUs but sm90 with Gluon, kept as a choice there
     # (faster than the fp16 P·V loop, 4-7 % error on near-Gaussian inputs)
-    register_backend(AttentionBackend("int8_pvfp8", "lowvram 8-bit, fp8 P·V", _int8_fp8_pv, _int8_fp8_pv_reason,
+    register_backend(AttentionBackend("int8_pvfp8", "lowvram 8-bit, fp8 P·V", _int8_with("fp8"), _int8_fp8_pv_reason,
                                       tolerance=QUANTIZED_TOLERANCE, trades_accuracy=True))
     from .int8_comfy_kitchen import SOL_ATTN_LABEL  # a constant; comfy-kitchen itself is imported on first use
 

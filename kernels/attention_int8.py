@@ -164,7 +164,7 @@ def resolve_formats(device: torch.device, qk_format: QkFormat = "auto",
     qk = DEFAULT_QK_FORMAT if qk_format == "auto" else qk_format
     if pv_format != "auto":
         pv = pv_format
-    elif device.type == "cuda" and qk == "int8" and gluon_loop_usable(device):
+    elif qk == "int8" and gluon_loop_usable(device):
         pv = "fp16"  # the Gluon loop: fp16 P·V near the fp8 loop's speed (docs/benchmarks.md)
     else:
         pv = DEFAULT_PV_FORMAT if has_fp8 or DEFAULT_PV_FORMAT != "fp8" else "fp16"
@@ -403,6 +403,13 @@ def attention_from_quantized(qq: QuantizedQKV, out: torch.Tensor, lq: int, lk: i
     PV_ACC (0/1/2) and EXP_EMU (0/1/2) documented in attention_int8_triton.attn_fwd_kernel. compile_only (autotune
     only): compile every config the autotuner would time for these arguments, run and time none (out untouched).
     """
+    if config is None and not compile_only and _gluon_loop_fits(qq, out):
+        try:
+            return _gluon_module().attention_from_quantized(qq, out, lq, lk, qq.sm_scale * LOG2E)
+        except Exception as exc:  # noqa: BLE001 - a Triton whose Gluon differs: Triton's own loop instead
+            _GLUON_FAILED.append(f"{type(exc).__name__}: {exc}")
+            log.warning("lowvram_dit 8-bit attention: the Gluon (sm90) loop failed (%s: %s); using the Triton loop",
+                        type(exc).__name__, str(exc)[:300])
     tk = _triton_module()
     b, h, _, d = out.shape
     lq_pad, lk_pad = qq.q8.shape[1], qq.k8.shape[1]
@@ -412,13 +419,6 @@ def attention_from_quantized(qq: QuantizedQKV, out: torch.Tensor, lq: int, lk: i
             v_sum, v_hi, v_hi_scale,
             *out.stride(), *qq.q16.stride(), h, lq, lk, lq_pad, lk_pad, _bucket(lq), _bucket(lk), qq.n_hi // KBLK,
             qq.sm_scale * LOG2E)
-    if config is None and not compile_only and _gluon_loop_fits(qq, out):
-        try:
-            return _gluon_module().attention_from_quantized(qq, out, lq, lk, qq.sm_scale * LOG2E)
-        except Exception as exc:  # noqa: BLE001 - a Triton whose Gluon differs: Triton's own loop instead
-            _GLUON_FAILED.append(f"{type(exc).__name__}: {exc}")
-            log.warning("lowvram_dit 8-bit attention: the Gluon (sm90) loop failed (%s: %s); using the Triton loop",
-                        type(exc).__name__, str(exc)[:300])
     flags = dict(HEAD_DIM=d, KBLK_=KBLK, QK_FP8=qq.qk_format == "fp8", PV_FP8=qq.pv_format == "fp8",
                  F32_DOT=_interpreting(), PV_INT8=int8_pv)
     if config is None and _interpreting():
