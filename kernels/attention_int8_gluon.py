@@ -173,15 +173,14 @@ def _int8_tiles(acc, m_i, l_i, q_smem, k_smem, v_smem, bars, qscale, kscale_ptr,
 
 
 @gluon.jit
-def _consumer(q_desc, k_desc, vt_desc, khi_desc, q_smem, k_smem, v_smem, khi_smem, bars, q_row, k_row, khi_row,
-              v_row, n_hi_tiles, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, half, ptrs, sizes, strides,
-              hi_scale):
+def _consumer(q_smem, k_smem, v_smem, khi_smem, bars, n_hi_tiles, n_tiles, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, half, ptrs, sizes, strides, hi_scale):
     """One consumer warpgroup: queries [q0 + 64·half, +64) of head bh, from Q to its rows of the output."""
     QScale, KScale, VScale, VMean, KMean, Out, Q16 = ptrs
     q0, bh, kblk0, Lq, Lk, lk8 = sizes
     stride_ob, stride_oh, stride_om, stride_qb, stride_qh, stride_qm, H = strides
-    HALF: gl.constexpr = q_desc.block_type.shape[0]
-    D: gl.constexpr = q_desc.block_type.shape[1]
+    HALF: gl.constexpr = q_smem.shape[1]
+    D: gl.constexpr = q_smem.shape[2]
     q_bar, k_ready, k_empty, v_ready, v_empty, khi_ready, khi_empty = bars
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_N, 32])
@@ -191,6 +190,8 @@ def _consumer(q_desc, k_desc, vt_desc, khi_desc, q_smem, k_smem, v_smem, khi_sme
                                                         instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=pv_layout, k_width=2)
     m0 = q0 + half * HALF
+    b = bh // H
+    h_off = (bh % H).to(gl.int64)
     offs_m = m0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, qk_layout))
     qscale = gl.load(QScale + offs_m, mask=offs_m < Lq, other=0.0)
     m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, qk_layout))
@@ -200,8 +201,7 @@ def _consumer(q_desc, k_desc, vt_desc, khi_desc, q_smem, k_smem, v_smem, khi_sme
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rows = m0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, blocked))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, blocked))
-        b = bh // H
-        q16 = gl.load(Q16 + b.to(gl.int64) * stride_qb + (bh % H).to(gl.int64) * stride_qh
+        q16 = gl.load(Q16 + b.to(gl.int64) * stride_qb + h_off * stride_qh
                       + rows[:, None] * stride_qm + cols[None, :], mask=(rows < Lq)[:, None], other=0.0)
         q_mean = gl.sum(q16.to(gl.float32) * gl.load(KMean + bh * D + cols)[None, :], axis=1)
         q16 = gl.convert_layout(q16, gl.DotOperandLayout(operand_index=0, parent=qk16_layout, k_width=2))
@@ -219,7 +219,7 @@ def _consumer(q_desc, k_desc, vt_desc, khi_desc, q_smem, k_smem, v_smem, khi_sme
     vmean = gl.load(VMean + bh * D + offs_d)
     out = acc * (1.0 / gl.convert_layout(l_i, gl.SliceLayout(1, pv_layout)))[:, None] * vscale[None, :] \
         + vmean[None, :]  # softmax rows sum to 1, so V's mean adds back as is
-    o_base = (bh // H).to(gl.int64) * stride_ob + (bh % H).to(gl.int64) * stride_oh
+    o_base = b.to(gl.int64) * stride_ob + h_off * stride_oh
     gl.store(Out + o_base + offs_om[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=offs_om[:, None] < Lq)
 
@@ -275,10 +275,10 @@ def attn_fwd_kernel(
     gl.warp_specialize([
         (_loader, (q_desc, k_desc, vt_desc, khi_desc, q_smem, k_smem, v_smem, khi_smem, bars, q_row, k_row, khi_row,
                    v_row, n_hi_tiles, n_tiles, BLOCK_N, STAGES)),
-        (_consumer, (q_desc, k_desc, vt_desc, khi_desc, q_smem, k_smem, v_smem, khi_smem, bars, q_row, k_row,
-                     khi_row, v_row, n_hi_tiles, n_tiles, BLOCK_N, STAGES, 0, ptrs, sizes, strides, hi_scale)),
-        (_consumer, (q_desc, k_desc, vt_desc, khi_desc, q_smem, k_smem, v_smem, khi_smem, bars, q_row, k_row,
-                     khi_row, v_row, n_hi_tiles, n_tiles, BLOCK_N, STAGES, 1, ptrs, sizes, strides, hi_scale)),
+        (_consumer, (q_smem, k_smem, v_smem, khi_smem, bars, n_hi_tiles, n_tiles, BLOCK_N, STAGES, 0, ptrs, sizes,
+                     strides, hi_scale)),
+        (_consumer, (q_smem, k_smem, v_smem, khi_smem, bars, n_hi_tiles, n_tiles, BLOCK_N, STAGES, 1, ptrs, sizes,
+                     strides, hi_scale)),
     ], [4, 4], [240, 240])  # the consumers' registers (acc, scores, two P tiles); the loader keeps the rest
 
 
