@@ -165,7 +165,7 @@ def resolve_formats(device: torch.device, qk_format: QkFormat = "auto",
     if pv_format != "auto":
         pv = pv_format
     elif qk == "int8" and gluon_loop_usable(device):
-        pv = "fp16"  # the Gluon loop: fp16 P·V near the fp8 loop's speed (docs/benchmarks.md)
+        pv = "fp16"  # the Gluon loop runs it (docs/benchmarks.md compares it with fp8 P·V)
     else:
         pv = DEFAULT_PV_FORMAT if has_fp8 or DEFAULT_PV_FORMAT != "fp8" else "fp16"
     if qk not in ("int8", "fp8") or pv not in PV_FORMATS:

@@ -32,7 +32,7 @@ MAGIC_I2F_VALUE = gl.constexpr(12582912.0)
 KBLK = gl.constexpr(128)  # keys per int8 K scale (attention_int8.KBLK)
 BLOCK_M = 128  # queries per program: two consumer warpgroups of 64
 BLOCK_N = 128  # keys per tile
-STAGES = 2  # K / Vᵀ ring depth (3 is no faster: docs/investigations/2026-11-30-gluon-attention.md)
+STAGES = 2  # K / Vᵀ ring depth (docs/investigations/2026-11-30-gluon-attention.md compares 3)
 HEAD_DIMS = (128, )
 
 
