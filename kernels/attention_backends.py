@@ -266,7 +266,7 @@ def _register_builtin() -> None:
     register_backend(AttentionBackend("int8_pv8", "lowvram 8-bit, int8 P·V", _int8_with("int8"), _int8_reason,
                                       tolerance=QUANTIZED_TOLERANCE, trades_accuracy=True))
     # fp8 P·V wherever fp8 runs: what "lowvram 8-bit" runs on sm89+ GPUs but sm90 with Gluon, kept as a choice there
-    # (faster than the fp16 P·V loop, 4-7 % error on near-Gaussian inputs)
+    # (faster than the fp16 P·V loop and less exact: docs/benchmarks.md)
     register_backend(AttentionBackend("int8_pvfp8", "lowvram 8-bit, fp8 P·V", _int8_with("fp8"), _int8_fp8_pv_reason,
                                       tolerance=QUANTIZED_TOLERANCE, trades_accuracy=True))
     from .int8_comfy_kitchen import SOL_ATTN_LABEL  # a constant; comfy-kitchen itself is imported on first use
