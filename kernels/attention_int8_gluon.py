@@ -25,8 +25,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# int8 dot products of length <= 256 fit in |x| < 2^22, where float(x) == bits(x + 0x4B400000) - 1.5*2^23
-# (one integer add instead of an int->float conversion, as in attention_int8_triton).
+# int8 dot products of length <= 256 fit in |x| < 2^22, where float(x) == bits(x + 0x4B400000) - 1.5*2^23. The
+# Q·Kᵀ wgmma starts its int32 accumulator at 0x4B400000, so the tensor cores add it and the scores reach the softmax
+# as floats by a bitcast (no int->float conversion and no integer add per score).
 MAGIC_I2F_BITS = gl.constexpr(0x4B400000)
 MAGIC_I2F_VALUE = gl.constexpr(12582912.0)
 KBLK = gl.constexpr(128)  # keys per int8 K scale (attention_int8.KBLK)
@@ -89,8 +90,9 @@ def _online_softmax(s, c, off, m_i, l_i, p_layout: gl.constexpr):
 
 @gluon.jit
 def _int8_softmax(s, c, m_i, l_i, start_n, lk, MASK: gl.constexpr, BLOCK_N: gl.constexpr, p_layout: gl.constexpr):
-    """_online_softmax of a tile of raw int32 Q·Kᵀ with the rows' scale c; keys from lk on masked when MASK."""
-    x = (s + MAGIC_I2F_BITS).to(gl.float32, bitcast=True)  # == raw + 1.5*2^23, exactly
+    """_online_softmax of a tile of int32 Q·Kᵀ accumulated from MAGIC_I2F_BITS with the rows' scale c; keys from lk
+    on masked when MASK."""
+    x = s.to(gl.float32, bitcast=True)  # == raw + 1.5*2^23, exactly
     if MASK:
         offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         x = gl.where((offs_n < lk)[None, :], x, float("-inf"))
@@ -126,7 +128,7 @@ def _hi_tiles(acc, m_i, l_i, q16, q_mean, khi_smem, v_smem, bars, n_hi_tiles, lk
 
 
 @gluon.jit
-def _int8_step(acc, m_i, l_i, p, j, s0, q_smem, k_smem, v_smem, bars, qscale, kscale_ptr, n_hi_tiles, n_tiles,
+def _int8_step(acc, m_i, l_i, p, j, s_magic, q_smem, k_smem, v_smem, bars, qscale, kscale_ptr, n_hi_tiles, n_tiles,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, p_layout: gl.constexpr, row: gl.constexpr):
     """Tile j >= 1: its Q·Kᵀ and tile j-1's P·V issued together, its softmax while that P·V runs; returns its P."""
     q_bar, k_ready, k_empty, v_ready, v_empty, khi_ready, khi_empty = bars
@@ -135,7 +137,7 @@ def _int8_step(acc, m_i, l_i, p, j, s0, q_smem, k_smem, v_smem, bars, qscale, ks
     c = qscale * gl.load(kscale_ptr + ((j - 1) * BLOCK_N) // KBLK)  # _tile_start of j >= 1
     mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
     mbarrier.wait(v_ready.index(v % STAGES), (v // STAGES) & 1)
-    s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s_magic, is_async=True)
     acc = warpgroup_mma(p, v_smem.index(v % STAGES).permute((1, 0)), acc, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s, ))  # Q·Kᵀ done; the previous tile's P·V may still run
     mbarrier.arrive(k_empty.index(st), count=1)
@@ -153,9 +155,9 @@ def _int8_tiles(acc, m_i, l_i, q_smem, k_smem, v_smem, bars, qscale, kscale_ptr,
     that P·V. Tile 0 holds the last keys (_tile_start), the only tile that can be ragged: it alone is masked."""
     q_bar, k_ready, k_empty, v_ready, v_empty, khi_ready, khi_empty = bars
     HALF: gl.constexpr = qscale.shape[0]
-    s0 = gl.zeros([HALF, BLOCK_N], gl.int32, qk_layout)
+    s_magic = gl.full([HALF, BLOCK_N], MAGIC_I2F_BITS, gl.int32, qk_layout)
     mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_magic, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     start = _tile_start(0, n_tiles, BLOCK_N)  # the last keys: the only tile that can be ragged
@@ -163,7 +165,7 @@ def _int8_tiles(acc, m_i, l_i, q_smem, k_smem, v_smem, bars, qscale, kscale_ptr,
                                        BLOCK_N, p_layout)
     acc = acc * gl.convert_layout(alpha, row)[:, None]  # the 16-bit keys' share, if any
     for j in range(1, n_tiles):
-        acc, m_i, l_i, p = _int8_step(acc, m_i, l_i, p, j, s0, q_smem, k_smem, v_smem, bars, qscale, kscale_ptr,
+        acc, m_i, l_i, p = _int8_step(acc, m_i, l_i, p, j, s_magic, q_smem, k_smem, v_smem, bars, qscale, kscale_ptr,
                                       n_hi_tiles, n_tiles, BLOCK_N, STAGES, p_layout, row)
     v = n_hi_tiles + n_tiles - 1
     mbarrier.wait(v_ready.index(v % STAGES), (v // STAGES) & 1)

@@ -34,7 +34,7 @@ POINTERS = ("Q8", "QScale", "K8", "KScale", "VT", "VScale", "VMean", "Out", "Q16
 DIV16_INTS = ("stride_ob", "stride_oh", "stride_om", "stride_qb", "stride_qh", "stride_qm", "Lq_pad", "Lk_pad")
 WATCH = ("MUFU", "F2FP", "I2F", "IGMMA", "QGMMA", "HGMMA", "LDGSTS", "UTMALDG", "LDG", "LDS", "LDSM", "STS", "LDL",
          "STL", "BAR", "SYNCS", "SHFL")
-GLUON_WATCH = (*WATCH, "WARPGROUP", "FFMA", "FADD", "FMUL", "FMNMX", "IADD3", "VIADD")
+GLUON_WATCH = (*WATCH, "WARPGROUP", "FFMA", "FADD", "FMUL", "FMNMX", "IADD3", "VIADD", "IMAD", "MOV")
 KERNEL_WATCH = ("LDL", "STL", "USETMAXREG", "UTMALDG", "IGMMA", "HGMMA", "QGMMA", "WARPGROUP")
 
 
