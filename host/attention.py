@@ -46,6 +46,7 @@ BACKEND_CHOICES: dict[str, Optional[str]] = {
 }
 # The pack's 8-bit backends and the P·V format each one's kernel is compiled for (its background warm-up)
 INT8_PV_FORMATS = {"int8": "auto", "int8_pv8": "int8", "int8_pvfp8": "fp8"}
+AUTO_PV_FORMAT = "fp16"  # auto's own 8-bit candidate (int8_pv16), warmed only where its Gluon loop runs
 _ARG_NAMES = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
 CORE_PREFIX = "comfy:"
 # ComfyUI's registered functions whose numerics are known. Exact ones join auto; quantized ones join only when
@@ -270,6 +271,8 @@ def apply_attention(model: Any, backend_label: str) -> Any:
         opts[OVERRIDE_KEY] = ours if outer is None else ChainedOverride(outer, ours)
     if name in INT8_PV_FORMATS:
         warm_int8_kernels(m, INT8_PV_FORMATS[name])
+    elif name == "auto":  # its 8-bit candidate (kernels.attention_backends.AUTO_QUANTIZED), where it can run
+        warm_int8_kernels(m, AUTO_PV_FORMAT, only_warp_specialized=True)
     _watch_later_overrides(m, backend_label)
     log.info("%s", _composition_line(backend_label, outer))
     return m
@@ -299,10 +302,10 @@ def _attention_geometry(diffusion_model: Any) -> tuple[Optional[int], Optional[i
     return heads, width // heads if isinstance(width, int) and width % heads == 0 else None
 
 
-def warm_int8_kernels(model: Any, pv_format: str = "auto") -> None:
+def warm_int8_kernels(model: Any, pv_format: str = "auto", only_warp_specialized: bool = False) -> None:
     """Start compiling the 8-bit attention kernels for this model's GPU, dtype and head size (and the backend's P·V
     format) in the background (kernels.attention_int8.start_warmup), so the first sampler step does not compile
-    them; best effort."""
+    them; best effort. ``only_warp_specialized``: only where the Gluon loop runs (auto's 8-bit candidate)."""
     from ..kernels import attention_int8
 
     try:
@@ -315,29 +318,33 @@ def warm_int8_kernels(model: Any, pv_format: str = "auto") -> None:
         return
     if dtype not in attention_int8.SUPPORTED_DTYPES:
         dtype = torch.bfloat16
+    if only_warp_specialized and (head_dim not in (None, 128) or not attention_int8.gluon_loop_usable(device)):
+        return
     attention_int8.start_warmup(device, dtype, heads or 24, head_dim or 128, pv_format)
 
 
 def warm_int8_for_prompt(json_data: Any) -> Any:
     """ComfyUI on-prompt handler: a queued prompt that sets an Attention node to one of the pack's 8-bit backends
-    starts that backend's warm-up at once (bf16, head dim 128: Wan and Qwen-Image), so text encoding and model
-    loading hide it; the node's own warm-up for the loaded model then finds it running or done. Returns the prompt
-    unchanged."""
+    (or to auto, where auto's 8-bit candidate can run) starts that backend's warm-up at once (bf16, head dim 128: Wan
+    and Qwen-Image), so text encoding and model loading hide it; the node's own warm-up for the loaded model then
+    finds it running or done. Returns the prompt unchanged."""
     try:
         prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
         wanted = node_id("Attention")
-        labels = {label: name for label, name in BACKEND_CHOICES.items() if name in INT8_PV_FORMATS}
-        chosen = {labels[n["inputs"].get("backend")] for n in (prompt.values() if isinstance(prompt, dict) else ())
-                  if isinstance(n, dict) and n.get("class_type") == wanted and isinstance(n.get("inputs"), dict)
-                  and n["inputs"].get("backend") in labels}
-        if chosen:
+        backends = {n["inputs"].get("backend") for n in (prompt.values() if isinstance(prompt, dict) else ())
+                    if isinstance(n, dict) and n.get("class_type") == wanted and isinstance(n.get("inputs"), dict)}
+        formats = {INT8_PV_FORMATS[name] for label, name in BACKEND_CHOICES.items()
+                   if name in INT8_PV_FORMATS and label in backends}
+        if formats or "auto" in backends:
             import comfy.model_management
 
             from ..kernels import attention_int8
 
-            for name in sorted(chosen):
-                attention_int8.start_warmup(comfy.model_management.get_torch_device(), torch.bfloat16, 24, 128,
-                                            INT8_PV_FORMATS[name])
+            device = comfy.model_management.get_torch_device()
+            if "auto" in backends and attention_int8.gluon_loop_usable(device):
+                formats.add(AUTO_PV_FORMAT)
+            for pv_format in sorted(formats):
+                attention_int8.start_warmup(device, torch.bfloat16, 24, 128, pv_format)
     except Exception as exc:  # noqa: BLE001 - a prompt must never fail because of a warm-up
         log.debug("lowvram_dit attention: no warm-up for this prompt (%s)", exc)
     return json_data

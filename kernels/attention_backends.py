@@ -169,6 +169,18 @@ def _int8_fp8_pv_reason(device: torch.device, dtype: torch.dtype, head_dim: int,
     return reason
 
 
+def _int8_gluon_reason(device: torch.device, dtype: torch.dtype, head_dim: int, has_mask: bool) -> Optional[str]:
+    """The fp16 P·V scheme as auto's candidate: only where its loop runs warp-specialized, one compile and no
+    autotuning in a render's first step (Triton's loop autotunes there)."""
+    reason = _int8_reason(device, dtype, head_dim, has_mask)
+    if reason is not None:
+        return reason
+    mod = _optional_module(f"{__package__}.attention_int8")
+    if head_dim != 128 or not mod.gluon_loop_usable(device):
+        return "runs only in the warp-specialized loop: sm90 (H100 / H200), Triton >= 3.6, head size 128"
+    return None
+
+
 def _int8_reason(device: torch.device, dtype: torch.dtype, head_dim: int, has_mask: bool) -> Optional[str]:
     mod = _optional_module(f"{__package__}.attention_int8")
     if mod is None:
@@ -269,6 +281,10 @@ def _register_builtin() -> None:
     # (faster than the fp16 P·V loop and less exact: docs/benchmarks.md)
     register_backend(AttentionBackend("int8_pvfp8", "lowvram 8-bit, fp8 P·V", _int8_with("fp8"), _int8_fp8_pv_reason,
                                       tolerance=QUANTIZED_TOLERANCE, trades_accuracy=True))
+    # fp16 P·V, auto's own 8-bit candidate where its Gluon loop runs: at most comfy-kitchen int8's error on every test
+    # family, and faster than cuDNN on long self-attention there (docs/benchmarks.md)
+    register_backend(AttentionBackend("int8_pv16", "lowvram 8-bit, fp16 P·V", _int8_with("fp16"), _int8_gluon_reason,
+                                      tolerance=QUANTIZED_TOLERANCE, trades_accuracy=True))
     from .int8_comfy_kitchen import SOL_ATTN_LABEL  # a constant; comfy-kitchen itself is imported on first use
 
     register_backend(AttentionBackend("ck_int8", "comfy-kitchen int8", _kitchen_int8, _kitchen_reason(False),
@@ -285,13 +301,14 @@ FALLBACK_ORDER: tuple[str, ...] = (
     "sdpa_cudnn", "flash_attn3", "flash_attn2", "sdpa_flash", "sage", "xformers", "sdpa_efficient", "sdpa",
     "sdpa_math",
 )
-# Candidates `auto` times. 8-bit kernels are opt-in (they change numerics), math is only a reference.
+# Exact candidates `auto` times (quantized ones: AUTO_QUANTIZED below), math is only a reference.
 AUTO_CANDIDATES: tuple[str, ...] = (
     "sdpa_cudnn", "flash_attn3", "flash_attn2", "sdpa_flash", "xformers", "sdpa_efficient", "sdpa",
 )
 # Quantized candidates `auto` also times, each kept only where faster than the fastest exact one: comfy-kitchen's
-# INT8 attention, the 8-bit kernel ComfyUI itself ships (where it is installed, MIN_VERSION or newer).
-AUTO_QUANTIZED: tuple[str, ...] = ("ck_int8",)
+# INT8 attention, the 8-bit kernel ComfyUI itself ships (where it is installed, MIN_VERSION or newer), and the pack's
+# 8-bit kernel with fp16 P·V where its warp-specialized loop runs (at most comfy-kitchen's error: the same bar).
+AUTO_QUANTIZED: tuple[str, ...] = ("ck_int8", "int8_pv16")
 
 
 def auto_quantized() -> list[str]:

@@ -258,7 +258,7 @@ def test_8bit_backend_warms_its_kernels_for_the_models_geometry(tiny_wan: Any, w
 
     dm = tiny_wan.model.diffusion_model
     apply_attention(tiny_wan, "auto")
-    assert warmups == []  # auto never runs the 8-bit kernel
+    assert warmups == []  # auto's 8-bit candidate runs only in the sm90 Gluon loop (not here)
     apply_attention(tiny_wan, "lowvram 8-bit")
     (device, dtype, heads, head_dim, pv_format), = warmups
     assert device == torch.device(tiny_wan.load_device) and pv_format == "auto"
@@ -280,6 +280,30 @@ def test_8bit_warmup_reads_qwen_image_heads(core: Any, warmups: list, tmp_path: 
     attn = next(m for m in qwen.model.diffusion_model.modules() if isinstance(getattr(m, "heads", None), int))
     apply_attention(qwen, "lowvram 8-bit")
     assert warmups[0][2:4] == (attn.heads, attn.inner_dim // attn.heads)
+
+
+def test_auto_warms_its_8bit_candidate_only_where_the_gluon_loop_runs(tiny_wan: Any, warmups: list,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import comfy.model_management
+
+    from comfyui_lowvram_dit.host import attention as host_attention
+    from comfyui_lowvram_dit.kernels import attention_int8
+
+    monkeypatch.setattr(attention_int8, "gluon_loop_usable", lambda device: True)
+    monkeypatch.setattr(host_attention, "_attention_geometry", lambda dm: (40, 64))
+    host_attention.apply_attention(tiny_wan, "auto")
+    assert warmups == []  # head size 64: the loop does not take it
+    monkeypatch.setattr(host_attention, "_attention_geometry", lambda dm: (40, 128))
+    host_attention.apply_attention(tiny_wan, "auto")
+    (device, _, heads, head_dim, pv_format), = warmups
+    assert device == torch.device(tiny_wan.load_device) and (heads, head_dim, pv_format) == (40, 128, "fp16")
+    warmups.clear()
+    host_attention.warm_int8_for_prompt(_prompt("auto"))  # a queued auto prompt starts it too
+    assert warmups == [(comfy.model_management.get_torch_device(), torch.bfloat16, 24, 128, "fp16")]
+    monkeypatch.setattr(attention_int8, "gluon_loop_usable", lambda device: False)
+    host_attention.warm_int8_for_prompt(_prompt("auto"))
+    host_attention.apply_attention(tiny_wan, "auto")
+    assert len(warmups) == 1
 
 
 def test_8bit_warmup_skips_models_it_cannot_read(warmups: list) -> None:

@@ -66,6 +66,63 @@ def test_too_old_triton_keeps_the_triton_loop_with_one_log_line(monkeypatch: pyt
     A._log_once.cache_clear()
 
 
+def test_auto_times_the_fp16_pv_kernel_only_where_the_gluon_loop_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from comfyui_lowvram_dit.kernels import attention_backends as AB
+
+    assert "int8_pv16" in AB.AUTO_QUANTIZED and "int8_pv16" in AB.auto_quantized()  # no library to install
+    assert "int8_pv16" not in AB.AUTO_CANDIDATES  # never among the exact ones
+    cuda = torch.device("cuda", 0)
+    assert AB.unavailable_reason("int8_pv16", torch.device("cpu"), torch.bfloat16, 128)
+    monkeypatch.setattr(A, "is_supported", lambda device, dtype, head_dim: True)
+    monkeypatch.setattr(A, "gluon_loop_usable", lambda device: True)
+    assert AB.unavailable_reason("int8_pv16", cuda, torch.bfloat16, 128) is None
+    assert "head size 128" in AB.unavailable_reason("int8_pv16", cuda, torch.bfloat16, 64)
+    assert AB.unavailable_reason("int8_pv16", cuda, torch.bfloat16, 128, has_mask=True) == \
+        "does not take an attention mask"
+    monkeypatch.setattr(A, "gluon_loop_usable", lambda device: False)  # sm89, sm120, an old Triton, a failed launch
+    assert "sm90" in AB.unavailable_reason("int8_pv16", cuda, torch.bfloat16, 128)
+    calls: list = []
+    monkeypatch.setattr(A, "attention_int8", lambda q, k, v, **kw: calls.append(kw) or q)
+    q = torch.zeros(1, 2, 4, 128)
+    AB.BACKENDS["int8_pv16"].call(q, q, q, None)
+    assert calls == [{"layout": "BHLD", "pv_format": "fp16"}]
+    backend = AB.BACKENDS["int8_pv16"]
+    assert backend.trades_accuracy and backend.tolerance == AB.QUANTIZED_TOLERANCE
+
+
+@pytest.mark.parametrize("int8_ms, chosen", [(1.0, "int8_pv16"), (3.0, "exact")])
+def test_auto_keeps_the_fp16_pv_kernel_only_where_faster(int8_ms: float, chosen: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from comfyui_lowvram_dit.kernels import attention as attn
+    from comfyui_lowvram_dit.kernels import attention_backends as AB
+    from comfyui_lowvram_dit.kernels import attention_check
+
+    ran: list = []
+
+    def planted(name: str, quantized: bool) -> AB.AttentionBackend:
+        def call(q, k, v, m):  # noqa: ANN001, ANN202
+            ran.append(name)
+            return attention_check.reference_attention(q, k, v).to(q.dtype)
+
+        return AB.AttentionBackend(name, name, call, lambda *a: None, tolerance=AB.QUANTIZED_TOLERANCE,
+                                   trades_accuracy=quantized)
+
+    monkeypatch.setitem(AB.BACKENDS, "exact", planted("exact", False))
+    monkeypatch.setitem(AB.BACKENDS, "int8_pv16", planted("int8_pv16", True))  # stands in for the sm90 kernel
+    monkeypatch.setattr(attn, "AUTO_CANDIDATES", ("exact",))
+    times = {"exact": 2.0, "int8_pv16": int8_ms}
+    monkeypatch.setattr(attn, "time_call", lambda fn, device: (fn(), times[ran[-1]])[1])  # the planted ms
+    monkeypatch.setattr(attn, "auto_quantized", lambda: [n for n in AB.auto_quantized() if n == "int8_pv16"])
+    sel = attn.AttentionSelector()
+    q, k, v = (torch.randn(1, 2, 16, 32) for _ in range(3))
+    sel.run(q, k, v, None, "auto")
+    (detail,) = sel.details.values()
+    assert detail.backend == chosen and detail.timings_ms == times
+    ran.clear()
+    sel.run(q, k, v, None, "auto")
+    assert ran == [chosen]
+
+
 class _Launch:
     """Stands for a Triton kernel: kernel[grid](*args, **kwargs) records the call."""
 
