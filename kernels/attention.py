@@ -22,8 +22,8 @@ from typing import Optional
 import torch
 
 from .attention_backends import (
-    AUTO_CANDIDATES, BACKENDS, FALLBACK_ORDER, AttentionBackend, AttentionFn, HostAttention, auto_quantized,
-    unavailable_reason,
+    AUTO_CANDIDATES, AUTO_QUANTIZED, BACKENDS, FALLBACK_ORDER, AttentionBackend, AttentionFn, HostAttention,
+    auto_quantized, unavailable_reason,
 )
 from .attention_check import check_output
 from .decisions import KeptChoices, describe_kind, device_kind, time_call
@@ -74,12 +74,17 @@ class Decision:
         return f"core would use {core} ({self.rejected.get(host.default or '', 'not measured')}); chose {chosen}"
 
 
+# Auto's quantized candidates are part of its key: a pack whose auto times other candidates decides again instead of
+# running a winner an earlier version kept from fewer candidates (the decisions file holds auto's winners per key).
+AUTO_FIELD = "q:" + ",".join(AUTO_QUANTIZED)
+
+
 def _key(requested: str, q: Tensor, k: Tensor, mask: Optional[Tensor], host: Optional[HostAttention] = None) -> tuple:
     """Per-sample shape and device kind, never the batch size or the GPU's index (kernels/decisions.py)."""
     _, h, lq, d = q.shape
     mask_kind = "none" if mask is None else ("bool" if mask.dtype == torch.bool else "float")
     return (requested, h, lq, k.shape[2], d, q.dtype, device_kind(q.device), mask_kind,
-            "" if host is None else host.tag)
+            "" if host is None else host.tag, AUTO_FIELD if requested == "auto" else "")
 
 
 def describe_key(key: tuple) -> str:

@@ -315,6 +315,25 @@ def test_a_kept_auto_choice_that_cannot_run_now_is_decided_afresh(registry, kept
     assert decision_store.kept(attn.KEPT_AS, key) == detail.backend
 
 
+def test_a_winner_kept_when_auto_had_other_quantized_candidates_is_not_reused(registry, kept_in,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key names auto's quantized candidates: a decisions file written by a pack whose auto timed fewer (before
+    the 8-bit fp16 P·V kernel joined) is not read as this pack's decision, so auto times the new field once."""
+    from comfyui_lowvram_dit.kernels import decision_store
+
+    q, k, v = _qkv()
+    key = attn._key("auto", q, k, None)
+    assert key[-1] == "q:" + ",".join(attn.AUTO_QUANTIZED) and "int8_pv16" in key[-1]
+    assert attn._key("sdpa_math", q, k, None)[-1] == ""  # a named request: no field (never kept)
+    older = (*key[:-1], "q:ck_int8")  # what a pack with comfy-kitchen int8 as its only quantized candidate wrote
+    decision_store.keep(attn.KEPT_AS, older, "sdpa_math")
+    sel = AttentionSelector()
+    sel.run(q, k, v, None, "auto")
+    detail = sel.details[key]
+    assert detail.timings_ms and detail.note != "kept from an earlier run"
+    assert decision_store.kept(attn.KEPT_AS, key) == detail.backend
+
+
 def test_a_requested_backend_is_never_kept(registry, kept_in) -> None:
     """Only auto's timed choice goes to the decisions file; a named request decides as before."""
     q, k, v = _qkv()
