@@ -217,3 +217,26 @@ def test_cuda_gluon_loop_matches_the_triton_loop(lq: int, lk: int, layout: str, 
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
     assert A.relative_error(gluon, triton_loop.float()) < 3e-3
     assert A.relative_error(gluon, ref) <= A.relative_error(triton_loop, ref) + 1e-3
+
+
+@pytest.mark.cuda
+def test_cuda_auto_times_the_fp16_pv_kernel_and_runs_the_faster() -> None:
+    """Auto on sm90 at Wan's 480p self-attention shape (fewer heads): the 8-bit candidate passes its first-use check
+    and is timed beside the exact backends; whichever of it and the fastest exact one timed faster runs the shape
+    (which one wins is the benchmarks' business, not this test's)."""
+    if not _sm90_with_gluon():
+        pytest.skip("needs an sm90 GPU and a Triton with Gluon >= 3.6")
+    from comfyui_lowvram_dit.kernels import attention as attn
+    from comfyui_lowvram_dit.kernels import attention_backends as AB
+
+    q, k, v = make_family("gauss", 1, 8, 32760, 32760, 128, device="cuda")
+    sel = attn.AttentionSelector()
+    out = sel.run(q, k, v, None, "auto")
+    (detail,) = sel.details.values()
+    ms = detail.timings_ms
+    assert "int8_pv16" in ms and "int8_pv16" not in detail.rejected, detail.describe()
+    assert detail.errors["int8_pv16"] <= AB.QUANTIZED_TOLERANCE
+    exact = min((n for n in ms if not AB.BACKENDS[n].trades_accuracy), key=ms.get)
+    assert detail.backend == ("int8_pv16" if ms["int8_pv16"] < ms[exact] else exact), detail.describe()
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    assert A.relative_error(out, ref) <= (0.02 if detail.backend == "int8_pv16" else 0.005)
