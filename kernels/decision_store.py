@@ -3,9 +3,9 @@
 Where two candidates nearly tie, timing them again in a new process can pick the other one, and candidates that
 round differently then give a different picture after a restart. So a process that has a store (``keep_in``)
 looks a decision up here before timing, and writes each timed winner here. The file holds a header naming what
-invalidates the decisions (file format, torch and Triton versions, the pack's version); a file with another
-header is ignored and rewritten. Keys are the deciders' tuples under a topic, written as the ``repr`` of plain
-values (a dtype as its str).
+invalidates the decisions (file format, torch, Triton and comfy-kitchen versions, the pack's version); a file with
+another header is ignored and rewritten. Keys are the deciders' tuples under a topic, written as the ``repr`` of
+plain values (a dtype as its str).
 
 Whatever sits at the file's name is read only as checkpoints/safe_read.py allows: a regular file, never through a
 link, never blocking (a FIFO or a device is not opened for reading), at most MAX_FILE_BYTES. Anything there that is
@@ -20,6 +20,7 @@ Plain torch, no ComfyUI import, no work at import time.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -46,13 +47,18 @@ class Unreadable(ValueError):
 
 
 def current_header(pack_version: str = "") -> dict[str, str]:
-    """What the decisions depend on besides their keys: the file format, torch (with its CUDA), Triton, the pack."""
+    """What the decisions depend on besides their keys: the file format, torch (with its CUDA), Triton,
+    comfy-kitchen (its kernels are candidates: installing or updating it re-times), the pack."""
     header = {"format": FORMAT, "torch": torch.__version__}
     try:
         import triton
 
         header["triton"] = str(triton.__version__)
     except Exception:  # noqa: BLE001 - no (or a broken) Triton: its kernels are never candidates
+        pass
+    try:  # package metadata only: comfy-kitchen itself is not imported
+        header["comfy_kitchen"] = importlib.metadata.version("comfy-kitchen")
+    except importlib.metadata.PackageNotFoundError:
         pass
     if pack_version:
         header["pack"] = pack_version

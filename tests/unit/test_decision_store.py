@@ -60,9 +60,35 @@ def test_round_trip_through_the_file(tmp_path: Path) -> None:
     assert again.get("int8", KEY) is None  # topics keep equal keys apart
     data = json.loads(path.read_text(encoding="utf-8"))
     assert data["header"] == {"format": decision_store.FORMAT, "torch": torch.__version__, "pack": "1.2",
-                              **({"triton": data["header"]["triton"]} if "triton" in data["header"] else {})}
+                              **{k: data["header"][k] for k in ("triton", "comfy_kitchen") if k in data["header"]}}
     assert "torch.bfloat16" in next(iter(data["decisions"]))  # dtypes written as their str
     assert [p.name for p in path.parent.iterdir()] == ["decisions.json"]  # no temp file left
+
+
+def test_installing_or_updating_comfy_kitchen_retimes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its kernels are candidates (attention auto, the int8 GEMM): a winner timed without it, or with another
+    version, is not this machine's decision any more."""
+    import importlib.metadata
+
+    def version(installed: str | None):  # noqa: ANN202
+        def read(name: str) -> str:
+            if name != "comfy-kitchen" or installed is None:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return installed
+        return read
+
+    path = tmp_path / "decisions.json"
+    monkeypatch.setattr(decision_store.importlib.metadata, "version", version(None))
+    assert "comfy_kitchen" not in decision_store.current_header("1.2")
+    decision_store.DecisionStore(path, decision_store.current_header("1.2")).put("attention auto", KEY, "sdpa_cudnn")
+    for release in ("0.2.40", "0.2.41"):
+        monkeypatch.setattr(decision_store.importlib.metadata, "version", version(release))
+        assert decision_store.current_header("1.2")["comfy_kitchen"] == release
+        store = decision_store.DecisionStore(path, decision_store.current_header("1.2"))
+        assert store.get("attention auto", KEY) is None  # timed again
+        store.put("attention auto", KEY, "ck_int8")
+        assert decision_store.DecisionStore(path, decision_store.current_header("1.2")).get("attention auto",
+                                                                                           KEY) == "ck_int8"
 
 
 def test_key_text_is_deterministic_and_refuses_other_values() -> None:
