@@ -318,9 +318,10 @@ def warm_int8_kernels(model: Any, pv_format: str = "auto", only_warp_specialized
         return
     if dtype not in attention_int8.SUPPORTED_DTYPES:
         dtype = torch.bfloat16
-    if only_warp_specialized and (head_dim not in (None, 128) or not attention_int8.gluon_loop_usable(device)):
+    head_dim = head_dim or 128
+    if only_warp_specialized and not attention_int8.gluon_loop_runs(device, head_dim):
         return
-    attention_int8.start_warmup(device, dtype, heads or 24, head_dim or 128, pv_format)
+    attention_int8.start_warmup(device, dtype, heads or 24, head_dim, pv_format)
 
 
 def warm_int8_for_prompt(json_data: Any) -> Any:

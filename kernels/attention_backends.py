@@ -175,8 +175,7 @@ def _int8_gluon_reason(device: torch.device, dtype: torch.dtype, head_dim: int, 
     reason = _int8_reason(device, dtype, head_dim, has_mask)
     if reason is not None:
         return reason
-    mod = _optional_module(f"{__package__}.attention_int8")
-    if head_dim != 128 or not mod.gluon_loop_usable(device):
+    if not _optional_module(f"{__package__}.attention_int8").gluon_loop_runs(device, head_dim):
         return "runs only in the warp-specialized loop: sm90 (H100 / H200), Triton >= 3.6, head size 128"
     return None
 

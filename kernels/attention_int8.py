@@ -122,6 +122,11 @@ def gluon_loop_usable(device: torch.device) -> bool:
     return True
 
 
+def gluon_loop_runs(device: torch.device, head_dim: int) -> bool:
+    """gluon_loop_usable, and the loop takes this head size."""
+    return gluon_loop_usable(device) and head_dim in _gluon_module().HEAD_DIMS
+
+
 @functools.lru_cache(maxsize=None)
 def _log_once(message: str) -> None:
     log.info(message)
@@ -440,9 +445,9 @@ def attention_from_quantized(qq: QuantizedQKV, out: torch.Tensor, lq: int, lk: i
 
 def _gluon_loop_fits(qq: QuantizedQKV, out: torch.Tensor) -> bool:
     """The Gluon loop takes int8 Q·Kᵀ with fp16 P·V at head dim 128, with unit last strides on q and out."""
-    if not gluon_loop_usable(out.device) or (qq.qk_format, qq.pv_format) != ("int8", "fp16"):
+    if not gluon_loop_runs(out.device, out.shape[-1]) or (qq.qk_format, qq.pv_format) != ("int8", "fp16"):
         return False
-    return out.shape[-1] in _gluon_module().HEAD_DIMS and out.stride(-1) == 1 and qq.q16.stride(-1) == 1
+    return out.stride(-1) == 1 and qq.q16.stride(-1) == 1
 
 
 def triton_cdiv(a: int, b: int) -> int:

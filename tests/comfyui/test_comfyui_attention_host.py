@@ -8,6 +8,7 @@ import functools
 import logging
 import sys
 import time
+import types
 from typing import Any
 
 import pytest
@@ -290,6 +291,7 @@ def test_auto_warms_its_8bit_candidate_only_where_the_gluon_loop_runs(tiny_wan: 
     from comfyui_lowvram_dit.kernels import attention_int8
 
     monkeypatch.setattr(attention_int8, "gluon_loop_usable", lambda device: True)
+    monkeypatch.setattr(attention_int8, "_gluon_module", lambda: types.SimpleNamespace(HEAD_DIMS=(128, )))
     monkeypatch.setattr(host_attention, "_attention_geometry", lambda dm: (40, 64))
     host_attention.apply_attention(tiny_wan, "auto")
     assert warmups == []  # head size 64: the loop does not take it

@@ -111,20 +111,22 @@ def planted_attention(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 - yields
     return register, ran
 
 
-@pytest.mark.parametrize("kitchen_ms, chosen", [(1.0, "ck_int8"), (3.0, "exact")])
-def test_auto_keeps_kitchen_int8_only_where_faster(kitchen_ms: float, chosen: str, planted_attention,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("quantized", ["ck_int8", "int8_pv16"])  # comfy-kitchen's kernel, the pack's sm90 one
+@pytest.mark.parametrize("quantized_ms, wins", [(1.0, True), (3.0, False)])
+def test_auto_keeps_a_quantized_candidate_only_where_faster(quantized: str, quantized_ms: float, wins: bool,
+                                                           planted_attention, monkeypatch: pytest.MonkeyPatch) -> None:
     register, ran = planted_attention
+    chosen = quantized if wins else "exact"
     register("exact", 2.0, quantized=False)
-    register("ck_int8", kitchen_ms, quantized=True)  # stands in for comfy-kitchen's kernel (GPU only)
+    register(quantized, quantized_ms, quantized=True)  # stands in for the GPU-only kernel
     monkeypatch.setattr(attn, "AUTO_CANDIDATES", ("exact",))
-    monkeypatch.setattr(attn, "auto_quantized", lambda: ["ck_int8"])
+    monkeypatch.setattr(attn, "auto_quantized", lambda: [quantized])
     sel = AttentionSelector()
     q, k, v = (torch.randn(1, 2, 16, 32) for _ in range(3))
     sel.run(q, k, v, None, "auto")
     (detail,) = sel.details.values()
-    assert detail.backend == chosen and detail.timings_ms == {"exact": 2.0, "ck_int8": kitchen_ms}
-    assert ("CK_INT8 is slower than EXACT" in detail.note) is (chosen == "exact")
+    assert detail.backend == chosen and detail.timings_ms == {"exact": 2.0, quantized: quantized_ms}
+    assert (f"{quantized.upper()} is slower than EXACT" in detail.note) is (chosen == "exact")
     ran.clear()
     sel.run(q, k, v, None, "auto")
     assert ran == [chosen]  # decided once: the next call runs the winner only
