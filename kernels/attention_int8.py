@@ -72,6 +72,8 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 AMAX_EPS = 1e-6
 KBLK = 128  # K tokens per scale (mirrors attention_int8_triton.KBLK; the reference must not need Triton)
 PAD = 128  # sequence padding of the quantized buffers
+Q_BLOCK = 64  # Q tokens per tile of the prologue (divides PAD)
+PROLOGUE_TILES = 16  # tiles per program of the Q and K prologue kernels
 ROTATION_SIGN_SEED = 0x2545F4914F6CDD1D  # fixed: the kernel and the reference must build the same rotation
 P_LOG2_OFFSET = 8.0  # P = exp2(s - m + 8) in (0, 256], inside e4m3's 448
 HI_V_RANGE = 16384.0  # the 16-bit keys' centred values are scaled into fp16's range: amax -> 2^14
@@ -260,6 +262,14 @@ class QuantizedQKV:
     v_hi_scale: torch.Tensor | None = None  # [B*H] fp32
 
 
+def _rotation_for(x: torch.Tensor, d: int) -> torch.Tensor:
+    """rotation(d) in x's dtype where it is 16-bit (the prologue's product then runs in it), else fp32 (tf32).
+    fp32 under Triton's interpreter, whose bf16 dot is wrong (numbers near 1e10 for unit inputs)."""
+    half = x.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
+    dtype = x.dtype if half else torch.float32
+    return rotation(d, dtype, str(x.device))
+
+
 def _pad(n: int) -> int:
     return (n + PAD - 1) // PAD * PAD
 
@@ -354,13 +364,15 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_format
     k_scale = torch.empty(bh, lk_pad // KBLK, device=dev, dtype=torch.float32)
     vt = torch.empty(bh, d, lk_pad, device=dev, dtype=pv_dtype)
     to_fp8 = qk_format == "fp8"
-    # 128 tokens per program: each program reads the [D, D] fp32 rotation (64 KB at D=128) from L2 once
-    tk.quantize_q_kernel[(lq_pad // PAD, bh)](
-        q, rot, q8, q_scale, *q.stride(), h, lq, lq_pad, sm_scale * LOG2E / d, AMAX_EPS,
-        HEAD_DIM=d, BLOCK=PAD, TO_FP8=to_fp8, num_warps=8)
-    tk.quantize_k_kernel[(lk_pad // KBLK, bh)](
-        k, rot, k_mean_rot.contiguous(), order, k8, k_scale, *k.stride(), h, lk, lk_pad, AMAX_EPS,
-        HEAD_DIM=d, BLOCK=KBLK, TO_FP8=to_fp8, GATHER=n_hi > 0, num_warps=8)
+    # Each program loops over PROLOGUE_TILES tiles, reading the [D, D] rotation once; the rotation in the input's
+    # dtype keeps the product on 16-bit tensor cores (±1 is exact)
+    q_tiles, k_tiles = lq_pad // Q_BLOCK, lk_pad // KBLK
+    tk.quantize_q_kernel[(triton_cdiv(q_tiles, PROLOGUE_TILES), bh)](
+        q, _rotation_for(q, d), q8, q_scale, *q.stride(), h, lq, lq_pad, sm_scale * LOG2E / d, AMAX_EPS,
+        HEAD_DIM=d, BLOCK=Q_BLOCK, TO_FP8=to_fp8, TILES=PROLOGUE_TILES, num_warps=4)
+    tk.quantize_k_kernel[(triton_cdiv(k_tiles, PROLOGUE_TILES), bh)](
+        k, _rotation_for(k, d), k_mean_rot.contiguous(), order, k8, k_scale, *k.stride(), h, lk, lk_pad, AMAX_EPS,
+        HEAD_DIM=d, BLOCK=KBLK, TO_FP8=to_fp8, GATHER=n_hi > 0, TILES=PROLOGUE_TILES, num_warps=4)
     qq = QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_amax, v_mean, qk_format, pv_format, q, k_hi, k_mean, n_hi,
                       sm_scale)
     _quantize_v(tk, v, order, qq, lk)

@@ -62,15 +62,15 @@ def _source_rows(Order, pid_bh, offs_l, L, GATHER: tl.constexpr):
 
 @triton.jit
 def _rotate(X, Rot, b, h, rows, valid, offs_d, stride_b, stride_h, stride_l, stride_d, HEAD_DIM: tl.constexpr):
-    """Input rows ``rows`` of X (zero where not valid) times the ±1 rotation [D, D] (fp32), in fp32.
+    """Input rows ``rows`` of X (zero where not valid) times the ±1 rotation [D, D], in fp32.
 
-    tf32 keeps 10 mantissa bits, which holds every bf16 and fp16 value and ±1 exactly, so the tensor-core
-    product is exact up to fp32 summation.
+    X is cast to Rot's dtype: X's own 16-bit dtype (exact products, fp32 sums on the 16-bit tensor cores) or fp32,
+    which runs in tf32 (10 mantissa bits hold every bf16 and fp16 value and ±1 exactly).
     """
     x = tl.load(X + b * stride_b + h * stride_h + rows[:, None].to(tl.int64) * stride_l + offs_d[None, :] * stride_d,
-                mask=valid[:, None], other=0.0).to(tl.float32)
+                mask=valid[:, None], other=0.0)
     rot = tl.load(Rot + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
-    return tl.dot(x, rot, input_precision="tf32")
+    return tl.dot(x.to(rot.dtype), rot, input_precision="tf32")
 
 
 @triton.jit
@@ -78,29 +78,33 @@ def quantize_q_kernel(
     X, Rot, Out, Scale,
     stride_b, stride_h, stride_l, stride_d,
     H, L, L_pad, scale_mult, eps,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr, TILES: tl.constexpr,
 ):
-    """Q·R -> int8/fp8 [BH, L_pad, D] with one fp32 scale per token (times scale_mult) in [BH, L_pad]."""
-    pid_l = tl.program_id(0)
+    """Q·R -> int8/fp8 [BH, L_pad, D] with one fp32 scale per token (times scale_mult) in [BH, L_pad].
+
+    Each program quantizes TILES tiles of BLOCK tokens in a pipelined loop (one tile per program leaves the
+    SM waiting on each tile's loads)."""
+    pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
-    offs_l = pid_l * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
-    x = _rotate(X, Rot, b, h, offs_l, offs_l < L, offs_d, stride_b, stride_h, stride_l, stride_d, HEAD_DIM)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
-    # tl.max / tl.maximum drop NaN: a token holding one gets a NaN scale, which makes its scores NaN (see module doc)
-    amax = tl.where(tl.sum((x != x).to(tl.int32), axis=1) > 0, float("nan"), amax)
-    if TO_FP8:
-        y = x * (448.0 / amax)[:, None]
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
-        s = amax / 448.0
-    else:
-        y = _round_half_away(x * (127.0 / amax)[:, None]).to(tl.int8)
-        s = amax / 127.0
-    out_base = pid_bh.to(tl.int64) * L_pad * HEAD_DIM
-    tl.store(Out + out_base + offs_l[:, None] * HEAD_DIM + offs_d[None, :], y)
-    tl.store(Scale + pid_bh.to(tl.int64) * L_pad + offs_l, s * scale_mult)
+    for tile in tl.range(pid_t * TILES, tl.minimum(pid_t * TILES + TILES, L_pad // BLOCK), num_stages=3):
+        offs_l = tile * BLOCK + tl.arange(0, BLOCK)
+        x = _rotate(X, Rot, b, h, offs_l, offs_l < L, offs_d, stride_b, stride_h, stride_l, stride_d, HEAD_DIM)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
+        # tl.max / tl.maximum drop NaN: a token holding one gets a NaN scale, which makes its scores NaN (module doc)
+        amax = tl.where(tl.sum((x != x).to(tl.int32), axis=1) > 0, float("nan"), amax)
+        if TO_FP8:
+            y = x * (448.0 / amax)[:, None]
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+            s = amax / 448.0
+        else:
+            y = _round_half_away(x * (127.0 / amax)[:, None]).to(tl.int8)
+            s = amax / 127.0
+        out_base = pid_bh.to(tl.int64) * L_pad * HEAD_DIM
+        tl.store(Out + out_base + offs_l[:, None] * HEAD_DIM + offs_d[None, :], y)
+        tl.store(Scale + pid_bh.to(tl.int64) * L_pad + offs_l, s * scale_mult)
 
 
 @triton.jit
@@ -108,31 +112,33 @@ def quantize_k_kernel(
     X, Rot, MeanRot, Order, Out, Scale,
     stride_b, stride_h, stride_l, stride_d,
     H, L, L_pad, eps,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr, GATHER: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr, GATHER: tl.constexpr, TILES: tl.constexpr,
 ):
     """K·R - mean(K)·R -> int8/fp8 [BH, L_pad, D] with one fp32 scale per BLOCK tokens in [BH, L_pad // BLOCK];
-    with GATHER, position l holds input key Order[bh, l] (the keys sorted by distance from their mean)."""
-    pid_l = tl.program_id(0)
+    with GATHER, position l holds input key Order[bh, l] (the keys sorted by distance from their mean). TILES
+    blocks per program, as in quantize_q_kernel."""
+    pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
-    offs_l = pid_l * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
-    rows = _source_rows(Order, pid_bh, offs_l, L, GATHER)
-    x = _rotate(X, Rot, b, h, rows, offs_l < L, offs_d, stride_b, stride_h, stride_l, stride_d, HEAD_DIM)
     mean = tl.load(MeanRot + pid_bh * HEAD_DIM + offs_d)
-    x = tl.where(offs_l[:, None] < L, x - mean[None, :], 0.0)  # padded keys stay exactly zero
-    amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), eps)
-    amax = tl.where(tl.sum(tl.sum((x != x).to(tl.int32), axis=1), axis=0) > 0, float("nan"), amax)  # as in Q
-    if TO_FP8:
-        y = (x * (448.0 / amax)).to(tl.float8e4nv)  # |y| <= 448 up to rounding; the cast saturates on GPU
-        s = amax / 448.0
-    else:
-        y = _round_half_away(x * (127.0 / amax)).to(tl.int8)
-        s = amax / 127.0
-    out_base = pid_bh.to(tl.int64) * L_pad * HEAD_DIM
-    tl.store(Out + out_base + offs_l[:, None] * HEAD_DIM + offs_d[None, :], y)
-    tl.store(Scale + pid_bh * (L_pad // BLOCK) + pid_l, s)
+    for tile in tl.range(pid_t * TILES, tl.minimum(pid_t * TILES + TILES, L_pad // BLOCK), num_stages=3):
+        offs_l = tile * BLOCK + tl.arange(0, BLOCK)
+        rows = _source_rows(Order, pid_bh, offs_l, L, GATHER)
+        x = _rotate(X, Rot, b, h, rows, offs_l < L, offs_d, stride_b, stride_h, stride_l, stride_d, HEAD_DIM)
+        x = tl.where(offs_l[:, None] < L, x - mean[None, :], 0.0)  # padded keys stay exactly zero
+        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), eps)
+        amax = tl.where(tl.sum(tl.sum((x != x).to(tl.int32), axis=1), axis=0) > 0, float("nan"), amax)  # as in Q
+        if TO_FP8:
+            y = (x * (448.0 / amax)).to(tl.float8e4nv)  # |y| <= 448 up to rounding; the cast saturates on GPU
+            s = amax / 448.0
+        else:
+            y = _round_half_away(x * (127.0 / amax)).to(tl.int8)
+            s = amax / 127.0
+        out_base = pid_bh.to(tl.int64) * L_pad * HEAD_DIM
+        tl.store(Out + out_base + offs_l[:, None] * HEAD_DIM + offs_d[None, :], y)
+        tl.store(Scale + pid_bh * (L_pad // BLOCK) + tile, s)
 
 
 @triton.jit

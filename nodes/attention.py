@@ -43,7 +43,7 @@ class AttentionSelect(io.ComfyNode):
                             "(recommended); where a quantized kernel at most comfy-kitchen int8's error is faster it "
                             "runs that shape (on an H100 / H200: lowvram 8-bit's fp16 P·V on Wan's self-attention). "
                             "SDPA cuDNN: exact everywhere. SageAttention and lowvram 8-bit quantize Q/K. lowvram "
-                            "8-bit: on an H100 / H200 (with Triton >= 3.6) P·V in fp16, 1.13-1.20x cuDNN on Wan's "
+                            "8-bit: on an H100 / H200 (with Triton >= 3.6) P·V in fp16, 1.19-1.21x cuDNN on Wan's "
                             "long self-attention "
                             "and at most comfy-kitchen int8's error on every tested input (0.9-1.2 % on "
                             "near-Gaussian ones); on RTX 40xx / 50xx P·V in fp8 (below). lowvram 8-bit, fp8 P·V: "
