@@ -65,6 +65,18 @@ def test_rotation_is_a_fixed_signed_hadamard() -> None:
         A.rotation(96)
 
 
+def test_prologue_rotates_in_the_inputs_16_bit_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Q / K quantizers get the rotation in the input's dtype where it is 16-bit (16-bit tensor cores, exact
+    for ±1) and fp32 otherwise, and fp32 under Triton's interpreter, whose bf16 dot is wrong."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for dtype, want in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                        (torch.float32, torch.float32)):
+        rot = A._rotation_for(torch.zeros(2, dtype=dtype), 64)
+        assert rot.dtype == want and torch.equal(rot.float(), A.rotation(64))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert A._rotation_for(torch.zeros(2, dtype=torch.bfloat16), 64).dtype == torch.float32
+
+
 def test_rotation_spreads_a_channel_outlier() -> None:
     """One channel 100x: without the rotation it sets every token's int8 step; rotated, amax/rms is Gaussian-like."""
     q = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
