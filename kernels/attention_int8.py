@@ -74,6 +74,7 @@ KBLK = 128  # K tokens per scale (mirrors attention_int8_triton.KBLK; the refere
 PAD = 128  # sequence padding of the quantized buffers
 Q_BLOCK = 64  # Q tokens per tile of the prologue (divides PAD)
 PROLOGUE_TILES = 16  # tiles per program of the Q and K prologue kernels
+PROLOGUE_WARPS = 4  # their warps per program
 ROTATION_SIGN_SEED = 0x2545F4914F6CDD1D  # fixed: the kernel and the reference must build the same rotation
 P_LOG2_OFFSET = 8.0  # P = exp2(s - m + 8) in (0, 256], inside e4m3's 448
 HI_V_RANGE = 16384.0  # the 16-bit keys' centred values are scaled into fp16's range: amax -> 2^14
@@ -369,10 +370,11 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_format
     q_tiles, k_tiles = lq_pad // Q_BLOCK, lk_pad // KBLK
     tk.quantize_q_kernel[(triton_cdiv(q_tiles, PROLOGUE_TILES), bh)](
         q, _rotation_for(q, d), q8, q_scale, *q.stride(), h, lq, lq_pad, sm_scale * LOG2E / d, AMAX_EPS,
-        HEAD_DIM=d, BLOCK=Q_BLOCK, TO_FP8=to_fp8, TILES=PROLOGUE_TILES, num_warps=4)
+        HEAD_DIM=d, BLOCK=Q_BLOCK, TO_FP8=to_fp8, TILES=PROLOGUE_TILES, num_warps=PROLOGUE_WARPS)
     tk.quantize_k_kernel[(triton_cdiv(k_tiles, PROLOGUE_TILES), bh)](
         k, _rotation_for(k, d), k_mean_rot.contiguous(), order, k8, k_scale, *k.stride(), h, lk, lk_pad, AMAX_EPS,
-        HEAD_DIM=d, BLOCK=KBLK, TO_FP8=to_fp8, GATHER=n_hi > 0, TILES=PROLOGUE_TILES, num_warps=4)
+        HEAD_DIM=d, BLOCK=KBLK, TO_FP8=to_fp8, GATHER=n_hi > 0, TILES=PROLOGUE_TILES,
+        num_warps=PROLOGUE_WARPS)
     qq = QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_amax, v_mean, qk_format, pv_format, q, k_hi, k_mean, n_hi,
                       sm_scale)
     _quantize_v(tk, v, order, qq, lk)

@@ -74,6 +74,27 @@ def compile_kernel(arch: int, block_m: int, block_n: int, warps: int, stages: in
                           options={"num_warps": warps, "num_stages": stages})
 
 
+def compile_prologue_kernel(arch: int, name: str, block: int, tiles: int, warps: int,  # noqa: ANN201
+                            dtype: str = "bf16"):
+    """The prologue's ``quantize_q_kernel`` or ``quantize_k_kernel`` (int8, keys gathered) built for ``sm{arch}``
+    with ``block`` tokens per tile and ``tiles`` tiles per program, for [B, L, H, D] input of ``dtype``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(_load_kernel_module(), name)
+    k = name == "quantize_k_kernel"
+    sig = {"X": f"*{dtype}", "Rot": f"*{dtype}", **({"MeanRot": "*fp32", "Order": "*i32"} if k else {}),
+           "Out": "*i8", "Scale": "*fp32", **{n: "i32" for n in ("stride_b", "stride_h", "stride_l")},
+           "stride_d": "constexpr", **{n: "i32" for n in ("H", "L", "L_pad")},
+           **({} if k else {"scale_mult": "fp32"}), "eps": "fp32",
+           **{n: "constexpr" for n in ("HEAD_DIM", "BLOCK", "TO_FP8", *(("GATHER",) if k else ()), "TILES")}}
+    const = {"stride_d": 1, "HEAD_DIM": 128, "BLOCK": block, "TO_FP8": False, **({"GATHER": True} if k else {}),
+             "TILES": tiles}
+    return triton.compile(ASTSource(fn, sig, const, {}), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": warps})
+
+
 def compile_gluon_kernel(arch: int = 90):  # noqa: ANN201 - triton CompiledKernel
     """attention_int8_gluon.attn_fwd_kernel built for ``sm{arch}`` as a Wan 480p call specialises it (its shipped
     block shapes, [B, L, H, D] memory); needs torch and a Triton whose Gluon has that file's API (3.6 on)."""

@@ -436,6 +436,21 @@ def test_static_profile_of_the_shipped_tile_has_no_spills() -> None:
     assert prof["ctas_per_sm"] >= 1 and prof["regs"] <= 255
 
 
+@pytest.mark.parametrize("name", ["quantize_q_kernel", "quantize_k_kernel"])
+def test_prologue_kernels_fit_a_consumer_gpu(name: str) -> None:
+    """The Q and K quantizers as quantize_qkv launches them, built for an RTX 40xx (sm89) without a GPU, fit the
+    99 KB of shared memory a block gets there (and on RTX 30xx / 50xx): their pipelined tiles and the rotation live
+    in it, and the H200 the GPU tests run on has 227 KB, so only this catches a launch that consumer cards refuse."""
+    pytest.importorskip("triton", reason="the static build needs Triton's compiler")
+    sass = _sass_module()
+    block = A.Q_BLOCK if name == "quantize_q_kernel" else A.KBLK
+    try:
+        kernel = sass.compile_prologue_kernel(89, name, block, A.PROLOGUE_TILES, A.PROLOGUE_WARPS)
+    except (FileNotFoundError, subprocess.CalledProcessError, RuntimeError) as exc:
+        pytest.skip(f"Triton cannot compile for sm89 here: {exc}")
+    assert 0 < kernel.metadata.shared <= 99 * 1024, kernel.metadata.shared
+
+
 def test_static_profile_of_the_int8_pv_tile() -> None:
     """The opt-in int8 P·V variant: both products on the int8 tensor cores, no spills, more issued per tile than
     the default fp8 P·V (why DEFAULT_PV_FORMAT stays fp8). It must compile on every Triton the hosts ship (3.5 and
