@@ -256,6 +256,9 @@ SETUPS: dict[str, Setup] = {
     "pack_stream": Setup(False, "Block Swap dynamic_vram = stream (auto's pick where RAM is short)",
                          block_swap_mode="stream"),
     "pack_int8": Setup(False, "Attention 8-bit", attention=INT8_BACKEND),
+    # exact attention fixed: against `pack`, what auto's 8-bit candidate (its compile and timing) adds to a render
+    "pack_cudnn": Setup(False, "Attention SDPA cuDNN (exact; no 8-bit kernels compiled or timed)",
+                        attention="SDPA cuDNN"),
     "pack_compile": Setup(False, "+ Torch Compile (the node's defaults)", compile={}),
     "pack_no_batch_cfg": Setup(False, "Staged Loader batch_cfg off (each prompt its own model call)",
                                batch_cfg=False),

@@ -243,6 +243,11 @@ def test_pack_setups() -> None:
     assert [i["dynamic_vram"] for i in _types(_graph("wan_t2v_4step", "pack"))["LowVRAM_BlockSwap"]] == ["auto"] * 2
     g = _graph("wan_t2v_4step", "pack_int8")
     assert {i["backend"] for i in _types(g)["LowVRAM_Attention"]} == {rg.INT8_BACKEND}
+    assert {i["backend"] for i in _types(_graph("wan_t2v_4step", "pack_cudnn"))["LowVRAM_Attention"]} == \
+        {"SDPA cuDNN"}
+    from comfyui_lowvram_dit.host.attention import BACKEND_CHOICES  # a setup's backend must be a node choice
+
+    assert {s.attention for s in rg.SETUPS.values() if s.attention} <= BACKEND_CHOICES.keys()
     g = _graph("wan_t2v_4step", "pack_compile")
     assert _model_chain(g, "16")[:3] == ["ModelSamplingSD3", "LowVRAM_TorchCompile", "LowVRAM_Attention"]
     compile_inputs = {k: v for k, v in _types(g)["LowVRAM_TorchCompile"][0].items() if k != "model"}
