@@ -506,9 +506,9 @@ def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
 # ------------------------------------------------------------------------------------------------------------
 # Compiling ahead: the kernels built in a background thread before the first sampler step needs them
 
-# Sequence lengths the warm-up runs: Triton specialises integer arguments on divisibility by 16, so one length of
-# each kind compiles every variant a real call can need (Wan's 32,760 video tokens are not a multiple of 16, its
-# 512 text tokens are).
+# Sequence lengths the warm-up runs, one of each kind Triton would specialise an integer on (divisibility by 16:
+# Wan's 32,760 video tokens are not a multiple of 16, its 512 text tokens are). The quantizers and both loops take
+# lengths unspecialised, so the second finds everything compiled, unless a kernel gains a length-specialised argument.
 WARMUP_LENGTHS = (264, 256)  # Wan's video-token kind first
 WARMUP_AUTOTUNE_LENGTH = 32_768  # the autotuner's config set for long sequences (>= 8192 tokens)
 _WARMUPS: dict[tuple, threading.Thread] = {}

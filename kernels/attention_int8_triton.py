@@ -43,6 +43,9 @@ P_LOG2_OFFSET = tl.constexpr(8.0)
 # acc never grows past 2^64 times its true size
 FRAME_SPAN = tl.constexpr(64.0)
 KBLK = 128  # K tokens per int8 scale; every kernel BLOCK_N divides it
+# The sequence length only bounds masks in the prologue: specialising it (divisibility by 16) compiled each
+# quantizer twice, for Wan's 32,760 video tokens and its 512 text tokens
+PROLOGUE_UNSPECIALISED = ["L"]
 PAD = 128  # Q/K/V sequence padding, >= every BLOCK_M / BLOCK_N so kernel loads need no masks
 
 
@@ -73,7 +76,7 @@ def _rotate(X, Rot, b, h, rows, valid, offs_d, stride_b, stride_h, stride_l, str
     return tl.dot(x.to(rot.dtype), rot, input_precision="tf32")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PROLOGUE_UNSPECIALISED)
 def quantize_q_kernel(
     X, Rot, Out, Scale,
     stride_b, stride_h, stride_l, stride_d,
@@ -107,7 +110,7 @@ def quantize_q_kernel(
         tl.store(Scale + pid_bh.to(tl.int64) * L_pad + offs_l, s * scale_mult)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PROLOGUE_UNSPECIALISED)
 def quantize_k_kernel(
     X, Rot, MeanRot, Order, Out, Scale,
     stride_b, stride_h, stride_l, stride_d,
@@ -152,7 +155,7 @@ def _centred_values(X, Mean, Order, pid_bh, offs_l, offs_d, stride_b, stride_h, 
     return tl.where(valid, x - tl.load(Mean + pid_bh * HEAD_DIM + offs_d)[None, :], 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PROLOGUE_UNSPECIALISED)
 def quantize_v_kernel(
     X, Mean, Amax, Order, Out,
     stride_b, stride_h, stride_l, stride_d,
@@ -177,7 +180,7 @@ def quantize_v_kernel(
     tl.store(Out + out_base + offs_d[None, :] * L_pad + offs_l[:, None], y)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PROLOGUE_UNSPECIALISED)
 def quantize_v_int8_kernel(
     X, Mean, Order, Out, Scale, ColSum,
     stride_b, stride_h, stride_l, stride_d,
@@ -206,7 +209,7 @@ def quantize_v_int8_kernel(
     tl.store(sum_base + HEAD_DIM + offs_d, tl.sum(tl.where(low, 0, y32), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PROLOGUE_UNSPECIALISED)
 def key_norm_kernel(
     X, Mean, Out,
     stride_b, stride_h, stride_l, stride_d,

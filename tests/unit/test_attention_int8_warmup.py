@@ -117,6 +117,20 @@ def test_failed_warmup_is_logged_not_raised(recorder: list, monkeypatch: pytest.
     assert "compiling ahead failed (RuntimeError: ptxas died); the first call compiles instead" in caplog.text
 
 
+def test_the_quantizers_take_the_length_unspecialised() -> None:
+    """Triton would build each quantizer twice (Wan's 32,760 video tokens and 512 text tokens differ in divisibility
+    by 16), a second build in a first render's wait for the warm-up; the length only bounds their masks."""
+    tk = pytest.importorskip("comfyui_lowvram_dit.kernels.attention_int8_triton", reason="needs triton")
+    for kernel in (tk.quantize_q_kernel, tk.quantize_k_kernel, tk.quantize_v_kernel, tk.quantize_v_int8_kernel,
+                   tk.key_norm_kernel):
+        assert "L" in kernel.arg_names and kernel.arg_names.index("L") in _unspecialised(kernel), kernel.fn.__name__
+
+
+def _unspecialised(kernel) -> set[int]:  # noqa: ANN001 - a triton JITFunction
+    """Argument indices the kernel does not specialise (Triton keeps names or indices, by version)."""
+    return {kernel.arg_names.index(a) if isinstance(a, str) else a for a in kernel.do_not_specialize}
+
+
 def warmup_probe(warm: bool) -> dict:
     """In a fresh interpreter with an empty Triton cache: optionally warm up, then one Wan-shaped self-attention
     (8,200 tokens: long, and not a multiple of 16) and one cross-attention (512 text tokens) call; Triton compiles
@@ -136,7 +150,7 @@ def warmup_probe(warm: bool) -> dict:
         ai.attention_int8(x, k, k, layout="BLHD")
     torch.cuda.synchronize()
     return {"warmup_compiles": warm_compiles, "call_compiles": len(compiled) - warm_compiles,
-            "warmup_s": t1 - t0, "first_calls_s": time.perf_counter() - t1}
+            "warmup_s": t1 - t0, "first_calls_s": time.perf_counter() - t1, "compiled": compiled}
 
 
 _PROBE = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_attention_int8_warmup as t; "
@@ -161,3 +175,6 @@ def test_warmup_leaves_nothing_to_compile(tmp_path: Path) -> None:
     assert runs["cold"]["call_compiles"] >= 4  # three quantizers and at least one main-loop config
     assert runs["warm"]["warmup_compiles"] >= runs["cold"]["call_compiles"]
     assert runs["warm"]["call_compiles"] == 0, runs
+    # the quantizers take the length unspecialised: one build each serves both length kinds
+    prologue = [n for n in runs["warm"]["compiled"] if n.startswith(("quantize_", "key_norm"))]
+    assert prologue and len(prologue) == len(set(prologue)), runs
