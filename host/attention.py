@@ -47,6 +47,7 @@ BACKEND_CHOICES: dict[str, Optional[str]] = {
 # The pack's 8-bit backends and the P·V format each one's kernel is compiled for (its background warm-up)
 INT8_PV_FORMATS = {"int8": "auto", "int8_pv8": "int8", "int8_pvfp8": "fp8"}
 AUTO_PV_FORMAT = "fp16"  # auto's own 8-bit candidate (int8_pv16), warmed only where its Gluon loop runs
+PROMPT_WARMUP_HEAD_DIM = 128  # a queued prompt's warm-up, before any model is read: Wan's and Qwen-Image's
 _ARG_NAMES = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
 CORE_PREFIX = "comfy:"
 # ComfyUI's registered functions whose numerics are known. Exact ones join auto; quantized ones join only when
@@ -341,11 +342,11 @@ def warm_int8_for_prompt(json_data: Any) -> Any:
 
             from ..kernels import attention_int8
 
-            device = comfy.model_management.get_torch_device()
-            if "auto" in backends and attention_int8.gluon_loop_usable(device):
+            device, head_dim = comfy.model_management.get_torch_device(), PROMPT_WARMUP_HEAD_DIM
+            if "auto" in backends and attention_int8.gluon_loop_runs(device, head_dim):
                 formats.add(AUTO_PV_FORMAT)
             for pv_format in sorted(formats):
-                attention_int8.start_warmup(device, torch.bfloat16, 24, 128, pv_format)
+                attention_int8.start_warmup(device, torch.bfloat16, 24, head_dim, pv_format)
     except Exception as exc:  # noqa: BLE001 - a prompt must never fail because of a warm-up
         log.debug("lowvram_dit attention: no warm-up for this prompt (%s)", exc)
     return json_data
