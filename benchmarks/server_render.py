@@ -19,7 +19,7 @@ from comfyui_lowvram_dit.benchmarks import server
 from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
 from comfyui_lowvram_dit.benchmarks import server_render_models as models
 from comfyui_lowvram_dit.benchmarks import server_render_report as report
-from comfyui_lowvram_dit.benchmarks.server_render_split import split
+from comfyui_lowvram_dit.benchmarks.server_render_split import node_memory, split
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 from comfyui_lowvram_dit.cli import server as cli_server
 from comfyui_lowvram_dit.cli import workflow as cli_workflow
@@ -253,6 +253,8 @@ def render(srv: cli_server.ComfyServer, graph: dict, kind: str, timeout: float, 
         rec["error"] = reports.error_text(exc, 4000)
         return rec
     rec.update(split(run.events, graph, run.posted_at, run.wall_s))
+    for nid, peaks in node_memory(run.events, run.watch.samples, run.watch.t0).items():
+        rec["nodes"].get(nid, {}).update(peaks)  # which node raised the server's RSS
     mem = run.watch.summary()
     rss = mem["peak_rss_hwm_gib"] if first_of_life else mem["peak_rss_sampled_gib"]  # VmHWM spans the life
     rec.update(peak_vram_gib=mem["peak_gpu_gib"], peak_rss_gib=rss, peak_rss_anon_gib=mem["peak_rss_anon_gib"],

@@ -20,13 +20,34 @@ PART_OF = {  # node type -> the part its seconds go to (any other node type: oth
     **dict.fromkeys(("SaveAnimatedWEBP", "SaveImage", "SaveLatent", "SaveVideo", "CreateVideo", "SaveWEBM"), "save_s")}
 
 
+def node_windows(events: list[tuple[float, dict]]) -> list[tuple[str, float, float]]:
+    """(node, start, end) per executed node, in run order: from its 'executing' message to the next one's."""
+    marks = [(t, m["data"].get("node")) for t, m in events if m.get("type") == "executing"]
+    return [(str(nid), t, t_next) for (t, nid), (t_next, _) in pairwise(marks) if nid is not None]
+
+
 def node_times(events: list[tuple[float, dict]]) -> dict[str, float]:
     """Seconds each executed node took: from its 'executing' message to the next node's (or the end)."""
-    marks = [(t, m["data"].get("node")) for t, m in events if m.get("type") == "executing"]
     out: dict[str, float] = {}
-    for (t, nid), (t_next, _) in pairwise(marks):
-        if nid is not None:
-            out[str(nid)] = round(out.get(str(nid), 0.0) + t_next - t, 3)
+    for nid, t, t_next in node_windows(events):
+        out[nid] = round(out.get(nid, 0.0) + t_next - t, 3)
+    return out
+
+
+def node_memory(events: list[tuple[float, dict]], samples: list[dict], t0: float) -> dict[str, dict]:
+    """Per executed node, from memory samples taken while it ran (``t`` seconds after ``t0``, the clock of the
+    events; ``anon`` / ``file`` bytes): the highest anonymous and file-backed RSS and the anonymous RSS of its last
+    sample, in GiB. A node no sample fell into is left out; one that ran twice keeps its higher peaks."""
+    out: dict[str, dict] = {}
+    for nid, start, end in node_windows(events):
+        inside = [s for s in samples if start <= t0 + s["t"] <= end]
+        if not inside:
+            continue
+        gib = float(1 << 30)
+        seen = out.get(nid, {"anon_peak_gib": 0.0, "file_peak_gib": 0.0})
+        out[nid] = {"anon_peak_gib": max(seen["anon_peak_gib"], round(max(s["anon"] for s in inside) / gib, 3)),
+                    "file_peak_gib": max(seen["file_peak_gib"], round(max(s["file"] for s in inside) / gib, 3)),
+                    "anon_end_gib": round(inside[-1]["anon"] / gib, 3)}
     return out
 
 

@@ -64,7 +64,7 @@ class MemoryWatch:
         self.marks: list[tuple[float, str]] = []
         self._nvidia_smi = shutil.which("nvidia-smi") if gpu else None
         self._stop = threading.Event()
-        self._t0 = time.monotonic()
+        self.t0 = time.monotonic()  # a sample's "t" counts from here
         self._thread = threading.Thread(target=self._run, name="lowvram-memwatch", daemon=True)
         self._hwm = 0
 
@@ -77,14 +77,14 @@ class MemoryWatch:
 
     def mark(self, label: str) -> None:
         """Note a phase boundary (e.g. 'queued', 'finished') at the current time."""
-        self.marks.append((round(time.monotonic() - self._t0, 2), label))
+        self.marks.append((round(time.monotonic() - self.t0, 2), label))
 
     def _sample(self) -> None:
         st = proc_status(self.pid)
         if not st:
             return
         self._hwm = max(self._hwm, st.get("VmHWM", 0))
-        self.samples.append({"t": round(time.monotonic() - self._t0, 2), "rss": st.get("VmRSS", 0),
+        self.samples.append({"t": round(time.monotonic() - self.t0, 2), "rss": st.get("VmRSS", 0),
                              "anon": st.get("RssAnon", 0), "file": st.get("RssFile", 0),
                              "shmem": st.get("RssShmem", 0), "gpu": gpu_used_bytes(self.pid, self._nvidia_smi)})
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from comfyui_lowvram_dit.benchmarks import server as run
 from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
-from comfyui_lowvram_dit.benchmarks.server_render_split import node_times, sampler_steps
+from comfyui_lowvram_dit.benchmarks.server_render_split import node_memory, node_times, sampler_steps
 
 TESTS = Path(__file__).resolve().parents[1]
 # + ComfyUI-GGUF's loader as /object_info lists it (tests/vendor/ComfyUI-GGUF/nodes.py: a combo of the .gguf files)
@@ -110,10 +110,17 @@ def test_node_times() -> None:
     assert node_times(EVENTS) == {"11": 4.9, "15": 7.0, "16": 10.5}
 
 
-LOG_033 = ("got prompt\n  0%|          | 0/2 [00:00<?, ?it/s]\r 50%|█████     | 1/2 [00:06<00:06,  6.47s/it]\r"
-           "100%|██████████| 2/2 [00:04<00:00,  2.34s/it]\r100%|██████████| 2/2 [00:04<00:00,  2.34s/it]\n"
-           "100%|██████████| 2/2 [00:16<00:00,  7.47s/it]\r100%|██████████| 2/2 [00:16<00:00,  8.01s/it]\n"
-           "\x1b[32m[INFO]\x1b[0m lowvram_dit attention auto -> SDPA cuDNN\nPrompt executed in 45.20 seconds\n")
+def test_node_memory_takes_the_samples_inside_each_node() -> None:
+    gib = 1 << 30
+    t0 = 100.0  # the watch's clock starts earlier than the events' (monotonic seconds 100 + t)
+    events = [(t0 + t, m) for t, m in EVENTS]
+    samples = [{"t": t, "anon": a * gib, "file": 2 * gib} for t, a in
+               ((0.05, 30), (3.0, 36), (4.95, 35), (6.0, 37), (11.0, 36.5), (15.0, 38), (22.0, 37.5), (23.0, 99))]
+    mem = node_memory(events, samples, t0)
+    assert mem == {"11": {"anon_peak_gib": 36.0, "file_peak_gib": 2.0, "anon_end_gib": 35.0},
+                   "15": {"anon_peak_gib": 37.0, "file_peak_gib": 2.0, "anon_end_gib": 36.5},
+                   "16": {"anon_peak_gib": 38.0, "file_peak_gib": 2.0, "anon_end_gib": 37.5}}
+    assert node_memory(events, samples[:1], t0) == {}  # no sample inside any node
 
 
 LOG_033 = ("got prompt\n  0%|          | 0/2 [00:00<?, ?it/s]\r 50%|█████     | 1/2 [00:06<00:06,  6.47s/it]\r"
