@@ -157,7 +157,7 @@ _PROBE = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_attent
           "print(json.dumps(t.warmup_probe(sys.argv[2] == 'warm')))")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_warmup_leaves_nothing_to_compile(tmp_path: Path) -> None:
     if not ai.is_supported("cuda", torch.bfloat16, 128):
         pytest.skip("8-bit attention needs sm80+ and Triton")
