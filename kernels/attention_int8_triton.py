@@ -255,6 +255,24 @@ def _exp2_split(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP_EMU: tl.con
 
 
 @triton.jit
+def _p_int8(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP_EMU: tl.constexpr):
+    """(P, its int8 codes) for log2-domain offsets x from the frame: P = 2^x in (0, 1], coded round(254·P) - 127
+    (one FMA and the magic add: the low byte of the float's bits is the code).
+
+    x <= 0 holds in exact arithmetic, as the frame is at least the tile's max. The GPU fuses ``s·c - (s_off + f)``
+    into one FMA on scores offset by 1.5·2^23, so the max can land above 0 by up to about one raw dot step in log2
+    units (large where a row or a key block holds outlier tokens); a P above 1 + 1/508 would code 128, which wraps
+    to -128. Hence the clamp (exact where x <= 0).
+    """
+    x = tl.minimum(x, 0.0)
+    if EXP_EMU == 0:
+        p = tl.math.exp2(x)
+    else:
+        p = _exp2_split(x, BLOCK_M, BLOCK_N, EXP_EMU)
+    return p, (p * 254.0 + (MAGIC_I2F_VALUE - 127.0)).to(tl.int32, bitcast=True).to(tl.int8)
+
+
+@triton.jit
 def _pv_int8(
     acc, l_i, m_i, f_i, s, c, s_off, vt_ptrs, vscale_ptr, vsum_ptr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP_EMU: tl.constexpr,
@@ -264,21 +282,16 @@ def _pv_int8(
     acc and l are kept relative to a per-query frame f = max(tile max, running max - FRAME_SPAN): P = exp2(score - f)
     lies in (0, 1], is 1 at the tile's max (full int8 resolution for every tile that matters) and moving to the
     next frame costs one row factor exp2(f_old - f) on acc and l, so V's per-channel scale is the only per-element
-    factor. P goes to int8 as round(254·P) - 127 (one FMA and the magic add: the low byte of the float's bits is the
-    code); the int8 product starts from MAGIC + 127·(V's column sums), which restores P's zero point and makes the
-    exact int32 sum a float of the same bits: one exact subtraction and one FMA bring it into acc.
+    factor. P goes to int8 as round(254·P) - 127 (_p_int8); the int8 product starts from MAGIC + 127·(V's column
+    sums), which restores P's zero point and makes the exact int32 sum a float of the same bits: one exact
+    subtraction and one FMA bring it into acc.
     """
     t_max = tl.max(s, axis=1) * c - s_off
     m_new = tl.maximum(m_i, t_max)
     f_new = tl.maximum(t_max, m_new - FRAME_SPAN)
-    x = s * c[:, None] - (s_off + f_new)[:, None]
-    if EXP_EMU == 0:
-        p = tl.math.exp2(x)
-    else:
-        p = _exp2_split(x, BLOCK_M, BLOCK_N, EXP_EMU)
+    p, p8 = _p_int8(s * c[:, None] - (s_off + f_new)[:, None], BLOCK_M, BLOCK_N, EXP_EMU)
     r = tl.math.exp2(f_i - f_new)  # 0 on the first tile (f_i = -inf)
     l_i = l_i * r + tl.sum(p, axis=1)
-    p8 = (p * 254.0 + (MAGIC_I2F_VALUE - 127.0)).to(tl.int32, bitcast=True).to(tl.int8)
     offs_d = tl.arange(0, HEAD_DIM)
     col_sum = tl.load(vsum_ptr + offs_d)
     if BLOCK_N == 128:  # column sums are kept per 64 keys

@@ -242,6 +242,37 @@ def test_triton_kernels_under_interpreter() -> None:
         assert row["err_vs_ref"] <= bound, row
 
 
+_P_CODES_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    sys.path[:0] = [sys.argv[1], sys.argv[1].rsplit("/", 1)[0]]
+    from p_int8_probe import p_and_codes
+    x = torch.tensor(json.loads(sys.argv[2]), dtype=torch.float32).repeat(16, 1)  # [16, 16]
+    rows = []
+    for exp_emu in (0, 1, 2):
+        p, codes = p_and_codes(x, exp_emu)
+        rows.append({"p": p[0].tolist(), "codes": codes[0].tolist()})
+    print("RESULT" + json.dumps(rows))
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed in this environment")
+def test_int8_p_codes_never_wrap_above_one() -> None:
+    """int8 P·V codes P = 2^x as round(254·P) - 127. On the GPU a fused multiply-add can leave the tile's max a hair
+    above x = 0 (the interpreter's separate roundings give exactly 0); without the clamp x = 0.01 coded 128, which
+    wrapped to -128 (the token-outlier divergence from the emulation). Those offsets must code as P = 1."""
+    if (problem := interpreter_problem()) is not None:
+        pytest.skip(problem)
+    xs = [0.0, 0.003, 0.01, 0.4, 1.5, -1e-6, -0.5, -1.0, -3.0, -8.0, -9.0, -20.0, -64.0, -100.0, float("-inf"), -2.0]
+    proc = subprocess.run([sys.executable, "-c", _P_CODES_SCRIPT, os.path.dirname(__file__), json.dumps(xs)],
+                          capture_output=True, text=True, env=interpreter_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    want = [round(254 * 2.0 ** min(x, 0.0) - 127) for x in xs]  # half to even, as the magic add rounds
+    for row in json.loads(proc.stdout.split("RESULT", 1)[1]):
+        assert row["codes"] == want, row
+        assert all(0.0 <= p <= 1.0 for p in row["p"]), row
+        assert row["p"][:5] == [1.0] * 5, row
+
+
 # ------------------------------------------------------------------------------------------------------------
 # GPU
 
@@ -368,9 +399,9 @@ INT8_PV_FAMILIES = ("gauss", "token_outliers", "qk_mean_offsets+token_outliers",
 ], ids=lambda c: "-".join(str(v) for v in c.values()))
 @pytest.mark.parametrize("family", INT8_PV_FAMILIES)
 def test_cuda_int8_pv_matches_its_emulation(config: dict, family: str) -> None:
-    """The int8 P·V kernel follows its fp32 emulation on every tile and exp2 variant the autotuner may pick. An
-    H200 run (Triton 3.6, autotuned) gave 4.3 % vs fp32 on token outliers at 4,097 keys where the emulation gives
-    1.7 %, which the CPU interpreter does not reproduce; the other families agreed to 0.1-0.4 %."""
+    """The int8 P·V kernel follows its fp32 emulation on every tile and exp2 variant the autotuner may pick. Before
+    P's offsets were clamped at 0 (test_int8_p_codes_never_wrap_above_one), token-outlier inputs broke this on the
+    GPU only: its fused multiply-adds left a tile's max above 0 and P = 1 coded as -128."""
     import attention_families as af
 
     q, k, v = af.make_family(family, 2, 2, 4097, 4097, 128, seed=3, device="cuda")
