@@ -7,6 +7,8 @@ import statistics
 from itertools import pairwise
 from typing import Any
 
+from comfyui_lowvram_dit.cli.memwatch import GIB
+
 PARTS = ("load_s", "text_encode_s", "sampling_s", "vae_decode_s", "save_s", "other_s")
 PART_OF = {  # node type -> the part its seconds go to (any other node type: other_s)
     **dict.fromkeys(("UNETLoader", "CLIPLoader", "VAELoader", "CLIPVisionLoader", "LoraLoaderModelOnly",
@@ -43,11 +45,10 @@ def node_memory(events: list[tuple[float, dict]], samples: list[dict], t0: float
         inside = [s for s in samples if start <= t0 + s["t"] <= end]
         if not inside:
             continue
-        gib = float(1 << 30)
         seen = out.get(nid, {"anon_peak_gib": 0.0, "file_peak_gib": 0.0})
-        out[nid] = {"anon_peak_gib": max(seen["anon_peak_gib"], round(max(s["anon"] for s in inside) / gib, 3)),
-                    "file_peak_gib": max(seen["file_peak_gib"], round(max(s["file"] for s in inside) / gib, 3)),
-                    "anon_end_gib": round(inside[-1]["anon"] / gib, 3)}
+        out[nid] = {"anon_peak_gib": max(seen["anon_peak_gib"], round(max(s["anon"] for s in inside) / GIB, 3)),
+                    "file_peak_gib": max(seen["file_peak_gib"], round(max(s["file"] for s in inside) / GIB, 3)),
+                    "anon_end_gib": round(inside[-1]["anon"] / GIB, 3)}
     return out
 
 
