@@ -265,7 +265,7 @@ class QuantizedQKV:
 
 def _rotation_for(x: torch.Tensor, d: int) -> torch.Tensor:
     """rotation(d) in x's dtype where it is 16-bit (the prologue's product then runs in it), else fp32 (tf32).
-    fp32 under Triton's interpreter, whose bf16 dot is wrong (numbers near 1e10 for unit inputs)."""
+    fp32 under Triton's interpreter, whose bf16 dot gives wrong results."""
     half = x.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
     dtype = x.dtype if half else torch.float32
     return rotation(d, dtype, str(x.device))

@@ -43,7 +43,7 @@ P_LOG2_OFFSET = tl.constexpr(8.0)
 # acc never grows past 2^64 times its true size
 FRAME_SPAN = tl.constexpr(64.0)
 KBLK = 128  # K tokens per int8 scale; every kernel BLOCK_N divides it
-# The sequence length only bounds masks in the prologue: specialising it (divisibility by 16) compiled each
+# The sequence length only bounds masks in the prologue: specialising it (divisibility by 16) would build each
 # quantizer twice, for Wan's 32,760 video tokens and its 512 text tokens
 PROLOGUE_UNSPECIALISED = ["L"]
 PAD = 128  # Q/K/V sequence padding, >= every BLOCK_M / BLOCK_N so kernel loads need no masks

@@ -258,8 +258,8 @@ _P_CODES_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed in this environment")
 def test_int8_p_codes_never_wrap_above_one() -> None:
     """int8 P·V codes P = 2^x as round(254·P) - 127. On the GPU a fused multiply-add can leave the tile's max a hair
-    above x = 0 (the interpreter's separate roundings give exactly 0); without the clamp x = 0.01 coded 128, which
-    wrapped to -128 (the token-outlier divergence from the emulation). Those offsets must code as P = 1."""
+    above x = 0 (the interpreter's separate roundings give exactly 0); unclamped, x = 0.01 would code 128, which
+    wraps to -128 and flips the sign of the key carrying the row's weight. Those offsets must code as P = 1."""
     if (problem := interpreter_problem()) is not None:
         pytest.skip(problem)
     xs = [0.0, 0.003, 0.01, 0.4, 1.5, -1e-6, -0.5, -1.0, -3.0, -8.0, -9.0, -20.0, -64.0, -100.0, float("-inf"), -2.0]
@@ -399,9 +399,9 @@ INT8_PV_FAMILIES = ("gauss", "token_outliers", "qk_mean_offsets+token_outliers",
 ], ids=lambda c: "-".join(str(v) for v in c.values()))
 @pytest.mark.parametrize("family", INT8_PV_FAMILIES)
 def test_cuda_int8_pv_matches_its_emulation(config: dict, family: str) -> None:
-    """The int8 P·V kernel follows its fp32 emulation on every tile and exp2 variant the autotuner may pick. Before
-    P's offsets were clamped at 0 (test_int8_p_codes_never_wrap_above_one), token-outlier inputs broke this on the
-    GPU only: its fused multiply-adds left a tile's max above 0 and P = 1 coded as -128."""
+    """The int8 P·V kernel follows its fp32 emulation on every tile and exp2 variant the autotuner may pick. Token
+    outliers test the clamp of P's offsets at 0 (test_int8_p_codes_never_wrap_above_one) where it matters: on the
+    GPU, whose fused multiply-adds can put a tile's max above 0."""
     import attention_families as af
 
     q, k, v = af.make_family(family, 2, 2, 4097, 4097, 128, seed=3, device="cuda")
