@@ -19,6 +19,7 @@ from comfyui_lowvram_dit.benchmarks import server
 from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
 from comfyui_lowvram_dit.benchmarks import server_render_models as models
 from comfyui_lowvram_dit.benchmarks import server_render_report as report
+from comfyui_lowvram_dit.benchmarks import step_sync
 from comfyui_lowvram_dit.benchmarks.server_render_split import node_memory, split
 from comfyui_lowvram_dit.checkpoints.safe_write import write_report
 from comfyui_lowvram_dit.cli import server as cli_server
@@ -31,6 +32,8 @@ REPEAT_SEED_STEP = 100  # each further warm render (--warm-repeats) adds this to
 CARDS = (8.0, 12.0, 16.0, 24.0, None)
 FIXTURE_NODES = reports.PACK_ROOT / "tests" / "fixture_nodes"  # smoke only: the stand-in CLIPLoader
 FIXTURE_FOLDER = "zz_lowvram_dit_test_nodes"
+STEP_SYNC_NODES = reports.PACK_ROOT / "benchmarks" / "step_sync"  # every server: progress after a device sync
+STEP_SYNC_FOLDER = "zz_lowvram_dit_bench_step_sync"
 STAND_IN_CLIP = "LowVRAMTest_StreamedCLIPLoader"
 CACHE_ENV = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor", "CUDA_CACHE_PATH": "cuda"}
 # Rough seconds of one render on one H100/H200 (page cache warm) for --deadline, from the server scenarios' step
@@ -327,6 +330,7 @@ def _life(ctx: RunContext, row: RenderRow, kinds: list[str], folder: Path, env: 
     log_path = base / "comfyui.log"
     if log_path.exists():
         text = log_path.read_text(errors="replace")
+        life["step_sync"] = step_sync.LOG_LINE in text  # False: step times are host times (benchmarks/step_sync)
         life["log"] = [public(line, opts) for line in server.log_digest(text, 80)]
         if opts.keep_logs:
             write_report(opts.work / f"{row.name}.life{len(rec['lives'])}.log", text)
@@ -350,7 +354,7 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
             env[var] = str(folder / "cache" / sub)
         (folder / "user").mkdir(parents=True)
         (opts.work / "frontend").mkdir(parents=True, exist_ok=True)
-        nodes = {FIXTURE_FOLDER: FIXTURE_NODES} if opts.smoke else {}
+        nodes = {STEP_SYNC_FOLDER: STEP_SYNC_NODES, **({FIXTURE_FOLDER: FIXTURE_NODES} if opts.smoke else {})}
         if row.file_format in rg.GGUF_TYPES:
             if not (gguf := server.gguf_custom_nodes(sys.executable)):
                 raise cli_server.RunError("ComfyUI-GGUF needs the gguf package in this Python: pip install gguf (on "

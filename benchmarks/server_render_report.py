@@ -102,6 +102,15 @@ def _warm_split(row: dict) -> str:
     return (f"{parts} ({steps})" if steps else parts) + (f"; EasyCache skipped {skipped} steps" if skipped else "")
 
 
+def step_clock(rows: list[dict]) -> str:
+    """What the step times of these rows measure: device time where every server life synced the GPU before each
+    progress message (benchmarks/step_sync), else the host's clock."""
+    lives = [life for r in rows for life in r.get("lives", [])]
+    if lives and all(life.get("step_sync") for life in lives):
+        return " (each progress message after a GPU sync, so steps are device times)"
+    return " (progress messages unsynced: a step's time is the host's, up to about a step off where nothing syncs)"
+
+
 def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
     """The report as markdown: environment, what was timed, one table per workflow and card."""
     lines = report.header("Renders through a ComfyUI server: Queue to output file", env, [
@@ -111,8 +120,8 @@ def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
         "graph, new seed (with --warm-repeats: the median render, their range in square brackets); warm, new "
         "prompt: new seed and prompt; cold: a fresh server keeping the first one's caches and user folder. Seconds "
         "from Queue (POST /prompt) until the output file is written; in brackets native's best seconds / these (the "
-        "row in 'against'). Split from the websocket events: load = loader nodes + each sampler's first step above its "
-        "median step; peak RSS: the server process's VmHWM (first render of a server) or sampled RSS; VRAM: the "
+        "row in 'against'). Split from the websocket events" + step_clock(rows) + ": load = loader nodes + each "
+        "sampler's first step above its median step; peak RSS: the server process's VmHWM (first render of a server) or sampled RSS; VRAM: the "
         "process per nvidia-smi. Output vs native: ||a - b|| / ||b|| of the final latents of the first-ever renders "
         "(same seed).")])
     group = lambda r: (r.get("title") or r.get("model") or "?", r.get("card_gib"))  # a table per workflow and card

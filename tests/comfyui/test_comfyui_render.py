@@ -53,6 +53,7 @@ def test_smoke_renders_every_kind_with_its_output_and_split(smoke_run: dict, nam
     row = next(r for r in smoke_run["rows"] if r["name"] == name)
     assert row["status"] == "ok", row.get("error")
     assert set(row["renders"]) == set(sr.RENDERS) and len(row["lives"]) == 2
+    assert all(life["step_sync"] for life in row["lives"])  # benchmarks/step_sync loaded in every server
     assert (row["resolution"], row["frames"], row["steps"]) == ("64x64", 5, 2)
     for kind, r in row["renders"].items():
         assert r["status"] == "ok", (kind, r.get("error"))

@@ -611,6 +611,29 @@ def test_split_from_planted_events() -> None:
     assert {s["nodes"][k]["part"] for k in ("19", "20", "22")} == {"save_s"}  # Create Video counts as saving
 
 
+def test_step_sync_waits_for_the_gpu_before_each_progress_message_and_wraps_once() -> None:
+    from comfyui_lowvram_dit.benchmarks import step_sync
+
+    calls: list = []
+
+    class Bar:
+        def update_absolute(self, value: int, total: int | None = None, preview: object = None) -> None:
+            calls.append(("update", value, total))
+
+    wrapped = step_sync.synced(Bar.update_absolute, lambda: calls.append("sync"))
+    assert step_sync.synced(wrapped, lambda: calls.append("twice")) is wrapped  # a second load adds no second sync
+    Bar.update_absolute = wrapped
+    Bar().update_absolute(3, 4)
+    assert calls == ["sync", ("update", 3, 4)]
+
+
+def test_report_names_the_clock_of_the_step_times() -> None:
+    synced = [{"lives": [{"step_sync": True}, {"step_sync": True}]}]
+    assert "device times" in rr.step_clock(synced)
+    assert "host" in rr.step_clock(synced + [{"lives": [{"step_sync": False}]}])  # one unsynced life: host times
+    assert "host" in rr.step_clock([{"lives": []}])
+
+
 def test_split_of_a_warm_render_and_of_a_one_step_sampler() -> None:
     warm = [_ev(0.1, "executing", node="15"), _ev(2.1, "progress", node="15", value=1, max=1),
             _ev(2.2, "executing", node="18"), _ev(3.0, "executing", node=None)]
