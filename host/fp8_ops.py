@@ -195,11 +195,21 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             """The LoRA patch DynamicVRAM applies to this layer's weight as it casts it. ComfyUI hands it the raw fp8
             codes; patches are deltas of real weight values, so an fp8 layer serves them through its scale."""
             patch = self.__dict__.get("_weight_lowvram_patch")
-            return _ScaledPatch(patch, self) if patch is not None and self.is_fp8 else patch
+            if patch is None or not self.is_fp8:
+                return patch
+            # One wrapper per patch, kept: ComfyUI pins a patch's data once and finds that pin again by the object
+            # it is handed (comfy.pinned_memory keeps it in the object's own __dict__), so a new wrapper per cast
+            # would pin the patch again at every step and grow the pinned buffer.
+            scaled = self.__dict__.get("_weight_lowvram_scaled")
+            if scaled is None or scaled.patch is not patch:
+                scaled = self.__dict__["_weight_lowvram_scaled"] = _ScaledPatch(patch, self)
+            return scaled
 
         @weight_lowvram_function.setter
         def weight_lowvram_function(self, patch) -> None:  # noqa: ANN001 - LowVramPatch | None
             self.__dict__["_weight_lowvram_patch"] = patch
+            if getattr(self.__dict__.get("_weight_lowvram_scaled"), "patch", None) is not patch:
+                self.__dict__.pop("_weight_lowvram_scaled", None)
 
         # ---- int8 compute ------------------------------------------------------------------------------
         def _cacheable(self) -> bool:

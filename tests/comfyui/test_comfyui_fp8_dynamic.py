@@ -196,3 +196,36 @@ def test_file_slice_hook_without_a_file_handle_reads_through_the_mapping(monkeyp
     caplog.set_level(logging.INFO, logger="comfyui_lowvram_dit")
     assert file_slice_hook(__file__) is None
     assert "is read through its mapping (comfy-aimdo gave no file handle: comfy-aimdo is not initialized)" in caplog.text
+
+
+def test_an_fp8_layer_hands_comfyui_the_same_lora_patch_object_so_its_pin_is_found_again(tmp_path: Path) -> None:
+    """DynamicVRAM pins a streamed layer's LoRA patch once and looks the pin up on the object the layer hands it at
+    each cast (``comfy.pinned_memory.get_pin`` reads that object's own ``__dict__``). A new object per cast made
+    ComfyUI pin every streamed patch again at every step, growing its pinned buffer."""
+    comfyui_in_process_or_skip()
+    import comfy.model_patcher as mp
+
+    from comfyui_lowvram_dit.host.fp8_ops import LowVramFp8Ops
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.synthetic import checkpoints as synth
+
+    path = synth.write_synthetic("wan22_t2v_14B", tmp_path / "wan.safetensors", size="tiny", fmt="bf16", seed=4,
+                                 num_layers=1)
+    layer = next(m for m in load_wan_model(path, "per_tensor").model.modules()
+                 if isinstance(m, LowVramFp8Ops.Linear) and m.is_fp8)
+    patch = mp.LowVramPatch("k", {})
+    layer.weight_lowvram_function = patch
+    handed = layer.weight_lowvram_function
+    assert handed is layer.weight_lowvram_function and handed.patch is patch
+    pin = torch.zeros(4)
+    handed.__dict__.setdefault("_pins", {})["patches"] = {"pin": pin, "registered": True}  # as pin_memory leaves it
+    try:
+        import comfy.pinned_memory
+    except ImportError:  # ComfyUI before DynamicVRAM: the identity above is what matters
+        pass
+    else:
+        assert comfy.pinned_memory.get_pin(layer.weight_lowvram_function, subset="patches") is pin
+    layer.weight_lowvram_function = mp.LowVramPatch("k", {})  # a reload's new patch: a new wrapper, no old pin
+    assert layer.weight_lowvram_function is not handed and "_pins" not in layer.weight_lowvram_function.__dict__
+    layer.weight_lowvram_function = None
+    assert layer.weight_lowvram_function is None
