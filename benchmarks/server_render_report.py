@@ -122,8 +122,8 @@ def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
         "from Queue (POST /prompt) until the output file is written; in brackets native's best seconds / these (the "
         "row in 'against'). Split from the websocket events" + step_clock(rows) + ": load = loader nodes + each "
         "sampler's first step above its median step; peak RSS: the server process's VmHWM (first render of a "
-        "server) or sampled RSS; VRAM: the process per nvidia-smi. Output vs native: ||a - b|| / ||b|| of the final latents of the first-ever renders "
-        "(same seed).")])
+        "server) or sampled RSS; VRAM: the process per nvidia-smi. Output vs native: ||a - b|| / ||b|| of the final "
+        "latents of the first-ever renders (same seed).")])
     group = lambda r: (r.get("title") or r.get("model") or "?", r.get("card_gib"))  # a table per workflow and card
     for title, card in dict.fromkeys(map(group, rows)):
         members = [r for r in rows if group(r) == (title, card)]

@@ -1,5 +1,6 @@
 """Benchmark-only ComfyUI node pack, linked into every server of the render scenario (benchmarks/server_render.py),
-native rows and pack rows alike: it waits for the GPUs before each sampler progress message.
+native rows and pack rows alike: it waits for the GPUs before each progress message (a sampler sends one per step;
+tiled VAE decoding one per tile, where the sync costs both sides the same).
 
 A sampler queues a step's kernels and returns; its progress message leaves while the GPU may still run that step,
 so step times taken between messages are host times (up to about a step off on a whole GPU, where weights stay
