@@ -200,8 +200,8 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             # One wrapper per patch, kept: ComfyUI pins a patch's data once and finds that pin again by the object
             # it is handed (comfy.pinned_memory keeps it in the object's own __dict__), so a new wrapper per cast
             # would pin the patch again at every step and grow the pinned buffer.
-            scaled = self.__dict__.get("_weight_lowvram_scaled")
-            if scaled is None or scaled.patch is not patch:
+            scaled = self.__dict__.get("_weight_lowvram_scaled")  # the setter drops it when the patch changes
+            if scaled is None:
                 scaled = self.__dict__["_weight_lowvram_scaled"] = _ScaledPatch(patch, self)
             return scaled
 
