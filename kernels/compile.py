@@ -363,6 +363,7 @@ class CompiledRegions:
         self._compiled: dict[tuple[int, str], Any] = {}  # (id(root), path) -> compiled module
         self._verified: set[int] = set()  # roots whose first compiled run at the current level succeeded
         self._seen: set[tuple] = set()  # (id(root), input signature, level) that ran compiled already
+        self._ran_eager: set[tuple] = set()  # (id(root), input signature) that ran eager already
         self.calls = 0
         self._graphs_after_warmup: Optional[int] = None
         self._recompile_warned = False
@@ -411,6 +412,7 @@ class CompiledRegions:
             timer.start()
         if how == EAGER:
             result = call()
+            self._ran_eager.add((id(root), signature))
         else:
             seen = (id(root), signature, self.level)
             with GATE.call(may_compile=seen not in self._seen or id(root) not in self._verified):
@@ -428,11 +430,18 @@ class CompiledRegions:
         if self.pays is None or self.current is None or device is None or device.type != "cuda":
             return COMPILED, None
         key = (type(root).__name__, signature, device_kind(device), self.current.describe())
-        how, timer = self.pays.plan(key, device)
+        how, timer = self.pays.plan(key, device, warm=self._warm_ways(root, signature))
         if how == EAGER:
             self.eager_because = "compiling did not pay" if self.pays.winners.get(key) == EAGER else \
                 "timing whether compiling pays"
         return how, timer
+
+    def _warm_ways(self, root: torch.nn.Module, signature: tuple) -> frozenset[str]:
+        """How ``root`` has already run with inputs of ``signature``: EAGER, COMPILED (at the current level)."""
+        ways = {EAGER} if (id(root), signature) in self._ran_eager else set()
+        if (id(root), signature, self.level) in self._seen:
+            ways.add(COMPILED)
+        return frozenset(ways)
 
     def _run(self, root: torch.nn.Module, call: Callable[[], T]) -> T:
         while True:

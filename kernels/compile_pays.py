@@ -35,6 +35,9 @@ EAGER, COMPILED = "eager", "compiled"
 # timed last, once everything is warm: the early calls of a fresh server can be slower (kernel choices timed once,
 # memory still growing), and timing one of them makes compiling look faster per call than it is per step
 # (docs/benchmarks.md, Qwen-Image with Torch Compile).
+# A timed call must also be warm for the model that makes it: the key is shared by models of one class (Wan 2.2's
+# two experts), and a model's first compiled call traces its own blocks (docs/benchmarks.md, Torch Compile in a Wan
+# render), so a timed call of a model that has not yet run that way runs untimed and the timing waits for the next.
 SCHEDULE = (EAGER, EAGER, COMPILED, COMPILED, COMPILED, EAGER)
 TIMED_CALLS = (4, 5)
 
@@ -93,8 +96,12 @@ class CompilePays:
         self._lock = threading.Lock()
         self._timer = timer  # injectable: tests plant timings
 
-    def plan(self, key: tuple, device: Optional[torch.device] = None) -> tuple[str, Optional[CallTimer]]:
-        """(EAGER or COMPILED for this call of ``key`` on ``device``, a timer to start and stop around it or None)."""
+    def plan(self, key: tuple, device: Optional[torch.device] = None,
+             warm: frozenset[str] = frozenset((EAGER, COMPILED))) -> tuple[str, Optional[CallTimer]]:
+        """(EAGER or COMPILED for this call of ``key`` on ``device``, a timer to start and stop around it or None).
+
+        ``warm``: the ways the calling model has already run with these inputs; a timed call it is not warm for
+        runs untimed, and the schedule stays where it is."""
         if (winner := self.winners.get(key)) is not None:
             return winner, None
         with self._lock:
@@ -103,8 +110,11 @@ class CompilePays:
                 return kept, None
             if (winner := self._decide_if_timed(key, m)) is not None:
                 return winner, None
-            call, m.calls = m.calls, m.calls + 1
-        how = SCHEDULE[call] if call < len(SCHEDULE) else COMPILED  # compiled until the timed calls are read
+            call = m.calls
+            how = SCHEDULE[call] if call < len(SCHEDULE) else COMPILED  # compiled until the timed calls are read
+            if call in TIMED_CALLS and how not in warm:
+                return how, None  # this model's first call that way: it warms up, the next one is timed
+            m.calls += 1
         if call in TIMED_CALLS:
             m.timers[how] = timer = self._timer(device)
             return how, timer

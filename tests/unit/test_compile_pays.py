@@ -91,6 +91,45 @@ def test_the_decision_waits_for_the_gpu_and_never_syncs() -> None:
     assert plans(pays, 1) == [("compiled", False)] and pays.winners == {key(): "compiled"}
 
 
+def test_a_timed_call_waits_until_its_model_is_warm_that_way() -> None:
+    """A model's first compiled (or eager) call is not timed: it runs untimed and the schedule waits for the next."""
+    pays, made = planted(eager_ms=300.0, compiled_ms=100.0)
+    both, eager_only, none = frozenset(("eager", "compiled")), frozenset(("eager",)), frozenset()
+    got = [pays.plan(key(), warm=both)[0] for _ in range(4)]
+    assert got == ["eager", "eager", "compiled", "compiled"] and made == []
+    assert pays.plan(key(), warm=eager_only) == ("compiled", None)  # traces this model's blocks: not timed
+    how, timer = pays.plan(key(), warm=both)
+    assert how == "compiled" and timer is made[0]
+    assert pays.plan(key(), warm=none) == ("eager", None)
+    how, timer = pays.plan(key(), warm=eager_only)
+    assert how == "eager" and timer is made[1] and len(made) == 2
+
+
+def test_regions_time_only_calls_of_an_expert_that_ran_that_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wan 2.2's two experts share one key (same class, same inputs), and a 4-step render calls each twice. The timed
+    compiled call is not an expert's first compiled call (that one traces its blocks), nor the timed eager call an
+    expert's first eager one: with the warm-up rule the timing lands in the second render, on warm calls."""
+    monkeypatch.setattr(cmp, "device_kind", lambda device: KIND)
+    pays, _ = planted(eager_ms=100.0, compiled_ms=100.0)
+    plan, calls = pays.plan, []
+
+    def recording_plan(k: tuple, device: Optional[torch.device] = None, warm: frozenset = frozenset()) -> tuple:
+        how, timer = plan(k, device, warm)
+        calls.append((expert, how, timer is not None, how in warm))
+        return how, timer
+
+    monkeypatch.setattr(pays, "plan", recording_plan)
+    regions = CompiledRegions(CompileConfig(), ["blocks.0"], pays=pays, compile_fn=lambda module, **kw: module)
+    experts, x, gpu = {"high": Blocks(), "low": Blocks()}, torch.randn(2, 8), torch.device("cuda", 0)
+    for expert in ("high", "high", "low", "low") * 2 + ("high",):  # two renders, then the third one's first step
+        regions.run(experts[expert], lambda: experts[expert](x), signature=SIG, device=gpu)
+    timed = [(e, how) for e, how, is_timed, _ in calls if is_timed]
+    assert timed == [("high", "compiled"), ("low", "eager")], calls
+    assert all(was_warm for *_, is_timed, was_warm in calls if is_timed)
+    assert calls[4] == ("high", "compiled", False, False)  # the high expert's first compiled call: untimed
+    assert pays.winners == {("Blocks", SIG, KIND, "inductor/default"): "eager"} and calls[-1][1] == "eager"
+
+
 def test_keys_are_measured_apart() -> None:
     """Another resolution or config is its own model call: measured on its own."""
     pays, _ = planted(eager_ms=300.0, compiled_ms=299.0)
