@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .safetensors_io import CheckpointError, SafetensorsHeader, check_ranks, quant_layer_configs, read_header
+from .safetensors_io import (
+    CheckpointError, MapHook, SafetensorsHeader, check_ranks, quant_layer_configs, read_header,
+)
 from .core_quant import core_layouts, read_core_state_dict
 from .fp8_state import FP8_DTYPES, Fp8Plan, QuantMode, SourceFormat, read_fp8_state_dict
 from .streaming import ProgressFn
@@ -119,6 +121,7 @@ def load_qwen_image_state_dict(
     device: str | torch.device | None = None,
     progress: ProgressFn | None = None,
     mmap: bool = False,
+    on_map: MapHook | None = None,
 ) -> tuple[dict[str, torch.Tensor], QwenImageInfo, QuantMode]:
     """Read a Qwen-Image file tensor by tensor into the in-memory fp8 form (checkpoints/fp8_state.py).
 
@@ -126,16 +129,18 @@ def load_qwen_image_state_dict(
     e.g. the GPU), everything else is kept. fp8 files keep their per-tensor quantization; files in ComfyUI's other
     quantized layouts are read as stored (checkpoints/core_quant.py) for ComfyUI's own layers. Returns (state dict
     without the key prefix, file info, the quantization now in the dict). ``mmap``: an fp8 file's tensors are
-    zero-copy views of the file (page cache, not RSS); a file quantized here is read as usual.
+    zero-copy views of the file (page cache, not RSS); a file quantized here is read as usual. ``on_map`` sees each
+    such view with its place in the file.
     """
     if mode not in ("none", "per_tensor", "blockwise"):
         raise ValueError(f"quantization mode must be none, per_tensor or blockwise, got {mode!r}")
     header = read_header(path)
     info = inspect_qwen_image(header)
     if info.format == "core_quant":  # ComfyUI's own layers build it: every tensor as stored
-        return read_core_state_dict(header, info.prefix, info.layers, mmap=mmap, progress=progress), info, "none"
+        return (read_core_state_dict(header, info.prefix, info.layers, mmap=mmap, progress=progress, on_map=on_map),
+                info, "none")
     plan = Fp8Plan(info.format, info.prefix, is_qwen_fp8_target, mode, block_size)
-    sd, notes = read_fp8_state_dict(header, plan, device=device, mmap=mmap, progress=progress)
+    sd, notes = read_fp8_state_dict(header, plan, device=device, mmap=mmap, progress=progress, on_map=on_map)
     for note in notes:
         log.info("lowvram_dit: %s", note)
     out_mode: QuantMode = mode if plan.quantizes_here else (

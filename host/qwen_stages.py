@@ -37,6 +37,7 @@ from ..offload.stage_meter import StageReport
 from . import text_encoders
 from .block_swap import apply_block_swap
 from .core_quant import announce, check_host_reads
+from .file_slices import file_slice_hook
 from .files import checked_input, use_mmap
 from .graph_checks import WAN_VAE_KEY
 from .mapped_weights import keep_file_backed
@@ -147,9 +148,13 @@ def load_transformer(unet_path: str | Path, mode: QuantMode = "per_tensor", bloc
     check_host_reads(unet_path, LOADER)  # layouts this ComfyUI cannot build, likewise
     dev = _compute_device()
     bar = _bar(1000)
+    mmap = use_mmap()
+    # under DynamicVRAM the mapped weights carry their place in the file, so ComfyUI reads them by file handle as it
+    # reads UNETLoader's, and no page of the mapping stays resident (host/file_slices.py)
     sd, info, out_mode = qwen_image.load_qwen_image_state_dict(
-        unet_path, mode, block_size, device=dev if dev.type == "cuda" else None, mmap=use_mmap(),
-        progress=lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))))
+        unet_path, mode, block_size, device=dev if dev.type == "cuda" else None, mmap=mmap,
+        progress=lambda d, t: bar.update_absolute(int(1000 * d / max(t, 1))),
+        on_map=None if disable_dynamic or not mmap else file_slice_hook(unet_path))
     if info.format == "core_quant":
         announce(Path(unet_path).name, info.layers, LOADER)
     elif mode != "none" and info.format != "high_precision":

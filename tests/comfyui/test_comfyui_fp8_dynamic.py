@@ -134,26 +134,53 @@ def test_dynamic_cast_with_and_without_lora(tmp_path: Path, monkeypatch: pytest.
     assert errors["dynamic"] < 0.25 * errors["none"] and errors["dynamic"] < 2.0 * errors["legacy"], errors
 
 
-def test_mapped_weights_are_read_by_comfyui_from_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _load_wan(path: Path) -> Any:
+    from comfyui_lowvram_dit.host import wan_loader
+
+    return wan_loader.load_wan_model(path, "per_tensor")
+
+
+def _load_qwen_image(path: Path) -> Any:
+    from comfyui_lowvram_dit.host import qwen_stages
+
+    return qwen_stages.load_transformer(path, "per_tensor")
+
+
+LOADERS = {"wan": ("wan22_t2v_14B", "wan_loader", _load_wan),
+           "qwen_image": ("qwen_image", "qwen_stages", _load_qwen_image)}
+
+
+@pytest.mark.parametrize("loader", list(LOADERS))
+def test_mapped_weights_are_read_by_comfyui_from_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          loader: str) -> None:
     """An fp8_scaled file's weights, served as views of the loader's mapping, carry ComfyUI's file-slice record, so
-    DynamicVRAM reads them from the file by handle (as it reads UNETLoader's) instead of through the mapping."""
+    DynamicVRAM reads them from the file by handle (as it reads UNETLoader's) instead of through the mapping, whose
+    pages would otherwise stay resident. The Wan Loader and the Qwen-Image transformer load."""
     comfyui_in_process_or_skip()
     cmm = pytest.importorskip("comfy.memory_management", reason="ComfyUI before DynamicVRAM")
     if not hasattr(cmm, "read_tensor_file_slice_into"):
         pytest.skip("this ComfyUI has no file-slice reader (comfy.memory_management.read_tensor_file_slice_into)")
-    from comfyui_lowvram_dit.host import file_slices, wan_loader
+    import importlib
+
+    from comfyui_lowvram_dit.host import file_slices
     from comfyui_lowvram_dit.host.fp8_ops import LowVramFp8Ops
     from comfyui_lowvram_dit.synthetic import checkpoints as synth
 
-    path = synth.write_synthetic("wan22_t2v_14B", tmp_path / "wan_fp8_scaled.safetensors", size="tiny",
-                                 fmt="fp8_scaled", seed=4, num_layers=2)
+    arch, module, load = LOADERS[loader]
+    path = synth.write_synthetic(arch, tmp_path / f"{loader}_fp8_scaled.safetensors", size="tiny", fmt="fp8_scaled",
+                                 seed=4, num_layers=2)
     handle = open(path, "rb")  # noqa: SIM115 - what aimdo's handle is on a GPU: the reader seeks and reads it
-    monkeypatch.setattr(wan_loader, "file_slice_hook",
-                        lambda p: file_slices.tag_with(cmm.TensorFileSlice, handle, handle))
+    tagged: list[Path] = []
+
+    def hook(p: Path) -> Any:
+        tagged.append(Path(p))
+        return file_slices.tag_with(cmm.TensorFileSlice, handle, handle)
+
+    monkeypatch.setattr(importlib.import_module(f"comfyui_lowvram_dit.host.{module}"), "file_slice_hook", hook)
     try:
-        model = wan_loader.load_wan_model(path, "per_tensor")
+        model = load(path)
         weights = [m.weight for m in model.model.modules() if isinstance(m, LowVramFp8Ops.Linear) and m.is_fp8]
-        assert weights
+        assert weights and tagged == [path]
         for w in weights:
             dest = torch.empty_like(w)
             assert cmm.read_tensor_file_slice_into(w, dest)  # ComfyUI's own reader took it from the file
