@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from comfyui_lowvram_dit.benchmarks import report
 from comfyui_lowvram_dit.benchmarks.report import say
 from comfyui_lowvram_dit.benchmarks.timing import time_fn, time_interleaved
-from comfyui_lowvram_dit.kernels import fp8, fp8_triton, int8, int8_triton
+from comfyui_lowvram_dit.kernels import fp8, fp8_triton, int8, int8_comfy_kitchen, int8_triton
 from comfyui_lowvram_dit.kernels.attention_int8 import relative_error
 
 ERR_ROWS = 2048  # error is measured on the first rows only (an fp32 GEMM per variant otherwise dominates)
@@ -265,7 +265,21 @@ def variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, obj
             out[f"int8 {gemm} {tag}, GEMM only"] = (lambda g=gemm, q=wq, s=ws, aq=xq, a_s=xs:
                                                      int8._run_gemm(g, aq, a_s, q, s, b, x.dtype))
         out[f"int8 act quant {tag} (alone)"] = lambda r=rotate: int8.quantize_activation(x, r)
+        out[f"{kitchen_name()} {tag}"] = (lambda r=rotate, q=wq, s=ws: int8_comfy_kitchen.int8_linear(
+            x, q, s, b, x.dtype, r)) if int8_comfy_kitchen.module() is not None else kitchen_missing()
     return out
+
+
+def kitchen_name() -> str:
+    """The comfy-kitchen rows' name: its int8_linear, with the version installed here (the Linear candidate of
+    kernels/int8_choice.py, on the pack's int8 weight; rotated: the activation rotated as the pack's weight was)."""
+    return f"comfy-kitchen {int8_comfy_kitchen.installed_version() or '(none)'} int8_linear"
+
+
+def kitchen_missing() -> str:
+    """Why the comfy-kitchen rows cannot run here (its version, or its absence)."""
+    return f"{int8_comfy_kitchen.missing_reason()} (its int8_linear is a candidate from " \
+           f"{'.'.join(map(str, int8_comfy_kitchen.MIN_VERSION))})"
 
 
 def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, repeats: int, warmup: int) -> list[dict]:
@@ -317,6 +331,9 @@ def chain_errors(device: torch.device, tiny: bool) -> list[dict]:
                  lambda n, t: rowwise(t, *q8[n], lins[n][1], path="scaled_mm_rowwise"),
              "int8 rotated": lambda n, t: int8.int8_linear(t, *i8[True][n], lins[n][1], rotate=True),
              "int8 plain": lambda n, t: int8.int8_linear(t, *i8[False][n], lins[n][1], rotate=False)}
+    if int8_comfy_kitchen.module() is not None:
+        paths[f"{kitchen_name()} rotated"] = lambda n, t: int8_comfy_kitchen.int8_linear(
+            t, *i8[True][n], lins[n][1], t.dtype, True)
 
     def block(lin: Callable) -> torch.Tensor:  # the linears in order, attention replaced by a gate: their error shows
         h = lin("o", lin("q", x) * torch.sigmoid(lin("k", x).float()).to(x.dtype) + lin("v", x)) + x
@@ -345,6 +362,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block", action="store_true", help=argparse.SUPPRESS)  # fp8_gemm's only mode: recorded
     parser.add_argument("--quick", action="store_true", help="int8_gemm: Wan 14B shapes only")
     parser.add_argument("--tiny", action="store_true", help="int8_gemm: scaled-down shapes, runs on the CPU too")
+    parser.add_argument("--stem", default=None,
+                        help="the result files' name (default by scenario and options), e.g. one per comfy-kitchen")
     args = parser.parse_args(argv)
     if (args.families or args.dry or args.block) if args.scenario == "int8_gemm" else (args.quick or args.tiny):
         parser.error("--families, --dry, --block are fp8_gemm's options, --quick, --tiny int8_gemm's")
@@ -402,7 +421,8 @@ def run_int8(args: argparse.Namespace, env: dict, device: torch.device) -> tuple
         [f"{r['status']}: {report.cell(r.get('error'))[:120]}", "", "", ""] if r["status"] != "ok" else
         [f"{r['time_ms']:.3f}", *(report.cell(r.get(k), f) for k, f in (("tflops", "{:.1f}"), ("vs_bf16", "{:.2f}x"),
                                                                           ("rel_err", "{:.3%}")))])] for r in rows]
-    markdown = [*report.header("int8_gemm: int8 W8A8 GEMMs vs bf16, native fp8 and the pack's fp8", env, [
+    markdown = [*report.header("int8_gemm: int8 W8A8 GEMMs vs bf16, native fp8, the pack's fp8 and comfy-kitchen's "
+                               "int8_linear", env, [
         "timing: CUDA events (perf_counter on the CPU), median; bf16 activations with 4 outlier channels, weights "
         f"with outlier input channels, bias; error vs fp32 on the first {ERR_ROWS} rows"]),
         *report.table(["shape (M, K -> N)", "variant", "ms", "TFLOP/s", "vs bf16", "rel. err"], table), "", *summary]
@@ -422,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     env = report.environment(f"{report.SUITE}.bench_gemm", argv, device)
     say(f"{env['gpu'] or env['cpu']} torch {env['torch']} triton {env['triton']}")
     stem, doc, markdown = (run_fp8 if args.scenario == "fp8_gemm" else run_int8)(args, env, device)
+    stem = args.stem or stem
     report.write(args.out_dir, stem, doc, markdown)
     say(f"wrote {args.out_dir / stem}.json and .md")
     return 0

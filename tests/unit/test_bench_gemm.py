@@ -46,6 +46,39 @@ def test_int8_tiny_run_writes_every_shape_and_the_block_errors(tmp_path: Path) -
     assert md.startswith("# int8_gemm:") and "| shape (M, K -> N) | variant |" in md and "## Summary" in md
 
 
+def test_int8_rows_name_comfy_kitchen_and_say_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without comfy-kitchen >= 0.2.40 its int8_linear rows say why; with one, they run its int8_linear on the pack's
+    int8 weight (rotated: the activation rotated first) at the pack's own error there."""
+    import torch
+
+    from comfyui_lowvram_dit.kernels import int8, int8_comfy_kitchen
+
+    x, w, b = bench_gemm.make_operands(*bench_gemm.TINY["tiny_qkvo"], torch.device("cpu"))
+    monkeypatch.setattr(int8_comfy_kitchen, "_load", lambda: (None, "comfy-kitchen 0.2.31 is older than 0.2.40"))
+    monkeypatch.setattr(int8_comfy_kitchen, "installed_version", lambda: "0.2.31")
+    rows = bench_gemm.variants(x, w, b)
+    assert rows["comfy-kitchen 0.2.31 int8_linear rotated"] == rows["comfy-kitchen 0.2.31 int8_linear plain"] == \
+        "comfy-kitchen 0.2.31 is older than 0.2.40 (its int8_linear is a candidate from 0.2.40)"
+
+    class Kitchen:  # comfy_kitchen.int8_linear's contract: per-row int8 activations, its own quantizer (here torch's)
+        calls = 0
+
+        @classmethod
+        def int8_linear(cls, x2, wq, ws, bias, out_dtype):  # noqa: ANN001, ANN206
+            cls.calls += 1
+            xq, xs = int8.quantize_activation(x2, False)
+            out = (xq.float() @ wq.float().t()) * xs.float().reshape(-1, 1) * ws.float().reshape(1, -1)
+            return (out + (bias.float() if bias is not None else 0)).to(out_dtype)
+
+    monkeypatch.setattr(int8_comfy_kitchen, "_load", lambda: (Kitchen, ""))
+    monkeypatch.setattr(int8_comfy_kitchen, "installed_version", lambda: "0.2.40")
+    rows = bench_gemm.variants(x, w, b)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    theirs = rows["comfy-kitchen 0.2.40 int8_linear rotated"]().float()
+    ours = rows["int8 int_mm rotated"]().float()
+    assert Kitchen.calls == 1 and bench_gemm.relative_error(theirs, ref) <= 1.05 * bench_gemm.relative_error(ours, ref)
+
+
 @pytest.mark.parametrize("argv", [["int8_gemm", "--dry"], ["fp8_gemm", "--quick"], ["gemm"]])
 def test_an_option_of_the_other_scenario_is_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
