@@ -21,7 +21,8 @@ import torch
 from ..kernels.compile import (
     CompileConfig, CompiledRegions, CompileHook, find_block_lists, transformer_options_guard_filter,
 )
-from ..kernels.compile_pays import MIN_GAIN, CompilePays
+from ..kernels.compile_pays import EAGER, MIN_GAIN, CompilePays
+from ..kernels.decisions import describe_kind, device_kind
 from .dynamic_vram import legacy_clone
 from .hooks import APPLY_MODEL_PARAMS, register_hook
 from .log import say_once
@@ -73,6 +74,20 @@ def too_big_for_card(model: Any) -> Optional[str]:
            "ComfyUI's reserves"
 
 
+def did_not_pay(model: Any, config: CompileConfig) -> Optional[str]:
+    """Why compiling ``model`` with ``config`` on its GPU is known not to pay (every input shape timed there, in this
+    or an earlier run, kept eager), None where it paid somewhere or was never timed."""
+    device = torch.device(model.load_device)
+    if device.type != "cuda":
+        return None
+    name, kind = type(model.model).__name__, device_kind(device)
+    verdict, shapes = PAYS.model_verdict(name, kind, config.describe())
+    if verdict != EAGER:
+        return None
+    return f"compiling {name} with {config.describe()} did not pay on {describe_kind(kind)} at the {shapes} input " \
+           f"shape(s) timed (kept from the run that timed it)"
+
+
 def apply_compile(model: Any, config: CompileConfig, scope: str = "blocks",
                   compile_fn: Callable[..., Any] = torch.compile, when: str = "it pays") -> Any:
     """A clone of ``model`` (ModelPatcher) that runs compiled (``when`` 'it pays': only where a timed call on the GPU
@@ -85,6 +100,10 @@ def apply_compile(model: Any, config: CompileConfig, scope: str = "blocks",
         say_once(log, f"lowvram_dit Torch Compile passes this model through: {why}, so ComfyUI's DynamicVRAM keeps "
                       "streaming it (leaving it for the legacy loading would stream it slower, layer by layer, and "
                       "break every compiled block at each streamed layer)")
+        return model
+    if when == "it pays" and dynamic_vram_manages(model) and (why := did_not_pay(model, config)):
+        say_once(log, f"lowvram_dit Torch Compile passes this model through, uncompiled: {why}, so it stays on "
+                      "ComfyUI's DynamicVRAM (no rebuild for the legacy loading); set when = always to compile anyway")
         return model
     m = legacy_clone(model, "Torch Compile") or model.clone()  # compiled regions must not hold DynamicVRAM casts
     from comfy.patcher_extension import WrappersMP

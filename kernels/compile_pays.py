@@ -140,6 +140,18 @@ class CompilePays:
                  times[COMPILED], times[EAGER], _verdict(winner, fresh=True))
         return winner
 
+    def model_verdict(self, model: str, kind: tuple, config: str) -> tuple[Optional[str], int]:
+        """What was decided for ``model`` (its class name) on GPUs of ``kind`` with ``config``, over every input shape
+        this or an earlier process timed: (COMPILED where any shape kept compile, EAGER where all kept eager, None
+        where none was timed; how many shapes)."""
+        # one entry per key however it is held (a dtype here, its str in the file)
+        found = {decision_store.key_text(TOPIC, key): (key, w)
+                 for key, w in (*decision_store.kept_under(TOPIC).items(), *self.winners.items())}
+        mine = [w for key, w in found.values() if len(key) == 4 and (key[0], key[2], key[3]) == (model, kind, config)]
+        if not mine:
+            return None, 0
+        return (COMPILED if COMPILED in mine else EAGER), len(mine)
+
     def clear(self) -> None:
         """Forget every decision and measurement (the next calls measure again)."""
         self._choices.clear()

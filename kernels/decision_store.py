@@ -20,6 +20,7 @@ Plain torch, no ComfyUI import, no work at import time.
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import json
 import logging
@@ -103,6 +104,22 @@ class DecisionStore:
             if self._entries is None:
                 self._entries = self._read()
             return self._entries.get(text)
+
+    def under(self, topic: str) -> dict[tuple, str]:
+        """Every kept key of ``topic`` (as the plain tuple it was written from) and its winner."""
+        with self._lock:
+            if self._entries is None:
+                self._entries = self._read()
+            entries = dict(self._entries)
+        found = {}
+        for text, winner in entries.items():
+            try:
+                parsed = ast.literal_eval(text)
+            except (ValueError, SyntaxError, MemoryError, RecursionError):  # not a key this pack wrote
+                continue
+            if isinstance(parsed, tuple) and parsed[:1] == (topic,):
+                found[parsed[1:]] = winner
+        return found
 
     def put(self, topic: str, key: tuple, winner: str) -> None:
         """Keep ``winner`` for ``key``; the file also keeps what another process wrote there meanwhile."""
@@ -226,6 +243,12 @@ def kept(topic: str, key: tuple) -> str | None:
     """The winner kept for ``key`` under ``topic`` by this or an earlier process; None without a store."""
     store = _STORE
     return None if store is None or not topic else store.get(topic, key)
+
+
+def kept_under(topic: str) -> dict[tuple, str]:
+    """Every key kept under ``topic`` by this or an earlier process, with its winner; {} without a store."""
+    store = _STORE
+    return {} if store is None or not topic else store.under(topic)
 
 
 def keep(topic: str, key: tuple, winner: str) -> None:

@@ -65,7 +65,8 @@ class TorchCompile(io.ComfyNode):
                                tooltip="it pays: on a GPU, one eager and one compiled call are timed per model and "
                                        f"resolution; compile stays only if it is {MIN_GAIN * 100:g} % faster, else "
                                        "the model runs eager (the log says which; kept, so later runs skip the "
-                                       "compile). always: compile regardless."),
+                                       "compile, and where it never paid for this model on this GPU, also the "
+                                       "rebuild off DynamicVRAM). always: compile regardless."),
             ],
             outputs=[io.Model.Output()],
         )

@@ -232,3 +232,48 @@ def test_torch_compile_passes_through_a_model_larger_than_the_card(tmp_path: Pat
         assert (out is dynamic) == passes and (COMPILE_KEY in out.attachments) != passes, card
     said = [r.getMessage() for r in caplog.records if "passes this model through" in r.getMessage()]
     assert len(said) == 1 and "(14.3 GiB) do not fit the 11.2 GiB" in said[0] and "DynamicVRAM keeps" in said[0], said
+
+
+def test_torch_compile_passes_through_a_model_whose_compile_did_not_pay(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """With `when` = it pays, a model whose every timed input shape on this kind of GPU kept eager (in an earlier
+    run: the decisions file) stays with DynamicVRAM, uncompiled, with one log line, instead of being rebuilt for the
+    legacy loading only to run eager. Where one shape kept compile, or nothing was timed, or `when` = always, or for
+    another config, the node takes the model off DynamicVRAM and compiles as before."""
+    dynamic = _dynamic_wan(tmp_path, "paid.safetensors", caplog)
+    import comfy.model_management as mm
+    import torch
+
+    from comfyui_lowvram_dit.host import torch_compile
+    from comfyui_lowvram_dit.host.torch_compile import COMPILE_KEY, PAYS, apply_compile
+    from comfyui_lowvram_dit.kernels import compile_pays, decision_store
+    from comfyui_lowvram_dit.kernels.compile import CompileConfig
+
+    kind = ("cuda", "NVIDIA H200", 9, 0)
+    gib = 1 << 30
+    dynamic.load_device = torch.device("cuda", 0)  # as on a GPU; nothing runs on it here
+    monkeypatch.setattr(mm, "get_total_memory", lambda *a, **k: 140 * gib)
+    monkeypatch.setattr(torch_compile, "device_kind", lambda device: kind)
+    name, sig = type(dynamic.model).__name__, (((1, 16, 21, 60, 104), "torch.bfloat16", "cuda"),)
+    PAYS.clear()
+    decision_store.keep_in(tmp_path / "decisions.json")
+    try:
+        def compiles(config: CompileConfig = CompileConfig(), when: str = "it pays") -> bool:
+            out = apply_compile(dynamic, config, when=when, compile_fn=lambda module, **_: module)
+            return out is not dynamic and COMPILE_KEY in out.attachments
+
+        assert compiles()  # nothing timed yet
+        decision_store.keep(compile_pays.TOPIC, (name, sig, kind, "inductor/default"), "eager")
+        decision_store.keep(compile_pays.TOPIC, (name, sig, ("cuda", "NVIDIA H100", 9, 0), "inductor/default"),
+                            "compiled")  # another kind of GPU: not this one's verdict
+        assert not compiles() and compiles(when="always")
+        assert compiles(CompileConfig(mode="max-autotune-no-cudagraphs"))  # another config: never timed
+        said = [r.getMessage() for r in caplog.records if "passes this model through, uncompiled" in r.getMessage()]
+        assert len(said) == 1 and "did not pay on cuda NVIDIA H200 (SM 9.0) at the 1 input shape(s)" in said[0], said
+        decision_store.keep(compile_pays.TOPIC, (name, (((1, 16, 21, 90, 160), "torch.bfloat16", "cuda"),), kind,
+                                                 "inductor/default"), "compiled")  # 720p paid
+        assert compiles()
+    finally:
+        decision_store.keep_in(None)
+        PAYS.clear()

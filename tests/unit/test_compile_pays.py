@@ -151,6 +151,24 @@ def test_a_verdict_is_kept_and_read_back_without_timing(tmp_path: Path,
     assert made == [] and "compiling did not pay, runs eager without compiling (kept from an earlier run)" in caplog.text
 
 
+def test_a_models_verdict_over_every_shape_timed(tmp_path: Path) -> None:
+    """``model_verdict``: eager where every shape this or an earlier process timed for the model, GPU kind and
+    config kept eager; compiled where any kept compile; none where none was timed."""
+    decision_store.keep_in(tmp_path / "decisions.json")
+    pays, _ = planted(eager_ms=300.0, compiled_ms=299.0)
+    assert pays.model_verdict("QwenImage", KIND, "inductor/default") == (None, 0)
+    plans(pays, 7)  # this process times one shape: eager
+    other_sig = (((1, 16, 1, 128, 128), torch.bfloat16, "cuda"),)
+    decision_store.keep(cp.TOPIC, ("QwenImage", other_sig, KIND, "inductor/default"), "eager")  # an earlier run
+    decision_store.keep(cp.TOPIC, ("WAN21", SIG, KIND, "inductor/default"), "compiled")  # another model
+    assert pays.model_verdict("QwenImage", KIND, "inductor/default") == ("eager", 2)
+    assert pays.model_verdict("QwenImage", ("cuda", "NVIDIA H100", 9, 0), "inductor/default") == (None, 0)
+    assert pays.model_verdict("QwenImage", KIND, "inductor/max-autotune") == (None, 0)
+    decision_store.keep(cp.TOPIC, ("QwenImage", (((1, 16, 1, 64, 64), torch.bfloat16, "cuda"),), KIND,
+                                   "inductor/default"), "compiled")
+    assert pays.model_verdict("QwenImage", KIND, "inductor/default") == ("compiled", 3)
+
+
 class Blocks(nn.Module):
     def __init__(self) -> None:
         super().__init__()

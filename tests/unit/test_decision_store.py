@@ -65,6 +65,26 @@ def test_round_trip_through_the_file(tmp_path: Path) -> None:
     assert [p.name for p in path.parent.iterdir()] == ["decisions.json"]  # no temp file left
 
 
+def test_the_keys_of_a_topic_are_read_back_as_tuples(tmp_path: Path) -> None:
+    """``under`` (``kept_under``): every key of one topic as the plain tuple it was written from (a dtype as its str),
+    another process's entries included; other topics' keys and entries that are no key of this pack are left out."""
+    path = tmp_path / "decisions.json"
+    decision_store.DecisionStore(path, decision_store.current_header()).put("fp8", KEY, "scaled_mm_tensorwise")
+    decision_store.keep_in(path)
+    decision_store.keep("int8", KEY[:4], "triton")
+    decision_store.keep("fp8", KEY[:2], "scaled_mm_rowwise")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["decisions"]["not a tuple ("] = "x"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    decision_store.keep_in(None)
+    decision_store.keep_in(path)  # a new process reads the file
+    assert decision_store.kept_under("fp8") == {(*KEY[:4], "torch.bfloat16"): "scaled_mm_tensorwise",
+                                                KEY[:2]: "scaled_mm_rowwise"}
+    assert decision_store.kept_under("int8") == {KEY[:4]: "triton"} and decision_store.kept_under("attention") == {}
+    decision_store.keep_in(None)
+    assert decision_store.kept_under("fp8") == {}
+
+
 def test_installing_or_updating_comfy_kitchen_retimes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Its kernels are candidates (attention auto, the int8 GEMM): a winner timed without it, or with another
     version, is not this machine's decision any more."""
