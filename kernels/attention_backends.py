@@ -273,7 +273,7 @@ def _register_builtin() -> None:
                                       _cuda_half((7, 5), 256, False, "xformers.ops")))
     register_backend(AttentionBackend("int8", "lowvram 8-bit", _int8_with("auto"), _int8_reason,
                                       tolerance=QUANTIZED_TOLERANCE, trades_accuracy=True))
-    # the same kernel with int8 P·V: at most comfy-kitchen's error on every test family, more instructions per tile
+    # the same kernel with int8 P·V: more exact than fp8 P·V, more instructions per tile (docs/nodes.md)
     register_backend(AttentionBackend("int8_pv8", "lowvram 8-bit, int8 P·V", _int8_with("int8"), _int8_reason,
                                       tolerance=QUANTIZED_TOLERANCE, trades_accuracy=True))
     # fp8 P·V wherever fp8 runs: what "lowvram 8-bit" runs on sm89+ GPUs but sm90 with Gluon, kept as a choice there
