@@ -100,19 +100,12 @@ class DecisionStore:
         text = key_text(topic, key)
         if text is None:
             return None
-        with self._lock:
-            if self._entries is None:
-                self._entries = self._read()
-            return self._entries.get(text)
+        return self._known().get(text)
 
     def under(self, topic: str) -> dict[tuple, str]:
         """Every kept key of ``topic`` (as the plain tuple it was written from) and its winner."""
-        with self._lock:
-            if self._entries is None:
-                self._entries = self._read()
-            entries = dict(self._entries)
         found = {}
-        for text, winner in entries.items():
+        for text, winner in self._known().items():
             try:
                 parsed = ast.literal_eval(text)
             except (ValueError, SyntaxError, MemoryError, RecursionError):  # not a key this pack wrote
@@ -120,6 +113,14 @@ class DecisionStore:
             if isinstance(parsed, tuple) and parsed[:1] == (topic,):
                 found[parsed[1:]] = winner
         return found
+
+    def _known(self) -> dict[str, str]:
+        """The file's decisions and this process's, the file read on first use (``put`` replaces the dict, never
+        changes it, so the caller may read it after the lock is released)."""
+        with self._lock:
+            if self._entries is None:
+                self._entries = self._read()
+            return self._entries
 
     def put(self, topic: str, key: tuple, winner: str) -> None:
         """Keep ``winner`` for ``key``; the file also keeps what another process wrote there meanwhile."""
