@@ -11,7 +11,8 @@ ModelPatcher steps would turn them into anonymous copies:
   fresh CPU memory. An unpatched weight is identical to its file view, so it is pointed back at the view
   instead: the copy is never made (full unload) or freed at once (partial unload, at the pin step).
 - Loading (``module.to(device)``) reads each weight's file pages for the copy, and they would stay in RSS beside the
-  GPU copy (peak RSS = the loaded size again). They are dropped as each module moves; the page cache keeps them.
+  GPU copy (peak RSS = the loaded size again). They are dropped as each module moves, and as each LoRA-patched
+  weight is merged onto the device; the page cache keeps them.
 
 A mapped file that is truncated or rewritten in place while the model lives would crash the process (SIGBUS) or
 mix old and new weights the next time its pages are read. Each file's size, mtime and inode are recorded with the
@@ -46,6 +47,7 @@ log = logging.getLogger("comfyui_lowvram_dit")
 VIEWS_ATTR = "lowvram_dit_file_views"
 STAMPS_ATTR = "lowvram_dit_file_stamps"
 CHECK_KEY = "lowvram_dit_mapped_files"
+MOVING_ATTR = "_lowvram_dit_moving"  # on a patcher while its load runs: that load's PageOutAsMoved
 
 
 @dataclass(frozen=True)
@@ -161,10 +163,28 @@ class MappedWeightsMixin:
             log.info("lowvram_dit: weight_inplace_update patcher: weights are no longer pointed back at the file")
         views = [(fv.owner(), key.rpartition(".")[2], fv.tensor) for key, fv in file_views(self.model).items()]
         with PageOutAsMoved(views) as moved:
-            out = super().load(*args, **kwargs)  # type: ignore[misc]
+            self.__dict__[MOVING_ATTR] = moved
+            try:
+                out = super().load(*args, **kwargs)  # type: ignore[misc]
+            finally:
+                self.__dict__.pop(MOVING_ATTR, None)
         if moved.bytes:
             log.info("lowvram_dit: %.2f GB of file pages under weights now on the GPU left this process's RSS as they "
                      "were copied (the page cache keeps them for the next load)", moved.bytes / 1e9)
+        return out
+
+    def patch_weight_to_device(self, key: str, device_to: Any = None, *args: Any, **kwargs: Any) -> Any:
+        # ComfyUI's load puts every patched (LoRA) weight on the device first and moves the modules afterwards: the
+        # merge read the weight's file pages, and waiting for the module's move would hold all of them at once.
+        out = super().patch_weight_to_device(key, device_to, *args, **kwargs)  # type: ignore[misc]
+        moved = self.__dict__.get(MOVING_ATTR)
+        fv = file_views(self.model).get(key)
+        if moved is not None and fv is not None and not kwargs.get("return_weight"):
+            import comfy.model_patcher as mp
+
+            weight = mp.get_key_weight(self.model, key)[0]
+            if weight.data_ptr() != fv.tensor.data_ptr():  # the merged copy replaced the view until the unpatch
+                moved.drop([fv.tensor])
         return out
 
     def pin_weight_to_device(self, key: str) -> None:
@@ -208,7 +228,9 @@ class PageOutAsMoved:
     the weight off the CPU (``module.to(device)`` runs the module's ``_apply``; a LoRA-merged weight was already put
     on the device by ``patch_weight_to_device``). The copy read those pages; until the weight comes back to the CPU
     (pointed at its view again) nothing reads them, so keeping them would only raise peak RSS by the loaded size.
-    Per module, not after the load, so that the peak stays low too. ``offload.host_memory.page_out`` says why
+    Per module, not after the load, so that the peak stays low too; per weight for the patched weights, which
+    ComfyUI's load merges and puts on the device before it moves any module (the patcher's
+    ``patch_weight_to_device`` calls ``drop``). ``offload.host_memory.page_out`` says why
     MADV_DONTNEED (the page cache stays warm). The wrappers are instance attributes of this model's modules, removed
     on exit. ``views``: (module, parameter name, the plain CPU tensor over its file pages); a None module is skipped.
     """
@@ -216,6 +238,7 @@ class PageOutAsMoved:
     def __init__(self, views: Iterable[tuple[torch.nn.Module | None, str, torch.Tensor]]) -> None:
         self.bytes = 0
         self._ranges: list[tuple[int, int]] | None = None  # the process's file mappings, read at the first page-out
+        self._dropped: set[int] = set()
         self._owners: dict[int, tuple[torch.nn.Module, list[tuple[str, torch.Tensor]]]] = {}
         for owner, attr, tensor in views:
             if owner is not None:
@@ -241,11 +264,18 @@ class PageOutAsMoved:
             now = module._parameters.get(attr)
             if now is not None and now.device.type != "cpu":
                 gone.append(view)
-        if gone:
-            if self._ranges is None:
-                self._ranges = file_backed_ranges()
-            self.bytes += page_out(gone, self._ranges)
+        self.drop(gone)
         return out
+
+    def drop(self, views: list[torch.Tensor]) -> None:
+        """Page out ``views`` whose weights no longer read them (each once per load)."""
+        views = [v for v in views if v.data_ptr() not in self._dropped]
+        if not views:
+            return
+        if self._ranges is None:
+            self._ranges = file_backed_ranges()
+        self._dropped.update(v.data_ptr() for v in views)
+        self.bytes += page_out(views, self._ranges)
 
 
 def keep_file_backed(patcher):  # noqa: ANN001, ANN201 - ModelPatcher in, the same object out

@@ -296,6 +296,45 @@ def test_loading_drops_the_file_pages_of_moved_weights(tmp_path: Path, comfy_pin
         comfy.utils.set_attr_param(patcher.model, k, v)
 
 
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
+def test_a_lora_load_drops_each_merged_weight_at_once(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
+    """ComfyUI's load merges every LoRA-patched weight onto the device before it moves any module: the pages each
+    merge reads must leave then, not at the modules' move, or the load's peak holds the whole mapped model."""
+    import comfy.model_patcher as mp
+
+    from comfyui_lowvram_dit.host.mapped_weights import file_views
+    from comfyui_lowvram_dit.offload.host_memory import page_out
+
+    patcher = _load(tmp_path, "fp8_scaled")
+    views = {k: fv.tensor for k, fv in file_views(patcher.model).items() if fv.tensor.ndim == 2}
+    g = torch.Generator().manual_seed(0)
+    patcher.add_patches({k: (torch.randn(v.shape, generator=g) * 0.01,) for k, v in views.items()}, 1.0)
+    path = next(tmp_path.glob("m_fp8_scaled_*.safetensors"))
+    ref = sample_wan(patcher, seed=4)
+    patcher.unpatch_model(device_to=torch.device("cpu"))
+    assert all(_weight(patcher, k).data_ptr() == v.data_ptr() for k, v in views.items())
+    _ = [float(v.float().sum()) for v in views.values()]
+    whole = _mapping_rss_kb(path)  # every weight's pages resident
+    page_out(views.values())  # as a fresh process has them: the merges read them in
+    during = []
+    merge = patcher.patch_weight_to_device
+
+    def measured(key: str, *args: object, **kwargs: object) -> object:
+        out = merge(key, *args, **kwargs)
+        during.append(_mapping_rss_kb(path))
+        return out
+
+    patcher.patch_weight_to_device = measured  # the stock load calls it for every weight it loads
+    try:
+        patcher.load(device_to=torch.device("cpu"), full_load=True)
+    finally:
+        del patcher.patch_weight_to_device
+    assert whole > 1024 and len(during) >= len(views), (whole, len(during))
+    assert max(during) < whole * 0.5, (whole, max(during))
+    assert all(mp.get_key_weight(patcher.model, k)[0].data_ptr() != v.data_ptr() for k, v in views.items())
+    torch.testing.assert_close(sample_wan(patcher, seed=4), ref, rtol=0, atol=0)
+
+
 def test_a_cpu_load_drops_nothing(tmp_path: Path, comfy_pinning: FakeCudart) -> None:
     """Weights that stay on the CPU are the views themselves and are read every step: their pages stay."""
     patcher = _load(tmp_path, "fp8_scaled")
