@@ -88,6 +88,21 @@ def did_not_pay(model: Any, config: CompileConfig) -> Optional[str]:
            f"shape(s) timed (kept from the run that timed it)"
 
 
+class SettleAfterSampling:
+    """OUTER_SAMPLE wrapper: once a sampling run ends, decide the keys it finished timing (``CompilePays.settle``)."""
+
+    def __init__(self, pays: CompilePays) -> None:
+        self.pays = pays
+
+    def __deepcopy__(self, memo: dict) -> SettleAfterSampling:
+        return self  # one process-wide account of the timings
+
+    def __call__(self, executor, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN204
+        out = executor(*args, **kwargs)
+        self.pays.settle()
+        return out
+
+
 def apply_compile(model: Any, config: CompileConfig, scope: str = "blocks",
                   compile_fn: Callable[..., Any] = torch.compile, when: str = "it pays") -> Any:
     """A clone of ``model`` (ModelPatcher) that runs compiled (``when`` 'it pays': only where a timed call on the GPU
@@ -124,6 +139,9 @@ def apply_compile(model: Any, config: CompileConfig, scope: str = "blocks",
     cause = traced_wrappers if paths == ["diffusion_model"] else (lambda inputs: None)
     register_hook(m, COMPILE_KEY, CompileHook(regions, partial_load=partially_loaded,
                                               recompile_cause=cause))  # twice: the last one wins
+    m.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, COMPILE_KEY)
+    if when == "it pays":
+        m.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, COMPILE_KEY, SettleAfterSampling(PAYS))
     m.set_attachments(COMPILE_KEY, regions)  # read by the doctor node / tests: regions.status()
     log.info("lowvram_dit compile: %s over %d region(s) (%s), %s", config.describe(), len(paths),
              "one per block" if scope == "blocks" else "whole model",

@@ -4,7 +4,8 @@ Compiled regions are faster only where the GPU spends its time on elementwise wo
 model call is bound by the GPU's GEMMs and attention, or by the CPU issuing it (Qwen-Image at 1328x1328 through a
 server), compiling gains nothing per call and costs its compile on every fresh server. So, per model, input
 shapes, device kind and compile config, a compiled call and an eager call are timed back to back once both are warm
-(``SCHEDULE``; CUDA events, read once the GPU has passed them, never waited on) and compile is kept where the
+(``SCHEDULE``; CUDA events, read once the GPU has passed them: never waited on between calls, only where a
+sampling run ends, ``CompilePays.settle``) and compile is kept where the
 compiled call is at least ``MIN_GAIN`` faster; otherwise the model runs eager from then on. The winner goes to the
 decisions file (kernels/decision_store.py) under ``TOPIC``: a later process neither measures again nor, where eager
 won, compiles. Only GPUs are measured; elsewhere compile always runs (nothing to keep).
@@ -73,6 +74,11 @@ class CallTimer:
         else:
             self._events[1].record(torch.cuda.current_stream(self._device))
 
+    def wait(self) -> None:
+        """Block until the GPU has passed the call (for a caller that reads the result next anyway)."""
+        if self._events is not None:
+            self._events[1].synchronize()
+
     def ms(self) -> Optional[float]:
         """The call's milliseconds, or None while the GPU has not finished it."""
         if self._ms is None and self._events is not None and self._events[1].query():
@@ -139,6 +145,18 @@ class CompilePays:
         log.info("lowvram_dit compile: %s: compiled call %.1f ms, eager %.1f ms: %s", describe(key),
                  times[COMPILED], times[EAGER], _verdict(winner, fresh=True))
         return winner
+
+    def settle(self) -> None:
+        """Decide every key whose timed calls have all run, waiting for the GPU to pass them. Called when a sampling
+        run ends (its output is read next anyway): the run that timed the calls keeps the verdict, instead of the next
+        call of that key, which a restarted server never makes (a 4-step two-expert render times in its second
+        render, and without this the verdict waited for a third)."""
+        with self._lock:
+            for key, m in list(self._measures.items()):
+                if len(m.timers) == len(TIMED_CALLS):
+                    for timer in m.timers.values():
+                        timer.wait()
+                    self._decide_if_timed(key, m)
 
     def model_verdict(self, model: str, kind: tuple, config: str) -> tuple[Optional[str], int]:
         """What was decided for ``model`` (its class name) on GPUs of ``kind`` with ``config``, over every input shape

@@ -236,6 +236,29 @@ def test_compile_node_replaces_core_wrapper(tiny_wan: Any) -> None:
     assert hook_registry(m).get(COMPILE_KEY).regions is m.attachments[COMPILE_KEY]
 
 
+def test_each_sampling_run_settles_the_compile_timing(tiny_wan: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `when` = it pays, every sampling run ends by deciding what it finished timing (an OUTER_SAMPLE wrapper,
+    through ComfyUI's real sampler), so a server restarted after two renders finds the verdict kept; compiling the
+    model again leaves one wrapper, and `when` = always adds none."""
+    from comfy.patcher_extension import WrappersMP
+
+    from comfyui_lowvram_dit.host.torch_compile import COMPILE_KEY, PAYS, apply_compile
+    from comfyui_lowvram_dit.kernels.compile import CompileConfig
+
+    settled: list[int] = []
+    monkeypatch.setattr(PAYS, "settle", lambda: settled.append(1))
+    m = apply_compile(tiny_wan, CompileConfig(), compile_fn=_CountingCompiler())
+    m = apply_compile(m, CompileConfig(), compile_fn=_CountingCompiler())
+    assert len(m.get_wrappers(WrappersMP.OUTER_SAMPLE, COMPILE_KEY)) == 1
+    _sample(m, seed=5)
+    _sample(m, seed=6)
+    assert settled == [1, 1]
+    always = apply_compile(tiny_wan, CompileConfig(), compile_fn=_CountingCompiler(), when="always")
+    assert not always.get_wrappers(WrappersMP.OUTER_SAMPLE, COMPILE_KEY)
+    _sample(always, seed=5)
+    assert settled == [1, 1]
+
+
 def test_partial_load_counts_as_streaming() -> None:
     from types import SimpleNamespace
 

@@ -24,13 +24,17 @@ class PlantedTimer:
     """A CallTimer whose milliseconds are planted; ``done`` says whether the GPU has passed the call yet."""
 
     def __init__(self, ms: float) -> None:
-        self.planted, self.done, self.started, self.stopped = ms, True, 0, 0
+        self.planted, self.done, self.started, self.stopped, self.waited = ms, True, 0, 0, 0
 
     def start(self) -> None:
         self.started += 1
 
     def stop(self) -> None:
         self.stopped += 1
+
+    def wait(self) -> None:
+        self.waited += 1
+        self.done = True  # the GPU has caught up
 
     def ms(self) -> Optional[float]:
         return self.planted if self.done else None
@@ -128,6 +132,41 @@ def test_regions_time_only_calls_of_an_expert_that_ran_that_way(monkeypatch: pyt
     assert all(was_warm for *_, is_timed, was_warm in calls if is_timed)
     assert calls[4] == ("high", "compiled", False, False)  # the high expert's first compiled call: untimed
     assert pays.winners == {("Blocks", SIG, KIND, "inductor/default"): "eager"} and calls[-1][1] == "eager"
+
+
+def test_a_finished_timing_is_decided_when_sampling_ends(tmp_path: Path) -> None:
+    """``settle`` (at the end of a sampling run) decides a key whose two timed calls have run, waiting for the GPU to
+    pass them, and keeps the verdict for the next process; a key with one timed call so far stays undecided."""
+    decision_store.keep_in(tmp_path / "decisions.json")
+    pays, made = planted(eager_ms=320.0, compiled_ms=100.0)
+    plans(pays, 5)  # up to the timed compiled call
+    pays.settle()
+    assert pays.winners == {} and [t.waited for t in made] == [0]
+    plans(pays, 1)  # the timed eager call
+    made[1].done = False  # the GPU has not passed it yet
+    pays.settle()
+    assert pays.winners == {key(): "compiled"} and [t.waited for t in made] == [1, 1]
+    assert decision_store.kept(cp.TOPIC, key()) == "compiled"
+    pays.settle()  # nothing left to decide
+    assert [t.waited for t in made] == [1, 1]
+
+
+def test_two_expert_renders_keep_the_verdict_at_the_second_renders_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4-step Wan 2.2 render: each expert's sampler (two calls) ends with ``settle``. The verdict is reached when
+    the second render's last sampler ends, without waiting for a third render's first call."""
+    monkeypatch.setattr(cmp, "device_kind", lambda device: KIND)
+    pays, _ = planted(eager_ms=100.0, compiled_ms=100.0)
+    regions = CompiledRegions(CompileConfig(), ["blocks.0"], pays=pays, compile_fn=lambda module, **kw: module)
+    experts, x, gpu = {"high": Blocks(), "low": Blocks()}, torch.randn(2, 8), torch.device("cuda", 0)
+    verdicts = []
+    for render in range(2):
+        for expert in ("high", "low"):
+            for _ in range(2):
+                regions.run(experts[expert], lambda: experts[expert](x), signature=SIG, device=gpu)
+            pays.settle()
+            verdicts.append(dict(pays.winners))
+    assert verdicts[:3] == [{}, {}, {}]
+    assert verdicts[3] == {("Blocks", SIG, KIND, "inductor/default"): "eager"}
 
 
 def test_keys_are_measured_apart() -> None:
