@@ -410,14 +410,19 @@ class CompiledRegions:
         how, timer = self._plan(root, signature, device)
         if timer is not None:
             timer.start()
-        if how == EAGER:
-            result = call()
-            self._ran_eager.add((id(root), signature))
-        else:
-            seen = (id(root), signature, self.level)
-            with GATE.call(may_compile=seen not in self._seen or id(root) not in self._verified):
-                result = self._run(root, call)
-            self._seen.add((id(root), signature, self.level))
+        try:
+            if how == EAGER:
+                result = call()
+                self._ran_eager.add((id(root), signature))
+            else:
+                seen = (id(root), signature, self.level)
+                with GATE.call(may_compile=seen not in self._seen or id(root) not in self._verified):
+                    result = self._run(root, call)
+                self._seen.add((id(root), signature, self.level))
+        except BaseException:
+            if timer is not None:
+                timer.failed = True
+            raise
         if timer is not None:
             timer.stop()
         return result

@@ -61,6 +61,7 @@ class CallTimer:
         if device is not None:
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         self._t0 = self._ms = None
+        self.failed = False  # the call raised: its time means nothing, and its end event was never recorded
 
     def start(self) -> None:
         if self._events is None:
@@ -136,6 +137,9 @@ class CompilePays:
         return kept
 
     def _decide_if_timed(self, key: tuple, m: _Measure) -> Optional[str]:
+        if any(t.failed for t in m.timers.values()):
+            del self._measures[key]  # a timed call raised (an OOM, an interrupt): the schedule starts over
+            return None
         times = {how: t.ms() for how, t in m.timers.items()}
         if len(times) < 2 or None in times.values():
             return None
@@ -155,7 +159,8 @@ class CompilePays:
             for key, m in list(self._measures.items()):
                 if len(m.timers) == len(TIMED_CALLS):
                     for timer in m.timers.values():
-                        timer.wait()
+                        if not timer.failed:
+                            timer.wait()
                     self._decide_if_timed(key, m)
 
     def model_verdict(self, model: str, kind: tuple, config: str) -> tuple[Optional[str], int]:

@@ -25,6 +25,7 @@ class PlantedTimer:
 
     def __init__(self, ms: float) -> None:
         self.planted, self.done, self.started, self.stopped, self.waited = ms, True, 0, 0, 0
+        self.failed = False
 
     def start(self) -> None:
         self.started += 1
@@ -149,6 +150,30 @@ def test_a_finished_timing_is_decided_when_sampling_ends(tmp_path: Path) -> None
     assert decision_store.kept(cp.TOPIC, key()) == "compiled"
     pays.settle()  # nothing left to decide
     assert [t.waited for t in made] == [1, 1]
+
+
+def test_a_timed_call_that_raised_is_timed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timed call that raises (an OOM, an interrupt) never recorded its end: its timing is dropped and the schedule
+    starts over, instead of failing the next call or the sampler's end on an unrecorded event."""
+    monkeypatch.setattr(cmp, "device_kind", lambda device: KIND)
+    pays, made = planted(eager_ms=100.0, compiled_ms=100.0)
+    regions = CompiledRegions(CompileConfig(), ["blocks.0"], pays=pays, compile_fn=lambda module, **kw: module)
+    model, x, gpu = Blocks(), torch.randn(2, 8), torch.device("cuda", 0)
+    for _ in range(5):  # up to the timed compiled call
+        regions.run(model, lambda: model(x), signature=SIG, device=gpu)
+
+    def interrupted() -> torch.Tensor:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        regions.run(model, interrupted, signature=SIG, device=gpu)  # the timed eager call
+    assert made[1].failed and made[1].stopped == 0
+    pays.settle()
+    assert pays.winners == {} and made[1].waited == 0
+    for _ in range(6):  # the schedule again from its start: two eager, three compiled, then the timed pair
+        regions.run(model, lambda: model(x), signature=SIG, device=gpu)
+    pays.settle()
+    assert len(made) == 4 and pays.winners == {("Blocks", SIG, KIND, "inductor/default"): "eager"}
 
 
 def test_two_expert_renders_keep_the_verdict_at_the_second_renders_end(monkeypatch: pytest.MonkeyPatch) -> None:
