@@ -34,7 +34,7 @@ class _OomOnce:
 
 
 def test_oom_in_a_swapped_forward_names_a_setting_that_fits(caplog: pytest.LogCaptureFixture) -> None:
-    comfy = comfyui_in_process_or_skip()
+    comfyui_in_process_or_skip()
     import comfy.model_management as mm
     import comfy.sd
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import json
 import uuid
-from pathlib import Path
 
 import pytest
 from comfy_server import ComfyServer, comfyui_in_process_or_skip

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from comfy_server import ComfyServer, comfyui_in_process_or_skip, comfyui_path_or_reason
+from comfy_server import ComfyServer, comfyui_in_process_or_skip
 from safetensors.torch import load_file, save_file
 
 from comfyui_lowvram_dit.synthetic import checkpoints as synth

@@ -16,7 +16,6 @@ from __future__ import annotations
 import shutil
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
