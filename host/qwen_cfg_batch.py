@@ -7,11 +7,17 @@ so every step makes two calls. One call of two samples costs the CPU's issuing o
 prompts' text tokens are zero-padded to the longest and masked by ``attention_mask`` (1 = token, 0 = padding), which
 ComfyUI's Qwen-Image turns into -inf on those keys in every block: no token attends to the padding, so the output is
 that of the unpadded prompt (``TEXT_MASK`` checks exactly that on a tiny model).
+
+A mask costs every call that carries it: ComfyUI's Qwen-Image builds the joint mask in each block, and attention
+takes its masked path (no FlashAttention, no 8-bit kernel). Where a sampler call holds only prompts that lost no token
+(cfg 1 samples the positive alone, and the positive is usually the longer prompt), ``SkipUnneededMask`` hands the
+call its conditioning without the mask: the same attention, unmasked.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -23,6 +29,8 @@ from .seams import Probe
 log = logging.getLogger("comfyui_lowvram_dit")
 
 MASK = "attention_mask"
+SKIP_KEY = "lowvram_dit_qwen_unneeded_mask"
+_ALL_VALID: dict[int, bool] = {}  # id of a live mask tensor -> it masks nothing (read once per tensor)
 # What makes padded prompts exact; an option's own probes, not a node's seams (0.8.0 lacks them: batch_cfg stays off)
 TEXT_MASK = (Probe("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel", behaviour.qwen_image_text_mask),
              Probe("comfy.model_base:QwenImage", behaviour.qwen_image_mask_cond))
@@ -67,3 +75,44 @@ def batched_conditioning(positive: list, negative: list) -> tuple[list, list]:
         log.info("lowvram_dit Qwen-Image: prompts of %s text tokens padded to %d (masked) so that cond and uncond "
                  "can run as one batch", " / ".join(map(str, lengths)), max(lengths))
     return one_batch(positive, negative)
+
+
+def masks_nothing(mask: torch.Tensor) -> bool:
+    """True where ``mask`` keeps every text token: a 1/0 mask of ones, or an additive mask of zeros. Read once per
+    tensor (a sampler's conditioning keeps its tensors across steps), so a GPU mask syncs once, not every step."""
+    known = _ALL_VALID.get(id(mask))
+    if known is None:
+        known = _ALL_VALID[id(mask)] = bool((mask == 0).all() if mask.is_floating_point() else mask.bool().all())
+        weakref.finalize(mask, _ALL_VALID.pop, id(mask), None)  # its id may name another tensor later
+    return known
+
+
+def without_unneeded_masks(conds: list) -> list:
+    """``conds`` (calc_cond_batch's [cond, uncond] lists of entries) without their text masks where every mask among
+    them keeps every token; else ``conds`` itself (a padded prompt needs its mask, and the others keep theirs so that
+    they still batch with it)."""
+    masks = [x["model_conds"][MASK].cond for cond in conds if cond is not None for x in cond
+             if MASK in x.get("model_conds", {})]
+    if not masks or not all(masks_nothing(m) for m in masks):
+        return conds
+    return [None if cond is None else [{**x, "model_conds": {k: v for k, v in x.get("model_conds", {}).items()
+                                                             if k != MASK}} for x in cond] for cond in conds]
+
+
+class SkipUnneededMask:
+    """CALC_COND_BATCH wrapper: the sampler call's conditioning without text masks that mask nothing."""
+
+    def __deepcopy__(self, memo: dict) -> SkipUnneededMask:
+        return self  # stateless
+
+    def __call__(self, executor, model, conds, x_in, timestep, model_options):  # noqa: ANN001, ANN204
+        return executor(model, without_unneeded_masks(conds), x_in, timestep, model_options)
+
+
+def skip_unneeded_masks(patcher: Any) -> Any:
+    """Give ``patcher`` (a Qwen-Image ModelPatcher) the ``SkipUnneededMask`` wrapper, once; returns it."""
+    import comfy.patcher_extension as pe
+
+    patcher.remove_wrappers_with_key(pe.WrappersMP.CALC_COND_BATCH, SKIP_KEY)
+    patcher.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, SKIP_KEY, SkipUnneededMask())
+    return patcher

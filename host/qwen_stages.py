@@ -43,6 +43,7 @@ from .graph_checks import WAN_VAE_KEY
 from .mapped_weights import keep_file_backed
 from .model_loading import build_model, check_load_options
 from .names import display_name
+from .qwen_cfg_batch import skip_unneeded_masks
 
 log = logging.getLogger("comfyui_lowvram_dit")
 
@@ -169,7 +170,7 @@ def load_transformer(unet_path: str | Path, mode: QuantMode = "per_tensor", bloc
         raise RuntimeError(f"{Path(unet_path).name}: ComfyUI could not detect this Qwen-Image file")
     log.info("lowvram_dit Qwen-Image transformer %s: %d blocks, %s, weights %s", Path(unet_path).name,
              info.num_blocks, info.format, out_mode)
-    return keep_file_backed(model)
+    return skip_unneeded_masks(keep_file_backed(model))
 
 
 QWEN_PATCH = qwen_image.QWEN_PATCH  # 2x2 latent pixels per token: img_in takes 4x the VAE's latent channels

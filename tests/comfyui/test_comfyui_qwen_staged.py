@@ -332,6 +332,54 @@ def test_batch_cfg_with_reference_latents_as_the_edit_loader_gives(tmp_path: Pat
     _check_batched_sampling(tmp_path, pos, neg)
 
 
+def test_cfg_1_samples_an_unpadded_prompt_without_its_mask(tmp_path: Path) -> None:
+    """batch_cfg masks both prompts; at cfg 1 ComfyUI samples the positive alone. Where the positive lost no token
+    (the longer prompt) its call runs unmasked, with the latent of the never-padded prompt; a padded positive keeps
+    its mask, and at cfg > 1 the batched pair keeps both."""
+    comfyui_in_process_or_skip()
+    import comfy.sample
+    import torch
+    from comfyui_lowvram_dit.host import qwen_cfg_batch, qwen_stages
+    from comfyui_lowvram_dit.synthetic.specs import model_config
+
+    if not all(p.ok() for p in qwen_cfg_batch.TEXT_MASK):
+        pytest.skip("this ComfyUI's Qwen-Image has no text mask: batch_cfg stays off")
+    unet = tmp_path / "qwen.safetensors"
+    synth.write_synthetic("qwen_image", unet, "tiny", "bf16", seed=3)
+    model = qwen_stages.load_transformer(unet, "none").clone()
+    masked: list[bool] = []
+
+    def recording(apply_model, args: dict):  # noqa: ANN001, ANN202 - ComfyUI's model_function_wrapper protocol
+        masked.append("attention_mask" in args["c"])
+        return apply_model(args["input"], args["timestep"], **args["c"])
+
+    model.set_model_unet_function_wrapper(recording)
+    latent = torch.zeros(1, 16, 1, 8, 8)
+    gen = torch.Generator().manual_seed(5)
+    width = model_config("qwen_image", "tiny").joint_dim
+    long, short = ([[torch.randn(1, n, width, generator=gen), {}]] for n in (9, 4))
+
+    def sample(positive: list, negative: list, cfg: float) -> tuple[torch.Tensor, list[bool]]:
+        masked.clear()
+        noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(1))
+        out = comfy.sample.sample(model, noise, 2, cfg, "euler", "simple", positive, negative, latent, seed=1)
+        return out.float(), list(masked)
+
+    p, n = qwen_cfg_batch.batched_conditioning(long, short)
+    plain, seen = sample(long, short, 1.0)
+    assert seen == [False, False]
+    out, seen = sample(p, n, 1.0)
+    assert seen == [False, False] and torch.equal(out, plain)
+    assert sample(p, n, 2.5)[1] == [True, True]  # one batch of two: the padded negative needs its mask
+    p, n = qwen_cfg_batch.batched_conditioning(short, long)
+    plain = sample(short, long, 1.0)[0]
+    out, seen = sample(p, n, 1.0)
+    assert seen == [True, True] and ((out - plain).norm() / plain.norm()).item() < 1e-5
+    for mask, nothing in ((torch.ones(1, 3, dtype=torch.long), True), (torch.tensor([[1, 1, 0]]), False),
+                          (torch.zeros(1, 3), True), (torch.tensor([[0.0, -1e4, 0.0]]), False)):
+        assert qwen_cfg_batch.masks_nothing(mask) is nothing
+
+
 def _split_graph(files: dict[str, str], prompt: str, seed: int) -> dict:
     """The staged graph with Qwen-Image Loader + Qwen-Image Text Encode in place of the Staged Loader (the shipped
     workflows' pair)."""
