@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from comfyui_lowvram_dit.benchmarks import page_cache
 from comfyui_lowvram_dit.benchmarks import report as reports
 from comfyui_lowvram_dit.benchmarks import server
 from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
@@ -196,6 +197,7 @@ class RunContext:
     comfyui_version: str
     renders: tuple[str, ...]
     rows: list[RenderRow] = field(default_factory=list)
+    disk_read_gbs: float | None = None  # --drop-page-cache: the disk's cold read speed, timed once models exist
 
 
 def smoke_graph(graph: dict, native: bool) -> dict:
@@ -286,6 +288,8 @@ def render_kind(srv: cli_server.ComfyServer, graph: dict, kind: str, opts: argpa
     for i in range(max(opts.warm_repeats, 1) if kind in ("warm", "warm_new_prompt") else 1):
         seen = len(srv.log_text())
         g = rg.with_new_prompt(graph, rg.NEW_PROMPT + f" ({i + 1})" * (i > 0)) if kind == "warm_new_prompt" else graph
+        if opts.drop_page_cache:
+            page_cache.evict(opts.models)
         r = render(srv, rg.with_seed(g, SEED_OFFSET[kind] + REPEAT_SEED_STEP * i), kind, opts.timeout,
                    base / "output", opts.work / "latents", row, first_of_life and i == 0)
         if skips := EASYCACHE_SKIPS.findall(srv.log_text()[seen:]):  # one line per sampler, in run order
@@ -345,6 +349,8 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
     folder = None
     try:
         ctx.models.prepare(row, later)
+        if opts.drop_page_cache and ctx.disk_read_gbs is None:
+            ctx.disk_read_gbs = page_cache.cold_read_gbs(opts.models)
         flags, rec["flags_left_out"] = row_flags(ctx, row)
         folder = opts.work / "rows" / row.name  # fresh: its own kernel caches, user folder and ComfyUI base dir
         shutil.rmtree(folder, ignore_errors=True)
@@ -483,6 +489,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=Path, help="scratch folder (default: a temp dir, removed after)")
     p.add_argument("--resume", action="store_true", help="keep the finished rows of <out>/<stem>.json, run the rest")
     p.add_argument("--keep-logs", action="store_true", help="keep each server log and row folder in the work folder")
+    p.add_argument("--drop-page-cache", action="store_true", help="before every render, drop the model files from "
+                   "the page cache (no root needed): they are read from the disk, as on a machine whose RAM cannot "
+                   "cache them (RAM size itself is not emulated); the disk's read speed goes into the report")
     p.add_argument("--git-sha", help="pack commit to record (default: git rev-parse here)")
     return p
 
@@ -510,6 +519,8 @@ def _prepare(opts: argparse.Namespace) -> tuple[list[RenderRow], tuple[str, ...]
     rows = pick_rows(opts)
     if problem := video_problem(rows):
         raise SystemExit(problem)
+    if opts.drop_page_cache and not page_cache.supported():
+        raise SystemExit("--drop-page-cache: this system has no posix_fadvise (Linux only)")
     kinds = tuple(k.strip() for k in (opts.renders or (",".join(CORE_RENDERS) if opts.rows == "core" else
                                                         ",".join(RENDERS))).split(",") if k.strip())
     if unknown := [k for k in kinds if k not in RENDERS]:
@@ -527,6 +538,15 @@ def _prepare(opts: argparse.Namespace) -> tuple[list[RenderRow], tuple[str, ...]
     return rows, kinds, own_work
 
 
+def page_cache_note(drop: bool, disk_read_gbs: float | None) -> str:
+    """What the report says of the page cache (with --drop-page-cache: the disk's measured read speed)."""
+    if not drop:
+        return "not dropped: files written or read earlier in the run come from RAM"
+    speed = "not measured (no row ran)" if disk_read_gbs is None else f"{disk_read_gbs:.2f} GB/s"
+    return ("dropped before every render (posix_fadvise DONTNEED on every file under the models folder; pages a "
+            f"server has mapped stay): model files come from the disk, which read one at {speed} (1 GiB, cold)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen rows; the reports are rewritten after every row."""
     opts = parser().parse_args(argv)
@@ -541,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                      env.get("vram_total_gib") or 0.0, host, env.get("comfyui") or "?", kinds)
     settings = {"renders": list(kinds), "smoke": opts.smoke, "empty_image": opts.empty_image,
                 "rows": [r.name for r in rows],
-                "page_cache": "not dropped: files written or read earlier in the run come from RAM"}
+                "page_cache": page_cache_note(False, None)}
     results = report.finished_rows(opts.out / f"{opts.stem}.json") if opts.resume else []
     done = {r["name"] for r in results}
     for row in [r for r in rows if r.name not in done]:  # a smoke run skips what the tiny files cannot run
@@ -559,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def written(records: list[dict]) -> list[Path]:
         settings["model_write_s"], settings["model_files_deleted"] = ctx.models.took, ctx.models.freed
+        settings["page_cache"] = page_cache_note(opts.drop_page_cache, ctx.disk_read_gbs)
         return report.write(opts.out, opts.stem, records, env, settings, opts.work / "latents")
 
     run_all(ctx, written, results, started)
