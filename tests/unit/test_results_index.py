@@ -147,3 +147,16 @@ def test_a_step_cache_is_its_own_workload(tmp_path: Path) -> None:
     assert "| 832x480x81, 6 steps, cfg 3.5 |" in eight and "| 832x480x81, 6 steps, cfg 3.5, EasyCache |" in eight
     assert "41 s render (2 s/step, EasyCache skipped 3/6 steps) |" in eight  # the warm render's, both samplers'
     assert "skipped" not in eight.split("EasyCache skipped")[0]  # the uncached and native rows say nothing of it
+
+
+def test_a_format_beyond_the_three_is_listed_only_for_the_models_measured_in_it(planted: Path) -> None:
+    data = json.loads((planted / "render/wan5b_12gb.json").read_text())
+    data["rows"] = [{**r, "file_format": "gguf_q8_0", "name": r["name"] + "_gguf"} for r in data["rows"]]
+    (planted / "render/wan5b_12gb_gguf.json").write_text(json.dumps(data))
+    by_card = results_index.by_card_markdown(results_index.collect(planted)[0])
+    twelve = by_card.split("## 12 GB card")[1].split("## ")[0]
+    eight = by_card.split("## 8 GB card")[1].split("## ")[0]
+    assert "| Wan 2.2 TI2V-5B | gguf_q8_0 | 1280x704x121" in twelve
+    assert "| Wan 2.2 TI2V-5B | gguf_q8_0 | not measured |" in eight  # the model's own gap, on every card
+    assert "| Wan 2.2 T2V-A14B | gguf_q8_0 |" not in by_card and "| Qwen-Image | gguf_q8_0 |" not in by_card
+    assert "| Qwen-Image | bf16 | not measured |" in eight  # the three formats stay listed for every model
