@@ -865,7 +865,7 @@ def test_warm_repeats_render_new_seeds_and_keep_the_median(monkeypatch: pytest.M
 
     monkeypatch.setattr(sr, "render", render)
     graph = {"1": {"class_type": "KSamplerAdvanced", "inputs": {"noise_seed": 10, "add_noise": "enable"}}}
-    opts = argparse.Namespace(warm_repeats=3, timeout=1.0, work=tmp_path)
+    opts = argparse.Namespace(warm_repeats=3, timeout=1.0, work=tmp_path, drop_page_cache=False)
     warm = sr.render_kind(srv, graph, "warm", opts, tmp_path, "row", False)
     assert seeds == [11, 111, 211]  # the warm seed, then REPEAT_SEED_STEP above it each time
     assert warm["repeats_s"] == [3.0, 9.0, 5.0] and warm["total_s"] == 5.0
@@ -887,7 +887,7 @@ def test_new_prompt_repeats_each_encode_another_prompt(monkeypatch: pytest.Monke
     monkeypatch.setattr(sr, "render", render)
     graph = {"1": {"class_type": "KSampler", "inputs": {"seed": 10, "positive": ["2", 0]}},
              "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat"}}}
-    opts = argparse.Namespace(warm_repeats=3, timeout=1.0, work=tmp_path)
+    opts = argparse.Namespace(warm_repeats=3, timeout=1.0, work=tmp_path, drop_page_cache=False)
     out = sr.render_kind(_FakeServer(), graph, "warm_new_prompt", opts, tmp_path, "row", False)
     assert texts[0] == "a cat" + rg.NEW_PROMPT and len(set(texts + ["a cat"])) == 4
     assert out["repeats_s"] == [1.0, 2.0, 3.0] and out["total_s"] == 2.0
@@ -897,7 +897,7 @@ def test_a_failed_warm_repeat_is_the_record(monkeypatch: pytest.MonkeyPatch, tmp
     results = iter([{"kind": "warm", "status": "ok", "total_s": 2.0}, {"kind": "warm", "status": "error",
                                                                         "error": "OOM"}])
     monkeypatch.setattr(sr, "render", lambda *a: next(results))
-    opts = argparse.Namespace(warm_repeats=3, timeout=1.0, work=tmp_path)
+    opts = argparse.Namespace(warm_repeats=3, timeout=1.0, work=tmp_path, drop_page_cache=False)
     out = sr.render_kind(_FakeServer(), {}, "warm", opts, tmp_path, "row", False)
     assert out == {"kind": "warm", "status": "error", "error": "OOM"}
 
