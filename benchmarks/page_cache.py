@@ -32,6 +32,12 @@ def model_files(folder: Path) -> list[Path]:
     return list(seen)
 
 
+def _drop(fd: int) -> None:
+    """Drop the open file's pages from the page cache (written back first: dirty pages are not dropped)."""
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def evict(folder: Path) -> int:
     """Drop the page-cache pages of every file under ``folder``; the bytes of the files advised."""
     if not supported():
@@ -40,8 +46,7 @@ def evict(folder: Path) -> int:
     for path in model_files(folder):
         fd = os.open(path, os.O_RDONLY)
         try:
-            os.fsync(fd)  # pages not yet written back (a file just written) are not dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            _drop(fd)
             done += os.fstat(fd).st_size
         finally:
             os.close(fd)
@@ -79,15 +84,14 @@ def cold_read_gbs(folder: Path, nbytes: int = 1 << 30) -> float | None:
     path = max(files, key=lambda p: p.stat().st_size)
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        _drop(fd)
         buf = bytearray(16 << 20)
         view, done = memoryview(buf), 0
         t0 = time.perf_counter()
         while done < nbytes and (n := os.readv(fd, [view])) > 0:
             done += n
         seconds = time.perf_counter() - t0
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        _drop(fd)
     finally:
         os.close(fd)
     return done / 1e9 / max(seconds, 1e-9)

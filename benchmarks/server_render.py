@@ -560,8 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = RunContext(opts, models.ModelFiles(opts.models, opts.write_models, opts.free_disk),
                      env.get("vram_total_gib") or 0.0, host, env.get("comfyui") or "?", kinds)
     settings = {"renders": list(kinds), "smoke": opts.smoke, "empty_image": opts.empty_image,
-                "rows": [r.name for r in rows],
-                "page_cache": page_cache_note(False, None)}
+                "rows": [r.name for r in rows]}
     results = report.finished_rows(opts.out / f"{opts.stem}.json") if opts.resume else []
     done = {r["name"] for r in results}
     for row in [r for r in rows if r.name not in done]:  # a smoke run skips what the tiny files cannot run

@@ -182,8 +182,7 @@ class MappedWeightsMixin:
         if moved is not None and fv is not None and not kwargs.get("return_weight"):
             import comfy.model_patcher as mp
 
-            weight = mp.get_key_weight(self.model, key)[0]
-            if weight.data_ptr() != fv.tensor.data_ptr():  # the merged copy replaced the view until the unpatch
+            if not self._is_its_view(key, mp.get_key_weight(self.model, key)[0]):  # the merged copy replaced it
                 moved.drop([fv.tensor])
         return out
 

@@ -658,23 +658,10 @@ def test_unpin_waits_for_the_last_copy_and_keeps_a_buffer_it_cannot_unregister(m
 
 
 def _resident_fraction(path: Path) -> float:
-    """Share of ``path``'s pages in the page cache (mincore over a fresh read-only mapping of the file)."""
-    import ctypes
-    import mmap
+    """Share of ``path``'s bytes in the page cache."""
+    from comfyui_lowvram_dit.benchmarks import page_cache
 
-    import numpy as np
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    page = os.sysconf("SC_PAGE_SIZE")
-    size = path.stat().st_size
-    with path.open("rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
-        view = np.frombuffer(m, dtype=np.uint8)
-        vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec)
-        del view
-        assert rc == 0, os.strerror(ctypes.get_errno())
-        return sum(v & 1 for v in vec) / len(vec)
+    return page_cache.resident_bytes(path) / path.stat().st_size
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise / mincore: Linux only")
