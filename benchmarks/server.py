@@ -25,9 +25,12 @@ WORK_MARK = "$WORK"  # stands for the scratch folder in recorded server flags (n
 
 
 def server_flags(name: str, total_vram_gib: float, card_gib: float | None, ck_attention: bool = False,
-                 dynamic_vram: bool = True) -> list[str]:
-    """``--use-ck-attention``, ``--disable-dynamic-vram`` and the card cap ``--reserve-vram`` = total - card."""
+                 dynamic_vram: bool = True, cuda_graphs: bool = True) -> list[str]:
+    """``--use-ck-attention``, ``--disable-dynamic-vram``, ``--disable-cuda-graphs`` and the card cap
+    ``--reserve-vram`` = total - card."""
     args = ["--use-ck-attention"] if ck_attention else []
+    if not cuda_graphs:
+        args.append("--disable-cuda-graphs")
     if not dynamic_vram:
         args.append("--disable-dynamic-vram")
     if card_gib is not None:

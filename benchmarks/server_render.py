@@ -70,8 +70,9 @@ class RenderRow:
 
     def server_args(self, total_vram_gib: float) -> list[str]:
         """ComfyUI flags of this row on a GPU of ``total_vram_gib``."""
-        return server.server_flags(self.name, total_vram_gib, self.card_gib, rg.SETUPS[self.setup].ck_attention,
-                                   self.dynamic_vram)
+        setup = rg.SETUPS[self.setup]
+        return server.server_flags(self.name, total_vram_gib, self.card_gib, setup.ck_attention, self.dynamic_vram,
+                                   setup.cuda_graphs)
 
 
 def make_row(workflow: str, setup: str, card: float | None, dynamic_vram: bool = True,

@@ -237,9 +237,11 @@ class Setup:
     compile: dict | None = None  # Torch Compile after each Attention node: its defaults with these inputs
     easycache: bool = False  # core's EasyCache (its defaults) on the MODEL right before each sampler
     batch_cfg: bool | None = None  # the Qwen-Image Staged Loader's batch_cfg (None: as shipped)
+    cuda_graphs: bool = True  # False: server flag --disable-cuda-graphs (the pack's block graphs stand aside)
 
     def __post_init__(self) -> None:
-        pack_only = (self.drop_block_swap, self.block_swap_mode, self.attention, self.compile, self.batch_cfg)
+        pack_only = (self.drop_block_swap, self.block_swap_mode, self.attention, self.compile, self.batch_cfg,
+                     not self.cuda_graphs)
         if self.native and any(v not in (None, False) for v in pack_only):
             raise ValueError(f"native setup {self.what!r} sets a pack node's option; render_graph applies those to "
                              "every graph")
@@ -265,6 +267,8 @@ SETUPS: dict[str, Setup] = {
     "pack_compile_graphs": Setup(False, "+ Torch Compile reduce-overhead, CUDA graphs where no weight streams",
                                  compile={"mode": "reduce-overhead"}),
     "pack_easycache": Setup(False, f"+ {EASYCACHE}", easycache=True),
+    # against `pack`: what the Qwen-Image blocks' CUDA graphs give (ComfyUI's own flag turns them off)
+    "pack_no_graphs": Setup(False, "--disable-cuda-graphs (blocks run eagerly)", cuda_graphs=False),
 }
 
 

@@ -125,6 +125,11 @@ class _HookedBlock:
             return self.registry.run_block(self.index, args, run)
 
 
+def is_our_block_patch(patch: Any) -> bool:
+    """Whether a ``("double_block", i)`` replace patch is the hooks' own, wrapping no other node's patch."""
+    return isinstance(patch, _HookedBlock) and patch.inner is None
+
+
 def hook_registry(patcher: Any) -> HookRegistry:
     """The registry installed in ``patcher`` (an empty one when none is)."""
     import comfy.patcher_extension as pe

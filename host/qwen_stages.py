@@ -8,7 +8,8 @@ ModelSampling nodes work on them):
   (host/text_encoders.py); the embeddings end on the compute device.
 - Stage 2, transformer: read tensor by tensor, block Linear weights quantized to fp8 (block-wise or per-tensor)
   while streaming (on the GPU when there is one), built with host/fp8_ops.py's custom operations, then
-  wrapped by the Block Swap node's ``apply_block_swap`` under the VRAM budget.
+  wrapped by the Block Swap node's ``apply_block_swap`` under the VRAM budget, its blocks replayed from CUDA graphs
+  where they may (host/block_graphs.py).
 - VAE: loaded as VAELoader does.
 
 The Decode node (stage 3) unloads every other model from the GPU, then decodes on the GPU, tiled when ComfyUI's own
@@ -35,6 +36,7 @@ from ..offload import stage_meter
 from ..offload.plan import SwapConfig, check_budget
 from ..offload.stage_meter import StageReport
 from . import text_encoders
+from .block_graphs import apply_block_graphs
 from .block_swap import apply_block_swap
 from .core_quant import announce, check_host_reads
 from .file_slices import file_slice_hook
@@ -258,6 +260,7 @@ def load_staged_model(unet_path: str | Path, mode: QuantMode = "per_tensor", vra
         model = load_transformer(unet_path, mode, 128, compute)
         stage_meter.release_host_memory()
         model = apply_block_swap(model, SwapConfig(vram_budget_gb=vram_budget_gb, blocks_to_swap=blocks_to_swap))
+        model = apply_block_graphs(model)  # the 4-step call is bound by its host issuing launches, not the GPU
     meter.report.notes.append(f"block swap budget {vram_budget_gb:g} GB, blocks_to_swap {blocks_to_swap} "
                               "(the GPU load happens in KSampler)")
     _log_stage(meter.report)

@@ -32,6 +32,18 @@ log = logging.getLogger("comfyui_lowvram_dit")
 # Held while a decision is made (timing candidates, autotuning); re-entrant because one decision may time a
 # backend that makes its own (the attention selector timing the autotuned 8-bit kernel).
 DECIDING = threading.RLock()
+_made = 0  # decisions made and candidates timed in this process (``made``)
+
+
+def made() -> int:
+    """How many decisions this process has made and timings it has run so far: a caller that sees the count
+    unchanged across a call knows the call decided nothing (kernels/block_graphs.py captures only such calls)."""
+    return _made
+
+
+def _count() -> None:
+    global _made
+    _made += 1
 
 
 def device_kind(device: torch.device) -> tuple:
@@ -74,6 +86,7 @@ def samples_of(x: torch.Tensor) -> int:
 
 def time_call(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int = 3, warmup: int = 1) -> float:
     """Median milliseconds of ``fn()`` (CUDA events on a GPU, perf_counter elsewhere)."""
+    _count()
     for _ in range(warmup):
         fn()
     times = []
@@ -110,6 +123,7 @@ class KeptChoices:
         with DECIDING:
             if (known := self.winners.get(key)) is not None:  # also a graph traced before the decision landed
                 return known
+            _count()
             winner, timed = fresh(decision_store.kept(self.topic, key))
             self.winners[key] = winner
             if timed:  # a fallback for want of timings is not kept: the next process times again

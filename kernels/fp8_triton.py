@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from .triton_launch import launcher
+
 try:  # Triton is optional: CPU boxes, and Windows installs without triton-windows
     import triton
     import triton.language as tl
@@ -135,7 +137,7 @@ def _launch_scalar(x: torch.Tensor, q_dtype: torch.dtype, wrap) -> tuple[torch.T
 
 
 def _direct(kernel):
-    return kernel
+    return launcher(kernel)  # the kernel itself, except inside a CUDA graph capture (kernels/triton_launch.py)
 
 
 # ---- torch.library registration: traceable by dynamo, kernels visible to inductor -------------------------------

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .decisions import autotune_keeping_results
+from .triton_launch import launcher
 
 try:  # Triton is optional: CPU boxes, and Windows installs without triton-windows
     import triton
@@ -227,7 +228,7 @@ def _launch_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Ten
 
 
 def _direct(kernel):
-    return kernel
+    return launcher(kernel)  # the kernel itself, except inside a CUDA graph capture (kernels/triton_launch.py)
 
 
 # ---- torch.library registration: traceable by dynamo, kernels visible to inductor -------------------------------

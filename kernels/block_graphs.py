@@ -1,0 +1,399 @@
+"""CUDA graphs of transformer blocks: a block is captured once per input layout and replayed after that.
+
+Where the host issues a block's ~70 launches slower than the GPU runs them (Qwen-Image at 1328x1328 gives the GPU
+about 3.5 ms of kernels per block and its host 4-8 ms to issue them), a replay issues the whole block at once and
+the step runs at the GPU's pace. ``BlockGraphs`` is a ``ModelHook`` inside every other per-block hook (Block Swap's
+waits stay outside it):
+
+- the first call of a block with a given input layout runs eagerly; it makes every decision its kernels need (the
+  attention backend, fp8 activation scales, autotuned tiles). A later call of that layout is captured once no
+  decision was made during the eager call before it (``decisions.made()``), and replayed from then on;
+- a replay copies the call's tensors into the layout's static inputs and returns the static outputs. Both are shared
+  by every block of the model (the blocks run one after another on one stream), so graphs cost two activations per
+  layout, plus the scratch of their capture, in one pool shared by all of them;
+- a graph is replayed only while every tensor of its block is where it was at capture (``data_ptr``; a weight changed
+  in place is read at its new value, a weight moved or re-bound is captured again) and no layer of the block has
+  per-call weight functions (lowvram LoRA patches) or a DynamicVRAM slot;
+- a capture that fails (a host sync inside the block, an op CUDA cannot capture) leaves that block eager for that
+  layout, with one log line.
+
+What may stand a whole model call aside (a mask, a ControlNet, another node's patches, Torch Compile) is the host's
+to say: ``standing_aside`` returns the reason, or None. A block's outputs are the static buffers, valid until the next
+replay of a block of the same layout: the model's own block loop consumes each one before the next block runs.
+
+Plain torch, no ComfyUI import.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import decisions, triton_launch
+from .hooks import HookRegistry, ModelHook, PerModel, find_blocks
+
+log = logging.getLogger("comfyui_lowvram_dit")
+
+StandAside = Callable[[Any, HookRegistry, tuple], "str | None"]  # (model, registry, (args, kwargs)) -> reason
+
+_FAILED = "failed"  # a layout whose capture failed: that block stays eager for it
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device, t.stride())
+
+
+def layout(inputs: Any) -> tuple | None:
+    """What a capture depends on in a block's inputs: each tensor's shape, dtype, device and strides, and each plain
+    value, by name. None when an input is of a kind a graph cannot take (a list, a nested dict beside the
+    ``transformer_options`` the block reads through Python)."""
+    if not isinstance(inputs, dict):
+        return None
+    out = []
+    for name, value in inputs.items():
+        if name == "transformer_options":
+            continue
+        if isinstance(value, torch.Tensor):
+            out.append((name, _meta(value)))
+        elif isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value):
+            out.append((name, tuple(_meta(v) for v in value)))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            out.append((name, value))
+        else:
+            return None
+    return tuple(out)
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    tensors: list[tuple[torch.nn.Module, str, bool]]  # (owner, name, is a parameter) of every block tensor
+    pointers: tuple[int, ...]  # their data_ptr at capture
+    layers: list[torch.nn.Module]  # modules that may carry per-call weight functions or a DynamicVRAM slot
+    outputs: Any  # the static outputs the replay writes
+
+
+@dataclass
+class _Layout:
+    """Static buffers shared by every block's graph of one input layout."""
+
+    inputs: dict[str, Any]  # name -> static tensor (or tuple of them); plain values as given
+    outputs: Any = None  # the static outputs, allocated at the first capture from the eager call's outputs
+
+
+@dataclass
+class _ModelGraphs:
+    """The graphs of one model on one device."""
+
+    device: torch.device
+    stream: Any  # torch.cuda.Stream
+    pool: Any  # one capture pool for every graph of the model
+    graphs: dict[tuple, _Graph | str] = field(default_factory=dict)  # (block, layout) -> graph or _FAILED
+    layouts: dict[tuple, _Layout] = field(default_factory=dict)
+    clean: dict[tuple, bool] = field(default_factory=dict)  # (block, layout): the last eager call decided nothing
+    out_meta: dict[tuple, Any] = field(default_factory=dict)  # layout -> the eager call's output structure
+    layers: dict[int, list[torch.nn.Module]] = field(default_factory=dict)  # block -> layers with weight functions
+    warmed: bool = False  # the capture stream has run a block eagerly (its cuBLAS / cuDNN workspaces exist)
+    replays: int = 0
+    captured: int = 0
+
+
+def _owned_tensors(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str, bool]]:
+    found = []
+    for mod in block.modules():
+        found += [(mod, n, True) for n, p in mod._parameters.items() if p is not None]
+        found += [(mod, n, False) for n, b in mod._buffers.items() if b is not None]
+    return found
+
+
+def _pointers(tensors: Sequence[tuple[torch.nn.Module, str, bool]]) -> tuple[int, ...] | None:
+    out = []
+    for mod, name, is_param in tensors:
+        t = (mod._parameters if is_param else mod._buffers).get(name)
+        if t is None:
+            return None
+        out.append(t.data_ptr())
+    return tuple(out)
+
+
+def _per_call_weights(layers: Sequence[torch.nn.Module]) -> bool:
+    """Whether a layer computes its weight per call (LoRA weight functions, a DynamicVRAM slot)."""
+    return any(getattr(m, "weight_function", None) or getattr(m, "bias_function", None)
+               or getattr(m, "_v", None) is not None for m in layers)
+
+
+def _static_like(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    if isinstance(value, tuple):
+        return tuple(_static_like(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _static_like(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_static_like(v) for v in value]
+    return value
+
+
+def _copy_into(static: Any, value: Any) -> None:
+    if isinstance(static, torch.Tensor):
+        if static.data_ptr() != value.data_ptr():
+            static.copy_(value)
+    elif isinstance(static, (tuple, list)):
+        for s, v in zip(static, value):
+            _copy_into(s, v)
+    elif isinstance(static, dict):
+        for k, s in static.items():
+            _copy_into(s, value[k])
+
+
+def _same_structure(static: Any, value: Any) -> bool:
+    if isinstance(static, torch.Tensor):
+        return isinstance(value, torch.Tensor) and _meta(static) == _meta(value)
+    if isinstance(static, (tuple, list)):
+        return (type(value) is type(static) and len(value) == len(static)
+                and all(_same_structure(s, v) for s, v in zip(static, value)))
+    if isinstance(static, dict):
+        return (isinstance(value, dict) and value.keys() == static.keys()
+                and all(_same_structure(s, value[k]) for k, s in static.items()))
+    return static == value
+
+
+def _fresh_view(static: Any) -> Any:
+    """The static outputs in a new container (the caller may replace its entries; the tensors are the buffers)."""
+    if isinstance(static, dict):
+        return {k: _fresh_view(v) for k, v in static.items()}
+    if isinstance(static, list):
+        return [_fresh_view(v) for v in static]
+    if isinstance(static, tuple):
+        return tuple(_fresh_view(v) for v in static)
+    return static
+
+
+def _as_meta(value: Any) -> Any:
+    """The structure of ``value`` with every tensor as a meta tensor of its shape, strides and dtype."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_as_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _as_meta(v) for k, v in value.items()}
+    return value
+
+
+def _materialize(meta: Any, device: torch.device) -> Any:
+    if isinstance(meta, torch.Tensor):
+        return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=device)
+    if isinstance(meta, (tuple, list)):
+        return type(meta)(_materialize(v, device) for v in meta)
+    if isinstance(meta, dict):
+        return {k: _materialize(v, device) for k, v in meta.items()}
+    return meta
+
+
+def _tensors_of(inputs: dict) -> dict:
+    return {k: v for k, v in inputs.items() if k != "transformer_options"}
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensor_leaves(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensor_leaves(v)]
+    return []
+
+
+def _end_capture_quietly(graph: Any) -> None:
+    try:
+        graph.capture_end()
+    except RuntimeError:  # the capture was invalidated by the error being raised; that error is the one to report
+        pass
+
+
+class CudaApi:
+    """The CUDA calls ``BlockGraphs`` makes, in one place (the CPU tests give it a stand-in that re-runs the body)."""
+
+    def usable(self, x: torch.Tensor) -> bool:
+        """Whether a call whose first input is ``x`` may capture or replay."""
+        return x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def on_stream(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def new_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def record(self, graph: Any, pool: Any, body: Callable[[], None]) -> None:
+        """Capture ``body()`` (on the current stream, which the caller set) into ``graph``, in ``pool``; an error
+        raised inside ends the capture and propagates."""
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            body()
+        except BaseException:
+            _end_capture_quietly(graph)
+            raise
+        graph.capture_end()
+
+
+class BlockGraphs(ModelHook):
+    """Per block: replay the block's CUDA graph for this input layout, capturing it when the layout is settled."""
+
+    ORDER = 45  # inside Block Swap's waits (40): a streamed block's weights are in place before the replay
+    PER_BLOCK = True
+
+    def __init__(self, standing_aside: StandAside | None = None, cuda: CudaApi | None = None) -> None:
+        self.standing_aside = standing_aside
+        self.cuda = cuda or CudaApi()
+        self.models = PerModel()
+        self._devices: dict[torch.device, _ModelGraphs] = {}
+        self._local = threading.local()  # (graphs, blocks) of the forward running in this thread, or None
+        self._said: set[str] = set()
+
+    def for_model(self, module: Any) -> BlockGraphs:
+        """The instance holding ``module``'s graphs (a MultiGPU copy gets its own)."""
+        return self.models.get(module, self, lambda: BlockGraphs(self.standing_aside, self.cuda))
+
+    def drop(self) -> None:
+        """Forget every graph and static buffer of this model (its weights left the GPU)."""
+        self._devices.clear()
+
+    def stats(self) -> dict[str, int]:
+        """Graphs captured and replays run since the last ``drop``, over every device of this model."""
+        return {"captured": sum(s.captured for s in self._devices.values()),
+                "replays": sum(s.replays for s in self._devices.values()),
+                "failed": sum(g == _FAILED for s in self._devices.values() for g in s.graphs.values())}
+
+    def _say(self, message: str, level: int = logging.INFO) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            log.log(level, message)
+
+    def wrap_forward(self, module: Any, call: Callable[[], Any], registry: HookRegistry) -> Any:
+        ctx = self._context(module, registry)
+        outer = getattr(self._local, "ctx", None)
+        self._local.ctx = ctx
+        try:
+            return call()
+        finally:
+            self._local.ctx = outer
+
+    def _context(self, module: Any, registry: HookRegistry) -> tuple[_ModelGraphs, Sequence[torch.nn.Module]] | None:
+        """This forward's graphs and blocks, or None when it runs eagerly (one log line per reason)."""
+        args, kwargs = registry.call_inputs()
+        x = args[0] if args else kwargs.get("x")
+        if not isinstance(x, torch.Tensor) or torch.compiler.is_compiling() or not self.cuda.usable(x):
+            return None
+        reason = self.standing_aside(module, registry, (args, kwargs)) if self.standing_aside else None
+        if reason:
+            self._say(f"lowvram_dit block graphs: this model's calls run eagerly ({reason})")
+            return None
+        _, blocks = find_blocks(getattr(module, "diffusion_model", module), "Block graphs")
+        graphs = self._devices.get(x.device)
+        if graphs is None:
+            graphs = self._devices[x.device] = _ModelGraphs(x.device, self.cuda.new_stream(x.device),
+                                                            self.cuda.new_pool())
+        return graphs, blocks
+
+    def wrap_block(self, index: int, inputs: Any, call: Callable[[Any], Any]) -> Any:
+        ctx = getattr(self._local, "ctx", None)
+        lay = layout(inputs) if ctx is not None else None
+        if lay is None:
+            return call(inputs)
+        graphs, blocks = ctx
+        key = (index, lay)
+        found = graphs.graphs.get(key)
+        if found == _FAILED:
+            return call(inputs)
+        if found is not None:
+            if _pointers(found.tensors) == found.pointers and not _per_call_weights(found.layers):
+                return self._replay(graphs, lay, found, inputs)
+            del graphs.graphs[key]  # its weights moved: eager once more, then captured again
+            graphs.clean.pop(key, None)
+        if graphs.clean.get(key) and lay in graphs.out_meta:
+            layers = graphs.layers.get(index)
+            if layers is None:
+                layers = graphs.layers[index] = [m for m in blocks[index].modules()
+                                                 if hasattr(m, "weight_function") or hasattr(m, "_v")]
+            if not _per_call_weights(layers):
+                return self._capture(graphs, key, blocks[index], layers, inputs, call)
+            self._say("lowvram_dit block graphs: blocks whose weights are cast per call (DynamicVRAM, or LoRA "
+                      "patches applied per call) run eagerly")
+        before = decisions.made()
+        out = call(inputs)
+        graphs.clean[key] = decisions.made() == before
+        graphs.out_meta.setdefault(lay, _as_meta(out))
+        return out
+
+    def _replay(self, graphs: _ModelGraphs, lay: tuple, found: _Graph, inputs: dict) -> Any:
+        _copy_into(graphs.layouts[lay].inputs, _tensors_of(inputs))
+        found.graph.replay()
+        graphs.replays += 1
+        return _fresh_view(found.outputs)
+
+    def _capture(self, graphs: _ModelGraphs, key: tuple, block: torch.nn.Module, layers: list[torch.nn.Module],
+                 inputs: dict, call: Callable[[Any], Any]) -> Any:
+        """Capture block ``key[0]`` for layout ``key[1]`` on the model's capture stream and replay it for this call;
+        the stream's first use runs the block there eagerly instead (libraries allocate their per-stream workspaces
+        on first use, which must not happen inside a capture), and the next call captures."""
+        current = self.cuda.current_stream(graphs.device)
+        graphs.stream.wait_stream(current)
+        if not graphs.warmed:
+            with self.cuda.on_stream(graphs.stream):
+                out = call(inputs)
+            for t in _tensor_leaves(out):
+                if t.is_cuda:  # made on the capture stream, used on the caller's
+                    t.record_stream(current)
+            current.wait_stream(graphs.stream)
+            graphs.warmed = True
+            return out
+        shared = graphs.layouts.get(key[1])
+        if shared is None:
+            shared = graphs.layouts[key[1]] = _Layout(_static_like(_tensors_of(inputs)))
+        if shared.outputs is None:
+            shared.outputs = _materialize(graphs.out_meta[key[1]], graphs.device)
+        tensors = _owned_tensors(block)
+        graph = self.cuda.new_graph()
+        try:
+            self._record(graph, graphs, shared, inputs, call)
+        except (RuntimeError, ValueError) as exc:  # CUDA's capture errors, Triton's launcher; an interrupt propagates
+            current.wait_stream(graphs.stream)
+            graphs.graphs[key] = _FAILED
+            self._say(f"lowvram_dit block graphs: block {key[0]} runs eagerly for this input layout: its capture "
+                      f"failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})", logging.WARNING)
+            return call(inputs)
+        current.wait_stream(graphs.stream)
+        graphs.graphs[key] = _Graph(graph, tensors, _pointers(tensors) or (), layers, shared.outputs)
+        graphs.captured += 1
+        return self._replay(graphs, key[1], graphs.graphs[key], inputs)
+
+    def _record(self, graph: Any, graphs: _ModelGraphs, shared: _Layout, inputs: dict,
+                call: Callable[[Any], Any]) -> None:
+        """Record the block, run on the static inputs and writing into the static outputs, into ``graph``: every
+        allocation made inside is freed inside, so the graph keeps only scratch memory in the model's pool."""
+        static_call = dict(shared.inputs)
+        if "transformer_options" in inputs:
+            static_call["transformer_options"] = inputs["transformer_options"]
+
+        def body() -> None:
+            out = call(static_call)
+            if not _same_structure(shared.outputs, out):
+                raise RuntimeError("the block's outputs differ from its eager call's in this layout")
+            _copy_into(shared.outputs, out)
+
+        with self.cuda.on_stream(graphs.stream), triton_launch.capturing():
+            self.cuda.record(graph, graphs.pool, body)
