@@ -322,8 +322,7 @@ class BlockGraphs(ModelHook):
         if found is not None:
             if _pointers(found.tensors) == found.pointers and not _per_call_weights(found.layers):
                 return self._replay(graphs, lay, found, inputs)
-            del graphs.graphs[key]  # its weights moved: eager once more, then captured again
-            graphs.clean.pop(key, None)
+            self._forget(graphs, key)  # its weights moved: eager once more, then captured again
         if graphs.clean.get(key) and lay in graphs.out_meta:
             layers = graphs.layers.get(index)
             if layers is None:
@@ -338,6 +337,14 @@ class BlockGraphs(ModelHook):
         graphs.clean[key] = decisions.made() == before
         graphs.out_meta.setdefault(lay, _as_meta(out))
         return out
+
+    def _forget(self, graphs: _ModelGraphs, key: tuple) -> None:
+        """Drop one graph. With the last one goes the capture pool: torch's native allocator releases a pool no graph
+        uses, and a capture into a released pool's id fails (an internal assert), so later captures get a new one."""
+        del graphs.graphs[key]
+        graphs.clean.pop(key, None)
+        if not any(isinstance(g, _Graph) for g in graphs.graphs.values()):
+            graphs.pool = self.cuda.new_pool()
 
     def _replay(self, graphs: _ModelGraphs, lay: tuple, found: _Graph, inputs: dict) -> Any:
         _copy_into(graphs.layouts[lay].inputs, _tensors_of(inputs))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -67,7 +68,23 @@ def _both_ways(model: Any, size: tuple[int, int], steps: int) -> tuple[dict, tor
             "allocator": torch.cuda.get_allocator_backend()}, off
 
 
+class _Kept(logging.Handler):
+    """The pack's log lines of the run, for the record (a failed capture's warning names its error)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "block graphs" in record.getMessage():
+            self.lines.append(record.getMessage())
+
+
 def child(args: argparse.Namespace) -> dict:
+    kept = _Kept()
+    pack_log = logging.getLogger("comfyui_lowvram_dit")
+    pack_log.addHandler(kept)
+    pack_log.setLevel(logging.INFO)
     _import_comfy(False)
     import comfy.sd
     import comfy.model_management as mm
@@ -85,6 +102,7 @@ def child(args: argparse.Namespace) -> dict:
     with_lora = comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0.0)[0]
     record["lora"], merged = _both_ways(with_lora, size, args.steps)
     record["lora_vs_plain_rel"] = float((merged - plain).norm() / plain.norm())
+    record["log"] = kept.lines
     print("RESULT " + json.dumps(record), flush=True)
     mm.unload_all_models()  # the model leaves the GPU: its graphs are dropped (ON_DETACH)
     gc.collect()

@@ -45,8 +45,9 @@ class FakeCuda(CudaApi):
     def new_stream(self, device: torch.device) -> FakeStream:
         return FakeStream()
 
-    def new_pool(self) -> None:
-        return None
+    def new_pool(self) -> int:
+        self.pools = getattr(self, "pools", 0) + 1
+        return self.pools
 
     def current_stream(self, device: torch.device) -> FakeStream:
         return FakeStream()
@@ -150,6 +151,30 @@ def test_a_weight_bound_elsewhere_is_captured_again_and_used() -> None:
         out = _forward(registry, model, x, vec)
         torch.testing.assert_close(out, _forward(HookRegistry(), model, x, vec), rtol=0, atol=0)
     assert hook.stats()["captured"] == 3
+
+
+@torch.no_grad()
+def test_when_every_graph_is_gone_later_captures_use_a_new_pool() -> None:
+    """torch's native allocator releases a capture pool that no graph uses; capturing into its id again fails."""
+    registry, hook, cuda = _setup()
+    model = Model(n=2)
+    for seed in range(4):
+        _forward(registry, model, *_inputs(seed=seed))
+    state = next(iter(hook._devices.values()))
+    first_pool = state.pool
+    model.blocks[0].lin.weight = torch.nn.Parameter(model.blocks[0].lin.weight.clone())
+    _forward(registry, model, *_inputs())
+    assert state.pool == first_pool  # block 1's graph still uses it
+    model.blocks[1].lin.weight = torch.nn.Parameter(model.blocks[1].lin.weight.clone())
+    _forward(registry, model, *_inputs())  # block 0 captured again (a graph exists) before block 1's goes
+    assert state.pool == first_pool
+    for block in model.blocks:  # a LoRA loaded on a new patcher: every weight re-bound
+        block.lin.weight = torch.nn.Parameter(block.lin.weight.clone())
+    _forward(registry, model, *_inputs())
+    assert state.pool != first_pool and cuda.pools == 2
+    for _ in range(2):
+        _forward(registry, model, *_inputs())
+    assert hook.stats()["failed"] == 0 and hook.stats()["captured"] == 5
 
 
 @torch.no_grad()
