@@ -13,33 +13,17 @@ import gc
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from multigpu_rows import _conds, _import_comfy
+from multigpu_rows import _import_comfy, sample_timed
 
 
 def _sample(model: Any, size: tuple[int, int], steps: int) -> tuple[torch.Tensor, list[float]]:
-    import comfy.sample
-
-    latent = torch.zeros(1, 16, 1, size[1] // 8, size[0] // 8)
-    pos, neg = _conds(tokens=128, width=3584)
-    noise = comfy.sample.prepare_noise(latent, 0)
-    marks: list[float] = []
-
-    def tick(*_: Any) -> None:
-        torch.cuda.synchronize()
-        marks.append(time.perf_counter())
-
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = comfy.sample.sample(model, noise, steps, 1.0, "euler", "simple", pos, neg, latent, seed=0, callback=tick,
-                              disable_pbar=True)
-    stamps = [t0, *marks]
-    return out.float().cpu(), [b - a for a, b in zip(stamps, stamps[1:])]
+    """``steps`` euler steps at cfg 1 on a Qwen-Image latent of ``size`` (width, height): the latent, each step's seconds."""
+    return sample_timed(model, 1, size[1], size[0], steps, 1.0, latent=torch.zeros(1, 16, size[1] // 8, size[0] // 8))
 
 
 def _both_ways(model: Any, size: tuple[int, int], steps: int) -> tuple[dict, torch.Tensor]:
