@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only
 
 from . import decisions, triton_launch
 from .hooks import HookRegistry, ModelHook, PerModel, find_blocks
@@ -127,86 +128,35 @@ def _per_call_weights(layers: Sequence[torch.nn.Module]) -> bool:
                or getattr(m, "_v", None) is not None for m in layers)
 
 
-def _static_like(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-    if isinstance(value, tuple):
-        return tuple(_static_like(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _static_like(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_static_like(v) for v in value]
-    return value
+def _empty_like(value: Any, device: torch.device | str | None = None) -> Any:
+    """``value``'s structure with every tensor replaced by an empty one of its shape, strides and dtype, on ``device``
+    (None: each tensor's own; "meta": a record of the structure that holds no memory)."""
+    return tree_map_only(torch.Tensor, lambda t: torch.empty_strided(
+        t.shape, t.stride(), dtype=t.dtype, device=t.device if device is None else device), value)
 
 
 def _copy_into(static: Any, value: Any) -> None:
-    if isinstance(static, torch.Tensor):
-        if static.data_ptr() != value.data_ptr():
-            static.copy_(value)
-    elif isinstance(static, (tuple, list)):
-        for s, v in zip(static, value):
-            _copy_into(s, v)
-    elif isinstance(static, dict):
-        for k, s in static.items():
-            _copy_into(s, value[k])
+    """Copy ``value``'s tensors into ``static``'s, of the same structure (one already in place is not copied)."""
+    for s, v in zip(tree_leaves(static), tree_leaves(value)):
+        if isinstance(s, torch.Tensor) and s.data_ptr() != v.data_ptr():
+            s.copy_(v)
 
 
 def _same_structure(static: Any, value: Any) -> bool:
+    """Same containers and keys, tensors of the same shape, dtype, device and strides, and equal plain values."""
+    leaves, spec = tree_flatten(static)
+    other, other_spec = tree_flatten(value)
+    return spec == other_spec and all(_same_leaf(s, v) for s, v in zip(leaves, other))
+
+
+def _same_leaf(static: Any, value: Any) -> bool:
     if isinstance(static, torch.Tensor):
         return isinstance(value, torch.Tensor) and _meta(static) == _meta(value)
-    if isinstance(static, (tuple, list)):
-        return (type(value) is type(static) and len(value) == len(static)
-                and all(_same_structure(s, v) for s, v in zip(static, value)))
-    if isinstance(static, dict):
-        return (isinstance(value, dict) and value.keys() == static.keys()
-                and all(_same_structure(s, value[k]) for k, s in static.items()))
-    return static == value
-
-
-def _fresh_view(static: Any) -> Any:
-    """The static outputs in a new container (the caller may replace its entries; the tensors are the buffers)."""
-    if isinstance(static, dict):
-        return {k: _fresh_view(v) for k, v in static.items()}
-    if isinstance(static, list):
-        return [_fresh_view(v) for v in static]
-    if isinstance(static, tuple):
-        return tuple(_fresh_view(v) for v in static)
-    return static
-
-
-def _as_meta(value: Any) -> Any:
-    """The structure of ``value`` with every tensor as a meta tensor of its shape, strides and dtype."""
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-    if isinstance(value, (tuple, list)):
-        return type(value)(_as_meta(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _as_meta(v) for k, v in value.items()}
-    return value
-
-
-def _materialize(meta: Any, device: torch.device) -> Any:
-    if isinstance(meta, torch.Tensor):
-        return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=device)
-    if isinstance(meta, (tuple, list)):
-        return type(meta)(_materialize(v, device) for v in meta)
-    if isinstance(meta, dict):
-        return {k: _materialize(v, device) for k, v in meta.items()}
-    return meta
+    return not isinstance(value, torch.Tensor) and static == value
 
 
 def _tensors_of(inputs: dict) -> dict:
     return {k: v for k, v in inputs.items() if k != "transformer_options"}
-
-
-def _tensor_leaves(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensor_leaves(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensor_leaves(v)]
-    return []
 
 
 def _end_capture_quietly(graph: Any) -> None:
@@ -335,7 +285,7 @@ class BlockGraphs(ModelHook):
         before = decisions.made()
         out = call(inputs)
         graphs.clean[key] = decisions.made() == before
-        graphs.out_meta.setdefault(lay, _as_meta(out))
+        graphs.out_meta.setdefault(lay, _empty_like(out, "meta"))
         return out
 
     def _forget(self, graphs: _ModelGraphs, key: tuple) -> None:
@@ -350,7 +300,7 @@ class BlockGraphs(ModelHook):
         _copy_into(graphs.layouts[lay].inputs, _tensors_of(inputs))
         found.graph.replay()
         graphs.replays += 1
-        return _fresh_view(found.outputs)
+        return tree_map(lambda x: x, found.outputs)  # new containers: the caller may replace entries
 
     def _capture(self, graphs: _ModelGraphs, key: tuple, block: torch.nn.Module, layers: list[torch.nn.Module],
                  inputs: dict, call: Callable[[Any], Any]) -> Any:
@@ -362,17 +312,17 @@ class BlockGraphs(ModelHook):
         if not graphs.warmed:
             with self.cuda.on_stream(graphs.stream):
                 out = call(inputs)
-            for t in _tensor_leaves(out):
-                if t.is_cuda:  # made on the capture stream, used on the caller's
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.is_cuda:  # made on the capture stream, used on the caller's
                     t.record_stream(current)
             current.wait_stream(graphs.stream)
             graphs.warmed = True
             return out
         shared = graphs.layouts.get(key[1])
         if shared is None:
-            shared = graphs.layouts[key[1]] = _Layout(_static_like(_tensors_of(inputs)))
+            shared = graphs.layouts[key[1]] = _Layout(_empty_like(_tensors_of(inputs)))
         if shared.outputs is None:
-            shared.outputs = _materialize(graphs.out_meta[key[1]], graphs.device)
+            shared.outputs = _empty_like(graphs.out_meta[key[1]], graphs.device)
         tensors = _owned_tensors(block)
         graph = self.cuda.new_graph()
         try:

@@ -260,3 +260,21 @@ def test_layout_names_tensors_and_plain_values_and_refuses_other_kinds() -> None
         ("img", ((2, 3), torch.float32, t.device, (3, 1))), ("n", 3))
     assert layout({"img": t, "extra": [t]}) is None
     assert layout([t]) is None
+
+
+def test_static_buffers_follow_the_structure_and_the_structure_check_names_every_difference() -> None:
+    from comfyui_lowvram_dit.kernels.block_graphs import _copy_into, _empty_like, _same_structure
+
+    value = {"img": torch.randn(2, 3).t(), "pair": (torch.ones(2), 7)}
+    static = _empty_like(value)
+    assert static["img"].stride() == value["img"].stride() and static["pair"][1] == 7
+    assert _empty_like(value, "meta")["img"].device.type == "meta"
+    _copy_into(static, value)
+    assert torch.equal(static["img"], value["img"]) and torch.equal(static["pair"][0], value["pair"][0])
+    assert _same_structure(static, value)
+    assert not _same_structure(static, {"img": value["img"], "pair": (torch.ones(3), 7)})  # a shape
+    assert not _same_structure(static, {"img": value["img"].contiguous(), "pair": value["pair"]})  # strides
+    assert not _same_structure(static, {"img": value["img"], "other": value["pair"]})  # a key
+    assert not _same_structure(static, {"img": value["img"], "pair": [torch.ones(2), 7]})  # a container type
+    assert not _same_structure(static, {"img": value["img"], "pair": (torch.ones(2), 8)})  # a plain value
+    assert not _same_structure(static, {"img": value["img"], "pair": (torch.ones(2), torch.ones(1))})  # a kind
