@@ -16,7 +16,7 @@ from typing import Any
 from ..kernels.block_graphs import BlockGraphs
 from ..kernels.hooks import HookRegistry
 from .attention import OVERRIDE_KEY, foreign_part
-from .hooks import APPLY_MODEL_PARAMS, hook_registry, is_our_block_patch, register_hook
+from .hooks import call_arguments, hook_registry, is_our_block_patch, register_hook
 from .torch_compile import COMPILE_KEY, CORE_COMPILE_KEY
 
 GRAPHS_KEY = "lowvram_dit_block_graphs"
@@ -29,9 +29,7 @@ def why_eager(module: Any, registry: HookRegistry, inputs: tuple) -> str | None:
 
     if getattr(getattr(mm, "args", None), "disable_cuda_graphs", False):
         return "ComfyUI runs with --disable-cuda-graphs"
-    args, kwargs = inputs
-    named = dict(zip(APPLY_MODEL_PARAMS, args))
-    named.update(kwargs)
+    named = call_arguments(*inputs)
     options = named.get("transformer_options") or {}
     if COMPILE_KEY in registry or ((options.get("wrappers") or {}).get(WrappersMP.APPLY_MODEL) or {}).get(
             CORE_COMPILE_KEY):

@@ -26,6 +26,11 @@ APPLY_MODEL_PARAMS: tuple[str, ...] = ("x", "t", "c_concat", "c_crossattn", "con
 PER_CHUNK_OPTIONS: tuple[str, ...] = ("cond_or_uncond", "uuids")
 
 
+def call_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``apply_model``'s arguments by name, positional and keyword alike."""
+    return {**dict(zip(APPLY_MODEL_PARAMS, args)), **kwargs}
+
+
 class _Unsplittable(Exception):
     """An argument whose batch layout is not known: the call runs batched."""
 
@@ -70,8 +75,7 @@ def split_per_sample(args: tuple, kwargs: dict) -> list[tuple[tuple, dict]] | No
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] < 2:
         return None
     batch = int(x.shape[0])
-    named = dict(zip(APPLY_MODEL_PARAMS, args))
-    if named.get("control", kwargs.get("control")) is not None:
+    if call_arguments(args, kwargs).get("control") is not None:
         log.debug("lowvram_dit hooks: a batch of %d runs batched: a ControlNet is attached", batch)
         return None
     try:

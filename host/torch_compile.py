@@ -24,7 +24,7 @@ from ..kernels.compile import (
 from ..kernels.compile_pays import EAGER, MIN_GAIN, CompilePays
 from ..kernels.decisions import describe_kind, device_kind
 from .dynamic_vram import legacy_clone
-from .hooks import APPLY_MODEL_PARAMS, register_hook
+from .hooks import call_arguments, register_hook
 from .log import say_once
 from .patchers import dynamic_vram_manages
 
@@ -48,8 +48,7 @@ def traced_wrappers(inputs: tuple) -> Optional[str]:
     DIFFUSION_MODEL wrappers (EasyCache's): they run inside the compiled forward; None without any."""
     import comfy.patcher_extension as pe
 
-    args, kwargs = inputs
-    opts = kwargs.get("transformer_options", dict(zip(APPLY_MODEL_PARAMS, args)).get("transformer_options"))
+    opts = call_arguments(*inputs).get("transformer_options")
     if not isinstance(opts, dict):
         return None
     wrappers = opts.get("wrappers", {}).get(pe.WrappersMP.DIFFUSION_MODEL, {})
