@@ -260,7 +260,7 @@ def load_staged_model(unet_path: str | Path, mode: QuantMode = "per_tensor", vra
         model = load_transformer(unet_path, mode, 128, compute)
         stage_meter.release_host_memory()
         model = apply_block_swap(model, SwapConfig(vram_budget_gb=vram_budget_gb, blocks_to_swap=blocks_to_swap))
-        model = apply_block_graphs(model)  # the 4-step call is bound by its host issuing launches, not the GPU
+        model = apply_block_graphs(model)  # each block's launches issued at once, not one by one
     meter.report.notes.append(f"block swap budget {vram_budget_gb:g} GB, blocks_to_swap {blocks_to_swap} "
                               "(the GPU load happens in KSampler)")
     _log_stage(meter.report)

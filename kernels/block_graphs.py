@@ -1,8 +1,7 @@
 """CUDA graphs of transformer blocks: a block is captured once per input layout and replayed after that.
 
-Where the host issues a block's ~70 launches slower than the GPU runs them (Qwen-Image at 1328x1328 gives the GPU
-about 3.5 ms of kernels per block and its host 4-8 ms to issue them), a replay issues the whole block at once and
-the step runs at the GPU's pace. ``BlockGraphs`` is a ``ModelHook`` inside every other per-block hook (Block Swap's
+Where the host issues a block's launches one by one slower than the GPU runs them (Qwen-Image at 1328x1328; the
+numbers are in docs/benchmarks.md), a replay issues the whole block at once and the step runs at the GPU's pace. ``BlockGraphs`` is a ``ModelHook`` inside every other per-block hook (Block Swap's
 waits stay outside it):
 
 - the first call of a block with a given input layout runs eagerly; it makes every decision its kernels need (the
