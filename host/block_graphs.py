@@ -6,12 +6,19 @@ call runs eagerly, with one log line per reason, while anything could change wha
 graph seeing it: ComfyUI started with ``--disable-cuda-graphs``, Torch Compile on the model, a ControlNet, a text
 attention mask (the block reads it from its caller, a new tensor each call), another node's patches or replace
 patches, another node's attention override. The graphs are dropped when the model's weights leave the GPU
-(``ON_DETACH`` with ``unpatch_all``), so no captured scratch memory outlives the weights it was captured for.
+(``ON_DETACH`` with ``unpatch_all``), so no captured scratch memory outlives the weights it was captured for, and
+given back first when ComfyUI or a pack node needs memory beside the loaded weights (``release_block_graphs``): a
+model that stays loaded loses the graphs' speed-up (little where its streamed blocks' copies are the limit, as on an
+8 GB card), one unloaded for a few hundred MB costs its whole load again in the next render.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from typing import Any
+
+import torch
 
 from ..kernels.block_graphs import BlockGraphs
 from ..kernels.hooks import HookRegistry
@@ -20,6 +27,7 @@ from .hooks import call_arguments, hook_registry, is_our_block_patch, register_h
 from .torch_compile import COMPILE_KEY, CORE_COMPILE_KEY
 
 GRAPHS_KEY = "lowvram_dit_block_graphs"
+log = logging.getLogger("comfyui_lowvram_dit")
 
 
 def why_eager(module: Any, registry: HookRegistry, inputs: tuple) -> str | None:
@@ -63,12 +71,34 @@ class _DropOnDetach:
         return self
 
     def __call__(self, patcher: Any, unpatch_all: bool = True, *args: Any) -> None:
-        if not unpatch_all:
-            return
-        self.graphs.drop()
-        for other in self.graphs.models.others():
-            if isinstance(other, BlockGraphs):
-                other.drop()
+        if unpatch_all:
+            for graphs in _every_instance(self.graphs):
+                graphs.drop()
+
+
+def _every_instance(graphs: BlockGraphs) -> list[BlockGraphs]:
+    """The instance installed in a model and those serving its MultiGPU copies."""
+    return [graphs, *(g for g in graphs.models.others() if isinstance(g, BlockGraphs))]
+
+
+def release_block_graphs(device: torch.device, patchers: Iterable[Any] | None = None) -> int:
+    """Give back the memory the block graphs of ``patchers`` (None: every model ComfyUI has loaded) hold on
+    ``device``; those models run eagerly until their weights leave. The bytes of free memory that gained (0 when no
+    graphs were held)."""
+    import comfy.model_management as mm
+
+    if patchers is None:
+        patchers = [loaded.model for loaded in mm.current_loaded_models]
+    found = [g for p in patchers if p is not None and (g := block_graphs_of(p)) is not None]
+    before = mm.get_free_memory(device)
+    held = [g.give_back(device) for graphs in found for g in _every_instance(graphs)]
+    if not any(held):
+        return 0
+    mm.soft_empty_cache()
+    freed = max(0, int(mm.get_free_memory(device) - before))
+    log.info("lowvram_dit block graphs: gave back %.2f GiB on %s so that the loaded weights can stay; the model runs "
+             "its blocks eagerly until it is loaded again", freed / 2**30, device)
+    return freed
 
 
 def apply_block_graphs(model: Any) -> Any:

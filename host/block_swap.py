@@ -53,6 +53,7 @@ from ..offload.engine import BlockStreamer, StreamHook
 from ..offload.host_memory import file_backed_ranges, is_file_backed, release_spares
 from ..offload.plan import SwapConfig, SwapPlan
 from ..offload.verdict import StreamStats, SwapSetup, swap_verdict
+from .block_graphs import release_block_graphs
 from .core_quant import model_layouts
 from .dynamic_vram import legacy_clone
 from .hooks import register_hook
@@ -518,13 +519,18 @@ class BlockSwapMixin:
         return out
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):  # noqa: ANN001
-        # The weights ComfyUI moves off the GPU here are kept, as they were there, for the next load to copy back
+        # The block graphs' memory goes first (the model then runs eagerly, with every weight still in place). The
+        # weights ComfyUI moves off the GPU here are kept, as they were there, for the next load to copy back
         # (host/parked_weights.py); force_patch_weights and in-place patching leave patched values on the CPU.
+        given = release_block_graphs(torch.device(self.load_device), [self]) if memory_to_free > 0 else 0
+        if given >= memory_to_free > 0:
+            return given
+        memory_to_free -= given
         ctl = self._swap
         if ctl is None or force_patch_weights or self.weight_inplace_update:
-            return super().partially_unload(device_to, memory_to_free, force_patch_weights=force_patch_weights)
+            return given + super().partially_unload(device_to, memory_to_free, force_patch_weights=force_patch_weights)
         before = regular_weights(self)
-        freed = super().partially_unload(device_to, memory_to_free, force_patch_weights=force_patch_weights)
+        freed = given + super().partially_unload(device_to, memory_to_free, force_patch_weights=force_patch_weights)
         try:
             ctl.parked.park(self, before)
         except (RuntimeError, MemoryError) as exc:  # parking only saves time: never fail ComfyUI's unload for it

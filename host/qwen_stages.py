@@ -36,7 +36,7 @@ from ..offload import stage_meter
 from ..offload.plan import SwapConfig, check_budget
 from ..offload.stage_meter import StageReport
 from . import text_encoders
-from .block_graphs import apply_block_graphs
+from .block_graphs import apply_block_graphs, release_block_graphs
 from .block_swap import apply_block_swap
 from .core_quant import announce, check_host_reads
 from .file_slices import file_slice_hook
@@ -331,9 +331,14 @@ def decode_staged(latent: torch.Tensor, vae, vram_budget_gb: float = 0.0, tile_s
         h_px, w_px = latent.shape[-2] * comp, latent.shape[-1] * comp
         budget = vram_budget_gb * stage_meter.GIB if vram_budget_gb > 0 else math.inf
         # A transformer whose reload costs seconds stays loaded when the decode fits beside it (whole or in the
-        # node's tiles); only otherwise free what a whole decode needs, as ComfyUI's VAEDecode does.
+        # node's tiles), if need be once its block graphs gave their memory back; only otherwise free what a whole
+        # decode needs, as ComfyUI's VAEDecode does.
         beside, tile = (False, None) if dev.type == "cpu" else decode_beside_models(
             need, vae_bytes, mm.get_free_memory(dev), h_px, w_px, tile_size, budget)
+        if not beside and dev.type != "cpu" and (freed := release_block_graphs(dev)):
+            beside, tile = decode_beside_models(need, vae_bytes, mm.get_free_memory(dev), h_px, w_px, tile_size,
+                                                budget)
+            meter.report.notes.append(f"block graphs gave back {freed / stage_meter.GIB:.2f} GiB")
         if not beside:
             mm.free_memory(need + vae_bytes + mm.minimum_inference_memory(), dev, keep_loaded=[vae.patcher])
             mm.soft_empty_cache()

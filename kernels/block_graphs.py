@@ -14,7 +14,10 @@ waits stay outside it):
   in place is read at its new value, a weight moved or re-bound is captured again) and no layer of the block has
   per-call weight functions (lowvram LoRA patches) or a DynamicVRAM slot;
 - a capture that fails (a host sync inside the block, an op CUDA cannot capture) leaves that block eager for that
-  layout, with one log line.
+  layout, with one log line;
+- memory the host takes back while the weights stay (``give_back``: a decode that fits beside the model only
+  without the graphs) leaves the model eager until its weights leave: captured again, the graphs would be given back
+  again after every render.
 
 What may stand a whole model call aside (a mask, a ControlNet, another node's patches, Torch Compile) is the host's
 to say: ``standing_aside`` returns the reason, or None. A block's outputs are the static buffers, valid until the next
@@ -25,7 +28,9 @@ Plain torch, no ComfyUI import.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -165,6 +170,17 @@ def _end_capture_quietly(graph: Any) -> None:
         pass
 
 
+def _trim_graph_memory(index: int) -> None:
+    """``cuDeviceGraphMemTrim`` on device ``index``, through the CUDA driver torch has loaded (nothing without one)."""
+    try:
+        driver = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
+    except OSError:
+        return
+    handle = ctypes.c_int()
+    if driver.cuDeviceGet(ctypes.byref(handle), index) == 0:
+        driver.cuDeviceGraphMemTrim(handle)
+
+
 class CudaApi:
     """The CUDA calls ``BlockGraphs`` makes, in one place (the CPU tests give it a stand-in that re-runs the body)."""
 
@@ -186,6 +202,15 @@ class CudaApi:
 
     def new_graph(self) -> Any:
         return torch.cuda.CUDAGraph()
+
+    def free_graph_memory(self, device: torch.device) -> None:
+        """Hand the memory of destroyed graphs back to ``device``. torch's native allocator releases their pool at
+        ``empty_cache`` (the host's to call); under cudaMallocAsync (ComfyUI's default) a capture's allocations are
+        graph memory nodes, whose physical memory CUDA keeps for graphs, outside the allocator's statistics, until
+        ``cuDeviceGraphMemTrim`` (CUDA programming guide, graph memory nodes)."""
+        if device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.synchronize(device)
+            _trim_graph_memory(torch.cuda.current_device() if device.index is None else device.index)
 
     def record(self, graph: Any, pool: Any, body: Callable[[], None]) -> None:
         """Capture ``body()`` (on the current stream, which the caller set) into ``graph``, in ``pool``; an error
@@ -212,14 +237,31 @@ class BlockGraphs(ModelHook):
         self._devices: dict[torch.device, _ModelGraphs] = {}
         self._local = threading.local()  # (graphs, blocks) of the forward running in this thread, or None
         self._said: set[str] = set()
+        self.given_back = False  # the host took the graphs' memory back while the weights stayed: run eagerly
 
     def for_model(self, module: Any) -> BlockGraphs:
         """The instance holding ``module``'s graphs (a MultiGPU copy gets its own)."""
         return self.models.get(module, self, lambda: BlockGraphs(self.standing_aside, self.cuda))
 
     def drop(self) -> None:
-        """Forget every graph and static buffer of this model (its weights left the GPU)."""
+        """Forget every graph and static buffer of this model (its weights left the GPU); a later load captures
+        again."""
+        devices = list(self._devices)
         self._devices.clear()
+        self.given_back = False
+        for device in devices:
+            self.cuda.free_graph_memory(device)
+
+    def give_back(self, device: torch.device) -> bool:
+        """Forget this model's graphs and static buffers on ``device`` (no index: any of its type) because the host
+        needs their memory while the weights stay, and run eagerly from now until ``drop``: graphs captured again
+        would be given back again, each time for a capture's cost. Whether any were held."""
+        held = [d for d in self._devices if d.type == device.type and device.index in (None, d.index)]
+        for d in held:
+            del self._devices[d]
+            self.cuda.free_graph_memory(d)
+        self.given_back = self.given_back or bool(held)
+        return bool(held)
 
     def stats(self) -> dict[str, int]:
         """Graphs captured and replays run since the last ``drop``, over every device of this model."""
@@ -248,6 +290,8 @@ class BlockGraphs(ModelHook):
         if not isinstance(x, torch.Tensor) or torch.compiler.is_compiling() or not self.cuda.usable(x):
             return None
         reason = self.standing_aside(module, registry, (args, kwargs)) if self.standing_aside else None
+        if reason is None and self.given_back:
+            reason = "the memory its graphs held was needed beside it; they come back when it is loaded again"
         if reason:
             self._say(f"lowvram_dit block graphs: this model's calls run eagerly ({reason})")
             return None

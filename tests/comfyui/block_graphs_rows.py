@@ -1,6 +1,7 @@
 """The measurement of test_block_graphs_cuda.py, in a fresh process: the pack's Qwen-Image transformer (full width, a
 few blocks, two of them streamed by Block Swap) sampled with its blocks replayed from CUDA graphs and again eagerly
-(ComfyUI's ``--disable-cuda-graphs``, which the graphs obey), before and after a LoRA is merged into its weights.
+(ComfyUI's ``--disable-cuda-graphs``, which the graphs obey), before and after a LoRA is merged into its weights, and
+once more after the graphs gave their memory back.
 
 Run as ``python block_graphs_rows.py --model FILE``; prints ``RESULT <json>``. Also a probe of the host's share of a
 step: the step times of both ways are in the record.
@@ -52,6 +53,22 @@ def _both_ways(model: Any, size: tuple[int, int], steps: int) -> tuple[dict, tor
             "allocator": torch.cuda.get_allocator_backend()}, off
 
 
+def _given_back(model: Any, size: tuple[int, int], steps: int, eager: torch.Tensor) -> dict:
+    """The graphs' memory given back while the weights stay (what a decode beside the model asks): what ComfyUI's
+    free-memory reading gained, and a sampling after it, eager, against the eager latent."""
+    from comfyui_lowvram_dit.host.block_graphs import block_graphs_of, release_block_graphs
+
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    given = release_block_graphs(torch.device("cuda", torch.cuda.current_device()), [model])
+    free_after = torch.cuda.mem_get_info()[0]
+    after, t_after = _sample(model, size, steps)
+    return {"comfyui_free_gain_gib": given / 2**30, "device_free_gain_gib": (free_after - free_before) / 2**30,
+            "steps_eager_after": t_after,
+            "stats_after": block_graphs_of(model).for_model(model.model).stats(),
+            "vs_eager_rel": float((after - eager).norm() / eager.norm())}
+
+
 class _Kept(logging.Handler):
     """The pack's log lines of the run, for the record (a failed capture's warning names its error)."""
 
@@ -86,6 +103,7 @@ def child(args: argparse.Namespace) -> dict:
     with_lora = comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0.0)[0]
     record["lora"], merged = _both_ways(with_lora, size, args.steps)
     record["lora_vs_plain_rel"] = float((merged - plain).norm() / plain.norm())
+    record["given_back"] = _given_back(with_lora, size, args.steps, merged)
     record["log"] = kept.lines
     print("RESULT " + json.dumps(record), flush=True)
     mm.unload_all_models()  # the model leaves the GPU: its graphs are dropped (ON_DETACH)

@@ -83,3 +83,41 @@ def test_decode_beside_the_loaded_models(free_gib: float, budget_gib: float, exp
     edge = vae * 1.1 + max(mm.minimum_inference_memory(), tile_share + mm.extra_reserved_memory())
     assert decode_beside_models(need, vae, edge, 1328, 1328, 512) == (True, 512)  # the boundary is ComfyUI's
     assert decode_beside_models(need, vae, edge - 1, 1328, 1328, 512) == (False, None)
+
+
+@pytest.mark.parametrize("given_gib, unloads", [(0.5, False), (0.1, True)])
+def test_block_graphs_give_their_memory_back_before_the_transformer_is_unloaded(
+        given_gib: float, unloads: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 8 GB card: the 512 px tiles fit beside the loaded transformer only without its block graphs' memory. The
+    graphs give it back (the transformer then runs eagerly, still loaded); when that is not enough, the decode frees
+    memory as before."""
+    comfyui_in_process_or_skip()
+    import comfy.model_management as mm
+    import torch
+    from comfyui_lowvram_dit.host import qwen_stages
+
+    gib = 2**30
+    free = {"now": 1.2 * gib}
+    released: list = []
+
+    def release(device: Any) -> int:
+        released.append(device)
+        free["now"] += given_gib * gib
+        return int(given_gib * gib)
+
+    freed: list = []
+    monkeypatch.setattr(mm, "EXTRA_RESERVED_VRAM", int(0.5 * gib))
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: free["now"])
+    monkeypatch.setattr(mm, "free_memory", lambda required, device, keep_loaded=(), **kw: freed.append(required))
+    monkeypatch.setattr(mm, "soft_empty_cache", lambda *a, **k: None)
+    monkeypatch.setattr(qwen_stages, "release_block_graphs", release)
+    vae = StandInVae()
+    vae.device = torch.device("cuda", 0)  # decode_staged reads the device; the stand-in decodes on the CPU anyway
+    vae.memory_used_decode = lambda shape, dtype: 7.2 * gib  # ComfyUI's estimate of a whole 1328x1328 decode
+    vae.decode_tiled = lambda latent, **kw: torch.zeros(1, 1328, 1328, 3)
+    monkeypatch.setattr(mm, "get_torch_device", lambda: torch.device("cuda", 0))
+    _, report = qwen_stages.decode_staged(torch.zeros(1, 16, 1, 166, 166), vae)
+    assert released == [torch.device("cuda", 0)]
+    assert bool(freed) == unloads
+    assert any(f"block graphs gave back {given_gib:.2f} GiB" in n for n in report.notes), report.notes
+    assert any(("beside the loaded models" in n) != unloads for n in report.notes if n.startswith("tiled")), report.notes

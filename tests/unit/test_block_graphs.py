@@ -58,6 +58,9 @@ class FakeCuda(CudaApi):
     def new_graph(self) -> FakeGraph:
         return FakeGraph()
 
+    def free_graph_memory(self, device: torch.device) -> None:
+        self.freed = [*getattr(self, "freed", []), device]
+
     def record(self, graph: FakeGraph, pool: Any, body: Any) -> None:
         """As a capture: nothing runs now (a capture enqueues nothing); a replay runs the body."""
         if self.fail is not None:
@@ -175,6 +178,34 @@ def test_when_every_graph_is_gone_later_captures_use_a_new_pool() -> None:
     for _ in range(2):
         _forward(registry, model, *_inputs())
     assert hook.stats()["failed"] == 0 and hook.stats()["captured"] == 5
+
+
+@torch.no_grad()
+def test_graphs_given_back_leave_the_model_eager_until_its_weights_leave(caplog: pytest.LogCaptureFixture) -> None:
+    """The host takes the graphs' memory back (a decode beside the loaded weights): captured again, they would be
+    given back after every render, so the model runs eagerly until ``drop`` (its weights left the GPU)."""
+    registry, hook, cuda = _setup()
+    model = Model(n=2)
+    for seed in range(4):
+        _forward(registry, model, *_inputs(seed=seed))
+    assert hook.stats()["captured"] == 2
+    assert not hook.give_back(torch.device("cuda", 0)) and hook._devices  # another device's memory: kept
+    assert hook.give_back(torch.device("cpu")) and not hook._devices
+    assert cuda.freed == [torch.device("cpu")]  # the graphs' memory handed back to the device, not kept for graphs
+    assert not hook.give_back(torch.device("cpu"))  # nothing held any more
+    calls = [b.calls for b in model.blocks]
+    x, vec = _inputs(seed=7)
+    with caplog.at_level(logging.INFO, logger="comfyui_lowvram_dit"):
+        for _ in range(4):
+            torch.testing.assert_close(_forward(registry, model, x, vec), _forward(HookRegistry(), model, x, vec),
+                                       rtol=0, atol=0)
+    assert hook.stats()["captured"] == 0 and len(cuda.recorded) == 2 and not hook._devices
+    assert [b.calls - c for b, c in zip(model.blocks, calls)] == [8, 8]  # every call ran each block in Python
+    assert sum("memory its graphs held was needed" in r.getMessage() for r in caplog.records) == 1
+    hook.drop()  # unloaded and loaded again: captured as on a first load
+    for seed in range(4):
+        _forward(registry, model, *_inputs(seed=seed))
+    assert hook.stats()["captured"] == 2
 
 
 @torch.no_grad()
