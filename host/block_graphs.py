@@ -90,6 +90,8 @@ def release_block_graphs(device: torch.device, patchers: Iterable[Any] | None = 
     if patchers is None:
         patchers = [loaded.model for loaded in mm.current_loaded_models]
     found = [g for p in patchers if p is not None and (g := block_graphs_of(p)) is not None]
+    if not found:
+        return 0
     before = mm.get_free_memory(device)
     held = [g.give_back(device) for graphs in found for g in _every_instance(graphs)]
     if not any(held):

@@ -246,22 +246,23 @@ class BlockGraphs(ModelHook):
     def drop(self) -> None:
         """Forget every graph and static buffer of this model (its weights left the GPU); a later load captures
         again."""
-        devices = list(self._devices)
-        self._devices.clear()
+        self._release(list(self._devices))
         self.given_back = False
-        for device in devices:
-            self.cuda.free_graph_memory(device)
 
     def give_back(self, device: torch.device) -> bool:
         """Forget this model's graphs and static buffers on ``device`` (no index: any of its type) because the host
         needs their memory while the weights stay, and run eagerly from now until ``drop``: graphs captured again
         would be given back again, each time for a capture's cost. Whether any were held."""
-        held = [d for d in self._devices if d.type == device.type and device.index in (None, d.index)]
-        for d in held:
-            del self._devices[d]
-            self.cuda.free_graph_memory(d)
-        self.given_back = self.given_back or bool(held)
-        return bool(held)
+        held = self._release([d for d in self._devices if d.type == device.type and device.index in (None, d.index)])
+        self.given_back = self.given_back or held
+        return held
+
+    def _release(self, devices: list[torch.device]) -> bool:
+        """Drop the graphs and static buffers held on ``devices`` and hand their memory back; whether any were."""
+        for device in devices:
+            del self._devices[device]
+            self.cuda.free_graph_memory(device)
+        return bool(devices)
 
     def stats(self) -> dict[str, int]:
         """Graphs captured and replays run since the last ``drop``, over every device of this model."""
