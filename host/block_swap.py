@@ -191,8 +191,11 @@ class SwapController:
     # -- load / unload ---------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def activate(self, patcher, device: torch.device) -> None:  # noqa: ANN001 - ModelPatcher
-        """After ComfyUI loaded the resident part: build the ring, flag streamed/offloaded layers, account memory."""
+    def activate(self, patcher, device: torch.device, weights_read: bool = False) -> None:  # noqa: ANN001
+        """After ComfyUI loaded the resident part: build the ring, flag streamed/offloaded layers, account memory.
+
+        ``weights_read``: the load is for reading the weights (ComfyUI's ``force_patch_weights``, a checkpoint save),
+        not for a forward: the arena is filled and merged before this returns, never beside the first forward."""
         import comfy.model_patcher as mp
 
         if self.active:
@@ -212,11 +215,10 @@ class SwapController:
                                               debug=self.config.debug, pin_budget=ComfyPinBudget())
                 self.streamer.spare = spare  # the old arena's memory: taken, or freed before a new one is allocated
             fill = self._lora_fill(patcher, device)
-            self.streamer.activate(fill)
+            # the merge ends once the arena holds every block: now, or beside the first forward (offload/arena_fill.py)
+            self.streamer.activate(fill, on_filled=(lambda: self._merge_lora(fill)) if fill is not None else None,
+                                   background=fills_beside_forward(device) and not weights_read)
             took["arena"] = time.perf_counter()
-            if fill is not None:
-                self._merge_lora(fill)
-                took["lora"] = time.perf_counter()
         model = patcher.model
         swapped = [(n, m) for n, m in model.named_modules() if self.is_swapped_module(n)]
         for n, m in swapped:  # LoRA on offloaded embeddings: ComfyUI's LowVramPatch, computed on the GPU per call
@@ -261,7 +263,7 @@ class SwapController:
                  "resident %.2f GB + ring %.2f GB on %s; %s", len(plan.streamed), plan.num_blocks, list(plan.streamed),
                  plan.ring, plan.slot_bytes / 2**20, self.config.prefetch, self.config.pinned,
                  (self.gpu_bytes(plan) - plan.ring_bytes) / 1e9, plan.ring_bytes / 1e9, where,
-                 _took(took, self.streamer.took if plan.streamed and self.streamer else None, self.lora.overlapped))
+                 _took(took, self.streamer.took if plan.streamed and self.streamer else None))
 
     def _lora_fill(self, patcher, device: torch.device) -> BlockMerge | None:  # noqa: ANN001 - ModelPatcher
         """A merge of ``patcher``'s patches on streamed blocks for the arena copy to run block by block, or None when
@@ -276,19 +278,25 @@ class SwapController:
                 keys.setdefault(int(idx), []).append(key)
         self.lora.begin()
         # LoRA math on the GPU when there is one: one weight at a time goes there and back
-        return BlockMerge(self.lora, patcher, keys, self._block_originals, device, attach=self._attach_patches)
+        return BlockMerge(self.lora, patcher, keys, self._block_originals, device, attach=self._attach_patches,
+                          targets=self._block_views)
 
     def _block_originals(self, b: int) -> dict[str, torch.Tensor]:
         """Block ``b``'s file-backed tensors (what its arena bytes were copied from), by the patcher's key."""
         return {f"{self.prefix}{b}.{name}": t for name, t in self.streamer.originals.get(b, {}).items()}
 
+    def _block_views(self, b: int) -> dict[str, torch.Tensor]:
+        """Block ``b``'s arena views (what the merge writes), by the patcher's key."""
+        return {f"{self.prefix}{b}.{name}": t for name, t in self.streamer.cpu_views(b).items()}
+
     def _merge_lora(self, fill: BlockMerge) -> None:
         """End the merge: the blocks the arena copy did not hand over (all of them when the arena was kept, or was
         copied before being pinned) are merged now; then wait for the GPU and log it."""
-        for b, keys in fill.keys.items():
-            if b not in fill.blocks:
-                self.lora.merge_keys(fill.patcher, keys, self._block_originals(b), fill.device, self._attach_patches)
-        self.lora.finish(fill.patcher, fill.device)
+        here = [b for b in fill.keys if b not in fill.blocks]
+        for b in here:
+            self.lora.merge_keys(fill.patcher, fill.keys[b], self._block_originals(b), fill.device,
+                                 self._attach_patches, self._block_views(b))
+        self.lora.finish(fill.patcher, fill.device, sync=bool(here))
 
     def _attach_patches(self, key: str, patches: list) -> None:
         """Give the streamed GGML weight ``key`` these LoRA patches, applied by its layer on dequantization."""
@@ -312,6 +320,8 @@ class SwapController:
         mapping, only its private copies), the ring and the arena are freed and the plan is dropped."""
         was_active = self.active
         self._hand_over_timings()
+        if self.streamer is not None:
+            self.streamer.detach()  # an arena still being filled beside the forward is complete first
         t0 = time.perf_counter()
         restore_s = self._release_arena() if self.streamer is not None else 0.0
         self.parked.drop()
@@ -509,13 +519,14 @@ class BlockSwapMixin:
         if ctl.active:
             ctl._account(self, ctl._extra_loaded)
         else:
-            ctl.activate(self, torch.device(device_to))
+            ctl.activate(self, torch.device(device_to), weights_read=force_patch_weights)
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):  # noqa: ANN001
         out = super().partially_load(device_to, extra_memory, force_patch_weights=force_patch_weights)
         ctl = self._swap
         if ctl is not None and not ctl.active and ctl.plan is not None and ctl.plan.streamed:
-            ctl.activate(self, torch.device(device_to))  # the stock early return skipped load()
+            # the stock early return skipped load()
+            ctl.activate(self, torch.device(device_to), weights_read=force_patch_weights)
         return out
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):  # noqa: ANN001
@@ -559,19 +570,26 @@ class BlockSwapMixin:
         return super().detach(unpatch_all)
 
 
-def _took(marks: dict[str, float], streamer_took: dict[str, float] | None = None, lora_beside: bool = False) -> str:
-    """``activated in 2.10 s (host arena 1.50 s, LoRA merge 0.40 s)`` from perf_counter marks taken in order."""
+def fills_beside_forward(device: torch.device) -> bool:
+    """Whether an arena whose memory is final (an expert switch into the memory the idle expert left) is filled
+    beside the first forward (offload/arena_fill.py): on a GPU, where that forward runs while the CPU copies. On the
+    CPU test path the load fills it, so the model's weights are the arena's right after the load."""
+    return device.type == "cuda"
+
+
+def _took(marks: dict[str, float], streamer_took: dict[str, float] | None = None) -> str:
+    """``activated in 2.10 s (host arena 1.50 s (copy 1.0 s, pin 0.5 s))`` from perf_counter marks taken in order."""
     now = time.perf_counter()
     parts = []
     if "arena" in marks:
         split = ""
-        if streamer_took:
+        if streamer_took and streamer_took.get("background"):
+            split = " (the copy runs beside the first forward, into the memory of a dropped arena)" \
+                if streamer_took.get("reused") else " (the copy runs beside the first forward)"
+        elif streamer_took:
             reused = ", into the memory of a dropped arena" if streamer_took.get("reused") else ""
             split = f" (copy {streamer_took['copy']:.2f} s, pin {streamer_took['pin']:.2f} s{reused})"
         parts.append(f"host arena {marks['arena'] - marks['start']:.2f} s{split}")
-    if "lora" in marks:
-        parts.append(f"LoRA merge {marks['lora'] - marks['arena']:.2f} s"
-                     + (" after the copy it ran beside" if lora_beside else ""))
     return f"activated in {now - marks['start']:.2f} s" + (f" ({', '.join(parts)})" if parts else "")
 
 

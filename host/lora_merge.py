@@ -34,6 +34,7 @@ Block Swap. Its F32/F16 tensors (biases, norms) are merged like plain ones, in f
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -134,18 +135,19 @@ class StreamedMerge:
 
     @torch.no_grad()
     def merge_keys(self, patcher: Any, keys: list[str], originals: dict[str, torch.Tensor], device: torch.device,
-                   attach: AttachPatches | None = None) -> None:
+                   attach: AttachPatches | None = None, targets: dict[str, torch.Tensor] | None = None) -> None:
         """Merge (or attach) ``keys`` of a merge begun with ``begin`` in place; its GPU copies may still be under way.
 
-        ``keys``: parameters bound to the host arena. ``originals``: key -> file-backed tensor holding the same bytes
-        as the arena (restored from; never written). ``attach``: sets a quantized GGML weight's patches on every view
-        the streamer binds (GGUF models)."""
+        ``keys``: parameters in the host arena. ``originals``: key -> file-backed tensor holding the same bytes as
+        the arena (restored from; never written). ``attach``: sets a quantized GGML weight's patches on every view
+        the streamer binds (GGUF models). ``targets``: key -> the arena view written (default: the tensor the model
+        has bound, which is the arena view unless the arena is being filled beside the forward)."""
         import comfy.utils
 
         if self._started is None:
             self._started = time.perf_counter()
         for key in keys:
-            target = comfy.utils.get_attr(patcher.model, key)
+            target = targets[key] if targets is not None else comfy.utils.get_attr(patcher.model, key)
             if ggml.is_quantized(target) and attach is not None:
                 attach(key, [(_on_device(patcher.patches[key], _patch_device(patcher)), key)])
                 self._attached.append(key)
@@ -166,9 +168,10 @@ class StreamedMerge:
             self._done += 1
             self._nbytes += stored.numel() * stored.element_size()
 
-    def finish(self, patcher: Any, device: torch.device) -> int:
-        """End a merge begun with ``begin``: wait for its copies, log it; returns the count of merged tensors."""
-        if device.type == "cuda" and self._done:
+    def finish(self, patcher: Any, device: torch.device, sync: bool = True) -> int:
+        """End a merge begun with ``begin``: wait for its copies (``sync=False``: a ``BlockMerge`` waited for all of
+        them), log it; returns the count of merged tensors."""
+        if device.type == "cuda" and self._done and sync:
             torch.cuda.current_stream(device).synchronize()  # the arena is read on the CPU and by the copy stream
         # nothing to merge: nothing to keep track of
         self.uuid = patcher.patches_uuid if self._backups or self._attached else None
@@ -206,34 +209,46 @@ class BlockMerge:
     engine's ``BlockFill``): a block's weights are merged in one worker thread as soon as the block is copied, so the
     CPU's copy of the next block and the GPU round trip of this block's weights run at the same time instead of one
     after the other. The worker computes in the loading thread's inference / grad mode (torch keeps them per thread),
-    so what it makes is what the loading thread would have made."""
+    so what it makes is what the loading thread would have made. Its GPU work runs on a stream of its own, ordered
+    after what the loading thread had queued when it was made: when the arena fills beside the first forward, the merge's copies do
+    not queue behind the forward's kernels, nor the forward behind them."""
 
     def __init__(self, merge: StreamedMerge, patcher: Any, keys: dict[int, list[str]],
                  originals: Callable[[int], dict[str, torch.Tensor]], device: torch.device,
-                 attach: AttachPatches | None = None) -> None:
+                 attach: AttachPatches | None = None,
+                 targets: Callable[[int], dict[str, torch.Tensor]] | None = None) -> None:
         self._merge, self.patcher, self.keys, self._originals = merge, patcher, keys, originals
-        self.device, self._attach = device, attach
+        self.device, self._attach, self._targets = device, attach, targets
         self._inference = torch.is_inference_mode_enabled()
         self._pool: ThreadPoolExecutor | None = None
+        self._stream: torch.cuda.Stream | None = None
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))  # the patches' uploads come first
         self._jobs: list[Future] = []
         self.blocks: set[int] = set()  # the blocks handed over so far
 
-    def block(self, b: int) -> None:
-        """Block ``b`` is in the arena: merge its keys in the worker."""
+    def block(self, b: int) -> Future | None:
+        """Block ``b`` is in the arena: merge its keys in the worker; the merge's future (None: nothing to merge)."""
         self.blocks.add(b)
         keys = self.keys.get(b)
         if not keys:
-            return
+            return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lowvram_dit_lora_merge")
             self._merge.ran_beside_copy()
-        self._jobs.append(self._pool.submit(self._run, keys, self._originals(b)))
+        targets = self._targets(b) if self._targets is not None else None
+        job = self._pool.submit(self._run, keys, self._originals(b), targets)
+        self._jobs.append(job)
+        return job
 
-    def _run(self, keys: list[str], originals: dict[str, torch.Tensor]) -> None:
-        with torch.inference_mode(self._inference), torch.no_grad():
-            self._merge.merge_keys(self.patcher, keys, originals, self.device, self._attach)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # this thread's copies into the arena are done
+    def _run(self, keys: list[str], originals: dict[str, torch.Tensor],
+             targets: dict[str, torch.Tensor] | None) -> None:
+        stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        with torch.inference_mode(self._inference), torch.no_grad(), stream:
+            self._merge.merge_keys(self.patcher, keys, originals, self.device, self._attach, targets)
+        if self._stream is not None:
+            self._stream.synchronize()  # this block's copies into the arena are done
 
     def wait(self) -> None:
         """Return once every handed-over block is merged; raises the first error a block's merge raised."""

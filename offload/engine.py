@@ -37,6 +37,7 @@ import torch
 
 from ..kernels.hooks import HookRegistry, ModelHook, PerModel
 from . import ggml_tensors as ggml
+from .arena_fill import BackgroundFill, BlockFill
 from .host_memory import (HostArena, PinBudget, SpareArena, file_backed_ranges, is_file_backed, page_out,
                           release_spares, take_spare)
 from .plan import ALIGN, SwapPlan, aligned, prefetch_targets
@@ -187,15 +188,6 @@ class _Slot:
     pending: bool = False  # loaded but not consumed yet
 
 
-class BlockFill(Protocol):
-    """Work on each streamed block's arena bytes right after they are copied (Block Swap's LoRA merge), so it can
-    run while the next block is copied; ``wait`` returns once all of it is done (raising what it raised)."""
-
-    def block(self, b: int) -> None: ...
-
-    def wait(self) -> None: ...
-
-
 class BlockStreamer:
     """Streams the planned blocks of a block list through a GPU ring; resident blocks are not touched.
 
@@ -220,6 +212,9 @@ class BlockStreamer:
         self.arena: HostArena | None = None
         self.spare: SpareArena | None = None  # the memory of this model's dropped arena, until an arena takes it
         self.originals: dict[int, dict[str, torch.Tensor]] = {}  # file-backed tensors restored on release
+        self._filling: BackgroundFill | None = None
+        self._unbound: set[int] = set()  # blocks copied by that thread, not yet bound to their arena views
+        self._on_filled: Callable[[], None] | None = None
         self._layouts: dict[int, tuple[list[TensorSlot], int]] = {}
         self._cpu_views: dict[int, dict[str, torch.Tensor]] = {}
         self._gpu_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -276,7 +271,7 @@ class BlockStreamer:
         """Set ``attr`` on every view of block ``b``'s tensor ``name`` that the engine binds, now and later (a GGML
         tensor's LoRA ``patches``, applied by its layer on use)."""
         self._attrs.setdefault((b, name), {})[attr] = value
-        bound = [self._cpu_views.get(b, {})] + [v for (blk, _), v in self._gpu_views.items() if blk == b]
+        bound = [self._cpu_views.get(b, {})] + [v for (blk, _), v in list(self._gpu_views.items()) if blk == b]
         for views in bound:
             if name in views:
                 setattr(views[name], attr, value)
@@ -299,7 +294,7 @@ class BlockStreamer:
                 for n, v in views.items()}
 
     def _arena_is_current(self) -> bool:
-        if self.arena is None:
+        if self.arena is None or any(b not in self._cpu_views for b in self.plan.streamed):
             return False
         for b in self.plan.streamed:
             for name, (mod, attr, is_param) in self._owners[b].items():
@@ -309,21 +304,27 @@ class BlockStreamer:
         return True
 
     @torch.no_grad()
-    def activate(self, fill: BlockFill | None = None) -> None:
+    def activate(self, fill: BlockFill | None = None, on_filled: Callable[[], None] | None = None,
+                 background: bool = False) -> None:
         """Copy streamed blocks into the host arena (once), pin it, allocate the ring. Idempotent.
 
         ``fill`` gets each block as soon as it is copied when the arena's memory is already what it will stay
         (pinned, or never to be pinned): registering memory that is being written is not done. ``took["filled"]``
-        says whether it got them; if not, the caller does that work after this returns."""
+        says whether it got them; if not, the caller does that work in ``on_filled``. ``on_filled`` runs on this
+        thread once the arena holds every block: before this returns, or, with ``background`` and an arena whose
+        memory is final, when the first forward has loaded every block (``took["background"]``, offload/arena_fill.py;
+        until then the blocks not reached yet stay bound to what they were bound to)."""
         if self.active:
             return
+        self.finish_fill()
         streamed = self.plan.streamed
         for b in streamed:
             self._owners.setdefault(b, self._build_owners(b))
         t0 = time.perf_counter()
-        self.took = {"reused": False, "filled": False}  # for the load's log line: and copy, pin
+        self.took = {"reused": False, "filled": False, "background": False}  # for the load's log line: copy, pin
+        self._on_filled = on_filled
         if streamed and not self._arena_is_current():
-            self._build_arena(fill)
+            self._build_arena(fill, background)
         t1 = time.perf_counter()
         if streamed and self.pinned and self.device.type == "cuda":
             self.arena.pin()
@@ -342,8 +343,10 @@ class BlockStreamer:
         self._pending.clear()
         self._measured.clear()
         self.active = True
+        if self._filling is None:
+            self._filled()
 
-    def _build_arena(self, fill: BlockFill | None) -> None:
+    def _build_arena(self, fill: BlockFill | None, background: bool) -> None:
         streamed = self.plan.streamed
         offsets, total = {}, 0
         for b in streamed:
@@ -363,37 +366,87 @@ class BlockStreamer:
         # thread, several times slower than the copy and the pin together (docs/investigations, expert switch)
         final = self.arena.pinned or not (self.pinned and self.device.type == "cuda")
         self.took["filled"] = fill is not None and final
+        self._arena_offsets = offsets
+        self.originals.clear()
+        self._cpu_views = {b: v for b, v in self._cpu_views.items() if b not in offsets}
+        if final and background:
+            self.took["background"] = True
+            maps = file_backed_ranges()
+            self._unbound = set(streamed)
+            self._filling = BackgroundFill(streamed, lambda b: self._copy_block(b, maps), fill)
+            return
         try:
-            mapped = self._copy_blocks(offsets, fill if self.took["filled"] else None)
+            mapped = self._copy_blocks(fill if self.took["filled"] else None)
         finally:
             if self.took["filled"]:
                 fill.wait()  # before the arena is pinned, bound to the ring or freed
-        self._arena_offsets = offsets
         log.info("lowvram_dit block swap: %d blocks (%.2f GB) copied into a host arena%s", len(streamed), total / 1e9,
                  f"; {mapped / 1e9:.2f} GB of it stays file-backed for when the model goes idle" if mapped else "")
 
-    def _copy_blocks(self, offsets: dict[int, int], fill: BlockFill | None) -> int:
+    def _copy_blocks(self, fill: BlockFill | None) -> int:
         """Copy every streamed block into its arena region and bind it there; the file-backed bytes among them."""
         maps = file_backed_ranges()
-        self.originals.clear()
         mapped = 0
         for b in self.plan.streamed:
-            layout = self._layout(b)[0]
-            views = flat_views(self.arena.buffer, layout, base=offsets[b])
-            originals = {}
-            for s in layout:
-                mod, attr, is_param = self._owners[b][s.name]
-                src = mod._parameters[attr] if is_param else mod._buffers[attr]
-                ggml.stored(views[s.name]).copy_(ggml.stored(src))
-                if is_file_backed(src, maps):
-                    originals[s.name] = src  # costs no anonymous RAM: restore it when idle (two-expert RSS goal)
-            self.originals[b] = originals
-            mapped += page_out(originals.values(), maps)  # per block: the file pages just read never pile up in RSS
-            self._cpu_views[b] = self._stamp(b, self._as_params(b, views))
+            mapped += self._copy_block(b, maps)
             self._bind(b, self._cpu_views[b])
             if fill is not None:
                 fill.block(b)
         return mapped
+
+    def _copy_block(self, b: int, maps: list[tuple[int, int]]) -> int:
+        """Copy block ``b`` into its arena region and make its CPU views (bound by the caller); returns the bytes
+        of it that stay file-backed. Reads only what the block's modules are bound to, so a thread can run it."""
+        layout = self._layout(b)[0]
+        views = flat_views(self.arena.buffer, layout, base=self._arena_offsets[b])
+        originals = {}
+        for s in layout:
+            mod, attr, is_param = self._owners[b][s.name]
+            src = mod._parameters[attr] if is_param else mod._buffers[attr]
+            ggml.stored(views[s.name]).copy_(ggml.stored(src))
+            if is_file_backed(src, maps):
+                originals[s.name] = src  # costs no anonymous RAM: restore it when idle (two-expert RSS goal)
+        self.originals[b] = originals
+        self._cpu_views[b] = self._stamp(b, self._as_params(b, views))
+        return page_out(originals.values(), maps)  # per block: the file pages just read never pile up in RSS
+
+    def _await_block(self, b: int) -> None:
+        """Before block ``b``'s first copy out of an arena being filled beside the forward: wait for it, bind it."""
+        filling = self._filling
+        if filling is None or b not in self._unbound:
+            return
+        filling.ready(b)
+        self._bind(b, self._cpu_views[b])
+        self._unbound.discard(b)
+        if not self._unbound:
+            self.finish_fill()
+
+    def finish_fill(self) -> None:
+        """Wait for an arena being filled beside the forward, bind every block to it and run ``on_filled``; a no-op
+        when none is. Raises what stopped the fill (blocks it did not reach stay bound to their originals)."""
+        filling, self._filling = self._filling, None
+        if filling is None:
+            return
+        try:
+            filling.join()
+        finally:
+            for b in sorted(self._unbound):
+                if filling.copied(b):
+                    self._bind(b, self._cpu_views[b])
+            self._unbound.clear()
+        nbytes = sum(self._layout(b)[1] for b in self.plan.streamed)
+        log.info("lowvram_dit block swap: %d blocks (%.2f GB) copied into a host arena beside the first forward in "
+                 "%.2f s", len(self.plan.streamed), nbytes / 1e9, filling.seconds)
+        self._filled()
+
+    def _filled(self) -> None:
+        callback, self._on_filled = self._on_filled, None
+        if callback is not None:
+            callback()
+
+    def cpu_views(self, b: int) -> dict[str, torch.Tensor]:
+        """Block ``b``'s views into the host arena, by name inside the block (bound between its forwards)."""
+        return self._cpu_views[b]
 
     def _gpu(self, b: int, slot: int) -> dict[str, torch.Tensor]:
         key = (b, slot)
@@ -408,6 +461,11 @@ class BlockStreamer:
         same model around every sampler run. Streamed blocks stay valid CPU tensors."""
         if not self.active:
             return
+        try:
+            self.finish_fill()
+        except Exception as exc:  # noqa: BLE001 - raised to the forward that needed the block; unloading goes on
+            log.warning("lowvram_dit block swap: filling the host arena failed (%s); the next load copies it again",
+                        exc)
         for b in list(self._bound):
             self._bind(b, self._cpu_views[b])
         self._bound.clear()
@@ -432,7 +490,7 @@ class BlockStreamer:
             # Idle model ~0 RSS (two-expert Wan 2.2): file-backed masters go back to the file mapping, the
             # rest (biases, norms, modulation: ~0.1 % of a block) gets small private copies, the arena's
             # memory is offered to the next arena of its size (the other expert's, at the next switch).
-            for b in self.plan.streamed:
+            for b in list(self._cpu_views):  # a fill that failed left the blocks it did not reach on the file
                 keep = self.originals.get(b, {})
                 self._bind(b, self._as_params(b, {n: keep[n] if n in keep else _private_copy(v)
                                                   for n, v in self._cpu_views[b].items()}))
@@ -458,6 +516,7 @@ class BlockStreamer:
 
     def _load(self, b: int) -> int:
         """Issue the H2D copy of block ``b`` into the oldest free slot; returns the slot index."""
+        self._await_block(b)
         i = self._free_order.pop(0)
         slot = self.slots[i]
         if slot.block is not None and self._where.get(slot.block) == i:

@@ -269,6 +269,81 @@ def test_a_merge_error_in_the_worker_reaches_the_caller(files: dict, monkeypatch
     mm.unload_all_models()
 
 
+def test_two_experts_filled_beside_their_first_forward_equal_the_fill_at_load(files: dict,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a GPU does at an expert switch (the arena's memory already final: it copies and merges beside the first
+    forward, offload/arena_fill.py), run on the CPU: two LoRA'd experts of one layout, twice each in turn, under
+    inference mode as ComfyUI samples. Every render equals the one whose arena was filled at load, bit for bit; the
+    second expert copies into the memory the first dropped; after each first forward the merge is complete and every
+    streamed weight is the arena's. A load for reading the weights (``force_patch_weights``) fills before it returns."""
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.host import block_swap
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
+
+    d = files["fp8_scaled"].parent
+    other = d / "wan_fp8_scaled_seed12.safetensors"
+    synth.write_synthetic(MODEL, other, size="tiny", fmt="fp8_scaled", seed=12)
+    lora = wan_lora(files["sd"], style="lightx2v")
+
+    def experts() -> list[Any]:
+        return [_with_lora(_swapped(_load(path, "per_tensor")), lora) for path in (files["fp8_scaled"], other)]
+
+    refs = []
+    for model in experts():
+        refs.append(sample_wan(model, steps=2))
+        mm.unload_all_models()
+    assert not torch.equal(*refs)
+    monkeypatch.setattr(block_swap, "fills_beside_forward", lambda device: True)
+    models = experts()
+    for render in range(2):
+        for i, (model, ref) in enumerate(zip(models, refs)):
+            with torch.inference_mode():
+                assert torch.equal(sample_wan(model, steps=2), ref)
+            ctl = model.attachments[SWAP_KEY]
+            took = ctl.streamer.took
+            assert took["background"] and took["reused"] == (render + i > 0)
+            assert ctl.lora.is_current(model) and ctl.lora.overlapped
+            assert all(ctl.streamer.arena.contains(model.model.diffusion_model.blocks[b].ffn[0].weight)
+                       for b in ctl.plan.streamed)
+            mm.unload_all_models()  # the expert goes idle: its arena's memory is offered to the other
+    model = models[0]
+    mm.load_models_gpu([model], force_patch_weights=True)
+    ctl = model.attachments[SWAP_KEY]
+    assert not ctl.streamer.took["background"] and ctl.lora.is_current(model)
+    mm.unload_all_models()
+    other.unlink()
+
+
+def test_a_merge_error_beside_the_first_forward_fails_the_render_and_the_next_one_merges(
+        files: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block whose merge fails while the arena fills beside the forward fails that render with the error; the
+    unload after it does not raise, and the next render of the same model merges again and is right."""
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.host import block_swap, lora_merge
+
+    lora = wan_lora(files["sd"], style="lightx2v")
+    ref = sample_wan(_with_lora(_swapped(_load(files["fp8_scaled"], "per_tensor")), lora), steps=1)
+    mm.unload_all_models()
+    monkeypatch.setattr(block_swap, "fills_beside_forward", lambda device: True)
+    model = _with_lora(_swapped(_load(files["fp8_scaled"], "per_tensor")), lora)
+    merged = lora_merge.merged_weight
+
+    def failing(patcher: Any, key: str, device: torch.device) -> torch.Tensor:
+        if key.endswith("blocks.1.ffn.2.weight"):
+            raise TypeError(f"{key}: planted merge failure")
+        return merged(patcher, key, device)
+
+    monkeypatch.setattr(lora_merge, "merged_weight", failing)
+    with pytest.raises(TypeError, match="blocks.1.ffn.2.weight: planted merge failure"):
+        sample_wan(model, steps=1)
+    mm.unload_all_models()
+    monkeypatch.setattr(lora_merge, "merged_weight", merged)
+    assert torch.equal(sample_wan(model, steps=1), ref)
+    mm.unload_all_models()
+
+
 def _native_fp8_merge(sd: dict, lora: dict, keys: list[str]) -> dict[str, torch.Tensor]:
     """ComfyUI's own fp8 path: UNETLoader weight_dtype fp8_e4m3fn (plain fp8 cast) + LoRA merged by ModelPatcher
     (stochastic rounding back to fp8)."""
