@@ -63,16 +63,18 @@ def _seed(key: str) -> int:
 
 
 @torch.no_grad()
-def merged_weight(patcher: Any, key: str, device: torch.device) -> torch.Tensor:
+def merged_weight(patcher: Any, key: str, device: torch.device, source: torch.Tensor | None = None) -> torch.Tensor:
     """``key``'s stored tensor with its patches applied, computed on ``device``, in the stored dtype/layout.
 
-    The same steps as ComfyUI's ``patch_weight_to_device``, without replacing the parameter or backing it up."""
+    The same steps as ComfyUI's ``patch_weight_to_device``, without replacing the parameter or backing it up.
+    ``source``: the bytes to read instead of the bound tensor (the same values: its copy in the host arena)."""
     import comfy.float
     import comfy.lora
     import comfy.model_management as mm
     import comfy.model_patcher as mp
 
     weight, set_func, convert_func = mp.get_key_weight(patcher.model, key)
+    weight = weight if source is None else source
     # ComfyUI-GGUF merges into its unquantized GGML tensors in float32, ComfyUI in its LoRA compute dtype
     compute = torch.float32 if ggml.is_ggml(weight) else mm.lora_compute_dtype(device)
     # as patch_weight_to_device: a non-blocking copy converts on the GPU (a blocking one converts on the CPU)
@@ -153,7 +155,9 @@ class StreamedMerge:
                 self._attached.append(key)
                 self._attach = attach
                 continue
-            new = merged_weight(patcher, key, device)
+            # read from the arena (pinned, just copied), not from a file mapping the forward's thread still binds:
+            # the file's pages would come back into RSS and be read at pageable speed
+            new = merged_weight(patcher, key, device, source=target)
             stored, original = ggml.stored(target), originals.get(key)
             file_backed = original is not None and ggml.stored(original).shape == stored.shape \
                 and original.dtype == stored.dtype
@@ -223,7 +227,8 @@ class BlockMerge:
         self._pool: ThreadPoolExecutor | None = None
         self._stream: torch.cuda.Stream | None = None
         if device.type == "cuda":
-            self._stream = torch.cuda.Stream(device)
+            # high priority: its kernels start as SMs free up, not behind the forward's queued kernels
+            self._stream = torch.cuda.Stream(device, priority=-1)
             self._stream.wait_stream(torch.cuda.current_stream(device))  # the patches' uploads come first
         self._jobs: list[Future] = []
         self.blocks: set[int] = set()  # the blocks handed over so far

@@ -257,10 +257,10 @@ def test_a_merge_error_in_the_worker_reaches_the_caller(files: dict, monkeypatch
     model = _with_lora(_swapped(_load(files["fp8_scaled"], "per_tensor")), lora)
     merged = lora_merge.merged_weight
 
-    def failing(patcher: Any, key: str, device: torch.device) -> torch.Tensor:
+    def failing(patcher: Any, key: str, device: torch.device, **kwargs: Any) -> torch.Tensor:
         if key.endswith("blocks.1.ffn.2.weight"):
             raise TypeError(f"{key}: planted merge failure")
-        return merged(patcher, key, device)
+        return merged(patcher, key, device, **kwargs)
 
     monkeypatch.setattr(lora_merge, "merged_weight", failing)
     with pytest.raises(TypeError, match="blocks.1.ffn.2.weight: planted merge failure"):
@@ -330,10 +330,10 @@ def test_a_merge_error_beside_the_first_forward_fails_the_render_and_the_next_on
     model = _with_lora(_swapped(_load(files["fp8_scaled"], "per_tensor")), lora)
     merged = lora_merge.merged_weight
 
-    def failing(patcher: Any, key: str, device: torch.device) -> torch.Tensor:
+    def failing(patcher: Any, key: str, device: torch.device, **kwargs: Any) -> torch.Tensor:
         if key.endswith("blocks.1.ffn.2.weight"):
             raise TypeError(f"{key}: planted merge failure")
-        return merged(patcher, key, device)
+        return merged(patcher, key, device, **kwargs)
 
     monkeypatch.setattr(lora_merge, "merged_weight", failing)
     with pytest.raises(TypeError, match="blocks.1.ffn.2.weight: planted merge failure"):
