@@ -214,8 +214,8 @@ class BlockMerge:
     CPU's copy of the next block and the GPU round trip of this block's weights run at the same time instead of one
     after the other. The worker computes in the loading thread's inference / grad mode (torch keeps them per thread),
     so what it makes is what the loading thread would have made. Its GPU work runs on a stream of its own, ordered
-    after what the loading thread had queued when it was made: when the arena fills beside the first forward, the merge's copies do
-    not queue behind the forward's kernels, nor the forward behind them."""
+    after what the loading thread had queued when it was made: when the arena fills beside the first forward, the
+    merge's kernels and copies do not queue behind the forward's, nor the forward behind them."""
 
     def __init__(self, merge: StreamedMerge, patcher: Any, keys: dict[int, list[str]],
                  originals: Callable[[int], dict[str, torch.Tensor]], device: torch.device,

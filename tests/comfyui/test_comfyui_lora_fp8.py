@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -255,18 +255,26 @@ def test_a_merge_error_in_the_worker_reaches_the_caller(files: dict, monkeypatch
 
     lora = wan_lora(files["sd"], style="lightx2v")
     model = _with_lora(_swapped(_load(files["fp8_scaled"], "per_tensor")), lora)
-    merged = lora_merge.merged_weight
-
-    def failing(patcher: Any, key: str, device: torch.device, **kwargs: Any) -> torch.Tensor:
-        if key.endswith("blocks.1.ffn.2.weight"):
-            raise TypeError(f"{key}: planted merge failure")
-        return merged(patcher, key, device, **kwargs)
-
-    monkeypatch.setattr(lora_merge, "merged_weight", failing)
+    merged = _plant_merge_failure(monkeypatch, "blocks.1.ffn.2.weight")
     with pytest.raises(TypeError, match="blocks.1.ffn.2.weight: planted merge failure"):
         sample_wan(model, steps=1)
     monkeypatch.setattr(lora_merge, "merged_weight", merged)
     mm.unload_all_models()
+
+
+def _plant_merge_failure(monkeypatch: pytest.MonkeyPatch, suffix: str) -> Callable[..., torch.Tensor]:
+    """Make Block Swap's merge of the weight whose key ends with ``suffix`` raise; returns the real merge."""
+    from comfyui_lowvram_dit.host import lora_merge
+
+    merged = lora_merge.merged_weight
+
+    def failing(patcher: Any, key: str, device: torch.device, **kwargs: Any) -> torch.Tensor:
+        if key.endswith(suffix):
+            raise TypeError(f"{key}: planted merge failure")
+        return merged(patcher, key, device, **kwargs)
+
+    monkeypatch.setattr(lora_merge, "merged_weight", failing)
+    return merged
 
 
 def test_two_experts_filled_beside_their_first_forward_equal_the_fill_at_load(files: dict,
@@ -328,14 +336,7 @@ def test_a_merge_error_beside_the_first_forward_fails_the_render_and_the_next_on
     mm.unload_all_models()
     monkeypatch.setattr(block_swap, "fills_beside_forward", lambda device: True)
     model = _with_lora(_swapped(_load(files["fp8_scaled"], "per_tensor")), lora)
-    merged = lora_merge.merged_weight
-
-    def failing(patcher: Any, key: str, device: torch.device, **kwargs: Any) -> torch.Tensor:
-        if key.endswith("blocks.1.ffn.2.weight"):
-            raise TypeError(f"{key}: planted merge failure")
-        return merged(patcher, key, device, **kwargs)
-
-    monkeypatch.setattr(lora_merge, "merged_weight", failing)
+    merged = _plant_merge_failure(monkeypatch, "blocks.1.ffn.2.weight")
     with pytest.raises(TypeError, match="blocks.1.ffn.2.weight: planted merge failure"):
         sample_wan(model, steps=1)
     mm.unload_all_models()
