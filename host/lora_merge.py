@@ -12,7 +12,8 @@ Each merged tensor goes back from the GPU straight into the pinned arena with an
 staging copy, no wait per tensor; one wait at the end), so a load pays about one host round trip of the merged bytes.
 Where the arena is being filled into memory that is already pinned (an expert switch re-using the memory the idle
 expert left), ``BlockMerge`` merges each block in a worker thread while the next one is copied, so that round trip
-and the CPU's copy overlap.
+and the CPU's copy overlap; at an expert switch that runs beside the model's first step (offload/arena_fill.py), and a
+block whose merge finds no GPU memory there is finished on the model's thread once the GPU has run what was queued.
 
 Restoring is exact, and any clone can do it: each merged weight's original is also entered in the patcher's
 ``backup`` (ComfyUI shares one backup dict among a model's clones, in place), so when another clone of the same
@@ -231,6 +232,7 @@ class BlockMerge:
             self._stream = torch.cuda.Stream(device, priority=-1)
             self._stream.wait_stream(torch.cuda.current_stream(device))  # the patches' uploads come first
         self._jobs: list[Future] = []
+        self._settled: set[int] = set()  # ids of the jobs whose leftover work ran
         self.blocks: set[int] = set()  # the blocks handed over so far
 
     def block(self, b: int) -> Future | None:
@@ -248,20 +250,54 @@ class BlockMerge:
         return job
 
     def _run(self, keys: list[str], originals: dict[str, torch.Tensor],
-             targets: dict[str, torch.Tensor] | None) -> None:
+             targets: dict[str, torch.Tensor] | None) -> Callable[[], None] | None:
+        """Merge ``keys`` in the worker; what a lack of GPU memory left over (beside a forward's activations), as the
+        work for ``settle`` to run on the waiting thread, or None."""
         stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        left: list[str] = []
         with torch.inference_mode(self._inference), torch.no_grad(), stream:
-            self._merge.merge_keys(self.patcher, keys, originals, self.device, self._attach, targets)
+            for i, key in enumerate(keys):
+                try:
+                    self._merge.merge_keys(self.patcher, [key], originals, self.device, self._attach, targets)
+                except torch.OutOfMemoryError:
+                    left = keys[i:]
+                    break
         if self._stream is not None:
             self._stream.synchronize()  # this block's copies into the arena are done
+        if not left:
+            return None
+        log.warning("lowvram_dit Block Swap: the LoRA merge ran out of GPU memory in its worker at %s (beside the "
+                    "model's first step, or the arena copy); the model's thread merges the rest of that block once "
+                    "the GPU has run what was queued", left[0])
+        return lambda: self._merge_here(left, originals, targets)
+
+    @torch.no_grad()
+    def _merge_here(self, keys: list[str], originals: dict[str, torch.Tensor],
+                    targets: dict[str, torch.Tensor] | None) -> None:
+        """Merge ``keys`` on this thread once the GPU has run what was queued (between two blocks of a forward the
+        memory a block's activations took is free again)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        with torch.inference_mode(self._inference):
+            self._merge.merge_keys(self.patcher, keys, originals, self.device, self._attach, targets)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def settle(self, job: Future) -> None:
+        """Wait for a block's merge; run what it left (``_run``) on this thread, once; raise what it raised."""
+        left = job.result()
+        if left is not None and id(job) not in self._settled:
+            self._settled.add(id(job))
+            left()
 
     def wait(self) -> None:
-        """Return once every handed-over block is merged; raises the first error a block's merge raised."""
+        """Return once every handed-over block is merged (what a worker left, merged on this thread); raises the first
+        error a block's merge raised."""
         if self._pool is None:
             return
         try:
             for job in self._jobs:
-                job.result()
+                self.settle(job)
         finally:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool, self._jobs = None, []

@@ -28,13 +28,17 @@ class BlockFill(Protocol):
     def block(self, b: int) -> Future | None:
         """Start the work on block ``b``; its future (None: nothing to do, or done already)."""
 
+    def settle(self, job: Future) -> None:
+        """Wait for one block's work and finish, on the calling thread, what it left; raise what it raised."""
+
     def wait(self) -> None:
-        """Return once every handed-over block's work is done; raise the first error."""
+        """Return once every handed-over block's work is done (settled); raise the first error."""
 
 
 class BackgroundFill:
     """Copies blocks with ``copy_block`` in a thread, in ``order``, handing each to ``fill``; ``ready(b)`` waits for
-    block ``b`` alone, ``join()`` for all of it. The thread computes in the starting thread's inference / grad mode
+    block ``b`` alone, ``join()`` for all of it, both finishing on the calling thread what the fill's work on a
+    block left (a LoRA merge that found no GPU memory beside the forward). The thread computes in the starting thread's inference / grad mode
     (torch keeps them per thread), so the tensors it writes are the kind the starting thread would have written."""
 
     def __init__(self, order: Sequence[int], copy_block: Callable[[int], None], fill: BlockFill | None) -> None:
@@ -45,7 +49,7 @@ class BackgroundFill:
         self._error: BaseException | None = None
         self._inference = torch.is_inference_mode_enabled()
         self.started = time.perf_counter()
-        self.seconds = 0.0  # from start to the last block copied and filled
+        self.seconds = 0.0  # from start to the last block copied and handed to the fill
         self._thread = threading.Thread(target=self._run, name="lowvram_dit_arena_fill", daemon=True)
         self._thread.start()
 
@@ -61,13 +65,6 @@ class BackgroundFill:
         finally:
             for event in self._copied.values():  # after an error nothing more comes: no waiter may hang
                 event.set()
-            if self._fill is not None:
-                try:
-                    self._fill.wait()
-                except BaseException as exc:  # noqa: BLE001 - the same: raised by ready() / join()
-                    self._error = self._error or exc
-            failed = [job.exception() for job in self._jobs.values() if job is not None and job.done()]
-            self._error = self._error or next((e for e in failed if e is not None), None)
             self.seconds = time.perf_counter() - self.started
 
     def ready(self, b: int) -> None:
@@ -77,13 +74,17 @@ class BackgroundFill:
             raise self._error or RuntimeError(f"block swap: block {b} was never copied into the host arena")
         job = self._jobs[b]
         if job is not None:
-            job.result()
+            self._fill.settle(job)
 
     def join(self) -> None:
-        """Return once the thread has finished; raise what stopped the fill."""
+        """Return once the thread and the fill's work on every block are done; raise what stopped either."""
         self._thread.join()
-        if self._error is not None:
-            raise self._error
+        try:
+            if self._error is not None:
+                raise self._error
+        finally:
+            if self._fill is not None:
+                self._fill.wait()
 
     def copied(self, b: int) -> bool:
         """True once block ``b`` is in the arena (its fill work may still run)."""

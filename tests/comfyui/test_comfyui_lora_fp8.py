@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -342,6 +343,35 @@ def test_a_merge_error_beside_the_first_forward_fails_the_render_and_the_next_on
     mm.unload_all_models()
     monkeypatch.setattr(lora_merge, "merged_weight", merged)
     assert torch.equal(sample_wan(model, steps=1), ref)
+    mm.unload_all_models()
+
+
+def test_a_merge_short_of_gpu_memory_beside_the_first_forward_finishes_between_blocks(
+        files: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A weight whose merge beside the forward runs out of GPU memory (the merge's temporaries beside the forward's
+    activations) is merged on the forward's thread before its block loads, with a warning: same render."""
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.host import block_swap, lora_merge
+
+    lora = wan_lora(files["sd"], style="lightx2v")
+    ref = sample_wan(_with_lora(_swapped(_load(files["fp8_scaled"], "per_tensor")), lora), steps=1)
+    mm.unload_all_models()
+    monkeypatch.setattr(block_swap, "fills_beside_forward", lambda device: True)
+    model = _with_lora(_swapped(_load(files["fp8_scaled"], "per_tensor")), lora)
+    merged, threads = lora_merge.merged_weight, []
+
+    def short_once(patcher: Any, key: str, device: torch.device, **kwargs: Any) -> torch.Tensor:
+        if key.endswith("blocks.1.ffn.2.weight"):
+            threads.append(threading.current_thread().name)
+            if len(threads) == 1:
+                raise torch.OutOfMemoryError("planted: no memory beside the forward")
+        return merged(patcher, key, device, **kwargs)
+
+    monkeypatch.setattr(lora_merge, "merged_weight", short_once)
+    assert torch.equal(sample_wan(model, steps=1), ref)
+    assert threads[0].startswith("lowvram_dit_lora_merge") and threads[1] == threading.current_thread().name
+    assert "ran out of GPU memory in its worker at diffusion_model.blocks.1.ffn.2.weight" in caplog.text
     mm.unload_all_models()
 
 

@@ -54,10 +54,15 @@ class _SlowMerge:
         self.jobs.append(job)
         return job
 
-    def wait(self) -> None:  # as BlockMerge.wait: every job done (its errors are the fill's to report)
+    def settle(self, job: Future) -> None:
+        job.result()
+
+    def wait(self) -> None:  # as BlockMerge.wait: every job settled, the first error raised
         self.waits += 1
         for job in self.jobs:
             job.exception()
+        for job in self.jobs:
+            job.result()
 
 
 def _doubled(model: TinyWan, blocks: tuple[int, ...]) -> torch.Tensor:
