@@ -37,9 +37,9 @@ class BlockFill(Protocol):
 
 class BackgroundFill:
     """Copies blocks with ``copy_block`` in a thread, in ``order``, handing each to ``fill``; ``ready(b)`` waits for
-    block ``b`` alone, ``join()`` for all of it, both finishing on the calling thread what the fill's work on a
-    block left (a LoRA merge that found no GPU memory beside the forward). The thread computes in the starting thread's inference / grad mode
-    (torch keeps them per thread), so the tensors it writes are the kind the starting thread would have written."""
+    block ``b`` alone, ``join()`` for all of it, both finishing on the calling thread what the fill's work on a block
+    left (a LoRA merge that found no GPU memory beside the forward). The thread computes in the starting thread's
+    inference / grad mode (torch keeps them per thread): the tensors it writes are the kind that thread would write."""
 
     def __init__(self, order: Sequence[int], copy_block: Callable[[int], None], fill: BlockFill | None) -> None:
         self.order = list(order)
