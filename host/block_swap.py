@@ -320,8 +320,6 @@ class SwapController:
         mapping, only its private copies), the ring and the arena are freed and the plan is dropped."""
         was_active = self.active
         self._hand_over_timings()
-        if self.streamer is not None:
-            self.streamer.detach()  # an arena still being filled beside the forward is complete first
         t0 = time.perf_counter()
         restore_s = self._release_arena() if self.streamer is not None else 0.0
         self.parked.drop()
@@ -336,6 +334,7 @@ class SwapController:
         """The streamer lets go of its arena (and ring), after the merged LoRA is undone as far as the arena needs
         it: all of it when the arena stays, only the private copies when it is dropped for the file mapping.
         Returns the seconds the restore took."""
+        self.streamer.finish_fill_quietly()  # an arena still being filled beside the forward is complete first
         t0 = time.perf_counter()
         self.lora.restore(arena_dropped=self.streamer.drops_arena_on_release())
         restored = time.perf_counter() - t0

@@ -439,6 +439,15 @@ class BlockStreamer:
                  "%.2f s", len(self.plan.streamed), nbytes / 1e9, filling.seconds)
         self._filled()
 
+    def finish_fill_quietly(self) -> None:
+        """``finish_fill`` on the way out of a load (detach, unload): what stopped the fill was raised to the forward
+        that needed the block, so here it is logged and unloading goes on."""
+        try:
+            self.finish_fill()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("lowvram_dit block swap: filling the host arena failed (%s); the next load copies it again",
+                        exc)
+
     def _filled(self) -> None:
         callback, self._on_filled = self._on_filled, None
         if callback is not None:
@@ -459,13 +468,9 @@ class BlockStreamer:
     def detach(self) -> None:
         """Free the ring; the arena stays (pinned) for a quick re-``activate``: ComfyUI detaches and re-loads the
         same model around every sampler run. Streamed blocks stay valid CPU tensors."""
+        self.finish_fill_quietly()  # also after an activation that failed once the fill had started
         if not self.active:
             return
-        try:
-            self.finish_fill()
-        except Exception as exc:  # noqa: BLE001 - raised to the forward that needed the block; unloading goes on
-            log.warning("lowvram_dit block swap: filling the host arena failed (%s); the next load copies it again",
-                        exc)
         for b in list(self._bound):
             self._bind(b, self._cpu_views[b])
         self._bound.clear()

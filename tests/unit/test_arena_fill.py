@@ -181,3 +181,26 @@ def test_an_arena_to_be_pinned_is_never_filled_beside_the_forward(tmp_path: Path
     st.finish_fill()
     assert all(st.arena.contains(model.blocks[b].ffn[0].weight) for b in plan.streamed)
     st.release()
+
+
+def test_an_activation_that_fails_after_the_fill_started_leaves_no_copy_running(tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    """The ring's allocation fails once the copy thread runs (a GPU out of memory): the release after it waits for
+    that thread before it lets the arena go, and a later load runs on the blocks as they are."""
+    model = _mapped_wan(tmp_path / "m.safetensors", 7)
+    st = _streamer(model)
+    ref = _forward(model, None)
+
+    def no_ring(*args, **kwargs):
+        raise torch.OutOfMemoryError("planted: no room for the ring")
+
+    monkeypatch.setattr(offload, "_Sync", no_ring)
+    with pytest.raises(torch.OutOfMemoryError):
+        st.activate(background=True)
+    assert st._filling is not None and not st.active
+    st.release()
+    assert st._filling is None
+    monkeypatch.undo()
+    st.activate()
+    assert torch.equal(_forward(model, st), ref)
+    st.release()
