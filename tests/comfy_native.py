@@ -1,5 +1,7 @@
 """ComfyUI's native Wan model driven in this process on a GPU, for the CUDA tests: import ComfyUI from COMFYUI_PATH,
-Wan inputs of one forward, and that forward with the patcher's wrappers and callbacks (as sampling merges them)."""
+Wan inputs of one model call, and that call through ``BaseModel.apply_model`` with the patcher's wrappers and
+callbacks, as a sampler makes it (the pack's forward hooks, Block Swap's prefetch among them, are an APPLY_MODEL
+wrapper)."""
 
 from __future__ import annotations
 
@@ -30,24 +32,25 @@ def import_comfy(cpu: bool = False) -> Any:
 
 
 def wan_inputs(model_patcher: Any, width: int, height: int, frames: int, seed: int = 0) -> dict:
-    """x, timestep and context for one Wan 2.1 / 2.2 14B forward (16-channel latent, stride 8), on the model's device
-    in its compute dtype."""
+    """x, sigma and context for one Wan 2.1 / 2.2 model call (16-channel latent, stride 8), on the model's device in
+    its compute dtype."""
     base = model_patcher.model
     shape = (1, base.latent_format.latent_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
     dtype = base.manual_cast_dtype or base.get_dtype()  # what BaseModel._apply_model casts inputs to
     device = model_patcher.load_device
     gen = torch.Generator(device="cpu").manual_seed(seed)
     return {"x": torch.randn(shape, generator=gen).to(device, dtype),
-            "timestep": torch.full((1,), 500.0, device=device),  # float32, as _apply_model passes
+            "sigma": torch.full((1,), 0.5, device=device),  # float32, as a sampler passes it
             "context": torch.randn((1, 512, TEXT_DIM), generator=gen).to(device, dtype)}
 
 
 def forward(model_patcher: Any, inputs: dict) -> torch.Tensor:
-    """``diffusion_model(x, t, context)`` under inference_mode, with the patcher's wrappers and callbacks."""
+    """``apply_model(x, sigma, c_crossattn=context)`` under inference_mode, with the patcher's wrappers and callbacks
+    merged into transformer_options as sampling does; the denoised output."""
     merge = import_comfy().patcher_extension.merge_nested_dicts
     options = merge({}, model_patcher.model_options.get("transformer_options", {}))
     options["wrappers"] = merge(options.get("wrappers", {}), model_patcher.wrappers)
     options["callbacks"] = merge(options.get("callbacks", {}), model_patcher.callbacks)
     with torch.inference_mode():
-        return model_patcher.model.diffusion_model(inputs["x"], inputs["timestep"], context=inputs["context"],
-                                                   transformer_options=options)
+        return model_patcher.model.apply_model(inputs["x"], inputs["sigma"], c_crossattn=inputs["context"],
+                                               transformer_options=options)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 import uuid
 
@@ -35,8 +36,9 @@ def _tiny_wan_patcher(num_layers: int = 6, seed: int = 0):  # noqa: ANN202
 _sample = functools.partial(sample_wan, cfg=2.0)  # the shared tiny-Wan KSampler path (tests/comfy_server.py)
 
 
-def test_in_process_swapped_sampling_equals_plain_and_accounts_memory():
+def test_in_process_swapped_sampling_equals_plain_and_accounts_memory(caplog):  # noqa: ANN001
     _comfy()
+    caplog.set_level(logging.INFO, logger="comfyui_lowvram_dit")
     import comfy.model_management as mm
 
     from comfyui_lowvram_dit.offload.plan import SwapConfig
@@ -50,6 +52,9 @@ def test_in_process_swapped_sampling_equals_plain_and_accounts_memory():
     out = _sample(swapped)
     assert torch.equal(out, ref)
     assert ctl.active and ctl.plan.streamed == (1, 3, 5) and ctl.streamer.stats.loads > 0
+    # the activation line says how long ComfyUI's load of the resident part took (an expert switch's share)
+    assert re.search(r"Block Swap: 3 of 6 blocks streamed .* activated in \d+\.\d\d s.*, after ComfyUI loaded the "
+                     r"resident part in \d+\.\d\d s", caplog.text), caplog.text[-2000:]
     # ComfyUI accounts resident weights + ring, not the streamed blocks
     assert swapped.model_size() == ctl.gpu_bytes(ctl.plan) < ctl.full_bytes
     assert swapped.model.model_loaded_weight_memory >= ctl.plan.ring_bytes
