@@ -89,7 +89,8 @@ class SwapState(enum.Enum):
 #   load(), not ACTIVE ............................ plan_load(), then activate() when a block streams
 #   partially_load() after the stock early return . activate() (the stock path skipped load())
 #   detach(unpatch_all=False) ..................... detach(): ring freed, arena kept for the re-load
-#   detach(unpatch_all=True), unpatch_model() ..... unload(): LoRA restored, ring and arena freed, plan dropped
+#   detach(unpatch_all=True), unpatch_model() ..... unload(): LoRA restored, ring and arena freed, plan dropped;
+#                                                   a model that streams parks its resident part (parked_weights)
 #   a forward while not ACTIVE .................... ensure_active(): activate() with the kept plan and device
 
 
@@ -316,15 +317,24 @@ class SwapController:
         self._release_gpu(patcher)
         self.state = SwapState.DETACHED
 
+    def weights_to_park(self, patcher) -> dict[str, tuple[torch.nn.Module, torch.Tensor]]:  # noqa: ANN001
+        """Before a full unload: the resident weights to keep in pinned memory for the next load (LoRA merged), for
+        a model that streams blocks with pinning on (a Wan 2.2 expert, unloaded at every switch); else none."""
+        if not (self.active and self.plan.streamed and self.config.pinned and torch.cuda.is_available()):
+            return {}
+        return {} if patcher.weight_inplace_update else regular_weights(patcher)
+
     @torch.no_grad()
-    def unload(self, patcher) -> None:  # noqa: ANN001 - ModelPatcher
+    def unload(self, patcher, keep_parked: bool = False) -> None:  # noqa: ANN001 - ModelPatcher
         """Any state -> UNLOADED: the arena gets its original bytes back (or, when it is dropped for the file
-        mapping, only its private copies), the ring and the arena are freed and the plan is dropped."""
+        mapping, only its private copies), the ring and the arena are freed and the plan is dropped. The parked
+        weights go too unless ``keep_parked`` (the unload parks the resident part there next)."""
         was_active = self.active
         self._hand_over_timings()
         t0 = time.perf_counter()
         restore_s = self._release_arena() if self.streamer is not None else 0.0
-        self.parked.drop()
+        if not keep_parked:
+            self.parked.drop()
         if was_active:
             self._release_gpu(patcher)
         self.plan, self.state = None, SwapState.UNLOADED
@@ -561,16 +571,35 @@ class BlockSwapMixin:
         return super().patch_weight_to_device(key, device_to, *args, **kwargs)
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):  # noqa: ANN001
-        if unpatch_weights and self._swap is not None:
-            self._swap.unload(self)
-        return super().unpatch_model(device_to=device_to, unpatch_weights=unpatch_weights)
+        ctl = self._swap
+        if not unpatch_weights or ctl is None:
+            return super().unpatch_model(device_to=device_to, unpatch_weights=unpatch_weights)
+        # A model that streams blocks is unloaded at every Wan 2.2 expert switch: its resident part, LoRA merged,
+        # goes to pinned memory for the next load (host/parked_weights.py) instead of back to its file only
+        before = ctl.weights_to_park(self)
+        ctl.unload(self, keep_parked=bool(before))
+        out = super().unpatch_model(device_to=device_to, unpatch_weights=unpatch_weights)
+        if before:
+            try:
+                ctl.parked.park(self, before, whole=True)
+            except (RuntimeError, MemoryError) as exc:  # parking only saves time: never fail ComfyUI's unload for it
+                log.warning("lowvram_dit Block Swap: could not keep the unloaded weights in pinned memory (%s); the "
+                            "next load reads them from their files", exc)
+                ctl.parked.drop()
+        return out
 
     def detach(self, unpatch_all=True):  # noqa: ANN001
         # unpatch_all=False: ComfyUI hands the weights to a clone (often this very patcher, re-loaded for the next
         # sampler run): free the ring now, keep the plan and the pinned arena for partially_load to re-activate.
-        if self._swap is not None:
-            self._swap.unload(self) if unpatch_all else self._swap.detach(self)
-        return super().detach(unpatch_all)
+        # unpatch_all: the stock detach unloads through unpatch_model (above); a base class whose detach does not
+        # is unloaded after it.
+        ctl = self._swap
+        if ctl is not None and not unpatch_all:
+            ctl.detach(self)
+        out = super().detach(unpatch_all)
+        if ctl is not None and unpatch_all and ctl.state is not SwapState.UNLOADED:
+            ctl.unload(self)
+        return out
 
 
 def fills_beside_forward(device: torch.device) -> bool:

@@ -1,4 +1,4 @@
-"""Weights ComfyUI unloads partially from a Block Swap model, kept as they were on the GPU for the reload.
+"""Weights ComfyUI unloads from a Block Swap model, kept as they were on the GPU for the reload.
 
 When a model DynamicVRAM manages (a kept text encoder, the VAE) needs room, ComfyUI unloads part of a legacy-loaded
 model (``ModelPatcher.partially_unload``): each moved weight is pointed back at its CPU original (for a mapped
@@ -7,13 +7,16 @@ load then reads those pages back from the page cache (pageable copies) and merge
 weight; a DynamicVRAM model faults its weights back from pinned memory instead.
 
 ``ParkedWeights`` keeps what left the GPU in one pinned host arena, counted in ComfyUI's pinned-memory account:
-``park`` copies the moved weights there as ``partially_unload`` returns, and ``restore`` (called from
+``park`` copies the moved weights there as ``partially_unload`` returns (or, for a model that streams blocks, as a
+full unload returns: a Wan 2.2 expert switch, where the idle expert's resident part would otherwise be read from its
+file and merged with its LoRA again at every switch), and ``restore`` (called from
 ``patch_weight_to_device``, which ComfyUI's load calls for every weight of a module it loads whole) puts one back
 with a single asynchronous copy, recording the backup ComfyUI itself would have made. A parked weight serves only a
 patcher with the same patches (``patches_uuid``) over the same CPU original and shape; anything else drops it, and
 ComfyUI loads and patches that weight as usual. Only plain tensors are parked (ComfyUI's QuantizedTensor and
 ComfyUI-GGUF's tensors carry state beside their bytes). Parking happens only where the arena is pinned; the arena
-stays for the next park while the model is loaded and goes with a full unload.
+stays for the next park while the model is loaded, and goes with a full unload that does not park (one of a model
+that streams nothing, or with too little RAM).
 
 Never imports ComfyUI at module level.
 """
@@ -55,8 +58,8 @@ def _aligned(n: int) -> int:
 
 
 def regular_weights(patcher: Any) -> dict[str, tuple[torch.nn.Module, torch.Tensor]]:
-    """The plain weights, by key, of every module ComfyUI has loaded whole onto ``patcher``'s load device (what
-    ``partially_unload`` may move), each with its module: taken just before ComfyUI unloads part of the model."""
+    """The plain weights, by key, of every module ComfyUI has loaded whole onto ``patcher``'s load device (what an
+    unload may move), each with its module: taken just before ComfyUI unloads the model or part of it."""
     out, device = {}, device_key(patcher.load_device)
     for name, m in patcher.model.named_modules():
         if getattr(m, "comfy_patched_weights", False) is not True or not hasattr(m, "comfy_cast_weights"):
@@ -78,12 +81,17 @@ class ParkedWeights:
         self.device: torch.device | None = None  # where the parked weights came from
         self.restored = 0  # bytes put back by restore() since the last park (for the load's log line)
 
-    def park(self, patcher: Any, before: dict[str, tuple[torch.nn.Module, torch.Tensor]]) -> int:
-        """Copy the weights of ``before`` that ``partially_unload`` moved off the GPU into the arena; their GPU
-        copies are freed when the caller drops ``before``. Returns the bytes parked (0 where nothing is pinned)."""
+    def park(self, patcher: Any, before: dict[str, tuple[torch.nn.Module, torch.Tensor]], whole: bool = False) -> int:
+        """Copy the weights of ``before`` that ``partially_unload`` moved off the GPU (``whole``: that a full unload
+        replaced, every one the model no longer holds) into the arena; their GPU copies are freed when the caller
+        drops ``before``. Returns the bytes parked (0 where nothing is pinned)."""
         import comfy.utils
 
-        moved = {k: (m, t) for k, (m, t) in before.items() if getattr(m, "comfy_patched_weights", None) is False}
+        if whole:
+            moved = {k: (m, t) for k, (m, t) in before.items()
+                     if comfy.utils.get_attr(patcher.model, k).data_ptr() != t.data_ptr()}
+        else:
+            moved = {k: (m, t) for k, (m, t) in before.items() if getattr(m, "comfy_patched_weights", None) is False}
         if not moved:
             return 0
         need = sum(_aligned(t.numel() * t.element_size()) for _, t in moved.values())
@@ -118,7 +126,7 @@ class ParkedWeights:
         size = max(-(-need // ARENA_STEP) * ARENA_STEP, self.arena.buffer.numel() if self.arena is not None else 0)
         self.drop()
         if not ram_allows(size):
-            say_once(log, "lowvram_dit Block Swap: not enough free RAM to keep the weights ComfyUI unloads partially "
+            say_once(log, "lowvram_dit Block Swap: not enough free RAM to keep the weights ComfyUI unloads "
                           "in pinned memory; they are loaded again from their files as ComfyUI does")
             return False
         self.arena = HostArena(size, pin=False, budget=self.budget)
@@ -126,7 +134,7 @@ class ParkedWeights:
         # times slower than the fill and the registration together
         self.arena.buffer.zero_()
         if not self.arena.pin():
-            say_once(log, "lowvram_dit Block Swap: no pinned memory for the weights ComfyUI unloads partially; they "
+            say_once(log, "lowvram_dit Block Swap: no pinned memory for the weights ComfyUI unloads; they "
                           "are loaded again from their files as ComfyUI does")
             self.drop()
             return False
@@ -162,14 +170,23 @@ class ParkedWeights:
         return True
 
     def say_restored(self) -> None:
-        """After a load: one log line for what restore() put back, if anything."""
+        """After a load: one log line for what restore() put back, if anything; what it did not is forgotten."""
         if self.restored:
             log.info("lowvram_dit Block Swap: %.2f GB loaded again from pinned memory, LoRA already merged",
                      self.restored / 1e9)
             self.restored = 0
+        self.forget()
+
+    def forget(self) -> None:
+        """After a load: parked weights it did not take back (their blocks stream now, or stayed on the CPU) are
+        stale; the arena stays for the next park."""
+        if self.slots:
+            log.debug("lowvram_dit Block Swap: %d parked weights not loaded back, forgotten", len(self.slots))
+        self.slots.clear()
+        self.used = 0
 
     def drop(self) -> None:
-        """Forget every parked weight and free the arena (a full unload: the weights go back to their files)."""
+        """Forget every parked weight and free the arena (the weights go back to their files)."""
         self.slots.clear()
         self.used = 0
         if self.arena is not None:

@@ -1,5 +1,6 @@
-"""A Block Swap model that ComfyUI unloads partially (to make room for a DynamicVRAM text encoder or VAE) gets its
-weights back from pinned memory, LoRA already merged, and samples bit for bit as before (host/parked_weights.py).
+"""A Block Swap model that ComfyUI unloads partially (to make room for a DynamicVRAM text encoder or VAE), or wholly
+while it streams blocks (a Wan 2.2 expert switch), gets its weights back from pinned memory, LoRA already merged, and
+samples bit for bit as before (host/parked_weights.py).
 
 In process, tiny Wan 2.2 with a LoRA, ComfyUI's real ModelPatcher code: on the CPU with ``torch.cuda.cudart()``
 replaced by a registration table (tests/fake_cudart.py), so the arena is pinned as on a GPU; the ``cuda`` test runs
@@ -61,10 +62,17 @@ def _merges(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return keys
 
 
+def regular_weights_keys(patcher: Any) -> list[str]:
+    """Every weight key of the model's modules that ComfyUI casts (what a load may put on the device)."""
+    return [f"{n}.{a}" for n, m in patcher.model.named_modules() if hasattr(m, "comfy_cast_weights")
+            for a, _ in m.named_parameters(recurse=False)]
+
+
 def _lifecycle(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Sample, unload a third partially, sample again: the moved weights come back from the arena without a LoRA
     merge and the output is the same bit for bit; another LoRA strength afterwards gets its own weights; a full
-    unload frees the arena."""
+    unload (a Wan 2.2 expert switch) parks the resident part in the same arena, and the next load of that model takes
+    it back without a merge, while a model with other patches merges its own."""
     import comfy.model_management as mm
 
     from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
@@ -95,8 +103,17 @@ def _lifecycle(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     stronger.patches = {k: list(v) for k, v in other.patches.items()}  # the LoRA at 2.0, as `other` has it
     stronger.patches_uuid = uuid.uuid4()
     assert torch.equal(sample_wan(stronger), ref_other)
+
+    mm.unload_all_models()  # a full unload (an expert switch): what the model held, LoRA merged, is parked
+    parked, arena = set(ctl.parked.slots), ctl.parked.arena
+    assert arena is not None and arena.pinned and patched & parked and parked <= set(regular_weights_keys(stronger))
+    merges.clear()
+    assert torch.equal(sample_wan(stronger), ref_other)
+    assert not ctl.parked.slots and not parked & set(merges), "a weight parked at the full unload was merged again"
     mm.unload_all_models()
-    assert ctl.parked.arena is None and not ctl.parked.slots
+    assert ctl.parked.slots and ctl.parked.arena is arena, "the next switch pinned another arena"
+    assert torch.equal(sample_wan(swapped), ref), "weights parked for other patches reached this model"
+    assert patched <= set(merges), "the model with other patches did not merge its own"
 
 
 @pytest.fixture
@@ -191,7 +208,10 @@ def test_without_free_ram_nothing_is_parked_and_comfyui_reloads_as_usual(tmp_pat
     assert swapped.partially_unload(swapped.offload_device, swapped.model.model_loaded_weight_memory // 3) > 0
     assert asked and not ctl.parked.slots and ctl.parked.arena is None
     assert torch.equal(sample_wan(swapped), ref)
-    mm.unload_all_models()
+    asked.clear()
+    mm.unload_all_models()  # a full unload asks too, and parks nothing either
+    assert asked and not ctl.parked.slots and ctl.parked.arena is None
+    assert torch.equal(sample_wan(swapped), ref)
 
 
 def test_without_comfyuis_ram_check_free_ram_decides(monkeypatch: pytest.MonkeyPatch) -> None:
