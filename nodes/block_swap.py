@@ -41,8 +41,10 @@ class BlockSwap(io.ComfyNode):
                              tooltip="Streamed blocks loading ahead of the one computing (GPU ring = prefetch + 1 "
                                      "blocks). Raise it when transfers are slower than compute."),
                 io.Boolean.Input("pinned", default=True,
-                                 tooltip="Page-lock the RAM copy of streamed blocks (fast async copies). Off saves "
-                                         "pinned memory (Windows shows it as shared GPU memory) but copies block."),
+                                 tooltip="Page-lock the RAM copy of streamed blocks (fast async copies), and keep "
+                                         "the resident part there, LoRA merged, between unloads (fast Wan 2.2 "
+                                         "expert switches). Off saves pinned memory (Windows shows it as shared GPU "
+                                         "memory) but copies block and each load reads the files again."),
                 io.Boolean.Input("offload_embeddings", default=False,
                                  tooltip="Also keep embeddings and the output head in RAM (cast per call)."),
                 io.Boolean.Input("debug", default=False,
