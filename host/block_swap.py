@@ -76,6 +76,13 @@ def measured_verdicts() -> list[str]:
     return list(_measured.values())
 
 
+# A full unload parks the resident part only where it is at most this share of the model: on a small card, where
+# most blocks stream, it is what each Wan 2.2 expert switch would read from its file and merge again (2.69 of 14.3 GB
+# at 12 GB: 0.64-0.83 s per switch, 0.09-0.13 s parked). A larger resident part would hold that much more RAM pinned
+# per idle model, on machines that stream because RAM is short.
+PARK_SHARE = 0.25
+
+
 class SwapState(enum.Enum):
     """Where one Block Swap model is in ComfyUI's load cycle (``SwapController.state``)."""
 
@@ -319,10 +326,13 @@ class SwapController:
 
     def weights_to_park(self, patcher) -> dict[str, tuple[torch.nn.Module, torch.Tensor]]:  # noqa: ANN001
         """Before a full unload: the resident weights to keep in pinned memory for the next load (LoRA merged), for
-        a model that streams blocks with pinning on (a Wan 2.2 expert, unloaded at every switch); else none."""
+        a model that streams most of its blocks with pinning on (a Wan 2.2 expert on a small card, unloaded at every
+        switch); else none."""
         if not (self.active and self.plan.streamed and self.config.pinned and torch.cuda.is_available()):
             return {}
-        return {} if patcher.weight_inplace_update else regular_weights(patcher)
+        weights = {} if patcher.weight_inplace_update else regular_weights(patcher)
+        kept = sum(t.numel() * t.element_size() for _, t in weights.values())
+        return weights if kept <= PARK_SHARE * self.full_bytes else {}
 
     @torch.no_grad()
     def unload(self, patcher, keep_parked: bool = False) -> None:  # noqa: ANN001 - ModelPatcher

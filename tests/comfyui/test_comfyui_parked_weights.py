@@ -75,9 +75,12 @@ def _lifecycle(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     it back without a merge, while a model with other patches merges its own."""
     import comfy.model_management as mm
 
+    from comfyui_lowvram_dit.host import block_swap
     from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
     from comfyui_lowvram_dit.offload.plan import SwapConfig
 
+    # one block of four streams: the resident part counts as small here (the share rule has its own test)
+    monkeypatch.setattr(block_swap, "PARK_SHARE", 1.0)
     plain = _model(kind, tmp_path)
     other = _with_lora(plain, 2.0)
     ref_other = sample_wan(other)
@@ -147,6 +150,26 @@ def test_partially_unloaded_weights_come_back_on_the_gpu(kind: str, tmp_path: Pa
     _lifecycle(kind, tmp_path, monkeypatch)
 
 
+def test_a_full_unload_parks_no_resident_part_larger_than_its_share(tmp_path: Path,
+                                                                   comfy_pinning: FakeCudart) -> None:
+    """Three of four blocks resident (more than PARK_SHARE of the model): a full unload keeps nothing pinned, the
+    arena goes, and the next load reads and merges as ComfyUI does."""
+    import comfy.model_management as mm
+
+    from comfyui_lowvram_dit.host.block_swap import PARK_SHARE, SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.offload.plan import SwapConfig
+
+    swapped = apply_block_swap(_with_lora(_model("stock", tmp_path), 1.0), SwapConfig(blocks_to_swap=1))
+    ctl = swapped.attachments[SWAP_KEY]
+    ref = sample_wan(swapped)
+    assert ctl.gpu_bytes(ctl.plan) > PARK_SHARE * ctl.full_bytes
+    mm.unload_all_models()
+    assert not ctl.parked.slots and ctl.parked.arena is None
+    assert torch.equal(sample_wan(swapped), ref)
+    mm.unload_all_models()
+    assert comfy_pinning.registered == {}, "a registration outlived the unload"
+
+
 def test_a_parked_weight_serves_only_the_patches_it_was_merged_with(tmp_path: Path,
                                                                     comfy_pinning: FakeCudart) -> None:
     """restore() for a patcher whose patches changed since the park puts nothing back and forgets the rest."""
@@ -200,6 +223,7 @@ def test_without_free_ram_nothing_is_parked_and_comfyui_reloads_as_usual(tmp_pat
     from comfyui_lowvram_dit.offload.plan import SwapConfig
 
     asked: list[int] = []
+    monkeypatch.setattr("comfyui_lowvram_dit.host.block_swap.PARK_SHARE", 1.0)  # the full unload would park
     monkeypatch.setattr(mm, "ensure_pin_budget", lambda size, **kw: asked.append(size) or False, raising=False)
     monkeypatch.setattr("comfyui_lowvram_dit.host.parked_weights.ram_allows", pin_budget.ram_allows)
     swapped = apply_block_swap(_with_lora(_model("stock", tmp_path), 1.0), SwapConfig(blocks_to_swap=1))
