@@ -16,7 +16,8 @@ patcher with the same patches (``patches_uuid``) over the same CPU original and 
 ComfyUI loads and patches that weight as usual. Only plain tensors are parked (ComfyUI's QuantizedTensor and
 ComfyUI-GGUF's tensors carry state beside their bytes). Parking happens only where the arena is pinned; the arena
 stays for the next park while the model is loaded, and goes with a full unload that does not park (one of a model
-that streams nothing, or with too little RAM).
+that streams nothing or keeps more than ``block_swap.PARK_SHARE`` of itself on the GPU, or with too little RAM) or
+with the model (ComfyUI dropping it from its cache).
 
 Never imports ComfyUI at module level.
 """
