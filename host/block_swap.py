@@ -77,8 +77,8 @@ def measured_verdicts() -> list[str]:
 
 
 # A full unload parks the resident part only where it is at most this share of the model: on a small card, where
-# most blocks stream, it is what each Wan 2.2 expert switch would read from its file and merge again (2.69 of 14.3 GB
-# at 12 GB: 0.64-0.83 s per switch, 0.09-0.13 s parked). A larger resident part would hold that much more RAM pinned
+# most blocks stream, it is what each Wan 2.2 expert switch would otherwise read from its file and merge with the
+# LoRA again (docs/benchmarks.md, the streaming rows). A larger resident part would hold that much more RAM pinned
 # per idle model, on machines that stream because RAM is short.
 PARK_SHARE = 0.25
 
