@@ -58,7 +58,7 @@ from .core_quant import model_layouts
 from .dynamic_vram import legacy_clone
 from .hooks import register_hook
 from .log import say_once
-from .lora_merge import BlockMerge, StreamedMerge
+from .lora_merge import RingMerge, StreamedMerge
 from .mapped_weights import PageOutAsMoved
 from .parked_weights import ParkedWeights, regular_weights
 from .patchers import dynamic_vram_manages, mixed_class
@@ -204,7 +204,8 @@ class SwapController:
         """After ComfyUI loaded the resident part: build the ring, flag streamed/offloaded layers, account memory.
 
         ``weights_read``: the load is for reading the weights (ComfyUI's ``force_patch_weights``, a checkpoint save),
-        not for a forward: the arena is filled and merged before this returns, never beside the first forward.
+        not for a forward: the arena is filled and the LoRA merged into it before this returns, not by the first
+        forward.
         ``resident_s``: how long ComfyUI's load of the resident part took (for the log line)."""
         import comfy.model_patcher as mp
 
@@ -224,10 +225,14 @@ class SwapController:
                 self.streamer = BlockStreamer(self.blocks, plan, device, pinned=self.config.pinned,
                                               debug=self.config.debug, pin_budget=ComfyPinBudget())
                 self.streamer.spare = spare  # the old arena's memory: taken, or freed before a new one is allocated
-            fill = self._lora_fill(patcher, device)
-            # the merge ends once the arena holds every block: now, or beside the first forward (offload/arena_fill.py)
-            self.streamer.activate(fill, on_filled=(lambda: self._merge_lora(fill)) if fill is not None else None,
-                                   background=fills_beside_forward(device) and not weights_read)
+            keys = self._lora_keys(patcher)
+            # the LoRA is merged by the first forward in the ring slots, or into the arena now for a weights read
+            fill = None if keys is None or weights_read else RingMerge(
+                self.lora, patcher, keys, self._block_originals, self._block_views, self.prefix, device,
+                attach=self._attach_patches)
+            self.streamer.activate(fill, background=fills_beside_forward(device) and not weights_read)
+            if keys is not None and weights_read:
+                self._merge_into_arena(patcher, keys, device)
             took["arena"] = time.perf_counter()
         model = patcher.model
         swapped = [(n, m) for n, m in model.named_modules() if self.is_swapped_module(n)]
@@ -275,9 +280,9 @@ class SwapController:
                  (self.gpu_bytes(plan) - plan.ring_bytes) / 1e9, plan.ring_bytes / 1e9, where,
                  _took(took, self.streamer.took if plan.streamed and self.streamer else None, resident_s))
 
-    def _lora_fill(self, patcher, device: torch.device) -> BlockMerge | None:  # noqa: ANN001 - ModelPatcher
-        """A merge of ``patcher``'s patches on streamed blocks for the arena copy to run block by block, or None when
-        the arena holds them already. The arena gets its original bytes back first."""
+    def _lora_keys(self, patcher) -> dict[int, list[str]] | None:  # noqa: ANN001 - ModelPatcher
+        """``patcher``'s patched keys per streamed block for a merge begun now, or None when the arena holds them
+        already. The arena gets its original bytes back first."""
         if self.lora.is_current(patcher):
             return None
         keys: dict[int, list[str]] = {}
@@ -287,9 +292,7 @@ class SwapController:
             if idx.isdigit() and int(idx) in streamed:
                 keys.setdefault(int(idx), []).append(key)
         self.lora.begin()
-        # LoRA math on the GPU when there is one: one weight at a time goes there and back
-        return BlockMerge(self.lora, patcher, keys, self._block_originals, device, attach=self._attach_patches,
-                          targets=self._block_views)
+        return keys
 
     def _block_originals(self, b: int) -> dict[str, torch.Tensor]:
         """Block ``b``'s file-backed tensors (what its arena bytes were copied from), by the patcher's key."""
@@ -299,14 +302,13 @@ class SwapController:
         """Block ``b``'s arena views (what the merge writes), by the patcher's key."""
         return {f"{self.prefix}{b}.{name}": t for name, t in self.streamer.cpu_views(b).items()}
 
-    def _merge_lora(self, fill: BlockMerge) -> None:
-        """End the merge: the blocks the arena copy did not hand over (all of them when the arena was kept, or was
-        copied before being pinned) are merged now; then wait for the GPU and log it."""
-        here = [b for b in fill.keys if b not in fill.blocks]
-        for b in here:
-            self.lora.merge_keys(fill.patcher, fill.keys[b], self._block_originals(b), fill.device,
-                                 self._attach_patches, self._block_views(b))
-        self.lora.finish(fill.patcher, fill.device, sync=bool(here))
+    def _merge_into_arena(self, patcher, keys: dict[int, list[str]], device: torch.device) -> None:  # noqa: ANN001
+        """Merge every streamed block's patches into the arena now (the weights are read, not run): one weight at a
+        time goes to ``device`` and back; then wait for the copies and log it."""
+        for b, block_keys in keys.items():
+            self.lora.merge_keys(patcher, block_keys, self._block_originals(b), device, self._attach_patches,
+                                 self._block_views(b))
+        self.lora.finish(patcher, device)
 
     def _attach_patches(self, key: str, patches: list) -> None:
         """Give the streamed GGML weight ``key`` these LoRA patches, applied by its layer on dequantization."""
@@ -356,7 +358,7 @@ class SwapController:
         """The streamer lets go of its arena (and ring), after the merged LoRA is undone as far as the arena needs
         it: all of it when the arena stays, only the private copies when it is dropped for the file mapping.
         Returns the seconds the restore took."""
-        self.streamer.finish_fill_quietly()  # an arena still being filled beside the forward is complete first
+        self.streamer.detach()  # a fill beside the forward and the ring's write-backs into the arena complete first
         t0 = time.perf_counter()
         self.lora.restore(arena_dropped=self.streamer.drops_arena_on_release())
         restored = time.perf_counter() - t0

@@ -8,12 +8,14 @@ of a streamed block is computed with ComfyUI's own pieces (the op's ``convert_*`
 per-tensor or per-block scale; layers without one round stochastically, as ComfyUI does) and written into the arena
 in place. Every later step streams the merged bytes: no per-step LoRA cost.
 
-Each merged tensor goes back from the GPU straight into the pinned arena with an asynchronous copy (no pageable
-staging copy, no wait per tensor; one wait at the end), so a load pays about one host round trip of the merged bytes.
-Where the arena is being filled into memory that is already pinned (an expert switch re-using the memory the idle
-expert left), ``BlockMerge`` merges each block in a worker thread while the next one is copied, so that round trip
-and the CPU's copy overlap; at an expert switch that runs beside the model's first step (offload/arena_fill.py), and a
-block whose merge finds no GPU memory there is finished on the model's thread once the GPU has run what was queued.
+For a forward (every load but a read of the weights) the merge runs in the ring: the first forward after a load
+merges each streamed block's patched weights in the GPU ring slot the block was just copied into, on the forward's
+own stream right before the block runs (``RingMerge``, the engine's ``RingFill``), and the engine copies the merged
+bytes back into the pinned arena behind it. So the merge costs its GPU math and one copy back per weight, inside
+the forward, instead of a round trip per weight beside it with its kernels queued behind the forward's (an expert
+switch's first step waited up to a second for that). A weight whose merge finds no GPU memory beside the forward's
+activations is merged on the CPU from the slot's bytes, with a warning. A load that reads the weights
+(``force_patch_weights``) merges into the arena before it returns.
 
 Restoring is exact, and any clone can do it: each merged weight's original is also entered in the patcher's
 ``backup`` (ComfyUI shares one backup dict among a model's clones, in place), so when another clone of the same
@@ -35,11 +37,10 @@ Block Swap. Its F32/F16 tensors (biases, norms) are merged like plain ones, in f
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -107,10 +108,10 @@ class StreamedMerge:
         self._shared: dict = {}  # the patcher's backup dict (shared by its clones) holding our entries
         self.merges = 0  # tensors merged so far (a counter for logs and tests)
         self.last_seconds = 0.0  # wall time of the last merge that merged anything
-        # the merge under way (begin -> merge_keys -> finish): its start, tensors and bytes merged, whether it ran
-        # beside the arena copy
+        # the merge under way (begin -> merge_keys -> finish): its start, tensors and bytes merged, whether it ran in
+        # the ring slots during the first forward, the host time spent merging there
         self._started: float | None = None
-        self._done, self._nbytes, self._overlapped = 0, 0, False
+        self._done, self._nbytes, self._in_ring, self._ring_s = 0, 0, False, 0.0
 
     @property
     def merged(self) -> bool:
@@ -118,33 +119,36 @@ class StreamedMerge:
         return self.uuid is not None
 
     @property
-    def overlapped(self) -> bool:
-        """True when the last merge ran block by block beside the arena copy."""
-        return self._overlapped
+    def in_ring(self) -> bool:
+        """True when the last merge ran in the ring slots as the first forward reached each block."""
+        return self._in_ring
 
     def is_current(self, patcher: Any) -> bool:
         """True when the arena already holds exactly ``patcher``'s patches."""
         return self.uuid is not None and self.uuid == patcher.patches_uuid
 
-    def ran_beside_copy(self) -> None:
-        """Mark the merge under way as run block by block beside the arena copy (for its log line)."""
-        self._overlapped = True
+    def ran_in_ring(self, host_seconds: float) -> None:
+        """Mark the merge under way as run in the ring slots; ``host_seconds`` of the forward's thread went into it."""
+        self._in_ring = True
+        self._ring_s += host_seconds
 
     def begin(self) -> None:
         """Start a merge: the arena gets its original bytes back first."""
         self.restore()
         # timed from its first merged tensor (the arena copy before it is not the merge's)
-        self._started, self._done, self._nbytes, self._overlapped = None, 0, 0, False
+        self._started, self._done, self._nbytes, self._in_ring, self._ring_s = None, 0, 0, False, 0.0
 
     @torch.no_grad()
     def merge_keys(self, patcher: Any, keys: list[str], originals: dict[str, torch.Tensor], device: torch.device,
-                   attach: AttachPatches | None = None, targets: dict[str, torch.Tensor] | None = None) -> None:
+                   attach: AttachPatches | None = None, targets: dict[str, torch.Tensor] | None = None,
+                   staging: dict[str, torch.Tensor] | None = None) -> None:
         """Merge (or attach) ``keys`` of a merge begun with ``begin`` in place; its GPU copies may still be under way.
 
         ``keys``: parameters in the host arena. ``originals``: key -> file-backed tensor holding the same bytes as
         the arena (restored from; never written). ``attach``: sets a quantized GGML weight's patches on every view
-        the streamer binds (GGUF models). ``targets``: key -> the arena view written (default: the tensor the model
-        has bound, which is the arena view unless the arena is being filled beside the forward)."""
+        the streamer binds (GGUF models). ``targets``: key -> the arena view (default: the tensor the model has
+        bound). ``staging``: key -> a copy of the arena's bytes (the ring slot) to read and write instead of the
+        arena view; the caller copies it back into the arena."""
         import comfy.utils
 
         if self._started is None:
@@ -156,9 +160,10 @@ class StreamedMerge:
                 self._attached.append(key)
                 self._attach = attach
                 continue
-            # read from the arena (pinned, just copied), not from a file mapping the forward's thread still binds:
-            # the file's pages would come back into RSS and be read at pageable speed
-            new = merged_weight(patcher, key, device, source=target)
+            # read from the arena (pinned) or its copy in the ring, never from a file mapping: the file's pages would
+            # come back into RSS and be read at pageable speed
+            work = staging[key] if staging is not None else target
+            new = merged_weight(patcher, key, device, source=work)
             stored, original = ggml.stored(target), originals.get(key)
             file_backed = original is not None and ggml.stored(original).shape == stored.shape \
                 and original.dtype == stored.dtype
@@ -167,9 +172,9 @@ class StreamedMerge:
             self._backups[key] = (target, original, file_backed)
             patcher.backup[key] = _Backup(original, True)  # copied in place into the arena by any clone's unpatch
             self._shared = patcher.backup
-            # GPU -> arena without staging: asynchronous into pinned memory (the caching allocator hands ``new``'s
-            # block only to later work on this stream, which runs after the copy), synchronous into pageable memory
-            stored.copy_(new, non_blocking=True)
+            # asynchronous into pinned or GPU memory (the caching allocator hands ``new``'s block only to later work
+            # on this stream, which runs after the copy), synchronous into pageable memory
+            ggml.stored(work).copy_(new, non_blocking=True)
             self._done += 1
             self._nbytes += stored.numel() * stored.element_size()
 
@@ -182,10 +187,11 @@ class StreamedMerge:
         self.uuid = patcher.patches_uuid if self._backups or self._attached else None
         self.merges += self._done
         if self._done:
-            self.last_seconds = time.perf_counter() - self._started
-            log.info("lowvram_dit Block Swap: LoRA merged into %d streamed weights (%.2f GB) in %.1f s%s, once for "
-                     "this load (no per-step patching)", self._done, self._nbytes / 1e9, self.last_seconds,
-                     ", each block while the next was copied into the arena" if self._overlapped else "")
+            self.last_seconds = self._ring_s if self._in_ring else time.perf_counter() - self._started
+            where = " on the GPU in the ring slots as the first forward reached each block (its thread's time)" \
+                if self._in_ring else ""
+            log.info("lowvram_dit Block Swap: LoRA merged into %d streamed weights (%.2f GB) in %.2f s%s, once for "
+                     "this load (no per-step patching)", self._done, self._nbytes / 1e9, self.last_seconds, where)
         if self._attached:
             log.info("lowvram_dit Block Swap: LoRA on %d streamed GGUF-quantized weights applies when they are "
                      "dequantized, as ComfyUI-GGUF applies it", len(self._attached))
@@ -209,98 +215,68 @@ class StreamedMerge:
         self.uuid = None
 
 
-class BlockMerge:
-    """A merge begun with ``StreamedMerge.begin``, done block by block while the streamer fills the arena (the
-    engine's ``BlockFill``): a block's weights are merged in one worker thread as soon as the block is copied, so the
-    CPU's copy of the next block and the GPU round trip of this block's weights run at the same time instead of one
-    after the other. The worker computes in the loading thread's inference / grad mode (torch keeps them per thread),
-    so what it makes is what the loading thread would have made. Its GPU work runs on a stream of its own, ordered
-    after what the loading thread had queued when it was made: when the arena fills beside the first forward, the
-    merge's kernels and copies do not queue behind the forward's, nor the forward behind them."""
+class RingMerge:
+    """A merge begun with ``StreamedMerge.begin``, done by the engine's first forward (its ``RingFill``): each streamed
+    block's patched weights are merged in the GPU ring slot the block was just copied into, on the forward's stream
+    right before the block runs; the engine copies the merged weights back into the arena behind it, so later loads
+    bring merged bytes. The merge ends (``StreamedMerge.finish``) with the last block; a forward stopped before it
+    leaves the rest to the next one. It computes in the loading thread's inference / grad mode, as a merge at load
+    would. It holds the patcher weakly: the streamer keeps it for the load, and the patcher keeps the streamer, so a
+    strong reference would keep a patcher ComfyUI let go of alive until the garbage collector runs."""
 
     def __init__(self, merge: StreamedMerge, patcher: Any, keys: dict[int, list[str]],
-                 originals: Callable[[int], dict[str, torch.Tensor]], device: torch.device,
-                 attach: AttachPatches | None = None,
-                 targets: Callable[[int], dict[str, torch.Tensor]] | None = None) -> None:
-        self._merge, self.patcher, self.keys, self._originals = merge, patcher, keys, originals
-        self.device, self._attach, self._targets = device, attach, targets
+                 originals: Callable[[int], dict[str, torch.Tensor]], targets: Callable[[int], dict[str, torch.Tensor]],
+                 prefix: str, device: torch.device, attach: AttachPatches | None = None) -> None:
+        self._merge, self._patcher, self._originals, self._targets = merge, weakref.ref(patcher), originals, targets
+        self._prefix, self.device, self._attach = prefix, device, attach
+        self._pending = {b: k for b, k in keys.items() if k}
         self._inference = torch.is_inference_mode_enabled()
-        self._pool: ThreadPoolExecutor | None = None
-        self._stream: torch.cuda.Stream | None = None
-        if device.type == "cuda":
-            # high priority: its kernels start as SMs free up, not behind the forward's queued kernels
-            self._stream = torch.cuda.Stream(device, priority=-1)
-            self._stream.wait_stream(torch.cuda.current_stream(device))  # the patches' uploads come first
-        self._jobs: list[Future] = []
-        self._settled: set[int] = set()  # ids of the jobs whose leftover work ran
-        self.blocks: set[int] = set()  # the blocks handed over so far
+        self._short_of_memory = False
+        if not self._pending:
+            merge.finish(patcher, device, sync=False)
 
-    def block(self, b: int) -> Future | None:
-        """Block ``b`` is in the arena: merge its keys in the worker; the merge's future (None: nothing to merge)."""
-        self.blocks.add(b)
-        keys = self.keys.get(b)
-        if not keys:
-            return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lowvram_dit_lora_merge")
-            self._merge.ran_beside_copy()
-        targets = self._targets(b) if self._targets is not None else None
-        job = self._pool.submit(self._run, keys, self._originals(b), targets)
-        self._jobs.append(job)
-        return job
+    @property
+    def done(self) -> bool:
+        """True once every block's weights are merged."""
+        return not self._pending
 
-    def _run(self, keys: list[str], originals: dict[str, torch.Tensor],
-             targets: dict[str, torch.Tensor] | None) -> Callable[[], None] | None:
-        """Merge ``keys`` in the worker; what a lack of GPU memory left over (beside a forward's activations), as the
-        work for ``settle`` to run on the waiting thread, or None."""
-        stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
-        left: list[str] = []
-        with torch.inference_mode(self._inference), torch.no_grad(), stream:
-            for i, key in enumerate(keys):
-                try:
-                    self._merge.merge_keys(self.patcher, [key], originals, self.device, self._attach, targets)
-                except torch.OutOfMemoryError:
-                    left = keys[i:]
-                    break
-        if self._stream is not None:
-            self._stream.synchronize()  # this block's copies into the arena are done
-        if not left:
-            return None
-        log.warning("lowvram_dit Block Swap: the LoRA merge ran out of GPU memory in its worker at %s (beside the "
-                    "model's first step, or the arena copy); the model's thread merges the rest of that block once "
-                    "the GPU has run what was queued", left[0])
-        return lambda: self._merge_here(left, originals, targets)
+    def wants(self, b: int) -> bool:
+        """True while block ``b``'s weights are not merged yet."""
+        return b in self._pending
 
-    @torch.no_grad()
-    def _merge_here(self, keys: list[str], originals: dict[str, torch.Tensor],
-                    targets: dict[str, torch.Tensor] | None) -> None:
-        """Merge ``keys`` on this thread once the GPU has run what was queued (between two blocks of a forward the
-        memory a block's activations took is free again)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        with torch.inference_mode(self._inference):
-            self._merge.merge_keys(self.patcher, keys, originals, self.device, self._attach, targets)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+    def fill(self, b: int, views: dict[str, torch.Tensor]) -> list[str]:
+        """Merge block ``b``'s patched weights into ``views`` (its ring slot, by name inside the block); the names
+        written, for the engine to copy back into the arena."""
+        t0 = time.perf_counter()
+        keys = self._pending[b]
+        cut = len(f"{self._prefix}{b}.")
+        staging = {key: views[key[cut:]] for key in keys}
+        with torch.inference_mode(self._inference), torch.no_grad():
+            for key in keys:
+                self._merge_one(b, key, staging)
+        del self._pending[b]
+        self._merge.ran_in_ring(time.perf_counter() - t0)
+        if not self._pending:
+            self._merge.finish(self._live_patcher(), self.device, sync=False)
+        return [key[cut:] for key in keys if not ggml.is_quantized(staging[key])]
 
-    def settle(self, job: Future) -> None:
-        """Wait for a block's merge; run what it left (``_run``) on this thread, once; raise what it raised."""
-        left = job.result()
-        if left is not None and id(job) not in self._settled:
-            self._settled.add(id(job))
-            left()
+    def _live_patcher(self) -> Any:
+        patcher = self._patcher()
+        if patcher is None:
+            raise RuntimeError("block swap: the model whose LoRA was being merged is gone")
+        return patcher
 
-    def wait(self) -> None:
-        """Return once every handed-over block is merged (what a worker left, merged on this thread); raises the first
-        error a block's merge raised."""
-        if self._pool is None:
-            return
+    def _merge_one(self, b: int, key: str, staging: dict[str, torch.Tensor]) -> None:
+        """Merge ``key`` on the ring's device; short of memory there, on the CPU from the slot's bytes."""
+        args = (self._live_patcher(), [key], self._originals(b))
         try:
-            for job in self._jobs:
-                self.settle(job)
-        finally:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool, self._jobs = None, []
+            self._merge.merge_keys(*args, self.device, self._attach, self._targets(b), staging)
+        except torch.OutOfMemoryError:
+            if not self._short_of_memory:
+                self._short_of_memory = True
+                log.warning("lowvram_dit Block Swap: no GPU memory for the LoRA merge beside the forward at %s; "
+                            "weights that do not fit are merged on the CPU (slower, same patches)", key)
+            self._merge.merge_keys(*args, torch.device("cpu"), self._attach, self._targets(b), staging)
 
 
 def _patch_device(patcher: Any) -> torch.device:

@@ -7,6 +7,10 @@ Design (after musubi-tuner's ``LoRAStreamOffloader``):
 - Loading is one ``copy_`` into one of R preallocated GPU slots on a side stream. The copy stream waits on the
   slot's ``free`` event (recorded on the compute stream after the previous occupant ran); compute waits on the
   slot's ``ready`` event. No CPU synchronisation in the loop, no allocation after ``activate``.
+- Work on a block's bytes that must happen once per load (Block Swap's LoRA merge) runs in the ring: the first
+  forward hands each streamed block's slot to a ``RingFill`` on the compute stream right before the block runs, and
+  the engine copies what it wrote back into the arena behind it (a D2H copy on the copy stream, the one exception
+  to H2D only), so every later load brings the filled bytes.
 - Which blocks stream and the ring size come from offload/plan.py, decided once per load. Prefetch wraps
   around, so the next forward's first streamed blocks load during this forward's tail. A block that is not where
   the schedule expects it is loaded on demand (self-healing), which keeps interrupts, skipped blocks and extra
@@ -37,7 +41,7 @@ import torch
 
 from ..kernels.hooks import HookRegistry, ModelHook, PerModel
 from . import ggml_tensors as ggml
-from .arena_fill import BackgroundFill, BlockFill
+from .arena_fill import BackgroundFill
 from .host_memory import (HostArena, PinBudget, SpareArena, file_backed_ranges, is_file_backed, page_out,
                           release_spares, take_spare)
 from .plan import ALIGN, SwapPlan, aligned, prefetch_targets
@@ -124,6 +128,18 @@ def _private_copy(t: torch.Tensor) -> torch.Tensor:
 def module_bytes(m: torch.nn.Module) -> int:
     """Bytes of ``m``'s state dict (parameters and buffers)."""
     return sum(t.numel() * t.element_size() for t in m.state_dict().values())
+
+
+class RingFill(Protocol):
+    """Work on a streamed block's bytes in its GPU ring slot before the block first runs after a load (Block Swap's
+    LoRA merge): called on the forward's thread, its GPU work queued on the compute stream."""
+
+    def wants(self, b: int) -> bool:
+        """True while block ``b`` still needs the work."""
+
+    def fill(self, b: int, views: dict[str, torch.Tensor]) -> list[str]:
+        """Do the work on ``views`` (block ``b``'s tensors in its slot, by name); the names written, which the engine
+        copies back into the arena."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -214,7 +230,8 @@ class BlockStreamer:
         self.originals: dict[int, dict[str, torch.Tensor]] = {}  # file-backed tensors restored on release
         self._filling: BackgroundFill | None = None
         self._unbound: set[int] = set()  # blocks copied by that thread, not yet bound to their arena views
-        self._on_filled: Callable[[], None] | None = None
+        self.ring_fill: RingFill | None = None  # this load's work on each block in the ring (its first forward)
+        self._filled_now = False  # the ring fill ran in this forward
         self._layouts: dict[int, tuple[list[TensorSlot], int]] = {}
         self._cpu_views: dict[int, dict[str, torch.Tensor]] = {}
         self._gpu_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -304,16 +321,14 @@ class BlockStreamer:
         return True
 
     @torch.no_grad()
-    def activate(self, fill: BlockFill | None = None, on_filled: Callable[[], None] | None = None,
-                 background: bool = False) -> None:
+    def activate(self, ring_fill: RingFill | None = None, background: bool = False) -> None:
         """Copy streamed blocks into the host arena (once), pin it, allocate the ring. Idempotent.
 
-        ``fill`` gets each block as soon as it is copied when the arena's memory is already what it will stay
-        (pinned, or never to be pinned): registering memory that is being written is not done. ``took["filled"]``
-        says whether it got them; if not, the caller does that work in ``on_filled``. ``on_filled`` runs on this
-        thread once the arena holds every block: before this returns, or, with ``background`` and an arena whose
-        memory is final, when the first forward has loaded every block (``took["background"]``, offload/arena_fill.py;
-        until then the blocks not reached yet stay bound to what they were bound to)."""
+        ``ring_fill`` works on each block in its slot as forwards reach it (the first forward, unless one stops
+        early). With ``background`` and an arena whose memory is final (pinned, or never to be pinned: registering
+        memory that is being written is not done), the arena is copied beside the first forward
+        (``took["background"]``, offload/arena_fill.py; until then the blocks not reached yet stay bound to what they
+        were bound to)."""
         if self.active:
             return
         self.finish_fill()
@@ -321,10 +336,10 @@ class BlockStreamer:
         for b in streamed:
             self._owners.setdefault(b, self._build_owners(b))
         t0 = time.perf_counter()
-        self.took = {"reused": False, "filled": False, "background": False}  # for the load's log line: copy, pin
-        self._on_filled = on_filled
+        self.took = {"reused": False, "background": False}  # for the load's log line: copy, pin
+        self.ring_fill, self._filled_now = ring_fill, False
         if streamed and not self._arena_is_current():
-            self._build_arena(fill, background)
+            self._build_arena(background)
         t1 = time.perf_counter()
         if streamed and self.pinned and self.device.type == "cuda":
             self.arena.pin()
@@ -343,10 +358,8 @@ class BlockStreamer:
         self._pending.clear()
         self._measured.clear()
         self.active = True
-        if self._filling is None:
-            self._filled()
 
-    def _build_arena(self, fill: BlockFill | None, background: bool) -> None:
+    def _build_arena(self, background: bool) -> None:
         streamed = self.plan.streamed
         offsets, total = {}, 0
         for b in streamed:
@@ -365,7 +378,6 @@ class BlockStreamer:
         # A fresh arena is filled before it is pinned: registering untouched memory faults every page in one
         # thread, several times slower than the copy and the pin together (docs/investigations, expert switch)
         final = self.arena.pinned or not (self.pinned and self.device.type == "cuda")
-        self.took["filled"] = fill is not None and final
         self._arena_offsets = offsets
         self.originals.clear()
         self._cpu_views = {b: v for b, v in self._cpu_views.items() if b not in offsets}
@@ -373,25 +385,19 @@ class BlockStreamer:
             self.took["background"] = True
             maps = file_backed_ranges()
             self._unbound = set(streamed)
-            self._filling = BackgroundFill(streamed, lambda b: self._copy_block(b, maps), fill)
+            self._filling = BackgroundFill(streamed, lambda b: self._copy_block(b, maps))
             return
-        try:
-            mapped = self._copy_blocks(fill if self.took["filled"] else None)
-        finally:
-            if self.took["filled"]:
-                fill.wait()  # before the arena is pinned, bound to the ring or freed
+        mapped = self._copy_blocks()
         log.info("lowvram_dit block swap: %d blocks (%.2f GB) copied into a host arena%s", len(streamed), total / 1e9,
                  f"; {mapped / 1e9:.2f} GB of it stays file-backed for when the model goes idle" if mapped else "")
 
-    def _copy_blocks(self, fill: BlockFill | None) -> int:
+    def _copy_blocks(self) -> int:
         """Copy every streamed block into its arena region and bind it there; the file-backed bytes among them."""
         maps = file_backed_ranges()
         mapped = 0
         for b in self.plan.streamed:
             mapped += self._copy_block(b, maps)
             self._bind(b, self._cpu_views[b])
-            if fill is not None:
-                fill.block(b)
         return mapped
 
     def _copy_block(self, b: int, maps: list[tuple[int, int]]) -> int:
@@ -422,8 +428,8 @@ class BlockStreamer:
             self.finish_fill()
 
     def finish_fill(self) -> None:
-        """Wait for an arena being filled beside the forward, bind every block to it and run ``on_filled``; a no-op
-        when none is. Raises what stopped the fill (blocks it did not reach stay bound to their originals)."""
+        """Wait for an arena being filled beside the forward and bind every block to it; a no-op when none is.
+        Raises what stopped the fill (blocks it did not reach stay bound to their originals)."""
         filling, self._filling = self._filling, None
         if filling is None:
             return
@@ -437,7 +443,6 @@ class BlockStreamer:
         nbytes = sum(self._layout(b)[1] for b in self.plan.streamed)
         log.info("lowvram_dit block swap: %d blocks (%.2f GB) copied into a host arena beside the first forward in "
                  "%.2f s", len(self.plan.streamed), nbytes / 1e9, filling.seconds)
-        self._filled()
 
     def finish_fill_quietly(self) -> None:
         """``finish_fill`` on the way out of a load (detach, unload): what stopped the fill was raised to the forward
@@ -447,11 +452,6 @@ class BlockStreamer:
         except Exception as exc:  # noqa: BLE001
             log.warning("lowvram_dit block swap: filling the host arena failed (%s); the next load copies it again",
                         exc)
-
-    def _filled(self) -> None:
-        callback, self._on_filled = self._on_filled, None
-        if callback is not None:
-            callback()
 
     def cpu_views(self, b: int) -> dict[str, torch.Tensor]:
         """Block ``b``'s views into the host arena, by name inside the block (bound between its forwards)."""
@@ -480,6 +480,7 @@ class BlockStreamer:
         self.slots = []
         self._gpu_views.clear()
         self._where.clear()
+        self.ring_fill = None
         self._sync = None
         self._timer = None
         self._pending.clear()
@@ -587,9 +588,47 @@ class BlockStreamer:
         if timer is not None:
             timer.started[i] = timer.mark(compute)
             timer.spans.append((i, "stall", t0, timer.started[i]))
+        if self.ring_fill is not None and self.ring_fill.wants(i):
+            self._fill_in_ring(i, s)
         self._bind(i, self._gpu(i, s))
         self._bound[i] = s
         self._prefetch(j + 1)
+
+    def _fill_in_ring(self, i: int, s: int) -> None:
+        """Run the ring fill on block ``i`` in slot ``s`` and copy what it wrote back into the arena behind it. If it
+        raises, the slot is given up: its bytes may be half done, so the block's next load copies the arena again."""
+        views = self._gpu(i, s)
+        try:
+            written = self.ring_fill.fill(i, views)
+        except BaseException:
+            slot = self.slots[s]
+            slot.pending, slot.block = False, None
+            del self._where[i]
+            self._free_order.append(s)
+            raise
+        self._filled_now = True
+        if not written:
+            return
+        sync = self._sync
+        done = sync.event()
+        done.record(sync.compute_stream())
+        arena = self._cpu_views[i]
+        # the copy stream runs the write-back before any later copy out of the arena or into this slot; an
+        # inference-mode arena is written in inference mode
+        with sync.copy_context(), torch.inference_mode(self.arena.buffer.is_inference()):
+            sync.copy_stream.wait_event(done)
+            for name in written:
+                ggml.stored(arena[name]).copy_(ggml.stored(views[name]), non_blocking=True)
+
+    def _end_ring_fill(self) -> None:
+        """After a forward that ran the ring fill: once no block wants it any more, wait for the write-backs (the
+        arena on the CPU then holds every filled byte; the GPU runs on) and drop it."""
+        self._filled_now = False
+        if any(self.ring_fill.wants(b) for b in self.plan.streamed):
+            return  # a forward stopped early: the next one goes on
+        self.ring_fill = None
+        if self._sync.cuda:
+            self._sync.copy_stream.synchronize()
 
     def after_block(self, i: int) -> None:
         """After block ``i`` ran (or raised): free its slot behind the compute stream and rebind it to the CPU."""
@@ -626,6 +665,8 @@ class BlockStreamer:
         """
         for b in list(self._bound):  # a forward that raised inside a block
             self.after_block(b)
+        if self._filled_now:
+            self._end_ring_fill()
         timer, self._timer = self._timer, None
         if timer is not None:
             timer.finish()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -147,7 +146,7 @@ def test_block_swap_lora_equals_resident_merge_and_merges_once(files: dict, quan
     assert len(streamed_keys) == 2 * 21  # per streamed block: 10 Linear weights, their 10 biases, norm3
     assert calls.n == len(model.patches)  # each patch applied once (resident by ComfyUI, streamed by Block Swap)
     assert torch.equal(out, ref)  # bit-identical to ComfyUI merging every layer itself
-    assert ctl.lora.overlapped  # each block merged in the worker while the next was copied (CPU: arena never pinned)
+    assert ctl.lora.in_ring  # each block merged in its ring slot as the first forward reached it
     # the op class's shared default list was never appended to (it would patch every layer of the class)
     lin = model.model.diffusion_model.blocks[ctl.plan.streamed[0]].ffn[0]
     assert type(lin).weight_function == [] and lin.weight_function == []
@@ -229,9 +228,9 @@ def test_unload_of_a_file_backed_arena_does_not_read_the_file_back(files: dict,
     mm.unload_all_models()
 
 
-def test_merge_beside_the_arena_copy_under_inference_mode_equals_it_outside(files: dict) -> None:
-    """ComfyUI runs a prompt under inference mode, so the arena is an inference tensor that the merge worker (another
-    thread) writes: same output as a load outside inference mode."""
+def test_merge_in_the_ring_under_inference_mode_equals_it_outside(files: dict) -> None:
+    """ComfyUI runs a prompt under inference mode, so the arena is an inference tensor that the ring's write-back of
+    the merged weights writes: same output as a load outside inference mode."""
     import comfy.model_management as mm
 
     from comfyui_lowvram_dit.host.block_swap import SWAP_KEY
@@ -243,13 +242,13 @@ def test_merge_beside_the_arena_copy_under_inference_mode_equals_it_outside(file
     with torch.inference_mode():
         out = sample_wan(model, steps=2)
     ctl = model.attachments[SWAP_KEY]
-    assert ctl.lora.overlapped and ctl.streamer.arena.buffer.is_inference()
+    assert ctl.lora.in_ring and ctl.streamer.arena.buffer.is_inference()
     assert torch.equal(out, ref)
     mm.unload_all_models()
 
 
-def test_a_merge_error_in_the_worker_reaches_the_caller(files: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A block whose merge fails in the worker fails the load with that error (no hang, no silent unmerged block)."""
+def test_a_merge_error_reaches_the_caller(files: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block whose merge fails fails the render with that error (no silent unmerged block)."""
     import comfy.model_management as mm
 
     from comfyui_lowvram_dit.host import lora_merge
@@ -280,11 +279,12 @@ def _plant_merge_failure(monkeypatch: pytest.MonkeyPatch, suffix: str) -> Callab
 
 def test_two_experts_filled_beside_their_first_forward_equal_the_fill_at_load(files: dict,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """What a GPU does at an expert switch (the arena's memory already final: it copies and merges beside the first
-    forward, offload/arena_fill.py), run on the CPU: two LoRA'd experts of one layout, twice each in turn, under
+    """What a GPU does at an expert switch (the arena's memory already final: it is copied beside the first forward,
+    offload/arena_fill.py, which merges the LoRA in the ring), run on the CPU: two LoRA'd experts of one layout, twice each in turn, under
     inference mode as ComfyUI samples. Every render equals the one whose arena was filled at load, bit for bit; the
     second expert copies into the memory the first dropped; after each first forward the merge is complete and every
-    streamed weight is the arena's. A load for reading the weights (``force_patch_weights``) fills before it returns."""
+    streamed weight is the arena's. A load for reading the weights (``force_patch_weights``) fills and merges before it
+    returns."""
     import comfy.model_management as mm
 
     from comfyui_lowvram_dit.host import block_swap
@@ -312,7 +312,7 @@ def test_two_experts_filled_beside_their_first_forward_equal_the_fill_at_load(fi
             ctl = model.attachments[SWAP_KEY]
             took = ctl.streamer.took
             assert took["background"] and took["reused"] == (render + i > 0)
-            assert ctl.lora.is_current(model) and ctl.lora.overlapped
+            assert ctl.lora.is_current(model) and ctl.lora.in_ring
             assert all(ctl.streamer.arena.contains(model.model.diffusion_model.blocks[b].ffn[0].weight)
                        for b in ctl.plan.streamed)
             mm.unload_all_models()  # the expert goes idle: its arena's memory is offered to the other
@@ -346,32 +346,31 @@ def test_a_merge_error_beside_the_first_forward_fails_the_render_and_the_next_on
     mm.unload_all_models()
 
 
-def test_a_merge_short_of_gpu_memory_beside_the_first_forward_finishes_between_blocks(
+def test_a_merge_short_of_gpu_memory_in_the_ring_is_done_on_the_cpu(
         files: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """A weight whose merge beside the forward runs out of GPU memory (the merge's temporaries beside the forward's
-    activations) is merged on the forward's thread before its block loads, with a warning: same render."""
+    """A weight whose merge in the ring runs out of memory (the merge's temporaries beside the forward's activations)
+    is merged on the CPU from the slot's bytes, with one warning: same render."""
     import comfy.model_management as mm
 
-    from comfyui_lowvram_dit.host import block_swap, lora_merge
+    from comfyui_lowvram_dit.host import lora_merge
 
     lora = wan_lora(files["sd"], style="lightx2v")
     ref = sample_wan(_with_lora(_swapped(_load(files["fp8_scaled"], "per_tensor")), lora), steps=1)
     mm.unload_all_models()
-    monkeypatch.setattr(block_swap, "fills_beside_forward", lambda device: True)
     model = _with_lora(_swapped(_load(files["fp8_scaled"], "per_tensor")), lora)
-    merged, threads = lora_merge.merged_weight, []
+    merged, devices = lora_merge.merged_weight, []  # the ring's device is the CPU here: the first try is planted
 
-    def short_once(patcher: Any, key: str, device: torch.device, **kwargs: Any) -> torch.Tensor:
+    def short_there(patcher: Any, key: str, device: torch.device, **kwargs: Any) -> torch.Tensor:
         if key.endswith("blocks.1.ffn.2.weight"):
-            threads.append(threading.current_thread().name)
-            if len(threads) == 1:
+            devices.append(device.type)
+            if device.type == "cpu" and len(devices) == 1:
                 raise torch.OutOfMemoryError("planted: no memory beside the forward")
         return merged(patcher, key, device, **kwargs)
 
-    monkeypatch.setattr(lora_merge, "merged_weight", short_once)
+    monkeypatch.setattr(lora_merge, "merged_weight", short_there)
     assert torch.equal(sample_wan(model, steps=1), ref)
-    assert threads[0].startswith("lowvram_dit_lora_merge") and threads[1] == threading.current_thread().name
-    assert "ran out of GPU memory in its worker at diffusion_model.blocks.1.ffn.2.weight" in caplog.text
+    assert devices == ["cpu", "cpu"]
+    assert "LoRA merge beside the forward at diffusion_model.blocks.1.ffn.2.weight" in caplog.text
     mm.unload_all_models()
 
 
@@ -400,7 +399,7 @@ def test_fp8_merge_error_is_not_above_native_fp8(files: dict, quantization: str)
 
     sd, lora = files["sd"], wan_lora(files["sd"])
     model = _with_lora(_swapped(_load(files["bf16"], quantization), blocks=1), lora)
-    mm.load_models_gpu([model])  # CPU: resident blocks merged by ComfyUI, streamed ones by Block Swap
+    sample_wan(model, steps=1)  # CPU: resident blocks merged by ComfyUI at load, streamed ones by its first forward
     ctl = model.attachments[SWAP_KEY]
     keys = [k for k in model.patches if k.endswith(".weight") and model.model.state_dict()[k].dtype
             == torch.float8_e4m3fn]
@@ -453,7 +452,7 @@ def test_qwen_image_streamed_blocks_hold_comfyui_merge(tmp_path: Path, monkeypat
     mm.unload_all_models()
     model = _with_lora(_swapped(load_transformer(path, "per_tensor", 128, "auto"), blocks=1), lora)
     calls = _CountCalculate(monkeypatch)
-    mm.load_models_gpu([model])
+    mm.load_models_gpu([model], force_patch_weights=True)  # as a save node reads them: merged before it returns
     ctl = model.attachments[SWAP_KEY]
     assert calls.n == len(model.patches) and ctl.lora.merged and ctl.plan.streamed
     got = model.model.state_dict()

@@ -180,8 +180,10 @@ def test_comfyui_block_swap_on_gpu_matches_plain_and_frees_the_ring():
 
 def test_an_expert_switch_filled_beside_the_first_forward_equals_the_fill_at_load(tmp_path, monkeypatch):
     """Two LoRA'd experts of one layout from mapped fp8 files (Wan 2.2's switch, 1.3B-sized), alternating: from the
-    second load on, each arena is the memory the other expert dropped (pinned), and it is copied and merged beside
-    the first forward (offload/arena_fill.py). Every forward equals the same sequence filled at load, bit for bit."""
+    second load on, each arena is the memory the other expert dropped (pinned), and it is copied beside the first
+    forward (offload/arena_fill.py), which merges the LoRA in the ring slots. Every forward equals the same sequence
+    filled at load, bit for bit, and the merged arenas hold the bytes a merge into the arena at load (a weights read,
+    ``force_patch_weights``) writes."""
     import comfy_native
     from test_comfyui_lora_fp8 import wan_lora
 
@@ -199,30 +201,48 @@ def test_an_expert_switch_filled_beside_the_first_forward_equals_the_fill_at_loa
         synth.write_synthetic(name, path, size="full", fmt="fp8_scaled", seed=i)
     lora = wan_lora(synth.synthetic_state_dict(name, size="full", fmt="bf16", seed=0), style="lightx2v", rank=16)
 
-    def run(beside: bool) -> list[tuple[torch.Tensor, str, bool]]:
-        monkeypatch.setattr(block_swap, "fills_beside_forward", lambda device: beside and device.type == "cuda")
-        host_memory.release_spares()  # the first expert's arena is a fresh one in both runs
-        experts = []
+    def experts() -> list:  # noqa: ANN202
+        out = []
         for path in paths:
             model = apply_block_swap(load_wan_model(path, "per_tensor", 128, "auto"),
                                      SwapConfig(blocks_to_swap=24, prefetch=2))
-            experts.append(comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0])
-        inputs = comfy_native.wan_inputs(experts[0], 480, 320, 9)
+            out.append(comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0])
+        return out
+
+    def digest(model) -> str:  # noqa: ANN001
+        ctl = model.attachments[SWAP_KEY]
+        streamed = [model.model.diffusion_model.blocks[b].state_dict() for b in ctl.plan.streamed]
+        return hashlib.sha256(b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                                       for sd in streamed for _, t in sorted(sd.items()))).hexdigest()
+
+    def read_at_load() -> list[str]:
+        host_memory.release_spares()
+        out = []
+        for model in experts():
+            mm.load_models_gpu([model], force_patch_weights=True)
+            assert model.attachments[SWAP_KEY].lora.is_current(model)
+            out.append(digest(model))
+            mm.unload_all_models()
+        return out
+
+    def run(beside: bool) -> list[tuple[torch.Tensor, str, bool]]:
+        monkeypatch.setattr(block_swap, "fills_beside_forward", lambda device: beside and device.type == "cuda")
+        host_memory.release_spares()  # the first expert's arena is a fresh one in both runs
+        models = experts()
+        inputs = comfy_native.wan_inputs(models[0], 480, 320, 9)
         outs = []
-        for model in experts + experts:
+        for model in models + models:
             mm.load_models_gpu([model])
             ctl = model.attachments[SWAP_KEY]
             out = comfy_native.forward(model, inputs)
-            assert ctl.lora.is_current(model)
-            streamed = [model.model.diffusion_model.blocks[b].state_dict() for b in ctl.plan.streamed]
-            digest = hashlib.sha256(b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes()
-                                             for sd in streamed for _, t in sorted(sd.items()))).hexdigest()
-            outs.append((out, digest, ctl.streamer.took["background"]))
+            assert ctl.lora.is_current(model) and ctl.lora.in_ring
+            outs.append((out, digest(model), ctl.streamer.took["background"]))
             mm.unload_all_models()
         return outs
 
     run(False)  # a process's first forwards time the kernel choices (and may compute with another candidate)
     eager, beside = run(False), run(True)
+    assert [digest for _, digest, _ in eager] == read_at_load() * 2
     assert [b for *_, b in eager] == [False] * 4 and [b for *_, b in beside] == [False, True, True, True]
     assert all(a[1] == b[1] for a, b in zip(eager, beside))  # the merged arenas hold the same bytes
     assert all(torch.equal(a[0], b[0]) for a, b in zip(eager, beside))

@@ -4,8 +4,6 @@ background=True)``), as an expert switch into the memory the idle expert left do
 from __future__ import annotations
 
 import threading
-import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -25,48 +23,33 @@ def _no_spare_arenas():
     host_memory.release_spares()
 
 
-class _SlowMerge:
-    """A ``BlockFill`` standing in for the LoRA merge: doubles each block's first ffn weight in the arena, in a thread
-    of its own, some time after the block was handed over; the first block waits until ``go`` is set."""
+class _Doubler:
+    """A ``RingFill`` standing in for the LoRA merge: doubles each block's first ffn weight in its ring slot, once per
+    block; the first block waits until ``go`` is set (the activation has to return before it is), and ``fail_at``
+    raises once, after it doubled that block's weight in the slot (a merge that stopped half way)."""
 
-    def __init__(self, st: BlockStreamer, delay: float = 0.02, fail_at: int | None = None) -> None:
-        self.st, self.delay, self.fail_at = st, delay, fail_at
+    def __init__(self, blocks: list[int], fail_at: int | None = None) -> None:
+        self.pending, self.fail_at = set(blocks), fail_at
         self.go, self.blocked = threading.Event(), False
-        self.blocks: list[int] = []
-        self.jobs: list[Future] = []
-        self.waits = 0
+        self.calls: list[int] = []
 
-    def block(self, b: int) -> Future:
-        if not self.blocks:
-            self.blocked = not self.go.wait(10)  # the activation has to return before this is set
-        self.blocks.append(b)
-        job: Future = Future()
+    def wants(self, b: int) -> bool:
+        return b in self.pending
 
-        def run() -> None:
-            time.sleep(self.delay)
-            if b == self.fail_at:
-                job.set_exception(RuntimeError(f"planted failure at block {b}"))
-                return
-            self.st.cpu_views(b)["ffn.0.weight"].mul_(2)
-            job.set_result(None)
-
-        threading.Thread(target=run).start()
-        self.jobs.append(job)
-        return job
-
-    def settle(self, job: Future) -> None:
-        job.result()
-
-    def wait(self) -> None:  # as BlockMerge.wait: every job settled, the first error raised
-        self.waits += 1
-        for job in self.jobs:
-            job.exception()
-        for job in self.jobs:
-            job.result()
+    def fill(self, b: int, views: dict[str, torch.Tensor]) -> list[str]:
+        if not self.calls:
+            self.blocked = not self.go.wait(10)
+        self.calls.append(b)
+        views["ffn.0.weight"].mul_(2)
+        if b == self.fail_at:
+            self.fail_at = None
+            raise RuntimeError(f"planted failure at block {b}")
+        self.pending.discard(b)
+        return ["ffn.0.weight"]
 
 
 def _doubled(model: TinyWan, blocks: tuple[int, ...]) -> torch.Tensor:
-    """The model's output with the first ffn weight of ``blocks`` doubled (what _SlowMerge writes)."""
+    """The model's output with the first ffn weight of ``blocks`` doubled (what _Doubler writes)."""
     saved = {b: model.blocks[b].ffn[0].weight.detach().clone() for b in blocks}
     for b in blocks:
         model.blocks[b].ffn[0].weight = torch.nn.Parameter(saved[b] * 2, requires_grad=False)
@@ -81,65 +64,64 @@ def _streamer(model: TinyWan) -> BlockStreamer:
     return BlockStreamer(model.blocks, plan, "cpu", pinned=False)
 
 
-def test_the_first_forward_waits_for_each_block_it_loads_and_no_longer(tmp_path: Path) -> None:
-    """activate returns before the first block is copied; the forward loads each block once its copy and its fill
-    work are done, so it computes with the merged weights; afterwards every block is bound to the arena and
-    ``on_filled`` ran once, on the forward's thread."""
+def test_the_first_forward_waits_for_each_block_it_loads_and_fills_it_in_the_ring(tmp_path: Path) -> None:
+    """activate returns before the first block is copied; the forward loads each block once its copy is done and
+    fills it in its slot, so it computes with the doubled weights; afterwards every block is bound to the arena,
+    the arena holds the doubled bytes (written back from the ring) and the next forward fills nothing."""
     model = _mapped_wan(tmp_path / "m.safetensors", 3)
     st = _streamer(model)
     ref = _doubled(model, st.plan.streamed)
-    fill = _SlowMerge(st)
-    done: list[str] = []
-    st.activate(fill, on_filled=lambda: done.append(threading.current_thread().name), background=True)
+    before = {b: model.blocks[b].ffn[0].weight.detach().clone() for b in st.plan.streamed}
+    fill = _Doubler(list(st.plan.streamed))
+    st.activate(fill, background=True)
     fill.go.set()
-    assert st.took["background"] and st.took["filled"] and not done
+    assert st.took["background"]
     assert torch.equal(_forward(model, st), ref)
-    assert not fill.blocked and fill.blocks == list(st.plan.streamed) and fill.waits == 1
-    assert done == [threading.current_thread().name]
+    assert not fill.blocked and fill.calls == list(st.plan.streamed)
     assert all(st.arena.contains(model.blocks[b].ffn[0].weight) for b in st.plan.streamed)
+    assert all(torch.equal(st.cpu_views(b)["ffn.0.weight"], before[b] * 2) for b in st.plan.streamed)
     assert all(host_memory.is_file_backed(t) for b in st.plan.streamed for t in st.originals[b].values())
-    assert torch.equal(_forward(model, st), ref)  # the next forward: nothing left to wait for
+    assert torch.equal(_forward(model, st), ref) and len(fill.calls) == len(st.plan.streamed)
     st.detach()
-    st.activate()  # the arena is current: nothing is copied again
+    st.activate()  # the arena is current: nothing is copied again, and it holds the filled bytes
     assert not st.took["background"] and torch.equal(_forward(model, st), ref)
     st.release()
 
 
-def test_a_detach_before_any_forward_completes_the_fill(tmp_path: Path) -> None:
-    """An interrupted prompt (no forward after the load): the detach waits for the copy, binds every block to the
-    arena and runs ``on_filled``; the next load runs on the arena as it is."""
+def test_a_detach_before_any_forward_completes_the_copy(tmp_path: Path) -> None:
+    """An interrupted prompt (no forward after the load): the detach waits for the copy and binds every block to the
+    arena, which holds the blocks as they were (the ring fill never ran); the next load runs on it as it is."""
     model = _mapped_wan(tmp_path / "m.safetensors", 4)
     st = _streamer(model)
-    ref = _doubled(model, st.plan.streamed)
-    fill, done = _SlowMerge(st), []
-    st.activate(fill, on_filled=lambda: done.append(True), background=True)
+    plain = _forward(model, None)
+    fill = _Doubler(list(st.plan.streamed))
+    st.activate(fill, background=True)
     fill.go.set()
     st.detach()
-    assert done == [True] and all(st.arena.contains(model.blocks[b].ffn[0].weight) for b in st.plan.streamed)
+    assert fill.calls == [] and all(st.arena.contains(model.blocks[b].ffn[0].weight) for b in st.plan.streamed)
     st.activate()
-    assert torch.equal(_forward(model, st), ref)
+    assert torch.equal(_forward(model, st), plain)
     st.release()
 
 
-def test_a_failing_fill_fails_the_forward_and_the_next_load_copies_again(tmp_path: Path,
-                                                                            caplog: pytest.LogCaptureFixture) -> None:
-    """An error in a block's fill work reaches the forward that loads that block; the detach after it logs instead
-    of raising (ComfyUI unloads on its way out of the failed prompt), ``on_filled`` never runs, and a load after it
-    copies the blocks the fill did not reach."""
+def test_a_fill_that_fails_half_way_fails_the_forward_and_the_next_one_fills_from_the_arena(tmp_path: Path) -> None:
+    """An error in a block's fill reaches the forward; the slot it left half done is given up, so the next forward
+    copies that block from the arena again and fills it once: the same output as a fill that never failed."""
     model = _mapped_wan(tmp_path / "m.safetensors", 5)
     st = _streamer(model)
-    plain = _forward(model, None)
+    ref = _doubled(model, st.plan.streamed)
     failing = st.plan.streamed[1]
-    fill, done = _SlowMerge(st, fail_at=failing), []
-    st.activate(fill, on_filled=lambda: done.append(True), background=True)
+    fill = _Doubler(list(st.plan.streamed), fail_at=failing)
+    st.activate(fill, background=True)
     fill.go.set()
     with pytest.raises(RuntimeError, match=f"planted failure at block {failing}"):
         _forward(model, st)
+    assert fill.wants(failing)
+    assert torch.equal(_forward(model, st), ref)
+    assert fill.calls == list(st.plan.streamed[:2]) + list(st.plan.streamed[1:])
     st.detach()
-    assert not done and "filling the host arena failed" in caplog.text
-    st.release()  # back to the file: the doubled weights leave with the arena
     st.activate()
-    assert torch.equal(_forward(model, st), plain)
+    assert torch.equal(_forward(model, st), ref)
     st.release()
 
 
@@ -149,7 +131,7 @@ def test_a_copy_error_releases_every_waiter() -> None:
         if b == 2:
             raise OSError("planted read error")
 
-    fill = BackgroundFill([1, 2, 3], copy, None)
+    fill = BackgroundFill([1, 2, 3], copy)
     fill.ready(1)
     for b in (2, 3):
         with pytest.raises(OSError, match="planted read error"):
@@ -171,12 +153,12 @@ def test_an_arena_to_be_pinned_is_never_filled_beside_the_forward(tmp_path: Path
     st.device = torch.device("cuda")  # the arena decisions only (activate's ring would need a GPU)
     st._owners = {b: st._build_owners(b) for b in plan.streamed}
     st.took = {"background": False}
-    st._build_arena(None, background=True)
+    st._build_arena(background=True)
     assert not st.took["background"] and st.arena.contains(model.blocks[plan.streamed[0]].ffn[0].weight)
     st.arena.pin()  # as activate does after the copy
     st.release()  # back to the file; the pinned memory is offered to the next arena of its size
     st.took = {"background": False}
-    st._build_arena(None, background=True)
+    st._build_arena(background=True)
     assert st.took["reused"] and st.arena.pinned and st.took["background"]
     st.finish_fill()
     assert all(st.arena.contains(model.blocks[b].ffn[0].weight) for b in plan.streamed)
