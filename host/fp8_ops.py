@@ -28,10 +28,13 @@ state dict in another file convention is brought to that form by ``checkpoints.f
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -361,22 +364,61 @@ CLIP_WARNING_QUIET_S = 30.0
 _clip_warned_at = [-math.inf]
 
 
+# Set within ``clip_checks_deferred``: where a merge keeps its clip checks' peaks instead of reading each
+_deferred_peaks: contextvars.ContextVar[list | None] = contextvars.ContextVar("lowvram_dit_clip_peaks", default=None)
+
+
+@contextlib.contextmanager
+def clip_checks_deferred(peaks: list) -> Iterator[None]:
+    """Within: each merged fp8 layer's clip check keeps its peak and count on the GPU in ``peaks`` instead of reading
+    them (a GPU->CPU sync per layer, which a merge inside a forward cannot afford); ``warn_if_clipped_any`` reads
+    them all at once."""
+    token = _deferred_peaks.set(peaks)
+    try:
+        yield
+    finally:
+        _deferred_peaks.reset(token)
+
+
+def warn_if_clipped_any(peaks: list) -> None:
+    """Read the peaks ``clip_checks_deferred`` kept (one sync) and warn for the worst layer, as a merge at load would;
+    ``peaks`` is emptied."""
+    if not peaks:
+        return
+    values = torch.stack([peak for peak, _, _ in peaks]).cpu()
+    worst = int(values.argmax())
+    _, shape, count = peaks[worst]
+    peaks.clear()
+    _report_clip(float(values[worst]), shape, lambda: int(count))
+
+
 def _warn_if_clipped(codes: torch.Tensor, shape: tuple[int, ...]) -> None:
     """Warn when a patched weight, divided by the layer's own scale, goes far past fp8's range (it is clipped).
 
     Re-quantizing with the layer's scale keeps the merge exact for every LoRA that stays in range; one that does
     not (an extreme alpha or strength) is clipped to +-448 codes. Checking costs one GPU->CPU sync per patched layer,
-    at the LoRA merge (once per load), never per step; the count is read only for a layer that warns. NaN is not
-    counted (the clamp keeps it NaN, and NaN Guard sees it at the next fp8 GEMM)."""
+    at the LoRA merge (once per load), never per step (none within ``clip_checks_deferred``); the count is read only
+    for a layer that warns. NaN is not counted (the clamp keeps it NaN, and NaN Guard sees it at the next fp8 GEMM)."""
+    if not codes.numel():
+        return
     mag = codes.abs()
-    peak = float(torch.where(mag > fp8_math.FP8_MAX, mag, 0.0).amax()) / fp8_math.FP8_MAX if mag.numel() else 0.0
+    peak = torch.where(mag > fp8_math.FP8_MAX, mag, 0.0).amax() / fp8_math.FP8_MAX
+    deferred = _deferred_peaks.get()
+    if deferred is not None:
+        deferred.append((peak, shape, (mag > fp8_math.FP8_MAX).sum()))
+        return
+    _report_clip(float(peak), shape, lambda: int((mag > fp8_math.FP8_MAX).sum()))
+
+
+def _report_clip(peak: float, shape: tuple[int, ...], count: Callable[[], int]) -> None:
+    """The clipping warning for a layer whose peak is ``peak`` x fp8's range (``count`` values past it), at most
+    once per CLIP_WARNING_QUIET_S."""
     if not peak > CLIP_WARN_FACTOR:
         return
     now = time.monotonic()
     if now - _clip_warned_at[0] < CLIP_WARNING_QUIET_S:
         return
     _clip_warned_at[0] = now
-    n = int((mag > fp8_math.FP8_MAX).sum())
     log.warning("lowvram_dit: a LoRA pushes %d values of an fp8 Linear %s up to %.3g times past its fp8 scale's range; "
                 "they are clipped - check the LoRA's alpha/strength (other layers of this merge are not listed)",
-                n, list(shape), peak)
+                count(), list(shape), peak)

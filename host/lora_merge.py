@@ -37,6 +37,7 @@ Block Swap. Its F32/F16 tensors (biases, norms) are merged like plain ones, in f
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import time
 import weakref
@@ -65,11 +66,13 @@ def _seed(key: str) -> int:
 
 
 @torch.no_grad()
-def merged_weight(patcher: Any, key: str, device: torch.device, source: torch.Tensor | None = None) -> torch.Tensor:
+def merged_weight(patcher: Any, key: str, device: torch.device, source: torch.Tensor | None = None,
+                  patches: list | None = None) -> torch.Tensor:
     """``key``'s stored tensor with its patches applied, computed on ``device``, in the stored dtype/layout.
 
     The same steps as ComfyUI's ``patch_weight_to_device``, without replacing the parameter or backing it up.
-    ``source``: the bytes to read instead of the bound tensor (the same values: its copy in the host arena)."""
+    ``source``: the bytes to read instead of the bound tensor (the same values: its copy in the host arena).
+    ``patches``: ``patcher.patches[key]`` with its tensors already on ``device``."""
     import comfy.float
     import comfy.lora
     import comfy.model_management as mm
@@ -83,7 +86,7 @@ def merged_weight(patcher: Any, key: str, device: torch.device, source: torch.Te
     temp = mm.cast_to_device(ggml.stored(weight), device, compute, copy=True)
     if convert_func is not None:
         temp = convert_func(temp, inplace=True)
-    out = comfy.lora.calculate_weight(patcher.patches[key], temp, key)
+    out = comfy.lora.calculate_weight(patches if patches is not None else patcher.patches[key], temp, key)
     if set_func is not None:
         new = set_func(out, inplace_update=False, seed=_seed(key), return_weight=True)
     else:
@@ -141,14 +144,14 @@ class StreamedMerge:
     @torch.no_grad()
     def merge_keys(self, patcher: Any, keys: list[str], originals: dict[str, torch.Tensor], device: torch.device,
                    attach: AttachPatches | None = None, targets: dict[str, torch.Tensor] | None = None,
-                   staging: dict[str, torch.Tensor] | None = None) -> None:
+                   staging: dict[str, torch.Tensor] | None = None, patches: dict[str, list] | None = None) -> None:
         """Merge (or attach) ``keys`` of a merge begun with ``begin`` in place; its GPU copies may still be under way.
 
         ``keys``: parameters in the host arena. ``originals``: key -> file-backed tensor holding the same bytes as
         the arena (restored from; never written). ``attach``: sets a quantized GGML weight's patches on every view
         the streamer binds (GGUF models). ``targets``: key -> the arena view (default: the tensor the model has
         bound). ``staging``: key -> a copy of the arena's bytes (the ring slot) to read and write instead of the
-        arena view; the caller copies it back into the arena."""
+        arena view; the caller copies it back into the arena. ``patches``: key -> its patches on ``device``."""
         import comfy.utils
 
         if self._started is None:
@@ -163,7 +166,8 @@ class StreamedMerge:
             # read from the arena (pinned) or its copy in the ring, never from a file mapping: the file's pages would
             # come back into RSS and be read at pageable speed
             work = staging[key] if staging is not None else target
-            new = merged_weight(patcher, key, device, source=work)
+            new = merged_weight(patcher, key, device, source=work,
+                                patches=patches.get(key) if patches is not None else None)
             stored, original = ggml.stored(target), originals.get(key)
             file_backed = original is not None and ggml.stored(original).shape == stored.shape \
                 and original.dtype == stored.dtype
@@ -232,6 +236,8 @@ class RingMerge:
         self._pending = {b: k for b, k in keys.items() if k}
         self._inference = torch.is_inference_mode_enabled()
         self._short_of_memory = False
+        self._clips: list = []  # fp8 clip checks kept on the GPU, read after the last block
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the patches' uploads
         if not self._pending:
             merge.finish(patcher, device, sync=False)
 
@@ -245,20 +251,37 @@ class RingMerge:
         return b in self._pending
 
     def fill(self, b: int, views: dict[str, torch.Tensor]) -> list[str]:
-        """Merge block ``b``'s patched weights into ``views`` (its ring slot, by name inside the block); the names
-        written, for the engine to copy back into the arena."""
+        """Merge block ``b``'s patched weights into ``views`` (its ring slot, by name inside the block, bound to the
+        block); the names written, for the engine to copy back into the arena. Nothing here waits for the GPU: the
+        patches go up on a stream of their own, and fp8 clip checks are read once, after the last block."""
+        from . import fp8_ops
+
         t0 = time.perf_counter()
-        keys = self._pending[b]
+        patcher, keys = self._live_patcher(), self._pending[b]
         cut = len(f"{self._prefix}{b}.")
         staging = {key: views[key[cut:]] for key in keys}
-        with torch.inference_mode(self._inference), torch.no_grad():
+        originals, targets = self._originals(b), self._targets(b)
+        with torch.inference_mode(self._inference), torch.no_grad(), fp8_ops.clip_checks_deferred(self._clips):
+            patches = self._upload(patcher, keys)
             for key in keys:
-                self._merge_one(b, key, staging)
+                self._merge_one(patcher, key, originals, targets, staging, patches)
         del self._pending[b]
         self._merge.ran_in_ring(time.perf_counter() - t0)
         if not self._pending:
-            self._merge.finish(self._live_patcher(), self.device, sync=False)
+            fp8_ops.warn_if_clipped_any(self._clips)
+            self._merge.finish(patcher, self.device, sync=False)
         return [key[cut:] for key in keys if not ggml.is_quantized(staging[key])]
+
+    def _upload(self, patcher: Any, keys: list[str]) -> dict[str, list] | None:
+        """``keys``' patches on the GPU, copied on the upload stream (a copy from pageable memory on the forward's
+        stream would wait for the forward); the forward's stream waits for them. None on the CPU."""
+        if self._stream is None:
+            return None
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._stream):
+            out = {key: _uploaded(patcher.patches[key], self.device, compute) for key in keys}
+        compute.wait_stream(self._stream)
+        return out
 
     def _live_patcher(self) -> Any:
         patcher = self._patcher()
@@ -266,17 +289,36 @@ class RingMerge:
             raise RuntimeError("block swap: the model whose LoRA was being merged is gone")
         return patcher
 
-    def _merge_one(self, b: int, key: str, staging: dict[str, torch.Tensor]) -> None:
+    def _merge_one(self, patcher: Any, key: str, originals: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
+                   staging: dict[str, torch.Tensor], patches: dict[str, list] | None) -> None:
         """Merge ``key`` on the ring's device; short of memory there, on the CPU from the slot's bytes."""
-        args = (self._live_patcher(), [key], self._originals(b))
         try:
-            self._merge.merge_keys(*args, self.device, self._attach, self._targets(b), staging)
+            self._merge.merge_keys(patcher, [key], originals, self.device, self._attach, targets, staging, patches)
         except torch.OutOfMemoryError:
             if not self._short_of_memory:
                 self._short_of_memory = True
                 log.warning("lowvram_dit Block Swap: no GPU memory for the LoRA merge beside the forward at %s; "
                             "weights that do not fit are merged on the CPU (slower, same patches)", key)
-            self._merge.merge_keys(*args, torch.device("cpu"), self._attach, self._targets(b), staging)
+            self._merge.merge_keys(patcher, [key], originals, torch.device("cpu"), self._attach, targets, staging)
+
+
+def _uploaded(item: Any, device: torch.device, user: torch.cuda.Stream) -> Any:
+    """``item`` (ComfyUI's nested patch tuples and lists, weight adapters) with every tensor of more than one value on
+    ``device``, each marked as used by ``user`` (so the allocator keeps it until that stream has run); 0-d tensors (a
+    LoRA's alpha) stay where they are, read as numbers."""
+    if isinstance(item, torch.Tensor):
+        if item.ndim == 0 or item.device == device:
+            return item
+        moved = item.to(device, non_blocking=True)
+        moved.record_stream(user)
+        return moved
+    if isinstance(item, (tuple, list)):
+        return type(item)(_uploaded(x, device, user) for x in item)
+    if isinstance(getattr(item, "weights", None), (tuple, list)):  # a weight adapter (LoRA, LoHa, ...) object
+        moved = copy.copy(item)
+        moved.weights = _uploaded(item.weights, device, user)
+        return moved
+    return item
 
 
 def _patch_device(patcher: Any) -> torch.device:

@@ -588,19 +588,21 @@ class BlockStreamer:
         if timer is not None:
             timer.started[i] = timer.mark(compute)
             timer.spans.append((i, "stall", t0, timer.started[i]))
-        if self.ring_fill is not None and self.ring_fill.wants(i):
-            self._fill_in_ring(i, s)
         self._bind(i, self._gpu(i, s))
+        if self.ring_fill is not None and self.ring_fill.wants(i):
+            self._fill_in_ring(i, s)  # bound to the slot first: the layers' own tensors (fp8 scales) are there too
         self._bound[i] = s
         self._prefetch(j + 1)
 
     def _fill_in_ring(self, i: int, s: int) -> None:
         """Run the ring fill on block ``i`` in slot ``s`` and copy what it wrote back into the arena behind it. If it
-        raises, the slot is given up: its bytes may be half done, so the block's next load copies the arena again."""
+        raises, the block goes back to the arena and the slot is given up: its bytes may be half done, so the block's
+        next load copies the arena again."""
         views = self._gpu(i, s)
         try:
             written = self.ring_fill.fill(i, views)
         except BaseException:
+            self._bind(i, self._cpu_views[i])
             slot = self.slots[s]
             slot.pending, slot.block = False, None
             del self._where[i]

@@ -247,3 +247,59 @@ def test_an_expert_switch_filled_beside_the_first_forward_equals_the_fill_at_loa
     assert all(a[1] == b[1] for a, b in zip(eager, beside))  # the merged arenas hold the same bytes
     assert all(torch.equal(a[0], b[0]) for a, b in zip(eager, beside))
     assert not torch.equal(eager[0][0], eager[1][0])
+
+
+@pytest.mark.parametrize("style", ["lightx2v", "kijai"])
+def test_the_lora_merge_in_the_ring_never_waits_for_the_gpu(tmp_path, style):
+    """The first forward after a load merges each streamed block's LoRA in its ring slot: on the forward's thread,
+    so it must not synchronize with the GPU (a sync per weight would stall the forward on every block). Each block
+    but the last goes through the engine's before/after_block with sync debug mode on (the last one reads the fp8
+    clip checks once, on purpose); the merged blocks equal a merge into the arena at load."""
+    import comfy_native
+    from test_comfyui_lora_fp8 import wan_lora
+
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.synthetic import checkpoints as synth
+
+    comfy = comfy_native.import_comfy(cpu=False)
+    mm = comfy.model_management
+    path = tmp_path / "expert.safetensors"
+    synth.write_synthetic("wan21_t2v_1_3B", path, size="tiny", fmt="fp8_scaled", seed=0)
+    lora = wan_lora(synth.synthetic_state_dict("wan21_t2v_1_3B", size="tiny", fmt="bf16", seed=0), style=style)
+
+    def expert():  # noqa: ANN202
+        model = apply_block_swap(load_wan_model(path, "per_tensor", 128, "auto"), SwapConfig(blocks_to_swap=99))
+        return comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0]
+
+    def streamed_bytes(model) -> list[torch.Tensor]:  # noqa: ANN001
+        ctl = model.attachments[SWAP_KEY]
+        return [t.reshape(-1).view(torch.uint8).clone() for b in ctl.plan.streamed
+                for _, t in sorted(model.model.diffusion_model.blocks[b].state_dict().items())]
+
+    reference = expert()
+    mm.load_models_gpu([reference], force_patch_weights=True)
+    expected = streamed_bytes(reference)
+    mm.unload_all_models()
+    model = expert()
+    mm.load_models_gpu([model])
+    ctl = model.attachments[SWAP_KEY]
+    st, order = ctl.streamer, list(ctl.plan.streamed)
+    assert st.ring_fill is not None and len(order) > 1
+    torch.cuda.synchronize()
+    with torch.inference_mode():
+        st.begin_forward()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for b in order[:-1]:
+                st.before_block(b)
+                st.after_block(b)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        st.before_block(order[-1])
+        st.after_block(order[-1])
+        st.end_forward()
+    assert ctl.lora.is_current(model) and ctl.lora.in_ring and st.ring_fill is None
+    got = streamed_bytes(model)
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+    mm.unload_all_models()
