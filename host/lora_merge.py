@@ -241,11 +241,6 @@ class RingMerge:
         if not self._pending:
             merge.finish(patcher, device, sync=False)
 
-    @property
-    def done(self) -> bool:
-        """True once every block's weights are merged."""
-        return not self._pending
-
     def wants(self, b: int) -> bool:
         """True while block ``b``'s weights are not merged yet."""
         return b in self._pending
