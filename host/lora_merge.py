@@ -183,8 +183,8 @@ class StreamedMerge:
             self._nbytes += stored.numel() * stored.element_size()
 
     def finish(self, patcher: Any, device: torch.device, sync: bool = True) -> int:
-        """End a merge begun with ``begin``: wait for its copies (``sync=False``: a ``BlockMerge`` waited for all of
-        them), log it; returns the count of merged tensors."""
+        """End a merge begun with ``begin``: wait for its copies (``sync=False``: a ``RingMerge``, whose copies into
+        the arena the engine waits for after that forward), log it; returns the count of merged tensors."""
         if device.type == "cuda" and self._done and sync:
             torch.cuda.current_stream(device).synchronize()  # the arena is read on the CPU and by the copy stream
         # nothing to merge: nothing to keep track of
