@@ -280,11 +280,11 @@ def _plant_merge_failure(monkeypatch: pytest.MonkeyPatch, suffix: str) -> Callab
 def test_two_experts_filled_beside_their_first_forward_equal_the_fill_at_load(files: dict,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """What a GPU does at an expert switch (the arena's memory already final: it is copied beside the first forward,
-    offload/arena_fill.py, which merges the LoRA in the ring), run on the CPU: two LoRA'd experts of one layout, twice each in turn, under
-    inference mode as ComfyUI samples. Every render equals the one whose arena was filled at load, bit for bit; the
-    second expert copies into the memory the first dropped; after each first forward the merge is complete and every
-    streamed weight is the arena's. A load for reading the weights (``force_patch_weights``) fills and merges before it
-    returns."""
+    offload/arena_fill.py, which merges the LoRA in the ring), run on the CPU: two LoRA'd experts of one layout, twice
+    each in turn, under inference mode as ComfyUI samples. Every render equals the one whose arena was filled at load,
+    bit for bit; the second expert copies into the memory the first dropped; after each first forward the merge is
+    complete and every streamed weight is the arena's. A load for reading the weights (``force_patch_weights``) fills
+    and merges before it returns."""
     import comfy.model_management as mm
 
     from comfyui_lowvram_dit.host import block_swap
