@@ -216,23 +216,7 @@ class SwapController:
         self._patcher = weakref.ref(patcher)
         took = {"start": time.perf_counter()}
         if plan.streamed:
-            if self.streamer is None or self.streamer.plan != plan or self.streamer.device != device:
-                if self.streamer is not None:
-                    # a new plan: the old arena goes first, and file-backed weights go back to the file, so the
-                    # new arena is copied from the file (its masters stay file-backed) and RAM does not double
-                    self._release_arena()
-                spare = self.streamer.spare if self.streamer is not None else None
-                self.streamer = BlockStreamer(self.blocks, plan, device, pinned=self.config.pinned,
-                                              debug=self.config.debug, pin_budget=ComfyPinBudget())
-                self.streamer.spare = spare  # the old arena's memory: taken, or freed before a new one is allocated
-            keys = self._lora_keys(patcher)
-            # the LoRA is merged by the first forward in the ring slots, or into the arena now for a weights read
-            fill = None if keys is None or weights_read else RingMerge(
-                self.lora, patcher, keys, self._block_originals, self._block_views, self.prefix, device,
-                attach=self._attach_patches)
-            self.streamer.activate(fill, background=fills_beside_forward(device) and not weights_read)
-            if keys is not None and weights_read:
-                self._merge_into_arena(patcher, keys, device)
+            self._activate_streamer(patcher, device, weights_read)
             took["arena"] = time.perf_counter()
         model = patcher.model
         swapped = [(n, m) for n, m in model.named_modules() if self.is_swapped_module(n)]
@@ -279,6 +263,27 @@ class SwapController:
                  plan.ring, plan.slot_bytes / 2**20, self.config.prefetch, self.config.pinned,
                  (self.gpu_bytes(plan) - plan.ring_bytes) / 1e9, plan.ring_bytes / 1e9, where,
                  _took(took, self.streamer.took if plan.streamed and self.streamer else None, resident_s))
+
+    def _activate_streamer(self, patcher, device: torch.device, weights_read: bool) -> None:  # noqa: ANN001
+        """The streamer for this plan and device (made anew for another), activated with this load's LoRA merge: by
+        the first forward in the ring slots, or into the arena now for a weights read."""
+        plan = self.plan
+        if self.streamer is None or self.streamer.plan != plan or self.streamer.device != device:
+            if self.streamer is not None:
+                # a new plan: the old arena goes first, and file-backed weights go back to the file, so the new
+                # arena is copied from the file (its masters stay file-backed) and RAM does not double
+                self._release_arena()
+            spare = self.streamer.spare if self.streamer is not None else None
+            self.streamer = BlockStreamer(self.blocks, plan, device, pinned=self.config.pinned,
+                                          debug=self.config.debug, pin_budget=ComfyPinBudget())
+            self.streamer.spare = spare  # the old arena's memory: taken, or freed before a new one is allocated
+        keys = self._lora_keys(patcher)
+        fill = None if keys is None or weights_read else RingMerge(
+            self.lora, patcher, keys, self._block_originals, self._block_views, self.prefix, device,
+            attach=self._attach_patches)
+        self.streamer.activate(fill, background=fills_beside_forward(device) and not weights_read)
+        if keys is not None and weights_read:
+            self._merge_into_arena(patcher, keys, device)
 
     def _lora_keys(self, patcher) -> dict[int, list[str]] | None:  # noqa: ANN001 - ModelPatcher
         """``patcher``'s patched keys per streamed block for a merge begun now, or None when the arena holds them
