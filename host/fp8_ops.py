@@ -370,9 +370,9 @@ _deferred_peaks: contextvars.ContextVar[list | None] = contextvars.ContextVar("l
 
 @contextlib.contextmanager
 def clip_checks_deferred(peaks: list) -> Iterator[None]:
-    """Within: each merged fp8 layer's clip check keeps its peak and count on the GPU in ``peaks`` instead of reading
-    them (a GPU->CPU sync per layer, which a merge inside a forward cannot afford); ``warn_if_clipped_any`` reads
-    them all at once."""
+    """Within: each merged fp8 layer's clip check keeps its peak on the GPU in ``peaks`` instead of reading it (a
+    GPU->CPU sync per layer, which a merge inside a forward cannot afford); ``warn_if_clipped_any`` reads them all at
+    once. The count of clipped values is not kept (it would cost every layer two more passes)."""
     token = _deferred_peaks.set(peaks)
     try:
         yield
@@ -385,11 +385,11 @@ def warn_if_clipped_any(peaks: list) -> None:
     ``peaks`` is emptied."""
     if not peaks:
         return
-    values = torch.stack([peak for peak, _, _ in peaks]).cpu()
+    values = torch.stack([peak for peak, _ in peaks]).cpu()
     worst = int(values.argmax())
-    _, shape, count = peaks[worst]
+    shape = peaks[worst][1]
     peaks.clear()
-    _report_clip(float(values[worst]), shape, lambda: int(count))
+    _report_clip(float(values[worst]), shape, None)
 
 
 def _warn_if_clipped(codes: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -405,20 +405,21 @@ def _warn_if_clipped(codes: torch.Tensor, shape: tuple[int, ...]) -> None:
     peak = torch.where(mag > fp8_math.FP8_MAX, mag, 0.0).amax() / fp8_math.FP8_MAX
     deferred = _deferred_peaks.get()
     if deferred is not None:
-        deferred.append((peak, shape, (mag > fp8_math.FP8_MAX).sum()))
+        deferred.append((peak, shape))
         return
     _report_clip(float(peak), shape, lambda: int((mag > fp8_math.FP8_MAX).sum()))
 
 
-def _report_clip(peak: float, shape: tuple[int, ...], count: Callable[[], int]) -> None:
-    """The clipping warning for a layer whose peak is ``peak`` x fp8's range (``count`` values past it), at most
-    once per CLIP_WARNING_QUIET_S."""
+def _report_clip(peak: float, shape: tuple[int, ...], count: Callable[[], int] | None) -> None:
+    """The clipping warning for a layer whose peak is ``peak`` x fp8's range (``count``: how many values are past it,
+    where known), at most once per CLIP_WARNING_QUIET_S."""
     if not peak > CLIP_WARN_FACTOR:
         return
     now = time.monotonic()
     if now - _clip_warned_at[0] < CLIP_WARNING_QUIET_S:
         return
     _clip_warned_at[0] = now
-    log.warning("lowvram_dit: a LoRA pushes %d values of an fp8 Linear %s up to %.3g times past its fp8 scale's range; "
-                "they are clipped - check the LoRA's alpha/strength (other layers of this merge are not listed)",
-                count(), list(shape), peak)
+    values = f"{count()} values" if count is not None else "values"
+    log.warning("lowvram_dit: a LoRA pushes %s of an fp8 Linear %s up to %.3g times past its fp8 scale's range; they "
+                "are clipped - check the LoRA's alpha/strength (other layers of this merge are not listed)",
+                values, list(shape), peak)

@@ -145,6 +145,47 @@ def test_a_lora_past_the_fp8_range_warns_once_per_merge(monkeypatch: pytest.Monk
     assert len(clip_lines()) == 2
 
 
+@pytest.mark.comfyui
+def test_clip_checks_deferred_warn_once_for_the_worst_layer(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Within ``clip_checks_deferred`` (Block Swap's merge inside a forward) no layer's check is read where it runs;
+    ``warn_if_clipped_any`` reads them once and warns for the worst layer, with the same words; a merge whose layers
+    stay in range warns nothing."""
+    from comfy_server import comfyui_in_process_or_skip
+
+    comfyui_in_process_or_skip()
+    from comfyui_lowvram_dit.host import fp8_ops as fp8_layers
+    from comfyui_lowvram_dit.host.fp8_ops import Fp8OpsConfig, make_fp8_ops
+
+    monkeypatch.setattr(fp8_layers, "_clip_warned_at", [-math.inf])
+    ops = make_fp8_ops(Fp8OpsConfig())
+    g = torch.Generator().manual_seed(1)
+    layers = []
+    for shape in ((32, 64), (48, 64)):
+        q, s = fp8.quantize_per_tensor(torch.randn(*shape, generator=g))
+        layer = ops.Linear(shape[1], shape[0], bias=False, device="meta")
+        layer.load_state_dict({"weight": q, "weight_scale": s}, assign=True)
+        layers.append((layer, layer.convert_weight(q.float()), s))
+    caplog.set_level(logging.WARNING, logger="comfyui_lowvram_dit")
+    peaks: list = []
+    with fp8_layers.clip_checks_deferred(peaks):
+        for (layer, real, s), factor in zip(layers, (1e3, 1e6)):
+            big = real.clone()
+            big[0, :3] = s * 448 * factor
+            assert layer.set_weight(big, return_weight=True).float()[0, :3].eq(448).all()
+    assert len(peaks) == 2 and all(isinstance(p, torch.Tensor) for p, _ in peaks)
+    assert not [r for r in caplog.records if "clipped" in r.getMessage()]  # nothing read inside
+    fp8_layers.warn_if_clipped_any(peaks)
+    (line,) = [r.getMessage() for r in caplog.records if "clipped" in r.getMessage()]
+    assert "[48, 64]" in line and "1e+06 times" in line and "alpha/strength" in line and peaks == [], line
+    monkeypatch.setattr(fp8_layers, "_clip_warned_at", [-math.inf])  # past the quiet time: a clip would warn
+    with fp8_layers.clip_checks_deferred(peaks):
+        layer, real, _ = layers[0]
+        layer.set_weight(real, return_weight=True)
+    fp8_layers.warn_if_clipped_any(peaks)
+    assert len([r for r in caplog.records if "clipped" in r.getMessage()]) == 1
+
+
 # ---- findings 1 and 2 on the GPU: the Triton quantizers ---------------------------------------------------
 
 cuda = pytest.mark.cuda
