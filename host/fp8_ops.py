@@ -44,6 +44,7 @@ import comfy.ops
 import torch
 
 from ..kernels import fp8 as fp8_math
+from ..kernels import fp8_requantize
 from ..kernels import int8 as int8_math
 from ..kernels import int8_choice, opaque_ops
 from ..checkpoints.fp8_state import pop_fp8_layer
@@ -245,12 +246,16 @@ class LowVramFp8Ops(comfy.ops.manual_cast):
             scale = self._full_scale(weight)
             return weight.mul_(scale) if inplace else weight * scale
 
+        def _count_clipped(self, weight: torch.Tensor) -> int:
+            """How many values of a patched weight divided by this layer's scale are past fp8's range."""
+            return int(((weight.float() / self._full_scale(weight)).abs() > fp8_math.FP8_MAX).sum())
+
         def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):  # noqa: ANN001, ANN201
             """Store a patched weight: re-quantized with this layer's scale (fp8) or rounded (others)."""
             if self.is_fp8:
-                codes = weight.float() / self._full_scale(weight)
-                _warn_if_clipped(codes, tuple(self.weight.shape))
-                new = codes.clamp_(-fp8_math.FP8_MAX, fp8_math.FP8_MAX).to(self.weight.dtype)
+                # one kernel on the GPU: the scale's division, the clip check's peak, the clamp and the cast
+                new, peak = fp8_requantize.requantize(weight, self.weight_scale, self._block_size(), self.weight.dtype)
+                _warn_if_clipped(peak, tuple(self.weight.shape), lambda: self._count_clipped(weight))
             else:
                 new = comfy.float.stochastic_rounding(weight, self.weight.dtype, seed=seed or 0)
             if return_weight:
@@ -392,22 +397,19 @@ def warn_if_clipped_any(peaks: list) -> None:
     _report_clip(float(values[worst]), shape, None)
 
 
-def _warn_if_clipped(codes: torch.Tensor, shape: tuple[int, ...]) -> None:
+def _warn_if_clipped(peak: torch.Tensor, shape: tuple[int, ...], count: Callable[[], int]) -> None:
     """Warn when a patched weight, divided by the layer's own scale, goes far past fp8's range (it is clipped).
 
     Re-quantizing with the layer's scale keeps the merge exact for every LoRA that stays in range; one that does
-    not (an extreme alpha or strength) is clipped to +-448 codes. Checking costs one GPU->CPU sync per patched layer,
-    at the LoRA merge (once per load), never per step (none within ``clip_checks_deferred``); the count is read only
-    for a layer that warns. NaN is not counted (the clamp keeps it NaN, and NaN Guard sees it at the next fp8 GEMM)."""
-    if not codes.numel():
-        return
-    mag = codes.abs()
-    peak = torch.where(mag > fp8_math.FP8_MAX, mag, 0.0).amax() / fp8_math.FP8_MAX
+    not (an extreme alpha or strength) is clipped to +-448 codes. ``peak`` (0-d, from the re-quantization) is the
+    largest value past the range over 448, 0 where none is. Reading it costs one GPU->CPU sync per patched layer, at
+    the LoRA merge (once per load), never per step (none within ``clip_checks_deferred``); ``count`` runs only for a
+    layer that warns. NaN is not counted (the clamp keeps it NaN, and NaN Guard sees it at the next fp8 GEMM)."""
     deferred = _deferred_peaks.get()
     if deferred is not None:
         deferred.append((peak, shape))
         return
-    _report_clip(float(peak), shape, lambda: int((mag > fp8_math.FP8_MAX).sum()))
+    _report_clip(float(peak), shape, count)
 
 
 def _report_clip(peak: float, shape: tuple[int, ...], count: Callable[[], int] | None) -> None:
