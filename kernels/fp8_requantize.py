@@ -63,8 +63,9 @@ def requantize_torch(weight: torch.Tensor, scale: torch.Tensor, block_size: int 
 
 
 def _triton_applies(weight: torch.Tensor, scale: torch.Tensor, block_size: int | None, dtype: torch.dtype) -> bool:
-    if not (TRITON_AVAILABLE and weight.is_cuda and dtype == torch.float8_e4m3fn and weight.is_contiguous()
-            and weight.numel() and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)):
+    if not (TRITON_AVAILABLE and weight.is_cuda and torch.version.hip is None and dtype == torch.float8_e4m3fn
+            and weight.is_contiguous() and weight.numel()
+            and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)):
         return False
     if torch.cuda.get_device_capability(weight.device) < (8, 9):  # no fp8 conversion instructions before Ada
         return False

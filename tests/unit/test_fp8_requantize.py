@@ -29,12 +29,12 @@ def test_per_tensor_codes_are_the_division_clamp_and_cast():
     q, peak = rq.requantize(w, scale, None, E4)
     codes = w.float() / scale
     assert torch.equal(q.view(torch.uint8), codes.clamp(-448, 448).to(E4).view(torch.uint8))
-    assert codes.abs().max() > 448 and peak.item() == pytest.approx(codes.abs().max().item() / 448, rel=0, abs=0)
+    assert codes.abs().max() > 448 and torch.equal(peak, codes.abs().max() / 448)
 
 
 def test_block_scales_follow_their_tiles_on_a_ragged_weight():
     w = _weight((130, 200), seed=1)
-    q_ref, s = fp8.quantize_blockwise(w.float(), 64)  # a [3, 4] scale, partial edge tiles
+    s = fp8.quantize_blockwise(w.float(), 64)[1]  # a [3, 4] scale, partial edge tiles
     q, peak = rq.requantize(w, s, 64, E4)
     expect = (w.float() / fp8.expand_block_scale(s, (130, 200), 64)).clamp(-448, 448).to(E4)
     assert torch.equal(q.view(torch.uint8), expect.view(torch.uint8)) and peak.item() == 0.0
