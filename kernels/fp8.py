@@ -112,12 +112,18 @@ def quantize_blockwise(w: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) ->
     return q[:n, :k].contiguous(), scale
 
 
-def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block_size: int) -> torch.Tensor:
-    """Per-element fp32 scale of an [N, K] weight from its block scale [ceil(N/bs), ceil(K/bs)]."""
+def check_block_scale(scale: torch.Tensor, shape: tuple[int, int], block_size: int) -> None:
+    """Raise a ValueError naming both shapes unless ``scale`` is the block scale of an [N, K] weight."""
     n, k = shape
     if tuple(scale.shape) != blockwise_scale_shape(n, k, block_size):
         raise ValueError(f"block scale shape {tuple(scale.shape)} does not match weight {tuple(shape)} with "
                          f"block_size {block_size} (expected {blockwise_scale_shape(n, k, block_size)})")
+
+
+def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block_size: int) -> torch.Tensor:
+    """Per-element fp32 scale of an [N, K] weight from its block scale [ceil(N/bs), ceil(K/bs)]."""
+    n, k = shape
+    check_block_scale(scale, shape, block_size)
     s = scale.float().repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
     return s[:n, :k]
 

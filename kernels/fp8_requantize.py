@@ -3,11 +3,10 @@
 ``codes = fp8(clamp(weight / scale, +-448))`` with a per-tensor (0-d) or block-wise scale, and the clip check's
 peak: the largest ``|weight / scale|`` past 448, divided by 448 (0 where none is; NaN never counts), left on the
 device so that a merge inside a forward never waits for the GPU. In torch that is eight passes over the weight
-(the fp32 copy, the division, abs, the comparison, where, amax, clamp and the cast); a Wan 14B expert's 330
-streamed weights spent about 0.2 s of GPU time in them at each load. The Triton kernel reads the weight once and
-writes the codes and one partial peak per program; its bits equal the torch reference's (IEEE division through
-tl.math.div_rn, round-to-nearest-even casts, NaN kept by the clamp), which tests/unit/test_fp8_requantize_cuda.py
-checks on the GPU.
+(the fp32 copy, the division, abs, the comparison, where, amax, clamp and the cast) for each merged weight at
+each load. The Triton kernel reads the weight once and writes the codes and one partial peak per program; its bits
+equal the torch reference's (IEEE division through tl.math.div_rn, round-to-nearest-even casts, NaN kept by the
+clamp), which tests/unit/test_fp8_requantize_cuda.py checks on the GPU.
 
 Plain torch and Triton, no ComfyUI import.
 """
@@ -16,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .fp8 import FP8_MAX, check_block_scale, expand_scale
 from .triton_launch import launcher
 
 try:  # Triton is optional: CPU boxes, and Windows installs without triton-windows
@@ -26,7 +26,6 @@ try:  # Triton is optional: CPU boxes, and Windows installs without triton-windo
 except Exception:  # noqa: BLE001 - a broken triton install must not break the pack
     TRITON_AVAILABLE = False
 
-FP8_MAX = 448.0
 _BLOCK = 4096  # elements per program
 
 if TRITON_AVAILABLE:
@@ -53,10 +52,7 @@ if TRITON_AVAILABLE:
 def requantize_torch(weight: torch.Tensor, scale: torch.Tensor, block_size: int | None,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference (and the CPU path): ``(codes, peak)`` as the module doc says, in torch ops."""
-    from .fp8 import expand_scale
-
-    s = scale.to(device=weight.device, dtype=torch.float32)
-    codes = weight.float() / (s if s.ndim == 0 else expand_scale(s, tuple(weight.shape), block_size, weight.device))
+    codes = weight.float() / expand_scale(scale, tuple(weight.shape), block_size, weight.device)
     mag = codes.abs()
     peak = (torch.where(mag > FP8_MAX, mag, 0.0).amax() if codes.numel() else codes.new_zeros(())) / FP8_MAX
     return codes.clamp_(-FP8_MAX, FP8_MAX).to(dtype), peak
@@ -87,11 +83,7 @@ def _launch(weight: torch.Tensor, scale: torch.Tensor, block_size: int | None, d
     s = scale.to(device=weight.device, dtype=torch.float32).contiguous()
     per_tensor = s.ndim == 0
     if not per_tensor:
-        from .fp8 import blockwise_scale_shape
-
-        if tuple(s.shape) != blockwise_scale_shape(*weight.shape, block_size):
-            raise ValueError(f"block scale shape {tuple(s.shape)} does not match weight {tuple(weight.shape)} with "
-                             f"block_size {block_size}")
+        check_block_scale(s, tuple(weight.shape), block_size)
     n = weight.numel()
     k = weight.shape[-1] if weight.dim() else 1
     grid = triton.cdiv(n, _BLOCK)
