@@ -22,11 +22,13 @@ MODELS = ("Wan 2.2 T2V-A14B", "Wan 2.2 TI2V-5B", "Qwen-Image", "Qwen-Image-Edit"
 ROW_FIELDS = ("name", "model", "resolution", "frames", "steps", "card_gib", "file_format", "setup", "memory_manager",
               "s_per_step", "render_s", "peak_vram_gib", "peak_rss_gib", "against", "ratio")
 ENV_FIELDS = ("device", "gpu", "torch", "comfyui", "comfy_kitchen", "commit", "date", "started", "command")
-OPTIONAL = {"side": "pack", "how": "server", "cfg": None, "gpus": 1, "lora": None, "step_cache": None, "status": "ok"}
+OPTIONAL = {"side": "pack", "how": "server", "cfg": None, "gpus": 1, "lora": None, "step_cache": None, "status": "ok",
+            "dynamic_vram": None, "ram_gib": None}
 FORMATS = ("fp8_scaled", "fp8_e4m3fn", "bf16")
 CARDS = (8.0, 12.0, 16.0, 24.0)
 # The run keys of a row: rows of one run that share these are one workload, compared with each other.
-WORKLOAD = ("model", "resolution", "frames", "steps", "cfg", "card_gib", "gpus", "lora", "step_cache", "how")
+WORKLOAD = ("model", "resolution", "frames", "steps", "cfg", "card_gib", "gpus", "lora", "step_cache", "how",
+            "dynamic_vram", "ram_gib")
 
 
 def read(data: object, source: str) -> tuple[dict, list[dict]]:
@@ -162,11 +164,19 @@ def index_markdown(rows: list[dict], components: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _how(row: dict) -> str:
+    """How a row was measured, with the memory manager where ComfyUI's default was off and the RAM where emulated."""
+    off = ", DynamicVRAM off" if row["dynamic_vram"] is False else ""
+    ram = f", {_fmt(float(row['ram_gib']))} GiB RAM (emulated)" if row["ram_gib"] else ""
+    return f"{row['how']}{off}{ram}"
+
+
 def _by_card_rows(model: str, fmt: str, rows: list[dict]) -> list[list[str]]:
     """A cell's rows: per workload, the pack's fastest vs native's best in the newest run with both (else newest)."""
     runs: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        runs[(r["how"], r["resolution"], r["frames"], r["cfg"], r["lora"], r["step_cache"])][r["run"]].append(r)
+        runs[(r["how"], r["resolution"], r["frames"], r["cfg"], r["lora"], r["step_cache"], r["dynamic_vram"] is False,
+              r["ram_gib"] or 0)][r["run"]].append(r)
     metric = lambda r: r["render_s"] or r["s_per_step"]  # a row's rank: the render time users wait for, else s/step
     best = lambda g, side: min((r for r in g if r["side"] == side and r["status"] == "ok" and metric(r)), key=metric,
                                default=None)  # the fastest timed row of a side in a run
@@ -189,7 +199,7 @@ def _by_card_rows(model: str, fmt: str, rows: list[dict]) -> list[list[str]]:
         both = [g for g in newest if best(g, "pack") and best(g, "native")]
         pack, native = (best((both or newest)[0], side) for side in ("pack", "native"))
         if r := pack or native:
-            where = f"{r['how']}, {r['gpu'] or '—'}, ComfyUI {r['comfyui'] or '—'}, {r['date'] or '—'}"
+            where = f"{_how(r)}, {r['gpu'] or '—'}, ComfyUI {r['comfyui'] or '—'}, {r['date'] or '—'}"
             ratio = f"**{metric(native) / metric(pack):.2f}x**" if pack and native else "—"
             ram = f"{_fmt(pack and pack['peak_rss_gib'], 1)} / {_fmt(native and native['peak_rss_gib'], 1)}"
             anchor = Path(r["run"]).name  # GitHub's anchor of its heading in INDEX.md

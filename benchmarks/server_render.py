@@ -9,12 +9,13 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from comfyui_lowvram_dit.benchmarks import page_cache
+from comfyui_lowvram_dit.benchmarks import page_cache, ram_limit
 from comfyui_lowvram_dit.benchmarks import report as reports
 from comfyui_lowvram_dit.benchmarks import server
 from comfyui_lowvram_dit.benchmarks import server_render_graphs as rg
@@ -62,6 +63,7 @@ class RenderRow:
     dynamic_vram: bool = True  # False: --disable-dynamic-vram
     file_format: str = "fp8_scaled"
     easycache_threshold: float | None = None  # EasyCache's reuse_threshold (None: its node's default)
+    ram_gib: float | None = None  # the machine's RAM emulated (benchmarks/ram_limit.py); None: this machine's own
 
     @property
     def spec(self) -> rg.RenderWorkflow:
@@ -126,7 +128,8 @@ def pick_rows(opts: argparse.Namespace) -> list[RenderRow]:
         else:
             raise SystemExit(f"--rows: unknown {item!r}: a row name, a group ({', '.join(GROUPS)}), a workflow "
                              f"({', '.join(rg.WORKFLOWS)}) or all")
-    threshold = getattr(opts, "easycache_threshold", None)
+    threshold, ram = getattr(opts, "easycache_threshold", None), getattr(opts, "ram_gib", None)
+    picked = [replace(r, name=f"{r.name}_ram{ram:g}gb", ram_gib=ram) if ram else r for r in picked]
     return [replace(r, easycache_threshold=threshold) if rg.SETUPS[r.setup].easycache else r
             for r in {r.name: r for r in picked}.values()]
 
@@ -153,7 +156,8 @@ def describe(row: RenderRow) -> str:
     """One line saying what a row runs."""
     where = "whole GPU" if row.card_gib is None else f"{row.card_gib:g} GB card"
     memory = "DynamicVRAM" if row.dynamic_vram else "legacy loading (--disable-dynamic-vram)"
-    return f"{row.spec.title}: {setup_text(row)}, {row.file_format} files, {memory}, {where}"
+    ram = f", a machine of {row.ram_gib:g} GiB RAM (emulated)" if row.ram_gib else ""
+    return f"{row.spec.title}: {setup_text(row)}, {row.file_format} files, {memory}, {where}{ram}"
 
 
 def memory_manager(row: RenderRow) -> str:
@@ -184,7 +188,7 @@ def head(row: RenderRow) -> dict:
             "how": "server", "card_gib": row.card_gib, "format": row.file_format,
             "file_format": wf.layout(row.file_format), "memory_manager": memory_manager(row),
             "dynamic_vram": row.dynamic_vram, "lora": "4-step LoRA" if "4step" in row.workflow else None,
-            "step_cache": step_cache(row), "files": rg.model_files(wf, row.file_format)}
+            "step_cache": step_cache(row), "ram_gib": row.ram_gib, "files": rg.model_files(wf, row.file_format)}
 
 
 @dataclass
@@ -372,7 +376,9 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
         rec["server_flags"] = [public(f, opts) for f in flags]
         lives = [[k for k in ("first_ever", "warm", "warm_new_prompt") if k == "first_ever" or k in ctx.renders],
                  [k for k in ("cold",) if k in ctx.renders]]
-        with models.pack_copies_for(row, opts.models, "cpu" if opts.smoke else "cuda", rec):
+        with models.pack_copies_for(row, opts.models, "cpu" if opts.smoke else "cuda", rec), \
+                _machine_ram(row, rec):
+            env = ram_limit.server_env(env, row.ram_gib) if row.ram_gib else env
             graph = None
             for kinds in filter(None, lives):
                 if rec["lives"] and any(r["status"] != "ok" for r in rec["renders"].values()):
@@ -384,6 +390,19 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
         if folder is not None and not opts.keep_logs:
             shutil.rmtree(folder, ignore_errors=True)
     return finish(rec, ctx.renders)
+
+
+@contextmanager
+def _machine_ram(row: RenderRow, rec: dict) -> Iterator[None]:
+    """The row's servers on a machine of its --ram-gib (a balloon locks the rest; its facts go into ``rec``)."""
+    if not row.ram_gib:
+        yield
+        return
+    with ram_limit.emulated(row.ram_gib) as facts:
+        rec["ram_emulation"] = facts
+        print(f"   RAM: {facts['locked_gib']} GiB of {facts['machine_gib']} locked in {facts['lock_s']} s, "
+              f"{row.ram_gib:g} GiB left to the servers", flush=True)
+        yield
 
 
 def row_flags(ctx: RunContext, row: RenderRow) -> tuple[list[str], list[str]]:
@@ -493,6 +512,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drop-page-cache", action="store_true", help="before every render, drop the model files from "
                    "the page cache (no root needed): they are read from the disk, as on a machine whose RAM cannot "
                    "cache them (RAM size itself is not emulated); the disk's read speed goes into the report")
+    p.add_argument("--ram-gib", type=float, help="emulate a machine of this much RAM (Linux, root or CAP_IPC_LOCK): "
+                   "a balloon process locks the rest while each row's servers run, and their psutil reports this "
+                   "total (benchmarks/ram_limit.py); rows are named <row>_ram<N>gb")
     p.add_argument("--git-sha", help="pack commit to record (default: git rev-parse here)")
     return p
 

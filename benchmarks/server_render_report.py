@@ -111,6 +111,16 @@ def step_clock(rows: list[dict]) -> str:
     return " (progress messages unsynced: a step's time is the host's, up to about a step off where nothing syncs)"
 
 
+def _ram_text(rows: list[dict]) -> str:
+    """How the machine's RAM was emulated for these rows (server_render --ram-gib), else nothing."""
+    facts = next((r["ram_emulation"] for r in rows if r.get("ram_emulation")), None)
+    if not facts:
+        return ""
+    return (f", a machine of {facts['ram_gib']:g} GiB RAM (emulated: {facts['locked_gib']} of this machine's "
+            f"{facts['machine_gib']} GiB locked by a balloon process, the servers' psutil reporting "
+            f"{facts['ram_gib']:g} GiB)")
+
+
 def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
     """The report as markdown: environment, what was timed, one table per workflow and card."""
     lines = report.header("Renders through a ComfyUI server: Queue to output file", env, [
@@ -144,7 +154,8 @@ def markdown(rows: list[dict], env: dict, settings: dict) -> list[str]:
                           *(report.cell(r.get(k), f) for k, f in (("s_per_step", "{:.3f}"), ("peak_vram_gib", "{:.2f}"),
                                                                   ("peak_rss_gib", "{:.2f}"))),
                           error, (native or {}).get("name", "—"), status])
-        lines += [f"## {title}, {where}", "", f"{facts}; in brackets: the 'against' row's seconds / the row's",
+        lines += [f"## {title}, {where}{_ram_text(members)}", "",
+                  f"{facts}; in brackets: the 'against' row's seconds / the row's",
                   "", *report.table(COLUMNS, cells), ""]
     return lines
 

@@ -160,3 +160,21 @@ def test_a_format_beyond_the_three_is_listed_only_for_the_models_measured_in_it(
     assert "| Wan 2.2 TI2V-5B | gguf_q8_0 | not measured |" in eight  # the model's own gap, on every card
     assert "| Wan 2.2 T2V-A14B | gguf_q8_0 |" not in by_card and "| Qwen-Image | gguf_q8_0 |" not in by_card
     assert "| Qwen-Image | bf16 | not measured |" in eight  # the three formats stay listed for every model
+
+
+def test_rows_off_dynamic_vram_or_on_an_emulated_machine_get_lines_of_their_own(tmp_path: Path) -> None:
+    """A newer run with DynamicVRAM off or on a machine of less RAM never replaces the default run on the by-card
+    page: each gets its own line saying how it differs, and is compared only within its own kind."""
+    (tmp_path / "render").mkdir()
+    runs = {"default.json": ({}, "2026-11-24"), "legacy.json": ({"dynamic_vram": False}, "2026-11-25"),
+            "ram32.json": ({"ram_gib": 32.0}, "2026-11-26")}
+    for name, (more, day) in runs.items():
+        rows = [_row("native", "native", 6.0, **more), _row("pack", "pack", 4.0 if more else 4.8, **more)]
+        (tmp_path / "render" / name).write_text(json.dumps({"env": {**ENV, "date": day}, "rows": rows}),
+                                                encoding="utf-8")
+    eight = results_index.by_card_markdown(results_index.collect(tmp_path)[0]).split("## 8 GB card")[1]
+    eight = eight.split("## ")[0]
+    assert "| server, H100 80GB HBM3, ComfyUI 0.33.0, 2026-11-24 |" in eight and "**1.25x**" in eight
+    assert "| server, DynamicVRAM off, H100 80GB HBM3, ComfyUI 0.33.0, 2026-11-25 |" in eight
+    assert "| server, 32 GiB RAM (emulated), H100 80GB HBM3, ComfyUI 0.33.0, 2026-11-26 |" in eight
+    assert eight.count("**1.50x**") == 2
