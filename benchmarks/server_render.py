@@ -354,7 +354,7 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
     folder = None
     try:
         ctx.models.prepare(row, later)
-        if opts.drop_page_cache and ctx.disk_read_gbs is None:
+        if (opts.drop_page_cache or row.ram_gib) and ctx.disk_read_gbs is None:
             ctx.disk_read_gbs = page_cache.cold_read_gbs(opts.models)
         flags, rec["flags_left_out"] = row_flags(ctx, row)
         folder = opts.work / "rows" / row.name  # fresh: its own kernel caches, user folder and ComfyUI base dir
@@ -561,11 +561,14 @@ def _prepare(opts: argparse.Namespace) -> tuple[list[RenderRow], tuple[str, ...]
     return rows, kinds, own_work
 
 
-def page_cache_note(drop: bool, disk_read_gbs: float | None) -> str:
-    """What the report says of the page cache (with --drop-page-cache: the disk's measured read speed)."""
+def page_cache_note(drop: bool, disk_read_gbs: float | None, ram_gib: float | None = None) -> str:
+    """What the report says of the page cache (with --drop-page-cache or --ram-gib: the disk's measured speed)."""
+    speed = "not measured (no row ran)" if disk_read_gbs is None else f"{disk_read_gbs:.2f} GB/s"
+    if ram_gib and not drop:
+        return (f"not dropped, bounded by the emulated {ram_gib:g} GiB: what does not fit beside the servers is read "
+                f"from the disk again, which read one file at {speed} (1 GiB, cold)")
     if not drop:
         return "not dropped: files written or read earlier in the run come from RAM"
-    speed = "not measured (no row ran)" if disk_read_gbs is None else f"{disk_read_gbs:.2f} GB/s"
     return ("dropped before every render (posix_fadvise DONTNEED on every file under the models folder; pages a "
             f"server has mapped stay): model files come from the disk, which read one at {speed} (1 GiB, cold)")
 
@@ -601,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def written(records: list[dict]) -> list[Path]:
         settings["model_write_s"], settings["model_files_deleted"] = ctx.models.took, ctx.models.freed
-        settings["page_cache"] = page_cache_note(opts.drop_page_cache, ctx.disk_read_gbs)
+        settings["page_cache"] = page_cache_note(opts.drop_page_cache, ctx.disk_read_gbs, opts.ram_gib)
         return report.write(opts.out, opts.stem, records, env, settings, opts.work / "latents")
 
     run_all(ctx, written, results, started)

@@ -73,6 +73,9 @@ def test_the_report_says_whether_the_page_cache_was_dropped() -> None:
     note = server_render.page_cache_note(True, 1.234)
     assert "dropped before every render" in note and "1.23 GB/s" in note
     assert "not measured" in server_render.page_cache_note(True, None)
+    bounded = server_render.page_cache_note(False, 1.78, 32.0)  # --ram-gib: the cache is what fits
+    assert "bounded by the emulated 32 GiB" in bounded and "1.78 GB/s" in bounded
+    assert "dropped before every render" in server_render.page_cache_note(True, 1.78, 32.0)
     opts = server_render.parser().parse_args(["--drop-page-cache"])
     assert opts.drop_page_cache and not server_render.parser().parse_args([]).drop_page_cache
 
