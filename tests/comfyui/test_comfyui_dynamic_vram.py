@@ -82,11 +82,11 @@ def test_block_swap_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCapture
     assert torch.isfinite(sample_wan(unbuildable, seed=2)).all()  # the model it passed on still samples
 
 
-@pytest.mark.parametrize("ram_gib", [24, 64])
+@pytest.mark.parametrize("ram_gib", [16, 64])
 def test_block_swap_auto_under_dynamic_vram_follows_the_ram(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                             monkeypatch: pytest.MonkeyPatch, ram_gib: int) -> None:
-    """dynamic_vram = auto (the default): a machine whose RAM holds twice the model + 16 GiB leaves the model to
-    DynamicVRAM (faster on the render table), one with less streams it (less RAM); each says why once."""
+    """dynamic_vram = auto (the default): a machine whose RAM holds the model + 16 GiB leaves the model to DynamicVRAM
+    (faster on the render tables), one with less streams it (less RAM); each says why once."""
     comfyui_in_process_or_skip()
     import inspect
     import types
@@ -104,11 +104,11 @@ def test_block_swap_auto_under_dynamic_vram_follows_the_ram(tmp_path: Path, capl
     log._SAID_ONCE.clear()
     caplog.set_level(logging.INFO, logger=LOGGER)
     dynamic = _as_dynamic(load_wan_model(_tiny_wan(tmp_path, "auto.safetensors"), "per_tensor"))
-    dynamic.model_size = lambda: 5 << 30  # a 5 GiB model wants 26 GiB: 24 are too few, 64 enough
+    dynamic.model_size = lambda: 5 << 30  # a 5 GiB model wants 21 GiB: 16 are too few, 64 enough
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=ram_gib << 30))
     out = apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2))
     said = " ".join(r.getMessage() for r in caplog.records)
-    if ram_gib == 24:
+    if ram_gib == 16:
         assert out is not dynamic and SWAP_KEY in out.attachments and "leaves ComfyUI's DynamicVRAM" in said
     else:
         assert out is dynamic and "steps aside (auto: this machine's 64 GiB of RAM holds" in said
