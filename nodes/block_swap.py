@@ -56,7 +56,8 @@ class BlockSwap(io.ComfyNode):
                                        "step aside: let it; renders faster, but it keeps every model's weights in "
                                        "RAM. stream: Block Swap streams (the model is rebuilt once for ComfyUI's "
                                        "legacy loading); less RAM. auto: step aside where RAM holds this model + "
-                                       "16 GB (a Wan 14B expert: 32 GB machines), else stream. Without DynamicVRAM Block Swap always streams."),
+                                       "16 GB (a Wan 14B expert: 32 GB machines), else stream. Without DynamicVRAM "
+                                       "Block Swap always streams."),
             ],
             outputs=[io.Model.Output()],
         )

@@ -3,10 +3,10 @@
 DynamicVRAM alone renders the Wan 2.2 14B experts faster than Block Swap does where the machine's page cache holds
 the model files (Block Swap must rebuild the model for ComfyUI's legacy loading, and reloads the expert it switches
 to), and it fits its pinned memory to the machine's RAM, reading the rest from the page cache. On a machine of 32 GB
-it kept 29 GiB and rendered the two-expert 4-step workflow faster warm than Block Swap streaming, which read the
-other expert's streamed blocks from the disk at every switch (docs/benchmarks.md, "On a machine with 32 GB of
-RAM?"). So ``auto`` lets DynamicVRAM manage the model where RAM holds one model of its size and 16 GiB besides (text
-encoder, VAE, the system), and streams on smaller machines, where nothing was measured and less RAM is kept.
+it rendered the two-expert workflow faster than Block Swap streaming, which read the other expert's streamed blocks
+from the disk at every switch (docs/benchmarks.md, "On a machine with 32 GB of RAM?"). So ``auto`` lets DynamicVRAM
+manage the model where RAM holds one model of its size and 16 GiB besides (text encoder, VAE, the system), and
+streams on smaller machines, where nothing was measured and streaming keeps less in RAM.
 """
 
 from __future__ import annotations

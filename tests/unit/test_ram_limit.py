@@ -64,7 +64,7 @@ def test_a_balloon_that_cannot_lock_names_the_option(monkeypatch: pytest.MonkeyP
         return real_popen([*args[:-1], str(1 << 62)], **kw)
 
     monkeypatch.setattr(ram_limit.subprocess, "Popen", failing)
-    with pytest.raises(RuntimeError, match="--ram-gib 2: the balloon could not lock .*GiB available: the balloon keeps"):
+    with pytest.raises(RuntimeError, match="--ram-gib 2: the balloon could not lock .*available: the balloon keeps"):
         with ram_limit.emulated(2):
             pass
 
@@ -73,7 +73,8 @@ def test_rows_on_an_emulated_machine_say_so_in_their_names() -> None:
     opts = argparse.Namespace(rows="wan_t2v_4step_native_best_12gb,wan_t2v_4step_pack_stream_12gb", cards=None,
                               setups="native_best", formats=None, memory="on", ram_gib=32.0)
     rows = sr.pick_rows(opts)
-    assert [r.name for r in rows] == ["wan_t2v_4step_native_best_12gb_ram32gb", "wan_t2v_4step_pack_stream_12gb_ram32gb"]
+    assert [r.name for r in rows] == ["wan_t2v_4step_native_best_12gb_ram32gb",
+                                      "wan_t2v_4step_pack_stream_12gb_ram32gb"]
     assert all(r.ram_gib == 32.0 for r in rows)
     assert sr.describe(rows[1]).endswith("12 GB card, a machine of 32 GiB RAM (emulated)")
     assert sr.head(rows[0])["ram_gib"] == 32.0
