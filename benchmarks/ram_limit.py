@@ -28,7 +28,7 @@ SITE = Path(__file__).with_name("ram_limit_site")  # holds the servers' sitecust
 TOTAL_ENV = "LOWVRAM_BENCH_RAM_TOTAL"  # bytes the servers' psutil reports as the machine's total
 CHUNK = GIB  # the balloon locks its memory a chunk at a time
 SAFETY = GIB  # what the balloon always leaves available besides the emulated machine's RAM
-READY_S = 900.0  # locking about 100 GiB takes seconds to a minute (every page is zeroed)
+EXIT_S = 900.0  # how long a balloon that did not report "locked" gets to exit before its error is read
 
 
 def meminfo_bytes(field: str, text: str | None = None) -> int:
@@ -69,7 +69,7 @@ def emulated(ram_gib: float) -> Iterator[dict]:
         started = time.monotonic()
         line = proc.stdout.readline() if proc.stdout else ""
         if not line.startswith("locked"):
-            proc.wait(timeout=READY_S)
+            proc.wait(timeout=EXIT_S)
             err = proc.stderr.read().strip() if proc.stderr else ""
             raise RuntimeError(f"--ram-gib {ram_gib:g}: the balloon could not lock {locked / GIB:.1f} GiB "
                                f"({err or 'it exited with ' + str(proc.returncode)})")

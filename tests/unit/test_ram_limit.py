@@ -57,7 +57,6 @@ def test_the_balloon_process_holds_its_memory_until_released(monkeypatch: pytest
 
 def test_a_balloon_that_cannot_lock_names_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ram_limit, "meminfo_bytes", lambda field, text=None: 2 * GIB + (16 << 10))
-    monkeypatch.setattr(ram_limit.sys, "executable", sys.executable)
     real_popen = subprocess.Popen
 
     def failing(args: list[str], **kw: object) -> subprocess.Popen:  # asked for more than exists: refused unlocked
