@@ -264,11 +264,14 @@ def render(srv: cli_server.ComfyServer, graph: dict, kind: str, timeout: float, 
         return rec
     rec.update(split(run.events, graph, run.posted_at, run.wall_s))
     for nid, peaks in node_memory(run.events, run.watch.samples, run.watch.t0).items():
-        rec["nodes"].get(nid, {}).update(peaks)  # which node raised the server's RSS
+        rec["nodes"].get(nid, {}).update(peaks)  # which node raised the server's RSS, which one read the disk
+    for sampler in rec["samplers"]:
+        sampler["disk_read_gib"] = rec["nodes"].get(sampler["node"], {}).get("disk_read_gib")
     mem = run.watch.summary()
     rss = mem["peak_rss_hwm_gib"] if first_of_life else mem["peak_rss_sampled_gib"]  # VmHWM spans the life
     rec.update(peak_vram_gib=mem["peak_gpu_gib"], peak_rss_gib=rss, peak_rss_anon_gib=mem["peak_rss_anon_gib"],
-               peak_rss_file_gib=mem["peak_rss_file_gib"], rss_hwm_gib=mem["peak_rss_hwm_gib"])
+               peak_rss_file_gib=mem["peak_rss_file_gib"], rss_hwm_gib=mem["peak_rss_hwm_gib"],
+               disk_read_gib=mem["disk_read_gib"])
     if run.entry["status"]["status_str"] != "success":
         rec["error"] = cli_server.execution_error(run.entry) or str(run.entry["status"])
         return rec

@@ -18,7 +18,7 @@ CACHED_NATIVE = {"EasyCache": "native_best_easycache"}  # step cache -> native's
 REFERENCE = ("native_default", "bf16")  # the 16-bit reference: setup and file format
 COLUMNS = ("setup", "row", *(f"{label} s" for label in KIND_LABEL.values()), (  # a workflow and card's table
     "split of the warm render: load / text / sampling / decode / save / other s (each sampler's node total: its first "
-    "+ n x median step)"), "s/step", "peak VRAM GiB", "peak RSS GiB", "output error vs native (; vs bf16)", "against",
+    "+ n x median step; GiB it read from the disk)"), "s/step", "peak VRAM GiB", "peak RSS GiB", "output error vs native (; vs bf16)", "against",
     "status")
 ROW_KEYS = (*ROW_FIELDS, "renders", "side", "how", "cfg", "lora", "status")  # every row's (None: not measured)
 
@@ -97,9 +97,12 @@ def _warm_split(row: dict) -> str:
     steps = ", ".join((f"{s['node_s']:.1f}: " if s.get("node_s") else "") + report.cell(s["first_step_s"], "{:.1f}")
                       + (f" + {s['steps'] - 1} x {s['median_step_s']:.2f}"
                          if s["steps"] > 1 and s.get("median_step_s") else "")
+                      + (f"; {s['disk_read_gib']:.1f} GiB read" if s.get("disk_read_gib") is not None else "")
                       for s in w.get("samplers", []) if s.get("steps"))
+    read = f"; {w['disk_read_gib']:.1f} GiB read from the disk" if w.get("disk_read_gib") is not None else ""
     skipped = ", ".join(f"{k}/{n}" for k, n in w.get("easycache_skipped") or [])
-    return (f"{parts} ({steps})" if steps else parts) + (f"; EasyCache skipped {skipped} steps" if skipped else "")
+    return ((f"{parts} ({steps})" if steps else parts) + read
+            + (f"; EasyCache skipped {skipped} steps" if skipped else ""))
 
 
 def step_clock(rows: list[dict]) -> str:

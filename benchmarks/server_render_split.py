@@ -39,7 +39,9 @@ def node_times(events: list[tuple[float, dict]]) -> dict[str, float]:
 def node_memory(events: list[tuple[float, dict]], samples: list[dict], t0: float) -> dict[str, dict]:
     """Per executed node, from memory samples taken while it ran (``t`` seconds after ``t0``, the clock of the
     events; ``anon`` / ``file`` bytes): the highest anonymous and file-backed RSS and the anonymous RSS of its last
-    sample, in GiB. A node no sample fell into is left out; one that ran twice keeps its higher peaks."""
+    sample, in GiB, and the GiB read from storage (``disk`` bytes) from the last sample before it to the first after
+    it (so up to a sampling interval of its neighbours' reads on each side). A node no sample fell into is left out;
+    one that ran twice keeps its higher peaks and the sum of its reads."""
     out: dict[str, dict] = {}
     for nid, start, end in node_windows(events):
         inside = [s for s in samples if start <= t0 + s["t"] <= end]
@@ -49,6 +51,11 @@ def node_memory(events: list[tuple[float, dict]], samples: list[dict], t0: float
         out[nid] = {"anon_peak_gib": max(seen["anon_peak_gib"], round(max(s["anon"] for s in inside) / GIB, 3)),
                     "file_peak_gib": max(seen["file_peak_gib"], round(max(s["file"] for s in inside) / GIB, 3)),
                     "anon_end_gib": round(inside[-1]["anon"] / GIB, 3)}
+        reads = [s for s in samples if s.get("disk") is not None]
+        before = [s["disk"] for s in reads if t0 + s["t"] <= start] or [s["disk"] for s in reads[:1]]
+        after = [s["disk"] for s in reads if t0 + s["t"] >= end] or [s["disk"] for s in reads[-1:]]
+        if before and after:
+            out[nid]["disk_read_gib"] = round(seen.get("disk_read_gib", 0.0) + (after[0] - before[-1]) / GIB, 3)
     return out
 
 

@@ -3,8 +3,10 @@
 The runner uses it to report what a ComfyUI run really took, as the user's system monitor would show it:
 ``VmHWM`` from ``/proc/<pid>/status`` (the kernel's own peak RSS), ``RssAnon``/``RssFile`` samples (pinned and
 heap memory vs mmapped model files that the kernel can drop), and the process's GPU memory from ``nvidia-smi``
-(CUDA context + everything the caching allocator holds). Linux only for RSS; without ``nvidia-smi`` the GPU
-columns stay empty. Sampling runs on a daemon thread and never raises into the caller.
+(CUDA context + everything the caching allocator holds), and the bytes the process made the kernel read from the
+storage (``read_bytes`` of ``/proc/<pid>/io``: page-cache hits are not counted, so a model file that the page cache
+lost shows up there). Linux only for RSS and reads; without ``nvidia-smi`` the GPU columns stay empty. Sampling runs
+on a daemon thread and never raises into the caller.
 """
 
 from __future__ import annotations
@@ -34,6 +36,19 @@ def proc_status(pid: int) -> dict[str, int]:
     return out
 
 
+def disk_read_bytes(pid: int) -> int | None:
+    """Bytes ``pid`` (all its threads, living and ended) made the kernel fetch from storage; None where unreadable."""
+    try:
+        text = Path(f"/proc/{pid}/io").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key == "read_bytes" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
 def gpu_used_bytes(pid: int, nvidia_smi: str | None, timeout: float = 5.0) -> int | None:
     """GPU memory ``pid`` holds according to nvidia-smi (None when unknown, e.g. another pid namespace)."""
     if not nvidia_smi:
@@ -60,7 +75,7 @@ class MemoryWatch:
     def __init__(self, pid: int, interval: float = 0.5, gpu: bool = True) -> None:
         self.pid = pid
         self.interval = interval
-        self.samples: list[dict] = []  # {"t": s, "rss": B, "anon": B, "file": B, "gpu": B | None}
+        self.samples: list[dict] = []  # {"t": s, "rss": B, "anon": B, "file": B, "gpu": B | None, "disk": B | None}
         self.marks: list[tuple[float, str]] = []
         self._nvidia_smi = shutil.which("nvidia-smi") if gpu else None
         self._stop = threading.Event()
@@ -86,7 +101,8 @@ class MemoryWatch:
         self._hwm = max(self._hwm, st.get("VmHWM", 0))
         self.samples.append({"t": round(time.monotonic() - self.t0, 2), "rss": st.get("VmRSS", 0),
                              "anon": st.get("RssAnon", 0), "file": st.get("RssFile", 0),
-                             "shmem": st.get("RssShmem", 0), "gpu": gpu_used_bytes(self.pid, self._nvidia_smi)})
+                             "shmem": st.get("RssShmem", 0), "gpu": gpu_used_bytes(self.pid, self._nvidia_smi),
+                             "disk": disk_read_bytes(self.pid)})
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -108,12 +124,16 @@ class MemoryWatch:
                 self._thread.join(timeout=10)
 
     def summary(self) -> dict:
-        """Peaks in GiB: VmHWM (kernel peak RSS), sampled RSS/anon/file, GPU (None without nvidia-smi)."""
+        """Peaks in GiB: VmHWM (kernel peak RSS), sampled RSS/anon/file, GPU (None without nvidia-smi); the GiB read
+        from storage between the first and the last sample (None where ``/proc/<pid>/io`` was unreadable)."""
         def peak(key: str) -> float | None:
             vals = [s[key] for s in self.samples if s.get(key) is not None]
             return round(max(vals) / GIB, 3) if vals else None
 
+        reads = [s["disk"] for s in self.samples if s.get("disk") is not None]
+
         return {"peak_rss_hwm_gib": round(self._hwm / GIB, 3) if self._hwm else None,
                 "peak_rss_sampled_gib": peak("rss"), "peak_rss_anon_gib": peak("anon"),
                 "peak_rss_file_gib": peak("file"), "peak_gpu_gib": peak("gpu"),
+                "disk_read_gib": round((reads[-1] - reads[0]) / GIB, 3) if reads else None,
                 "samples": len(self.samples), "interval_s": self.interval}

@@ -396,6 +396,16 @@ def test_easycache_skips_are_read_per_sampler_and_reported() -> None:
     assert "EasyCache" not in rr._warm_split(_row("p", "pack", 24.0, 20.0))
 
 
+def test_the_warm_split_says_what_each_sampler_and_the_render_read_from_the_disk() -> None:
+    row = _row("p", "pack", 12.0, 20.0)
+    warm = row["renders"]["warm"]
+    assert "read" not in rr._warm_split(row)  # a result from before the reads were sampled
+    warm["samplers"] = [{"steps": 2, "first_step_s": 6.9, "median_step_s": 2.34, "node_s": 9.3,
+                         "disk_read_gib": 4.04}]
+    warm["disk_read_gib"] = 8.46
+    assert rr._warm_split(row).endswith("(9.3: 6.9 + 1 x 2.34; 4.0 GiB read); 8.5 GiB read from the disk")
+
+
 def test_a_cached_row_is_compared_with_native_under_the_same_cache_and_threshold() -> None:
     """A pack row with EasyCache at a set threshold against native's best with that cache and threshold, never one
     at another threshold; native's cached row against native's best without a cache."""

@@ -123,6 +123,24 @@ def test_node_memory_takes_the_samples_inside_each_node() -> None:
     assert node_memory(events, samples[:1], t0) == {}  # no sample inside any node
 
 
+def test_node_memory_counts_each_nodes_disk_reads_from_the_samples_around_it() -> None:
+    """A node's reads run from the last sample before it to the first after it; a node that ran twice sums them."""
+    gib = 1 << 30
+    t0 = 100.0
+    events = [(t0 + t, m) for t, m in EVENTS]  # nodes 11: 0.1-5.0, 15: 5.0-12.0, 16: 12.0-22.5 s
+    reads = ((0.05, 0.0), (3.0, 1.0), (4.95, 1.5), (6.0, 4.0), (11.0, 4.0), (15.0, 4.25), (22.0, 4.25), (23.0, 6.0))
+    samples = [{"t": t, "anon": gib, "file": gib, "disk": int(r * gib)} for t, r in reads]
+    mem = node_memory(events, samples, t0)
+    assert {n: m["disk_read_gib"] for n, m in mem.items()} == {"11": 4.0, "15": 2.75, "16": 2.0}
+    twice = events + [(t0 + 22.6, {"type": "executing", "data": {"node": "11"}}),
+                      (t0 + 22.9, {"type": "executing", "data": {"node": None}})]
+    samples.append({"t": 22.7, "anon": gib, "file": gib, "disk": int(5 * gib)})
+    samples.sort(key=lambda s: s["t"])
+    assert node_memory(twice, samples, t0)["11"]["disk_read_gib"] == 4.0 + 1.75  # 4.25 -> 6.0 the second time
+    unread = [{k: v for k, v in s.items() if k != "disk"} for s in samples]  # /proc/<pid>/io unreadable
+    assert all("disk_read_gib" not in m for m in node_memory(events, unread, t0).values())
+
+
 LOG_033 = ("got prompt\n  0%|          | 0/2 [00:00<?, ?it/s]\r 50%|█████     | 1/2 [00:06<00:06,  6.47s/it]\r"
            "\x1b[32m[INFO]\x1b[0m lowvram_dit attention auto -> SDPA cuDNN\nPrompt executed in 45.20 seconds\n")
 

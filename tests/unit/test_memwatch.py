@@ -34,8 +34,31 @@ def test_watch_sees_an_allocation_in_this_process() -> None:
     block.close()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="reads /proc/<pid>/io")
+def test_watch_counts_what_the_process_read_from_storage(tmp_path) -> None:
+    """A file written with O_DIRECT-free writes, dropped from the page cache, then read: the read reaches storage."""
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(32 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the pages leave the cache (written back first)
+        with memwatch.MemoryWatch(os.getpid(), interval=0.05, gpu=False) as watch:
+            time.sleep(0.1)
+            while os.read(fd, 1 << 20):
+                pass
+    finally:
+        os.close(fd)
+    read = watch.summary()["disk_read_gib"]
+    if read == 0.0:
+        pytest.skip("this filesystem serves the file without storage reads (tmpfs or a cache that kept it)")
+    assert read >= 16 / 1024, watch.samples  # at least half of the 32 MiB came from storage
+    assert memwatch.disk_read_bytes(os.getpid()) >= int(read * memwatch.GIB)
+
+
 def test_proc_status_of_a_missing_pid_is_empty() -> None:
     assert memwatch.proc_status(2**31 - 1) == {}
+    assert memwatch.disk_read_bytes(2**31 - 1) is None
     assert memwatch.gpu_used_bytes(os.getpid(), None) is None
 
 
