@@ -201,6 +201,13 @@ def _probe_lines(probes: list[dict], key: str, no_gpu: bool) -> list[str]:
     return lines
 
 
+def _ram_line(mem: dict) -> str:
+    """The report's RAM line: a container's limit where it is below the machine's RAM, said as such."""
+    limit = (f" (this container's memory limit; the machine has {mem['ram_machine_gib']} GiB, which ComfyUI's "
+             "pinned-memory cap below is taken from)") if mem.get("ram_machine_gib") else ""
+    return f"  RAM {mem.get('ram_total_gib', '-')} GiB total{limit}, {mem.get('ram_available_gib', '-')} GiB available"
+
+
 def format_report(report: dict) -> str:
     """The human-readable text report."""
     v, gpu, mem = report.get("versions", {}), report.get("gpu", {}), report.get("memory", {})
@@ -229,7 +236,7 @@ def format_report(report: dict) -> str:
     else:
         lines.append(f"  none: {gpu.get('reason', 'no CUDA GPU')}")
     lines += ["", "Memory",
-              f"  RAM {mem.get('ram_total_gib', '-')} GiB total, {mem.get('ram_available_gib', '-')} GiB available",
+              _ram_line(mem),
               f"  pinnable (ComfyUI cap): {mem.get('comfyui_pin_cap_gib', '-')} GiB "
               f"({mem.get('comfyui_pin_cap_rule', '-')}); RLIMIT_MEMLOCK {mem.get('memlock_limit', '-')}"]
     pin = mem.get("pin_test") or {}

@@ -157,32 +157,35 @@ def collect_gpu() -> dict:
     }
 
 
-def _ram() -> tuple[int | None, int | None]:
+def _ram() -> tuple[int | None, int | None, int | None]:
+    """Total and available RAM for this process (a smaller container limit caps both), and the machine's total where
+    a container limit is smaller (else None)."""
     try:
-        import psutil
+        from ..offload.machine_ram import usable_ram
 
-        vm = psutil.virtual_memory()
-        return int(vm.total), int(vm.available)
-    except ImportError:
+        ram = usable_ram()
+        return ram.total, ram.available, ram.machine_total if ram.container_limit else None
+    except ImportError:  # psutil missing
         pass
     try:
         info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        return int(info["MemTotal"].split()[0]) * 1024, int(info["MemAvailable"].split()[0]) * 1024
+        return int(info["MemTotal"].split()[0]) * 1024, int(info["MemAvailable"].split()[0]) * 1024, None
     except (OSError, KeyError, ValueError):
-        return None, None
+        return None, None, None
 
 
 def collect_memory(gpu: dict, pin_test: bool = True) -> dict:
     """System RAM, the pinnable budget ComfyUI would use, and a bounded pinned-copy test on the GPU."""
     import torch
 
-    total, available = _ram()
+    total, available, machine = _ram()
     kind = _os_kind()
     out: dict = {"ram_total_gib": round(total / GIB, 2) if total else None,
-                 "ram_available_gib": round(available / GIB, 2) if available else None}
+                 "ram_available_gib": round(available / GIB, 2) if available else None,
+                 "ram_machine_gib": round(machine / GIB, 2) if machine else None}  # set: a container limit is lower
     fraction = COMFY_PIN_FRACTION.get(kind, 0.95)
     if total:
-        out["comfyui_pin_cap_gib"] = round(total * fraction / GIB, 2)
+        out["comfyui_pin_cap_gib"] = round((machine or total) * fraction / GIB, 2)  # ComfyUI reads the machine's
         out["comfyui_pin_cap_rule"] = f"{fraction:.0%} of RAM ({kind}, ComfyUI v0.8.0 MAX_PINNED_MEMORY)"
     try:
         import resource

@@ -13,6 +13,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from ..offload.machine_ram import usable_ram
+
 _HELD = [0]  # bytes of pack arenas counted in ComfyUI's account right now (for the Doctor)
 
 
@@ -84,6 +86,4 @@ def ram_allows(nbytes: int) -> bool:
     ensure = getattr(mm, "ensure_pin_budget", None)
     if callable(ensure):
         return _ensure(ensure, nbytes)
-    import psutil
-
-    return psutil.virtual_memory().available - nbytes >= RAM_HEADROOM
+    return usable_ram().available - nbytes >= RAM_HEADROOM

@@ -82,11 +82,13 @@ def test_block_swap_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCapture
     assert torch.isfinite(sample_wan(unbuildable, seed=2)).all()  # the model it passed on still samples
 
 
-@pytest.mark.parametrize("ram_gib", [16, 64])
+@pytest.mark.parametrize(("ram_gib", "container_gib"), [(16, None), (64, None), (64, 16)])
 def test_block_swap_auto_under_dynamic_vram_follows_the_ram(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                            monkeypatch: pytest.MonkeyPatch, ram_gib: int) -> None:
+                                                            monkeypatch: pytest.MonkeyPatch, ram_gib: int,
+                                                            container_gib: int | None) -> None:
     """dynamic_vram = auto (the default): a machine whose RAM holds the model + 16 GiB leaves the model to DynamicVRAM
-    (faster on the render tables), one with less streams it (less RAM); each says why once."""
+    (faster on the render tables), one with less streams it (less RAM), and so does a container whose memory limit
+    is less, whatever the machine has; each says why once."""
     comfyui_in_process_or_skip()
     import inspect
     import types
@@ -97,6 +99,8 @@ def test_block_swap_auto_under_dynamic_vram_follows_the_ram(tmp_path: Path, capl
     from comfyui_lowvram_dit.host import log
     from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
     from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.offload import machine_ram
+    from comfyui_lowvram_dit.offload.machine_ram import CgroupMemory
     from comfyui_lowvram_dit.offload.plan import SwapConfig
 
     if "disable_dynamic" not in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
@@ -105,11 +109,16 @@ def test_block_swap_auto_under_dynamic_vram_follows_the_ram(tmp_path: Path, capl
     caplog.set_level(logging.INFO, logger=LOGGER)
     dynamic = _as_dynamic(load_wan_model(_tiny_wan(tmp_path, "auto.safetensors"), "per_tensor"))
     dynamic.model_size = lambda: 5 << 30  # a 5 GiB model wants 21 GiB: 16 are too few, 64 enough
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=ram_gib << 30))
+    monkeypatch.setattr(psutil, "virtual_memory",
+                        lambda: types.SimpleNamespace(total=ram_gib << 30, available=(ram_gib << 30) // 2))
+    limit = container_gib and CgroupMemory(container_gib << 30, 1 << 30)
+    monkeypatch.setattr(machine_ram, "cgroup_memory", lambda: limit or None)  # the test machine's own cgroup aside
     out = apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2))
     said = " ".join(r.getMessage() for r in caplog.records)
-    if ram_gib == 16:
+    if (container_gib or ram_gib) == 16:
         assert out is not dynamic and SWAP_KEY in out.attachments and "leaves ComfyUI's DynamicVRAM" in said
+        where = "this container's 16 GiB memory limit" if container_gib else "this machine's 16 GiB of RAM"
+        assert f"auto: {where} is less than 21 GiB" in said
     else:
         assert out is dynamic and "steps aside (auto: this machine's 64 GiB of RAM holds" in said
 

@@ -239,7 +239,8 @@ def test_without_free_ram_nothing_is_parked_and_comfyui_reloads_as_usual(tmp_pat
 
 
 def test_without_comfyuis_ram_check_free_ram_decides(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ComfyUI without ensure_pin_budget (0.8.0): new pinned RAM only with RAM_HEADROOM left free beside it."""
+    """A ComfyUI without ensure_pin_budget (0.8.0): new pinned RAM only with RAM_HEADROOM left free beside it (in a
+    container, below its memory limit)."""
     comfyui_in_process_or_skip()
     import types
 
@@ -247,9 +248,17 @@ def test_without_comfyuis_ram_check_free_ram_decides(monkeypatch: pytest.MonkeyP
     import psutil
 
     from comfyui_lowvram_dit.host import pin_budget
+    from comfyui_lowvram_dit.offload import machine_ram
+    from comfyui_lowvram_dit.offload.machine_ram import CgroupMemory
 
     monkeypatch.delattr(mm, "ensure_pin_budget", raising=False)
     free = 10 << 30
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=free))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=64 << 30, available=free))
+    monkeypatch.setattr(machine_ram, "cgroup_memory", lambda: None)
     assert pin_budget.ram_allows(free - pin_budget.RAM_HEADROOM)
     assert not pin_budget.ram_allows(free - pin_budget.RAM_HEADROOM + 1)
+    # in a container of a 16 GiB limit with 12 GiB used, 4 GiB are free whatever the machine has
+    monkeypatch.setattr(machine_ram, "cgroup_memory", lambda: CgroupMemory(16 << 30, 12 << 30))
+    assert not pin_budget.ram_allows(1)
+    monkeypatch.setattr(machine_ram, "cgroup_memory", lambda: CgroupMemory(16 << 30, 9 << 30))  # 7 GiB free
+    assert pin_budget.ram_allows(3 << 30) and not pin_budget.ram_allows((3 << 30) + 1)

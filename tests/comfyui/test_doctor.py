@@ -54,6 +54,28 @@ def test_report_without_gpu_is_complete_and_says_what_was_skipped(cpu_report: di
     assert text.count("scaled_mm_rowwise") == 1
 
 
+def test_memory_names_a_container_limit_and_comfyuis_cap_from_the_machine(monkeypatch: pytest.MonkeyPatch,
+                                                                        cpu_report: dict) -> None:
+    """In a container of 48 GiB on a 512 GiB machine: RAM is the limit, ComfyUI's pin cap is what it reads (the
+    machine's), and the report says both."""
+    import types
+
+    import psutil
+
+    from comfyui_lowvram_dit.offload import machine_ram
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=512 << 30, available=500 << 30))
+    monkeypatch.setattr(machine_ram, "cgroup_memory", lambda: machine_ram.CgroupMemory(48 << 30, 8 << 30))
+    mem = doctor.collect_memory({"available": False}, pin_test=False)
+    assert (mem["ram_total_gib"], mem["ram_available_gib"], mem["ram_machine_gib"]) == (48.0, 40.0, 512.0)
+    assert mem["comfyui_pin_cap_gib"] > 48
+    text = doctor.format_report({**cpu_report, "memory": mem})
+    assert "RAM 48.0 GiB total (this container's memory limit; the machine has 512.0 GiB" in text
+    monkeypatch.setattr(machine_ram, "cgroup_memory", lambda: None)
+    mem = doctor.collect_memory({"available": False}, pin_test=False)
+    assert mem["ram_machine_gib"] is None and "container" not in doctor.format_report({**cpu_report, "memory": mem})
+
+
 def test_no_gpu_probes_is_listed_as_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(doctor, "collect_gpu", lambda: {"available": True, "index": 0, "name": "fake",
                                                         "capability": [9, 0], "vram_total_gib": 80.0,
