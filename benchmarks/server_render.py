@@ -382,6 +382,7 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
         with models.pack_copies_for(row, opts.models, "cpu" if opts.smoke else "cuda", rec), \
                 _machine_ram(row, rec):
             env = ram_limit.server_env(env, row.ram_gib) if row.ram_gib else env
+            rec["page_cache_evicted_gib"] = evict_at_row_start(opts, row)
             graph = None
             for kinds in filter(None, lives):
                 if rec["lives"] and any(r["status"] != "ok" for r in rec["renders"].values()):
@@ -393,6 +394,14 @@ def run_row(ctx: RunContext, row: RenderRow) -> dict:
         if folder is not None and not opts.keep_logs:
             shutil.rmtree(folder, ignore_errors=True)
     return finish(rec, ctx.renders)
+
+
+def evict_at_row_start(opts: argparse.Namespace, row: RenderRow) -> float | None:
+    """On an emulated machine (--ram-gib) each row starts with its model files out of the page cache, so no row's
+    first render finds what writing the models or the row before left there; GiB advised (None: not evicted)."""
+    if not row.ram_gib or opts.drop_page_cache:  # --drop-page-cache evicts before every render anyway
+        return None
+    return round(page_cache.evict(opts.models) / (1 << 30), 1)
 
 
 @contextmanager
@@ -568,8 +577,9 @@ def page_cache_note(drop: bool, disk_read_gbs: float | None, ram_gib: float | No
     """What the report says of the page cache (with --drop-page-cache or --ram-gib: the disk's measured speed)."""
     speed = "not measured (no row ran)" if disk_read_gbs is None else f"{disk_read_gbs:.2f} GB/s"
     if ram_gib and not drop:
-        return (f"not dropped, bounded by the emulated {ram_gib:g} GiB: what does not fit beside the servers is read "
-                f"from the disk again, which read one file at {speed} (1 GiB, cold)")
+        return (f"bounded by the emulated {ram_gib:g} GiB and emptied of the model files at each row's start: each "
+                "row's first render reads them from the disk, later ones find what fitted beside the servers, the "
+                f"rest read again from the disk, which read one file at {speed} (1 GiB, cold)")
     if not drop:
         return "not dropped: files written or read earlier in the run come from RAM"
     return ("dropped before every render (posix_fadvise DONTNEED on every file under the models folder; pages a "

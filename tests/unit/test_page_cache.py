@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def test_the_report_says_whether_the_page_cache_was_dropped() -> None:
     assert "dropped before every render" in note and "1.23 GB/s" in note
     assert "not measured" in server_render.page_cache_note(True, None)
     bounded = server_render.page_cache_note(False, 1.78, 32.0)  # --ram-gib: the cache is what fits
-    assert "bounded by the emulated 32 GiB" in bounded and "1.78 GB/s" in bounded
+    assert "bounded by the emulated 32 GiB" in bounded and "1.78 GB/s" in bounded and "each row's start" in bounded
     assert "dropped before every render" in server_render.page_cache_note(True, 1.78, 32.0)
     opts = server_render.parser().parse_args(["--drop-page-cache"])
     assert opts.drop_page_cache and not server_render.parser().parse_args([]).drop_page_cache
@@ -101,3 +102,18 @@ def test_every_render_of_a_row_starts_with_its_files_dropped(tmp_path: Path, mon
         opts.models, opts.work = tmp_path / "models", tmp_path
         server_render.render_kind(Srv(), graph, "warm", opts, tmp_path, "row", True)
         assert events == (["evict models", "render warm"] * 2 if drop else ["render warm"] * 2)
+
+
+def test_an_emulated_machines_row_starts_with_the_model_files_evicted(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--ram-gib: every row's first render reads its files from the disk (none inherits what writing the models or
+    the row before left in the page cache); without it, or with --drop-page-cache (every render), nothing here."""
+    advised: list[Path] = []
+    monkeypatch.setattr(page_cache, "evict", lambda folder: advised.append(folder) or 3 << 30)
+    opts = server_render.parser().parse_args(["--models", str(tmp_path)])
+    row = server_render.make_row("wan_t2v_4step", "native_best", 12.0)
+    assert server_render.evict_at_row_start(opts, row) is None and advised == []
+    row = dataclasses.replace(row, ram_gib=32.0)
+    assert server_render.evict_at_row_start(opts, row) == 3.0 and advised == [tmp_path]
+    opts.drop_page_cache = True
+    assert server_render.evict_at_row_start(opts, row) is None and advised == [tmp_path]
