@@ -21,15 +21,19 @@ KIB = 1024
 GIB = float(1 << 30)
 
 
+def proc_fields(pid: int, name: str) -> dict[str, str] | None:
+    """``key: value`` lines of ``/proc/<pid>/<name>`` (status, io), values stripped; None where unreadable."""
+    try:
+        text = Path(f"/proc/{pid}/{name}").read_text()
+    except OSError:
+        return None
+    return {key: value.strip() for key, _, value in (line.partition(":") for line in text.splitlines())}
+
+
 def proc_status(pid: int) -> dict[str, int]:
     """The byte-valued fields of ``/proc/<pid>/status`` (VmRSS, VmHWM, RssAnon, RssFile, RssShmem ...)."""
     out: dict[str, int] = {}
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
+    for key, value in (proc_fields(pid, "status") or {}).items():
         parts = value.split()
         if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
             out[key] = int(parts[0]) * KIB
@@ -38,15 +42,8 @@ def proc_status(pid: int) -> dict[str, int]:
 
 def disk_read_bytes(pid: int) -> int | None:
     """Bytes ``pid`` (all its threads, living and ended) made the kernel fetch from storage; None where unreadable."""
-    try:
-        text = Path(f"/proc/{pid}/io").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key == "read_bytes" and value.strip().isdigit():
-            return int(value)
-    return None
+    value = (proc_fields(pid, "io") or {}).get("read_bytes", "")
+    return int(value) if value.isdigit() else None
 
 
 def gpu_used_bytes(pid: int, nvidia_smi: str | None, timeout: float = 5.0) -> int | None:
