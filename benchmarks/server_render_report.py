@@ -18,8 +18,8 @@ CACHED_NATIVE = {"EasyCache": "native_best_easycache"}  # step cache -> native's
 REFERENCE = ("native_default", "bf16")  # the 16-bit reference: setup and file format
 COLUMNS = ("setup", "row", *(f"{label} s" for label in KIND_LABEL.values()), (  # a workflow and card's table
     "split of the warm render: load / text / sampling / decode / save / other s (each sampler's node total: its first "
-    "+ n x median step; GiB it read from the disk)"), "s/step", "peak VRAM GiB", "peak RSS GiB", "output error vs native (; vs bf16)", "against",
-    "status")
+    "+ n x median step; GiB it read from the disk)"), "s/step", "peak VRAM GiB", "peak RSS GiB",
+    "output error vs native (; vs bf16)", "against", "status")
 ROW_KEYS = (*ROW_FIELDS, "renders", "side", "how", "cfg", "lora", "status")  # every row's (None: not measured)
 
 
