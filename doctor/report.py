@@ -159,12 +159,13 @@ def collect_gpu() -> dict:
 
 def _ram() -> tuple[int | None, int | None, int | None]:
     """Total and available RAM for this process (a smaller container limit caps both), and the machine's total where
-    a container limit is smaller (else None)."""
+    a container limit is smaller and this ComfyUI (if any) still plans by the machine's RAM (else None)."""
     try:
-        from ..offload.machine_ram import usable_ram
+        from ..host.system_ram import comfyui_reads_the_limit, usable_ram
 
         ram = usable_ram()
-        return ram.total, ram.available, ram.machine_total if ram.container_limit else None
+        hidden = ram.container_limit and not comfyui_reads_the_limit()
+        return ram.total, ram.available, ram.machine_total if hidden else None
     except ImportError:  # psutil missing
         pass
     try:
@@ -182,7 +183,7 @@ def collect_memory(gpu: dict, pin_test: bool = True) -> dict:
     kind = _os_kind()
     out: dict = {"ram_total_gib": round(total / GIB, 2) if total else None,
                  "ram_available_gib": round(available / GIB, 2) if available else None,
-                 "ram_machine_gib": round(machine / GIB, 2) if machine else None}  # set: a container limit is lower
+                 "ram_machine_gib": round(machine / GIB, 2) if machine else None}  # set: ComfyUI reads the machine's
     fraction = COMFY_PIN_FRACTION.get(kind, 0.95)
     if total:
         out["comfyui_pin_cap_gib"] = round((machine or total) * fraction / GIB, 2)  # ComfyUI reads the machine's

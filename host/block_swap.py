@@ -48,12 +48,12 @@ from ..kernels.hooks import find_blocks
 from ..offload import dynamic_vram_policy
 from ..offload import engine as offload
 from ..offload import ggml_tensors as ggml
-from ..offload import machine_ram
 from ..offload import plan as swap_plan
 from ..offload.engine import BlockStreamer, StreamHook
 from ..offload.host_memory import file_backed_ranges, is_file_backed, release_spares
 from ..offload.plan import SwapConfig, SwapPlan
 from ..offload.verdict import StreamStats, SwapSetup, swap_verdict
+from . import system_ram
 from .block_graphs import release_block_graphs
 from .core_quant import model_layouts
 from .dynamic_vram import legacy_clone
@@ -733,7 +733,7 @@ def _replace_previous(m) -> None:  # noqa: ANN001 - ModelPatcher
 
 def _legacy_or_reason(model, config: SwapConfig):  # noqa: ANN001, ANN202 - ModelPatcher in, ModelPatcher or str out
     """For a model DynamicVRAM manages: its legacy clone to stream, or why Block Swap leaves it to DynamicVRAM."""
-    aside, why = dynamic_vram_policy.steps_aside(config.dynamic_vram, machine_ram.usable_ram(), model.model_size())
+    aside, why = dynamic_vram_policy.steps_aside(config.dynamic_vram, system_ram.usable_ram(), model.model_size())
     if aside:
         return why
     say_once(log, f"lowvram_dit Block Swap streams this model ({why})")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ..offload.machine_ram import usable_ram
+from .system_ram import usable_ram
 
 _HELD = [0]  # bytes of pack arenas counted in ComfyUI's account right now (for the Doctor)
 

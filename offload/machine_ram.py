@@ -20,7 +20,7 @@ PROC_CGROUP = Path("/proc/self/cgroup")
 
 @dataclass(frozen=True)
 class CgroupMemory:
-    """A cgroup memory limit and the working set charged against it, in bytes."""
+    """A cgroup memory limit and what counts as used against it (the limit less the least headroom), in bytes."""
 
     limit: int
     used: int
@@ -51,6 +51,12 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
 
 
+def _limit(path: Path) -> int | None:
+    """A usable limit: a positive number below UNLIMITED ("max", 0, -1 and empty mean none)."""
+    value = _read_int(path)
+    return value if value and value < UNLIMITED else None
+
+
 def _inactive_file(stat: Path, key: str) -> int:
     try:
         lines = stat.read_text().splitlines()
@@ -76,19 +82,22 @@ def _chain(root: Path, path: str) -> list[Path]:
 
 
 def _lowest(chain: list[Path], limit_file: str, used_file: str, stat_key: str) -> CgroupMemory | None:
-    best: CgroupMemory | None = None
+    """The lowest limit along ``chain`` and the least headroom any limited folder leaves (a parent shared with
+    siblings can leave less than this cgroup's own limit), as (limit, limit - headroom)."""
+    limit, headroom = None, None
     for folder in chain:
-        limit = _read_int(folder / limit_file)
-        if limit is None or limit >= UNLIMITED or (best and best.limit <= limit):
+        if (mine := _limit(folder / limit_file)) is None:
             continue
-        charged = _read_int(folder / used_file) or 0
-        best = CgroupMemory(limit, max(charged - _inactive_file(folder / "memory.stat", stat_key), 0))
-    return best
+        charged = _read_int(folder / used_file) or 0  # unreadable: the whole limit is free
+        free = max(mine - max(charged - _inactive_file(folder / "memory.stat", stat_key), 0), 0)
+        limit = mine if limit is None else min(limit, mine)
+        headroom = free if headroom is None else min(headroom, free)
+    return None if limit is None else CgroupMemory(limit, limit - min(headroom, limit))
 
 
 def cgroup_memory(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> CgroupMemory | None:
-    """The lowest memory limit on this process's cgroup and its ancestors (v2, else v1), with the working set
-    charged against it; None where no limit applies or no cgroup file is readable (not Linux)."""
+    """The lowest memory limit on this process's cgroup and its ancestors (v2, else v1), with what counts as used
+    against it; None where no limit applies or no cgroup file is readable (not Linux)."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -116,7 +125,11 @@ def usable_ram() -> Ram:
 
     vm = psutil.virtual_memory()
     total, available = int(vm.total), int(vm.available)
-    mem = cgroup_memory()
+    return ram_from(total, available, cgroup_memory())
+
+
+def ram_from(total: int, available: int, mem: CgroupMemory | None) -> Ram:
+    """psutil's total and available capped by a cgroup limit below the machine's RAM."""
     if mem is None or mem.limit >= total:
         return Ram(total, available, False, total)
     return Ram(mem.limit, min(available, max(mem.limit - mem.used, 0)), True, total)

@@ -218,3 +218,23 @@ def apply_block_sparse_attention(model: Any, start_percent: float = 0.0, end_per
     m.add_callback_with_key(pe.CallbacksMP.ON_CLEANUP, SPARSE_CALLBACK_KEY,
                             lambda patcher: setattr(patch, "cleanups", patch.cleanups + 1))
     return m, patch
+
+
+@contextlib.contextmanager
+def cgroup_aware_system_memory(total: int, available: int, limit: int | None) -> Iterator[Any]:
+    """``comfy.system_memory`` as ComfyUI after 0.33 has it: RAM total and available already capped at the
+    container's cgroup limit (``limit``: None where none applies), and that limit; installed for the ``with`` body."""
+    import sys
+    import types
+
+    import comfy
+    import pytest
+
+    module = types.ModuleType("comfy.system_memory")
+    module.virtual_memory_total = lambda: total  # type: ignore[attr-defined]
+    module.virtual_memory_available = lambda: available  # type: ignore[attr-defined]
+    module.cgroup_memory_limit = lambda: limit  # type: ignore[attr-defined]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "comfy.system_memory", module)
+        mp.setattr(comfy, "system_memory", module, raising=False)
+        yield module

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from comfy_server import comfyui_in_process_or_skip
 
 import comfyui_lowvram_dit
 from comfyui_lowvram_dit.doctor import advice, report as doctor
@@ -74,6 +75,33 @@ def test_memory_names_a_container_limit_and_comfyuis_cap_from_the_machine(monkey
     monkeypatch.setattr(machine_ram, "cgroup_memory", lambda: None)
     mem = doctor.collect_memory({"available": False}, pin_test=False)
     assert mem["ram_machine_gib"] is None and "container" not in doctor.format_report({**cpu_report, "memory": mem})
+
+
+def test_on_a_comfyui_that_reads_the_limit_the_pack_takes_its_figures(monkeypatch: pytest.MonkeyPatch,
+                                                                     cpu_report: dict) -> None:
+    """Newer ComfyUI caps its RAM figures at the container's limit itself (comfy.system_memory): the pack plans by
+    those same figures, and the Doctor no longer says ComfyUI reads the machine's RAM."""
+    comfyui_in_process_or_skip()
+    import types
+
+    import psutil
+
+    from comfyui_lowvram_dit.host import system_ram
+    from comfyui_lowvram_dit.offload import machine_ram
+    from newer_comfyui import cgroup_aware_system_memory
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=512 << 30, available=500 << 30))
+    monkeypatch.setattr(machine_ram, "cgroup_memory", lambda: pytest.fail("the pack's own cgroup reading was used"))
+    assert not system_ram.comfyui_reads_the_limit() or pytest.skip("this ComfyUI has comfy.system_memory")
+    with cgroup_aware_system_memory(total=48 << 30, available=30 << 30, limit=48 << 30):
+        assert system_ram.comfyui_reads_the_limit()
+        assert system_ram.usable_ram() == machine_ram.Ram(48 << 30, 30 << 30, True, 512 << 30)
+        mem = doctor.collect_memory({"available": False}, pin_test=False)
+    assert (mem["ram_total_gib"], mem["ram_available_gib"], mem["ram_machine_gib"]) == (48.0, 30.0, None)
+    assert mem["comfyui_pin_cap_gib"] < 48  # taken from the limit, as this ComfyUI does
+    assert "the machine has" not in doctor.format_report({**cpu_report, "memory": mem})
+    with cgroup_aware_system_memory(total=512 << 30, available=500 << 30, limit=None):  # no limit in effect
+        assert system_ram.usable_ram() == machine_ram.Ram(512 << 30, 500 << 30, False, 512 << 30)
 
 
 def test_no_gpu_probes_is_listed_as_skipped(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,8 +33,11 @@ def test_cgroup_v2_takes_the_lowest_limit_up_the_tree_and_its_working_set(tmp_pa
                   "pod/app/memory.max": "max", "pod/app/memory.current": str(39 * GIB)})
     mem = cgroup_memory(_proc(tmp_path, "0::/pod/app\n"), root)
     assert mem == CgroupMemory(limit=48 * GIB, used=28 * GIB)  # charged 40, of it 12 reclaimable page cache
-    _files(root, {"pod/app/memory.max": str(32 * GIB)})  # a lower limit further in wins, with its own charge
-    assert cgroup_memory(_proc(tmp_path, "0::/pod/app\n"), root) == CgroupMemory(32 * GIB, 39 * GIB)
+    _files(root, {"pod/app/memory.max": str(32 * GIB), "pod/app/memory.current": str(4 * GIB)})
+    # the lower limit further in is the total; the pod, shared with siblings, leaves 20 free, the app 28: 20
+    assert cgroup_memory(_proc(tmp_path, "0::/pod/app\n"), root) == CgroupMemory(32 * GIB, 12 * GIB)
+    _files(root, {"pod/memory.max": "0", "pod/app/memory.max": "-1"})  # unusable values mean no limit
+    assert cgroup_memory(_proc(tmp_path, "0::/pod/app\n"), root) is None
 
 
 def test_cgroup_v2_inside_a_namespace_reads_the_root_and_max_is_no_limit(tmp_path: Path) -> None:
