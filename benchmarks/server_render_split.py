@@ -43,6 +43,7 @@ def node_memory(events: list[tuple[float, dict]], samples: list[dict], t0: float
     it (so up to a sampling interval of its neighbours' reads on each side). A node no sample fell into is left out;
     one that ran twice keeps its higher peaks and the sum of its reads."""
     out: dict[str, dict] = {}
+    reads = [s for s in samples if s.get("disk") is not None]
     for nid, start, end in node_windows(events):
         inside = [s for s in samples if start <= t0 + s["t"] <= end]
         if not inside:
@@ -51,7 +52,6 @@ def node_memory(events: list[tuple[float, dict]], samples: list[dict], t0: float
         out[nid] = {"anon_peak_gib": max(seen["anon_peak_gib"], round(max(s["anon"] for s in inside) / GIB, 3)),
                     "file_peak_gib": max(seen["file_peak_gib"], round(max(s["file"] for s in inside) / GIB, 3)),
                     "anon_end_gib": round(inside[-1]["anon"] / GIB, 3)}
-        reads = [s for s in samples if s.get("disk") is not None]
         before = [s["disk"] for s in reads if t0 + s["t"] <= start] or [s["disk"] for s in reads[:1]]
         after = [s["disk"] for s in reads if t0 + s["t"] >= end] or [s["disk"] for s in reads[-1:]]
         if before and after:

@@ -128,7 +128,6 @@ class MemoryWatch:
             return round(max(vals) / GIB, 3) if vals else None
 
         reads = [s["disk"] for s in self.samples if s.get("disk") is not None]
-
         return {"peak_rss_hwm_gib": round(self._hwm / GIB, 3) if self._hwm else None,
                 "peak_rss_sampled_gib": peak("rss"), "peak_rss_anon_gib": peak("anon"),
                 "peak_rss_file_gib": peak("file"), "peak_gpu_gib": peak("gpu"),

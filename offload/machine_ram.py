@@ -29,7 +29,7 @@ class CgroupMemory:
 @dataclass(frozen=True)
 class Ram:
     """RAM as this process can use it (bytes), whether a container limit set it, and the machine's own total (what
-    psutil, and ComfyUI's pinned-memory cap with it, reads)."""
+    psutil reads)."""
 
     total: int
     available: int

@@ -63,7 +63,11 @@ def test_memory_names_a_container_limit_and_comfyuis_cap_from_the_machine(monkey
 
     import psutil
 
+    from comfyui_lowvram_dit.host import system_ram
     from comfyui_lowvram_dit.offload import machine_ram
+
+    if system_ram.comfyui_reads_the_limit():
+        pytest.skip("this ComfyUI reads the limit itself (the next test)")
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=512 << 30, available=500 << 30))
     monkeypatch.setattr(machine_ram, "cgroup_memory", lambda: machine_ram.CgroupMemory(48 << 30, 8 << 30))
