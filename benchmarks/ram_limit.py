@@ -23,22 +23,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from comfyui_lowvram_dit.offload.machine_ram import meminfo_bytes
+
 GIB = 1 << 30
 SITE = Path(__file__).with_name("ram_limit_site")  # holds the servers' sitecustomize
 TOTAL_ENV = "LOWVRAM_BENCH_RAM_TOTAL"  # bytes the servers' psutil reports as the machine's total
 CHUNK = GIB  # the balloon locks its memory a chunk at a time
 SAFETY = GIB  # what the balloon always leaves available besides the emulated machine's RAM
 EXIT_S = 900.0  # how long a balloon that did not report "locked" gets to exit before its error is read
-
-
-def meminfo_bytes(field: str, text: str | None = None) -> int:
-    """A /proc/meminfo field in bytes (``MemAvailable``, ``MemTotal``)."""
-    text = Path("/proc/meminfo").read_text(encoding="ascii") if text is None else text
-    for line in text.splitlines():
-        name, _, rest = line.partition(":")
-        if name == field:
-            return int(rest.split()[0]) * 1024
-    raise RuntimeError(f"/proc/meminfo has no {field} line")
 
 
 def balloon_bytes(ram_gib: float, available: int) -> int:

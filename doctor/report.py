@@ -169,9 +169,10 @@ def _ram() -> tuple[int | None, int | None, int | None]:
     except ImportError:  # psutil missing
         pass
     try:
-        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        return int(info["MemTotal"].split()[0]) * 1024, int(info["MemAvailable"].split()[0]) * 1024, None
-    except (OSError, KeyError, ValueError):
+        from ..offload.machine_ram import meminfo_bytes
+
+        return meminfo_bytes("MemTotal"), meminfo_bytes("MemAvailable"), None
+    except (OSError, RuntimeError, ValueError):  # not Linux, or a /proc/meminfo without those lines
         return None, None, None
 
 

@@ -119,6 +119,16 @@ def cgroup_memory(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> 
     return min(found, key=lambda m: m.limit, default=None)
 
 
+def meminfo_bytes(field: str, text: str | None = None) -> int:
+    """A ``/proc/meminfo`` field in bytes (``MemAvailable``, ``MemTotal``): the machine's figures, what psutil reads."""
+    text = Path("/proc/meminfo").read_text(encoding="ascii") if text is None else text
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name == field:
+            return int(rest.split()[0]) * 1024
+    raise RuntimeError(f"/proc/meminfo has no {field} line")
+
+
 def usable_ram() -> Ram:
     """Total and available RAM for this process: psutil's, each capped by a smaller container limit."""
     import psutil

@@ -81,6 +81,34 @@ def test_memory_names_a_container_limit_and_comfyuis_cap_from_the_machine(monkey
     assert mem["ram_machine_gib"] is None and "container" not in doctor.format_report({**cpu_report, "memory": mem})
 
 
+def test_without_psutil_the_doctor_reads_the_machines_ram_from_proc_meminfo(monkeypatch: pytest.MonkeyPatch,
+                                                                           tmp_path: Path) -> None:
+    """psutil missing (a broken environment the Doctor is run to diagnose): RAM comes from /proc/meminfo, through the
+    same reader the benchmarks use; where that file is missing too, the report has no RAM figures instead of an
+    error."""
+    import builtins
+
+    from comfyui_lowvram_dit.offload import machine_ram
+
+    real_import = builtins.__import__
+
+    def no_psutil(name: str, *args: object, **kwargs: object) -> object:
+        if name == "psutil":
+            raise ImportError("No module named 'psutil'")
+        return real_import(name, *args, **kwargs)
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       33554432 kB\nMemFree:  1 kB\nMemAvailable:   25165824 kB\n", encoding="ascii")
+    read = machine_ram.meminfo_bytes
+    monkeypatch.setattr(machine_ram, "meminfo_bytes", lambda field, text=None: read(field, meminfo.read_text("ascii")))
+    monkeypatch.setattr(builtins, "__import__", no_psutil)
+    mem = doctor.collect_memory({"available": False}, pin_test=False)
+    assert (mem["ram_total_gib"], mem["ram_available_gib"], mem["ram_machine_gib"]) == (32.0, 24.0, None)
+    meminfo.unlink()
+    mem = doctor.collect_memory({"available": False}, pin_test=False)
+    assert (mem["ram_total_gib"], mem["ram_available_gib"]) == (None, None)
+
+
 def test_on_a_comfyui_that_reads_the_limit_the_pack_takes_its_figures(monkeypatch: pytest.MonkeyPatch,
                                                                      cpu_report: dict) -> None:
     """Newer ComfyUI caps its RAM figures at the container's limit itself (comfy.system_memory): the pack plans by
