@@ -123,6 +123,45 @@ def test_block_swap_auto_under_dynamic_vram_follows_the_ram(tmp_path: Path, capl
         assert out is dynamic and "steps aside (auto: this machine's 64 GiB of RAM holds" in said
 
 
+def test_block_swap_auto_plans_by_a_newer_comfyuis_container_figures(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a ComfyUI that caps its RAM figures at the container's limit itself (comfy.system_memory, after 0.33),
+    Block Swap auto plans by those figures, not by the pack's own cgroup reading: a 16 GiB container on a 64 GiB
+    machine streams, and the same ComfyUI without a limit in effect leaves the model to DynamicVRAM."""
+    comfyui_in_process_or_skip()
+    import inspect
+    import types
+
+    import comfy.model_patcher
+    import psutil
+
+    from comfyui_lowvram_dit.host import log
+    from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+    from comfyui_lowvram_dit.offload import machine_ram
+    from comfyui_lowvram_dit.offload.plan import SwapConfig
+    from newer_comfyui import cgroup_aware_system_memory
+
+    if "disable_dynamic" not in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
+        pytest.skip("this ComfyUI has no DynamicVRAM (ModelPatcher.clone(disable_dynamic=...))")
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    dynamic = _as_dynamic(load_wan_model(_tiny_wan(tmp_path, "newer.safetensors"), "per_tensor"))
+    dynamic.model_size = lambda: 5 << 30  # wants 21 GiB
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=64 << 30, available=60 << 30))
+    monkeypatch.setattr(machine_ram, "cgroup_memory", lambda: pytest.fail("the pack's own cgroup reading was used"))
+    log._SAID_ONCE.clear()
+    with cgroup_aware_system_memory(total=16 << 30, available=12 << 30, limit=16 << 30):
+        out = apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert out is not dynamic and SWAP_KEY in out.attachments
+    assert "auto: this container's 16 GiB memory limit is less than 21 GiB" in said
+    log._SAID_ONCE.clear()
+    caplog.clear()
+    with cgroup_aware_system_memory(total=64 << 30, available=60 << 30, limit=None):
+        out = apply_block_swap(dynamic, SwapConfig(blocks_to_swap=2))
+    assert out is dynamic and "steps aside (auto: this machine's 64 GiB of RAM holds" in caplog.text
+
+
 def test_file_backed_offload_steps_aside_under_dynamic_vram(tmp_path: Path,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     comfyui_in_process_or_skip()
