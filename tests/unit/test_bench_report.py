@@ -56,3 +56,16 @@ def test_write_gives_the_json_and_the_markdown_with_header_and_table(tmp_path: P
     assert text.startswith("# x: planted\n\n- device: planted GPU (79.6 GiB)\n- torch 2.11, Triton 3.6, ComfyUI 0.33.0")
     assert "- command: `python3 -m x --quick`" in text and "- timing: median" in text
     assert "| name | ms | err | share |\n|---|---|---|---|\n| a \\| b | 1.23 | — | 1.2% |" in text
+
+
+def test_the_commit_comes_from_git_unless_the_copied_tree_names_its_own(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU machine gets a copy of the working tree whose git data may be another commit's: LOWVRAM_BENCH_COMMIT
+    names the right one for every benchmark's header; outside git and without it there is none."""
+    monkeypatch.delenv(report.COMMIT_ENV, raising=False)
+    here = report.git_sha()
+    assert here is None or len(here.removesuffix("-dirty")) == 40
+    assert report.git_sha(tmp_path) is None  # not a git checkout
+    monkeypatch.setenv(report.COMMIT_ENV, "611950a")
+    assert report.git_sha() == "611950a" and report.git_sha(tmp_path) == "611950a"
+    assert report.environment("x", []).get("commit") == "611950a"
