@@ -26,16 +26,14 @@ PACK_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 GIB = float(1 << 30)
 PLACEHOLDERS = ("$OUT", "~", "<ComfyUI>", "<tmp>")
-
-
 COMMIT_ENV = "LOWVRAM_BENCH_COMMIT"  # the commit a copied tree was made from, where its own git cannot say
 
 
 def git_sha(repo: Path = PACK_ROOT) -> str | None:
     """``HEAD`` of the pack checkout, with ``-dirty`` when tracked files differ; None outside git. ``COMMIT_ENV``, where
     set, wins: a GPU machine that gets a copy of the working tree may hold another commit's git data."""
-    if os.environ.get(COMMIT_ENV):
-        return os.environ[COMMIT_ENV]
+    if commit := os.environ.get(COMMIT_ENV):
+        return commit
     try:  # every tag excluded: the full sha, never a tag's name
         return subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty", "--abbrev=40", "--exclude=*"],
                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()

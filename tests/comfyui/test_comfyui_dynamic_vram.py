@@ -82,6 +82,22 @@ def test_block_swap_under_dynamic_vram(tmp_path: Path, caplog: pytest.LogCapture
     assert torch.isfinite(sample_wan(unbuildable, seed=2)).all()  # the model it passed on still samples
 
 
+def _dynamic_wan_wanting_21_gib(tmp_path: Path, name: str) -> Any:
+    """A tiny Wan model under ComfyUI's DynamicVRAM that says it is 5 GiB (Block Swap auto wants model + 16 GiB of
+    RAM to leave it there); skips where this ComfyUI has no DynamicVRAM."""
+    import inspect
+
+    import comfy.model_patcher
+
+    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
+
+    if "disable_dynamic" not in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
+        pytest.skip("this ComfyUI has no DynamicVRAM (ModelPatcher.clone(disable_dynamic=...))")
+    dynamic = _as_dynamic(load_wan_model(_tiny_wan(tmp_path, name), "per_tensor"))
+    dynamic.model_size = lambda: 5 << 30
+    return dynamic
+
+
 @pytest.mark.parametrize(("ram_gib", "container_gib"), [(16, None), (64, None), (64, 16)])
 def test_block_swap_auto_under_dynamic_vram_follows_the_ram(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                             monkeypatch: pytest.MonkeyPatch, ram_gib: int,
@@ -90,25 +106,19 @@ def test_block_swap_auto_under_dynamic_vram_follows_the_ram(tmp_path: Path, capl
     (faster on the render tables), one with less streams it (less RAM), and so does a container whose memory limit
     is less, whatever the machine has; each says why once."""
     comfyui_in_process_or_skip()
-    import inspect
     import types
 
-    import comfy.model_patcher
     import psutil
 
     from comfyui_lowvram_dit.host import log
     from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
-    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
     from comfyui_lowvram_dit.offload import machine_ram
     from comfyui_lowvram_dit.offload.machine_ram import CgroupMemory
     from comfyui_lowvram_dit.offload.plan import SwapConfig
 
-    if "disable_dynamic" not in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
-        pytest.skip("this ComfyUI has no DynamicVRAM (ModelPatcher.clone(disable_dynamic=...))")
+    dynamic = _dynamic_wan_wanting_21_gib(tmp_path, "auto.safetensors")  # 16 GiB are too few, 64 enough
     log._SAID_ONCE.clear()
     caplog.set_level(logging.INFO, logger=LOGGER)
-    dynamic = _as_dynamic(load_wan_model(_tiny_wan(tmp_path, "auto.safetensors"), "per_tensor"))
-    dynamic.model_size = lambda: 5 << 30  # a 5 GiB model wants 21 GiB: 16 are too few, 64 enough
     monkeypatch.setattr(psutil, "virtual_memory",
                         lambda: types.SimpleNamespace(total=ram_gib << 30, available=(ram_gib << 30) // 2))
     limit = container_gib and CgroupMemory(container_gib << 30, 1 << 30)
@@ -129,24 +139,18 @@ def test_block_swap_auto_plans_by_a_newer_comfyuis_container_figures(tmp_path: P
     Block Swap auto plans by those figures, not by the pack's own cgroup reading: a 16 GiB container on a 64 GiB
     machine streams, and the same ComfyUI without a limit in effect leaves the model to DynamicVRAM."""
     comfyui_in_process_or_skip()
-    import inspect
     import types
 
-    import comfy.model_patcher
     import psutil
 
     from comfyui_lowvram_dit.host import log
     from comfyui_lowvram_dit.host.block_swap import SWAP_KEY, apply_block_swap
-    from comfyui_lowvram_dit.host.wan_loader import load_wan_model
     from comfyui_lowvram_dit.offload import machine_ram
     from comfyui_lowvram_dit.offload.plan import SwapConfig
     from newer_comfyui import cgroup_aware_system_memory
 
-    if "disable_dynamic" not in inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters:
-        pytest.skip("this ComfyUI has no DynamicVRAM (ModelPatcher.clone(disable_dynamic=...))")
+    dynamic = _dynamic_wan_wanting_21_gib(tmp_path, "newer.safetensors")
     caplog.set_level(logging.INFO, logger=LOGGER)
-    dynamic = _as_dynamic(load_wan_model(_tiny_wan(tmp_path, "newer.safetensors"), "per_tensor"))
-    dynamic.model_size = lambda: 5 << 30  # wants 21 GiB
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=64 << 30, available=60 << 30))
     monkeypatch.setattr(machine_ram, "cgroup_memory", lambda: pytest.fail("the pack's own cgroup reading was used"))
     log._SAID_ONCE.clear()

@@ -86,22 +86,16 @@ def test_without_psutil_the_doctor_reads_the_machines_ram_from_proc_meminfo(monk
     """psutil missing (a broken environment the Doctor is run to diagnose): RAM comes from /proc/meminfo, through the
     same reader the benchmarks use; where that file is missing too, the report has no RAM figures instead of an
     error."""
-    import builtins
+    import sys
 
     from comfyui_lowvram_dit.offload import machine_ram
-
-    real_import = builtins.__import__
-
-    def no_psutil(name: str, *args: object, **kwargs: object) -> object:
-        if name == "psutil":
-            raise ImportError("No module named 'psutil'")
-        return real_import(name, *args, **kwargs)
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       33554432 kB\nMemFree:  1 kB\nMemAvailable:   25165824 kB\n", encoding="ascii")
     read = machine_ram.meminfo_bytes
-    monkeypatch.setattr(machine_ram, "meminfo_bytes", lambda field, text=None: read(field, meminfo.read_text("ascii")))
-    monkeypatch.setattr(builtins, "__import__", no_psutil)
+    monkeypatch.setattr(machine_ram, "meminfo_bytes",
+                        lambda field, text=None: read(field, meminfo.read_text("ascii")))
+    monkeypatch.setitem(sys.modules, "psutil", None)  # `import psutil` raises ImportError
     mem = doctor.collect_memory({"available": False}, pin_test=False)
     assert (mem["ram_total_gib"], mem["ram_available_gib"], mem["ram_machine_gib"]) == (32.0, 24.0, None)
     meminfo.unlink()
